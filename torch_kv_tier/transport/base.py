@@ -1,0 +1,239 @@
+"""The data-plane contract: one local block region, remote peers, block transfers by index.
+
+Names and semantics follow vLLM's ``vllm.v1.kv_offload.tiering.p2p.data`` contract, with two
+extensions: the region may be a torch tensor (host or CUDA) as well as a 2-D memoryview, and
+``read_blocks`` brings remote blocks back into local ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+CancelMode = Literal["immediate", "wait"]
+MemType = Literal["DRAM", "VRAM"]
+
+
+class PollResult(NamedTuple):
+    """Transfers that finished since the previous poll.
+
+    ``done`` holds the ids that completed successfully, ``failed`` the ids that errored, were
+    cancelled by ``remove_remote_peer`` or lost their peer. Each id appears in exactly one poll.
+    """
+
+    done: Sequence[int]
+    failed: Sequence[int]
+
+
+@dataclass(frozen=True)
+class BlockRegion:
+    """Geometry and location of a contiguous ``num_blocks x block_len`` byte region.
+
+    ``owner`` is the object whose memory this is (a tensor or memoryview); holding it keeps the
+    memory alive for as long as the region is registered.
+    """
+
+    base_addr: int
+    num_blocks: int
+    block_len: int
+    mem_type: MemType
+    device_id: int
+    owner: Any
+
+    @classmethod
+    def of(cls, region: memoryview | torch.Tensor) -> BlockRegion:
+        """Describe ``region``; raise ``TypeError``/``ValueError`` naming what was expected."""
+        if isinstance(region, torch.Tensor):
+            return cls._of_tensor(region)
+        if isinstance(region, memoryview):
+            return cls._of_memoryview(region)
+        raise TypeError(
+            "block region must be a 2-D memoryview (num_blocks x block_len bytes) or a "
+            f"contiguous 2-D torch.uint8 tensor, got {type(region).__name__}"
+        )
+
+    @classmethod
+    def _of_tensor(cls, tensor: torch.Tensor) -> BlockRegion:
+        if tensor.dtype != torch.uint8:
+            raise TypeError(f"block region tensor must be torch.uint8, got {tensor.dtype}")
+        if tensor.dim() != 2:
+            raise ValueError(
+                f"block region tensor must be 2-D [num_blocks, block_len], got shape "
+                f"{tuple(tensor.shape)}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError("block region tensor must be contiguous; call .contiguous() first")
+        if tensor.numel() == 0:
+            raise ValueError(f"block region is empty: shape {tuple(tensor.shape)}")
+        if tensor.device.type == "cuda":
+            mem_type: MemType = "VRAM"
+            device_id = tensor.device.index if tensor.device.index is not None else 0
+        elif tensor.device.type == "cpu":
+            mem_type, device_id = "DRAM", 0
+        else:
+            raise ValueError(f"block region must live on cpu or cuda, got {tensor.device}")
+        return cls(
+            base_addr=tensor.data_ptr(),
+            num_blocks=tensor.shape[0],
+            block_len=tensor.shape[1],
+            mem_type=mem_type,
+            device_id=device_id,
+            owner=tensor,
+        )
+
+    @classmethod
+    def _of_memoryview(cls, view: memoryview) -> BlockRegion:
+        if view.ndim != 2 or view.shape is None:
+            raise ValueError(f"block region memoryview must be 2-D, got ndim={view.ndim}")
+        if view.itemsize != 1:
+            raise TypeError(
+                f"block region memoryview must be bytes (itemsize 1), got format {view.format!r}"
+            )
+        if not view.c_contiguous:
+            raise ValueError("block region memoryview must be C-contiguous")
+        if view.readonly:
+            raise ValueError("block region memoryview must be writable (blocks are read into it)")
+        num_blocks, block_len = view.shape
+        if num_blocks == 0 or block_len == 0:
+            raise ValueError(f"block region is empty: shape {tuple(view.shape)}")
+        base_addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        return cls(base_addr, num_blocks, block_len, "DRAM", 0, view)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_len
+
+
+def config_fingerprint(config_fields: dict[str, Any] | None) -> str:
+    """First 16 hex digits of SHA-256 over the canonical JSON of ``config_fields``.
+
+    ``None`` or ``{}`` gives ``""``, which peers treat as "compatible with anything".
+    """
+    if not config_fields:
+        return ""
+    canonical = json.dumps(config_fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+class DataTransport(ABC):
+    """Owns a local block region and moves blocks between it and registered remote peers.
+
+    Ownership: the transport keeps a reference to the region object for its whole life; the
+    caller must not free or resize the memory before ``close()``.
+
+    Transfers are identified by integer ids unique for the transport's lifetime. A submitted
+    transfer is reported exactly once by ``poll`` (in ``done`` or ``failed``) unless it was
+    cancelled with ``mode="immediate"``.
+    """
+
+    def __init__(
+        self, region: memoryview | torch.Tensor, config_fields: dict[str, Any] | None = None
+    ) -> None:
+        self._region = BlockRegion.of(region)
+        self._config_fingerprint = config_fingerprint(config_fields)
+
+    @property
+    def region(self) -> BlockRegion:
+        """The local region's geometry and memory kind."""
+        return self._region
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 of the local region."""
+        return self._region.base_addr
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks in the local region."""
+        return self._region.num_blocks
+
+    @property
+    def block_len(self) -> int:
+        """Bytes per block; peers must use the same value."""
+        return self._region.block_len
+
+    @property
+    def mem_type(self) -> MemType:
+        """``"DRAM"`` for host memory, ``"VRAM"`` for CUDA device memory."""
+        return self._region.mem_type
+
+    @property
+    def device_id(self) -> int:
+        """CUDA device index for VRAM regions, 0 for DRAM."""
+        return self._region.device_id
+
+    @property
+    def config_fingerprint(self) -> str:
+        """Hash of the model configuration; peers with different non-empty values must not mix."""
+        return self._config_fingerprint
+
+    @abstractmethod
+    def get_agent_metadata(self) -> bytes:
+        """Opaque bytes a remote peer passes to its ``add_remote_peer`` to reach us."""
+
+    @abstractmethod
+    def add_remote_peer(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> None:
+        """Register a peer's region. Re-adding a known ``peer_id`` replaces it.
+
+        Raises ``ValueError`` when ``block_len`` differs from ours or ``num_blocks <= 0``.
+        """
+
+    @abstractmethod
+    def remove_remote_peer(self, peer_id: str) -> None:
+        """Forget a peer; its in-flight transfers are cancelled and reported as failed.
+
+        Unknown ids are ignored.
+        """
+
+    @abstractmethod
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int | None:
+        """Start copying local blocks into the peer's blocks; return the transfer id.
+
+        Returns ``None`` when the peer is unknown or the submission failed (logged). Raises
+        ``ValueError``/``IndexError`` for bad indices before anything is submitted.
+        """
+
+    @abstractmethod
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int | None:
+        """Start copying the peer's blocks into local blocks; same contract as ``write_blocks``."""
+
+    @abstractmethod
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        """Report transfers that finished since the last poll: all peers', or only ``peer_id``'s.
+
+        Transfers of other peers stay in flight and are reported by a later poll.
+        """
+
+    @abstractmethod
+    def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
+        """Cancel in-flight transfers; unknown ids are ignored.
+
+        ``"immediate"`` releases each handle and forgets the transfer (it is never polled) and
+        returns ``[]``. ``"wait"`` tries to release each handle; a transfer whose backend is still
+        draining stays in flight and its id is returned: keep polling until it surfaces.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Cancel what is in flight and release every handle and registration. Idempotent.
+
+        Afterwards every other method raises ``RuntimeError``.
+        """
