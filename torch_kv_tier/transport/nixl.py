@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import sys
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
@@ -26,12 +27,21 @@ _NOT_INSTALLED = "NIXL is not installed: run `pip install nixl` (it brings the U
 
 
 def _load_nixl() -> tuple[Any, Any]:
-    """Import NIXL after applying the UCX policy; raise ``ImportError`` telling how to install."""
+    """Import NIXL after applying the UCX policy; raise ``ImportError`` telling how to install.
+
+    NIXL's Python logger writes to stdout by default; it is routed through ``logging`` instead,
+    so the application decides where it goes and stdout stays the application's.
+    """
     apply_ucx_policy()
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise ImportError(_NOT_INSTALLED) from exc
+    nixl_logger = logging.getLogger("nixl")
+    for handler in list(nixl_logger.handlers):
+        if getattr(handler, "stream", None) is sys.stdout:
+            nixl_logger.removeHandler(handler)
+    nixl_logger.propagate = True
     return nixl_agent, nixl_agent_config
 
 
@@ -279,6 +289,8 @@ class NixlTransport(DataTransport):
                 self._release(tid, xfer.handle)
             self._inflight.clear()
             self._failed.clear()
+            for peer in self._peers.values():
+                peer.inflight.clear()
             for peer_id in list(self._peers):
                 self._drop_peer(peer_id)
             for what, step in (

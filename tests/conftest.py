@@ -1,0 +1,29 @@
+"""Shared fixtures: remote peers in other processes, and a tier's block geometry."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from remote_peer import RemotePeer  # noqa: E402
+
+BLOCK_LEN = 4096
+
+
+@pytest.fixture
+def peer() -> Iterator[RemotePeer]:
+    """One remote peer process with 1,024 blocks of 4 KiB."""
+    with RemotePeer(1024, BLOCK_LEN) as p:
+        yield p
+
+
+@pytest.fixture
+def peer2() -> Iterator[RemotePeer]:
+    """A second, independent remote peer process."""
+    with RemotePeer(1024, BLOCK_LEN) as p:
+        yield p

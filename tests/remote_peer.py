@@ -1,0 +1,108 @@
+"""A NIXL target in another process: what a remote host looks like to a transport under test.
+
+The child owns a ``num_blocks x block_len`` host region registered by a ``NixlTransport``,
+drives its progress from a thread, and answers ``get``/``set`` of whole blocks over a pipe so
+tests can check the bytes that really landed there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+
+def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from torch_kv_tier.transport import NixlTransport
+
+    region = torch.zeros(num_blocks, block_len, dtype=torch.uint8)
+    transport = NixlTransport("peer", region)
+    stop = threading.Event()
+
+    def progress() -> None:
+        while not stop.is_set():
+            transport.progress()
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=progress, daemon=True)
+    thread.start()
+    conn.send((transport.get_agent_metadata(), transport.base_addr, num_blocks, block_len))
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "get":
+            conn.send(region[list(args)].clone())
+        elif cmd == "set":
+            idxs, data = args
+            region[list(idxs)] = data
+            conn.send(None)
+        else:
+            break
+    stop.set()
+    thread.join(timeout=5)
+    transport.close()
+    conn.send("closed")
+
+
+class RemotePeer:
+    """Handle on a spawned peer process; use as a context manager."""
+
+    def __init__(self, num_blocks: int, block_len: int, env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_serve, args=(child, num_blocks, block_len, env or {}), daemon=True
+        )
+        self.process.start()
+        if not self._conn.poll(60):
+            self.kill()
+            raise TimeoutError("peer process did not start within 60 s")
+        self.agent_metadata, self.base_addr, self.num_blocks, self.block_len = self._conn.recv()
+
+    def peer_args(self) -> tuple[bytes, int, int, int]:
+        """Arguments for ``add_remote_peer`` after the peer id."""
+        return self.agent_metadata, self.base_addr, self.num_blocks, self.block_len
+
+    def _call(self, cmd: str, args: Any) -> Any:
+        self._conn.send((cmd, args))
+        if not self._conn.poll(30):
+            raise TimeoutError(f"peer did not answer {cmd!r} within 30 s")
+        return self._conn.recv()
+
+    def get(self, idxs: list[int]) -> torch.Tensor:
+        """The bytes of the given blocks as they are in the peer's memory now."""
+        return self._call("get", idxs)
+
+    def set(self, idxs: list[int], data: torch.Tensor) -> None:
+        """Overwrite the given blocks in the peer's memory."""
+        self._call("set", (idxs, data))
+
+    def signal(self, signum: int) -> None:
+        assert self.process.pid is not None
+        os.kill(self.process.pid, signum)
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.signal(signal.SIGKILL)
+        self.process.join(timeout=10)
+
+    def close(self) -> None:
+        """Stop the peer cleanly (its transport closes) or kill it if it does not answer."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, EOFError, TimeoutError):
+                self._call("stop", None)
+            self.process.join(timeout=10)
+        self.kill()
+
+    def __enter__(self) -> RemotePeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

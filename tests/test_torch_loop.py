@@ -1,0 +1,255 @@
+"""The custom-PyTorch-loop integration: prefix keys, paged-KV decoder, PagedKVOffloader.
+
+Tier tests run against a real ``torch-kv-tier serve`` subprocess on loopback (one per module).
+CUDA tests skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from integrations.torch_loop import OffloadError, PagedKVOffloader, prefix_keys
+from integrations.torch_loop.example import run_demo
+from integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote.launch import ServerProcess
+
+PAGE = 8
+CONFIG = DecoderConfig(vocab_size=128, hidden=64, layers=2, heads=2, ffn=128, max_positions=512)
+# Every cache below is [NUM_PAGES, PAGE, HEADS, HEAD_BYTES // itemsize] x LAYERS, so one page
+# across all layers is always BLOCK_LEN bytes and one server serves every dtype.
+LAYERS, HEADS, HEAD_BYTES, NUM_PAGES = 2, 2, 128, 24
+BLOCK_LEN = LAYERS * 2 * PAGE * HEADS * HEAD_BYTES
+assert BLOCK_LEN == CONFIG.layers * 2 * PAGE * CONFIG.hidden * 4  # the float32 decoder's pages
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[str]:
+    with ServerProcess.start(1024, BLOCK_LEN, host="127.0.0.1") as server:
+        yield str(server.address)
+
+
+def random_caches(
+    dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = HEAD_BYTES // torch.empty(0, dtype=dtype).element_size()
+    shape = (NUM_PAGES, PAGE, HEADS, head_dim)
+
+    def one() -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+    return [one() for _ in range(LAYERS)], [one() for _ in range(LAYERS)]
+
+
+def page(caches: list[torch.Tensor], page_id: int) -> torch.Tensor:
+    return torch.stack([c[page_id] for c in caches]).cpu()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- prefix keys ------------------------------------------------------------------------------
+
+
+def test_prefix_keys_are_chained_per_full_page() -> None:
+    tokens = list(range(100, 140))  # 5 full pages of 8
+    keys = prefix_keys(tokens, PAGE)
+    assert len(keys) == 5 and len(set(keys)) == 5
+    assert prefix_keys(tokens + [1, 2, 3], PAGE) == keys  # a partial page adds no key
+    assert prefix_keys(tokens[:24], PAGE) == keys[:3]  # a prefix's keys are a prefix
+    changed = tokens.copy()
+    changed[17] += 1  # inside page 2: pages 0 and 1 keep their keys, every later key changes
+    other = prefix_keys(changed, PAGE)
+    assert other[:2] == keys[:2] and not set(other[2:]) & set(keys)
+    assert not set(prefix_keys(tokens, PAGE, namespace=b"other model")) & set(keys)
+    assert prefix_keys(torch.tensor(tokens), PAGE) == keys
+
+
+def test_prefix_keys_are_stable_across_processes() -> None:
+    code = (
+        "from integrations.torch_loop.keys import prefix_keys;"
+        "print(' '.join(k.hex() for k in prefix_keys(range(40), 8, namespace=b'ns')))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [k.hex() for k in prefix_keys(range(40), 8, namespace=b"ns")]
+
+
+def test_prefix_keys_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        prefix_keys([1, 2, 3], 0)
+    with pytest.raises(TypeError, match="integers"):
+        prefix_keys([1.5, 2.0], 1)
+    with pytest.raises(ValueError, match="int64"):
+        prefix_keys([2**63], 1)
+
+
+# -- the decoder alone: restoring exact pages reproduces recompute bit for bit -----------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_restored_pages_give_identical_logits(dtype: torch.dtype) -> None:
+    model = TinyDecoder(CONFIG, dtype=dtype)
+    cache = PagedKVCache(CONFIG, 3 * 8, PAGE, dtype=dtype)
+    prompt = torch.randint(0, CONFIG.vocab_size, (45,), generator=torch.Generator().manual_seed(1))
+    first, second, third = (cache.allocate(8) for _ in range(3))
+    tokens, reference = model.generate(prompt, first, cache, 6)
+    restored = 4  # copy 4 computed pages into other pages, as a restore does, then compute on
+    src, dst = torch.tensor(first[:restored]), torch.tensor(second[:restored])
+    for layer in cache.keys + cache.values:
+        layer.index_copy_(0, dst, layer.index_select(0, src))
+    tokens2, logits = model.generate(prompt, second, cache, 6, start=restored * PAGE)
+    assert torch.equal(logits, reference) and tokens2 == tokens
+    # The check can fail: a single flipped value in a restored page changes the logits.
+    for layer in cache.keys + cache.values:
+        layer.index_copy_(0, torch.tensor(third[:restored]), layer.index_select(0, src))
+    cache.keys[1][third[2], 3, 0, 0] += 1
+    _, corrupted = model.generate(prompt, third, cache, 6, start=restored * PAGE)
+    assert not torch.equal(corrupted, reference)
+
+
+# -- the offloader against a real remote host -------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_offload_restore_round_trip_through_few_arena_slots(remote: str, dtype: torch.dtype) -> None:
+    keys_c, values_c = random_caches(dtype)
+    src = [5, 0, 17, 3, 9, 11, 2, 20, 8, 13]
+    keys = [f"rt-{dtype}-{i}".encode() for i in range(len(src))]
+    # 3 arena slots for 10 pages: offload and restore go in batches and reuse slots.
+    with PagedKVOffloader.create(keys_c, values_c, remote=remote, arena_blocks=3) as off:
+        result = off.offload(src, keys).result(timeout=30)
+        assert result.ok and result.keys == keys and result.nbytes == len(keys) * BLOCK_LEN
+        expected_k = [page(keys_c, p) for p in src]
+        expected_v = [page(values_c, p) for p in src]
+        for cache in keys_c + values_c:
+            cache.zero_()  # the tier holds the only copy now
+        dst = [1, 4, 6, 7, 10, 12, 14, 15, 16, 18]
+        assert off.restore(keys, dst) == len(keys)
+        for i, p in enumerate(dst):
+            assert torch.equal(page(keys_c, p), expected_k[i])
+            assert torch.equal(page(values_c, p), expected_v[i])
+        assert off.manager.arena.num_free == 3  # every slot handed back
+        # Storing again sends nothing new but still reports every key stored.
+        again = off.offload(src[:2], keys[:2]).result(timeout=30)
+        assert again.ok and again.keys == keys[:2] and again.nbytes == 0
+
+
+def test_restore_brings_back_only_the_stored_prefix(remote: str) -> None:
+    keys_c, values_c = random_caches(torch.float32, seed=2)
+    keys = prefix_keys(range(6 * PAGE), PAGE, namespace=b"partial")
+    with PagedKVOffloader.create(keys_c, values_c, remote=remote) as off:
+        # Pages 0, 1, 2 and 4 stored: the prefix stops at the gap.
+        off.offload([0, 1, 2, 4], [keys[0], keys[1], keys[2], keys[4]]).result(timeout=30)
+        before = [page(keys_c, p) for p in range(NUM_PAGES)]
+        dst = [10, 11, 12, 13, 14, 15]
+        assert off.lookup(keys) == 3
+        assert off.restore(keys, dst) == 3
+        for i, p in enumerate(dst):
+            expected = before[i] if i < 3 else before[p]  # pages past the prefix untouched
+            assert torch.equal(page(keys_c, p), expected)
+        assert off.restore(keys[3:], dst[3:]) == 0  # a miss at the first key restores nothing
+
+
+def test_restore_feeds_the_decoder_bit_identical_logits(remote: str) -> None:
+    result = run_demo(
+        remote, config=CONFIG, page_size=PAGE, prefix_tokens=40, suffix_tokens=5, new_tokens=4,
+        repeat=1,
+    )
+    assert result.prefix_pages == 5 and result.pages_restored == 5
+    assert result.restored_bytes == 5 * BLOCK_LEN
+    assert result.logits_identical
+
+
+def test_missing_remote_falls_back_to_recompute() -> None:
+    keys_c, values_c = random_caches(torch.float32, seed=3)
+    address = f"127.0.0.1:{free_port()}"  # nobody listens here
+    keys = [b"gone-0", b"gone-1"]
+    with PagedKVOffloader.create(keys_c, values_c, remote=address, timeout=5) as off:
+        result = off.offload([0, 1], keys).result(timeout=30)
+        assert not result.ok and set(result.failed) == set(keys) and result.keys == []
+        before = page(keys_c, 5)
+        assert off.restore(keys, [5, 6]) == 0
+        assert torch.equal(page(keys_c, 5), before)
+    with pytest.raises(OffloadError, match=address):
+        PagedKVOffloader.create(keys_c, values_c, remote=address, strict=True)
+
+
+def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
+    keys_c, values_c = random_caches(torch.float32, seed=4)
+    keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"dies")
+    with ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1") as server:
+        with PagedKVOffloader.create(keys_c, values_c, remote=server.address, timeout=10) as off:
+            assert off.offload([0, 1, 2, 3], keys).result(timeout=30).ok
+            server.kill()
+            started = time.monotonic()
+            restored = off.restore(keys, [8, 9, 10, 11])  # partial or 0, but no exception
+            assert 0 <= restored <= 4 and time.monotonic() - started < 15
+            off.offload([4], [b"after-death"]).result(timeout=30)  # does not raise either
+
+
+def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
+    keys_c, values_c = random_caches(torch.float32)
+    with pytest.raises(ValueError, match="block_len"):
+        with TierManager.create(4, BLOCK_LEN * 2) as manager:
+            PagedKVOffloader(keys_c, values_c, manager)
+    with pytest.raises(ValueError, match="share shape"):
+        PagedKVOffloader.block_len_for(keys_c, [v[:, :4] for v in values_c])
+    with pytest.raises(ValueError, match="staging"):
+        PagedKVOffloader.create(keys_c, values_c, staging="gpu")  # type: ignore[arg-type]
+    with PagedKVOffloader.create(keys_c, values_c, remote=remote) as off:
+        with pytest.raises(ValueError, match="page ids"):
+            off.offload([0, 1], [b"a"])
+        with pytest.raises(ValueError, match="outside"):
+            off.restore([b"a"], [NUM_PAGES])
+        with pytest.raises(ValueError, match="distinct"):
+            off.restore([b"a", b"b"], [3, 3])
+        assert off.lookup([b"a"]) == 0
+
+
+# -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("staging", ["device", "host"])
+def test_cuda_offload_restore_round_trip(remote: str, staging: str) -> None:
+    keys_c, values_c = random_caches(torch.bfloat16, device="cuda")
+    keys = [f"cuda-{staging}-{i}".encode() for i in range(6)]
+    with PagedKVOffloader.create(
+        keys_c, values_c, remote=remote, staging=staging, arena_blocks=4  # type: ignore[arg-type]
+    ) as off:
+        assert off.manager.arena.device.type == ("cuda" if staging == "device" else "cpu")
+        assert off.offload([0, 2, 4, 6, 8, 10], keys).result(timeout=30).ok
+        expected = [page(keys_c, p) for p in (0, 2, 4, 6, 8, 10)]
+        for cache in keys_c + values_c:
+            cache.zero_()
+        assert off.restore(keys, [1, 3, 5, 7, 9, 11]) == 6
+        for want, p in zip(expected, [1, 3, 5, 7, 9, 11], strict=True):
+            assert torch.equal(page(keys_c, p), want)
+
+
+@cuda
+@pytest.mark.parametrize("staging", ["device", "host"])
+def test_cuda_restore_gives_identical_logits(remote: str, staging: str) -> None:
+    result = run_demo(
+        remote, config=CONFIG, page_size=PAGE, prefix_tokens=40, suffix_tokens=5, new_tokens=4,
+        device="cuda", staging=staging, repeat=1,  # type: ignore[arg-type]
+    )
+    assert result.pages_restored == 5 and result.logits_identical

@@ -1,0 +1,471 @@
+"""NixlTransport against real NIXL, with its peers in other processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from remote_peer import RemotePeer
+
+from torch_kv_tier.transport import BlockRegion, NixlTransport, PollResult, config_fingerprint
+from torch_kv_tier.transport.ucx_env import apply_ucx_policy
+
+BLOCK = 4096
+
+
+def random_blocks(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, BLOCK), dtype=torch.uint8, generator=g)
+
+
+def drain(t: NixlTransport, ids: set[int], timeout: float = 10.0, peer_id: str | None = None):
+    """Poll until every id in ``ids`` is reported; return (done, failed) sets."""
+    done: set[int] = set()
+    failed: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while not ids <= done | failed:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reported within {timeout} s: {ids - done - failed}")
+        result = t.poll(peer_id)
+        assert not (set(result.done) | set(result.failed)) & (done | failed), "reported twice"
+        done.update(result.done)
+        failed.update(result.failed)
+    return done, failed
+
+
+@pytest.fixture
+def local() -> Any:
+    t = NixlTransport("local", torch.zeros(1024, BLOCK, dtype=torch.uint8))
+    yield t
+    t.close()
+
+
+class FaultyAgent:
+    """Real NIXL agent with chosen calls made to raise (fault injection on top of real NIXL)."""
+
+    def __init__(self, agent: Any, fail: set[str]) -> None:
+        self._agent = agent
+        self.fail = fail
+        self.calls: dict[str, int] = {}
+        self.released: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._agent, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name == "release_xfer_handle":
+                self.released.append(args[0])
+            if name in self.fail:
+                raise RuntimeError(f"injected {name} failure")
+            return real(*args, **kwargs)
+
+        return call
+
+
+# -- region and properties ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("region", "error"),
+    [
+        (torch.zeros(4, 8, dtype=torch.float32), TypeError),
+        (torch.zeros(32, dtype=torch.uint8), ValueError),
+        (torch.zeros(2, 4, 8, dtype=torch.uint8), ValueError),
+        (torch.zeros(8, 4, dtype=torch.uint8).t(), ValueError),
+        (torch.zeros(0, 8, dtype=torch.uint8), ValueError),
+        (memoryview(bytearray(32)), ValueError),
+        (memoryview(bytes(32)).cast("B", (4, 8)), ValueError),
+        (memoryview(bytearray(32)).cast("i"), ValueError),
+        (bytearray(32), TypeError),
+    ],
+)
+def test_bad_regions_are_rejected_before_any_registration(region: Any, error: type) -> None:
+    with pytest.raises(error):
+        NixlTransport("bad", region)
+
+
+def test_memoryview_and_tensor_regions_describe_the_same_memory() -> None:
+    buf = bytearray(8 * 64)
+    view = memoryview(buf).cast("B", (8, 64))
+    tensor = torch.frombuffer(buf, dtype=torch.uint8).view(8, 64)
+    a, b = BlockRegion.of(view), BlockRegion.of(tensor)
+    assert (a.base_addr, a.num_blocks, a.block_len) == (b.base_addr, 8, 64)
+    assert a.mem_type == b.mem_type == "DRAM"
+
+
+def test_fingerprint_is_the_reference_algorithm() -> None:
+    fields = {"model": "m", "dtype": "float16", "layers": 32}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    assert config_fingerprint(fields) == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    assert config_fingerprint(None) == config_fingerprint({}) == ""
+
+
+def test_properties(local: NixlTransport) -> None:
+    t = NixlTransport("props", torch.zeros(16, 512, dtype=torch.uint8), config_fields={"a": 1})
+    try:
+        assert (t.num_blocks, t.block_len, t.mem_type, t.device_id) == (16, 512, "DRAM", 0)
+        assert t.config_fingerprint == config_fingerprint({"a": 1})
+        assert t.agent_name.startswith("props-")
+        assert isinstance(t.get_agent_metadata(), bytes)
+    finally:
+        t.close()
+
+
+def test_same_local_id_gives_distinct_agents_that_can_talk(peer: RemotePeer) -> None:
+    a = NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))
+    b = NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))
+    try:
+        assert a.agent_name != b.agent_name
+        for t in (a, b):
+            t.add_remote_peer("p", *peer.peer_args())
+            tid = t.write_blocks("p", [0], [0])
+            assert tid is not None
+            assert drain(t, {tid})[0] == {tid}
+    finally:
+        a.close()
+        b.close()
+
+
+# -- data path ----------------------------------------------------------------------------------
+
+
+def test_thousand_block_round_trip_with_random_permutations(peer: RemotePeer) -> None:
+    src = random_blocks(1000, seed=1)
+    dst = torch.zeros(1000, BLOCK, dtype=torch.uint8)
+    a, b = NixlTransport("writer", src), NixlTransport("reader", dst)
+    try:
+        g = torch.Generator().manual_seed(2)
+        local = torch.randperm(1000, generator=g).tolist()
+        remote = torch.randperm(1024, generator=g)[:1000].tolist()
+        a.add_remote_peer("p", *peer.peer_args())
+        ids = {
+            a.write_blocks("p", local[i : i + 100], remote[i : i + 100])
+            for i in range(0, 1000, 100)
+        }
+        assert drain(a, ids)[0] == ids
+        assert torch.equal(peer.get(remote), src[local])
+
+        fresh = torch.randperm(1000, generator=g).tolist()
+        b.add_remote_peer("p", *peer.peer_args())
+        rid = b.read_blocks("p", fresh, remote)
+        assert drain(b, {rid}) == ({rid}, set())
+        assert torch.equal(dst[fresh], src[local])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_poll_for_one_peer_leaves_other_peers_in_flight(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    local.add_remote_peer("a", *peer.peer_args())
+    local.add_remote_peer("b", *peer2.peer_args())
+    ta = local.write_blocks("a", [0, 1], [0, 1])
+    tb = local.write_blocks("b", [2, 3], [2, 3])
+    done_a, _ = drain(local, {ta}, peer_id="a")
+    assert tb not in done_a
+    assert local.inflight_count() == 1
+    assert local.poll("a") == PollResult([], [])
+    assert drain(local, {tb}) == ({tb}, set())
+
+
+def test_unknown_peer_returns_none(local: NixlTransport) -> None:
+    assert local.write_blocks("nobody", [0], [0]) is None
+    assert local.read_blocks("nobody", [0], [0]) is None
+
+
+@pytest.mark.parametrize(
+    ("local_idxs", "remote_idxs", "error"),
+    [
+        ([0, 1], [0], ValueError),
+        ([], [], ValueError),
+        ([-1], [0], IndexError),
+        ([1024], [0], IndexError),
+        ([0], [-1], IndexError),
+        ([0], [1024], IndexError),
+        ([0, 1], [5, 5], ValueError),
+        ([0.5], [0], ValueError),
+    ],
+)
+def test_bad_indices_raise_before_submission(
+    local: NixlTransport, peer: RemotePeer, local_idxs: list, remote_idxs: list, error: type
+) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    spy = FaultyAgent(local._agent, set())
+    local._agent = spy
+    with pytest.raises(error):
+        local.write_blocks("p", local_idxs, remote_idxs)
+    assert spy.calls.get("make_prepped_xfer", 0) == 0
+    assert local.inflight_count() == 0
+
+
+def test_read_rejects_repeated_local_destination(local: NixlTransport, peer: RemotePeer) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    with pytest.raises(ValueError, match="repeat"):
+        local.read_blocks("p", [3, 3], [0, 1])
+    tid = local.write_blocks("p", [3, 3], [0, 1])  # a repeated *source* is fine
+    assert drain(local, {tid})[0] == {tid}
+
+
+def test_add_remote_peer_validates_geometry(local: NixlTransport, peer: RemotePeer) -> None:
+    meta, addr, n, _ = peer.peer_args()
+    with pytest.raises(ValueError, match="block_len"):
+        local.add_remote_peer("p", meta, addr, n, BLOCK * 2)
+    with pytest.raises(ValueError, match="num_blocks"):
+        local.add_remote_peer("p", meta, addr, 0, BLOCK)
+
+
+def test_readding_a_peer_replaces_it(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    local.region.owner[7] = 7
+    local.add_remote_peer("p", *peer.peer_args())
+    local.add_remote_peer("p", *peer2.peer_args())
+    tid = local.write_blocks("p", [7], [9])
+    assert drain(local, {tid})[0] == {tid}
+    assert int(peer2.get([9]).sum()) == 7 * BLOCK
+    assert int(peer.get([9]).sum()) == 0
+
+
+def test_transfer_ids_are_unique(local: NixlTransport, peer: RemotePeer) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    ids = [local.write_blocks("p", [i % 8], [i % 8]) for i in range(200)]
+    assert len(set(ids)) == 200 and None not in ids
+    drain(local, set(ids))  # type: ignore[arg-type]
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+def test_a_state_check_that_raises_fails_once_and_is_never_checked_again(
+    local: NixlTransport, peer: RemotePeer
+) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    tid = local.write_blocks("p", [0], [0])
+    faulty = FaultyAgent(local._agent, {"check_xfer_state"})
+    local._agent = faulty
+    assert local.poll() == PollResult([], [tid])
+    assert local.poll() == PollResult([], [])
+    assert faulty.calls["check_xfer_state"] == 1
+    assert local.inflight_count() == 0
+
+
+def test_a_submission_that_raises_returns_none_and_releases_its_handle(
+    local: NixlTransport, peer: RemotePeer
+) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    faulty = FaultyAgent(local._agent, {"transfer"})
+    local._agent = faulty
+    assert local.write_blocks("p", [0], [0]) is None
+    assert len(faulty.released) == 1
+    assert local.inflight_count() == 0
+
+
+def test_remove_peer_fails_its_transfers_and_spares_the_others(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    local.add_remote_peer("a", *peer.peer_args())
+    local.add_remote_peer("b", *peer2.peer_args())
+    ta = [local.write_blocks("a", [i], [i]) for i in range(3)]
+    tb = local.write_blocks("b", [0], [0])
+    local.remove_remote_peer("a")
+    assert local.write_blocks("a", [0], [0]) is None
+    result = local.poll("a")
+    assert sorted(result.failed) == sorted(ta) and list(result.done) == []
+    assert drain(local, {tb}) == ({tb}, set())  # type: ignore[arg-type]
+
+
+def test_peer_teardown_finishes_when_a_release_step_raises(
+    local: NixlTransport, peer: RemotePeer
+) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    tid = local.write_blocks("p", [0], [0])
+    faulty = FaultyAgent(local._agent, {"release_dlist_handle", "release_xfer_handle"})
+    local._agent = faulty
+    local.remove_remote_peer("p")
+    assert faulty.calls["remove_remote_agent"] == 1
+    assert local.poll() == PollResult([], [tid])
+    assert local.write_blocks("p", [0], [0]) is None
+
+
+def test_cancel_modes(local: NixlTransport, peer: RemotePeer) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    t1 = local.write_blocks("p", [0], [0])
+    assert local.cancel([t1, 12345]) == []
+    assert local.poll() == PollResult([], [])
+
+    t2 = local.write_blocks("p", [1], [1])
+    faulty = FaultyAgent(local._agent, {"release_xfer_handle"})
+    local._agent = faulty
+    assert local.cancel([t2], mode="wait") == [t2]  # still draining: stays in flight
+    local._agent = faulty._agent
+    assert drain(local, {t2})[0] == {t2}
+    t3 = local.write_blocks("p", [2], [2])
+    assert local.cancel([t3, 999], mode="wait") == []
+    assert local.poll() == PollResult([], [])
+    with pytest.raises(ValueError):
+        local.cancel([1], mode="later")  # type: ignore[arg-type]
+
+
+def test_close_is_idempotent_releases_everything_and_forbids_further_use(peer: RemotePeer) -> None:
+    t = NixlTransport("closing", torch.zeros(8, BLOCK, dtype=torch.uint8))
+    t.add_remote_peer("p", *peer.peer_args())
+    t.write_blocks("p", [0], [0])
+    spy = FaultyAgent(t._agent, set())
+    t._agent = spy
+    t.close()
+    t.close()
+    for call in ("release_xfer_handle", "release_dlist_handle", "remove_remote_agent"):
+        assert spy.calls.get(call, 0) >= 1, call
+    assert spy.calls["deregister_memory"] == 1
+    for method, args in [
+        (t.get_agent_metadata, ()),
+        (t.add_remote_peer, ("q", *peer.peer_args())),
+        (t.remove_remote_peer, ("p",)),
+        (t.write_blocks, ("p", [0], [0])),
+        (t.read_blocks, ("p", [0], [0])),
+        (t.poll, ()),
+        (t.cancel, ([1],)),
+        (t.progress, ()),
+    ]:
+        with pytest.raises(RuntimeError, match="closed"):
+            method(*args)
+
+
+def test_one_thread_submits_while_another_polls(local: NixlTransport, peer: RemotePeer) -> None:
+    local.add_remote_peer("p", *peer.peer_args())
+    submitted: list[int | None] = []
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def poller() -> None:
+        while not stop.is_set() or local.inflight_count():
+            r = local.poll()
+            seen.extend(r.done)
+            assert not r.failed
+
+    thread = threading.Thread(target=poller)
+    thread.start()
+    for i in range(400):
+        submitted.append(local.write_blocks("p", [i % 64], [i % 64]))
+    stop.set()
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert sorted(seen) == sorted(submitted)
+
+
+def test_sigkill_of_a_peer_fails_its_in_flight_transfers(
+    monkeypatch: pytest.MonkeyPatch, peer2: RemotePeer
+) -> None:
+    # Over shared memory a write finishes inside transfer(); over TCP with the peer stopped it
+    # stays in flight until the peer dies.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as victim:
+        t = NixlTransport("survivor", random_blocks(256, seed=3))
+        try:
+            t.add_remote_peer("victim", *victim.peer_args())
+            warm = t.write_blocks("victim", [0], [0])
+            assert drain(t, {warm})[0] == {warm}
+            victim.signal(signal.SIGSTOP)
+            ids = {
+                t.write_blocks("victim", list(range(i, i + 64)), list(range(i, i + 64)))
+                for i in range(0, 256, 64)
+            }
+            assert None not in ids
+            victim.kill()
+            start = time.monotonic()
+            done, failed = drain(t, ids, timeout=10)  # type: ignore[arg-type]
+            assert failed, "a write to a stopped-then-killed peer cannot have completed"
+            assert time.monotonic() - start < 10
+            t.remove_remote_peer("victim")
+            t.add_remote_peer("other", *peer2.peer_args())
+            tid = t.write_blocks("other", [5], [5])
+            assert drain(t, {tid}) == ({tid}, set())
+            assert torch.equal(peer2.get([5]), t.region.owner[[5]])
+        finally:
+            t.close()
+
+
+# -- process-level behaviour ---------------------------------------------------------------------
+
+
+def test_a_process_that_used_nixl_exits_zero(peer: RemotePeer) -> None:
+    meta, addr, n, bl = peer.peer_args()
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        from torch_kv_tier.transport import NixlTransport
+        t = NixlTransport("exiter", torch.ones(4, {bl}, dtype=torch.uint8))
+        t.add_remote_peer("p", bytes.fromhex("{meta.hex()}"), {addr}, {n}, {bl})
+        tid = t.write_blocks("p", [0, 1], [10, 11])
+        deadline = time.monotonic() + 10
+        while tid not in t.poll().done:
+            assert time.monotonic() < deadline
+        print("ok")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "ok"
+    assert int(peer.get([10, 11]).sum()) == 2 * BLOCK
+
+
+def test_ucx_policy_excludes_ib_only_without_rdma_devices(tmp_path: Any) -> None:
+    empty = tmp_path / "none"
+    empty.mkdir()
+    env: dict[str, str] = {}
+    apply_ucx_policy(env, sysfs=empty)
+    assert env == {"UCX_MODULES": "^ib"}
+    with_dev = tmp_path / "ib"
+    (with_dev / "mlx5_0").mkdir(parents=True)
+    env = {}
+    apply_ucx_policy(env, sysfs=with_dev)
+    assert env == {}
+    env = {"UCX_MODULES": ""}
+    apply_ucx_policy(env, sysfs=empty)
+    assert env == {"UCX_MODULES": ""}
+
+
+def test_missing_nixl_raises_an_import_error_that_says_how_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    monkeypatch.setitem(sys.modules, "nixl", None)
+    with pytest.raises(ImportError, match="pip install nixl"):
+        NixlTransport("x", torch.zeros(2, 8, dtype=torch.uint8))
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_vram_region_registers_as_vram_and_round_trips(peer: RemotePeer) -> None:
+    src = random_blocks(64, seed=4).cuda()
+    t = NixlTransport("gpu", src)
+    try:
+        assert (t.mem_type, t.device_id) == ("VRAM", src.device.index or 0)
+        t.add_remote_peer("p", *peer.peer_args())
+        tid = t.write_blocks("p", list(range(64)), list(range(64, 128)))
+        assert drain(t, {tid}) == ({tid}, set())
+        assert torch.equal(peer.get(list(range(64, 128))), src.cpu())
+        src.zero_()
+        rid = t.read_blocks("p", list(range(64)), list(range(64, 128)))
+        assert drain(t, {rid}) == ({rid}, set())
+        torch.cuda.synchronize()
+        assert torch.equal(src.cpu(), peer.get(list(range(64, 128))))
+    finally:
+        t.close()

@@ -1,0 +1,325 @@
+"""RemoteHostTier inside vLLM 0.33.0's own TieringOffloadingManager, on a real remote host.
+
+Builds the manager exactly as vLLM does (``OffloadingSpecFactory`` -> ``TieringOffloadingSpec``
+-> ``get_manager()``, on CPU), with our tier loaded by ``module_path`` and a
+``torch-kv-tier serve`` subprocess, and drives it as vLLM's scheduler does: every call under
+``manager.lock``, ``on_new_request`` first, and ``on_schedule_end`` repeated while
+``has_pending_work()``. The bytes "computed" by the GPU are random rows written into the primary
+region; every promotion is checked byte for byte against them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_offload.tiering.spec",
+    reason="vLLM 0.33.0 is not installed (see integrations/vllm/requirements-cpu.txt)",
+)
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E402
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+
+from integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
+from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
+
+CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
+PRIMARY_CHUNKS = 8
+REMOTE_BLOCKS = 64
+TIER_LABEL = ("1:RemoteHostTier",)  # vLLM labels secondary tier i as f"{i + 1}:{type}"
+STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def make_manager(
+    remote: Any, primary_chunks: int = PRIMARY_CHUNKS, **tier_options: Any
+) -> tuple[Any, TieringOffloadingManager]:
+    """The spec and the TieringOffloadingManager vLLM would build for this extra config."""
+    extra_config = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": primary_chunks * CHUNK_BYTES,
+        "secondary_tiers": [
+            {
+                "type": "RemoteHostTier",
+                "module_path": "integrations.vllm.remote_tier",
+                "remote": remote,
+                **tier_options,
+            }
+        ],
+    }
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
+        worker_kv_bytes_per_block=CHUNK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config=extra_config,
+        engine_id=f"test-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    spec = OffloadingSpecFactory.create_spec(config)
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    return spec, manager
+
+
+class Driver:
+    """Drives a TieringOffloadingManager as vLLM's scheduler does, playing the GPU worker too."""
+
+    def __init__(self, manager: TieringOffloadingManager, seed: int = 0) -> None:
+        self.manager = manager
+        self.rng = np.random.default_rng(seed)
+        self.written: dict[OffloadKey, bytes] = {}
+
+    @property
+    def tier(self) -> RemoteHostTier:
+        tier = self.manager.secondary_tiers[0]
+        assert isinstance(tier, RemoteHostTier)
+        return tier
+
+    def primary_rows(self, chunk_ids: Sequence[int]) -> list[bytes]:
+        view = self.manager.primary_tier.get_kv_memoryview()
+        rows = np.asarray(view).view(np.uint8)
+        try:
+            return [rows[c].tobytes() for c in chunk_ids]
+        finally:
+            del rows  # a live export would keep vLLM's shared region mapped
+
+    def store(self, req_id: str, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """One request offloads ``keys`` (GPU -> primary, then the cascade); returns evictions."""
+        ctx = ReqContext(req_id=req_id)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
+            out = self.manager.prepare_store(keys, ctx)
+        assert out is not None, "primary tier refused the store"
+        view = self.manager.primary_tier.get_kv_memoryview()
+        rows = np.asarray(view).view(np.uint8)
+        for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):  # type: ignore[attr-defined]
+            payload = self.rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+            rows[chunk] = payload
+            self.written[key] = payload.tobytes()
+        del rows
+        with self.manager.lock:
+            self.manager.complete_store(out.keys_to_store, ctx)
+            self.manager.on_request_finished(ctx)
+        return list(out.evicted_keys)
+
+    def lookup(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[LookupResult]:
+        with self.manager.lock:
+            return [self.manager.lookup(key, ctx) for key in keys]
+
+    def step(self) -> None:
+        with self.manager.lock:
+            self.manager.on_schedule_end(STEP)
+
+    def run_until_idle(self, timeout: float = 20.0) -> float:
+        """Step while the manager has pending work; fail the test if it never settles."""
+        start = time.monotonic()
+        while True:
+            self.step()
+            with self.manager.lock:
+                if not self.manager.has_pending_work():
+                    return time.monotonic() - start
+            assert time.monotonic() - start < timeout, f"still pending after {timeout}s"
+            time.sleep(0.002)
+
+    def promote(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[LookupResult]:
+        """Look ``keys`` up (starting promotions), step until done, and look them up again."""
+        first = self.lookup(ctx, keys)
+        assert all(r is LookupResult.HIT_PENDING for r in first), first
+        self.run_until_idle()
+        return self.lookup(ctx, keys)
+
+    def loaded_bytes(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """What the GPU would load for ``keys`` from the primary tier (pins, reads, unpins)."""
+        with self.manager.lock:
+            spec = self.manager.prepare_load(keys, ctx)
+        try:
+            return self.primary_rows(spec.chunk_ids)  # type: ignore[attr-defined]
+        finally:
+            with self.manager.lock:
+                self.manager.complete_load(keys, ctx)
+
+    def shutdown(self, spec: Any, timeout: float = 15.0) -> None:
+        start = time.monotonic()
+        self.manager.shutdown()
+        assert time.monotonic() - start < timeout
+        # Every view over the shared region was released: vLLM could unmap it.
+        assert spec._scheduler_mmap.mmap_obj is None
+
+
+def keys_for(prefix: str, n: int) -> list[OffloadKey]:
+    return [make_offload_key(f"{prefix}-{i}".encode().ljust(32, b"\0"), 0) for i in range(n)]
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as srv:
+        yield srv
+
+
+@pytest.fixture
+def tcp_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[ServerProcess]:
+    """A server reached over UCX's TCP transport on both sides, so a transfer really stays in
+    flight while the server is stopped (shared memory would finish it inside the call)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES, env={"UCX_TLS": "tcp"}) as srv:
+        yield srv
+
+
+def offload_then_evict(driver: Driver, n: int) -> list[OffloadKey]:
+    """Store ``n`` chunks, cascade them to the remote host, then push them out of the primary."""
+    keys = keys_for("prefix", n)
+    assert driver.store("req-a", keys) == []
+    driver.run_until_idle()
+    assert all(driver.tier.tier_manager.contains(k) for k in keys)
+    evicted = driver.store("req-b", keys_for("filler", PRIMARY_CHUNKS))
+    assert sorted(evicted) == sorted(keys)
+    driver.run_until_idle()
+    return keys
+
+
+def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) -> None:
+    spec, manager = make_manager(server.address, unknown_future_key=1)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, 4)
+        ctx = ReqContext(req_id="req-c")
+        with manager.lock:
+            manager.on_new_request(ctx)
+        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+            stats = manager.get_stats()
+        assert stats is not None
+        data = stats.data["data"]
+        assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
+        assert data[TieringOffloadingMetrics.WRITE_BYTES][TIER_LABEL] == 12 * CHUNK_BYTES
+        label = (server.address,)
+        assert data[RemoteHostMetrics.STORED_CHUNKS][label] == 12
+        assert data[RemoteHostMetrics.CONNECTED_REMOTES][label] == 1
+    finally:
+        driver.shutdown(spec)
+
+
+def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> None:
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, 4)
+        ctx = ReqContext(req_id="req-c")
+        with manager.lock:
+            manager.on_new_request(ctx)
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
+        # The remote copy of one chunk disappears between the HIT and the promotion.
+        driver.tier.tier_manager.discard([keys[2]])
+        driver.run_until_idle()
+        assert driver.lookup(ctx, keys) == [
+            LookupResult.HIT,
+            LookupResult.HIT,
+            LookupResult.MISS,  # recomputed
+            LookupResult.HIT,
+        ]
+        good = [keys[0], keys[1], keys[3]]
+        assert driver.loaded_bytes(ctx, good) == [driver.written[k] for k in good]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> None:
+    """reset_cache() calls drain_jobs() and then demands every job's result at once."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = keys_for("prefix", 6)
+        driver.store("req-a", keys)  # cascades submitted, not yet collected
+        with manager.lock:
+            manager.reset_cache()  # asserts that no job is left unreported
+            manager.on_reset_flushed()
+        ctx = ReqContext(req_id="req-c")
+        with manager.lock:
+            manager.on_new_request(ctx)
+        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_remote_host_death_mid_promotion_falls_back_to_recompute(
+    tcp_server: ServerProcess,
+) -> None:
+    spec, manager = make_manager(tcp_server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, 4)
+        ctx = ReqContext(req_id="req-c")
+        with manager.lock:
+            manager.on_new_request(ctx)
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
+        os.kill(tcp_server.proc.pid, signal.SIGSTOP)  # the read cannot complete...
+        driver.step()  # ...once the promotion is submitted,
+        with manager.lock:
+            assert manager.has_pending_work()
+        tcp_server.kill()  # and the host dies under it.
+        driver.run_until_idle(timeout=30.0)
+        assert driver.lookup(ctx, keys) == [LookupResult.MISS] * 4  # recompute
+        with manager.lock:
+            manager.on_request_finished(ctx)
+        # New chunks still go through the primary tier; their cascades fail, nothing hangs.
+        driver.store("req-d", keys_for("after", 2))
+        driver.run_until_idle(timeout=30.0)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_bad_config_raises_before_connecting() -> None:
+    with pytest.raises(ValueError, match='"remote"'):
+        make_manager("not-an-address")
+    with pytest.raises(ValueError, match='"slots"'):
+        make_manager("127.0.0.1:1", slots=0)
+
+
+def test_block_len_mismatch_names_the_server_flag() -> None:
+    with (
+        ServerProcess.start(REMOTE_BLOCKS, 2 * CHUNK_BYTES) as srv,
+        pytest.raises(RuntimeError, match=f"--block-len {CHUNK_BYTES}"),
+    ):
+        make_manager(srv.address)
