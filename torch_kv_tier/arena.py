@@ -1,0 +1,133 @@
+"""``BlockArena``: the local block memory a tier stages KV blocks in, and its slot allocator."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from torch_kv_tier.slots import SlotPool
+from torch_kv_tier.transport.base import BlockRegion
+
+logger = logging.getLogger(__name__)
+
+_warned_pageable = False
+
+
+def can_pin_memory() -> bool:
+    """Whether this torch build can page-lock host memory (it needs an accelerator runtime)."""
+    return torch.cuda.is_available()
+
+
+class BlockArena:
+    """One contiguous ``torch.uint8`` tensor ``[num_blocks, block_len]`` plus a slot allocator.
+
+    ``device="cpu"`` gives pinned host memory when an accelerator is present and pageable memory
+    (with one logged warning) on a CPU-only build; ``pin_memory=True`` insists on pinning and
+    raises where that is impossible. ``device="cuda[:n]"`` gives device memory, which a
+    ``NixlTransport`` registers as VRAM.
+
+    Threading: ``allocate``/``free`` are guarded by an internal lock; the tensor itself is the
+    caller's to synchronise.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_len: int,
+        device: str | torch.device = "cpu",
+        pin_memory: bool | None = None,
+    ) -> None:
+        if num_blocks <= 0 or block_len <= 0:
+            raise ValueError(
+                f"num_blocks and block_len must be > 0, got {num_blocks} x {block_len}"
+            )
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"device {dev} requested but torch sees no CUDA device")
+            if pin_memory:
+                raise ValueError("pin_memory applies to host arenas only, not to a cuda arena")
+            tensor = torch.empty(num_blocks, block_len, dtype=torch.uint8, device=dev)
+        elif dev.type == "cpu":
+            tensor = torch.empty(
+                num_blocks, block_len, dtype=torch.uint8, pin_memory=_choose_pinning(pin_memory)
+            )
+        else:
+            raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {dev}")
+        self._adopt(tensor)
+
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor) -> BlockArena:
+        """Adopt an existing contiguous 2-D uint8 tensor (no copy); the caller keeps it alive."""
+        BlockRegion.of(tensor)  # validates dtype, shape, contiguity, device
+        arena = cls.__new__(cls)
+        arena._adopt(tensor)
+        return arena
+
+    def _adopt(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._lock = threading.Lock()  # guards _slots
+        self._slots = SlotPool(range(tensor.shape[0]))
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.tensor.shape[0])
+
+    @property
+    def block_len(self) -> int:
+        return int(self.tensor.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.tensor.device.type == "cpu" and self.tensor.is_pinned()
+
+    def view(self, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        """The blocks seen as ``dtype [num_blocks, *shape]``, sharing memory (no copy).
+
+        Raises ``ValueError`` when ``shape`` of ``dtype`` does not fill exactly one block.
+        """
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if math.prod(shape) * itemsize != self.block_len:
+            raise ValueError(
+                f"{dtype} {list(shape)} is {math.prod(shape) * itemsize} bytes, "
+                f"but a block is {self.block_len} bytes"
+            )
+        return self.tensor.view(dtype).view(self.num_blocks, *shape)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return self._slots.num_free
+
+    def allocate(self, n: int) -> list[int]:
+        """Reserve ``n`` slots (a contiguous run when possible); ``ValueError`` when full."""
+        with self._lock:
+            return self._slots.allocate(n)
+
+    def free(self, idxs: Iterable[int]) -> None:
+        """Release slots; ``ValueError`` on double free or an index not in this arena."""
+        with self._lock:
+            self._slots.free(idxs)
+
+
+def _choose_pinning(pin_memory: bool | None) -> bool:
+    global _warned_pageable
+    if can_pin_memory():
+        return pin_memory is not False
+    if pin_memory:
+        raise RuntimeError(
+            "pin_memory=True but this torch build cannot pin host memory (no accelerator); "
+            "pass pin_memory=None to fall back to pageable memory"
+        )
+    if pin_memory is None and not _warned_pageable:
+        _warned_pageable = True
+        logger.warning("no accelerator: the block arena uses pageable host memory, not pinned")
+    return False

@@ -1,0 +1,65 @@
+"""What a tier reports: per-call results, counters and index events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch_kv_tier.keys import Key
+
+# Reasons a key can fail, as found in ``TransferResult.failed``.
+MISSING = "missing"  # load of a key that is not stored
+CAPACITY = "capacity"  # store with no free or evictable remote slot
+TRANSFER_FAILED = "transfer failed"  # the transport reported an error
+PEER_LOST = "peer lost"  # the key's peer was removed, disconnected or died
+CLOSED = "closed"  # the tier closed before the transfer finished
+NO_PEERS = "no peers"  # store with no peer registered
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of one ``store`` or ``load`` call.
+
+    ``keys`` lists the keys that succeeded in call order; ``failed`` maps each other key to its
+    reason; ``nbytes`` counts the bytes this call moved; ``seconds`` is submit-to-done time.
+    """
+
+    ok: bool
+    keys: list[Key]
+    failed: dict[Key, str]
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """A change of the index: a key became loadable (``stored``) or stopped being loadable."""
+
+    kind: Literal["stored", "evicted", "discarded", "lost"]
+    key: Key
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    capacity: int  # slots of the peer (or of its lease) this tier may use
+    used: int  # slots holding a stored key or a write in flight
+    keys: int  # stored keys
+
+
+@dataclass(frozen=True)
+class TierStats:
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    evictions: int = 0
+    inflight: int = 0  # transfers submitted to the transport and not finished
+    queued: int = 0  # transfers waiting for an in-flight slot
+    keys: int = 0  # stored keys over all peers
+    latency_p50_us: float = 0.0  # per-transfer completion latency over recent transfers
+    latency_p99_us: float = 0.0
+    events_dropped: int = 0  # events discarded because nobody called take_events
+    peers: dict[str, PeerStats] = field(default_factory=dict)
