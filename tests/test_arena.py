@@ -1,0 +1,118 @@
+"""BlockArena, SlotPool and key placement: no NIXL needed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from torch_kv_tier import arena as arena_mod
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.keys import check_keys, home_peer
+from torch_kv_tier.slots import SlotPool
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can pin memory")
+
+
+@cpu_only
+def test_cpu_arena_falls_back_to_pageable_memory_with_one_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(arena_mod, "_warned_pageable", False)
+    with caplog.at_level(logging.WARNING, logger="torch_kv_tier.arena"):
+        a = BlockArena(4, 64)
+        BlockArena(4, 64)
+    assert not a.is_pinned and a.device.type == "cpu"
+    assert [r.message for r in caplog.records].count(
+        "no accelerator: the block arena uses pageable host memory, not pinned"
+    ) == 1
+
+
+@cpu_only
+def test_insisting_on_pinned_memory_without_an_accelerator_raises() -> None:
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        BlockArena(4, 64, pin_memory=True)
+
+
+@cuda
+def test_pinned_and_cuda_arenas() -> None:
+    assert BlockArena(4, 64).is_pinned
+    assert not BlockArena(4, 64, pin_memory=False).is_pinned
+    gpu = BlockArena(4, 64, device="cuda")
+    assert gpu.device.type == "cuda" and not gpu.is_pinned
+
+
+@pytest.mark.parametrize(("n", "bl", "dev"), [(0, 64, "cpu"), (4, 0, "cpu"), (4, 64, "meta")])
+def test_bad_arena_arguments(n: int, bl: int, dev: str) -> None:
+    with pytest.raises(ValueError):
+        BlockArena(n, bl, device=dev)
+
+
+def test_typed_view_shares_memory() -> None:
+    a = BlockArena(3, 2 * 2 * 4 * 2 * 8 * 2)
+    kv = a.view(torch.float16, 2, 2, 4, 2, 8)  # layers, k/v, page, heads, head_dim
+    assert kv.shape == (3, 2, 2, 4, 2, 8)
+    kv[1].fill_(1.5)
+    assert torch.equal(
+        a.tensor[1].view(torch.float16), torch.full((256,), 1.5, dtype=torch.float16)
+    )
+    with pytest.raises(ValueError, match="bytes"):
+        a.view(torch.float32, 2, 2, 4, 2, 8)
+
+
+def test_wrap_adopts_a_tensor_without_copying() -> None:
+    t = torch.zeros(5, 32, dtype=torch.uint8)
+    a = BlockArena.wrap(t)
+    assert a.tensor is t and (a.num_blocks, a.block_len) == (5, 32)
+    with pytest.raises(TypeError):
+        BlockArena.wrap(torch.zeros(5, 8))
+
+
+def test_allocate_and_free() -> None:
+    a = BlockArena(8, 16)
+    assert a.allocate(3) == [0, 1, 2]
+    assert a.allocate(2) == [3, 4]
+    a.free([1])
+    assert a.allocate(2) == [5, 6]  # a contiguous run beats the hole at 1
+    assert a.allocate(2) == [1, 7]  # no run left: lowest free slots
+    with pytest.raises(ValueError, match="only 0 free"):
+        a.allocate(1)
+    a.free([2])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([2])
+    with pytest.raises(ValueError, match="not in this pool"):
+        a.free([8])
+    with pytest.raises(ValueError, match="double free"):
+        a.free([3, 3])
+    assert a.num_free == 1  # the failed frees changed nothing
+
+
+def test_slot_pool_over_a_leased_range() -> None:
+    pool = SlotPool(range(100, 110))
+    assert pool.allocate(4) == [100, 101, 102, 103]
+    pool.free([101])
+    assert pool.is_free(101) and pool.num_free == 7
+    with pytest.raises(ValueError):
+        pool.free([99])
+
+
+def test_keys_are_checked() -> None:
+    assert check_keys([b"a", "a", 1]) == [b"a", "a", 1]
+    for bad in ([1.5], [None], [True], [(1, 2)]):
+        with pytest.raises(TypeError):
+            check_keys(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        check_keys(["a", "a"])
+
+
+def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:
+    keys = [f"key-{i}" for i in range(3000)]
+    before = {k: home_peer(k, ["a", "b", "c"]) for k in keys}
+    after = {k: home_peer(k, ["a", "b", "c", "d"]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "d" for k in moved)
+    assert 500 < len(moved) < 1000  # about a quarter
+    assert home_peer("x", []) is None
+    assert before == {k: home_peer(k, ["c", "b", "a"]) for k in keys}  # order-independent

@@ -1,0 +1,309 @@
+"""TierManager over real NIXL, with peers in other processes."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import wait
+
+import pytest
+import torch
+from remote_peer import RemotePeer
+
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.transport.base import PollResult
+
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[tuple[RemotePeer, RemotePeer]]:
+    with RemotePeer(1024, BLOCK) as a, RemotePeer(1024, BLOCK) as b:
+        yield a, b
+
+
+def make_tier(num_blocks: int = 512, **kwargs: int) -> TierManager:
+    tier = TierManager.create(num_blocks, BLOCK, **kwargs)
+    g = torch.Generator().manual_seed(num_blocks)
+    tier.arena.tensor.copy_(
+        torch.randint(0, 256, (num_blocks, BLOCK), dtype=torch.uint8, generator=g)
+    )
+    return tier
+
+
+class Gate:
+    """Holds back the transport's poll results while closed: transfers stay in flight."""
+
+    def __init__(self, tier: TierManager) -> None:
+        self._poll = tier.transport.poll
+        self.open = threading.Event()
+        tier.transport.poll = self.poll  # type: ignore[method-assign]
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        if not self.open.is_set():
+            return PollResult([], [])
+        return self._poll(peer_id)
+
+
+def test_thousand_random_blocks_over_two_peers_round_trip(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(2000) as tier:
+        for name, p in zip("ab", peers):
+            tier.add_peer(name, *p.peer_args())
+        rng = random.Random(5)
+        keys = [rng.randbytes(16) for _ in range(1000)]
+        src = rng.sample(range(2000), 1000)
+        stored = tier.store(keys, src).result(timeout=30)
+        assert stored.ok and stored.nbytes == 1000 * BLOCK
+        occupancy = tier.stats().peers
+        assert occupancy["a"].keys + occupancy["b"].keys == 1000
+        assert min(occupancy["a"].keys, occupancy["b"].keys) > 400  # both peers hold a share
+        dst = rng.sample(sorted(set(range(2000)) - set(src)), 1000)
+        loaded = tier.load(keys, dst).result(timeout=30)
+        assert loaded.ok and loaded.keys == keys
+        assert torch.equal(tier.arena.tensor[dst], tier.arena.tensor[src])
+        assert tier.stats().transfers_done == 4  # one transfer per peer per call
+
+
+def test_eviction_keeps_the_most_recently_used_keys(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(256) as tier:
+        tier.add_peer("a", *peers[0].peer_args(), slots=range(100, 164))
+        keys = [f"k{i}" for i in range(200)]
+        for i in range(0, 200, 10):
+            assert tier.store(keys[i : i + 10], list(range(i, i + 10))).result(10).ok
+        survivors = keys[-64:]
+        assert tier.lookup(survivors) == 64
+        assert not any(tier.contains(k) for k in keys[:-64])
+        events = tier.take_events()
+        assert [e.key for e in events if e.kind == "stored"] == keys
+        assert sorted(e.key for e in events if e.kind == "evicted") == sorted(keys[:-64])
+        assert tier.stats().evictions == 136 and tier.take_events() == []
+        result = tier.load([keys[0], *survivors[:3]], [200, 201, 202, 203]).result(10)
+        assert result.failed == {keys[0]: "missing"}
+        assert torch.equal(tier.arena.tensor[201:204], tier.arena.tensor[136:139])
+
+
+def test_load_refreshes_recency(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args(), slots=range(4))
+        assert tier.store(["a", "b", "c", "d"], [0, 1, 2, 3]).result(10).ok
+        assert tier.load(["a"], [10]).result(10).ok
+        assert tier.store(["e"], [4]).result(10).ok
+        assert tier.contains("a") and not tier.contains("b")
+
+
+def test_capacity_failure_when_everything_is_being_loaded(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args(), slots=range(8))
+        over = tier.store([f"k{i}" for i in range(10)], list(range(10))).result(10)
+        assert over.failed == {"k8": "capacity", "k9": "capacity"}
+        gate = Gate(tier)
+        loading = tier.load([f"k{i}" for i in range(8)], list(range(20, 28)))
+        blocked = tier.store(["new"], [30]).result(10)  # nothing evictable: fails, no hang
+        assert blocked.failed == {"new": "capacity"}
+        gate.open.set()
+        assert loading.result(10).ok
+        assert torch.equal(tier.arena.tensor[20:28], tier.arena.tensor[0:8])
+        assert tier.store(["new"], [30]).result(10).ok  # unpinned now: LRU evicted
+
+
+def test_dedupe_and_joining_a_store_in_flight(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        gate = Gate(tier)
+        first = tier.store(["x", "y"], [0, 1])
+        second = tier.store(["y", "z"], [1, 2])
+        assert not tier.contains("x")  # visible only after the write completed
+        time.sleep(0.05)
+        assert not first.done() and not second.done()
+        gate.open.set()
+        assert first.result(10).ok and second.result(10).ok
+        assert second.result().nbytes == BLOCK  # only z was sent by the second call
+        again = tier.store(["x", "y", "z"], [5, 6, 7]).result(10)
+        assert again.ok and again.nbytes == 0
+        assert tier.stats().transfers_done == 2
+
+
+def test_missing_keys_fail_and_the_rest_still_load(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        assert tier.store(["a", "b", "c"], [0, 1, 2]).result(10).ok
+        assert tier.lookup(["a", "b", "nope", "c"]) == 2
+        result = tier.load(["a", "nope", "c"], [10, 11, 12]).result(10)
+        assert not result.ok and result.keys == ["a", "c"] and result.failed == {"nope": "missing"}
+        assert torch.equal(tier.arena.tensor[[10, 12]], tier.arena.tensor[[0, 2]])
+
+
+def test_discard(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args(), slots=range(2))
+        assert tier.store(["a", "b"], [0, 1]).result(10).ok
+        tier.discard(["a", "unknown"])
+        assert not tier.contains("a") and tier.contains("b")
+        assert tier.load(["a"], [5]).result(10).failed == {"a": "missing"}
+        assert [e.kind for e in tier.take_events()] == ["stored", "stored", "discarded"]
+        gate = Gate(tier)
+        pending = tier.store(["c"], [2])
+        tier.discard(["c"])
+        gate.open.set()
+        assert pending.result(10).ok
+        assert not tier.contains("c")
+        assert tier.stats().peers["a"].used == 1  # the slot of "c" went back to the pool
+
+
+def test_bad_input_raises_before_anything_is_sent(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        for call, args, error in [
+            (tier.store, ([1.5], [0]), TypeError),
+            (tier.store, (["a", "a"], [0, 1]), ValueError),
+            (tier.store, (["a"], [64]), IndexError),
+            (tier.store, (["a", "b"], [0]), ValueError),
+            (tier.load, (["a", "b"], [3, 3]), ValueError),
+            (tier.load, ([None], [0]), TypeError),
+        ]:
+            with pytest.raises(error):
+                call(*args)
+        stats = tier.stats()
+        assert stats.transfers_done == stats.inflight == stats.queued == stats.keys == 0
+        with pytest.raises(ValueError, match="block_len"):
+            tier.add_peer("b", *peers[1].peer_args()[:3], BLOCK * 2)
+        with pytest.raises(KeyError):
+            tier.remove_peer("nobody")
+
+
+def test_store_without_peers_fails_every_key() -> None:
+    with make_tier(8) as tier:
+        assert tier.store(["a"], [0]).result(10).failed == {"a": "no peers"}
+
+
+def test_submissions_beyond_max_inflight_queue_in_order(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(64, max_inflight=2) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        gate = Gate(tier)
+        futures = [tier.store([f"k{i}"], [i]) for i in range(5)]
+        stats = tier.stats()
+        assert (stats.inflight, stats.queued) == (2, 3)
+        gate.open.set()
+        assert all(f.result(10).ok for f in futures)
+        assert [e.key for e in tier.take_events()] == [f"k{i}" for i in range(5)]
+
+
+def test_a_raising_callback_does_not_stop_the_tier(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        future = tier.store(["a"], [0])
+        future.add_done_callback(lambda f: 1 / 0)
+        assert future.result(10).ok
+        seen = threading.Event()
+        later = tier.store(["b"], [1])
+        later.add_done_callback(lambda f: seen.set())
+        assert later.result(10).ok and seen.wait(5)
+
+
+def test_remove_peer_fails_its_futures_and_drops_its_keys(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        assert tier.store(["old"], [0]).result(10).ok
+        gate = Gate(tier)
+        pending = tier.store(["new"], [1])
+        tier.remove_peer("a")
+        gate.open.set()
+        assert pending.result(10).failed == {"new": "peer lost"}
+        assert not tier.contains("old")
+        assert ("lost", "old") in [(e.kind, e.key) for e in tier.take_events()]
+        assert tier.transport.inflight_count() == 0  # type: ignore[attr-defined]
+
+
+def test_close_under_load_resolves_every_future_within_its_timeout(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    tier = make_tier(512, max_inflight=8)
+    tier.add_peer("a", *peers[0].peer_args())
+    Gate(tier)  # never opens: everything stays in flight or queued
+    futures = [tier.store([f"k{i}"], [i]) for i in range(300)]
+    start = time.monotonic()
+    tier.close(timeout=0.5)
+    assert time.monotonic() - start < 3
+    assert all(f.done() for f in futures)
+    assert {r for f in futures for r in f.result().failed.values()} == {"closed"}
+    tier.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.store(["x"], [0])
+
+
+def test_eight_threads_store_and_load_without_loss_or_corruption(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(8 * 64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        tier.add_peer("b", *peers[1].peer_args())
+        errors: list[str] = []
+
+        def worker(w: int) -> None:
+            base = w * 64
+            rng = random.Random(w)
+            for round_ in range(10):
+                keys = [f"w{w}-r{round_}-{i}" for i in range(16)]
+                src = list(range(base, base + 16))
+                for i, key in enumerate(keys):
+                    tier.arena.tensor[src[i]].fill_(hash((key,)) % 251)
+                    tier.arena.tensor[src[i], :8] = torch.tensor(list(key.encode()[:8].ljust(8)))
+                if not tier.store(keys, src).result(30).ok:
+                    errors.append(f"store {w}/{round_}")
+                dst = list(range(base + 32, base + 48))
+                rng.shuffle(dst)
+                res = tier.load(keys, dst).result(30)
+                if not res.ok:
+                    errors.append(f"load {w}/{round_}: {res.failed}")
+                for i in range(16):
+                    if not torch.equal(tier.arena.tensor[dst[i]], tier.arena.tensor[src[i]]):
+                        errors.append(f"corrupt {keys[i]}")
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        assert tier.stats().keys == 8 * 10 * 16
+
+
+def test_sigkill_of_one_peer_fails_its_futures_and_the_other_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch, peers: tuple[RemotePeer, RemotePeer]
+) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with RemotePeer(512, BLOCK, env={"UCX_TLS": "tcp"}) as victim, make_tier(512) as tier:
+        tier.add_peer("victim", *victim.peer_args())
+        tier.add_peer("good", *peers[1].peer_args())
+        keys = [f"key{i}" for i in range(256)]
+        assert tier.store(keys[:128], list(range(128))).result(30).ok
+        victim.signal(signal.SIGSTOP)
+        futures = [
+            tier.store(keys[i : i + 16], list(range(i, i + 16))) for i in range(128, 256, 16)
+        ]
+        victim.kill()
+        start = time.monotonic()
+        done, _ = wait(futures, timeout=10)
+        assert len(done) == len(futures), "a future hung after its peer died"
+        assert time.monotonic() - start < 10
+        reasons = {r for f in futures for r in f.result().failed.values()}
+        assert reasons <= {"transfer failed", "peer lost"} and reasons
+        assert tier.peers() == ["good"]
+        on_good = [k for k in keys[:128] if tier.contains(k)]
+        assert on_good and len(on_good) < 128
+        idx = [keys.index(k) for k in on_good]
+        result = tier.load(on_good, [256 + i for i in range(len(on_good))]).result(10)
+        assert result.ok
+        assert torch.equal(tier.arena.tensor[256 : 256 + len(on_good)], tier.arena.tensor[idx])
