@@ -16,22 +16,28 @@ _COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser; each subcommand's module adds its own arguments."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported to add its arguments.
+
+    The others stay listed in ``--help`` but cost nothing: ``serve`` never imports the benchmarks.
+    """
     parser = argparse.ArgumentParser(prog="torch-kv-tier", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="logging level for stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in _COMMANDS.items():
-        module = importlib.import_module(module_name)
-        command = sub.add_parser(name, help=help_text)
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        sub_parser = sub.add_parser(name, help=help_text)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(run=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns its exit code."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in _COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
