@@ -1,0 +1,1 @@
+"""Integrations of torch_kv_tier with inference engines and custom PyTorch loops."""

@@ -16,7 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from integrations.torch_loop import OffloadError, PagedKVOffloader, prefix_keys
+from integrations.torch_loop import OffloadError, PagedKVOffloader, Staging, prefix_keys
+from integrations.torch_loop import keys as keys_module
+from integrations.torch_loop.example import main as example_main
 from integrations.torch_loop.example import run_demo
 from integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.manager import TierManager
@@ -28,7 +30,7 @@ CONFIG = DecoderConfig(vocab_size=128, hidden=64, layers=2, heads=2, ffn=128, ma
 # across all layers is always BLOCK_LEN bytes and one server serves every dtype.
 LAYERS, HEADS, HEAD_BYTES, NUM_PAGES = 2, 2, 128, 24
 BLOCK_LEN = LAYERS * 2 * PAGE * HEADS * HEAD_BYTES
-assert BLOCK_LEN == CONFIG.layers * 2 * PAGE * CONFIG.hidden * 4  # the float32 decoder's pages
+assert CONFIG.layers * 2 * PAGE * CONFIG.hidden * 4 == BLOCK_LEN  # the float32 decoder's pages
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -80,13 +82,20 @@ def test_prefix_keys_are_chained_per_full_page() -> None:
 
 
 def test_prefix_keys_are_stable_across_processes() -> None:
+    # Load keys.py alone (no torch import): another interpreter, another hash() salt.
     code = (
-        "from integrations.torch_loop.keys import prefix_keys;"
-        "print(' '.join(k.hex() for k in prefix_keys(range(40), 8, namespace=b'ns')))"
+        "import importlib.util as u, sys;"
+        "s = u.spec_from_file_location('keys', sys.argv[1]); m = u.module_from_spec(s);"
+        "s.loader.exec_module(m);"
+        "print(' '.join(k.hex() for k in m.prefix_keys(range(40), 8, namespace=b'ns')))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, keys_module.__file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [k.hex() for k in prefix_keys(range(40), 8, namespace=b"ns")]
@@ -96,7 +105,7 @@ def test_prefix_keys_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="page_size"):
         prefix_keys([1, 2, 3], 0)
     with pytest.raises(TypeError, match="integers"):
-        prefix_keys([1.5, 2.0], 1)
+        prefix_keys([1.5, 2.0], 1)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="int64"):
         prefix_keys([2**63], 1)
 
@@ -129,7 +138,9 @@ def test_decoder_restored_pages_give_identical_logits(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_offload_restore_round_trip_through_few_arena_slots(remote: str, dtype: torch.dtype) -> None:
+def test_offload_restore_round_trip_through_few_arena_slots(
+    remote: str, dtype: torch.dtype
+) -> None:
     keys_c, values_c = random_caches(dtype)
     src = [5, 0, 17, 3, 9, 11, 2, 20, 8, 13]
     keys = [f"rt-{dtype}-{i}".encode() for i in range(len(src))]
@@ -170,7 +181,12 @@ def test_restore_brings_back_only_the_stored_prefix(remote: str) -> None:
 
 def test_restore_feeds_the_decoder_bit_identical_logits(remote: str) -> None:
     result = run_demo(
-        remote, config=CONFIG, page_size=PAGE, prefix_tokens=40, suffix_tokens=5, new_tokens=4,
+        remote,
+        config=CONFIG,
+        page_size=PAGE,
+        prefix_tokens=40,
+        suffix_tokens=5,
+        new_tokens=4,
         repeat=1,
     )
     assert result.prefix_pages == 5 and result.pages_restored == 5
@@ -178,38 +194,51 @@ def test_restore_feeds_the_decoder_bit_identical_logits(remote: str) -> None:
     assert result.logits_identical
 
 
-def test_missing_remote_falls_back_to_recompute() -> None:
+def test_missing_remote_falls_back_to_recompute(remote: str) -> None:
     keys_c, values_c = random_caches(torch.float32, seed=3)
     address = f"127.0.0.1:{free_port()}"  # nobody listens here
     keys = [b"gone-0", b"gone-1"]
+    before = page(keys_c, 5)
     with PagedKVOffloader.create(keys_c, values_c, remote=address, timeout=5) as off:
+        assert off.manager.peers() == []
         result = off.offload([0, 1], keys).result(timeout=30)
         assert not result.ok and set(result.failed) == set(keys) and result.keys == []
-        before = page(keys_c, 5)
         assert off.restore(keys, [5, 6]) == 0
-        assert torch.equal(page(keys_c, 5), before)
-    with pytest.raises(OffloadError, match=address):
-        PagedKVOffloader.create(keys_c, values_c, remote=address, strict=True)
+    assert torch.equal(page(keys_c, 5), before)
+    # strict=True turns each failure into OffloadError instead.
+    with (
+        PagedKVOffloader.create(keys_c, values_c, strict=True) as off,
+        pytest.raises(OffloadError, match="no peers"),
+    ):
+        off.offload([0, 1], keys).result(timeout=30)
+    half_k, half_v = [k[:, :4] for k in keys_c], [v[:, :4] for v in values_c]  # other block_len
+    with pytest.raises(OffloadError, match=remote):
+        PagedKVOffloader.create(half_k, half_v, remote=remote, strict=True)
 
 
 def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
     keys_c, values_c = random_caches(torch.float32, seed=4)
     keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"dies")
-    with ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1") as server:
-        with PagedKVOffloader.create(keys_c, values_c, remote=server.address, timeout=10) as off:
-            assert off.offload([0, 1, 2, 3], keys).result(timeout=30).ok
-            server.kill()
-            started = time.monotonic()
-            restored = off.restore(keys, [8, 9, 10, 11])  # partial or 0, but no exception
-            assert 0 <= restored <= 4 and time.monotonic() - started < 15
-            off.offload([4], [b"after-death"]).result(timeout=30)  # does not raise either
+    with (
+        ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1") as server,
+        PagedKVOffloader.create(keys_c, values_c, remote=server.address, timeout=10) as off,
+    ):
+        assert off.offload([0, 1, 2, 3], keys).result(timeout=30).ok
+        expected = [page(keys_c, p) for p in range(4)]
+        server.kill()
+        started = time.monotonic()
+        restored = off.restore(keys, [8, 9, 10, 11])  # partial or 0, but no exception
+        assert 0 <= restored <= 4 and time.monotonic() - started < 15
+        for i in range(restored):  # whatever did come back is right
+            assert torch.equal(page(keys_c, 8 + i), expected[i])
+        late = off.offload([4], [b"after-death"]).result(timeout=30)  # does not raise either
+        assert late.keys == [] or late.ok
 
 
 def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     keys_c, values_c = random_caches(torch.float32)
-    with pytest.raises(ValueError, match="block_len"):
-        with TierManager.create(4, BLOCK_LEN * 2) as manager:
-            PagedKVOffloader(keys_c, values_c, manager)
+    with TierManager.create(4, BLOCK_LEN * 2) as manager, pytest.raises(ValueError, match="block_"):
+        PagedKVOffloader(keys_c, values_c, manager)
     with pytest.raises(ValueError, match="share shape"):
         PagedKVOffloader.block_len_for(keys_c, [v[:, :4] for v in values_c])
     with pytest.raises(ValueError, match="staging"):
@@ -221,6 +250,10 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
             off.restore([b"a"], [NUM_PAGES])
         with pytest.raises(ValueError, match="distinct"):
             off.restore([b"a", b"b"], [3, 3])
+        with pytest.raises(ValueError, match="twice"):
+            off.offload([1, 2], [b"a", b"a"])
+        with pytest.raises(TypeError, match="keys must be"):
+            off.offload([1], [1.5])  # type: ignore[list-item]
         assert off.lookup([b"a"]) == 0
 
 
@@ -229,11 +262,15 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
 
 @cuda
 @pytest.mark.parametrize("staging", ["device", "host"])
-def test_cuda_offload_restore_round_trip(remote: str, staging: str) -> None:
+def test_cuda_offload_restore_round_trip(remote: str, staging: Staging) -> None:
     keys_c, values_c = random_caches(torch.bfloat16, device="cuda")
     keys = [f"cuda-{staging}-{i}".encode() for i in range(6)]
     with PagedKVOffloader.create(
-        keys_c, values_c, remote=remote, staging=staging, arena_blocks=4  # type: ignore[arg-type]
+        keys_c,
+        values_c,
+        remote=remote,
+        staging=staging,
+        arena_blocks=4,
     ) as off:
         assert off.manager.arena.device.type == ("cuda" if staging == "device" else "cpu")
         assert off.offload([0, 2, 4, 6, 8, 10], keys).result(timeout=30).ok
@@ -247,9 +284,24 @@ def test_cuda_offload_restore_round_trip(remote: str, staging: str) -> None:
 
 @cuda
 @pytest.mark.parametrize("staging", ["device", "host"])
-def test_cuda_restore_gives_identical_logits(remote: str, staging: str) -> None:
+def test_cuda_restore_gives_identical_logits(remote: str, staging: Staging) -> None:
     result = run_demo(
-        remote, config=CONFIG, page_size=PAGE, prefix_tokens=40, suffix_tokens=5, new_tokens=4,
-        device="cuda", staging=staging, repeat=1,  # type: ignore[arg-type]
+        remote,
+        config=CONFIG,
+        page_size=PAGE,
+        prefix_tokens=40,
+        suffix_tokens=5,
+        new_tokens=4,
+        device="cuda",
+        staging=staging,
+        repeat=1,
     )
     assert result.pages_restored == 5 and result.logits_identical
+
+
+def test_example_command_starts_its_own_remote_host(capsys: pytest.CaptureFixture[str]) -> None:
+    small = "--layers 2 --hidden 64 --page-size 8 --prefix-tokens 32 --suffix-tokens 4"
+    assert example_main([*small.split(), "--new-tokens", "2", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prefix hit: 4/4 pages restored" in out
+    assert "bit-identical to full recompute (torch.equal, prompt + decode): yes" in out

@@ -210,11 +210,19 @@ class TierManager:
         if session is not None:
             session.close()
 
-    def connect(self, address: str, *, token: str | None = None, slots: int | None = None) -> str:
+    def connect(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        slots: int | None = None,
+        timeout_s: float = 10.0,
+    ) -> str:
         """Lease slots on a ``torch-kv-tier serve`` host at ``HOST:PORT``; return its peer id.
 
         Raises ``HandshakeRejected`` with the server's reason, ``TimeoutError`` when nothing
-        answers. When the server stops answering heartbeats the peer is removed as lost.
+        answers within ``timeout_s``. When the server stops answering heartbeats the peer is
+        removed as lost.
         """
         from torch_kv_tier.remote.client import RemoteSession
         from torch_kv_tier.remote.protocol import Region
@@ -228,6 +236,7 @@ class TierManager:
             token=token,
             slots=slots,
             on_lost=self._on_session_lost,
+            timeout_s=timeout_s,
         )
         try:
             self.add_peer(
@@ -418,7 +427,8 @@ class TierManager:
             self._cond.notify_all()
             sessions = [p.session for p in self._peers.values() if p.session is not None]
         self._flush()
-        self._thread.join(timeout=5.0)
+        if threading.current_thread() is not self._thread:  # close() from a done-callback
+            self._thread.join(timeout=5.0)
         for session in sessions:
             session.close()
         self.transport.close()
@@ -477,7 +487,12 @@ class TierManager:
         peer = self._peers[peer_id]
         need = n - peer.pool.num_free
         if need > 0:
-            victims = [k for k, slot in peer.stored.items() if not peer.pins[slot]][:need]
+            victims: list[Key] = []
+            for key, slot in peer.stored.items():  # oldest first; stops at the first `need`
+                if len(victims) == need:
+                    break
+                if not peer.pins[slot]:
+                    victims.append(key)
             for key in victims:
                 slot = peer.stored.pop(key)
                 del self._index[key]
@@ -504,6 +519,7 @@ class TierManager:
             tid = None
         if tid is None:
             self._finish(op, TRANSFER_FAILED)
+            self._lose_peer(op.peer_id)
             return
         op.submitted = time.perf_counter()
         self._ops[tid] = op
@@ -526,10 +542,7 @@ class TierManager:
                 if alive:
                     lost.add(op.peer_id)
         for peer_id in lost:
-            logger.warning("transfers to %s failed: dropping the peer and its keys", peer_id)
-            session = self._drop_peer(peer_id)
-            if session is not None:
-                threading.Thread(target=session.close, daemon=True).start()
+            self._lose_peer(peer_id)
         while self._queue and len(self._ops) < self.max_inflight:
             self._submit(self._queue.popleft())
 
@@ -603,14 +616,25 @@ class TierManager:
             logger.exception("removing peer %s from the transport failed", peer_id)
         return peer.session
 
+    def _lose_peer(self, peer_id: str) -> None:
+        """A transfer to the peer failed: drop it (see the failure policy in the class doc)."""
+        if peer_id not in self._peers:
+            return
+        logger.warning("a transfer to %s failed: dropping the peer and its keys", peer_id)
+        session = self._drop_peer(peer_id)
+        if session is not None:  # closing waits for the server: not under the lock
+            threading.Thread(target=session.close, daemon=True).start()
+
     def _on_session_lost(self, peer_id: str) -> None:
         """Heartbeat thread: the server stopped answering."""
         logger.warning("remote host %s is gone: dropping it", peer_id)
         with self._lock:
             if self._closed or peer_id not in self._peers:
                 return
-            self._drop_peer(peer_id)
+            session = self._drop_peer(peer_id)
         self._flush()
+        if session is not None:
+            session.close()
 
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""

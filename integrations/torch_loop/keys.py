@@ -49,7 +49,7 @@ def prefix_keys(token_ids: Iterable[int], page_size: int, *, namespace: bytes = 
 
 def _as_int(token: object) -> int:
     try:
-        value = operator.index(token)  # type: ignore[call-overload]
+        value = operator.index(token)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"token ids must be integers, got {token!r}") from None
     if not _INT64_MIN <= value <= _INT64_MAX:

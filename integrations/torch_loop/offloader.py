@@ -1,0 +1,486 @@
+"""Offload pages of a paged KV cache to a torch_kv_tier tier and restore prefixes from it.
+
+A custom PyTorch inference loop keeps, per layer, a key and a value page pool shaped
+``[num_pages, page_size, heads, head_dim]``. :class:`PagedKVOffloader` packs one page of *every*
+layer (keys and values) into one tier block, laid out as ``[layers, 2, page_size, heads,
+head_dim]``, stores it under a caller-chosen key (see :func:`~integrations.torch_loop.keys.
+prefix_keys`), and scatters stored blocks back into any pages of the cache later, in this or
+another process.
+
+Data path: cache pages -> arena slots (one vectorized gather per layer) -> remote host (NIXL), and
+back. The arena is the tier's registered memory: on the cache's device (``staging="device"``: a
+CUDA arena registered as VRAM, GPUDirect where the NIC allows) or in host memory
+(``staging="host"``: pinned when CUDA is present, the cache pages copied through it).
+
+Failure policy: a missing or failed remote never raises from :meth:`~PagedKVOffloader.offload` or
+:meth:`~PagedKVOffloader.restore` unless ``strict=True``; offloads report failed keys in their
+result and restores return how many pages actually came back (0 means: recompute). Bad arguments
+always raise ``ValueError`` before any memory or network is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Literal
+
+import torch
+
+from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.results import TransferResult
+
+__all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
+
+log = logging.getLogger(__name__)
+
+Staging = Literal["device", "host"]
+
+
+class OffloadError(RuntimeError):
+    """Raised by a ``strict=True`` offloader when the tier fails an offload or restore."""
+
+
+class PagedKVOffloader:
+    """Moves whole pages (all layers, keys and values) between a paged KV cache and a tier.
+
+    Ownership: the offloader holds references to the cache tensors and reads/writes them only
+    inside :meth:`offload` and :meth:`restore`. It uses the arena slots of ``manager`` through
+    ``arena.allocate``/``arena.free``, so it must be the arena's only user. It closes ``manager``
+    in :meth:`close` only when ``owns_manager`` is true (as with :meth:`create`).
+
+    Threading: call :meth:`offload`, :meth:`restore`, :meth:`flush` and :meth:`close` from one
+    thread (the generation loop). Store completions run on the tier's background thread and only
+    return arena slots; ``self._slots_freed`` (a condition on ``self._lock``) guards the arena's
+    allocator and the set of pending offloads.
+    """
+
+    def __init__(
+        self,
+        key_caches: Sequence[torch.Tensor],
+        value_caches: Sequence[torch.Tensor],
+        manager: TierManager,
+        *,
+        owns_manager: bool = False,
+        timeout: float = 30.0,
+        strict: bool = False,
+    ) -> None:
+        """Wrap ``manager``, whose arena's ``block_len`` must equal :meth:`block_len_for`.
+
+        ``timeout`` bounds every wait (a restore's load, free arena slots for an offload, a
+        flush). Raises ``ValueError`` if the caches disagree in shape, dtype or device, or do not
+        match the arena's block length.
+        """
+        self.block_len = self.block_len_for(key_caches, value_caches)
+        if manager.arena.block_len != self.block_len:
+            raise ValueError(
+                f"the tier's arena has block_len {manager.arena.block_len}, but one page of these "
+                f"caches across all layers is {self.block_len} bytes: build the tier with "
+                "PagedKVOffloader.block_len_for(keys, values)"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.key_caches = list(key_caches)
+        self.value_caches = list(value_caches)
+        self.manager = manager
+        self.timeout = timeout
+        self.strict = strict
+        self._owns_manager = owns_manager
+        num_pages, page_size, heads, head_dim = self.key_caches[0].shape
+        self.num_pages = num_pages
+        self.dtype = self.key_caches[0].dtype
+        self.device = self.key_caches[0].device
+        self._blocks = manager.arena.view(
+            self.dtype, len(self.key_caches), 2, page_size, heads, head_dim
+        )
+        self._lock = threading.Lock()
+        self._slots_freed = threading.Condition(self._lock)
+        self._pending: set[Future[TransferResult]] = set()
+        self._closed = False
+
+    @staticmethod
+    def block_len_for(
+        key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor]
+    ) -> int:
+        """Bytes of one tier block: ``layers * 2 * page_size * heads * head_dim * itemsize``.
+
+        Raises ``ValueError`` unless the caches are equally many, all 4-D
+        ``[num_pages, page_size, heads, head_dim]`` of one shape, floating dtype and device.
+        """
+        caches = list(key_caches) + list(value_caches)
+        if not key_caches or len(key_caches) != len(value_caches):
+            raise ValueError(
+                f"need one key and one value cache per layer, got {len(key_caches)} key and "
+                f"{len(value_caches)} value caches"
+            )
+        first = caches[0]
+        for cache in caches:
+            if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+                raise ValueError(
+                    "each cache must be a 4-D tensor [num_pages, page_size, heads, "
+                    f"head_dim], got {getattr(cache, 'shape', type(cache))}"
+                )
+            if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
+                raise ValueError(
+                    "all caches must share shape, dtype and device: "
+                    f"{tuple(cache.shape)} {cache.dtype} {cache.device} != "
+                    f"{tuple(first.shape)} {first.dtype} {first.device}"
+                )
+        if not first.dtype.is_floating_point:
+            raise ValueError(f"caches must have a floating dtype, got {first.dtype}")
+        if first.numel() == 0:
+            raise ValueError(f"caches must not be empty, got shape {tuple(first.shape)}")
+        return len(key_caches) * 2 * first[0].numel() * first.element_size()
+
+    @classmethod
+    def create(
+        cls,
+        key_caches: Sequence[torch.Tensor],
+        value_caches: Sequence[torch.Tensor],
+        *,
+        remote: str | Sequence[str] | None = None,
+        token: str | None = None,
+        slots: int | None = None,
+        staging: Staging = "host",
+        arena_blocks: int = 64,
+        name: str = "torch-loop",
+        config_fields: dict[str, object] | None = None,
+        timeout: float = 30.0,
+        strict: bool = False,
+    ) -> PagedKVOffloader:
+        """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
+
+        ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
+        (``token``/``slots`` are passed to each ``connect``). A host that cannot be reached is
+        logged and skipped (restores then return 0) unless ``strict``, which raises.
+        ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
+        caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
+        pages are in flight at once; larger offloads and restores proceed in batches.
+        """
+        block_len = cls.block_len_for(key_caches, value_caches)
+        if staging not in ("device", "host"):
+            raise ValueError(f'staging must be "device" or "host", got {staging!r}')
+        if arena_blocks < 1:
+            raise ValueError(f"arena_blocks must be >= 1, got {arena_blocks}")
+        remotes = [remote] if isinstance(remote, str) else list(remote or [])
+        device = str(key_caches[0].device) if staging == "device" else "cpu"
+        manager = TierManager.create(
+            arena_blocks, block_len, device=device, config_fields=config_fields, name=name
+        )
+        try:
+            offloader = cls(
+                key_caches,
+                value_caches,
+                manager,
+                owns_manager=True,
+                timeout=timeout,
+                strict=strict,
+            )
+            for address in remotes:
+                offloader.connect(address, token=token, slots=slots)
+        except BaseException:
+            manager.close()
+            raise
+        return offloader
+
+    def connect(self, address: str, *, token: str | None = None, slots: int | None = None) -> str:
+        """Connect the tier to a remote host; returns its peer id, or ``""`` if it failed.
+
+        Failure is logged and swallowed unless ``strict`` (then ``OffloadError``).
+        """
+        try:
+            return self.manager.connect(address, token=token, slots=slots)
+        except Exception as exc:
+            if self.strict:
+                raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
+            log.warning("remote host %s unavailable, KV pages will be recomputed: %s", address, exc)
+            return ""
+
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """Number of leading ``keys`` stored in the tier (0 if the tier cannot answer)."""
+        try:
+            return self.manager.lookup(list(keys))
+        except Exception as exc:
+            if self.strict:
+                raise OffloadError(f"tier lookup failed: {exc}") from exc
+            log.warning("tier lookup failed, treating as a miss: %s", exc)
+            return 0
+
+    def offload(self, page_ids: Sequence[int], keys: Sequence[Key]) -> Future[TransferResult]:
+        """Copy pages ``page_ids`` (all layers) into arena slots and store them under ``keys``.
+
+        The pages are copied before this returns, so the caller may overwrite or free them at
+        once; the network transfer continues in the background. Returns a future (wait on it
+        with ``.result(timeout)``, or call :meth:`flush`) whose result lists, in call order,
+        every key that is now stored: keys already in the tier are not copied or sent again.
+        ``keys`` must be distinct (``ValueError``), bytes, str or int (``TypeError``).
+        Its ``failed`` maps the other keys to a reason ("no peers", "peer lost", "capacity",
+        ...). Non-strict, the future never raises; with ``strict`` it raises ``OffloadError``
+        when any key failed. Raises ``ValueError`` for bad arguments.
+        """
+        keys, pages = self._check_args(keys, page_ids, "offload")
+        started = time.perf_counter()
+        todo = {key: page for key, page in zip(keys, pages, strict=True) if not self._contains(key)}
+        parts: list[tuple[list[Key], Future[TransferResult]]] = []
+        batch_keys = list(todo)
+        for lo in range(0, len(batch_keys), self._blocks.shape[0]):
+            chunk = batch_keys[lo : lo + self._blocks.shape[0]]
+            parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk])))
+        return self._combine(keys, parts, started)
+
+    def restore(self, keys: Sequence[Key], page_ids: Sequence[int]) -> int:
+        """Bring back the longest stored prefix of ``keys`` into ``page_ids``; return its length.
+
+        Page ``page_ids[i]`` receives the block stored under ``keys[i]`` for ``i`` below the
+        returned count; later pages are untouched. A missing, slow (over ``timeout``) or failed
+        remote shortens the prefix, down to 0, instead of raising (``strict`` raises
+        ``OffloadError`` when a key that ``lookup`` reported stored fails to load). Raises
+        ``ValueError`` for bad arguments.
+        """
+        keys, pages = self._check_args(keys, page_ids, "restore")
+        if len(set(pages)) != len(pages):
+            raise ValueError("restore page_ids must be distinct: two blocks cannot share a page")
+        wanted = self.lookup(keys)
+        deadline = time.monotonic() + self.timeout
+        restored = 0
+        step = self._blocks.shape[0]
+        while restored < wanted:
+            chunk = keys[restored : min(wanted, restored + step)]
+            got = self._load_batch(chunk, pages[restored : restored + len(chunk)], deadline)
+            restored += got
+            if got < len(chunk):
+                break
+        if self.strict and restored < wanted:
+            raise OffloadError(f"only {restored} of {wanted} stored pages could be restored")
+        return restored
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every offload so far has completed; ``False`` if ``timeout`` ran out."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._slots_freed.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for pending offloads (up to ``timeout``), then close an owned tier. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.flush(timeout):
+            log.warning("closing with offloads still in flight; they may not be stored")
+        if self._owns_manager:
+            self.manager.close()
+
+    def __enter__(self) -> PagedKVOffloader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_args(
+        self, keys: Sequence[Key], page_ids: Sequence[int], what: str
+    ) -> tuple[list[Key], list[int]]:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed PagedKVOffloader")
+        checked = check_keys(keys)  # TypeError for a non-key, ValueError for a repeat
+        pages = [operator.index(p) for p in page_ids]
+        if len(pages) != len(checked):
+            raise ValueError(f"{what}: {len(pages)} page ids but {len(checked)} keys")
+        bad = [p for p in pages if not 0 <= p < self.num_pages]
+        if bad:
+            raise ValueError(f"{what}: page ids {bad[:5]} outside 0..{self.num_pages - 1}")
+        return checked, pages
+
+    def _contains(self, key: Key) -> bool:
+        try:
+            return self.manager.contains(key)
+        except Exception:  # the store below reports the tier's failure per key
+            return False
+
+    def _store_batch(self, keys: list[Key], pages: list[int]) -> Future[TransferResult]:
+        slots = self._acquire(len(keys), time.monotonic() + self.timeout)
+        if slots is None:
+            return _failed(keys, "capacity", "no free arena slots within the timeout")
+        self._gather(pages, slots)
+        try:
+            future = self.manager.store(keys, slots)
+        except Exception as exc:
+            self._release(slots)
+            return _failed(keys, str(exc), "tier refused the store")
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(lambda done: self._release(slots, done))
+        return future
+
+    def _load_batch(self, keys: list[Key], pages: list[int], deadline: float) -> int:
+        slots = self._acquire(len(keys), deadline)
+        if slots is None:
+            log.warning("no free arena slots for a restore within the timeout")
+            return 0
+        try:
+            future = self.manager.load(keys, slots)
+        except Exception as exc:
+            self._release(slots)
+            log.warning("tier refused a load, recomputing: %s", exc)
+            return 0
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            # The tier may still write into these slots: hand them back only once it is done.
+            future.add_done_callback(lambda _: self._release(slots))
+            log.warning("restore timed out after %.1f s, recomputing the rest", self.timeout)
+            return 0
+        except Exception as exc:
+            self._release(slots)
+            log.warning("restore failed, recomputing: %s", exc)
+            return 0
+        loaded = set(result.keys)
+        count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
+        if count < len(keys):
+            log.warning("restore stopped at page %d: %s", count, result.failed.get(keys[count]))
+        try:
+            self._scatter(slots[:count], pages[:count])
+        finally:
+            self._release(slots)
+        return count
+
+    def _acquire(self, n: int, deadline: float) -> list[int] | None:
+        arena = self.manager.arena
+        with self._lock:
+            while arena.num_free < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._slots_freed.wait(left)
+            return arena.allocate(n)
+
+    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
+        """Return arena slots (and retire the store that used them); wakes waiters."""
+        with self._lock:
+            self.manager.arena.free(slots)
+            if store is not None:
+                self._pending.discard(store)
+            self._slots_freed.notify_all()
+
+    def _gather(self, pages: list[int], slots: list[int]) -> None:
+        """Pack ``pages`` of every layer into arena ``slots`` (finished before it returns)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        packed = torch.stack(
+            [
+                torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
+                for k, v in zip(self.key_caches, self.value_caches, strict=True)
+            ],
+            dim=1,
+        )  # [n, layers, 2, page_size, heads, head_dim] on the caches' device
+        run = _run_start(slots)
+        if run is not None:
+            self._blocks[run : run + len(slots)].copy_(packed)
+        else:
+            where = torch.tensor(slots, dtype=torch.long, device=self._blocks.device)
+            self._blocks.index_copy_(0, where, packed.to(self._blocks.device))
+        self._synchronize()
+
+    def _scatter(self, slots: list[int], pages: list[int]) -> None:
+        """Unpack arena ``slots`` into ``pages`` of every layer (finished before it returns)."""
+        if not slots:
+            return
+        run = _run_start(slots)
+        if run is not None:
+            packed = self._blocks[run : run + len(slots)]
+        else:
+            where = torch.tensor(slots, dtype=torch.long, device=self._blocks.device)
+            packed = self._blocks.index_select(0, where)
+        packed = packed.to(self.device)
+        index = torch.tensor(pages, dtype=torch.long, device=self.device)
+        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
+            k.index_copy_(0, index, packed[:, layer, 0])
+            v.index_copy_(0, index, packed[:, layer, 1])
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        # CUDA kernels that read or write the arena must finish before NIXL touches it or the
+        # slots are reused.
+        for device in {self.device, self._blocks.device}:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    def _combine(
+        self,
+        keys: list[Key],
+        parts: list[tuple[list[Key], Future[TransferResult]]],
+        started: float,
+    ) -> Future[TransferResult]:
+        """One future over the batch futures, reporting every requested key in call order."""
+        combined: Future[TransferResult] = Future()
+        remaining = [len(parts)]
+        lock = threading.Lock()
+
+        def finish() -> None:
+            failed: dict[Key, str] = {}
+            nbytes = 0
+            for part_keys, part in parts:
+                try:
+                    part_result = part.result()
+                except Exception as exc:  # the tier failed the whole batch
+                    failed.update(dict.fromkeys(part_keys, str(exc) or type(exc).__name__))
+                    continue
+                failed.update(part_result.failed)
+                nbytes += part_result.nbytes
+            result = TransferResult(
+                ok=not failed,
+                keys=[k for k in keys if k not in failed],
+                failed=failed,
+                nbytes=nbytes,
+                seconds=time.perf_counter() - started,
+            )
+            if failed and self.strict:
+                combined.set_exception(OffloadError(f"offload failed: {failed}"))
+            else:
+                if failed:
+                    log.warning("offload of %d pages failed: %s", len(failed), _reasons(failed))
+                combined.set_result(result)
+
+        def on_part(_: Future[TransferResult]) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                finish()
+
+        if not parts:
+            finish()
+        for _, part in parts:
+            part.add_done_callback(on_part)
+        return combined
+
+
+def _failed(keys: list[Key], reason: str, what: str) -> Future[TransferResult]:
+    log.warning("%s: %s", what, reason)
+    future: Future[TransferResult] = Future()
+    failed = dict.fromkeys(keys, reason)
+    future.set_result(TransferResult(ok=False, keys=[], failed=failed, nbytes=0, seconds=0.0))
+    return future
+
+
+def _run_start(slots: list[int]) -> int | None:
+    """First slot if ``slots`` is one ascending contiguous run (a single copy), else None."""
+    first = slots[0]
+    return first if slots == list(range(first, first + len(slots))) else None
+
+
+def _reasons(failed: dict[Key, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for reason in failed.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
