@@ -217,12 +217,13 @@ class TierManager:
         token: str | None = None,
         slots: int | None = None,
         timeout_s: float = 10.0,
+        heartbeat_timeout_s: float = 10.0,
     ) -> str:
         """Lease slots on a ``torch-kv-tier serve`` host at ``HOST:PORT``; return its peer id.
 
         Raises ``HandshakeRejected`` with the server's reason, ``TimeoutError`` when nothing
-        answers within ``timeout_s``. When the server stops answering heartbeats the peer is
-        removed as lost.
+        answers within ``timeout_s``. When the server stops answering heartbeats for
+        ``heartbeat_timeout_s`` the peer is removed as lost.
         """
         from torch_kv_tier.remote.client import RemoteSession
         from torch_kv_tier.remote.protocol import Region
@@ -237,6 +238,7 @@ class TierManager:
             slots=slots,
             on_lost=self._on_session_lost,
             timeout_s=timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
         try:
             self.add_peer(

@@ -1,0 +1,85 @@
+"""Helpers shared by the ``test_remote_*`` files: clients of a ``torch-kv-tier serve`` child."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from torch_kv_tier.remote import Region, RemoteSession
+from torch_kv_tier.transport import NixlTransport
+
+BLOCK_LEN = 4096
+TOKEN = "remote-test-token-5f0c1e"
+
+
+def fake_session(address: str, *, block_len: int = BLOCK_LEN, **kwargs: Any) -> RemoteSession:
+    """A session without a NIXL agent: enough for everything but moving bytes."""
+    return RemoteSession.open(
+        address,
+        agent_metadata=b"not a nixl agent",
+        region=Region(0x10000, 8, block_len),
+        timeout_s=kwargs.pop("timeout_s", 10.0),
+        **kwargs,
+    )
+
+
+class Client:
+    """A NIXL transport over ``num_blocks`` random local blocks, plus its session."""
+
+    def __init__(self, address: str, num_blocks: int, **kwargs: Any) -> None:
+        self.blocks = torch.randint(0, 256, (num_blocks, BLOCK_LEN), dtype=torch.uint8)
+        self.transport = NixlTransport("remote-test", self.blocks)
+        try:
+            self.session = RemoteSession.open(
+                address,
+                agent_metadata=self.transport.get_agent_metadata(),
+                region=Region(self.transport.base_addr, num_blocks, BLOCK_LEN),
+                config_fingerprint=self.transport.config_fingerprint,
+                **kwargs,
+            )
+            s = self.session
+            self.transport.add_remote_peer(
+                s.peer_id, s.agent_metadata, s.base_addr, s.num_blocks, s.block_len
+            )
+        except BaseException:
+            self.transport.close()
+            raise
+
+    def move(self, op: str, local: Sequence[int], remote: Sequence[int]) -> None:
+        """``write``/``read`` blocks to/from the server and wait (10 s) until done."""
+        submit = self.transport.write_blocks if op == "write" else self.transport.read_blocks
+        tid = submit(self.session.peer_id, local, remote)
+        assert tid is not None, f"{op} submission failed"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done, failed = self.transport.poll()
+            assert tid not in failed, f"{op} failed"
+            if tid in done:
+                return
+            time.sleep(0.001)
+        raise TimeoutError(f"{op} of {len(local)} blocks not done in 10 s")
+
+    def close(self) -> None:
+        self.session.close()
+        self.transport.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true (``True``) or ``timeout_s`` passes (``False``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

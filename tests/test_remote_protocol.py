@@ -1,0 +1,192 @@
+"""Control-plane pieces without processes: wire format, proofs, leases, config checks, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import time
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.client import RemoteSession, parse_address
+from torch_kv_tier.remote.leases import LeaseTable, SlotPool
+from torch_kv_tier.remote.metrics import render_prometheus
+from torch_kv_tier.remote.server import ServerConfig, add_arguments, is_loopback
+
+
+def test_messages_round_trip_and_bad_frames_say_why() -> None:
+    hs = p.Handshake(
+        version=p.PROTOCOL_VERSION,
+        seq=2,
+        nonce=b"n" * 32,
+        proof=b"",
+        agent_metadata=b"meta",
+        region=p.Region(4096, 8, 512),
+        config_fingerprint="ab",
+        slots=None,
+    )
+    assert p.decode_client(p.encode(hs)) == hs
+    with pytest.raises(p.BadFrame, match="malformed"):
+        p.decode_client(b"\xc1")
+    with pytest.raises(p.BadFrame, match="malformed"):
+        p.decode_client(msgspec.msgpack.encode({"type": "hello", "version": "1"}))
+    with pytest.raises(p.BadFrame, match="exceeds"):
+        p.decode_client(b"x" * (p.MAX_FRAME_BYTES + 1))
+    # a server message is not a client message and vice versa
+    with pytest.raises(p.BadFrame):
+        p.decode_client(p.encode(p.HeartbeatAck(3)))
+    with pytest.raises(p.BadFrame):
+        p.decode_server(p.encode(hs))
+
+
+def test_proofs_need_the_token_and_differ_by_direction() -> None:
+    nonce, client_nonce = b"a" * 32, b"b" * 32
+    proof = p.client_proof("tok", nonce, client_nonce)
+    assert p.proof_matches(proof, p.client_proof("tok", nonce, client_nonce))
+    assert not p.proof_matches(proof, p.client_proof("tok2", nonce, client_nonce))
+    assert not p.proof_matches(proof, p.client_proof("tok", b"c" * 32, client_nonce))
+    assert not p.proof_matches(proof, p.server_proof("tok", nonce, client_nonce))
+    assert b"tok" not in proof
+
+
+def test_region_problems() -> None:
+    assert p.Region(0, 1, 1).problem() is None
+    assert "num_blocks" in (p.Region(0, 0, 1).problem() or "")
+    assert "mem_type" in (p.Region(0, 1, 1, "HBM").problem() or "")
+
+
+def test_slot_pool_coalesces_and_refuses_double_free() -> None:
+    pool = SlotPool(100)
+    a, b, c = pool.take(30), pool.take(30), pool.take(30)
+    assert (a, b, c) == (range(0, 30), range(30, 60), range(60, 90))
+    assert pool.take(50) == range(90, 100)  # partial grant: the largest run
+    assert pool.take(1) is None
+    pool.give_back(b)
+    assert pool.take(40) == range(30, 60)  # best fit, partial
+    pool.give_back(range(30, 60))
+    pool.give_back(a)
+    pool.give_back(c)
+    assert pool.free == 90
+    assert pool.take(90) == range(0, 90)  # runs coalesced back into one
+    pool.give_back(range(90, 100))
+    with pytest.raises(ValueError, match="overlaps"):
+        pool.give_back(range(95, 100))
+    with pytest.raises(ValueError, match="outside"):
+        pool.give_back(range(99, 101))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60))
+def test_slot_pool_leases_stay_disjoint(ops: list[tuple[bool, int]]) -> None:
+    pool = SlotPool(64)
+    held: list[range] = []
+    for take, n in ops:
+        if take or not held:
+            lease = pool.take(n)
+            if lease is None:
+                assert pool.free == 0
+                continue
+            assert 0 < len(lease) <= n
+            assert all(set(lease).isdisjoint(h) for h in held)
+            held.append(lease)
+        else:
+            pool.give_back(held.pop(n % len(held)))
+        assert pool.free + sum(map(len, held)) == 64
+
+
+def test_lease_table_expiry_and_clean_close() -> None:
+    table = LeaseTable(10, lease_timeout_s=5.0, max_lease=4)
+    a = table.open("a", None, now=0.0)
+    b = table.open("b", 100, now=0.0)
+    assert a is not None and b is not None
+    assert (len(a.lease), len(b.lease)) == (4, 4)  # capped by max_lease
+    assert a.session_id != b.session_id and a.public_id != b.public_id
+    assert table.touch(a.session_id, now=4.0) is a
+    assert table.expire(now=5.5) == [b]
+    assert table.reclaimed == 1 and table.touch(b.session_id, now=6.0) is None
+    a.bytes_written = 7
+    assert table.close(a.session_id) is a and table.close(a.session_id) is None
+    assert table.leased == 0 and table.retired_bytes_written == 7
+
+
+def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening
+        region = p.Region(4096, 8, 64)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer"):
+            RemoteSession.open(address, agent_metadata=b"m", region=region, timeout_s=0.3)
+        assert time.monotonic() - t0 < 2.0
+        for kwargs, match in (
+            ({"slots": 0}, "slots must be > 0"),
+            ({"region": p.Region(4096, 0, 64)}, "num_blocks > 0"),
+            ({"agent_metadata": b""}, "agent_metadata is empty"),
+            ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s must be > 0"),
+            ({"token": ""}, "token is empty"),
+        ):
+            args = {"agent_metadata": b"m", "region": region, **kwargs}
+            with pytest.raises(ValueError, match=match):
+                RemoteSession.open(address, **args)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            RemoteSession.open("localhost", agent_metadata=b"m", region=region)
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:5555") == ("127.0.0.1", 5555)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("127.0.0.1", ":5", "h:0", "h:x", "h:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--num-blocks", "8", "--block-len", "64", *argv])
+
+
+def test_config_refuses_off_loopback_without_token(tmp_path) -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.7")
+    with pytest.raises(ValueError, match="refusing to listen on 0.0.0.0 without a token"):
+        ServerConfig.from_args(_args("--host", "0.0.0.0"))
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    config = ServerConfig.from_args(_args("--host", "0.0.0.0", "--token-file", str(token)))
+    assert config.token == "secret" and config.lease_timeout_s == 30.0
+    token.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        ServerConfig.from_args(_args("--token-file", str(token)))
+    with pytest.raises(ValueError, match="JSON object"):
+        ServerConfig.from_args(_args("--config-fields", "[1]"))
+    with pytest.raises(ValueError, match="lease-timeout"):
+        ServerConfig.from_args(_args("--lease-timeout", "0"))
+
+
+def test_prometheus_text_escapes_client_names() -> None:
+    stats = {
+        "uptime_s": 1.5,
+        "block_len": 64,
+        "free_blocks": 6,
+        "leased_blocks": 2,
+        "slots_used": 1,
+        "sessions": [{"public_id": "s1", "client_name": 'evil"\n', "lease": [0, 2]}],
+        "handshakes_accepted": 1,
+        "handshakes_rejected": 3,
+        "leases_reclaimed": 0,
+        "bad_frames": 2,
+        "bytes_written": 128,
+        "bytes_read": 64,
+        "progress_calls": 10,
+    }
+    text = render_prometheus(stats)
+    assert 'torch_kv_tier_server_blocks{state="leased"} 2\n' in text
+    assert 'torch_kv_tier_server_handshakes_total{result="rejected"} 3\n' in text
+    assert 'client="evil\\"\\n"} 2\n' in text
+    for line in text.splitlines():
+        assert line.startswith("#") or line.startswith("torch_kv_tier_server_")

@@ -1,0 +1,340 @@
+"""``torch-kv-tier serve`` as a child process: handshakes, leases, bad input, signals, liveness."""
+
+from __future__ import annotations
+
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from remote_support import BLOCK_LEN, TOKEN, Client, fake_session, free_port, wait_for
+
+from torch_kv_tier.remote import HandshakeRejected, ServerProcess
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.transport import config_fingerprint
+
+CONFIG = {"model": "tiny-llama", "dtype": "bfloat16"}
+POOL = 96
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("token") / "token"
+    path.write_text(TOKEN + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def token_server(token_file: str) -> Iterator[ServerProcess]:
+    """A server with a token and model config fields; every test leaves its pool free."""
+    with ServerProcess.start(
+        POOL,
+        BLOCK_LEN,
+        token_file=token_file,
+        config_fields=CONFIG,
+        extra_args=["--metrics-port", "0"],
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def open_server() -> Iterator[ServerProcess]:
+    """A loopback server without a token; it reclaims silent clients' leases after 1 s."""
+    with ServerProcess.start(32, BLOCK_LEN, extra_args=["--lease-timeout", "1"]) as server:
+        yield server
+
+
+def test_rejections_carry_the_reason(token_server: ServerProcess) -> None:
+    addr = token_server.address
+    cases = [
+        ("bad token", {"token": "not-the-token"}),
+        ("bad token", {}),
+        ("block_len 8192 != 4096", {"token": TOKEN, "block_len": 8192}),
+        ("config fingerprint mismatch", {"token": TOKEN, "config_fingerprint": "0123456789abcdef"}),
+    ]
+    for reason, kwargs in cases:
+        with pytest.raises(HandshakeRejected) as info:
+            fake_session(addr, **kwargs)
+        assert info.value.reason == reason
+    # the same fingerprint, or none at all, is accepted
+    for fingerprint in (config_fingerprint(CONFIG), ""):
+        fake_session(addr, token=TOKEN, config_fingerprint=fingerprint).close()
+
+    whole = fake_session(addr, token=TOKEN)  # no slot count: the whole pool
+    assert whole.lease == range(POOL)
+    with pytest.raises(HandshakeRejected) as info:
+        fake_session(addr, token=TOKEN, slots=1)
+    assert info.value.reason == "no free slots"
+    whole.close()  # a clean disconnect returns the lease at once
+    fake_session(addr, token=TOKEN, slots=POOL).close()
+
+
+def test_protocol_version_mismatch_is_rejected(token_server: ServerProcess) -> None:
+    reply = _exchange(token_server.address, [p.encode(p.Hello(99, 7, b"n" * 32))])
+    assert reply == p.Reject(7, f"protocol version 99 != {p.PROTOCOL_VERSION}")
+
+
+def test_client_refuses_server_that_cannot_prove_the_token(open_server: ServerProcess) -> None:
+    with pytest.raises(HandshakeRejected) as info:
+        fake_session(open_server.address, token=TOKEN)
+    assert info.value.reason == "server did not prove it knows the token"
+
+
+def test_three_clients_get_disjoint_leases_and_their_own_bytes(
+    token_server: ServerProcess,
+) -> None:
+    addr = token_server.address
+    clients: list[Client] = []
+    try:
+        for _ in range(3):
+            clients.append(Client(addr, 16, token=TOKEN, slots=POOL // 3))
+        leases = [set(c.session.lease) for c in clients]
+        assert all(len(lease) == POOL // 3 for lease in leases)
+        assert not (leases[0] & leases[1] or leases[0] & leases[2] or leases[1] & leases[2])
+        assert len({c.session.peer_id for c in clients}) == 3
+
+        originals = [c.blocks.clone() for c in clients]
+        for c in clients:  # each writes its 16 blocks to the top of its lease
+            c.move("write", range(16), list(c.session.lease)[-16:])
+        for c, original in zip(clients, originals, strict=True):
+            c.blocks.zero_()
+            c.move("read", range(16), list(c.session.lease)[-16:])
+            assert torch.equal(c.blocks, original)
+
+        with pytest.raises(HandshakeRejected, match="no free slots"):
+            fake_session(addr, token=TOKEN)
+        clients[0].session.report_usage(written=16 * BLOCK_LEN, read=16 * BLOCK_LEN, slots_used=16)
+        freed = clients[0].session.lease
+        stats = clients[1].session.stats()
+        assert (stats["leased_blocks"], stats["free_blocks"], len(stats["sessions"])) == (
+            POOL,
+            0,
+            3,
+        )
+        assert sorted(tuple(s["lease"]) for s in stats["sessions"]) == sorted(
+            (c.session.lease.start, c.session.lease.stop) for c in clients
+        )
+        clients.pop(0).close()
+        late = fake_session(addr, token=TOKEN)
+        assert late.lease == freed
+        late.close()
+
+        metrics = _metrics(stats["metrics_port"])
+        assert "torch_kv_tier_server_sessions 2\n" in metrics
+        assert 'torch_kv_tier_server_bytes_total{direction="written"} 65536\n' in metrics
+    finally:
+        for c in clients:
+            c.close()
+
+
+TAGS = ["hello", "handshake", "heartbeat", "stats", "disconnect", "accept", "bogus"]
+FIELDS = ["version", "seq", "nonce", "client_nonce", "proof", "session_id", "region", "slots"]
+VALID = [
+    p.encode(p.Hello(p.PROTOCOL_VERSION, 1, b"c" * 32)),
+    p.encode(p.Heartbeat(3, "0" * 32, 10, 10, 1)),
+    p.encode(p.StatsRequest(4)),
+    p.encode(p.Disconnect(5, "f" * 32)),
+    p.encode(p.Handshake(1, 2, b"n" * 32, b"", b"meta", p.Region(1, 1, BLOCK_LEN), "", None, "x")),
+]
+ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
+values = st.one_of(
+    ints,
+    st.binary(max_size=64),
+    st.text(max_size=16),
+    st.none(),
+    st.lists(ints, max_size=3),
+    st.dictionaries(st.text(max_size=8), ints, max_size=3),
+)
+frames = st.one_of(
+    st.binary(max_size=256),
+    st.sampled_from(VALID).flatmap(lambda f: st.integers(0, len(f) - 1).map(lambda n: f[:n])),
+    st.sampled_from(VALID),
+    st.builds(
+        lambda tag, fields: msgspec.msgpack.encode({"type": tag, **fields}),
+        st.sampled_from(TAGS),
+        st.dictionaries(st.sampled_from(FIELDS), values, max_size=6),
+    ),
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(message=st.lists(frames, min_size=1, max_size=3))
+def test_fuzzed_frames_never_stop_the_server(
+    open_server: ServerProcess, message: list[bytes]
+) -> None:
+    _exchange(open_server.address, message, wait_s=0.02)
+    assert open_server.proc.poll() is None, open_server.stderr
+
+
+def test_bad_frames_are_answered_or_dropped_and_the_server_keeps_serving(
+    open_server: ServerProcess,
+) -> None:
+    addr = open_server.address
+    reply = _exchange(addr, [b"\xc1"])
+    assert isinstance(reply, p.Error) and reply.reason.startswith("malformed frame")
+    reply = _exchange(addr, [p.encode(p.Heartbeat(9, "no-such-session"))])
+    assert reply == p.Error(9, p.UNKNOWN_SESSION)
+    # a handshake that skipped hello
+    reply = _exchange(addr, [VALID[-1]])
+    assert isinstance(reply, p.Reject) and "nonce" in reply.reason
+    # oversized frames make ZeroMQ drop the connection before the server sees them
+    assert _exchange(addr, [b"\0" * (p.MAX_FRAME_BYTES + 1)], wait_s=0.5) is None
+    # bytes that are not even ZMTP
+    host, port = addr.rsplit(":", 1)
+    for junk in (b"\xff" * 10 + b"\x7f", b"GET / HTTP/1.0\r\n\r\n", bytes(range(256)) * 64):
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(junk)
+    session = fake_session(addr)
+    stats = session.stats()
+    session.close()
+    assert open_server.proc.poll() is None
+    assert stats["bad_frames"] >= 1 and stats["handshakes_accepted"] >= 1
+
+
+def test_sigterm_exits_zero_within_5s_releasing_everything() -> None:
+    server = ServerProcess.start(16, BLOCK_LEN, extra_args=["--metrics-port", "0"])
+    try:
+        session = fake_session(server.address, heartbeat_timeout_s=30)
+        t0 = time.monotonic()
+        code = server.stop(timeout=10)
+        elapsed = time.monotonic() - t0
+    finally:
+        server.kill()
+    session.close()  # the server is gone: close must still return promptly
+    assert code == 0, server.stderr
+    assert elapsed < 5
+    assert "closed" in server.stderr  # the NIXL registration was released
+    assert server.stderr.rstrip().endswith("stopped")
+
+
+def test_lease_reclaimed_after_client_is_killed(open_server: ServerProcess) -> None:
+    child_code = (
+        "import sys, time\n"
+        "from torch_kv_tier.remote import Region, RemoteSession\n"
+        "s = RemoteSession.open(sys.argv[1], agent_metadata=b'x', region=Region(4096, 8, 4096))\n"
+        "print(len(s.lease), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    addr = open_server.address
+    probe = fake_session(addr, slots=1)
+    reclaimed_before = probe.stats()["leases_reclaimed"]
+    probe.close()
+    child = subprocess.Popen(
+        [sys.executable, "-c", child_code, addr], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert select.select([child.stdout], [], [], 60)[0], "the client never connected"
+        assert child.stdout.readline().strip() == "32"  # the whole pool
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    killed = time.monotonic()
+    with pytest.raises(HandshakeRejected, match="no free slots"):
+        fake_session(addr)
+    session = None
+
+    def reconnect() -> bool:
+        nonlocal session
+        try:
+            session = fake_session(addr)
+        except HandshakeRejected:
+            return False
+        return True
+
+    assert wait_for(reconnect, timeout_s=5.0)
+    reclaimed_after = time.monotonic() - killed
+    assert session is not None
+    assert session.lease == range(32)
+    assert session.stats()["leases_reclaimed"] == reclaimed_before + 1
+    session.close()
+    assert 0.5 < reclaimed_after < 3.0
+
+
+def test_client_notices_a_dead_or_restarted_server() -> None:
+    port = free_port()
+    lost: dict[str, float] = {}
+    lock = threading.Lock()
+
+    def on_lost(peer_id: str) -> None:
+        with lock:
+            assert peer_id not in lost  # called once
+            lost[peer_id] = time.monotonic()
+
+    first = ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)])
+    try:
+        quick = fake_session(
+            first.address, slots=8, on_lost=on_lost, heartbeat_interval_s=0.2, heartbeat_timeout_s=2
+        )
+        patient = fake_session(
+            first.address,
+            slots=8,
+            on_lost=on_lost,
+            heartbeat_interval_s=0.2,
+            heartbeat_timeout_s=60,
+        )
+    finally:
+        first.kill()
+    killed = time.monotonic()
+    assert wait_for(lambda: quick.peer_id in lost, timeout_s=5)
+    assert 1.5 < lost[quick.peer_id] - killed < 3.5
+    assert quick.lost is not None and "no heartbeat answer" in quick.lost
+    with pytest.raises(ConnectionError, match="lost"):
+        quick.stats()
+    quick.close()
+    # a new server on the same port does not know the old session: lost long before 60 s
+    with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
+        assert wait_for(lambda: patient.peer_id in lost, timeout_s=5)
+        assert patient.lost is not None and "no longer knows" in patient.lost
+        patient.close()
+
+
+def test_refuses_non_loopback_without_token_and_a_busy_port_saying_why(
+    open_server: ServerProcess,
+) -> None:
+    with pytest.raises(RuntimeError) as info:
+        ServerProcess.start(8, BLOCK_LEN, host="0.0.0.0")
+    assert "code 2" in str(info.value)
+    assert "refusing to listen on 0.0.0.0 without a token" in str(info.value)
+    busy_port = open_server.address.rsplit(":", 1)[1]
+    with pytest.raises(RuntimeError) as info:
+        ServerProcess.start(8, BLOCK_LEN, extra_args=["--port", busy_port])
+    assert "code 1" in str(info.value)
+    assert f"cannot listen on tcp://127.0.0.1:{busy_port}" in str(info.value)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _exchange(address: str, frames: list[bytes], wait_s: float = 5.0) -> p.ServerMessage | None:
+    """Send one (multi-part) message from a fresh DEALER; the decoded reply, or ``None``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{address}")
+        sock.send_multipart(frames)
+        if not sock.poll(int(wait_s * 1e3)):
+            return None
+        return p.decode_server(sock.recv())
+    finally:
+        sock.close(linger=0)
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())

@@ -1,0 +1,490 @@
+"""Client side of the control plane: handshake with a server, keep the lease alive, disconnect.
+
+``RemoteSession.open`` performs the handshake in the caller's thread, then a background I/O
+thread owns the ZeroMQ socket: it sends heartbeats, carries ``stats``/``disconnect`` requests
+made from any thread, and reports a server that stopped answering through ``on_lost``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.protocol import Region
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HandshakeRejected", "Region", "RemoteSession", "parse_address"]
+
+_DISCONNECT_TIMEOUT_S = 2.0
+
+# a request made from any thread: build the message for a seq, resolve the future, timeout
+_Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage]", float]
+
+
+class HandshakeRejected(Exception):
+    """The server refused the handshake; ``reason`` is its exact explanation, e.g.
+    ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
+    ``"no free slots"`` or ``"protocol version 2 != 1"``."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one."""
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
+    return host, int(port_text)
+
+
+def _connect(address: str) -> zmq.Socket[bytes]:
+    host, port = parse_address(address)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 100)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    sock.connect(f"tcp://{host}:{port}")
+    return sock
+
+
+def _await_reply(sock: zmq.Socket[bytes], seq: int, deadline: float) -> p.ServerMessage | None:
+    """The reply to request ``seq``, or ``None`` at ``deadline``; other frames are skipped."""
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(math.ceil(left * 1e3), zmq.POLLIN):
+            continue
+        try:
+            message = p.decode_server(sock.recv(zmq.NOBLOCK))
+        except (zmq.Again, p.BadFrame) as exc:
+            logger.debug("skipping control frame: %s", exc)
+            continue
+        if message.seq == seq:
+            return message
+    return None
+
+
+class RemoteSession:
+    """A lease on a remote ``torch-kv-tier serve`` pool, kept alive by heartbeats.
+
+    Attributes (read-only): ``peer_id`` (unique per session), ``agent_metadata`` (the server's
+    NIXL metadata), ``base_addr``/``num_blocks``/``block_len``/``mem_type`` (the server's whole
+    region), ``lease`` (the server slots this client may use), ``address``.
+
+    Threading: every public method may be called from any thread. ``_lock`` guards the
+    closed/lost flags, the usage counters and the wake-up socket; the ZeroMQ socket belongs to
+    the I/O thread alone once ``open`` returns. ``on_lost`` runs on the I/O thread, once; it
+    may call ``close()``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        sock: zmq.Socket[bytes],
+        accept: p.Accept,
+        *,
+        on_lost: Callable[[str], None] | None,
+        heartbeat_interval_s: float,
+        heartbeat_timeout_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.address = address
+        self.peer_id = f"{address}/{accept.server_name}/{accept.public_id}"
+        self.agent_metadata = accept.agent_metadata
+        self.region = accept.region
+        self.base_addr = accept.region.base_addr
+        self.num_blocks = accept.region.num_blocks
+        self.block_len = accept.region.block_len
+        self.mem_type = accept.region.mem_type
+        self.lease = range(accept.lease_start, accept.lease_stop)
+        self._session_id = accept.session_id
+        self._on_lost = on_lost
+        # several heartbeats fit in both our loss timeout and the server's lease timeout
+        self._interval_s = min(
+            heartbeat_interval_s, heartbeat_timeout_s / 3, accept.lease_timeout_s / 3
+        )
+        self._hb_timeout_s = heartbeat_timeout_s
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._closed = False
+        self._lost_reason: str | None = None
+        self._io_done = False
+        self._usage = {"bytes_written": 0, "bytes_read": 0, "slots_used": 0}
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._stopping = False  # tells the I/O thread to exit
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(
+            target=self._io_loop,
+            args=(sock,),
+            name=f"tkvt-session-{accept.public_id}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @classmethod
+    def open(
+        cls,
+        address: str,
+        *,
+        agent_metadata: bytes,
+        region: Region,
+        config_fingerprint: str = "",
+        token: str | None = None,
+        slots: int | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        heartbeat_interval_s: float = 1.0,
+        heartbeat_timeout_s: float = 10.0,
+        timeout_s: float = 10.0,
+        client_name: str | None = None,
+    ) -> RemoteSession:
+        """Handshake with the server at ``address`` (``HOST:PORT``) and lease up to ``slots``
+        of its slots (``None``: as many as the server grants one client).
+
+        A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
+        ``heartbeat_timeout_s`` and of the server's lease timeout); when none is answered for
+        ``heartbeat_timeout_s``, or the server no longer knows the session, ``on_lost(peer_id)``
+        is called once, on the session's I/O thread.
+
+        Raises ``ValueError`` for bad arguments (before any network traffic),
+        ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
+        ``TimeoutError`` when no server answers within ``timeout_s``, ``ConnectionError``
+        when the server answers with an error.
+        """
+        problem = region.problem()
+        if problem is not None:
+            raise ValueError(problem)
+        if slots is not None and slots <= 0:
+            raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
+        if not agent_metadata:
+            raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
+        for name, value in (
+            ("heartbeat_interval_s", heartbeat_interval_s),
+            ("heartbeat_timeout_s", heartbeat_timeout_s),
+            ("timeout_s", timeout_s),
+        ):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if token == "":
+            raise ValueError("token is empty: pass None for a server without a token")
+        sock = _connect(address)
+        try:
+            accept = _handshake(
+                sock,
+                address,
+                time.monotonic() + timeout_s,
+                token,
+                p.Handshake(
+                    version=p.PROTOCOL_VERSION,
+                    seq=2,
+                    nonce=b"",
+                    proof=b"",
+                    agent_metadata=bytes(agent_metadata),
+                    region=region,
+                    config_fingerprint=config_fingerprint,
+                    slots=slots,
+                    client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
+                ),
+            )
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        session = cls(
+            address,
+            sock,
+            accept,
+            on_lost=on_lost,
+            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            timeout_s=timeout_s,
+        )
+        logger.info(
+            "connected to %s: lease [%d, %d) of %d slots",
+            session.peer_id,
+            session.lease.start,
+            session.lease.stop,
+            session.num_blocks,
+        )
+        return session
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def lost(self) -> str | None:
+        """Why the session was lost (server silent, lease expired), or ``None`` while alive."""
+        with self._lock:
+            return self._lost_reason
+
+    def report_usage(
+        self, *, written: int = 0, read: int = 0, slots_used: int | None = None
+    ) -> None:
+        """Add bytes moved to/from the server's pool and set the leased slots in use; sent
+        with the next heartbeat (and the disconnect) so the server's stats and metrics show
+        them. Thread-safe."""
+        if written < 0 or read < 0:
+            raise ValueError(f"byte counts must be >= 0, got written={written} read={read}")
+        with self._lock:
+            self._usage["bytes_written"] += written
+            self._usage["bytes_read"] += read
+            if slots_used is not None:
+                self._usage["slots_used"] = slots_used
+
+    def stats(self) -> dict[str, Any]:
+        """The server's stats: leases, occupancy, bytes moved, counters.
+
+        Raises ``TimeoutError`` when the server does not answer within ``timeout_s`` and
+        ``ConnectionError`` when the session is closed or lost.
+        """
+        reply = self._call(lambda seq: p.StatsRequest(seq, self._session_id), self._timeout_s)
+        if isinstance(reply, p.StatsReply):
+            return reply.stats
+        raise ConnectionError(f"{self.peer_id} refused stats: {_describe(reply)}")
+
+    def close(self) -> None:
+        """Return the lease (a clean disconnect), stop the I/O thread. Idempotent; never
+        raises for a lost server (waits at most ~2 s for its answer)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            alive = self._lost_reason is None
+        on_io_thread = threading.current_thread() is self._thread
+        if alive and not on_io_thread:
+            try:
+                with self._lock:
+                    written, read = self._usage["bytes_written"], self._usage["bytes_read"]
+                reply = self._call(
+                    lambda seq: p.Disconnect(seq, self._session_id, written, read),
+                    min(self._timeout_s, _DISCONNECT_TIMEOUT_S),
+                    allow_closed=True,
+                )
+                if not isinstance(reply, p.DisconnectAck):
+                    logger.warning("disconnect from %s: %s", self.peer_id, _describe(reply))
+            except (TimeoutError, ConnectionError) as exc:
+                logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
+        with self._lock:
+            self._stopping = True
+        self._wake()
+        if not on_io_thread:
+            self._thread.join(timeout=self._timeout_s)
+            if self._thread.is_alive():
+                logger.error("I/O thread of %s did not stop", self.peer_id)
+        logger.info("closed session %s", self.peer_id)
+
+    def __enter__(self) -> RemoteSession:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteSession({self.peer_id!r}, lease={self.lease})"
+
+    # -- requests from any thread -----------------------------------------------------------
+
+    def _call(
+        self,
+        make: Callable[[int], p.ClientMessage],
+        timeout_s: float,
+        *,
+        allow_closed: bool = False,
+    ) -> p.ServerMessage:
+        future: Future[p.ServerMessage] = Future()
+        future.set_running_or_notify_cancel()
+        with self._lock:
+            if self._lost_reason is not None:
+                raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
+            if (self._closed and not allow_closed) or self._io_done:
+                raise ConnectionError(f"session {self.peer_id} is closed")
+            self._requests.put((make, future, timeout_s))
+        self._wake()
+        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._io_done:
+                return
+            with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
+                self._wake_w.send(b"\0")
+
+    # -- the I/O thread ---------------------------------------------------------------------
+
+    def _io_loop(self, sock: zmq.Socket[bytes]) -> None:
+        pending: dict[int, tuple[Future[p.ServerMessage], float]] = {}
+        seqs = itertools.count(3)  # 1 and 2 were the handshake
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        last_ok = next_hb = time.monotonic()
+        lost: str | None = None
+        try:
+            while lost is None:
+                with self._lock:
+                    if self._stopping:
+                        break
+                now = time.monotonic()
+                deadlines = [next_hb, last_ok + self._hb_timeout_s]
+                deadlines.extend(deadline for _, deadline in pending.values())
+                poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3)))
+                self._drain_wake()
+                now = time.monotonic()
+                while True:
+                    try:
+                        make, future, timeout_s = self._requests.get_nowait()
+                    except queue.Empty:
+                        break
+                    seq = next(seqs)
+                    pending[seq] = (future, now + timeout_s)
+                    self._send(sock, make(seq))
+                for message in self._receive(sock):
+                    if isinstance(message, p.HeartbeatAck):
+                        last_ok = time.monotonic()
+                    elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
+                        lost = "the server no longer knows this session (lease expired or restart)"
+                    entry = pending.pop(message.seq, None)
+                    if entry is not None:
+                        entry[0].set_result(message)
+                now = time.monotonic()
+                for seq in [s for s, (_, deadline) in pending.items() if deadline <= now]:
+                    pending.pop(seq)[0].set_exception(
+                        TimeoutError(f"{self.peer_id} did not answer within the timeout")
+                    )
+                if now - last_ok > self._hb_timeout_s:
+                    lost = f"no heartbeat answer for {self._hb_timeout_s:.1f} s"
+                elif now >= next_hb:
+                    next_hb = now + self._interval_s
+                    with self._lock:
+                        usage = dict(self._usage)
+                    self._send(sock, p.Heartbeat(next(seqs), self._session_id, **usage))
+        except Exception:
+            logger.exception("I/O thread of %s failed", self.peer_id)
+            lost = "the session's I/O thread failed"
+        finally:
+            self._finish(sock, pending, lost)
+
+    def _finish(
+        self,
+        sock: zmq.Socket[bytes],
+        pending: dict[int, tuple[Future[p.ServerMessage], float]],
+        lost: str | None,
+    ) -> None:
+        with self._lock:
+            self._io_done = True
+            report = lost is not None and not self._closed
+            if lost is not None:
+                self._lost_reason = lost
+            self._wake_r.close()
+            self._wake_w.close()
+        error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
+        for future, _ in pending.values():
+            future.set_exception(error)
+        while True:
+            try:
+                _, future, _ = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            future.set_exception(error)
+        sock.close(linger=0)
+        if report:
+            logger.warning("lost %s: %s", self.peer_id, lost)
+            if self._on_lost is not None:
+                try:
+                    self._on_lost(self.peer_id)
+                except Exception:
+                    logger.exception("on_lost callback for %s raised", self.peer_id)
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def _send(self, sock: zmq.Socket[bytes], message: p.ClientMessage) -> None:
+        try:
+            sock.send(p.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("%s: send queue full, %s dropped", self.peer_id, type(message).__name__)
+
+    def _receive(self, sock: zmq.Socket[bytes]) -> list[p.ServerMessage]:
+        messages: list[p.ServerMessage] = []
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(p.decode_server(frame))
+            except p.BadFrame as exc:
+                logger.warning("%s sent a bad control frame: %s", self.peer_id, exc)
+
+
+def _handshake(
+    sock: zmq.Socket[bytes],
+    address: str,
+    deadline: float,
+    token: str | None,
+    request: p.Handshake,
+) -> p.Accept:
+    client_nonce = secrets.token_bytes(p.NONCE_BYTES)
+    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
+    challenge = _expect(sock, address, 1, deadline, p.Challenge)
+    if challenge.version != p.PROTOCOL_VERSION:
+        raise HandshakeRejected(
+            address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
+        )
+    request.nonce = challenge.nonce
+    if token is not None:
+        request.proof = p.client_proof(token, challenge.nonce, client_nonce)
+    sock.send(p.encode(request))
+    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept)
+    # checked last so that a wrong token gets the server's "bad token"; an honest server that
+    # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
+    if token is not None and not p.proof_matches(
+        p.server_proof(token, challenge.nonce, client_nonce), challenge.server_proof
+    ):
+        sock.send(p.encode(p.Disconnect(3, accept.session_id)))
+        raise HandshakeRejected(address, "server did not prove it knows the token")
+    return accept
+
+
+def _expect(
+    sock: zmq.Socket[bytes], address: str, seq: int, deadline: float, kind: type[Any]
+) -> Any:
+    reply = _await_reply(sock, seq, deadline)
+    if reply is None:
+        raise TimeoutError(
+            f"no answer from a torch-kv-tier server at {address}: is `torch-kv-tier serve` "
+            "running there, and is the address reachable from this host?"
+        )
+    if isinstance(reply, p.Reject):
+        raise HandshakeRejected(address, reply.reason)
+    if not isinstance(reply, kind):
+        raise ConnectionError(f"server at {address} answered the handshake: {_describe(reply)}")
+    return reply
+
+
+def _describe(message: p.ServerMessage) -> str:
+    if isinstance(message, p.Error | p.Reject):
+        return message.reason
+    return f"unexpected {type(message).__name__}"

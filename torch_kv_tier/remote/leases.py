@@ -1,0 +1,160 @@
+"""Leases: which contiguous range of the server's slots each connected client may use.
+
+Pure bookkeeping (no I/O, no clock of its own: callers pass ``now``), so it is tested directly.
+Not thread-safe: the server guards a ``LeaseTable`` with its state lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import secrets
+from dataclasses import dataclass
+
+
+class SlotPool:
+    """Free slots of ``[0, num_blocks)`` as sorted, disjoint, coalesced ``[start, stop)`` runs."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._runs: list[tuple[int, int]] = [(0, num_blocks)]
+
+    @property
+    def free(self) -> int:
+        """Number of free slots."""
+        return sum(stop - start for start, stop in self._runs)
+
+    def take(self, want: int) -> range | None:
+        """Lease up to ``want`` slots as one range; ``None`` when nothing is free.
+
+        Best fit: the smallest free run that holds ``want`` slots, else the largest run (a
+        partial grant).
+        """
+        if want <= 0:
+            raise ValueError(f"want must be > 0, got {want}")
+        if not self._runs:
+            return None
+        fitting = [i for i, (a, b) in enumerate(self._runs) if b - a >= want]
+        if fitting:
+            i = min(fitting, key=lambda j: self._runs[j][1] - self._runs[j][0])
+        else:
+            i = max(range(len(self._runs)), key=lambda j: self._runs[j][1] - self._runs[j][0])
+        start, stop = self._runs[i]
+        grant = min(want, stop - start)
+        if grant == stop - start:
+            del self._runs[i]
+        else:
+            self._runs[i] = (start + grant, stop)
+        return range(start, start + grant)
+
+    def give_back(self, lease: range) -> None:
+        """Return a range obtained from ``take``; raise ``ValueError`` if any slot is free."""
+        start, stop = lease.start, lease.stop
+        if not 0 <= start < stop <= self.num_blocks:
+            raise ValueError(f"lease {lease} is outside [0, {self.num_blocks})")
+        i = bisect.bisect_left(self._runs, (start, stop))
+        if (i > 0 and self._runs[i - 1][1] > start) or (
+            i < len(self._runs) and self._runs[i][0] < stop
+        ):
+            raise ValueError(f"lease {lease} overlaps free slots: returned twice?")
+        if i > 0 and self._runs[i - 1][1] == start:
+            start = self._runs[i - 1][0]
+            i -= 1
+            del self._runs[i]
+        if i < len(self._runs) and self._runs[i][0] == stop:
+            stop = self._runs[i][1]
+            del self._runs[i]
+        self._runs.insert(i, (start, stop))
+
+
+@dataclass
+class Session:
+    """One connected client and its lease.
+
+    ``session_id`` is the client's secret handle (never shown in stats); ``public_id`` names
+    the session in logs and stats. Byte counters are the client's own cumulative reports.
+    """
+
+    session_id: str
+    public_id: str
+    client_name: str
+    lease: range
+    started: float
+    last_seen: float
+    bytes_written: int = 0
+    bytes_read: int = 0
+    slots_used: int = 0
+
+
+class LeaseTable:
+    """Sessions, their leases, and expiry after ``lease_timeout_s`` without a heartbeat.
+
+    ``max_lease`` caps every lease; a client asking for no particular number gets that cap
+    (or the largest free run, if smaller).
+    """
+
+    def __init__(self, num_blocks: int, lease_timeout_s: float, max_lease: int | None = None):
+        if lease_timeout_s <= 0:
+            raise ValueError(f"lease timeout must be > 0 s, got {lease_timeout_s}")
+        cap = num_blocks if max_lease is None else max_lease
+        if not 0 < cap <= num_blocks:
+            raise ValueError(f"max lease must be in [1, {num_blocks}], got {max_lease}")
+        self.pool = SlotPool(num_blocks)
+        self.lease_timeout_s = lease_timeout_s
+        self.max_lease = cap
+        self.sessions: dict[str, Session] = {}
+        self.reclaimed = 0  # leases taken back after a missed heartbeat deadline
+        self.retired_bytes_written = 0  # reported by sessions that have ended
+        self.retired_bytes_read = 0
+        self._public_ids = itertools.count(1)
+
+    def open(self, client_name: str, slots: int | None, now: float) -> Session | None:
+        """Start a session leasing up to ``slots`` slots; ``None`` when no slot is free."""
+        lease = self.pool.take(min(slots or self.max_lease, self.max_lease))
+        if lease is None:
+            return None
+        session = Session(
+            session_id=secrets.token_hex(16),
+            public_id=f"s{next(self._public_ids)}",
+            client_name=client_name,
+            lease=lease,
+            started=now,
+            last_seen=now,
+        )
+        self.sessions[session.session_id] = session
+        return session
+
+    def touch(self, session_id: str, now: float) -> Session | None:
+        """Record a sign of life; ``None`` for an unknown (or already expired) session."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_seen = now
+        return session
+
+    def close(self, session_id: str) -> Session | None:
+        """End a session and free its lease at once; ``None`` if it was unknown."""
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self._retire(session)
+        return session
+
+    def expire(self, now: float) -> list[Session]:
+        """End every session silent for longer than the lease timeout; return them."""
+        late = [s for s in self.sessions.values() if now - s.last_seen > self.lease_timeout_s]
+        for session in late:
+            del self.sessions[session.session_id]
+            self._retire(session)
+        self.reclaimed += len(late)
+        return late
+
+    @property
+    def leased(self) -> int:
+        """Slots currently leased."""
+        return self.pool.num_blocks - self.pool.free
+
+    def _retire(self, session: Session) -> None:
+        self.pool.give_back(session.lease)
+        self.retired_bytes_written += session.bytes_written
+        self.retired_bytes_read += session.bytes_read

@@ -1,0 +1,144 @@
+"""Prometheus text exposition of the server's stats, served by a small HTTP thread."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "torch_kv_tier_server_"
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_prometheus(stats: Mapping[str, Any]) -> str:
+    """Prometheus text format (version 0.0.4) for a ``Server.stats()`` dict."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, object]]) -> None:
+        lines.append(f"# HELP {_PREFIX}{name} {help_text}")
+        lines.append(f"# TYPE {_PREFIX}{name} {kind}")
+        lines.extend(f"{_PREFIX}{name}{labels} {value}" for labels, value in samples)
+
+    metric("up", "gauge", "1 while the server serves.", [("", 1)])
+    metric(
+        "uptime_seconds",
+        "gauge",
+        "Seconds since the server started.",
+        [("", f"{stats['uptime_s']:.3f}")],
+    )
+    metric("block_len_bytes", "gauge", "Bytes per block.", [("", stats["block_len"])])
+    metric(
+        "blocks",
+        "gauge",
+        "Slots of the pool by state.",
+        [
+            ('{state="free"}', stats["free_blocks"]),
+            ('{state="leased"}', stats["leased_blocks"]),
+        ],
+    )
+    metric(
+        "slots_used",
+        "gauge",
+        "Leased slots holding data, as reported by clients.",
+        [("", stats["slots_used"])],
+    )
+    metric(
+        "sessions", "gauge", "Connected clients holding a lease.", [("", len(stats["sessions"]))]
+    )
+    metric(
+        "session_lease_blocks",
+        "gauge",
+        "Slots leased to each session.",
+        [
+            (
+                f'{{session="{_label(s["public_id"])}",client="{_label(s["client_name"])}"}}',
+                s["lease"][1] - s["lease"][0],
+            )
+            for s in stats["sessions"]
+        ],
+    )
+    metric(
+        "handshakes_total",
+        "counter",
+        "Handshakes by result.",
+        [
+            ('{result="accepted"}', stats["handshakes_accepted"]),
+            ('{result="rejected"}', stats["handshakes_rejected"]),
+        ],
+    )
+    metric(
+        "leases_reclaimed_total",
+        "counter",
+        "Leases reclaimed after missed heartbeats.",
+        [("", stats["leases_reclaimed"])],
+    )
+    metric(
+        "bad_frames_total",
+        "counter",
+        "Control frames dropped or answered with an error.",
+        [("", stats["bad_frames"])],
+    )
+    metric(
+        "bytes_total",
+        "counter",
+        "Bytes moved to (written) and from (read) the pool.",
+        [
+            ('{direction="written"}', stats["bytes_written"]),
+            ('{direction="read"}', stats["bytes_read"]),
+        ],
+    )
+    metric(
+        "progress_calls_total",
+        "counter",
+        "Calls driving the NIXL agent's progress.",
+        [("", stats["progress_calls"])],
+    )
+    return "\n".join(lines) + "\n"
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (0: any free port) in a daemon thread.
+
+    ``render`` is called on the HTTP thread for each request; it must be thread-safe.
+    """
+
+    def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = 5.0  # a stalled scraper cannot hold the (single) HTTP thread longer
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                if self.path.split("?", 1)[0] != "/metrics":
+                    self.send_error(404, "only /metrics is served")
+                    return
+                body = render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                logger.debug("metrics %s: " + format, self.client_address[0], *args)
+
+        self._httpd = http.server.HTTPServer((host, port), Handler)
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            daemon=True,
+            name="tkvt-metrics",
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port (waits at most a few seconds)."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5.0)

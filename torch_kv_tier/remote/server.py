@@ -1,0 +1,578 @@
+"""``torch-kv-tier serve``: a remote host that lends slots of a NIXL-registered DRAM pool.
+
+The server owns one ``BlockArena`` registered with a ``NixlTransport``. Clients write and read
+its blocks one-sidedly over NIXL; the server only answers the control plane (handshakes,
+heartbeats, stats, disconnects; see ``protocol``) and drives the NIXL agent's progress, which a
+passive target must do or transfers aimed at it never complete.
+
+Threading: one loop thread (the caller of ``Server.serve``) owns the ZeroMQ socket, the
+transport and every mutation. ``Server._lock`` guards the lease table and the counters, so the
+metrics HTTP thread can read a consistent ``stats()`` snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.leases import LeaseTable, Session
+from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
+from torch_kv_tier.transport import NixlTransport
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.1  # loop period while no client holds a lease (bounds SIGTERM latency too)
+EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
+CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
+MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
+MAX_BATCH = 256  # control messages handled between two progress calls
+MAX_CLIENT_NAME = 128
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``Server`` needs; ``from_args`` builds it from the command line."""
+
+    num_blocks: int
+    block_len: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    config_fields: dict[str, Any] | None = None
+    metrics_port: int | None = None
+    lease_timeout_s: float = 30.0
+    max_lease: int | None = None
+    progress_thread: bool = False
+    progress_interval_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.block_len <= 0:
+            raise ValueError(
+                f"--num-blocks and --block-len must be > 0, got {self.num_blocks} and "
+                f"{self.block_len}"
+            )
+        if self.lease_timeout_s <= 0:
+            raise ValueError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout_s}")
+        if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
+            raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
+        if not 0 <= self.progress_interval_s <= 1:
+            raise ValueError(
+                f"--progress-interval-ms must be in [0, 1000], got {self.progress_interval_s * 1e3}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without a token: anyone who reaches that "
+                "address could read and overwrite the pool. Pass --token-file PATH (clients "
+                "use the same token), or listen on 127.0.0.1"
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        """Validate the parsed command line; ``ValueError`` says which option is wrong."""
+        return cls(
+            num_blocks=args.num_blocks,
+            block_len=args.block_len,
+            host=args.host,
+            port=args.port,
+            token=read_token_file(args.token_file) if args.token_file else None,
+            config_fields=parse_config_fields(args.config_fields),
+            metrics_port=args.metrics_port,
+            lease_timeout_s=args.lease_timeout,
+            max_lease=args.max_lease,
+            progress_thread=args.progress_thread,
+            progress_interval_s=args.progress_interval_ms / 1e3,
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` resolves to is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); ``ValueError`` if unusable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+            mode = os.fstat(f.fileno()).st_mode
+    except OSError as exc:
+        raise ValueError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    if not token:
+        raise ValueError(f"--token-file {path} is empty: put a long random string in it")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("token file %s is readable by other users: chmod 600 it", path)
+    return token
+
+
+def parse_config_fields(text: str | None) -> dict[str, Any] | None:
+    """``--config-fields`` JSON (an object) or ``None``; ``ValueError`` if it is not an object."""
+    if text is None:
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config-fields is not valid JSON: {exc}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--config-fields must be a JSON object, got {type(fields).__name__}")
+    return fields
+
+
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT``, with IPv6 literals bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass
+class _Challenge:
+    nonce: bytes
+    client_nonce: bytes
+    expires: float
+
+
+class Server:
+    """The pool, its NIXL registration, the control socket and the lease table.
+
+    Construction allocates and registers the pool and binds the control port (``address``
+    holds the real port); ``serve`` runs the loop until ``stop`` is set; ``close`` releases
+    everything. Raises ``OSError`` when the port cannot be bound.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._leases = LeaseTable(config.num_blocks, config.lease_timeout_s, config.max_lease)
+        self._challenges: dict[bytes, _Challenge] = {}
+        self._counters = dict.fromkeys(
+            ("handshakes_accepted", "handshakes_rejected", "bad_frames", "progress_calls"), 0
+        )
+        self._started = time.monotonic()
+        self._metrics: MetricsServer | None = None
+        self._socket: zmq.Socket[bytes] | None = None
+        try:  # the cheap steps that fail on a busy port first, then the pool
+            self._socket = self._bind(config.host, config.port)
+            endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.port = int(endpoint.rsplit(":", 1)[1])
+            self.address = format_address(config.host, self.port)
+            if config.metrics_port is not None:
+                self._metrics = MetricsServer(
+                    config.host, config.metrics_port, lambda: render_prometheus(self.stats())
+                )
+            self.arena = BlockArena(config.num_blocks, config.block_len)
+            self.transport = NixlTransport(
+                "tkvt-server",
+                self.arena.tensor,
+                config.config_fields,
+                progress_thread=config.progress_thread,
+            )
+            self._agent_metadata = self.transport.get_agent_metadata()
+            self._region = p.Region(
+                self.transport.base_addr,
+                self.transport.num_blocks,
+                self.transport.block_len,
+                self.transport.mem_type,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def name(self) -> str:
+        """The server's NIXL agent name (unique per process)."""
+        return self.transport.agent_name
+
+    @staticmethod
+    def _bind(host: str, port: int) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # larger frames: peer disconnected
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+        endpoint = "tcp://" + format_address(host, port).rsplit(":", 1)[0] + f":{port or '*'}"
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {endpoint}: {exc}") from None
+        return sock
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer clients and drive NIXL progress until ``stop`` is set.
+
+        While some client holds a lease the loop wakes every ``progress_interval_s`` to call
+        ``transport.progress()``; otherwise every ``IDLE_POLL_S``.
+        """
+        assert self._socket is not None
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        drive_progress = not self.config.progress_thread
+        next_expiry = 0.0
+        while not stop.is_set():
+            busy = drive_progress and bool(self._leases.sessions)
+            timeout_s = self.config.progress_interval_s if busy else IDLE_POLL_S
+            if poller.poll(math.ceil(timeout_s * 1e3)):
+                self._drain()
+            if drive_progress:
+                self.transport.progress()
+                self._counters["progress_calls"] += 1
+            now = time.monotonic()
+            if now >= next_expiry:
+                next_expiry = now + EXPIRY_PERIOD_S
+                self._expire(now)
+
+    def _drain(self) -> None:
+        assert self._socket is not None
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            with self._lock:
+                reply = self._answer(identity, body, time.monotonic())
+            if reply is not None:
+                self._send(identity, reply)
+
+    def _send(self, identity: bytes, message: p.ServerMessage) -> None:
+        assert self._socket is not None
+        try:
+            self._socket.send_multipart([identity, p.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out
+            logger.debug("reply to %s dropped: %s", identity.hex(), exc)
+
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            for session in self._leases.expire(now):
+                logger.warning(
+                    "session %s (%s): no heartbeat for %.1f s, lease %s reclaimed",
+                    session.public_id,
+                    session.client_name,
+                    now - session.last_seen,
+                    _span(session.lease),
+                )
+            for identity in [i for i, c in self._challenges.items() if c.expires < now]:
+                del self._challenges[identity]
+
+    # -- message handling (caller holds self._lock) ----------------------------------------
+
+    def _answer(self, identity: bytes, body: list[bytes], now: float) -> p.ServerMessage | None:
+        if len(body) != 1:
+            return self._bad(f"expected one frame per message, got {len(body)}")
+        try:
+            message = p.decode_client(body[0])
+        except p.BadFrame as exc:
+            return self._bad(str(exc))
+        if isinstance(message, p.Hello):
+            return self._hello(identity, message, now)
+        if isinstance(message, p.Handshake):
+            return self._handshake(identity, message, now)
+        if isinstance(message, p.Heartbeat):
+            return self._heartbeat(message, now)
+        if isinstance(message, p.StatsRequest):
+            return self._stats_request(message, now)
+        return self._disconnect(message)
+
+    def _bad(self, reason: str) -> p.Error:
+        self._counters["bad_frames"] += 1
+        logger.info("bad control frame: %s", reason)
+        return p.Error(0, reason)
+
+    def _reject(self, seq: int, client_name: str, reason: str) -> p.Reject:
+        self._counters["handshakes_rejected"] += 1
+        logger.info("handshake from %r rejected: %s", client_name, reason)
+        return p.Reject(seq, reason)
+
+    def _hello(self, identity: bytes, hello: p.Hello, now: float) -> p.ServerMessage:
+        if hello.version != p.PROTOCOL_VERSION:
+            return self._reject(
+                hello.seq, "?", f"protocol version {hello.version} != {p.PROTOCOL_VERSION}"
+            )
+        if not 16 <= len(hello.client_nonce) <= 64:
+            return self._bad(f"client nonce must be 16..64 bytes, got {len(hello.client_nonce)}")
+        nonce = secrets.token_bytes(p.NONCE_BYTES)
+        self._challenges.pop(identity, None)
+        self._challenges[identity] = _Challenge(nonce, hello.client_nonce, now + CHALLENGE_TTL_S)
+        while len(self._challenges) > MAX_PENDING_CHALLENGES:
+            del self._challenges[next(iter(self._challenges))]
+        token = self.config.token
+        proof = p.server_proof(token, nonce, hello.client_nonce) if token else b""
+        return p.Challenge(p.PROTOCOL_VERSION, hello.seq, nonce, proof)
+
+    def _handshake(self, identity: bytes, hs: p.Handshake, now: float) -> p.ServerMessage:
+        name = hs.client_name[:MAX_CLIENT_NAME]
+        challenge = self._challenges.pop(identity, None)
+        if hs.version != p.PROTOCOL_VERSION:
+            return self._reject(
+                hs.seq, name, f"protocol version {hs.version} != {p.PROTOCOL_VERSION}"
+            )
+        if challenge is None or challenge.expires < now or challenge.nonce != hs.nonce:
+            return self._reject(hs.seq, name, "stale or unknown nonce: start again with hello")
+        token = self.config.token
+        if token and not p.proof_matches(
+            p.client_proof(token, challenge.nonce, challenge.client_nonce), hs.proof
+        ):
+            return self._reject(hs.seq, name, "bad token")
+        problem = hs.region.problem()
+        if problem is not None:
+            return self._reject(hs.seq, name, problem)
+        if hs.region.block_len != self._region.block_len:
+            return self._reject(
+                hs.seq, name, f"block_len {hs.region.block_len} != {self._region.block_len}"
+            )
+        ours = self.transport.config_fingerprint
+        if ours and hs.config_fingerprint and ours != hs.config_fingerprint:
+            return self._reject(hs.seq, name, "config fingerprint mismatch")
+        if hs.slots is not None and hs.slots <= 0:
+            return self._reject(hs.seq, name, f"slots must be > 0, got {hs.slots}")
+        if not hs.agent_metadata:
+            return self._reject(hs.seq, name, "agent metadata is empty")
+        session = self._leases.open(name, hs.slots, now)
+        if session is None:
+            return self._reject(hs.seq, name, "no free slots")
+        self._counters["handshakes_accepted"] += 1
+        logger.info(
+            "session %s (%s): lease %s (%d slots)",
+            session.public_id,
+            name,
+            _span(session.lease),
+            len(session.lease),
+        )
+        return p.Accept(
+            seq=hs.seq,
+            session_id=session.session_id,
+            public_id=session.public_id,
+            server_name=self.name,
+            agent_metadata=self._agent_metadata,
+            region=self._region,
+            lease_start=session.lease.start,
+            lease_stop=session.lease.stop,
+            lease_timeout_s=self._leases.lease_timeout_s,
+        )
+
+    def _heartbeat(self, hb: p.Heartbeat, now: float) -> p.ServerMessage:
+        session = self._leases.touch(hb.session_id, now)
+        if session is None:
+            return p.Error(hb.seq, p.UNKNOWN_SESSION)
+        _count_bytes(session, hb)
+        session.slots_used = min(max(hb.slots_used, 0), len(session.lease))
+        return p.HeartbeatAck(hb.seq)
+
+    def _stats_request(self, req: p.StatsRequest, now: float) -> p.ServerMessage:
+        known = self._leases.touch(req.session_id, now) is not None
+        if self.config.token and not known:
+            return p.Error(req.seq, p.UNKNOWN_SESSION)
+        return p.StatsReply(req.seq, self._stats_locked())
+
+    def _disconnect(self, req: p.Disconnect) -> p.ServerMessage:
+        session = self._leases.sessions.get(req.session_id)
+        if session is None:
+            return p.Error(req.seq, p.UNKNOWN_SESSION)
+        _count_bytes(session, req)
+        self._leases.close(req.session_id)
+        logger.info(
+            "session %s (%s): disconnected, lease %s returned",
+            session.public_id,
+            session.client_name,
+            _span(session.lease),
+        )
+        return p.DisconnectAck(req.seq)
+
+    # -- stats and shutdown -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot: pool geometry, leases, occupancy, client-reported bytes, counters.
+
+        Thread-safe.
+        """
+        with self._lock:
+            return self._stats_locked()
+
+    def _stats_locked(self) -> dict[str, Any]:
+        now = time.monotonic()
+        table = self._leases
+        sessions = list(table.sessions.values())
+        return {
+            "protocol_version": p.PROTOCOL_VERSION,
+            "server_name": self.name,
+            "address": self.address,
+            "num_blocks": self.config.num_blocks,
+            "block_len": self.config.block_len,
+            "free_blocks": table.pool.free,
+            "leased_blocks": table.leased,
+            "occupancy": table.leased / self.config.num_blocks,
+            "slots_used": sum(s.slots_used for s in sessions),
+            "lease_timeout_s": table.lease_timeout_s,
+            "leases_reclaimed": table.reclaimed,
+            "bytes_written": table.retired_bytes_written + sum(s.bytes_written for s in sessions),
+            "bytes_read": table.retired_bytes_read + sum(s.bytes_read for s in sessions),
+            "uptime_s": now - self._started,
+            "metrics_port": self._metrics.port if self._metrics else None,
+            "sessions": [
+                {
+                    "public_id": s.public_id,
+                    "client_name": s.client_name,
+                    "lease": [s.lease.start, s.lease.stop],
+                    "age_s": now - s.started,
+                    "idle_s": now - s.last_seen,
+                    "bytes_written": s.bytes_written,
+                    "bytes_read": s.bytes_read,
+                    "slots_used": s.slots_used,
+                }
+                for s in sessions
+            ],
+            **self._counters,
+        }
+
+    def close(self) -> None:
+        """Stop the metrics thread, close the socket, release the NIXL registration. Idempotent."""
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+        transport = getattr(self, "transport", None)  # absent when construction failed early
+        if transport is not None:
+            transport.close()
+
+
+def _count_bytes(session: Session, report: p.Heartbeat | p.Disconnect) -> None:
+    """Take a client's cumulative byte counts (they only grow; negative values are ignored)."""
+    session.bytes_written = max(session.bytes_written, report.bytes_written)
+    session.bytes_read = max(session.bytes_read, report.bytes_read)
+
+
+def _span(lease: range) -> str:
+    return f"[{lease.start}, {lease.stop})"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's options."""
+    parser.add_argument("--num-blocks", type=int, required=True, help="slots in the pool")
+    parser.add_argument(
+        "--block-len", type=int, required=True, help="bytes per block; clients must match"
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1); anything else requires --token-file",
+    )
+    parser.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+    parser.add_argument(
+        "--token-file", help="file holding the shared secret clients must prove they know"
+    )
+    parser.add_argument(
+        "--config-fields",
+        help="JSON object of model config values; clients with a different non-empty "
+        "fingerprint are rejected",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus text on http://HOST:PORT/metrics"
+    )
+    parser.add_argument(
+        "--lease-timeout",
+        type=float,
+        default=30.0,
+        help="seconds without a heartbeat before a client's slots are reclaimed (default 30)",
+    )
+    parser.add_argument(
+        "--max-lease", type=int, help="most slots one client may lease (default: the whole pool)"
+    )
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument(
+        "--progress-interval-ms",
+        type=float,
+        default=1.0,
+        help="while clients are connected, drive NIXL progress this often (default 1 ms; "
+        "waits round up to whole milliseconds, 0 polls without sleeping and keeps a core busy)",
+    )
+    progress.add_argument(
+        "--progress-thread",
+        action="store_true",
+        help="use NIXL's own progress thread instead (lowest latency; keeps one core busy)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; print ``ready HOST:PORT`` once listening. Returns 0, or
+    2 for bad options and 1 when the pool or the port cannot be set up."""
+    try:
+        config = ServerConfig.from_args(args)
+    except ValueError as exc:
+        print(f"torch-kv-tier serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    restore = _install_signal_handlers(stop)
+    try:
+        try:
+            server = Server(config)
+        except (OSError, RuntimeError, MemoryError) as exc:
+            logger.error("cannot start: %s", exc)
+            return 1
+        try:
+            logger.info(
+                "serving %d x %d B (%s) as %s, lease timeout %.1f s%s",
+                config.num_blocks,
+                config.block_len,
+                server.transport.mem_type,
+                server.name,
+                config.lease_timeout_s,
+                f", metrics on port {server.stats()['metrics_port']}"
+                if config.metrics_port is not None
+                else "",
+            )
+            print(f"ready {server.address}", flush=True)
+            server.serve(stop)
+            logger.info("stopping: releasing %d leases", len(server.stats()["sessions"]))
+        finally:
+            server.close()
+    finally:
+        restore()
+    logger.info("stopped")
+    return 0
+
+
+def _install_signal_handlers(stop: threading.Event) -> Any:
+    """SIGINT/SIGTERM set ``stop`` (main thread only); returns a function restoring the old
+    handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+    for s in signals:
+        signal.signal(s, lambda signum, frame: stop.set())
+
+    def restore() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+    return restore
