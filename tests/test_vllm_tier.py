@@ -10,6 +10,7 @@ region; every promotion is checked byte for byte against them.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -49,22 +50,24 @@ from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
 PRIMARY_CHUNKS = 8
 REMOTE_BLOCKS = 64
+TIER_SLOTS = 16  # each test's tier leases this many, so tests can share one remote host
 TIER_LABEL = ("1:RemoteHostTier",)  # vLLM labels secondary tier i as f"{i + 1}:{type}"
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
 def make_manager(
-    remote: Any, primary_chunks: int = PRIMARY_CHUNKS, **tier_options: Any
+    remote: Any, *, kv_events: bool = False, **tier_options: Any
 ) -> tuple[Any, TieringOffloadingManager]:
     """The spec and the TieringOffloadingManager vLLM would build for this extra config."""
     extra_config = {
         "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": primary_chunks * CHUNK_BYTES,
+        "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
         "secondary_tiers": [
             {
                 "type": "RemoteHostTier",
                 "module_path": "integrations.vllm.remote_tier",
                 "remote": remote,
+                "slots": TIER_SLOTS,
                 **tier_options,
             }
         ],
@@ -72,7 +75,7 @@ def make_manager(
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
         worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config=extra_config,
         engine_id=f"test-{uuid.uuid4().hex[:8]}",
         model=OffloadingModelConfig(name="test-model", dtype="float16"),
@@ -103,6 +106,7 @@ class Driver:
         self.manager = manager
         self.rng = np.random.default_rng(seed)
         self.written: dict[OffloadKey, bytes] = {}
+        self.closed = False
 
     @property
     def tier(self) -> RemoteHostTier:
@@ -174,6 +178,10 @@ class Driver:
                 self.manager.complete_load(keys, ctx)
 
     def shutdown(self, spec: Any, timeout: float = 15.0) -> None:
+        """Shut vLLM's manager down (once) and check that nothing of ours keeps it mapped."""
+        if self.closed:
+            return
+        self.closed = True
         start = time.monotonic()
         self.manager.shutdown()
         assert time.monotonic() - start < timeout
@@ -185,8 +193,9 @@ def keys_for(prefix: str, n: int) -> list[OffloadKey]:
     return [make_offload_key(f"{prefix}-{i}".encode().ljust(32, b"\0"), 0) for i in range(n)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
+    """One remote host for the tests that leave it running; each tier leases its own slots."""
     with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as srv:
         yield srv
 
@@ -213,10 +222,17 @@ def offload_then_evict(driver: Driver, n: int) -> list[OffloadKey]:
 
 
 def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) -> None:
-    spec, manager = make_manager(server.address, unknown_future_key=1)
+    spec, manager = make_manager(
+        server.address, kv_events=True, enable_kv_events=True, unknown_future_key=1
+    )
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 4)
+        with manager.lock:
+            events = [e for e in manager.take_events() if e.ownership == "RemoteHostTier"]
+        assert sorted(k for e in events if not e.removed for k in e.keys) == sorted(
+            keys + keys_for("filler", PRIMARY_CHUNKS)
+        )
         ctx = ReqContext(req_id="req-c")
         with manager.lock:
             manager.on_new_request(ctx)
@@ -229,6 +245,7 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         data = stats.data["data"]
         assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
         assert data[TieringOffloadingMetrics.WRITE_BYTES][TIER_LABEL] == 12 * CHUNK_BYTES
+        assert data[TieringOffloadingMetrics.READ_TIME][TIER_LABEL] > 0  # our transfer_time
         label = (server.address,)
         assert data[RemoteHostMetrics.STORED_CHUNKS][label] == 12
         assert data[RemoteHostMetrics.CONNECTED_REMOTES][label] == 1
@@ -286,10 +303,12 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
 def test_remote_host_death_mid_promotion_falls_back_to_recompute(
     tcp_server: ServerProcess,
 ) -> None:
-    spec, manager = make_manager(tcp_server.address)
+    spec, manager = make_manager(tcp_server.address, kv_events=True, enable_kv_events=True)
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 4)
+        with manager.lock:
+            manager.take_events()
         ctx = ReqContext(req_id="req-c")
         with manager.lock:
             manager.on_new_request(ctx)
@@ -301,11 +320,54 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         tcp_server.kill()  # and the host dies under it.
         driver.run_until_idle(timeout=30.0)
         assert driver.lookup(ctx, keys) == [LookupResult.MISS] * 4  # recompute
+        with manager.lock:  # KV-event consumers (routers) learn that the host's chunks are gone
+            events = [e for e in manager.take_events() if e.ownership == "RemoteHostTier"]
+            stats = manager.get_stats()
+        assert stats is not None
+        assert stats.data["data"][TieringOffloadingMetrics.PROMOTION_JOB_FAILURES][TIER_LABEL] == 1
+        gone = {k for e in events if e.removed for k in e.keys}
+        assert gone == set(keys + keys_for("filler", PRIMARY_CHUNKS))
         with manager.lock:
             manager.on_request_finished(ctx)
         # New chunks still go through the primary tier; their cascades fail, nothing hangs.
         driver.store("req-d", keys_for("after", 2))
         driver.run_until_idle(timeout=30.0)
+    finally:
+        driver.shutdown(spec)
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting until {what}"
+        time.sleep(0.05)
+
+
+def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -> None:
+    port = tcp_server.address.rpartition(":")[2]
+    spec, manager = make_manager(tcp_server.address, reconnect_interval_s=0.2)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        before = keys_for("before", 2)
+        driver.store("req-a", before)
+        driver.run_until_idle()
+        os.kill(tcp_server.proc.pid, signal.SIGSTOP)
+        driver.store("req-b", keys_for("during", 2))  # a cascade in flight...
+        tcp_server.kill()  # ...fails when the host dies, and the tier drops the host
+        driver.run_until_idle()
+        wait_until(lambda: not tier.peers(), 20.0, "the dead host is dropped")
+        assert not any(tier.contains(k) for k in before)  # its chunks are forgotten
+        restart = ServerProcess.start(
+            REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--port", port], env={"UCX_TLS": "tcp"}
+        )
+        with restart:
+            wait_until(lambda: bool(tier.peers()), 20.0, "the tier re-connects")
+            after = keys_for("after", 2)
+            driver.store("req-c", after)
+            driver.run_until_idle()
+            assert all(tier.contains(k) for k in after)
+            driver.shutdown(spec)
     finally:
         driver.shutdown(spec)
 
@@ -317,9 +379,21 @@ def test_bad_config_raises_before_connecting() -> None:
         make_manager("127.0.0.1:1", slots=0)
 
 
-def test_block_len_mismatch_names_the_server_flag() -> None:
+def test_failed_nixl_setup_releases_the_primary_region(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.v1.kv_offload.cpu.shared_offload_region")
+    with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):  # NIXL's own exception type
+        make_manager("127.0.0.1:1", backends=["NO_SUCH_BACKEND"])
+    assert "Removed mmap file" in caplog.text
+    assert "Keeping" not in caplog.text
+
+
+def test_block_len_mismatch_names_the_server_flag(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vllm.v1.kv_offload.cpu.shared_offload_region")
     with (
         ServerProcess.start(REMOTE_BLOCKS, 2 * CHUNK_BYTES) as srv,
         pytest.raises(RuntimeError, match=f"--block-len {CHUNK_BYTES}"),
     ):
         make_manager(srv.address)
+    # The failed tier released its views, so vLLM's cleanup could unmap the shared region.
+    assert "Removed mmap file" in caplog.text
+    assert "Keeping" not in caplog.text

@@ -1,0 +1,213 @@
+"""Parse and validate the ``secondary_tiers`` entry of a :class:`RemoteHostTier`.
+
+vLLM hands every key of the entry except ``type``, ``module_path`` and ``backpressure`` to the
+tier's constructor. This module turns those keys into a frozen :class:`RemoteHostTierConfig`,
+raising ``ValueError`` for bad input before the tier touches memory or the network. It imports
+nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch_kv_tier.remote.client import parse_address
+
+logger = logging.getLogger(__name__)
+
+# Keys this tier reads; anything else is accepted (vLLM and other tiers may add keys over time)
+# and logged once, so a typo does not pass silently.
+KNOWN_KEYS = frozenset(
+    {
+        "remote",
+        "token_file",
+        "slots",
+        "max_inflight",
+        "config_fields",
+        "backends",
+        "num_threads",
+        "locality",
+        "enable_kv_events",
+        "drain_timeout_s",
+        "close_timeout_s",
+        "reconnect_interval_s",
+        "connect_timeout_s",
+    }
+)
+
+_LOCALITIES = ("REMOTE", "LOCAL")
+
+
+@dataclass(frozen=True)
+class RemoteHostTierConfig:
+    """Validated options of one :class:`RemoteHostTier`.
+
+    Attributes:
+        remotes: ``HOST:PORT`` of every ``torch-kv-tier serve`` remote host, in config order.
+        token: shared secret read from ``token_file`` (``None`` when the server needs none).
+        slots: slots to lease on each remote host; ``None`` leases every free slot.
+        max_inflight: transfers the tier keeps in flight before queueing inside the tier.
+        config_fields: model facts hashed into the fingerprint the server checks; ``None``
+            sends an empty fingerprint, which every server accepts.
+        backends: NIXL backends (``None``: UCX).
+        num_threads: NIXL worker threads for UCX.
+        locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
+        enable_kv_events: emit vLLM KV events for chunks stored in and dropped from this tier.
+        drain_timeout_s: how long ``drain_jobs`` waits for in-flight transfers before raising.
+        close_timeout_s: how long ``shutdown`` waits for in-flight transfers before cancelling.
+        reconnect_interval_s: how often a dropped remote host is dialled again; 0 never.
+        connect_timeout_s: how long one handshake with a remote host may take.
+    """
+
+    remotes: tuple[str, ...]
+    token: str | None = None
+    slots: int | None = None
+    max_inflight: int = 64
+    config_fields: dict[str, Any] | None = None
+    backends: tuple[str, ...] | None = None
+    num_threads: int = 4
+    locality: str = "REMOTE"
+    enable_kv_events: bool = False
+    drain_timeout_s: float = 120.0
+    close_timeout_s: float = 10.0
+    reconnect_interval_s: float = 5.0
+    connect_timeout_s: float = 10.0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> RemoteHostTierConfig:
+        """Build the config from the keys of a ``secondary_tiers`` entry.
+
+        Raises:
+            ValueError: a key has the wrong type or value, ``remote`` is missing, or
+                ``token_file`` cannot be read. The message names the key and what it expects.
+        """
+        unknown = sorted(set(options) - KNOWN_KEYS)
+        if unknown:
+            logger.warning(
+                "RemoteHostTier ignores unknown config key(s) %s; known keys: %s",
+                unknown,
+                sorted(KNOWN_KEYS),
+            )
+        if options.get("remote") is None:
+            raise ValueError(
+                'RemoteHostTier needs "remote": the HOST:PORT printed by `torch-kv-tier serve` '
+                '(its "ready HOST:PORT" line), or a list of them'
+            )
+        backends = options.get("backends")
+        return cls(
+            remotes=parse_remotes(options["remote"]),
+            token=_read_token(options.get("token_file")),
+            slots=_optional_positive_int(options, "slots"),
+            max_inflight=_positive_int(options, "max_inflight", cls.max_inflight),
+            config_fields=_config_fields(options.get("config_fields")),
+            backends=_backends(backends) if backends is not None else None,
+            num_threads=_positive_int(options, "num_threads", cls.num_threads),
+            locality=_locality(options.get("locality", cls.locality)),
+            enable_kv_events=_bool(options, "enable_kv_events", cls.enable_kv_events),
+            drain_timeout_s=_seconds(options, "drain_timeout_s", cls.drain_timeout_s),
+            close_timeout_s=_seconds(options, "close_timeout_s", cls.close_timeout_s),
+            reconnect_interval_s=_seconds(
+                options, "reconnect_interval_s", cls.reconnect_interval_s, allow_zero=True
+            ),
+            connect_timeout_s=_seconds(options, "connect_timeout_s", cls.connect_timeout_s),
+        )
+
+
+def parse_remotes(value: Any) -> tuple[str, ...]:
+    """Normalise ``remote`` (one ``HOST:PORT``, a comma-separated string, or a list).
+
+    Raises ``ValueError`` for an empty value, a duplicate, or an entry that is not
+    ``HOST:PORT`` with a port in 1..65535 (IPv6 hosts in brackets: ``[::1]:5555``).
+    """
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = [v.strip() for v in value]
+    else:
+        raise ValueError(f'"remote" must be "HOST:PORT" or a list of them, got {value!r}')
+    if not items:
+        raise ValueError('"remote" is empty: give at least one HOST:PORT')
+    for item in items:
+        try:
+            parse_address(item)
+        except ValueError:
+            raise ValueError(
+                f'"remote" entry {item!r} is not HOST:PORT (e.g. 10.0.0.5:5600)'
+            ) from None
+    duplicates = sorted({item for item in items if items.count(item) > 1})
+    if duplicates:
+        raise ValueError(f'"remote" lists {duplicates} more than once')
+    return tuple(items)
+
+
+def _read_token(path: Any) -> str | None:
+    if path is None:
+        return None
+    if not isinstance(path, str) or not path:
+        raise ValueError(f'"token_file" must be a file path, got {path!r}')
+    try:
+        token = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ValueError(f'"token_file" {path!r} cannot be read: {exc}') from exc
+    if not token:
+        raise ValueError(f'"token_file" {path!r} is empty; put the server\'s token in it')
+    return token
+
+
+def _positive_int(options: Mapping[str, Any], key: str, default: int) -> int:
+    value = options.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f'"{key}" must be a positive integer, got {value!r}')
+    return value
+
+
+def _optional_positive_int(options: Mapping[str, Any], key: str) -> int | None:
+    if options.get(key) is None:
+        return None
+    return _positive_int(options, key, 0)
+
+
+def _seconds(
+    options: Mapping[str, Any], key: str, default: float, *, allow_zero: bool = False
+) -> float:
+    value = options.get(key, default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (value >= 0 if allow_zero else value > 0):
+        expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+        raise ValueError(f'"{key}" must be {expected}, got {value!r}')
+    return float(value)
+
+
+def _bool(options: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = options.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f'"{key}" must be true or false, got {value!r}')
+    return value
+
+
+def _config_fields(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(
+            f'"config_fields" must be a JSON object, the same one passed to '
+            f"`torch-kv-tier serve --config-fields`, got {value!r}"
+        )
+    return dict(value)
+
+
+def _backends(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise ValueError(
+            f'"backends" must be a non-empty list of NIXL backend names, got {value!r}'
+        )
+    return tuple(value)
+
+
+def _locality(value: Any) -> str:
+    if not isinstance(value, str) or value.upper() not in _LOCALITIES:
+        raise ValueError(f'"locality" must be one of {_LOCALITIES}, got {value!r}')
+    return value.upper()
