@@ -157,6 +157,38 @@ def test_discard(peers: tuple[RemotePeer, RemotePeer]) -> None:
         assert tier.stats().peers["a"].used == 1  # the slot of "c" went back to the pool
 
 
+def test_store_after_discard_of_a_store_in_flight_publishes_the_key(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        gate = Gate(tier)
+        first = tier.store(["k"], [0])
+        tier.discard(["k"])
+        second = tier.store(["k"], [1])  # a new store, not a join of the discarded one
+        gate.open.set()
+        assert first.result(10).ok and second.result(10).ok
+        assert tier.contains("k")
+        assert tier.load(["k"], [2]).result(10).ok
+        assert torch.equal(tier.arena.tensor[2], tier.arena.tensor[1])
+        assert tier.stats().peers["a"].used == 1
+
+
+def test_readding_a_peer_id_fails_the_old_transfers_only(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    with make_tier(64) as tier:
+        tier.add_peer("p", *peers[0].peer_args(), slots=range(4))
+        gate = Gate(tier)
+        old = tier.store(["a", "b"], [0, 1])
+        tier.add_peer("p", *peers[1].peer_args(), slots=range(4))
+        gate.open.set()
+        assert old.result(10).failed == {"a": "peer lost", "b": "peer lost"}
+        assert tier.peers() == ["p"]  # the new registration survives the old failures
+        assert tier.store(["c", "d", "e", "f"], [2, 3, 4, 5]).result(10).ok  # all 4 slots free
+        assert tier.load(["c"], [9]).result(10).ok
+
+
 def test_bad_input_raises_before_anything_is_sent(peers: tuple[RemotePeer, RemotePeer]) -> None:
     with make_tier(64) as tier:
         tier.add_peer("a", *peers[0].peer_args())

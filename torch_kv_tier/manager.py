@@ -64,11 +64,21 @@ class _Request:
 
 
 @dataclass
+class _Peer:
+    pool: SlotPool
+    stored: OrderedDict[Key, int] = field(default_factory=OrderedDict)  # LRU order, oldest first
+    pins: Counter[int] = field(default_factory=Counter)  # slot -> loads in flight
+    doomed: set[int] = field(default_factory=set)  # discarded while pinned: free on unpin
+    session: Any = None  # RemoteSession when the peer came from connect()
+
+
+@dataclass
 class _Op:
     """One transfer to one peer, carrying keys of its owner request and of requests that joined."""
 
     kind: Literal["store", "load"]
     peer_id: str
+    peer: _Peer  # the registration this op was made for (a re-added peer_id is another one)
     keys: list[Key]
     local: list[int]
     remote: list[int]
@@ -76,15 +86,6 @@ class _Op:
     joined: list[_Request] = field(default_factory=list)
     discarded: set[Key] = field(default_factory=set)
     submitted: float = 0.0
-
-
-@dataclass
-class _Peer:
-    pool: SlotPool
-    stored: OrderedDict[Key, int] = field(default_factory=OrderedDict)  # LRU order, oldest first
-    pins: Counter[int] = field(default_factory=Counter)  # slot -> loads in flight
-    doomed: set[int] = field(default_factory=set)  # discarded while pinned: free on unpin
-    session: Any = None  # RemoteSession when the peer came from connect()
 
 
 class TierManager:
@@ -300,6 +301,7 @@ class TierManager:
                     op = _Op(
                         "store",
                         peer_id,
+                        self._peers[peer_id],
                         [k for k, _ in batch],
                         [i for _, i in batch],
                         slots,
@@ -336,7 +338,8 @@ class TierManager:
                 batches.setdefault(peer_id, []).append((key, idx, slot))
             for peer_id, batch in batches.items():
                 keys_, local_, remote = (list(x) for x in zip(*batch))
-                self._launch(_Op("load", peer_id, keys_, local_, remote, request))
+                op = _Op("load", peer_id, self._peers[peer_id], keys_, local_, remote, request)
+                self._launch(op)
             self._settle_if_done(request)
         self._flush()
         return request.future
@@ -357,8 +360,9 @@ class TierManager:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
         with self._lock:
             for key in keys:
-                if key in self._storing:
-                    self._storing[key].discarded.add(key)
+                op = self._storing.pop(key, None)  # a later store of key starts afresh
+                if op is not None:
+                    op.discarded.add(key)
                 entry = self._index.pop(key, None)
                 if entry is None:
                     continue
@@ -369,7 +373,7 @@ class TierManager:
                     peer.doomed.add(slot)
                 else:
                     peer.pool.free([slot])
-                self._events.append(TierEvent("discarded", key, peer_id))
+                self._event(TierEvent("discarded", key, peer_id))
 
     # -- observation --------------------------------------------------------------------------
 
@@ -509,8 +513,12 @@ class TierManager:
         else:
             self._submit(op)
 
+    def _live_peer(self, op: _Op) -> _Peer | None:
+        """The op's peer if it is still registered (not removed, not replaced)."""
+        return op.peer if self._peers.get(op.peer_id) is op.peer else None
+
     def _submit(self, op: _Op) -> None:
-        if op.peer_id not in self._peers:
+        if self._live_peer(op) is None:
             self._finish(op, PEER_LOST)
             return
         send = self.transport.write_blocks if op.kind == "store" else self.transport.read_blocks
@@ -539,7 +547,7 @@ class TierManager:
                 self._finish(op, None)
             else:
                 self._counters["transfers_failed"] += 1
-                alive = op.peer_id in self._peers
+                alive = self._live_peer(op) is not None
                 self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
                 if alive:
                     lost.add(op.peer_id)
@@ -550,10 +558,11 @@ class TierManager:
 
     def _finish(self, op: _Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
-        peer = self._peers.get(op.peer_id)
+        peer = self._live_peer(op)
         if op.kind == "store":
             for key, slot in zip(op.keys, op.remote):
-                self._storing.pop(key, None)
+                if self._storing.get(key) is op:
+                    del self._storing[key]
                 if peer is None:
                     continue
                 if reason is None and key not in op.discarded:
