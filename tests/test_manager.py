@@ -13,6 +13,7 @@ import pytest
 import torch
 from remote_peer import RemotePeer
 
+from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.transport.base import PollResult
 
@@ -227,6 +228,36 @@ def test_submissions_beyond_max_inflight_queue_in_order(
         gate.open.set()
         assert all(f.result(10).ok for f in futures)
         assert [e.key for e in tier.take_events()] == [f"k{i}" for i in range(5)]
+
+
+def test_a_stalled_peer_does_not_hold_back_the_others(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    with make_tier(256, max_inflight=2) as tier:
+        tier.add_peer("slow", *peers[0].peer_args())
+        tier.add_peer("fast", *peers[1].peer_args())
+        real_poll = tier.transport.poll
+        release = threading.Event()
+        held: list[int] = []
+
+        def poll(peer_id: str | None = None) -> PollResult:  # "slow" never completes until released
+            result = real_poll(peer_id)
+            ops = dict(tier._ops)
+            held.extend(t for t in result.done if ops[t].peer_id == "slow")
+            done = [t for t in result.done if ops[t].peer_id != "slow"]
+            if release.is_set():
+                done, held[:] = done + held, []
+            return PollResult(done, result.failed)
+
+        tier.transport.poll = poll  # type: ignore[method-assign]
+        keys = [f"k{i}" for i in range(64)]
+        slow = [k for k in keys if home_peer(k, tier.peers()) == "slow"]
+        fast = [k for k in keys if k not in slow]
+        stuck = [tier.store([k], [i]) for i, k in enumerate(slow[:5])]  # 2 in flight, 3 queued
+        assert tier.stats().queued == 3
+        quick = [tier.store([k], [100 + i]) for i, k in enumerate(fast[:5])]
+        assert all(f.result(10).ok for f in quick)
+        assert not any(f.done() for f in stuck)
+        release.set()
+        assert all(f.result(10).ok for f in stuck)
 
 
 def test_a_raising_callback_does_not_stop_the_tier(peers: tuple[RemotePeer, RemotePeer]) -> None:

@@ -194,7 +194,8 @@ def test_unknown_peer_returns_none(local: NixlTransport) -> None:
         ([0], [-1], IndexError),
         ([0], [1024], IndexError),
         ([0, 1], [5, 5], ValueError),
-        ([0.5], [0], ValueError),
+        ([0.5], [0], TypeError),
+        ([True, 2], [0, 1], TypeError),
     ],
 )
 def test_bad_indices_raise_before_submission(

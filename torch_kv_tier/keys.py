@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Union
 
 Key = Union[bytes, str, int]  # noqa: UP007  (a runtime alias, usable on Python 3.10)
@@ -28,11 +28,13 @@ def _key_bytes(key: Key) -> bytes:
     return b"i" + str(key).encode()
 
 
-def home_peer(key: Key, peers: Iterable[str]) -> str | None:
+def home_peer(key: Key, peers: Collection[str]) -> str | None:
     """The peer with the highest hash score for ``key``; ``None`` when there are no peers.
 
     Deterministic in any process; adding a peer moves only the keys it now wins.
     """
+    if len(peers) == 1:
+        return next(iter(peers))
     kb = _key_bytes(key)
     best: tuple[bytes, str] | None = None
     for peer in peers:

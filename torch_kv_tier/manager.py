@@ -28,7 +28,7 @@ from torch_kv_tier.results import (
     TransferResult,
 )
 from torch_kv_tier.slots import SlotPool
-from torch_kv_tier.transport.base import DataTransport, PollResult
+from torch_kv_tier.transport.base import DataTransport, PollResult, block_indices
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class _Peer:
     stored: OrderedDict[Key, int] = field(default_factory=OrderedDict)  # LRU order, oldest first
     pins: Counter[int] = field(default_factory=Counter)  # slot -> loads in flight
     doomed: set[int] = field(default_factory=set)  # discarded while pinned: free on unpin
+    inflight: int = 0  # this peer's ops submitted to the transport
+    queue: deque[_Op] = field(default_factory=deque)  # this peer's ops waiting for capacity
     session: Any = None  # RemoteSession when the peer came from connect()
 
 
@@ -94,7 +96,9 @@ class TierManager:
     ``store`` and ``load`` never block: they return futures that a background thread resolves
     as it drains ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing
     over the peers; a key is visible to ``lookup``/``contains``/``load`` only once its write
-    completed. A full peer evicts its least recently used keys (never one being loaded).
+    completed. A full peer evicts its least recently used keys (never one being loaded). At most
+    ``max_inflight`` transfers per peer are submitted at once; the rest wait in that peer's
+    queue, in order, so a stalled peer holds back no other.
 
     Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards
     every table: peers, index, in-flight and queued transfers, events and counters. Futures are
@@ -133,7 +137,6 @@ class TierManager:
         self._index: dict[Key, tuple[str, int]] = {}  # key -> (peer_id, remote slot)
         self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
         self._ops: dict[int, _Op] = {}  # transfer id -> op
-        self._queue: deque[_Op] = deque()
         self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
         self._events: deque[TierEvent] = deque(maxlen=_MAX_EVENTS)
         self._counters: Counter[str] = Counter()
@@ -390,7 +393,7 @@ class TierManager:
                 transfers_failed=c["transfers_failed"],
                 evictions=c["evictions"],
                 inflight=len(self._ops),
-                queued=len(self._queue),
+                queued=sum(len(p.queue) for p in self._peers.values()),
                 keys=len(self._index),
                 latency_p50_us=float(np.percentile(lat, 50)),
                 latency_p99_us=float(np.percentile(lat, 99)),
@@ -418,8 +421,9 @@ class TierManager:
             if self._closed:
                 return
             self._closed = True
-            while self._queue:
-                self._finish(self._queue.popleft(), CLOSED)
+            for peer in self._peers.values():
+                while peer.queue:
+                    self._finish(peer.queue.popleft(), CLOSED)
             deadline = time.monotonic() + timeout
             while self._ops and time.monotonic() < deadline:
                 self._cond.wait(timeout=deadline - time.monotonic())
@@ -434,9 +438,14 @@ class TierManager:
             sessions = [p.session for p in self._peers.values() if p.session is not None]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
-            self._thread.join(timeout=5.0)
-        for session in sessions:
-            session.close()
+            self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        # Disconnects run side by side and get what is left of the timeout (at least 0.1 s);
+        # a host that does not answer reclaims the lease itself after its lease timeout.
+        closers = [threading.Thread(target=s.close, daemon=True) for s in sessions]
+        for closer in closers:
+            closer.start()
+        for closer in closers:
+            closer.join(timeout=max(deadline - time.monotonic(), 0.1))
         self.transport.close()
 
     def __enter__(self) -> TierManager:
@@ -461,10 +470,13 @@ class TierManager:
                 time.sleep(0.01)
                 continue
             if result.done or result.failed:
-                with self._cond:
-                    self._complete(result)
-                    self._cond.notify_all()
-                self._flush()
+                try:
+                    with self._cond:
+                        self._complete(result)
+                        self._cond.notify_all()
+                    self._flush()
+                except Exception:  # a bug here must not leave every later future hanging
+                    logger.exception("completing transfers failed")
             else:
                 time.sleep(self._poll_interval_s)
 
@@ -475,13 +487,9 @@ class TierManager:
             raise RuntimeError("TierManager is closed")
 
     def _check_local(self, idxs: Sequence[int], n: int, *, unique: bool) -> list[int]:
-        arr = np.asarray(idxs)
-        if arr.ndim != 1 or len(arr) != n:
-            raise ValueError(f"{n} keys need {n} local block indices, got {len(arr)}")
-        if n and arr.dtype.kind not in "iu":
-            raise TypeError(f"local block indices must be ints, got dtype {arr.dtype}")
-        if n and (arr.min() < 0 or arr.max() >= self.arena.num_blocks):
-            raise IndexError(f"local block index out of range [0, {self.arena.num_blocks})")
+        if len(idxs) != n:
+            raise ValueError(f"{n} keys need {n} local block indices, got {len(idxs)}")
+        arr = block_indices(idxs, self.arena.num_blocks, "local")
         if unique and len(np.unique(arr)) != n:
             raise ValueError(
                 "a local block index repeats: each destination block may be loaded once"
@@ -500,16 +508,15 @@ class TierManager:
                 if not peer.pins[slot]:
                     victims.append(key)
             for key in victims:
-                slot = peer.stored.pop(key)
                 del self._index[key]
-                peer.pool.free([slot])
-                self._counters["evictions"] += 1
                 self._event(TierEvent("evicted", key, peer_id))
+            peer.pool.free([peer.stored.pop(key) for key in victims])
+            self._counters["evictions"] += len(victims)
         return peer.pool.allocate(min(n, peer.pool.num_free))
 
     def _launch(self, op: _Op) -> None:
-        if len(self._ops) >= self.max_inflight:
-            self._queue.append(op)
+        if op.peer.inflight >= self.max_inflight:
+            op.peer.queue.append(op)
         else:
             self._submit(op)
 
@@ -532,6 +539,7 @@ class TierManager:
             self._lose_peer(op.peer_id)
             return
         op.submitted = time.perf_counter()
+        op.peer.inflight += 1
         self._ops[tid] = op
         self._cond.notify_all()
 
@@ -541,6 +549,7 @@ class TierManager:
             op = self._ops.pop(tid, None)
             if op is None:
                 continue
+            op.peer.inflight -= 1
             self._latencies_us.append((time.perf_counter() - op.submitted) * 1e6)
             if ok:
                 self._counters["transfers_done"] += 1
@@ -553,24 +562,27 @@ class TierManager:
                     lost.add(op.peer_id)
         for peer_id in lost:
             self._lose_peer(peer_id)
-        while self._queue and len(self._ops) < self.max_inflight:
-            self._submit(self._queue.popleft())
+        for peer in self._peers.values():
+            while peer.queue and peer.inflight < self.max_inflight:
+                self._submit(peer.queue.popleft())
 
     def _finish(self, op: _Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
         peer = self._live_peer(op)
         if op.kind == "store":
+            unused: list[int] = []
             for key, slot in zip(op.keys, op.remote):
                 if self._storing.get(key) is op:
                     del self._storing[key]
-                if peer is None:
-                    continue
                 if reason is None and key not in op.discarded:
-                    self._index[key] = (op.peer_id, slot)
-                    peer.stored[key] = slot
-                    self._event(TierEvent("stored", key, op.peer_id))
+                    if peer is not None:
+                        self._index[key] = (op.peer_id, slot)
+                        peer.stored[key] = slot
+                        self._event(TierEvent("stored", key, op.peer_id))
                 else:
-                    peer.pool.free([slot])
+                    unused.append(slot)
+            if peer is not None:
+                peer.pool.free(unused)
             if reason is None:
                 self._counters["blocks_stored"] += len(op.keys)
         else:
@@ -618,9 +630,8 @@ class TierManager:
         for key in peer.stored:
             del self._index[key]
             self._event(TierEvent("lost", key, peer_id))
-        for op in [op for op in self._queue if op.peer_id == peer_id]:
-            self._queue.remove(op)
-            self._finish(op, PEER_LOST)
+        while peer.queue:
+            self._finish(peer.queue.popleft(), PEER_LOST)
         try:
             self.transport.remove_remote_peer(peer_id)
         except Exception:

@@ -10,9 +10,11 @@ import numpy as np
 class SlotPool:
     """Tracks which of the slots ``range(start, start + count)`` are free.
 
-    ``allocate(n)`` returns the lowest contiguous run of ``n`` free slots when one exists (NIXL
-    merges descriptors that are contiguous on both sides of a transfer), else the ``n`` lowest
-    free slots. Not thread-safe: the owner serialises access.
+    ``allocate(n)`` returns a contiguous run of ``n`` free slots when one exists (NIXL merges
+    descriptors that are contiguous on both sides of a transfer), else the ``n`` lowest free
+    slots. Runs are found next-fit: the slots right after the previous allocation are tried
+    first, in O(n); only when they are taken does it search the whole pool for the lowest run.
+    Not thread-safe: the owner serialises access.
     """
 
     def __init__(self, slots: range) -> None:
@@ -21,6 +23,7 @@ class SlotPool:
         self.slots = slots
         self._free = np.ones(len(slots), dtype=bool)
         self._num_free = len(slots)
+        self._cursor = 0  # offset just past the previous allocation
 
     @property
     def num_free(self) -> int:
@@ -37,12 +40,17 @@ class SlotPool:
             raise ValueError(f"{n} slots requested but only {self._num_free} free")
         if n == 0:
             return []
-        free = np.flatnonzero(self._free)
-        spans = free[n - 1 :] - free[: len(free) - n + 1]
-        runs = np.flatnonzero(spans == n - 1)
-        taken = np.arange(free[runs[0]], free[runs[0]] + n) if runs.size else free[:n]
+        c = self._cursor
+        if c + n <= len(self._free) and self._free[c : c + n].all():
+            taken = np.arange(c, c + n)
+        else:
+            free = np.flatnonzero(self._free)
+            spans = free[n - 1 :] - free[: len(free) - n + 1]
+            runs = np.flatnonzero(spans == n - 1)
+            taken = np.arange(free[runs[0]], free[runs[0]] + n) if runs.size else free[:n]
         self._free[taken] = False
         self._num_free -= n
+        self._cursor = int(taken[-1]) + 1
         return (taken + self.slots.start).tolist()
 
     def free(self, idxs: Iterable[int]) -> None:

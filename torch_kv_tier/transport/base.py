@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 
 CancelMode = Literal["immediate", "wait"]
@@ -109,6 +110,28 @@ class BlockRegion:
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.block_len
+
+
+def block_indices(idxs: Sequence[int], limit: int, what: str) -> np.ndarray:
+    """Check block indices into ``[0, limit)`` and return them as an int64 array.
+
+    Raises ``TypeError`` for anything but ints (``bool`` included: numpy would read ``True``
+    as block 1), ``ValueError`` for a nested sequence and ``IndexError`` for an index out of
+    range; ``what`` names the indices in the message.
+    """
+    if not isinstance(idxs, (np.ndarray, range)) and any(
+        isinstance(i, (bool, np.bool_)) for i in idxs
+    ):
+        raise TypeError(f"{what} indices must be ints, got a bool")
+    arr = np.asarray(idxs)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} indices must be a flat sequence of ints")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} indices must be ints, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= limit):
+        bad = int(arr[(arr < 0) | (arr >= limit)][0])
+        raise IndexError(f"{what} block index {bad} out of range [0, {limit})")
+    return arr.astype(np.int64, copy=False)
 
 
 def config_fingerprint(config_fields: dict[str, Any] | None) -> str:

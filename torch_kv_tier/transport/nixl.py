@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult
+from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
 from torch_kv_tier.transport.ucx_env import apply_ucx_policy
 
 logger = logging.getLogger(__name__)
@@ -52,19 +52,6 @@ def _descriptors(base_addr: int, num_blocks: int, block_len: int, device_id: int
     descs[:, 1] = block_len
     descs[:, 2] = device_id
     return descs
-
-
-def _indices(idxs: Sequence[int], limit: int, side: str) -> np.ndarray:
-    """Validate block indices into ``[0, limit)``; return them as int32 for NIXL."""
-    arr = np.asarray(idxs)
-    if arr.ndim != 1:
-        raise ValueError(f"{side} indices must be a flat sequence of ints")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{side} indices must be ints, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() >= limit):
-        bad = int(arr[(arr < 0) | (arr >= limit)][0])
-        raise IndexError(f"{side} block index {bad} out of range [0, {limit})")
-    return arr.astype(np.int32, copy=False)
 
 
 @dataclass
@@ -318,7 +305,7 @@ class NixlTransport(DataTransport):
     def _submit(
         self, op: str, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int | None:
-        local = _indices(local_idxs, self.num_blocks, "local")
+        local = block_indices(local_idxs, self.num_blocks, "local").astype(np.int32)
         if len(local) != len(remote_idxs):
             raise ValueError(
                 f"{len(local)} local indices but {len(remote_idxs)} remote indices: "
@@ -332,7 +319,7 @@ class NixlTransport(DataTransport):
             if peer is None:
                 logger.warning("NixlTransport %s: %s to unknown peer %r", self._name, op, peer_id)
                 return None
-            remote = _indices(remote_idxs, peer.num_blocks, "remote")
+            remote = block_indices(remote_idxs, peer.num_blocks, "remote").astype(np.int32)
             dest = remote if op == "WRITE" else local
             if len(np.unique(dest)) != len(dest):
                 raise ValueError(f"{op} destination indices repeat: each block may be written once")

@@ -1,0 +1,173 @@
+"""Pieces shared by the reliability scenarios: outcomes, figures, UCX over TCP, child processes.
+
+Every scenario returns an ``Outcome``: the figures it measured, each with the limit it is held
+to, plus the problems it found (a problem is a broken promise: a hung future, a corrupt block).
+``torch-kv-tier stress`` prints outcomes as a table; the tests assert ``outcome.ok``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO
+
+import psutil
+import torch
+
+# UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
+# on one host) it often completes inside transfer(), before any fault can be injected.
+TCP_ENV = {"UCX_TLS": "tcp"}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured value and the limit it must meet (``ok``)."""
+
+    name: str
+    value: float
+    unit: str
+    limit: str
+    ok: bool
+
+    def text(self) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        if self.unit == "%":
+            return f"{self.value:.2f} %"
+        if float(self.value).is_integer() or abs(self.value) >= 100:
+            return f"{self.value:,.0f}{unit}"
+        return f"{self.value:.3g}{unit}"
+
+
+@dataclass
+class Outcome:
+    """What one scenario measured (``figures``) and the promises it saw broken (``problems``)."""
+
+    scenario: str
+    params: dict[str, object]
+    figures: list[Figure] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(f.ok for f in self.figures)
+
+    def figure(self, name: str) -> Figure:
+        """The figure called ``name``; ``KeyError`` when the scenario did not measure it."""
+        for fig in self.figures:
+            if fig.name == name:
+                return fig
+        raise KeyError(f"{self.scenario} has no figure {name!r}: {[f.name for f in self.figures]}")
+
+    def at_most(self, name: str, value: float, bound: float, unit: str = "") -> None:
+        self.figures.append(
+            Figure(name, value, unit, f"<= {bound:g} {unit}".rstrip(), value <= bound)
+        )
+
+    def at_least(self, name: str, value: float, bound: float, unit: str = "") -> None:
+        self.figures.append(
+            Figure(name, value, unit, f">= {bound:g} {unit}".rstrip(), value >= bound)
+        )
+
+    def equals(self, name: str, value: float, expected: float, unit: str = "") -> None:
+        self.figures.append(Figure(name, value, unit, f"== {expected:g}", value == expected))
+
+    def info(self, name: str, value: float, unit: str = "") -> None:
+        """A figure reported for context, with no limit."""
+        self.figures.append(Figure(name, value, unit, "", True))
+
+    def problem(self, text: str, limit: int = 20) -> None:
+        """Record a broken promise; past ``limit`` only the count grows (keeps reports short)."""
+        if len(self.problems) < limit:
+            self.problems.append(text)
+        elif len(self.problems) == limit:
+            self.problems.append("... more problems not shown")
+
+
+@contextlib.contextmanager
+def ucx_over_tcp() -> Iterator[None]:
+    """Set ``UCX_TLS=tcp`` for NIXL agents created inside the block (and for children started
+    inside it); restore the previous value afterwards. UCX reads it when an agent is created."""
+    previous = os.environ.get("UCX_TLS")
+    os.environ.update(TCP_ENV)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = previous
+
+
+def random_blocks(num_blocks: int, block_len: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (num_blocks, block_len), dtype=torch.uint8, generator=g)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
+    """Poll ``predicate`` until true (``True``) or ``timeout_s`` passes (``False``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Process resources that a leak would grow."""
+
+    rss: int
+    threads: int
+    fds: int
+
+    @classmethod
+    def of(cls, pid: int | None = None) -> Resources:
+        proc = psutil.Process(pid)
+        return cls(proc.memory_info().rss, proc.num_threads(), proc.num_fds())
+
+
+def settled_resources(baseline: Resources, timeout_s: float = 5.0) -> Resources:
+    """This process's resources once its thread count is back to ``baseline``'s (or after
+    ``timeout_s``): helper threads, e.g. a lost session closing, finish on their own."""
+    now = Resources.of()
+    deadline = time.monotonic() + timeout_s
+    while now.threads > baseline.threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = Resources.of()
+    return now
+
+
+class LineReader:
+    """Reads a child's text stream in a daemon thread; ``next_line`` waits with a timeout."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def next_line(self, timeout_s: float) -> str | None:
+        """The next line; ``None`` at end of stream; ``TimeoutError`` after ``timeout_s``."""
+        try:
+            return self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no output within {timeout_s} s") from None
+
+
+def kill_process(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL (a stopped process dies too) and reap; never raises for a dead one."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
