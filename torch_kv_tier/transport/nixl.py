@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import os
 import sys
 import threading
 import uuid
@@ -29,8 +30,9 @@ _NOT_INSTALLED = "NIXL is not installed: run `pip install nixl` (it brings the U
 def _load_nixl() -> tuple[Any, Any]:
     """Import NIXL after applying the UCX policy; raise ``ImportError`` telling how to install.
 
-    NIXL's Python logger writes to stdout by default; it is routed through ``logging`` instead,
-    so the application decides where it goes and stdout stays the application's.
+    NIXL's Python logger writes INFO lines to stdout by default; it is routed through
+    ``logging`` instead, at the application's level (unless ``NIXL_LOG_LEVEL`` says otherwise),
+    so the application decides what is shown and stdout stays the application's.
     """
     apply_ucx_policy()
     try:
@@ -42,6 +44,8 @@ def _load_nixl() -> tuple[Any, Any]:
         if getattr(handler, "stream", None) is sys.stdout:
             nixl_logger.removeHandler(handler)
     nixl_logger.propagate = True
+    if "NIXL_LOG_LEVEL" not in os.environ:  # else NIXL's INFO lines pass any handler's level
+        nixl_logger.setLevel(logging.NOTSET)
     return nixl_agent, nixl_agent_config
 
 
