@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_EVENTS = 100_000
 _LATENCY_WINDOW = 4096
+_SPIN_S = 0.002  # how long the poller polls back to back after activity
 
 
 class _Request:
@@ -117,7 +118,7 @@ class TierManager:
         transport: DataTransport,
         *,
         max_inflight: int = 64,
-        poll_interval_s: float = 50e-6,
+        max_poll_interval_s: float = 500e-6,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -130,7 +131,7 @@ class TierManager:
         self.arena = arena
         self.transport = transport
         self.max_inflight = max_inflight
-        self._poll_interval_s = poll_interval_s
+        self._max_poll_interval_s = max_poll_interval_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._peers: dict[str, _Peer] = {}
@@ -143,6 +144,7 @@ class TierManager:
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._closed = False
         self._stopping = False
+        self._submissions = 0  # transfers submitted so far; the poller watches it for activity
         self._thread = threading.Thread(target=self._run, name="tkvt-poller", daemon=True)
         self._thread.start()
 
@@ -457,6 +459,17 @@ class TierManager:
     # -- background thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Drain ``transport.poll()`` while transfers are in flight; sleep on ``_cond`` when idle.
+
+        Polling is what progresses an initiator's transfers (UCX moves a large transfer in
+        fragments, each needing a progress call), so for ``_SPIN_S`` after the last submission
+        or completion the thread polls back to back, yielding the GIL between polls. After that
+        it sleeps 50 us, doubling up to ``max_poll_interval_s``: a long quiet transfer does not
+        keep a core busy.
+        """
+        delay = 0.0
+        last_activity = time.perf_counter()
+        seen_submissions = self._submissions
         while True:
             with self._cond:
                 while not self._ops and not self._stopping:
@@ -477,8 +490,15 @@ class TierManager:
                     self._flush()
                 except Exception:  # a bug here must not leave every later future hanging
                     logger.exception("completing transfers failed")
+                delay, last_activity = 0.0, time.perf_counter()
+            elif self._submissions != seen_submissions:
+                seen_submissions, last_activity = self._submissions, time.perf_counter()
+                time.sleep(0)
+            elif time.perf_counter() - last_activity < _SPIN_S:
+                time.sleep(0)
             else:
-                time.sleep(self._poll_interval_s)
+                time.sleep(delay)
+                delay = min(max(delay * 2, 50e-6), self._max_poll_interval_s)
 
     # -- internals; callers hold self._lock unless noted --------------------------------------
 
@@ -489,12 +509,12 @@ class TierManager:
     def _check_local(self, idxs: Sequence[int], n: int, *, unique: bool) -> list[int]:
         if len(idxs) != n:
             raise ValueError(f"{n} keys need {n} local block indices, got {len(idxs)}")
-        arr = block_indices(idxs, self.arena.num_blocks, "local")
-        if unique and len(np.unique(arr)) != n:
+        local = block_indices(idxs, self.arena.num_blocks, "local")
+        if unique and len(set(local)) != n:
             raise ValueError(
                 "a local block index repeats: each destination block may be loaded once"
             )
-        return arr.tolist()
+        return local
 
     def _reserve(self, peer_id: str, n: int) -> list[int]:
         """Up to ``n`` free slots of the peer, evicting least recently used unpinned keys."""
@@ -539,6 +559,7 @@ class TierManager:
             self._lose_peer(op.peer_id)
             return
         op.submitted = time.perf_counter()
+        self._submissions += 1
         op.peer.inflight += 1
         self._ops[tid] = op
         self._cond.notify_all()

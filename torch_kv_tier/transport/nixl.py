@@ -309,7 +309,7 @@ class NixlTransport(DataTransport):
     def _submit(
         self, op: str, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int | None:
-        local = block_indices(local_idxs, self.num_blocks, "local").astype(np.int32)
+        local = block_indices(local_idxs, self.num_blocks, "local")
         if len(local) != len(remote_idxs):
             raise ValueError(
                 f"{len(local)} local indices but {len(remote_idxs)} remote indices: "
@@ -323,9 +323,9 @@ class NixlTransport(DataTransport):
             if peer is None:
                 logger.warning("NixlTransport %s: %s to unknown peer %r", self._name, op, peer_id)
                 return None
-            remote = block_indices(remote_idxs, peer.num_blocks, "remote").astype(np.int32)
+            remote = block_indices(remote_idxs, peer.num_blocks, "remote")
             dest = remote if op == "WRITE" else local
-            if len(np.unique(dest)) != len(dest):
+            if len(set(dest)) != len(dest):
                 raise ValueError(f"{op} destination indices repeat: each block may be written once")
             handle = None
             try:
