@@ -1,5 +1,7 @@
-"""Benchmarks for torch_kv_tier: ``torch-kv-tier bench`` (``bench.py``) and its systems.
+"""Benchmarks and long runs for torch_kv_tier.
 
-Each ``system_*.py`` module drives one system under test through the ``System`` interface of
-``core.py``; ``sweep.py`` measures them point by point, ``report.py`` prints, saves and plots.
+``bench.py`` is ``torch-kv-tier bench``: each ``system_*.py`` module drives one system under test
+through the ``System`` interface of ``core.py``, ``sweep.py`` measures them point by point and
+``report.py`` prints, saves and plots. ``soak.py`` (``torch-kv-tier stress``) and the
+``reliability_*`` modules are the long reliability runs.
 """

@@ -22,7 +22,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     The others stay listed in ``--help`` but cost nothing: ``serve`` never imports the benchmarks.
     """
     parser = argparse.ArgumentParser(prog="torch-kv-tier", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="logging level for stderr")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="logging level for stderr (default: INFO for serve, WARNING otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in _COMMANDS.items():
         sub_parser = sub.add_parser(name, help=help_text)
@@ -39,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if a in _COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=(args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )

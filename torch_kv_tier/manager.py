@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -139,12 +139,11 @@ class TierManager:
         self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
         self._ops: dict[int, _Op] = {}  # transfer id -> op
         self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
-        self._events: deque[TierEvent] = deque(maxlen=_MAX_EVENTS)
+        self._events: deque[tuple[str, Key, str]] = deque(maxlen=_MAX_EVENTS)
         self._counters: Counter[str] = Counter()
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._closed = False
         self._stopping = False
-        self._submissions = 0  # transfers submitted so far; the poller watches it for activity
         self._thread = threading.Thread(target=self._run, name="tkvt-poller", daemon=True)
         self._thread.start()
 
@@ -315,6 +314,7 @@ class TierManager:
                     for key in op.keys:
                         self._storing[key] = op
                     self._launch(op)
+            self._reap_inline(batches)
             self._settle_if_done(request)
         self._flush()
         return request.future
@@ -345,6 +345,7 @@ class TierManager:
                 keys_, local_, remote = (list(x) for x in zip(*batch))
                 op = _Op("load", peer_id, self._peers[peer_id], keys_, local_, remote, request)
                 self._launch(op)
+            self._reap_inline(batches)
             self._settle_if_done(request)
         self._flush()
         return request.future
@@ -378,7 +379,7 @@ class TierManager:
                     peer.doomed.add(slot)
                 else:
                     peer.pool.free([slot])
-                self._event(TierEvent("discarded", key, peer_id))
+                self._event("discarded", key, peer_id)
 
     # -- observation --------------------------------------------------------------------------
 
@@ -409,7 +410,7 @@ class TierManager:
     def take_events(self) -> list[TierEvent]:
         """Index changes since the last call, oldest first (at most the newest 100,000)."""
         with self._lock:
-            events = list(self._events)
+            events = [TierEvent(*event) for event in self._events]  # type: ignore[arg-type]
             self._events.clear()
             return events
 
@@ -462,16 +463,18 @@ class TierManager:
         """Drain ``transport.poll()`` while transfers are in flight; sleep on ``_cond`` when idle.
 
         Polling is what progresses an initiator's transfers (UCX moves a large transfer in
-        fragments, each needing a progress call), so for ``_SPIN_S`` after the last submission
-        or completion the thread polls back to back, yielding the GIL between polls. After that
-        it sleeps 50 us, doubling up to ``max_poll_interval_s``: a long quiet transfer does not
-        keep a core busy.
+        fragments, each needing a progress call), so for ``_SPIN_S`` after waking up or after
+        its last completion the thread polls back to back, yielding the GIL between polls.
+        After that it sleeps 50 us, doubling up to ``max_poll_interval_s``: a long quiet
+        transfer, or transfers that submitting threads complete themselves (``_reap_inline``),
+        do not keep a core busy.
         """
         delay = 0.0
         last_activity = time.perf_counter()
-        seen_submissions = self._submissions
         while True:
             with self._cond:
+                if not self._ops:
+                    delay, last_activity = 0.0, time.perf_counter()
                 while not self._ops and not self._stopping:
                     self._cond.wait(timeout=1.0)
                 if self._stopping:
@@ -491,9 +494,6 @@ class TierManager:
                 except Exception:  # a bug here must not leave every later future hanging
                     logger.exception("completing transfers failed")
                 delay, last_activity = 0.0, time.perf_counter()
-            elif self._submissions != seen_submissions:
-                seen_submissions, last_activity = self._submissions, time.perf_counter()
-                time.sleep(0)
             elif time.perf_counter() - last_activity < _SPIN_S:
                 time.sleep(0)
             else:
@@ -529,7 +529,7 @@ class TierManager:
                     victims.append(key)
             for key in victims:
                 del self._index[key]
-                self._event(TierEvent("evicted", key, peer_id))
+                self._event("evicted", key, peer_id)
             peer.pool.free([peer.stored.pop(key) for key in victims])
             self._counters["evictions"] += len(victims)
         return peer.pool.allocate(min(n, peer.pool.num_free))
@@ -539,6 +539,25 @@ class TierManager:
             op.peer.queue.append(op)
         else:
             self._submit(op)
+
+    def _reap_inline(self, peer_ids: Iterable[str]) -> None:
+        """Poll the peers just submitted to, on the calling thread.
+
+        Over shared memory a transfer often finishes inside ``transfer()``; completing it here
+        spares two thread switches before its future resolves. Cost: one state check per
+        transfer in flight to those peers (at most ``max_inflight`` each).
+        """
+        for peer_id in peer_ids:
+            if peer_id not in self._peers:
+                continue
+            try:
+                result = self.transport.poll(peer_id)
+            except Exception:
+                logger.exception("transport.poll(%s) failed; the poller will retry", peer_id)
+                return
+            if result.done or result.failed:
+                self._complete(result)
+                self._cond.notify_all()
 
     def _live_peer(self, op: _Op) -> _Peer | None:
         """The op's peer if it is still registered (not removed, not replaced)."""
@@ -559,7 +578,6 @@ class TierManager:
             self._lose_peer(op.peer_id)
             return
         op.submitted = time.perf_counter()
-        self._submissions += 1
         op.peer.inflight += 1
         self._ops[tid] = op
         self._cond.notify_all()
@@ -599,7 +617,7 @@ class TierManager:
                     if peer is not None:
                         self._index[key] = (op.peer_id, slot)
                         peer.stored[key] = slot
-                        self._event(TierEvent("stored", key, op.peer_id))
+                        self._event("stored", key, op.peer_id)
                 else:
                     unused.append(slot)
             if peer is not None:
@@ -640,17 +658,19 @@ class TierManager:
         if not request.waiting and not request.future.done() and request not in self._ready:
             self._ready.append(request)
 
-    def _event(self, event: TierEvent) -> None:
+    def _event(self, kind: str, key: Key, peer_id: str) -> None:
+        # A plain tuple of atoms: the garbage collector stops tracking it, which matters
+        # when many thousands of events wait for take_events().
         if len(self._events) == self._events.maxlen:
             self._counters["events_dropped"] += 1
-        self._events.append(event)
+        self._events.append((kind, key, peer_id))
 
     def _drop_peer(self, peer_id: str) -> Any:
         """Forget a peer and its keys; fail its queued ops. Returns its session (to close)."""
         peer = self._peers.pop(peer_id)
         for key in peer.stored:
             del self._index[key]
-            self._event(TierEvent("lost", key, peer_id))
+            self._event("lost", key, peer_id)
         while peer.queue:
             self._finish(peer.queue.popleft(), PEER_LOST)
         try:

@@ -1,0 +1,131 @@
+"""``torch_kv_tier``: the full tier (logical keys, slot placement, background completion).
+
+Driven as a user drives it: ``TierManager.create(...)``, ``connect(address)``, then ``store``/
+``load`` with logical keys and Python lists of local slots, completions observed through the
+returned futures (a done-callback timestamps each one; the driver thread sleeps on a queue, it
+never polls the transport). Writes store fresh keys every call, so the lease fills and the tier
+evicts its least recently used keys as it would in service; reads load a stored key set.
+
+``torch_kv_tier_staged`` (CUDA only) keeps the source blocks on the GPU and stages them through
+the tier's pinned host arena: a D2H copy before each store, an H2D copy after each load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Hashable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from benchmarks.core import Call, Op, Skip, System, TransferFailed, runs
+from benchmarks.remote import Target
+from benchmarks.system_nixl_raw import local_arena
+
+_Done = tuple[int, float, "Future[Any]"]
+
+
+class Tier(System):
+    """A ``TierManager`` over its own arena, connected to the target's remote host."""
+
+    name = "torch_kv_tier"
+    remote_layout = "system"
+
+    def __init__(self, target: Target, *, arena_device: str | None = None) -> None:
+        from torch_kv_tier.manager import TierManager
+        from torch_kv_tier.remote.client import HandshakeRejected
+
+        address = target.require_address()
+        device = arena_device or target.device
+        self._tm: Any = TierManager.create(
+            target.local_slots, target.block_len, device=device, name="bench-tier"
+        )
+        try:
+            peer = self._tm.connect(address, token=target.token, slots=target.remote_slots)
+            self.remote_slots = self._tm.stats().peers[peer].capacity
+        except HandshakeRejected as exc:
+            self._tm.close()
+            raise Skip(f"remote host {address} refused: {exc}") from exc
+        except BaseException:
+            self._tm.close()
+            raise
+        self.local = self._tm.arena.tensor
+        self.path = "vram" if self.local.is_cuda else "host"
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._ids = itertools.count(1)
+
+    def submit(self, op: Op, call: Call) -> Hashable:
+        tid = next(self._ids)
+        if op == "write":
+            future = self._tm.store(call.keys, call.local_list)
+        else:
+            future = self._tm.load(call.keys, call.local_list)
+        future.add_done_callback(lambda f: self._done.put((tid, time.perf_counter(), f)))
+        return tid
+
+    def reap(self, timeout: float) -> list[tuple[Hashable, float]]:
+        try:
+            finished = [self._done.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                finished.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        for _, _, future in finished:
+            result = future.result()
+            if not result.ok:
+                reasons = sorted(set(result.failed.values()))
+                raise TransferFailed(f"{len(result.failed)} keys failed: {', '.join(reasons)}")
+        return [(tid, t_done) for tid, t_done, _ in finished]
+
+    def close(self) -> None:
+        self._tm.close()
+
+
+class StagedTier(Tier):
+    """The tier over pinned host memory, fed from (and feeding) a GPU arena by copies."""
+
+    name = "torch_kv_tier_staged"
+
+    def __init__(self, target: Target) -> None:
+        if not target.device.startswith("cuda"):
+            raise Skip("the staged path needs --device cuda")
+        super().__init__(target, arena_device="cpu")
+        self._host = self.local
+        if not self._host.is_pinned():
+            self.close()
+            raise Skip("the tier's host arena is not pinned, so staging would not be async")
+        self.local = local_arena(target, pinned=False)
+        self.path = "staged"
+        self._stream = torch.cuda.Stream(self.local.device)
+        self._loads: dict[Hashable, Call] = {}
+
+    def _copy(self, call: Call, to_host: bool) -> None:
+        with torch.cuda.stream(self._stream):
+            for lo, _, n in runs(call.local, call.local):
+                gpu, host = self.local[lo : lo + n], self._host[lo : lo + n]
+                (host if to_host else gpu).copy_(gpu if to_host else host, non_blocking=True)
+        self._stream.synchronize()
+
+    def submit(self, op: Op, call: Call) -> Hashable:
+        if op == "write":
+            self._copy(call, to_host=True)
+            return super().submit(op, call)
+        tid = super().submit(op, call)
+        self._loads[tid] = call
+        return tid
+
+    def reap(self, timeout: float) -> list[tuple[Hashable, float]]:
+        out = []
+        for tid, t_done in super().reap(timeout):
+            call = self._loads.pop(tid, None)
+            if call is not None:
+                self._copy(call, to_host=False)
+                t_done = time.perf_counter()
+            out.append((tid, t_done))
+        return out

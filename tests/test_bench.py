@@ -1,0 +1,104 @@
+"""``torch-kv-tier bench``: a tiny sweep end to end (embedded server, JSON, plot, verification)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import bench
+from benchmarks.core import Call, Op
+from benchmarks.system_memcpy import Memcpy
+
+REQUIRED = {
+    "system", "op", "device", "pattern", "block_len", "batch", "inflight",
+    "gbps", "p50_us", "p99_us", "verified",
+}  # fmt: skip
+
+TINY = [
+    "--quick", "--block-sizes", "16K", "--batches", "4", "--inflight", "2",
+    "--repeats", "2", "--min-time", "0.01", "--pool-mib", "4", "--working-set-mib", "1",
+    "--poll-depths", "10,100", "--no-progress",
+]  # fmt: skip
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+class CorruptingMemcpy(Memcpy):
+    """A memcpy that bumps the last byte of every block it moves: verification must catch it."""
+
+    name = "corrupting"
+
+    def submit(self, op: Op, call: Call) -> object:
+        token = super().submit(op, call)  # a synchronous copy on CPU
+        arena, idxs = (self._remote, call.remote) if op == "write" else (self.local, call.local)
+        arena[torch.from_numpy(idxs.astype("int64")), -1] += 1
+        return token
+
+
+def test_tiny_sweep_writes_verified_rows_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, png = tmp_path / "results.json", tmp_path / "results.png"
+    args = _args(
+        *TINY, "--systems", "memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_staged",
+        "--out", str(out), "--plot", str(png),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+
+    rows = json.loads(out.read_text())
+    assert isinstance(rows, list)
+    for row in rows:
+        assert row.keys() >= REQUIRED, REQUIRED - row.keys()
+    measured = [r for r in rows if r["kind"] == "throughput" and not r["skipped"]]
+    systems = {r["system"] for r in measured}
+    assert systems == {"memcpy", "nixl_raw", "torch_kv_tier"}
+    # 2 ops x 2 patterns per system, every byte moved read back and compared
+    assert len(measured) == 12
+    for row in measured:
+        assert row["verified"] is True and row["error"] is None
+        assert row["verified_blocks"] > 0 and row["mismatched_blocks"] == 0
+        assert row["gbps"] > 0 and 0 < row["p50_us"] <= row["p99_us"]
+    # a system that cannot run here is reported, not dropped
+    staged = [r for r in rows if r["system"] == "torch_kv_tier_staged"]
+    assert len(staged) == 4 and all("cuda" in r["skipped"] for r in staged)
+    polls = [r for r in rows if r["kind"] == "poll_scaling"]
+    assert [r["inflight"] for r in polls] == [10, 100]
+    assert all(r["verified"] and r["poll_us_per_transfer"] > 0 for r in polls)
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "torch_kv_tier/nixl_raw" in text and "Targets" in text
+
+
+def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bench.SYSTEMS, "corrupting", f"{__name__}:CorruptingMemcpy")
+    out = tmp_path / "results.json"
+    args = _args(*TINY, "--systems", "corrupting", "--no-poll-scaling", "--out", str(out))
+    assert bench.run(args) == 1
+    rows = json.loads(out.read_text())
+    assert rows and all(not r["verified"] and "differ" in r["error"] for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_cuda_device_without_cuda_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args(*TINY, "--device", "cuda")) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_bad_arguments_are_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert bench.run(_args(*TINY, "--device", "tpu")) == 2
+    assert bench.run(_args(*TINY, "--token-file", "/nonexistent")) == 2
+    with pytest.raises(SystemExit):
+        _args("--block-sizes", "0K")
+    with pytest.raises(SystemExit):
+        _args("--systems", "nope")
