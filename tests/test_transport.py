@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -421,6 +422,22 @@ def test_a_process_that_used_nixl_exits_zero(peer: RemotePeer) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "ok"
     assert int(peer.get([10, 11]).sum()) == 2 * BLOCK
+
+
+def test_nixl_log_lines_never_reach_stdout() -> None:
+    script = (
+        "import torch\n"
+        "from torch_kv_tier.transport import NixlTransport\n"
+        "NixlTransport('quiet', torch.zeros(2, 64, dtype=torch.uint8)).close()\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "NIXL_LOG_LEVEL": "DEBUG"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "ok\n"  # stdout is the application's (the server's `ready` line)
+    assert "NIXL" in proc.stderr
 
 
 def test_ucx_policy_excludes_ib_only_without_rdma_devices(tmp_path: Any) -> None:

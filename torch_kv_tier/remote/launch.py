@@ -80,7 +80,11 @@ class ServerProcess:
                 f"server not ready within {timeout_s} s; stderr:\n{stderr.text()}"
             ) from None
         if line is None or not line.startswith("ready "):
-            code = proc.wait(timeout=10)
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # it printed something else and kept running
+                _kill(proc)
+                code = proc.returncode
             stderr.wait()
             raise RuntimeError(
                 f"server exited with code {code} before `ready` (first stdout line "

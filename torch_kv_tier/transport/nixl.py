@@ -5,6 +5,7 @@ This is the only module that imports ``nixl``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import logging
@@ -36,12 +37,15 @@ def _load_nixl() -> tuple[Any, Any]:
     """
     apply_ucx_policy()
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        # NIXL's logging setup binds its console handler to sys.stdout at import time and may
+        # log right away (NIXL_LOG_LEVEL): both go to stderr instead.
+        with contextlib.redirect_stdout(sys.stderr):
+            from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as exc:
         raise ImportError(_NOT_INSTALLED) from exc
     nixl_logger = logging.getLogger("nixl")
     for handler in list(nixl_logger.handlers):
-        if getattr(handler, "stream", None) is sys.stdout:
+        if getattr(handler, "stream", None) in (sys.stdout, sys.stderr):
             nixl_logger.removeHandler(handler)
     nixl_logger.propagate = True
     if "NIXL_LOG_LEVEL" not in os.environ:  # else NIXL's INFO lines pass any handler's level
