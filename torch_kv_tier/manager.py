@@ -94,8 +94,9 @@ class _Op:
 class TierManager:
     """Keeps KV blocks under logical keys on remote peers and brings them back.
 
-    ``store`` and ``load`` never block: they return futures that a background thread resolves
-    as it drains ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing
+    ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
+    the transfer finished during submission, else by a background thread draining
+    ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing
     over the peers; a key is visible to ``lookup``/``contains``/``load`` only once its write
     completed. A full peer evicts its least recently used keys (never one being loaded). At most
     ``max_inflight`` transfers per peer are submitted at once; the rest wait in that peer's
