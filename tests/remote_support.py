@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from benchmarks.reliability_common import wait_until as wait_for  # noqa: F401  (re-exported)
 from torch_kv_tier.remote import Region, RemoteSession
 from torch_kv_tier.transport import NixlTransport
 
@@ -66,16 +67,6 @@ class Client:
     def close(self) -> None:
         self.session.close()
         self.transport.close()
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it is true (``True``) or ``timeout_s`` passes (``False``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def free_port() -> int:
