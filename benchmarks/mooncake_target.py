@@ -7,12 +7,15 @@ numpy and Mooncake, so it starts in well under a second.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def serve(nbytes: int) -> int:
     """Serve a pool of ``nbytes`` until stdin reaches end of file; the exit status."""
     import numpy as np
+
+    os.environ.setdefault("GLOG_minloglevel", "1")  # no INFO line per batch transfer
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()

@@ -53,6 +53,7 @@ def _engine() -> Any:
     if _engine_cache:
         return _engine_cache[0]
     try:
+        os.environ.setdefault("GLOG_minloglevel", "1")  # no INFO line per batch transfer
         from mooncake.engine import TransferEngine
     except ImportError as exc:
         raise Skip(
