@@ -576,7 +576,7 @@ class TierManager:
             tid = None
         if tid is None:
             self._finish(op, TRANSFER_FAILED)
-            self._lose_peer(op.peer_id)
+            self._lose_peer(op.peer_id, "refused a transfer")
             return
         op.submitted = time.perf_counter()
         op.peer.inflight += 1
@@ -601,7 +601,7 @@ class TierManager:
                 if alive:
                     lost.add(op.peer_id)
         for peer_id in lost:
-            self._lose_peer(peer_id)
+            self._lose_peer(peer_id, "failed a transfer")
         for peer in self._peers.values():
             while peer.queue and peer.inflight < self.max_inflight:
                 self._submit(peer.queue.popleft())
@@ -680,25 +680,22 @@ class TierManager:
             logger.exception("removing peer %s from the transport failed", peer_id)
         return peer.session
 
-    def _lose_peer(self, peer_id: str) -> None:
-        """A transfer to the peer failed: drop it (see the failure policy in the class doc)."""
+    def _lose_peer(self, peer_id: str, why: str) -> None:
+        """Drop a failed peer and its keys (see the failure policy in the class doc)."""
         if peer_id not in self._peers:
             return
-        logger.warning("a transfer to %s failed: dropping the peer and its keys", peer_id)
+        logger.warning("%s %s: dropping it and its keys", peer_id, why)
         session = self._drop_peer(peer_id)
         if session is not None:  # closing waits for the server: not under the lock
             threading.Thread(target=session.close, daemon=True).start()
 
     def _on_session_lost(self, peer_id: str) -> None:
         """Heartbeat thread: the server stopped answering."""
-        logger.warning("remote host %s is gone: dropping it", peer_id)
         with self._lock:
-            if self._closed or peer_id not in self._peers:
+            if self._closed:
                 return
-            session = self._drop_peer(peer_id)
+            self._lose_peer(peer_id, "stopped answering heartbeats")
         self._flush()
-        if session is not None:
-            session.close()
 
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""
