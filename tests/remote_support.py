@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.reliability_common import wait_until as wait_for  # noqa: F401  (re-exported)
+from torch_kv_tier.benchmarks.reliability_common import wait_until as wait_for  # noqa: F401  (re-exported)
 from torch_kv_tier.remote import Region, RemoteSession
 from torch_kv_tier.transport import NixlTransport
 

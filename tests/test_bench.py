@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench
-from benchmarks.core import Call, Op
-from benchmarks.system_memcpy import Memcpy
+from torch_kv_tier.benchmarks import bench
+from torch_kv_tier.benchmarks.core import Call, Op
+from torch_kv_tier.benchmarks.system_memcpy import Memcpy
 
 REQUIRED = {
     "system", "op", "device", "pattern", "block_len", "batch", "inflight",

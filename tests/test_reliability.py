@@ -1,7 +1,7 @@
 """Reliability: fault injection, soak, fuzz, concurrency and close under load (issue 7).
 
-The scenarios live in ``benchmarks/reliability_*.py``; ``torch-kv-tier stress`` runs their long
-versions. Here they run short: every figure is held to the same limit (but the soak's
+The scenarios live in ``torch_kv_tier/benchmarks/reliability_*.py``; ``torch-kv-tier stress`` runs
+their long versions. Here they run short: every figure is held to the same limit (but the soak's
 throughput, which a short run on a shared machine cannot measure), only the sizes shrink.
 """
 
@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, TOKEN
 
-from benchmarks.reliability_common import Outcome, random_blocks
-from benchmarks.reliability_concurrency import concurrency
-from benchmarks.reliability_faults import client_death, close_under_load, peer_death
-from benchmarks.reliability_soak import soak
+from torch_kv_tier.benchmarks.reliability_common import Outcome, random_blocks
+from torch_kv_tier.benchmarks.reliability_concurrency import concurrency
+from torch_kv_tier.benchmarks.reliability_faults import client_death, close_under_load, peer_death
+from torch_kv_tier.benchmarks.reliability_soak import soak
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 from torch_kv_tier.remote import protocol as p

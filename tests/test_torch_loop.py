@@ -16,11 +16,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from integrations.torch_loop import OffloadError, PagedKVOffloader, Staging, prefix_keys
-from integrations.torch_loop import keys as keys_module
-from integrations.torch_loop.example import main as example_main
-from integrations.torch_loop.example import run_demo
-from integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
+from torch_kv_tier.integrations.torch_loop import (
+    OffloadError,
+    PagedKVOffloader,
+    Staging,
+    prefix_keys,
+)
+from torch_kv_tier.integrations.torch_loop import keys as keys_module
+from torch_kv_tier.integrations.torch_loop.example import main as example_main
+from torch_kv_tier.integrations.torch_loop.example import run_demo
+from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
 

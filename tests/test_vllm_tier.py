@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip(
     "vllm.v1.kv_offload.tiering.spec",
-    reason="vLLM 0.33.0 is not installed (see integrations/vllm/requirements-cpu.txt)",
+    reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 
-from integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
+from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
@@ -65,7 +65,7 @@ def make_manager(
         "secondary_tiers": [
             {
                 "type": "RemoteHostTier",
-                "module_path": "integrations.vllm.remote_tier",
+                "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                 "remote": remote,
                 "slots": TIER_SLOTS,
                 **tier_options,

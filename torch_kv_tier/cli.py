@@ -11,8 +11,11 @@ from collections.abc import Sequence
 # subcommand -> (module providing add_arguments/run, help)
 _COMMANDS = {
     "serve": ("torch_kv_tier.remote.server", "run a remote host: a NIXL-registered DRAM pool"),
-    "bench": ("benchmarks.bench", "measure throughput against raw NIXL and memcpy"),
-    "stress": ("benchmarks.soak", "long reliability runs: soak, peer death, concurrency"),
+    "bench": ("torch_kv_tier.benchmarks.bench", "measure throughput against raw NIXL and memcpy"),
+    "stress": (
+        "torch_kv_tier.benchmarks.soak",
+        "long reliability runs: soak, peer death, concurrency",
+    ),
 }
 
 

@@ -43,7 +43,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from benchmarks.reliability_common import (
+from torch_kv_tier.benchmarks.reliability_common import (
     TCP_ENV,
     Outcome,
     ucx_over_tcp,

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.core import Call, Op, Skip, System, TransferFailed, drain
-from benchmarks.remote import Target, open_session
-from benchmarks.system_nixl_raw import NixlRaw, local_arena
+from torch_kv_tier.benchmarks.core import Call, Op, Skip, System, TransferFailed, drain
+from torch_kv_tier.benchmarks.remote import Target, open_session
+from torch_kv_tier.benchmarks.system_nixl_raw import NixlRaw, local_arena
 
 _PEER = "bench-remote"
 

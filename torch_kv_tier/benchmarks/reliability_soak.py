@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.reliability_common import (
+from torch_kv_tier.benchmarks.reliability_common import (
     TCP_ENV,
     Outcome,
     Resources,

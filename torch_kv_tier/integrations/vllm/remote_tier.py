@@ -6,14 +6,14 @@ the DRAM of one or more remote hosts running ``torch-kv-tier serve`` and promote
 into the primary tier on a lookup hit. Load it out of tree, with no vLLM patch::
 
     "secondary_tiers": [{"type": "RemoteHostTier",
-                         "module_path": "integrations.vllm.remote_tier",
+                         "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                          "remote": "10.0.0.5:5600"}]
 
 Data plane: one NIXL registration over vLLM's primary region (``primary_kv_view``, a
 ``num_chunks x chunk_bytes`` memoryview), adopted without a copy as a ``BlockArena``. A
 ``TransferJob``'s ``chunk_ids`` are rows of that region: a store sends those rows to the remote
-host, a promotion reads the remote copies into them. See :mod:`integrations.vllm.tier_config`
-for every config key.
+host, a promotion reads the remote copies into them. See
+:mod:`torch_kv_tier.integrations.vllm.tier_config` for every config key.
 
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
@@ -58,9 +58,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from integrations.vllm.reconnect import Reconnector
-from integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.vllm.reconnect import Reconnector
+from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.transport import NixlTransport
 

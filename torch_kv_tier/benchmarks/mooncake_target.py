@@ -1,4 +1,5 @@
-"""Mooncake's target for ``mooncake_tcp``: ``python -m benchmarks.mooncake_target BYTES``.
+"""Mooncake's target for ``mooncake_tcp``: ``python -m torch_kv_tier.benchmarks.mooncake_target
+BYTES``.
 
 Allocates a zeroed pool of BYTES, registers it with a TransferEngine (TCP, P2P handshake),
 prints ``ready HOST:PORT BASE_ADDR`` on stdout and serves until its stdin closes. Imports only
@@ -35,5 +36,5 @@ def serve(nbytes: int) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not sys.argv[1].isdigit():
-        sys.exit("usage: python -m benchmarks.mooncake_target BYTES")
+        sys.exit("usage: python -m torch_kv_tier.benchmarks.mooncake_target BYTES")
     sys.exit(serve(int(sys.argv[1])))

@@ -3,10 +3,10 @@
 Optional: needs ``pip install mooncake-transfer-engine-non-cuda`` (on GPU machines
 ``mooncake-transfer-engine``) and the system's ``libibverbs1``, which the wheel links against.
 Mooncake cannot write into a ``torch-kv-tier serve`` pool, so its target is its own engine in a
-child process (``python -m benchmarks.mooncake_target BYTES``) on loopback, with a pool of the
-same size. Calls are ``batch_transfer_async_write``/``_read`` with one entry per run of blocks
-contiguous on both sides (merged as NIXL merges), completed with ``get_batch_transfer_status``
-(oldest batch first; see ``MooncakeTcp.reap``).
+child process (``python -m torch_kv_tier.benchmarks.mooncake_target BYTES``) on loopback, with a
+pool of the same size. Calls are ``batch_transfer_async_write``/``_read`` with one entry per run of
+blocks contiguous on both sides (merged as NIXL merges), completed with
+``get_batch_transfer_status`` (oldest batch first; see ``MooncakeTcp.reap``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 from collections.abc import Hashable, Iterator
 from typing import Any
 
-from benchmarks.core import Call, Op, Skip, System, TransferFailed
-from benchmarks.remote import Target
-from benchmarks.system_nixl_raw import local_arena
+from torch_kv_tier.benchmarks.core import Call, Op, Skip, System, TransferFailed
+from torch_kv_tier.benchmarks.remote import Target
+from torch_kv_tier.benchmarks.system_nixl_raw import local_arena
 
 _START_S = 60.0
 
@@ -82,7 +82,7 @@ class _Target:
 
     def __init__(self, nbytes: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.mooncake_target", str(nbytes)],
+            [sys.executable, "-m", "torch_kv_tier.benchmarks.mooncake_target", str(nbytes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

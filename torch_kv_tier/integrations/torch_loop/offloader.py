@@ -3,9 +3,9 @@
 A custom PyTorch inference loop keeps, per layer, a key and a value page pool shaped
 ``[num_pages, page_size, heads, head_dim]``. :class:`PagedKVOffloader` packs one page of *every*
 layer (keys and values) into one tier block, laid out as ``[layers, 2, page_size, heads,
-head_dim]``, stores it under a caller-chosen key (see :func:`~integrations.torch_loop.keys.
-prefix_keys`), and scatters stored blocks back into any pages of the cache later, in this or
-another process.
+head_dim]``, stores it under a caller-chosen key (see
+:func:`~torch_kv_tier.integrations.torch_loop.keys.prefix_keys`), and scatters stored blocks back
+into any pages of the cache later, in this or another process.
 
 Data path: cache pages -> arena slots (one vectorized gather per layer) -> remote host (NIXL), and
 back. The arena is the tier's registered memory: on the cache's device (``staging="device"``: a

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.core import Call, Op, Skip, System, TransferFailed
-from benchmarks.remote import Target, open_session
+from torch_kv_tier.benchmarks.core import Call, Op, Skip, System, TransferFailed
+from torch_kv_tier.benchmarks.remote import Target, open_session
 
 _NUM_THREADS = 4  # NixlTransport's default
 

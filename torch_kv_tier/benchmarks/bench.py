@@ -20,21 +20,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks import report
-from benchmarks.core import OPS, PATTERNS, Skip, System
-from benchmarks.remote import Target, read_token, remote_hosts
-from benchmarks.sweep import Point, PointRunner, Settings
+from torch_kv_tier.benchmarks import report
+from torch_kv_tier.benchmarks.core import OPS, PATTERNS, Skip, System
+from torch_kv_tier.benchmarks.remote import Target, read_token, remote_hosts
+from torch_kv_tier.benchmarks.sweep import Point, PointRunner, Settings
 
 logger = logging.getLogger(__name__)
 
 # name -> "module:class"; imported only when the system runs (vLLM alone takes seconds).
 SYSTEMS: dict[str, str] = {
-    "memcpy": "benchmarks.system_memcpy:Memcpy",
-    "nixl_raw": "benchmarks.system_nixl_raw:NixlRaw",
-    "vllm_nixl": "benchmarks.system_vllm_nixl:VllmNixl",
-    "mooncake_tcp": "benchmarks.system_mooncake:MooncakeTcp",
-    "torch_kv_tier": "benchmarks.system_tier:Tier",
-    "torch_kv_tier_staged": "benchmarks.system_tier:StagedTier",
+    "memcpy": "torch_kv_tier.benchmarks.system_memcpy:Memcpy",
+    "nixl_raw": "torch_kv_tier.benchmarks.system_nixl_raw:NixlRaw",
+    "vllm_nixl": "torch_kv_tier.benchmarks.system_vllm_nixl:VllmNixl",
+    "mooncake_tcp": "torch_kv_tier.benchmarks.system_mooncake:MooncakeTcp",
+    "torch_kv_tier": "torch_kv_tier.benchmarks.system_tier:Tier",
+    "torch_kv_tier_staged": "torch_kv_tier.benchmarks.system_tier:StagedTier",
 }
 GPU_ONLY = {"torch_kv_tier_staged"}
 
@@ -295,7 +295,7 @@ class _Run:
     def _poll_scaling(self, target: Target, *, last: bool) -> bool:
         """Measure poll scaling at the smallest block size the remote host serves; True once
         rows were recorded (skipped rows only when no block size is served)."""
-        from benchmarks.poll_scaling import measure_poll_scaling
+        from torch_kv_tier.benchmarks.poll_scaling import measure_poll_scaling
 
         rows = measure_poll_scaling(target, self.cfg["poll_depths"], self.env)
         if all(r["skipped"] for r in rows) and not last:
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m benchmarks.bench``: the same as ``torch-kv-tier bench``."""
+    """``python -m torch_kv_tier.benchmarks.bench``: the same as ``torch-kv-tier bench``."""
     parser = argparse.ArgumentParser(prog="torch-kv-tier bench")
     add_arguments(parser)
     parser.add_argument("--log-level", default="WARNING")

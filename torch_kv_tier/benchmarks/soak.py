@@ -1,7 +1,7 @@
 """``torch-kv-tier stress``: the long reliability runs, as a table of figures and a JSON file.
 
-Scenarios (``benchmarks/reliability_*.py``; the tests in ``tests/test_reliability.py`` run the
-same code, short):
+Scenarios (``torch_kv_tier/benchmarks/reliability_*.py``; the tests in
+``tests/test_reliability.py`` run the same code, short):
 
 * ``peer-death``: SIGKILL a connected server with transfers in flight, ``--trials`` times.
 * ``peer-frozen``: the same, but the server is only stopped: the heartbeat must notice.
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.reliability_common import Outcome
+from torch_kv_tier.benchmarks.reliability_common import Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _scenario(name: str, args: argparse.Namespace) -> Callable[[], Outcome]:
     # imported here so that `stress --help` stays light
-    from benchmarks import reliability_concurrency, reliability_faults, reliability_soak
+    from torch_kv_tier.benchmarks import (
+        reliability_concurrency,
+        reliability_faults,
+        reliability_soak,
+    )
 
     bl = args.block_len
     return {

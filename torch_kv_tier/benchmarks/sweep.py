@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from benchmarks.core import (
+from torch_kv_tier.benchmarks.core import (
     Call,
     Op,
     Pattern,
@@ -41,7 +41,7 @@ from benchmarks.core import (
     drain,
     make_plan,
 )
-from benchmarks.core import fill as fill_pattern
+from torch_kv_tier.benchmarks.core import fill as fill_pattern
 
 STALL_S = 30.0  # a point with no completion for this long fails
 

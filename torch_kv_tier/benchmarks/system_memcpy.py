@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.core import Call, Op, System
-from benchmarks.remote import Target
-from benchmarks.system_nixl_raw import local_arena
+from torch_kv_tier.benchmarks.core import Call, Op, System
+from torch_kv_tier.benchmarks.remote import Target
+from torch_kv_tier.benchmarks.system_nixl_raw import local_arena
 
 
 class Memcpy(System):

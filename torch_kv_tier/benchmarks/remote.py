@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.core import Skip
+from torch_kv_tier.benchmarks.core import Skip
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.core import Skip, TransferFailed, check, clear, fill
-from benchmarks.remote import Target, open_session
-from benchmarks.system_nixl_raw import local_arena
+from torch_kv_tier.benchmarks.core import Skip, TransferFailed, check, clear, fill
+from torch_kv_tier.benchmarks.remote import Target, open_session
+from torch_kv_tier.benchmarks.system_nixl_raw import local_arena
 
 _REPEATS = 3
 _PEER = "bench-remote"

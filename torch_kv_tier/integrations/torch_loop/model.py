@@ -1,8 +1,8 @@
 """A small decoder-only transformer in plain PyTorch that reads and writes a paged KV cache.
 
-It exists to exercise :class:`~integrations.torch_loop.offloader.PagedKVOffloader` end to end:
-seeded random weights (no downloads), greedy generation, and a computation order that makes a
-restored prefix give *bit-identical* logits to a full recompute.
+It exists to exercise :class:`~torch_kv_tier.integrations.torch_loop.offloader.PagedKVOffloader`
+end to end: seeded random weights (no downloads), greedy generation, and a computation order that
+makes a restored prefix give *bit-identical* logits to a full recompute.
 
 Determinism contract: a prompt is processed in chunks that end on page boundaries (the first chunk
 after ``start`` runs to the end of its page, then one chunk per page), and every chunk's attention

@@ -1,8 +1,8 @@
 """A client process for the client-death scenario: lease a whole pool and stream stores.
 
-``python -m benchmarks.reliability_client HOST:PORT`` prints ``connected N`` (the slots it
-leased), then ``stored N`` every few batches, until it is killed or ``--max-seconds`` pass (so
-it never outlives a parent that forgot it). Keys are never reused, so the stream keeps evicting.
+``python -m torch_kv_tier.benchmarks.reliability_client HOST:PORT`` prints ``connected N`` (the
+slots it leased), then ``stored N`` every few batches, until it is killed or ``--max-seconds`` pass
+(so it never outlives a parent that forgot it). Keys are never reused, so the stream keeps evicting.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch_kv_tier.manager import TierManager, TransferResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.reliability_client")
+    parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.reliability_client")
     parser.add_argument("address", help="HOST:PORT of a torch-kv-tier serve")
     parser.add_argument("--block-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="keys per store call")

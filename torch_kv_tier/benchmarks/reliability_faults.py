@@ -22,12 +22,11 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.reliability_common import (
+from torch_kv_tier.benchmarks.reliability_common import (
     TCP_ENV,
     LineReader,
     Outcome,
@@ -42,7 +41,6 @@ from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]  # where `python -m benchmarks...` resolves
 FDS_PER_DEAD_PEER = 10  # sockets NIXL leaves open per removed remote agent, see peer_death
 PEER_GONE = {"peer lost", "transfer failed"}  # the reasons a dead peer's keys may fail with
 
@@ -239,10 +237,10 @@ def client_death(
     lease_timeout_s: float = 1.0,
     min_stored: int = 512,
 ) -> Outcome:
-    """``trials`` times: a client process (``benchmarks.reliability_client``) leases the whole
-    pool and streams stores; once it stored ``min_stored`` blocks it is SIGKILLed mid-stream.
-    A new tier then asks for the whole pool until the server grants it, and round-trips a block
-    through every slot of it."""
+    """``trials`` times: a client process (``torch_kv_tier.benchmarks.reliability_client``) leases
+    the whole pool and streams stores; once it stored ``min_stored`` blocks it is SIGKILLed
+    mid-stream. A new tier then asks for the whole pool until the server grants it, and round-trips
+    a block through every slot of it."""
     out = Outcome(
         "client death",
         {
@@ -294,11 +292,9 @@ def _stream_then_kill(
     address: str, block_len: int, pool: int, min_stored: int, out: Outcome
 ) -> float | None:
     """Start a streaming client, SIGKILL it mid-stream; the kill time, or ``None`` on trouble."""
-    cmd = [sys.executable, "-m", "benchmarks.reliability_client", address]
+    cmd = [sys.executable, "-m", "torch_kv_tier.benchmarks.reliability_client", address]
     cmd += ["--block-len", str(block_len)]
-    child = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT
-    )
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
         reader = LineReader(child.stdout)
         line = reader.next_line(60)

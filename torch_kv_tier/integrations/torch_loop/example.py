@@ -1,4 +1,4 @@
-"""Prefix reuse through a remote host: ``python -m integrations.torch_loop.example``.
+"""Prefix reuse through a remote host: ``python -m torch_kv_tier.integrations.torch_loop.example``.
 
 Request A (shared prefix + its own suffix) is generated with a paged KV cache and its full pages
 are offloaded to a ``torch-kv-tier serve`` remote host. Request B shares the prefix: it is run
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from integrations.torch_loop.keys import prefix_keys
-from integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
-from integrations.torch_loop.offloader import OffloadError, PagedKVOffloader, Staging
+from torch_kv_tier.integrations.torch_loop.keys import prefix_keys
+from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
+from torch_kv_tier.integrations.torch_loop.offloader import OffloadError, PagedKVOffloader, Staging
 
 __all__ = ["DemoResult", "main", "run_demo"]
 
@@ -150,7 +150,8 @@ def run_demo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m integrations.torch_loop.example", description=__doc__.split("\n\n")[0]
+        prog="python -m torch_kv_tier.integrations.torch_loop.example",
+        description=__doc__.split("\n\n")[0],
     )
     parser.add_argument(
         "--remote",
