@@ -27,10 +27,13 @@ class PollResult(NamedTuple):
 
     ``done`` holds the ids that completed successfully, ``failed`` the ids that errored, were
     cancelled by ``remove_remote_peer`` or lost their peer. Each id appears in exactly one poll.
+    ``peer_fault`` is set only by a peer-scoped ``poll(peer_id)`` once the transport judged that
+    peer unusable: a short cause, repeated until ``remove_remote_peer``; ``None`` while healthy.
     """
 
-    done: Sequence[int]
-    failed: Sequence[int]
+    done: Sequence[int] = ()
+    failed: Sequence[int] = ()
+    peer_fault: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,14 @@ class DataTransport(ABC):
 
         Transfers of other peers stay in flight and are reported by a later poll.
         """
+
+    def faulted_peers(self) -> dict[str, str]:
+        """Peers judged unusable (peer id -> cause) until ``remove_remote_peer``; our extension.
+
+        The same causes ``poll(peer_id)`` reports as ``peer_fault``, for callers that poll all
+        peers at once. A transport that never judges peers returns ``{}``.
+        """
+        return {}
 
     @abstractmethod
     def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
