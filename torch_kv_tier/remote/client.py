@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -41,8 +42,8 @@ def _callback_ref(
     callback: Callable[[str], None] | None,
 ) -> Callable[[], Callable[[str], None] | None]:
     """A reference to ``callback``: weak for a bound method, strong for any other callable."""
-    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
-        return weakref.WeakMethod(callback)  # type: ignore[arg-type]
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
     return lambda: callback
 
 
