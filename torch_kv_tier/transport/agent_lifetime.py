@@ -12,10 +12,11 @@ is an upstream NIXL bug; the only safe thing to do with such an agent is never t
 Policy: ``NixlTransport`` marks its agent unsafe when a post fails with a remote disconnect after
 the request was created (see :func:`is_post_disconnect`), whatever the UCX transport (we cannot
 tell from Python which one UCX picked; over TCP this keeps an agent that could have been freed,
-which costs memory, never correctness). ``close()`` then hands the agent to
-:func:`keep_until_exit` instead of dropping it: its reference count is raised once more, so
-neither the collector nor interpreter shutdown ever destroys it (the process exits without
-running its destructor). The first kept agent logs one warning. The leak is bounded: once
+which costs memory, never correctness) and hands it to :func:`keep_until_exit` at once, so it
+holds whether or not the transport is ever closed: the agent's reference count is raised once
+more, so neither ``close()``, the collector nor interpreter shutdown ever destroys it (the process
+exits without running its destructor). Every other agent is destroyed by ``close()``. The
+first kept agent logs one warning. The leak is bounded: once
 :data:`MAX_KEPT_AGENTS` agents are kept, :func:`check_room` makes new transports fail with an
 error that says to restart the process, instead of growing without bound.
 

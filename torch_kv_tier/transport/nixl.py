@@ -116,7 +116,7 @@ class NixlTransport(DataTransport):
         self._failed: dict[int, str] = {}  # cancelled by peer removal: id -> peer_id
         self._ids = itertools.count(1)
         self._closed = False
-        self._unsafe_to_destroy = False  # see agent_lifetime: then close() keeps the agent
+        self._kept_until_exit = False  # see agent_lifetime
         agent_lifetime.check_room()
         config = nixl_agent_config(
             enable_prog_thread=progress_thread,
@@ -307,8 +307,6 @@ class NixlTransport(DataTransport):
             # Every handle wrapper references the agent, released or not: drop them all, so
             # the agent is destroyed here, on this thread, not later by the collector.
             self._local_dlist = self._reg = None
-            if self._unsafe_to_destroy:
-                agent_lifetime.keep_until_exit(self._agent, self._name)
             self._agent = None
         logger.info("NixlTransport %s: closed", self._name)
 
@@ -349,7 +347,7 @@ class NixlTransport(DataTransport):
             except Exception as exc:
                 logger.error("NixlTransport %s: %s to %s failed: %s", self._name, op, peer_id, exc)
                 if handle is not None and agent_lifetime.is_post_disconnect(exc):
-                    self._unsafe_to_destroy = True
+                    self._keep_agent_until_exit()
                 if handle is not None:
                     self._release(-1, handle)
                 return None
@@ -364,6 +362,12 @@ class NixlTransport(DataTransport):
         except Exception as exc:
             logger.warning("NixlTransport %s: transfer %d failed: %s", self._name, tid, exc)
             return "ERR"
+
+    def _keep_agent_until_exit(self) -> None:
+        """UCX may still hold a request NIXL freed: never destroy this agent (closed or not)."""
+        if not self._kept_until_exit:
+            self._kept_until_exit = True
+            agent_lifetime.keep_until_exit(self._agent, self._name)
 
     def _release(self, tid: int, handle: Any) -> None:
         try:
