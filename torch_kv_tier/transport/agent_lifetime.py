@@ -15,7 +15,9 @@ tell from Python which one UCX picked; over TCP this keeps an agent that could h
 which costs memory, never correctness) and hands it to :func:`keep_until_exit` at once, so it
 holds whether or not the transport is ever closed: the agent's reference count is raised once
 more, so neither ``close()``, the collector nor interpreter shutdown ever destroys it (the process
-exits without running its destructor). Every other agent is destroyed by ``close()``. The
+exits without running its destructor; agents merely held in a module-level list were destroyed
+at interpreter shutdown and aborted there too, 1 run in 3). Every other agent is destroyed by
+``close()``. The
 first kept agent logs one warning. The leak is bounded: once
 :data:`MAX_KEPT_AGENTS` agents are kept, :func:`check_room` makes new transports fail with an
 error that says to restart the process, instead of growing without bound.
