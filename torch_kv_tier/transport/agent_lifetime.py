@@ -17,8 +17,7 @@ holds whether or not the transport is ever closed: the agent's reference count i
 more, so neither ``close()``, the collector nor interpreter shutdown ever destroys it (the process
 exits without running its destructor; agents merely held in a module-level list were destroyed
 at interpreter shutdown and aborted there too, 1 run in 3). Every other agent is destroyed by
-``close()``. The
-first kept agent logs one warning. The leak is bounded: once
+``close()``. The first kept agent logs one warning. The leak is bounded: once
 :data:`MAX_KEPT_AGENTS` agents are kept, :func:`check_room` makes new transports fail with an
 error that says to restart the process, instead of growing without bound.
 
