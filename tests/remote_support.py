@@ -57,9 +57,9 @@ class Client:
         assert tid is not None, f"{op} submission failed"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            done, failed = self.transport.poll()
-            assert tid not in failed, f"{op} failed"
-            if tid in done:
+            result = self.transport.poll()
+            assert tid not in result.failed, f"{op} failed"
+            if tid in result.done:
                 return
             time.sleep(0.001)
         raise TimeoutError(f"{op} of {len(local)} blocks not done in 10 s")

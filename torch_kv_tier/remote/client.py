@@ -17,6 +17,8 @@ import secrets
 import socket
 import threading
 import time
+import types
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -34,6 +36,15 @@ _DISCONNECT_TIMEOUT_S = 2.0
 
 # a request made from any thread: build the message for a seq, resolve the future, timeout
 _Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage]", float]
+
+
+def _callback_ref(
+    callback: Callable[[str], None] | None,
+) -> Callable[[], Callable[[str], None] | None]:
+    """A reference to ``callback``: weak for a bound method, strong for any other callable."""
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
 
 
 class HandshakeRejected(Exception):
@@ -95,7 +106,10 @@ class RemoteSession:
     Threading: every public method may be called from any thread. ``_lock`` guards the
     closed/lost flags, the usage counters and the wake-up socket; the ZeroMQ socket belongs to
     the I/O thread alone once ``open`` returns. ``on_lost`` runs on the I/O thread, once; it
-    may call ``close()``.
+    may call ``close()``. A bound method ``on_lost`` is held weakly (its object usually owns the
+    session: a strong reference would make a cycle that keeps the object, and its NIXL agent,
+    alive until the garbage collector runs on some thread); once its object is gone it is not
+    called.
     """
 
     def __init__(
@@ -119,7 +133,7 @@ class RemoteSession:
         self.mem_type = accept.region.mem_type
         self.lease = range(accept.lease_start, accept.lease_stop)
         self._session_id = accept.session_id
-        self._on_lost = on_lost
+        self._on_lost = _callback_ref(on_lost)
         # several heartbeats fit in both our loss timeout and the server's lease timeout
         self._interval_s = min(
             heartbeat_interval_s, heartbeat_timeout_s / 3, accept.lease_timeout_s / 3
@@ -409,9 +423,10 @@ class RemoteSession:
         sock.close(linger=0)
         if report:
             logger.warning("lost %s: %s", self.peer_id, lost)
-            if self._on_lost is not None:
+            on_lost = self._on_lost()
+            if on_lost is not None:
                 try:
-                    self._on_lost(self.peer_id)
+                    on_lost(self.peer_id)
                 except Exception:
                     logger.exception("on_lost callback for %s raised", self.peer_id)
 

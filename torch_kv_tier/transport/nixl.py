@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
 from torch_kv_tier.transport.ucx_env import apply_ucx_policy
 
@@ -115,6 +116,8 @@ class NixlTransport(DataTransport):
         self._failed: dict[int, str] = {}  # cancelled by peer removal: id -> peer_id
         self._ids = itertools.count(1)
         self._closed = False
+        self._kept_until_exit = False  # see agent_lifetime
+        agent_lifetime.check_room()
         config = nixl_agent_config(
             enable_prog_thread=progress_thread,
             num_threads=num_threads,
@@ -301,6 +304,9 @@ class NixlTransport(DataTransport):
                     logger.warning(
                         "NixlTransport %s: releasing %s failed: %s", self._name, what, exc
                     )
+            # Every handle wrapper references the agent, released or not: drop them all, so
+            # the agent is destroyed here, on this thread, not later by the collector.
+            self._local_dlist = self._reg = None
             self._agent = None
         logger.info("NixlTransport %s: closed", self._name)
 
@@ -340,6 +346,8 @@ class NixlTransport(DataTransport):
                     raise RuntimeError("NIXL refused to post the transfer")
             except Exception as exc:
                 logger.error("NixlTransport %s: %s to %s failed: %s", self._name, op, peer_id, exc)
+                if handle is not None and agent_lifetime.is_post_disconnect(exc):
+                    self._keep_agent_until_exit()
                 if handle is not None:
                     self._release(-1, handle)
                 return None
@@ -354,6 +362,12 @@ class NixlTransport(DataTransport):
         except Exception as exc:
             logger.warning("NixlTransport %s: transfer %d failed: %s", self._name, tid, exc)
             return "ERR"
+
+    def _keep_agent_until_exit(self) -> None:
+        """UCX may still hold a request NIXL freed: never destroy this agent (closed or not)."""
+        if not self._kept_until_exit:
+            self._kept_until_exit = True
+            agent_lifetime.keep_until_exit(self._agent, self._name)
 
     def _release(self, tid: int, handle: Any) -> None:
         try:

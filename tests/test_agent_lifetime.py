@@ -1,0 +1,78 @@
+"""NIXL agents are destroyed by ``close()``, except those UCX cannot destroy safely (issue 13)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote.launch import ServerProcess
+from torch_kv_tier.transport import NixlTransport, agent_lifetime
+
+BLOCK_LEN = 4096
+LOOP = Path(__file__).with_name("gc_user_loop.py")
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """No automatic collection: what is freed is freed by reference counting alone."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_close_destroys_the_agent_at_once(no_gc: None) -> None:
+    blocks = torch.zeros((8, BLOCK_LEN), dtype=torch.uint8)
+    transport = NixlTransport("lifetime", blocks)
+    agent = weakref.ref(transport._agent)
+    native = weakref.ref(transport._agent.agent)
+    transport.close()
+    assert agent() is None and native() is None  # the transport object itself still exists
+
+
+def test_closed_manager_is_freed_without_the_collector(no_gc: None) -> None:
+    with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1") as server:
+        manager = TierManager.create(8, BLOCK_LEN, name="lifetime")
+        transport = weakref.ref(manager.transport)
+        manager.connect(str(server.address))
+        manager.close()
+        owner = weakref.ref(manager)
+        del manager
+        assert owner() is None, "TierManager is kept alive by a cycle (session loss callback?)"
+        assert transport() is None
+
+
+def test_a_full_process_refuses_new_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_lifetime, "MAX_KEPT_AGENTS", agent_lifetime.kept_count())
+    with pytest.raises(RuntimeError, match="restart the process"):
+        NixlTransport("lifetime", torch.zeros((8, BLOCK_LEN), dtype=torch.uint8))
+
+
+def test_user_loop_with_dead_servers_survives_the_collector() -> None:
+    """Used to abort (UCX arbiter assertion in ~nixlAgentData) or warn about leaked requests."""
+    cycles = 6
+    proc = subprocess.run(
+        [sys.executable, str(LOOP), str(cycles)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
+    output = proc.stdout + proc.stderr  # UCX logs to stdout
+    tail = output[-4000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{tail}"
+    assert "not returned to mpool" not in output, tail
+    assert "done" in proc.stdout.splitlines()
+    kept = int(proc.stdout.split("kept=")[1].split()[0])
+    assert kept >= 1, "no restore was refused: the test did not reach the leaking path"
+    assert proc.stderr.count("kept alive until the process exits") == 1, tail
