@@ -26,7 +26,7 @@ EventKind = Literal["stored", "evicted", "discarded", "lost"]
 MAX_EVENTS = 100_000
 
 
-def _drain(iterator: Iterable[object]) -> None:
+def drain(iterator: Iterable[object]) -> None:
     """Run a ``map`` for its side effects at C speed."""
     deque(iterator, maxlen=0)
 
@@ -82,7 +82,7 @@ class BlockIndex:
         peer = self.peers.pop(peer_id)
         self._placement = Placement(self.peers)
         lost = list(peer.lru)
-        _drain(map(self.where.pop, lost))
+        drain(map(self.where.pop, lost))
         self._log("lost", lost, peer_id)
         return lost
 
@@ -132,7 +132,7 @@ class BlockIndex:
             else:
                 victims = [k for k, s in lru.items() if s not in pins][:need]
             slots += map(lru.pop, victims)
-            _drain(map(self.where.pop, victims))
+            drain(map(self.where.pop, victims))
             self.evictions += len(victims)
             self._log("evicted", victims, peer.peer_id)
         return slots
@@ -176,7 +176,7 @@ class BlockIndex:
                 group[1].append(idx)
                 group[2].append(entry[1])
         for peer, (gkeys, _, slots) in groups.items():
-            _drain(map(peer.lru.move_to_end, gkeys))
+            drain(map(peer.lru.move_to_end, gkeys))
             pins = peer.pins
             if pins.keys().isdisjoint(slots):
                 pins.update(dict.fromkeys(slots, 1))

@@ -21,6 +21,7 @@ of that peer id) until the transport reports it, or until the peer's lease is go
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.index import BlockIndex, PeerSlots
+from torch_kv_tier.index import BlockIndex, PeerSlots, drain
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.results import (
     CAPACITY,
@@ -351,8 +352,8 @@ class TierManager:
                     op = _Op("store", peer_id, peer, gkeys, glocal, slots, request)
                     storing.update(dict.fromkeys(gkeys, op))
                     self._launch(op)
-            self._after_submit(request, groups)
-        self._flush()
+            ready = self._after_submit(request, groups)
+        _resolve(ready)
         return request.future
 
     def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
@@ -375,8 +376,8 @@ class TierManager:
                 self._launch(
                     _Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
                 )
-            self._after_submit(request, peer_ids)
-        self._flush()
+            ready = self._after_submit(request, peer_ids)
+        _resolve(ready)
         return request.future
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -544,13 +545,15 @@ class TierManager:
         else:
             self._submit(op)
 
-    def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> None:
+    def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> list[_Request]:
         """Complete on this thread what finished during submission; wake the poller for the
-        rest; queue the request's future if it is settled."""
+        rest. Returns the settled requests, whose futures the caller resolves (unlocked)."""
         self._reap_inline(peer_ids)
         if self._ops and self._poller_idle:
             self._cond.notify()
         self._ready_if_settled(request)
+        ready, self._ready = self._ready, []
+        return ready
 
     def _reap_inline(self, peer_ids: Iterable[str]) -> None:
         """Poll the peers just submitted to, on the calling thread.
@@ -597,7 +600,9 @@ class TierManager:
     def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
         lost: dict[str, str] = {}
         now = time.perf_counter()
-        for tid, ok in [(t, True) for t in result.done] + [(t, False) for t in result.failed]:
+        failed = result.failed
+        for tid in itertools.chain(result.done, failed) if failed else result.done:
+            ok = not failed or tid not in failed
             op = self._ops.pop(tid, None)
             if op is None:
                 continue
@@ -631,9 +636,8 @@ class TierManager:
         if op.kind == "store":
             storing = self._storing
             if reason is None and not op.discarded and peer is not None:
-                for key in op.keys:
-                    if storing.get(key) is op:
-                        del storing[key]
+                # Nothing discarded: every key still maps to this op (only a discard unmaps one).
+                drain(map(storing.pop, op.keys))
                 self._index.publish(peer.slots, op.keys, op.remote)
             else:
                 unused = []
@@ -731,8 +735,13 @@ class TierManager:
             if not self._ready:
                 return
             ready, self._ready = self._ready, []
-        for request in ready:
-            request.future.set_result(request.result())
+        _resolve(ready)
+
+
+def _resolve(ready: list[_Request]) -> None:
+    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
+    for request in ready:
+        request.future.set_result(request.result())
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
