@@ -3,7 +3,8 @@
 ``python -m torch_kv_tier.benchmarks.call_cost`` starts one loopback ``torch-kv-tier serve``,
 then alternates, round after round, a burst of synchronous tier calls (``store(...).result()``
 of fresh keys, or ``load(...).result()`` of stored ones) with the same burst of bare NIXL calls
-(``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE) over the same blocks.
+(``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE) over as many remote
+blocks (one fresh run per call, as the tier walks its lease), Python lists for both.
 It prints, per op, the median over rounds of µs per call for each and the difference, per call
 and per key: the tier's own cost. It also times key placement (the home peer of 4,096 keys) at
 1, 2, 4 and 16 peers. Single-threaded driver; the tier's poller runs as in service. Use it to
@@ -20,8 +21,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from torch_kv_tier.benchmarks.remote import Target, remote_hosts
 from torch_kv_tier.benchmarks.system_nixl_raw import BareNixl, local_arena
 
@@ -36,9 +35,10 @@ def _tier_burst(tier: Any, op: str, keys: list[list[Any]], local: list[int]) -> 
     return time.perf_counter() - t0
 
 
-def _raw_burst(raw: BareNixl, op: str, n: int, local: np.ndarray, remote: np.ndarray) -> float:
+def _raw_burst(raw: BareNixl, op: str, local: list[int], remotes: list[list[int]]) -> float:
+    """The same calls as the tier's burst: Python lists, a different remote run per call."""
     t0 = time.perf_counter()
-    for _ in range(n):
+    for remote in remotes:
         handle = raw.post(op, local, remote)  # type: ignore[arg-type]
         while not raw.done(handle):
             pass
@@ -81,15 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, list[float]]] = {}
     profiler = cProfile.Profile() if args.profile else None
     with remote_hosts(None, {bl: pool}) as hosts:
-        address = hosts[bl].address
-        target = Target(address, None, "cpu", bl, 4 * batch, pool // 2, True)
+        target = Target(hosts[bl].address, None, "cpu", bl, 4 * batch, pool // 2, True)
+        address = target.require_address()
         tier = TierManager.create(4 * batch, bl, name="call-cost")
         raw = BareNixl("call-cost-raw", local_arena(target, pinned=False), target)
         try:
             tier.connect(address, slots=pool // 2)
             local = list(range(batch))
-            np_local = np.arange(batch, dtype=np.int32)
-            np_remote = np.arange(raw.remote_base, raw.remote_base + batch, dtype=np.int32)
+            base = raw.remote_base
+            remotes = [
+                list(range(base + i * batch, base + (i + 1) * batch)) for i in range(args.calls)
+            ]
             serial = 0
             for op in ("write", "read"):
                 rows = results.setdefault(op, {"tier": [], "raw": []})
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     t_tier = _tier_burst(tier, op, keys, local)
                     if profiler is not None:
                         profiler.disable()
-                    t_raw = _raw_burst(raw, op, args.calls, np_local, np_remote)
+                    t_raw = _raw_burst(raw, op, local, remotes)
                     if rnd:  # round 0 warms both up
                         rows["tier"].append(t_tier / args.calls * 1e6)
                         rows["raw"].append(t_raw / args.calls * 1e6)
