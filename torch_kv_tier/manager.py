@@ -573,7 +573,8 @@ class TierManager:
             if result.done or result.failed or result.peer_fault:
                 fault = {peer_id: result.peer_fault} if result.peer_fault else {}
                 self._complete(result, fault)
-                self._cond.notify_all()
+                if self._closed:  # close() waits for the last transfers
+                    self._cond.notify_all()
 
     def _live_peer(self, op: _Op) -> _Peer | None:
         """The op's peer if it is still registered (not removed, not replaced)."""

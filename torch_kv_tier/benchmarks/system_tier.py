@@ -7,7 +7,8 @@ outstanding call once (``future.done()`` here, ``check_xfer_state`` there), stam
 with the time it saw them, and yields the core when none was. Writes store fresh keys every call,
 so the lease fills and the tier evicts its least recently used keys as it would in service;
 reads load a stored key set. ``torch_kv_tier_2hosts``/``_4hosts`` spread the same lease over 2 or
-4 remote hosts (placement and one transfer per host per call).
+4 remote hosts (placement and one transfer per host per call), each host leasing 1.5 x its even
+share of the working set (keys do not split evenly).
 
 ``torch_kv_tier_staged`` (CUDA only) keeps the source blocks on the GPU and stages them through
 the tier's pinned host arena: a D2H copy before each store, an H2D copy after each load.
@@ -48,11 +49,12 @@ class Tier(System):
             target.local_slots, target.block_len, device=device, name="bench-tier"
         )
         try:
+            # Placement spreads keys unevenly over hosts: each gets 1.5 x its even share of the
+            # working set, so that no host evicts keys of the plan being measured.
+            share = -(-3 * target.remote_slots // (2 * self.hosts)) if self.hosts > 1 else None
             for address in addresses:
-                self._tm.connect(
-                    address, token=target.token, slots=target.remote_slots // self.hosts
-                )
-            self.remote_slots = sum(p.capacity for p in self._tm.stats().peers.values())
+                self._tm.connect(address, token=target.token, slots=share or target.remote_slots)
+            self.remote_slots = target.remote_slots  # the plan's size: the working set
         except HandshakeRejected as exc:
             self._tm.close()
             raise Skip(f"remote host refused: {exc}") from exc
