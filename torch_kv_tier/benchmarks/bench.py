@@ -388,7 +388,8 @@ class _Run:
             lease = min(pool, -(-(self.cfg["working_set_mib"] << 20) // block_len))
             multi = self.multi_points(block_len)
             # Each system of a group holds its own lease: the first host holds them all.
-            pools = [lease * (MAX_GROUP + 1)] + [2 * lease] * (MAX_HOSTS - 1 if multi else 0)
+            # The previous group's leases may still be on their way back: room for two groups.
+            pools = [2 * lease * (MAX_GROUP + 1)] + [2 * lease] * (MAX_HOSTS - 1 if multi else 0)
             # (a multi-host tier leases 1.5 x lease / hosts on each host: within these pools)
             progress.set_description(f"{transport}: starting hosts for {block_len >> 10}K")
             with host_group(self.args.remote, block_len, pools) as hosts:

@@ -54,7 +54,9 @@ class Tier(System):
             share = -(-3 * target.remote_slots // (2 * self.hosts)) if self.hosts > 1 else None
             for address in addresses:
                 self._tm.connect(address, token=target.token, slots=share or target.remote_slots)
-            self.remote_slots = target.remote_slots  # the plan's size: the working set
+            capacity = sum(p.capacity for p in self._tm.stats().peers.values())
+            # The plan's size: the working set, or less when the host granted a shorter lease.
+            self.remote_slots = min(target.remote_slots, capacity)
         except HandshakeRejected as exc:
             self._tm.close()
             raise Skip(f"remote host refused: {exc}") from exc
