@@ -448,11 +448,13 @@ class TierManager:
                     self._finish(peer.queue.popleft(), CLOSED)
             deadline = time.monotonic() + timeout
             self._cond.notify_all()
-            while self._ops and time.monotonic() < deadline:
+            # Writes orphaned by a dropped peer have resolved futures: nobody waits for them.
+            while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
                 self._cond.wait(timeout=deadline - time.monotonic())
             leftover = list(self._ops)
             if leftover:
-                logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
+                if any(not self._ops[tid].orphaned for tid in leftover):
+                    logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
                 self.transport.cancel(leftover)
                 for tid in leftover:
                     op = self._ops.pop(tid)

@@ -386,10 +386,12 @@ class _Run:
             # the tier (which walks its whole lease, evicting) touches no more remote memory
             # than the systems whose plans cycle through the working set.
             lease = min(pool, -(-(self.cfg["working_set_mib"] << 20) // block_len))
+            slack = max(self.cfg["inflight"]) * max(self.cfg["batches"] + self.cfg["tcp_batches"])
             multi = self.multi_points(block_len)
             # Each system of a group holds its own lease: the first host holds them all.
             # The previous group's leases may still be on their way back: room for two groups.
-            pools = [2 * lease * (MAX_GROUP + 1)] + [2 * lease] * (MAX_HOSTS - 1 if multi else 0)
+            pools = [2 * (lease + slack) * (MAX_GROUP + 1)]
+            pools += [2 * (lease + slack)] * (MAX_HOSTS - 1 if multi else 0)
             # (a multi-host tier leases 1.5 x lease / hosts on each host: within these pools)
             progress.set_description(f"{transport}: starting hosts for {block_len >> 10}K")
             with host_group(self.args.remote, block_len, pools) as hosts:
@@ -403,6 +405,7 @@ class _Run:
                     embedded=hosts[0].embedded,
                     problem=hosts[0].problem,
                     more_addresses=tuple(h.address for h in hosts[1:] if h.address),
+                    slack_slots=slack,
                 )
                 points = [replace(p, block_len=block_len) for p in self.points(transport)]
                 for group in self.groups():

@@ -39,6 +39,10 @@ class Target:
     embedded: bool
     problem: str | None = None
     more_addresses: tuple[str, ...] = ()  # further hosts, for the multi-host tier systems
+    # Extra lease for systems that place blocks themselves: with several calls in flight they
+    # complete (and enter the LRU order) out of submission order, so a lease of exactly the
+    # working set could evict a key of the cycle being measured.
+    slack_slots: int = 0
 
     def require_address(self) -> str:
         """The remote host's address; ``RuntimeError`` with the reason when there is none."""

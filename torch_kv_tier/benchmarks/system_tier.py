@@ -49,11 +49,12 @@ class Tier(System):
             target.local_slots, target.block_len, device=device, name="bench-tier"
         )
         try:
-            # Placement spreads keys unevenly over hosts: each gets 1.5 x its even share of the
-            # working set, so that no host evicts keys of the plan being measured.
-            share = -(-3 * target.remote_slots // (2 * self.hosts)) if self.hosts > 1 else None
+            # The working set plus the target's slack (calls in flight complete out of order);
+            # over several hosts 1.5 x each host's even share: placement spreads keys unevenly.
+            want = target.remote_slots + target.slack_slots
+            share = -(-3 * want // (2 * self.hosts)) if self.hosts > 1 else want
             for address in addresses:
-                self._tm.connect(address, token=target.token, slots=share or target.remote_slots)
+                self._tm.connect(address, token=target.token, slots=share)
             capacity = sum(p.capacity for p in self._tm.stats().peers.values())
             # The plan's size: the working set, or less when the host granted a shorter lease.
             self.remote_slots = min(target.remote_slots, capacity)
