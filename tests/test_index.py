@@ -211,3 +211,20 @@ def test_a_faulted_peer_is_dropped_with_its_keys() -> None:
         assert tier.lookup(on_h1) == 0
     with pytest.raises(RuntimeError, match="closed"):
         tier.store(["x"], [0])
+
+
+def test_close_does_not_wait_for_a_write_orphaned_by_a_dropped_peer() -> None:
+    LateWriteTransport.remotes[b"stuck"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    tier = TierManager(arena, transport)
+    tier.add_peer("p", b"stuck", 0, 4, BLOCK)
+    transport.hold = True
+    pending = tier.store(["a"], [0])
+    transport.fault("p", "state check raised")
+    assert pending.result(timeout=5).failed == {"a": "peer lost"}
+    closer = threading.Thread(target=tier.close, kwargs={"timeout": 60.0})
+    closer.start()
+    closer.join(timeout=20)  # its future is resolved: close() must not sit out its timeout
+    assert not closer.is_alive()
+    assert transport.in_flight() == []  # the orphaned write was cancelled
