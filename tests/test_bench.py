@@ -56,7 +56,8 @@ def test_tiny_sweep_writes_verified_rows_json_and_plot(
     rows = json.loads(out.read_text())
     assert isinstance(rows, list)
     for row in rows:
-        assert row.keys() >= REQUIRED, REQUIRED - row.keys()
+        if row["kind"] in ("throughput", "poll_scaling"):
+            assert row.keys() >= REQUIRED, REQUIRED - row.keys()
     measured = [r for r in rows if r["kind"] == "throughput" and not r["skipped"]]
     systems = {r["system"] for r in measured}
     assert systems == {"memcpy", "nixl_raw", "torch_kv_tier"}
@@ -67,15 +68,25 @@ def test_tiny_sweep_writes_verified_rows_json_and_plot(
         assert row["verified_blocks"] > 0 and row["mismatched_blocks"] == 0
         assert row["gbps"] > 0 and 0 < row["p50_us"] <= row["p99_us"]
     # a system that cannot run here is reported, not dropped
-    staged = [r for r in rows if r["system"] == "torch_kv_tier_staged"]
+    staged = [r for r in rows if r.get("system") == "torch_kv_tier_staged"]
     assert len(staged) == 4 and all("cuda" in r["skipped"] for r in staged)
     polls = [r for r in rows if r["kind"] == "poll_scaling"]
     assert [r["inflight"] for r in polls] == [10, 100]
     assert all(r["verified"] and r["poll_us_per_transfer"] > 0 for r in polls)
+    # the tier and nixl_raw ran interleaved: per point, the paired ratios and the added cost
+    ratios = [r for r in rows if r["kind"] == "ratio"]
+    assert {(r["system"], r["reference"]) for r in ratios} == {("torch_kv_tier", "nixl_raw")}
+    assert len(ratios) == 4
+    for r in ratios:
+        assert len(r["ratio_repeats"]) == 2
+        assert 0 < r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
+        assert r["added_us_per_key"] == pytest.approx(r["added_us_per_call"] / 4)
+    assert [r["peers"] for r in rows if r["kind"] == "placement"] == [1, 2, 4, 16]
 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    assert "torch_kv_tier/nixl_raw" in text and "Targets" in text
+    assert "tier/raw" in text and "What the tier adds over nixl_raw" in text
+    assert "Targets" in text and "placement <= 0.5" in text
 
 
 def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,7 +94,7 @@ def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.Monk
     out = tmp_path / "results.json"
     args = _args(*TINY, "--systems", "corrupting", "--no-poll-scaling", "--out", str(out))
     assert bench.run(args) == 1
-    rows = json.loads(out.read_text())
+    rows = [r for r in json.loads(out.read_text()) if r["kind"] == "throughput"]
     assert rows and all(not r["verified"] and "differ" in r["error"] for r in rows)
 
 

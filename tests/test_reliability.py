@@ -215,7 +215,10 @@ TIER_BLOCKS = 24
 
 @pytest.fixture(scope="module")
 def fuzz_tier() -> Iterator[tuple[TierManager, CountingAgent]]:
-    with RemotePeer(256, BLOCK_LEN) as target, TierManager.create(TIER_BLOCKS, BLOCK_LEN) as tier:
+    with (
+        RemotePeer(256, BLOCK_LEN) as target,
+        TierManager.create(TIER_BLOCKS, BLOCK_LEN, events=True) as tier,
+    ):
         tier.arena.tensor.copy_(random_blocks(TIER_BLOCKS, BLOCK_LEN, seed=4))
         tier.add_peer("p", *target.peer_args())
         spy = CountingAgent(tier.transport._agent)  # type: ignore[attr-defined]

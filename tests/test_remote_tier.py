@@ -58,7 +58,7 @@ def test_server_killed_mid_transfer_fails_its_futures_and_another_keeps_serving(
     with (
         ServerProcess.start(256, BLOCK_LEN) as doomed,
         ServerProcess.start(256, BLOCK_LEN) as survivor,
-        TierManager.create(512, BLOCK_LEN, name="killtest") as tier,
+        TierManager.create(512, BLOCK_LEN, name="killtest", events=True) as tier,
     ):
         dead_peer = tier.connect(doomed.address)
         live_peer = tier.connect(survivor.address)

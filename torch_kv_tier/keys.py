@@ -1,44 +1,101 @@
-"""Logical block keys and their placement across peers (rendezvous hashing)."""
+"""Logical block keys and their placement across peers.
+
+Placement is rendezvous hashing over a fixed ring of ``BUCKETS`` buckets: a key hashes once
+(a stable 32-bit hash, the same in every process) to a bucket, and each bucket's home is the peer
+with the highest mixed score for that bucket, computed once per peer set for all buckets at once.
+Per key that is one hash and one list lookup, whatever the number of peers; adding a peer moves
+only the buckets (so the keys) it now wins, and the order peers are given in does not matter.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Collection, Sequence
+import zlib
+from collections.abc import Collection, Iterable, Sequence
 from typing import Union
 
+import numpy as np
+
 Key = Union[bytes, str, int]  # noqa: UP007  (a runtime alias, usable on Python 3.10)
+
+BUCKETS = 1 << 16
+_KEY_TYPES = frozenset({bytes, str, int})
+_MASK64 = (1 << 64) - 1
 
 
 def check_keys(keys: Sequence[Key]) -> list[Key]:
     """Return ``keys`` as a list; ``TypeError`` for a non-key, ``ValueError`` for a repeat."""
     out = list(keys)
-    for key in out:
-        if isinstance(key, bool) or not isinstance(key, (bytes, str, int)):
-            raise TypeError(f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}")
+    if not _KEY_TYPES.issuperset(map(type, out)):
+        for key in out:
+            if isinstance(key, bool) or not isinstance(key, (bytes, str, int)):
+                raise TypeError(
+                    f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}"
+                )
     if len(set(out)) != len(out):
         raise ValueError("a key appears twice in one call; pass each key once")
     return out
 
 
-def _key_bytes(key: Key) -> bytes:
+def key_hash(key: Key) -> int:
+    """A stable 32-bit hash of ``key`` (CRC-32 of its bytes; the same in every process)."""
     if isinstance(key, bytes):
-        return b"b" + key
+        return zlib.crc32(key)
     if isinstance(key, str):
-        return b"s" + key.encode()
-    return b"i" + str(key).encode()
+        return zlib.crc32(key.encode(), 0x5BD1E995)
+    return zlib.crc32((key & _MASK64).to_bytes(8, "little"), key >> 64 & 0xFFFFFFFF)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Placement:
+    """The home peer of every key for one set of peers (immutable; build a new one per change)."""
+
+    def __init__(self, peers: Iterable[str]) -> None:
+        self.peers = tuple(sorted(set(peers)))
+        if len(self.peers) <= 1:
+            self._table: list[str] = list(self.peers)
+            return
+        seeds = np.array(
+            [
+                int.from_bytes(hashlib.blake2b(p.encode(), digest_size=8).digest(), "little")
+                for p in self.peers
+            ],
+            dtype=np.uint64,
+        )
+        with np.errstate(over="ignore"):
+            buckets = _mix64(np.arange(BUCKETS, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+            scores = _mix64(buckets[:, None] ^ seeds[None, :])
+        self._table = [self.peers[i] for i in scores.argmax(axis=1).tolist()]
+
+    def home(self, key: Key) -> str | None:
+        """The peer ``key`` lives on; ``None`` when there are no peers."""
+        if len(self._table) <= 1:
+            return self._table[0] if self._table else None
+        return self._table[key_hash(key) & (BUCKETS - 1)]
+
+    def homes(self, keys: Sequence[Key]) -> list[str]:
+        """``home`` of each key (there must be at least one peer)."""
+        if len(self._table) == 1:
+            return [self._table[0]] * len(keys)
+        table, mask = self._table, BUCKETS - 1
+        return [table[key_hash(k) & mask] for k in keys]
+
+
+@functools.lru_cache(maxsize=16)
+def _placement(peers: frozenset[str]) -> Placement:
+    return Placement(peers)
 
 
 def home_peer(key: Key, peers: Collection[str]) -> str | None:
-    """The peer with the highest hash score for ``key``; ``None`` when there are no peers.
+    """The peer ``key`` lives on among ``peers``; ``None`` when there are none.
 
     Deterministic in any process; adding a peer moves only the keys it now wins.
     """
-    if len(peers) == 1:
-        return next(iter(peers))
-    kb = _key_bytes(key)
-    best: tuple[bytes, str] | None = None
-    for peer in peers:
-        score = hashlib.blake2b(kb + b"\0" + peer.encode(), digest_size=8).digest()
-        if best is None or score > best[0]:
-            best = (score, peer)
-    return None if best is None else best[1]
+    return _placement(frozenset(peers)).home(key)

@@ -1,20 +1,40 @@
-"""``TierManager``: logical KV block keys kept on remote peers, moved by a background thread."""
+"""``TierManager``: logical KV block keys kept on remote peers, moved by NIXL transfers.
+
+Orchestration only: the index of what is stored where (placement, slot pool, LRU, pins) lives in
+``torch_kv_tier.index``; this module turns calls into transfers, tracks them until the transport
+reports them, resolves futures and handles peers coming and going.
+
+Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
+table. A call submits its transfers and polls the peers it submitted to on the calling thread:
+a transfer NIXL finished during submission completes there, and the background poller is not
+woken. The poller runs only while transfers are in flight, and sleeps on ``_cond`` otherwise.
+Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread or the
+poller), so a callback may call back into the manager.
+
+Failure model: a transfer the transport reports failed fails its keys, and its peer is dropped
+with its keys (a cache entry that cannot be trusted is cheaper to recompute than to serve); so
+does a peer the transport reports faulted (``PollResult.peer_fault``/``faulted_peers()``). The
+futures of a dropped peer's transfers resolve at once ("peer lost"), but a write that the
+transport still holds in flight may land later: its remote slots stay fenced (out of every pool
+of that peer id) until the transport reports it, or until the peer's lease is gone.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.keys import Key, check_keys, home_peer
+from torch_kv_tier.index import BlockIndex, PeerSlots, drain
+from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.results import (
     CAPACITY,
     CLOSED,
@@ -27,68 +47,94 @@ from torch_kv_tier.results import (
     TierStats,
     TransferResult,
 )
-from torch_kv_tier.slots import SlotPool
 from torch_kv_tier.transport.base import DataTransport, PollResult, block_indices
 
 logger = logging.getLogger(__name__)
 
-_MAX_EVENTS = 100_000
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 
 
 class _Request:
-    """One ``store``/``load`` call: its future and the keys it still waits for."""
+    """One ``store``/``load`` call: its future and how many of its keys are still unsettled."""
+
+    __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
 
     def __init__(self, keys: list[Key]) -> None:
         self.future: Future[TransferResult] = Future()
         self.keys = keys
-        self.waiting = set(keys)
+        self.pending = len(keys)
         self.failed: dict[Key, str] = {}
         self.nbytes = 0
+        self.queued = False  # in the manager's ready list (its future is resolved once)
         self.started = time.perf_counter()
 
-    def settle(self, key: Key, reason: str | None) -> None:
-        self.waiting.discard(key)
+    def settle(self, keys: list[Key], reason: str | None) -> None:
+        self.pending -= len(keys)
         if reason is not None:
-            self.failed[key] = reason
+            self.failed.update(dict.fromkeys(keys, reason))
 
     def result(self) -> TransferResult:
-        ok_keys = [k for k in self.keys if k not in self.failed]
+        failed = self.failed
         return TransferResult(
-            ok=not self.failed,
-            keys=ok_keys,
-            failed=dict(self.failed),
+            ok=not failed,
+            keys=[k for k in self.keys if k not in failed] if failed else list(self.keys),
+            failed=failed,
             nbytes=self.nbytes,
             seconds=time.perf_counter() - self.started,
         )
 
 
-@dataclass
 class _Peer:
-    pool: SlotPool
-    stored: OrderedDict[Key, int] = field(default_factory=OrderedDict)  # LRU order, oldest first
-    pins: Counter[int] = field(default_factory=Counter)  # slot -> loads in flight
-    doomed: set[int] = field(default_factory=set)  # discarded while pinned: free on unpin
-    inflight: int = 0  # this peer's ops submitted to the transport
-    queue: deque[_Op] = field(default_factory=deque)  # this peer's ops waiting for capacity
-    session: Any = None  # RemoteSession when the peer came from connect()
+    """A peer registration as the manager drives it (its slots live in the index)."""
+
+    __slots__ = ("inflight", "queue", "session", "slots")
+
+    def __init__(self, slots: PeerSlots) -> None:
+        self.slots = slots
+        self.inflight = 0  # this registration's ops submitted to the transport
+        self.queue: deque[_Op] = deque()  # ops waiting for an in-flight slot, in order
+        self.session: Any = None  # RemoteSession when the peer came from connect()
 
 
-@dataclass
 class _Op:
-    """One transfer to one peer, carrying keys of its owner request and of requests that joined."""
+    """One transfer to one peer: keys of its owner request and of requests that joined it."""
 
-    kind: Literal["store", "load"]
-    peer_id: str
-    peer: _Peer  # the registration this op was made for (a re-added peer_id is another one)
-    keys: list[Key]
-    local: list[int]
-    remote: list[int]
-    owner: _Request
-    joined: list[_Request] = field(default_factory=list)
-    discarded: set[Key] = field(default_factory=set)
-    submitted: float = 0.0
+    __slots__ = (
+        "discarded",
+        "joined",
+        "keys",
+        "kind",
+        "local",
+        "orphaned",
+        "owner",
+        "peer",
+        "peer_id",
+        "remote",
+        "submitted",
+    )
+
+    def __init__(
+        self,
+        kind: Literal["store", "load"],
+        peer_id: str,
+        peer: _Peer,
+        keys: list[Key],
+        local: list[int],
+        remote: list[int],
+        owner: _Request,
+    ) -> None:
+        self.kind = kind
+        self.peer_id = peer_id
+        self.peer = peer  # the registration this op was made for (a re-added id is another)
+        self.keys = keys
+        self.local = local
+        self.remote = remote
+        self.owner = owner
+        self.joined: dict[_Request, list[Key]] = {}
+        self.discarded: set[Key] = set()
+        self.submitted = 0.0
+        self.orphaned = False  # settled as "peer lost" while the transport still holds it
 
 
 class TierManager:
@@ -96,21 +142,14 @@ class TierManager:
 
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
     the transfer finished during submission, else by a background thread draining
-    ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing
-    over the peers; a key is visible to ``lookup``/``contains``/``load`` only once its write
-    completed. A full peer evicts its least recently used keys (never one being loaded). At most
+    ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing over the
+    peers; a key is visible to ``lookup``/``contains``/``load`` only once its write completed.
+    A full peer evicts its least recently used keys (never one being loaded). At most
     ``max_inflight`` transfers per peer are submitted at once; the rest wait in that peer's
-    queue, in order, so a stalled peer holds back no other.
+    queue, in order, so a stalled peer holds back no other. Index events (``take_events``) are
+    recorded only when the tier is built with ``events=True``.
 
-    Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards
-    every table: peers, index, in-flight and queued transfers, events and counters. Futures are
-    resolved, and their callbacks run, on the calling or background thread *outside* the lock,
-    so a callback may call back into the manager. A callback that raises is logged by
-    ``concurrent.futures`` and stops nothing.
-
-    Failure policy: a transfer the transport reports as failed fails its keys, and its peer is
-    treated as lost (removed, its keys dropped): a cache entry that cannot be trusted is cheaper
-    to recompute than to serve.
+    Threading and failures: see the module docstring.
     """
 
     def __init__(
@@ -120,6 +159,7 @@ class TierManager:
         *,
         max_inflight: int = 64,
         max_poll_interval_s: float = 500e-6,
+        events: bool = False,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -135,14 +175,14 @@ class TierManager:
         self._max_poll_interval_s = max_poll_interval_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        self._index = BlockIndex(events=events)
         self._peers: dict[str, _Peer] = {}
-        self._index: dict[Key, tuple[str, int]] = {}  # key -> (peer_id, remote slot)
         self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
-        self._ops: dict[int, _Op] = {}  # transfer id -> op
+        self._ops: dict[int, _Op] = {}  # transfer id -> op the transport holds
         self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
-        self._events: deque[tuple[str, Key, str]] = deque(maxlen=_MAX_EVENTS)
         self._counters: Counter[str] = Counter()
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self._poller_idle = False
         self._closed = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tkvt-poller", daemon=True)
@@ -158,13 +198,14 @@ class TierManager:
         config_fields: dict[str, Any] | None = None,
         name: str = "tier",
         max_inflight: int = 64,
+        events: bool = False,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``."""
         from torch_kv_tier.transport.nixl import NixlTransport
 
         arena = BlockArena(num_blocks, block_len, device=device)
         transport = NixlTransport(name, arena.tensor, config_fields=config_fields)
-        return cls(arena, transport, max_inflight=max_inflight)
+        return cls(arena, transport, max_inflight=max_inflight, events=events)
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -180,7 +221,8 @@ class TierManager:
     ) -> None:
         """Register a remote region; the tier may use ``slots`` of it (default: all).
 
-        Re-adding a known ``peer_id`` drops the old registration and its keys first.
+        Re-adding a known ``peer_id`` drops the old registration and its keys first; slots that
+        a write of the old registration may still land on are withheld until it resolves.
         """
         slots = range(num_blocks) if slots is None else slots
         if block_len != self.transport.block_len:
@@ -191,7 +233,6 @@ class TierManager:
             raise ValueError(
                 f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
             )
-        pool = SlotPool(slots)
         with self._lock:
             self._check_open()
             if peer_id in self._peers:
@@ -199,11 +240,11 @@ class TierManager:
             self.transport.add_remote_peer(
                 peer_id, agent_metadata, base_addr, num_blocks, block_len
             )
-            self._peers[peer_id] = _Peer(pool)
+            self._peers[peer_id] = _Peer(self._index.add_peer(peer_id, slots))
         self._flush()
 
     def remove_peer(self, peer_id: str) -> None:
-        """Forget a peer: its in-flight futures fail with "peer lost", its keys are dropped.
+        """Forget a peer: its pending futures fail with "peer lost", its keys are dropped.
 
         Raises ``KeyError`` for an unknown peer.
         """
@@ -214,7 +255,7 @@ class TierManager:
             session = self._drop_peer(peer_id)
         self._flush()
         if session is not None:
-            session.close()
+            self._close_session(peer_id, session)
 
     def connect(
         self,
@@ -283,41 +324,36 @@ class TierManager:
         request = _Request(keys)
         with self._lock:
             self._check_open()
-            batches: dict[str, list[tuple[Key, int]]] = {}
-            for key, idx in zip(keys, local):
-                if key in self._index:
-                    peer_id, _ = self._index[key]
-                    self._peers[peer_id].stored.move_to_end(key)
-                    request.settle(key, None)
-                elif key in self._storing:
-                    self._storing[key].joined.append(request)
-                else:
-                    home = home_peer(key, self._peers)
-                    if home is None:
-                        request.settle(key, NO_PEERS)
+            index, storing = self._index, self._storing
+            if index.where.keys().isdisjoint(keys) and storing.keys().isdisjoint(keys):
+                new_keys, new_local = keys, local
+            else:
+                new_keys, new_local, stored = [], [], []
+                for key, idx in zip(keys, local):
+                    if key in index.where:
+                        stored.append(key)
+                    elif key in storing:
+                        storing[key].joined.setdefault(request, []).append(key)
                     else:
-                        batches.setdefault(home, []).append((key, idx))
-            for peer_id, batch in batches.items():
-                slots = self._reserve(peer_id, len(batch))
-                for key, _ in batch[len(slots) :]:
-                    request.settle(key, CAPACITY)
-                batch = batch[: len(slots)]
-                if batch:
-                    op = _Op(
-                        "store",
-                        peer_id,
-                        self._peers[peer_id],
-                        [k for k, _ in batch],
-                        [i for _, i in batch],
-                        slots,
-                        request,
-                    )
-                    for key in op.keys:
-                        self._storing[key] = op
+                        new_keys.append(key)
+                        new_local.append(idx)
+                index.touch(stored)
+                request.settle(stored, None)
+            groups = index.place(new_keys, new_local) if new_keys else {}
+            if new_keys and not groups:
+                request.settle(new_keys, NO_PEERS)
+            for peer_id, (gkeys, glocal) in groups.items():
+                peer = self._peers[peer_id]
+                slots = index.reserve(peer.slots, len(gkeys))
+                if len(slots) < len(gkeys):
+                    request.settle(gkeys[len(slots) :], CAPACITY)
+                    del gkeys[len(slots) :], glocal[len(slots) :]
+                if gkeys:
+                    op = _Op("store", peer_id, peer, gkeys, glocal, slots, request)
+                    storing.update(dict.fromkeys(gkeys, op))
                     self._launch(op)
-            self._reap_inline(batches)
-            self._settle_if_done(request)
-        self._flush()
+            ready = self._after_submit(request, groups)
+        _resolve(ready)
         return request.future
 
     def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
@@ -331,37 +367,27 @@ class TierManager:
         request = _Request(keys)
         with self._lock:
             self._check_open()
-            batches: dict[str, list[tuple[Key, int, int]]] = {}
-            for key, idx in zip(keys, local):
-                entry = self._index.get(key)
-                if entry is None:
-                    request.settle(key, MISSING)
-                    continue
-                peer_id, slot = entry
-                peer = self._peers[peer_id]
-                peer.stored.move_to_end(key)
-                peer.pins[slot] += 1
-                batches.setdefault(peer_id, []).append((key, idx, slot))
-            for peer_id, batch in batches.items():
-                keys_, local_, remote = (list(x) for x in zip(*batch))
-                op = _Op("load", peer_id, self._peers[peer_id], keys_, local_, remote, request)
-                self._launch(op)
-            self._reap_inline(batches)
-            self._settle_if_done(request)
-        self._flush()
+            groups, missing = self._index.pin(keys, local)
+            request.settle(missing, MISSING)
+            peer_ids = []
+            for slots, (gkeys, glocal, remote) in groups.items():
+                peer_id = slots.peer_id
+                peer_ids.append(peer_id)
+                self._launch(
+                    _Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
+                )
+            ready = self._after_submit(request, peer_ids)
+        _resolve(ready)
         return request.future
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` are stored (the prefix a scheduler can load)."""
         with self._lock:
-            for n, key in enumerate(keys):
-                if key not in self._index:
-                    return n
-            return len(keys)
+            return self._index.lookup(keys)
 
     def contains(self, key: Key) -> bool:
         with self._lock:
-            return key in self._index
+            return key in self._index.where
 
     def discard(self, keys: Sequence[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
@@ -370,17 +396,7 @@ class TierManager:
                 op = self._storing.pop(key, None)  # a later store of key starts afresh
                 if op is not None:
                     op.discarded.add(key)
-                entry = self._index.pop(key, None)
-                if entry is None:
-                    continue
-                peer_id, slot = entry
-                peer = self._peers[peer_id]
-                del peer.stored[key]
-                if peer.pins[slot]:
-                    peer.doomed.add(slot)
-                else:
-                    peer.pool.free([slot])
-                self._event("discarded", key, peer_id)
+            self._index.discard(keys)
 
     # -- observation --------------------------------------------------------------------------
 
@@ -395,25 +411,27 @@ class TierManager:
                 bytes_loaded=c["blocks_loaded"] * self.transport.block_len,
                 transfers_done=c["transfers_done"],
                 transfers_failed=c["transfers_failed"],
-                evictions=c["evictions"],
+                evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
-                keys=len(self._index),
+                keys=len(self._index.where),
                 latency_p50_us=float(np.percentile(lat, 50)),
                 latency_p99_us=float(np.percentile(lat, 99)),
-                events_dropped=c["events_dropped"],
+                events_dropped=self._index.events_dropped,
                 peers={
-                    pid: PeerStats(len(p.pool), len(p.pool) - p.pool.num_free, len(p.stored))
+                    pid: PeerStats(len(p.slots.pool), p.slots.used, len(p.slots.lru))
                     for pid, p in self._peers.items()
                 },
             )
 
     def take_events(self) -> list[TierEvent]:
-        """Index changes since the last call, oldest first (at most the newest 100,000)."""
+        """Index changes since the last call, oldest first (at most the newest 100,000).
+
+        Events are recorded only by a tier built with ``events=True``; otherwise this is
+        always empty (a tier nobody drains pays nothing for them).
+        """
         with self._lock:
-            events = [TierEvent(*event) for event in self._events]  # type: ignore[arg-type]
-            self._events.clear()
-            return events
+            return [TierEvent(*e) for e in self._index.take_events()]  # type: ignore[arg-type]
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -429,14 +447,19 @@ class TierManager:
                 while peer.queue:
                     self._finish(peer.queue.popleft(), CLOSED)
             deadline = time.monotonic() + timeout
-            while self._ops and time.monotonic() < deadline:
+            self._cond.notify_all()
+            # Writes orphaned by a dropped peer have resolved futures: nobody waits for them.
+            while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
                 self._cond.wait(timeout=deadline - time.monotonic())
             leftover = list(self._ops)
             if leftover:
-                logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
+                if any(not self._ops[tid].orphaned for tid in leftover):
+                    logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
                 self.transport.cancel(leftover)
                 for tid in leftover:
-                    self._finish(self._ops.pop(tid), CLOSED)
+                    op = self._ops.pop(tid)
+                    if not op.orphaned:
+                        self._finish(op, CLOSED)
             self._stopping = True
             self._cond.notify_all()
             sessions = [p.session for p in self._peers.values() if p.session is not None]
@@ -466,9 +489,7 @@ class TierManager:
         Polling is what progresses an initiator's transfers (UCX moves a large transfer in
         fragments, each needing a progress call), so for ``_SPIN_S`` after waking up or after
         its last completion the thread polls back to back, yielding the GIL between polls.
-        After that it sleeps 50 us, doubling up to ``max_poll_interval_s``: a long quiet
-        transfer, or transfers that submitting threads complete themselves (``_reap_inline``),
-        do not keep a core busy.
+        After that it sleeps 50 us, doubling up to ``max_poll_interval_s``.
         """
         delay = 0.0
         last_activity = time.perf_counter()
@@ -477,19 +498,22 @@ class TierManager:
                 if not self._ops:
                     delay, last_activity = 0.0, time.perf_counter()
                 while not self._ops and not self._stopping:
+                    self._poller_idle = True
                     self._cond.wait(timeout=1.0)
+                self._poller_idle = False
                 if self._stopping:
                     return
             try:
                 result = self.transport.poll()
+                faults = self.transport.faulted_peers()
             except Exception:
                 logger.exception("transport.poll failed; retrying")
                 time.sleep(0.01)
                 continue
-            if result.done or result.failed:
+            if result.done or result.failed or faults:
                 try:
                     with self._cond:
-                        self._complete(result)
+                        self._complete(result, faults)
                         self._cond.notify_all()
                     self._flush()
                 except Exception:  # a bug here must not leave every later future hanging
@@ -517,29 +541,21 @@ class TierManager:
             )
         return local
 
-    def _reserve(self, peer_id: str, n: int) -> list[int]:
-        """Up to ``n`` free slots of the peer, evicting least recently used unpinned keys."""
-        peer = self._peers[peer_id]
-        need = n - peer.pool.num_free
-        if need > 0:
-            victims: list[Key] = []
-            for key, slot in peer.stored.items():  # oldest first; stops at the first `need`
-                if len(victims) == need:
-                    break
-                if not peer.pins[slot]:
-                    victims.append(key)
-            for key in victims:
-                del self._index[key]
-                self._event("evicted", key, peer_id)
-            peer.pool.free([peer.stored.pop(key) for key in victims])
-            self._counters["evictions"] += len(victims)
-        return peer.pool.allocate(min(n, peer.pool.num_free))
-
     def _launch(self, op: _Op) -> None:
         if op.peer.inflight >= self.max_inflight:
             op.peer.queue.append(op)
         else:
             self._submit(op)
+
+    def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> list[_Request]:
+        """Complete on this thread what finished during submission; wake the poller for the
+        rest. Returns the settled requests, whose futures the caller resolves (unlocked)."""
+        self._reap_inline(peer_ids)
+        if self._ops and self._poller_idle:
+            self._cond.notify()
+        self._ready_if_settled(request)
+        ready, self._ready = self._ready, []
+        return ready
 
     def _reap_inline(self, peer_ids: Iterable[str]) -> None:
         """Poll the peers just submitted to, on the calling thread.
@@ -556,9 +572,11 @@ class TierManager:
             except Exception:
                 logger.exception("transport.poll(%s) failed; the poller will retry", peer_id)
                 return
-            if result.done or result.failed:
-                self._complete(result)
-                self._cond.notify_all()
+            if result.done or result.failed or result.peer_fault:
+                fault = {peer_id: result.peer_fault} if result.peer_fault else {}
+                self._complete(result, fault)
+                if self._closed:  # close() waits for the last transfers
+                    self._cond.notify_all()
 
     def _live_peer(self, op: _Op) -> _Peer | None:
         """The op's peer if it is still registered (not removed, not replaced)."""
@@ -581,16 +599,22 @@ class TierManager:
         op.submitted = time.perf_counter()
         op.peer.inflight += 1
         self._ops[tid] = op
-        self._cond.notify_all()
 
-    def _complete(self, result: PollResult) -> None:
-        lost: set[str] = set()
-        for tid, ok in [(t, True) for t in result.done] + [(t, False) for t in result.failed]:
+    def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
+        lost: dict[str, str] = {}
+        now = time.perf_counter()
+        failed = result.failed
+        for tid in itertools.chain(result.done, failed) if failed else result.done:
+            ok = not failed or tid not in failed
             op = self._ops.pop(tid, None)
             if op is None:
                 continue
+            if op.orphaned:  # settled when its peer was dropped; only its slots waited
+                if op.kind == "store":
+                    self._index.unfence(op.peer_id, op.remote)
+                continue
             op.peer.inflight -= 1
-            self._latencies_us.append((time.perf_counter() - op.submitted) * 1e6)
+            self._latencies_us.append((now - op.submitted) * 1e6)
             if ok:
                 self._counters["transfers_done"] += 1
                 self._finish(op, None)
@@ -599,81 +623,83 @@ class TierManager:
                 alive = self._live_peer(op) is not None
                 self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
                 if alive:
-                    lost.add(op.peer_id)
-        for peer_id in lost:
-            self._lose_peer(peer_id, "failed a transfer")
-        for peer in self._peers.values():
+                    lost[op.peer_id] = "failed a transfer"
+        for peer_id, cause in faults.items():
+            lost.setdefault(peer_id, f"is faulted ({cause})")
+        for peer_id, why in lost.items():
+            self._lose_peer(peer_id, why)
+        for peer in list(self._peers.values()):  # a refused submission drops its peer
             while peer.queue and peer.inflight < self.max_inflight:
                 self._submit(peer.queue.popleft())
 
     def _finish(self, op: _Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
         peer = self._live_peer(op)
+        n = len(op.keys)
         if op.kind == "store":
-            unused: list[int] = []
-            for key, slot in zip(op.keys, op.remote):
-                if self._storing.get(key) is op:
-                    del self._storing[key]
-                if reason is None and key not in op.discarded:
-                    if peer is not None:
-                        self._index[key] = (op.peer_id, slot)
-                        peer.stored[key] = slot
-                        self._event("stored", key, op.peer_id)
-                else:
-                    unused.append(slot)
-            if peer is not None:
-                peer.pool.free(unused)
+            storing = self._storing
+            if reason is None and not op.discarded and peer is not None:
+                # Nothing discarded: every key still maps to this op (only a discard unmaps one).
+                drain(map(storing.pop, op.keys))
+                self._index.publish(peer.slots, op.keys, op.remote)
+            else:
+                unused = []
+                published_keys, published_slots = [], []
+                for key, slot in zip(op.keys, op.remote):
+                    if storing.get(key) is op:
+                        del storing[key]
+                    if reason is None and key not in op.discarded:
+                        published_keys.append(key)
+                        published_slots.append(slot)
+                    else:
+                        unused.append(slot)
+                if peer is not None:
+                    self._index.publish(peer.slots, published_keys, published_slots)
+                    self._index.release(peer.slots, unused)
             if reason is None:
-                self._counters["blocks_stored"] += len(op.keys)
+                self._counters["blocks_stored"] += n
         else:
             if peer is not None:
-                for slot in op.remote:
-                    self._unpin(peer, slot)
+                self._index.unpin(peer.slots, op.remote)
             if reason is None:
-                self._counters["blocks_loaded"] += len(op.keys)
+                self._counters["blocks_loaded"] += n
         if reason is None:
-            op.owner.nbytes += len(op.keys) * self.transport.block_len
+            moved = n * self.transport.block_len
+            op.owner.nbytes += moved
             if peer is not None and peer.session is not None:
-                moved = len(op.keys) * self.transport.block_len
                 peer.session.report_usage(
                     written=moved if op.kind == "store" else 0,
                     read=moved if op.kind == "load" else 0,
-                    slots_used=len(peer.pool) - peer.pool.num_free,
+                    slots_used=peer.slots.used,
                 )
-        for request in [op.owner, *op.joined]:
-            for key in op.keys:
-                if key in request.waiting:
-                    request.settle(key, reason)
-            self._settle_if_done(request)
+        self._settle(op, reason)
 
-    @staticmethod
-    def _unpin(peer: _Peer, slot: int) -> None:
-        peer.pins[slot] -= 1
-        if not peer.pins[slot]:
-            del peer.pins[slot]
-            if slot in peer.doomed:
-                peer.doomed.discard(slot)
-                peer.pool.free([slot])
+    def _settle(self, op: _Op, reason: str | None) -> None:
+        op.owner.settle(op.keys, reason)
+        self._ready_if_settled(op.owner)
+        for request, keys in op.joined.items():
+            request.settle(keys, reason)
+            self._ready_if_settled(request)
 
-    def _settle_if_done(self, request: _Request) -> None:
-        if not request.waiting and not request.future.done() and request not in self._ready:
+    def _ready_if_settled(self, request: _Request) -> None:
+        if request.pending == 0 and not request.queued:
+            request.queued = True
             self._ready.append(request)
 
-    def _event(self, kind: str, key: Key, peer_id: str) -> None:
-        # A plain tuple of atoms: the garbage collector stops tracking it, which matters
-        # when many thousands of events wait for take_events().
-        if len(self._events) == self._events.maxlen:
-            self._counters["events_dropped"] += 1
-        self._events.append((kind, key, peer_id))
-
     def _drop_peer(self, peer_id: str) -> Any:
-        """Forget a peer and its keys; fail its queued ops. Returns its session (to close)."""
+        """Forget a peer and its keys; fail its queued ops and settle its in-flight ones as lost
+        (their writes keep their slots fenced until the transport reports them). Returns its
+        session (to close)."""
         peer = self._peers.pop(peer_id)
-        for key in peer.stored:
-            del self._index[key]
-            self._event("lost", key, peer_id)
+        self._index.remove_peer(peer_id)
         while peer.queue:
             self._finish(peer.queue.popleft(), PEER_LOST)
+        for op in self._ops.values():
+            if op.peer is peer and not op.orphaned:
+                op.orphaned = True
+                if op.kind == "store":
+                    self._index.fence(peer_id, op.remote)
+                self._finish(op, PEER_LOST)
         try:
             self.transport.remove_remote_peer(peer_id)
         except Exception:
@@ -681,13 +707,22 @@ class TierManager:
         return peer.session
 
     def _lose_peer(self, peer_id: str, why: str) -> None:
-        """Drop a failed peer and its keys (see the failure policy in the class doc)."""
+        """Drop a failed peer and its keys (see the failure model in the module docstring)."""
         if peer_id not in self._peers:
             return
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
         session = self._drop_peer(peer_id)
         if session is not None:  # closing waits for the server: not under the lock
-            threading.Thread(target=session.close, daemon=True).start()
+            threading.Thread(
+                target=self._close_session, args=(peer_id, session), daemon=True
+            ).start()
+
+    def _close_session(self, peer_id: str, session: Any) -> None:
+        """Return a dropped peer's lease (without the lock); once it is gone, a late write of
+        the old registration can no longer hurt this tier, so its fences go."""
+        session.close()
+        with self._lock:
+            self._index.drop_fences(peer_id)
 
     def _on_session_lost(self, peer_id: str) -> None:
         """Heartbeat thread: the server stopped answering."""
@@ -700,9 +735,16 @@ class TierManager:
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""
         with self._lock:
+            if not self._ready:
+                return
             ready, self._ready = self._ready, []
-        for request in ready:
-            request.future.set_result(request.result())
+        _resolve(ready)
+
+
+def _resolve(ready: list[_Request]) -> None:
+    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
+    for request in ready:
+        request.future.set_result(request.result())
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
+_FREE, _TAKEN = 1, 0
 
 
 class SlotPool:
@@ -12,8 +12,9 @@ class SlotPool:
 
     ``allocate(n)`` returns a contiguous run of ``n`` free slots when one exists (NIXL merges
     descriptors that are contiguous on both sides of a transfer), else the ``n`` lowest free
-    slots. Runs are found next-fit: the slots right after the previous allocation are tried
-    first, in O(n); only when they are taken does it search the whole pool for the lowest run.
+    slots. Runs are found next-fit: the first run at or after the end of the previous
+    allocation, else the lowest run. The free map is a ``bytearray`` (one byte per slot), so
+    finding a run is one C-level ``find`` and taking it one slice assignment.
     Not thread-safe: the owner serialises access.
     """
 
@@ -21,7 +22,7 @@ class SlotPool:
         if slots.step != 1 or len(slots) == 0:
             raise ValueError(f"slots must be a non-empty range with step 1, got {slots!r}")
         self.slots = slots
-        self._free = np.ones(len(slots), dtype=bool)
+        self._free = bytearray([_FREE]) * len(slots)
         self._num_free = len(slots)
         self._cursor = 0  # offset just past the previous allocation
 
@@ -40,35 +41,63 @@ class SlotPool:
             raise ValueError(f"{n} slots requested but only {self._num_free} free")
         if n == 0:
             return []
-        c = self._cursor
-        if c + n <= len(self._free) and self._free[c : c + n].all():
-            taken = np.arange(c, c + n)
-        else:
-            free = np.flatnonzero(self._free)
-            spans = free[n - 1 :] - free[: len(free) - n + 1]
-            runs = np.flatnonzero(spans == n - 1)
-            taken = np.arange(free[runs[0]], free[runs[0]] + n) if runs.size else free[:n]
-        self._free[taken] = False
+        free = self._free
+        run = bytes([_FREE]) * n
+        at = free.find(run, self._cursor)
+        if at < 0:
+            at = free.find(run)
+        if at >= 0:
+            free[at : at + n] = bytes(n)
+            self._cursor = at + n
+            self._num_free -= n
+            start = self.slots.start + at
+            return list(range(start, start + n))
+        taken: list[int] = []
+        at = -1
+        for _ in range(n):
+            at = free.find(_FREE, at + 1)
+            taken.append(at)
+            free[at] = _TAKEN
+        self._cursor = at + 1
         self._num_free -= n
-        self._cursor = int(taken[-1]) + 1
-        return (taken + self.slots.start).tolist()
+        return [self.slots.start + t for t in taken]
+
+    def take(self, idxs: Iterable[int]) -> None:
+        """Mark specific free slots taken (e.g. withheld while a late write may land on them).
+
+        Raises ``ValueError`` (and takes nothing) when a slot is foreign or not free.
+        """
+        offsets = self._offsets(idxs)
+        if not all(self._free[o] for o in offsets):
+            raise ValueError("slot already taken")
+        for o in offsets:
+            self._free[o] = _TAKEN
+        self._num_free -= len(offsets)
 
     def free(self, idxs: Iterable[int]) -> None:
         """Return slots to the pool; raise ``ValueError`` on a foreign or already-free slot.
 
         Nothing is freed when any slot is invalid.
         """
-        offsets = np.asarray(list(idxs), dtype=np.int64) - self.slots.start
-        if offsets.size == 0:
-            return
-        foreign = (offsets < 0) | (offsets >= len(self.slots))
-        if foreign.any():
-            bad = int(offsets[foreign][0]) + self.slots.start
-            raise ValueError(f"slot {bad} is not in this pool ({self.slots!r})")
-        if len(np.unique(offsets)) != offsets.size or self._free[offsets].any():
+        offsets = self._offsets(idxs)
+        free = self._free
+        if any(map(free.__getitem__, offsets)):
             raise ValueError("double free: a slot is already free (or repeated in the call)")
-        self._free[offsets] = True
-        self._num_free += offsets.size
+        for o in offsets:
+            free[o] = _FREE
+        self._num_free += len(offsets)
+
+    def _offsets(self, idxs: Iterable[int]) -> list[int]:
+        start = self.slots.start
+        offsets = [i - start for i in idxs]
+        if not offsets:
+            return offsets
+        if min(offsets) < 0 or max(offsets) >= len(self._free):
+            bad = next(o for o in offsets if not 0 <= o < len(self._free)) + start
+            raise ValueError(f"slot {bad} is not in this pool ({self.slots!r})")
+        if len(set(offsets)) != len(offsets):
+            raise ValueError("double free: a slot is already free (or repeated in the call)")
+        return offsets
 
     def is_free(self, idx: int) -> bool:
         return bool(self._free[idx - self.slots.start])

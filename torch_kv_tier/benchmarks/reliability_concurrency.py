@@ -533,7 +533,9 @@ def concurrency(
     with (
         ucx_over_tcp() if tcp else contextlib.nullcontext(),
         ServerProcess.start(lease, block_len, env=TCP_ENV if tcp else {}) as server,
-        TierManager.create(worker_blocks + keys, block_len, name="concurrency") as tier,
+        TierManager.create(
+            worker_blocks + keys, block_len, name="concurrency", events=True
+        ) as tier,
     ):
         tier.connect(server.address)
         log, batches, errors = run_workers(tier, workload, threads, calls, seed=seed)

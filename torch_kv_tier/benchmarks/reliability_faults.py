@@ -86,7 +86,7 @@ def peer_death(
     with (
         ucx_over_tcp(),
         ServerProcess.start(max(4096, 2 * keys * trials), block_len, env=TCP_ENV) as survivor,
-        TierManager.create(src_blocks + keys, block_len, name="peer-death") as tier,
+        TierManager.create(src_blocks + keys, block_len, name="peer-death", events=True) as tier,
     ):
         tier.arena.tensor.copy_(random_blocks(src_blocks + keys, block_len, seed=7))
         source = tier.arena.tensor[:src_blocks].clone()

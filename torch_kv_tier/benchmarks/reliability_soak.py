@@ -86,7 +86,9 @@ def soak(
     with (
         ucx_over_tcp() if tcp else contextlib.nullcontext(),
         ServerProcess.start(lease, block_len, env=env) as server,
-        TierManager.create(SOURCE + window * 2 * batch, block_len, name="soak") as tier,
+        TierManager.create(
+            SOURCE + window * 2 * batch, block_len, name="soak", events=True
+        ) as tier,
     ):
         tier.connect(server.address)
         samples, bounds = _stream(tier, server.proc.pid, transfers, batch, window, out)

@@ -38,6 +38,11 @@ class Target:
     remote_slots: int
     embedded: bool
     problem: str | None = None
+    more_addresses: tuple[str, ...] = ()  # further hosts, for the multi-host tier systems
+    # Extra lease for systems that place blocks themselves: with several calls in flight they
+    # complete (and enter the LRU order) out of submission order, so a lease of exactly the
+    # working set could evict a key of the cycle being measured.
+    slack_slots: int = 0
 
     def require_address(self) -> str:
         """The remote host's address; ``RuntimeError`` with the reason when there is none."""
@@ -104,6 +109,23 @@ def remote_hosts(remote: str | None, pools: dict[int, int]) -> Iterator[dict[int
         yield {block_len: host for block_len, (_, host) in started.items()}
     finally:
         servers = [server for server, _ in started.values() if server is not None]
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            list(pool.map(_stop, servers))
+
+
+@contextlib.contextmanager
+def host_group(remote: str | None, block_len: int, pools: list[int]) -> Iterator[list[Host]]:
+    """``len(pools)`` hosts for one block length (``pools[i]`` blocks each), started side by
+    side and stopped at the end; with ``remote`` just that one host."""
+    if remote is not None:
+        yield [Host(remote, False)]
+        return
+    with ThreadPoolExecutor(max_workers=len(pools)) as pool:
+        started = list(pool.map(lambda n: _start(block_len, n), pools))
+    try:
+        yield [host for _, host in started]
+    finally:
+        servers = [server for server, _ in started if server is not None]
         with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
             list(pool.map(_stop, servers))
 

@@ -25,7 +25,7 @@ import math
 import statistics
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -77,12 +77,14 @@ class Measurement:
     inflight: int
     verified_blocks: int
     mismatched_blocks: int
+    us_per_call: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
         lat = np.asarray(self.latencies) * 1e6
         return {
             "gbps": statistics.median(self.gbps),
             "gbps_repeats": [round(g, 4) for g in self.gbps],
+            "us_per_call_repeats": [round(u, 2) for u in self.us_per_call],
             "blocks_per_s": statistics.median(self.blocks_per_s),
             "p50_us": float(np.percentile(lat, 50)),
             "p99_us": float(np.percentile(lat, 99)),
@@ -126,6 +128,16 @@ class PointRunner:
 
     def measure(self, system: System, point: Point) -> Measurement:
         """Measure ``point`` on ``system``; raises ``TransferFailed`` or ``ValueError``."""
+        state = self.prepare(system, point)
+        for rep in range(self.settings.repeats):
+            self.burst(state, last=rep == self.settings.repeats - 1)
+        return self.finish(state)
+
+    def prepare(self, system: System, point: Point) -> PointState:
+        """Steps 1-2 (plan, fill, stage, warm up); then ``burst`` once per repeat, ``finish``.
+
+        Splitting a point this way lets the caller interleave systems repeat by repeat.
+        """
         s = self.settings
         size = self.plan_size(system, point)
         if size < 1:
@@ -158,35 +170,66 @@ class PointRunner:
         per_call = elapsed / len(lat)
         cycles = max(1, math.ceil(s.min_time / max(per_call, 1e-7) / size))
         calls = min(cycles * size, max(size, s.max_calls // size * size))
+        return PointState(system, point, plan, cycle, seed, calls, inflight)
 
-        gbps: list[float] = []
-        bps: list[float] = []
-        latencies: list[float] = []
-        for rep in range(s.repeats):
-            if rep == s.repeats - 1:
-                if point.op == "write":
-                    seed += 1
-                    fill_pattern(system.local, slots, seed)
-                else:
-                    clear(system.local, slots)
-            elapsed, lat = _run(system, point.op, cycle, calls, inflight, 0.0)
-            blocks = calls * point.batch
-            gbps.append(blocks * point.block_len / elapsed / 1e9)
-            bps.append(blocks / elapsed)
-            latencies.extend(lat)
+    def burst(self, state: PointState, *, last: bool) -> None:
+        """One timed repeat (step 3); ``last`` first refills (writes) or zeroes (reads)."""
+        system, point, slots = state.system, state.point, state.plan.local_slots
+        if last:
+            if point.op == "write":
+                state.seed += 1
+                fill_pattern(system.local, slots, state.seed)
+            else:
+                clear(system.local, slots)
+        elapsed, lat = _run(system, point.op, state.cycle, state.calls, state.inflight, 0.0)
+        blocks = state.calls * point.batch
+        state.gbps.append(blocks * point.block_len / elapsed / 1e9)
+        state.bps.append(blocks / elapsed)
+        state.us_per_call.append(elapsed / state.calls * 1e6)
+        state.latencies.extend(lat)
 
-        if point.op == "read":
+    def finish(self, state: PointState) -> Measurement:
+        """Step 4: verify the bytes the last repeat moved."""
+        system, plan, seed = state.system, state.plan, state.seed
+        slots = plan.local_slots
+        if state.point.op == "read":
             bad = check(system.local, slots, slots, seed)
         else:
             scratch = np.concatenate(plan.scratch)
             clear(system.local, scratch)
-            system.fetch(cycle.last, plan.scratch)
+            system.fetch(state.cycle.last, plan.scratch)
             bad = check(system.local, scratch, slots, seed)
-        return Measurement(gbps, bps, latencies, calls, inflight, len(slots), bad)
+        return Measurement(
+            state.gbps,
+            state.bps,
+            state.latencies,
+            state.calls,
+            state.inflight,
+            len(slots),
+            bad,
+            state.us_per_call,
+        )
 
     def _cycle(self, system: System, plan: Plan, op: Op) -> _Cycle:
         keys = self._keys if system.remote_layout == "system" else None
         return _Cycle(plan.calls, keys, fresh_per_call=op == "write")
+
+
+@dataclass
+class PointState:
+    """A prepared point on one system: its plan, key cycle and the repeats measured so far."""
+
+    system: System
+    point: Point
+    plan: Plan
+    cycle: _Cycle
+    seed: int
+    calls: int  # per timed repeat
+    inflight: int
+    gbps: list[float] = field(default_factory=list)
+    bps: list[float] = field(default_factory=list)
+    us_per_call: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
 
 
 class _Cycle:

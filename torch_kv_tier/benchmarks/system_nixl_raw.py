@@ -91,7 +91,7 @@ class BareNixl:
         self.remote_base = s.lease.start
         self.remote_slots = len(s.lease)
 
-    def post(self, op: Op, local: np.ndarray, remote: np.ndarray) -> Any:
+    def post(self, op: Op, local: np.ndarray | list[int], remote: np.ndarray | list[int]) -> Any:
         """Make and post one transfer; returns its handle."""
         handle = self._agent.make_prepped_xfer(
             "WRITE" if op == "write" else "READ",
@@ -166,7 +166,8 @@ class NixlRaw(System):
 
     def submit(self, op: Op, call: Call) -> Hashable:
         self._ids += 1
-        self._pending[self._ids] = self._nixl.post(op, call.local, call.remote)
+        # Python lists, as the tier and vLLM's transport get them (NIXL takes either).
+        self._pending[self._ids] = self._nixl.post(op, call.local_list, call.remote_list)
         return self._ids
 
     def reap(self, timeout: float) -> list[tuple[Hashable, float]]:

@@ -2,9 +2,13 @@
 
 Driven as a user drives it: ``TierManager.create(...)``, ``connect(address)``, then ``store``/
 ``load`` with logical keys and Python lists of local slots, completions observed through the
-returned futures (a done-callback timestamps each one; the driver thread sleeps on a queue, it
-never polls the transport). Writes store fresh keys every call, so the lease fills and the tier
-evicts its least recently used keys as it would in service; reads load a stored key set.
+returned futures. The driver charges it what it charges ``nixl_raw``: ``reap`` checks each
+outstanding call once (``future.done()`` here, ``check_xfer_state`` there), stamps the ones done
+with the time it saw them, and yields the core when none was. Writes store fresh keys every call,
+so the lease fills and the tier evicts its least recently used keys as it would in service;
+reads load a stored key set. ``torch_kv_tier_2hosts``/``_4hosts`` spread the same lease over 2 or
+4 remote hosts (placement and one transfer per host per call), each host leasing 1.5 x its even
+share of the working set (keys do not split evenly).
 
 ``torch_kv_tier_staged`` (CUDA only) keeps the source blocks on the GPU and stages them through
 the tier's pinned host arena: a D2H copy before each store, an H2D copy after each load.
@@ -13,7 +17,7 @@ the tier's pinned host arena: a D2H copy before each store, an H2D copy after ea
 from __future__ import annotations
 
 import itertools
-import queue
+import os
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future
@@ -25,66 +29,80 @@ from torch_kv_tier.benchmarks.core import Call, Op, Skip, System, TransferFailed
 from torch_kv_tier.benchmarks.remote import Target
 from torch_kv_tier.benchmarks.system_nixl_raw import local_arena
 
-_Done = tuple[int, float, "Future[Any]"]
-
 
 class Tier(System):
     """A ``TierManager`` over its own arena, connected to the target's remote host."""
 
     name = "torch_kv_tier"
     remote_layout = "system"
+    hosts = 1
 
     def __init__(self, target: Target, *, arena_device: str | None = None) -> None:
         from torch_kv_tier.manager import TierManager
         from torch_kv_tier.remote.client import HandshakeRejected
 
-        address = target.require_address()
+        addresses = [target.require_address(), *target.more_addresses][: self.hosts]
+        if len(addresses) < self.hosts:
+            raise Skip(f"needs {self.hosts} remote hosts, this point has {len(addresses)}")
         device = arena_device or target.device
         self._tm: Any = TierManager.create(
             target.local_slots, target.block_len, device=device, name="bench-tier"
         )
         try:
-            peer = self._tm.connect(address, token=target.token, slots=target.remote_slots)
-            self.remote_slots = self._tm.stats().peers[peer].capacity
+            # The working set plus the target's slack (calls in flight complete out of order);
+            # over several hosts 1.5 x each host's even share: placement spreads keys unevenly.
+            want = target.remote_slots + target.slack_slots
+            share = -(-3 * want // (2 * self.hosts)) if self.hosts > 1 else want
+            for address in addresses:
+                self._tm.connect(address, token=target.token, slots=share)
+            capacity = sum(p.capacity for p in self._tm.stats().peers.values())
+            # The plan's size: the working set, or less when the host granted a shorter lease.
+            self.remote_slots = min(target.remote_slots, capacity)
         except HandshakeRejected as exc:
             self._tm.close()
-            raise Skip(f"remote host {address} refused: {exc}") from exc
+            raise Skip(f"remote host refused: {exc}") from exc
         except BaseException:
             self._tm.close()
             raise
         self.local = self._tm.arena.tensor
         self.path = "vram" if self.local.is_cuda else "host"
-        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._pending: dict[int, Future[Any]] = {}
         self._ids = itertools.count(1)
 
     def submit(self, op: Op, call: Call) -> Hashable:
         tid = next(self._ids)
         if op == "write":
-            future = self._tm.store(call.keys, call.local_list)
+            self._pending[tid] = self._tm.store(call.keys, call.local_list)
         else:
-            future = self._tm.load(call.keys, call.local_list)
-        future.add_done_callback(lambda f: self._done.put((tid, time.perf_counter(), f)))
+            self._pending[tid] = self._tm.load(call.keys, call.local_list)
         return tid
 
     def reap(self, timeout: float) -> list[tuple[Hashable, float]]:
-        try:
-            finished = [self._done.get(timeout=timeout)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                finished.append(self._done.get_nowait())
-            except queue.Empty:
-                break
-        for _, _, future in finished:
-            result = future.result()
-            if not result.ok:
-                reasons = sorted(set(result.failed.values()))
-                raise TransferFailed(f"{len(result.failed)} keys failed: {', '.join(reasons)}")
-        return [(tid, t_done) for tid, t_done, _ in finished]
+        out: list[tuple[Hashable, float]] = []
+        for tid, future in list(self._pending.items()):
+            if future.done():
+                out.append((tid, time.perf_counter()))
+                del self._pending[tid]
+                result = future.result()
+                if not result.ok:
+                    reasons = sorted(set(result.failed.values()))
+                    raise TransferFailed(f"{len(result.failed)} keys failed: {', '.join(reasons)}")
+        if not out:
+            os.sched_yield()  # as nixl_raw does: the tier's poller gets the core (and the GIL)
+        return out
 
     def close(self) -> None:
         self._tm.close()
+
+
+class TierOver2Hosts(Tier):
+    name = "torch_kv_tier_2hosts"
+    hosts = 2
+
+
+class TierOver4Hosts(Tier):
+    name = "torch_kv_tier_4hosts"
+    hosts = 4
 
 
 class StagedTier(Tier):

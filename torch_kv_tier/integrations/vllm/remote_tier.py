@@ -339,7 +339,10 @@ class RemoteHostTier(SecondaryTierManager):
         )
         try:
             return TierManager(
-                BlockArena.wrap(region), transport, max_inflight=self._config.max_inflight
+                BlockArena.wrap(region),
+                transport,
+                max_inflight=self._config.max_inflight,
+                events=self._emit_events,
             )
         except BaseException:
             transport.close()

@@ -1,0 +1,230 @@
+"""``BlockIndex`` bookkeeping, and the manager's failure model over an in-process transport
+whose writes land when the test says so (no NIXL needed)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import pytest
+import torch
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.keys import Placement, home_peer
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult
+
+BLOCK = 64
+
+
+def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
+    index = BlockIndex(events=True)
+    peer = index.add_peer("p", range(10, 14))
+    slots = index.reserve(peer, 4)
+    assert slots == [10, 11, 12, 13]
+    index.publish(peer, ["a", "b", "c", "d"], slots)
+    groups, missing = index.pin(["a"], [0])
+    assert missing == [] and groups[peer] == (["a"], [0], [10])
+    assert index.reserve(peer, 2) == [11, 12]  # "a" is pinned (and most recent): b, c go
+    assert index.lookup(["a", "d", "b"]) == 2 and index.evictions == 2
+    index.discard(["a"])  # pinned: its slot is freed on the last unpin, not now
+    assert index.reserve(peer, 5) == [13]  # only "d" was evictable
+    index.unpin(peer, [10])
+    assert peer.pool.is_free(10)
+    kinds = [(kind, key) for kind, key, _ in index.take_events()]
+    assert kinds[-4:] == [("evicted", "b"), ("evicted", "c"), ("discarded", "a"), ("evicted", "d")]
+
+
+def test_fenced_slots_stay_out_of_a_new_registration_until_released() -> None:
+    index = BlockIndex()
+    index.add_peer("p", range(4))
+    index.fence("p", [0, 1])
+    index.remove_peer("p")
+    peer = index.add_peer("p", range(4))
+    assert peer.pool.num_free == 2 and index.reserve(peer, 4) == [2, 3]
+    index.unfence("p", [0])
+    assert index.reserve(peer, 4) == [0]
+    index.drop_fences("p")  # the lease is gone: nothing left to withhold
+    assert index.fenced("p") == 0 and peer.pool.is_free(1)
+
+
+def test_placement_is_balanced_stable_and_cheap_to_query() -> None:
+    peers = [f"host{i}" for i in range(4)]
+    keys = [f"key-{i}".encode() for i in range(20_000)]
+    homes = Placement(peers).homes(keys)
+    counts = [homes.count(p) for p in peers]
+    assert min(counts) > 0.8 * len(keys) / 4  # within 20 % of an even share
+    assert Placement(reversed(peers)).homes(keys) == homes
+    assert all(home_peer(k, peers) == h for k, h in zip(keys[:100], homes))
+    assert home_peer(3, ["only"]) == "only" and home_peer(b"x", []) is None
+
+
+class LateWriteTransport(DataTransport):
+    """Peers are tensors in this process. While ``hold`` is set, writes stay in flight until
+    ``land(tid)`` copies them; a peer given to ``fault`` is reported faulted, and a write to it
+    stays in flight (vLLM 0.33's model: a failed state check does not prove it stopped)."""
+
+    remotes: dict[bytes, torch.Tensor] = {}
+
+    def __init__(self, region: torch.Tensor) -> None:
+        super().__init__(region)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._peers: dict[str, torch.Tensor] = {}
+        self._pending: dict[int, tuple[str, torch.Tensor, list[int], list[int]]] = {}
+        self._done: dict[int, str] = {}
+        self._faults: dict[str, str] = {}
+        self.hold = False
+
+    def get_agent_metadata(self) -> bytes:
+        return b"local"
+
+    def add_remote_peer(
+        self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
+    ) -> None:
+        with self._lock:
+            self._peers[peer_id] = self.remotes[agent_metadata]
+
+    def remove_remote_peer(self, peer_id: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_id, None)
+            self._faults.pop(peer_id, None)
+
+    def write_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int | None:
+        with self._lock:
+            tid = next(self._ids)
+            self._pending[tid] = (
+                peer_id,
+                self._peers[peer_id],
+                list(local_idxs),
+                list(remote_idxs),
+            )
+        if not self.hold:
+            self.land(tid)
+        return tid
+
+    def read_blocks(
+        self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
+    ) -> int | None:
+        with self._lock:
+            tid = next(self._ids)
+            region = self.region.owner
+            region[list(local_idxs)] = self._peers[peer_id][list(remote_idxs)]
+            self._done[tid] = peer_id
+        return tid
+
+    def land(self, tid: int) -> None:
+        with self._lock:
+            peer_id, remote, local, dest = self._pending.pop(tid)
+            remote[dest] = self.region.owner[local]
+            self._done[tid] = peer_id
+
+    def fault(self, peer_id: str, cause: str) -> None:
+        with self._lock:
+            self._faults[peer_id] = cause
+
+    def in_flight(self) -> list[int]:
+        with self._lock:
+            return list(self._pending)
+
+    def poll(self, peer_id: str | None = None) -> PollResult:
+        with self._lock:
+            done = [t for t, p in self._done.items() if peer_id in (None, p)]
+            for tid in done:
+                del self._done[tid]
+            return PollResult(done, (), self._faults.get(peer_id) if peer_id else None)
+
+    def faulted_peers(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._faults)
+
+    def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
+        with self._lock:
+            for tid in transfer_ids:
+                self._pending.pop(tid, None)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def _wait(condition: object, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> None:
+    remote = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    LateWriteTransport.remotes[b"host"] = remote
+    arena = BlockArena(16, BLOCK)
+    arena.tensor.copy_(torch.arange(16, dtype=torch.uint8).unsqueeze(1).expand(16, BLOCK))
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport, events=True) as tier:
+        tier.add_peer("p", b"host", 0, 4, BLOCK)
+        transport.hold = True
+        old = tier.store(["a", "b"], [0, 1])  # stays in flight
+        transport.fault("p", "state check raised")  # the write may still land
+        result = old.result(timeout=5)  # the future does not wait for the write
+        assert result.failed == {"a": "peer lost", "b": "peer lost"}
+        assert tier.peers() == [] and tier.stats().inflight == 1
+        (late,) = transport.in_flight()
+
+        transport.hold = False
+        tier.add_peer("p", b"host", 0, 4, BLOCK)  # the same memory under the same peer id
+        new = tier.store(["c", "d", "e", "f"], [2, 3, 4, 5]).result(timeout=5)
+        assert new.failed == {"e": "capacity", "f": "capacity"}  # 2 slots wait for the write
+        transport.land(late)  # the old write lands now, where it was aimed
+        assert tier.load(["c", "d"], [8, 9]).result(timeout=5).ok
+        assert torch.equal(arena.tensor[8:10], arena.tensor[2:4])  # not overwritten
+
+        _wait(lambda: tier.stats().inflight == 0)  # reported: its slots return to the pool
+        assert tier.store(["e", "f"], [4, 5]).result(timeout=5).ok
+        assert tier.load(["c", "d", "e", "f"], [8, 9, 10, 11]).result(timeout=5).ok
+        assert torch.equal(arena.tensor[8:12], arena.tensor[2:6])
+        lost = [e.key for e in tier.take_events() if e.kind == "lost"]
+        assert lost == []  # "a" and "b" never became visible
+
+
+def test_a_faulted_peer_is_dropped_with_its_keys() -> None:
+    LateWriteTransport.remotes[b"h1"] = torch.zeros(8, BLOCK, dtype=torch.uint8)
+    LateWriteTransport.remotes[b"h2"] = torch.zeros(8, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(32, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport, events=True) as tier:
+        tier.add_peer("h1", b"h1", 0, 8, BLOCK)
+        tier.add_peer("h2", b"h2", 0, 8, BLOCK)
+        keys = [f"k{i}" for i in range(8)]
+        assert tier.store(keys, list(range(8))).result(timeout=5).ok
+        transport.fault("h1", "repeated transfer failures")
+        on_h1 = [k for k in keys if home_peer(k, ["h1", "h2"]) == "h1"]
+        assert on_h1 and len(on_h1) < 8
+        tier.load(on_h1, list(range(20, 20 + len(on_h1)))).result(timeout=5)  # polls h1
+        assert tier.peers() == ["h2"]
+        assert {e.key for e in tier.take_events() if e.kind == "lost"} == set(on_h1)
+        assert tier.lookup(on_h1) == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        tier.store(["x"], [0])
+
+
+def test_close_does_not_wait_for_a_write_orphaned_by_a_dropped_peer() -> None:
+    LateWriteTransport.remotes[b"stuck"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    tier = TierManager(arena, transport)
+    tier.add_peer("p", b"stuck", 0, 4, BLOCK)
+    transport.hold = True
+    pending = tier.store(["a"], [0])
+    transport.fault("p", "state check raised")
+    assert pending.result(timeout=5).failed == {"a": "peer lost"}
+    closer = threading.Thread(target=tier.close, kwargs={"timeout": 60.0})
+    closer.start()
+    closer.join(timeout=20)  # its future is resolved: close() must not sit out its timeout
+    assert not closer.is_alive()
+    assert transport.in_flight() == []  # the orphaned write was cancelled
