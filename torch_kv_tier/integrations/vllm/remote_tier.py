@@ -1,4 +1,4 @@
-"""``RemoteHostTier``: a vLLM 0.33 secondary offload tier on ``torch-kv-tier serve`` hosts.
+"""``RemoteHostTier``: a vLLM secondary offload tier on ``torch-kv-tier serve`` hosts.
 
 vLLM's ``TieringOffloadingManager`` keeps KV chunks in a CPU primary tier (a shared-memory
 region) and cascades every stored chunk to its secondary tiers. This tier keeps those chunks in
@@ -14,6 +14,11 @@ Data plane: one NIXL registration over vLLM's primary region (``primary_kv_view`
 ``TransferJob``'s ``chunk_ids`` are rows of that region: a store sends those rows to the remote
 host, a promotion reads the remote copies into them. See
 :mod:`torch_kv_tier.integrations.vllm.tier_config` for every config key.
+
+vLLM versions: 0.32 and 0.33 (both tested). What 0.33 added is declared here and simply unused
+on 0.32: ``tolerates_off_thread_polling`` (0.32 has no tier-poll thread, so completions are
+collected on the scheduler's steps) and ``config_info_keys``/``config_info`` (0.32 has no
+config-info metric); ``ConfigInfoMapping`` is imported for type checking only.
 
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
@@ -43,7 +48,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -65,7 +69,8 @@ from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.transport import NixlTransport
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    # vLLM 0.33 only; annotations are never evaluated at run time, so 0.32 imports this module.
+    from vllm.v1.kv_offload.base import ConfigInfoMapping, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
