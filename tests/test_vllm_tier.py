@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -397,3 +398,77 @@ def test_block_len_mismatch_names_the_server_flag(caplog: pytest.LogCaptureFixtu
     # The failed tier released its views, so vLLM's cleanup could unmap the shared region.
     assert "Removed mmap file" in caplog.text
     assert "Keeping" not in caplog.text
+
+
+def test_touch_reaches_the_remote_hosts_lru(server: ServerProcess) -> None:
+    """vLLM's touch() of a chunk keeps it on a full remote host; the untouched oldest goes."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        keys = keys_for("lease", TIER_SLOTS)
+        for i in range(0, TIER_SLOTS, PRIMARY_CHUNKS):  # fill this tier's whole remote lease
+            driver.store(f"fill-{i}", keys[i : i + PRIMARY_CHUNKS])
+            driver.run_until_idle()
+        assert all(tier.contains(k) for k in keys)
+        ctx = ReqContext(req_id="req-touch")
+        with manager.lock:
+            manager.on_new_request(ctx)
+            manager.touch([keys[0]], ctx)  # the oldest chunk, used again
+            manager.on_request_finished(ctx)
+        driver.store("one-more", keys_for("extra", 1))  # the remote host must evict one chunk
+        driver.run_until_idle()
+        assert tier.contains(keys[0])
+        assert not tier.contains(keys[1])
+    finally:
+        driver.shutdown(spec)
+
+
+def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProcess) -> None:
+    spec, manager = make_manager(tcp_server.address)
+    driver = Driver(manager)
+    try:
+        keys = keys_for("slow", 2)
+        ctx = ReqContext(req_id="req-look")
+        os.kill(tcp_server.proc.pid, signal.SIGSTOP)  # the cascade cannot complete...
+        try:
+            driver.store("req-a", keys)
+            driver.step()  # ...once it is submitted
+            with manager.lock:
+                assert manager.has_pending_work()
+                assert [driver.tier.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
+                assert driver.tier.lookup(keys_for("never", 1)[0], ctx) is LookupResult.MISS
+        finally:
+            os.kill(tcp_server.proc.pid, signal.SIGCONT)
+        driver.run_until_idle()
+        with manager.lock:
+            assert [driver.tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
+    with socket.socket() as s:  # a port nothing listens on (yet)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(RuntimeError, match="could not connect"):  # reconnecting off: fail fast
+        make_manager(address, reconnect_interval_s=0, connect_timeout_s=0.5)
+    spec, manager = make_manager(address, reconnect_interval_s=0.2, connect_timeout_s=0.5)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        assert tier.peers() == []  # vLLM started without the host
+        early = keys_for("early", 2)
+        driver.store("req-a", early)  # its cascades fail: there is no host yet
+        driver.run_until_idle()
+        assert not any(tier.contains(k) for k in early)
+        with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--port", str(port)]):
+            wait_until(lambda: bool(tier.peers()), 20.0, "the tier connects the late host")
+            late = keys_for("late", 2)
+            driver.store("req-b", late)
+            driver.run_until_idle()
+            assert all(tier.contains(k) for k in late)
+            driver.shutdown(spec)
+    finally:
+        driver.shutdown(spec)

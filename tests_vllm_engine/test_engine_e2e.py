@@ -10,6 +10,7 @@ environment with the genuine CPU engine, built by ``.ci/vllm_engine_e2e.sh`` (se
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import threading
@@ -66,7 +67,9 @@ def within(seconds: float, what: str, fn: Callable[[], T]) -> T:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tiny_model.build(tmp_path_factory.mktemp("tiny-llama")))
+    """``$TKVT_TINY_MODEL`` (CI builds it with the README's command), else a fresh build."""
+    built = os.environ.get("TKVT_TINY_MODEL")
+    return built or str(tiny_model.build(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ class CPUTieringOffloadingSpec(TieringOffloadingSpec):
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
             self._worker = self.create_worker(kv_caches)  # type: ignore[assignment]
+        assert self._worker is not None
         return self._worker
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUKVCopyWorker:  # type: ignore[override]

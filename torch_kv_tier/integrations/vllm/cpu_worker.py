@@ -106,8 +106,16 @@ class CPUKVCopyWorker(OffloadingWorker):
         """Copy engine blocks ``src_spec`` into primary-tier chunks ``dst_spec``; done on return."""
         return self._transfer(job_id, src_spec, dst_spec, to_host=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        """Copy primary-tier chunks ``src_spec`` into engine blocks ``dst_spec``; done on return."""
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """Copy primary-tier chunks ``src_spec`` into engine blocks ``dst_spec``; done on return.
+
+        ``expedited`` (vLLM 0.33) changes nothing: no load ever queues behind another."""
         return self._transfer(job_id, dst_spec, src_spec, to_host=False)
 
     def get_finished(self) -> list[TransferResult]:

@@ -38,6 +38,7 @@ import itertools
 import logging
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -143,6 +144,7 @@ class RemoteHostTier(SecondaryTierManager):
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._jobs: dict[int, _Job] = {}
+        self._storing: Counter[OffloadKey] = Counter()  # key -> its store jobs in flight
         self._ready: list[JobResult] = []
         self._failed_keys: dict[str, set[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
@@ -179,7 +181,8 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when a completed copy of ``key`` is on a remote host, from the local index only.
+        """HIT when a completed copy of ``key`` is on a remote host, RETRY while a store of it
+        to this tier is still in flight, else MISS; from local state only (no network).
 
         A key whose promotion already failed for this request is a MISS for the rest of the
         request, so vLLM recomputes it instead of retrying the promotion forever.
@@ -187,7 +190,14 @@ class RemoteHostTier(SecondaryTierManager):
         failed = self._failed_keys.get(req_context.req_id)
         if failed is not None and key in failed:
             return LookupResult.MISS
-        return LookupResult.HIT if self._tier.contains(key) else LookupResult.MISS
+        if self._tier.contains(key):
+            return LookupResult.HIT
+        return LookupResult.RETRY if key in self._storing else LookupResult.MISS
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark ``keys`` recently used on their remote hosts, so a full host evicts them last."""
+        self._tier.touch(keys)
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -359,18 +369,39 @@ class RemoteHostTier(SecondaryTierManager):
             timeout_s=self._config.connect_timeout_s,
         )
 
-    def _connect(self, address: str) -> str:
-        """``_dial`` at startup: a failure raises with what the user should check."""
+    def _connect(self, address: str) -> str | None:
+        """``_dial`` at startup.
+
+        A host that does not answer (down, or not started yet) is left to the reconnect thread
+        when there is one: vLLM starts without it and gains it when it comes up (``None``).
+        Any other failure, and a silent host when reconnecting is off, raises with what the
+        user should check (a host that answers but refuses is misconfigured, not down).
+        """
         try:
             return self._dial(address)
+        except TimeoutError as exc:
+            if self._config.reconnect_interval_s <= 0:
+                raise self._startup_error(address, exc) from exc
+            logger.warning(
+                "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
+                "without it and dialling it every %.1fs",
+                address,
+                exc,
+                self._config.reconnect_interval_s,
+            )
+            return None
         except Exception as exc:
-            n = self.block_size_bytes
-            raise RuntimeError(
-                f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
-                f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
-                f"size here is {n} bytes), be reachable from this host, and agree with this "
-                "tier's token_file and config_fields."
-            ) from exc
+            raise self._startup_error(address, exc) from exc
+
+    def _startup_error(self, address: str, exc: Exception) -> RuntimeError:
+        """What a user must check when ``address`` cannot be used at startup."""
+        n = self.block_size_bytes
+        return RuntimeError(
+            f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
+            f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
+            f"size here is {n} bytes), be reachable from this host, and agree with this "
+            "tier's token_file and config_fields."
+        )
 
     def _submit(self, job: TransferJob, start: _StartTransfer) -> None:
         keys = tuple(job.keys)
@@ -392,6 +423,8 @@ class RemoteHostTier(SecondaryTierManager):
             self._record_failed_promotion(job.req_context, keys, job.is_promotion)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
+        if not job.is_promotion:
+            self._storing.update(keys)
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
 
@@ -400,6 +433,11 @@ class RemoteHostTier(SecondaryTierManager):
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
+        if not job.is_promotion:
+            self._storing.subtract(job.keys)
+            for key in job.keys:
+                if self._storing[key] <= 0:
+                    del self._storing[key]
         try:
             result = job.future.result(timeout=0)
         except Exception as exc:  # the tier manager failed the future itself
@@ -474,6 +512,7 @@ class RemoteHostTier(SecondaryTierManager):
             reconnector.stop(timeout=self._config.connect_timeout_s + 1.0)
         manager, self._manager = self._manager, None
         self._jobs.clear()
+        self._storing.clear()
         if manager is not None:
             try:
                 manager.close(timeout=self._config.close_timeout_s)

@@ -70,10 +70,9 @@ def build(out_dir: Path, seed: int = 0) -> Path:
         eos_token_id=vocab["</s>"],
         pad_token_id=vocab["<pad>"],
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).bfloat16()
     model.save_pretrained(out_dir)
     logger.info("tiny Llama written to %s", out_dir)
     return out_dir
