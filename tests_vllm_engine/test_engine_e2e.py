@@ -13,7 +13,13 @@ import json
 import os
 import random
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,10 +42,14 @@ RECOMPUTE_DEADLINE_S = 60.0
 T = TypeVar("T")
 
 
+def readme_section() -> str:
+    text = README.read_text()
+    return text.split("## vLLM on CPU with a remote KV tier", 1)[1].split("\n## ", 1)[0]
+
+
 def documented_kv_config() -> dict[str, Any]:
     """The ``--kv-transfer-config`` JSON of the README's vLLM-on-CPU section, as written."""
-    text = README.read_text()
-    section = text.split("## vLLM on CPU with a remote KV tier", 1)[1]
+    section = readme_section()
     match = re.search(r"--kv-transfer-config '(\{.*?\})'", section, re.S)
     assert match, "README: the vLLM-on-CPU section lost its --kv-transfer-config"
     return json.loads(match.group(1))
@@ -136,3 +146,61 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
 def _is_resource_tracker(proc: psutil.Process) -> bool:
     """multiprocessing's resource tracker: it lives as long as this (test) process, by design."""
     return any("resource_tracker" in part for part in proc.cmdline())
+
+
+def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
+    """The README's step 4 (vLLM's OpenAI server with the tier), run as written but for the
+    model path, the host address and a free HTTP port; it answers a completion and stops on
+    SIGTERM."""
+    script = next(
+        block
+        for block in re.findall(r"```bash\n(.*?)```", readme_section(), re.S)
+        if "vllm.entrypoints.openai.api_server" in block
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with ServerProcess.start(num_blocks=256, block_len=engine.TINY_MODEL_CHUNK_BYTES) as host:
+        script = script.replace("/tmp/tiny-llama", model_dir).replace(
+            "127.0.0.1:5600", host.address
+        )
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+        proc = subprocess.Popen(
+            ["bash", "-c", f"{script.rstrip()} --port {port}"], env=env, start_new_session=True
+        )
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 240
+            while not _answers(f"{base}/health"):
+                assert proc.poll() is None, f"the vLLM server exited with {proc.returncode}"
+                assert time.monotonic() < deadline, "the vLLM server is not ready within 240 s"
+                time.sleep(1)
+            body = {
+                "model": model_dir,
+                "prompt": tiny_model.prompt(list(range(400))),
+                "max_tokens": 4,
+            }
+            request = urllib.request.Request(
+                f"{base}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                answer = json.loads(reply.read())
+            assert answer["choices"][0]["text"]
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+                pytest.fail("the vLLM server did not stop within 60 s of SIGTERM")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
