@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
+from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.integrations.vllm.cpu_worker import (  # noqa: E402
     CPUKVCopyWorker,
@@ -147,3 +150,31 @@ def test_unsupported_kv_layouts_are_refused_with_a_reason(
     )
     with pytest.raises(ValueError, match=message):
         check_cpu_kv_caches(caches)
+
+
+def cpu_spec(**fields: Any) -> Any:
+    """``CPUTieringOffloadingSpec`` as vLLM's factory builds it from the documented keys."""
+    extra_config = {
+        "spec_name": "CPUTieringOffloadingSpec",
+        "spec_module_path": "torch_kv_tier.integrations.vllm.cpu_spec",
+        "cpu_bytes_to_use": NUM_CHUNKS * 2 * PAGE,
+    }
+    return OffloadingSpecFactory.create_spec(offloading_config(extra_config, 2 * PAGE, **fields))
+
+
+def test_the_spec_builds_a_cpu_worker_where_vllms_refuses() -> None:
+    caches = kv_caches()
+    spec = cpu_spec()
+    worker = spec.get_worker(caches)
+    try:
+        assert isinstance(worker, CPUKVCopyWorker)
+        assert spec.get_worker(caches) is worker  # one per worker process, as vLLM's
+        worker.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([3, 4]))
+        assert [r.success for r in worker.get_finished()] == [True]
+    finally:
+        worker.shutdown()
+
+
+def test_the_spec_refuses_canonical_layout_at_startup() -> None:
+    with pytest.raises(ValueError, match="canonical_layout"):
+        cpu_spec(canonical_layout=True).get_worker(kv_caches())

@@ -18,7 +18,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,16 +36,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
@@ -76,27 +69,7 @@ def make_manager(
             }
         ],
     }
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=kv_events,
-        extra_config=extra_config,
-        engine_id=f"test-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name="test-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
+    config = offloading_config(extra_config, CHUNK_BYTES, kv_events=kv_events)
     spec = OffloadingSpecFactory.create_spec(config)
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager)
