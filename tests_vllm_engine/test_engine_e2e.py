@@ -108,6 +108,7 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
     prompt_b = TokensPrompt(prompt_token_ids=prefix + [11, 12, 13, 14, 15])
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    regions_before = offload_regions()
 
     llm = engine.make_llm(model_dir, server.address)
     engine_procs = [
@@ -148,6 +149,7 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
         within(RECOMPUTE_DEADLINE_S, "engine shutdown", lambda: engine.shutdown(llm))
     _, alive = psutil.wait_procs(engine_procs, timeout=30)
     assert not alive, f"engine processes still running after shutdown: {alive}"
+    assert offload_regions() == regions_before, "vLLM's offload region was left in /dev/shm"
 
 
 def _is_resource_tracker(proc: psutil.Process) -> bool:
@@ -167,6 +169,7 @@ def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    regions_before = offload_regions()
     with ServerProcess.start(num_blocks=256, block_len=engine.TINY_MODEL_CHUNK_BYTES) as host:
         script = script.replace("/tmp/tiny-llama", model_dir).replace(
             "127.0.0.1:5600", host.address
@@ -196,13 +199,31 @@ def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
                 answer = json.loads(reply.read())
             assert answer["choices"][0]["text"]
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            # SIGTERM to the server process (`kill PID`), which stops its engine processes. A
+            # signal to the whole group (Ctrl-C) kills those before they clean up, and leaves
+            # vLLM's shared offload region in /dev/shm (vLLM's behaviour, not the tier's).
+            os.kill(_server_pid(proc), signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
                 pytest.fail("the vLLM server did not stop within 60 s of SIGTERM")
+    assert offload_regions() == regions_before, "vLLM's offload region was left in /dev/shm"
+
+
+def offload_regions() -> set[str]:
+    """vLLM's shared offload regions (one file per engine) now in /dev/shm."""
+    return {p.name for p in Path("/dev/shm").glob("vllm_offload_*.mmap")}
+
+
+def _server_pid(shell: subprocess.Popen[bytes]) -> int:
+    """The vLLM server process of the README's ``bash -c``: bash itself when it exec'd the
+    last command (it does), else its child running vLLM."""
+    process = psutil.Process(shell.pid)
+    if "api_server" in " ".join(process.cmdline()):
+        return shell.pid
+    return next(c.pid for c in process.children() if "api_server" in " ".join(c.cmdline()))
 
 
 def _answers(url: str) -> bool:
