@@ -393,10 +393,8 @@ class TierManager:
         """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
         are ignored)."""
         with self._lock:
-            for key in keys:
-                entry = self._index.get(key)
-                if entry is not None:
-                    self._peers[entry[0]].stored.move_to_end(key)
+            where = self._index.where
+            self._index.touch([key for key in keys if key in where])
 
     def discard(self, keys: Sequence[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
