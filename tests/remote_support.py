@@ -57,7 +57,7 @@ class Client:
         assert tid is not None, f"{op} submission failed"
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            done, failed = self.transport.poll()
+            done, failed, _ = self.transport.poll()
             assert tid not in failed, f"{op} failed"
             if tid in done:
                 return
