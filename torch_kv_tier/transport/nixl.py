@@ -5,9 +5,9 @@ state checks, releases): any method may be called from any thread, one thread ma
 another polls. Peer registration (``add_remote_agent`` plus one descriptor per remote block,
 seconds for a big region) runs on a single worker thread, off the caller's thread and outside
 ``_lock``; only its final publish takes ``_lock``. NIXL's own locking covers that overlap: the
-agent runs NIXL's progress thread, which makes the UCX backend multi-threaded and takes its
-memory lock around every progress round. A passive target needs no calls at all: that progress
-thread serves incoming transfers and sleeps in ``poll()`` when idle (see ``nixl_agent``).
+agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's progress thread, so its tables and its UCX
+backend are multi-threaded (see ``nixl_agent.make_agent``). A passive target needs no calls at
+all: that progress thread serves incoming transfers and sleeps in ``poll()`` when idle.
 
 Registration generations. Every ``add_remote_peer_async`` and ``remove_remote_peer`` bumps the
 peer's generation; a registration publishes only if its generation is still current, otherwise

@@ -74,14 +74,21 @@ def make_agent(
 ) -> Any:
     """A NIXL agent with a cheap passive progress thread (see the module doc).
 
+    NIXL's own locking is made real (``NIXL_THREAD_SYNC_RW``; the default without a listener
+    thread compiles it away): a peer registration runs beside transfers on another thread, and
+    under RW only loading a remote agent's metadata excludes them, not the per-block descriptor
+    preparation. NIXL versions without ``sync_mode`` keep their default.
+
     UCX-only agents on GPU hosts get their UCX backend created explicitly, without the
     ``rc_gda`` transports (see ``ucx_backend_params``).
     """
     gda_params = ucx_backend_params(num_threads) if backends == ["UCX"] else None
+    sync = getattr(sys.modules.get(config_cls.__module__), "nixl_thread_sync_t", None)
     config = config_cls(
         enable_prog_thread=True,
         backends=[] if gda_params is not None else backends,
         num_threads=num_threads,
+        **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync is not None else {}),
     )
     with _progress_thread_delay(agent_cls, PROGRESS_DELAY_US):
         agent = agent_cls(name, config)
