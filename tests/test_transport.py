@@ -345,17 +345,6 @@ def test_repeated_transfer_failures_fault_the_peer_and_a_success_resets_them(
     assert local.inflight_count() == 0
 
 
-def test_a_submission_that_raises_returns_none_and_releases_its_handle(
-    local: NixlTransport, peer: RemotePeer
-) -> None:
-    local.add_remote_peer("p", *peer.peer_args())
-    faulty = FaultyAgent(local._agent, {"transfer"})
-    local._agent = faulty
-    assert local.write_blocks("p", [0], [0]) is None
-    assert len(faulty.released) == 1
-    assert local.inflight_count() == 0
-
-
 def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
