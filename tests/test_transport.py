@@ -180,7 +180,7 @@ def test_a_passive_target_serves_256_block_writes_and_reads_over_tcp(
     calls nothing on it again (RemotePeer); over TCP its UCX worker must still be progressed."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     with RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as target:
-        t = NixlTransport("initiator", random_blocks(256, seed=11))
+        t = NixlTransport("initiator", random_blocks(256, seed=11), passive_progress=False)
         try:
             t.add_remote_peer("target", *target.peer_args())
             order = torch.randperm(256, generator=torch.Generator().manual_seed(1)).tolist()

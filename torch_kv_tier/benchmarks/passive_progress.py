@@ -7,8 +7,10 @@ host) and per progress-thread delay (ours, ``nixl_agent.PROGRESS_DELAY_US``, and
 
 - idle CPU: the target's process CPU time / wall time over ``--idle-s``, first with no peer
   connected, then after one initiator connected and wrote once (the connection stays open);
-- first-byte latency: an initiator in this process writes one block to the idle target and
-  polls until done; ``--tries`` tries, ``--gap-ms`` apart so the target falls back asleep.
+- first-byte latency: an initiator in this process (``passive_progress=False``, as a tier
+  client) writes one block to the idle target and polls until done; ``--tries`` tries, ``--gap-ms`` apart so the target falls back asleep;
+- what the thread costs an initiator: back-to-back 64-block writes (each polled to done) per
+  second, initiator built with and without ``passive_progress`` (3 interleaved rounds each).
 
 Run: ``python -m torch_kv_tier.benchmarks.passive_progress [--json out.json]``.
 """
@@ -63,7 +65,9 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
         metadata, base_addr = conn.recv()
         conn.send(idle_s)
         idle_alone = conn.recv()
-        t = NixlTransport("initiator", torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8))
+        t = NixlTransport(
+            "initiator", torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8), passive_progress=False
+        )
         t.add_remote_peer("target", metadata, base_addr, NUM_BLOCKS, BLOCK)
         _write_once(t, 0)
         conn.send(idle_s)
@@ -72,6 +76,10 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
         for i in range(tries):
             time.sleep(gap_s)
             latencies.append(_write_once(t, i % NUM_BLOCKS))
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(3):
+            for passive in (True, False):
+                rates[passive].append(_write_rate(metadata, base_addr, passive))
         conn.send(None)
     finally:
         if t is not None:
@@ -93,7 +101,30 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
         "latency_ms_median": statistics.median(latencies) * 1e3,
         "latency_ms_p90": qs[8] * 1e3,
         "tries": tries,
+        "initiator_writes_per_s_with_thread": statistics.median(rates[True]),
+        "initiator_writes_per_s_without_thread": statistics.median(rates[False]),
     }
+
+
+def _write_rate(metadata: bytes, base_addr: int, passive: bool, seconds: float = 1.0) -> float:
+    """64-block writes per second, each polled to done, from a fresh initiator."""
+    from torch_kv_tier.transport import NixlTransport
+
+    t = NixlTransport(
+        "rate", torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8), passive_progress=passive
+    )
+    try:
+        t.add_remote_peer("target", metadata, base_addr, NUM_BLOCKS, BLOCK)
+        blocks = list(range(64))
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            tid = t.write_blocks("target", blocks, blocks)
+            while tid not in t.poll().done:
+                pass
+            n += 1
+        return n / (time.perf_counter() - start)
+    finally:
+        t.close()
 
 
 def _write_once(t: Any, block: int, timeout_s: float = 10.0) -> float:
@@ -121,14 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         "| UCX_TLS | progress delay | idle CPU, no peer | idle CPU, one peer | "
-        "first-byte latency median / p90 |"
+        "first-byte latency median / p90 | initiator 64-block writes/s, thread on / off |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['ucx_tls']} | {r['progress_delay_us'] / 1e3:g} ms | "
             f"{r['idle_cpu_no_peer']:.2%} | {r['idle_cpu_one_peer']:.2%} | "
-            f"{r['latency_ms_median']:.3f} / {r['latency_ms_p90']:.3f} ms |"
+            f"{r['latency_ms_median']:.3f} / {r['latency_ms_p90']:.3f} ms | "
+            f"{r['initiator_writes_per_s_with_thread']:.0f} / "
+            f"{r['initiator_writes_per_s_without_thread']:.0f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

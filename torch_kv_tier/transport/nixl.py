@@ -71,6 +71,10 @@ class NixlTransport(DataTransport):
         config_fields: model config values hashed into ``config_fingerprint``.
         backends: NIXL backends (default ``["UCX"]``).
         num_threads: worker threads for multi-threaded backends (UCX).
+        passive_progress: run NIXL's progress thread (with a delay, see ``nixl_agent``), so the
+            transport serves transfers aimed at it with nothing called on it. An initiator that
+            is never a target (a tier client) may pass False: it progresses its own transfers
+            in ``poll``, and over TCP measured about 2x the throughput without the thread.
 
     Without NIXL installed the transport is constructed unavailable (``available`` is False)
     and every NIXL-backed method raises ``RuntimeError`` saying how to install it.
@@ -83,6 +87,8 @@ class NixlTransport(DataTransport):
         config_fields: dict[str, Any] | None = None,
         backends: list[str] | None = None,
         num_threads: int = 4,
+        *,
+        passive_progress: bool = True,
     ) -> None:
         super().__init__(region, config_fields)
         self._local_id = local_id
@@ -104,7 +110,13 @@ class NixlTransport(DataTransport):
         if api is None:
             logger.warning("NixlTransport %s: unavailable: %s", self._name, NOT_INSTALLED)
             return
-        agent = make_agent(*api, self._name, list(backends) if backends else ["UCX"], num_threads)
+        agent = make_agent(
+            *api,
+            self._name,
+            list(backends) if backends else ["UCX"],
+            num_threads,
+            progress_thread=passive_progress,
+        )
         r = self.region
         self._reg = agent.register_memory(
             [(r.base_addr, r.nbytes, r.device_id, "")], mem_type=r.mem_type

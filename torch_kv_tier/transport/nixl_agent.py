@@ -70,9 +70,18 @@ def load_nixl() -> tuple[Any, Any] | None:
 
 
 def make_agent(
-    agent_cls: Any, config_cls: Any, name: str, backends: list[str], num_threads: int
+    agent_cls: Any,
+    config_cls: Any,
+    name: str,
+    backends: list[str],
+    num_threads: int,
+    *,
+    progress_thread: bool = True,
 ) -> Any:
-    """A NIXL agent with a cheap passive progress thread (see the module doc).
+    """A NIXL agent with a cheap passive progress thread (see the module doc), or none.
+
+    Without the thread the agent serves incoming transfers only while its owner polls: right for
+    an initiator that never is a target (see ``NixlTransport``'s ``passive_progress``).
 
     NIXL's own locking is made real (``NIXL_THREAD_SYNC_RW``; the default without a listener
     thread compiles it away): a peer registration runs beside transfers on another thread, and
@@ -85,12 +94,15 @@ def make_agent(
     gda_params = ucx_backend_params(num_threads) if backends == ["UCX"] else None
     sync = getattr(sys.modules.get(config_cls.__module__), "nixl_thread_sync_t", None)
     config = config_cls(
-        enable_prog_thread=True,
+        enable_prog_thread=progress_thread,
         backends=[] if gda_params is not None else backends,
         num_threads=num_threads,
         **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync is not None else {}),
     )
-    with _progress_thread_delay(agent_cls, PROGRESS_DELAY_US):
+    if progress_thread:
+        with _progress_thread_delay(agent_cls, PROGRESS_DELAY_US):
+            agent = agent_cls(name, config)
+    else:
         agent = agent_cls(name, config)
     if gda_params is not None:
         agent.create_backend("UCX", gda_params)
