@@ -8,7 +8,8 @@ host) and per progress-thread delay (ours, ``nixl_agent.PROGRESS_DELAY_US``, and
 - idle CPU: the target's process CPU time / wall time over ``--idle-s``, first with no peer
   connected, then after one initiator connected and wrote once (the connection stays open);
 - first-byte latency: an initiator in this process (``passive_progress=False``, as a tier
-  client) writes one block to the idle target and polls until done; ``--tries`` tries, ``--gap-ms`` apart so the target falls back asleep;
+  client) writes one block to the idle target and polls until done; ``--tries`` tries,
+  ``--gap-ms`` apart so the target falls back asleep;
 - what the thread costs an initiator: back-to-back 64-block writes (each polled to done) per
   second, initiator built with and without ``passive_progress`` (3 interleaved rounds each).
 
