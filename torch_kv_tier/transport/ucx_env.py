@@ -21,12 +21,16 @@ _RDMA_SYSFS = Path("/sys/class/infiniband")
 _NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
-    """True when the kernel exposes at least one RDMA device."""
+def _lists_any(folder: Path) -> bool:
     try:
-        return any(sysfs.iterdir())
+        return any(folder.iterdir())
     except OSError:
         return False
+
+
+def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
+    """True when the kernel exposes at least one RDMA device."""
+    return _lists_any(sysfs)
 
 
 def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_SYSFS) -> None:
@@ -44,7 +48,7 @@ def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_
 
 def has_gpu_device(procfs: Path = _NVIDIA_GPUS) -> bool:
     """True when the NVIDIA driver lists at least one GPU (no CUDA context is created)."""
-    return has_rdma_device(procfs)
+    return _lists_any(procfs)
 
 
 def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str] | None:
