@@ -1,8 +1,9 @@
 """A NIXL target in another process: what a remote host looks like to a transport under test.
 
-The child owns a ``num_blocks x block_len`` host region registered by a ``NixlTransport``,
-drives its progress from a thread, and answers ``get``/``set`` of whole blocks over a pipe so
-tests can check the bytes that really landed there.
+The child owns a ``num_blocks x block_len`` host region registered by a ``NixlTransport`` built
+with defaults, and answers ``get``/``set`` of whole blocks over a pipe so tests can check the bytes
+that really landed there. Nothing else is ever called on that transport: it serves incoming
+transfers passively, as a vLLM-style peer does.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import threading
-import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from torch_kv_tier.benchmarks.reliability_common import stop_process
 
 
 def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str]) -> None:
@@ -25,15 +26,6 @@ def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str
 
     region = torch.zeros(num_blocks, block_len, dtype=torch.uint8)
     transport = NixlTransport("peer", region)
-    stop = threading.Event()
-
-    def progress() -> None:
-        while not stop.is_set():
-            transport.progress()
-            time.sleep(0.0002)
-
-    thread = threading.Thread(target=progress, daemon=True)
-    thread.start()
     conn.send((transport.get_agent_metadata(), transport.base_addr, num_blocks, block_len))
     while True:
         cmd, args = conn.recv()
@@ -45,8 +37,6 @@ def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str
             conn.send(None)
         else:
             break
-    stop.set()
-    thread.join(timeout=5)
     transport.close()
     conn.send("closed")
 
@@ -87,6 +77,11 @@ class RemotePeer:
     def signal(self, signum: int) -> None:
         assert self.process.pid is not None
         os.kill(self.process.pid, signum)
+
+    def stop(self) -> None:
+        """SIGSTOP the peer; returns once all its threads are stopped."""
+        assert self.process.pid is not None
+        stop_process(self.process.pid)
 
     def kill(self) -> None:
         if self.process.is_alive():

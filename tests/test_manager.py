@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -362,7 +361,7 @@ def test_sigkill_of_one_peer_fails_its_futures_and_the_other_keeps_serving(
         tier.add_peer("good", *peers[1].peer_args())
         keys = [f"key{i}" for i in range(256)]
         assert tier.store(keys[:128], list(range(128))).result(30).ok
-        victim.signal(signal.SIGSTOP)
+        victim.stop()
         futures = [
             tier.store(keys[i : i + 16], list(range(i, i + 16))) for i in range(128, 256, 16)
         ]

@@ -182,7 +182,6 @@ def test_prometheus_text_escapes_client_names() -> None:
         "bad_frames": 2,
         "bytes_written": 128,
         "bytes_read": 64,
-        "progress_calls": 10,
     }
     text = render_prometheus(stats)
     assert 'torch_kv_tier_server_blocks{state="leased"} 2\n' in text

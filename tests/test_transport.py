@@ -11,14 +11,21 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from remote_peer import RemotePeer
 
-from torch_kv_tier.transport import BlockRegion, NixlTransport, PollResult, config_fingerprint
-from torch_kv_tier.transport.ucx_env import apply_ucx_policy
+from torch_kv_tier.transport import (
+    BlockRegion,
+    NixlTransport,
+    PollResult,
+    config_fingerprint,
+    nixl_agent,
+)
+from torch_kv_tier.transport.ucx_env import apply_ucx_policy, ucx_backend_params
 
 BLOCK = 4096
 
@@ -166,6 +173,29 @@ def test_thousand_block_round_trip_with_random_permutations(peer: RemotePeer) ->
         b.close()
 
 
+def test_a_passive_target_serves_256_block_writes_and_reads_over_tcp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The target process builds a NixlTransport with defaults, hands out its metadata, and
+    calls nothing on it again (RemotePeer); over TCP its UCX worker must still be progressed."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as target:
+        t = NixlTransport("initiator", random_blocks(256, seed=11), passive_progress=False)
+        try:
+            t.add_remote_peer("target", *target.peer_args())
+            order = torch.randperm(256, generator=torch.Generator().manual_seed(1)).tolist()
+            tid = t.write_blocks("target", list(range(256)), order)
+            assert drain(t, {tid}) == ({tid}, set())
+            assert torch.equal(target.get(order), t.region.owner)
+            fresh = random_blocks(256, seed=12)
+            target.set(list(range(256)), fresh)
+            tid = t.read_blocks("target", order, list(range(256)))
+            assert drain(t, {tid}) == ({tid}, set())
+            assert torch.equal(t.region.owner[order], fresh)
+        finally:
+            t.close()
+
+
 def test_poll_for_one_peer_leaves_other_peers_in_flight(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
@@ -176,7 +206,7 @@ def test_poll_for_one_peer_leaves_other_peers_in_flight(
     done_a, _ = drain(local, {ta}, peer_id="a")
     assert tb not in done_a
     assert local.inflight_count() == 1
-    assert local.poll("a") == PollResult([], [])
+    assert local.poll("a") == PollResult()
     assert drain(local, {tb}) == ({tb}, set())
 
 
@@ -249,62 +279,199 @@ def test_transfer_ids_are_unique(local: NixlTransport, peer: RemotePeer) -> None
 # -- failures -----------------------------------------------------------------------------------
 
 
-def test_a_state_check_that_raises_fails_once_and_is_never_checked_again(
-    local: NixlTransport, peer: RemotePeer
+def test_a_state_check_that_raises_faults_the_peer_and_keeps_the_transfer(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
+    # The WRITE may still land after its check raised: it stays in flight, its peer is faulted.
     local.add_remote_peer("p", *peer.peer_args())
+    local.add_remote_peer("q", *peer2.peer_args())
     tid = local.write_blocks("p", [0], [0])
     faulty = FaultyAgent(local._agent, {"check_xfer_state"})
     local._agent = faulty
-    assert local.poll() == PollResult([], [tid])
-    assert local.poll() == PollResult([], [])
-    assert faulty.calls["check_xfer_state"] == 1
+    for _ in range(3):
+        result = local.poll("p")
+        assert result.done == () and result.failed == ()
+        assert result.peer_fault == (
+            "check_xfer_state raised RuntimeError: injected check_xfer_state failure"
+        )
+    assert local.inflight_count() == 1
+    assert local.poll("q").peer_fault is None and local.poll().peer_fault is None
+    assert local.faulted_peers() == {"p": result.peer_fault}
+    local._agent = faulty._agent
+    assert drain(local, {tid})[0] == {tid}  # it did complete
+    assert local.poll("p").peer_fault is not None  # the fault stays until the peer is removed
+    local.remove_remote_peer("p")
+    assert local.faulted_peers() == {}
+
+
+def test_a_remote_disconnect_fails_the_transfer_and_faults_the_peer(
+    local: NixlTransport, peer: RemotePeer
+) -> None:
+    class nixlRemoteDisconnectError(Exception):  # noqa: N801 (the binding's class name)
+        pass
+
+    local.add_remote_peer("p", *peer.peer_args())
+    tid = local.write_blocks("p", [0], [0])
+    real = local._agent
+    local._agent = FaultyAgent(real, set())
+    local._agent.check_xfer_state = lambda h: (_ for _ in ()).throw(
+        nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+    )
+    result = local.poll("p")
+    assert result.failed == [tid] and result.peer_fault == "NIXL_ERR_REMOTE_DISCONNECT"
+    local._agent = real
     assert local.inflight_count() == 0
 
 
-def test_a_submission_that_raises_returns_none_and_releases_its_handle(
+def test_repeated_transfer_failures_fault_the_peer_and_a_success_resets_them(
     local: NixlTransport, peer: RemotePeer
 ) -> None:
     local.add_remote_peer("p", *peer.peer_args())
     faulty = FaultyAgent(local._agent, {"transfer"})
     local._agent = faulty
+    for _ in range(2):
+        assert local.write_blocks("p", [0], [0]) is None
+    assert local.poll("p").peer_fault is None
+    faulty.fail = set()
+    assert drain(local, {local.write_blocks("p", [0], [0])})[1] == set()  # type: ignore[arg-type]
+    faulty.fail = {"transfer"}
+    for _ in range(2):
+        assert local.write_blocks("p", [0], [0]) is None
+    assert local.faulted_peers() == {}
     assert local.write_blocks("p", [0], [0]) is None
-    assert len(faulty.released) == 1
+    assert "3 consecutive transfer failures" in local.faulted_peers()["p"]
+    assert local.poll("p").peer_fault == local.faulted_peers()["p"]
+    assert len(faulty.released) == 6  # the five failed posts' handles, and the done one's
     assert local.inflight_count() == 0
 
 
-def test_remove_peer_fails_its_transfers_and_spares_the_others(
-    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    local.add_remote_peer("a", *peer.peer_args())
-    local.add_remote_peer("b", *peer2.peer_args())
-    ta = [local.write_blocks("a", [i], [i]) for i in range(3)]
-    tb = local.write_blocks("b", [0], [0])
-    local.remove_remote_peer("a")
-    assert local.write_blocks("a", [0], [0]) is None
-    result = local.poll("a")
-    assert sorted(result.failed) == sorted(ta) and list(result.done) == []
-    assert drain(local, {tb}) == ({tb}, set())  # type: ignore[arg-type]
+    """remove_remote_peer unpublishes the peer at once, but a write still running is neither
+    failed nor released: it lands, is reported done, and only then is the peer released. A
+    cancel("wait") meanwhile returns it (state PROC) instead of releasing it. 32 MiB over TCP to
+    a stopped target: more than the kernel's socket buffers take."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    n, block = 512, 64 * 1024
+    with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
+        region = torch.randint(0, 256, (n, block), dtype=torch.uint8)
+        t = NixlTransport("remover", region)
+        try:
+            t.add_remote_peer("v", *victim.peer_args())
+            warm = t.write_blocks("v", [0], [0])
+            assert drain(t, {warm})[0] == {warm}
+            victim.stop()
+            wait_until_stopped(victim)
+            tid = t.write_blocks("v", list(range(n)), list(range(n)))
+            spy = FaultyAgent(t._agent, set())
+            t._agent = spy
+            t.remove_remote_peer("v")
+            assert t.write_blocks("v", [0], [0]) is None
+            assert t.poll("v") == PollResult() and t.inflight_count() == 1
+            assert t.cancel([tid], mode="wait") == [tid]  # type: ignore[list-item]
+            assert "release_xfer_handle" not in spy.calls
+            assert "remove_remote_agent" not in spy.calls  # deferred: the write may still land
+            victim.signal(signal.SIGCONT)
+            assert drain(t, {tid}, peer_id="v") == ({tid}, set())  # type: ignore[arg-type]
+            assert spy.calls["remove_remote_agent"] == 1
+            assert torch.equal(victim.get(list(range(n))), region)
+        finally:
+            t.close()
+
+
+def wait_until_stopped(peer: RemotePeer, timeout: float = 10.0) -> None:
+    """Wait until the kernel reports the peer process stopped (state T)."""
+    deadline = time.monotonic() + timeout
+    stat = Path(f"/proc/{peer.process.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "peer did not stop"
+        time.sleep(0.01)
 
 
 def test_peer_teardown_finishes_when_a_release_step_raises(
     local: NixlTransport, peer: RemotePeer
 ) -> None:
     local.add_remote_peer("p", *peer.peer_args())
-    tid = local.write_blocks("p", [0], [0])
-    faulty = FaultyAgent(local._agent, {"release_dlist_handle", "release_xfer_handle"})
+    faulty = FaultyAgent(local._agent, {"release_dlist_handle"})
     local._agent = faulty
     local.remove_remote_peer("p")
     assert faulty.calls["remove_remote_agent"] == 1
-    assert local.poll() == PollResult([], [tid])
     assert local.write_blocks("p", [0], [0]) is None
+    local._agent = faulty._agent
+
+
+# -- registration -------------------------------------------------------------------------------
+
+
+class BlockingPrep(FaultyAgent):
+    """Real agent whose ``prep_xfer_dlist`` for a remote agent waits for ``release``."""
+
+    def __init__(self, agent: Any, fail: set[str] | None = None) -> None:
+        super().__init__(agent, fail or set())
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.threads: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name)
+        if name != "prep_xfer_dlist":
+            return call
+
+        def blocking(*args: Any, **kwargs: Any) -> Any:
+            self.threads.append(threading.get_ident())
+            self.entered.set()
+            assert self.release.wait(10)
+            return call(*args, **kwargs)
+
+        return blocking
+
+
+def test_registration_runs_off_the_caller_and_a_removal_meanwhile_wins(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    local.add_remote_peer("q", *peer2.peer_args())
+    blocking = BlockingPrep(local._agent)
+    local._agent = blocking
+    future = local.add_remote_peer_async("p", *peer.peer_args())
+    assert blocking.entered.wait(10)
+    assert threading.get_ident() not in blocking.threads
+    # The registration holds no lock the caller needs: transfers and removal go on.
+    tid = local.write_blocks("q", [3], [3])
+    assert drain(local, {tid})[0] == {tid}
+    local.remove_remote_peer("p")
+    blocking.release.set()
+    with pytest.raises(RuntimeError, match="superseded"):
+        future.result(timeout=10)
+    assert local.write_blocks("p", [0], [0]) is None
+    assert blocking.calls["remove_remote_agent"] == 1 and blocking.calls["release_dlist_handle"]
+    local._agent = blocking._agent
+    local.add_remote_peer_async("p", *peer.peer_args()).result(timeout=10)
+    tid = local.write_blocks("p", [1], [1])
+    assert drain(local, {tid})[0] == {tid}
+
+
+def test_a_failed_reregistration_keeps_the_working_one(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    local.region.owner[4] = 4
+    local.add_remote_peer("p", *peer.peer_args())
+    faulty = FaultyAgent(local._agent, {"prep_xfer_dlist"})
+    local._agent = faulty
+    with pytest.raises(RuntimeError, match="injected prep_xfer_dlist"):
+        local.add_remote_peer_async("p", *peer2.peer_args()).result(timeout=10)
+    assert faulty.calls["remove_remote_agent"] == 1  # peer2's agent, loaded for nothing
+    local._agent = faulty._agent
+    tid = local.write_blocks("p", [4], [4])
+    assert drain(local, {tid})[0] == {tid}
+    assert int(peer.get([4]).sum()) == 4 * BLOCK
 
 
 def test_cancel_modes(local: NixlTransport, peer: RemotePeer) -> None:
     local.add_remote_peer("p", *peer.peer_args())
     t1 = local.write_blocks("p", [0], [0])
     assert local.cancel([t1, 12345]) == []
-    assert local.poll() == PollResult([], [])
+    assert local.poll() == PollResult()
 
     t2 = local.write_blocks("p", [1], [1])
     faulty = FaultyAgent(local._agent, {"release_xfer_handle"})
@@ -314,7 +481,7 @@ def test_cancel_modes(local: NixlTransport, peer: RemotePeer) -> None:
     assert drain(local, {t2})[0] == {t2}
     t3 = local.write_blocks("p", [2], [2])
     assert local.cancel([t3, 999], mode="wait") == []
-    assert local.poll() == PollResult([], [])
+    assert local.poll() == PollResult()
     with pytest.raises(ValueError):
         local.cancel([1], mode="later")  # type: ignore[arg-type]
 
@@ -327,6 +494,7 @@ def test_close_is_idempotent_releases_everything_and_forbids_further_use(peer: R
     t._agent = spy
     t.close()
     t.close()
+    assert t.available is False
     for call in ("release_xfer_handle", "release_dlist_handle", "remove_remote_agent"):
         assert spy.calls.get(call, 0) >= 1, call
     assert spy.calls["deregister_memory"] == 1
@@ -338,7 +506,6 @@ def test_close_is_idempotent_releases_everything_and_forbids_further_use(peer: R
         (t.read_blocks, ("p", [0], [0])),
         (t.poll, ()),
         (t.cancel, ([1],)),
-        (t.progress, ()),
     ]:
         with pytest.raises(RuntimeError, match="closed"):
             method(*args)
@@ -378,7 +545,7 @@ def test_sigkill_of_a_peer_fails_its_in_flight_transfers(
             t.add_remote_peer("victim", *victim.peer_args())
             warm = t.write_blocks("victim", [0], [0])
             assert drain(t, {warm})[0] == {warm}
-            victim.signal(signal.SIGSTOP)
+            victim.stop()
             ids = {
                 t.write_blocks("victim", list(range(i, i + 64)), list(range(i, i + 64)))
                 for i in range(0, 256, 64)
@@ -456,13 +623,39 @@ def test_ucx_policy_excludes_ib_only_without_rdma_devices(tmp_path: Any) -> None
     assert env == {"UCX_MODULES": ""}
 
 
-def test_missing_nixl_raises_an_import_error_that_says_how_to_install(
+def test_without_nixl_the_transport_is_unavailable_and_says_how_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "nixl._api", None)
     monkeypatch.setitem(sys.modules, "nixl", None)
-    with pytest.raises(ImportError, match="pip install nixl"):
-        NixlTransport("x", torch.zeros(2, 8, dtype=torch.uint8))
+    monkeypatch.setattr(nixl_agent, "_api", None)
+    t = NixlTransport("x", torch.zeros(2, 8, dtype=torch.uint8))
+    assert t.available is False and not NixlTransport.is_available()
+    with pytest.raises(RuntimeError, match="pip install nixl"):
+        t.get_agent_metadata()
+    t.close()
+
+
+def test_gpu_hosts_get_a_ucx_backend_without_rc_gda(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, peer: RemotePeer
+) -> None:
+    none = tmp_path / "none"
+    none.mkdir()
+    gpus = tmp_path / "gpus"
+    (gpus / "0000:01:00.0").mkdir(parents=True)
+    assert ucx_backend_params(4, procfs=none) is None
+    params = ucx_backend_params(4, procfs=gpus)
+    assert params == {"engine_config": "TLS=^rc_gda", "num_threads": "4"}
+    # This NIXL accepts them: a transport built as on a GPU host still moves bytes.
+    monkeypatch.setattr(nixl_agent, "ucx_backend_params", lambda n: params)
+    t = NixlTransport("gpu-host", random_blocks(4, seed=9))
+    try:
+        t.add_remote_peer("p", *peer.peer_args())
+        tid = t.write_blocks("p", [0, 1, 2, 3], [20, 21, 22, 23])
+        assert drain(t, {tid})[0] == {tid}
+        assert torch.equal(peer.get([20, 21, 22, 23]), t.region.owner)
+    finally:
+        t.close()
 
 
 # -- CUDA ---------------------------------------------------------------------------------------

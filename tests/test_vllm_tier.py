@@ -41,6 +41,7 @@ from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics  # noqa: E4
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
 from vllm_support import offloading_config  # noqa: E402
 
+from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
@@ -293,7 +294,7 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         with manager.lock:
             manager.on_new_request(ctx)
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
-        os.kill(tcp_server.proc.pid, signal.SIGSTOP)  # the read cannot complete...
+        stop_process(tcp_server.proc.pid)  # the read cannot complete...
         driver.step()  # ...once the promotion is submitted,
         with manager.lock:
             assert manager.has_pending_work()
@@ -332,7 +333,7 @@ def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -
         before = keys_for("before", 2)
         driver.store("req-a", before)
         driver.run_until_idle()
-        os.kill(tcp_server.proc.pid, signal.SIGSTOP)
+        stop_process(tcp_server.proc.pid)
         driver.store("req-b", keys_for("during", 2))  # a cascade in flight...
         tcp_server.kill()  # ...fails when the host dies, and the tier drops the host
         driver.run_until_idle()
@@ -409,7 +410,7 @@ def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProce
     try:
         keys = keys_for("slow", 2)
         ctx = ReqContext(req_id="req-look")
-        os.kill(tcp_server.proc.pid, signal.SIGSTOP)  # the cascade cannot complete...
+        stop_process(tcp_server.proc.pid)  # the cascade cannot complete...
         try:
             driver.store("req-a", keys)
             driver.step()  # ...once it is submitted

@@ -200,11 +200,18 @@ class TierManager:
         max_inflight: int = 64,
         events: bool = False,
     ) -> TierManager:
-        """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``."""
+        """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
+
+        A tier only initiates transfers, and its poller progresses them, so its transport runs
+        without NIXL's progress thread (``passive_progress=False``), which would compete with
+        the poller for the same UCX worker.
+        """
         from torch_kv_tier.transport.nixl import NixlTransport
 
         arena = BlockArena(num_blocks, block_len, device=device)
-        transport = NixlTransport(name, arena.tensor, config_fields=config_fields)
+        transport = NixlTransport(
+            name, arena.tensor, config_fields=config_fields, passive_progress=False
+        )
         return cls(arena, transport, max_inflight=max_inflight, events=events)
 
     # -- peers --------------------------------------------------------------------------------
@@ -726,10 +733,17 @@ class TierManager:
 
     def _close_session(self, peer_id: str, session: Any) -> None:
         """Return a dropped peer's lease (without the lock); once it is gone, a late write of
-        the old registration can no longer hurt this tier, so its fences go."""
+        the old registration can no longer hurt this tier, so its fences go, and the transfers
+        it still held in flight (a frozen host's) are cancelled: nothing waits for them."""
         session.close()
         with self._lock:
             self._index.drop_fences(peer_id)
+            orphans = [
+                tid for tid, op in self._ops.items() if op.orphaned and op.peer.session is session
+            ]
+            if orphans:
+                self.transport.cancel(orphans)
+                drain(map(self._ops.pop, orphans))
 
     def _on_session_lost(self, peer_id: str) -> None:
         """Heartbeat thread: the server stopped answering."""

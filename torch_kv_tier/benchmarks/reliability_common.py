@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO
 
 import psutil
@@ -118,6 +120,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def stop_process(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads is stopped.
+
+    The signal is delivered asynchronously: right after ``os.kill`` the target (and a progress
+    thread of its that wakes on traffic) may still run, and serve what the caller sends next.
+    Raises ``TimeoutError`` when a thread is still running after ``timeout_s``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped() -> bool:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:  # "tid (comm) S ...": the state follows the last ')'
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, IndexError):
+                continue  # a thread that just exited
+        return all(state in "tT" for state in states)
+
+    if not wait_until(stopped, timeout_s, interval_s=0.001):
+        raise TimeoutError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ Each function owns the processes it starts and kills them on every exit path.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +32,7 @@ from torch_kv_tier.benchmarks.reliability_common import (
     kill_process,
     random_blocks,
     settled_resources,
+    stop_process,
     ucx_over_tcp,
     wait_until,
 )
@@ -148,7 +147,7 @@ def _kill_one(
             return None
         home = {k: str(home_peer(k, [live, dead])) for k in old + new}
         tier.take_events()
-        os.kill(doomed.proc.pid, signal.SIGSTOP)
+        stop_process(doomed.proc.pid)
         fault_at = time.monotonic()
         calls = [_Call([k], tier.store([k], [keys + i])) for i, k in enumerate(new)]
         calls += [
@@ -176,8 +175,12 @@ def _kill_one(
         _check_results(trial, calls, home, dead, out)
         if not wait_until(lambda: tier.peers() == [live], 5.0):
             out.problem(f"trial {trial}: the dead peer is still registered: {tier.peers()}")
+        # A frozen host's writes stay in flight (nothing proves they cannot land) until the
+        # tier returned its lease and cancelled them: bounded by the disconnect timeout.
+        transport: Any = tier.transport
+        wait_until(lambda: transport.inflight_count() == 0, 5.0)
         stats = tier.stats()
-        leftover = tier.transport.inflight_count()  # type: ignore[attr-defined]
+        leftover = transport.inflight_count()
         if stats.inflight or stats.queued or leftover:
             out.problem(
                 f"trial {trial}: tables not empty after the fault: tier inflight {stats.inflight}, "
@@ -384,7 +387,7 @@ def close_under_load(
             warm = tier.store(["warm"], [0]).result(timeout=30)  # UCX wire-up done
             if not warm.ok:
                 out.problem(f"warm-up store failed: {warm.failed}")
-            os.kill(server.proc.pid, signal.SIGSTOP)
+            stop_process(server.proc.pid)
             futures = [tier.store([f"k{i}"], [i + 1]) for i in range(transfers)]
             inflight = tier.stats().inflight
             t0 = time.monotonic()

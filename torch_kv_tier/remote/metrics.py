@@ -94,12 +94,6 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
             ('{direction="read"}', stats["bytes_read"]),
         ],
     )
-    metric(
-        "progress_calls_total",
-        "counter",
-        "Calls driving the NIXL agent's progress.",
-        [("", stats["progress_calls"])],
-    )
     return "\n".join(lines) + "\n"
 
 

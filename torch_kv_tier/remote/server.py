@@ -2,8 +2,10 @@
 
 The server owns one ``BlockArena`` registered with a ``NixlTransport``. Clients write and read
 its blocks one-sidedly over NIXL; the server only answers the control plane (handshakes,
-heartbeats, stats, disconnects; see ``protocol``) and drives the NIXL agent's progress, which a
-passive target must do or transfers aimed at it never complete.
+heartbeats, stats, disconnects; see ``protocol``). Incoming transfers are served by the
+transport's own NIXL progress thread, which sleeps on the UCX worker's events while idle (see
+``transport.nixl_agent``): the same mechanism as any passive ``NixlTransport``, so this loop
+never calls into NIXL for progress.
 
 Threading: one loop thread (the caller of ``Server.serve``) owns the ZeroMQ socket, the
 transport and every mutation. ``Server._lock`` guards the lease table and the counters, so the
@@ -38,11 +40,11 @@ from torch_kv_tier.transport import NixlTransport
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.1  # loop period while no client holds a lease (bounds SIGTERM latency too)
+IDLE_POLL_S = 0.1  # longest wait for a control message (bounds SIGTERM latency too)
 EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
-MAX_BATCH = 256  # control messages handled between two progress calls
+MAX_BATCH = 256  # control messages handled between two lease-expiry checks
 MAX_CLIENT_NAME = 128
 
 
@@ -59,8 +61,6 @@ class ServerConfig:
     metrics_port: int | None = None
     lease_timeout_s: float = 30.0
     max_lease: int | None = None
-    progress_thread: bool = False
-    progress_interval_s: float = 0.001
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_len <= 0:
@@ -72,10 +72,6 @@ class ServerConfig:
             raise ValueError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout_s}")
         if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
             raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
-        if not 0 <= self.progress_interval_s <= 1:
-            raise ValueError(
-                f"--progress-interval-ms must be in [0, 1000], got {self.progress_interval_s * 1e3}"
-            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.token is None and not is_loopback(self.host):
@@ -98,8 +94,6 @@ class ServerConfig:
             metrics_port=args.metrics_port,
             lease_timeout_s=args.lease_timeout,
             max_lease=args.max_lease,
-            progress_thread=args.progress_thread,
-            progress_interval_s=args.progress_interval_ms / 1e3,
         )
 
 
@@ -170,7 +164,7 @@ class Server:
         self._leases = LeaseTable(config.num_blocks, config.lease_timeout_s, config.max_lease)
         self._challenges: dict[bytes, _Challenge] = {}
         self._counters = dict.fromkeys(
-            ("handshakes_accepted", "handshakes_rejected", "bad_frames", "progress_calls"), 0
+            ("handshakes_accepted", "handshakes_rejected", "bad_frames"), 0
         )
         self._started = time.monotonic()
         self._metrics: MetricsServer | None = None
@@ -185,12 +179,7 @@ class Server:
                     config.host, config.metrics_port, lambda: render_prometheus(self.stats())
                 )
             self.arena = BlockArena(config.num_blocks, config.block_len)
-            self.transport = NixlTransport(
-                "tkvt-server",
-                self.arena.tensor,
-                config.config_fields,
-                progress_thread=config.progress_thread,
-            )
+            self.transport = NixlTransport("tkvt-server", self.arena.tensor, config.config_fields)
             self._agent_metadata = self.transport.get_agent_metadata()
             self._region = p.Region(
                 self.transport.base_addr,
@@ -226,24 +215,14 @@ class Server:
     # -- the loop --------------------------------------------------------------------------
 
     def serve(self, stop: threading.Event) -> None:
-        """Answer clients and drive NIXL progress until ``stop`` is set.
-
-        While some client holds a lease the loop wakes every ``progress_interval_s`` to call
-        ``transport.progress()``; otherwise every ``IDLE_POLL_S``.
-        """
+        """Answer clients and expire leases until ``stop`` is set (wakes every ``IDLE_POLL_S``)."""
         assert self._socket is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        drive_progress = not self.config.progress_thread
         next_expiry = 0.0
         while not stop.is_set():
-            busy = drive_progress and bool(self._leases.sessions)
-            timeout_s = self.config.progress_interval_s if busy else IDLE_POLL_S
-            if poller.poll(math.ceil(timeout_s * 1e3)):
+            if poller.poll(math.ceil(IDLE_POLL_S * 1e3)):
                 self._drain()
-            if drive_progress:
-                self.transport.progress()
-                self._counters["progress_calls"] += 1
             now = time.monotonic()
             if now >= next_expiry:
                 next_expiry = now + EXPIRY_PERIOD_S
@@ -506,19 +485,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-lease", type=int, help="most slots one client may lease (default: the whole pool)"
-    )
-    progress = parser.add_mutually_exclusive_group()
-    progress.add_argument(
-        "--progress-interval-ms",
-        type=float,
-        default=1.0,
-        help="while clients are connected, drive NIXL progress this often (default 1 ms; "
-        "waits round up to whole milliseconds, 0 polls without sleeping and keeps a core busy)",
-    )
-    progress.add_argument(
-        "--progress-thread",
-        action="store_true",
-        help="use NIXL's own progress thread instead (lowest latency; keeps one core busy)",
     )
 
 

@@ -1,8 +1,21 @@
 """The data-plane contract: one local block region, remote peers, block transfers by index.
 
-Names and semantics follow vLLM's ``vllm.v1.kv_offload.tiering.p2p.data`` contract, with two
-extensions: the region may be a torch tensor (host or CUDA) as well as a 2-D memoryview, and
-``read_blocks`` brings remote blocks back into local ones.
+Names and semantics follow vLLM 0.33's ``vllm.v1.kv_offload.tiering.p2p.data`` contract, with
+extensions: the region may be a torch tensor (host or CUDA) as well as a 2-D memoryview,
+``read_blocks`` brings remote blocks back into local ones, and ``faulted_peers`` reports every
+faulted peer at once.
+
+Failure model (vLLM 0.33's). The transport decides each failure's scope. A *transfer* failure is
+a submission that returned ``None`` or an id in ``PollResult.failed``. A *peer* fault means the
+registration is unusable: one decisive error (a state check that raised, a remote disconnect, an
+unknown remote agent) or repeated transfer failures with no success between. ``poll(peer_id)``
+reports it in ``peer_fault`` until ``remove_remote_peer``; the transport never recovers a peer
+itself. A transfer stays in flight unless the error proves it can no longer write (a remote
+disconnect): a WRITE was measured to keep landing after its handle raised, so failing it early
+would let the caller reuse a destination that is still being written. Submissions and polls
+report failures through their results and do not raise for them.
+
+Threading: implementations say what they allow (``NixlTransport``: any method from any thread).
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -216,11 +230,35 @@ class DataTransport(ABC):
         Raises ``ValueError`` when ``block_len`` differs from ours or ``num_blocks <= 0``.
         """
 
+    def add_remote_peer_async(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> Future[None]:
+        """Register a peer without blocking the caller; the future resolves once it can be used.
+
+        A failed future means the peer must be rejected; a known peer keeps its working
+        registration. This default runs ``add_remote_peer`` inline and returns a resolved
+        future, for transports whose registration is cheap.
+        """
+        future: Future[None] = Future()
+        try:
+            self.add_remote_peer(peer_id, agent_metadata, base_addr, num_blocks, block_len)
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        return future
+
     @abstractmethod
     def remove_remote_peer(self, peer_id: str) -> None:
-        """Forget a peer; its in-flight transfers are cancelled and reported as failed.
+        """Forget a peer at once, also over a registration still running (that one is dropped).
 
-        Unknown ids are ignored.
+        Its in-flight transfers stay in flight and are reported by ``poll`` when they resolve
+        (cancel them to stop tracking them). Clears the peer's fault. Unknown ids are ignored.
         """
 
     @abstractmethod
@@ -243,7 +281,8 @@ class DataTransport(ABC):
     def poll(self, peer_id: str | None = None) -> PollResult:
         """Report transfers that finished since the last poll: all peers', or only ``peer_id``'s.
 
-        Transfers of other peers stay in flight and are reported by a later poll.
+        Transfers of other peers stay in flight and are reported by a later poll; ``PROC`` and
+        ``PEND`` are in progress. Empty fields are ``()``. A scoped poll carries the peer's fault.
         """
 
     def faulted_peers(self) -> dict[str, str]:
@@ -259,8 +298,9 @@ class DataTransport(ABC):
         """Cancel in-flight transfers; unknown ids are ignored.
 
         ``"immediate"`` releases each handle and forgets the transfer (it is never polled) and
-        returns ``[]``. ``"wait"`` tries to release each handle; a transfer whose backend is still
-        draining stays in flight and its id is returned: keep polling until it surfaces.
+        returns ``[]``. ``"wait"`` checks each state first and releases only stopped transfers;
+        the ids still ``PROC``/``PEND`` (or whose release failed) stay in flight and are returned:
+        keep polling until they surface. After a remote disconnect the id is dropped.
         """
 
     @abstractmethod

@@ -1,80 +1,65 @@
-"""``NixlTransport``: the ``DataTransport`` contract over a real NIXL agent.
+"""``NixlTransport``: vLLM 0.33's ``DataTransport`` contract over a real NIXL agent.
 
-This is the only module that imports ``nixl``.
+Threading. ``_lock`` guards every table and every agent call that touches transfers (submit,
+state checks, releases): any method may be called from any thread, one thread may submit while
+another polls. Peer registration (``add_remote_agent`` plus one descriptor per remote block,
+seconds for a big region) runs on a single worker thread, off the caller's thread and outside
+``_lock``; only its final publish takes ``_lock``. NIXL's own locking covers that overlap: the
+agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's progress thread, so its tables and its UCX
+backend are multi-threaded (see ``nixl_agent.make_agent``). A passive target needs no calls at
+all: that progress thread serves incoming transfers and sleeps in ``poll()`` when idle.
+
+Registration generations. Every ``add_remote_peer_async`` and ``remove_remote_peer`` bumps the
+peer's generation; a registration publishes only if its generation is still current, otherwise
+it releases what it built and its future fails ("superseded"). So a removal during a
+registration wins, and a failed re-registration leaves the working one published.
+
+Failure model (see ``base.py`` and ``faults.py``). A transfer that stays in flight keeps its
+handle and, after ``remove_remote_peer``, keeps its peer's descriptors and remote agent too:
+they are released when its last transfer resolves (or by ``cancel``/``close``), so its state
+check stays meaningful and a re-added peer id never shares a destination that may still be
+written. A remote agent is removed only when no registration uses it any more.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import itertools
 import logging
-import os
-import sys
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
-from torch_kv_tier.transport.ucx_env import apply_ucx_policy
+from torch_kv_tier.transport.faults import PeerHealth, ends_transfer
+from torch_kv_tier.transport.nixl_agent import NOT_INSTALLED, descriptors, load_nixl, make_agent
 
 logger = logging.getLogger(__name__)
 
-_NOT_INSTALLED = "NIXL is not installed: run `pip install nixl` (it brings the UCX backend)"
+_GONE = "GONE"  # pseudo-state: the check raised a remote disconnect, the transfer is over
 
 
-def _load_nixl() -> tuple[Any, Any]:
-    """Import NIXL after applying the UCX policy; raise ``ImportError`` telling how to install.
-
-    NIXL's Python logger writes INFO lines to stdout by default; it is routed through
-    ``logging`` instead, at the application's level (unless ``NIXL_LOG_LEVEL`` says otherwise),
-    so the application decides what is shown and stdout stays the application's.
-    """
-    apply_ucx_policy()
-    try:
-        # NIXL's logging setup binds its console handler to sys.stdout at import time and may
-        # log right away (NIXL_LOG_LEVEL): both go to stderr instead.
-        with contextlib.redirect_stdout(sys.stderr):
-            from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
-        raise ImportError(_NOT_INSTALLED) from exc
-    nixl_logger = logging.getLogger("nixl")
-    for handler in list(nixl_logger.handlers):
-        if getattr(handler, "stream", None) in (sys.stdout, sys.stderr):
-            nixl_logger.removeHandler(handler)
-    nixl_logger.propagate = True
-    if "NIXL_LOG_LEVEL" not in os.environ:  # else NIXL's INFO lines pass any handler's level
-        nixl_logger.setLevel(logging.NOTSET)
-    return nixl_agent, nixl_agent_config
-
-
-def _descriptors(base_addr: int, num_blocks: int, block_len: int, device_id: int) -> np.ndarray:
-    """An ``N x 3`` array of (address, length, device) rows, one per block."""
-    descs = np.empty((num_blocks, 3), dtype=np.int64)
-    descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.int64) * block_len
-    descs[:, 1] = block_len
-    descs[:, 2] = device_id
-    return descs
-
-
-@dataclass
+@dataclass(eq=False)
 class _Peer:
+    """One registration of a remote region; ``inflight`` holds its unresolved transfer ids."""
+
+    peer_id: str
     nixl_name: str
     dlist: Any
     num_blocks: int
     inflight: set[int] = field(default_factory=set)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Transfer:
-    peer_id: str
+    peer: _Peer
     handle: Any
+    struck: bool = False  # already counted against its peer (a raising check counts once)
 
 
 class NixlTransport(DataTransport):
@@ -87,13 +72,13 @@ class NixlTransport(DataTransport):
         config_fields: model config values hashed into ``config_fingerprint``.
         backends: NIXL backends (default ``["UCX"]``).
         num_threads: worker threads for multi-threaded backends (UCX).
-        progress_thread: run NIXL's progress thread. It keeps one core busy even when idle, so it
-            is off by default: an initiator progresses its transfers through ``poll``, and a
-            passive target (a remote host) calls ``progress()`` from its own loop.
+        passive_progress: run NIXL's progress thread (with a delay, see ``nixl_agent``), so the
+            transport serves transfers aimed at it with nothing called on it. An initiator that
+            is never a target (a tier client) may pass False: it progresses its own transfers
+            in ``poll``, and over TCP measured about 2x the throughput without the thread.
 
-    Threading: ``_lock`` guards the NIXL agent (created with no internal synchronisation) and
-    every table (``_peers``, ``_inflight``, ``_failed``, ``_closed``). Any method may be called
-    from any thread; one thread may submit while another polls or cancels.
+    Without NIXL installed the transport is constructed unavailable (``available`` is False)
+    and every NIXL-backed method raises ``RuntimeError`` saying how to install it.
     """
 
     def __init__(
@@ -104,38 +89,46 @@ class NixlTransport(DataTransport):
         backends: list[str] | None = None,
         num_threads: int = 4,
         *,
-        progress_thread: bool = False,
+        passive_progress: bool = True,
     ) -> None:
         super().__init__(region, config_fields)
-        nixl_agent, nixl_agent_config = _load_nixl()
         self._local_id = local_id
         self._name = f"{local_id}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Peer] = {}  # published registrations
+        self._retired: list[_Peer] = []  # unpublished, with transfers still in flight
+        self._building: list[str] = []  # remote agent names of registrations being built
+        self._gen: dict[str, int] = {}
         self._inflight: dict[int, _Transfer] = {}
-        self._failed: dict[int, str] = {}  # cancelled by peer removal: id -> peer_id
+        self._health = PeerHealth(self._name)
         self._ids = itertools.count(1)
         self._closed = False
         self._kept_until_exit = False  # see agent_lifetime
+        self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-nixl-reg")
+        self._agent: Any = None
+        self._local_dlist: Any = None
+        self._reg: Any = None
+        api = self._nixl_api()
+        if api is None:
+            logger.warning("NixlTransport %s: unavailable: %s", self._name, NOT_INSTALLED)
+            return
         agent_lifetime.check_room()
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            num_threads=num_threads,
-            backends=list(backends) if backends else ["UCX"],
+        agent = make_agent(
+            *api,
+            self._name,
+            list(backends) if backends else ["UCX"],
+            num_threads,
+            progress_thread=passive_progress,
         )
-        self._agent = nixl_agent(self._name, config)
         r = self.region
-        try:
-            self._reg = self._agent.register_memory(
-                [(r.base_addr, r.nbytes, r.device_id, "")], mem_type=r.mem_type
-            )
-            descs = _descriptors(r.base_addr, r.num_blocks, r.block_len, r.device_id)
-            self._local_dlist = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", descs, mem_type=r.mem_type
-            )
-        except Exception:
-            self._agent = None
-            raise
+        self._reg = agent.register_memory(
+            [(r.base_addr, r.nbytes, r.device_id, "")], mem_type=r.mem_type
+        )
+        xfer_descs = agent.get_xfer_descs(
+            descriptors(r.base_addr, r.num_blocks, r.block_len, r.device_id), mem_type=r.mem_type
+        )
+        self._local_dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs)
+        self._agent = agent
         logger.info(
             "NixlTransport %s: registered %d x %d B (%s, device %d)",
             self._name,
@@ -146,9 +139,19 @@ class NixlTransport(DataTransport):
         )
 
     @staticmethod
+    def _nixl_api() -> tuple[Any, Any] | None:
+        """``(agent class, agent config class)`` or ``None`` without NIXL (a test seam)."""
+        return load_nixl()
+
+    @staticmethod
     def is_available() -> bool:
-        """True when the ``nixl`` package can be imported."""
-        return importlib.util.find_spec("nixl") is not None
+        """True when NIXL can be loaded (a transport built now would be ``available``)."""
+        return load_nixl() is not None
+
+    @property
+    def available(self) -> bool:
+        """True while the transport has a NIXL agent: NIXL installed and not closed."""
+        return self._agent is not None
 
     @property
     def agent_name(self) -> str:
@@ -159,6 +162,8 @@ class NixlTransport(DataTransport):
         with self._lock:
             self._check_open()
             return bytes(self._agent.get_agent_metadata())
+
+    # -- peers ---------------------------------------------------------------------------------
 
     def add_remote_peer(
         self,
@@ -171,7 +176,34 @@ class NixlTransport(DataTransport):
         mem_type: str = "DRAM",
         device_id: int = 0,
     ) -> None:
-        """Register a peer region (extension: the peer's ``mem_type`` and ``device_id``)."""
+        """Register a peer region and wait for it; see ``add_remote_peer_async``."""
+        self.add_remote_peer_async(
+            peer_id,
+            agent_metadata,
+            base_addr,
+            num_blocks,
+            block_len,
+            mem_type=mem_type,
+            device_id=device_id,
+        ).result()
+
+    def add_remote_peer_async(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+        *,
+        mem_type: str = "DRAM",
+        device_id: int = 0,
+    ) -> Future[None]:
+        """Register a peer region on the registration thread (extension: its memory kind).
+
+        Bad arguments raise here. The future fails with NIXL's error (nothing is published, a
+        known peer keeps its working registration) or with ``RuntimeError`` "superseded" when
+        the peer was removed or registered again meanwhile.
+        """
         if block_len != self.block_len:
             raise ValueError(
                 f"peer {peer_id!r} block_len {block_len} != local block_len {self.block_len}: "
@@ -181,27 +213,41 @@ class NixlTransport(DataTransport):
             raise ValueError(f"peer {peer_id!r} num_blocks must be > 0, got {num_blocks}")
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"peer mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
-        descs = _descriptors(base_addr, num_blocks, block_len, device_id)
         with self._lock:
             self._check_open()
-            if peer_id in self._peers:
-                self._drop_peer(peer_id)
-            nixl_name = self._agent.add_remote_agent(agent_metadata)
-            try:
-                dlist = self._agent.prep_xfer_dlist(nixl_name, descs, mem_type=mem_type)
-            except Exception:
-                self._forget_agent(nixl_name)
-                raise
-            self._peers[peer_id] = _Peer(nixl_name, dlist, num_blocks)
-        logger.info(
-            "NixlTransport %s: peer %s = %s, %d blocks", self._name, peer_id, nixl_name, num_blocks
-        )
+            gen = self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
+
+        def register() -> None:
+            peer = self._build_peer(
+                peer_id, bytes(agent_metadata), base_addr, num_blocks, mem_type, device_id
+            )
+            if not self._publish(peer, gen):
+                raise RuntimeError(
+                    f"registration of peer {peer_id!r} was superseded (the peer was removed or "
+                    "registered again while this registration ran)"
+                )
+
+        return self._registrar.submit(register)
 
     def remove_remote_peer(self, peer_id: str) -> None:
+        """Unpublish ``peer_id`` at once, also over a registration still running.
+
+        Its in-flight transfers stay in flight and are reported by ``poll`` when they resolve;
+        its descriptors and remote agent are released after the last of them.
+        """
         with self._lock:
             self._check_open()
-            if peer_id in self._peers:
-                self._drop_peer(peer_id)
+            self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
+            self._health.forget(peer_id)
+            peer = self._peers.pop(peer_id, None)
+            if peer is not None:
+                self._retire(peer)
+
+    def faulted_peers(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._health.faults)
+
+    # -- transfers -----------------------------------------------------------------------------
 
     def write_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
@@ -214,83 +260,94 @@ class NixlTransport(DataTransport):
         return self._submit("READ", peer_id, local_idxs, remote_idxs)
 
     def poll(self, peer_id: str | None = None) -> PollResult:
-        done: list[int] = []
-        failed: list[int] = []
+        """See ``DataTransport.poll``; ``peer_fault`` is set on a faulted peer's scoped poll.
+
+        A state check that raises faults the peer and keeps the transfer unless the error is a
+        remote disconnect (then it is failed). Successes in the batch reset the peer's strikes
+        before its failures count, whatever the order the transfers were checked in.
+        """
         with self._lock:
             self._check_open()
-            if peer_id is None:
-                candidates: Iterable[int] = list(self._inflight)
-                failed.extend(self._failed)
-                self._failed.clear()
-            else:
-                peer = self._peers.get(peer_id)
-                candidates = list(peer.inflight) if peer else ()
-                gone = [tid for tid, pid in self._failed.items() if pid == peer_id]
-                for tid in gone:
-                    del self._failed[tid]
-                failed.extend(gone)
-            for tid in candidates:
-                state = self._state(tid)
+            done: list[int] = []
+            failed: list[int] = []
+            succeeded: set[_Peer] = set()
+            failures: list[tuple[_Peer, str]] = []
+            for tid, xfer in self._inflight.items():
+                if peer_id is not None and xfer.peer.peer_id != peer_id:
+                    continue
+                state = self._checked_state(tid, xfer)
                 if state == "DONE":
                     done.append(tid)
-                elif state != "PROC":
+                    succeeded.add(xfer.peer)
+                elif state not in ("PROC", "PEND", None):
                     failed.append(tid)
+                    if not xfer.struck:
+                        failures.append((xfer.peer, f"state {state}"))
+            for peer in succeeded:
+                if self._is_published(peer):
+                    self._health.succeeded(peer.peer_id)
+            for peer, cause in failures:
+                if self._is_published(peer):
+                    self._health.failed(peer.peer_id, cause)
             for tid in itertools.chain(done, failed):
-                xfer = self._inflight.pop(tid, None)
-                if xfer is not None:
-                    self._peers[xfer.peer_id].inflight.discard(tid)
-                    self._release(tid, xfer.handle)
-        return PollResult(done, failed)
+                self._forget(tid, release=True)
+            fault = self._health.faults.get(peer_id) if peer_id is not None else None
+        return PollResult(done or (), failed or (), fault)
 
     def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
+        """See ``DataTransport.cancel``.
+
+        ``"wait"`` checks each transfer's state first: UCX frees a handle even while its WRITE
+        still runs, so a ``PROC``/``PEND`` transfer is never released here and its id is
+        returned. A raising check faults the peer and keeps the transfer, except after a remote
+        disconnect, which drops it. A release that raises keeps it too.
+        """
         if mode not in ("immediate", "wait"):
             raise ValueError(f"cancel mode must be 'immediate' or 'wait', got {mode!r}")
         still: list[int] = []
         with self._lock:
             self._check_open()
             for tid in transfer_ids:
-                if self._failed.pop(tid, None) is not None:
-                    continue
                 xfer = self._inflight.get(tid)
                 if xfer is None:
                     continue
-                if mode == "wait":
-                    try:
-                        self._agent.release_xfer_handle(xfer.handle)
-                    except Exception as exc:
-                        logger.debug("transfer %d still draining: %s", tid, exc)
-                        still.append(tid)
-                        continue
-                else:
-                    self._release(tid, xfer.handle)
-                del self._inflight[tid]
-                self._peers[xfer.peer_id].inflight.discard(tid)
+                if mode == "immediate":
+                    self._forget(tid, release=True)
+                    continue
+                state = self._checked_state(tid, xfer)
+                if state == _GONE:  # the handle may not release any more; nothing more lands
+                    self._forget(tid, release=True)
+                    continue
+                if state in ("PROC", "PEND", None):
+                    still.append(tid)
+                    continue
+                try:
+                    self._agent.release_xfer_handle(xfer.handle)
+                except Exception as exc:
+                    logger.debug("NixlTransport %s: transfer %d draining: %s", self._name, tid, exc)
+                    still.append(tid)
+                    continue
+                self._forget(tid, release=False)
         return still
-
-    def progress(self) -> None:
-        """Drive the agent's progress once: what a passive target calls from its loop."""
-        with self._lock:
-            self._check_open()
-            self._agent.get_new_notifs()
 
     def inflight_count(self) -> int:
         """Transfers submitted and not yet reported by ``poll`` (for stats and leak checks)."""
         with self._lock:
-            return len(self._inflight) + len(self._failed)
+            return len(self._inflight)
 
     def close(self) -> None:
+        # Let a registration still running finish before the agent goes away under it.
+        self._registrar.shutdown(wait=True)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for tid, xfer in list(self._inflight.items()):
-                self._release(tid, xfer.handle)
-            self._inflight.clear()
-            self._failed.clear()
-            for peer in self._peers.values():
-                peer.inflight.clear()
+            if self._agent is None:
+                return
+            for tid in list(self._inflight):
+                self._forget(tid, release=True)
             for peer_id in list(self._peers):
-                self._drop_peer(peer_id)
+                self._retire(self._peers.pop(peer_id))
             for what, step in (
                 (
                     "local descriptor list",
@@ -310,11 +367,74 @@ class NixlTransport(DataTransport):
             self._agent = None
         logger.info("NixlTransport %s: closed", self._name)
 
-    # -- internals; callers hold self._lock ---------------------------------------------------
+    # -- internals -----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"NixlTransport {self._name} is closed")
+        if self._agent is None:
+            raise RuntimeError(f"NixlTransport {self._name} is unavailable: {NOT_INSTALLED}")
+
+    def _build_peer(
+        self,
+        peer_id: str,
+        metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        mem_type: str,
+        device_id: int,
+    ) -> _Peer:
+        """The expensive half of a registration; runs on the registration thread, unlocked.
+
+        On failure, the remote agent is removed unless another registration uses it (loading
+        metadata that is already loaded hands back the same name, not its ownership).
+        """
+        agent = self._agent
+        nixl_name = agent.add_remote_agent(metadata)
+        nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
+        with self._lock:
+            self._building.append(nixl_name)
+        try:
+            descs = descriptors(base_addr, num_blocks, self.block_len, device_id)
+            xfer_descs = agent.get_xfer_descs(descs, mem_type=mem_type)
+            dlist = agent.prep_xfer_dlist(nixl_name, xfer_descs)
+        except Exception:
+            with self._lock:
+                self._building.remove(nixl_name)
+                in_use = self._name_in_use(nixl_name)
+            if not in_use:
+                self._remove_agent(peer_id, nixl_name)
+            raise
+        return _Peer(peer_id, nixl_name, dlist, num_blocks)
+
+    def _publish(self, peer: _Peer, gen: int) -> bool:
+        """Publish ``peer`` if ``gen`` is current, replacing an older registration; else drop it."""
+        with self._lock:
+            self._building.remove(peer.nixl_name)
+            fresh = not self._closed and self._gen.get(peer.peer_id) == gen
+            if fresh:
+                old = self._peers.get(peer.peer_id)
+                self._peers[peer.peer_id] = peer
+                if old is not None:
+                    self._retire(old)
+        if fresh:
+            logger.info(
+                "NixlTransport %s: peer %s = %s, %d blocks",
+                self._name,
+                peer.peer_id,
+                peer.nixl_name,
+                peer.num_blocks,
+            )
+            return True
+        logger.info(
+            "NixlTransport %s: discarding superseded registration of peer %s",
+            self._name,
+            peer.peer_id,
+        )
+        with self._lock:
+            if self._agent is not None:
+                self._release_peer(peer)
+        return False
 
     def _submit(
         self, op: str, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
@@ -343,25 +463,21 @@ class NixlTransport(DataTransport):
                     op, self._local_dlist, local, peer.dlist, remote
                 )
                 if self._agent.transfer(handle) == "ERR":
-                    raise RuntimeError("NIXL refused to post the transfer")
+                    raise RuntimeError("NIXL refused to post the transfer (state ERR)")
             except Exception as exc:
-                logger.error("NixlTransport %s: %s to %s failed: %s", self._name, op, peer_id, exc)
+                logger.warning(
+                    "NixlTransport %s: %s to %s failed: %s", self._name, op, peer_id, exc
+                )
                 if handle is not None and agent_lifetime.is_post_disconnect(exc):
                     self._keep_agent_until_exit()
                 if handle is not None:
-                    self._release(-1, handle)
+                    self._release_handle(-1, handle)
+                self._health.raised(peer_id, exc)
                 return None
             tid = next(self._ids)
-            self._inflight[tid] = _Transfer(peer_id, handle)
+            self._inflight[tid] = _Transfer(peer, handle)
             peer.inflight.add(tid)
             return tid
-
-    def _state(self, tid: int) -> str:
-        try:
-            return str(self._agent.check_xfer_state(self._inflight[tid].handle))
-        except Exception as exc:
-            logger.warning("NixlTransport %s: transfer %d failed: %s", self._name, tid, exc)
-            return "ERR"
 
     def _keep_agent_until_exit(self) -> None:
         """UCX may still hold a request NIXL freed: never destroy this agent (closed or not)."""
@@ -369,30 +485,86 @@ class NixlTransport(DataTransport):
             self._kept_until_exit = True
             agent_lifetime.keep_until_exit(self._agent, self._name)
 
-    def _release(self, tid: int, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:
-            logger.debug("NixlTransport %s: releasing transfer %d: %s", self._name, tid, exc)
+    def _checked_state(self, tid: int, xfer: _Transfer) -> str | None:
+        """The transfer's NIXL state; ``None`` when the check raised but it may still write.
 
-    def _drop_peer(self, peer_id: str) -> None:
-        """Cancel the peer's transfers (reported failed at next poll), then release its state."""
-        peer = self._peers.pop(peer_id)
-        for tid in sorted(peer.inflight):
-            xfer = self._inflight.pop(tid)
-            self._release(tid, xfer.handle)
-            self._failed[tid] = peer_id
+        A raising check faults the (still published) peer once per transfer and warns once;
+        after a remote disconnect it returns ``_GONE``.
+        """
+        try:
+            return str(self._agent.check_xfer_state(xfer.handle))
+        except Exception as exc:
+            (logger.debug if xfer.struck else logger.warning)(
+                "NixlTransport %s: check_xfer_state failed for transfer %d: %s",
+                self._name,
+                tid,
+                exc,
+            )
+            if not xfer.struck:
+                xfer.struck = True
+                if self._is_published(xfer.peer):
+                    self._health.state_check_raised(xfer.peer.peer_id, exc)
+            return _GONE if ends_transfer(exc) else None
+
+    def _is_published(self, peer: _Peer) -> bool:
+        return self._peers.get(peer.peer_id) is peer
+
+    def _forget(self, tid: int, *, release: bool) -> None:
+        """Drop a transfer (releasing its handle if asked); free a retired peer it was last of."""
+        xfer = self._inflight.pop(tid)
+        if release:
+            self._release_handle(tid, xfer.handle)
+        peer = xfer.peer
+        peer.inflight.discard(tid)
+        if not peer.inflight and peer in self._retired:
+            self._retired.remove(peer)
+            self._release_peer(peer)
+
+    def _retire(self, peer: _Peer) -> None:
+        """An unpublished registration: release it now, or once its transfers resolve."""
+        if peer.inflight:
+            self._retired.append(peer)
+        else:
+            self._release_peer(peer)
+
+    def _release_peer(self, peer: _Peer) -> None:
+        """Release a registration's descriptors, and its remote agent if no one else uses it.
+
+        The two are independent: a failed descriptor release must not leave the agent loaded.
+        """
         try:
             self._agent.release_dlist_handle(peer.dlist)
         except Exception as exc:
             logger.warning(
-                "NixlTransport %s: releasing %s's descriptors: %s", self._name, peer_id, exc
+                "NixlTransport %s: releasing %s's descriptors failed: %s",
+                self._name,
+                peer.peer_id,
+                exc,
             )
-        if not any(p.nixl_name == peer.nixl_name for p in self._peers.values()):
-            self._forget_agent(peer.nixl_name)
+        if not self._name_in_use(peer.nixl_name):
+            self._remove_agent(peer.peer_id, peer.nixl_name)
 
-    def _forget_agent(self, nixl_name: str) -> None:
+    def _name_in_use(self, nixl_name: str) -> bool:
+        return (
+            nixl_name in self._building
+            or any(p.nixl_name == nixl_name for p in self._peers.values())
+            or any(p.nixl_name == nixl_name for p in self._retired)
+        )
+
+    def _remove_agent(self, peer_id: str, nixl_name: str) -> None:
         try:
             self._agent.remove_remote_agent(nixl_name)
         except Exception as exc:
-            logger.warning("NixlTransport %s: removing agent %s: %s", self._name, nixl_name, exc)
+            logger.warning(
+                "NixlTransport %s: removing remote agent %s of %s failed: %s",
+                self._name,
+                nixl_name,
+                peer_id,
+                exc,
+            )
+
+    def _release_handle(self, tid: int, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            logger.debug("NixlTransport %s: releasing transfer %d: %s", self._name, tid, exc)

@@ -5,6 +5,8 @@ device that module only crashes the process at exit (a segfault in the bundled l
 handler, so even a successful run exits 139). Machines with an RDMA device need the module for
 real one-sided transfers. So: exclude ``ib`` only when no RDMA device exists and the user has not
 set ``UCX_MODULES`` themselves.
+
+On GPU hosts, UCX-only agents also leave out UCX's ``rc_gda`` transports (``ucx_backend_params``).
 """
 
 from __future__ import annotations
@@ -16,14 +18,19 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _RDMA_SYSFS = Path("/sys/class/infiniband")
+_NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def _lists_any(folder: Path) -> bool:
+    try:
+        return any(folder.iterdir())
+    except OSError:
+        return False
 
 
 def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
     """True when the kernel exposes at least one RDMA device."""
-    try:
-        return any(sysfs.iterdir())
-    except OSError:
-        return False
+    return _lists_any(sysfs)
 
 
 def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_SYSFS) -> None:
@@ -37,3 +44,25 @@ def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_
         return
     env["UCX_MODULES"] = "^ib"
     logger.info("no RDMA device found: set UCX_MODULES=^ib (set UCX_MODULES to override)")
+
+
+def has_gpu_device(procfs: Path = _NVIDIA_GPUS) -> bool:
+    """True when the NVIDIA driver lists at least one GPU (no CUDA context is created)."""
+    return _lists_any(procfs)
+
+
+def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str] | None:
+    """Init params for a UCX backend without ``rc_gda``, on GPU hosts; ``None`` elsewhere.
+
+    Why, as vLLM 0.33 does for its transport: the tier moves host memory only, but on a GPU host
+    UCX also wires ``rc_gda`` (GPU-initiated RDMA) lanes to every peer, and their connect fails
+    after a delay once a peer stalls or is replaced, leaving that peer unreachable until restart.
+    Without a GPU there are no such lanes, so nothing changes there. ``UCX_TLS`` set by the user
+    still wins over ``engine_config``.
+    """
+    if not has_gpu_device(procfs):
+        return None
+    params = {"engine_config": "TLS=^rc_gda"}
+    if num_threads > 0:
+        params["num_threads"] = str(num_threads)
+    return params

@@ -351,6 +351,7 @@ class RemoteHostTier(SecondaryTierManager):
             self._config.config_fields,
             backends=list(self._config.backends) if self._config.backends else None,
             num_threads=self._config.num_threads,
+            passive_progress=False,  # an initiator only: the tier's poller progresses it
         )
         try:
             return TierManager(
