@@ -21,11 +21,10 @@ of that peer id) until the transport reports it, or until the peer's lease is go
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
@@ -53,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
+_USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
 
 
 class _Request:
@@ -88,13 +88,22 @@ class _Request:
 class _Peer:
     """A peer registration as the manager drives it (its slots live in the index)."""
 
-    __slots__ = ("inflight", "queue", "session", "slots")
+    __slots__ = ("inflight", "queue", "read", "session", "slots", "written")
 
     def __init__(self, slots: PeerSlots) -> None:
         self.slots = slots
         self.inflight = 0  # this registration's ops submitted to the transport
         self.queue: deque[_Op] = deque()  # ops waiting for an in-flight slot, in order
         self.session: Any = None  # RemoteSession when the peer came from connect()
+        self.written = self.read = 0  # bytes moved not yet reported to the session
+
+    def report_usage(self) -> None:
+        """Hand the bytes moved since the last report to the session (if any)."""
+        if self.session is not None and (self.written or self.read):
+            self.session.report_usage(
+                written=self.written, read=self.read, slots_used=self.slots.used
+            )
+        self.written = self.read = 0
 
 
 class _Op:
@@ -180,7 +189,9 @@ class TierManager:
         self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
         self._ops: dict[int, _Op] = {}  # transfer id -> op the transport holds
         self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
-        self._counters: Counter[str] = Counter()
+        self._blocks_stored = self._blocks_loaded = 0
+        self._transfers_done = self._transfers_failed = 0
+        self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
         self._closed = False
@@ -410,14 +421,14 @@ class TierManager:
     def stats(self) -> TierStats:
         with self._lock:
             lat = np.asarray(self._latencies_us) if self._latencies_us else np.zeros(1)
-            c = self._counters
+            bl = self.transport.block_len
             return TierStats(
-                blocks_stored=c["blocks_stored"],
-                bytes_stored=c["blocks_stored"] * self.transport.block_len,
-                blocks_loaded=c["blocks_loaded"],
-                bytes_loaded=c["blocks_loaded"] * self.transport.block_len,
-                transfers_done=c["transfers_done"],
-                transfers_failed=c["transfers_failed"],
+                blocks_stored=self._blocks_stored,
+                bytes_stored=self._blocks_stored * bl,
+                blocks_loaded=self._blocks_loaded,
+                bytes_loaded=self._blocks_loaded * bl,
+                transfers_done=self._transfers_done,
+                transfers_failed=self._transfers_failed,
                 evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
@@ -469,6 +480,7 @@ class TierManager:
                         self._finish(op, CLOSED)
             self._stopping = True
             self._cond.notify_all()
+            self._report_usage(time.perf_counter())
             sessions = [p.session for p in self._peers.values() if p.session is not None]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
@@ -506,7 +518,8 @@ class TierManager:
                     delay, last_activity = 0.0, time.perf_counter()
                 while not self._ops and not self._stopping:
                     self._poller_idle = True
-                    self._cond.wait(timeout=1.0)
+                    if not self._cond.wait(timeout=1.0):  # idle: report the last bytes moved
+                        self._report_usage(time.perf_counter())
                 self._poller_idle = False
                 if self._stopping:
                     return
@@ -555,42 +568,37 @@ class TierManager:
             self._submit(op)
 
     def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> list[_Request]:
-        """Complete on this thread what finished during submission; wake the poller for the
-        rest. Returns the settled requests, whose futures the caller resolves (unlocked)."""
-        self._reap_inline(peer_ids)
-        if self._ops and self._poller_idle:
-            self._cond.notify()
-        self._ready_if_settled(request)
-        ready, self._ready = self._ready, []
-        return ready
+        """Poll the peers just submitted to, on the calling thread; wake the poller only for
+        what is still in flight. Returns the settled requests, whose futures the caller resolves
+        (unlocked).
 
-    def _reap_inline(self, peer_ids: Iterable[str]) -> None:
-        """Poll the peers just submitted to, on the calling thread.
-
-        Over shared memory a transfer often finishes inside ``transfer()``; completing it here
+        Over shared memory a transfer often finishes inside ``transfer()``: completing it here
         spares two thread switches before its future resolves. Cost: one state check per
         transfer in flight to those peers (at most ``max_inflight`` each).
         """
+        peers, transport = self._peers, self.transport
         for peer_id in peer_ids:
-            if peer_id not in self._peers:
+            if peer_id not in peers:
                 continue
             try:
-                result = self.transport.poll(peer_id)
+                result = transport.poll(peer_id)
             except Exception:
                 logger.exception("transport.poll(%s) failed; the poller will retry", peer_id)
-                return
+                break
             if result.done or result.failed or result.peer_fault:
-                fault = {peer_id: result.peer_fault} if result.peer_fault else {}
-                self._complete(result, fault)
+                self._complete(result, {peer_id: result.peer_fault} if result.peer_fault else {})
                 if self._closed:  # close() waits for the last transfers
                     self._cond.notify_all()
-
-    def _live_peer(self, op: _Op) -> _Peer | None:
-        """The op's peer if it is still registered (not removed, not replaced)."""
-        return op.peer if self._peers.get(op.peer_id) is op.peer else None
+        if self._ops and self._poller_idle:
+            self._cond.notify()
+        if request.pending == 0 and not request.queued:
+            request.queued = True
+            self._ready.append(request)
+        ready, self._ready = self._ready, []
+        return ready
 
     def _submit(self, op: _Op) -> None:
-        if self._live_peer(op) is None:
+        if self._peers.get(op.peer_id) is not op.peer:  # removed or replaced meanwhile
             self._finish(op, PEER_LOST)
             return
         send = self.transport.write_blocks if op.kind == "store" else self.transport.read_blocks
@@ -608,12 +616,13 @@ class TierManager:
         self._ops[tid] = op
 
     def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
-        lost: dict[str, str] = {}
+        """Apply what the transport reported: finish the ops, drop failed or faulted peers,
+        submit what waited in the queues of the peers that got an in-flight slot back."""
+        ops, latencies = self._ops, self._latencies_us
         now = time.perf_counter()
-        failed = result.failed
-        for tid in itertools.chain(result.done, failed) if failed else result.done:
-            ok = not failed or tid not in failed
-            op = self._ops.pop(tid, None)
+        freed: list[_Peer] = []  # peers whose in-flight count went down
+        for tid in result.done:
+            op = ops.pop(tid, None)
             if op is None:
                 continue
             if op.orphaned:  # settled when its peer was dropped; only its slots waited
@@ -621,27 +630,46 @@ class TierManager:
                     self._index.unfence(op.peer_id, op.remote)
                 continue
             op.peer.inflight -= 1
-            self._latencies_us.append((now - op.submitted) * 1e6)
-            if ok:
-                self._counters["transfers_done"] += 1
-                self._finish(op, None)
-            else:
-                self._counters["transfers_failed"] += 1
-                alive = self._live_peer(op) is not None
-                self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
-                if alive:
-                    lost[op.peer_id] = "failed a transfer"
+            freed.append(op.peer)
+            latencies.append((now - op.submitted) * 1e6)
+            self._transfers_done += 1
+            self._finish(op, None)
+        lost: dict[str, str] = {}
+        for tid in result.failed:
+            op = ops.pop(tid, None)
+            if op is None:
+                continue
+            if op.orphaned:
+                if op.kind == "store":
+                    self._index.unfence(op.peer_id, op.remote)
+                continue
+            op.peer.inflight -= 1
+            freed.append(op.peer)
+            latencies.append((now - op.submitted) * 1e6)
+            self._transfers_failed += 1
+            alive = self._peers.get(op.peer_id) is op.peer
+            self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
+            if alive:
+                lost[op.peer_id] = "failed a transfer"
         for peer_id, cause in faults.items():
             lost.setdefault(peer_id, f"is faulted ({cause})")
         for peer_id, why in lost.items():
             self._lose_peer(peer_id, why)
-        for peer in list(self._peers.values()):  # a refused submission drops its peer
+        for peer in freed:  # a dropped peer's queue is empty; a refused submission drops it
             while peer.queue and peer.inflight < self.max_inflight:
                 self._submit(peer.queue.popleft())
+        if now >= self._usage_due:
+            self._report_usage(now)
+
+    def _report_usage(self, now: float) -> None:
+        """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
+        self._usage_due = now + _USAGE_PERIOD_S
+        for peer in self._peers.values():
+            peer.report_usage()
 
     def _finish(self, op: _Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
-        peer = self._live_peer(op)
+        peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
         n = len(op.keys)
         if op.kind == "store":
             storing = self._storing
@@ -664,21 +692,18 @@ class TierManager:
                     self._index.publish(peer.slots, published_keys, published_slots)
                     self._index.release(peer.slots, unused)
             if reason is None:
-                self._counters["blocks_stored"] += n
+                self._blocks_stored += n
+                if peer is not None:
+                    peer.written += n * self.transport.block_len
         else:
             if peer is not None:
                 self._index.unpin(peer.slots, op.remote)
             if reason is None:
-                self._counters["blocks_loaded"] += n
+                self._blocks_loaded += n
+                if peer is not None:
+                    peer.read += n * self.transport.block_len
         if reason is None:
-            moved = n * self.transport.block_len
-            op.owner.nbytes += moved
-            if peer is not None and peer.session is not None:
-                peer.session.report_usage(
-                    written=moved if op.kind == "store" else 0,
-                    read=moved if op.kind == "load" else 0,
-                    slots_used=peer.slots.used,
-                )
+            op.owner.nbytes += n * self.transport.block_len
         self._settle(op, reason)
 
     def _settle(self, op: _Op, reason: str | None) -> None:
@@ -711,6 +736,7 @@ class TierManager:
             self.transport.remove_remote_peer(peer_id)
         except Exception:
             logger.exception("removing peer %s from the transport failed", peer_id)
+        peer.report_usage()
         return peer.session
 
     def _lose_peer(self, peer_id: str, why: str) -> None:
