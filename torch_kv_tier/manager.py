@@ -78,7 +78,7 @@ class _Request:
         failed = self.failed
         return TransferResult(
             ok=not failed,
-            keys=[k for k in self.keys if k not in failed] if failed else list(self.keys),
+            keys=[k for k in self.keys if k not in failed] if failed else self.keys,
             failed=failed,
             nbytes=self.nbytes,
             seconds=time.perf_counter() - self.started,
@@ -119,7 +119,9 @@ class _Op:
         "owner",
         "peer",
         "peer_id",
+        "registered",
         "remote",
+        "settled",
         "submitted",
     )
 
@@ -144,6 +146,8 @@ class _Op:
         self.discarded: set[Key] = set()
         self.submitted = 0.0
         self.orphaned = False  # settled as "peer lost" while the transport still holds it
+        self.settled = False  # applied to the index, its requests' keys settled
+        self.registered = False  # a store whose keys are in the manager's ``_storing``
 
 
 class TierManager:
@@ -180,6 +184,7 @@ class TierManager:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
         self.arena = arena
         self.transport = transport
+        self._num_local, self._block_len = transport.num_blocks, transport.block_len
         self.max_inflight = max_inflight
         self._max_poll_interval_s = max_poll_interval_s
         self._lock = threading.Lock()
@@ -351,6 +356,7 @@ class TierManager:
                 index.touch(stored)
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local) if new_keys else {}
+            launched: list[_Op] = []
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal) in groups.items():
@@ -360,10 +366,16 @@ class TierManager:
                     request.settle(gkeys[len(slots) :], CAPACITY)
                     del gkeys[len(slots) :], glocal[len(slots) :]
                 if gkeys:
-                    op = _Op("store", peer_id, peer, gkeys, glocal, slots, request)
-                    storing.update(dict.fromkeys(gkeys, op))
-                    self._launch(op)
+                    launched.append(_Op("store", peer_id, peer, gkeys, glocal, slots, request))
+                    self._launch(launched[-1])
             ready = self._after_submit(request, groups)
+            # Only a store still queued or in flight can be joined or discarded: one that
+            # completed during submission never enters ``_storing`` (the lock is held
+            # throughout, so no other call could have looked for its keys meanwhile).
+            for op in launched:
+                if not op.settled:
+                    storing.update(dict.fromkeys(op.keys, op))
+                    op.registered = True
         _resolve(ready)
         return request.future
 
@@ -554,7 +566,7 @@ class TierManager:
     def _check_local(self, idxs: Sequence[int], n: int, *, unique: bool) -> list[int]:
         if len(idxs) != n:
             raise ValueError(f"{n} keys need {n} local block indices, got {len(idxs)}")
-        local = block_indices(idxs, self.arena.num_blocks, "local")
+        local = block_indices(idxs, self._num_local, "local")
         if unique and len(set(local)) != n:
             raise ValueError(
                 "a local block index repeats: each destination block may be loaded once"
@@ -669,13 +681,15 @@ class TierManager:
 
     def _finish(self, op: _Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
+        op.settled = True
         peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
         n = len(op.keys)
         if op.kind == "store":
             storing = self._storing
             if reason is None and not op.discarded and peer is not None:
                 # Nothing discarded: every key still maps to this op (only a discard unmaps one).
-                drain(map(storing.pop, op.keys))
+                if op.registered:
+                    drain(map(storing.pop, op.keys))
                 self._index.publish(peer.slots, op.keys, op.remote)
             else:
                 unused = []
@@ -694,16 +708,16 @@ class TierManager:
             if reason is None:
                 self._blocks_stored += n
                 if peer is not None:
-                    peer.written += n * self.transport.block_len
+                    peer.written += n * self._block_len
         else:
             if peer is not None:
                 self._index.unpin(peer.slots, op.remote)
             if reason is None:
                 self._blocks_loaded += n
                 if peer is not None:
-                    peer.read += n * self.transport.block_len
+                    peer.read += n * self._block_len
         if reason is None:
-            op.owner.nbytes += n * self.transport.block_len
+            op.owner.nbytes += n * self._block_len
         self._settle(op, reason)
 
     def _settle(self, op: _Op, reason: str | None) -> None:
