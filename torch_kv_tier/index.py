@@ -167,9 +167,9 @@ class BlockIndex:
         missing: list[Key] = []
         groups: dict[PeerSlots, tuple[list, list, list]] = {}
         if len(self.peers) == 1 and None not in entries:
-            if entries:
-                peer = entries[0]
-                groups[peer] = (list(keys), list(local), list(map(peer.lru.__getitem__, keys)))
+            if keys:
+                home = self.where[keys[0]]
+                groups[home] = (list(keys), list(local), list(map(home.lru.__getitem__, keys)))
         else:
             for key, idx, peer in zip(keys, local, entries):
                 if peer is None:
