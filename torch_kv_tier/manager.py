@@ -1,7 +1,8 @@
 """``TierManager``: logical KV block keys kept on remote peers, moved by NIXL transfers.
 
 Orchestration only: the index of what is stored where (placement, slot pool, LRU, pins) lives in
-``torch_kv_tier.index``; this module turns calls into transfers, tracks them until the transport
+``torch_kv_tier.index``, the per-call, per-transfer and per-peer records in
+``torch_kv_tier.records``; this module turns calls into transfers, tracks them until the transport
 reports them, resolves futures and handles peers coming and going.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
@@ -27,13 +28,14 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.index import BlockIndex, PeerSlots, drain
+from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CAPACITY,
     CLOSED,
@@ -53,101 +55,6 @@ logger = logging.getLogger(__name__)
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
-
-
-class _Request:
-    """One ``store``/``load`` call: its future and how many of its keys are still unsettled."""
-
-    __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
-
-    def __init__(self, keys: list[Key]) -> None:
-        self.future: Future[TransferResult] = Future()
-        self.keys = keys
-        self.pending = len(keys)
-        self.failed: dict[Key, str] = {}
-        self.nbytes = 0
-        self.queued = False  # in the manager's ready list (its future is resolved once)
-        self.started = time.perf_counter()
-
-    def settle(self, keys: list[Key], reason: str | None) -> None:
-        self.pending -= len(keys)
-        if reason is not None:
-            self.failed.update(dict.fromkeys(keys, reason))
-
-    def result(self) -> TransferResult:
-        failed = self.failed
-        return TransferResult(
-            ok=not failed,
-            keys=[k for k in self.keys if k not in failed] if failed else self.keys,
-            failed=failed,
-            nbytes=self.nbytes,
-            seconds=time.perf_counter() - self.started,
-        )
-
-
-class _Peer:
-    """A peer registration as the manager drives it (its slots live in the index)."""
-
-    __slots__ = ("inflight", "queue", "read", "session", "slots", "written")
-
-    def __init__(self, slots: PeerSlots) -> None:
-        self.slots = slots
-        self.inflight = 0  # this registration's ops submitted to the transport
-        self.queue: deque[_Op] = deque()  # ops waiting for an in-flight slot, in order
-        self.session: Any = None  # RemoteSession when the peer came from connect()
-        self.written = self.read = 0  # bytes moved not yet reported to the session
-
-    def report_usage(self) -> None:
-        """Hand the bytes moved since the last report to the session (if any)."""
-        if self.session is not None and (self.written or self.read):
-            self.session.report_usage(
-                written=self.written, read=self.read, slots_used=self.slots.used
-            )
-        self.written = self.read = 0
-
-
-class _Op:
-    """One transfer to one peer: keys of its owner request and of requests that joined it."""
-
-    __slots__ = (
-        "discarded",
-        "joined",
-        "keys",
-        "kind",
-        "local",
-        "orphaned",
-        "owner",
-        "peer",
-        "peer_id",
-        "registered",
-        "remote",
-        "settled",
-        "submitted",
-    )
-
-    def __init__(
-        self,
-        kind: Literal["store", "load"],
-        peer_id: str,
-        peer: _Peer,
-        keys: list[Key],
-        local: list[int],
-        remote: list[int],
-        owner: _Request,
-    ) -> None:
-        self.kind = kind
-        self.peer_id = peer_id
-        self.peer = peer  # the registration this op was made for (a re-added id is another)
-        self.keys = keys
-        self.local = local
-        self.remote = remote
-        self.owner = owner
-        self.joined: dict[_Request, list[Key]] = {}
-        self.discarded: set[Key] = set()
-        self.submitted = 0.0
-        self.orphaned = False  # settled as "peer lost" while the transport still holds it
-        self.settled = False  # applied to the index, its requests' keys settled
-        self.registered = False  # a store whose keys are in the manager's ``_storing``
 
 
 class TierManager:
@@ -190,10 +97,10 @@ class TierManager:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._index = BlockIndex(events=events)
-        self._peers: dict[str, _Peer] = {}
-        self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
-        self._ops: dict[int, _Op] = {}  # transfer id -> op the transport holds
-        self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
+        self._peers: dict[str, Peer] = {}
+        self._storing: dict[Key, Op] = {}  # key -> its store in flight or queued
+        self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
+        self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._blocks_stored = self._blocks_loaded = 0
         self._transfers_done = self._transfers_failed = 0
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
@@ -256,7 +163,7 @@ class TierManager:
             self.transport.add_remote_peer(
                 peer_id, agent_metadata, base_addr, num_blocks, block_len
             )
-            self._peers[peer_id] = _Peer(self._index.add_peer(peer_id, slots))
+            self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
         self._flush()
 
     def remove_peer(self, peer_id: str) -> None:
@@ -337,7 +244,7 @@ class TierManager:
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
-        request = _Request(keys)
+        request = Request(keys)
         with self._lock:
             self._check_open()
             index, storing = self._index, self._storing
@@ -356,7 +263,7 @@ class TierManager:
                 index.touch(stored)
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local) if new_keys else {}
-            launched: list[_Op] = []
+            launched: list[Op] = []
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal) in groups.items():
@@ -366,7 +273,7 @@ class TierManager:
                     request.settle(gkeys[len(slots) :], CAPACITY)
                     del gkeys[len(slots) :], glocal[len(slots) :]
                 if gkeys:
-                    launched.append(_Op("store", peer_id, peer, gkeys, glocal, slots, request))
+                    launched.append(Op("store", peer_id, peer, gkeys, glocal, slots, request))
                     self._launch(launched[-1])
             ready = self._after_submit(request, groups)
             # Only a store still queued or in flight can be joined or discarded: one that
@@ -376,7 +283,7 @@ class TierManager:
                 if not op.settled:
                     storing.update(dict.fromkeys(op.keys, op))
                     op.registered = True
-        _resolve(ready)
+        resolve(ready)
         return request.future
 
     def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
@@ -387,7 +294,7 @@ class TierManager:
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
-        request = _Request(keys)
+        request = Request(keys)
         with self._lock:
             self._check_open()
             groups, missing = self._index.pin(keys, local)
@@ -397,10 +304,10 @@ class TierManager:
                 peer_id = slots.peer_id
                 peer_ids.append(peer_id)
                 self._launch(
-                    _Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
+                    Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
                 )
             ready = self._after_submit(request, peer_ids)
-        _resolve(ready)
+        resolve(ready)
         return request.future
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -573,13 +480,13 @@ class TierManager:
             )
         return local
 
-    def _launch(self, op: _Op) -> None:
+    def _launch(self, op: Op) -> None:
         if op.peer.inflight >= self.max_inflight:
             op.peer.queue.append(op)
         else:
             self._submit(op)
 
-    def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> list[_Request]:
+    def _after_submit(self, request: Request, peer_ids: Iterable[str]) -> list[Request]:
         """Poll the peers just submitted to, on the calling thread; wake the poller only for
         what is still in flight. Returns the settled requests, whose futures the caller resolves
         (unlocked).
@@ -609,7 +516,7 @@ class TierManager:
         ready, self._ready = self._ready, []
         return ready
 
-    def _submit(self, op: _Op) -> None:
+    def _submit(self, op: Op) -> None:
         if self._peers.get(op.peer_id) is not op.peer:  # removed or replaced meanwhile
             self._finish(op, PEER_LOST)
             return
@@ -632,7 +539,7 @@ class TierManager:
         submit what waited in the queues of the peers that got an in-flight slot back."""
         ops, latencies = self._ops, self._latencies_us
         now = time.perf_counter()
-        freed: list[_Peer] = []  # peers whose in-flight count went down
+        freed: list[Peer] = []  # peers whose in-flight count went down
         for tid in result.done:
             op = ops.pop(tid, None)
             if op is None:
@@ -679,7 +586,7 @@ class TierManager:
         for peer in self._peers.values():
             peer.report_usage()
 
-    def _finish(self, op: _Op, reason: str | None) -> None:
+    def _finish(self, op: Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
         op.settled = True
         peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
@@ -720,14 +627,14 @@ class TierManager:
             op.owner.nbytes += n * self._block_len
         self._settle(op, reason)
 
-    def _settle(self, op: _Op, reason: str | None) -> None:
+    def _settle(self, op: Op, reason: str | None) -> None:
         op.owner.settle(op.keys, reason)
         self._ready_if_settled(op.owner)
         for request, keys in op.joined.items():
             request.settle(keys, reason)
             self._ready_if_settled(request)
 
-    def _ready_if_settled(self, request: _Request) -> None:
+    def _ready_if_settled(self, request: Request) -> None:
         if request.pending == 0 and not request.queued:
             request.queued = True
             self._ready.append(request)
@@ -785,13 +692,7 @@ class TierManager:
             if not self._ready:
                 return
             ready, self._ready = self._ready, []
-        _resolve(ready)
-
-
-def _resolve(ready: list[_Request]) -> None:
-    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
-    for request in ready:
-        request.future.set_result(request.result())
+        resolve(ready)
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
