@@ -537,34 +537,18 @@ class TierManager:
     def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
         """Apply what the transport reported: finish the ops, drop failed or faulted peers,
         submit what waited in the queues of the peers that got an in-flight slot back."""
-        ops, latencies = self._ops, self._latencies_us
         now = time.perf_counter()
         freed: list[Peer] = []  # peers whose in-flight count went down
         for tid in result.done:
-            op = ops.pop(tid, None)
-            if op is None:
-                continue
-            if op.orphaned:  # settled when its peer was dropped; only its slots waited
-                if op.kind == "store":
-                    self._index.unfence(op.peer_id, op.remote)
-                continue
-            op.peer.inflight -= 1
-            freed.append(op.peer)
-            latencies.append((now - op.submitted) * 1e6)
-            self._transfers_done += 1
-            self._finish(op, None)
+            op = self._take(tid, now, freed)
+            if op is not None:
+                self._transfers_done += 1
+                self._finish(op, None)
         lost: dict[str, str] = {}
         for tid in result.failed:
-            op = ops.pop(tid, None)
+            op = self._take(tid, now, freed)
             if op is None:
                 continue
-            if op.orphaned:
-                if op.kind == "store":
-                    self._index.unfence(op.peer_id, op.remote)
-                continue
-            op.peer.inflight -= 1
-            freed.append(op.peer)
-            latencies.append((now - op.submitted) * 1e6)
             self._transfers_failed += 1
             alive = self._peers.get(op.peer_id) is op.peer
             self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
@@ -579,6 +563,21 @@ class TierManager:
                 self._submit(peer.queue.popleft())
         if now >= self._usage_due:
             self._report_usage(now)
+
+    def _take(self, tid: int, now: float, freed: list[Peer]) -> Op | None:
+        """The op of a transfer the transport reported, off the in-flight table; ``None`` when
+        there is nothing left to settle (unknown id, or an orphaned write: its slots unfence)."""
+        op = self._ops.pop(tid, None)
+        if op is None:
+            return None
+        if op.orphaned:  # settled when its peer was dropped; only its slots waited
+            if op.kind == "store":
+                self._index.unfence(op.peer_id, op.remote)
+            return None
+        op.peer.inflight -= 1
+        freed.append(op.peer)
+        self._latencies_us.append((now - op.submitted) * 1e6)
+        return op
 
     def _report_usage(self, now: float) -> None:
         """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
