@@ -1,7 +1,8 @@
 """``TierManager``: logical KV block keys kept on remote peers, moved by NIXL transfers.
 
 Orchestration only: the index of what is stored where (placement, slot pool, LRU, pins) lives in
-``torch_kv_tier.index``; this module turns calls into transfers, tracks them until the transport
+``torch_kv_tier.index``, the per-call, per-transfer and per-peer records in
+``torch_kv_tier.records``; this module turns calls into transfers, tracks them until the transport
 reports them, resolves futures and handles peers coming and going.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
@@ -21,20 +22,20 @@ of that peer id) until the transport reports it, or until the peer's lease is go
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.index import BlockIndex, PeerSlots, drain
+from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CAPACITY,
     CLOSED,
@@ -53,88 +54,7 @@ logger = logging.getLogger(__name__)
 
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
-
-
-class _Request:
-    """One ``store``/``load`` call: its future and how many of its keys are still unsettled."""
-
-    __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
-
-    def __init__(self, keys: list[Key]) -> None:
-        self.future: Future[TransferResult] = Future()
-        self.keys = keys
-        self.pending = len(keys)
-        self.failed: dict[Key, str] = {}
-        self.nbytes = 0
-        self.queued = False  # in the manager's ready list (its future is resolved once)
-        self.started = time.perf_counter()
-
-    def settle(self, keys: list[Key], reason: str | None) -> None:
-        self.pending -= len(keys)
-        if reason is not None:
-            self.failed.update(dict.fromkeys(keys, reason))
-
-    def result(self) -> TransferResult:
-        failed = self.failed
-        return TransferResult(
-            ok=not failed,
-            keys=[k for k in self.keys if k not in failed] if failed else list(self.keys),
-            failed=failed,
-            nbytes=self.nbytes,
-            seconds=time.perf_counter() - self.started,
-        )
-
-
-class _Peer:
-    """A peer registration as the manager drives it (its slots live in the index)."""
-
-    __slots__ = ("inflight", "queue", "session", "slots")
-
-    def __init__(self, slots: PeerSlots) -> None:
-        self.slots = slots
-        self.inflight = 0  # this registration's ops submitted to the transport
-        self.queue: deque[_Op] = deque()  # ops waiting for an in-flight slot, in order
-        self.session: Any = None  # RemoteSession when the peer came from connect()
-
-
-class _Op:
-    """One transfer to one peer: keys of its owner request and of requests that joined it."""
-
-    __slots__ = (
-        "discarded",
-        "joined",
-        "keys",
-        "kind",
-        "local",
-        "orphaned",
-        "owner",
-        "peer",
-        "peer_id",
-        "remote",
-        "submitted",
-    )
-
-    def __init__(
-        self,
-        kind: Literal["store", "load"],
-        peer_id: str,
-        peer: _Peer,
-        keys: list[Key],
-        local: list[int],
-        remote: list[int],
-        owner: _Request,
-    ) -> None:
-        self.kind = kind
-        self.peer_id = peer_id
-        self.peer = peer  # the registration this op was made for (a re-added id is another)
-        self.keys = keys
-        self.local = local
-        self.remote = remote
-        self.owner = owner
-        self.joined: dict[_Request, list[Key]] = {}
-        self.discarded: set[Key] = set()
-        self.submitted = 0.0
-        self.orphaned = False  # settled as "peer lost" while the transport still holds it
+_USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
 
 
 class TierManager:
@@ -171,16 +91,19 @@ class TierManager:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
         self.arena = arena
         self.transport = transport
+        self._num_local, self._block_len = transport.num_blocks, transport.block_len
         self.max_inflight = max_inflight
         self._max_poll_interval_s = max_poll_interval_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._index = BlockIndex(events=events)
-        self._peers: dict[str, _Peer] = {}
-        self._storing: dict[Key, _Op] = {}  # key -> its store in flight or queued
-        self._ops: dict[int, _Op] = {}  # transfer id -> op the transport holds
-        self._ready: list[_Request] = []  # settled requests whose futures are not yet resolved
-        self._counters: Counter[str] = Counter()
+        self._peers: dict[str, Peer] = {}
+        self._storing: dict[Key, Op] = {}  # key -> its store in flight or queued
+        self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
+        self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
+        self._blocks_stored = self._blocks_loaded = 0
+        self._transfers_done = self._transfers_failed = 0
+        self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
         self._closed = False
@@ -247,7 +170,7 @@ class TierManager:
             self.transport.add_remote_peer(
                 peer_id, agent_metadata, base_addr, num_blocks, block_len
             )
-            self._peers[peer_id] = _Peer(self._index.add_peer(peer_id, slots))
+            self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
         self._flush()
 
     def remove_peer(self, peer_id: str) -> None:
@@ -328,7 +251,7 @@ class TierManager:
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
-        request = _Request(keys)
+        request = Request(keys)
         with self._lock:
             self._check_open()
             index, storing = self._index, self._storing
@@ -347,6 +270,7 @@ class TierManager:
                 index.touch(stored)
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local) if new_keys else {}
+            launched: list[Op] = []
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal) in groups.items():
@@ -356,11 +280,17 @@ class TierManager:
                     request.settle(gkeys[len(slots) :], CAPACITY)
                     del gkeys[len(slots) :], glocal[len(slots) :]
                 if gkeys:
-                    op = _Op("store", peer_id, peer, gkeys, glocal, slots, request)
-                    storing.update(dict.fromkeys(gkeys, op))
-                    self._launch(op)
+                    launched.append(Op("store", peer_id, peer, gkeys, glocal, slots, request))
+                    self._launch(launched[-1])
             ready = self._after_submit(request, groups)
-        _resolve(ready)
+            # Only a store still queued or in flight can be joined or discarded: one that
+            # completed during submission never enters ``_storing`` (the lock is held
+            # throughout, so no other call could have looked for its keys meanwhile).
+            for op in launched:
+                if not op.settled:
+                    storing.update(dict.fromkeys(op.keys, op))
+                    op.registered = True
+        resolve(ready)
         return request.future
 
     def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
@@ -371,7 +301,7 @@ class TierManager:
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
-        request = _Request(keys)
+        request = Request(keys)
         with self._lock:
             self._check_open()
             groups, missing = self._index.pin(keys, local)
@@ -381,10 +311,10 @@ class TierManager:
                 peer_id = slots.peer_id
                 peer_ids.append(peer_id)
                 self._launch(
-                    _Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
+                    Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
                 )
             ready = self._after_submit(request, peer_ids)
-        _resolve(ready)
+        resolve(ready)
         return request.future
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -417,14 +347,14 @@ class TierManager:
     def stats(self) -> TierStats:
         with self._lock:
             lat = np.asarray(self._latencies_us) if self._latencies_us else np.zeros(1)
-            c = self._counters
+            bl = self.transport.block_len
             return TierStats(
-                blocks_stored=c["blocks_stored"],
-                bytes_stored=c["blocks_stored"] * self.transport.block_len,
-                blocks_loaded=c["blocks_loaded"],
-                bytes_loaded=c["blocks_loaded"] * self.transport.block_len,
-                transfers_done=c["transfers_done"],
-                transfers_failed=c["transfers_failed"],
+                blocks_stored=self._blocks_stored,
+                bytes_stored=self._blocks_stored * bl,
+                blocks_loaded=self._blocks_loaded,
+                bytes_loaded=self._blocks_loaded * bl,
+                transfers_done=self._transfers_done,
+                transfers_failed=self._transfers_failed,
                 evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
@@ -476,6 +406,7 @@ class TierManager:
                         self._finish(op, CLOSED)
             self._stopping = True
             self._cond.notify_all()
+            self._report_usage(time.perf_counter())
             sessions = [p.session for p in self._peers.values() if p.session is not None]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
@@ -513,7 +444,8 @@ class TierManager:
                     delay, last_activity = 0.0, time.perf_counter()
                 while not self._ops and not self._stopping:
                     self._poller_idle = True
-                    self._cond.wait(timeout=1.0)
+                    if not self._cond.wait(timeout=1.0):  # idle: report the last bytes moved
+                        self._report_usage(time.perf_counter())
                 self._poller_idle = False
                 if self._stopping:
                     return
@@ -548,56 +480,51 @@ class TierManager:
     def _check_local(self, idxs: Sequence[int], n: int, *, unique: bool) -> list[int]:
         if len(idxs) != n:
             raise ValueError(f"{n} keys need {n} local block indices, got {len(idxs)}")
-        local = block_indices(idxs, self.arena.num_blocks, "local")
+        local = block_indices(idxs, self._num_local, "local")
         if unique and len(set(local)) != n:
             raise ValueError(
                 "a local block index repeats: each destination block may be loaded once"
             )
         return local
 
-    def _launch(self, op: _Op) -> None:
+    def _launch(self, op: Op) -> None:
         if op.peer.inflight >= self.max_inflight:
             op.peer.queue.append(op)
         else:
             self._submit(op)
 
-    def _after_submit(self, request: _Request, peer_ids: Iterable[str]) -> list[_Request]:
-        """Complete on this thread what finished during submission; wake the poller for the
-        rest. Returns the settled requests, whose futures the caller resolves (unlocked)."""
-        self._reap_inline(peer_ids)
-        if self._ops and self._poller_idle:
-            self._cond.notify()
-        self._ready_if_settled(request)
-        ready, self._ready = self._ready, []
-        return ready
+    def _after_submit(self, request: Request, peer_ids: Iterable[str]) -> list[Request]:
+        """Poll the peers just submitted to, on the calling thread; wake the poller only for
+        what is still in flight. Returns the settled requests, whose futures the caller resolves
+        (unlocked).
 
-    def _reap_inline(self, peer_ids: Iterable[str]) -> None:
-        """Poll the peers just submitted to, on the calling thread.
-
-        Over shared memory a transfer often finishes inside ``transfer()``; completing it here
+        Over shared memory a transfer often finishes inside ``transfer()``: completing it here
         spares two thread switches before its future resolves. Cost: one state check per
         transfer in flight to those peers (at most ``max_inflight`` each).
         """
+        peers, transport = self._peers, self.transport
         for peer_id in peer_ids:
-            if peer_id not in self._peers:
+            if peer_id not in peers:
                 continue
             try:
-                result = self.transport.poll(peer_id)
+                result = transport.poll(peer_id)
             except Exception:
                 logger.exception("transport.poll(%s) failed; the poller will retry", peer_id)
-                return
+                break
             if result.done or result.failed or result.peer_fault:
-                fault = {peer_id: result.peer_fault} if result.peer_fault else {}
-                self._complete(result, fault)
+                self._complete(result, {peer_id: result.peer_fault} if result.peer_fault else {})
                 if self._closed:  # close() waits for the last transfers
                     self._cond.notify_all()
+        if self._ops and self._poller_idle:
+            self._cond.notify()
+        if request.pending == 0 and not request.queued:
+            request.queued = True
+            self._ready.append(request)
+        ready, self._ready = self._ready, []
+        return ready
 
-    def _live_peer(self, op: _Op) -> _Peer | None:
-        """The op's peer if it is still registered (not removed, not replaced)."""
-        return op.peer if self._peers.get(op.peer_id) is op.peer else None
-
-    def _submit(self, op: _Op) -> None:
-        if self._live_peer(op) is None:
+    def _submit(self, op: Op) -> None:
+        if self._peers.get(op.peer_id) is not op.peer:  # removed or replaced meanwhile
             self._finish(op, PEER_LOST)
             return
         send = self.transport.write_blocks if op.kind == "store" else self.transport.read_blocks
@@ -615,46 +542,67 @@ class TierManager:
         self._ops[tid] = op
 
     def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
-        lost: dict[str, str] = {}
+        """Apply what the transport reported: finish the ops, drop failed or faulted peers,
+        submit what waited in the queues of the peers that got an in-flight slot back."""
         now = time.perf_counter()
-        failed = result.failed
-        for tid in itertools.chain(result.done, failed) if failed else result.done:
-            ok = not failed or tid not in failed
-            op = self._ops.pop(tid, None)
+        freed: list[Peer] = []  # peers whose in-flight count went down
+        for tid in result.done:
+            op = self._take(tid, now, freed)
+            if op is not None:
+                self._transfers_done += 1
+                self._finish(op, None)
+        lost: dict[str, str] = {}
+        for tid in result.failed:
+            op = self._take(tid, now, freed)
             if op is None:
                 continue
-            if op.orphaned:  # settled when its peer was dropped; only its slots waited
-                if op.kind == "store":
-                    self._index.unfence(op.peer_id, op.remote)
-                continue
-            op.peer.inflight -= 1
-            self._latencies_us.append((now - op.submitted) * 1e6)
-            if ok:
-                self._counters["transfers_done"] += 1
-                self._finish(op, None)
-            else:
-                self._counters["transfers_failed"] += 1
-                alive = self._live_peer(op) is not None
-                self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
-                if alive:
-                    lost[op.peer_id] = "failed a transfer"
+            self._transfers_failed += 1
+            alive = self._peers.get(op.peer_id) is op.peer
+            self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
+            if alive:
+                lost[op.peer_id] = "failed a transfer"
         for peer_id, cause in faults.items():
             lost.setdefault(peer_id, f"is faulted ({cause})")
         for peer_id, why in lost.items():
             self._lose_peer(peer_id, why)
-        for peer in list(self._peers.values()):  # a refused submission drops its peer
+        for peer in freed:  # a dropped peer's queue is empty; a refused submission drops it
             while peer.queue and peer.inflight < self.max_inflight:
                 self._submit(peer.queue.popleft())
+        if now >= self._usage_due:
+            self._report_usage(now)
 
-    def _finish(self, op: _Op, reason: str | None) -> None:
+    def _take(self, tid: int, now: float, freed: list[Peer]) -> Op | None:
+        """The op of a transfer the transport reported, off the in-flight table; ``None`` when
+        there is nothing left to settle (unknown id, or an orphaned write: its slots unfence)."""
+        op = self._ops.pop(tid, None)
+        if op is None:
+            return None
+        if op.orphaned:  # settled when its peer was dropped; only its slots waited
+            if op.kind == "store":
+                self._index.unfence(op.peer_id, op.remote)
+            return None
+        op.peer.inflight -= 1
+        freed.append(op.peer)
+        self._latencies_us.append((now - op.submitted) * 1e6)
+        return op
+
+    def _report_usage(self, now: float) -> None:
+        """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
+        self._usage_due = now + _USAGE_PERIOD_S
+        for peer in self._peers.values():
+            peer.report_usage()
+
+    def _finish(self, op: Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
-        peer = self._live_peer(op)
+        op.settled = True
+        peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
         n = len(op.keys)
         if op.kind == "store":
             storing = self._storing
             if reason is None and not op.discarded and peer is not None:
                 # Nothing discarded: every key still maps to this op (only a discard unmaps one).
-                drain(map(storing.pop, op.keys))
+                if op.registered:
+                    drain(map(storing.pop, op.keys))
                 self._index.publish(peer.slots, op.keys, op.remote)
             else:
                 unused = []
@@ -671,31 +619,28 @@ class TierManager:
                     self._index.publish(peer.slots, published_keys, published_slots)
                     self._index.release(peer.slots, unused)
             if reason is None:
-                self._counters["blocks_stored"] += n
+                self._blocks_stored += n
+                if peer is not None:
+                    peer.written += n * self._block_len
         else:
             if peer is not None:
                 self._index.unpin(peer.slots, op.remote)
             if reason is None:
-                self._counters["blocks_loaded"] += n
+                self._blocks_loaded += n
+                if peer is not None:
+                    peer.read += n * self._block_len
         if reason is None:
-            moved = n * self.transport.block_len
-            op.owner.nbytes += moved
-            if peer is not None and peer.session is not None:
-                peer.session.report_usage(
-                    written=moved if op.kind == "store" else 0,
-                    read=moved if op.kind == "load" else 0,
-                    slots_used=peer.slots.used,
-                )
+            op.owner.nbytes += n * self._block_len
         self._settle(op, reason)
 
-    def _settle(self, op: _Op, reason: str | None) -> None:
+    def _settle(self, op: Op, reason: str | None) -> None:
         op.owner.settle(op.keys, reason)
         self._ready_if_settled(op.owner)
         for request, keys in op.joined.items():
             request.settle(keys, reason)
             self._ready_if_settled(request)
 
-    def _ready_if_settled(self, request: _Request) -> None:
+    def _ready_if_settled(self, request: Request) -> None:
         if request.pending == 0 and not request.queued:
             request.queued = True
             self._ready.append(request)
@@ -718,6 +663,7 @@ class TierManager:
             self.transport.remove_remote_peer(peer_id)
         except Exception:
             logger.exception("removing peer %s from the transport failed", peer_id)
+        peer.report_usage()
         return peer.session
 
     def _lose_peer(self, peer_id: str, why: str) -> None:
@@ -759,13 +705,7 @@ class TierManager:
             if not self._ready:
                 return
             ready, self._ready = self._ready, []
-        _resolve(ready)
-
-
-def _resolve(ready: list[_Request]) -> None:
-    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
-    for request in ready:
-        request.future.set_result(request.result())
+        resolve(ready)
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

@@ -6,9 +6,11 @@ of fresh keys, or ``load(...).result()`` of stored ones) with the same burst of 
 (``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE) over as many remote
 blocks (one fresh run per call, as the tier walks its lease), Python lists for both.
 It prints, per op, the median over rounds of µs per call for each and the difference, per call
-and per key: the tier's own cost. It also times key placement (the home peer of 4,096 keys) at
-1, 2, 4 and 16 peers. Single-threaded driver; the tier's poller runs as in service. Use it to
-find where per-call time goes (``--profile`` prints a cProfile of the tier's bursts).
+and per key: the tier's own cost, and the speed ratio tier/raw (raw time / tier time) of each
+round as median [min-max], the figure the bench's targets are about. It also times key
+placement (the home peer of 4,096 keys) at 1, 2, 4 and 16 peers. Single-threaded driver; the
+tier's poller runs as in service. Use it to find where per-call time goes (``--profile``
+prints a cProfile of the tier's bursts).
 """
 
 from __future__ import annotations
@@ -119,10 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             tier.close()
             raw.close()
     print(f"{bl >> 10} KiB x {batch} blocks per call, {args.calls} calls x {args.rounds} rounds")
-    print(f"{'op':6} {'tier us/call':>13} {'raw us/call':>12} {'added/call':>11} {'added/key':>10}")
+    print(
+        f"{'op':6} {'tier us/call':>13} {'raw us/call':>12} {'added/call':>11} {'added/key':>10}"
+        f"  {'tier/raw median [min-max]':>26}"
+    )
     for op, rows in results.items():
         t, r = statistics.median(rows["tier"]), statistics.median(rows["raw"])
-        print(f"{op:6} {t:13.1f} {r:12.1f} {t - r:11.1f} {(t - r) / batch:10.2f}")
+        ratios = [raw / tier for tier, raw in zip(rows["tier"], rows["raw"])]
+        spread = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        print(f"{op:6} {t:13.1f} {r:12.1f} {t - r:11.1f} {(t - r) / batch:10.2f}  {spread:>26}")
     print(
         "placement us/key: "
         + ", ".join(f"{p} peers {placement_us_per_key(p):.2f}" for p in (1, 2, 4, 16))

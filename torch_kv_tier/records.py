@@ -1,0 +1,118 @@
+"""The records ``TierManager`` keeps: one per call (``Request``), per transfer (``Op``) and per
+peer registration (``Peer``).
+
+Plain state, no locking of their own: the manager mutates them under its lock, except
+``resolve``, which it calls without the lock so that a future's callbacks may call back into it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Literal
+
+from torch_kv_tier.index import PeerSlots
+from torch_kv_tier.keys import Key
+from torch_kv_tier.results import TransferResult
+
+
+class Request:
+    """One ``store``/``load`` call: its future and how many of its keys are still unsettled."""
+
+    __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
+
+    def __init__(self, keys: list[Key]) -> None:
+        self.future: Future[TransferResult] = Future()
+        self.keys = keys
+        self.pending = len(keys)
+        self.failed: dict[Key, str] = {}
+        self.nbytes = 0
+        self.queued = False  # in the manager's ready list (its future is resolved once)
+        self.started = time.perf_counter()
+
+    def settle(self, keys: list[Key], reason: str | None) -> None:
+        self.pending -= len(keys)
+        if reason is not None:
+            self.failed.update(dict.fromkeys(keys, reason))
+
+    def result(self) -> TransferResult:
+        failed = self.failed
+        return TransferResult(
+            ok=not failed,
+            keys=[k for k in self.keys if k not in failed] if failed else self.keys,
+            failed=failed,
+            nbytes=self.nbytes,
+            seconds=time.perf_counter() - self.started,
+        )
+
+
+class Peer:
+    """A peer registration as the manager drives it (its slots live in the index)."""
+
+    __slots__ = ("inflight", "queue", "read", "session", "slots", "written")
+
+    def __init__(self, slots: PeerSlots) -> None:
+        self.slots = slots
+        self.inflight = 0  # this registration's ops submitted to the transport
+        self.queue: deque[Op] = deque()  # ops waiting for an in-flight slot, in order
+        self.session: Any = None  # RemoteSession when the peer came from connect()
+        self.written = self.read = 0  # bytes moved not yet reported to the session
+
+    def report_usage(self) -> None:
+        """Hand the bytes moved since the last report to the session (if any)."""
+        if self.session is not None and (self.written or self.read):
+            self.session.report_usage(
+                written=self.written, read=self.read, slots_used=self.slots.used
+            )
+        self.written = self.read = 0
+
+
+class Op:
+    """One transfer to one peer: keys of its owner request and of requests that joined it."""
+
+    __slots__ = (
+        "discarded",
+        "joined",
+        "keys",
+        "kind",
+        "local",
+        "orphaned",
+        "owner",
+        "peer",
+        "peer_id",
+        "registered",
+        "remote",
+        "settled",
+        "submitted",
+    )
+
+    def __init__(
+        self,
+        kind: Literal["store", "load"],
+        peer_id: str,
+        peer: Peer,
+        keys: list[Key],
+        local: list[int],
+        remote: list[int],
+        owner: Request,
+    ) -> None:
+        self.kind = kind
+        self.peer_id = peer_id
+        self.peer = peer  # the registration this op was made for (a re-added id is another)
+        self.keys = keys
+        self.local = local
+        self.remote = remote
+        self.owner = owner
+        self.joined: dict[Request, list[Key]] = {}
+        self.discarded: set[Key] = set()
+        self.submitted = 0.0
+        self.orphaned = False  # settled as "peer lost" while the transport still holds it
+        self.settled = False  # applied to the index, its requests' keys settled
+        self.registered = False  # a store whose keys are in the manager's ``_storing``
+
+
+def resolve(ready: list[Request]) -> None:
+    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
+    for request in ready:
+        request.future.set_result(request.result())
