@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 import torch
 from remote_support import BLOCK_LEN, TOKEN, wait_for
 
+from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 
@@ -68,7 +68,7 @@ def test_server_killed_mid_transfer_fails_its_futures_and_another_keeps_serving(
         assert first.ok, first.failed
         tier.take_events()
 
-        os.kill(doomed.proc.pid, signal.SIGSTOP)  # frozen: its transfers stay in flight
+        stop_process(doomed.proc.pid)  # frozen: its transfers stay in flight
         pending = [tier.store(keys[200:], range(200, 400)), tier.load(keys[:200], range(200))]
         time.sleep(0.3)
         assert not all(f.done() for f in pending)
