@@ -10,6 +10,10 @@ State per peer registration (``PeerSlots``): a slot pool, the stored keys in LRU
 first), read pins (slot -> loads in flight; a pinned slot is never evicted or reused), slots
 discarded while pinned (freed on the last unpin) and slots withheld because a write of an
 earlier registration of the same peer id may still land on them (``fence``).
+
+A shared host (``SharedSlots``) keeps its own index: the host decides eviction and pins, and
+this tier holds a copy of the host's key set (kept current by the host's events, see
+``apply_host_changes``) plus a batch of slots the host granted it for new keys.
 """
 
 from __future__ import annotations
@@ -48,17 +52,51 @@ class PeerSlots:
     def used(self) -> int:
         return len(self.pool) - self.pool.num_free
 
+    @property
+    def capacity(self) -> int:
+        return len(self.pool)
+
+    @property
+    def stored(self) -> int:
+        return len(self.lru)
+
+
+class SharedSlots:
+    """A shared host as this tier sees it: the host's keys (a copy, possibly stale) and the
+    slots the host granted this tier for new keys (used in order)."""
+
+    __slots__ = ("capacity", "commits", "grants", "keys", "peer_id", "refilling")
+
+    def __init__(self, peer_id: str, capacity: int) -> None:
+        self.peer_id = peer_id
+        self.capacity = capacity  # the host's pool, shared with every other tier
+        self.keys: set[Key] = set()
+        self.grants: deque[int] = deque()
+        self.refilling = False  # a grant request is in flight
+        self.commits = 0  # commit messages sent (each returns granted slots to the host)
+
+    @property
+    def used(self) -> int:
+        return len(self.keys)
+
+    @property
+    def stored(self) -> int:
+        return len(self.keys)
+
+
+AnyPeer = PeerSlots | SharedSlots
+
 
 class BlockIndex:
     """Stored keys across peers: placement, LRU, pins, eviction and the event log."""
 
     def __init__(self, *, events: bool = False) -> None:
-        self.peers: dict[str, PeerSlots] = {}
+        self.peers: dict[str, AnyPeer] = {}
         # Stored key -> its peer (the slot is ``peer.lru[key]``). Values are references to
         # existing objects: publishing allocates no per-key container the garbage collector
         # would have to track and re-scan (a (peer, slot) tuple per key cost ~0.5 us per key
         # in collections once the index held tens of thousands of keys).
-        self.where: dict[Key, PeerSlots] = {}
+        self.where: dict[Key, AnyPeer] = {}
         self.evictions = 0
         self.events_dropped = 0
         self._events: deque[tuple[str, Key, str]] | None = (
@@ -81,12 +119,24 @@ class BlockIndex:
         self._placement = Placement(self.peers)
         return peer
 
+    def add_shared_peer(self, peer_id: str, capacity: int) -> SharedSlots:
+        """A new shared host (its keys arrive with ``apply_host_changes``)."""
+        if peer_id in self.peers:
+            raise ValueError(f"peer {peer_id!r} is registered; remove it first")
+        peer = self.peers[peer_id] = SharedSlots(peer_id, capacity)
+        self._placement = Placement(self.peers)
+        return peer
+
     def remove_peer(self, peer_id: str) -> list[Key]:
-        """Forget a registration; returns its stored keys (now lost)."""
+        """Forget a registration; returns its stored keys (now lost to this tier)."""
         peer = self.peers.pop(peer_id)
         self._placement = Placement(self.peers)
-        lost = list(peer.lru)
-        drain(map(self.where.pop, lost))
+        where = self.where
+        if isinstance(peer, SharedSlots):  # another host may hold some of the same keys
+            lost = [key for key in peer.keys if where.get(key) is peer]
+        else:
+            lost = list(peer.lru)
+        drain(map(where.pop, lost))
         self._log("lost", lost, peer_id)
         return lost
 
@@ -115,17 +165,28 @@ class BlockIndex:
             group[1].append(idx)
         return groups
 
-    def touch(self, keys: Iterable[Key]) -> None:
-        """Mark stored ``keys`` most recently used."""
+    def touch(self, keys: Iterable[Key]) -> dict[SharedSlots, list[Key]]:
+        """Mark stored ``keys`` most recently used; returns those on shared hosts, whose
+        recency the caller reports to the host."""
         where = self.where
+        shared: dict[SharedSlots, list[Key]] = {}
         for key in keys:
-            where[key].lru.move_to_end(key)
+            peer = where[key]
+            if isinstance(peer, SharedSlots):
+                shared.setdefault(peer, []).append(key)
+            else:
+                peer.lru.move_to_end(key)
+        return shared
 
     # -- stores -------------------------------------------------------------------------------
 
-    def reserve(self, peer: PeerSlots, n: int) -> list[int]:
+    def reserve(self, peer: AnyPeer, n: int) -> list[int]:
         """Up to ``n`` slots of ``peer`` for new keys: free ones first, then the slots of its
-        least recently used unpinned keys, which are evicted and handed over directly."""
+        least recently used unpinned keys, which are evicted and handed over directly. A shared
+        host's slots come from its grants only (the host evicts when it grants)."""
+        if isinstance(peer, SharedSlots):
+            grants = peer.grants
+            return [grants.popleft() for _ in range(min(n, len(grants)))]
         pool = peer.pool
         slots = pool.allocate(min(n, pool.num_free))
         need = n - len(slots)
@@ -141,35 +202,61 @@ class BlockIndex:
             self._log("evicted", victims, peer.peer_id)
         return slots
 
-    def publish(self, peer: PeerSlots, keys: list[Key], slots: list[int]) -> None:
+    def publish(self, peer: AnyPeer, keys: list[Key], slots: list[int]) -> None:
         """Make ``keys`` (written into ``slots``) visible, most recently used."""
-        lru = peer.lru
-        for key, slot in zip(keys, slots):  # faster than OrderedDict.update's generic path
-            lru[key] = slot
+        if isinstance(peer, SharedSlots):
+            peer.keys.update(keys)
+        else:
+            lru = peer.lru
+            for key, slot in zip(keys, slots):  # faster than OrderedDict.update's generic path
+                lru[key] = slot
         self.where.update(dict.fromkeys(keys, peer))
         self._log("stored", keys, peer.peer_id)
 
     @staticmethod
-    def release(peer: PeerSlots, slots: list[int]) -> None:
+    def release(peer: AnyPeer, slots: list[int]) -> None:
         """Return reserved slots that were not published (failed or discarded writes)."""
-        peer.pool.free(slots)
+        if isinstance(peer, SharedSlots):
+            peer.grants.extendleft(slots)
+        else:
+            peer.pool.free(slots)
+
+    def apply_host_changes(
+        self, peer: SharedSlots, stored: list[Key], evicted: list[Key], reset: bool
+    ) -> None:
+        """A shared host's key set changed (``reset``: ``stored`` is all of it now)."""
+        where = self.where
+        if reset:
+            evicted = list(peer.keys.difference(stored))
+        gone = [key for key in evicted if where.get(key) is peer]
+        drain(map(where.pop, gone))
+        peer.keys.difference_update(evicted)
+        peer.keys.update(stored)
+        new = [key for key in stored if key not in where]
+        where.update(dict.fromkeys(new, peer))
+        self._log("evicted", gone, peer.peer_id)
+        self._log("stored", new, peer.peer_id)
 
     # -- loads --------------------------------------------------------------------------------
 
     def pin(
         self, keys: Sequence[Key], local: Sequence[int]
-    ) -> tuple[dict[PeerSlots, tuple[list, list, list]], list[Key]]:
+    ) -> tuple[dict[AnyPeer, tuple[list, list, list]], list[Key]]:
         """Pin the slots of stored ``keys`` and mark them most recently used.
 
-        Returns ``{peer: (keys, local, slots)}`` for the stored ones and the missing keys.
+        Returns ``{peer: (keys, local, slots)}`` for the stored ones and the missing keys. The
+        slots of a shared host's keys are not known here (``[]``): the host pins them.
         """
         entries = list(map(self.where.get, keys))
         missing: list[Key] = []
-        groups: dict[PeerSlots, tuple[list, list, list]] = {}
+        groups: dict[AnyPeer, tuple[list, list, list]] = {}
         if len(self.peers) == 1 and None not in entries:
-            if keys:
-                home = self.where[keys[0]]
-                groups[home] = (list(keys), list(local), list(map(home.lru.__getitem__, keys)))
+            home = entries[0] if entries else None
+            if home is not None:
+                slots = (
+                    [] if isinstance(home, SharedSlots) else list(map(home.lru.__getitem__, keys))
+                )
+                groups[home] = (list(keys), list(local), slots)
         else:
             for key, idx, peer in zip(keys, local, entries):
                 if peer is None:
@@ -180,8 +267,11 @@ class BlockIndex:
                     group = groups[peer] = ([], [], [])
                 group[0].append(key)
                 group[1].append(idx)
-                group[2].append(peer.lru[key])
+                if not isinstance(peer, SharedSlots):
+                    group[2].append(peer.lru[key])
         for peer, (gkeys, _, slots) in groups.items():
+            if isinstance(peer, SharedSlots):
+                continue
             drain(map(peer.lru.move_to_end, gkeys))
             pins = peer.pins
             if pins.keys().isdisjoint(slots):
@@ -206,10 +296,15 @@ class BlockIndex:
     # -- removal ------------------------------------------------------------------------------
 
     def discard(self, keys: Iterable[Key]) -> None:
-        """Forget stored ``keys`` (others are ignored); a pinned slot is freed on its last unpin."""
+        """Forget stored ``keys`` (others are ignored); a pinned slot is freed on its last unpin.
+        A shared host's key is forgotten by this tier only: other tiers may still use it."""
         for key in keys:
             peer = self.where.pop(key, None)
             if peer is None:
+                continue
+            if isinstance(peer, SharedSlots):
+                peer.keys.discard(key)
+                self._log("discarded", [key], peer.peer_id)
                 continue
             slot = peer.lru.pop(key)
             if slot in peer.pins:
@@ -242,7 +337,7 @@ class BlockIndex:
         if not fences:
             del self._fences[peer_id]
         peer = self.peers.get(peer_id)
-        if peer is not None:
+        if isinstance(peer, PeerSlots):
             back = [s for s in released if s in peer.withheld]
             peer.withheld.difference_update(back)
             peer.pool.free(back)

@@ -18,22 +18,33 @@ does a peer the transport reports faulted (``PollResult.peer_fault``/``faulted_p
 futures of a dropped peer's transfers resolve at once ("peer lost"), but a write that the
 transport still holds in flight may land later: its remote slots stay fenced (out of every pool
 of that peer id) until the transport reports it, or until the peer's lease is gone.
+
+Shared hosts (``connect`` without ``private=True``): the host owns the index of its pool. A
+store writes into slots the host granted this tier ahead of time (refilled in the background)
+and commits its keys to the host once the write completed; the host then tells every tier of
+the namespace, whose copy of the host's key set answers ``lookup`` with no network round trip.
+A load first pins its keys on the host (one control round trip, answered on the session's I/O
+thread, where the read is then submitted); a key the host no longer has, or a read that
+finished later than its pin's TTL allows, is reported "missing", never as wrong bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.index import BlockIndex, drain
+from torch_kv_tier.index import BlockIndex, SharedSlots, drain
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
@@ -55,6 +66,8 @@ logger = logging.getLogger(__name__)
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
+_MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
+_PIN_MARGIN = 0.8  # a shared read must finish within this fraction of its pin's TTL
 
 
 class TierManager:
@@ -80,6 +93,7 @@ class TierManager:
         max_inflight: int = 64,
         max_poll_interval_s: float = 500e-6,
         events: bool = False,
+        grant_batch: int = 512,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -89,6 +103,9 @@ class TierManager:
             )
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+        if not 0 < grant_batch <= _MAX_GRANT:
+            raise ValueError(f"grant_batch must be in [1, {_MAX_GRANT}], got {grant_batch}")
+        self.grant_batch = grant_batch
         self.arena = arena
         self.transport = transport
         self._num_local, self._block_len = transport.num_blocks, transport.block_len
@@ -103,6 +120,7 @@ class TierManager:
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._blocks_stored = self._blocks_loaded = 0
         self._transfers_done = self._transfers_failed = 0
+        self._pins_expired = 0
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
@@ -122,6 +140,7 @@ class TierManager:
         name: str = "tier",
         max_inflight: int = 64,
         events: bool = False,
+        grant_batch: int = 512,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
 
@@ -135,7 +154,9 @@ class TierManager:
         transport = NixlTransport(
             name, arena.tensor, config_fields=config_fields, passive_progress=False
         )
-        return cls(arena, transport, max_inflight=max_inflight, events=events)
+        return cls(
+            arena, transport, max_inflight=max_inflight, events=events, grant_batch=grant_batch
+        )
 
     # -- peers --------------------------------------------------------------------------------
 
@@ -192,15 +213,20 @@ class TierManager:
         address: str,
         *,
         token: str | None = None,
+        private: bool = False,
         slots: int | None = None,
         timeout_s: float = 10.0,
         heartbeat_timeout_s: float = 10.0,
     ) -> str:
-        """Lease slots on a ``torch-kv-tier serve`` host at ``HOST:PORT``; return its peer id.
+        """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
+        ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
+        peer id.
 
-        Raises ``HandshakeRejected`` with the server's reason, ``TimeoutError`` when nothing
-        answers within ``timeout_s``. When the server stops answering heartbeats for
-        ``heartbeat_timeout_s`` the peer is removed as lost.
+        Shared: every tier with the same config fingerprint sees the keys the others stored
+        (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
+        the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
+        the server stops answering heartbeats for ``heartbeat_timeout_s`` the peer is removed
+        as lost.
         """
         from torch_kv_tier.remote.client import RemoteSession
         from torch_kv_tier.remote.protocol import Region
@@ -216,7 +242,11 @@ class TierManager:
             on_lost=self._on_session_lost,
             timeout_s=timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            private=private,
         )
+        if session.shared:
+            self._join_shared(session, timeout_s)
+            return str(session.peer_id)
         try:
             self.add_peer(
                 session.peer_id,
@@ -232,6 +262,38 @@ class TierManager:
             session.close()
             raise
         return str(session.peer_id)
+
+    def _join_shared(self, session: Any, timeout_s: float) -> None:
+        """Register a shared host: its NIXL region, its first grant (in the background), then
+        its key set (awaited)."""
+        peer_id = session.peer_id
+        registered = False
+        try:
+            with self._lock:
+                self._check_open()
+                self.transport.add_remote_peer(
+                    peer_id,
+                    session.agent_metadata,
+                    session.base_addr,
+                    session.num_blocks,
+                    session.block_len,
+                )
+                peer = self._peers[peer_id] = Peer(
+                    self._index.add_shared_peer(peer_id, session.num_blocks)
+                )
+                peer.session = session
+                registered = True
+                self._refill(peer)
+            synced = threading.Event()
+            session.follow(_HostChanges(self, peer_id, synced))
+            if not synced.wait(timeout_s):
+                raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
+        except BaseException:
+            if registered:
+                self.remove_peer(peer_id)
+            else:
+                session.close()
+            raise
 
     def disconnect(self, peer_id: str) -> None:
         """Return a connected peer's lease and forget it (as ``remove_peer``)."""
@@ -267,7 +329,7 @@ class TierManager:
                     else:
                         new_keys.append(key)
                         new_local.append(idx)
-                index.touch(stored)
+                self._touch_shared(index.touch(stored))
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local) if new_keys else {}
             launched: list[Op] = []
@@ -276,13 +338,21 @@ class TierManager:
             for peer_id, (gkeys, glocal) in groups.items():
                 peer = self._peers[peer_id]
                 slots = index.reserve(peer.slots, len(gkeys))
-                if len(slots) < len(gkeys):
+                if len(slots) < len(gkeys) and isinstance(peer.slots, SharedSlots):
+                    # the rest waits for the host's next grant (``_on_granted``)
+                    peer.awaiting.append((request, gkeys[len(slots) :], glocal[len(slots) :]))
+                    del gkeys[len(slots) :], glocal[len(slots) :]
+                elif len(slots) < len(gkeys):
                     request.settle(gkeys[len(slots) :], CAPACITY)
                     del gkeys[len(slots) :], glocal[len(slots) :]
                 if gkeys:
                     launched.append(Op("store", peer_id, peer, gkeys, glocal, slots, request))
                     self._launch(launched[-1])
             ready = self._after_submit(request, groups)
+            for peer_id in groups:  # after the commits of what completed already
+                peer = self._peers[peer_id]
+                if isinstance(peer.slots, SharedSlots):
+                    self._refill(peer)
             # Only a store still queued or in flight can be joined or discarded: one that
             # completed during submission never enters ``_storing`` (the lock is held
             # throughout, so no other call could have looked for its keys meanwhile).
@@ -309,10 +379,12 @@ class TierManager:
             peer_ids = []
             for slots, (gkeys, glocal, remote) in groups.items():
                 peer_id = slots.peer_id
+                peer = self._peers[peer_id]
+                if isinstance(slots, SharedSlots):
+                    self._pin(peer, gkeys, glocal, request)
+                    continue
                 peer_ids.append(peer_id)
-                self._launch(
-                    Op("load", peer_id, self._peers[peer_id], gkeys, glocal, remote, request)
-                )
+                self._launch(Op("load", peer_id, peer, gkeys, glocal, remote, request))
             ready = self._after_submit(request, peer_ids)
         resolve(ready)
         return request.future
@@ -331,7 +403,7 @@ class TierManager:
         are ignored)."""
         with self._lock:
             where = self._index.where
-            self._index.touch([key for key in keys if key in where])
+            self._touch_shared(self._index.touch([key for key in keys if key in where]))
 
     def discard(self, keys: Sequence[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
@@ -362,8 +434,9 @@ class TierManager:
                 latency_p50_us=float(np.percentile(lat, 50)),
                 latency_p99_us=float(np.percentile(lat, 99)),
                 events_dropped=self._index.events_dropped,
+                pins_expired=self._pins_expired,
                 peers={
-                    pid: PeerStats(len(p.slots.pool), p.slots.used, len(p.slots.lru))
+                    pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()
                 },
             )
@@ -390,6 +463,7 @@ class TierManager:
             for peer in self._peers.values():
                 while peer.queue:
                     self._finish(peer.queue.popleft(), CLOSED)
+                self._fail_awaiting(peer, CLOSED)
             deadline = time.monotonic() + timeout
             self._cond.notify_all()
             # Writes orphaned by a dropped peer have resolved futures: nobody waits for them.
@@ -493,7 +567,7 @@ class TierManager:
         else:
             self._submit(op)
 
-    def _after_submit(self, request: Request, peer_ids: Iterable[str]) -> list[Request]:
+    def _after_submit(self, request: Request | None, peer_ids: Iterable[str]) -> list[Request]:
         """Poll the peers just submitted to, on the calling thread; wake the poller only for
         what is still in flight. Returns the settled requests, whose futures the caller resolves
         (unlocked).
@@ -517,7 +591,7 @@ class TierManager:
                     self._cond.notify_all()
         if self._ops and self._poller_idle:
             self._cond.notify()
-        if request.pending == 0 and not request.queued:
+        if request is not None and request.pending == 0 and not request.queued:
             request.queued = True
             self._ready.append(request)
         ready, self._ready = self._ready, []
@@ -604,6 +678,10 @@ class TierManager:
                 if op.registered:
                     drain(map(storing.pop, op.keys))
                 self._index.publish(peer.slots, op.keys, op.remote)
+                if isinstance(peer.slots, SharedSlots):
+                    self._commit(peer, op.keys, op.remote)
+                    if peer.awaiting:
+                        self._refill(peer)
             else:
                 unused = []
                 published_keys, published_slots = [], []
@@ -618,12 +696,16 @@ class TierManager:
                 if peer is not None:
                     self._index.publish(peer.slots, published_keys, published_slots)
                     self._index.release(peer.slots, unused)
+                    if isinstance(peer.slots, SharedSlots) and published_keys:
+                        self._commit(peer, published_keys, published_slots)
             if reason is None:
                 self._blocks_stored += n
                 if peer is not None:
                     peer.written += n * self._block_len
         else:
-            if peer is not None:
+            if op.pin_id:
+                reason = self._unpin(op, reason)
+            elif peer is not None and not isinstance(peer.slots, SharedSlots):
                 self._index.unpin(peer.slots, op.remote)
             if reason is None:
                 self._blocks_loaded += n
@@ -645,6 +727,162 @@ class TierManager:
             request.queued = True
             self._ready.append(request)
 
+    # -- shared hosts; callers hold self._lock unless noted ------------------------------------
+
+    def _refill(self, peer: Peer) -> None:
+        """Ask the host for more slots when fewer than half a batch are left, or stores wait
+        for slots; the answer lands in ``_on_granted``, on the session's I/O thread."""
+        slots = peer.slots
+        assert isinstance(slots, SharedSlots)
+        need = sum(len(keys) for _, keys, _ in peer.awaiting)
+        if slots.refilling or (not need and len(slots.grants) >= self.grant_batch // 2):
+            return
+        want = min(max(self.grant_batch, 2 * need), _MAX_GRANT)
+        try:
+            peer.session.grant(want, partial(self._on_granted, peer, slots.commits))
+        except ConnectionError:
+            return  # the session is ending; the heartbeat thread drops the peer
+        slots.refilling = True
+
+    def _on_granted(self, peer: Peer, commits: int, future: Future[Any]) -> None:
+        """A grant answer (I/O thread, unlocked): stores waiting for slots go out. With no
+        slot granted, none of this tier's writes to the host in flight and no commit sent since
+        the request (either would make room in its share), they fail with "capacity"."""
+        try:
+            granted = future.result().slots
+        except Exception as exc:
+            logger.warning("grant from %s failed: %s", peer.slots.peer_id, exc)
+            granted = []
+        with self._lock:
+            slots = peer.slots
+            assert isinstance(slots, SharedSlots)
+            slots.refilling = False
+            if self._closed or self._peers.get(slots.peer_id) is not peer:
+                return
+            slots.grants.extend(granted)
+            self._launch_awaiting(peer)
+            busy = peer.inflight or peer.queue or slots.commits != commits
+            if peer.awaiting and not granted and not busy:
+                self._fail_awaiting(peer, CAPACITY)
+            self._refill(peer)
+            ready = self._after_submit(None, [slots.peer_id])
+        resolve(ready)
+
+    def _launch_awaiting(self, peer: Peer) -> None:
+        """Send waiting stores into the slots granted so far (in order, split as needed)."""
+        slots = peer.slots
+        while peer.awaiting and slots.grants:  # type: ignore[union-attr]
+            request, keys, local = peer.awaiting.popleft()
+            remote = self._index.reserve(slots, len(keys))
+            n = len(remote)
+            if n < len(keys):
+                peer.awaiting.appendleft((request, keys[n:], local[n:]))
+            op = Op("store", slots.peer_id, peer, keys[:n], local[:n], remote, request)
+            self._launch(op)
+            if not op.settled:
+                self._storing.update(dict.fromkeys(op.keys, op))
+                op.registered = True
+
+    def _fail_awaiting(self, peer: Peer, reason: str) -> None:
+        while peer.awaiting:
+            request, keys, _ = peer.awaiting.popleft()
+            request.settle(keys, reason)
+            self._ready_if_settled(request)
+
+    def _commit(self, peer: Peer, keys: list[Key], slots: list[int]) -> None:
+        peer.slots.commits += 1  # type: ignore[union-attr]
+        with contextlib.suppress(ConnectionError):  # the session is ending
+            peer.session.commit(keys, slots)
+
+    def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None:
+        for slots, keys in groups.items():
+            with contextlib.suppress(ConnectionError):  # the session is ending
+                self._peers[slots.peer_id].session.touch(keys)
+
+    def _pin(self, peer: Peer, keys: list[Key], local: list[int], request: Request) -> None:
+        """Ask the host to pin ``keys`` for a read; ``_on_pinned`` submits it."""
+        from torch_kv_tier.remote.protocol import MAX_KEYS_PER_MESSAGE
+
+        for i in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
+            ckeys, clocal = keys[i : i + MAX_KEYS_PER_MESSAGE], local[i : i + MAX_KEYS_PER_MESSAGE]
+            answer = partial(self._on_pinned, peer, ckeys, clocal, request, time.perf_counter())
+            try:
+                peer.session.pin(ckeys, answer)
+            except ConnectionError:
+                request.settle(ckeys, PEER_LOST)
+
+    def _on_pinned(
+        self,
+        peer: Peer,
+        keys: list[Key],
+        local: list[int],
+        request: Request,
+        sent: float,
+        future: Future[Any],
+    ) -> None:
+        """A pin answer (I/O thread, unlocked): read the pinned slots, the rest is missing."""
+        try:
+            pinned = future.result()
+            error = None if hasattr(pinned, "pin_id") else f"pin refused: {pinned}"
+        except Exception as exc:
+            pinned, error = None, str(exc)
+        with self._lock:
+            peer_id = peer.slots.peer_id
+            if self._closed:
+                request.settle(keys, CLOSED)
+            elif error is not None or self._peers.get(peer_id) is not peer:
+                logger.warning("pin on %s failed: %s", peer_id, error or "peer dropped")
+                request.settle(keys, PEER_LOST)
+            else:
+                found_keys, found_local, found_slots, gone = [], [], [], []
+                for key, idx, slot in zip(keys, local, pinned.slots):
+                    if slot < 0:
+                        gone.append(key)
+                    else:
+                        found_keys.append(key)
+                        found_local.append(idx)
+                        found_slots.append(slot)
+                request.settle(gone, MISSING)
+                if gone:  # the copy of the host's index was stale
+                    self._index.apply_host_changes(peer.slots, [], gone, False)  # type: ignore[arg-type]
+                if found_keys:
+                    op = Op("load", peer_id, peer, found_keys, found_local, found_slots, request)
+                    op.pin_id = pinned.pin_id
+                    op.pin_deadline = sent + pinned.ttl_s * _PIN_MARGIN
+                    self._launch(op)
+                else:
+                    self._unpin_ids(peer, [pinned.pin_id])
+            ready = self._after_submit(request, [peer_id])
+        resolve(ready)
+
+    def _unpin(self, op: Op, reason: str | None) -> str | None:
+        """Release a shared read's pin; a read that finished after its pin could have expired
+        may have raced an eviction and a rewrite: its keys are reported missing."""
+        self._unpin_ids(op.peer, [op.pin_id])
+        if reason is None and time.perf_counter() > op.pin_deadline:
+            self._pins_expired += len(op.keys)
+            logger.warning(
+                "a read of %d blocks from %s outlived its pin: reported missing",
+                len(op.keys),
+                op.peer_id,
+            )
+            return MISSING
+        return reason
+
+    @staticmethod
+    def _unpin_ids(peer: Peer, pin_ids: list[int]) -> None:
+        with contextlib.suppress(ConnectionError):  # the session is ending
+            peer.session.unpin(pin_ids)
+
+    def _on_host_changes(
+        self, peer_id: str, stored: list[Key], evicted: list[Key], reset: bool
+    ) -> None:
+        """A shared host's key set changed (I/O thread, unlocked)."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if peer is not None and isinstance(peer.slots, SharedSlots):
+                self._index.apply_host_changes(peer.slots, stored, evicted, reset)
+
     def _drop_peer(self, peer_id: str) -> Any:
         """Forget a peer and its keys; fail its queued ops and settle its in-flight ones as lost
         (their writes keep their slots fenced until the transport reports them). Returns its
@@ -653,6 +891,7 @@ class TierManager:
         self._index.remove_peer(peer_id)
         while peer.queue:
             self._finish(peer.queue.popleft(), PEER_LOST)
+        self._fail_awaiting(peer, PEER_LOST)
         for op in self._ops.values():
             if op.peer is peer and not op.orphaned:
                 op.orphaned = True
@@ -706,6 +945,24 @@ class TierManager:
                 return
             ready, self._ready = self._ready, []
         resolve(ready)
+
+
+class _HostChanges:
+    """The ``on_change`` a shared session calls: forwards to its tier, held weakly (the tier
+    owns the session; a strong reference would be a cycle keeping the tier's NIXL agent alive
+    until the garbage collector runs), and marks the first snapshot."""
+
+    def __init__(self, tier: TierManager, peer_id: str, synced: threading.Event) -> None:
+        self._tier = weakref.ref(tier)
+        self._peer_id = peer_id
+        self._synced = synced
+
+    def __call__(self, stored: list[Key], evicted: list[Key], reset: bool) -> None:
+        tier = self._tier()
+        if tier is not None:
+            tier._on_host_changes(self._peer_id, stored, evicted, reset)
+        if reset:
+            self._synced.set()
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

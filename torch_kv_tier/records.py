@@ -12,7 +12,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from torch_kv_tier.index import PeerSlots
+from torch_kv_tier.index import AnyPeer
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 
@@ -50,12 +50,14 @@ class Request:
 class Peer:
     """A peer registration as the manager drives it (its slots live in the index)."""
 
-    __slots__ = ("inflight", "queue", "read", "session", "slots", "written")
+    __slots__ = ("awaiting", "inflight", "queue", "read", "session", "slots", "written")
 
-    def __init__(self, slots: PeerSlots) -> None:
+    def __init__(self, slots: AnyPeer) -> None:
         self.slots = slots
         self.inflight = 0  # this registration's ops submitted to the transport
         self.queue: deque[Op] = deque()  # ops waiting for an in-flight slot, in order
+        # shared host: (request, keys, local blocks) of stores waiting for granted slots
+        self.awaiting: deque[tuple[Request, list[Key], list[int]]] = deque()
         self.session: Any = None  # RemoteSession when the peer came from connect()
         self.written = self.read = 0  # bytes moved not yet reported to the session
 
@@ -81,6 +83,8 @@ class Op:
         "owner",
         "peer",
         "peer_id",
+        "pin_deadline",
+        "pin_id",
         "registered",
         "remote",
         "settled",
@@ -110,6 +114,8 @@ class Op:
         self.orphaned = False  # settled as "peer lost" while the transport still holds it
         self.settled = False  # applied to the index, its requests' keys settled
         self.registered = False  # a store whose keys are in the manager's ``_storing``
+        self.pin_id = 0  # a load from a shared host: the host's pin on the slots read
+        self.pin_deadline = 0.0  # perf_counter time by which that read must have finished
 
 
 def resolve(ready: list[Request]) -> None:

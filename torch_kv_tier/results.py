@@ -62,4 +62,5 @@ class TierStats:
     latency_p50_us: float = 0.0  # per-transfer completion latency over recent transfers
     latency_p99_us: float = 0.0
     events_dropped: int = 0  # events discarded because nobody called take_events
+    pins_expired: int = 0  # blocks read from a shared host too slowly to trust: reported missing
     peers: dict[str, PeerStats] = field(default_factory=dict)

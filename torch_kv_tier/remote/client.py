@@ -1,8 +1,10 @@
-"""Client side of the control plane: handshake with a server, keep the lease alive, disconnect.
+"""Client side of the control plane: handshake with a server, keep the session alive,
+disconnect; for a shared session also grants, commits, pins and the index events.
 
 ``RemoteSession.open`` performs the handshake in the caller's thread, then a background I/O
-thread owns the ZeroMQ socket: it sends heartbeats, carries ``stats``/``disconnect`` requests
-made from any thread, and reports a server that stopped answering through ``on_lost``.
+thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from any thread
+(answers resolve futures on the I/O thread), and reports a server that stopped answering through
+``on_lost``. A shared session's pushed ``Events`` go to its ``IndexFollower`` (``follow``).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import types
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import zmq
 
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.protocol import Region
+from torch_kv_tier.remote.replica import IndexFollower, OnChange
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,9 @@ __all__ = ["HandshakeRejected", "Region", "RemoteSession", "parse_address"]
 
 _DISCONNECT_TIMEOUT_S = 2.0
 
-# a request made from any thread: build the message for a seq, resolve the future, timeout
-_Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage]", float]
+# a request made from any thread: build the message for a seq, the future its answer resolves
+# (``None``: a message without an answer), timeout
+_Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float]
 
 
 def _callback_ref(
@@ -101,7 +106,9 @@ class RemoteSession:
 
     Attributes (read-only): ``peer_id`` (unique per session), ``agent_metadata`` (the server's
     NIXL metadata), ``base_addr``/``num_blocks``/``block_len``/``mem_type`` (the server's whole
-    region), ``lease`` (the server slots this client may use), ``address``.
+    region), ``shared`` (a shared session: slots come from ``grant``, keys are published with
+    ``commit`` and read under ``pin``), ``lease`` (a private session's slots; empty when
+    shared), ``address``.
 
     Threading: every public method may be called from any thread. ``_lock`` guards the
     closed/lost flags, the usage counters and the wake-up socket; the ZeroMQ socket belongs to
@@ -132,7 +139,9 @@ class RemoteSession:
         self.block_len = accept.region.block_len
         self.mem_type = accept.region.mem_type
         self.lease = range(accept.lease_start, accept.lease_stop)
+        self.shared = accept.shared
         self._session_id = accept.session_id
+        self._follower: IndexFollower | None = None
         self._on_lost = _callback_ref(on_lost)
         # several heartbeats fit in both our loss timeout and the server's lease timeout
         self._interval_s = min(
@@ -173,9 +182,11 @@ class RemoteSession:
         heartbeat_timeout_s: float = 10.0,
         timeout_s: float = 10.0,
         client_name: str | None = None,
+        private: bool = False,
     ) -> RemoteSession:
-        """Handshake with the server at ``address`` (``HOST:PORT``) and lease up to ``slots``
-        of its slots (``None``: as many as the server grants one client).
+        """Handshake with the server at ``address`` (``HOST:PORT``): a shared session, or with
+        ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the
+        server grants one client) that no other client sees.
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
         ``heartbeat_timeout_s`` and of the server's lease timeout); when none is answered for
@@ -192,6 +203,8 @@ class RemoteSession:
             raise ValueError(problem)
         if slots is not None and slots <= 0:
             raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
+        if slots is not None and not private:
+            raise ValueError("slots= sizes a private lease: pass private=True with it")
         if not agent_metadata:
             raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
         for name, value in (
@@ -220,6 +233,7 @@ class RemoteSession:
                     config_fingerprint=config_fingerprint,
                     slots=slots,
                     client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
+                    private=private,
                 ),
             )
         except BaseException:
@@ -234,13 +248,18 @@ class RemoteSession:
             heartbeat_timeout_s=heartbeat_timeout_s,
             timeout_s=timeout_s,
         )
-        logger.info(
-            "connected to %s: lease [%d, %d) of %d slots",
-            session.peer_id,
-            session.lease.start,
-            session.lease.stop,
-            session.num_blocks,
-        )
+        if session.shared:
+            logger.info(
+                "connected to %s: shared pool of %d slots", session.peer_id, session.num_blocks
+            )
+        else:
+            logger.info(
+                "connected to %s: private lease [%d, %d) of %d slots",
+                session.peer_id,
+                session.lease.start,
+                session.lease.stop,
+                session.num_blocks,
+            )
         return session
 
     # -- public -----------------------------------------------------------------------------
@@ -264,6 +283,55 @@ class RemoteSession:
             self._usage["bytes_read"] += read
             if slots_used is not None:
                 self._usage["slots_used"] = slots_used
+
+    # -- shared sessions (thread-safe; answers resolve on the I/O thread) ----------------------
+
+    def grant(self, want: int, on_answer: Callable[[Future[p.ServerMessage]], None]) -> None:
+        """Ask for up to ``want`` slots only this session may write; ``on_answer`` gets the
+        future of the ``Granted`` answer, on the I/O thread (never on the caller's)."""
+        self._call_async(lambda seq: p.GrantRequest(seq, self._session_id, want), on_answer)
+
+    def commit(self, keys: list[Any], slots: list[int]) -> None:
+        """Publish ``keys``, whose writes into granted ``slots`` completed (no answer)."""
+        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
+            chunk, where = (
+                keys[i : i + p.MAX_KEYS_PER_MESSAGE],
+                slots[i : i + p.MAX_KEYS_PER_MESSAGE],
+            )
+            self._post(partial(p.Commit, session_id=self._session_id, keys=chunk, slots=where))
+
+    def pin(self, keys: list[Any], on_answer: Callable[[Future[p.ServerMessage]], None]) -> None:
+        """Pin the slots of stored ``keys`` for a read (at most
+        ``protocol.MAX_KEYS_PER_MESSAGE``); ``on_answer`` gets the future of the ``Pinned``
+        answer, on the I/O thread (never on the caller's)."""
+        if len(keys) > p.MAX_KEYS_PER_MESSAGE:
+            raise ValueError(f"pin at most {p.MAX_KEYS_PER_MESSAGE} keys at once, got {len(keys)}")
+        self._call_async(lambda seq: p.PinRequest(seq, self._session_id, keys), on_answer)
+
+    def unpin(self, pin_ids: list[int]) -> None:
+        """Release pins (no answer)."""
+        self._post(lambda seq: p.Unpin(seq, self._session_id, pin_ids))
+
+    def touch(self, keys: list[Any]) -> None:
+        """Report ``keys`` recently used (no answer)."""
+        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
+            chunk = keys[i : i + p.MAX_KEYS_PER_MESSAGE]
+            self._post(partial(p.Touch, session_id=self._session_id, keys=chunk))
+
+    def follow(self, on_change: OnChange) -> None:
+        """Keep ``on_change(stored, evicted, reset)`` informed of the namespace's key set: a
+        snapshot first (``reset=True``), then every change (on the I/O thread)."""
+        if not self.shared:
+            raise ValueError(f"{self.peer_id} is a private lease: there is no shared index")
+        follower = IndexFollower(
+            lambda cursor, on_page: self._call_async(
+                lambda seq: p.SnapshotRequest(seq, self._session_id, cursor), on_page
+            ),
+            on_change,
+        )
+        with self._lock:
+            self._follower = follower
+        follower.start()
 
     def stats(self) -> dict[str, Any]:
         """The server's stats: leases, occupancy, bytes moved, counters.
@@ -325,8 +393,40 @@ class RemoteSession:
         *,
         allow_closed: bool = False,
     ) -> p.ServerMessage:
+        future = self._call_async(make, timeout_s=timeout_s, allow_closed=allow_closed)
+        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
+
+    def _call_async(
+        self,
+        make: Callable[[int], p.ClientMessage],
+        on_answer: Callable[[Future[p.ServerMessage]], None] | None = None,
+        timeout_s: float | None = None,
+        *,
+        allow_closed: bool = False,
+    ) -> Future[p.ServerMessage]:
+        """Send a request; its future resolves on the I/O thread (``TimeoutError`` after
+        ``timeout_s``, default the session's), where ``on_answer`` then runs. Raises
+        ``ConnectionError`` once closed or lost."""
         future: Future[p.ServerMessage] = Future()
         future.set_running_or_notify_cancel()
+        if on_answer is not None:  # before the request exists: it cannot have an answer yet
+            future.add_done_callback(on_answer)
+        self._enqueue(
+            make, future, self._timeout_s if timeout_s is None else timeout_s, allow_closed
+        )
+        return future
+
+    def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
+        """Send a message that gets no answer."""
+        self._enqueue(make, None, 0.0, False)
+
+    def _enqueue(
+        self,
+        make: Callable[[int], p.ClientMessage],
+        future: Future[p.ServerMessage] | None,
+        timeout_s: float,
+        allow_closed: bool,
+    ) -> None:
         with self._lock:
             if self._lost_reason is not None:
                 raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
@@ -334,7 +434,6 @@ class RemoteSession:
                 raise ConnectionError(f"session {self.peer_id} is closed")
             self._requests.put((make, future, timeout_s))
         self._wake()
-        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
 
     def _wake(self) -> None:
         with self._lock:
@@ -370,9 +469,14 @@ class RemoteSession:
                     except queue.Empty:
                         break
                     seq = next(seqs)
-                    pending[seq] = (future, now + timeout_s)
+                    if future is not None:
+                        pending[seq] = (future, now + timeout_s)
                     self._send(sock, make(seq))
                 for message in self._receive(sock):
+                    if isinstance(message, p.Events):
+                        if self._follower is not None:
+                            self._follower.on_events(message)
+                        continue
                     if isinstance(message, p.HeartbeatAck):
                         last_ok = time.monotonic()
                     elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
@@ -416,10 +520,11 @@ class RemoteSession:
             future.set_exception(error)
         while True:
             try:
-                _, future, _ = self._requests.get_nowait()
+                _, waiting, _ = self._requests.get_nowait()
             except queue.Empty:
                 break
-            future.set_exception(error)
+            if waiting is not None:
+                waiting.set_exception(error)
         sock.close(linger=0)
         if report:
             logger.warning("lost %s: %s", self.peer_id, lost)

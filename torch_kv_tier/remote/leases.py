@@ -1,4 +1,5 @@
-"""Leases: which contiguous range of the server's slots each connected client may use.
+"""Sessions and leases: who is connected, and which contiguous range of the server's slots
+each private client may use (a shared session leases nothing: see ``shared_cache``).
 
 Pure bookkeeping (no I/O, no clock of its own: callers pass ``now``), so it is tested directly.
 Not thread-safe: the server guards a ``LeaseTable`` with its state lock.
@@ -71,10 +72,11 @@ class SlotPool:
 
 @dataclass
 class Session:
-    """One connected client and its lease.
+    """One connected client and its lease (empty for a shared session).
 
     ``session_id`` is the client's secret handle (never shown in stats); ``public_id`` names
-    the session in logs and stats. Byte counters are the client's own cumulative reports.
+    the session in logs and stats; ``identity`` is its control socket's routing id (where the
+    server pushes events). Byte counters are the client's own cumulative reports.
     """
 
     session_id: str
@@ -86,6 +88,9 @@ class Session:
     bytes_written: int = 0
     bytes_read: int = 0
     slots_used: int = 0
+    shared: bool = False
+    namespace: str = ""
+    identity: bytes = b""
 
 
 class LeaseTable:
@@ -110,11 +115,17 @@ class LeaseTable:
         self.retired_bytes_read = 0
         self._public_ids = itertools.count(1)
 
-    def open(self, client_name: str, slots: int | None, now: float) -> Session | None:
-        """Start a session leasing up to ``slots`` slots; ``None`` when no slot is free."""
-        lease = self.pool.take(min(slots or self.max_lease, self.max_lease))
-        if lease is None:
-            return None
+    def open(
+        self, client_name: str, slots: int | None, now: float, *, private: bool = True
+    ) -> Session | None:
+        """Start a session; a private one leases up to ``slots`` slots (``None`` when no slot
+        is free), a shared one leases none."""
+        if private:
+            lease = self.pool.take(min(slots or self.max_lease, self.max_lease))
+            if lease is None:
+                return None
+        else:
+            lease = range(0)
         session = Session(
             session_id=secrets.token_hex(16),
             public_id=f"s{next(self._public_ids)}",
@@ -122,6 +133,7 @@ class LeaseTable:
             lease=lease,
             started=now,
             last_seen=now,
+            shared=not private,
         )
         self.sessions[session.session_id] = session
         return session
@@ -155,6 +167,7 @@ class LeaseTable:
         return self.pool.num_blocks - self.pool.free
 
     def _retire(self, session: Session) -> None:
-        self.pool.give_back(session.lease)
+        if session.lease:
+            self.pool.give_back(session.lease)
         self.retired_bytes_written += session.bytes_written
         self.retired_bytes_read += session.bytes_read

@@ -41,7 +41,16 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
         [
             ('{state="free"}', stats["free_blocks"]),
             ('{state="leased"}', stats["leased_blocks"]),
+            ('{state="shared_stored"}', stats["shared_stored_blocks"]),
+            ('{state="shared_granted"}', stats["shared_granted_blocks"]),
+            ('{state="quarantined"}', stats["shared_quarantined_blocks"]),
         ],
+    )
+    metric(
+        "shared_evictions",
+        "counter",
+        "Keys of the shared pool evicted to make room.",
+        [("", stats["shared_evictions"])],
     )
     metric(
         "slots_used",

@@ -9,11 +9,22 @@ Conversation:
 
 1. ``Hello(version, client_nonce)`` -> ``Challenge(version, nonce, server_proof)``, or
    ``Reject`` when the protocol versions differ.
-2. ``Handshake(nonce, proof, agent_metadata, region, fingerprint, slots)`` -> ``Accept`` with
-   the server's NIXL metadata, its whole region and the client's lease, or ``Reject(reason)``.
+2. ``Handshake(nonce, proof, agent_metadata, region, fingerprint, slots, private)`` ->
+   ``Accept`` with the server's NIXL metadata and its whole region, or ``Reject(reason)``. A
+   private session gets a lease (``lease_start``/``lease_stop``) that it manages alone; a shared
+   session (the default) gets none and works through the messages of step 4.
 3. ``Heartbeat`` -> ``HeartbeatAck`` every heartbeat interval; ``StatsRequest`` ->
    ``StatsReply``; ``Disconnect`` -> ``DisconnectAck``. A request naming an unknown session is
    answered with ``Error(UNKNOWN_SESSION)``.
+4. Shared sessions (keys are namespaced by the session's config fingerprint):
+   ``GrantRequest(want)`` -> ``Granted(slots)``: free slots only this session may write;
+   ``Commit(keys, slots)`` (no answer): those writes completed, publish the keys;
+   ``PinRequest(keys)`` -> ``Pinned(pin_id, slots, ttl_s)``: the slots of stored keys (-1:
+   not stored), kept from eviction for ``ttl_s`` or until ``Unpin(pin_ids)`` (no answer);
+   ``Touch(keys)`` (no answer): recency; ``SnapshotRequest(cursor)`` -> ``SnapshotPage``: the
+   namespace's stored keys, in pages. The server pushes ``Events(event_seq, stored, evicted)``
+   (``seq`` 0) to every shared session of the namespace; a gap in ``event_seq`` means events
+   were dropped, and the client takes a new snapshot.
 
 Authentication: the token never crosses the wire. The client proves it knows the token with an
 HMAC over the server's single-use nonce, the server proves it with an HMAC over the client's
@@ -32,11 +43,17 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 1 << 20  # the largest frame either side accepts; NIXL metadata is ~1 KiB
 NONCE_BYTES = 32
 UNKNOWN_SESSION = "unknown session"
 MEM_TYPES = ("DRAM", "VRAM")
+MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame far below MAX_FRAME_BYTES (keys <= 64 bytes)
+MAX_KEY_BYTES = 64
+
+# A shared key on the wire: bytes, str or a 64-bit int. msgspec cannot decode a union of bytes
+# and str, so keys decode as Any (msgpack keeps the three apart) and the server checks them.
+WireKey = Any
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,7 @@ class Handshake(msgspec.Struct, tag="handshake"):
     config_fingerprint: str
     slots: int | None
     client_name: str = ""
+    private: bool = False
 
 
 class Accept(msgspec.Struct, tag="accept"):
@@ -94,6 +112,7 @@ class Accept(msgspec.Struct, tag="accept"):
     lease_start: int
     lease_stop: int
     lease_timeout_s: float
+    shared: bool = False
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -139,8 +158,95 @@ class Error(msgspec.Struct, tag="error"):
     reason: str
 
 
-ClientMessage = Hello | Handshake | Heartbeat | StatsRequest | Disconnect
-ServerMessage = Challenge | Accept | Reject | HeartbeatAck | StatsReply | DisconnectAck | Error
+class GrantRequest(msgspec.Struct, tag="grant"):
+    seq: int
+    session_id: str
+    want: int
+
+
+class Granted(msgspec.Struct, tag="granted"):
+    seq: int
+    slots: list[int]
+
+
+class Commit(msgspec.Struct, tag="commit"):
+    seq: int
+    session_id: str
+    keys: list[WireKey]
+    slots: list[int]
+
+
+class PinRequest(msgspec.Struct, tag="pin"):
+    seq: int
+    session_id: str
+    keys: list[WireKey]
+
+
+class Pinned(msgspec.Struct, tag="pinned"):
+    seq: int
+    pin_id: int
+    slots: list[int]  # per key: its slot, or -1 when the key is not stored
+    ttl_s: float
+
+
+class Unpin(msgspec.Struct, tag="unpin"):
+    seq: int
+    session_id: str
+    pin_ids: list[int]
+
+
+class Touch(msgspec.Struct, tag="touch"):
+    seq: int
+    session_id: str
+    keys: list[WireKey]
+
+
+class SnapshotRequest(msgspec.Struct, tag="snapshot"):
+    seq: int
+    session_id: str
+    cursor: int = 0
+
+
+class SnapshotPage(msgspec.Struct, tag="snapshot_page"):
+    seq: int
+    keys: list[WireKey]
+    event_seq: int  # the namespace's event sequence number the snapshot was taken at
+    next_cursor: int  # -1 after the last page
+
+
+class Events(msgspec.Struct, tag="events"):
+    seq: int  # always 0: pushed, not an answer
+    event_seq: int
+    stored: list[WireKey]
+    evicted: list[WireKey]
+
+
+ClientMessage = (
+    Hello
+    | Handshake
+    | Heartbeat
+    | StatsRequest
+    | Disconnect
+    | GrantRequest
+    | Commit
+    | PinRequest
+    | Unpin
+    | Touch
+    | SnapshotRequest
+)
+ServerMessage = (
+    Challenge
+    | Accept
+    | Reject
+    | HeartbeatAck
+    | StatsReply
+    | DisconnectAck
+    | Error
+    | Granted
+    | Pinned
+    | SnapshotPage
+    | Events
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
@@ -175,6 +281,32 @@ def decode_server(frame: bytes) -> ServerMessage:
     """Parse a frame the client received; raise ``BadFrame`` saying what is wrong with it."""
     message: ServerMessage = _decode(_server_decoder, frame)
     return message
+
+
+def wire_key_problem(key: object) -> str | None:
+    """Why ``key`` cannot be sent to a shared pool, or ``None`` when it can."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        if -(1 << 63) <= key < (1 << 64):
+            return None
+        return f"int keys of a shared pool must fit in 64 bits, got {key}"
+    if isinstance(key, bytes | str):
+        size = len(key) if isinstance(key, bytes) else len(key.encode())
+        if size <= MAX_KEY_BYTES:
+            return None
+        return f"keys of a shared pool are at most {MAX_KEY_BYTES} bytes, got {size}"
+    return f"keys must be bytes, str or int, got {type(key).__name__}"
+
+
+def bad_keys(keys: list[Any]) -> str | None:
+    """Why a list of keys received from a client cannot be used, or ``None``."""
+    if len(keys) > MAX_KEYS_PER_MESSAGE:
+        return f"at most {MAX_KEYS_PER_MESSAGE} keys per message, got {len(keys)}"
+    if not _WIRE_KEY_TYPES.issuperset(map(type, keys)):
+        return "keys must be bytes, str or int"
+    return None
+
+
+_WIRE_KEY_TYPES = frozenset({bytes, str, int})
 
 
 def client_proof(token: str, nonce: bytes, client_nonce: bytes) -> bytes:

@@ -1,15 +1,19 @@
-"""``torch-kv-tier serve``: a remote host that lends slots of a NIXL-registered DRAM pool.
+"""``torch-kv-tier serve``: a remote host whose NIXL-registered DRAM pool is a shared KV cache.
 
 The server owns one ``BlockArena`` registered with a ``NixlTransport``. Clients write and read
 its blocks one-sidedly over NIXL; the server only answers the control plane (handshakes,
-heartbeats, stats, disconnects; see ``protocol``). Incoming transfers are served by the
-transport's own NIXL progress thread, which sleeps on the UCX worker's events while idle (see
-``transport.nixl_agent``): the same mechanism as any passive ``NixlTransport``, so this loop
-never calls into NIXL for progress.
+heartbeats, stats, disconnects, and for shared sessions grants, commits, pins and the events
+that keep every client's copy of the index current; see ``protocol`` and ``shared_service``).
+A session is shared by default: every session with the same config fingerprint sees the keys
+the others stored. A private session leases a range of slots that it manages alone.
+
+Incoming transfers are served by the transport's own NIXL progress thread, which sleeps on the
+UCX worker's events while idle (see ``transport.nixl_agent``): the same mechanism as any passive
+``NixlTransport``, so this loop never calls into NIXL for progress.
 
 Threading: one loop thread (the caller of ``Server.serve``) owns the ZeroMQ socket, the
-transport and every mutation. ``Server._lock`` guards the lease table and the counters, so the
-metrics HTTP thread can read a consistent ``stats()`` snapshot.
+transport and every mutation. ``Server._lock`` guards the lease table, the shared cache and the
+counters, so the metrics HTTP thread can read a consistent ``stats()`` snapshot.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.leases import LeaseTable, Session
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
+from torch_kv_tier.remote.shared_service import SHARED_MESSAGES, SharedService
 from torch_kv_tier.transport import NixlTransport
 
 logger = logging.getLogger(__name__)
@@ -61,6 +66,9 @@ class ServerConfig:
     metrics_port: int | None = None
     lease_timeout_s: float = 30.0
     max_lease: int | None = None
+    namespace_quota: int | None = None
+    max_grant: int | None = None
+    pin_ttl_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_len <= 0:
@@ -72,6 +80,14 @@ class ServerConfig:
             raise ValueError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout_s}")
         if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
             raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
+        if self.namespace_quota is not None and not 0 < self.namespace_quota <= self.num_blocks:
+            raise ValueError(
+                f"--namespace-quota must be in [1, --num-blocks], got {self.namespace_quota}"
+            )
+        if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
+            raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
+        if self.pin_ttl_s <= 0:
+            raise ValueError(f"--pin-ttl must be > 0 seconds, got {self.pin_ttl_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.token is None and not is_loopback(self.host):
@@ -94,6 +110,9 @@ class ServerConfig:
             metrics_port=args.metrics_port,
             lease_timeout_s=args.lease_timeout,
             max_lease=args.max_lease,
+            namespace_quota=args.namespace_quota,
+            max_grant=args.max_grant,
+            pin_ttl_s=args.pin_ttl,
         )
 
 
@@ -162,6 +181,15 @@ class Server:
         self.config = config
         self._lock = threading.Lock()
         self._leases = LeaseTable(config.num_blocks, config.lease_timeout_s, config.max_lease)
+        # A slot granted to a session that expired may still be written by it (a frozen
+        # client): it waits out another lease timeout before anyone else gets it.
+        self._shared = SharedService(
+            self._leases.pool,
+            quota=config.namespace_quota,
+            max_granted=config.max_grant,
+            pin_ttl_s=config.pin_ttl_s,
+            quarantine_s=config.lease_timeout_s,
+        )
         self._challenges: dict[bytes, _Challenge] = {}
         self._counters = dict.fromkeys(
             ("handshakes_accepted", "handshakes_rejected", "bad_frames"), 0
@@ -223,6 +251,7 @@ class Server:
         while not stop.is_set():
             if poller.poll(math.ceil(IDLE_POLL_S * 1e3)):
                 self._drain()
+                self._push_events()
             now = time.monotonic()
             if now >= next_expiry:
                 next_expiry = now + EXPIRY_PERIOD_S
@@ -241,6 +270,13 @@ class Server:
             if reply is not None:
                 self._send(identity, reply)
 
+    def _push_events(self) -> None:
+        """Tell every shared session what its namespace's index gained and lost."""
+        with self._lock:
+            frames = self._shared.events(list(self._leases.sessions.values()))
+        for identity, events in frames:
+            self._send(identity, events)
+
     def _send(self, identity: bytes, message: p.ServerMessage) -> None:
         assert self._socket is not None
         try:
@@ -250,7 +286,10 @@ class Server:
 
     def _expire(self, now: float) -> None:
         with self._lock:
+            self._shared.cache.expire_pins(now)
             for session in self._leases.expire(now):
+                if session.shared:
+                    self._shared.leave(session, now, clean=False)
                 logger.warning(
                     "session %s (%s): no heartbeat for %.1f s, lease %s reclaimed",
                     session.public_id,
@@ -278,7 +317,12 @@ class Server:
             return self._heartbeat(message, now)
         if isinstance(message, p.StatsRequest):
             return self._stats_request(message, now)
-        return self._disconnect(message)
+        if isinstance(message, SHARED_MESSAGES):
+            session = self._leases.touch(message.session_id, now)
+            if session is None:
+                return p.Error(message.seq, p.UNKNOWN_SESSION)
+            return self._shared.answer(session, message, now)
+        return self._disconnect(message, now)
 
     def _bad(self, reason: str) -> p.Error:
         self._counters["bad_frames"] += 1
@@ -334,17 +378,27 @@ class Server:
             return self._reject(hs.seq, name, f"slots must be > 0, got {hs.slots}")
         if not hs.agent_metadata:
             return self._reject(hs.seq, name, "agent metadata is empty")
-        session = self._leases.open(name, hs.slots, now)
+        session = self._leases.open(name, hs.slots, now, private=hs.private)
         if session is None:
             return self._reject(hs.seq, name, "no free slots")
         self._counters["handshakes_accepted"] += 1
-        logger.info(
-            "session %s (%s): lease %s (%d slots)",
-            session.public_id,
-            name,
-            _span(session.lease),
-            len(session.lease),
-        )
+        if session.shared:
+            session.namespace, session.identity = hs.config_fingerprint, identity
+            self._shared.join(session)
+            logger.info(
+                "session %s (%s): shared, namespace %r",
+                session.public_id,
+                name,
+                session.namespace[:16],
+            )
+        else:
+            logger.info(
+                "session %s (%s): private lease %s (%d slots)",
+                session.public_id,
+                name,
+                _span(session.lease),
+                len(session.lease),
+            )
         return p.Accept(
             seq=hs.seq,
             session_id=session.session_id,
@@ -355,6 +409,7 @@ class Server:
             lease_start=session.lease.start,
             lease_stop=session.lease.stop,
             lease_timeout_s=self._leases.lease_timeout_s,
+            shared=session.shared,
         )
 
     def _heartbeat(self, hb: p.Heartbeat, now: float) -> p.ServerMessage:
@@ -371,12 +426,14 @@ class Server:
             return p.Error(req.seq, p.UNKNOWN_SESSION)
         return p.StatsReply(req.seq, self._stats_locked())
 
-    def _disconnect(self, req: p.Disconnect) -> p.ServerMessage:
+    def _disconnect(self, req: p.Disconnect, now: float) -> p.ServerMessage:
         session = self._leases.sessions.get(req.session_id)
         if session is None:
             return p.Error(req.seq, p.UNKNOWN_SESSION)
         _count_bytes(session, req)
         self._leases.close(req.session_id)
+        if session.shared:
+            self._shared.leave(session, now, clean=True)
         logger.info(
             "session %s (%s): disconnected, lease %s returned",
             session.public_id,
@@ -399,15 +456,18 @@ class Server:
         now = time.monotonic()
         table = self._leases
         sessions = list(table.sessions.values())
+        leased = sum(len(s.lease) for s in sessions)
+        shared = self._shared.stats()
+        in_use = leased + shared["shared_stored_blocks"] + shared["shared_granted_blocks"]
         return {
             "protocol_version": p.PROTOCOL_VERSION,
             "server_name": self.name,
             "address": self.address,
             "num_blocks": self.config.num_blocks,
             "block_len": self.config.block_len,
-            "free_blocks": table.pool.free,
-            "leased_blocks": table.leased,
-            "occupancy": table.leased / self.config.num_blocks,
+            "free_blocks": self.config.num_blocks - in_use - shared["shared_quarantined_blocks"],
+            "leased_blocks": leased,
+            "occupancy": in_use / self.config.num_blocks,
             "slots_used": sum(s.slots_used for s in sessions),
             "lease_timeout_s": table.lease_timeout_s,
             "leases_reclaimed": table.reclaimed,
@@ -415,10 +475,12 @@ class Server:
             "bytes_read": table.retired_bytes_read + sum(s.bytes_read for s in sessions),
             "uptime_s": now - self._started,
             "metrics_port": self._metrics.port if self._metrics else None,
+            **shared,
             "sessions": [
                 {
                     "public_id": s.public_id,
                     "client_name": s.client_name,
+                    "shared": s.shared,
                     "lease": [s.lease.start, s.lease.stop],
                     "age_s": now - s.started,
                     "idle_s": now - s.last_seen,
@@ -484,7 +546,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without a heartbeat before a client's slots are reclaimed (default 30)",
     )
     parser.add_argument(
-        "--max-lease", type=int, help="most slots one client may lease (default: the whole pool)"
+        "--max-lease",
+        type=int,
+        help="most slots one private client may lease (default: the whole pool)",
+    )
+    parser.add_argument(
+        "--namespace-quota",
+        type=int,
+        help="most slots the shared sessions of one config fingerprint may fill; a namespace "
+        "at its quota evicts its own keys (default: the whole pool)",
+    )
+    parser.add_argument(
+        "--max-grant",
+        type=int,
+        help="most free slots one shared client may hold for its next writes (default: "
+        "a sixteenth of the pool, at most 4096)",
+    )
+    parser.add_argument(
+        "--pin-ttl",
+        type=float,
+        default=10.0,
+        help="seconds a shared read pin keeps its slots from eviction (default 10); a read "
+        "that takes longer is reported missing",
     )
 
 

@@ -365,10 +365,12 @@ class RemoteHostTier(SecondaryTierManager):
             raise
 
     def _dial(self, address: str) -> str:
-        """Handshake with one remote host and register its lease; returns the peer id."""
+        """Handshake with one remote host and join its shared pool (or lease slots of it);
+        returns the peer id."""
         return self._tier.connect(
             address,
             token=self._config.token,
+            private=self._config.private,
             slots=self._config.slots,
             timeout_s=self._config.connect_timeout_s,
         )

@@ -24,6 +24,7 @@ KNOWN_KEYS = frozenset(
     {
         "remote",
         "token_file",
+        "private",
         "slots",
         "max_inflight",
         "config_fields",
@@ -48,7 +49,11 @@ class RemoteHostTierConfig:
     Attributes:
         remotes: ``HOST:PORT`` of every ``torch-kv-tier serve`` remote host, in config order.
         token: shared secret read from ``token_file`` (``None`` when the server needs none).
-        slots: slots to lease on each remote host; ``None`` leases every free slot.
+        private: lease slots of each remote host for this tier alone instead of joining the
+            host's shared pool (where every tier with the same ``config_fields`` finds the
+            chunks the others stored).
+        slots: with ``private``, slots to lease on each remote host; ``None`` leases every
+            free slot.
         max_inflight: transfers the tier keeps in flight before queueing inside the tier.
         config_fields: model facts hashed into the fingerprint the server checks; ``None``
             sends an empty fingerprint, which every server accepts.
@@ -64,6 +69,7 @@ class RemoteHostTierConfig:
 
     remotes: tuple[str, ...]
     token: str | None = None
+    private: bool = False
     slots: int | None = None
     max_inflight: int = 64
     config_fields: dict[str, Any] | None = None
@@ -97,10 +103,18 @@ class RemoteHostTierConfig:
                 '(its "ready HOST:PORT" line), or a list of them'
             )
         backends = options.get("backends")
+        private = _bool(options, "private", cls.private)
+        slots = _optional_positive_int(options, "slots")
+        if slots is not None and not private:
+            raise ValueError(
+                'RemoteHostTier "slots" sizes a private lease: add "private": true, or drop '
+                '"slots" to share the hosts\' pools with every tier of the same model'
+            )
         return cls(
             remotes=parse_remotes(options["remote"]),
             token=_read_token(options.get("token_file")),
-            slots=_optional_positive_int(options, "slots"),
+            private=private,
+            slots=slots,
             max_inflight=_positive_int(options, "max_inflight", cls.max_inflight),
             config_fields=_config_fields(options.get("config_fields")),
             backends=_backends(backends) if backends is not None else None,

@@ -1,0 +1,163 @@
+"""Tiers sharing one ``torch-kv-tier serve`` pool: what one stores, another loads; namespaces,
+private leases, stale copies of the host's index and slow reads cost a miss, never wrong bytes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from remote_support import BLOCK_LEN, fake_session, wait_for
+
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import HandshakeRejected, ServerProcess
+from torch_kv_tier.results import MISSING
+
+RESULT_TIMEOUT_S = 20.0
+
+
+def _stats(address: str) -> dict[str, Any]:
+    with fake_session(address) as session:
+        return session.stats()
+
+
+def _fill_random(tier: TierManager) -> torch.Tensor:
+    tier.arena.tensor.copy_(torch.randint(0, 256, tier.arena.tensor.shape, dtype=torch.uint8))
+    return tier.arena.tensor.clone()
+
+
+def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another() -> None:
+    with (
+        ServerProcess.start(2048, BLOCK_LEN) as server,
+        TierManager.create(1024, BLOCK_LEN, name="writer") as writer,
+        TierManager.create(1024, BLOCK_LEN, name="reader") as reader,
+    ):
+        writer.connect(server.address)
+        reader.connect(server.address)
+        original = _fill_random(writer)
+        keys = [f"prefix-{i}".encode() for i in range(1000)]
+        stored = writer.store(keys, range(1000)).result(timeout=RESULT_TIMEOUT_S)
+        assert stored.ok, stored.failed
+        assert wait_for(lambda: reader.lookup(keys) == 1000, 5.0), "the reader to see 1000 keys"
+        targets = torch.randperm(1024)[:1000].tolist()
+        loaded = reader.load(keys, targets).result(timeout=RESULT_TIMEOUT_S)
+        assert loaded.ok, loaded.failed
+        assert torch.equal(reader.arena.tensor[targets], original[:1000])
+        again = reader.store(keys, range(1000)).result(timeout=RESULT_TIMEOUT_S)
+        assert again.ok and again.nbytes == 0  # stored by someone: nothing is sent again
+        stats = _stats(server.address)
+        assert stats["shared_stored_blocks"] == 1000
+        assert stats["namespaces"]["(none)"]["stored"] == 1000
+
+
+def test_a_tier_that_joins_later_sees_what_was_stored_before_it_connected() -> None:
+    with (
+        ServerProcess.start(256, BLOCK_LEN) as server,
+        TierManager.create(64, BLOCK_LEN, name="early") as early,
+    ):
+        early.connect(server.address)
+        original = _fill_random(early)
+        keys = [f"doc-{i}" for i in range(64)]
+        assert early.store(keys, range(64)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: _stats(server.address)["shared_stored_blocks"] == 64, 5.0), (
+            "the commits"
+        )
+        with TierManager.create(64, BLOCK_LEN, name="late") as late:
+            late.connect(server.address)
+            assert late.lookup(keys) == 64  # connect returns with the host's keys known
+            assert late.load(keys, range(64)).result(timeout=RESULT_TIMEOUT_S).ok
+            assert torch.equal(late.arena.tensor, original)
+
+
+def test_tiers_of_different_models_never_see_each_others_blocks() -> None:
+    with (
+        ServerProcess.start(256, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, config_fields={"model": "x"}, name="x") as x,
+        TierManager.create(16, BLOCK_LEN, config_fields={"model": "y"}, name="y") as y,
+    ):
+        x.connect(server.address)
+        y.connect(server.address)
+        keys = [f"k{i}" for i in range(16)]
+        assert x.store(keys, range(16)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: _stats(server.address)["shared_stored_blocks"] == 16, 5.0), (
+            "the commits"
+        )
+        time.sleep(0.2)  # events, had any been sent to y, would have arrived
+        assert y.lookup(keys) == 0
+        assert y.load(keys, range(16)).result(timeout=RESULT_TIMEOUT_S).failed == dict.fromkeys(
+            keys, MISSING
+        )
+
+
+def test_private_leases_still_work_next_to_the_shared_pool() -> None:
+    with (
+        ServerProcess.start(128, BLOCK_LEN) as server,
+        TierManager.create(32, BLOCK_LEN, name="private") as private,
+        TierManager.create(32, BLOCK_LEN, name="shared") as shared,
+    ):
+        private.connect(server.address, private=True, slots=64)
+        shared.connect(server.address)
+        original = _fill_random(private)
+        keys = [f"p{i}" for i in range(32)]
+        assert private.store(keys, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
+        private.arena.tensor.zero_()
+        assert private.load(keys, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(private.arena.tensor, original)
+        assert shared.lookup(keys) == 0  # a private lease publishes nothing
+        assert _stats(server.address)["leased_blocks"] == 64
+        with pytest.raises(ValueError, match="private=True"):
+            shared.connect(server.address, slots=8)
+        with pytest.raises(HandshakeRejected, match="no free slots"):
+            private.connect(server.address, private=True, slots=128)  # 64 are left at most
+
+
+def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(8, BLOCK_LEN, name="stale") as tier,
+    ):
+        peer_id = tier.connect(server.address)
+        # the host never had this key; pretend an event said it had (a stale copy)
+        tier._on_host_changes(peer_id, [b"ghost"], [], False)
+        assert tier.lookup([b"ghost"]) == 1
+        result = tier.load([b"ghost"], [0]).result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {b"ghost": MISSING}
+        assert tier.lookup([b"ghost"]) == 0
+        assert _stats(server.address)["shared_pinned_blocks"] == 0
+
+
+def test_a_read_that_outlives_its_pin_is_reported_missing() -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN, extra_args=["--pin-ttl", "0.000001"]) as server,
+        TierManager.create(8, BLOCK_LEN, name="slow") as tier,
+    ):
+        tier.connect(server.address)
+        assert tier.store(["k"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        result = tier.load(["k"], [1]).result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {"k": MISSING}  # the slot may have been rewritten meanwhile
+        assert tier.stats().pins_expired == 1
+
+
+def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier() -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(64, BLOCK_LEN, name="a", grant_batch=8) as a,
+        TierManager.create(64, BLOCK_LEN, name="b", grant_batch=8) as b,
+    ):
+        a.connect(server.address)
+        b.connect(server.address)
+        _fill_random(b)
+        old = [f"old-{i}" for i in range(32)]
+        assert a.store(old, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: b.lookup(old) == 32, 5.0), "b to see a's keys"
+        a.touch(old[:8])  # the first 8 are used again: evicted last
+        time.sleep(0.1)  # touches are one-way: let them reach the host first
+        new = [f"new-{i}" for i in range(40)]
+        result = b.store(new, range(40)).result(timeout=RESULT_TIMEOUT_S)
+        assert result.ok, result.failed
+        assert wait_for(lambda: a.lookup(new) == 40, 5.0), "a to see b's keys"
+        kept = [k for k in old if a.contains(k)]
+        assert old[:8] == kept[:8] and len(kept) < 32
+        loaded = a.load(new, range(40)).result(timeout=RESULT_TIMEOUT_S)
+        assert loaded.ok and torch.equal(a.arena.tensor[:40], b.arena.tensor[:40])
