@@ -33,7 +33,12 @@ def main(cycles: int) -> None:
         keys = prefix_keys(range(4 * PAGE), PAGE, namespace=f"cycle-{cycle}".encode())
         block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
         with ServerProcess.start(64, block_len, host="127.0.0.1") as server:
-            off = PagedKVOffloader.create(keys_c, values_c, remote=server.address, timeout=10)
+            # A private lease: its restore posts the read straight to the dead host (the path
+            # that leaked); a shared pool's restore asks the host for a pin first, and no
+            # read is posted when the host does not answer.
+            off = PagedKVOffloader.create(
+                keys_c, values_c, remote=server.address, private=True, timeout=10
+            )
             assert off.offload([0, 1, 2, 3], keys).result(timeout=30).ok
             server.kill()
             off.restore(keys, [8, 9, 10, 11])

@@ -17,13 +17,17 @@ BLOCK_LEN = 4096
 TOKEN = "remote-test-token-5f0c1e"
 
 
-def fake_session(address: str, *, block_len: int = BLOCK_LEN, **kwargs: Any) -> RemoteSession:
-    """A session without a NIXL agent: enough for everything but moving bytes."""
+def fake_session(
+    address: str, *, block_len: int = BLOCK_LEN, private: bool = True, **kwargs: Any
+) -> RemoteSession:
+    """A session without a NIXL agent: enough for everything but moving bytes. Private (a
+    lease) unless asked otherwise: most control-plane tests are about leases."""
     return RemoteSession.open(
         address,
         agent_metadata=b"not a nixl agent",
         region=Region(0x10000, 8, block_len),
         timeout_s=kwargs.pop("timeout_s", 10.0),
+        private=private,
         **kwargs,
     )
 
@@ -67,6 +71,12 @@ class Client:
     def close(self) -> None:
         self.session.close()
         self.transport.close()
+
+
+def fill_random(tier: Any) -> torch.Tensor:
+    """Random bytes in every block of a tier's arena; returns a copy of them."""
+    tier.arena.tensor.copy_(torch.randint(0, 256, tier.arena.tensor.shape, dtype=torch.uint8))
+    return tier.arena.tensor.clone()
 
 
 def free_port() -> int:

@@ -174,6 +174,10 @@ def test_prometheus_text_escapes_client_names() -> None:
         "block_len": 64,
         "free_blocks": 6,
         "leased_blocks": 2,
+        "shared_stored_blocks": 5,
+        "shared_granted_blocks": 1,
+        "shared_quarantined_blocks": 0,
+        "shared_evictions": 7,
         "slots_used": 1,
         "sessions": [{"public_id": "s1", "client_name": 'evil"\n', "lease": [0, 2]}],
         "handshakes_accepted": 1,
@@ -185,6 +189,8 @@ def test_prometheus_text_escapes_client_names() -> None:
     }
     text = render_prometheus(stats)
     assert 'torch_kv_tier_server_blocks{state="leased"} 2\n' in text
+    assert 'torch_kv_tier_server_blocks{state="shared_stored"} 5\n' in text
+    assert "torch_kv_tier_server_shared_evictions_total 7\n" in text
     assert 'torch_kv_tier_server_handshakes_total{result="rejected"} 3\n' in text
     assert 'client="evil\\"\\n"} 2\n' in text
     for line in text.splitlines():

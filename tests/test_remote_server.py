@@ -98,7 +98,7 @@ def test_three_clients_get_disjoint_leases_and_their_own_bytes(
     clients: list[Client] = []
     try:
         for _ in range(3):
-            clients.append(Client(addr, 16, token=TOKEN, slots=POOL // 3))
+            clients.append(Client(addr, 16, token=TOKEN, private=True, slots=POOL // 3))
         leases = [set(c.session.lease) for c in clients]
         assert all(len(lease) == POOL // 3 for lease in leases)
         assert not (leases[0] & leases[1] or leases[0] & leases[2] or leases[1] & leases[2])
@@ -145,7 +145,11 @@ VALID = [
     p.encode(p.Heartbeat(3, "0" * 32, 10, 10, 1)),
     p.encode(p.StatsRequest(4)),
     p.encode(p.Disconnect(5, "f" * 32)),
-    p.encode(p.Handshake(1, 2, b"n" * 32, b"", b"meta", p.Region(1, 1, BLOCK_LEN), "", None, "x")),
+    p.encode(
+        p.Handshake(
+            p.PROTOCOL_VERSION, 2, b"n" * 32, b"", b"meta", p.Region(1, 1, BLOCK_LEN), "", None, "x"
+        )
+    ),
 ]
 ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack can carry
 values = st.one_of(
@@ -226,7 +230,9 @@ def test_lease_reclaimed_after_client_is_killed(open_server: ServerProcess) -> N
     child_code = (
         "import sys, time\n"
         "from torch_kv_tier.remote import Region, RemoteSession\n"
-        "s = RemoteSession.open(sys.argv[1], agent_metadata=b'x', region=Region(4096, 8, 4096))\n"
+        "s = RemoteSession.open(\n"
+        "    sys.argv[1], agent_metadata=b'x', region=Region(4096, 8, 4096), private=True\n"
+        ")\n"
         "print(len(s.lease), flush=True)\n"
         "time.sleep(60)\n"
     )

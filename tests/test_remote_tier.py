@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from remote_support import BLOCK_LEN, TOKEN, wait_for
+from remote_support import BLOCK_LEN, TOKEN, fill_random, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
@@ -23,21 +23,16 @@ from torch_kv_tier.remote import ServerProcess
 RESULT_TIMEOUT_S = 20.0
 
 
-def _fill_random(tier: TierManager) -> torch.Tensor:
-    tier.arena.tensor.copy_(torch.randint(0, 256, tier.arena.tensor.shape, dtype=torch.uint8))
-    return tier.arena.tensor.clone()
-
-
 def test_500_random_blocks_round_trip_through_a_server() -> None:
     with (
         ServerProcess.start(1024, BLOCK_LEN) as server,
         TierManager.create(512, BLOCK_LEN, name="roundtrip") as tier,
     ):
-        peer_id = tier.connect(server.address, slots=600)
+        peer_id = tier.connect(server.address)
         assert tier.peers() == [peer_id]
         local = torch.randperm(512)[:500].tolist()
         keys = [f"block-{i}".encode() for i in range(500)]
-        original = _fill_random(tier)
+        original = fill_random(tier)
         stored = tier.store(keys, local).result(timeout=RESULT_TIMEOUT_S)
         assert stored.ok, stored.failed
         assert tier.lookup(keys) == 500
@@ -62,7 +57,7 @@ def test_server_killed_mid_transfer_fails_its_futures_and_another_keeps_serving(
     ):
         dead_peer = tier.connect(doomed.address)
         live_peer = tier.connect(survivor.address)
-        original = _fill_random(tier)
+        original = fill_random(tier)
         keys = [f"k{i}" for i in range(400)]
         first = tier.store(keys[:200], range(200)).result(timeout=RESULT_TIMEOUT_S)
         assert first.ok, first.failed

@@ -10,6 +10,7 @@ from torch_kv_tier.remote.shared_cache import SharedCache
 
 
 def _cache(num_blocks: int = 8, **kwargs: object) -> SharedCache:
+    kwargs.setdefault("max_granted", num_blocks)
     cache = SharedCache(SlotPool(num_blocks), **kwargs)  # type: ignore[arg-type]
     cache.join("a", "model-x")
     cache.join("b", "model-x")
@@ -129,3 +130,12 @@ def test_bad_settings_raise() -> None:
         SharedCache(SlotPool(4), quota=0)
     with pytest.raises(ValueError, match="TTL"):
         SharedCache(SlotPool(4), pin_ttl_s=0)
+
+
+def test_a_session_holds_at_most_max_granted_uncommitted_slots() -> None:
+    cache = _cache(num_blocks=64, max_granted=4)
+    first = cache.grant("a", 10, 0.0)
+    assert len(first) == 4 and cache.grant("a", 1, 0.0) == []
+    cache.commit("a", [b"k0", b"k1"], first[:2])
+    assert len(cache.grant("a", 10, 0.0)) == 2  # committing made room in its share
+    assert len(cache.grant("b", 10, 0.0)) == 4  # every session has its own

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from remote_support import BLOCK_LEN, fake_session, wait_for
+from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
@@ -18,13 +18,8 @@ RESULT_TIMEOUT_S = 20.0
 
 
 def _stats(address: str) -> dict[str, Any]:
-    with fake_session(address) as session:
+    with fake_session(address, private=False) as session:
         return session.stats()
-
-
-def _fill_random(tier: TierManager) -> torch.Tensor:
-    tier.arena.tensor.copy_(torch.randint(0, 256, tier.arena.tensor.shape, dtype=torch.uint8))
-    return tier.arena.tensor.clone()
 
 
 def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another() -> None:
@@ -35,7 +30,7 @@ def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another() -> None
     ):
         writer.connect(server.address)
         reader.connect(server.address)
-        original = _fill_random(writer)
+        original = fill_random(writer)
         keys = [f"prefix-{i}".encode() for i in range(1000)]
         stored = writer.store(keys, range(1000)).result(timeout=RESULT_TIMEOUT_S)
         assert stored.ok, stored.failed
@@ -57,7 +52,7 @@ def test_a_tier_that_joins_later_sees_what_was_stored_before_it_connected() -> N
         TierManager.create(64, BLOCK_LEN, name="early") as early,
     ):
         early.connect(server.address)
-        original = _fill_random(early)
+        original = fill_random(early)
         keys = [f"doc-{i}" for i in range(64)]
         assert early.store(keys, range(64)).result(timeout=RESULT_TIMEOUT_S).ok
         assert wait_for(lambda: _stats(server.address)["shared_stored_blocks"] == 64, 5.0), (
@@ -98,7 +93,7 @@ def test_private_leases_still_work_next_to_the_shared_pool() -> None:
     ):
         private.connect(server.address, private=True, slots=64)
         shared.connect(server.address)
-        original = _fill_random(private)
+        original = fill_random(private)
         keys = [f"p{i}" for i in range(32)]
         assert private.store(keys, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
         private.arena.tensor.zero_()
@@ -147,7 +142,7 @@ def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier(
     ):
         a.connect(server.address)
         b.connect(server.address)
-        _fill_random(b)
+        fill_random(b)
         old = [f"old-{i}" for i in range(32)]
         assert a.store(old, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
         assert wait_for(lambda: b.lookup(old) == 32, 5.0), "b to see a's keys"

@@ -65,6 +65,7 @@ def make_manager(
                 "type": "RemoteHostTier",
                 "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                 "remote": remote,
+                "private": True,  # a lease of its own: tests share one host without sharing keys
                 "slots": TIER_SLOTS,
                 **tier_options,
             }

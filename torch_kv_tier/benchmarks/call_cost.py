@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         tier = TierManager.create(4 * batch, bl, name="call-cost")
         raw = BareNixl("call-cost-raw", local_arena(target, pinned=False), target)
         try:
-            tier.connect(address, slots=pool // 2)
+            tier.connect(address, private=True, slots=pool // 2)
             local = list(range(batch))
             base = raw.remote_base
             remotes = [

@@ -537,7 +537,7 @@ def concurrency(
             worker_blocks + keys, block_len, name="concurrency", events=True
         ) as tier,
     ):
-        tier.connect(server.address)
+        tier.connect(server.address, private=True)
         log, batches, errors = run_workers(tier, workload, threads, calls, seed=seed)
         last = final_load(tier, workload, worker_blocks)
         history = History(workload, [*log, last], batches)

@@ -329,7 +329,7 @@ def _reuse_whole_pool(
         deadline = killed_at + lease_timeout_s + 10.0
         while True:
             try:
-                peer = tier.connect(address, slots=pool)
+                peer = tier.connect(address, private=True, slots=pool)
                 break
             except HandshakeRejected as exc:
                 if exc.reason != "no free slots" or time.monotonic() > deadline:
@@ -358,7 +358,7 @@ def _reuse_whole_pool(
 def _server_stats(address: str, block_len: int) -> dict[str, Any]:
     """The server's stats through a short-lived control session (no NIXL agent needed)."""
     session = RemoteSession.open(
-        address, agent_metadata=b"stats probe", region=Region(4096, 1, block_len), slots=1
+        address, agent_metadata=b"stats probe", region=Region(4096, 1, block_len)
     )
     try:
         return session.stats()
@@ -383,7 +383,8 @@ def close_under_load(
             transfers + 1, block_len, name="close", max_inflight=2 * transfers
         )
         try:
-            tier.connect(server.address)
+            # private: hundreds of writes go out at once (shared, they would wait for grants)
+            tier.connect(server.address, private=True)
             warm = tier.store(["warm"], [0]).result(timeout=30)  # UCX wire-up done
             if not warm.ok:
                 out.problem(f"warm-up store failed: {warm.failed}")

@@ -90,7 +90,7 @@ def soak(
             SOURCE + window * 2 * batch, block_len, name="soak", events=True
         ) as tier,
     ):
-        tier.connect(server.address)
+        tier.connect(server.address, private=True)
         samples, bounds = _stream(tier, server.proc.pid, transfers, batch, window, out)
     _figures(out, samples, bounds, transfers, lease, window, warmup_fraction)
     out.at_most(

@@ -150,6 +150,7 @@ def open_session(
             region=region,
             token=target.token,
             slots=target.remote_slots,
+            private=True,
         )
     except HandshakeRejected as exc:
         raise Skip(f"remote host {address} refused: {exc}") from exc

@@ -54,7 +54,7 @@ class Tier(System):
             want = target.remote_slots + target.slack_slots
             share = -(-3 * want // (2 * self.hosts)) if self.hosts > 1 else want
             for address in addresses:
-                self._tm.connect(address, token=target.token, slots=share)
+                self._tm.connect(address, token=target.token, private=True, slots=share)
             capacity = sum(p.capacity for p in self._tm.stats().peers.values())
             # The plan's size: the working set, or less when the host granted a shorter lease.
             self.remote_slots = min(target.remote_slots, capacity)

@@ -47,7 +47,7 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
         ],
     )
     metric(
-        "shared_evictions",
+        "shared_evictions_total",
         "counter",
         "Keys of the shared pool evicted to make room.",
         [("", stats["shared_evictions"])],

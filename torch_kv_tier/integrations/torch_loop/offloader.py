@@ -145,6 +145,7 @@ class PagedKVOffloader:
         *,
         remote: str | Sequence[str] | None = None,
         token: str | None = None,
+        private: bool = False,
         slots: int | None = None,
         staging: Staging = "host",
         arena_blocks: int = 64,
@@ -156,8 +157,8 @@ class PagedKVOffloader:
         """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
 
         ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
-        (``token``/``slots`` are passed to each ``connect``). A host that cannot be reached is
-        logged and skipped (restores then return 0) unless ``strict``, which raises.
+        (``token``/``private``/``slots`` are passed to each ``connect``). A host that cannot be
+        reached is logged and skipped (restores then return 0) unless ``strict``, which raises.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
@@ -182,19 +183,27 @@ class PagedKVOffloader:
                 strict=strict,
             )
             for address in remotes:
-                offloader.connect(address, token=token, slots=slots)
+                offloader.connect(address, token=token, private=private, slots=slots)
         except BaseException:
             manager.close()
             raise
         return offloader
 
-    def connect(self, address: str, *, token: str | None = None, slots: int | None = None) -> str:
-        """Connect the tier to a remote host; returns its peer id, or ``""`` if it failed.
+    def connect(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        private: bool = False,
+        slots: int | None = None,
+    ) -> str:
+        """Connect the tier to a remote host's shared pool (or, ``private``, lease ``slots`` of
+        it); returns its peer id, or ``""`` if it failed.
 
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``).
         """
         try:
-            return self.manager.connect(address, token=token, slots=slots)
+            return self.manager.connect(address, token=token, private=private, slots=slots)
         except Exception as exc:
             if self.strict:
                 raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
