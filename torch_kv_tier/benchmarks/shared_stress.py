@@ -15,8 +15,9 @@ Processes: children start with the ``spawn`` context, report ``ready`` once conn
 together, and send their counts back on a queue. Every wait has a timeout; a child that crashes,
 reports an error or hangs is a failure, and every child still alive at the end is killed.
 
-Exit status: 0 when no block was wrong and some were verified and every process finished; 1
-otherwise; 2 for bad arguments. ``--self-check`` corrupts two loaded blocks in the first reader
+Exit status: 0 when no block was wrong, some were verified, every process finished and no key
+failed for another reason than "missing" (reads) or "capacity" (writes); 1 otherwise; 2 for bad
+arguments. ``--self-check`` corrupts two loaded blocks in the first reader
 (one bit flipped, one replaced by another key's valid block) and passes only when exactly those
 two are counted wrong: the checker can fail.
 """
@@ -181,6 +182,8 @@ def _worker(
             self_check = params.self_check and index == 0
             deadline = time.monotonic() + params.seconds
             while time.monotonic() < deadline:
+                if not tier.peers():
+                    raise RuntimeError("the tier lost the host (see its log above)")
                 counts.calls += 1
                 if role == "writer":
                     _writer_round(tier, table, rng, counts)
@@ -248,6 +251,8 @@ def shared_stress(
         problems.append(f"{totals['wrong'] - totals['injected']} WRONG blocks loaded")
     if params.self_check and totals["injected"] == 0:
         problems.append("self-check: no block was corrupted (no reader loaded anything)")
+    if totals["other"]:
+        problems.append(f"calls failed for other reasons than missing/capacity: {totals['other']}")
     if totals["verified"] == 0:
         problems.append("no loaded block was verified")
     return {
