@@ -25,6 +25,7 @@ two are counted wrong: the checker can fail.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -42,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.benchmarks.reliability_concurrency import make_block, read_block
 from torch_kv_tier.benchmarks.reliability_faults import server_stats
 
@@ -202,10 +204,14 @@ def shared_stress(
     slots: int = 256,
     max_grant: int = 16,
     pin_ttl_s: float = 10.0,
+    tcp: bool = False,
     params: Params = Params(),
 ) -> dict[str, Any]:
     """Run the stress (module docstring); returns the report: ``ok``, ``problems``, ``totals``,
-    ``processes`` (each child's ``Counts``), ``server`` (the host's stats at the end)."""
+    ``processes`` (each child's ``Counts``), ``server`` (the host's stats at the end).
+
+    ``tcp``: UCX over TCP for the server and every child (transfers stay in flight longer than
+    over shared memory, so more reads overlap evictions)."""
     from torch_kv_tier.remote import ServerProcess
 
     ctx = mp.get_context("spawn")
@@ -214,7 +220,10 @@ def shared_stress(
     problems: list[str] = []
     counts: dict[tuple[str, int], dict[str, Any]] = {}
     extra = ["--max-grant", str(max_grant), "--pin-ttl", str(pin_ttl_s)]
-    with ServerProcess.start(slots, params.block_len, extra_args=extra) as server:
+    with (
+        ucx_over_tcp() if tcp else contextlib.nullcontext(),
+        ServerProcess.start(slots, params.block_len, extra_args=extra) as server,
+    ):
         procs = {
             (role, i): ctx.Process(
                 target=_worker,
@@ -268,6 +277,7 @@ def shared_stress(
             "slots": slots,
             "max_grant": max_grant,
             "pin_ttl_s": pin_ttl_s,
+            "tcp": tcp,
             **asdict(params),
         },
     }
@@ -334,7 +344,8 @@ def render(report: dict[str, Any]) -> str:
     lines.append(
         f"{p['writers']} writers + {p['readers']} readers for {report['seconds']:.1f} s: "
         f"{p['keys']:,} keys of {p['block_len']:,} B over {p['slots']:,} slots "
-        f"(max grant {p['max_grant']}, pin TTL {p['pin_ttl_s']:g} s); host evictions "
+        f"(max grant {p['max_grant']}, pin TTL {p['pin_ttl_s']:g} s"
+        f"{', UCX over TCP' if p['tcp'] else ''}); host evictions "
         f"{host.get('shared_evictions', '?'):,}, stored at the end "
         f"{host.get('shared_stored_blocks', '?')}"
     )
@@ -361,6 +372,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-grant", type=int, default=16, help="host's --max-grant")
     parser.add_argument("--pin-ttl", type=float, default=10.0, help="host's --pin-ttl, s")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument(
+        "--tcp", action="store_true", help="UCX over TCP (UCX_TLS=tcp) instead of UCX's choice"
+    )
     parser.add_argument(
         "--self-check",
         action="store_true",
@@ -393,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         slots=args.slots,
         max_grant=args.max_grant,
         pin_ttl_s=args.pin_ttl,
+        tcp=args.tcp,
         params=params,
     )
     print(render(report))
