@@ -9,7 +9,9 @@ reader can check any block it loads. Writers store random batches of 1..``--max-
 coming back). Readers load random batches of keys their tier believes stored (``contains``),
 after random pauses, so that reads overlap evictions and rewrites of the same slots, and compare
 every loaded block with the key's block: anything else is a WRONG block. A key the host evicted
-before the pin is a legitimate "missing".
+before the pin is a legitimate "missing"; so is a read that outlived its pin (``--pin-ttl``):
+such a read did land, and the blocks it brought are checked too (``late_wrong``: how many of
+them a rewrite of their slot had indeed corrupted, i.e. what the pin deadline protected from).
 
 Processes: children start with the ``spawn`` context, report ``ready`` once connected, start
 together, and send their counts back on a queue. Every wait has a timeout; a child that crashes,
@@ -53,6 +55,9 @@ RESULT_TIMEOUT_S = 30.0  # one store/load future
 STARTUP_TIMEOUT_S = 180.0  # every child connected (spawned interpreters import torch and NIXL)
 FINISH_GRACE_S = 60.0  # after --seconds: the last calls, close(), the counts sent back
 MAX_WRONG_SAMPLES = 5  # wrong blocks described per process
+# the Counts fields added up over the processes
+_SUMMED: tuple[str, ...] = ("calls", "verified", "wrong", "missing", "injected", "idle", "stored")
+_SUMMED += ("late", "late_wrong", "blocks_written", "capacity", "pins_expired")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Counts:
     verified: int = 0  # loaded blocks equal to their key's block
     wrong: int = 0  # loaded blocks that are not
     missing: int = 0  # keys a load reported "missing"
+    late: int = 0  # of those, blocks that were read all the same (the read outlived its pin)
+    late_wrong: int = 0  # of those, blocks that were not the key's block
     injected: int = 0  # blocks corrupted on purpose (--self-check)
     idle: int = 0  # reader rounds with no key believed stored
     stored: int = 0  # keys a store call reported ok (sent now, or stored by anyone already)
@@ -147,6 +154,7 @@ def _reader_round(
             counts.missing += 1
         else:
             counts.other[reason] = counts.other.get(reason, 0) + 1
+    _check_late(table, result.failed, keys, local, arena, counts)
     loaded = set(result.keys)
     ok_keys = [k for k in keys if k in loaded]
     ok_local = [i for k, i in zip(keys, local) if k in loaded]
@@ -157,6 +165,26 @@ def _reader_round(
     pause = rng.choice((0.0, 0.0, 0.0002, 0.001, 0.005))
     if pause:
         time.sleep(pause)
+
+
+def _check_late(
+    table: np.ndarray,
+    failed: dict[Any, str],
+    keys: list[int],
+    local: list[int],
+    arena: np.ndarray,
+    counts: Counts,
+) -> None:
+    """Count the blocks reported missing that were read all the same (their destination is no
+    longer zeroed: the read outlived its pin), and how many of them are wrong."""
+    gone = [(k, i) for k, i in zip(keys, local) if failed.get(k) == "missing"]
+    if not gone:
+        return
+    rows = arena[[i for _, i in gone]]
+    late = rows.any(axis=1)
+    counts.late += int(late.sum())
+    expected = table[[k for k, _ in gone]]
+    counts.late_wrong += int((late & ~(rows == expected).all(axis=1)).sum())
 
 
 def _worker(
@@ -318,9 +346,7 @@ def _gather(
 
 
 def _totals(counts: list[dict[str, Any]]) -> dict[str, Any]:
-    summed = ("calls", "verified", "wrong", "missing", "injected", "idle", "stored")
-    summed += ("blocks_written", "capacity", "pins_expired")
-    totals: dict[str, Any] = {name: sum(c[name] for c in counts) for name in summed}
+    totals: dict[str, Any] = {name: sum(c[name] for c in counts) for name in _SUMMED}
     other: Counter[str] = Counter()
     for c in counts:
         other.update(c["other"])
@@ -330,9 +356,8 @@ def _totals(counts: list[dict[str, Any]]) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     """The report as a fixed-width table (one row per process, then the totals)."""
-    cols = ("calls", "verified", "wrong", "missing", "stored", "blocks_written", "capacity")
-    cols += ("pins_expired",)
-    rows = [("process", *cols, "other")]
+    cols = [name for name in _SUMMED if name != "injected"]
+    rows: list[tuple[str, ...]] = [("process", *cols, "other")]
     for c in report["processes"]:
         rows.append((f"{c['role']}-{c['index']}", *(f"{c[n]:,}" for n in cols), str(c["other"])))
     t = report["totals"]
