@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.shared_stress import Counts, block_table, check_blocks
+from torch_kv_tier.benchmarks.shared_stress_worker import Counts, block_table, check_blocks
 from torch_kv_tier.cli import main
 
 
