@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     deadline = time.monotonic() + args.max_seconds
     with TierManager.create(args.batch, args.block_len, name="streaming-client") as tier:
         tier.arena.tensor.random_(0, 256)
-        peer = tier.connect(args.address)
+        peer = tier.connect(args.address, private=True)
         print(f"connected {tier.stats().peers[peer].capacity}", flush=True)
         window: deque[Future[TransferResult]] = deque()
         stored = 0

@@ -329,7 +329,7 @@ def _reuse_whole_pool(
         deadline = killed_at + lease_timeout_s + 10.0
         while True:
             try:
-                peer = tier.connect(address, slots=pool)
+                peer = tier.connect(address, private=True, slots=pool)
                 break
             except HandshakeRejected as exc:
                 if exc.reason != "no free slots" or time.monotonic() > deadline:
