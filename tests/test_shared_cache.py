@@ -125,6 +125,19 @@ def test_a_key_stored_and_evicted_between_two_batches_is_reported_evicted() -> N
     assert (stored, evicted) == ([b"k1"], [b"k0"])
 
 
+def test_a_key_stored_and_evicted_twice_between_two_batches_is_reported_once() -> None:
+    """Regression (found by ``torch-kv-tier shared-stress``): a key evicted twice within one
+    batch was listed twice, and the tiers' copies of the index failed on the second removal
+    (``KeyError`` on the session's I/O thread: every tier lost the host)."""
+    cache = _cache(num_blocks=1)
+    _store(cache, "a", [b"k0"])
+    cache.take_events(max_keys=100)
+    for key in (b"k1", b"k0", b"k1"):  # each store evicts the other key
+        _store(cache, "a", [key])
+    [(_, _, stored, evicted)] = cache.take_events(max_keys=100)
+    assert (stored, evicted) == ([b"k1"], [b"k0"])
+
+
 def test_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="quota"):
         SharedCache(SlotPool(4), quota=0)

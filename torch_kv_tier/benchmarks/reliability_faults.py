@@ -276,7 +276,7 @@ def client_death(
             if server.proc.poll() is not None:
                 out.problem(f"trial {trial}: the server exited with {server.proc.returncode}")
                 break
-        reclaimed = _server_stats(server.address, block_len).get("leases_reclaimed", -1)
+        reclaimed = server_stats(server.address, block_len).get("leases_reclaimed", -1)
     out.equals("trials completed", len(reclaim), trials)
     out.equals("leases reclaimed by the server", reclaimed, trials)
     if reclaim:
@@ -355,8 +355,9 @@ def _reuse_whole_pool(
         return granted, same
 
 
-def _server_stats(address: str, block_len: int) -> dict[str, Any]:
-    """The server's stats through a short-lived control session (no NIXL agent needed)."""
+def server_stats(address: str, block_len: int) -> dict[str, Any]:
+    """The server's stats through a short-lived shared session: it needs no NIXL agent and
+    holds no slot (a private lease would need a free one)."""
     session = RemoteSession.open(
         address, agent_metadata=b"stats probe", region=Region(4096, 1, block_len)
     )

@@ -242,10 +242,12 @@ class SharedCache:
             stored, evicted = ns.stored, ns.evicted
             ns.stored, ns.evicted = [], []
             both = set(stored).intersection(evicted) if stored and evicted else ()
-            if both:
+            if both:  # only such a key can be listed twice (stored, evicted, stored ...)
                 entries = ns.entries
-                stored = [k for k in stored if k not in both or k in entries]
-                evicted = [k for k in evicted if k not in both or k not in entries]
+                stored = list(dict.fromkeys(k for k in stored if k not in both or k in entries))
+                evicted = list(
+                    dict.fromkeys(k for k in evicted if k not in both or k not in entries)
+                )
             while stored or evicted:
                 ns.event_seq += 1
                 out_evicted, evicted = evicted[:max_keys], evicted[max_keys:]
