@@ -156,3 +156,30 @@ def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier(
         assert old[:8] == kept[:8] and len(kept) < 32
         loaded = a.load(new, range(40)).result(timeout=RESULT_TIMEOUT_S)
         assert loaded.ok and torch.equal(a.arena.tensor[:40], b.arena.tensor[:40])
+
+
+def test_an_index_event_the_tier_cannot_apply_is_resynced_not_a_lost_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="a") as a,
+        TierManager.create(16, BLOCK_LEN, name="b") as b,
+    ):
+        a.connect(server.address)
+        peer = b.connect(server.address)
+        real = b._index.apply_host_changes
+        calls = []
+
+        def fails_once(*args: Any) -> None:
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("a bug applying an event batch")
+            real(*args)
+
+        monkeypatch.setattr(b._index, "apply_host_changes", fails_once)
+        keys = [f"k{i}" for i in range(16)]
+        assert a.store(keys, range(16)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: b.lookup(keys) == 16, 5.0), "b never resynced"
+        assert calls[1][3] is True  # the second call was a snapshot (reset)
+        assert b.peers() == [peer]

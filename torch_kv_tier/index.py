@@ -228,7 +228,7 @@ class BlockIndex:
         where = self.where
         if reset:
             evicted = list(peer.keys.difference(stored))
-        gone = [key for key in evicted if where.get(key) is peer]
+        gone = [key for key in dict.fromkeys(evicted) if where.get(key) is peer]
         drain(map(where.pop, gone))
         peer.keys.difference_update(evicted)
         peer.keys.update(stored)

@@ -474,8 +474,7 @@ class RemoteSession:
                     self._send(sock, make(seq))
                 for message in self._receive(sock):
                     if isinstance(message, p.Events):
-                        if self._follower is not None:
-                            self._follower.on_events(message)
+                        self._on_events(message)
                         continue
                     if isinstance(message, p.HeartbeatAck):
                         last_ok = time.monotonic()
@@ -534,6 +533,20 @@ class RemoteSession:
                     on_lost(self.peer_id)
                 except Exception:
                     logger.exception("on_lost callback for %s raised", self.peer_id)
+
+    def _on_events(self, events: p.Events) -> None:
+        """Hand pushed index events to the follower; a batch it cannot apply (a bug) is logged
+        and answered with a new snapshot, instead of ending the session."""
+        follower = self._follower
+        if follower is None:
+            return
+        try:
+            follower.on_events(events)
+        except Exception:
+            logger.exception(
+                "%s: index events %d not applied: resyncing", self.peer_id, events.event_seq
+            )
+            follower.start()
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
