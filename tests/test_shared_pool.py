@@ -147,7 +147,9 @@ def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier(
         assert a.store(old, range(32)).result(timeout=RESULT_TIMEOUT_S).ok
         assert wait_for(lambda: b.lookup(old) == 32, 5.0), "b to see a's keys"
         a.touch(old[:8])  # the first 8 are used again: evicted last
-        time.sleep(0.1)  # touches are one-way: let them reach the host first
+        # touches get no answer; a load (its pin follows them on the same connection, in order)
+        # returns only after the host applied them
+        assert a.load(old[:1], [63]).result(timeout=RESULT_TIMEOUT_S).ok
         new = [f"new-{i}" for i in range(40)]
         result = b.store(new, range(40)).result(timeout=RESULT_TIMEOUT_S)
         assert result.ok, result.failed
