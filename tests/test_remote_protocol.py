@@ -15,7 +15,7 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession, parse_address
 from torch_kv_tier.remote.leases import LeaseTable, SlotPool
 from torch_kv_tier.remote.metrics import render_prometheus
-from torch_kv_tier.remote.server import ServerConfig, add_arguments, is_loopback
+from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, is_loopback
 
 
 def test_messages_round_trip_and_bad_frames_say_why() -> None:

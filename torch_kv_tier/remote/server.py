@@ -19,15 +19,10 @@ counters, so the metrics HTTP thread can read a consistent ``stats()`` snapshot.
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import json
 import logging
 import math
-import os
 import secrets
 import signal
-import socket
-import stat
 import sys
 import threading
 import time
@@ -40,10 +35,13 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.leases import LeaseTable, Session
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
+from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, format_address
 from torch_kv_tier.remote.shared_service import SHARED_MESSAGES, SharedService
 from torch_kv_tier.transport import NixlTransport
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Server", "ServerConfig", "add_arguments", "run"]  # ``cli`` runs this module
 
 IDLE_POLL_S = 0.1  # longest wait for a control message (bounds SIGTERM latency too)
 EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
@@ -51,115 +49,6 @@ CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
 MAX_CLIENT_NAME = 128
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything ``Server`` needs; ``from_args`` builds it from the command line."""
-
-    num_blocks: int
-    block_len: int
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    config_fields: dict[str, Any] | None = None
-    metrics_port: int | None = None
-    lease_timeout_s: float = 30.0
-    max_lease: int | None = None
-    namespace_quota: int | None = None
-    max_grant: int | None = None
-    pin_ttl_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.block_len <= 0:
-            raise ValueError(
-                f"--num-blocks and --block-len must be > 0, got {self.num_blocks} and "
-                f"{self.block_len}"
-            )
-        if self.lease_timeout_s <= 0:
-            raise ValueError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout_s}")
-        if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
-            raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
-        if self.namespace_quota is not None and not 0 < self.namespace_quota <= self.num_blocks:
-            raise ValueError(
-                f"--namespace-quota must be in [1, --num-blocks], got {self.namespace_quota}"
-            )
-        if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
-            raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
-        if self.pin_ttl_s <= 0:
-            raise ValueError(f"--pin-ttl must be > 0 seconds, got {self.pin_ttl_s}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.token is None and not is_loopback(self.host):
-            raise ValueError(
-                f"refusing to listen on {self.host} without a token: anyone who reaches that "
-                "address could read and overwrite the pool. Pass --token-file PATH (clients "
-                "use the same token), or listen on 127.0.0.1"
-            )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        """Validate the parsed command line; ``ValueError`` says which option is wrong."""
-        return cls(
-            num_blocks=args.num_blocks,
-            block_len=args.block_len,
-            host=args.host,
-            port=args.port,
-            token=read_token_file(args.token_file) if args.token_file else None,
-            config_fields=parse_config_fields(args.config_fields),
-            metrics_port=args.metrics_port,
-            lease_timeout_s=args.lease_timeout,
-            max_lease=args.max_lease,
-            namespace_quota=args.namespace_quota,
-            max_grant=args.max_grant,
-            pin_ttl_s=args.pin_ttl,
-        )
-
-
-def is_loopback(host: str) -> bool:
-    """True when every address ``host`` resolves to is a loopback address."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-
-
-def read_token_file(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); ``ValueError`` if unusable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-            mode = os.fstat(f.fileno()).st_mode
-    except OSError as exc:
-        raise ValueError(f"cannot read --token-file {path}: {exc.strerror}") from None
-    if not token:
-        raise ValueError(f"--token-file {path} is empty: put a long random string in it")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        logger.warning("token file %s is readable by other users: chmod 600 it", path)
-    return token
-
-
-def parse_config_fields(text: str | None) -> dict[str, Any] | None:
-    """``--config-fields`` JSON (an object) or ``None``; ``ValueError`` if it is not an object."""
-    if text is None:
-        return None
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--config-fields is not valid JSON: {exc}") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"--config-fields must be a JSON object, got {type(fields).__name__}")
-    return fields
-
-
-def format_address(host: str, port: int) -> str:
-    """``HOST:PORT``, with IPv6 literals bracketed."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass
@@ -514,61 +403,6 @@ def _count_bytes(session: Session, report: p.Heartbeat | p.Disconnect) -> None:
 
 def _span(lease: range) -> str:
     return f"[{lease.start}, {lease.stop})"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``serve`` subcommand's options."""
-    parser.add_argument("--num-blocks", type=int, required=True, help="slots in the pool")
-    parser.add_argument(
-        "--block-len", type=int, required=True, help="bytes per block; clients must match"
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on (default 127.0.0.1); anything else requires --token-file",
-    )
-    parser.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
-    parser.add_argument(
-        "--token-file", help="file holding the shared secret clients must prove they know"
-    )
-    parser.add_argument(
-        "--config-fields",
-        help="JSON object of model config values; clients with a different non-empty "
-        "fingerprint are rejected",
-    )
-    parser.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus text on http://HOST:PORT/metrics"
-    )
-    parser.add_argument(
-        "--lease-timeout",
-        type=float,
-        default=30.0,
-        help="seconds without a heartbeat before a client's slots are reclaimed (default 30)",
-    )
-    parser.add_argument(
-        "--max-lease",
-        type=int,
-        help="most slots one private client may lease (default: the whole pool)",
-    )
-    parser.add_argument(
-        "--namespace-quota",
-        type=int,
-        help="most slots the shared sessions of one config fingerprint may fill; a namespace "
-        "at its quota evicts its own keys (default: the whole pool)",
-    )
-    parser.add_argument(
-        "--max-grant",
-        type=int,
-        help="most free slots one shared client may hold for its next writes (default: "
-        "a sixteenth of the pool, at most 4096)",
-    )
-    parser.add_argument(
-        "--pin-ttl",
-        type=float,
-        default=10.0,
-        help="seconds a shared read pin keeps its slots from eviction (default 10); a read "
-        "that takes longer is reported missing",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
