@@ -48,7 +48,8 @@ from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
 PRIMARY_CHUNKS = 8
 REMOTE_BLOCKS = 64
-TIER_SLOTS = 16  # each test's tier leases this many, so tests can share one remote host
+TIER_SLOTS = 16  # a private lease of this many slots per tier, so tests can share one host
+PRIVATE_LEASE = {"private": True, "slots": TIER_SLOTS}
 TIER_LABEL = ("1:RemoteHostTier",)  # vLLM labels secondary tier i as f"{i + 1}:{type}"
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -56,7 +57,8 @@ STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 def make_manager(
     remote: Any, *, kv_events: bool = False, **tier_options: Any
 ) -> tuple[Any, TieringOffloadingManager]:
-    """The spec and the TieringOffloadingManager vLLM would build for this extra config."""
+    """The spec and the TieringOffloadingManager vLLM would build for this extra config; the
+    tier leases :data:`PRIVATE_LEASE` unless ``tier_options`` say otherwise."""
     extra_config = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
@@ -65,7 +67,7 @@ def make_manager(
                 "type": "RemoteHostTier",
                 "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                 "remote": remote,
-                "slots": TIER_SLOTS,
+                **PRIVATE_LEASE,
                 **tier_options,
             }
         ],
@@ -231,6 +233,43 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         assert data[RemoteHostMetrics.CONNECTED_REMOTES][label] == 1
     finally:
         driver.shutdown(spec)
+
+
+def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> None:
+    """Two engines' tiers in the host's shared pool (the default): what the first stored, the
+    second finds in its lookup and promotes into its own primary tier, byte for byte."""
+    with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as host:  # its pool: these tiers only
+        spec_a, manager_a = make_manager(host.address, private=False, slots=None)
+        spec_b, manager_b = make_manager(host.address, private=False, slots=None)
+        first, second = Driver(manager_a, seed=1), Driver(manager_b, seed=2)
+        try:
+            keys = keys_for("shared", 4)
+            early = ReqContext(req_id="req-early")
+            with manager_b.lock:
+                assert [second.tier.lookup(k, early) for k in keys] == [LookupResult.MISS] * 4
+            first.store("req-a", keys)
+            first.run_until_idle()
+            # Visible to the second tier once the host pushed the first tier's commit to it.
+            wait_until(
+                lambda: all(second.tier.tier_manager.contains(k) for k in keys),
+                20.0,
+                "the second tier learns the chunks the first stored",
+            )
+            ctx = ReqContext(req_id="req-b")
+            with manager_b.lock:
+                manager_b.on_new_request(ctx)
+            assert second.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
+            assert second.loaded_bytes(ctx, keys) == [first.written[k] for k in keys]
+            with manager_b.lock:
+                manager_b.on_request_finished(ctx)
+                stats = manager_b.get_stats()
+            assert stats is not None
+            data = stats.data["data"]
+            assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
+            assert TieringOffloadingMetrics.WRITE_BYTES not in data  # it stored nothing itself
+        finally:
+            first.shutdown(spec_a)
+            second.shutdown(spec_b)
 
 
 def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> None:
