@@ -149,6 +149,25 @@ class Driver:
         self.run_until_idle()
         return self.lookup(ctx, keys)
 
+    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
+        the GPU then loads for them."""
+        ctx = ReqContext(req_id=req_id)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
+        assert self.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
+        loaded = self.loaded_bytes(ctx, keys)
+        with self.manager.lock:
+            self.manager.on_request_finished(ctx)
+        return loaded
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's offloading metrics since the previous call (``get_stats``), by name."""
+        with self.manager.lock:
+            stats = self.manager.get_stats()
+        assert stats is not None
+        return stats.data["data"]
+
     def loaded_bytes(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[bytes]:
         """What the GPU would load for ``keys`` from the primary tier (pins, reads, unpins)."""
         with self.manager.lock:
@@ -215,16 +234,8 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         assert sorted(k for e in events if not e.removed for k in e.keys) == sorted(
             keys + keys_for("filler", PRIMARY_CHUNKS)
         )
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
-        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
-        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
-        with manager.lock:
-            manager.on_request_finished(ctx)
-            stats = manager.get_stats()
-        assert stats is not None
-        data = stats.data["data"]
+        assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
+        data = driver.metrics()
         assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
         assert data[TieringOffloadingMetrics.WRITE_BYTES][TIER_LABEL] == 12 * CHUNK_BYTES
         assert data[TieringOffloadingMetrics.READ_TIME][TIER_LABEL] > 0  # our transfer_time
@@ -255,16 +266,8 @@ def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> 
                 20.0,
                 "the second tier learns the chunks the first stored",
             )
-            ctx = ReqContext(req_id="req-b")
-            with manager_b.lock:
-                manager_b.on_new_request(ctx)
-            assert second.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
-            assert second.loaded_bytes(ctx, keys) == [first.written[k] for k in keys]
-            with manager_b.lock:
-                manager_b.on_request_finished(ctx)
-                stats = manager_b.get_stats()
-            assert stats is not None
-            data = stats.data["data"]
+            assert second.promote_request("req-b", keys) == [first.written[k] for k in keys]
+            data = second.metrics()
             assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
             assert TieringOffloadingMetrics.WRITE_BYTES not in data  # it stored nothing itself
         finally:
@@ -309,13 +312,7 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
             manager.reset_cache()  # asserts that no job is left unreported
             if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
                 manager.on_reset_flushed()
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
-        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
-        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
-        with manager.lock:
-            manager.on_request_finished(ctx)
+        assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
 
