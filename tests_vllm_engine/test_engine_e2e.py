@@ -119,9 +119,10 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
     prompt_b = TokensPrompt(prompt_token_ids=prefix + [11, 12, 13, 14, 15])
     greedy = SamplingParams(temperature=0.0, max_tokens=16)
     children_before = {p.pid for p in psutil.Process().children(recursive=True)}
-    regions_before = offload_regions()
 
     llm = engine.make_llm(model_dir, server.address)
+    region = offload_region(llm)
+    assert region.exists(), f"vLLM's offload region is not at {region}"
     engine_procs = [
         p
         for p in psutil.Process().children(recursive=True)
@@ -160,7 +161,7 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
         within(RECOMPUTE_DEADLINE_S, "engine shutdown", lambda: engine.shutdown(llm))
     _, alive = psutil.wait_procs(engine_procs, timeout=30)
     assert not alive, f"engine processes still running after shutdown: {alive}"
-    assert offload_regions() == regions_before, "vLLM's offload region was left in /dev/shm"
+    assert not region.exists(), "vLLM's offload region was left in /dev/shm"
 
 
 def test_a_second_engine_promotes_a_prefix_only_the_first_computed(model_dir: str) -> None:
@@ -171,7 +172,6 @@ def test_a_second_engine_promotes_a_prefix_only_the_first_computed(model_dir: st
     prompt = [rng.randrange(10, 1000) for _ in range(PREFIX_TOKENS + 5)]
     prefix_chunks = PREFIX_TOKENS // BLOCK_TOKENS
     chunk_bytes = engine.TINY_MODEL_CHUNK_BYTES
-    regions_before = offload_regions()
     with (
         ServerProcess.start(num_blocks=256, block_len=chunk_bytes) as host,
         RemoteSession.open(  # reads the host's stats; it moves no bytes
@@ -197,7 +197,8 @@ def test_a_second_engine_promotes_a_prefix_only_the_first_computed(model_dir: st
             lambda: _bytes_read(observer.stats(), second_session) >= prefix_chunks * chunk_bytes,
             HOST_DEADLINE_S,
         ), "the host saw no read of the prefix by the second engine's session"
-    assert offload_regions() == regions_before, "vLLM's offload region was left in /dev/shm"
+    regions = [first.region, second.region]
+    assert not any(r.exists() for r in regions), "vLLM's offload region was left in /dev/shm"
 
 
 def _session_ids(stats: dict[str, Any]) -> set[str]:
@@ -253,7 +254,8 @@ class EngineProcess:
     def start(self, remote: str) -> None:
         """Start the engine, its tier joining the remote host ``remote``."""
         self._conn.send(remote)
-        self._reply("ready", ENGINE_START_S, "the engine start")
+        self.region = Path(self._reply("ready", ENGINE_START_S, "the engine start"))
+        assert self.region.exists(), f"vLLM's offload region is not at {self.region}"
 
     def generate(self, prompt: list[int]) -> Served:
         self._conn.send(prompt)
@@ -320,7 +322,7 @@ def _run_engine(model_dir: str, conn: Connection) -> None:
 
 def _serve(llm: Any, conn: Connection) -> None:
     try:
-        conn.send(("ready", None))
+        conn.send(("ready", str(offload_region(llm))))
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
         while (prompt := conn.recv()) is not None:
             out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy)[0]
@@ -389,12 +391,19 @@ def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
                 pytest.fail("the vLLM server did not stop within 60 s of SIGTERM")
-    assert offload_regions() == regions_before, "vLLM's offload region was left in /dev/shm"
+    left = offload_regions() - regions_before  # other tests on this machine have their own
+    assert not left, f"vLLM's offload region was left in /dev/shm: {left}"
 
 
 def offload_regions() -> set[str]:
     """vLLM's shared offload regions (one file per engine) now in /dev/shm."""
     return {p.name for p in Path("/dev/shm").glob("vllm_offload_*.mmap")}
+
+
+def offload_region(llm: Any) -> Path:
+    """The shared offload region of ``llm``'s engine (vLLM names it by the engine id)."""
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    return Path("/dev/shm") / f"vllm_offload_{engine_id}.mmap"
 
 
 def _server_pid(shell: subprocess.Popen[bytes]) -> int:
