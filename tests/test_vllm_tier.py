@@ -12,6 +12,7 @@ region; every promotion is checked byte for byte against them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -249,30 +250,35 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
 def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> None:
     """Two engines' tiers in the host's shared pool (the default): what the first stored, the
     second finds in its lookup and promotes into its own primary tier, byte for byte."""
-    with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as host:  # its pool: these tiers only
-        spec_a, manager_a = make_manager(host.address, private=False, slots=None)
-        spec_b, manager_b = make_manager(host.address, private=False, slots=None)
-        first, second = Driver(manager_a, seed=1), Driver(manager_b, seed=2)
-        try:
-            keys = keys_for("shared", 4)
-            early = ReqContext(req_id="req-early")
-            with manager_b.lock:
-                assert [second.tier.lookup(k, early) for k in keys] == [LookupResult.MISS] * 4
-            first.store("req-a", keys)
-            first.run_until_idle()
-            # Visible to the second tier once the host pushed the first tier's commit to it.
-            wait_until(
-                lambda: all(second.tier.tier_manager.contains(k) for k in keys),
-                20.0,
-                "the second tier learns the chunks the first stored",
-            )
-            assert second.promote_request("req-b", keys) == [first.written[k] for k in keys]
-            data = second.metrics()
-            assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
-            assert TieringOffloadingMetrics.WRITE_BYTES not in data  # it stored nothing itself
-        finally:
-            first.shutdown(spec_a)
-            second.shutdown(spec_b)
+    with (
+        ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as host,  # its pool: these tiers only
+        contextlib.ExitStack() as cleanup,
+    ):
+        first, second = (shared_driver(cleanup, host.address, seed) for seed in (1, 2))
+        keys = keys_for("shared", 4)
+        early = ReqContext(req_id="req-early")
+        with second.manager.lock:
+            assert [second.tier.lookup(k, early) for k in keys] == [LookupResult.MISS] * 4
+        first.store("req-a", keys)
+        first.run_until_idle()
+        # Visible to the second tier once the host pushed the first tier's commit to it.
+        wait_until(
+            lambda: all(second.tier.tier_manager.contains(k) for k in keys),
+            20.0,
+            "the second tier learns the chunks the first stored",
+        )
+        assert second.promote_request("req-b", keys) == [first.written[k] for k in keys]
+        data = second.metrics()
+        assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
+        assert TieringOffloadingMetrics.WRITE_BYTES not in data  # it stored nothing itself
+
+
+def shared_driver(cleanup: contextlib.ExitStack, remote: str, seed: int) -> Driver:
+    """A Driver over a tier in ``remote``'s shared pool, shut down by ``cleanup``."""
+    spec, manager = make_manager(remote, private=False, slots=None)
+    driver = Driver(manager, seed)
+    cleanup.callback(driver.shutdown, spec)
+    return driver
 
 
 def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> None:
