@@ -12,6 +12,7 @@ region; every promotion is checked byte for byte against them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -48,7 +49,8 @@ from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
 PRIMARY_CHUNKS = 8
 REMOTE_BLOCKS = 64
-TIER_SLOTS = 16  # each test's tier leases this many, so tests can share one remote host
+TIER_SLOTS = 16  # a private lease of this many slots per tier, so tests can share one host
+PRIVATE_LEASE = {"private": True, "slots": TIER_SLOTS}
 TIER_LABEL = ("1:RemoteHostTier",)  # vLLM labels secondary tier i as f"{i + 1}:{type}"
 STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -56,7 +58,8 @@ STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 def make_manager(
     remote: Any, *, kv_events: bool = False, **tier_options: Any
 ) -> tuple[Any, TieringOffloadingManager]:
-    """The spec and the TieringOffloadingManager vLLM would build for this extra config."""
+    """The spec and the TieringOffloadingManager vLLM would build for this extra config; the
+    tier leases :data:`PRIVATE_LEASE` unless ``tier_options`` say otherwise."""
     extra_config = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
@@ -65,8 +68,7 @@ def make_manager(
                 "type": "RemoteHostTier",
                 "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                 "remote": remote,
-                "private": True,  # a lease of its own: tests share one host without sharing keys
-                "slots": TIER_SLOTS,
+                **PRIVATE_LEASE,
                 **tier_options,
             }
         ],
@@ -148,6 +150,25 @@ class Driver:
         self.run_until_idle()
         return self.lookup(ctx, keys)
 
+    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
+        the GPU then loads for them."""
+        ctx = ReqContext(req_id=req_id)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
+        assert self.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
+        loaded = self.loaded_bytes(ctx, keys)
+        with self.manager.lock:
+            self.manager.on_request_finished(ctx)
+        return loaded
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's offloading metrics since the previous call (``get_stats``), by name."""
+        with self.manager.lock:
+            stats = self.manager.get_stats()
+        assert stats is not None
+        return stats.data["data"]
+
     def loaded_bytes(self, ctx: ReqContext, keys: Sequence[OffloadKey]) -> list[bytes]:
         """What the GPU would load for ``keys`` from the primary tier (pins, reads, unpins)."""
         with self.manager.lock:
@@ -214,16 +235,8 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         assert sorted(k for e in events if not e.removed for k in e.keys) == sorted(
             keys + keys_for("filler", PRIMARY_CHUNKS)
         )
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
-        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
-        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
-        with manager.lock:
-            manager.on_request_finished(ctx)
-            stats = manager.get_stats()
-        assert stats is not None
-        data = stats.data["data"]
+        assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
+        data = driver.metrics()
         assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
         assert data[TieringOffloadingMetrics.WRITE_BYTES][TIER_LABEL] == 12 * CHUNK_BYTES
         assert data[TieringOffloadingMetrics.READ_TIME][TIER_LABEL] > 0  # our transfer_time
@@ -232,6 +245,40 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         assert data[RemoteHostMetrics.CONNECTED_REMOTES][label] == 1
     finally:
         driver.shutdown(spec)
+
+
+def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> None:
+    """Two engines' tiers in the host's shared pool (the default): what the first stored, the
+    second finds in its lookup and promotes into its own primary tier, byte for byte."""
+    with (
+        ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as host,  # its pool: these tiers only
+        contextlib.ExitStack() as cleanup,
+    ):
+        first, second = (shared_driver(cleanup, host.address, seed) for seed in (1, 2))
+        keys = keys_for("shared", 4)
+        early = ReqContext(req_id="req-early")
+        with second.manager.lock:
+            assert [second.tier.lookup(k, early) for k in keys] == [LookupResult.MISS] * 4
+        first.store("req-a", keys)
+        first.run_until_idle()
+        # Visible to the second tier once the host pushed the first tier's commit to it.
+        wait_until(
+            lambda: all(second.tier.tier_manager.contains(k) for k in keys),
+            20.0,
+            "the second tier learns the chunks the first stored",
+        )
+        assert second.promote_request("req-b", keys) == [first.written[k] for k in keys]
+        data = second.metrics()
+        assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
+        assert TieringOffloadingMetrics.WRITE_BYTES not in data  # it stored nothing itself
+
+
+def shared_driver(cleanup: contextlib.ExitStack, remote: str, seed: int) -> Driver:
+    """A Driver over a tier in ``remote``'s shared pool, shut down by ``cleanup``."""
+    spec, manager = make_manager(remote, private=False, slots=None)
+    driver = Driver(manager, seed)
+    cleanup.callback(driver.shutdown, spec)
+    return driver
 
 
 def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> None:
@@ -271,13 +318,7 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
             manager.reset_cache()  # asserts that no job is left unreported
             if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
                 manager.on_reset_flushed()
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
-        assert driver.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
-        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
-        with manager.lock:
-            manager.on_request_finished(ctx)
+        assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
 

@@ -49,14 +49,18 @@ class RemoteHostTierConfig:
     Attributes:
         remotes: ``HOST:PORT`` of every ``torch-kv-tier serve`` remote host, in config order.
         token: shared secret read from ``token_file`` (``None`` when the server needs none).
-        private: lease slots of each remote host for this tier alone instead of joining the
-            host's shared pool (where every tier with the same ``config_fields`` finds the
-            chunks the others stored).
+        private: lease slots of each remote host for this tier alone (no other tier reads or
+            evicts them) instead of joining the host's shared pool, the default, where every
+            tier with equal ``config_fields`` finds the chunks the others stored (a prefix one
+            vLLM instance computed is a hit for the others: chunks are keyed by vLLM's block
+            hashes).
         slots: with ``private``, slots to lease on each remote host; ``None`` leases every
-            free slot.
+            free slot (up to the server's ``--max-lease``). Without ``private`` it is an error.
         max_inflight: transfers the tier keeps in flight before queueing inside the tier.
-        config_fields: model facts hashed into the fingerprint the server checks; ``None``
-            sends an empty fingerprint, which every server accepts.
+        config_fields: model facts hashed into the fingerprint the server checks, which is also
+            the tier's namespace in a host's shared pool: tiers of different models that share
+            a host must differ here, or they read each other's chunks for equal token
+            prefixes. ``None`` sends an empty fingerprint, which every server accepts.
         backends: NIXL backends (``None``: UCX).
         num_threads: NIXL worker threads for UCX.
         locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
