@@ -1,4 +1,4 @@
-"""``torch-kv-tier`` command line: ``serve``, ``bench`` and ``stress`` subcommands."""
+"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress`` and ``shared-bench``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ _COMMANDS = {
     "stress": (
         "torch_kv_tier.benchmarks.soak",
         "long reliability runs: soak, peer death, concurrency",
+    ),
+    "shared-bench": (
+        "torch_kv_tier.benchmarks.shared_bench",
+        "shared pool figures: cross-tier hits, sharing cost, lookup, staleness, host loss",
     ),
 }
 

@@ -133,7 +133,7 @@ def host_group(remote: str | None, block_len: int, pools: list[int]) -> Iterator
 def open_session(
     target: Target, agent_metadata: bytes, base_addr: int, num_blocks: int, mem_type: str
 ) -> object:
-    """Handshake with the remote host for ``target.remote_slots`` slots.
+    """Handshake with the remote host for a private lease of ``target.remote_slots`` slots.
 
     Returns the ``RemoteSession`` (``agent_metadata``, ``base_addr``, ``num_blocks``, ``lease``).
     A rejected handshake (e.g. another block length) raises ``Skip`` with the server's reason;
@@ -150,6 +150,7 @@ def open_session(
             region=region,
             token=target.token,
             slots=target.remote_slots,
+            private=True,
         )
     except HandshakeRejected as exc:
         raise Skip(f"remote host {address} refused: {exc}") from exc
