@@ -8,12 +8,12 @@ block size. At every point each process holds three systems open over the same h
 leases, ``connect(private=True, slots=...)``) and ``nixl_raw`` (a bare NIXL initiator on a
 private lease of the first host, ``system_nixl_raw``). The private systems lease from hosts of
 their own, started like the shared ones: a shared pool draws free slots in runs of up to 4096
-and keeps them, so on one host the private leases would be refused once the shared tiers ran. Rounds alternate the systems' order
-(A B C, C B A, ...); in each round every process runs one timed burst of one system at once
-(``sweep.PointRunner``), and the aggregate GB/s is all bytes over the span from the first start
-to the last end. Ratios (shared/nixl_raw, private/nixl_raw, shared/private) are paired within a
-round and reported as median, IQR and min..max; after the rounds every system's bytes are
-verified.
+and keeps them, so on one host the private leases would be refused once the shared tiers ran.
+Rounds alternate the systems' order (A B C, C B A, ...); in each round every process runs one
+timed burst of one system at once (``sweep.PointRunner``), and the aggregate GB/s is all bytes
+over the span from the first start to the last end. Ratios (shared/nixl_raw,
+private/nixl_raw, shared/private) are paired within a round and reported as median, IQR and
+min..max; after the rounds every system's bytes are verified.
 
 Then, in this process: the cross-tier hit (bytes identical), ``lookup`` latency, staleness, and
 a SIGKILLed host (``shared_checks``). Exit status: 0 when every figure was measured and every
@@ -30,8 +30,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,18 +43,19 @@ from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
 
 logger = logging.getLogger(__name__)
 
-QUICK = {
+QUICK: dict[str, Any] = {
     "block_sizes": [64 << 10],
     "tiers": [1, 2],
     "hosts": [1, 2],
-    "rounds": 3,
+    "rounds": 2,
     "min_time": 0.03,
     "working_set_mib": 4,
     "hit_blocks": 1000,
-    "lookup_calls": 2000,
-    "staleness_samples": 50,
+    "lookup_calls": 1000,
+    "staleness_samples": 30,
+    "heartbeat_s": 3.0,
 }
-FULL = {
+FULL: dict[str, Any] = {
     "block_sizes": [64 << 10, 256 << 10],
     "tiers": [1, 2, 4],
     "hosts": [1, 2, 4],
@@ -65,8 +65,10 @@ FULL = {
     "hit_blocks": 1000,
     "lookup_calls": 20000,
     "staleness_samples": 300,
+    "heartbeat_s": 10.0,
 }
 BATCH, INFLIGHT = 16, 4
+GRANT_BATCH = 512  # TierManager's default grant request
 ANSWER_TIMEOUT_S = 120.0  # one open (NIXL agents, staging, warm-up) or burst of one process
 RATIOS = (("shared", "nixl_raw"), ("private", "nixl_raw"), ("shared", "private"))
 
@@ -84,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hit-blocks", type=_positive, help="blocks of the cross-tier hit")
     parser.add_argument("--lookup-calls", type=_positive, help="timed lookup calls")
     parser.add_argument("--staleness-samples", type=_positive, help="stores timed to visibility")
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        help="heartbeat timeout of the host-kill tier: the longest a read of a dead host waits "
+        "(default: connect()'s 10 s; 3 s with --quick)",
+    )
     parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
     parser.add_argument("--json", help="write every figure to this JSON file")
 
@@ -91,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     base = QUICK if args.quick else FULL
     cfg = {k: (v if (v := getattr(args, k, None)) is not None else base[k]) for k in base}
-    if min(cfg["block_sizes"]) < BATCH:
-        raise ValueError("block sizes must be at least 16 B")
+    if cfg["min_time"] <= 0 or cfg["heartbeat_s"] <= 0:
+        raise ValueError("--min-time and --heartbeat-s must be > 0")
     return cfg
 
 
@@ -206,7 +214,11 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
             # every process: a nixl_raw lease, a private lease and shared keys (+ slack, grants)
             pool = 8 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
-            with host_group(None, block_len, [pool] * (2 * max_hosts)) as hosts:
+            # A host's default grant cap (a sixteenth of its pool) suits pools of gigabytes;
+            # these small pools get the cap that a large one gives a tier's 512-slot requests.
+            max_grant = min(GRANT_BATCH, pool // (2 * max_tiers))
+            extra = ["--max-grant", str(max_grant)]
+            with host_group(None, block_len, [pool] * (2 * max_hosts), extra) as hosts:
                 missing = [h.problem for h in hosts if h.address is None]
                 if missing:
                     raise RuntimeError(f"hosts did not start: {missing}")
@@ -288,13 +300,11 @@ def _failures(result: dict[str, Any]) -> list[str]:
     return out
 
 
-@contextmanager
-def _quiet() -> Iterator[None]:
+def _setup_nixl() -> None:
     from torch_kv_tier.benchmarks.bench import _quiet_nixl
 
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as ``bench`` sets it
     _quiet_nixl()
-    yield
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,14 +316,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     result: dict[str, Any] = {"env": _environment(), "config": cfg}
-    with _quiet():
-        result["throughput"] = list(throughput(cfg, args.seed))
-        block_len = min(cfg["block_sizes"])
-        result.update(
-            shared_checks.cross_tier_and_lookup(block_len, cfg["hit_blocks"], cfg["lookup_calls"])
-        )
-        result["staleness"] = shared_checks.staleness(block_len, cfg["staleness_samples"])
-        result["host_kill"] = shared_checks.host_kill(block_len, 3, 100, BATCH)
+    _setup_nixl()
+    result["throughput"] = list(throughput(cfg, args.seed))
+    block_len = min(cfg["block_sizes"])
+    result.update(
+        shared_checks.cross_tier_and_lookup(block_len, cfg["hit_blocks"], cfg["lookup_calls"])
+    )
+    result["staleness"] = shared_checks.staleness(block_len, cfg["staleness_samples"])
+    result["host_kill"] = shared_checks.host_kill(block_len, 3, 100, BATCH, cfg["heartbeat_s"])
     result["env"]["loadavg_end"] = os.getloadavg()
     result["env"]["seconds"] = round(time.monotonic() - started, 1)
     print(_table(result))
