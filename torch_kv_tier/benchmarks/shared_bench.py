@@ -208,7 +208,7 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     if 1 not in cfg["tiers"] and 1 in cfg["hosts"]:
         shapes.insert(0, (1, 1))
     max_tiers, max_hosts = max(t for t, _ in shapes), max(h for _, h in shapes)
-    workers = Workers(max_tiers)
+    workers: Workers | None = None  # started once the first hosts are up (fewer at once)
     try:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
@@ -223,6 +223,7 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
                 if missing:
                     raise RuntimeError(f"hosts did not start: {missing}")
                 addresses = [str(h.address) for h in hosts]
+                workers = workers or Workers(max_tiers)
                 for tiers, n_hosts in shapes:
                     for op in ("write", "read"):
                         logger.info("%d K: %d tiers, %d hosts, %s", block_len >> 10, tiers,
@@ -231,7 +232,8 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
                         yield _point(workers, {**cfg, "block_len": block_len}, seed, pair,
                                      tiers, op)  # fmt: skip
     finally:
-        workers.close()
+        if workers is not None:
+            workers.close()
 
 
 def _environment() -> dict[str, Any]:
