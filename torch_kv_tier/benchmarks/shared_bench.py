@@ -168,37 +168,51 @@ def _point(
     op: str,
 ) -> dict[str, Any]:
     """One point: ``tiers`` processes over ``hosts`` (shared, private), the systems interleaved
-    by round."""
+    by round. A failure the workers report ends the point as an ``error`` (the rounds complete
+    so far are kept); the workers close its systems either way."""
     block_len = cfg["block_len"]
-    workers.ask(
-        tiers,
-        {"cmd": "open", "block_len": block_len, "addresses": hosts[0],
-         "private_addresses": hosts[1], "systems": SYSTEMS,
-         "working_set": cfg["working_set_mib"] << 20, "batch": BATCH, "inflight": INFLIGHT,
-         "op": op, "min_time": cfg["min_time"], "warmup": cfg["min_time"] / 2, "seed": seed},
-    )  # fmt: skip
     gbps: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    error = None
     try:
+        workers.ask(
+            tiers,
+            {"cmd": "open", "block_len": block_len, "addresses": hosts[0],
+             "private_addresses": hosts[1], "systems": SYSTEMS,
+             "working_set": cfg["working_set_mib"] << 20, "batch": BATCH, "inflight": INFLIGHT,
+             "op": op, "min_time": cfg["min_time"], "warmup": cfg["min_time"] / 2, "seed": seed},
+        )  # fmt: skip
         for r in range(cfg["rounds"]):
             for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                 answers = workers.ask(tiers, {"cmd": "burst", "system": name})
                 span = max(a["end"] for a in answers) - min(a["start"] for a in answers)
                 gbps[name].append(sum(a["bytes"] for a in answers) / span / 1e9)
-    finally:
+    except RuntimeError as exc:
+        error = str(exc)
+    try:
         verified = workers.ask(tiers, {"cmd": "finish"})
+    except RuntimeError as exc:
+        error = error or f"verification: {exc}"
+    if error is not None:
+        logger.error("%d K, %d tiers, %d hosts, %s: %s", block_len >> 10, tiers, len(hosts[0]),
+                     op, error)  # fmt: skip
+    rounds = min(len(v) for v in gbps.values())
+    complete = {name: v[:rounds] for name, v in gbps.items()}
     return {
         "kind": "throughput",
         "op": "store" if op == "write" else "load",
         "block_len": block_len,
         "tiers": tiers,
         "hosts": len(hosts[0]),
-        "gbps": {name: _spread(v) for name, v in gbps.items()},
-        "gbps_rounds": gbps,
+        "gbps": {name: _spread(v) if rounds else None for name, v in complete.items()},
+        "gbps_rounds": complete,
         "ratios": {
-            f"{a}/{b}": _spread([x / y for x, y in zip(gbps[a], gbps[b], strict=True)])
+            f"{a}/{b}": _spread([x / y for x, y in zip(complete[a], complete[b], strict=True)])
+            if rounds
+            else None
             for a, b in RATIOS
         },
-        "verified": all(all(v["verified"].values()) for v in verified),
+        "verified": error is None and all(all(v["verified"].values()) for v in verified),
+        "error": error,
     }
 
 
@@ -255,6 +269,12 @@ def _table(result: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["throughput"]:
+        if p["error"] is not None:
+            lines.append(
+                f"| {p['op']} | {p['block_len'] >> 10}K | {p['tiers']} | {p['hosts']} "
+                f"| error: {p['error'][:200]} |"
+            )
+            continue
         g, r = p["gbps"], p["ratios"]
         sp = r["shared/private"]
         lines.append(
@@ -292,7 +312,8 @@ def _table(result: dict[str, Any]) -> str:
 
 
 def _failures(result: dict[str, Any]) -> list[str]:
-    out = [f"{p['op']} {p['block_len']} B x{p['tiers']}/{p['hosts']}: bytes differ"
+    out = [f"{p['op']} {p['block_len']} B, {p['tiers']} tiers, {p['hosts']} hosts: "
+           f"{p['error'] or 'bytes differ'}"
            for p in result["throughput"] if not p["verified"]]  # fmt: skip
     hit, kill = result["cross_tier_hit"], result["host_kill"]
     if hit["identical_blocks"] != hit["blocks"] or not hit["loaded_ok"]:
