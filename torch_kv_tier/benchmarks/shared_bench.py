@@ -226,8 +226,10 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     try:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
-            # every process: a nixl_raw lease, a private lease and shared keys (+ slack, grants)
-            pool = 8 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
+            # A private host holds a nixl_raw lease and a private tier's lease (working set +
+            # slack) per process, twice (the last point's may still be on their way back); a
+            # shared host the processes' working sets and grants (it evicts beyond that).
+            pool = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
             # A host's default grant cap (a sixteenth of its pool) suits pools of gigabytes;
             # these small pools get the cap that a large one gives a tier's 512-slot requests.
             max_grant = min(GRANT_BATCH, pool // (2 * max_tiers))
