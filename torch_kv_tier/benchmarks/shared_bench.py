@@ -186,6 +186,7 @@ def _point(
                 answers = workers.ask(tiers, {"cmd": "burst", "system": name})
                 span = max(a["end"] for a in answers) - min(a["start"] for a in answers)
                 gbps[name].append(sum(a["bytes"] for a in answers) / span / 1e9)
+        workers.ask(tiers, {"cmd": "last"})  # all stop writing before any reads back
     except RuntimeError as exc:
         error = str(exc)
     try:

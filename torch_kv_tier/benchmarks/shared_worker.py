@@ -11,7 +11,11 @@ sent to stderr. Commands:
   ``sweep.PointRunner``);
 - ``burst`` ``system``: one timed repeat; answers ``start``/``end`` (``time.perf_counter``, i.e.
   CLOCK_MONOTONIC, comparable across the processes of one machine) and ``bytes``;
-- ``finish``: a last repeat, byte verification, then close; answers ``verified`` per system;
+- ``last``: the last repeat of every system (writes refill their source, reads zero their
+  destination first);
+- ``finish``: byte verification of what the last repeats moved, then close; answers
+  ``verified`` per system. Apart from ``last`` because tiers sharing a pool evict each other's
+  keys: every process must have stopped writing before any reads its stores back;
 - ``exit``.
 
 Keys are distinct per INDEX (``Settings.first_key``), so tiers sharing a pool never store each
@@ -100,11 +104,15 @@ class Worker:
         point = state.point
         return {"start": start, "end": end, "bytes": state.calls * point.batch * point.block_len}
 
+    def last(self, msg: dict[str, Any]) -> dict[str, Any]:
+        for state in self.states.values():
+            self.runner.burst(state, last=True)
+        return {}
+
     def finish(self, msg: dict[str, Any]) -> dict[str, Any]:
         verified = {}
         try:
             for name, state in self.states.items():
-                self.runner.burst(state, last=True)
                 m = self.runner.finish(state)
                 verified[name] = m.mismatched_blocks == 0 and m.verified_blocks > 0
         finally:
@@ -121,7 +129,12 @@ class Worker:
 def serve(index: int, commands: IO[str], answers: IO[str]) -> None:
     """Answer ``commands`` until ``exit`` or end of file."""
     worker = Worker(index)
-    handlers = {"open": worker.open, "burst": worker.burst, "finish": worker.finish}
+    handlers = {
+        "open": worker.open,
+        "burst": worker.burst,
+        "last": worker.last,
+        "finish": worker.finish,
+    }
     try:
         for line in commands:
             msg = json.loads(line)
