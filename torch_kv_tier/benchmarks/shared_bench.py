@@ -228,14 +228,16 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
             # A private host holds a nixl_raw lease and a private tier's lease (working set +
-            # slack) per process, twice (the last point's may still be on their way back); a
-            # shared host the processes' working sets and grants (it evicts beyond that).
-            pool = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
-            # A host's default grant cap (a sixteenth of its pool) suits pools of gigabytes;
-            # these small pools get the cap that a large one gives a tier's 512-slot requests.
-            max_grant = min(GRANT_BATCH, pool // (2 * max_tiers))
-            extra = ["--max-grant", str(max_grant)]
-            with host_group(None, block_len, [pool] * (2 * max_hosts), extra) as hosts:
+            # slack) per process, twice (the last point's may still be on their way back).
+            private = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
+            # A shared host holds every process's grants, and the grants of the sessions closed
+            # in the last 30 s (quarantined: the lease timeout), and evicts beyond that: twice
+            # the private pool, with a grant cap of a sixteenth per process (the default is a
+            # sixteenth of the pool, sized for pools of gigabytes, not for these small ones).
+            shared = 2 * private
+            max_grant = min(GRANT_BATCH, shared // (16 * max_tiers))
+            pools = [shared] * max_hosts + [private] * max_hosts
+            with host_group(None, block_len, pools, ["--max-grant", str(max_grant)]) as hosts:
                 missing = [h.problem for h in hosts if h.address is None]
                 if missing:
                     raise RuntimeError(f"hosts did not start: {missing}")
