@@ -232,10 +232,10 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
             private = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
             # A shared host holds every process's grants, and the grants of the sessions closed
             # in the last 30 s (quarantined: the lease timeout), and evicts beyond that: twice
-            # the private pool, with a grant cap of a sixteenth per process (the default is a
-            # sixteenth of the pool, sized for pools of gigabytes, not for these small ones).
+            # the private pool. The grant cap (default: a sixteenth of the pool, sized for pools
+            # of gigabytes) is a sixteenth per process, but at least twice the blocks in flight.
             shared = 2 * private
-            max_grant = min(GRANT_BATCH, shared // (16 * max_tiers))
+            max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, shared // (16 * max_tiers)))
             pools = [shared] * max_hosts + [private] * max_hosts
             with host_group(None, block_len, pools, ["--max-grant", str(max_grant)]) as hosts:
                 missing = [h.problem for h in hosts if h.address is None]
