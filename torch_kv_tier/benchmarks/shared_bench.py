@@ -125,19 +125,22 @@ class Workers:
             self.close()
             raise
 
-    def ask(self, n: int, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    def ask(self, n: int, msg: dict[str, Any], first: int = 0) -> list[dict[str, Any]]:
+        """Send ``msg`` to workers ``first .. n - 1``; their answers, in order."""
         line = json.dumps(msg) + "\n"
-        for proc in self.procs[:n]:
+        for proc in self.procs[first:n]:
             assert proc.stdin is not None
             proc.stdin.write(line)
             proc.stdin.flush()
         answers = []
-        for i, reader in enumerate(self.readers[:n]):
+        for i, reader in enumerate(self.readers[first:n], start=first):
             text = reader.next_line(ANSWER_TIMEOUT_S)
             if text is None:
                 raise RuntimeError(f"worker {i} exited (code {self.procs[i].poll()})")
             answers.append(json.loads(text))
-        errors = [f"worker {i}: {a['error']}" for i, a in enumerate(answers) if not a["ok"]]
+        errors = [
+            f"worker {i}: {a['error']}" for i, a in enumerate(answers, start=first) if not a["ok"]
+        ]
         if errors:
             raise RuntimeError("; ".join(errors))
         return answers
@@ -186,13 +189,19 @@ def _point(
                 answers = workers.ask(tiers, {"cmd": "burst", "system": name})
                 span = max(a["end"] for a in answers) - min(a["start"] for a in answers)
                 gbps[name].append(sum(a["bytes"] for a in answers) / span / 1e9)
-        workers.ask(tiers, {"cmd": "last"})  # all stop writing before any reads back
     except RuntimeError as exc:
         error = str(exc)
-    try:
-        verified = workers.ask(tiers, {"cmd": "finish"})
-    except RuntimeError as exc:
-        error = error or f"verification: {exc}"
+    verified = []
+    for i in range(tiers):  # one at a time: others' stores would evict the keys read back
+        try:
+            if error is None:
+                workers.ask(i + 1, {"cmd": "last"}, first=i)
+        except RuntimeError as exc:
+            error = f"last repeat: {exc}"
+        try:
+            verified += workers.ask(i + 1, {"cmd": "finish"}, first=i)
+        except RuntimeError as exc:
+            error = error or f"verification: {exc}"
     if error is not None:
         logger.error("%d K, %d tiers, %d hosts, %s: %s", block_len >> 10, tiers, len(hosts[0]),
                      op, error)  # fmt: skip

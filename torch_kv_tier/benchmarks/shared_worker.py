@@ -14,8 +14,9 @@ sent to stderr. Commands:
 - ``last``: the last repeat of every system (writes refill their source, reads zero their
   destination first);
 - ``finish``: byte verification of what the last repeats moved, then close; answers
-  ``verified`` per system. Apart from ``last`` because tiers sharing a pool evict each other's
-  keys: every process must have stopped writing before any reads its stores back;
+  ``verified`` per system. ``shared_bench`` sends ``last`` and ``finish`` to one process at a
+  time: tiers sharing a pool evict each other's keys, so no other process may store between a
+  process's last stores and their read-back;
 - ``exit``.
 
 Keys are distinct per INDEX (``Settings.first_key``), so tiers sharing a pool never store each
