@@ -272,7 +272,7 @@ def _environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "loadavg_start": os.getloadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": "torch-kv-tier shared-bench " + " ".join(sys.argv[2:]),
+        "command": " ".join(["torch-kv-tier", *sys.argv[1:]]),
     }
 
 
