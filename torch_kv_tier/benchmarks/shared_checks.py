@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -115,12 +116,13 @@ def staleness(block_len: int, samples: int) -> dict[str, Any]:
     """Store one key at a time in tier A; time until tier B's ``contains`` sees it."""
     with _pair(block_len, 8, 4 * samples + 64) as (a, b):
         lags, unseen = [], 0
+        stamps: queue.SimpleQueue[float] = queue.SimpleQueue()  # when each future resolved
         for i in range(samples):
             key = 10_000_000 + i
-            done_at: list[float] = []
             future = a.store([key], [i % 8])
-            future.add_done_callback(lambda _f, d=done_at: d.append(time.perf_counter()))
+            future.add_done_callback(lambda _f: stamps.put(time.perf_counter()))
             result = future.result(timeout=RESULT_TIMEOUT_S)
+            done_at = stamps.get(timeout=RESULT_TIMEOUT_S)  # callbacks run after waiters wake
             if not result.ok:
                 raise RuntimeError(f"staleness store failed: {result.failed}")
             deadline = time.monotonic() + 5.0
@@ -128,7 +130,7 @@ def staleness(block_len: int, samples: int) -> dict[str, Any]:
                 time.sleep(_POLL_SLEEP_S)
             seen = time.perf_counter()
             if b.contains(key):
-                lags.append(seen - done_at[0])
+                lags.append(seen - done_at)
             else:
                 unseen += 1
         return {"block_len": block_len, **_us(lags), "unseen_after_5s": unseen}
