@@ -1,4 +1,5 @@
-"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress`` and ``shared-stress``."""
+"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress`` and
+``shared-bench``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ _COMMANDS = {
     "shared-stress": (
         "torch_kv_tier.benchmarks.shared_stress",
         "torn-read stress of one shared pool: writer and reader processes, every block checked",
+    ),
+    "shared-bench": (
+        "torch_kv_tier.benchmarks.shared_bench",
+        "shared pool figures: cross-tier hits, sharing cost, lookup, staleness, host loss",
     ),
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,11 +70,11 @@ class Host:
     problem: str | None = None
 
 
-def _start(block_len: int, num_blocks: int) -> tuple[Any, Host]:
+def _start(block_len: int, num_blocks: int, extra_args: Sequence[str] = ()) -> tuple[Any, Host]:
     from torch_kv_tier.remote.launch import ServerProcess
 
     try:
-        server = ServerProcess.start(num_blocks, block_len, host="127.0.0.1")
+        server = ServerProcess.start(num_blocks, block_len, host="127.0.0.1", extra_args=extra_args)
     except (RuntimeError, TimeoutError, OSError) as exc:
         logger.error("embedded remote host for %d B blocks failed to start: %s", block_len, exc)
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -114,14 +114,17 @@ def remote_hosts(remote: str | None, pools: dict[int, int]) -> Iterator[dict[int
 
 
 @contextlib.contextmanager
-def host_group(remote: str | None, block_len: int, pools: list[int]) -> Iterator[list[Host]]:
-    """``len(pools)`` hosts for one block length (``pools[i]`` blocks each), started side by
-    side and stopped at the end; with ``remote`` just that one host."""
+def host_group(
+    remote: str | None, block_len: int, pools: list[int], extra_args: Sequence[str] = ()
+) -> Iterator[list[Host]]:
+    """``len(pools)`` hosts for one block length (``pools[i]`` blocks each, ``serve`` options
+    ``extra_args``), started side by side and stopped at the end; with ``remote`` just that one
+    host."""
     if remote is not None:
         yield [Host(remote, False)]
         return
     with ThreadPoolExecutor(max_workers=len(pools)) as pool:
-        started = list(pool.map(lambda n: _start(block_len, n), pools))
+        started = list(pool.map(lambda n: _start(block_len, n, extra_args), pools))
     try:
         yield [host for _, host in started]
     finally:
@@ -133,7 +136,7 @@ def host_group(remote: str | None, block_len: int, pools: list[int]) -> Iterator
 def open_session(
     target: Target, agent_metadata: bytes, base_addr: int, num_blocks: int, mem_type: str
 ) -> object:
-    """Handshake with the remote host for ``target.remote_slots`` slots.
+    """Handshake with the remote host for a private lease of ``target.remote_slots`` slots.
 
     Returns the ``RemoteSession`` (``agent_metadata``, ``base_addr``, ``num_blocks``, ``lease``).
     A rejected handshake (e.g. another block length) raises ``Skip`` with the server's reason;

@@ -66,6 +66,7 @@ class Settings:
     mean_run: float = 4.0
     seed: int = 1234
     max_calls: int = 200_000
+    first_key: int = 1  # keys of systems that place blocks: distinct per runner sharing a pool
 
 
 @dataclass
@@ -100,8 +101,8 @@ class Measurement:
 class _Keys:
     """Logical keys for systems that place blocks themselves: never reused within a run."""
 
-    def __init__(self) -> None:
-        self._next = itertools.count(1)
+    def __init__(self, first: int = 1) -> None:
+        self._next = itertools.count(first)
 
     def fresh(self, n: int) -> range:
         start = next(self._next)
@@ -115,7 +116,7 @@ class PointRunner:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._keys = _Keys()
+        self._keys = _Keys(settings.first_key)
         self._serial = itertools.count(1)
 
     def plan_size(self, system: System, point: Point) -> int:

@@ -31,16 +31,29 @@ from torch_kv_tier.benchmarks.system_nixl_raw import local_arena
 
 
 class Tier(System):
-    """A ``TierManager`` over its own arena, connected to the target's remote host."""
+    """A ``TierManager`` over its own arena, connected to the target's remote host(s).
+
+    By default it leases a private range of each host (``connect(private=True, slots=...)``);
+    ``shared=True`` joins each host's shared pool instead (``connect(address)``). ``hosts``
+    overrides the class's host count.
+    """
 
     name = "torch_kv_tier"
     remote_layout = "system"
     hosts = 1
 
-    def __init__(self, target: Target, *, arena_device: str | None = None) -> None:
+    def __init__(
+        self,
+        target: Target,
+        *,
+        arena_device: str | None = None,
+        hosts: int | None = None,
+        shared: bool = False,
+    ) -> None:
         from torch_kv_tier.manager import TierManager
         from torch_kv_tier.remote.client import HandshakeRejected
 
+        self.hosts = hosts or self.hosts
         addresses = [target.require_address(), *target.more_addresses][: self.hosts]
         if len(addresses) < self.hosts:
             raise Skip(f"needs {self.hosts} remote hosts, this point has {len(addresses)}")
@@ -54,7 +67,10 @@ class Tier(System):
             want = target.remote_slots + target.slack_slots
             share = -(-3 * want // (2 * self.hosts)) if self.hosts > 1 else want
             for address in addresses:
-                self._tm.connect(address, token=target.token, private=True, slots=share)
+                if shared:
+                    self._tm.connect(address, token=target.token)
+                else:
+                    self._tm.connect(address, token=target.token, private=True, slots=share)
             capacity = sum(p.capacity for p in self._tm.stats().peers.values())
             # The plan's size: the working set, or less when the host granted a shorter lease.
             self.remote_slots = min(target.remote_slots, capacity)

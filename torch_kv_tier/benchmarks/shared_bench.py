@@ -1,0 +1,380 @@
+"""``torch-kv-tier shared-bench``: the shared pool's figures (issue 12), JSON and a table.
+
+Throughput: tiers in separate processes (``shared_worker``; processes, not threads, because the
+tier's per-call work holds the GIL: threads would measure the GIL, not the pool) store or load
+distinct keys at once. Points: 1, 2, 4 tiers on one host and one tier over 1, 2, 4 hosts, at each
+block size. At every point each process holds three systems open over the same hosts:
+``shared`` (the tier joined to the hosts' shared pools), ``private`` (the same tier on private
+leases, ``connect(private=True, slots=...)``) and ``nixl_raw`` (a bare NIXL initiator on a
+private lease of the first host, ``system_nixl_raw``). The private systems lease from hosts of
+their own, started like the shared ones: a shared pool draws free slots in runs of up to 4096
+and keeps them, so on one host the private leases would be refused once the shared tiers ran.
+Rounds alternate the systems' order (A B C, C B A, ...); in each round every process runs one
+timed burst of one system at once (``sweep.PointRunner``), and the aggregate GB/s is all bytes
+over the span from the first start to the last end. Ratios (shared/nixl_raw,
+private/nixl_raw, shared/private) are paired within a round and reported as median, IQR and
+min..max; after the rounds every system's bytes are verified.
+
+Then, in this process: the cross-tier hit (bytes identical), ``lookup`` latency, staleness, and
+a SIGKILLed host (``shared_checks``). Exit status: 0 when every figure was measured and every
+byte verified, 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from torch_kv_tier.benchmarks import shared_checks
+from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.reliability_common import LineReader, kill_process
+from torch_kv_tier.benchmarks.remote import host_group
+from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
+
+logger = logging.getLogger(__name__)
+
+QUICK: dict[str, Any] = {
+    "block_sizes": [64 << 10],
+    "tiers": [1, 2],
+    "hosts": [1, 2],
+    "rounds": 2,
+    "min_time": 0.03,
+    "working_set_mib": 4,
+    "hit_blocks": 1000,
+    "lookup_calls": 1000,
+    "staleness_samples": 30,
+    "heartbeat_s": 3.0,
+}
+FULL: dict[str, Any] = {
+    "block_sizes": [64 << 10, 256 << 10],
+    "tiers": [1, 2, 4],
+    "hosts": [1, 2, 4],
+    "rounds": 11,
+    "min_time": 0.15,
+    "working_set_mib": 8,
+    "hit_blocks": 1000,
+    "lookup_calls": 20000,
+    "staleness_samples": 300,
+    "heartbeat_s": 10.0,
+}
+BATCH, INFLIGHT = 16, 4
+GRANT_BATCH = 512  # TierManager's default grant request
+ANSWER_TIMEOUT_S = 120.0  # one open (NIXL agents, staging, warm-up) or burst of one process
+RATIOS = (("shared", "nixl_raw"), ("private", "nixl_raw"), ("shared", "private"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``shared-bench`` options to ``parser``."""
+    parser.description = __doc__
+    parser.add_argument("--quick", action="store_true", help="fewer points and rounds (~1 min)")
+    parser.add_argument("--block-sizes", type=_list(_size), help="e.g. 64K,256K")
+    parser.add_argument("--tiers", type=_list(_positive), help="tier processes per host: 1,2,4")
+    parser.add_argument("--hosts", type=_list(_positive), help="hosts under one tier: 1,2,4")
+    parser.add_argument("--rounds", type=_positive, help="interleaved rounds per point")
+    parser.add_argument("--min-time", type=float, help="seconds per timed burst (at least)")
+    parser.add_argument("--working-set-mib", type=_positive, help="bytes cycled per process")
+    parser.add_argument("--hit-blocks", type=_positive, help="blocks of the cross-tier hit")
+    parser.add_argument("--lookup-calls", type=_positive, help="timed lookup calls")
+    parser.add_argument("--staleness-samples", type=_positive, help="stores timed to visibility")
+    parser.add_argument(
+        "--heartbeat-s",
+        type=float,
+        help="heartbeat timeout of the host-kill tier: the longest a read of a dead host waits "
+        "(default: connect()'s 10 s; 3 s with --quick)",
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
+    parser.add_argument("--json", help="write every figure to this JSON file")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    base = QUICK if args.quick else FULL
+    cfg = {k: (v if (v := getattr(args, k, None)) is not None else base[k]) for k in base}
+    if cfg["min_time"] <= 0 or cfg["heartbeat_s"] <= 0:
+        raise ValueError("--min-time and --heartbeat-s must be > 0")
+    return cfg
+
+
+class Workers:
+    """``n`` ``shared_worker`` processes; ``ask`` sends one command to some and collects the
+    answers (each within ``ANSWER_TIMEOUT_S``, else ``TimeoutError``)."""
+
+    def __init__(self, n: int) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.readers: list[LineReader] = []
+        try:
+            for i in range(n):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "torch_kv_tier.benchmarks.shared_worker", str(i)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                self.procs.append(proc)
+                self.readers.append(LineReader(proc.stdout))
+        except BaseException:
+            self.close()
+            raise
+
+    def ask(self, n: int, msg: dict[str, Any], first: int = 0) -> list[dict[str, Any]]:
+        """Send ``msg`` to workers ``first .. n - 1``; their answers, in order."""
+        line = json.dumps(msg) + "\n"
+        for proc in self.procs[first:n]:
+            assert proc.stdin is not None
+            proc.stdin.write(line)
+            proc.stdin.flush()
+        answers = []
+        for i, reader in enumerate(self.readers[first:n], start=first):
+            text = reader.next_line(ANSWER_TIMEOUT_S)
+            if text is None:
+                raise RuntimeError(f"worker {i} exited (code {self.procs[i].poll()})")
+            answers.append(json.loads(text))
+        errors = [
+            f"worker {i}: {a['error']}" for i, a in enumerate(answers, start=first) if not a["ok"]
+        ]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return answers
+
+    def close(self) -> None:
+        for proc in self.procs:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write('{"cmd": "exit"}\n')
+                proc.stdin.flush()
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                kill_process(proc)
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    q1, med, q3 = np.percentile(values, [25, 50, 75])
+    return {"median": float(med), "q1": float(q1), "q3": float(q3),
+            "min": min(values), "max": max(values)}  # fmt: skip
+
+
+def _point(
+    workers: Workers,
+    cfg: dict[str, Any],
+    seed: int,
+    hosts: tuple[list[str], list[str]],
+    tiers: int,
+    op: str,
+) -> dict[str, Any]:
+    """One point: ``tiers`` processes over ``hosts`` (shared, private), the systems interleaved
+    by round. A failure the workers report ends the point as an ``error`` (the rounds complete
+    so far are kept); the workers close its systems either way."""
+    block_len = cfg["block_len"]
+    gbps: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+    error = None
+    try:
+        workers.ask(
+            tiers,
+            {"cmd": "open", "block_len": block_len, "addresses": hosts[0],
+             "private_addresses": hosts[1], "systems": SYSTEMS,
+             "working_set": cfg["working_set_mib"] << 20, "batch": BATCH, "inflight": INFLIGHT,
+             "op": op, "min_time": cfg["min_time"], "warmup": cfg["min_time"] / 2, "seed": seed},
+        )  # fmt: skip
+        for r in range(cfg["rounds"]):
+            for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                answers = workers.ask(tiers, {"cmd": "burst", "system": name})
+                span = max(a["end"] for a in answers) - min(a["start"] for a in answers)
+                gbps[name].append(sum(a["bytes"] for a in answers) / span / 1e9)
+    except RuntimeError as exc:
+        error = str(exc)
+    verified = []
+    for i in range(tiers):  # one at a time: others' stores would evict the keys read back
+        try:
+            if error is None:
+                workers.ask(i + 1, {"cmd": "last"}, first=i)
+        except RuntimeError as exc:
+            error = f"last repeat: {exc}"
+        try:
+            verified += workers.ask(i + 1, {"cmd": "finish"}, first=i)
+        except RuntimeError as exc:
+            error = error or f"verification: {exc}"
+    if error is not None:
+        logger.error("%d K, %d tiers, %d hosts, %s: %s", block_len >> 10, tiers, len(hosts[0]),
+                     op, error)  # fmt: skip
+    rounds = min(len(v) for v in gbps.values())
+    complete = {name: v[:rounds] for name, v in gbps.items()}
+    return {
+        "kind": "throughput",
+        "op": "store" if op == "write" else "load",
+        "block_len": block_len,
+        "tiers": tiers,
+        "hosts": len(hosts[0]),
+        "gbps": {name: _spread(v) if rounds else None for name, v in complete.items()},
+        "gbps_rounds": complete,
+        "ratios": {
+            f"{a}/{b}": _spread([x / y for x, y in zip(complete[a], complete[b], strict=True)])
+            if rounds
+            else None
+            for a, b in RATIOS
+        },
+        "verified": error is None and all(all(v["verified"].values()) for v in verified),
+        "error": error,
+    }
+
+
+def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
+    """Every throughput point (1 tier on 1 host is measured once and serves both series)."""
+    shapes = [(t, 1) for t in cfg["tiers"]] + [(1, h) for h in cfg["hosts"] if h > 1]
+    if 1 not in cfg["tiers"] and 1 in cfg["hosts"]:
+        shapes.insert(0, (1, 1))
+    max_tiers, max_hosts = max(t for t, _ in shapes), max(h for _, h in shapes)
+    workers: Workers | None = None  # started once the first hosts are up (fewer at once)
+    try:
+        for block_len in cfg["block_sizes"]:
+            ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
+            # A private host holds a nixl_raw lease and a private tier's lease (working set +
+            # slack) per process, twice (the last point's may still be on their way back).
+            private = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
+            # A shared host holds every process's grants, and the grants of the sessions closed
+            # in the last 30 s (quarantined: the lease timeout), and evicts beyond that: twice
+            # the private pool. The grant cap (default: a sixteenth of the pool, sized for pools
+            # of gigabytes) is a sixteenth per process, but at least twice the blocks in flight.
+            shared = 2 * private
+            max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, shared // (16 * max_tiers)))
+            pools = [shared] * max_hosts + [private] * max_hosts
+            with host_group(None, block_len, pools, ["--max-grant", str(max_grant)]) as hosts:
+                missing = [h.problem for h in hosts if h.address is None]
+                if missing:
+                    raise RuntimeError(f"hosts did not start: {missing}")
+                addresses = [str(h.address) for h in hosts]
+                workers = workers or Workers(max_tiers)
+                for tiers, n_hosts in shapes:
+                    for op in ("write", "read"):
+                        logger.info("%d K: %d tiers, %d hosts, %s", block_len >> 10, tiers,
+                                    n_hosts, op)  # fmt: skip
+                        pair = (addresses[:n_hosts], addresses[max_hosts : max_hosts + n_hosts])
+                        yield _point(workers, {**cfg, "block_len": block_len}, seed, pair,
+                                     tiers, op)  # fmt: skip
+    finally:
+        if workers is not None:
+            workers.close()
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "loadavg_start": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(["torch-kv-tier", *sys.argv[1:]]),
+    }
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        "| op | block | tiers | hosts | nixl_raw GB/s | shared GB/s | private GB/s "
+        "| shared/nixl_raw | shared/private (IQR; min..max) | verified |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["throughput"]:
+        if p["error"] is not None:
+            lines.append(
+                f"| {p['op']} | {p['block_len'] >> 10}K | {p['tiers']} | {p['hosts']} "
+                f"| error: {p['error'][:200]} |"
+            )
+            continue
+        g, r = p["gbps"], p["ratios"]
+        sp = r["shared/private"]
+        lines.append(
+            f"| {p['op']} | {p['block_len'] >> 10}K | {p['tiers']} | {p['hosts']} "
+            f"| {g['nixl_raw']['median']:.2f} | {g['shared']['median']:.2f} "
+            f"| {g['private']['median']:.2f} | {r['shared/nixl_raw']['median']:.2f} "
+            f"| {sp['median']:.2f} ({sp['q1']:.2f}-{sp['q3']:.2f}; "
+            f"{sp['min']:.2f}..{sp['max']:.2f}) | {p['verified']} |"
+        )
+    hit, lk, st = result["cross_tier_hit"], result["lookup"], result["staleness"]
+    kill = result["host_kill"]
+    lines += [
+        "",
+        f"cross-tier hit: {hit['identical_blocks']}/{hit['blocks']} blocks of "
+        f"{hit['block_len'] >> 10}K stored by A loaded byte-identical by B "
+        f"(visible to B {hit['visible_s'] * 1e3:.1f} ms after A's store; load "
+        f"{hit['load_s'] * 1e3:.1f} ms)",
+    ]
+    for name, v in lk.items():
+        lines.append(f"{name}: p50 {v['p50_us']:.1f} us, p99 {v['p99_us']:.1f} us")
+    lines.append(
+        f"staleness (A's store done -> B.contains): p50 {st['p50_us']:.0f} us, "
+        f"p99 {st['p99_us']:.0f} us, max {st['max_us']:.0f} us over {st['samples']} stores; "
+        f"unseen after 5 s: {st['unseen_after_5s']}"
+    )
+    first, reload = kill["first_load"], kill["reload"]
+    lines.append(
+        f"host SIGKILLed (1 of {kill['hosts']}, {kill['keys_on_killed_host']} of "
+        f"{kill['keys']} keys on it): every future settled in {kill['settle_s'] * 1e3:.0f} ms "
+        f"(hung {kill['hung_futures']}); ok {first['ok']}, missing {first['missing']}, "
+        f"peer lost {first['peer lost']}, other {first['other']}; wrong bytes "
+        f"{kill['wrong_bytes_blocks']}; reload: {reload}"
+    )
+    return "\n".join(lines)
+
+
+def _failures(result: dict[str, Any]) -> list[str]:
+    out = [f"{p['op']} {p['block_len']} B, {p['tiers']} tiers, {p['hosts']} hosts: "
+           f"{p['error'] or 'bytes differ'}"
+           for p in result["throughput"] if not p["verified"]]  # fmt: skip
+    hit, kill = result["cross_tier_hit"], result["host_kill"]
+    if hit["identical_blocks"] != hit["blocks"] or not hit["loaded_ok"]:
+        out.append(f"cross-tier hit: {hit}")
+    if kill["hung_futures"] or kill["wrong_bytes_blocks"]:
+        out.append(f"host kill: {kill}")
+    return out
+
+
+def _setup_nixl() -> None:
+    from torch_kv_tier.benchmarks.bench import _quiet_nixl
+
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as ``bench`` sets it
+    _quiet_nixl()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure every figure; print the table; write ``--json``; return the exit status."""
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"torch-kv-tier shared-bench: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    result: dict[str, Any] = {"env": _environment(), "config": cfg}
+    _setup_nixl()
+    result["throughput"] = list(throughput(cfg, args.seed))
+    block_len = min(cfg["block_sizes"])
+    result.update(
+        shared_checks.cross_tier_and_lookup(block_len, cfg["hit_blocks"], cfg["lookup_calls"])
+    )
+    result["staleness"] = shared_checks.staleness(block_len, cfg["staleness_samples"])
+    result["host_kill"] = shared_checks.host_kill(block_len, 3, 100, BATCH, cfg["heartbeat_s"])
+    result["env"]["loadavg_end"] = os.getloadavg()
+    result["env"]["seconds"] = round(time.monotonic() - started, 1)
+    print(_table(result))
+    env = result["env"]
+    print(
+        f"\n{env['seconds']} s on {env['cpus']} CPUs ({env['host']}); load average "
+        f"{'/'.join(f'{x:.2f}' for x in env['loadavg_start'])} at start, "
+        f"{'/'.join(f'{x:.2f}' for x in env['loadavg_end'])} at end"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"results: {args.json}")
+    failures = _failures(result)
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
+    return 1 if failures else 0

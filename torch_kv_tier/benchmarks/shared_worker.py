@@ -1,0 +1,166 @@
+"""One tier process of ``torch-kv-tier shared-bench``: opens systems, runs timed bursts on command.
+
+``python -m torch_kv_tier.benchmarks.shared_worker INDEX`` reads one JSON command per line on
+stdin and answers each with one JSON line (``{"ok": true, ...}`` or ``{"ok": false, "error":
+...}``) on the stdout it was started with; anything else that writes to stdout (NIXL, UCX) is
+sent to stderr. Commands:
+
+- ``open``: open ``systems`` (``nixl_raw``, ``shared``, ``private``) for one block length, the
+  shared tier over ``addresses``, the others over ``private_addresses`` (hosts of their own: see
+  ``shared_bench``), and prepare ``op`` on each (plan, fill, staging, warm-up:
+  ``sweep.PointRunner``);
+- ``burst`` ``system``: one timed repeat; answers ``start``/``end`` (``time.perf_counter``, i.e.
+  CLOCK_MONOTONIC, comparable across the processes of one machine) and ``bytes``;
+- ``last``: the last repeat of every system (writes refill their source, reads zero their
+  destination first);
+- ``finish``: byte verification of what the last repeats moved, then close; answers
+  ``verified`` per system. ``shared_bench`` sends ``last`` and ``finish`` to one process at a
+  time: tiers sharing a pool evict each other's keys, so no other process may store between a
+  process's last stores and their read-back;
+- ``exit``.
+
+Keys are distinct per INDEX (``Settings.first_key``), so tiers sharing a pool never store each
+other's keys. Threading: one thread (the tiers run their own poller threads). Failure model: an
+exception is answered as an error and the systems stay as they are until ``finish`` or ``exit``;
+end of stdin (the parent died) closes everything and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import IO, Any
+
+from torch_kv_tier.benchmarks.core import System
+from torch_kv_tier.benchmarks.remote import Target
+from torch_kv_tier.benchmarks.sweep import Point, PointRunner, PointState, Settings
+from torch_kv_tier.benchmarks.system_nixl_raw import NixlRaw
+from torch_kv_tier.benchmarks.system_tier import Tier
+
+SYSTEMS = ("nixl_raw", "shared", "private")
+_KEY_SPACE = 1 << 40  # keys of worker i start at (i + 1) << 40
+
+
+def _open(name: str, target: Target) -> System:
+    hosts = 1 + len(target.more_addresses)
+    if name == "nixl_raw":
+        return NixlRaw(target)  # one private lease on the first host
+    if name in ("shared", "private"):
+        return Tier(target, hosts=hosts, shared=name == "shared")
+    raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+
+
+class Worker:
+    """The systems open for the current point and their prepared states."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.systems: dict[str, System] = {}
+        self.states: dict[str, PointState] = {}
+
+    def open(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.close()
+        block_len = int(msg["block_len"])
+        ws_blocks = max(msg["batch"] * msg["inflight"], msg["working_set"] // block_len)
+        shared = Target(
+            address=msg["addresses"][0],
+            token=None,
+            device="cpu",
+            block_len=block_len,
+            local_slots=2 * ws_blocks,
+            remote_slots=ws_blocks,
+            embedded=True,
+            more_addresses=tuple(msg["addresses"][1:]),
+            slack_slots=msg["batch"] * msg["inflight"],
+        )
+        private = replace(
+            shared,
+            address=msg["private_addresses"][0],
+            more_addresses=tuple(msg["private_addresses"][1:]),
+        )
+        runner = PointRunner(
+            Settings(
+                min_time=msg["min_time"],
+                warmup=msg["warmup"],
+                working_set=msg["working_set"],
+                seed=msg["seed"] + 7919 * self.index,
+                first_key=(self.index + 1) * _KEY_SPACE,
+            )
+        )
+        point = Point(msg["op"], "contiguous", block_len, msg["batch"], msg["inflight"])
+        for name in msg["systems"]:
+            self.systems[name] = _open(name, shared if name == "shared" else private)
+            self.states[name] = runner.prepare(self.systems[name], point)
+        self.runner = runner
+        return {}
+
+    def burst(self, msg: dict[str, Any]) -> dict[str, Any]:
+        state = self.states[msg["system"]]
+        start = time.perf_counter()
+        self.runner.burst(state, last=False)
+        end = time.perf_counter()
+        point = state.point
+        return {"start": start, "end": end, "bytes": state.calls * point.batch * point.block_len}
+
+    def last(self, msg: dict[str, Any]) -> dict[str, Any]:
+        for state in self.states.values():
+            self.runner.burst(state, last=True)
+        return {}
+
+    def finish(self, msg: dict[str, Any]) -> dict[str, Any]:
+        verified = {}
+        try:
+            for name, state in self.states.items():
+                m = self.runner.finish(state)
+                verified[name] = m.mismatched_blocks == 0 and m.verified_blocks > 0
+        finally:
+            self.close()
+        return {"verified": verified}
+
+    def close(self) -> None:
+        for system in self.systems.values():
+            system.close()
+        self.systems.clear()
+        self.states.clear()
+
+
+def serve(index: int, commands: IO[str], answers: IO[str]) -> None:
+    """Answer ``commands`` until ``exit`` or end of file."""
+    worker = Worker(index)
+    handlers = {
+        "open": worker.open,
+        "burst": worker.burst,
+        "last": worker.last,
+        "finish": worker.finish,
+    }
+    try:
+        for line in commands:
+            msg = json.loads(line)
+            if msg["cmd"] == "exit":
+                break
+            try:
+                answer = {"ok": True, **handlers[msg["cmd"]](msg)}
+            except Exception as exc:
+                answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+    finally:
+        worker.close()
+
+
+def main() -> int:
+    from torch_kv_tier.benchmarks.bench import _quiet_nixl
+
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # native libraries printing to stdout must not corrupt the answers
+    sys.stdout = sys.stderr
+    _quiet_nixl()
+    serve(int(sys.argv[1]), sys.stdin, answers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
