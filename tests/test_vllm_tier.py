@@ -494,3 +494,26 @@ def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
             driver.shutdown(spec)
     finally:
         driver.shutdown(spec)
+
+
+def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines() -> None:
+    from types import SimpleNamespace
+
+    from torch_kv_tier.integrations.vllm.tier_config import default_config_fields
+
+    def spec(model: str, tokens: int = 16, tp: int = 1) -> Any:
+        return SimpleNamespace(
+            config=SimpleNamespace(
+                model=SimpleNamespace(name=model, dtype="bfloat16"),
+                cache=SimpleNamespace(tokens_per_hash=tokens, blocks_per_chunk=2),
+                parallel=SimpleNamespace(tp_size=tp, pp_size=1),
+            )
+        )
+
+    same = default_config_fields(spec("llama"), 65536)
+    assert same == default_config_fields(spec("llama"), 65536)  # two engines of one model
+    assert same["model"] == "llama" and same["chunk_bytes"] == "65536"
+    for other in (spec("qwen"), spec("llama", tokens=32), spec("llama", tp=2)):
+        assert default_config_fields(other, 65536) != same
+    assert default_config_fields(spec("llama"), 32768) != same
+    assert default_config_fields(SimpleNamespace(), 4096) == {"chunk_bytes": "4096"}

@@ -65,7 +65,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.vllm.reconnect import Reconnector
-from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
+from torch_kv_tier.integrations.vllm.tier_config import (
+    RemoteHostTierConfig,
+    default_config_fields,
+)
 from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.transport import NixlTransport
 
@@ -154,7 +157,7 @@ class RemoteHostTier(SecondaryTierManager):
         self._manager: TierManager | None = None
         self._reconnector: Reconnector | None = None
         try:
-            self._manager = self._build_manager(primary_kv_view)
+            self._manager = self._build_manager(primary_kv_view, offloading_spec)
             peers = {address: self._connect(address) for address in config.remotes}
             if config.reconnect_interval_s > 0:
                 self._reconnector = Reconnector(
@@ -342,13 +345,14 @@ class RemoteHostTier(SecondaryTierManager):
             raise RuntimeError("RemoteHostTier is shut down")
         return self._manager
 
-    def _build_manager(self, primary_kv_view: memoryview) -> TierManager:
+    def _build_manager(self, primary_kv_view: memoryview, spec: OffloadingSpec) -> TierManager:
         """Register vLLM's primary region with NIXL (no copy) and wrap it in a TierManager."""
         self._flat_view, region = _adopt_primary_view(primary_kv_view)
+        fields = self._config.config_fields
         transport = NixlTransport(
             f"vllm-{self.tier_type}",
             region,
-            self._config.config_fields,
+            default_config_fields(spec, region.shape[1]) if fields is None else fields,
             backends=list(self._config.backends) if self._config.backends else None,
             num_threads=self._config.num_threads,
             passive_progress=False,  # an initiator only: the tier's poller progresses it

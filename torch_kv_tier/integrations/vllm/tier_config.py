@@ -60,7 +60,9 @@ class RemoteHostTierConfig:
         config_fields: model facts hashed into the fingerprint the server checks, which is also
             the tier's namespace in a host's shared pool: tiers of different models that share
             a host must differ here, or they read each other's chunks for equal token
-            prefixes. ``None`` sends an empty fingerprint, which every server accepts.
+            prefixes. ``None`` derives them from vLLM's offloading config
+            (``default_config_fields``: model, KV dtype, tokens per chunk, parallelism, chunk
+            bytes), so engines of the same model share and others never do.
         backends: NIXL backends (``None``: UCX).
         num_threads: NIXL worker threads for UCX.
         locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
@@ -229,3 +231,24 @@ def _locality(value: Any) -> str:
     if not isinstance(value, str) or value.upper() not in _LOCALITIES:
         raise ValueError(f'"locality" must be one of {_LOCALITIES}, got {value!r}')
     return value.upper()
+
+
+def default_config_fields(spec: Any, chunk_bytes: int) -> dict[str, Any]:
+    """The namespace of a tier whose config sets no ``config_fields``: what makes the bytes
+    under one of vLLM's block hashes differ from engine to engine (the model, its KV dtype, how
+    many tokens a chunk holds, the parallel layout, the chunk's size). Reads vLLM's
+    ``OffloadingConfig`` (0.32 and 0.33 carry these fields); a missing one is left out."""
+    config = getattr(spec, "config", None)
+    model = getattr(config, "model", None)
+    cache = getattr(config, "cache", None)
+    parallel = getattr(config, "parallel", None)
+    fields: dict[str, Any] = {
+        "model": getattr(model, "name", None),
+        "kv_dtype": getattr(model, "dtype", None),
+        "tokens_per_hash": getattr(cache, "tokens_per_hash", None),
+        "blocks_per_chunk": getattr(cache, "blocks_per_chunk", None),
+        "tp_size": getattr(parallel, "tp_size", None),
+        "pp_size": getattr(parallel, "pp_size", None),
+        "chunk_bytes": chunk_bytes,
+    }
+    return {key: str(value) for key, value in fields.items() if value is not None}
