@@ -152,3 +152,11 @@ def test_a_session_holds_at_most_max_granted_uncommitted_slots() -> None:
     cache.commit("a", [b"k0", b"k1"], first[:2])
     assert len(cache.grant("a", 10, 0.0)) == 2  # committing made room in its share
     assert len(cache.grant("b", 10, 0.0)) == 4  # every session has its own
+
+
+def test_shared_grants_draw_only_what_they_need_so_private_leases_still_fit() -> None:
+    pool = SlotPool(64)
+    cache = SharedCache(pool, max_granted=4)
+    cache.join("a", "model-x")
+    assert len(cache.grant("a", 512, 0.0)) == 4
+    assert pool.take(60) == range(4, 64)  # a private lease of every other slot

@@ -23,6 +23,10 @@ Capacity is one LRU over every stored slot, refreshed by ``touch`` and ``pin``. 
 needs slots and none is free, the least recently used unpinned key is evicted; a namespace at
 its quota evicts its own keys instead, so one tenant cannot take another's share. Every change
 is logged per namespace (``take_events``) for the server to push to the sessions.
+
+Slots come from the server's ``SlotPool`` only as grants need them; once drawn they stay with
+the shared cache (reused for shared keys, never returned), so private leases get the slots the
+shared pool has not filled yet.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from dataclasses import dataclass, field
 from torch_kv_tier.remote.leases import SlotPool
 
 Key = bytes | str | int
-_DRAW = 4096  # slots drawn from the pool at once when the free list runs dry
 
 
 @dataclass
@@ -145,7 +148,7 @@ class SharedCache:
             if ns.used + len(slots) >= self.quota:
                 slot = self._evict_from(ns)
             else:
-                slot = self._take_free()
+                slot = self._take_free(want - len(slots))
                 if slot is None:
                     slot = self._evict_oldest()
             if slot is None:
@@ -274,9 +277,11 @@ class SharedCache:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _take_free(self) -> int | None:
+    def _take_free(self, need: int) -> int | None:
+        """A free slot: one freed here before, else drawn from the pool (only as many as the
+        grant needs, so the rest stays available to private leases)."""
         if not self._free:
-            run = self.pool.take(_DRAW) if self.pool.free else None
+            run = self.pool.take(need) if self.pool.free else None
             if run is None:
                 return None
             self._free.extend(reversed(run))  # pop() hands out the lowest slot first
