@@ -82,10 +82,8 @@ def check_blocks(table: np.ndarray, keys: list[int], rows: np.ndarray, counts: C
 
 def _corrupt(table: np.ndarray, keys: list[int], rows: np.ndarray) -> int:
     """``--self-check``: flip a payload bit of the first row, give the second another key's
-    valid block; returns how many rows were corrupted."""
+    valid block (at least two rows); returns how many rows were corrupted."""
     rows[0, -1] ^= 1
-    if len(keys) < 2:
-        return 1
     rows[1] = table[(keys[1] + 1) % len(table)]
     return 2
 
@@ -127,7 +125,7 @@ def _reader_round(
     ok_keys = [k for k in keys if k in loaded]
     ok_local = [i for k, i in zip(keys, local) if k in loaded]
     rows = arena[ok_local]  # a copy: the checks never race the next load
-    if self_check and not counts.injected and ok_keys:
+    if self_check and not counts.injected and len(ok_keys) >= 2:  # both kinds, every time
         counts.injected = _corrupt(table, ok_keys, rows)
     check_blocks(table, ok_keys, rows, counts)
     pause = rng.choice((0.0, 0.0, 0.0002, 0.001, 0.005))
