@@ -303,13 +303,13 @@ class TierManager(SharedHosts):
             for peer_id, (gkeys, glocal) in groups.items():
                 peer = self._peers[peer_id]
                 slots = index.reserve(peer.slots, len(gkeys))
-                if len(slots) < len(gkeys) and isinstance(peer.slots, SharedSlots):
-                    # the rest waits for the host's next grant (``_on_granted``)
-                    peer.awaiting.append((request, gkeys[len(slots) :], glocal[len(slots) :]))
+                if len(slots) < len(gkeys):
+                    rest = (gkeys[len(slots) :], glocal[len(slots) :])
                     del gkeys[len(slots) :], glocal[len(slots) :]
-                elif len(slots) < len(gkeys):
-                    request.settle(gkeys[len(slots) :], CAPACITY)
-                    del gkeys[len(slots) :], glocal[len(slots) :]
+                    if isinstance(peer.slots, SharedSlots):  # waits for the host's next grant
+                        peer.awaiting.append((request, *rest))
+                    else:
+                        request.settle(rest[0], CAPACITY)
                 if gkeys:
                     launched.append(Op("store", peer_id, peer, gkeys, glocal, slots, request))
                     self._launch(launched[-1])
@@ -318,13 +318,8 @@ class TierManager(SharedHosts):
                 peer = self._peers[peer_id]
                 if isinstance(peer.slots, SharedSlots):
                     self._refill(peer)
-            # Only a store still queued or in flight can be joined or discarded: one that
-            # completed during submission never enters ``_storing`` (the lock is held
-            # throughout, so no other call could have looked for its keys meanwhile).
             for op in launched:
-                if not op.settled:
-                    storing.update(dict.fromkeys(op.keys, op))
-                    op.registered = True
+                self._track_store(op)
         resolve(ready)
         return request.future
 
@@ -631,6 +626,20 @@ class TierManager(SharedHosts):
         for peer in self._peers.values():
             peer.report_usage()
 
+    def _track_store(self, op: Op) -> None:
+        """Let later calls join or discard a just-launched store's keys. Only a store still
+        queued or in flight can be: one that completed during submission never enters
+        ``_storing`` (the lock is held throughout, so no other call looked for its keys)."""
+        if not op.settled:
+            self._storing.update(dict.fromkeys(op.keys, op))
+            op.registered = True
+
+    def _publish(self, peer: Peer, keys: list[Key], slots: list[int]) -> None:
+        """Make written ``keys`` visible; a shared host learns them with a commit."""
+        self._index.publish(peer.slots, keys, slots)
+        if keys and isinstance(peer.slots, SharedSlots):
+            self._commit(peer, keys, slots)
+
     def _finish(self, op: Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
         op.settled = True
@@ -642,11 +651,7 @@ class TierManager(SharedHosts):
                 # Nothing discarded: every key still maps to this op (only a discard unmaps one).
                 if op.registered:
                     drain(map(storing.pop, op.keys))
-                self._index.publish(peer.slots, op.keys, op.remote)
-                if isinstance(peer.slots, SharedSlots):
-                    self._commit(peer, op.keys, op.remote)
-                    if peer.awaiting:
-                        self._refill(peer)
+                self._publish(peer, op.keys, op.remote)
             else:
                 unused = []
                 published_keys, published_slots = [], []
@@ -659,10 +664,8 @@ class TierManager(SharedHosts):
                     else:
                         unused.append(slot)
                 if peer is not None:
-                    self._index.publish(peer.slots, published_keys, published_slots)
+                    self._publish(peer, published_keys, published_slots)
                     self._index.release(peer.slots, unused)
-                    if isinstance(peer.slots, SharedSlots) and published_keys:
-                        self._commit(peer, published_keys, published_slots)
             if reason is None:
                 self._blocks_stored += n
                 if peer is not None:

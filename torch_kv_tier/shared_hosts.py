@@ -53,7 +53,6 @@ class SharedHosts:
     _closed: bool
     _index: BlockIndex
     _peers: dict[str, Peer]
-    _storing: dict[Key, Op]
     _pins_expired: int
 
     if TYPE_CHECKING:  # implemented by TierManager
@@ -64,6 +63,7 @@ class SharedHosts:
             self, request: Request | None, peer_ids: Iterable[str]
         ) -> list[Request]: ...
         def _ready_if_settled(self, request: Request) -> None: ...
+        def _track_store(self, op: Op) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
@@ -148,9 +148,7 @@ class SharedHosts:
                 peer.awaiting.appendleft((request, keys[n:], local[n:]))
             op = Op("store", slots.peer_id, peer, keys[:n], local[:n], remote, request)
             self._launch(op)
-            if not op.settled:
-                self._storing.update(dict.fromkeys(op.keys, op))
-                op.registered = True
+            self._track_store(op)
 
     def _fail_awaiting(self, peer: Peer, reason: str) -> None:
         while peer.awaiting:
@@ -159,9 +157,13 @@ class SharedHosts:
             self._ready_if_settled(request)
 
     def _commit(self, peer: Peer, keys: list[Key], slots: list[int]) -> None:
+        """Publish written keys on the host; that returns their slots from this tier's share
+        of grants, so stores waiting for slots may ask again."""
         peer.slots.commits += 1  # type: ignore[union-attr]
         with contextlib.suppress(ConnectionError):  # the session is ending
             peer.session.commit(keys, slots)
+        if peer.awaiting:
+            self._refill(peer)
 
     def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None:
         for slots, keys in groups.items():
