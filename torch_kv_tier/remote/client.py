@@ -278,11 +278,11 @@ class RemoteSession:
     def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
         """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
         completed (no answer; batched with other commits into as few frames as possible)."""
-        self._batch(self._commits, (keys, slots, digests))
+        self._enqueue(lambda: self._commits.append((keys, slots, digests)), False)
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; batched like commits)."""
-        self._batch(self._touches, keys)
+        self._enqueue(lambda: self._touches.extend(keys), False)
 
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved."""
@@ -398,9 +398,6 @@ class RemoteSession:
         """Send a message that gets no answer."""
         self._enqueue(lambda: self._requests.put((make, None, 0.0)), False)
 
-    def _batch(self, pending: list[Any], item: Any) -> None:
-        self._enqueue(lambda: pending.append(item), False)
-
     def _enqueue_action(self, action: Callable[[], None]) -> None:
         self._enqueue(lambda: self._actions.put(action), False)
 
@@ -449,6 +446,9 @@ class RemoteSession:
                     except queue.Empty:
                         break
                 now = time.monotonic()
+                # commits first: a grant request made after a commit must reach the server
+                # after it (the commit returns granted slots to this session's share)
+                self._send_batches(sock, seqs)
                 while True:
                     try:
                         make, future, timeout_s = self._requests.get_nowait()
@@ -458,7 +458,6 @@ class RemoteSession:
                     if future is not None:
                         pending[seq] = (future, now + timeout_s)
                     self._send(sock, make(seq))
-                self._send_batches(sock, seqs)
                 for message in self._receive(sock):
                     if isinstance(message, p.Events):
                         self._on_events(message)
