@@ -1,14 +1,21 @@
 """``torch-kv-tier shared-bench --quick``: every figure of issue 12 lands in the JSON (values
-are measured on a noisy machine and not asserted, except what a user relies on: bytes)."""
+are measured on a noisy machine and not asserted, except what a user relies on: bytes); and the
+worker's keys and byte check, on hosts that outlive its points."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from torch_kv_tier import cli
+from torch_kv_tier.benchmarks.remote import host_group
+from torch_kv_tier.benchmarks.shared_worker import Worker
+
+BLOCK_LEN = 4096
 
 THROUGHPUT_FIELDS = {
     "op",
@@ -59,3 +66,53 @@ def test_quick_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFix
     assert result["env"].keys() >= {"loadavg_start", "loadavg_end", "cpus", "command"}
     table = capsys.readouterr().out
     assert "shared/private" in table and "cross-tier hit" in table
+
+
+@pytest.fixture
+def hosts() -> Iterator[tuple[str, str]]:
+    """A shared host and a private one, large enough that no test evicts a key."""
+    with host_group(None, BLOCK_LEN, [8192, 8192], ["--max-grant", "512"]) as group:
+        assert all(h.address is not None for h in group), [h.problem for h in group]
+        yield str(group[0].address), str(group[1].address)
+
+
+def _open(hosts: tuple[str, str], op: str) -> dict[str, Any]:
+    """A small ``open`` of both tier systems: 16 blocks cycled, repeats of ~10 ms."""
+    return {"cmd": "open", "block_len": BLOCK_LEN, "addresses": [hosts[0]],
+            "private_addresses": [hosts[1]], "systems": ["shared", "private"],
+            "working_set": 16 * BLOCK_LEN, "batch": 4, "inflight": 2, "op": op,
+            "min_time": 0.01, "warmup": 0.005, "seed": 1}  # fmt: skip
+
+
+def test_points_never_store_a_key_twice(hosts: tuple[str, str]) -> None:
+    """Each point opens fresh tiers over the same hosts; the third stores again after the
+    first. A runner restarting its keys per point re-stored the first point's keys: the shared
+    host kept their first bytes, the stores sent nothing, the read-back found the old bytes."""
+    worker = Worker(0)
+    try:
+        marks = []
+        for op in ("write", "read", "write"):
+            marks.append(worker.keys.next)
+            worker.open(_open(hosts, op))
+            for name in ("shared", "private"):
+                assert worker.burst({"system": name})["bytes"] > 0
+            worker.last({})
+            assert worker.finish({})["verified"] == {"shared": True, "private": True}
+        assert marks == sorted(set(marks))  # every point began past the keys of the last
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("system", ["shared", "private"])
+def test_burst_whose_stores_send_nothing_fails(hosts: tuple[str, str], system: str) -> None:
+    """A repeat re-storing the keys of the one before sends nothing: its bytes are no figure."""
+    worker = Worker(0)
+    try:
+        worker.open({**_open(hosts, "write"), "systems": [system]})
+        mark = worker.keys.next
+        worker.burst({"system": system})
+        worker.keys.next = mark  # as a key counter restarting would
+        with pytest.raises(RuntimeError, match=f"{system} store repeat claims .* moved 0 B"):
+            worker.burst({"system": system})
+    finally:
+        worker.close()

@@ -13,7 +13,8 @@ Rounds alternate the systems' order (A B C, C B A, ...); in each round every pro
 timed burst of one system at once (``sweep.PointRunner``), and the aggregate GB/s is all bytes
 over the span from the first start to the last end. Ratios (shared/nixl_raw,
 private/nixl_raw, shared/private) are paired within a round and reported as median, IQR and
-min..max; after the rounds every system's bytes are verified.
+min..max; after the rounds every system's bytes are verified. A tier repeat whose bytes the
+tier's own counters did not move (a store that sent nothing) ends its point as an error.
 
 Then, in this process: the cross-tier hit (bytes identical), ``lookup`` latency, staleness, and
 a SIGKILLed host (``shared_checks``). Exit status: 0 when every figure was measured and every

@@ -19,10 +19,18 @@ sent to stderr. Commands:
   process's last stores and their read-back;
 - ``exit``.
 
-Keys are distinct per INDEX (``Settings.first_key``), so tiers sharing a pool never store each
-other's keys. Threading: one thread (the tiers run their own poller threads). Failure model: an
-exception is answered as an error and the systems stay as they are until ``finish`` or ``exit``;
-end of stdin (the parent died) closes everything and exits.
+Every repeat of a tier system (``burst`` and ``last``) is checked against the tier's own counters
+(``Tier.moved``): when they moved other bytes than the repeat claims, the command fails, so a
+store that sent nothing is never counted as bytes moved.
+
+Keys come from one source per process that never restarts (``Worker.keys``, from
+``(INDEX + 1) << 40``): the hosts outlive a point, and a host keeps a key's first bytes, so no key
+is stored twice into a host across points, repeats and systems, and tiers sharing a pool never
+store each other's keys.
+
+Threading: one thread (the tiers run their own poller threads). Failure model: an exception is
+answered as an error and the systems stay as they are until ``finish`` or ``exit``; end of stdin
+(the parent died) closes everything and exits.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from typing import IO, Any
 
 from torch_kv_tier.benchmarks.core import System
 from torch_kv_tier.benchmarks.remote import Target
-from torch_kv_tier.benchmarks.sweep import Point, PointRunner, PointState, Settings
+from torch_kv_tier.benchmarks.sweep import Keys, Point, PointRunner, PointState, Settings
 from torch_kv_tier.benchmarks.system_nixl_raw import NixlRaw
 from torch_kv_tier.benchmarks.system_tier import Tier
 
@@ -58,6 +66,7 @@ class Worker:
 
     def __init__(self, index: int) -> None:
         self.index = index
+        self.keys = Keys((index + 1) * _KEY_SPACE)  # shared by every point's runner
         self.systems: dict[str, System] = {}
         self.states: dict[str, PointState] = {}
 
@@ -87,8 +96,8 @@ class Worker:
                 warmup=msg["warmup"],
                 working_set=msg["working_set"],
                 seed=msg["seed"] + 7919 * self.index,
-                first_key=(self.index + 1) * _KEY_SPACE,
-            )
+            ),
+            self.keys,
         )
         point = Point(msg["op"], "contiguous", block_len, msg["batch"], msg["inflight"])
         for name in msg["systems"]:
@@ -98,17 +107,32 @@ class Worker:
         return {}
 
     def burst(self, msg: dict[str, Any]) -> dict[str, Any]:
-        state = self.states[msg["system"]]
-        start = time.perf_counter()
-        self.runner.burst(state, last=False)
-        end = time.perf_counter()
-        point = state.point
-        return {"start": start, "end": end, "bytes": state.calls * point.batch * point.block_len}
+        return self._burst(msg["system"], last=False)
 
     def last(self, msg: dict[str, Any]) -> dict[str, Any]:
-        for state in self.states.values():
-            self.runner.burst(state, last=True)
+        for name in self.states:
+            self._burst(name, last=True)
         return {}
+
+    def _burst(self, name: str, *, last: bool) -> dict[str, Any]:
+        """One timed repeat of system ``name``: its ``start``, ``end`` and the ``bytes`` it
+        claims (every block of every call). Raises ``RuntimeError`` when ``name`` is a tier whose
+        own counters moved other bytes meanwhile (a store of a key already stored sends
+        nothing): such a repeat is no figure."""
+        state = self.states[name]
+        system, op = state.system, state.point.op
+        tier = system if isinstance(system, Tier) else None
+        before = tier.moved(op) if tier is not None else 0
+        start = time.perf_counter()
+        self.runner.burst(state, last=last)
+        end = time.perf_counter()
+        claimed = state.calls * state.point.batch * state.point.block_len
+        if tier is not None and (moved := tier.moved(op) - before) != claimed:
+            raise RuntimeError(
+                f"{name} {'store' if op == 'write' else 'load'} repeat claims {claimed} B, the "
+                f"tier's counters moved {moved} B (a key stored before sends nothing)"
+            )
+        return {"start": start, "end": end, "bytes": claimed}
 
     def finish(self, msg: dict[str, Any]) -> dict[str, Any]:
         verified = {}

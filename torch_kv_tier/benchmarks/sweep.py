@@ -66,7 +66,6 @@ class Settings:
     mean_run: float = 4.0
     seed: int = 1234
     max_calls: int = 200_000
-    first_key: int = 1  # keys of systems that place blocks: distinct per runner sharing a pool
 
 
 @dataclass
@@ -98,25 +97,29 @@ class Measurement:
         }
 
 
-class _Keys:
-    """Logical keys for systems that place blocks themselves: never reused within a run."""
+class Keys:
+    """Logical keys for systems that place blocks themselves: each ``fresh`` range starts where
+    the last one ended (at ``next``), so one source never hands out a key twice.
+
+    Runners whose systems store into the same hosts share one source: a host keeps a key's
+    first bytes, and storing the key again sends nothing.
+    """
 
     def __init__(self, first: int = 1) -> None:
-        self._next = itertools.count(first)
+        self.next = first
 
     def fresh(self, n: int) -> range:
-        start = next(self._next)
-        for _ in range(n - 1):
-            next(self._next)
+        start, self.next = self.next, self.next + n
         return range(start, start + n)
 
 
 class PointRunner:
-    """Runs points on systems; one per benchmark run (owns the key space and pattern seeds)."""
+    """Runs points on systems; one per benchmark run (owns the pattern seeds, and the key space
+    unless given ``keys``: a source it shares with other runners)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, keys: Keys | None = None) -> None:
         self.settings = settings
-        self._keys = _Keys(settings.first_key)
+        self._keys = keys if keys is not None else Keys()
         self._serial = itertools.count(1)
 
     def plan_size(self, system: System, point: Point) -> int:
@@ -241,7 +244,7 @@ class _Cycle:
     recent cycle as submitted, for read-back.
     """
 
-    def __init__(self, calls: list[Call], keys: _Keys | None, *, fresh_per_call: bool) -> None:
+    def __init__(self, calls: list[Call], keys: Keys | None, *, fresh_per_call: bool) -> None:
         if keys is not None:
             calls = [c.with_keys(keys.fresh(len(c))) for c in calls]
         self.calls = calls

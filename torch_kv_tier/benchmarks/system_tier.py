@@ -107,6 +107,13 @@ class Tier(System):
             os.sched_yield()  # as nixl_raw does: the tier's poller gets the core (and the GIL)
         return out
 
+    def moved(self, op: Op) -> int:
+        """The bytes the tier's own counters (``TierStats.bytes_stored`` for writes,
+        ``bytes_loaded`` for reads) say it has moved so far: a store of a key already stored
+        sends nothing, and counts nothing."""
+        stats = self._tm.stats()
+        return stats.bytes_stored if op == "write" else stats.bytes_loaded
+
     def close(self) -> None:
         self._tm.close()
 
