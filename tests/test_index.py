@@ -25,9 +25,9 @@ def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
     peer = index.add_peer("p", range(10, 14))
     slots = index.reserve(peer, 4)
     assert slots == [10, 11, 12, 13]
-    index.publish(peer, ["a", "b", "c", "d"], slots)
-    groups, missing = index.pin(["a"], [0])
-    assert missing == [] and groups[peer] == (["a"], [0], [10])
+    index.publish(peer, ["a", "b", "c", "d"], slots, [1, 2, 3, 4])
+    groups, missing = index.locate(["a"], [0])
+    assert missing == [] and groups[peer] == (["a"], [0], [10], [1])  # slot and its digest
     assert index.reserve(peer, 2) == [11, 12]  # "a" is pinned (and most recent): b, c go
     assert index.lookup(["a", "d", "b"]) == 2 and index.evictions == 2
     index.discard(["a"])  # pinned: its slot is freed on the last unpin, not now
@@ -47,7 +47,7 @@ def test_fenced_slots_stay_out_of_a_new_registration_until_released() -> None:
     assert peer.pool.num_free == 2 and index.reserve(peer, 4) == [2, 3]
     index.unfence("p", [0])
     assert index.reserve(peer, 4) == [0]
-    index.drop_fences("p")  # the lease is gone: nothing left to withhold
+    index.unfence("p", [1])  # the transport reported the last late write
     assert index.fenced("p") == 0 and peer.pool.is_free(1)
 
 

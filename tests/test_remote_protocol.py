@@ -98,8 +98,8 @@ def test_slot_pool_leases_stay_disjoint(ops: list[tuple[bool, int]]) -> None:
         assert pool.free + sum(map(len, held)) == 64
 
 
-def test_lease_table_expiry_and_clean_close() -> None:
-    table = LeaseTable(10, lease_timeout_s=5.0, max_lease=4)
+def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_frees_it() -> None:
+    table = LeaseTable(10, lease_timeout_s=5.0, max_lease=4, max_sessions=3)
     a = table.open("a", None, now=0.0)
     b = table.open("b", 100, now=0.0)
     assert a is not None and b is not None
@@ -108,9 +108,16 @@ def test_lease_table_expiry_and_clean_close() -> None:
     assert table.touch(a.session_id, now=4.0) is a
     assert table.expire(now=5.5) == [b]
     assert table.reclaimed == 1 and table.touch(b.session_id, now=6.0) is None
+    assert table.held_blocks == 4 and table.leased == 8  # b may still write: held, no timer
+    c = table.open("c", None, now=100.0)
+    assert c is not None and len(c.lease) == 2 and not set(c.lease) & set(b.lease)
+    assert table.open("d", None, now=100.0) is None  # no free slot (and at max_sessions)
+    assert table.release([b.session_id]) == 4 and table.held_blocks == 0
     a.bytes_written = 7
-    assert table.close(a.session_id) is a and table.close(a.session_id) is None
-    assert table.leased == 0 and table.retired_bytes_written == 7
+    assert table.close(a.session_id, clean=True) is a
+    assert table.close(a.session_id, clean=True) is None
+    assert table.close(c.session_id, clean=False) is c and table.held_blocks == 2
+    assert table.leased == 2 and table.retired_bytes_written == 7
 
 
 def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None:
@@ -176,7 +183,8 @@ def test_prometheus_text_escapes_client_names() -> None:
         "leased_blocks": 2,
         "shared_stored_blocks": 5,
         "shared_granted_blocks": 1,
-        "shared_quarantined_blocks": 0,
+        "held_blocks": 3,
+        "held_sessions": 1,
         "shared_evictions": 7,
         "slots_used": 1,
         "sessions": [{"public_id": "s1", "client_name": 'evil"\n', "lease": [0, 2]}],
@@ -190,6 +198,8 @@ def test_prometheus_text_escapes_client_names() -> None:
     text = render_prometheus(stats)
     assert 'torch_kv_tier_server_blocks{state="leased"} 2\n' in text
     assert 'torch_kv_tier_server_blocks{state="shared_stored"} 5\n' in text
+    assert 'torch_kv_tier_server_blocks{state="held"} 3\n' in text
+    assert "torch_kv_tier_server_held_sessions 1\n" in text
     assert "torch_kv_tier_server_shared_evictions_total 7\n" in text
     assert 'torch_kv_tier_server_handshakes_total{result="rejected"} 3\n' in text
     assert 'client="evil\\"\\n"} 2\n' in text

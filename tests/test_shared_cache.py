@@ -1,5 +1,6 @@
-"""``SharedCache``, the host-side index of a shared pool: grants, commits, pins, LRU eviction,
-namespace quotas, quarantine and the event stream (pure bookkeeping, no server)."""
+"""``SharedCache``, the host-side index of a shared pool: grants, commits with digests, LRU
+eviction, namespace quotas, held grants of sessions that ended uncleanly and the event stream
+(pure bookkeeping, no server)."""
 
 from __future__ import annotations
 
@@ -18,102 +19,108 @@ def _cache(num_blocks: int = 8, **kwargs: object) -> SharedCache:
     return cache
 
 
-def _store(cache: SharedCache, session: str, keys: list[object], now: float = 0.0) -> list[int]:
-    slots = cache.grant(session, len(keys), now)
+def _store(cache: SharedCache, session: str, keys: list[object]) -> list[int]:
+    slots = cache.grant(session, len(keys))
     assert len(slots) == len(keys)
-    assert cache.commit(session, keys, slots) == len(keys)  # type: ignore[arg-type]
+    digests = [hash(k) & 0xFFFF for k in keys]
+    assert cache.commit(session, keys, slots, digests) == len(keys)  # type: ignore[arg-type]
     return slots
+
+
+def _found(cache: SharedCache, session: str, keys: list[object]) -> list[int]:
+    """Each key's slot in the session's snapshot, -1 when it is not stored."""
+    stored, slots, _, _ = cache.snapshot(session)
+    where = dict(zip(stored, slots))
+    return [where.get(k, -1) for k in keys]  # type: ignore[call-overload]
 
 
 def test_a_key_committed_by_one_session_is_found_by_another_of_its_namespace_only() -> None:
     cache = _cache()
     slots = _store(cache, "a", [b"k1", b"k2"])
-    _, found = cache.pin("b", [b"k2", b"k1", b"nope"], 0.0)
-    assert found == [slots[1], slots[0], -1]
-    _, other = cache.pin("c", [b"k1"], 0.0)
-    assert other == [-1]  # another model never sees the block
+    assert _found(cache, "b", [b"k2", b"k1", b"nope"]) == [slots[1], slots[0], -1]
+    assert _found(cache, "c", [b"k1"]) == [-1]  # another model never sees the block
+    keys, _, digests, _ = cache.snapshot("b")
+    assert dict(zip(keys, digests)) == {b"k1": hash(b"k1") & 0xFFFF, b"k2": hash(b"k2") & 0xFFFF}
 
 
 def test_granted_slots_are_private_until_committed_and_not_reused() -> None:
     cache = _cache(num_blocks=4)
-    first = cache.grant("a", 3, 0.0)
-    second = cache.grant("b", 3, 0.0)
+    first = cache.grant("a", 3)
+    second = cache.grant("b", 3)
     assert len(first) == 3 and len(second) == 1  # the pool has 4 slots
     assert not set(first) & set(second)
-    assert cache.commit("b", [b"x"], first[:1]) == 0  # not b's slot: ignored
-    _, found = cache.pin("a", [b"x"], 0.0)
-    assert found == [-1]
+    assert cache.commit("b", [b"x"], first[:1], [0]) == 0  # not b's slot: ignored
+    assert _found(cache, "a", [b"x"]) == [-1]
 
 
-def test_a_key_stored_twice_keeps_its_first_copy_and_frees_the_second_slot() -> None:
+def test_a_key_stored_twice_keeps_its_first_copy_frees_the_second_and_announces_it() -> None:
     cache = _cache(num_blocks=2)
-    a_slot = cache.grant("a", 1, 0.0)
-    b_slot = cache.grant("b", 1, 0.0)
-    assert cache.commit("a", [b"k"], a_slot) == 1
-    assert cache.commit("b", [b"k"], b_slot) == 0
-    _, found = cache.pin("b", [b"k"], 0.0)
-    assert found == a_slot
-    assert cache.grant("b", 1, 0.0) == b_slot  # free again, nothing had to be evicted
+    a_slot = cache.grant("a", 1)
+    b_slot = cache.grant("b", 1)
+    assert cache.commit("a", [b"k"], a_slot, [7]) == 1
+    cache.take_events(max_keys=100)
+    assert cache.commit("b", [b"k"], b_slot, [7]) == 0
+    assert _found(cache, "b", [b"k"]) == a_slot
+    # b published k locally in its own slot: the host tells it where k really is
+    [(_, _, stored, slots, digests, _)] = cache.take_events(max_keys=100)
+    assert (stored, slots, digests) == ([b"k"], a_slot, [7])
+    assert cache.grant("b", 1) == b_slot  # free again, nothing had to be evicted
     assert cache.evictions == 0
 
 
-def test_a_full_pool_evicts_the_least_recently_used_key_and_never_a_pinned_one() -> None:
+def test_a_full_pool_evicts_the_least_recently_used_key() -> None:
     cache = _cache(num_blocks=3)
     _store(cache, "a", [b"k0", b"k1", b"k2"])
     cache.touch("b", [b"k0"])  # k1 is now the oldest
-    pin_id, _ = cache.pin("b", [b"k1"], 0.0)  # ... but pinned: k2 goes first
-    assert len(cache.grant("a", 1, 0.0)) == 1
-    _, found = cache.pin("a", [b"k0", b"k1", b"k2"], 0.0)
-    assert found[2] == -1 and -1 not in found[:2]
-    cache.unpin("b", [pin_id])
-    cache.unpin("a", [2])
-    assert cache.pinned == 0
-
-
-def test_pins_expire_after_their_ttl() -> None:
-    cache = _cache(num_blocks=1, pin_ttl_s=5.0)
-    _store(cache, "a", [b"k"])
-    cache.pin("b", [b"k"], now=0.0)
-    assert cache.grant("a", 1, now=4.0) == []  # the only slot is pinned
-    assert cache.grant("a", 1, now=5.0) != []  # the pin expired: k is evicted
-    _, found = cache.pin("b", [b"k"], now=5.0)
-    assert found == [-1]
+    assert len(cache.grant("a", 1)) == 1
+    assert _found(cache, "a", [b"k0", b"k1", b"k2"])[1] == -1
 
 
 def test_a_namespace_at_its_quota_evicts_its_own_keys_not_anothers() -> None:
     cache = _cache(num_blocks=8, quota=4)
     _store(cache, "c", [b"y0", b"y1", b"y2"])  # model-y first: the oldest keys
     _store(cache, "a", [b"x0", b"x1", b"x2", b"x3"])
-    assert len(cache.grant("a", 2, 0.0)) == 2  # at quota: x0 and x1 are evicted
-    _, ys = cache.pin("c", [b"y0", b"y1", b"y2"], 0.0)
-    assert -1 not in ys
-    _, xs = cache.pin("a", [b"x0", b"x1", b"x2", b"x3"], 0.0)
+    assert len(cache.grant("a", 2)) == 2  # at quota: x0 and x1 are evicted
+    assert -1 not in _found(cache, "c", [b"y0", b"y1", b"y2"])
+    xs = _found(cache, "a", [b"x0", b"x1", b"x2", b"x3"])
     assert xs[:2] == [-1, -1] and -1 not in xs[2:]
 
 
-def test_an_expired_sessions_grants_are_quarantined_and_a_clean_ones_freed() -> None:
-    cache = _cache(num_blocks=2, quarantine_s=30.0)
-    lost = cache.grant("a", 1, 0.0)
-    cache.leave("a", 10.0, clean=False)
-    assert cache.quarantined == 1
-    clean = cache.grant("b", 1, 10.0)
-    assert clean != lost
-    cache.leave("b", 10.0, clean=True)
-    cache.join("d", "model-x")
-    assert cache.grant("d", 2, 20.0) == clean  # the lost slot still waits
-    assert cache.grant("d", 1, 40.0) == lost
-
-
-def test_events_report_final_states_in_numbered_batches() -> None:
+def test_an_unclean_sessions_grants_are_held_until_released_and_a_clean_ones_freed() -> None:
     cache = _cache(num_blocks=2)
-    _store(cache, "a", [b"k0", b"k1"])
-    (ns, seq, stored, evicted), *rest = cache.take_events(max_keys=100)
-    assert (ns.name, seq, stored, evicted, rest) == ("model-x", 1, [b"k0", b"k1"], [], [])
-    slot = cache.grant("a", 1, 0.0)  # evicts k0
-    cache.commit("a", [b"k2"], slot)
+    lost = cache.grant("a", 1)
+    cache.leave("a", clean=False)  # it may still write there: held, with no timer
+    assert (cache.held, cache.held_sessions) == (1, 1)
+    clean = cache.grant("b", 1)
+    assert clean != lost
+    cache.leave("b", clean=True)
+    cache.join("d", "model-x")
+    assert cache.grant("d", 2) == clean  # the held slot is nobody's, however long it waits
+    assert cache.release(["not-a-session"]) == 0
+    assert cache.release(["a"]) == 1 and cache.held == 0
+    assert cache.grant("d", 1) == lost
+
+
+def test_events_report_final_states_with_slots_and_digests_in_numbered_batches() -> None:
+    cache = _cache(num_blocks=2)
+    first = _store(cache, "a", [b"k0", b"k1"])
+    (ns, seq, stored, slots, _, evicted), *rest = cache.take_events(max_keys=100)
+    assert (ns.name, seq, stored, slots, evicted, rest) == (
+        "model-x",
+        1,
+        [b"k0", b"k1"],
+        first,
+        [],
+        [],
+    )
+    slot = cache.grant("a", 1)  # evicts k0
+    cache.commit("a", [b"k2"], slot, [5])
     batches = cache.take_events(max_keys=1)
-    assert [(s, st, ev) for _, s, st, ev in batches] == [(2, [], [b"k0"]), (3, [b"k2"], [])]
-    keys, event_seq = cache.snapshot("b")
+    assert [(s, st, sl, dg, ev) for _, s, st, sl, dg, ev in batches] == [
+        (2, [], [], [], [b"k0"]),
+        (3, [b"k2"], slot, [5], []),
+    ]
+    keys, _, _, event_seq = cache.snapshot("b")
     assert sorted(keys) == [b"k1", b"k2"] and event_seq == 3  # type: ignore[type-var]
 
 
@@ -121,7 +128,7 @@ def test_a_key_stored_and_evicted_between_two_batches_is_reported_evicted() -> N
     cache = _cache(num_blocks=1)
     _store(cache, "a", [b"k0"])
     _store(cache, "a", [b"k1"])  # evicts k0
-    [(_, _, stored, evicted)] = cache.take_events(max_keys=100)
+    [(_, _, stored, _, _, evicted)] = cache.take_events(max_keys=100)
     assert (stored, evicted) == ([b"k1"], [b"k0"])
 
 
@@ -134,29 +141,41 @@ def test_a_key_stored_and_evicted_twice_between_two_batches_is_reported_once() -
     cache.take_events(max_keys=100)
     for key in (b"k1", b"k0", b"k1"):  # each store evicts the other key
         _store(cache, "a", [key])
-    [(_, _, stored, evicted)] = cache.take_events(max_keys=100)
+    [(_, _, stored, _, _, evicted)] = cache.take_events(max_keys=100)
     assert (stored, evicted) == ([b"k1"], [b"k0"])
+
+
+def test_a_namespace_with_no_session_and_no_key_is_forgotten() -> None:
+    cache = SharedCache(SlotPool(4))
+    for i in range(100):  # a client cycling through fingerprints leaves nothing behind
+        cache.join(f"s{i}", f"model-{i}")
+        cache.leave(f"s{i}", clean=True)
+    assert cache.namespaces == {}
+    cache.join("a", "kept")
+    _store(cache, "a", [b"k"])
+    cache.leave("a", clean=True)
+    assert list(cache.namespaces) == ["kept"]  # it still has a key
 
 
 def test_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="quota"):
         SharedCache(SlotPool(4), quota=0)
-    with pytest.raises(ValueError, match="TTL"):
-        SharedCache(SlotPool(4), pin_ttl_s=0)
+    with pytest.raises(ValueError, match="max granted"):
+        SharedCache(SlotPool(4), max_granted=0)
 
 
 def test_a_session_holds_at_most_max_granted_uncommitted_slots() -> None:
     cache = _cache(num_blocks=64, max_granted=4)
-    first = cache.grant("a", 10, 0.0)
-    assert len(first) == 4 and cache.grant("a", 1, 0.0) == []
-    cache.commit("a", [b"k0", b"k1"], first[:2])
-    assert len(cache.grant("a", 10, 0.0)) == 2  # committing made room in its share
-    assert len(cache.grant("b", 10, 0.0)) == 4  # every session has its own
+    first = cache.grant("a", 10)
+    assert len(first) == 4 and cache.grant("a", 1) == []
+    cache.commit("a", [b"k0", b"k1"], first[:2], [0, 0])
+    assert len(cache.grant("a", 10)) == 2  # committing made room in its share
+    assert len(cache.grant("b", 10)) == 4  # every session has its own
 
 
 def test_shared_grants_draw_only_what_they_need_so_private_leases_still_fit() -> None:
     pool = SlotPool(64)
     cache = SharedCache(pool, max_granted=4)
     cache.join("a", "model-x")
-    assert len(cache.grant("a", 512, 0.0)) == 4
+    assert len(cache.grant("a", 512)) == 4
     assert pool.take(60) == range(4, 64)  # a private lease of every other slot

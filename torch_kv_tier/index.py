@@ -7,13 +7,16 @@ Every operation takes a whole batch and does its per-key work in C-level contain
 (``dict.update``, ``map`` over bound methods) where the semantics allow.
 
 State per peer registration (``PeerSlots``): a slot pool, the stored keys in LRU order (oldest
-first), read pins (slot -> loads in flight; a pinned slot is never evicted or reused), slots
-discarded while pinned (freed on the last unpin) and slots withheld because a write of an
-earlier registration of the same peer id may still land on them (``fence``).
+first), each slot's digest (``torch_kv_tier.digest``: what a load checks its bytes against),
+read pins (slot -> loads in flight; a pinned slot is never evicted or reused), slots discarded
+while pinned (freed on the last unpin) and slots withheld because a write of an earlier
+registration of the same peer id may still land on them (``fence``).
 
-A shared host (``SharedSlots``) keeps its own index: the host decides eviction and pins, and
-this tier holds a copy of the host's key set (kept current by the host's events, see
-``apply_host_changes``) plus a batch of slots the host granted it for new keys.
+A shared host (``SharedSlots``) keeps its own index: the host decides eviction, and this tier
+holds a copy of the host's key set with each key's slot and digest (kept current by the host's
+events, see ``apply_host_changes``) plus a batch of slots the host granted it for new keys. A
+load reads a shared key's slot from the copy, unpinned: a slot evicted and rewritten meanwhile
+fails its digest and is a miss.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ def drain(iterator: Iterable[object]) -> None:
 class PeerSlots:
     """One peer registration's remote slots (see the module docstring)."""
 
-    __slots__ = ("doomed", "lru", "peer_id", "pins", "pool", "withheld")
+    __slots__ = ("digests", "doomed", "lru", "peer_id", "pins", "pool", "withheld")
 
     def __init__(self, peer_id: str, slots: range) -> None:
         self.peer_id = peer_id
         self.pool = SlotPool(slots)
         self.lru: OrderedDict[Key, int] = OrderedDict()  # stored key -> slot, oldest first
+        self.digests = [0] * len(slots)  # slot - slots.start -> digest of its stored key
         self.pins: dict[int, int] = {}  # slot -> loads in flight (only positive counts)
         self.doomed: set[int] = set()  # discarded while pinned: freed on the last unpin
         self.withheld: set[int] = set()  # fenced by an earlier registration's late write
@@ -65,23 +69,23 @@ class SharedSlots:
     """A shared host as this tier sees it: the host's keys (a copy, possibly stale) and the
     slots the host granted this tier for new keys (used in order)."""
 
-    __slots__ = ("capacity", "commits", "grants", "keys", "peer_id", "refilling")
+    __slots__ = ("capacity", "commits", "entries", "grants", "peer_id", "refilling")
 
     def __init__(self, peer_id: str, capacity: int) -> None:
         self.peer_id = peer_id
         self.capacity = capacity  # the host's pool, shared with every other tier
-        self.keys: set[Key] = set()
+        self.entries: dict[Key, tuple[int, int]] = {}  # the host's keys -> (slot, digest)
         self.grants: deque[int] = deque()
         self.refilling = False  # a grant request is in flight
         self.commits = 0  # commit messages sent (each returns granted slots to the host)
 
     @property
     def used(self) -> int:
-        return len(self.keys)
+        return len(self.entries)
 
     @property
     def stored(self) -> int:
-        return len(self.keys)
+        return len(self.entries)
 
 
 AnyPeer = PeerSlots | SharedSlots
@@ -133,7 +137,7 @@ class BlockIndex:
         self._placement = Placement(self.peers)
         where = self.where
         if isinstance(peer, SharedSlots):  # another host may hold some of the same keys
-            lost = [key for key in peer.keys if where.get(key) is peer]
+            lost = [key for key in peer.entries if where.get(key) is peer]
         else:
             lost = list(peer.lru)
         drain(map(where.pop, lost))
@@ -150,19 +154,23 @@ class BlockIndex:
                 return n
         return len(keys)
 
-    def place(self, keys: Sequence[Key], local: Sequence[int]) -> dict[str, tuple[list, list]]:
-        """Group ``keys`` (with their local blocks) by home peer; ``{}`` without peers."""
+    def place(
+        self, keys: Sequence[Key], local: Sequence[int], digests: Sequence[int]
+    ) -> dict[str, tuple[list, list, list]]:
+        """Group ``keys`` (with their local blocks and digests) by home peer; ``{}`` without
+        peers."""
         if not self.peers:
             return {}
         if len(self.peers) == 1:
-            return {next(iter(self.peers)): (list(keys), list(local))}
-        groups: dict[str, tuple[list, list]] = {}
-        for home, key, idx in zip(self._placement.homes(keys), keys, local):
+            return {next(iter(self.peers)): (list(keys), list(local), list(digests))}
+        groups: dict[str, tuple[list, list, list]] = {}
+        for home, key, idx, digest in zip(self._placement.homes(keys), keys, local, digests):
             group = groups.get(home)
             if group is None:
-                group = groups[home] = ([], [])
+                group = groups[home] = ([], [], [])
             group[0].append(key)
             group[1].append(idx)
+            group[2].append(digest)
         return groups
 
     def touch(self, keys: Iterable[Key]) -> dict[SharedSlots, list[Key]]:
@@ -202,14 +210,16 @@ class BlockIndex:
             self._log("evicted", victims, peer.peer_id)
         return slots
 
-    def publish(self, peer: AnyPeer, keys: list[Key], slots: list[int]) -> None:
-        """Make ``keys`` (written into ``slots``) visible, most recently used."""
+    def publish(self, peer: AnyPeer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
+        """Make ``keys`` (written into ``slots``, bytes with ``digests``) visible, most
+        recently used."""
         if isinstance(peer, SharedSlots):
-            peer.keys.update(keys)
+            peer.entries.update(zip(keys, zip(slots, digests)))
         else:
-            lru = peer.lru
-            for key, slot in zip(keys, slots):  # faster than OrderedDict.update's generic path
+            lru, table, start = peer.lru, peer.digests, peer.pool.slots.start
+            for key, slot, digest in zip(keys, slots, digests):  # beats OrderedDict.update
                 lru[key] = slot
+                table[slot - start] = digest
         self.where.update(dict.fromkeys(keys, peer))
         self._log("stored", keys, peer.peer_id)
 
@@ -222,16 +232,23 @@ class BlockIndex:
             peer.pool.free(slots)
 
     def apply_host_changes(
-        self, peer: SharedSlots, stored: list[Key], evicted: list[Key], reset: bool
+        self,
+        peer: SharedSlots,
+        stored: list[Key],
+        slots: list[int],
+        digests: list[int],
+        evicted: list[Key],
+        reset: bool,
     ) -> None:
-        """A shared host's key set changed (``reset``: ``stored`` is all of it now)."""
-        where = self.where
+        """A shared host's key set changed: ``stored`` keys now live in ``slots`` with
+        ``digests`` (``reset``: they are all of it now)."""
+        where, entries = self.where, peer.entries
         if reset:
-            evicted = list(peer.keys.difference(stored))
+            evicted = list(entries.keys() - set(stored))
         gone = [key for key in dict.fromkeys(evicted) if where.get(key) is peer]
         drain(map(where.pop, gone))
-        peer.keys.difference_update(evicted)
-        peer.keys.update(stored)
+        drain(map(entries.pop, evicted, repeat(None)))
+        entries.update(zip(stored, zip(slots, digests)))
         new = [key for key in stored if key not in where]
         where.update(dict.fromkeys(new, peer))
         self._log("evicted", gone, peer.peer_id)
@@ -239,24 +256,19 @@ class BlockIndex:
 
     # -- loads --------------------------------------------------------------------------------
 
-    def pin(
+    def locate(
         self, keys: Sequence[Key], local: Sequence[int]
-    ) -> tuple[dict[AnyPeer, tuple[list, list, list]], list[Key]]:
-        """Pin the slots of stored ``keys`` and mark them most recently used.
-
-        Returns ``{peer: (keys, local, slots)}`` for the stored ones and the missing keys. The
-        slots of a shared host's keys are not known here (``[]``): the host pins them.
-        """
+    ) -> tuple[dict[AnyPeer, tuple[list, list, list, list]], list[Key]]:
+        """Where stored ``keys`` are, to read them into ``local``: ``{peer: (keys, local,
+        slots, digests)}`` and the missing keys. A tier-owned peer's slots are pinned (never
+        evicted or reused until ``unpin``) and marked most recently used; a shared host's are
+        read as the copy of its index has them (its recency is reported by the caller)."""
         entries = list(map(self.where.get, keys))
         missing: list[Key] = []
-        groups: dict[AnyPeer, tuple[list, list, list]] = {}
+        groups: dict[AnyPeer, tuple[list, list, list, list]] = {}
         if len(self.peers) == 1 and None not in entries:
-            home = entries[0] if entries else None
-            if home is not None:
-                slots = (
-                    [] if isinstance(home, SharedSlots) else list(map(home.lru.__getitem__, keys))
-                )
-                groups[home] = (list(keys), list(local), slots)
+            if entries:
+                groups[entries[0]] = (list(keys), list(local), [], [])  # type: ignore[index]
         else:
             for key, idx, peer in zip(keys, local, entries):
                 if peer is None:
@@ -264,14 +276,18 @@ class BlockIndex:
                     continue
                 group = groups.get(peer)
                 if group is None:
-                    group = groups[peer] = ([], [], [])
+                    group = groups[peer] = ([], [], [], [])
                 group[0].append(key)
                 group[1].append(idx)
-                if not isinstance(peer, SharedSlots):
-                    group[2].append(peer.lru[key])
-        for peer, (gkeys, _, slots) in groups.items():
+        for peer, (gkeys, _, slots, digests) in groups.items():
             if isinstance(peer, SharedSlots):
+                found = list(map(peer.entries.__getitem__, gkeys))
+                slots.extend(slot for slot, _ in found)
+                digests.extend(digest for _, digest in found)
                 continue
+            slots.extend(map(peer.lru.__getitem__, gkeys))
+            table, start = peer.digests, peer.pool.slots.start
+            digests.extend(table[slot - start] for slot in slots)
             drain(map(peer.lru.move_to_end, gkeys))
             pins = peer.pins
             if pins.keys().isdisjoint(slots):
@@ -295,23 +311,24 @@ class BlockIndex:
 
     # -- removal ------------------------------------------------------------------------------
 
-    def discard(self, keys: Iterable[Key]) -> None:
+    def discard(self, keys: Iterable[Key], kind: EventKind = "discarded") -> None:
         """Forget stored ``keys`` (others are ignored); a pinned slot is freed on its last unpin.
-        A shared host's key is forgotten by this tier only: other tiers may still use it."""
+        A shared host's key is forgotten by this tier only: other tiers may still use it.
+        ``kind`` is the event logged ("lost" for keys whose bytes failed their digest)."""
         for key in keys:
             peer = self.where.pop(key, None)
             if peer is None:
                 continue
             if isinstance(peer, SharedSlots):
-                peer.keys.discard(key)
-                self._log("discarded", [key], peer.peer_id)
+                peer.entries.pop(key, None)
+                self._log(kind, [key], peer.peer_id)
                 continue
             slot = peer.lru.pop(key)
             if slot in peer.pins:
                 peer.doomed.add(slot)
             else:
                 peer.pool.free([slot])
-            self._log("discarded", [key], peer.peer_id)
+            self._log(kind, [key], peer.peer_id)
 
     # -- late writes of dropped registrations -------------------------------------------------
 
@@ -345,12 +362,6 @@ class BlockIndex:
     def fenced(self, peer_id: str) -> int:
         """Slots of ``peer_id`` that a late write may still land on."""
         return len(self._fences.get(peer_id, ()))
-
-    def drop_fences(self, peer_id: str) -> None:
-        """The lease the fenced slots belonged to is gone: forget them (nothing is withheld)."""
-        fences = self._fences.get(peer_id)
-        if fences:
-            self.unfence(peer_id, [s for s, n in fences.items() for _ in range(n)])
 
     # -- events -------------------------------------------------------------------------------
 

@@ -20,22 +20,72 @@ import numpy as np
 Key = Union[bytes, str, int]  # noqa: UP007  (a runtime alias, usable on Python 3.10)
 
 BUCKETS = 1 << 16
+MAX_KEY_BYTES = 64  # a bytes key, or a str key's UTF-8 encoding (vLLM's block hashes: 32)
+MIN_INT_KEY, MAX_INT_KEY = -(1 << 63), (1 << 64) - 1  # int keys travel as 64-bit integers
+MAX_KEYS_PER_CALL = 1 << 16
 _KEY_TYPES = frozenset({bytes, str, int})
 _MASK64 = (1 << 64) - 1
 
 
 def check_keys(keys: Sequence[Key]) -> list[Key]:
-    """Return ``keys`` as a list; ``TypeError`` for a non-key, ``ValueError`` for a repeat."""
+    """Return ``keys`` as a list; ``TypeError`` for a non-key, ``ValueError`` for a repeat, a
+    key out of the limits (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or more than
+    ``MAX_KEYS_PER_CALL`` keys. Per call: C-level passes, per-key Python only to word an error.
+    """
     out = list(keys)
-    if not _KEY_TYPES.issuperset(map(type, out)):
+    if len(out) > MAX_KEYS_PER_CALL:
+        raise ValueError(
+            f"{len(out)} keys in one call; at most {MAX_KEYS_PER_CALL}: split the call"
+        )
+    types = set(map(type, out))
+    if not _KEY_TYPES.issuperset(types):
         for key in out:
             if isinstance(key, bool) or not isinstance(key, (bytes, str, int)):
                 raise TypeError(
                     f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}"
                 )
+    problem = limits_problem(out, types)
+    if problem is not None:
+        raise ValueError(problem)
     if len(set(out)) != len(out):
         raise ValueError("a key appears twice in one call; pass each key once")
     return out
+
+
+def key_problem(key: object) -> str | None:
+    """Why ``key`` is not a key this library can store, or ``None`` when it is one."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        if MIN_INT_KEY <= key <= MAX_INT_KEY:
+            return None
+        return f"int keys must be in [-2**63, 2**64 - 1] (64 bits), got {key}"
+    if isinstance(key, bytes | str):
+        size = len(key) if isinstance(key, bytes) else len(key.encode())
+        if size <= MAX_KEY_BYTES:
+            return None
+        return (
+            f"keys are at most {MAX_KEY_BYTES} bytes (a str key: its UTF-8 encoding), got "
+            f"{size}: hash longer names down (vLLM's block hashes are 32 bytes)"
+        )
+    return f"keys must be bytes, str or int, got {type(key).__name__}"
+
+
+def limits_problem(keys: list[Key], types: set[type]) -> str | None:
+    """The first key of ``keys`` (all of ``types``, a subset of bytes/str/int) out of the key
+    limits, worded by ``key_problem``; ``None`` when every key is within them."""
+    ints: list[int] = [k for k in keys if type(k) is int] if int in types else []
+    sized: list[bytes | str] = (
+        [k for k in keys if type(k) is not int] if len(ints) < len(keys) else []  # type: ignore[misc]
+    )
+    widest = max(map(len, sized)) * (4 if str in types else 1) if sized else 0
+    suspect = (ints and (min(ints) < MIN_INT_KEY or max(ints) > MAX_INT_KEY)) or (
+        widest > MAX_KEY_BYTES
+    )
+    if suspect:
+        for key in keys:
+            problem = key_problem(key)
+            if problem is not None:
+                return problem
+    return None
 
 
 def key_hash(key: Key) -> int:

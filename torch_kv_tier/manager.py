@@ -2,31 +2,34 @@
 
 Orchestration only: the index of what is stored where (placement, slot pool, LRU, pins) lives in
 ``torch_kv_tier.index``, the per-call, per-transfer and per-peer records in
-``torch_kv_tier.records``; this module turns calls into transfers, tracks them until the transport
-reports them, resolves futures and handles peers coming and going.
+``torch_kv_tier.records``, block digests in ``torch_kv_tier.digest``, how connected hosts are
+dialled again and released in ``torch_kv_tier.connections``, and the shared-host half in
+``torch_kv_tier.shared_hosts`` (its base class). This module turns calls into transfers, tracks
+them until the transport reports them, resolves futures and handles peers coming and going.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
 a transfer NIXL finished during submission completes there, and the background poller is not
 woken. The poller runs only while transfers are in flight, and sleeps on ``_cond`` otherwise.
 Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread or the
-poller), so a callback may call back into the manager.
+poller), so a callback may call back into the manager. Registering a peer's region with NIXL
+(seconds for a big pool) runs outside the lock: lookups and transfers go on meanwhile.
 
-Failure model: a transfer the transport reports failed fails its keys, and its peer is dropped
-with its keys (a cache entry that cannot be trusted is cheaper to recompute than to serve); so
-does a peer the transport reports faulted (``PollResult.peer_fault``/``faulted_peers()``). The
-futures of a dropped peer's transfers resolve at once ("peer lost"), but a write that the
-transport still holds in flight may land later: its remote slots stay fenced (out of every pool
-of that peer id) until the transport reports it, or until the peer's lease is gone.
+The guarantee: a load returns the bytes its key names, or fails the key. Every store computes
+the digest of each block it writes (``verify``); every load recomputes the digests of what it
+read and reports a key whose bytes differ as "missing" (``stats().verify_failed``), whatever
+wrote the remote slot meanwhile. A load's future resolves only once the transport can no longer
+write into its local blocks.
 
-Shared hosts (``connect`` without ``private=True``): the host owns the index of its pool. A
-store writes into slots the host granted this tier ahead of time (refilled in the background)
-and commits its keys to the host once the write completed; the host then tells every tier of
-the namespace, whose copy of the host's key set answers ``lookup`` with no network round trip.
-A load first pins its keys on the host (one control round trip, answered on the session's I/O
-thread, where the read is then submitted); a key the host no longer has, or a read that
-finished later than its pin's TTL allows, is reported "missing", never as wrong bytes. That
-half of the manager lives in ``torch_kv_tier.shared_hosts`` (its base class).
+Failure model: a transfer that fails fails its keys, and its peer is dropped with its keys (a
+cache entry that cannot be trusted is cheaper to recompute than to serve); so does a peer the
+transport reports faulted and a connected host whose session is lost. A connected host that was
+dropped is dialled again in the background (``connections.Redialer``). The futures of a dropped
+peer's stores resolve at once ("peer lost"); its loads resolve when the transport reports them
+(until then their local blocks may still be written). A write the transport still holds after
+its peer was dropped may yet land: its remote slots stay out of every pool of that peer id here,
+and its session counts as unclean, so the host holds the session's slots until this tier tells
+it (``connections.EndedSessions``) that the transport reported the last such write.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.index import BlockIndex, SharedSlots, drain
+from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.digest import BlockDigests
+from torch_kv_tier.index import BlockIndex, PeerSlots, SharedSlots, drain
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
@@ -65,6 +70,7 @@ logger = logging.getLogger(__name__)
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
+_REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 
 
 class TierManager(SharedHosts):
@@ -73,11 +79,15 @@ class TierManager(SharedHosts):
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
     the transfer finished during submission, else by a background thread draining
     ``transport.poll()``. Each key has one remote home chosen by rendezvous hashing over the
-    peers; a key is visible to ``lookup``/``contains``/``load`` only once its write completed.
-    A full peer evicts its least recently used keys (never one being loaded). At most
-    ``max_inflight`` transfers per peer are submitted at once; the rest wait in that peer's
+    peers' stable ids; a key is visible to ``lookup``/``contains``/``load`` only once its write
+    completed. A full peer evicts its least recently used keys (never one being loaded). At
+    most ``max_inflight`` transfers per peer are submitted at once; the rest wait in that peer's
     queue, in order, so a stalled peer holds back no other. Index events (``take_events``) are
     recorded only when the tier is built with ``events=True``.
+
+    ``verify=False`` skips the digests of private peers' blocks (loads then trust that nothing
+    but this tier wrote its slots, which fencing keeps true, see the module docstring); a shared
+    host's loads are always verified, since nothing pins what they read.
 
     Threading and failures: see the module docstring.
     """
@@ -91,6 +101,7 @@ class TierManager(SharedHosts):
         max_poll_interval_s: float = 500e-6,
         events: bool = False,
         grant_batch: int = 512,
+        verify: bool = True,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -103,8 +114,10 @@ class TierManager(SharedHosts):
         if not 0 < grant_batch <= MAX_GRANT:
             raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
         self.grant_batch = grant_batch
+        self.verify = verify
         self.arena = arena
         self.transport = transport
+        self._digests = BlockDigests(arena.tensor)
         self._num_local, self._block_len = transport.num_blocks, transport.block_len
         self.max_inflight = max_inflight
         self._max_poll_interval_s = max_poll_interval_s
@@ -112,12 +125,15 @@ class TierManager(SharedHosts):
         self._cond = threading.Condition(self._lock)
         self._index = BlockIndex(events=events)
         self._peers: dict[str, Peer] = {}
-        self._storing: dict[Key, Op] = {}  # key -> its store in flight or queued
+        self._storing: dict[Key, Op] = {}  # key -> its store in flight, queued or awaiting slots
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
+        self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
+        self._ended = EndedSessions()
+        self._redialer = Redialer(self._connect, self._wants_dial)
         self._blocks_stored = self._blocks_loaded = 0
         self._transfers_done = self._transfers_failed = 0
-        self._pins_expired = 0
+        self._verify_failed = 0
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
@@ -138,6 +154,7 @@ class TierManager(SharedHosts):
         max_inflight: int = 64,
         events: bool = False,
         grant_batch: int = 512,
+        verify: bool = True,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
 
@@ -152,7 +169,12 @@ class TierManager(SharedHosts):
             name, arena.tensor, config_fields=config_fields, passive_progress=False
         )
         return cls(
-            arena, transport, max_inflight=max_inflight, events=events, grant_batch=grant_batch
+            arena,
+            transport,
+            max_inflight=max_inflight,
+            events=events,
+            grant_batch=grant_batch,
+            verify=verify,
         )
 
     # -- peers --------------------------------------------------------------------------------
@@ -171,39 +193,27 @@ class TierManager(SharedHosts):
 
         Re-adding a known ``peer_id`` drops the old registration and its keys first; slots that
         a write of the old registration may still land on are withheld until it resolves.
+        Raises ``ValueError`` for a bad region, or what NIXL raised when it cannot register it.
         """
-        slots = range(num_blocks) if slots is None else slots
-        if block_len != self.transport.block_len:
-            raise ValueError(
-                f"peer block_len {block_len} != local block_len {self.transport.block_len}"
-            )
-        if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
-            raise ValueError(
-                f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
-            )
-        with self._lock:
-            self._check_open()
-            if peer_id in self._peers:
-                self._drop_peer(peer_id)
-            self.transport.add_remote_peer(
-                peer_id, agent_metadata, base_addr, num_blocks, block_len
-            )
-            self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
-        self._flush()
+        self._add_private(peer_id, agent_metadata, base_addr, num_blocks, block_len, slots, None)
 
     def remove_peer(self, peer_id: str) -> None:
-        """Forget a peer: its pending futures fail with "peer lost", its keys are dropped.
+        """Forget a peer: its pending futures fail with "peer lost", its keys are dropped; a
+        connected host is not dialled again.
 
         Raises ``KeyError`` for an unknown peer.
         """
         with self._lock:
             self._check_open()
+            known = self._dials.pop(peer_id, None) is not None
             if peer_id not in self._peers:
+                if known:  # lost and being dialled again: that stops
+                    return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
-            session = self._drop_peer(peer_id)
+            session, clean = self._drop_peer(peer_id)
         self._flush()
         if session is not None:
-            self._close_session(peer_id, session)
+            self._close_session(session, clean)
 
     def connect(
         self,
@@ -217,51 +227,25 @@ class TierManager(SharedHosts):
     ) -> str:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
-        peer id.
+        peer id: the host's stable id, the same in every tier (what keys are placed by).
+        Connecting a host that is connected already returns its id.
 
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
         the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
-        the server stops answering heartbeats for ``heartbeat_timeout_s`` the peer is removed
-        as lost.
+        the session is lost (the server stops answering heartbeats for ``heartbeat_timeout_s``,
+        forgets the session, or the control connection is reset) the peer is dropped as lost
+        and dialled again in the background until it answers or ``disconnect`` is called.
         """
-        from torch_kv_tier.remote.client import RemoteSession
-        from torch_kv_tier.remote.protocol import Region
-
-        t = self.transport
-        session = RemoteSession.open(
-            address,
-            agent_metadata=t.get_agent_metadata(),
-            region=Region(t.base_addr, t.num_blocks, t.block_len, t.mem_type),
-            config_fingerprint=t.config_fingerprint,
-            token=token,
-            slots=slots,
-            on_lost=self._on_session_lost,
-            timeout_s=timeout_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            private=private,
-        )
-        if session.shared:
-            self._join_shared(session, timeout_s)
-            return str(session.peer_id)
-        try:
-            self.add_peer(
-                session.peer_id,
-                session.agent_metadata,
-                session.base_addr,
-                session.num_blocks,
-                session.block_len,
-                slots=session.lease,
+        if not private and not self.verify:
+            raise ValueError(
+                "a shared pool needs verify=True: its loads read unpinned slots and rely on "
+                "digests to turn a slot rewritten meanwhile into a miss"
             )
-            with self._lock:
-                self._peers[session.peer_id].session = session
-        except BaseException:
-            session.close()
-            raise
-        return str(session.peer_id)
+        return self._connect(Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s))
 
     def disconnect(self, peer_id: str) -> None:
-        """Return a connected peer's lease and forget it (as ``remove_peer``)."""
+        """End a connected host's session and forget it (as ``remove_peer``)."""
         self.remove_peer(peer_id)
 
     def peers(self) -> list[str]:
@@ -273,20 +257,23 @@ class TierManager(SharedHosts):
     def store(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
         """Copy arena blocks ``local_idxs`` to remote slots under ``keys``. Never blocks.
 
-        Already-stored keys send nothing and succeed; keys whose store is in flight join it.
-        Raises ``TypeError``/``ValueError``/``IndexError`` for bad input, before any transfer.
+        Already-stored keys send nothing and succeed; keys whose store is in flight (or waits
+        for a shared host's slots) join it. Raises ``TypeError``/``ValueError``/``IndexError``
+        for bad input (``keys.check_keys`` states the key limits), before any transfer. The
+        blocks must not change until the future resolves.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
+        digests = self._digests.of(local, keys) if self._digest_stores() else [0] * len(keys)
         request = Request(keys)
         with self._lock:
             self._check_open()
             index, storing = self._index, self._storing
             if index.where.keys().isdisjoint(keys) and storing.keys().isdisjoint(keys):
-                new_keys, new_local = keys, local
+                new_keys, new_local, new_digests = keys, local, digests
             else:
-                new_keys, new_local, stored = [], [], []
-                for key, idx in zip(keys, local):
+                new_keys, new_local, new_digests, stored = [], [], [], []
+                for key, idx, digest in zip(keys, local, digests):
                     if key in index.where:
                         stored.append(key)
                     elif key in storing:
@@ -294,57 +281,43 @@ class TierManager(SharedHosts):
                     else:
                         new_keys.append(key)
                         new_local.append(idx)
+                        new_digests.append(digest)
                 self._touch_shared(index.touch(stored))
                 request.settle(stored, None)
-            groups = index.place(new_keys, new_local) if new_keys else {}
-            launched: list[Op] = []
+            groups = index.place(new_keys, new_local, new_digests) if new_keys else {}
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
-            for peer_id, (gkeys, glocal) in groups.items():
-                peer = self._peers[peer_id]
-                slots = index.reserve(peer.slots, len(gkeys))
-                if len(slots) < len(gkeys):
-                    rest = (gkeys[len(slots) :], glocal[len(slots) :])
-                    del gkeys[len(slots) :], glocal[len(slots) :]
-                    if isinstance(peer.slots, SharedSlots):  # waits for the host's next grant
-                        peer.awaiting.append((request, *rest))
-                    else:
-                        request.settle(rest[0], CAPACITY)
-                if gkeys:
-                    launched.append(Op("store", peer_id, peer, gkeys, glocal, slots, request))
-                    self._launch(launched[-1])
+            for peer_id, (gkeys, glocal, gdigests) in groups.items():
+                self._store_on(self._peers[peer_id], gkeys, glocal, gdigests, request)
             ready = self._after_submit(request, groups)
             for peer_id in groups:  # after the commits of what completed already
-                peer = self._peers[peer_id]
-                if isinstance(peer.slots, SharedSlots):
+                peer = self._peers.get(peer_id)  # polling may have dropped it
+                if peer is not None and isinstance(peer.slots, SharedSlots):
                     self._refill(peer)
-            for op in launched:
-                self._track_store(op)
         resolve(ready)
         return request.future
 
     def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
         """Bring the blocks stored under ``keys`` into arena blocks ``local_idxs``. Never blocks.
 
-        A key that is not stored fails with "missing"; the others still load. The remote slots
-        being read are pinned (never evicted or reused) until the read completes.
+        A key that is not stored, or whose bytes fail their digest, fails with "missing"; the
+        others still load. The future resolves once the transport can no longer write into
+        ``local_idxs``.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
         request = Request(keys)
         with self._lock:
             self._check_open()
-            groups, missing = self._index.pin(keys, local)
+            groups, missing = self._index.locate(keys, local)
             request.settle(missing, MISSING)
             peer_ids = []
-            for slots, (gkeys, glocal, remote) in groups.items():
-                peer_id = slots.peer_id
-                peer = self._peers[peer_id]
-                if isinstance(slots, SharedSlots):
-                    self._pin(peer, gkeys, glocal, request)
-                    continue
-                peer_ids.append(peer_id)
-                self._launch(Op("load", peer_id, peer, gkeys, glocal, remote, request))
+            for slots, (gkeys, glocal, remote, digests) in groups.items():
+                peer = self._peers[slots.peer_id]
+                peer_ids.append(slots.peer_id)
+                self._launch(
+                    Op("load", slots.peer_id, peer, gkeys, glocal, remote, request, digests)
+                )
             ready = self._after_submit(request, peer_ids)
         resolve(ready)
         return request.future
@@ -394,7 +367,8 @@ class TierManager(SharedHosts):
                 latency_p50_us=float(np.percentile(lat, 50)),
                 latency_p99_us=float(np.percentile(lat, 99)),
                 events_dropped=self._index.events_dropped,
-                pins_expired=self._pins_expired,
+                verify_failed=self._verify_failed,
+                unreleased_sessions=self._ended.unresolved,
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()
@@ -414,8 +388,9 @@ class TierManager(SharedHosts):
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
-        (their keys fail with "closed"), then close the sessions and the transport. Idempotent.
-        """
+        (their keys fail with "closed"), then end the sessions and close the transport; a load
+        cancelled here resolves only after that, when nothing can land in its blocks any more.
+        Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -426,33 +401,45 @@ class TierManager(SharedHosts):
                 self._fail_awaiting(peer, CLOSED)
             deadline = time.monotonic() + timeout
             self._cond.notify_all()
-            # Writes orphaned by a dropped peer have resolved futures: nobody waits for them.
             while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
                 self._cond.wait(timeout=deadline - time.monotonic())
             leftover = list(self._ops)
-            if leftover:
-                if any(not self._ops[tid].orphaned for tid in leftover):
-                    logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
-                self.transport.cancel(leftover)
-                for tid in leftover:
-                    op = self._ops.pop(tid)
-                    if not op.orphaned:
-                        self._finish(op, CLOSED)
+            if any(not self._ops[tid].orphaned for tid in leftover):
+                logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
+            self.transport.cancel(leftover)
+            cancelled = list(map(self._ops.pop, leftover))
+            dirty = {op.peer for op in cancelled if op.kind == "store"}
+            for op in cancelled:
+                if op.kind == "store" and not op.orphaned:
+                    self._finish(op, CLOSED)
             self._stopping = True
             self._cond.notify_all()
             self._report_usage(time.perf_counter())
-            sessions = [p.session for p in self._peers.values() if p.session is not None]
+            ending = [
+                (p.session, p not in dirty, self._ended.take(p.session.address))
+                for p in self._peers.values()
+                if p.session is not None
+            ]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
         # Disconnects run side by side and get what is left of the timeout (at least 0.1 s);
-        # a host that does not answer reclaims the lease itself after its lease timeout.
-        closers = [threading.Thread(target=s.close, daemon=True) for s in sessions]
+        # a host that does not answer ends the session itself after its lease timeout.
+        closers = [
+            threading.Thread(target=_end_session, args=(s, clean, held), daemon=True)
+            for s, clean, held in ending
+        ]
         for closer in closers:
             closer.start()
         for closer in closers:
             closer.join(timeout=max(deadline - time.monotonic(), 0.1))
         self.transport.close()
+        with self._lock:  # the transport is gone: nothing lands in a cancelled load's blocks
+            for op in cancelled:
+                if op.kind == "load":
+                    self._finish(op, PEER_LOST if op.orphaned else CLOSED)
+        self._flush()
 
     def __enter__(self) -> TierManager:
         return self
@@ -521,6 +508,30 @@ class TierManager(SharedHosts):
             )
         return local
 
+    def _digest_stores(self) -> bool:
+        """Whether stores compute digests: to verify private loads, or for any shared host
+        (read without the lock: a host joining meanwhile only costs that call's digests)."""
+        return self.verify or any(isinstance(p.slots, SharedSlots) for p in self._peers.values())
+
+    def _store_on(
+        self, peer: Peer, keys: list[Key], local: list[int], digests: list[int], request: Request
+    ) -> None:
+        """Reserve slots of ``peer`` for a group of a store and launch it; keys no slot was
+        found for fail with "capacity" (a private peer) or wait for the host's next grant."""
+        op = Op("store", peer.slots.peer_id, peer, keys, local, [], request, digests)
+        self._storing.update(dict.fromkeys(keys, op))
+        op.remote = self._index.reserve(peer.slots, len(keys))
+        if len(op.remote) < len(keys):
+            rest = op.split(len(op.remote))
+            if isinstance(peer.slots, SharedSlots):  # waits for the host's next grant
+                self._storing.update(dict.fromkeys(rest.keys, rest))
+                peer.awaiting.append(rest)
+            else:
+                drain(map(self._storing.pop, rest.keys))
+                request.settle(rest.keys, CAPACITY)
+        if op.keys:
+            self._launch(op)
+
     def _launch(self, op: Op) -> None:
         if op.peer.inflight >= self.max_inflight:
             op.peer.queue.append(op)
@@ -551,9 +562,8 @@ class TierManager(SharedHosts):
                     self._cond.notify_all()
         if self._ops and self._poller_idle:
             self._cond.notify()
-        if request is not None and request.pending == 0 and not request.queued:
-            request.queued = True
-            self._ready.append(request)
+        if request is not None:
+            self._ready_if_settled(request)
         ready, self._ready = self._ready, []
         return ready
 
@@ -607,13 +617,19 @@ class TierManager(SharedHosts):
 
     def _take(self, tid: int, now: float, freed: list[Peer]) -> Op | None:
         """The op of a transfer the transport reported, off the in-flight table; ``None`` when
-        there is nothing left to settle (unknown id, or an orphaned write: its slots unfence)."""
+        there is nothing left to do but its aftermath (unknown id, or an op orphaned by its
+        peer's drop: a store's slots unfence and its ended session may be released; a load's
+        request settles now that nothing lands in its blocks any more)."""
         op = self._ops.pop(tid, None)
         if op is None:
             return None
-        if op.orphaned:  # settled when its peer was dropped; only its slots waited
-            if op.kind == "store":
+        if op.orphaned:
+            if op.kind == "load":
+                self._settle(op, [], PEER_LOST)
+            else:
                 self._index.unfence(op.peer_id, op.remote)
+                if op.peer.session is not None and self._ended.write_resolved(op.peer.session):
+                    self._send_releases(op.peer.session.address)
             return None
         op.peer.inflight -= 1
         freed.append(op.peer)
@@ -626,65 +642,82 @@ class TierManager(SharedHosts):
         for peer in self._peers.values():
             peer.report_usage()
 
-    def _track_store(self, op: Op) -> None:
-        """Let later calls join or discard a just-launched store's keys. Only a store still
-        queued or in flight can be: one that completed during submission never enters
-        ``_storing`` (the lock is held throughout, so no other call looked for its keys)."""
-        if not op.settled:
-            self._storing.update(dict.fromkeys(op.keys, op))
-            op.registered = True
-
-    def _publish(self, peer: Peer, keys: list[Key], slots: list[int]) -> None:
-        """Make written ``keys`` visible; a shared host learns them with a commit."""
-        self._index.publish(peer.slots, keys, slots)
-        if keys and isinstance(peer.slots, SharedSlots):
-            self._commit(peer, keys, slots)
-
     def _finish(self, op: Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
         op.settled = True
         peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
-        n = len(op.keys)
         if op.kind == "store":
-            storing = self._storing
-            if reason is None and not op.discarded and peer is not None:
-                # Nothing discarded: every key still maps to this op (only a discard unmaps one).
-                if op.registered:
-                    drain(map(storing.pop, op.keys))
-                self._publish(peer, op.keys, op.remote)
-            else:
-                unused = []
-                published_keys, published_slots = [], []
-                for key, slot in zip(op.keys, op.remote):
-                    if storing.get(key) is op:
-                        del storing[key]
-                    if reason is None and key not in op.discarded:
-                        published_keys.append(key)
-                        published_slots.append(slot)
-                    else:
-                        unused.append(slot)
-                if peer is not None:
-                    self._publish(peer, published_keys, published_slots)
-                    self._index.release(peer.slots, unused)
-            if reason is None:
-                self._blocks_stored += n
-                if peer is not None:
-                    peer.written += n * self._block_len
+            self._finish_store(op, peer, reason)
         else:
-            if op.pin_id:
-                reason = self._unpin(op, reason)
-            elif peer is not None and not isinstance(peer.slots, SharedSlots):
-                self._index.unpin(peer.slots, op.remote)
-            if reason is None:
-                self._blocks_loaded += n
-                if peer is not None:
-                    peer.read += n * self._block_len
-        if reason is None:
-            op.owner.nbytes += n * self._block_len
-        self._settle(op, reason)
+            self._finish_load(op, peer, reason)
 
-    def _settle(self, op: Op, reason: str | None) -> None:
-        op.owner.settle(op.keys, reason)
+    def _finish_store(self, op: Op, peer: Peer | None, reason: str | None) -> None:
+        storing = self._storing
+        if not op.discarded:  # every key still maps to this op (only a discard unmaps one)
+            drain(map(storing.pop, op.keys))
+            keys, slots, digests = op.keys, op.remote, op.digests
+            unused: list[int] = []
+        else:
+            keys, slots, digests, unused = [], [], [], []
+            for key, slot, digest in zip(op.keys, op.remote, op.digests):
+                if storing.get(key) is op:
+                    del storing[key]
+                if key in op.discarded:
+                    unused.append(slot)
+                else:
+                    keys.append(key)
+                    slots.append(slot)
+                    digests.append(digest)
+        if peer is not None:
+            if reason is None:
+                self._publish(peer, keys, slots, digests)
+            else:
+                unused = op.remote
+            self._index.release(peer.slots, unused)
+        if reason is None:
+            n = len(op.keys)
+            self._blocks_stored += n
+            op.owner.nbytes += n * self._block_len
+            if peer is not None:
+                peer.written += n * self._block_len
+        self._settle(op, [], reason)
+
+    def _finish_load(self, op: Op, peer: Peer | None, reason: str | None) -> None:
+        if peer is not None and isinstance(peer.slots, PeerSlots):
+            self._index.unpin(peer.slots, op.remote)
+        bad: list[Key] = []
+        if reason is None:
+            shared = isinstance(op.peer.slots, SharedSlots)
+            if shared or self.verify:
+                bad = self._digests.mismatched(op.local, op.keys, op.digests)
+            if bad:
+                self._verify_failed += len(bad)
+                logger.warning(
+                    "%d of %d blocks read from %s do not hold their keys' bytes (rewritten or "
+                    "torn meanwhile): reported missing",
+                    len(bad),
+                    len(op.keys),
+                    op.peer_id,
+                )
+                if peer is not None:
+                    self._index.discard(bad, "lost")
+            n = len(op.keys) - len(bad)
+            self._blocks_loaded += n
+            op.owner.nbytes += n * self._block_len
+            if peer is not None:
+                peer.read += n * self._block_len
+                if shared:
+                    self._touch_shared({peer.slots: op.keys})  # type: ignore[dict-item]
+        self._settle(op, bad, reason)
+
+    def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
+        """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing"."""
+        if bad:
+            rejected = set(bad)
+            op.owner.settle([k for k in op.keys if k not in rejected], reason)
+            op.owner.settle(bad, MISSING)
+        else:
+            op.owner.settle(op.keys, reason)
         self._ready_if_settled(op.owner)
         for request, keys in op.joined.items():
             request.settle(keys, reason)
@@ -695,59 +728,60 @@ class TierManager(SharedHosts):
             request.queued = True
             self._ready.append(request)
 
-    def _drop_peer(self, peer_id: str) -> Any:
-        """Forget a peer and its keys; fail its queued ops and settle its in-flight ones as lost
-        (their writes keep their slots fenced until the transport reports them). Returns its
-        session (to close)."""
+    def _drop_peer(self, peer_id: str) -> tuple[Any, bool]:
+        """Forget a peer and its keys; fail its queued ops, settle its in-flight stores as lost
+        (their writes keep their slots fenced until the transport reports them) and leave its
+        in-flight loads to settle when the transport reports them. Returns its session (to
+        end) and whether that may be clean (no write of it in flight)."""
         peer = self._peers.pop(peer_id)
         self._index.remove_peer(peer_id)
         while peer.queue:
             self._finish(peer.queue.popleft(), PEER_LOST)
         self._fail_awaiting(peer, PEER_LOST)
+        writes = 0
         for op in self._ops.values():
             if op.peer is peer and not op.orphaned:
                 op.orphaned = True
                 if op.kind == "store":
+                    writes += 1
                     self._index.fence(peer_id, op.remote)
-                self._finish(op, PEER_LOST)
+                    self._finish(op, PEER_LOST)
         try:
             self.transport.remove_remote_peer(peer_id)
         except Exception:
             logger.exception("removing peer %s from the transport failed", peer_id)
         peer.report_usage()
-        return peer.session
+        if peer.session is not None:
+            self._ended.ended(peer.session, writes)
+        return peer.session, writes == 0
 
     def _lose_peer(self, peer_id: str, why: str) -> None:
-        """Drop a failed peer and its keys (see the failure model in the module docstring)."""
+        """Drop a failed peer and its keys (see the failure model in the module docstring);
+        a connected host is dialled again once its session ended."""
         if peer_id not in self._peers:
             return
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
-        session = self._drop_peer(peer_id)
-        if session is not None:  # closing waits for the server: not under the lock
-            threading.Thread(
-                target=self._close_session, args=(peer_id, session), daemon=True
-            ).start()
+        session, clean = self._drop_peer(peer_id)
+        if session is not None:  # ending waits for the server: not under the lock
+            threading.Thread(target=self._close_session, args=(session, clean), daemon=True).start()
 
-    def _close_session(self, peer_id: str, session: Any) -> None:
-        """Return a dropped peer's lease (without the lock); once it is gone, a late write of
-        the old registration can no longer hurt this tier, so its fences go, and the transfers
-        it still held in flight (a frozen host's) are cancelled: nothing waits for them."""
-        session.close()
+    def _close_session(self, session: Any, clean: bool) -> None:
+        """End a dropped peer's session (without the lock); dial the host again if it was lost
+        rather than removed."""
+        _end_session(session, clean, [])
         with self._lock:
-            self._index.drop_fences(peer_id)
-            orphans = [
-                tid for tid, op in self._ops.items() if op.orphaned and op.peer.session is session
-            ]
-            if orphans:
-                self.transport.cancel(orphans)
-                drain(map(self._ops.pop, orphans))
+            dial = None if self._closed else self._dials.get(session.peer_id)
+            if dial is not None and session.peer_id not in self._peers:
+                self._redialer.start(dial)
 
     def _on_session_lost(self, peer_id: str) -> None:
-        """Heartbeat thread: the server stopped answering."""
+        """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
+        current session is alive (a newer one) stays."""
         with self._lock:
-            if self._closed:
+            peer = self._peers.get(peer_id)
+            if self._closed or peer is None or peer.session is None or not peer.session.lost:
                 return
-            self._lose_peer(peer_id, "stopped answering heartbeats")
+            self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
         self._flush()
 
     def _flush(self) -> None:
@@ -757,6 +791,143 @@ class TierManager(SharedHosts):
                 return
             ready, self._ready = self._ready, []
         resolve(ready)
+
+    # -- connected hosts ----------------------------------------------------------------------
+
+    def _connect(self, dial: Dial) -> str:
+        """Open a session with ``dial``'s host (telling it the ended sessions it may release)
+        and register it; returns its peer id (without the lock)."""
+        from torch_kv_tier.remote.client import RemoteSession
+        from torch_kv_tier.remote.protocol import Region
+
+        with self._lock:
+            self._check_open()
+            release = self._ended.take(dial.address)
+        t = self.transport
+        try:
+            session = RemoteSession.open(
+                dial.address,
+                agent_metadata=t.get_agent_metadata(),
+                region=Region(t.base_addr, t.num_blocks, t.block_len, t.mem_type),
+                config_fingerprint=t.config_fingerprint,
+                token=dial.token,
+                slots=dial.slots,
+                on_lost=self._on_session_lost,
+                timeout_s=dial.timeout_s,
+                heartbeat_timeout_s=dial.heartbeat_timeout_s,
+                private=dial.private,
+                release=release,
+            )
+        except BaseException:
+            with self._lock:  # the server may not have heard them: tell it next time
+                self._ended.resolved.setdefault(dial.address, []).extend(release)
+            raise
+        peer_id = session.peer_id
+        with self._lock:
+            known = peer_id in self._peers
+        if known:
+            session.close(clean=True)
+            return peer_id
+        try:
+            if session.shared:
+                self._join_shared(session, dial.timeout_s)
+            else:
+                self._add_private(
+                    peer_id,
+                    session.agent_metadata,
+                    session.base_addr,
+                    session.num_blocks,
+                    session.block_len,
+                    session.lease,
+                    session,
+                )
+        except BaseException:
+            session.close(clean=True)
+            raise
+        with self._lock:
+            self._dials[peer_id] = dial
+        if session.lost is not None:  # lost before it was published: nobody dropped it
+            self._on_session_lost(peer_id)
+        return peer_id
+
+    def _wants_dial(self, dial: Dial) -> bool:
+        """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
+        with self._lock:
+            return not self._closed and any(
+                d is dial and pid not in self._peers for pid, d in self._dials.items()
+            )
+
+    def _send_releases(self, address: str) -> None:
+        """Tell ``address``'s host, over its live session, which ended sessions resolved; with
+        none live, the next handshake tells it."""
+        session = next(
+            (
+                p.session
+                for p in self._peers.values()
+                if p.session is not None and p.session.address == address
+            ),
+            None,
+        )
+        if session is None:
+            return
+        held = self._ended.take(address)
+        try:
+            session.release(held)
+        except ConnectionError:
+            self._ended.resolved.setdefault(address, []).extend(held)
+
+    def _register(
+        self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
+    ) -> None:
+        """Register a peer's region with the transport, without the lock (seconds for a big
+        region: lookups and transfers go on meanwhile)."""
+        self.transport.add_remote_peer_async(
+            peer_id, agent_metadata, base_addr, num_blocks, block_len
+        ).result(timeout=_REGISTER_TIMEOUT_S)
+
+    def _add_private(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+        slots: range | None,
+        session: Any,
+    ) -> None:
+        slots = range(num_blocks) if slots is None else slots
+        if block_len != self.transport.block_len:
+            raise ValueError(
+                f"peer block_len {block_len} != local block_len {self.transport.block_len}"
+            )
+        if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
+            raise ValueError(
+                f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
+            )
+        old = None
+        with self._lock:
+            self._check_open()
+            if peer_id in self._peers:
+                old = self._drop_peer(peer_id)
+        self._flush()
+        if old is not None and old[0] is not None:
+            _end_session(*old, [])
+        self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
+        with self._lock:
+            self._check_open()
+            peer = self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
+            peer.session = session
+
+
+def _end_session(session: Any, clean: bool, held: list[str]) -> None:
+    """Tell a host which ended sessions resolved, then end ``session`` (clean: no write of it
+    in flight). Never raises: a host that does not answer ends the session itself."""
+    if held:
+        try:
+            session.release(held)
+        except ConnectionError:
+            logger.info("%s: could not release %d ended sessions", session.peer_id, len(held))
+    session.close(clean=clean)
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

@@ -56,8 +56,7 @@ class Peer:
         self.slots = slots
         self.inflight = 0  # this registration's ops submitted to the transport
         self.queue: deque[Op] = deque()  # ops waiting for an in-flight slot, in order
-        # shared host: (request, keys, local blocks) of stores waiting for granted slots
-        self.awaiting: deque[tuple[Request, list[Key], list[int]]] = deque()
+        self.awaiting: deque[Op] = deque()  # shared host: stores waiting for granted slots
         self.session: Any = None  # RemoteSession when the peer came from connect()
         self.written = self.read = 0  # bytes moved not yet reported to the session
 
@@ -74,6 +73,7 @@ class Op:
     """One transfer to one peer: keys of its owner request and of requests that joined it."""
 
     __slots__ = (
+        "digests",
         "discarded",
         "joined",
         "keys",
@@ -83,9 +83,6 @@ class Op:
         "owner",
         "peer",
         "peer_id",
-        "pin_deadline",
-        "pin_id",
-        "registered",
         "remote",
         "settled",
         "submitted",
@@ -100,6 +97,7 @@ class Op:
         local: list[int],
         remote: list[int],
         owner: Request,
+        digests: list[int],
     ) -> None:
         self.kind = kind
         self.peer_id = peer_id
@@ -108,14 +106,34 @@ class Op:
         self.local = local
         self.remote = remote
         self.owner = owner
+        self.digests = digests  # a store's computed digests; a load's expected ones
         self.joined: dict[Request, list[Key]] = {}
         self.discarded: set[Key] = set()
         self.submitted = 0.0
-        self.orphaned = False  # settled as "peer lost" while the transport still holds it
+        self.orphaned = False  # its peer was dropped while the transport still holds it
         self.settled = False  # applied to the index, its requests' keys settled
-        self.registered = False  # a store whose keys are in the manager's ``_storing``
-        self.pin_id = 0  # a load from a shared host: the host's pin on the slots read
-        self.pin_deadline = 0.0  # perf_counter time by which that read must have finished
+
+    def split(self, n: int) -> Op:
+        """Cut off and return the keys after the first ``n`` as an op of their own (a store
+        waiting for granted slots that came only for its first ``n`` keys)."""
+        tail = Op(
+            self.kind,
+            self.peer_id,
+            self.peer,
+            self.keys[n:],
+            self.local[n:],
+            self.remote[n:],
+            self.owner,
+            self.digests[n:],
+        )
+        del self.keys[n:], self.local[n:], self.remote[n:], self.digests[n:]
+        if self.joined or self.discarded:
+            moved = set(tail.keys)
+            for request, keys in self.joined.items():
+                tail.joined[request] = [k for k in keys if k in moved]
+                self.joined[request] = [k for k in keys if k not in moved]
+            tail.discarded, self.discarded = self.discarded & moved, self.discarded - moved
+        return tail
 
 
 def resolve(ready: list[Request]) -> None:

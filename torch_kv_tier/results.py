@@ -8,7 +8,7 @@ from typing import Literal
 from torch_kv_tier.keys import Key
 
 # Reasons a key can fail, as found in ``TransferResult.failed``.
-MISSING = "missing"  # load of a key that is not stored
+MISSING = "missing"  # load of a key that is not stored, or whose bytes failed their digest
 CAPACITY = "capacity"  # store with no free or evictable remote slot
 TRANSFER_FAILED = "transfer failed"  # the transport reported an error
 PEER_LOST = "peer lost"  # the key's peer was removed, disconnected or died
@@ -62,5 +62,6 @@ class TierStats:
     latency_p50_us: float = 0.0  # per-transfer completion latency over recent transfers
     latency_p99_us: float = 0.0
     events_dropped: int = 0  # events discarded because nobody called take_events
-    pins_expired: int = 0  # blocks read from a shared host too slowly to trust: reported missing
+    verify_failed: int = 0  # blocks read whose bytes did not match their key's digest: "missing"
+    unreleased_sessions: int = 0  # ended sessions whose writes the transport still holds
     peers: dict[str, PeerStats] = field(default_factory=dict)

@@ -1,22 +1,27 @@
-"""The tier's half of a shared remote host: granted slots, commits, pinned reads, and the
-copy of the host's key set (the host's half is ``remote.shared_cache``).
+"""The tier's half of a shared remote host: granted slots, commits, recency, and the copy of
+the host's key set with each key's slot and digest (the host's half is ``remote.shared_cache``).
 
 ``SharedHosts`` is a part of ``TierManager`` (its base class), kept in its own file because it is
 one concept: how a tier uses a host whose index the host owns. It uses the manager's lock and
-tables, and the manager's ``_launch``/``_after_submit``/``_ready_if_settled`` to submit and
-settle transfers; the manager calls ``_join_shared`` from ``connect``, ``_refill``/``_commit``
-from ``store`` and ``_finish``, ``_pin``/``_unpin`` from ``load`` and ``_finish``.
+tables, and the manager's ``_launch``/``_after_submit``/``_finish``/``_register`` to submit
+and settle transfers; the manager calls ``_join_shared`` from ``connect``, ``_refill`` from
+``store``, ``_publish`` from its store completion and ``_touch_shared`` from ``touch`` and its
+load completion.
+
+A store writes into slots the host granted this tier ahead of time (refilled in the background
+when half a batch is used) and commits its keys with their digests once the write completed; a
+store with no granted slot left waits in its peer's ``awaiting`` queue (its keys are "in
+flight": a second store of them joins it, a discard unpublishes them). A load reads straight
+from the slot the copy of the host's index names, with no round trip to the host, and checks
+the digest (the manager's load completion); recency goes to the host batched (``touch``).
 
 Threading: methods without "(I/O thread, unlocked)" run with the manager's lock held. Answers
-from the host (grants, pins, index events) arrive on the session's I/O thread, which takes the
-lock itself; a request's answer callback is attached before the request is sent, so it never
-runs on the caller's thread (where the lock is held and not reentrant).
+from the host (grants, index events) arrive on the session's I/O thread, which takes the lock
+itself; a request's answer callback is attached before the request is sent, so it never runs
+on the caller's thread (where the lock is held and not reentrant).
 
-Failure model: a grant that does not come leaves the stores waiting for it to fail with
-"capacity" only when nothing this tier does could free its share; a pin that does not come (the
-host died) fails its keys with "peer lost" when the session ends; a read that finished after
-``_PIN_MARGIN`` of its pin's TTL is reported "missing", since its slot may have been evicted
-and rewritten meanwhile.
+Failure model: a grant that does not come (the host refused, or timed out) leaves the stores
+waiting for it to fail with "capacity" only when nothing this tier does could free its share.
 """
 
 from __future__ import annotations
@@ -24,23 +29,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.index import BlockIndex, SharedSlots
+from torch_kv_tier.index import AnyPeer, BlockIndex, SharedSlots
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
-from torch_kv_tier.results import CAPACITY, CLOSED, MISSING, PEER_LOST
+from torch_kv_tier.results import CAPACITY
 from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
 
 MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
-_PIN_MARGIN = 0.8  # a shared read must finish within this fraction of its pin's TTL
 
 
 class SharedHosts:
@@ -53,49 +56,46 @@ class SharedHosts:
     _closed: bool
     _index: BlockIndex
     _peers: dict[str, Peer]
-    _pins_expired: int
+    _storing: dict[Key, Op]
 
     if TYPE_CHECKING:  # implemented by TierManager
 
         def _check_open(self) -> None: ...
         def _launch(self, op: Op) -> None: ...
+        def _finish(self, op: Op, reason: str | None) -> None: ...
         def _after_submit(
             self, request: Request | None, peer_ids: Iterable[str]
         ) -> list[Request]: ...
-        def _ready_if_settled(self, request: Request) -> None: ...
-        def _track_store(self, op: Op) -> None: ...
+        def _register(
+            self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
+        ) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
-        """Register a shared host: its NIXL region, its first grant (in the background), then
-        its key set (awaited)."""
+        """Register a shared host: its NIXL region (outside the lock), its first grant (in the
+        background), then its key set (awaited)."""
         peer_id = session.peer_id
-        registered = False
+        self._register(
+            peer_id,
+            session.agent_metadata,
+            session.base_addr,
+            session.num_blocks,
+            session.block_len,
+        )
+        with self._lock:
+            self._check_open()
+            peer = self._peers[peer_id] = Peer(
+                self._index.add_shared_peer(peer_id, session.num_blocks)
+            )
+            peer.session = session
+            self._refill(peer)
         try:
-            with self._lock:
-                self._check_open()
-                self.transport.add_remote_peer(
-                    peer_id,
-                    session.agent_metadata,
-                    session.base_addr,
-                    session.num_blocks,
-                    session.block_len,
-                )
-                peer = self._peers[peer_id] = Peer(
-                    self._index.add_shared_peer(peer_id, session.num_blocks)
-                )
-                peer.session = session
-                registered = True
-                self._refill(peer)
             synced = threading.Event()
             session.follow(_HostChanges(self, peer_id, synced))
             if not synced.wait(timeout_s):
                 raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:
-            if registered:
-                self.remove_peer(peer_id)
-            else:
-                session.close()
+            self.remove_peer(peer_id)
             raise
 
     def _refill(self, peer: Peer) -> None:
@@ -103,25 +103,30 @@ class SharedHosts:
         for slots; the answer lands in ``_on_granted``, on the session's I/O thread."""
         slots = peer.slots
         assert isinstance(slots, SharedSlots)
-        need = sum(len(keys) for _, keys, _ in peer.awaiting)
+        need = sum(len(op.keys) for op in peer.awaiting)
         if slots.refilling or (not need and len(slots.grants) >= self.grant_batch // 2):
             return
         want = min(max(self.grant_batch, 2 * need), MAX_GRANT)
         try:
             peer.session.grant(want, partial(self._on_granted, peer, slots.commits))
         except ConnectionError:
-            return  # the session is ending; the heartbeat thread drops the peer
+            return  # the session is ending; its loss drops the peer
         slots.refilling = True
 
     def _on_granted(self, peer: Peer, commits: int, future: Future[Any]) -> None:
         """A grant answer (I/O thread, unlocked): stores waiting for slots go out. With no
         slot granted, none of this tier's writes to the host in flight and no commit sent since
         the request (either would make room in its share), they fail with "capacity"."""
+        granted: list[int] = []
         try:
-            granted = future.result().slots
+            answer = future.result()
         except Exception as exc:
             logger.warning("grant from %s failed: %s", peer.slots.peer_id, exc)
-            granted = []
+        else:
+            if hasattr(answer, "slots"):
+                granted = answer.slots
+            else:  # an ``Error``: the session ends (the host no longer knows it) or is refused
+                logger.warning("grant from %s refused: %s", peer.slots.peer_id, answer)
         with self._lock:
             slots = peer.slots
             assert isinstance(slots, SharedSlots)
@@ -141,118 +146,51 @@ class SharedHosts:
         """Send waiting stores into the slots granted so far (in order, split as needed)."""
         slots = peer.slots
         while peer.awaiting and slots.grants:  # type: ignore[union-attr]
-            request, keys, local = peer.awaiting.popleft()
-            remote = self._index.reserve(slots, len(keys))
-            n = len(remote)
-            if n < len(keys):
-                peer.awaiting.appendleft((request, keys[n:], local[n:]))
-            op = Op("store", slots.peer_id, peer, keys[:n], local[:n], remote, request)
+            op = peer.awaiting.popleft()
+            op.remote = self._index.reserve(slots, len(op.keys))
+            if len(op.remote) < len(op.keys):
+                rest = op.split(len(op.remote))
+                self._storing.update(dict.fromkeys(rest.keys, rest))
+                peer.awaiting.appendleft(rest)
             self._launch(op)
-            self._track_store(op)
 
     def _fail_awaiting(self, peer: Peer, reason: str) -> None:
         while peer.awaiting:
-            request, keys, _ = peer.awaiting.popleft()
-            request.settle(keys, reason)
-            self._ready_if_settled(request)
+            self._finish(peer.awaiting.popleft(), reason)
 
-    def _commit(self, peer: Peer, keys: list[Key], slots: list[int]) -> None:
-        """Publish written keys on the host; that returns their slots from this tier's share
-        of grants, so stores waiting for slots may ask again."""
-        peer.slots.commits += 1  # type: ignore[union-attr]
+    def _publish(self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
+        """Make written ``keys`` visible; a shared host learns them with a commit, which
+        returns their slots from this tier's share of grants, so stores waiting for slots may
+        ask again."""
+        self._index.publish(peer.slots, keys, slots, digests)
+        if not keys or not isinstance(peer.slots, SharedSlots):
+            return
+        peer.slots.commits += 1
         with contextlib.suppress(ConnectionError):  # the session is ending
-            peer.session.commit(keys, slots)
+            peer.session.commit(keys, slots, digests)
         if peer.awaiting:
             self._refill(peer)
 
     def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None:
+        """Report recency to shared hosts (batched by their sessions)."""
         for slots, keys in groups.items():
             with contextlib.suppress(ConnectionError):  # the session is ending
                 self._peers[slots.peer_id].session.touch(keys)
 
-    def _pin(self, peer: Peer, keys: list[Key], local: list[int], request: Request) -> None:
-        """Ask the host to pin ``keys`` for a read; ``_on_pinned`` submits it."""
-        from torch_kv_tier.remote.protocol import MAX_KEYS_PER_MESSAGE
-
-        for i in range(0, len(keys), MAX_KEYS_PER_MESSAGE):
-            ckeys, clocal = keys[i : i + MAX_KEYS_PER_MESSAGE], local[i : i + MAX_KEYS_PER_MESSAGE]
-            answer = partial(self._on_pinned, peer, ckeys, clocal, request, time.perf_counter())
-            try:
-                peer.session.pin(ckeys, answer)
-            except ConnectionError:
-                request.settle(ckeys, PEER_LOST)
-
-    def _on_pinned(
-        self,
-        peer: Peer,
-        keys: list[Key],
-        local: list[int],
-        request: Request,
-        sent: float,
-        future: Future[Any],
-    ) -> None:
-        """A pin answer (I/O thread, unlocked): read the pinned slots, the rest is missing."""
-        try:
-            pinned = future.result()
-            error = None if hasattr(pinned, "pin_id") else f"pin refused: {pinned}"
-        except Exception as exc:
-            pinned, error = None, str(exc)
-        with self._lock:
-            peer_id = peer.slots.peer_id
-            if self._closed:
-                request.settle(keys, CLOSED)
-            elif error is not None or self._peers.get(peer_id) is not peer:
-                logger.warning("pin on %s failed: %s", peer_id, error or "peer dropped")
-                request.settle(keys, PEER_LOST)
-            else:
-                found_keys, found_local, found_slots, gone = [], [], [], []
-                for key, idx, slot in zip(keys, local, pinned.slots):
-                    if slot < 0:
-                        gone.append(key)
-                    else:
-                        found_keys.append(key)
-                        found_local.append(idx)
-                        found_slots.append(slot)
-                request.settle(gone, MISSING)
-                if gone:  # the copy of the host's index was stale
-                    self._index.apply_host_changes(peer.slots, [], gone, False)  # type: ignore[arg-type]
-                if found_keys:
-                    op = Op("load", peer_id, peer, found_keys, found_local, found_slots, request)
-                    op.pin_id = pinned.pin_id
-                    op.pin_deadline = sent + pinned.ttl_s * _PIN_MARGIN
-                    self._launch(op)
-                else:
-                    self._unpin_ids(peer, [pinned.pin_id])
-            ready = self._after_submit(request, [peer_id])
-        resolve(ready)
-
-    def _unpin(self, op: Op, reason: str | None) -> str | None:
-        """Release a shared read's pin; a read that finished after its pin could have expired
-        may have raced an eviction and a rewrite: its keys are reported missing."""
-        self._unpin_ids(op.peer, [op.pin_id])
-        if reason is None and time.perf_counter() > op.pin_deadline:
-            self._pins_expired += len(op.keys)
-            logger.warning(
-                "a read of %d blocks from %s outlived its pin: reported missing",
-                len(op.keys),
-                op.peer_id,
-            )
-            return MISSING
-        return reason
-
-    @staticmethod
-    def _unpin_ids(peer: Peer, pin_ids: list[int]) -> None:
-        with contextlib.suppress(ConnectionError):  # the session is ending
-            peer.session.unpin(pin_ids)
-
     def _on_host_changes(
-        self, peer_id: str, stored: list[Key], evicted: list[Key], reset: bool
+        self,
+        peer_id: str,
+        stored: list[Key],
+        slots: list[int],
+        digests: list[int],
+        evicted: list[Key],
+        reset: bool,
     ) -> None:
         """A shared host's key set changed (I/O thread, unlocked)."""
         with self._lock:
             peer = self._peers.get(peer_id)
             if peer is not None and isinstance(peer.slots, SharedSlots):
-                self._index.apply_host_changes(peer.slots, stored, evicted, reset)
+                self._index.apply_host_changes(peer.slots, stored, slots, digests, evicted, reset)
 
 
 class _HostChanges:
@@ -265,9 +203,19 @@ class _HostChanges:
         self._peer_id = peer_id
         self._synced = synced
 
-    def __call__(self, stored: list[Key], evicted: list[Key], reset: bool) -> None:
+    def __call__(
+        self,
+        stored: list[Key],
+        slots: list[int],
+        digests: list[int],
+        evicted: list[Key],
+        reset: bool,
+    ) -> None:
         tier = self._tier()
         if tier is not None:
-            tier._on_host_changes(self._peer_id, stored, evicted, reset)
+            tier._on_host_changes(self._peer_id, stored, slots, digests, evicted, reset)
         if reset:
             self._synced.set()
+
+
+__all__ = ["MAX_GRANT", "AnyPeer", "SharedHosts"]

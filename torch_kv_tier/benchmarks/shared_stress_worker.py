@@ -185,7 +185,7 @@ def worker(
                     _writer_round(tier, table, rng, counts)
                 else:
                     _reader_round(tier, table, rng, counts, self_check)
-            counts.pins_expired = tier.stats().pins_expired
+            counts.pins_expired = tier.stats().verify_failed
         results.put(("done", role, index, asdict(counts)))
     except BaseException:
         results.put(("error", role, index, traceback.format_exc()))

@@ -1,10 +1,17 @@
-"""Client side of the control plane: handshake with a server, keep the session alive,
-disconnect; for a shared session also grants, commits, pins and the index events.
+"""Client side of the control plane: keep a session with a server alive, carry its requests,
+disconnect; for a shared session also grants, commits, touches and the index events.
 
-``RemoteSession.open`` performs the handshake in the caller's thread, then a background I/O
-thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from any thread
-(answers resolve futures on the I/O thread), and reports a server that stopped answering through
-``on_lost``. A shared session's pushed ``Events`` go to its ``IndexFollower`` (``follow``).
+``RemoteSession.open`` performs the handshake in the caller's thread (``handshake``), then a
+background I/O thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from
+any thread (answers resolve futures on the I/O thread), batches commits and touches into as few
+frames as each wake-up allows, and reports a lost session through ``on_lost``. A shared
+session's pushed ``Events`` go to its ``IndexFollower`` (``follow``).
+
+Delivery: a control message is delivered or the session is lost, loudly. The session is lost
+when the server stops answering heartbeats, says it no longer knows the session, the control
+connection is reset (a NAT or load balancer dropping it; ZeroMQ would reconnect under a new
+identity and frames in the old connection would be gone), or a frame cannot be queued. The
+server then holds what the session may still write until the client releases it.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import logging
 import math
 import os
 import queue
-import secrets
 import socket
 import threading
 import time
@@ -27,8 +33,17 @@ from functools import partial
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake import (
+    SNDHWM,
+    HandshakeRejected,
+    connect,
+    describe,
+    handshake,
+    parse_address,
+)
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower, OnChange
 
@@ -43,6 +58,10 @@ _DISCONNECT_TIMEOUT_S = 2.0
 _Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float]
 
 
+class _Lost(Exception):
+    """The session cannot go on (the text says why)."""
+
+
 def _callback_ref(
     callback: Callable[[str], None] | None,
 ) -> Callable[[], Callable[[str], None] | None]:
@@ -52,77 +71,30 @@ def _callback_ref(
     return lambda: callback
 
 
-class HandshakeRejected(Exception):
-    """The server refused the handshake; ``reason`` is its exact explanation, e.g.
-    ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
-    ``"no free slots"`` or ``"protocol version 2 != 1"``."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
-        self.address = address
-        self.reason = reason
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one."""
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
-    return host, int(port_text)
-
-
-def _connect(address: str) -> zmq.Socket[bytes]:
-    host, port = parse_address(address)
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
-    sock.setsockopt(zmq.SNDHWM, 100)
-    if ":" in host:
-        sock.setsockopt(zmq.IPV6, 1)
-        host = f"[{host}]"
-    sock.connect(f"tcp://{host}:{port}")
-    return sock
-
-
-def _await_reply(sock: zmq.Socket[bytes], seq: int, deadline: float) -> p.ServerMessage | None:
-    """The reply to request ``seq``, or ``None`` at ``deadline``; other frames are skipped."""
-    while (left := deadline - time.monotonic()) > 0:
-        if not sock.poll(math.ceil(left * 1e3), zmq.POLLIN):
-            continue
-        try:
-            message = p.decode_server(sock.recv(zmq.NOBLOCK))
-        except (zmq.Again, p.BadFrame) as exc:
-            logger.debug("skipping control frame: %s", exc)
-            continue
-        if message.seq == seq:
-            return message
-    return None
-
-
 class RemoteSession:
-    """A lease on a remote ``torch-kv-tier serve`` pool, kept alive by heartbeats.
+    """A session with a remote ``torch-kv-tier serve`` pool, kept alive by heartbeats.
 
-    Attributes (read-only): ``peer_id`` (unique per session), ``agent_metadata`` (the server's
-    NIXL metadata), ``base_addr``/``num_blocks``/``block_len``/``mem_type`` (the server's whole
-    region), ``shared`` (a shared session: slots come from ``grant``, keys are published with
-    ``commit`` and read under ``pin``), ``lease`` (a private session's slots; empty when
-    shared), ``address``.
+    Attributes (read-only): ``peer_id`` (the server's stable host id, the same for every client
+    and across its restarts at one address), ``session_id`` (this session's secret handle),
+    ``agent_metadata`` (the server's NIXL metadata), ``base_addr``/``num_blocks``/
+    ``block_len``/``mem_type`` (the server's whole region), ``shared`` (a shared session: slots
+    come from ``grant``, keys are published with ``commit``), ``lease`` (a private session's
+    slots; empty when shared), ``address``.
 
     Threading: every public method may be called from any thread. ``_lock`` guards the
-    closed/lost flags, the usage counters and the wake-up socket; the ZeroMQ socket belongs to
-    the I/O thread alone once ``open`` returns. ``on_lost`` runs on the I/O thread, once; it
-    may call ``close()``. A bound method ``on_lost`` is held weakly (its object usually owns the
-    session: a strong reference would make a cycle that keeps the object, and its NIXL agent,
-    alive until the garbage collector runs on some thread); once its object is gone it is not
-    called.
+    closed/lost flags, the usage counters, the batched commits and touches and the wake-up
+    socket; the ZeroMQ socket belongs to the I/O thread alone once ``open`` returns.
+    ``on_lost`` runs on the I/O thread, once; it may call ``close()``. A bound method
+    ``on_lost`` is held weakly (its object usually owns the session: a strong reference would
+    make a cycle that keeps the object, and its NIXL agent, alive until the garbage collector
+    runs on some thread); once its object is gone it is not called.
     """
 
     def __init__(
         self,
         address: str,
         sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
         accept: p.Accept,
         *,
         on_lost: Callable[[str], None] | None,
@@ -131,7 +103,9 @@ class RemoteSession:
         timeout_s: float,
     ) -> None:
         self.address = address
-        self.peer_id = f"{address}/{accept.server_name}/{accept.public_id}"
+        self.peer_id = accept.host_id or address
+        self.session_id = accept.session_id
+        self.public_id = accept.public_id
         self.agent_metadata = accept.agent_metadata
         self.region = accept.region
         self.base_addr = accept.region.base_addr
@@ -140,7 +114,6 @@ class RemoteSession:
         self.mem_type = accept.region.mem_type
         self.lease = range(accept.lease_start, accept.lease_stop)
         self.shared = accept.shared
-        self._session_id = accept.session_id
         self._follower: IndexFollower | None = None
         self._on_lost = _callback_ref(on_lost)
         # several heartbeats fit in both our loss timeout and the server's lease timeout
@@ -155,13 +128,16 @@ class RemoteSession:
         self._io_done = False
         self._usage = {"bytes_written": 0, "bytes_read": 0, "slots_used": 0}
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
+        self._actions: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commits: list[tuple[list[Any], list[int], list[int]]] = []
+        self._touches: list[Any] = []
         self._stopping = False  # tells the I/O thread to exit
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._thread = threading.Thread(
             target=self._io_loop,
-            args=(sock,),
+            args=(sock, monitor),
             name=f"tkvt-session-{accept.public_id}",
             daemon=True,
         )
@@ -183,15 +159,17 @@ class RemoteSession:
         timeout_s: float = 10.0,
         client_name: str | None = None,
         private: bool = False,
+        release: list[str] | None = None,
     ) -> RemoteSession:
         """Handshake with the server at ``address`` (``HOST:PORT``): a shared session, or with
         ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the
-        server grants one client) that no other client sees.
+        server grants one client) that no other client sees. ``release`` names earlier
+        sessions of this client whose writes all resolved: the server frees what it held for
+        them.
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
-        ``heartbeat_timeout_s`` and of the server's lease timeout); when none is answered for
-        ``heartbeat_timeout_s``, or the server no longer knows the session, ``on_lost(peer_id)``
-        is called once, on the session's I/O thread.
+        ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost
+        (module docstring) ``on_lost(peer_id)`` is called once, on the session's I/O thread.
 
         Raises ``ValueError`` for bad arguments (before any network traffic),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
@@ -216,9 +194,9 @@ class RemoteSession:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if token == "":
             raise ValueError("token is empty: pass None for a server without a token")
-        sock = _connect(address)
+        sock, monitor = connect(address)
         try:
-            accept = _handshake(
+            accept = handshake(
                 sock,
                 address,
                 time.monotonic() + timeout_s,
@@ -234,14 +212,16 @@ class RemoteSession:
                     slots=slots,
                     client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
                     private=private,
+                    release=list(release or ())[: p.MAX_RELEASE],
                 ),
             )
         except BaseException:
-            sock.close(linger=0)
+            _close_sockets(sock, monitor)
             raise
         session = cls(
             address,
             sock,
+            monitor,
             accept,
             on_lost=on_lost,
             heartbeat_interval_s=heartbeat_interval_s,
@@ -250,12 +230,16 @@ class RemoteSession:
         )
         if session.shared:
             logger.info(
-                "connected to %s: shared pool of %d slots", session.peer_id, session.num_blocks
+                "connected to %s (session %s): shared pool of %d slots",
+                session.peer_id,
+                session.public_id,
+                session.num_blocks,
             )
         else:
             logger.info(
-                "connected to %s: private lease [%d, %d) of %d slots",
+                "connected to %s (session %s): private lease [%d, %d) of %d slots",
                 session.peer_id,
+                session.public_id,
                 session.lease.start,
                 session.lease.stop,
                 session.num_blocks,
@@ -289,49 +273,42 @@ class RemoteSession:
     def grant(self, want: int, on_answer: Callable[[Future[p.ServerMessage]], None]) -> None:
         """Ask for up to ``want`` slots only this session may write; ``on_answer`` gets the
         future of the ``Granted`` answer, on the I/O thread (never on the caller's)."""
-        self._call_async(lambda seq: p.GrantRequest(seq, self._session_id, want), on_answer)
+        self._call_async(lambda seq: p.GrantRequest(seq, self.session_id, want), on_answer)
 
-    def commit(self, keys: list[Any], slots: list[int]) -> None:
-        """Publish ``keys``, whose writes into granted ``slots`` completed (no answer)."""
-        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
-            chunk, where = (
-                keys[i : i + p.MAX_KEYS_PER_MESSAGE],
-                slots[i : i + p.MAX_KEYS_PER_MESSAGE],
-            )
-            self._post(partial(p.Commit, session_id=self._session_id, keys=chunk, slots=where))
-
-    def pin(self, keys: list[Any], on_answer: Callable[[Future[p.ServerMessage]], None]) -> None:
-        """Pin the slots of stored ``keys`` for a read (at most
-        ``protocol.MAX_KEYS_PER_MESSAGE``); ``on_answer`` gets the future of the ``Pinned``
-        answer, on the I/O thread (never on the caller's)."""
-        if len(keys) > p.MAX_KEYS_PER_MESSAGE:
-            raise ValueError(f"pin at most {p.MAX_KEYS_PER_MESSAGE} keys at once, got {len(keys)}")
-        self._call_async(lambda seq: p.PinRequest(seq, self._session_id, keys), on_answer)
-
-    def unpin(self, pin_ids: list[int]) -> None:
-        """Release pins (no answer)."""
-        self._post(lambda seq: p.Unpin(seq, self._session_id, pin_ids))
+    def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
+        """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
+        completed (no answer; batched with other commits into as few frames as possible)."""
+        self._enqueue(lambda: self._commits.append((keys, slots, digests)), False)
 
     def touch(self, keys: list[Any]) -> None:
-        """Report ``keys`` recently used (no answer)."""
-        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
-            chunk = keys[i : i + p.MAX_KEYS_PER_MESSAGE]
-            self._post(partial(p.Touch, session_id=self._session_id, keys=chunk))
+        """Report ``keys`` recently used (no answer; batched like commits)."""
+        self._enqueue(lambda: self._touches.extend(keys), False)
+
+    def release(self, held: list[str]) -> None:
+        """Tell the server that every write of the earlier sessions ``held`` resolved."""
+        for i in range(0, len(held), p.MAX_RELEASE):
+            self._post(
+                partial(p.Release, session_id=self.session_id, held=held[i : i + p.MAX_RELEASE])
+            )
 
     def follow(self, on_change: OnChange) -> None:
-        """Keep ``on_change(stored, evicted, reset)`` informed of the namespace's key set: a
-        snapshot first (``reset=True``), then every change (on the I/O thread)."""
+        """Keep ``on_change(stored, slots, digests, evicted, reset)`` informed of the
+        namespace's key set: a snapshot first (``reset=True``), then every change, on the I/O
+        thread (where the snapshot is started too, so no event is applied before it)."""
         if not self.shared:
             raise ValueError(f"{self.peer_id} is a private lease: there is no shared index")
         follower = IndexFollower(
             lambda cursor, on_page: self._call_async(
-                lambda seq: p.SnapshotRequest(seq, self._session_id, cursor), on_page
+                lambda seq: p.SnapshotRequest(seq, self.session_id, cursor), on_page
             ),
             on_change,
         )
-        with self._lock:
+
+        def start() -> None:
             self._follower = follower
-        follower.start()
+            follower.start()
+
+        self._enqueue_action(start)
 
     def stats(self) -> dict[str, Any]:
         """The server's stats: leases, occupancy, bytes moved, counters.
@@ -339,14 +316,16 @@ class RemoteSession:
         Raises ``TimeoutError`` when the server does not answer within ``timeout_s`` and
         ``ConnectionError`` when the session is closed or lost.
         """
-        reply = self._call(lambda seq: p.StatsRequest(seq, self._session_id), self._timeout_s)
+        reply = self._call(lambda seq: p.StatsRequest(seq, self.session_id), self._timeout_s)
         if isinstance(reply, p.StatsReply):
             return reply.stats
-        raise ConnectionError(f"{self.peer_id} refused stats: {_describe(reply)}")
+        raise ConnectionError(f"{self.peer_id} refused stats: {describe(reply)}")
 
-    def close(self) -> None:
-        """Return the lease (a clean disconnect), stop the I/O thread. Idempotent; never
-        raises for a lost server (waits at most ~2 s for its answer)."""
+    def close(self, *, clean: bool = True) -> None:
+        """End the session (a disconnect), stop the I/O thread. Pass ``clean=False`` while a
+        write to the server may still be in flight: the server then holds the session's slots
+        until ``release``. Idempotent; never raises for a lost server (waits at most ~2 s for
+        its answer)."""
         with self._lock:
             if self._closed:
                 return
@@ -358,12 +337,12 @@ class RemoteSession:
                 with self._lock:
                     written, read = self._usage["bytes_written"], self._usage["bytes_read"]
                 reply = self._call(
-                    lambda seq: p.Disconnect(seq, self._session_id, written, read),
+                    lambda seq: p.Disconnect(seq, self.session_id, written, read, clean),
                     min(self._timeout_s, _DISCONNECT_TIMEOUT_S),
                     allow_closed=True,
                 )
                 if not isinstance(reply, p.DisconnectAck):
-                    logger.warning("disconnect from %s: %s", self.peer_id, _describe(reply))
+                    logger.warning("disconnect from %s: %s", self.peer_id, describe(reply))
             except (TimeoutError, ConnectionError) as exc:
                 logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
         with self._lock:
@@ -373,7 +352,7 @@ class RemoteSession:
             self._thread.join(timeout=self._timeout_s)
             if self._thread.is_alive():
                 logger.error("I/O thread of %s did not stop", self.peer_id)
-        logger.info("closed session %s", self.peer_id)
+        logger.info("closed session %s of %s", self.public_id, self.peer_id)
 
     def __enter__(self) -> RemoteSession:
         return self
@@ -382,7 +361,7 @@ class RemoteSession:
         self.close()
 
     def __repr__(self) -> str:
-        return f"RemoteSession({self.peer_id!r}, lease={self.lease})"
+        return f"RemoteSession({self.peer_id!r}, {self.public_id}, lease={self.lease})"
 
     # -- requests from any thread -----------------------------------------------------------
 
@@ -411,28 +390,25 @@ class RemoteSession:
         future.set_running_or_notify_cancel()
         if on_answer is not None:  # before the request exists: it cannot have an answer yet
             future.add_done_callback(on_answer)
-        self._enqueue(
-            make, future, self._timeout_s if timeout_s is None else timeout_s, allow_closed
-        )
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        self._enqueue(lambda: self._requests.put((make, future, timeout)), allow_closed)
         return future
 
     def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
         """Send a message that gets no answer."""
-        self._enqueue(make, None, 0.0, False)
+        self._enqueue(lambda: self._requests.put((make, None, 0.0)), False)
 
-    def _enqueue(
-        self,
-        make: Callable[[int], p.ClientMessage],
-        future: Future[p.ServerMessage] | None,
-        timeout_s: float,
-        allow_closed: bool,
-    ) -> None:
+    def _enqueue_action(self, action: Callable[[], None]) -> None:
+        self._enqueue(lambda: self._actions.put(action), False)
+
+    def _enqueue(self, put: Callable[[], None], allow_closed: bool) -> None:
+        """Hand work to the I/O thread (``put`` runs under the lock) and wake it."""
         with self._lock:
             if self._lost_reason is not None:
                 raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
             if (self._closed and not allow_closed) or self._io_done:
                 raise ConnectionError(f"session {self.peer_id} is closed")
-            self._requests.put((make, future, timeout_s))
+            put()
         self._wake()
 
     def _wake(self) -> None:
@@ -444,16 +420,17 @@ class RemoteSession:
 
     # -- the I/O thread ---------------------------------------------------------------------
 
-    def _io_loop(self, sock: zmq.Socket[bytes]) -> None:
+    def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         pending: dict[int, tuple[Future[p.ServerMessage], float]] = {}
         seqs = itertools.count(3)  # 1 and 2 were the handshake
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
         last_ok = next_hb = time.monotonic()
         lost: str | None = None
         try:
-            while lost is None:
+            while True:
                 with self._lock:
                     if self._stopping:
                         break
@@ -462,7 +439,16 @@ class RemoteSession:
                 deadlines.extend(deadline for _, deadline in pending.values())
                 poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3)))
                 self._drain_wake()
+                _check_connection(monitor)
+                while True:
+                    try:
+                        self._actions.get_nowait()()
+                    except queue.Empty:
+                        break
                 now = time.monotonic()
+                # commits first: a grant request made after a commit must reach the server
+                # after it (the commit returns granted slots to this session's share)
+                self._send_batches(sock, seqs)
                 while True:
                     try:
                         make, future, timeout_s = self._requests.get_nowait()
@@ -478,8 +464,12 @@ class RemoteSession:
                         continue
                     if isinstance(message, p.HeartbeatAck):
                         last_ok = time.monotonic()
+                        if self._follower is not None and message.event_seq >= 0:
+                            self._follower.check(message.event_seq)
                     elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
-                        lost = "the server no longer knows this session (lease expired or restart)"
+                        raise _Lost(
+                            "the server no longer knows this session (expired, ended or restart)"
+                        )
                     entry = pending.pop(message.seq, None)
                     if entry is not None:
                         entry[0].set_result(message)
@@ -489,21 +479,45 @@ class RemoteSession:
                         TimeoutError(f"{self.peer_id} did not answer within the timeout")
                     )
                 if now - last_ok > self._hb_timeout_s:
-                    lost = f"no heartbeat answer for {self._hb_timeout_s:.1f} s"
-                elif now >= next_hb:
+                    raise _Lost(f"no heartbeat answer for {self._hb_timeout_s:.1f} s")
+                if now >= next_hb:
                     next_hb = now + self._interval_s
                     with self._lock:
                         usage = dict(self._usage)
-                    self._send(sock, p.Heartbeat(next(seqs), self._session_id, **usage))
+                    self._send(sock, p.Heartbeat(next(seqs), self.session_id, **usage))
+        except _Lost as exc:
+            lost = str(exc)
         except Exception:
             logger.exception("I/O thread of %s failed", self.peer_id)
             lost = "the session's I/O thread failed"
         finally:
-            self._finish(sock, pending, lost)
+            self._finish(sock, monitor, pending, lost)
+
+    def _send_batches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
+        """The commits and touches made since the last wake-up, in as few frames as fit."""
+        with self._lock:
+            commits, self._commits = self._commits, []
+            touches, self._touches = self._touches, []
+        step = p.MAX_KEYS_PER_MESSAGE
+        if commits:
+            keys = [k for c in commits for k in c[0]]
+            slots = [s for c in commits for s in c[1]]
+            digests = [d for c in commits for d in c[2]]
+            for i in range(0, len(keys), step):
+                chunk = slice(i, i + step)
+                self._send(
+                    sock,
+                    p.Commit(
+                        next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]
+                    ),
+                )
+        for i in range(0, len(touches), step):
+            self._send(sock, p.Touch(next(seqs), self.session_id, touches[i : i + step]))
 
     def _finish(
         self,
         sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
         pending: dict[int, tuple[Future[p.ServerMessage], float]],
         lost: str | None,
     ) -> None:
@@ -524,9 +538,9 @@ class RemoteSession:
                 break
             if waiting is not None:
                 waiting.set_exception(error)
-        sock.close(linger=0)
+        _close_sockets(sock, monitor)
         if report:
-            logger.warning("lost %s: %s", self.peer_id, lost)
+            logger.warning("lost %s (session %s): %s", self.peer_id, self.public_id, lost)
             on_lost = self._on_lost()
             if on_lost is not None:
                 try:
@@ -557,7 +571,7 @@ class RemoteSession:
         try:
             sock.send(p.encode(message), zmq.NOBLOCK)
         except zmq.Again:
-            logger.debug("%s: send queue full, %s dropped", self.peer_id, type(message).__name__)
+            raise _Lost(f"{SNDHWM} control frames queued: the server does not read") from None
 
     def _receive(self, sock: zmq.Socket[bytes]) -> list[p.ServerMessage]:
         messages: list[p.ServerMessage] = []
@@ -572,52 +586,16 @@ class RemoteSession:
                 logger.warning("%s sent a bad control frame: %s", self.peer_id, exc)
 
 
-def _handshake(
-    sock: zmq.Socket[bytes],
-    address: str,
-    deadline: float,
-    token: str | None,
-    request: p.Handshake,
-) -> p.Accept:
-    client_nonce = secrets.token_bytes(p.NONCE_BYTES)
-    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
-    challenge = _expect(sock, address, 1, deadline, p.Challenge)
-    if challenge.version != p.PROTOCOL_VERSION:
-        raise HandshakeRejected(
-            address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
-        )
-    request.nonce = challenge.nonce
-    if token is not None:
-        request.proof = p.client_proof(token, challenge.nonce, client_nonce)
-    sock.send(p.encode(request))
-    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept)
-    # checked last so that a wrong token gets the server's "bad token"; an honest server that
-    # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
-    if token is not None and not p.proof_matches(
-        p.server_proof(token, challenge.nonce, client_nonce), challenge.server_proof
-    ):
-        sock.send(p.encode(p.Disconnect(3, accept.session_id)))
-        raise HandshakeRejected(address, "server did not prove it knows the token")
-    return accept
+def _check_connection(monitor: zmq.Socket[bytes]) -> None:
+    """Raise ``_Lost`` when the monitor reports the control connection closed."""
+    while monitor.poll(0, zmq.POLLIN):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            raise _Lost("the control connection was closed or reset")
 
 
-def _expect(
-    sock: zmq.Socket[bytes], address: str, seq: int, deadline: float, kind: type[Any]
-) -> Any:
-    reply = _await_reply(sock, seq, deadline)
-    if reply is None:
-        raise TimeoutError(
-            f"no answer from a torch-kv-tier server at {address}: is `torch-kv-tier serve` "
-            "running there, and is the address reachable from this host?"
-        )
-    if isinstance(reply, p.Reject):
-        raise HandshakeRejected(address, reply.reason)
-    if not isinstance(reply, kind):
-        raise ConnectionError(f"server at {address} answered the handshake: {_describe(reply)}")
-    return reply
-
-
-def _describe(message: p.ServerMessage) -> str:
-    if isinstance(message, p.Error | p.Reject):
-        return message.reason
-    return f"unexpected {type(message).__name__}"
+def _close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)

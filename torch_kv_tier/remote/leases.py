@@ -97,19 +97,33 @@ class LeaseTable:
     """Sessions, their leases, and expiry after ``lease_timeout_s`` without a heartbeat.
 
     ``max_lease`` caps every lease; a client asking for no particular number gets that cap
-    (or the largest free run, if smaller).
+    (or the largest free run, if smaller). At most ``max_sessions`` sessions are open at once.
+
+    Fencing: a private lease whose session ends without a clean disconnect (expired, or closed
+    with writes in flight) is *held*: its client may still write it, so it goes back to the
+    pool only when that client releases the session (``release``), never on a timer.
     """
 
-    def __init__(self, num_blocks: int, lease_timeout_s: float, max_lease: int | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        lease_timeout_s: float,
+        max_lease: int | None = None,
+        max_sessions: int = 1024,
+    ):
         if lease_timeout_s <= 0:
             raise ValueError(f"lease timeout must be > 0 s, got {lease_timeout_s}")
         cap = num_blocks if max_lease is None else max_lease
         if not 0 < cap <= num_blocks:
             raise ValueError(f"max lease must be in [1, {num_blocks}], got {max_lease}")
+        if max_sessions <= 0:
+            raise ValueError(f"max sessions must be > 0, got {max_sessions}")
         self.pool = SlotPool(num_blocks)
         self.lease_timeout_s = lease_timeout_s
         self.max_lease = cap
+        self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
+        self.held: dict[str, range] = {}  # ended session -> the lease it may still write
         self.reclaimed = 0  # leases taken back after a missed heartbeat deadline
         self.retired_bytes_written = 0  # reported by sessions that have ended
         self.retired_bytes_read = 0
@@ -118,8 +132,10 @@ class LeaseTable:
     def open(
         self, client_name: str, slots: int | None, now: float, *, private: bool = True
     ) -> Session | None:
-        """Start a session; a private one leases up to ``slots`` slots (``None`` when no slot
-        is free), a shared one leases none."""
+        """Start a session; a private one leases up to ``slots`` slots, a shared one leases
+        none. ``None`` when no slot is free or ``max_sessions`` are open."""
+        if len(self.sessions) >= self.max_sessions:
+            return None
         if private:
             lease = self.pool.take(min(slots or self.max_lease, self.max_lease))
             if lease is None:
@@ -145,29 +161,49 @@ class LeaseTable:
             session.last_seen = now
         return session
 
-    def close(self, session_id: str) -> Session | None:
-        """End a session and free its lease at once; ``None`` if it was unknown."""
+    def close(self, session_id: str, *, clean: bool) -> Session | None:
+        """End a session; its lease is free at once when ``clean`` (no write in flight), else
+        held. ``None`` if it was unknown."""
         session = self.sessions.pop(session_id, None)
         if session is not None:
-            self._retire(session)
+            self._retire(session, clean=clean)
         return session
 
     def expire(self, now: float) -> list[Session]:
-        """End every session silent for longer than the lease timeout; return them."""
+        """End every session silent for longer than the lease timeout (their leases are held);
+        return them."""
         late = [s for s in self.sessions.values() if now - s.last_seen > self.lease_timeout_s]
         for session in late:
             del self.sessions[session.session_id]
-            self._retire(session)
+            self._retire(session, clean=False)
         self.reclaimed += len(late)
         return late
+
+    def release(self, session_ids: list[str]) -> int:
+        """Ended sessions whose client reported every write resolved: their held leases go
+        back to the pool (unknown ids are ignored). Returns the number of slots freed."""
+        freed = 0
+        for sid in session_ids:
+            lease = self.held.pop(sid, None)
+            if lease is not None:
+                self.pool.give_back(lease)
+                freed += len(lease)
+        return freed
 
     @property
     def leased(self) -> int:
         """Slots currently leased."""
         return self.pool.num_blocks - self.pool.free
 
-    def _retire(self, session: Session) -> None:
+    @property
+    def held_blocks(self) -> int:
+        return sum(map(len, self.held.values()))
+
+    def _retire(self, session: Session, *, clean: bool) -> None:
         if session.lease:
-            self.pool.give_back(session.lease)
+            if clean:
+                self.pool.give_back(session.lease)
+            else:
+                self.held[session.session_id] = session.lease
         self.retired_bytes_written += session.bytes_written
         self.retired_bytes_read += session.bytes_read

@@ -43,8 +43,14 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
             ('{state="leased"}', stats["leased_blocks"]),
             ('{state="shared_stored"}', stats["shared_stored_blocks"]),
             ('{state="shared_granted"}', stats["shared_granted_blocks"]),
-            ('{state="quarantined"}', stats["shared_quarantined_blocks"]),
+            ('{state="held"}', stats["held_blocks"]),
         ],
+    )
+    metric(
+        "held_sessions",
+        "gauge",
+        "Ended sessions whose slots are held until their client releases them.",
+        [("", stats["held_sessions"])],
     )
     metric(
         "shared_evictions_total",

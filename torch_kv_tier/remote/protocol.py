@@ -10,21 +10,33 @@ Conversation:
 1. ``Hello(version, client_nonce)`` -> ``Challenge(version, nonce, server_proof)``, or
    ``Reject`` when the protocol versions differ.
 2. ``Handshake(nonce, proof, agent_metadata, region, fingerprint, slots, private)`` ->
-   ``Accept`` with the server's NIXL metadata and its whole region, or ``Reject(reason)``. A
-   private session gets a lease (``lease_start``/``lease_stop``) that it manages alone; a shared
-   session (the default) gets none and works through the messages of step 4.
-3. ``Heartbeat`` -> ``HeartbeatAck`` every heartbeat interval; ``StatsRequest`` ->
-   ``StatsReply``; ``Disconnect`` -> ``DisconnectAck``. A request naming an unknown session is
-   answered with ``Error(UNKNOWN_SESSION)``.
+   ``Accept`` with the server's NIXL metadata, its whole region and its stable ``host_id`` (what
+   every tier places keys by), or ``Reject(reason)``. A private session gets a lease
+   (``lease_start``/``lease_stop``) that it manages alone; a shared session (the default) gets
+   none and works through the messages of step 4. ``release`` names earlier sessions of this
+   client whose writes have all resolved (see step 5).
+3. ``Heartbeat`` -> ``HeartbeatAck`` every heartbeat interval (for a shared session it carries
+   the namespace's last ``event_seq``, so a client that missed pushed events notices);
+   ``StatsRequest`` -> ``StatsReply``; ``Disconnect(clean)`` -> ``DisconnectAck``. A request
+   naming an unknown session is answered with ``Error(UNKNOWN_SESSION)``.
 4. Shared sessions (keys are namespaced by the session's config fingerprint):
    ``GrantRequest(want)`` -> ``Granted(slots)``: free slots only this session may write;
-   ``Commit(keys, slots)`` (no answer): those writes completed, publish the keys;
-   ``PinRequest(keys)`` -> ``Pinned(pin_id, slots, ttl_s)``: the slots of stored keys (-1:
-   not stored), kept from eviction for ``ttl_s`` or until ``Unpin(pin_ids)`` (no answer);
-   ``Touch(keys)`` (no answer): recency; ``SnapshotRequest(cursor)`` -> ``SnapshotPage``: the
-   namespace's stored keys, in pages. The server pushes ``Events(event_seq, stored, evicted)``
-   (``seq`` 0) to every shared session of the namespace; a gap in ``event_seq`` means events
-   were dropped, and the client takes a new snapshot.
+   ``Commit(keys, slots, digests)`` (no answer): those writes completed, publish the keys with
+   the digests of their bytes; ``Touch(keys)`` (no answer): recency;
+   ``SnapshotRequest(cursor)`` -> ``SnapshotPage``: the namespace's stored keys with their
+   slots and digests, in pages. The server pushes ``Events(event_seq, stored, slots, digests,
+   evicted)`` (``seq`` 0) to every shared session of the namespace; a gap in ``event_seq``
+   means events were lost, and the client takes a new snapshot. A client reads a stored key's
+   slot straight from its copy and checks the bytes against the digest: a stale copy costs a
+   miss, never wrong bytes.
+5. Fencing: a session that ends without a clean ``Disconnect`` (expired, or writes still in
+   flight) may still write its slots, so the server holds them (its private lease, or its
+   uncommitted grants) until the client names it in ``Release(held)`` (no answer) or in a later
+   ``Handshake.release``, once the transport reported every write of it resolved.
+
+Delivery: a message is delivered or its session ends. The server ends a session whose answer
+or push it cannot queue (and holds its slots); the client treats a reset control connection or
+a full send queue as a lost session.
 
 Authentication: the token never crosses the wire. The client proves it knows the token with an
 HMAC over the server's single-use nonce, the server proves it with an HMAC over the client's
@@ -43,13 +55,16 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+from torch_kv_tier.keys import limits_problem
+
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 1 << 20  # the largest frame either side accepts; NIXL metadata is ~1 KiB
 NONCE_BYTES = 32
 UNKNOWN_SESSION = "unknown session"
 MEM_TYPES = ("DRAM", "VRAM")
-MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame far below MAX_FRAME_BYTES (keys <= 64 bytes)
-MAX_KEY_BYTES = 64
+MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame below MAX_FRAME_BYTES (keys <= MAX_KEY_BYTES)
+MAX_FINGERPRINT = 64  # characters of a config fingerprint (ours are 16 hex digits)
+MAX_RELEASE = 64  # earlier sessions one message may release
 
 # A shared key on the wire: bytes, str or a 64-bit int. msgspec cannot decode a union of bytes
 # and str, so keys decode as Any (msgpack keeps the three apart) and the server checks them.
@@ -100,6 +115,7 @@ class Handshake(msgspec.Struct, tag="handshake"):
     slots: int | None
     client_name: str = ""
     private: bool = False
+    release: list[str] = []  # earlier sessions of this client whose writes all resolved
 
 
 class Accept(msgspec.Struct, tag="accept"):
@@ -113,6 +129,7 @@ class Accept(msgspec.Struct, tag="accept"):
     lease_stop: int
     lease_timeout_s: float
     shared: bool = False
+    host_id: str = ""  # stable across restarts at the same address: what keys are placed by
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -130,6 +147,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 
 class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack"):
     seq: int
+    event_seq: int = -1  # a shared session's namespace: the last event batch pushed
 
 
 class StatsRequest(msgspec.Struct, tag="stats"):
@@ -147,6 +165,7 @@ class Disconnect(msgspec.Struct, tag="disconnect"):
     session_id: str
     bytes_written: int = 0  # final cumulative counts, as in ``Heartbeat``
     bytes_read: int = 0
+    clean: bool = False  # no write of this session is in flight: its slots are free at once
 
 
 class DisconnectAck(msgspec.Struct, tag="disconnect_ack"):
@@ -174,25 +193,13 @@ class Commit(msgspec.Struct, tag="commit"):
     session_id: str
     keys: list[WireKey]
     slots: list[int]
+    digests: list[int]  # per key: ``digest.block_digest`` of the bytes written
 
 
-class PinRequest(msgspec.Struct, tag="pin"):
+class Release(msgspec.Struct, tag="release"):
     seq: int
     session_id: str
-    keys: list[WireKey]
-
-
-class Pinned(msgspec.Struct, tag="pinned"):
-    seq: int
-    pin_id: int
-    slots: list[int]  # per key: its slot, or -1 when the key is not stored
-    ttl_s: float
-
-
-class Unpin(msgspec.Struct, tag="unpin"):
-    seq: int
-    session_id: str
-    pin_ids: list[int]
+    held: list[str]  # earlier sessions of this client whose writes all resolved
 
 
 class Touch(msgspec.Struct, tag="touch"):
@@ -210,6 +217,8 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
 class SnapshotPage(msgspec.Struct, tag="snapshot_page"):
     seq: int
     keys: list[WireKey]
+    slots: list[int]
+    digests: list[int]
     event_seq: int  # the namespace's event sequence number the snapshot was taken at
     next_cursor: int  # -1 after the last page
 
@@ -218,6 +227,8 @@ class Events(msgspec.Struct, tag="events"):
     seq: int  # always 0: pushed, not an answer
     event_seq: int
     stored: list[WireKey]
+    slots: list[int]  # of each stored key
+    digests: list[int]  # of each stored key
     evicted: list[WireKey]
 
 
@@ -229,8 +240,7 @@ ClientMessage = (
     | Disconnect
     | GrantRequest
     | Commit
-    | PinRequest
-    | Unpin
+    | Release
     | Touch
     | SnapshotRequest
 )
@@ -243,7 +253,6 @@ ServerMessage = (
     | DisconnectAck
     | Error
     | Granted
-    | Pinned
     | SnapshotPage
     | Events
 )
@@ -283,27 +292,15 @@ def decode_server(frame: bytes) -> ServerMessage:
     return message
 
 
-def wire_key_problem(key: object) -> str | None:
-    """Why ``key`` cannot be sent to a shared pool, or ``None`` when it can."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        if -(1 << 63) <= key < (1 << 64):
-            return None
-        return f"int keys of a shared pool must fit in 64 bits, got {key}"
-    if isinstance(key, bytes | str):
-        size = len(key) if isinstance(key, bytes) else len(key.encode())
-        if size <= MAX_KEY_BYTES:
-            return None
-        return f"keys of a shared pool are at most {MAX_KEY_BYTES} bytes, got {size}"
-    return f"keys must be bytes, str or int, got {type(key).__name__}"
-
-
 def bad_keys(keys: list[Any]) -> str | None:
-    """Why a list of keys received from a client cannot be used, or ``None``."""
+    """Why a list of keys received from a client cannot be used, or ``None`` (a client checks
+    its keys at the API; this keeps a buggy or hostile one from growing the server's frames)."""
     if len(keys) > MAX_KEYS_PER_MESSAGE:
         return f"at most {MAX_KEYS_PER_MESSAGE} keys per message, got {len(keys)}"
-    if not _WIRE_KEY_TYPES.issuperset(map(type, keys)):
+    types = set(map(type, keys))
+    if not _WIRE_KEY_TYPES.issuperset(types):
         return "keys must be bytes, str or int"
-    return None
+    return limits_problem(keys, types)
 
 
 _WIRE_KEY_TYPES = frozenset({bytes, str, int})

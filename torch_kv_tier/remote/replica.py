@@ -2,15 +2,16 @@
 
 The host pushes ``Events`` batches, numbered per namespace. The follower starts with a paged
 snapshot (buffering the events that arrive meanwhile), then applies each batch in order. A gap
-in the numbering (the host dropped frames for a slow client) triggers a new snapshot. The
-copy's owner sees every change through ``on_change(stored, evicted, reset)``: ``reset=True``
-means ``stored`` is the whole key set and everything else is gone.
+in the numbering, or a heartbeat answer naming a batch it never got (``check``), triggers a new
+snapshot. The copy's owner sees every change through ``on_change(stored, slots, digests,
+evicted, reset)``: ``reset=True`` means ``stored`` is the whole key set and everything else is
+gone. A stale copy only ever costs a miss: a load checks the bytes it read against the digest,
+so a slot that was rewritten meanwhile is reported missing, never served.
 
-A stale copy only ever costs a miss: a load pins its keys on the host first and a key the
-host no longer has is reported missing, never read.
-
-Threading: every method runs on the session's I/O thread (events and snapshot pages arrive
-there), so the follower needs no lock; ``on_change`` runs on that thread too.
+Threading: every method runs on the session's I/O thread (events, snapshot pages and heartbeat
+answers arrive there, and ``RemoteSession.follow`` starts the follower there), so the follower
+needs no lock; ``on_change`` runs on that thread too. Each snapshot is a chain of page requests
+with its own number: a page of an older chain (superseded by a resync) is ignored.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch_kv_tier.remote import protocol as p
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[list[Any], list[Any], bool], None]
+OnChange = Callable[[list[Any], list[int], list[int], list[Any], bool], None]
 
 
 class IndexFollower:
@@ -41,13 +42,16 @@ class IndexFollower:
         self.event_seq = 0
         self.syncing = False
         self.snapshots = 0  # snapshots completed (1 + resyncs)
-        self._pages: list[Any] = []
+        self._chain = 0  # number of the snapshot in progress
+        self._behind = -1  # a pushed batch a heartbeat answer named that had not arrived
+        self._pages: list[p.SnapshotPage] = []
         self._buffer: list[p.Events] = []
 
     def start(self) -> None:
         """Take a snapshot (again); events arriving meanwhile are buffered."""
         self.syncing = True
-        self._pages, self._buffer = [], []
+        self._chain += 1
+        self._pages, self._buffer, self._behind = [], [], -1
         self._request(0)
 
     def on_events(self, events: p.Events) -> None:
@@ -64,33 +68,52 @@ class IndexFollower:
             self.start()
         else:
             self.event_seq = events.event_seq
-            self._on_change(events.stored, events.evicted, False)
+            self._on_change(events.stored, events.slots, events.digests, events.evicted, False)
+
+    def check(self, host_event_seq: int) -> None:
+        """A heartbeat answer: the host had pushed batches up to ``host_event_seq``. A batch
+        the previous answer named and that still has not arrived was lost: resync."""
+        if self.syncing:
+            return
+        if self._behind >= 0 and self.event_seq < self._behind:
+            logger.info("index events up to %d never arrived: taking a new snapshot", self._behind)
+            self.start()
+            return
+        self._behind = host_event_seq if host_event_seq > self.event_seq else -1
 
     def _request(self, cursor: int) -> None:
+        chain = self._chain
         with contextlib.suppress(ConnectionError):  # the session is over: nothing to follow
-            self._request_page(cursor, self._on_page)
+            self._request_page(cursor, lambda future: self._on_page(chain, future))
 
-    def _on_page(self, future: Future[p.ServerMessage]) -> None:
+    def _on_page(self, chain: int, future: Future[p.ServerMessage]) -> None:
+        if chain != self._chain:
+            return  # a resync started a newer snapshot
         try:
             page = future.result()
         except (ConnectionError, TimeoutError) as exc:
             logger.warning("index snapshot failed (%s): retrying", exc)
-            self._pages = []
-            self._request(0)
+            self.start()
             return
         if not isinstance(page, p.SnapshotPage):
             logger.warning("index snapshot refused: %s", page)
             self.syncing = False
             return
-        self._pages.extend(page.keys)
+        self._pages.append(page)
         if page.next_cursor >= 0:
             self._request(page.next_cursor)
             return
-        keys, buffered = self._pages, self._buffer
+        pages, buffered = self._pages, self._buffer
         self._pages, self._buffer = [], []
         self.syncing = False
         self.event_seq = page.event_seq
         self.snapshots += 1
-        self._on_change(keys, [], True)
+        self._on_change(
+            [k for pg in pages for k in pg.keys],
+            [s for pg in pages for s in pg.slots],
+            [d for pg in pages for d in pg.digests],
+            [],
+            True,
+        )
         for events in buffered:
             self.on_events(events)

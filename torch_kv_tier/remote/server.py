@@ -7,6 +7,14 @@ that keep every client's copy of the index current; see ``protocol`` and ``share
 A session is shared by default: every session with the same config fingerprint sees the keys
 the others stored. A private session leases a range of slots that it manages alone.
 
+Fencing: a session that ends without a clean disconnect (no heartbeat for ``--lease-timeout``,
+a disconnect with writes in flight, or an answer or push that could not be queued for it) may
+still write its slots, so its lease or uncommitted grants are held until its client releases
+the session (``Release``, or the ``release`` list of its next handshake). Delivery: the ROUTER
+socket is mandatory-routed, so a frame for a session whose connection is gone or whose queue
+is full is not silently dropped: that session ends (held), and the client, told
+``unknown session`` at its next request, connects again.
+
 Incoming transfers are served by the transport's own NIXL progress thread, which sleeps on the
 UCX worker's events while idle (see ``transport.nixl_agent``): the same mechanism as any passive
 ``NixlTransport``, so this loop never calls into NIXL for progress.
@@ -69,17 +77,14 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
-        self._leases = LeaseTable(config.num_blocks, config.lease_timeout_s, config.max_lease)
-        # A slot granted to a session that expired may still be written by it (a frozen
-        # client): it waits out another lease timeout before anyone else gets it.
+        self._leases = LeaseTable(
+            config.num_blocks, config.lease_timeout_s, config.max_lease, config.max_sessions
+        )
         self._shared = SharedService(
-            self._leases.pool,
-            quota=config.namespace_quota,
-            max_granted=config.max_grant,
-            pin_ttl_s=config.pin_ttl_s,
-            quarantine_s=config.lease_timeout_s,
+            self._leases.pool, quota=config.namespace_quota, max_granted=config.max_grant
         )
         self._challenges: dict[bytes, _Challenge] = {}
+        self._last_session: Session | None = None  # the session of the message being answered
         self._counters = dict.fromkeys(
             ("handshakes_accepted", "handshakes_rejected", "bad_frames"), 0
         )
@@ -91,6 +96,7 @@ class Server:
             endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             self.port = int(endpoint.rsplit(":", 1)[1])
             self.address = format_address(config.host, self.port)
+            self.host_id = config.host_id or self.address
             if config.metrics_port is not None:
                 self._metrics = MetricsServer(
                     config.host, config.metrics_port, lambda: render_prometheus(self.stats())
@@ -119,6 +125,7 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # larger frames: peer disconnected
         sock.setsockopt(zmq.SNDTIMEO, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable frame raises, not vanishes
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         endpoint = "tcp://" + format_address(host, port).rsplit(":", 1)[0] + f":{port or '*'}"
@@ -157,30 +164,57 @@ class Server:
             with self._lock:
                 reply = self._answer(identity, body, time.monotonic())
             if reply is not None:
-                self._send(identity, reply)
+                self._send(identity, p.encode(reply), self._session_of(identity))
 
     def _push_events(self) -> None:
-        """Tell every shared session what its namespace's index gained and lost."""
+        """Tell every shared session what its namespace's index gained and lost (each frame
+        encoded once for all of them)."""
         with self._lock:
             frames = self._shared.events(list(self._leases.sessions.values()))
-        for identity, events in frames:
-            self._send(identity, events)
+        for sessions, frame in frames:
+            for session in sessions:
+                self._send(session.identity, frame, session)
 
-    def _send(self, identity: bytes, message: p.ServerMessage) -> None:
+    def _send(self, identity: bytes, frame: bytes, session: Session | None) -> None:
+        """Queue one frame; a session it cannot be queued for ends (its slots are held)."""
         assert self._socket is not None
         try:
-            self._socket.send_multipart([identity, p.encode(message)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out
-            logger.debug("reply to %s dropped: %s", identity.hex(), exc)
+            self._socket.send_multipart([identity, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # connection gone, or its queue full
+            if session is None:
+                logger.info("reply to %s dropped: %s", identity.hex(), exc)
+                return
+            with self._lock:
+                if self._leases.sessions.get(session.session_id) is session:
+                    self._end(session, clean=False, why=f"a frame for it was not queued ({exc})")
+
+    def _session_of(self, identity: bytes) -> Session | None:
+        """The live session last heard from over ``identity`` (caller: the loop thread)."""
+        session = self._last_session
+        return session if session is not None and session.identity == identity else None
+
+    def _end(self, session: Session, *, clean: bool, why: str) -> None:
+        """End ``session``: free its slots (``clean``) or hold them (caller holds the lock)."""
+        self._leases.close(session.session_id, clean=clean)
+        if session.shared:
+            self._shared.leave(session, clean=clean)
+        logger.log(
+            logging.INFO if clean else logging.WARNING,
+            "session %s (%s): %s; %s",
+            session.public_id,
+            session.client_name,
+            why,
+            "its slots are free" if clean else "its slots are held until its client releases them",
+        )
 
     def _expire(self, now: float) -> None:
         with self._lock:
-            self._shared.cache.expire_pins(now)
             for session in self._leases.expire(now):
                 if session.shared:
-                    self._shared.leave(session, now, clean=False)
+                    self._shared.leave(session, clean=False)
                 logger.warning(
-                    "session %s (%s): no heartbeat for %.1f s, lease %s reclaimed",
+                    "session %s (%s): no heartbeat for %.1f s; lease %s and grants held until "
+                    "its client releases them",
                     session.public_id,
                     session.client_name,
                     now - session.last_seen,
@@ -198,20 +232,27 @@ class Server:
             message = p.decode_client(body[0])
         except p.BadFrame as exc:
             return self._bad(str(exc))
+        self._last_session = None
         if isinstance(message, p.Hello):
             return self._hello(identity, message, now)
         if isinstance(message, p.Handshake):
             return self._handshake(identity, message, now)
-        if isinstance(message, p.Heartbeat):
-            return self._heartbeat(message, now)
         if isinstance(message, p.StatsRequest):
             return self._stats_request(message, now)
+        session = self._leases.touch(message.session_id, now)
+        if session is None:
+            return p.Error(message.seq, p.UNKNOWN_SESSION)
+        # A reset connection reconnects under a new routing id: answers and pushes follow it.
+        session.identity = identity
+        self._last_session = session
+        if isinstance(message, p.Heartbeat):
+            return self._heartbeat(session, message)
         if isinstance(message, SHARED_MESSAGES):
-            session = self._leases.touch(message.session_id, now)
-            if session is None:
-                return p.Error(message.seq, p.UNKNOWN_SESSION)
             return self._shared.answer(session, message, now)
-        return self._disconnect(message, now)
+        if isinstance(message, p.Release):
+            self._release(message.held[: p.MAX_RELEASE])
+            return None
+        return self._disconnect(session, message)
 
     def _bad(self, reason: str) -> p.Error:
         self._counters["bad_frames"] += 1
@@ -261,18 +302,34 @@ class Server:
                 hs.seq, name, f"block_len {hs.region.block_len} != {self._region.block_len}"
             )
         ours = self.transport.config_fingerprint
+        if len(hs.config_fingerprint) > p.MAX_FINGERPRINT:
+            return self._reject(
+                hs.seq, name, f"config fingerprint longer than {p.MAX_FINGERPRINT} characters"
+            )
         if ours and hs.config_fingerprint and ours != hs.config_fingerprint:
             return self._reject(hs.seq, name, "config fingerprint mismatch")
         if hs.slots is not None and hs.slots <= 0:
             return self._reject(hs.seq, name, f"slots must be > 0, got {hs.slots}")
         if not hs.agent_metadata:
             return self._reject(hs.seq, name, "agent metadata is empty")
+        self._release(hs.release[: p.MAX_RELEASE])
+        if len(self._leases.sessions) >= self._leases.max_sessions:
+            return self._reject(
+                hs.seq, name, f"too many sessions (--max-sessions {self._leases.max_sessions})"
+            )
         session = self._leases.open(name, hs.slots, now, private=hs.private)
         if session is None:
-            return self._reject(hs.seq, name, "no free slots")
+            held = self._leases.held_blocks
+            return self._reject(
+                hs.seq,
+                name,
+                "no free slots"
+                + (f" ({held} held for clients that may still write)" if held else ""),
+            )
         self._counters["handshakes_accepted"] += 1
+        session.identity = identity
         if session.shared:
-            session.namespace, session.identity = hs.config_fingerprint, identity
+            session.namespace = hs.config_fingerprint
             self._shared.join(session)
             logger.info(
                 "session %s (%s): shared, namespace %r",
@@ -299,15 +356,21 @@ class Server:
             lease_stop=session.lease.stop,
             lease_timeout_s=self._leases.lease_timeout_s,
             shared=session.shared,
+            host_id=self.host_id,
         )
 
-    def _heartbeat(self, hb: p.Heartbeat, now: float) -> p.ServerMessage:
-        session = self._leases.touch(hb.session_id, now)
-        if session is None:
-            return p.Error(hb.seq, p.UNKNOWN_SESSION)
+    def _heartbeat(self, session: Session, hb: p.Heartbeat) -> p.ServerMessage:
         _count_bytes(session, hb)
         session.slots_used = min(max(hb.slots_used, 0), len(session.lease))
-        return p.HeartbeatAck(hb.seq)
+        return p.HeartbeatAck(hb.seq, self._shared.event_seq(session) if session.shared else -1)
+
+    def _release(self, session_ids: list[str]) -> None:
+        """Earlier sessions whose client reported every write resolved: free what they held."""
+        if not session_ids:
+            return
+        freed = self._leases.release(session_ids) + self._shared.cache.release(session_ids)
+        if freed:
+            logger.info("released %d held slots of %d ended sessions", freed, len(session_ids))
 
     def _stats_request(self, req: p.StatsRequest, now: float) -> p.ServerMessage:
         known = self._leases.touch(req.session_id, now) is not None
@@ -315,19 +378,13 @@ class Server:
             return p.Error(req.seq, p.UNKNOWN_SESSION)
         return p.StatsReply(req.seq, self._stats_locked())
 
-    def _disconnect(self, req: p.Disconnect, now: float) -> p.ServerMessage:
-        session = self._leases.sessions.get(req.session_id)
-        if session is None:
-            return p.Error(req.seq, p.UNKNOWN_SESSION)
+    def _disconnect(self, session: Session, req: p.Disconnect) -> p.ServerMessage:
         _count_bytes(session, req)
-        self._leases.close(req.session_id)
-        if session.shared:
-            self._shared.leave(session, now, clean=True)
-        logger.info(
-            "session %s (%s): disconnected, lease %s returned",
-            session.public_id,
-            session.client_name,
-            _span(session.lease),
+        self._last_session = None  # ended: its ack has no session to end if undeliverable
+        self._end(
+            session,
+            clean=req.clean,
+            why=f"disconnected {'cleanly' if req.clean else 'with writes in flight'}",
         )
         return p.DisconnectAck(req.seq)
 
@@ -348,14 +405,18 @@ class Server:
         leased = sum(len(s.lease) for s in sessions)
         shared = self._shared.stats()
         in_use = leased + shared["shared_stored_blocks"] + shared["shared_granted_blocks"]
+        held = table.held_blocks + shared["shared_held_blocks"]
         return {
             "protocol_version": p.PROTOCOL_VERSION,
             "server_name": self.name,
+            "host_id": self.host_id,
             "address": self.address,
             "num_blocks": self.config.num_blocks,
             "block_len": self.config.block_len,
-            "free_blocks": self.config.num_blocks - in_use - shared["shared_quarantined_blocks"],
+            "free_blocks": self.config.num_blocks - in_use - held,
             "leased_blocks": leased,
+            "held_blocks": held,
+            "held_sessions": len(table.held) + shared["shared_held_sessions"],
             "occupancy": in_use / self.config.num_blocks,
             "slots_used": sum(s.slots_used for s in sessions),
             "lease_timeout_s": table.lease_timeout_s,

@@ -35,7 +35,8 @@ class ServerConfig:
     max_lease: int | None = None
     namespace_quota: int | None = None
     max_grant: int | None = None
-    pin_ttl_s: float = 10.0
+    max_sessions: int = 1024
+    host_id: str | None = None  # default: the address the server listens on
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_len <= 0:
@@ -53,8 +54,10 @@ class ServerConfig:
             )
         if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
             raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
-        if self.pin_ttl_s <= 0:
-            raise ValueError(f"--pin-ttl must be > 0 seconds, got {self.pin_ttl_s}")
+        if self.max_sessions <= 0:
+            raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
+        if self.host_id is not None and not 0 < len(self.host_id) <= 128:
+            raise ValueError(f"--host-id must be 1 to 128 characters, got {self.host_id!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.token is None and not is_loopback(self.host):
@@ -79,7 +82,8 @@ class ServerConfig:
             max_lease=args.max_lease,
             namespace_quota=args.namespace_quota,
             max_grant=args.max_grant,
-            pin_ttl_s=args.pin_ttl,
+            max_sessions=args.max_sessions,
+            host_id=args.host_id,
         )
 
 
@@ -156,7 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lease-timeout",
         type=float,
         default=30.0,
-        help="seconds without a heartbeat before a client's slots are reclaimed (default 30)",
+        help="seconds without a heartbeat before a client's session ends (default 30); the "
+        "slots it may still write stay held until the client releases them",
     )
     parser.add_argument(
         "--max-lease",
@@ -176,9 +181,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a sixteenth of the pool, at most 4096)",
     )
     parser.add_argument(
-        "--pin-ttl",
-        type=float,
-        default=10.0,
-        help="seconds a shared read pin keeps its slots from eviction (default 10); a read "
-        "that takes longer is reported missing",
+        "--max-sessions",
+        type=int,
+        default=1024,
+        help="most sessions open at once (default 1024); more handshakes are rejected",
+    )
+    parser.add_argument(
+        "--host-id",
+        help="this host's stable name, which tiers place keys by (default: HOST:PORT as it "
+        "listens); give a restarted or moved host the same one",
     )

@@ -1,28 +1,31 @@
 """``SharedCache``: the host-side index of a shared pool (which key lives in which slot).
 
-Pure bookkeeping (no I/O, no clock of its own: callers pass ``now``), so it is tested directly.
-Not thread-safe: the server guards it with its state lock, like the ``LeaseTable`` whose
-``SlotPool`` it draws its slots from (slots a private lease holds are never touched here).
+Pure bookkeeping (no I/O, no clock): tested directly. Not thread-safe: the server guards it
+with its state lock, like the ``LeaseTable`` whose ``SlotPool`` it draws its slots from (slots
+a private lease holds are never touched here).
 
 Model. Keys are namespaced (the config fingerprint of the sessions that store them): two models
 never see each other's blocks. A slot is in exactly one state:
 
 - *free*: drawn from the pool, not yet handed out;
 - *granted* to one session: only that session may write it, nothing is published there;
-- *stored*: holds a committed key of one namespace; readable by every session of it;
-- *quarantined*: granted to a session that ended without committing it. A client that froze
-  may still write there, so the slot is reused only after ``quarantine_s``.
+- *stored*: holds a committed key of one namespace, with the digest of its bytes;
+- *held*: granted to a session that ended without a clean disconnect. Its client may still
+  write there (a writer that froze, a write still in flight), so nobody else gets the slot
+  until that client releases the session (``release``), which it does once its transport
+  reported every write of the session resolved. No timer frees a held slot: a hold is bounded
+  by the session's grant (``max_granted``), not by a guess at how long a freeze lasts.
 
 A store is ``grant`` (a private batch of slots, ahead of time), a one-sided write by the client,
-then ``commit``: the key becomes visible, most recently used. A load is ``pin`` (the slots of
-stored keys, kept from eviction until ``unpin`` or ``ttl_s``), a one-sided read, ``unpin``.
-A reader that finishes within the TTL it was granted therefore read the committed bytes: a
-stored slot is rewritten only after it was evicted, re-granted and written again.
+then ``commit`` with the bytes' digests: the key becomes visible, most recently used. A load is
+a one-sided read of the slot the reader's copy of the index names, checked against the digest:
+nothing here pins a slot, so a slot evicted and rewritten during a read costs that reader a
+miss, never wrong bytes.
 
-Capacity is one LRU over every stored slot, refreshed by ``touch`` and ``pin``. When a grant
-needs slots and none is free, the least recently used unpinned key is evicted; a namespace at
-its quota evicts its own keys instead, so one tenant cannot take another's share. Every change
-is logged per namespace (``take_events``) for the server to push to the sessions.
+Capacity is one LRU over every stored slot, refreshed by ``touch``. When a grant needs slots
+and none is free, the least recently used key is evicted; a namespace at its quota evicts its
+own keys instead, so one tenant cannot take another's share. Every change is logged per
+namespace (``take_events``) for the server to push to the sessions.
 
 Slots come from the server's ``SlotPool`` only as grants need them; once drawn they stay with
 the shared cache (reused for shared keys, never returned), so private leases get the slots the
@@ -31,14 +34,14 @@ shared pool has not filled yet.
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch_kv_tier.remote.leases import SlotPool
 
 Key = bytes | str | int
+EventBatch = tuple["Namespace", int, list[Key], list[int], list[int], list[Key]]
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Namespace:
     name: str
     entries: OrderedDict[Key, int] = field(default_factory=OrderedDict)
     granted: int = 0  # slots granted to this namespace's sessions, not yet committed
+    sessions: int = 0  # sessions joined
     event_seq: int = 0  # sequence number of the last event batch taken
     stored: list[Key] = field(default_factory=list)
     evicted: list[Key] = field(default_factory=list)
@@ -59,56 +63,34 @@ class Namespace:
         return len(self.entries) + self.granted
 
 
-@dataclass
-class _Pin:
-    session_id: str
-    slots: list[int]
-    expires: float
-
-
 class SharedCache:
     """Slots of one host's pool shared by every session of a namespace (module docstring).
 
     ``quota`` caps the slots one namespace may use (stored plus granted; default: the whole
     pool); ``max_granted`` caps the slots one session may hold granted and uncommitted
     (default: a sixteenth of the pool, at most 4096), so that a session's reserve never evicts
-    much of what others stored; ``pin_ttl_s`` bounds how long a pin holds; ``quarantine_s`` is
-    how long a slot granted to an ended session waits before it is reused.
+    much of what others stored, and so that a session that ends uncleanly holds little.
     """
 
     def __init__(
-        self,
-        pool: SlotPool,
-        *,
-        quota: int | None = None,
-        max_granted: int | None = None,
-        pin_ttl_s: float = 10.0,
-        quarantine_s: float = 60.0,
+        self, pool: SlotPool, *, quota: int | None = None, max_granted: int | None = None
     ) -> None:
         if quota is not None and quota <= 0:
             raise ValueError(f"namespace quota must be > 0 slots, got {quota}")
         if max_granted is not None and max_granted <= 0:
             raise ValueError(f"max granted slots must be > 0, got {max_granted}")
-        if pin_ttl_s <= 0 or quarantine_s < 0:
-            raise ValueError(
-                f"pin TTL must be > 0 and quarantine >= 0 s, got {pin_ttl_s} and {quarantine_s}"
-            )
         self.pool = pool
         self.quota = pool.num_blocks if quota is None else quota
         self.max_granted = (
             max(1, min(4096, pool.num_blocks // 16)) if max_granted is None else max_granted
         )
-        self.pin_ttl_s = pin_ttl_s
-        self.quarantine_s = quarantine_s
         self.namespaces: dict[str, Namespace] = {}
         self.evictions = 0
         self._free: list[int] = []
+        self._digests = [0] * pool.num_blocks  # slot -> digest of the key stored there
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
         self._grants: dict[str, tuple[Namespace, set[int]]] = {}  # session -> its granted slots
-        self._pins: dict[int, _Pin] = {}
-        self._pinned: dict[int, int] = {}  # slot -> pins holding it
-        self._quarantine: deque[tuple[float, list[int]]] = deque()
-        self._pin_ids = itertools.count(1)
+        self._held: dict[str, list[int]] = {}  # ended session -> slots it may still write
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -117,32 +99,48 @@ class SharedCache:
         ns = self.namespaces.get(namespace)
         if ns is None:
             ns = self.namespaces[namespace] = Namespace(namespace)
+        ns.sessions += 1
         self._grants[session_id] = (ns, set())
 
-    def leave(self, session_id: str, now: float, *, clean: bool) -> None:
-        """A session ended: its pins go, and its uncommitted grants are free again at once
-        after a ``clean`` disconnect (the client wrote nothing more), else quarantined."""
-        ns, granted = self._grants.pop(session_id, (None, set()))
-        if ns is not None and granted:
-            ns.granted -= len(granted)
+    def leave(self, session_id: str, *, clean: bool) -> None:
+        """A session ended: its uncommitted grants are free again at once after a ``clean``
+        disconnect (its client has no write in flight), else held until ``release``. A
+        namespace with no session and no key left is forgotten."""
+        entry = self._grants.pop(session_id, None)
+        if entry is None:
+            return
+        ns, granted = entry
+        ns.granted -= len(granted)
+        ns.sessions -= 1
+        if granted:
             if clean:
                 self._free.extend(granted)
             else:
-                self._quarantine.append((now + self.quarantine_s, sorted(granted)))
-        for pin_id in [i for i, pin in self._pins.items() if pin.session_id == session_id]:
-            self._unpin_one(pin_id)
+                self._held[session_id] = sorted(granted)
+        if not ns.sessions and not ns.entries and not ns.granted:
+            del self.namespaces[ns.name]
+
+    def release(self, session_ids: Iterable[str]) -> int:
+        """Ended sessions whose client reported every write resolved: their held slots are free
+        again. Unknown ids are ignored (only the client knows a session's id). Returns the
+        number of slots freed."""
+        freed = 0
+        for sid in session_ids:
+            slots = self._held.pop(sid, None)
+            if slots:
+                self._free.extend(slots)
+                freed += len(slots)
+        return freed
 
     # -- stores -------------------------------------------------------------------------------
 
-    def grant(self, session_id: str, want: int, now: float) -> list[int]:
+    def grant(self, session_id: str, want: int) -> list[int]:
         """Up to ``want`` slots only ``session_id`` may write: free ones, else the slots of
-        evicted keys (never pinned ones). Fewer, or none, when the session already holds
-        ``max_granted``, the namespace is at its quota with nothing evictable, or every slot
-        is pinned or granted."""
+        evicted keys. Fewer, or none, when the session already holds ``max_granted``, the
+        namespace is at its quota with nothing of its own to evict, or every slot is granted or
+        held."""
         ns, granted = self._grants[session_id]
         want = min(want, self.max_granted - len(granted))
-        self._release_quarantine(now)
-        self.expire_pins(now)
         slots: list[int] = []
         while len(slots) < want:
             if ns.used + len(slots) >= self.quota:
@@ -158,63 +156,37 @@ class SharedCache:
         ns.granted += len(slots)
         return slots
 
-    def commit(self, session_id: str, keys: Sequence[Key], slots: Sequence[int]) -> int:
-        """Publish ``keys``, written into granted ``slots``; returns how many were published.
+    def commit(
+        self, session_id: str, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]
+    ) -> int:
+        """Publish ``keys``, written into granted ``slots`` with bytes of ``digests``; returns
+        how many were published.
 
-        A slot not granted to this session is ignored (it may have been quarantined when the
-        session expired); a key already stored keeps its first copy and the slot is free again.
+        A slot not granted to this session is ignored (it may be held since the session was
+        taken for ended). A key already stored keeps its first copy, the slot is free again, and
+        the key is announced again so that the committer's copy of the index learns its slot.
         """
         entry = self._grants.get(session_id)
         if entry is None:
             return 0
         ns, granted = entry
+        table = self._digests
         published = 0
-        for key, slot in zip(keys, slots):
+        for key, slot, digest in zip(keys, slots, digests):
             if slot not in granted:
                 continue
             granted.discard(slot)
             ns.granted -= 1
             if key in ns.entries:
                 self._free.append(slot)
+                ns.stored.append(key)
                 continue
             ns.entries[key] = slot
+            table[slot] = digest
             self._lru[(ns.name, key)] = slot
             ns.stored.append(key)
             published += 1
         return published
-
-    # -- loads --------------------------------------------------------------------------------
-
-    def pin(self, session_id: str, keys: Iterable[Key], now: float) -> tuple[int, list[int]]:
-        """Pin the slots of stored ``keys`` (most recently used now) until ``unpin`` or the
-        TTL. Returns the pin id and each key's slot, ``-1`` for a key that is not stored."""
-        ns, _ = self._grants[session_id]
-        entries, lru, pinned = ns.entries, self._lru, self._pinned
-        slots = []
-        for key in keys:
-            slot = entries.get(key, -1)
-            if slot >= 0:
-                entries.move_to_end(key)
-                lru.move_to_end((ns.name, key))
-                pinned[slot] = pinned.get(slot, 0) + 1
-            slots.append(slot)
-        pin_id = next(self._pin_ids)
-        self._pins[pin_id] = _Pin(session_id, [s for s in slots if s >= 0], now + self.pin_ttl_s)
-        return pin_id, slots
-
-    def unpin(self, session_id: str, pin_ids: Iterable[int]) -> None:
-        """Drop pins of ``session_id`` (unknown or expired ones are ignored)."""
-        for pin_id in pin_ids:
-            pin = self._pins.get(pin_id)
-            if pin is not None and pin.session_id == session_id:
-                self._unpin_one(pin_id)
-
-    def expire_pins(self, now: float) -> int:
-        """Drop every pin past its TTL; returns how many."""
-        late = [i for i, pin in self._pins.items() if pin.expires <= now]
-        for pin_id in late:
-            self._unpin_one(pin_id)
-        return len(late)
 
     def touch(self, session_id: str, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` most recently used (unknown keys are ignored)."""
@@ -227,36 +199,35 @@ class SharedCache:
 
     # -- observation --------------------------------------------------------------------------
 
-    def snapshot(self, session_id: str) -> tuple[list[Key], int]:
-        """Every stored key of the session's namespace and the event sequence number it is
-        current for (events with a higher number come after it)."""
+    def snapshot(self, session_id: str) -> tuple[list[Key], list[int], list[int], int]:
+        """Every stored key of the session's namespace, its slot and digest, and the event
+        sequence number the snapshot is current for (events with a higher one come after)."""
         ns, _ = self._grants[session_id]
-        return list(ns.entries), ns.event_seq
+        keys, slots = list(ns.entries), list(ns.entries.values())
+        return keys, slots, list(map(self._digests.__getitem__, slots)), ns.event_seq
 
-    def namespace_of(self, session_id: str) -> str:
-        return self._grants[session_id][0].name
+    def namespace_of(self, session_id: str) -> Namespace:
+        return self._grants[session_id][0]
 
-    def take_events(self, max_keys: int) -> list[tuple[Namespace, int, list[Key], list[Key]]]:
-        """Changes since the last call as ``(namespace, event_seq, stored, evicted)`` batches of
-        at most ``max_keys`` keys; each namespace's sequence number grows by one per batch.
-        A key both stored and evicted since the last call is reported in its final state only."""
-        batches = []
-        for ns in self.namespaces.values():
-            stored, evicted = ns.stored, ns.evicted
+    def take_events(self, max_keys: int) -> list[EventBatch]:
+        """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
+        evicted)`` batches of at most ``max_keys`` keys; each namespace's sequence number grows
+        by one per batch. A key is reported in its final state only (stored, with its slot and
+        digest now, or evicted)."""
+        batches: list[EventBatch] = []
+        for ns in list(self.namespaces.values()):
+            entries = ns.entries
+            stored = [k for k in dict.fromkeys(ns.stored) if k in entries]
+            evicted = [k for k in dict.fromkeys(ns.evicted) if k not in entries]
             ns.stored, ns.evicted = [], []
-            both = set(stored).intersection(evicted) if stored and evicted else ()
-            if both:  # only such a key can be listed twice (stored, evicted, stored ...)
-                entries = ns.entries
-                stored = list(dict.fromkeys(k for k in stored if k not in both or k in entries))
-                evicted = list(
-                    dict.fromkeys(k for k in evicted if k not in both or k not in entries)
-                )
             while stored or evicted:
                 ns.event_seq += 1
                 out_evicted, evicted = evicted[:max_keys], evicted[max_keys:]
                 room = max_keys - len(out_evicted)
                 out_stored, stored = stored[:room], stored[room:]
-                batches.append((ns, ns.event_seq, out_stored, out_evicted))
+                slots = list(map(entries.__getitem__, out_stored))
+                digests = list(map(self._digests.__getitem__, slots))
+                batches.append((ns, ns.event_seq, out_stored, slots, digests, out_evicted))
         return batches
 
     @property
@@ -268,12 +239,12 @@ class SharedCache:
         return sum(len(granted) for _, granted in self._grants.values())
 
     @property
-    def quarantined(self) -> int:
-        return sum(len(slots) for _, slots in self._quarantine)
+    def held(self) -> int:
+        return sum(map(len, self._held.values()))
 
     @property
-    def pinned(self) -> int:
-        return len(self._pinned)
+    def held_sessions(self) -> int:
+        return len(self._held)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -288,32 +259,21 @@ class SharedCache:
         return self._free.pop()
 
     def _evict_oldest(self) -> int | None:
-        for (name, key), slot in self._lru.items():
-            if slot not in self._pinned:
-                self._evict(self.namespaces[name], key)
-                return slot
-        return None
+        if not self._lru:
+            return None
+        (name, key), slot = next(iter(self._lru.items()))
+        self._evict(self.namespaces[name], key)
+        return slot
 
     def _evict_from(self, ns: Namespace) -> int | None:
-        for key, slot in ns.entries.items():
-            if slot not in self._pinned:
-                self._evict(ns, key)
-                return slot
-        return None
+        if not ns.entries:
+            return None
+        key, slot = next(iter(ns.entries.items()))
+        self._evict(ns, key)
+        return slot
 
     def _evict(self, ns: Namespace, key: Key) -> None:
         del ns.entries[key]
         del self._lru[(ns.name, key)]
         ns.evicted.append(key)
         self.evictions += 1
-
-    def _unpin_one(self, pin_id: int) -> None:
-        pinned = self._pinned
-        for slot in self._pins.pop(pin_id).slots:
-            count = pinned.pop(slot)
-            if count > 1:
-                pinned[slot] = count - 1
-
-    def _release_quarantine(self, now: float) -> None:
-        while self._quarantine and self._quarantine[0][0] <= now:
-            self._free.extend(self._quarantine.popleft()[1])

@@ -1,8 +1,9 @@
 """The server's answers to shared-session messages, over a ``SharedCache``.
 
-Turns the control messages of shared sessions (grants, commits, pins, touches, snapshots; see
+Turns the control messages of shared sessions (grants, commits, touches, snapshots; see
 ``protocol``) into ``SharedCache`` calls, serves snapshots in pages, and batches the cache's
-events into ``Events`` frames for every session of the namespace that changed.
+events into ``Events`` frames, each encoded once and sent as the same bytes to every session of
+its namespace (the host's cost per key does not grow with the number of followers).
 
 Threading: as ``SharedCache``: the server calls it under its state lock, from its loop thread.
 """
@@ -15,38 +16,30 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 
-SharedMessage = p.GrantRequest | p.Commit | p.PinRequest | p.Unpin | p.Touch | p.SnapshotRequest
-SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.PinRequest, p.Unpin, p.Touch, p.SnapshotRequest)
+SharedMessage = p.GrantRequest | p.Commit | p.Touch | p.SnapshotRequest
+SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.Touch, p.SnapshotRequest)
 MAX_GRANT = 4096  # slots one grant may ask for
+
+_Snapshot = tuple[list[Any], list[int], list[int], int]
 
 
 class SharedService:
     """Shared-session message handling for one server (module docstring)."""
 
-    def __init__(
-        self,
-        pool: SlotPool,
-        *,
-        quota: int | None,
-        max_granted: int | None,
-        pin_ttl_s: float,
-        quarantine_s: float,
-    ) -> None:
-        self.cache = SharedCache(
-            pool,
-            quota=quota,
-            max_granted=max_granted,
-            pin_ttl_s=pin_ttl_s,
-            quarantine_s=quarantine_s,
-        )
-        self._snapshots: dict[str, tuple[list[Any], int]] = {}  # session -> keys, event seq
+    def __init__(self, pool: SlotPool, *, quota: int | None, max_granted: int | None) -> None:
+        self.cache = SharedCache(pool, quota=quota, max_granted=max_granted)
+        self._snapshots: dict[str, _Snapshot] = {}  # session -> keys, slots, digests, event seq
 
     def join(self, session: Session) -> None:
         self.cache.join(session.session_id, session.namespace)
 
-    def leave(self, session: Session, now: float, *, clean: bool) -> None:
+    def leave(self, session: Session, *, clean: bool) -> None:
         self._snapshots.pop(session.session_id, None)
-        self.cache.leave(session.session_id, now, clean=clean)
+        self.cache.leave(session.session_id, clean=clean)
+
+    def event_seq(self, session: Session) -> int:
+        """The last event batch pushed to ``session``'s namespace."""
+        return self.cache.namespace_of(session.session_id).event_seq
 
     def answer(
         self, session: Session, message: SharedMessage, now: float
@@ -60,21 +53,15 @@ class SharedService:
         if problem is not None:
             return p.Error(message.seq, problem)
         if isinstance(message, p.Commit):
-            if len(message.keys) == len(message.slots):
-                cache.commit(sid, message.keys, message.slots)
+            if len(message.keys) == len(message.slots) == len(message.digests):
+                cache.commit(sid, message.keys, message.slots, message.digests)
             return None
         if isinstance(message, p.Touch):
             cache.touch(sid, message.keys)
             return None
-        if isinstance(message, p.Unpin):
-            cache.unpin(sid, message.pin_ids)
-            return None
         if isinstance(message, p.GrantRequest):
             want = min(max(message.want, 0), MAX_GRANT)
-            return p.Granted(message.seq, cache.grant(sid, want, now) if want else [])
-        if isinstance(message, p.PinRequest):
-            pin_id, slots = cache.pin(sid, message.keys, now)
-            return p.Pinned(message.seq, pin_id, slots, cache.pin_ttl_s)
+            return p.Granted(message.seq, cache.grant(sid, want) if want else [])
         return self._snapshot_page(sid, message)
 
     def _snapshot_page(self, sid: str, request: p.SnapshotRequest) -> p.SnapshotPage:
@@ -83,28 +70,29 @@ class SharedService:
             start = 0
         else:
             start = request.cursor
-        keys, event_seq = self._snapshots[sid]
-        stop = start + p.MAX_KEYS_PER_MESSAGE
-        if stop >= len(keys):
+        keys, slots, digests, event_seq = self._snapshots[sid]
+        stop: int | None = start + p.MAX_KEYS_PER_MESSAGE
+        if stop is not None and stop >= len(keys):
             del self._snapshots[sid]
-            stop = -1
+            stop = None
+        page = slice(start, stop)
         return p.SnapshotPage(
-            request.seq, keys[start : stop if stop > 0 else None], event_seq, stop
+            request.seq, keys[page], slots[page], digests[page], event_seq, stop or -1
         )
 
-    def events(self, sessions: list[Session]) -> list[tuple[bytes, p.Events]]:
-        """Frames to push for the changes since the last call: ``(identity, Events)``."""
+    def events(self, sessions: list[Session]) -> list[tuple[list[Session], bytes]]:
+        """Frames to push for the changes since the last call: ``(sessions, encoded Events)``."""
         batches = self.cache.take_events(p.MAX_KEYS_PER_MESSAGE)
         if not batches:
             return []
-        by_namespace: dict[str, list[bytes]] = {}
+        by_namespace: dict[str, list[Session]] = {}
         for session in sessions:
             if session.shared:
-                by_namespace.setdefault(session.namespace, []).append(session.identity)
+                by_namespace.setdefault(session.namespace, []).append(session)
         return [
-            (identity, p.Events(0, seq, stored, evicted))
-            for ns, seq, stored, evicted in batches
-            for identity in by_namespace.get(ns.name, ())
+            (by_namespace[ns.name], p.encode(p.Events(0, seq, stored, slots, digests, evicted)))
+            for ns, seq, stored, slots, digests, evicted in batches
+            if ns.name in by_namespace
         ]
 
     def stats(self) -> dict[str, Any]:
@@ -112,8 +100,8 @@ class SharedService:
         return {
             "shared_stored_blocks": cache.stored,
             "shared_granted_blocks": cache.granted,
-            "shared_pinned_blocks": cache.pinned,
-            "shared_quarantined_blocks": cache.quarantined,
+            "shared_held_blocks": cache.held,
+            "shared_held_sessions": cache.held_sessions,
             "shared_evictions": cache.evictions,
             "namespace_quota": cache.quota,
             "max_granted": cache.max_granted,

@@ -1,0 +1,139 @@
+"""How a tier keeps its connected hosts: dial again what it lost, and release what it ended.
+
+``Dial`` remembers how a host was connected (``TierManager.connect``'s arguments), so that a
+host the tier dropped (heartbeats stopped, a transfer failed, the control connection was reset)
+is connected again by a ``Redialer`` thread, with backoff, until it answers or the tier closes.
+A user's ``disconnect``/``remove_peer`` ends that.
+
+``EndedSessions`` is the client half of fencing. A session that ended while writes of it were
+in flight (or ended without a clean disconnect at all) is held by its server: the server gives
+its slots to nobody until the client releases it. The tier counts each ended session's writes
+still in flight; once the transport reported the last one, the session is *resolved*, and its id
+goes to the server with the next session's handshake or with a ``Release`` on a live session.
+
+Threading: ``EndedSessions`` is plain state the manager mutates under its lock. ``Redialer``
+runs one daemon thread per lost host; it calls back into the manager without holding anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+REDIAL_FIRST_S = 0.5
+REDIAL_MAX_S = 10.0
+
+
+@dataclass(frozen=True)
+class Dial:
+    """``TierManager.connect``'s arguments for one host."""
+
+    address: str
+    token: str | None
+    private: bool
+    slots: int | None
+    timeout_s: float
+    heartbeat_timeout_s: float
+
+
+class EndedSessions:
+    """Sessions that ended with writes possibly in flight, until their server is told."""
+
+    def __init__(self) -> None:
+        self._writes: dict[Any, int] = {}  # ended session -> its writes still in flight
+        self.resolved: dict[str, list[str]] = {}  # address -> session ids to release
+
+    def ended(self, session: Any, writes_in_flight: int) -> None:
+        """``session`` ended with ``writes_in_flight`` writes the transport still holds."""
+        if writes_in_flight:
+            self._writes[session] = writes_in_flight
+        else:
+            self.resolved.setdefault(session.address, []).append(session.session_id)
+
+    def write_resolved(self, session: Any) -> bool:
+        """The transport reported a write of an ended ``session``; ``True`` when it was the
+        last one (the session is resolved)."""
+        left = self._writes.get(session)
+        if left is None:
+            return False
+        if left > 1:
+            self._writes[session] = left - 1
+            return False
+        del self._writes[session]
+        self.resolved.setdefault(session.address, []).append(session.session_id)
+        return True
+
+    def take(self, address: str) -> list[str]:
+        """The resolved sessions of ``address``, to tell its server (now forgotten here)."""
+        return self.resolved.pop(address, [])
+
+    @property
+    def unresolved(self) -> int:
+        return len(self._writes)
+
+
+class Redialer:
+    """Dials lost hosts again in the background (module docstring).
+
+    ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
+    whether the host is still to be connected (not removed by the user, tier open). Both are
+    bound methods of the tier, held weakly: the tier owns the redialer, and a strong reference
+    would be a cycle keeping the tier (and its NIXL agent) alive until the garbage collector
+    runs; once the tier is gone, redialling stops.
+    """
+
+    def __init__(self, dial: Callable[[Dial], object], wanted: Callable[[Dial], bool]) -> None:
+        self._dial = weakref.WeakMethod(dial)
+        self._wanted = weakref.WeakMethod(wanted)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: dict[str, threading.Thread] = {}
+
+    def start(self, spec: Dial) -> None:
+        """Dial ``spec`` again until it answers (one thread per address)."""
+        with self._lock:
+            if self._stop.is_set() or spec.address in self._threads:
+                return
+            thread = threading.Thread(
+                target=self._run, args=(spec,), name=f"tkvt-redial-{spec.address}", daemon=True
+            )
+            self._threads[spec.address] = thread
+        thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop every redial; wait up to ``timeout`` s for handshakes in progress."""
+        self._stop.set()
+        with self._lock:
+            threads = list(self._threads.values())
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=timeout)
+
+    def _run(self, spec: Dial) -> None:
+        delay = REDIAL_FIRST_S
+        try:
+            while not self._stop.wait(delay):
+                wanted, dial = self._wanted(), self._dial()
+                if wanted is None or dial is None or not wanted(spec):
+                    return
+                try:
+                    dial(spec)
+                except Exception as exc:
+                    delay = min(delay * 2, REDIAL_MAX_S)
+                    logger.info(
+                        "re-dialling %s failed (next try in %.1f s): %s", spec.address, delay, exc
+                    )
+                    continue
+                finally:
+                    del wanted, dial
+                logger.info("re-connected %s", spec.address)
+                return
+        finally:
+            with self._lock:
+                self._threads.pop(spec.address, None)

@@ -1,0 +1,128 @@
+"""The client's first steps with a server: the control socket and the authenticated handshake.
+
+``connect`` makes the DEALER socket (with a monitor that reports a reset connection) and
+``handshake`` runs ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's
+thread, before any I/O thread exists. See ``protocol`` for the conversation and the proofs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import time
+from typing import Any
+
+import zmq
+
+from torch_kv_tier.remote import protocol as p
+
+logger = logging.getLogger(__name__)
+
+SNDHWM = 1000  # control frames queued to the server before the session counts as failed
+
+
+class HandshakeRejected(Exception):
+    """The server refused the handshake; ``reason`` is its exact explanation, e.g.
+    ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
+    ``"no free slots"`` or ``"protocol version 3 != 2"``."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one."""
+    host, sep, port_text = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
+    return host, int(port_text)
+
+
+def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A DEALER socket connecting to ``address`` and its monitor (disconnect events), made
+    before the connection so that no event is missed. The caller closes both."""
+    host, port = parse_address(address)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.SNDHWM, SNDHWM)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    sock.connect(f"tcp://{host}:{port}")
+    return sock, monitor
+
+
+def handshake(
+    sock: zmq.Socket[bytes],
+    address: str,
+    deadline: float,
+    token: str | None,
+    request: p.Handshake,
+) -> p.Accept:
+    """Authenticate both ways and open a session; raises ``HandshakeRejected``,
+    ``TimeoutError`` (nothing answered by ``deadline``) or ``ConnectionError``."""
+    client_nonce = secrets.token_bytes(p.NONCE_BYTES)
+    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
+    challenge = _expect(sock, address, 1, deadline, p.Challenge)
+    if challenge.version != p.PROTOCOL_VERSION:
+        raise HandshakeRejected(
+            address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
+        )
+    request.nonce = challenge.nonce
+    if token is not None:
+        request.proof = p.client_proof(token, challenge.nonce, client_nonce)
+    sock.send(p.encode(request))
+    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept)
+    # checked last so that a wrong token gets the server's "bad token"; an honest server that
+    # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
+    if token is not None and not p.proof_matches(
+        p.server_proof(token, challenge.nonce, client_nonce), challenge.server_proof
+    ):
+        sock.send(p.encode(p.Disconnect(3, accept.session_id, clean=True)))
+        raise HandshakeRejected(address, "server did not prove it knows the token")
+    return accept
+
+
+def describe(message: p.ServerMessage) -> str:
+    """A server answer that was not the one expected, in words."""
+    if isinstance(message, p.Error | p.Reject):
+        return message.reason
+    return f"unexpected {type(message).__name__}"
+
+
+def _await_reply(sock: zmq.Socket[bytes], seq: int, deadline: float) -> p.ServerMessage | None:
+    """The reply to request ``seq``, or ``None`` at ``deadline``; other frames are skipped."""
+    while (left := deadline - time.monotonic()) > 0:
+        if not sock.poll(math.ceil(left * 1e3), zmq.POLLIN):
+            continue
+        try:
+            message = p.decode_server(sock.recv(zmq.NOBLOCK))
+        except (zmq.Again, p.BadFrame) as exc:
+            logger.debug("skipping control frame: %s", exc)
+            continue
+        if message.seq == seq:
+            return message
+    return None
+
+
+def _expect(
+    sock: zmq.Socket[bytes], address: str, seq: int, deadline: float, kind: type[Any]
+) -> Any:
+    reply = _await_reply(sock, seq, deadline)
+    if reply is None:
+        raise TimeoutError(
+            f"no answer from a torch-kv-tier server at {address}: is `torch-kv-tier serve` "
+            "running there, and is the address reachable from this host?"
+        )
+    if isinstance(reply, p.Reject):
+        raise HandshakeRejected(address, reply.reason)
+    if not isinstance(reply, kind):
+        raise ConnectionError(f"server at {address} answered the handshake: {describe(reply)}")
+    return reply
