@@ -1,5 +1,5 @@
-"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress`` and
-``shared-bench``."""
+"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
+``chaos`` and ``shared-bench``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ _COMMANDS = {
     "shared-stress": (
         "torch_kv_tier.benchmarks.shared_stress",
         "torn-read stress of one shared pool: writer and reader processes, every block checked",
+    ),
+    "chaos": (
+        "torch_kv_tier.benchmarks.chaos",
+        "kill, freeze, restart and cut off hosts and tiers at random; every block checked",
     ),
     "shared-bench": (
         "torch_kv_tier.benchmarks.shared_bench",

@@ -1,0 +1,341 @@
+"""``torch-kv-tier chaos``: hosts and tiers killed, frozen, restarted and cut off at random for
+``--seconds``, while reader tiers check every block they load (issue 18, "Chaos").
+
+Processes: ``--hosts`` ``torch-kv-tier serve`` children (a pool larger than the key space, so
+nothing is evicted: a probe key stays until its host dies), ``--writers`` + ``--readers``
+long-lived tier processes (``chaos_worker``; stopped and resumed, never killed: their fds,
+threads and RSS are measured), and one short-lived writer that gets SIGKILLed and replaced.
+Every tier joins the shared pool of every host (and dials again a host it lost).
+
+Faults, one every 0.2 to 1 s, chosen at random: SIGKILL a host and restart it on the same port;
+SIGSTOP a host or a long-lived tier for 0.5 to 3 s; SIGKILL the short-lived tier; reset the
+control connections of a host (``ss -K`` on its port, either side); and a staleness probe: a
+tier of this process stores a fresh key on one host and every long-lived tier must see it, or
+drop that host, within ``chaos_worker.STALE_BOUND_S``. The workers feed bad keys themselves.
+
+What must hold (the exit status is 1 otherwise): 0 wrong blocks; 0 hung futures (each bounded
+by ``chaos_worker.FUTURE_BOUND_S``); 0 stale probes; fds, threads and RSS of every long-lived
+tier flat (end vs. start of its loop); every worker finished and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from torch_kv_tier.benchmarks import chaos_worker as cw
+from torch_kv_tier.benchmarks.reliability_common import Outcome
+from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER
+
+logger = logging.getLogger(__name__)
+
+POOL_BLOCKS = 2048  # per host: more than the key space, so nothing is evicted
+START_S = 180.0  # every worker ready (spawned interpreters import torch and NIXL)
+GRACE_S = 90.0  # after --seconds: the last calls (a frozen worker finishes late), counts back
+RSS_GROWTH = 0.25  # the most a long-lived tier's RSS may grow over its loop
+THREADS_GROWTH = 4  # the most threads it may gain (a re-dialed session's I/O thread)
+
+
+class Hosts:
+    """The host processes, each on a fixed port across restarts."""
+
+    def __init__(self, count: int) -> None:
+        from torch_kv_tier.remote import ServerProcess
+
+        self._start = lambda port: ServerProcess.start(
+            POOL_BLOCKS, cw.BLOCK_LEN, extra_args=["--port", str(port)]
+        )
+        self.servers = [ServerProcess.start(POOL_BLOCKS, cw.BLOCK_LEN) for _ in range(count)]
+        self.restarts = 0
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def restart(self, i: int) -> None:
+        """SIGKILL host ``i`` and start a new one on its port (retried while it is busy)."""
+        port = int(self.servers[i].address.rsplit(":", 1)[1])
+        self.servers[i].kill()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.servers[i] = self._start(port)
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        self.restarts += 1
+
+    def close(self) -> None:
+        for server in self.servers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.proc.pid, signal.SIGCONT)
+            server.stop()
+
+
+def _resources(procs: dict[str, Any], names: list[str], out: Outcome) -> dict[str, dict[str, int]]:
+    """RSS, threads and fds of each live process in ``names``; a dead one is a problem."""
+    taken = {}
+    for name in names:
+        try:
+            proc = psutil.Process(procs[name].pid)
+            taken[name] = {
+                "rss": proc.memory_info().rss,
+                "threads": proc.num_threads(),
+                "fds": proc.num_fds(),
+            }
+        except psutil.NoSuchProcess:
+            out.problem(f"{name} is gone (exit code {procs[name].exitcode})")
+    return taken
+
+
+class Chaos:
+    """One run: the processes, the fault loop and the report (module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.out = Outcome("chaos", {k: v for k, v in vars(args).items() if k not in ("run",)})
+        self.faults: dict[str, int] = {}
+        self.stopped: list[tuple[float, int]] = []  # (SIGCONT time, pid)
+        self.probes = 0
+        self.commands: dict[str, Any] = {}
+        self.procs: dict[str, Any] = {}
+        self.counts: dict[str, cw.WorkerCounts] = {}
+        self.start_res: dict[str, dict[str, int]] = {}
+        self.end_res: dict[str, dict[str, int]] = {}
+        self.ephemeral = 0
+
+    def spawn(self, role: str, name: str, addresses: list[str], seconds: float) -> None:
+        commands = self.ctx.Queue()
+        args = (role, name, addresses, self.args.keys, seconds, self.args.pause, commands)
+        proc = self.ctx.Process(target=cw.worker, args=(*args, self.results), daemon=True)
+        proc.start()
+        self.commands[name], self.procs[name] = commands, proc
+
+    def receive(self, timeout_s: float) -> tuple[str, str, Any] | None:
+        try:
+            what, name, payload = self.results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if what == "error":
+            self.out.problem(f"{name} failed:\n{payload}")
+        elif what == "done":
+            self.counts[name] = payload
+        return what, name, payload
+
+    def fault(self, hosts: Hosts, long_lived: list[str], probe_tiers: list[Any]) -> None:
+        kind = self.rng.choice(
+            ["kill-host", "stop-host", "stop-tier", "kill-tier", "reset", "probe", "probe"]
+        )
+        i = self.rng.randrange(len(hosts.servers))
+        if kind == "kill-host":
+            hosts.restart(i)
+        elif kind == "stop-host" or kind == "stop-tier":
+            pid = hosts.servers[i].proc.pid if kind == "stop-host" else None
+            if pid is None:
+                pid = self.procs[self.rng.choice(long_lived)].pid
+            if any(p == pid for _, p in self.stopped):
+                return
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # a worker that died: its error message says why
+                return
+            self.stopped.append((time.monotonic() + self.rng.uniform(0.5, 3.0), pid))
+        elif kind == "kill-tier":
+            victim = f"ephemeral-{self.ephemeral}"
+            self.procs[victim].kill()
+            self.procs[victim].join(timeout=10)
+            self.ephemeral += 1
+            self.spawn("writer", f"ephemeral-{self.ephemeral}", hosts.addresses, 3600)
+        elif kind == "reset":
+            side = self.rng.choice(["src", "dst"])
+            port = hosts.servers[i].address.rsplit(":", 1)[1]
+            subprocess.run(["ss", "-K", side, f"127.0.0.1:{port}"], capture_output=True, timeout=10)
+        elif all(pid != hosts.servers[i].proc.pid for _, pid in self.stopped):
+            self.probe(hosts.addresses[i], probe_tiers[i], long_lived)
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def probe(self, address: str, tier: Any, long_lived: list[str]) -> None:
+        """Store a fresh key on ``address`` alone; tell every long-lived tier to expect it."""
+        if not tier.peers():
+            with contextlib.suppress(Exception):  # host down or frozen: next probe
+                tier.connect(address, timeout_s=2.0)
+            return
+        self.probes += 1
+        key = f"probe-{self.probes}"
+        tier.arena.tensor[0] = 0
+        try:
+            result = tier.store([key], [0]).result(timeout=cw.FUTURE_BOUND_S)
+        except TimeoutError:
+            self.out.problem(f"a probe store to {address} did not settle")
+            return
+        peers = tier.peers()
+        if result.ok and peers:
+            incarnation = peers[0].rsplit("/", 1)[0]
+            for name in long_lived:
+                self.commands[name].put((incarnation, key))
+
+    def resume_due(self, now: float) -> None:
+        due = [(t, pid) for t, pid in self.stopped if t <= now]
+        for item in due:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(item[1], signal.SIGCONT)
+            self.stopped.remove(item)
+
+    def run(self) -> Outcome:
+        from torch_kv_tier.manager import TierManager
+
+        a = self.args
+        started = time.monotonic()
+        hosts = Hosts(a.hosts)
+        long_lived = [f"writer-{i}" for i in range(a.writers)]
+        long_lived += [f"reader-{i}" for i in range(a.readers)]
+        probe_tiers = [
+            TierManager.create(1, cw.BLOCK_LEN, name=f"probe-{i}") for i in range(a.hosts)
+        ]
+        try:
+            for tier, address in zip(probe_tiers, hosts.addresses):
+                tier.connect(address)
+            for name in long_lived:  # they run until told to stop (at most twice --seconds)
+                self.spawn(name.split("-")[0], name, hosts.addresses, 2 * a.seconds + START_S)
+            self.spawn("writer", "ephemeral-0", hosts.addresses, 3600)
+            ready: set[str] = set()
+            deadline = time.monotonic() + START_S
+            while len(ready) < len(long_lived) + 1 and time.monotonic() < deadline:
+                got = self.receive(1.0)
+                if got is not None and got[0] == "ready":
+                    ready.add(got[1])
+            if len(ready) < len(long_lived) + 1:
+                self.out.problem(f"workers not ready within {START_S:.0f} s: {sorted(ready)}")
+                return self.out
+            time.sleep(2.0)  # warm-up before the resources are taken
+            self.start_res = _resources(self.procs, long_lived, self.out)
+            end = time.monotonic() + a.seconds - 4.0
+            while time.monotonic() < end:
+                self.resume_due(time.monotonic())
+                while self.receive(0.0) is not None:  # errors of workers that died
+                    pass
+                self.fault(hosts, long_lived, probe_tiers)
+                time.sleep(self.rng.uniform(0.2, 1.0))
+            self.resume_due(float("inf"))
+            time.sleep(1.0)
+            self.end_res = _resources(self.procs, long_lived, self.out)
+            for name in long_lived:
+                self.commands[name].put(None)
+            deadline = time.monotonic() + GRACE_S
+            while set(long_lived) - set(self.counts) and time.monotonic() < deadline:
+                self.receive(1.0)
+            for name in sorted(set(long_lived) - set(self.counts)):
+                self.out.problem(f"{name} did not report within {GRACE_S:.0f} s of the end")
+        finally:
+            self.resume_due(float("inf"))
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(timeout=10)
+            for tier in probe_tiers:
+                tier.close()
+            restarts = hosts.restarts
+            hosts.close()
+        self.report(long_lived, restarts)
+        self.out.seconds = time.monotonic() - started
+        return self.out
+
+    def report(self, long_lived: list[str], restarts: int) -> None:
+        total = {
+            f.name: 0
+            for f in fields(cw.WorkerCounts)
+            if f.name not in ("failures", "raised_samples")
+        }
+        for counts in self.counts.values():
+            for name in total:
+                total[name] += getattr(counts, name)
+        out = self.out
+        out.equals("wrong blocks", total["wrong"], 0)
+        out.at_least("blocks verified", total["verified"], 1)
+        out.info("futures settled", total["settled"])
+        out.equals("futures hung", total["hung"], 0)
+        out.equals("calls that raised unexpectedly", total["raised"], 0)
+        for name, counts in sorted(self.counts.items()):
+            for sample in counts.raised_samples[:1]:
+                out.problem(f"{name}: a call raised:\n{sample}")
+        out.equals("stale probes (a listed host's key never seen)", total["probes_stale"], 0)
+        out.info("probes seen", total["probes_seen"])
+        out.info("probes answered by dropping the host", total["probes_dropped"])
+        out.info("bad keys refused at the call", total["bad_raised"])
+        out.info("bad keys whose future settled", total["bad_settled"])
+        out.info("connects (first and re-dials)", total["connects"])
+        for kind, n in sorted(self.faults.items()):
+            out.info(f"faults: {kind}", n)
+        out.info("host restarts", restarts)
+        for name in long_lived:
+            start, end = self.start_res.get(name), self.end_res.get(name)
+            if start is None or end is None:
+                continue
+            growth = (end["rss"] - start["rss"]) / start["rss"]
+            out.at_most(f"{name} RSS growth", round(100 * growth, 1), 100 * RSS_GROWTH, "%")
+            out.at_most(f"{name} threads growth", end["threads"] - start["threads"], THREADS_GROWTH)
+            fd_bound = FDS_PER_DEAD_PEER * restarts + 16  # NIXL keeps a dead agent's sockets
+            out.at_most(f"{name} fds growth", end["fds"] - start["fds"], fd_bound)
+        reasons: dict[str, int] = {}
+        for counts in self.counts.values():
+            for reason, n in counts.failures.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+        for reason, n in sorted(reasons.items()):
+            out.info(f"keys failed: {reason}", n)
+
+
+def render(out: Outcome) -> str:
+    """The figures as a table, then the problems, then ``ok``/``FAILED``."""
+    rows = [("figure", "value", "limit", "")] + [
+        (f.name, f.text(), f.limit or "-", "" if f.ok else "FAILED") for f in out.figures
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([*lines, *out.problems, "ok" if out.ok else "FAILED"])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``chaos`` subcommand's options."""
+    parser.add_argument("--seconds", type=float, default=600.0, help="run time (default 600)")
+    parser.add_argument("--hosts", type=int, default=2, help="host processes (default 2)")
+    parser.add_argument("--writers", type=int, default=2, help="long-lived writer tiers")
+    parser.add_argument("--readers", type=int, default=2, help="long-lived reader tiers")
+    parser.add_argument("--keys", type=int, default=512, help="key space (default 512)")
+    parser.add_argument("--pause", type=float, default=0.005, help="s between a tier's calls")
+    parser.add_argument("--seed", type=int, default=0, help="fault schedule seed")
+    parser.add_argument("--json", type=Path, help="write the figures as JSON to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chaos, print the table, write ``--json``; exit 0 only when every limit held."""
+    if min(args.hosts, args.writers, args.readers) <= 0 or args.seconds < 10 or args.keys < 64:
+        print("torch-kv-tier chaos: counts > 0, --seconds >= 10, --keys >= 64", file=sys.stderr)
+        return 2
+    out = Chaos(args).run()
+    print(render(out))
+    if args.json is not None:
+        report = {**asdict(out), "ok": out.ok}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0 if out.ok else 1
