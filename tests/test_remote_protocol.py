@@ -114,9 +114,9 @@ def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_fre
     assert table.open("d", None, now=100.0) is None  # no free slot (and at max_sessions)
     assert table.release([b.session_id]) == 4 and table.held_blocks == 0
     a.bytes_written = 7
-    assert table.close(a.session_id, clean=True) is a
-    assert table.close(a.session_id, clean=True) is None
-    assert table.close(c.session_id, clean=False) is c and table.held_blocks == 2
+    assert table.close(a.session_id, 101.0, clean=True) is a
+    assert table.close(a.session_id, 101.0, clean=True) is None
+    assert table.close(c.session_id, 101.0, clean=False) is c and table.held_blocks == 2
     assert table.leased == 2 and table.retired_bytes_written == 7
 
 

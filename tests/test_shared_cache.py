@@ -89,14 +89,15 @@ def test_a_namespace_at_its_quota_evicts_its_own_keys_not_anothers() -> None:
 def test_an_unclean_sessions_grants_are_held_until_released_and_a_clean_ones_freed() -> None:
     cache = _cache(num_blocks=2)
     lost = cache.grant("a", 1)
-    cache.leave("a", clean=False)  # it may still write there: held, with no timer
+    cache.leave("a", 0.0, clean=False)  # it may still write there: held, with no timer
     assert (cache.held, cache.held_sessions) == (1, 1)
     clean = cache.grant("b", 1)
     assert clean != lost
-    cache.leave("b", clean=True)
+    cache.leave("b", 0.0, clean=True)
     cache.join("d", "model-x")
     assert cache.grant("d", 2) == clean  # the held slot is nobody's, however long it waits
     assert cache.release(["not-a-session"]) == 0
+    assert cache.held_since(0.0) == [] and cache.held_since(0.5) == ["a"]  # a hold timeout's view
     assert cache.release(["a"]) == 1 and cache.held == 0
     assert cache.grant("d", 1) == lost
 
@@ -149,11 +150,11 @@ def test_a_namespace_with_no_session_and_no_key_is_forgotten() -> None:
     cache = SharedCache(SlotPool(4))
     for i in range(100):  # a client cycling through fingerprints leaves nothing behind
         cache.join(f"s{i}", f"model-{i}")
-        cache.leave(f"s{i}", clean=True)
+        cache.leave(f"s{i}", 0.0, clean=True)
     assert cache.namespaces == {}
     cache.join("a", "kept")
     _store(cache, "a", [b"k"])
-    cache.leave("a", clean=True)
+    cache.leave("a", 0.0, clean=True)
     assert list(cache.namespaces) == ["kept"]  # it still has a key
 
 

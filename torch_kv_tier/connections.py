@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,8 @@ class EndedSessions:
 
 
 class Redialer:
-    """Dials lost hosts again in the background (module docstring).
+    """Dials lost hosts again in the background (module docstring): one thread for every lost
+    host, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling to ``REDIAL_MAX_S``).
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). Both are
@@ -92,48 +94,62 @@ class Redialer:
         self._dial = weakref.WeakMethod(dial)
         self._wanted = weakref.WeakMethod(wanted)
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Condition()
+        self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
+        self._thread: threading.Thread | None = None
 
     def start(self, spec: Dial) -> None:
-        """Dial ``spec`` again until it answers (one thread per address)."""
+        """Dial ``spec`` again until it answers."""
         with self._lock:
-            if self._stop.is_set() or spec.address in self._threads:
+            if self._stop.is_set() or spec in self._due:
                 return
-            thread = threading.Thread(
-                target=self._run, args=(spec,), name=f"tkvt-redial-{spec.address}", daemon=True
-            )
-            self._threads[spec.address] = thread
-        thread.start()
+            self._due[spec] = (time.monotonic() + REDIAL_FIRST_S, REDIAL_FIRST_S)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tkvt-redial", daemon=True)
+                self._thread.start()
+            self._lock.notify()
 
     def stop(self, timeout: float) -> None:
-        """Stop every redial; wait up to ``timeout`` s for handshakes in progress."""
+        """Stop redialling; wait up to ``timeout`` s for a handshake in progress."""
         self._stop.set()
         with self._lock:
-            threads = list(self._threads.values())
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(timeout=timeout)
+            self._lock.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout)
 
-    def _run(self, spec: Dial) -> None:
-        delay = REDIAL_FIRST_S
-        try:
-            while not self._stop.wait(delay):
-                wanted, dial = self._wanted(), self._dial()
-                if wanted is None or dial is None or not wanted(spec):
-                    return
-                try:
-                    dial(spec)
-                except Exception as exc:
-                    delay = min(delay * 2, REDIAL_MAX_S)
-                    logger.info(
-                        "re-dialling %s failed (next try in %.1f s): %s", spec.address, delay, exc
-                    )
-                    continue
-                finally:
-                    del wanted, dial
-                logger.info("re-connected %s", spec.address)
-                return
-        finally:
+    def _run(self) -> None:
+        while not self._stop.is_set():
             with self._lock:
-                self._threads.pop(spec.address, None)
+                now = time.monotonic()
+                due = [spec for spec, (at, _) in self._due.items() if at <= now]
+                if not due:
+                    wake = min((at for at, _ in self._due.values()), default=now + 1.0)
+                    self._lock.wait(timeout=max(wake - now, 0.01))
+                    continue
+            for spec in due:
+                if self._stop.is_set():
+                    return
+                self._try(spec)
+
+    def _try(self, spec: Dial) -> None:
+        wanted, dial = self._wanted(), self._dial()
+        if wanted is None or dial is None:
+            self._stop.set()
+            return
+        try:
+            if wanted(spec):
+                dial(spec)
+                logger.info("re-connected %s", spec.address)
+        except Exception as exc:
+            with self._lock:
+                backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
+                self._due[spec] = (time.monotonic() + backoff, backoff)
+            logger.info(
+                "re-dialling %s failed (next try in %.1f s): %s", spec.address, backoff, exc
+            )
+            return
+        finally:
+            del wanted, dial
+        with self._lock:
+            self._due.pop(spec, None)

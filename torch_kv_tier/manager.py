@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.connected_hosts import ConnectedHosts
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex, PeerSlots, SharedSlots, drain
@@ -70,10 +71,9 @@ logger = logging.getLogger(__name__)
 _LATENCY_WINDOW = 4096
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
-_REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 
 
-class TierManager(SharedHosts):
+class TierManager(SharedHosts, ConnectedHosts):
     """Keeps KV blocks under logical keys on remote peers and brings them back.
 
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
@@ -129,6 +129,7 @@ class TierManager(SharedHosts):
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
+        self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._ended = EndedSessions()
         self._redialer = Redialer(self._connect, self._wants_dial)
         self._blocks_stored = self._blocks_loaded = 0
@@ -205,15 +206,21 @@ class TierManager(SharedHosts):
         """
         with self._lock:
             self._check_open()
-            known = self._dials.pop(peer_id, None) is not None
+            dial = self._dials.pop(peer_id, None)
+            if dial is not None:  # its ended sessions are still to be released
+                self._removed[dial.address] = dial
             if peer_id not in self._peers:
-                if known:  # lost and being dialled again: that stops
+                if dial is not None:  # lost and being dialled again: that stops
+                    self._send_releases(dial.address)
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
             session, clean = self._drop_peer(peer_id)
         self._flush()
         if session is not None:
             self._close_session(session, clean)
+        if dial is not None:
+            with self._lock:
+                self._send_releases(dial.address)
 
     def connect(
         self,
@@ -415,25 +422,12 @@ class TierManager(SharedHosts):
             self._stopping = True
             self._cond.notify_all()
             self._report_usage(time.perf_counter())
-            ending = [
-                (p.session, p not in dirty, self._ended.take(p.session.address))
-                for p in self._peers.values()
-                if p.session is not None
-            ]
+            ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
-        # Disconnects run side by side and get what is left of the timeout (at least 0.1 s);
-        # a host that does not answer ends the session itself after its lease timeout.
-        closers = [
-            threading.Thread(target=_end_session, args=(s, clean, held), daemon=True)
-            for s, clean, held in ending
-        ]
-        for closer in closers:
-            closer.start()
-        for closer in closers:
-            closer.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._end_sessions(ending, deadline - time.monotonic())
         self.transport.close()
         with self._lock:  # the transport is gone: nothing lands in a cancelled load's blocks
             for op in cancelled:
@@ -765,25 +759,6 @@ class TierManager(SharedHosts):
         if session is not None:  # ending waits for the server: not under the lock
             threading.Thread(target=self._close_session, args=(session, clean), daemon=True).start()
 
-    def _close_session(self, session: Any, clean: bool) -> None:
-        """End a dropped peer's session (without the lock); dial the host again if it was lost
-        rather than removed."""
-        _end_session(session, clean, [])
-        with self._lock:
-            dial = None if self._closed else self._dials.get(session.peer_id)
-            if dial is not None and session.peer_id not in self._peers:
-                self._redialer.start(dial)
-
-    def _on_session_lost(self, peer_id: str) -> None:
-        """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
-        current session is alive (a newer one) stays."""
-        with self._lock:
-            peer = self._peers.get(peer_id)
-            if self._closed or peer is None or peer.session is None or not peer.session.lost:
-                return
-            self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
-        self._flush()
-
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""
         with self._lock:
@@ -791,143 +766,6 @@ class TierManager(SharedHosts):
                 return
             ready, self._ready = self._ready, []
         resolve(ready)
-
-    # -- connected hosts ----------------------------------------------------------------------
-
-    def _connect(self, dial: Dial) -> str:
-        """Open a session with ``dial``'s host (telling it the ended sessions it may release)
-        and register it; returns its peer id (without the lock)."""
-        from torch_kv_tier.remote.client import RemoteSession
-        from torch_kv_tier.remote.protocol import Region
-
-        with self._lock:
-            self._check_open()
-            release = self._ended.take(dial.address)
-        t = self.transport
-        try:
-            session = RemoteSession.open(
-                dial.address,
-                agent_metadata=t.get_agent_metadata(),
-                region=Region(t.base_addr, t.num_blocks, t.block_len, t.mem_type),
-                config_fingerprint=t.config_fingerprint,
-                token=dial.token,
-                slots=dial.slots,
-                on_lost=self._on_session_lost,
-                timeout_s=dial.timeout_s,
-                heartbeat_timeout_s=dial.heartbeat_timeout_s,
-                private=dial.private,
-                release=release,
-            )
-        except BaseException:
-            with self._lock:  # the server may not have heard them: tell it next time
-                self._ended.resolved.setdefault(dial.address, []).extend(release)
-            raise
-        peer_id = session.peer_id
-        with self._lock:
-            known = peer_id in self._peers
-        if known:
-            session.close(clean=True)
-            return peer_id
-        try:
-            if session.shared:
-                self._join_shared(session, dial.timeout_s)
-            else:
-                self._add_private(
-                    peer_id,
-                    session.agent_metadata,
-                    session.base_addr,
-                    session.num_blocks,
-                    session.block_len,
-                    session.lease,
-                    session,
-                )
-        except BaseException:
-            session.close(clean=True)
-            raise
-        with self._lock:
-            self._dials[peer_id] = dial
-        if session.lost is not None:  # lost before it was published: nobody dropped it
-            self._on_session_lost(peer_id)
-        return peer_id
-
-    def _wants_dial(self, dial: Dial) -> bool:
-        """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
-        with self._lock:
-            return not self._closed and any(
-                d is dial and pid not in self._peers for pid, d in self._dials.items()
-            )
-
-    def _send_releases(self, address: str) -> None:
-        """Tell ``address``'s host, over its live session, which ended sessions resolved; with
-        none live, the next handshake tells it."""
-        session = next(
-            (
-                p.session
-                for p in self._peers.values()
-                if p.session is not None and p.session.address == address
-            ),
-            None,
-        )
-        if session is None:
-            return
-        held = self._ended.take(address)
-        try:
-            session.release(held)
-        except ConnectionError:
-            self._ended.resolved.setdefault(address, []).extend(held)
-
-    def _register(
-        self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
-    ) -> None:
-        """Register a peer's region with the transport, without the lock (seconds for a big
-        region: lookups and transfers go on meanwhile)."""
-        self.transport.add_remote_peer_async(
-            peer_id, agent_metadata, base_addr, num_blocks, block_len
-        ).result(timeout=_REGISTER_TIMEOUT_S)
-
-    def _add_private(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        base_addr: int,
-        num_blocks: int,
-        block_len: int,
-        slots: range | None,
-        session: Any,
-    ) -> None:
-        slots = range(num_blocks) if slots is None else slots
-        if block_len != self.transport.block_len:
-            raise ValueError(
-                f"peer block_len {block_len} != local block_len {self.transport.block_len}"
-            )
-        if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
-            raise ValueError(
-                f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
-            )
-        old = None
-        with self._lock:
-            self._check_open()
-            if peer_id in self._peers:
-                old = self._drop_peer(peer_id)
-        self._flush()
-        if old is not None and old[0] is not None:
-            _end_session(*old, [])
-        self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
-        with self._lock:
-            self._check_open()
-            peer = self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
-            peer.session = session
-
-
-def _end_session(session: Any, clean: bool, held: list[str]) -> None:
-    """Tell a host which ended sessions resolved, then end ``session`` (clean: no write of it
-    in flight). Never raises: a host that does not answer ends the session itself."""
-    if held:
-        try:
-            session.release(held)
-        except ConnectionError:
-            logger.info("%s: could not release %d ended sessions", session.peer_id, len(held))
-    session.close(clean=clean)
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

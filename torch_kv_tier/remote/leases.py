@@ -123,7 +123,7 @@ class LeaseTable:
         self.max_lease = cap
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
-        self.held: dict[str, range] = {}  # ended session -> the lease it may still write
+        self.held: dict[str, tuple[range, float]] = {}  # ended session -> (its lease, since)
         self.reclaimed = 0  # leases taken back after a missed heartbeat deadline
         self.retired_bytes_written = 0  # reported by sessions that have ended
         self.retired_bytes_read = 0
@@ -161,12 +161,12 @@ class LeaseTable:
             session.last_seen = now
         return session
 
-    def close(self, session_id: str, *, clean: bool) -> Session | None:
+    def close(self, session_id: str, now: float, *, clean: bool) -> Session | None:
         """End a session; its lease is free at once when ``clean`` (no write in flight), else
         held. ``None`` if it was unknown."""
         session = self.sessions.pop(session_id, None)
         if session is not None:
-            self._retire(session, clean=clean)
+            self._retire(session, now, clean=clean)
         return session
 
     def expire(self, now: float) -> list[Session]:
@@ -175,7 +175,7 @@ class LeaseTable:
         late = [s for s in self.sessions.values() if now - s.last_seen > self.lease_timeout_s]
         for session in late:
             del self.sessions[session.session_id]
-            self._retire(session, clean=False)
+            self._retire(session, now, clean=False)
         self.reclaimed += len(late)
         return late
 
@@ -184,11 +184,15 @@ class LeaseTable:
         back to the pool (unknown ids are ignored). Returns the number of slots freed."""
         freed = 0
         for sid in session_ids:
-            lease = self.held.pop(sid, None)
-            if lease is not None:
-                self.pool.give_back(lease)
-                freed += len(lease)
+            held = self.held.pop(sid, None)
+            if held is not None:
+                self.pool.give_back(held[0])
+                freed += len(held[0])
         return freed
+
+    def held_since(self, before: float) -> list[str]:
+        """Ended sessions held since before ``before`` (for an operator's hold timeout)."""
+        return [sid for sid, (_, since) in self.held.items() if since < before]
 
     @property
     def leased(self) -> int:
@@ -197,13 +201,13 @@ class LeaseTable:
 
     @property
     def held_blocks(self) -> int:
-        return sum(map(len, self.held.values()))
+        return sum(len(lease) for lease, _ in self.held.values())
 
-    def _retire(self, session: Session, *, clean: bool) -> None:
+    def _retire(self, session: Session, now: float, *, clean: bool) -> None:
         if session.lease:
             if clean:
                 self.pool.give_back(session.lease)
             else:
-                self.held[session.session_id] = session.lease
+                self.held[session.session_id] = (session.lease, now)
         self.retired_bytes_written += session.bytes_written
         self.retired_bytes_read += session.bytes_read

@@ -195,9 +195,10 @@ class Server:
 
     def _end(self, session: Session, *, clean: bool, why: str) -> None:
         """End ``session``: free its slots (``clean``) or hold them (caller holds the lock)."""
-        self._leases.close(session.session_id, clean=clean)
+        now = time.monotonic()
+        self._leases.close(session.session_id, now, clean=clean)
         if session.shared:
-            self._shared.leave(session, clean=clean)
+            self._shared.leave(session, now, clean=clean)
         logger.log(
             logging.INFO if clean else logging.WARNING,
             "session %s (%s): %s; %s",
@@ -209,9 +210,21 @@ class Server:
 
     def _expire(self, now: float) -> None:
         with self._lock:
+            hold = self.config.hold_timeout_s
+            if hold is not None:
+                late = self._leases.held_since(now - hold)
+                late += self._shared.cache.held_since(now - hold)
+                if late:
+                    logger.warning(
+                        "%d ended sessions never released their slots in %.0f s "
+                        "(--hold-timeout): their slots go back to the pool",
+                        len(late),
+                        hold,
+                    )
+                    self._release(late)
             for session in self._leases.expire(now):
                 if session.shared:
-                    self._shared.leave(session, clean=False)
+                    self._shared.leave(session, now, clean=False)
                 logger.warning(
                     "session %s (%s): no heartbeat for %.1f s; lease %s and grants held until "
                     "its client releases them",

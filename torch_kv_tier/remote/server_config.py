@@ -36,6 +36,7 @@ class ServerConfig:
     namespace_quota: int | None = None
     max_grant: int | None = None
     max_sessions: int = 1024
+    hold_timeout_s: float | None = None  # held slots go back after this; None: when released
     host_id: str | None = None  # default: the address the server listens on
 
     def __post_init__(self) -> None:
@@ -54,6 +55,8 @@ class ServerConfig:
             )
         if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
             raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
+        if self.hold_timeout_s is not None and self.hold_timeout_s <= 0:
+            raise ValueError(f"--hold-timeout must be > 0 seconds, got {self.hold_timeout_s}")
         if self.max_sessions <= 0:
             raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
         if self.host_id is not None and not 0 < len(self.host_id) <= 128:
@@ -83,6 +86,7 @@ class ServerConfig:
             namespace_quota=args.namespace_quota,
             max_grant=args.max_grant,
             max_sessions=args.max_sessions,
+            hold_timeout_s=args.hold_timeout,
             host_id=args.host_id,
         )
 
@@ -179,6 +183,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="most free slots one shared client may hold for its next writes (default: "
         "a sixteenth of the pool, at most 4096)",
+    )
+    parser.add_argument(
+        "--hold-timeout",
+        type=float,
+        help="seconds after which slots held for an ended session go back to the pool even if "
+        "its client never released them (default: never). Loads still verify their bytes, so "
+        "a late write costs a miss, not wrong bytes; only private tiers built with "
+        "verify=False then rely on the writer having stopped by that time",
     )
     parser.add_argument(
         "--max-sessions",

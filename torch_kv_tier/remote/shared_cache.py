@@ -90,7 +90,7 @@ class SharedCache:
         self._digests = [0] * pool.num_blocks  # slot -> digest of the key stored there
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
         self._grants: dict[str, tuple[Namespace, set[int]]] = {}  # session -> its granted slots
-        self._held: dict[str, list[int]] = {}  # ended session -> slots it may still write
+        self._held: dict[str, tuple[list[int], float]] = {}  # ended session -> (slots, since)
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class SharedCache:
         ns.sessions += 1
         self._grants[session_id] = (ns, set())
 
-    def leave(self, session_id: str, *, clean: bool) -> None:
+    def leave(self, session_id: str, now: float, *, clean: bool) -> None:
         """A session ended: its uncommitted grants are free again at once after a ``clean``
         disconnect (its client has no write in flight), else held until ``release``. A
         namespace with no session and no key left is forgotten."""
@@ -116,7 +116,7 @@ class SharedCache:
             if clean:
                 self._free.extend(granted)
             else:
-                self._held[session_id] = sorted(granted)
+                self._held[session_id] = (sorted(granted), now)
         if not ns.sessions and not ns.entries and not ns.granted:
             del self.namespaces[ns.name]
 
@@ -126,11 +126,15 @@ class SharedCache:
         number of slots freed."""
         freed = 0
         for sid in session_ids:
-            slots = self._held.pop(sid, None)
-            if slots:
-                self._free.extend(slots)
-                freed += len(slots)
+            held = self._held.pop(sid, None)
+            if held is not None:
+                self._free.extend(held[0])
+                freed += len(held[0])
         return freed
+
+    def held_since(self, before: float) -> list[str]:
+        """Ended sessions held since before ``before`` (for an operator's hold timeout)."""
+        return [sid for sid, (_, since) in self._held.items() if since < before]
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -240,7 +244,7 @@ class SharedCache:
 
     @property
     def held(self) -> int:
-        return sum(map(len, self._held.values()))
+        return sum(len(slots) for slots, _ in self._held.values())
 
     @property
     def held_sessions(self) -> int:

@@ -33,9 +33,9 @@ class SharedService:
     def join(self, session: Session) -> None:
         self.cache.join(session.session_id, session.namespace)
 
-    def leave(self, session: Session, *, clean: bool) -> None:
+    def leave(self, session: Session, now: float, *, clean: bool) -> None:
         self._snapshots.pop(session.session_id, None)
-        self.cache.leave(session.session_id, clean=clean)
+        self.cache.leave(session.session_id, now, clean=clean)
 
     def event_seq(self, session: Session) -> int:
         """The last event batch pushed to ``session``'s namespace."""

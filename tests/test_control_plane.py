@@ -1,0 +1,150 @@
+"""The control plane never hangs, never goes silently stale, and no single call takes a host
+away: duplicate stores while waiting for slots, keys the wire cannot carry, a reset control
+connection, a refused grant, and a peer dropped while a store polls it (issue 18, items 1-5)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import Future
+
+import psutil
+import pytest
+import torch
+from remote_support import BLOCK_LEN, fill_random, wait_for
+from test_index import LateWriteTransport
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import protocol as p
+
+RESULT_TIMEOUT_S = 20.0
+
+
+def test_a_duplicate_store_waiting_for_slots_joins_the_first_and_a_discard_unpublishes_it() -> None:
+    with (
+        ServerProcess.start(256, BLOCK_LEN, extra_args=["--max-grant", "4"]) as server,
+        TierManager.create(64, BLOCK_LEN, name="dup", grant_batch=4) as tier,
+    ):
+        tier.connect(server.address)
+        fill_random(tier)
+        burst = [
+            tier.store([f"k{i}-{j}" for j in range(8)], range(8 * i, 8 * i + 8)) for i in range(4)
+        ]
+        first = tier.store([b"dup"], [40])  # waits for a grant: the burst took every slot
+        second = tier.store([b"dup"], [41])
+        gone = tier.store([b"gone"], [42])
+        tier.discard([b"gone"])
+        for future in [*burst, first, second, gone]:
+            assert future.result(timeout=RESULT_TIMEOUT_S).ok
+        assert tier.lookup([b"dup"]) == 1 and tier.lookup([b"gone"]) == 0
+        assert tier.stats().blocks_stored == 4 * 8 + 2  # the duplicate sent nothing
+        tier.arena.tensor[50].zero_()
+        assert tier.load([b"dup"], [50]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(tier.arena.tensor[50], tier.arena.tensor[40])
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_key_the_wire_cannot_carry_is_refused_at_the_call_and_the_host_stays(
+    private: bool,
+) -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(32, BLOCK_LEN, name="badkey") as tier,
+    ):
+        tier.connect(server.address, private=private, slots=32 if private else None)
+        keys = [f"k{i}" for i in range(8)]
+        assert tier.store(keys, range(8)).result(timeout=RESULT_TIMEOUT_S).ok
+        for bad, limit in (
+            (1 << 64, "64 bits"),
+            (-(1 << 63) - 1, "64 bits"),
+            (b"x" * 100_000, f"at most {MAX_KEY_BYTES} bytes"),
+            ("é" * 33, f"at most {MAX_KEY_BYTES} bytes"),
+        ):
+            for call in (tier.store, tier.load):
+                with pytest.raises(ValueError, match=limit):
+                    call([bad], [9])
+        with pytest.raises(ValueError, match=f"at most {MAX_KEYS_PER_CALL}"):
+            tier.store(list(range(MAX_KEYS_PER_CALL + 1)), [0] * (MAX_KEYS_PER_CALL + 1))
+        assert (
+            tier.store([(1 << 64) - 1, -(1 << 63), b"y" * MAX_KEY_BYTES], [9, 10, 11])
+            .result(timeout=RESULT_TIMEOUT_S)
+            .ok
+        )  # the limits themselves are fine
+        assert tier.lookup(keys) == 8 and len(tier.peers()) == 1
+        assert tier.store(["after"], [12]).result(timeout=RESULT_TIMEOUT_S).ok
+
+
+def _control_ports(server: ServerProcess) -> set[int]:
+    port = int(server.address.rsplit(":", 1)[1])
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
+def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_again() -> None:
+    with (
+        ServerProcess.start(256, BLOCK_LEN) as server,
+        TierManager.create(64, BLOCK_LEN, name="a") as a,
+        TierManager.create(64, BLOCK_LEN, name="b") as b,
+    ):
+        b.connect(server.address)
+        b_ports = _control_ports(server)
+        peer = a.connect(server.address)
+        fill_random(a)
+        before = [f"before-{i}" for i in range(8)]
+        assert a.store(before, range(8)).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: b.lookup(before) == 8, 5.0)
+        for port in b_ports:  # as a NAT or a load balancer does: ZeroMQ reconnects silently
+            subprocess.run(
+                ["ss", "-K", "src", f"127.0.0.1:{port}"], check=True, capture_output=True
+            )
+        after = [f"after-{i}" for i in range(8)]
+        assert a.store(after, range(8, 16)).result(timeout=RESULT_TIMEOUT_S).ok
+        # b dropped the host at once (its session's frames may be gone) and dialled it again:
+        # it sees what a stored after the reset, through a new session's snapshot
+        assert wait_for(lambda: b.lookup(after) == 8 and b.lookup(before) == 8, 15.0), (
+            "b stayed stale after its control connection was reset"
+        )
+        assert b.peers() == [peer]
+        loaded = b.load(after, range(8)).result(timeout=RESULT_TIMEOUT_S)
+        assert loaded.ok and torch.equal(b.arena.tensor[:8], a.arena.tensor[8:16])
+
+
+def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
+    """Regression: an ``Error`` answer (a frozen client that came back after its session
+    expired) raised ``'Error' object has no attribute 'slots'`` in the grant callback."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "2"]) as server,
+        TierManager.create(16, BLOCK_LEN, name="refused", grant_batch=2) as tier,
+    ):
+        tier.connect(server.address)
+        (peer,) = tier._peers.values()
+        refused: Future[p.ServerMessage] = Future()
+        refused.set_result(p.Error(0, p.UNKNOWN_SESSION))
+        peer.slots.refilling = True  # type: ignore[union-attr]  # as when the request went out
+        tier._on_granted(peer, peer.slots.commits, refused)  # type: ignore[union-attr]
+        keys = [f"k{i}" for i in range(6)]  # more than one grant: the next grants still come
+        assert tier.store(keys, range(6)).result(timeout=RESULT_TIMEOUT_S).ok
+
+
+def test_a_peer_dropped_while_a_store_polls_it_fails_its_keys_not_the_call() -> None:
+    """Regression: ``store`` looked the peers it submitted to up again after polling them, and
+    raised ``KeyError(peer_id)`` when the poll had dropped one (seen as ``KeyError('r1')``)."""
+    LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    LateWriteTransport.remotes[b"r1"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    arena = BlockArena(16, BLOCK_LEN)
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport) as tier:
+        tier.add_peer("r0", b"r0", 0, 8, BLOCK_LEN)
+        tier.add_peer("r1", b"r1", 0, 8, BLOCK_LEN)
+        transport.fault("r1", "SIGKILLed")  # the store's own poll of r1 drops it
+        keys = [f"k{i}" for i in range(8)]
+        result = tier.store(keys, range(8)).result(timeout=RESULT_TIMEOUT_S)  # no KeyError
+        assert set(result.failed.values()) <= {"peer lost", "transfer failed"}
+        assert tier.peers() == ["r0"]

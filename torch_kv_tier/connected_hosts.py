@@ -1,0 +1,256 @@
+"""The tier's half of the ``torch-kv-tier serve`` control plane: sessions with connected hosts,
+dialling a lost host again, and releasing ended sessions (see ``connections``).
+
+``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``): the
+manager's ``connect`` opens a session here (``_connect``), a private lease registers through
+``_add_private`` and a shared pool through ``SharedHosts._join_shared``; a session that is lost
+drops its peer (``_on_session_lost``) and, once ended, is dialled again (``_close_session``);
+``close`` ends every session (``_end_sessions``).
+
+Fencing, client half: a session that ended with writes in flight, or without a clean
+disconnect, is held by its host until this tier names it as *resolved*, i.e. once the transport
+reported its last write. The names go to the host with the next handshake (a redial), with a
+``Release`` on a live session of that host, or, when the tier has no session with it any more
+(removed, or closing), with a short session of its own opened only to carry them.
+
+Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes and NIXL
+registrations never run under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.records import Peer
+from torch_kv_tier.transport.base import DataTransport
+
+logger = logging.getLogger(__name__)
+
+_REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
+
+
+class ConnectedHosts:
+    """Connected-host behaviour of ``TierManager`` (module docstring)."""
+
+    # The manager's state this part uses (set by ``TierManager.__init__``).
+    transport: DataTransport
+    _lock: threading.Lock
+    _closed: bool
+    _index: BlockIndex
+    _peers: dict[str, Peer]
+    _dials: dict[str, Dial]
+    _removed: dict[str, Dial]
+    _ended: EndedSessions
+    _redialer: Redialer
+
+    if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
+
+        def _check_open(self) -> None: ...
+        def _drop_peer(self, peer_id: str) -> tuple[Any, bool]: ...
+        def _lose_peer(self, peer_id: str, why: str) -> None: ...
+        def _flush(self) -> None: ...
+        def _join_shared(self, session: Any, timeout_s: float) -> None: ...
+
+    def _connect(self, dial: Dial) -> str:
+        """Open a session with ``dial``'s host (telling it the ended sessions it may release)
+        and register it; returns its peer id (unlocked)."""
+        with self._lock:
+            self._check_open()
+            release = self._ended.take(dial.address)
+        session = self._open(dial, release, private=dial.private)
+        peer_id = session.peer_id
+        with self._lock:
+            known = peer_id in self._peers
+        if known:
+            session.close(clean=True)
+            return str(peer_id)
+        try:
+            if session.shared:
+                self._join_shared(session, dial.timeout_s)
+            else:
+                self._add_private(
+                    peer_id,
+                    session.agent_metadata,
+                    session.base_addr,
+                    session.num_blocks,
+                    session.block_len,
+                    session.lease,
+                    session,
+                )
+        except BaseException:
+            session.close(clean=True)
+            raise
+        with self._lock:
+            self._dials[peer_id] = dial
+        if session.lost is not None:  # lost before it was published: nobody dropped it
+            self._on_session_lost(peer_id)
+        return str(peer_id)
+
+    def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any:
+        """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told
+        again when nothing answered."""
+        from torch_kv_tier.remote.client import RemoteSession
+        from torch_kv_tier.remote.protocol import Region
+
+        t = self.transport
+        try:
+            return RemoteSession.open(
+                dial.address,
+                agent_metadata=t.get_agent_metadata(),
+                region=Region(t.base_addr, t.num_blocks, t.block_len, t.mem_type),
+                config_fingerprint=t.config_fingerprint,
+                token=dial.token,
+                slots=dial.slots if private else None,
+                on_lost=self._on_session_lost,
+                timeout_s=dial.timeout_s,
+                heartbeat_timeout_s=dial.heartbeat_timeout_s,
+                private=private,
+                release=release,
+            )
+        except BaseException:
+            with self._lock:  # the host may not have heard them: tell it next time
+                self._ended.resolved.setdefault(dial.address, []).extend(release)
+            raise
+
+    def _wants_dial(self, dial: Dial) -> bool:
+        """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
+        with self._lock:
+            return not self._closed and any(
+                d is dial and pid not in self._peers for pid, d in self._dials.items()
+            )
+
+    def _send_releases(self, address: str) -> None:
+        """Tell ``address``'s host which ended sessions resolved: over its live session, else
+        with the redial's handshake, else (nobody dials it any more) over a session of their
+        own."""
+        session = next(
+            (p.session for p in self._peers.values() if p.session and p.session.address == address),
+            None,
+        )
+        if session is None:
+            dial = next((d for d in self._dials.values() if d.address == address), None)
+            if dial is None and not self._closed:
+                dial = self._removed.get(address)
+                held = self._ended.take(address)
+                if dial is not None and held:
+                    threading.Thread(
+                        target=self._release_over_own_session, args=(dial, held), daemon=True
+                    ).start()
+            return
+        held = self._ended.take(address)
+        try:
+            session.release(held)
+        except ConnectionError:
+            self._ended.resolved.setdefault(address, []).extend(held)
+
+    def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
+        """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
+        raises: a host that does not answer keeps holding, which is safe)."""
+        try:
+            self._open(dial, held, private=False).close(clean=True)
+        except Exception as exc:
+            logger.warning(
+                "could not tell %s that %d ended sessions resolved (it keeps their slots held): %s",
+                dial.address,
+                len(held),
+                exc,
+            )
+
+    def _register(
+        self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
+    ) -> None:
+        """Register a peer's region with the transport (unlocked: seconds for a big region,
+        while lookups and transfers go on)."""
+        self.transport.add_remote_peer_async(
+            peer_id, agent_metadata, base_addr, num_blocks, block_len
+        ).result(timeout=_REGISTER_TIMEOUT_S)
+
+    def _add_private(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+        slots: range | None,
+        session: Any,
+    ) -> None:
+        """Register a tier-owned region (``add_peer``, or a private lease's) (unlocked)."""
+        slots = range(num_blocks) if slots is None else slots
+        if block_len != self.transport.block_len:
+            raise ValueError(
+                f"peer block_len {block_len} != local block_len {self.transport.block_len}"
+            )
+        if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
+            raise ValueError(
+                f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
+            )
+        old = None
+        with self._lock:
+            self._check_open()
+            if peer_id in self._peers:
+                old = self._drop_peer(peer_id)
+        self._flush()
+        if old is not None and old[0] is not None:
+            end_session(old[0], old[1], [])
+        self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
+        with self._lock:
+            self._check_open()
+            peer = self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
+            peer.session = session
+
+    def _close_session(self, session: Any, clean: bool) -> None:
+        """End a dropped peer's session (unlocked); dial the host again if it was lost rather
+        than removed."""
+        end_session(session, clean, [])
+        with self._lock:
+            dial = None if self._closed else self._dials.get(session.peer_id)
+            if dial is not None and session.peer_id not in self._peers:
+                self._redialer.start(dial)
+
+    def _on_session_lost(self, peer_id: str) -> None:
+        """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
+        current session is alive (a newer one) stays."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if self._closed or peer is None or peer.session is None or not peer.session.lost:
+                return
+            self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
+        self._flush()
+
+    def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
+        """``close``'s last word to every host (unlocked): each live session carries the
+        resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
+        in flight); a host with resolved sessions and no live one gets a session of its own.
+        Side by side, within ``timeout_s`` (at least 0.1 s); a host that does not answer ends
+        the session itself after its lease timeout."""
+        with self._lock:
+            work: list[tuple[Any, tuple[Any, ...]]] = [
+                (end_session, (s, clean, self._ended.take(s.address))) for s, clean in ending
+            ]
+            for address in list(self._ended.resolved):
+                dial = self._removed.get(address) or next(
+                    (d for d in self._dials.values() if d.address == address), None
+                )
+                if dial is not None:
+                    work.append((self._release_over_own_session, (dial, self._ended.take(address))))
+        threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in work]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(timeout_s, 0.1))
+
+
+def end_session(session: Any, clean: bool, held: list[str]) -> None:
+    """Tell a host which ended sessions resolved, then end ``session`` (clean: no write of it
+    in flight). Never raises: a host that does not answer ends the session itself."""
+    if held:
+        try:
+            session.release(held)
+        except ConnectionError:
+            logger.info("%s: could not release %d ended sessions", session.peer_id, len(held))
+    session.close(clean=clean)
