@@ -116,6 +116,17 @@ class ConnectedHosts:
                 self._ended.resolved.setdefault(dial.address, []).extend(release)
             raise
 
+    def _redial(self, dial: Dial) -> None:
+        """The redialer's ``dial`` (unlocked): connect a lost host again, unless the user
+        removed it meanwhile (then the new session ends at once)."""
+        peer_id = self._connect(dial)
+        with self._lock:
+            removed = self._removed.get(dial.address) is dial
+            if removed:
+                self._dials.pop(peer_id, None)
+        if removed:
+            self.remove_peer(peer_id)
+
     def _wants_dial(self, dial: Dial) -> bool:
         """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
         with self._lock:

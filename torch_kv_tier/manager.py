@@ -131,7 +131,7 @@ class TierManager(SharedHosts, ConnectedHosts):
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._ended = EndedSessions()
-        self._redialer = Redialer(self._connect, self._wants_dial)
+        self._redialer = Redialer(self._redial, self._wants_dial)
         self._blocks_stored = self._blocks_loaded = 0
         self._transfers_done = self._transfers_failed = 0
         self._verify_failed = 0

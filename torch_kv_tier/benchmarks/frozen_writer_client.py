@@ -80,14 +80,14 @@ def run(args: argparse.Namespace) -> None:
     ) as tier:
         tier.arena.tensor.fill_(FILL)
         if args.private:
-            tier.connect(
+            peer = tier.connect(
                 args.address,
                 private=True,
                 slots=args.num_blocks,
                 heartbeat_timeout_s=args.heartbeat_timeout,
             )
         else:
-            tier.connect(args.address, heartbeat_timeout_s=args.heartbeat_timeout)
+            peer = tier.connect(args.address, heartbeat_timeout_s=args.heartbeat_timeout)
         warm = tier.store(["a-warm"], [0]).result(timeout=RESULT_TIMEOUT_S)
         if not warm.ok:
             raise RuntimeError(f"warm-up store failed: {warm.failed}")
@@ -109,8 +109,7 @@ def run(args: argparse.Namespace) -> None:
         while tier.stats().inflight and time.monotonic() < quiet_by:
             time.sleep(0.01)
         inflight = tier.stats().inflight
-        for peer in tier.peers():
-            tier.disconnect(peer)
+        tier.disconnect(peer)  # also when the host was dropped and is being dialled again
         _emit(
             "settled",
             first=dict(first_reasons),
