@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
+import time
 from concurrent.futures import Future
+from typing import Any
 
 import psutil
 import pytest
@@ -15,10 +18,11 @@ from remote_support import BLOCK_LEN, fill_random, wait_for
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL
+from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.replica import IndexFollower
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -148,3 +152,89 @@ def test_a_peer_dropped_while_a_store_polls_it_fails_its_keys_not_the_call() -> 
         result = tier.store(keys, range(8)).result(timeout=RESULT_TIMEOUT_S)  # no KeyError
         assert set(result.failed.values()) <= {"peer lost", "transfer failed"}
         assert tier.peers() == ["r0"]
+
+
+def test_tiers_agree_on_homes_whatever_order_they_connect_and_across_a_reconnect() -> None:
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as h1,
+        ServerProcess.start(64, BLOCK_LEN) as h2,
+        TierManager.create(8, BLOCK_LEN, name="a") as a,
+        TierManager.create(8, BLOCK_LEN, name="b") as b,
+    ):
+        a.connect(h1.address)
+        a.connect(h2.address)
+        b.connect(h2.address)
+        first = b.connect(h1.address)
+        assert sorted(a.peers()) == sorted(b.peers()) == sorted([h1.address, h2.address])
+        keys = [f"k{i}" for i in range(200)]
+        homes = {k: home_peer(k, a.peers()) for k in keys}
+        b.disconnect(first)
+        assert b.connect(h1.address) == first  # the host's id, not the session's
+        assert {k: home_peer(k, b.peers()) for k in keys} == homes
+
+
+def test_a_slow_registration_does_not_hold_up_lookups() -> None:
+    """NIXL registers one descriptor per remote block (seconds for a big pool): that runs
+    outside the tier's lock, so a scheduler's ``lookup`` answers meanwhile."""
+
+    class SlowRegistration(LateWriteTransport):
+        def add_remote_peer_async(self, *args: Any, **kwargs: Any) -> Future[None]:
+            future: Future[None] = Future()
+
+            def register() -> None:
+                time.sleep(1.0)
+                self.add_remote_peer(*args)
+                future.set_result(None)
+
+            threading.Thread(target=register, daemon=True).start()
+            return future
+
+    LateWriteTransport.remotes[b"slow"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK_LEN)
+    with TierManager(arena, SlowRegistration(arena.tensor)) as tier:
+        adding = threading.Thread(target=tier.add_peer, args=("p", b"slow", 0, 8, BLOCK_LEN))
+        adding.start()
+        time.sleep(0.1)
+        started = time.monotonic()
+        assert tier.lookup(["x"]) == 0 and tier.peers() == []
+        assert time.monotonic() - started < 0.5
+        adding.join(timeout=10)
+        assert tier.peers() == ["p"]
+
+
+def test_an_index_snapshot_superseded_by_a_resync_is_ignored() -> None:
+    """Two snapshot chains at once gave duplicate pages and an ``event_seq`` that moved back."""
+    requests: list[tuple[int, Any]] = []
+    changes: list[tuple[list[Any], bool]] = []
+    follower = IndexFollower(
+        lambda cursor, on_page: requests.append((cursor, on_page)),
+        lambda stored, slots, digests, evicted, reset: changes.append((stored, reset)),
+    )
+    follower.start()
+    follower.start()  # a resync before the first snapshot's page came
+    (_, old), (_, new) = requests
+
+    def page(keys: list[Any], event_seq: int) -> Future[p.ServerMessage]:
+        future: Future[p.ServerMessage] = Future()
+        future.set_result(p.SnapshotPage(0, keys, [0] * len(keys), [0] * len(keys), event_seq, -1))
+        return future
+
+    new(page([b"new"], 7))
+    old(page([b"old"], 3))  # the superseded chain's page arrives late: ignored
+    assert changes == [([b"new"], True)] and follower.event_seq == 7
+    follower.check(9)  # the host pushed batches 8 and 9 ...
+    follower.check(9)  # ... and they never came: a new snapshot
+    assert follower.syncing and len(requests) == 3
+
+
+def test_a_fingerprint_longer_than_any_config_is_rejected() -> None:
+    with (
+        ServerProcess.start(8, BLOCK_LEN) as server,
+        pytest.raises(HandshakeRejected, match="fingerprint longer"),
+    ):
+        RemoteSession.open(
+            server.address,
+            agent_metadata=b"x",
+            region=Region(4096, 8, BLOCK_LEN),
+            config_fingerprint="f" * (p.MAX_FINGERPRINT + 1),
+        )
