@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from remote_support import BLOCK_LEN, fill_random, wait_for
+from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
@@ -238,3 +238,17 @@ def test_a_fingerprint_longer_than_any_config_is_rejected() -> None:
             region=Region(4096, 8, BLOCK_LEN),
             config_fingerprint="f" * (p.MAX_FINGERPRINT + 1),
         )
+
+
+def test_a_release_of_a_session_the_host_still_counts_live_ends_it_clean() -> None:
+    """Regression (found by the shared stress with host freezes): a tier gave up its session
+    while the host was frozen, and its redial released that session before the host had ended
+    it; the release was ignored, the session then expired, and its slots stayed held forever."""
+    with ServerProcess.start(32, BLOCK_LEN) as server:
+        old = fake_session(server.address, slots=16)
+        new = fake_session(server.address, slots=8, release=[old.session_id])
+        stats = new.stats()
+        assert stats["held_blocks"] == 0 and stats["leased_blocks"] == 8
+        assert wait_for(lambda: old.lost is not None, 10.0)  # the host no longer knows it
+        old.close()
+        new.close()

@@ -378,9 +378,15 @@ class Server:
         return p.HeartbeatAck(hb.seq, self._shared.event_seq(session) if session.shared else -1)
 
     def _release(self, session_ids: list[str]) -> None:
-        """Earlier sessions whose client reported every write resolved: free what they held."""
+        """Earlier sessions whose client reported every write resolved: free what they held.
+        A session this server still counts live (its client gave it up while this server was
+        frozen or slow, before it expired here) ends now, clean: nothing of it is in flight."""
         if not session_ids:
             return
+        for sid in session_ids:
+            session = self._leases.sessions.get(sid)
+            if session is not None:
+                self._end(session, clean=True, why="released by its client, which moved on")
         freed = self._leases.release(session_ids) + self._shared.cache.release(session_ids)
         if freed:
             logger.info("released %d held slots of %d ended sessions", freed, len(session_ids))
