@@ -1,0 +1,364 @@
+"""The transfer half of ``TierManager``: submitting ops, draining what the transport reports,
+applying finished stores and loads to the index, and dropping peers that failed.
+
+``Transfers`` is a part of ``TierManager`` (its base class, beside ``SharedHosts`` and
+``ConnectedHosts``), kept in its own file because it is one concept: the life of a transfer,
+from ``_launch`` (submit, or queue behind ``max_inflight``) through ``_complete`` (the
+transport's report) to ``_finish_store``/``_finish_load`` (one per operation: publish or
+release slots; unpin and verify digests) and ``_settle`` (the requests' keys). A peer that
+fails is dropped by ``_drop_peer``: its stores settle at once, its loads when the transport
+reports them (their blocks may still be written until then), and its writes in flight keep
+their slots fenced and its session unclean.
+
+Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
+which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
+call back into the manager).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from torch_kv_tier.connections import EndedSessions
+from torch_kv_tier.digest import BlockDigests
+from torch_kv_tier.index import BlockIndex, PeerSlots, SharedSlots, drain
+from torch_kv_tier.keys import Key
+from torch_kv_tier.records import Op, Peer, Request, resolve
+from torch_kv_tier.results import MISSING, PEER_LOST, TRANSFER_FAILED
+from torch_kv_tier.transport.base import DataTransport, PollResult
+
+logger = logging.getLogger(__name__)
+
+_SPIN_S = 0.002  # how long the poller polls back to back after activity
+_USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
+
+
+class Transfers:
+    """Transfer lifecycle of ``TierManager`` (module docstring)."""
+
+    # The manager's state this part uses (set by ``TierManager.__init__``).
+    transport: DataTransport
+    verify: bool
+    max_inflight: int
+    _lock: threading.Lock
+    _cond: threading.Condition
+    _closed: bool
+    _stopping: bool
+    _poller_idle: bool
+    _index: BlockIndex
+    _digests: BlockDigests
+    _peers: dict[str, Peer]
+    _storing: dict[Key, Op]
+    _ops: dict[int, Op]
+    _ready: list[Request]
+    _ended: EndedSessions
+    _block_len: int
+    _max_poll_interval_s: float
+    _latencies_us: deque[float]
+    _usage_due: float
+    _blocks_stored: int
+    _blocks_loaded: int
+    _transfers_done: int
+    _transfers_failed: int
+    _verify_failed: int
+
+    if TYPE_CHECKING:  # implemented by SharedHosts and ConnectedHosts
+
+        def _publish(
+            self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]
+        ) -> None: ...
+        def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None: ...
+        def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
+        def _send_releases(self, address: str) -> None: ...
+        def _close_session(self, session: Any, clean: bool) -> None: ...
+
+    # -- background thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Drain ``transport.poll()`` while transfers are in flight; sleep on ``_cond`` when idle.
+
+        Polling is what progresses an initiator's transfers (UCX moves a large transfer in
+        fragments, each needing a progress call), so for ``_SPIN_S`` after waking up or after
+        its last completion the thread polls back to back, yielding the GIL between polls.
+        After that it sleeps 50 us, doubling up to ``max_poll_interval_s``.
+        """
+        delay = 0.0
+        last_activity = time.perf_counter()
+        while True:
+            with self._cond:
+                if not self._ops:
+                    delay, last_activity = 0.0, time.perf_counter()
+                while not self._ops and not self._stopping:
+                    self._poller_idle = True
+                    if not self._cond.wait(timeout=1.0):  # idle: report the last bytes moved
+                        self._report_usage(time.perf_counter())
+                self._poller_idle = False
+                if self._stopping:
+                    return
+            try:
+                result = self.transport.poll()
+                faults = self.transport.faulted_peers()
+            except Exception:
+                logger.exception("transport.poll failed; retrying")
+                time.sleep(0.01)
+                continue
+            if result.done or result.failed or faults:
+                try:
+                    with self._cond:
+                        self._complete(result, faults)
+                        self._cond.notify_all()
+                    self._flush()
+                except Exception:  # a bug here must not leave every later future hanging
+                    logger.exception("completing transfers failed")
+                delay, last_activity = 0.0, time.perf_counter()
+            elif time.perf_counter() - last_activity < _SPIN_S:
+                time.sleep(0)
+            else:
+                time.sleep(delay)
+                delay = min(max(delay * 2, 50e-6), self._max_poll_interval_s)
+
+    def _launch(self, op: Op) -> None:
+        if op.peer.inflight >= self.max_inflight:
+            op.peer.queue.append(op)
+        else:
+            self._submit(op)
+
+    def _after_submit(self, request: Request | None, peer_ids: Iterable[str]) -> list[Request]:
+        """Poll the peers just submitted to, on the calling thread; wake the poller only for
+        what is still in flight. Returns the settled requests, whose futures the caller resolves
+        (unlocked).
+
+        Over shared memory a transfer often finishes inside ``transfer()``: completing it here
+        spares two thread switches before its future resolves. Cost: one state check per
+        transfer in flight to those peers (at most ``max_inflight`` each).
+        """
+        peers, transport = self._peers, self.transport
+        for peer_id in peer_ids:
+            if peer_id not in peers:
+                continue
+            try:
+                result = transport.poll(peer_id)
+            except Exception:
+                logger.exception("transport.poll(%s) failed; the poller will retry", peer_id)
+                break
+            if result.done or result.failed or result.peer_fault:
+                self._complete(result, {peer_id: result.peer_fault} if result.peer_fault else {})
+                if self._closed:  # close() waits for the last transfers
+                    self._cond.notify_all()
+        if self._ops and self._poller_idle:
+            self._cond.notify()
+        if request is not None:
+            self._ready_if_settled(request)
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _submit(self, op: Op) -> None:
+        if self._peers.get(op.peer_id) is not op.peer:  # removed or replaced meanwhile
+            self._finish(op, PEER_LOST)
+            return
+        send = self.transport.write_blocks if op.kind == "store" else self.transport.read_blocks
+        try:
+            tid = send(op.peer_id, op.local, op.remote)
+        except Exception:
+            logger.exception("submitting a %s to %s failed", op.kind, op.peer_id)
+            tid = None
+        if tid is None:
+            self._finish(op, TRANSFER_FAILED)
+            self._lose_peer(op.peer_id, "refused a transfer")
+            return
+        op.submitted = time.perf_counter()
+        op.peer.inflight += 1
+        self._ops[tid] = op
+
+    def _complete(self, result: PollResult, faults: dict[str, str]) -> None:
+        """Apply what the transport reported: finish the ops, drop failed or faulted peers,
+        submit what waited in the queues of the peers that got an in-flight slot back."""
+        now = time.perf_counter()
+        freed: list[Peer] = []  # peers whose in-flight count went down
+        for tid in result.done:
+            op = self._take(tid, now, freed)
+            if op is not None:
+                self._transfers_done += 1
+                self._finish(op, None)
+        lost: dict[str, str] = {}
+        for tid in result.failed:
+            op = self._take(tid, now, freed)
+            if op is None:
+                continue
+            self._transfers_failed += 1
+            alive = self._peers.get(op.peer_id) is op.peer
+            self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
+            if alive:
+                lost[op.peer_id] = "failed a transfer"
+        for peer_id, cause in faults.items():
+            lost.setdefault(peer_id, f"is faulted ({cause})")
+        for peer_id, why in lost.items():
+            self._lose_peer(peer_id, why)
+        for peer in freed:  # a dropped peer's queue is empty; a refused submission drops it
+            while peer.queue and peer.inflight < self.max_inflight:
+                self._submit(peer.queue.popleft())
+        if now >= self._usage_due:
+            self._report_usage(now)
+
+    def _take(self, tid: int, now: float, freed: list[Peer]) -> Op | None:
+        """The op of a transfer the transport reported, off the in-flight table; ``None`` when
+        there is nothing left to do but its aftermath (unknown id, or an op orphaned by its
+        peer's drop: a store's slots unfence and its ended session may be released; a load's
+        request settles now that nothing lands in its blocks any more)."""
+        op = self._ops.pop(tid, None)
+        if op is None:
+            return None
+        if op.orphaned:
+            if op.kind == "load":
+                self._settle(op, [], PEER_LOST)
+            else:
+                self._index.unfence(op.peer_id, op.remote)
+                if op.peer.session is not None and self._ended.write_resolved(op.peer.session):
+                    self._send_releases(op.peer.session.address)
+            return None
+        op.peer.inflight -= 1
+        freed.append(op.peer)
+        self._latencies_us.append((now - op.submitted) * 1e6)
+        return op
+
+    def _report_usage(self, now: float) -> None:
+        """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
+        self._usage_due = now + _USAGE_PERIOD_S
+        for peer in self._peers.values():
+            peer.report_usage()
+
+    def _finish(self, op: Op, reason: str | None) -> None:
+        """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
+        op.settled = True
+        peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
+        if op.kind == "store":
+            self._finish_store(op, peer, reason)
+        else:
+            self._finish_load(op, peer, reason)
+
+    def _finish_store(self, op: Op, peer: Peer | None, reason: str | None) -> None:
+        storing = self._storing
+        if not op.discarded:  # every key still maps to this op (only a discard unmaps one)
+            drain(map(storing.pop, op.keys))
+            keys, slots, digests = op.keys, op.remote, op.digests
+            unused: list[int] = []
+        else:
+            keys, slots, digests, unused = [], [], [], []
+            for key, slot, digest in zip(op.keys, op.remote, op.digests):
+                if storing.get(key) is op:
+                    del storing[key]
+                if key in op.discarded:
+                    unused.append(slot)
+                else:
+                    keys.append(key)
+                    slots.append(slot)
+                    digests.append(digest)
+        if peer is not None:
+            if reason is None:
+                self._publish(peer, keys, slots, digests)
+            else:
+                unused = op.remote
+            self._index.release(peer.slots, unused)
+        if reason is None:
+            n = len(op.keys)
+            self._blocks_stored += n
+            op.owner.nbytes += n * self._block_len
+            if peer is not None:
+                peer.written += n * self._block_len
+        self._settle(op, [], reason)
+
+    def _finish_load(self, op: Op, peer: Peer | None, reason: str | None) -> None:
+        if peer is not None and isinstance(peer.slots, PeerSlots):
+            self._index.unpin(peer.slots, op.remote)
+        bad: list[Key] = []
+        if reason is None:
+            shared = isinstance(op.peer.slots, SharedSlots)
+            if shared or self.verify:
+                bad = self._digests.mismatched(op.local, op.keys, op.digests)
+            if bad:
+                self._verify_failed += len(bad)
+                logger.warning(
+                    "%d of %d blocks read from %s do not hold their keys' bytes (rewritten or "
+                    "torn meanwhile): reported missing",
+                    len(bad),
+                    len(op.keys),
+                    op.peer_id,
+                )
+                if peer is not None:
+                    self._index.discard(bad, "lost")
+            n = len(op.keys) - len(bad)
+            self._blocks_loaded += n
+            op.owner.nbytes += n * self._block_len
+            if peer is not None:
+                peer.read += n * self._block_len
+                if shared:
+                    self._touch_shared({peer.slots: op.keys})  # type: ignore[dict-item]
+        self._settle(op, bad, reason)
+
+    def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
+        """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing"."""
+        if bad:
+            rejected = set(bad)
+            op.owner.settle([k for k in op.keys if k not in rejected], reason)
+            op.owner.settle(bad, MISSING)
+        else:
+            op.owner.settle(op.keys, reason)
+        self._ready_if_settled(op.owner)
+        for request, keys in op.joined.items():
+            request.settle(keys, reason)
+            self._ready_if_settled(request)
+
+    def _ready_if_settled(self, request: Request) -> None:
+        if request.pending == 0 and not request.queued:
+            request.queued = True
+            self._ready.append(request)
+
+    def _drop_peer(self, peer_id: str) -> tuple[Any, bool]:
+        """Forget a peer and its keys; fail its queued ops, settle its in-flight stores as lost
+        (their writes keep their slots fenced until the transport reports them) and leave its
+        in-flight loads to settle when the transport reports them. Returns its session (to
+        end) and whether that may be clean (no write of it in flight)."""
+        peer = self._peers.pop(peer_id)
+        self._index.remove_peer(peer_id)
+        while peer.queue:
+            self._finish(peer.queue.popleft(), PEER_LOST)
+        self._fail_awaiting(peer, PEER_LOST)
+        writes = 0
+        for op in self._ops.values():
+            if op.peer is peer and not op.orphaned:
+                op.orphaned = True
+                if op.kind == "store":
+                    writes += 1
+                    self._index.fence(peer_id, op.remote)
+                    self._finish(op, PEER_LOST)
+        try:
+            self.transport.remove_remote_peer(peer_id)
+        except Exception:
+            logger.exception("removing peer %s from the transport failed", peer_id)
+        peer.report_usage()
+        if peer.session is not None:
+            self._ended.ended(peer.session, writes)
+        return peer.session, writes == 0
+
+    def _lose_peer(self, peer_id: str, why: str) -> None:
+        """Drop a failed peer and its keys (see the failure model in the module docstring);
+        a connected host is dialled again once its session ended."""
+        if peer_id not in self._peers:
+            return
+        logger.warning("%s %s: dropping it and its keys", peer_id, why)
+        session, clean = self._drop_peer(peer_id)
+        if session is not None:  # ending waits for the server: not under the lock
+            threading.Thread(target=self._close_session, args=(session, clean), daemon=True).start()
+
+    def _flush(self) -> None:
+        """Resolve settled futures; called without the lock held."""
+        with self._lock:
+            if not self._ready:
+                return
+            ready, self._ready = self._ready, []
+        resolve(ready)
