@@ -71,6 +71,7 @@ from torch_kv_tier.benchmarks.reliability_faults import server_stats
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
     check_faults,
+    check_held,
     check_totals,
     render,
     totals_of,
@@ -110,6 +111,8 @@ def shared_stress(
     start, results = ctx.Event(), ctx.Queue()
     roles = [("writer", i) for i in range(writers)] + [("reader", i) for i in range(readers)]
     problems: list[str] = []
+    host: dict[str, Any] = {}
+    host_log: list[str] = []
     counts: dict[tuple[str, int], dict[str, Any]] = {}
     extra = ["--max-grant", str(max_grant), "--lease-timeout", str(lease_timeout_s)]
     rng = random.Random(f"{params.seed}-faults")
@@ -158,6 +161,7 @@ def shared_stress(
             for proc in procs.values():
                 proc.join(timeout=10)
             host = server_stats(server.address, params.block_len)
+            host_log = [line for line in server.stderr.splitlines() if "held" in line]
         finally:
             for freezer in freezers.values():  # resume whatever is frozen, whatever happened
                 freezer.stop()
@@ -175,6 +179,8 @@ def shared_stress(
     }
     totals = totals_of(list(counts.values()))
     check_totals(totals, params, writer_freezes + host_freezes > 0, problems)
+    if len(counts) == len(procs):
+        check_held(host, totals, problems)
     return {
         "ok": not problems,
         "problems": problems,
@@ -183,6 +189,7 @@ def shared_stress(
         "faults": faults,
         "processes": [counts[key] for key in sorted(counts)],
         "server": host,
+        "server_log_held": host_log,
         "params": {
             "writers": writers,
             "readers": readers,

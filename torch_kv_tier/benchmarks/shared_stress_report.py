@@ -61,6 +61,20 @@ def check_totals(totals: dict[str, Any], params: Params, faults: bool, problems:
         problems.append("no loaded block was verified")
 
 
+def check_held(host: dict[str, Any], totals: dict[str, Any], problems: list[str]) -> None:
+    """Fencing must not leak: once every tier closed, the host may still hold only the ended
+    sessions whose writes a tier's transport never reported (``unreleased_sessions``); every
+    other ended session was released by its tier (``totals["held_leaked"]``)."""
+    leaked = max(0, host.get("held_sessions", 0) - totals["unreleased_sessions"])
+    totals["held_leaked"] = leaked
+    if leaked:
+        problems.append(
+            f"HELD LEAK: after every tier closed the host still holds {host['held_sessions']} "
+            f"ended sessions ({host.get('held_blocks')} slots) while the tiers report "
+            f"{totals['unreleased_sessions']} unreleased: their slots never go back to the pool"
+        )
+
+
 def totals_of(counts: list[dict[str, Any]]) -> dict[str, Any]:
     """The processes' counts added up (the longest waits: the maximum)."""
     totals: dict[str, Any] = {name: sum(c[name] for c in counts) for name in SUMMED}
@@ -72,6 +86,8 @@ def totals_of(counts: list[dict[str, Any]]) -> dict[str, Any]:
     for name in ("peer_wait_max_s", "max_call_s"):
         totals[name] = max((c[name] for c in counts), default=0.0)
     totals["unexplained"] = sum(c.get("unexplained", 0) for c in counts)
+    totals["unreleased_sessions"] = sum(c["unreleased_sessions"] for c in counts)
+    totals["held_leaked"] = 0  # check_held
     return totals
 
 
@@ -93,7 +109,9 @@ def render(report: dict[str, Any]) -> str:
         f"{p['keys']:,} keys of {p['block_len']:,} B over {p['slots']:,} slots "
         f"(max grant {p['max_grant']}{', UCX over TCP' if p['tcp'] else ''}); host evictions "
         f"{host.get('shared_evictions', '?'):,}, stored at the end "
-        f"{host.get('shared_stored_blocks', '?')}, held at the end {host.get('held_blocks', '?')}"
+        f"{host.get('shared_stored_blocks', '?')}; held at the end: {host.get('held_blocks', '?')} "
+        f"slots of {host.get('held_sessions', '?')} ended sessions ({t['held_leaked']} of them "
+        f"not explained by a tier's unreleased session)"
     )
     for name, what in (("writers", "host --lease-timeout"), ("host", "tiers' heartbeat timeout")):
         s = f[name]
