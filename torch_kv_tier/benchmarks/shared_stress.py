@@ -1,4 +1,5 @@
-"""``torch-kv-tier shared-stress``: torn-read stress of one shared pool (issue 12).
+"""``torch-kv-tier shared-stress``: torn-read stress of one shared pool, with faults (issues 12
+and 17).
 
 One ``torch-kv-tier serve`` with a small pool (``--slots``, default 256, for ``--keys`` 2048 keys)
 is shared by ``--writers`` writer and ``--readers`` reader processes, each with its own
@@ -8,20 +9,45 @@ reader can check any block it loads. Writers store random batches of 1..``--max-
 (keys stored by anyone are skipped by the tier; the pool keeps evicting them, so they keep
 coming back). Readers load random batches of keys their tier believes stored (``contains``),
 after random pauses, so that reads overlap evictions and rewrites of the same slots, and compare
-every loaded block with the key's block: anything else is a WRONG block. A key the host evicted
-before the pin is a legitimate "missing"; so is a read that outlived its pin (``--pin-ttl``):
-such a read did land, and the blocks it brought are checked too (``late_wrong``: how many of
-them a rewrite of their slot had indeed corrupted, i.e. what the pin deadline protected from).
+every loaded block with the key's block: anything else is a WRONG block.
+
+Nothing pins a shared load's slots: the tier verifies each block it read against the digest
+published with its key and reports a block that differs as "missing" (``verify_failed``). A
+reader zeroes its destination rows before each load, so a "missing" key whose row was written
+all the same is a read that landed and was *rejected* (``rejected``); ``rejected_wrong`` counts
+those rows that were indeed not their key's block (what verification kept from the caller). As
+a key's bytes are a function of the key, every rejected row should be wrong: a rejected row that
+equals its key's block is a false rejection, reported as a problem.
+
+Faults (``shared_stress_faults``, on unless ``--no-faults``): writers frozen with SIGSTOP and
+resumed with SIGCONT (``--writer-freezes``; every other one longer than the host's
+``--lease-timeout``, so the host ends the session and the tier, once resumed, re-dials), and the
+host frozen (``--host-freezes``; every other one longer than the tiers' ``--heartbeat-timeout``,
+so every tier drops the host and re-dials it). A freeze counts once every thread of the process
+is stopped. A worker whose tier has no peer waits (bounded) for the re-dial (``peer_waits``).
+
+What is legitimate around a fault, and why: a key may fail with "peer lost" (the tier dropped the
+host while the call was in flight: the host froze past the heartbeat timeout, or the host ended
+a frozen writer's session; a load of a dropped host settles when the transport reports the
+read), "transfer failed" (the transport reported an error on the dropped or resuming
+connection) or "no peers" (a store made in the instant between the worker's peer check and the
+drop). None of these returns bytes, so none can be a wrong block; but each must be explained: a
+call that failed so must overlap a freeze of the host, or (a writer) of its own process,
+extended by ``max(--lease-timeout, --heartbeat-timeout) + SLACK_S`` after the resume (the time a
+lost session takes to be noticed). Reads otherwise fail only with "missing", writes only with
+"capacity".
 
 Processes: children start with the ``spawn`` context, report ``ready`` once connected, start
-together, and send their counts back on a queue. Every wait has a timeout; a child that crashes,
-reports an error or hangs is a failure, and every child still alive at the end is killed.
+together, and send their counts back on a queue. Every wait has a timeout, every future is
+awaited with ``result(timeout)`` (``shared_stress_worker.RESULT_TIMEOUT_S``); a child that
+crashes, reports an error (a hang or an exception out of the tier) or does not finish is a
+failure, and every child still alive at the end is killed; every frozen process is resumed.
 
-Exit status: 0 when no block was wrong, some were verified, every process finished and no key
-failed for another reason than "missing" (reads) or "capacity" (writes); 1 otherwise; 2 for bad
-arguments. ``--self-check`` corrupts two loaded blocks in the first reader
-(one bit flipped, one replaced by another key's valid block) and passes only when exactly those
-two are counted wrong: the checker can fail.
+Exit status: 0 when no block was wrong, some were verified, every process finished, every
+planned freeze was done, and no key failed for another reason than the ones above; 1 otherwise;
+2 for bad arguments. ``--self-check`` corrupts two loaded blocks in the first reader (one bit
+flipped, one replaced by another key's valid block) and passes only when exactly those two are
+counted wrong: the checker can fail.
 """
 
 from __future__ import annotations
@@ -33,23 +59,32 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import random
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.benchmarks.reliability_faults import server_stats
+from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
+from torch_kv_tier.benchmarks.shared_stress_report import (
+    check_faults,
+    check_held,
+    check_totals,
+    render,
+    totals_of,
+)
 from torch_kv_tier.benchmarks.shared_stress_worker import (
     STARTUP_TIMEOUT_S,
-    SUMMED,
     Params,
     worker,
 )
 
-FINISH_GRACE_S = 60.0  # after --seconds: the last calls, close(), the counts sent back
+FINISH_GRACE_S = 90.0  # after --seconds: the last calls, close(), the counts sent back
+SLACK_S = 5.0  # after a freeze (plus the longer timeout): a lost session has been noticed
+END_MARGIN_S = 3.0  # the last freeze ends at least this long before the run does
 
 
 def shared_stress(
@@ -58,23 +93,41 @@ def shared_stress(
     readers: int = 4,
     slots: int = 256,
     max_grant: int = 16,
-    pin_ttl_s: float = 10.0,
+    lease_timeout_s: float = 3.0,
+    writer_freezes: int = 0,
+    host_freezes: int = 0,
     tcp: bool = False,
     params: Params,
 ) -> dict[str, Any]:
     """Run the stress (module docstring); returns the report: ``ok``, ``problems``, ``totals``,
-    ``processes`` (each child's ``Counts``), ``server`` (the host's stats at the end).
+    ``faults`` (what was frozen), ``processes`` (each child's ``Counts``), ``server`` (the
+    host's stats at the end).
 
     ``tcp``: UCX over TCP for the server and every child (transfers stay in flight longer than
-    over shared memory, so more reads overlap evictions)."""
+    over shared memory, so more reads overlap evictions and freezes)."""
     from torch_kv_tier.remote import ServerProcess
 
     ctx = mp.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     roles = [("writer", i) for i in range(writers)] + [("reader", i) for i in range(readers)]
     problems: list[str] = []
+    host: dict[str, Any] = {}
+    host_log: list[str] = []
     counts: dict[tuple[str, int], dict[str, Any]] = {}
-    extra = ["--max-grant", str(max_grant), "--pin-ttl", str(pin_ttl_s)]
+    extra = ["--max-grant", str(max_grant), "--lease-timeout", str(lease_timeout_s)]
+    rng = random.Random(f"{params.seed}-faults")
+    hb = params.heartbeat_timeout_s
+    latest = params.seconds - max(lease_timeout_s, hb) - FREEZE_EXTRA_S - END_MARGIN_S
+    window = (0.1 * params.seconds, latest)
+    writer_plan = plan_freezes(
+        rng, [f"writer-{i}" for i in range(writers)], writer_freezes, lease_timeout_s, window
+    )
+    host_plan = plan_freezes(rng, ["host"], host_freezes, hb, window)
+    if writer_freezes + host_freezes and latest <= window[0]:
+        problems.append(f"--seconds {params.seconds:g} leaves no time for a freeze")
+    pids: dict[str, int] = {}  # filled once the children started
+    freezers = {"writers": Freezer("writers", writer_plan, pids)}
+    freezers["host"] = Freezer("host", host_plan, pids)
     with (
         ucx_over_tcp() if tcp else contextlib.nullcontext(),
         ServerProcess.start(slots, params.block_len, extra_args=extra) as server,
@@ -93,16 +146,25 @@ def shared_stress(
                 proc.start()
             ready = _gather(results, procs, "ready", STARTUP_TIMEOUT_S, counts, problems)
             if len(ready) == len(procs):
+                pids.update({f"{r}-{i}": p.pid for (r, i), p in procs.items() if p.pid})
+                pids["host"] = server.proc.pid
                 started = time.monotonic()
                 start.set()
+                for freezer in freezers.values():
+                    freezer.start(started, latest)
                 _gather(results, procs, "done", params.seconds + FINISH_GRACE_S, counts, problems)
                 elapsed = time.monotonic() - started
             else:
                 elapsed = 0.0
+            for freezer in freezers.values():
+                freezer.stop()
             for proc in procs.values():
                 proc.join(timeout=10)
             host = server_stats(server.address, params.block_len)
+            host_log = [line for line in server.stderr.splitlines() if "held" in line]
         finally:
+            for freezer in freezers.values():  # resume whatever is frozen, whatever happened
+                freezer.stop()
             for key, proc in procs.items():
                 if proc.is_alive():
                     problems.append(f"{key[0]}-{key[1]} still running at the end: killed")
@@ -110,28 +172,32 @@ def shared_stress(
                     proc.join(timeout=10)
         if server.proc.poll() is not None:
             problems.append(f"the server exited with code {server.proc.returncode}")
-    totals = _totals(list(counts.values()))
-    if totals["wrong"] != totals["injected"]:
-        problems.append(f"{totals['wrong'] - totals['injected']} WRONG blocks loaded")
-    if params.self_check and totals["injected"] == 0:
-        problems.append("self-check: no block was corrupted (no reader loaded anything)")
-    if totals["other"]:
-        problems.append(f"calls failed for other reasons than missing/capacity: {totals['other']}")
-    if totals["verified"] == 0:
-        problems.append("no loaded block was verified")
+    check_faults(list(freezers.values()), counts, max(lease_timeout_s, hb) + SLACK_S, problems)
+    faults = {
+        "writers": freezers["writers"].summary(lease_timeout_s),
+        "host": freezers["host"].summary(hb),
+    }
+    totals = totals_of(list(counts.values()))
+    check_totals(totals, params, writer_freezes + host_freezes > 0, problems)
+    if len(counts) == len(procs):
+        check_held(host, totals, problems)
     return {
         "ok": not problems,
         "problems": problems,
         "seconds": elapsed,
         "totals": totals,
+        "faults": faults,
         "processes": [counts[key] for key in sorted(counts)],
         "server": host,
+        "server_log_held": host_log,
         "params": {
             "writers": writers,
             "readers": readers,
             "slots": slots,
             "max_grant": max_grant,
-            "pin_ttl_s": pin_ttl_s,
+            "lease_timeout_s": lease_timeout_s,
+            "writer_freezes": writer_freezes,
+            "host_freezes": host_freezes,
             "tcp": tcp,
             **asdict(params),
         },
@@ -172,44 +238,6 @@ def _gather(
     return seen
 
 
-def _totals(counts: list[dict[str, Any]]) -> dict[str, Any]:
-    totals: dict[str, Any] = {name: sum(c[name] for c in counts) for name in SUMMED}
-    other: Counter[str] = Counter()
-    for c in counts:
-        other.update(c["other"])
-    totals["other"] = dict(other)
-    return totals
-
-
-def render(report: dict[str, Any]) -> str:
-    """The report as a fixed-width table (one row per process, then the totals)."""
-    cols = [name for name in SUMMED if name != "injected"]
-    rows: list[tuple[str, ...]] = [("process", *cols, "other")]
-    for c in report["processes"]:
-        rows.append((f"{c['role']}-{c['index']}", *(f"{c[n]:,}" for n in cols), str(c["other"])))
-    t = report["totals"]
-    rows.append(("total", *(f"{t[n]:,}" for n in cols), str(t["other"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    p, host = report["params"], report["server"]
-    lines.append(
-        f"{p['writers']} writers + {p['readers']} readers for {report['seconds']:.1f} s: "
-        f"{p['keys']:,} keys of {p['block_len']:,} B over {p['slots']:,} slots "
-        f"(max grant {p['max_grant']}, pin TTL {p['pin_ttl_s']:g} s"
-        f"{', UCX over TCP' if p['tcp'] else ''}); host evictions "
-        f"{host.get('shared_evictions', '?'):,}, stored at the end "
-        f"{host.get('shared_stored_blocks', '?')}"
-    )
-    if t["injected"]:
-        lines.append(f"self-check: {t['injected']} blocks corrupted on purpose, {t['wrong']} wrong")
-    for c in report["processes"]:
-        lines += [f"{c['role']}-{c['index']}: {s}" for s in c["wrong_samples"]]
-    lines += report["problems"]
-    lines.append("ok" if report["ok"] else "FAILED")
-    return "\n".join(lines)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shared-stress`` subcommand's options."""
     parser.add_argument("--writers", type=int, default=4, help="writer processes (default 4)")
@@ -222,8 +250,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch", type=int, default=64, help="most keys per call (batches are 1..N)"
     )
     parser.add_argument("--max-grant", type=int, default=16, help="host's --max-grant")
-    parser.add_argument("--pin-ttl", type=float, default=10.0, help="host's --pin-ttl, s")
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument(
+        "--lease-timeout", type=float, default=3.0, help="host's --lease-timeout, s (default 3)"
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="the tiers' heartbeat timeout, s (default 3): a host silent this long is dropped",
+    )
+    parser.add_argument(
+        "--writer-freezes",
+        type=int,
+        help="writers SIGSTOPped and resumed during the run, every other one past "
+        "--lease-timeout (default: one per 6 s of run)",
+    )
+    parser.add_argument(
+        "--host-freezes",
+        type=int,
+        help="host SIGSTOPs during the run, every other one past --heartbeat-timeout "
+        "(default: one per 15 s of run)",
+    )
+    parser.add_argument(
+        "--no-faults", action="store_true", help="freeze nothing (--*-freezes default to 0)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed")
     parser.add_argument(
         "--tcp", action="store_true", help="UCX over TCP (UCX_TLS=tcp) instead of UCX's choice"
     )
@@ -238,13 +289,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the stress, print the table, write ``--json``; see the module docstring."""
     sizes = (args.writers, args.readers, args.slots, args.keys, args.block_len, args.max_batch)
-    if min(sizes) <= 0 or args.block_len < 64 or min(args.seconds, args.pin_ttl) <= 0:
+    times = (args.seconds, args.lease_timeout, args.heartbeat_timeout)
+    freezes = [n for n in (args.writer_freezes, args.host_freezes) if n is not None]
+    if min(sizes) <= 0 or args.block_len < 64 or min(times) <= 0 or min(freezes, default=0) < 0:
         print(
             "torch-kv-tier shared-stress: counts, sizes and times must be > 0 "
-            "(--block-len at least 64)",
+            "(--block-len at least 64, freezes at least 0)",
             file=sys.stderr,
         )
         return 2
+    auto = 0 if args.no_faults else 1
+    writer_freezes = args.writer_freezes
+    if writer_freezes is None:
+        writer_freezes = auto * int(args.seconds // 6)
+    host_freezes = args.host_freezes
+    if host_freezes is None:
+        host_freezes = auto * int(args.seconds // 15)
     params = Params(
         keys=args.keys,
         block_len=args.block_len,
@@ -252,13 +312,16 @@ def run(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         seed=args.seed,
         self_check=args.self_check,
+        heartbeat_timeout_s=args.heartbeat_timeout,
     )
     report = shared_stress(
         writers=args.writers,
         readers=args.readers,
         slots=args.slots,
         max_grant=args.max_grant,
-        pin_ttl_s=args.pin_ttl,
+        lease_timeout_s=args.lease_timeout,
+        writer_freezes=writer_freezes,
+        host_freezes=host_freezes,
         tcp=args.tcp,
         params=params,
     )
