@@ -19,6 +19,7 @@ registrations never run under it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,9 @@ from torch_kv_tier.transport.base import DataTransport
 logger = logging.getLogger(__name__)
 
 _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
+# A session opened only to release ended ones: a host that does not answer in this time is down
+# or restarted, and holds nothing of them any more.
+_RELEASE_TIMEOUT_S = 2.0
 
 
 class ConnectedHosts:
@@ -162,8 +166,9 @@ class ConnectedHosts:
     def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
         raises: a host that does not answer keeps holding, which is safe)."""
+        quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         try:
-            self._open(dial, held, private=False).close(clean=True)
+            self._open(quick, held, private=False).close(clean=True)
         except Exception as exc:
             logger.warning(
                 "could not tell %s that %d ended sessions resolved (it keeps their slots held): %s",

@@ -242,6 +242,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         forgets the session, or the control connection is reset) the peer is dropped as lost
         and dialled again in the background until it answers or ``disconnect`` is called.
         """
+        if slots is not None and not private:
+            raise ValueError("slots= sizes a private lease: pass private=True with it")
         if not private and not self.verify:
             raise ValueError(
                 "a shared pool needs verify=True: its loads read unpinned slots and rely on "
