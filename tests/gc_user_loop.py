@@ -16,7 +16,7 @@ import sys
 import torch
 
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader, prefix_keys
-from torch_kv_tier.remote import client
+from torch_kv_tier.remote import session_io
 from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.transport import agent_lifetime
 
@@ -24,7 +24,7 @@ from torch_kv_tier.transport import agent_lifetime
 # nothing to it; this loop must post its restore to the dead host (the path that leaked), as a
 # tier does when the host dies between its last check and the post. So the sessions here learn
 # of the death by heartbeats only.
-client._check_connection = lambda monitor: None
+session_io._check_connection = lambda monitor: None
 
 # 8 KiB pages: a 4-page restore is a multi-fragment CMA read, the case that leaked a request
 LAYERS, PAGES, PAGE, HEADS, HEAD_DIM = 2, 24, 8, 2, 32

@@ -1,0 +1,251 @@
+"""The I/O thread of a ``RemoteSession``: the only user of its ZeroMQ socket once the handshake
+is done.
+
+Each wake-up (a request queued from any thread, a frame from the server, a heartbeat or request
+deadline) it runs queued actions, sends the commits and touches batched since the last one (as
+few frames as fit, before the requests made after them), sends queued requests, hands answers
+to their futures and pushed ``Events`` to the follower, and heartbeats. It ends the session,
+loudly (``on_lost``), when the server stops answering heartbeats, says it no longer knows the
+session, the control connection closes or is reset (the socket's monitor), or a frame cannot be
+queued: a control message is delivered or the session is lost.
+
+``SessionIO`` is a part of ``RemoteSession`` (its base class): the state it uses is set by
+``RemoteSession.__init__``, and its lock guards what other threads hand over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake import SNDHWM
+from torch_kv_tier.remote.replica import IndexFollower
+
+logger = logging.getLogger(__name__)
+
+# a request made from any thread: build the message for a seq, the future its answer resolves
+# (``None``: a message without an answer), timeout
+Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float]
+
+
+class _Lost(Exception):
+    """The session cannot go on (the text says why)."""
+
+
+class SessionIO:
+    """The I/O thread's half of ``RemoteSession`` (module docstring)."""
+
+    peer_id: str
+    public_id: str
+    session_id: str
+    _lock: threading.Lock
+    _closed: bool
+    _stopping: bool
+    _io_done: bool
+    _lost_reason: str | None
+    _interval_s: float
+    _hb_timeout_s: float
+    _follower: IndexFollower | None
+    _usage: dict[str, int]
+    _requests: queue.SimpleQueue[Request]
+    _actions: queue.SimpleQueue[Callable[[], None]]
+    _commits: list[tuple[list[Any], list[int], list[int]]]
+    _touches: list[Any]
+    _wake_r: socket.socket
+    _wake_w: socket.socket
+    _on_lost: Callable[[], Callable[[str], None] | None]
+
+    # -- the I/O thread ---------------------------------------------------------------------
+
+    def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+        pending: dict[int, tuple[Future[p.ServerMessage], float]] = {}
+        seqs = itertools.count(3)  # 1 and 2 were the handshake
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        last_ok = next_hb = time.monotonic()
+        lost: str | None = None
+        try:
+            while True:
+                with self._lock:
+                    if self._stopping:
+                        break
+                now = time.monotonic()
+                deadlines = [next_hb, last_ok + self._hb_timeout_s]
+                deadlines.extend(deadline for _, deadline in pending.values())
+                poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3)))
+                self._drain_wake()
+                _check_connection(monitor)
+                while True:
+                    try:
+                        self._actions.get_nowait()()
+                    except queue.Empty:
+                        break
+                now = time.monotonic()
+                # commits first: a grant request made after a commit must reach the server
+                # after it (the commit returns granted slots to this session's share)
+                self._send_batches(sock, seqs)
+                while True:
+                    try:
+                        make, future, timeout_s = self._requests.get_nowait()
+                    except queue.Empty:
+                        break
+                    seq = next(seqs)
+                    if future is not None:
+                        pending[seq] = (future, now + timeout_s)
+                    self._send(sock, make(seq))
+                for message in self._receive(sock):
+                    if isinstance(message, p.Events):
+                        self._on_events(message)
+                        continue
+                    if isinstance(message, p.HeartbeatAck):
+                        last_ok = time.monotonic()
+                        if self._follower is not None and message.event_seq >= 0:
+                            self._follower.check(message.event_seq)
+                    elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
+                        raise _Lost(
+                            "the server no longer knows this session (expired, ended or restart)"
+                        )
+                    entry = pending.pop(message.seq, None)
+                    if entry is not None:
+                        entry[0].set_result(message)
+                now = time.monotonic()
+                for seq in [s for s, (_, deadline) in pending.items() if deadline <= now]:
+                    pending.pop(seq)[0].set_exception(
+                        TimeoutError(f"{self.peer_id} did not answer within the timeout")
+                    )
+                if now - last_ok > self._hb_timeout_s:
+                    raise _Lost(f"no heartbeat answer for {self._hb_timeout_s:.1f} s")
+                if now >= next_hb:
+                    next_hb = now + self._interval_s
+                    with self._lock:
+                        usage = dict(self._usage)
+                    self._send(sock, p.Heartbeat(next(seqs), self.session_id, **usage))
+        except _Lost as exc:
+            lost = str(exc)
+        except Exception:
+            logger.exception("I/O thread of %s failed", self.peer_id)
+            lost = "the session's I/O thread failed"
+        finally:
+            self._finish(sock, monitor, pending, lost)
+
+    def _send_batches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
+        """The commits and touches made since the last wake-up, in as few frames as fit."""
+        with self._lock:
+            commits, self._commits = self._commits, []
+            touches, self._touches = self._touches, []
+        step = p.MAX_KEYS_PER_MESSAGE
+        if commits:
+            keys = [k for c in commits for k in c[0]]
+            slots = [s for c in commits for s in c[1]]
+            digests = [d for c in commits for d in c[2]]
+            for i in range(0, len(keys), step):
+                chunk = slice(i, i + step)
+                self._send(
+                    sock,
+                    p.Commit(
+                        next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]
+                    ),
+                )
+        for i in range(0, len(touches), step):
+            self._send(sock, p.Touch(next(seqs), self.session_id, touches[i : i + step]))
+
+    def _finish(
+        self,
+        sock: zmq.Socket[bytes],
+        monitor: zmq.Socket[bytes],
+        pending: dict[int, tuple[Future[p.ServerMessage], float]],
+        lost: str | None,
+    ) -> None:
+        with self._lock:
+            self._io_done = True
+            report = lost is not None and not self._closed
+            if lost is not None:
+                self._lost_reason = lost
+            self._wake_r.close()
+            self._wake_w.close()
+        error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
+        for future, _ in pending.values():
+            future.set_exception(error)
+        while True:
+            try:
+                _, waiting, _ = self._requests.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                waiting.set_exception(error)
+        close_sockets(sock, monitor)
+        if report:
+            logger.warning("lost %s (session %s): %s", self.peer_id, self.public_id, lost)
+            on_lost = self._on_lost()
+            if on_lost is not None:
+                try:
+                    on_lost(self.peer_id)
+                except Exception:
+                    logger.exception("on_lost callback for %s raised", self.peer_id)
+
+    def _on_events(self, events: p.Events) -> None:
+        """Hand pushed index events to the follower; a batch it cannot apply (a bug) is logged
+        and answered with a new snapshot, instead of ending the session."""
+        follower = self._follower
+        if follower is None:
+            return
+        try:
+            follower.on_events(events)
+        except Exception:
+            logger.exception(
+                "%s: index events %d not applied: resyncing", self.peer_id, events.event_seq
+            )
+            follower.start()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def _send(self, sock: zmq.Socket[bytes], message: p.ClientMessage) -> None:
+        try:
+            sock.send(p.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise _Lost(f"{SNDHWM} control frames queued: the server does not read") from None
+
+    def _receive(self, sock: zmq.Socket[bytes]) -> list[p.ServerMessage]:
+        messages: list[p.ServerMessage] = []
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(p.decode_server(frame))
+            except p.BadFrame as exc:
+                logger.warning("%s sent a bad control frame: %s", self.peer_id, exc)
+
+
+def _check_connection(monitor: zmq.Socket[bytes]) -> None:
+    """Raise ``_Lost`` when the monitor reports the control connection closed."""
+    while monitor.poll(0, zmq.POLLIN):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            raise _Lost("the control connection was closed or reset")
+
+
+def close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
