@@ -132,7 +132,7 @@ def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
         refused: Future[p.ServerMessage] = Future()
         refused.set_result(p.Error(0, p.UNKNOWN_SESSION))
         peer.slots.refilling = True  # type: ignore[union-attr]  # as when the request went out
-        tier._on_granted(peer, peer.slots.commits, refused)  # type: ignore[union-attr]
+        tier._on_granted(peer, peer.slots.commits, 2, refused)  # type: ignore[union-attr]
         keys = [f"k{i}" for i in range(6)]  # more than one grant: the next grants still come
         assert tier.store(keys, range(6)).result(timeout=RESULT_TIMEOUT_S).ok
 

@@ -69,7 +69,7 @@ class SharedSlots:
     """A shared host as this tier sees it: the host's keys (a copy, possibly stale) and the
     slots the host granted this tier for new keys (used in order)."""
 
-    __slots__ = ("capacity", "commits", "entries", "grants", "peer_id", "refilling")
+    __slots__ = ("capacity", "capped", "commits", "entries", "grants", "peer_id", "refilling")
 
     def __init__(self, peer_id: str, capacity: int) -> None:
         self.peer_id = peer_id
@@ -77,6 +77,7 @@ class SharedSlots:
         self.entries: dict[Key, tuple[int, int]] = {}  # the host's keys -> (slot, digest)
         self.grants: deque[int] = deque()
         self.refilling = False  # a grant request is in flight
+        self.capped = False  # the host granted less than asked: ask again after a commit
         self.commits = 0  # commit messages sent (each returns granted slots to the host)
 
     @property

@@ -100,20 +100,24 @@ class SharedHosts:
 
     def _refill(self, peer: Peer) -> None:
         """Ask the host for more slots when fewer than half a batch are left, or stores wait
-        for slots; the answer lands in ``_on_granted``, on the session's I/O thread."""
+        for slots; the answer lands in ``_on_granted``, on the session's I/O thread. After a
+        grant that came short (the host caps what one session holds uncommitted), only a
+        commit (which makes room in this tier's share) or a waiting store asks again."""
         slots = peer.slots
         assert isinstance(slots, SharedSlots)
         need = sum(len(op.keys) for op in peer.awaiting)
-        if slots.refilling or (not need and len(slots.grants) >= self.grant_batch // 2):
+        if slots.refilling or (
+            not need and (slots.capped or len(slots.grants) >= self.grant_batch // 2)
+        ):
             return
         want = min(max(self.grant_batch, 2 * need), MAX_GRANT)
         try:
-            peer.session.grant(want, partial(self._on_granted, peer, slots.commits))
+            peer.session.grant(want, partial(self._on_granted, peer, slots.commits, want))
         except ConnectionError:
             return  # the session is ending; its loss drops the peer
         slots.refilling = True
 
-    def _on_granted(self, peer: Peer, commits: int, future: Future[Any]) -> None:
+    def _on_granted(self, peer: Peer, commits: int, want: int, future: Future[Any]) -> None:
         """A grant answer (I/O thread, unlocked): stores waiting for slots go out. With no
         slot granted, none of this tier's writes to the host in flight and no commit sent since
         the request (either would make room in its share), they fail with "capacity"."""
@@ -134,11 +138,13 @@ class SharedHosts:
             if self._closed or self._peers.get(slots.peer_id) is not peer:
                 return
             slots.grants.extend(granted)
+            slots.capped = len(granted) < want and slots.commits == commits
             self._launch_awaiting(peer)
             busy = peer.inflight or peer.queue or slots.commits != commits
             if peer.awaiting and not granted and not busy:
                 self._fail_awaiting(peer, CAPACITY)
-            self._refill(peer)
+            if not slots.capped:  # a capped tier asks again after its next commit
+                self._refill(peer)
             ready = self._after_submit(None, [slots.peer_id])
         resolve(ready)
 
@@ -166,6 +172,7 @@ class SharedHosts:
         if not keys or not isinstance(peer.slots, SharedSlots):
             return
         peer.slots.commits += 1
+        peer.slots.capped = False
         with contextlib.suppress(ConnectionError):  # the session is ending
             peer.session.commit(keys, slots, digests)
         if peer.awaiting:

@@ -268,11 +268,11 @@ class RemoteSession(SessionIO):
     def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
         """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
         completed (no answer; batched with other commits into as few frames as possible)."""
-        self._enqueue(lambda: self._commits.append((keys, slots, digests)), False)
+        self._enqueue(partial(_add, self._commits, [(keys, slots, digests)]), False)
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; batched like commits)."""
-        self._enqueue(lambda: self._touches.extend(keys), False)
+        self._enqueue(partial(_add, self._touches, keys), False)
 
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved."""
@@ -391,15 +391,18 @@ class RemoteSession(SessionIO):
     def _enqueue_action(self, action: Callable[[], None]) -> None:
         self._enqueue(lambda: self._actions.put(action), False)
 
-    def _enqueue(self, put: Callable[[], None], allow_closed: bool) -> None:
-        """Hand work to the I/O thread (``put`` runs under the lock) and wake it."""
+    def _enqueue(self, put: Callable[[], bool | None], allow_closed: bool) -> None:
+        """Hand work to the I/O thread (``put`` runs under the lock) and wake it, unless
+        ``put`` says a wake-up is pending already (it returns ``False``: a batch that was not
+        empty, which the I/O thread has not taken yet)."""
         with self._lock:
             if self._lost_reason is not None:
                 raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
             if (self._closed and not allow_closed) or self._io_done:
                 raise ConnectionError(f"session {self.peer_id} is closed")
-            put()
-        self._wake()
+            wake = put() is not False
+        if wake:
+            self._wake()
 
     def _wake(self) -> None:
         with self._lock:
@@ -407,3 +410,11 @@ class RemoteSession(SessionIO):
                 return
             with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
                 self._wake_w.send(b"\0")
+
+
+def _add(batch: list[Any], items: list[Any]) -> bool:
+    """Append ``items`` to a batch the I/O thread takes whole; whether it was empty (only
+    then does the I/O thread need a wake-up: one is pending for a batch not yet taken)."""
+    was_empty = not batch
+    batch.extend(items)
+    return was_empty
