@@ -8,8 +8,7 @@ itself with SIGSTOP while they are in flight. The parent waits until every threa
 stopped, then tier B (this process) takes the same slots (retrying ``no free slots``), stores
 its keys (each block ``0xBB`` with its key's number in front; ``capacity`` is retried) until all
 are stored or the freeze is nearly over. A stays frozen for ``freeze_s``, longer than every
-timeout (the lease timeout, the shared pool's quarantine of another lease timeout, A's
-heartbeat timeout), then gets SIGCONT: its posted writes go on, it posts more, and it reports
+timeout (the lease timeout, A's heartbeat timeout), then gets SIGCONT: its posted writes go on, it posts more, and it reports
 once every future of its settled and its transport is quiet. B then loads every key it stored.
 
 What must hold (``Outcome.problems`` otherwise):
@@ -68,8 +67,9 @@ B_FILL, RECOVERY_FILL, A_FILL = 0xBB, 0xCC, 0xAA
 
 @dataclass(frozen=True)
 class Setup:
-    """One run's shape. ``freeze_s`` must exceed ``2 * lease_timeout_s`` (lease, then the
-    shared pool's quarantine) and ``heartbeat_timeout_s`` (A's, of the host)."""
+    """One run's shape. ``freeze_s`` must exceed ``2 * lease_timeout_s`` (well past the lease,
+    which is all that timing can end: the host holds A's slots after it) and
+    ``heartbeat_timeout_s`` (A's, of the host)."""
 
     private: bool
     tcp: bool
