@@ -89,6 +89,34 @@ def test_tiny_sweep_writes_verified_rows_json_and_plot(
     assert "Targets" in text and "placement <= 0.5" in text
 
 
+def test_verify_off_runs_beside_the_tier_and_nixl_raw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results.json"
+    args = _args(
+        *TINY, "--systems", "nixl_raw,torch_kv_tier,torch_kv_tier_noverify", "--ops", "read",
+        "--patterns", "contiguous", "--no-poll-scaling", "--out", str(out),
+    )  # fmt: skip
+    assert bench.run(args) == 0
+    rows = json.loads(out.read_text())
+    measured = {r["system"]: r for r in rows if r["kind"] == "throughput"}
+    assert measured.keys() == {"nixl_raw", "torch_kv_tier", "torch_kv_tier_noverify"}
+    assert all(r["verified"] and r["group"] == "nixl_raw" for r in measured.values())
+    ratios = {r["system"] for r in rows if r["kind"] == "ratio" and r["reference"] == "nixl_raw"}
+    assert ratios == {"torch_kv_tier", "torch_kv_tier_noverify"}
+    text = capsys.readouterr().out
+    assert "Verification on (torch_kv_tier) vs off" in text and "on/off" in text
+    assert "several remote hosts" not in text  # verify off is no multi-host tier
+
+
+def test_verify_off_is_opt_in() -> None:
+    run = bench._Run(_args(*TINY), bench.QUICK, "cpu")
+    assert "torch_kv_tier_noverify" not in run.systems
+    assert [g for g in run.groups() if "torch_kv_tier" in g] == [
+        ["nixl_raw", "torch_kv_tier"], ["vllm_nixl", "torch_kv_tier"]
+    ]  # fmt: skip
+
+
 def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bench.SYSTEMS, "corrupting", f"{__name__}:CorruptingMemcpy")
     out = tmp_path / "results.json"

@@ -54,6 +54,7 @@ def test_quick_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFix
 
     for name in ("lookup_hit_32", "lookup_miss_32", "contains"):
         assert result["lookup"][name].keys() >= {"p50_us", "p99_us"}
+    assert result["load_latency"].keys() >= {"keys_per_call", "p50_us", "p99_us"}
     assert result["staleness"].keys() >= {"p50_us", "p99_us", "unseen_after_5s"}
 
     kill = result["host_kill"]

@@ -1,5 +1,5 @@
 """``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
-``chaos`` and ``shared-bench``."""
+``chaos``, ``shared-bench`` and ``digest-cost``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ _COMMANDS = {
     "shared-bench": (
         "torch_kv_tier.benchmarks.shared_bench",
         "shared pool figures: cross-tier hits, sharing cost, lookup, staleness, host loss",
+    ),
+    "digest-cost": (
+        "torch_kv_tier.benchmarks.digest_cost",
+        "the cost of verification: GB/s per core of the block digest, cache- and DRAM-resident",
     ),
 }
 

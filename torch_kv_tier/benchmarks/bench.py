@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from torch_kv_tier.benchmarks import report
+from torch_kv_tier.benchmarks import report, report_verify
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS, Skip, System
 from torch_kv_tier.benchmarks.remote import Target, host_group, read_token
 from torch_kv_tier.benchmarks.sweep import Point, PointRunner, PointState, Settings
@@ -37,12 +37,15 @@ SYSTEMS: dict[str, str] = {
     "vllm_nixl": "torch_kv_tier.benchmarks.system_vllm_nixl:VllmNixl",
     "mooncake_tcp": "torch_kv_tier.benchmarks.system_mooncake:MooncakeTcp",
     "torch_kv_tier": "torch_kv_tier.benchmarks.system_tier:Tier",
+    "torch_kv_tier_noverify": "torch_kv_tier.benchmarks.system_tier:TierNoVerify",
     "torch_kv_tier_2hosts": "torch_kv_tier.benchmarks.system_tier:TierOver2Hosts",
     "torch_kv_tier_4hosts": "torch_kv_tier.benchmarks.system_tier:TierOver4Hosts",
     "torch_kv_tier_staged": "torch_kv_tier.benchmarks.system_tier:StagedTier",
 }
 GPU_ONLY = {"torch_kv_tier_staged"}
+OPT_IN = {"torch_kv_tier_noverify"}  # run only when named in --systems
 TIER = report.TIER
+TIERS = (TIER, "torch_kv_tier_noverify")  # interleaved with each reference, side by side
 PAIRED = ("nixl_raw", "vllm_nixl")  # references the tier is interleaved with
 MULTI_HOST = ("torch_kv_tier_2hosts", "torch_kv_tier_4hosts")
 NO_TRANSPORT = ("memcpy",)
@@ -253,7 +256,8 @@ class _Run:
     For each transport (UCX default, i.e. shared memory on loopback, then ``tcp``) and block
     length, remote hosts are started; then each *group* of systems is opened together and every
     point is measured on all of them, repeat by repeat in alternating order (A B, B A, ...), so
-    that a change of load hits every system of the group alike. Groups pair the tier with each
+    that a change of load hits every system of the group alike. Groups pair the tier (and
+    ``torch_kv_tier_noverify`` when asked for: the tiers of ``TIERS``, side by side) with each
     reference it is compared to (``nixl_raw``, ``vllm_nixl``); the multi-host tiers share a group
     with ``nixl_raw`` at the multi-host points. Other systems run alone.
     """
@@ -264,7 +268,7 @@ class _Run:
         self.device = device
         self.env = _environment(device)
         self.rows: list[report.Row] = []
-        default = [n for n in SYSTEMS if (n not in GPU_ONLY or device != "cpu")]
+        default = [n for n in SYSTEMS if n not in OPT_IN and (n not in GPU_ONLY or device != "cpu")]
         if not cfg["multi_host"]:
             default = [n for n in default if n not in MULTI_HOST]
         self.systems: list[str] = args.systems or default
@@ -317,14 +321,14 @@ class _Run:
         singles = [
             n for n in self.systems if n not in MULTI_HOST and (first or n not in NO_TRANSPORT)
         ]
-        tier = TIER in singles
+        tiers = [n for n in singles if n in TIERS]
         groups: list[list[str]] = []
         for name in singles:
-            if name == TIER:
+            if name in TIERS:
                 continue
-            groups.append([name, TIER] if tier and name in PAIRED else [name])
-        if tier and not any(TIER in g for g in groups):
-            groups.append([TIER])
+            groups.append([name, *tiers] if name in PAIRED else [name])
+        if tiers and not any(tiers[0] in g for g in groups):
+            groups.append(tiers)
         return groups
 
     def total(self) -> int:
@@ -588,6 +592,12 @@ def run(args: argparse.Namespace) -> int:
     bench.env["seconds"] = round(time.monotonic() - started, 1)
     rows = bench.rows + report.ratio_rows(bench.rows) + _placement_rows()
     print(report.render(rows))
+    verify = report_verify.verify_table(rows)
+    if verify:
+        print(
+            "\nVerification on (torch_kv_tier) vs off (torch_kv_tier_noverify), each against "
+            "nixl_raw:\nmedian [min-max] of the per-repeat ratios, the three interleaved\n" + verify
+        )
     print(
         f"\n{len(rows)} rows in {time.monotonic() - started:.1f} s; "
         f"load average (1/5/15 min) {_loads(bench.env['loadavg_start'])} at start, "

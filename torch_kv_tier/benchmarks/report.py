@@ -19,6 +19,7 @@ from typing import Any
 Row = dict[str, Any]
 
 TIER = "torch_kv_tier"
+NOVERIFY = "torch_kv_tier_noverify"  # the tier with verify=False (``report_verify``)
 MULTI_GROUP = "multi-host"
 # (reference, column label, interleaved with the tier?)
 RATIOS = (("nixl_raw", "raw", True), ("vllm_nixl", "vllm", True), ("memcpy", "memcpy", False))
@@ -201,7 +202,7 @@ def multi_host_table(rows: Iterable[Row]) -> str:
     """The tier over 1, 2 and 4 remote hosts against ``nixl_raw`` to one host, interleaved."""
     lines = []
     for r in sorted(
-        (r for r in rows if r["kind"] == "ratio" and r["system"] != TIER),
+        (r for r in rows if r["kind"] == "ratio" and r["system"] not in (TIER, NOVERIFY)),
         key=lambda r: (r["transport"] != "shm", r["op"] != "write", r["system"], *_group_key(r)),
     ):
         lines.append(
@@ -408,7 +409,7 @@ def render(rows: list[Row]) -> str:
             "What the tier adds over nixl_raw (median of paired repeats)",
             overhead_table(rows),
         ]
-    if any(r["kind"] == "ratio" and r["system"] != TIER for r in rows):
+    if any(r["kind"] == "ratio" and r["system"] not in (TIER, NOVERIFY) for r in rows):
         parts += [
             "",
             "The tier over several remote hosts vs nixl_raw to one",

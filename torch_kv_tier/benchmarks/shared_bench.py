@@ -16,9 +16,9 @@ private/nixl_raw, shared/private) are paired within a round and reported as medi
 min..max; after the rounds every system's bytes are verified. A tier repeat whose bytes the
 tier's own counters did not move (a store that sent nothing) ends its point as an error.
 
-Then, in this process: the cross-tier hit (bytes identical), ``lookup`` latency, staleness, and
-a SIGKILLed host (``shared_checks``). Exit status: 0 when every figure was measured and every
-byte verified, 1 otherwise, 2 for bad arguments.
+Then, in this process: the cross-tier hit (bytes identical), ``lookup`` and shared ``load``
+latency, staleness, and a SIGKILLed host (``shared_checks``). Exit status: 0 when every figure was
+measured and every byte verified, 1 otherwise, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -309,6 +309,12 @@ def _table(result: dict[str, Any]) -> str:
     ]
     for name, v in lk.items():
         lines.append(f"{name}: p50 {v['p50_us']:.1f} us, p99 {v['p99_us']:.1f} us")
+    ll = result["load_latency"]
+    lines.append(
+        f"shared load of {ll['keys_per_call']} keys x {hit['block_len'] >> 10}K (one call at a "
+        f"time, verified): p50 {ll['p50_us']:.0f} us, p99 {ll['p99_us']:.0f} us over "
+        f"{ll['samples']} calls"
+    )
     lines.append(
         f"staleness (A's store done -> B.contains): p50 {st['p50_us']:.0f} us, "
         f"p99 {st['p99_us']:.0f} us, max {st['max_us']:.0f} us over {st['samples']} stores; "

@@ -2,6 +2,8 @@
 
 - ``cross_tier_hit``: tier A stores N blocks, tier B (same namespace) loads them; bytes compared.
 - ``lookup_latency``: ``tier.lookup``/``tier.contains`` on the scheduler path, p50/p99.
+- ``load_latency``: one synchronous ``tier.load(...).result()`` of 16 stored keys from the
+  shared pool (tier B, keys stored by A, every digest checked), p50/p99, one call at a time.
 - ``staleness``: time from tier A's store future resolving to tier B's ``contains`` seeing the
   key (B polls, sleeping 20 us between polls so that its session thread gets the GIL).
 - ``host_kill``: one of several hosts SIGKILLed under a load of every key: time until every
@@ -68,8 +70,12 @@ def _wait_visible(tier: TierManager, keys: list[int], timeout_s: float) -> bool:
     return True
 
 
+LOAD_BATCH = 16  # keys per timed load of ``load_latency``
+
+
 def cross_tier_and_lookup(block_len: int, blocks: int, calls: int) -> dict[str, Any]:
-    """Cross-tier hit of ``blocks`` blocks, then ``calls`` lookups/contains on tier B."""
+    """Cross-tier hit of ``blocks`` blocks, then ``calls`` lookups/contains on tier B, then
+    ``calls // 10`` timed loads of ``LOAD_BATCH`` keys on tier B (``load_latency``)."""
     with _pair(block_len, blocks, 2 * blocks) as (a, b):
         a.arena.tensor.random_(0, 256)
         keys = list(range(1, blocks + 1))
@@ -100,7 +106,26 @@ def cross_tier_and_lookup(block_len: int, blocks: int, calls: int) -> dict[str, 
             "lookup_miss_32": _us(_time_calls(lambda: b.lookup(absent), calls)),
             "contains": _us(_time_calls(lambda: b.contains(keys[-1]), calls)),
         }
-        return {"cross_tier_hit": hit, "lookup": lookup}
+        return {
+            "cross_tier_hit": hit,
+            "lookup": lookup,
+            "load_latency": _load_latency(b, keys, max(1, calls // 10)),
+        }
+
+
+def _load_latency(tier: TierManager, keys: list[int], calls: int) -> dict[str, Any]:
+    """``calls`` synchronous loads of ``LOAD_BATCH`` stored keys (cycling through ``keys``)
+    into local blocks ``0 .. LOAD_BATCH - 1``; p50/p99 in µs. A load that is not ok fails."""
+    groups = [keys[i : i + LOAD_BATCH] for i in range(0, len(keys) - LOAD_BATCH + 1, LOAD_BATCH)]
+    local = list(range(LOAD_BATCH))
+    out = []
+    for i in range(calls):
+        t0 = time.perf_counter()
+        result = tier.load(groups[i % len(groups)], local).result(timeout=RESULT_TIMEOUT_S)
+        out.append(time.perf_counter() - t0)
+        if not result.ok:
+            raise RuntimeError(f"load latency: {Counter(result.failed.values())}")
+    return {"keys_per_call": LOAD_BATCH, **_us(out)}
 
 
 def _time_calls(fn: Callable[[], object], calls: int) -> list[float]:

@@ -10,6 +10,10 @@ reads load a stored key set. ``torch_kv_tier_2hosts``/``_4hosts`` spread the sam
 4 remote hosts (placement and one transfer per host per call), each host leasing 1.5 x its even
 share of the working set (keys do not split evenly).
 
+``torch_kv_tier_noverify`` is the same tier with ``verify=False`` (``TierManager``'s option for
+private peers): its stores compute no digests and its loads check none. Set beside
+``torch_kv_tier`` (the default, ``verify=True``), it prices verification.
+
 ``torch_kv_tier_staged`` (CUDA only) keeps the source blocks on the GPU and stages them through
 the tier's pinned host arena: a D2H copy before each store, an H2D copy after each load.
 """
@@ -35,12 +39,13 @@ class Tier(System):
 
     By default it leases a private range of each host (``connect(private=True, slots=...)``);
     ``shared=True`` joins each host's shared pool instead (``connect(address)``). ``hosts``
-    overrides the class's host count.
+    overrides the class's host count; ``verify`` (the tier's digests, default on) the class's.
     """
 
     name = "torch_kv_tier"
     remote_layout = "system"
     hosts = 1
+    verify = True
 
     def __init__(
         self,
@@ -49,17 +54,23 @@ class Tier(System):
         arena_device: str | None = None,
         hosts: int | None = None,
         shared: bool = False,
+        verify: bool | None = None,
     ) -> None:
         from torch_kv_tier.manager import TierManager
         from torch_kv_tier.remote.client import HandshakeRejected
 
         self.hosts = hosts or self.hosts
+        self.verify = self.verify if verify is None else verify
         addresses = [target.require_address(), *target.more_addresses][: self.hosts]
         if len(addresses) < self.hosts:
             raise Skip(f"needs {self.hosts} remote hosts, this point has {len(addresses)}")
         device = arena_device or target.device
         self._tm: Any = TierManager.create(
-            target.local_slots, target.block_len, device=device, name="bench-tier"
+            target.local_slots,
+            target.block_len,
+            device=device,
+            name="bench-tier",
+            verify=self.verify,
         )
         try:
             # The working set plus the target's slack (calls in flight complete out of order);
@@ -116,6 +127,13 @@ class Tier(System):
 
     def close(self) -> None:
         self._tm.close()
+
+
+class TierNoVerify(Tier):
+    """The tier with ``verify=False``: no digests on its private lease's stores and loads."""
+
+    name = "torch_kv_tier_noverify"
+    verify = False
 
 
 class TierOver2Hosts(Tier):
