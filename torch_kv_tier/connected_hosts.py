@@ -123,8 +123,15 @@ class ConnectedHosts:
 
     def _redial(self, dial: Dial) -> None:
         """The redialer's ``dial`` (unlocked): connect a lost host again, unless the user
-        removed it meanwhile (then the new session ends at once)."""
-        peer_id = self._connect(dial)
+        removed it meanwhile (then the new session ends at once, and the releases a failed
+        handshake of this attempt took back still go out)."""
+        try:
+            peer_id = self._connect(dial)
+        except BaseException:
+            with self._lock:
+                if self._removed.get(dial.address) is dial:
+                    self._send_releases(dial.address)
+            raise
         with self._lock:
             removed = self._removed.get(dial.address) is dial
             if removed:

@@ -8,8 +8,9 @@ itself with SIGSTOP while they are in flight. The parent waits until every threa
 stopped, then tier B (this process) takes the same slots (retrying ``no free slots``), stores
 its keys (each block ``0xBB`` with its key's number in front; ``capacity`` is retried) until all
 are stored or the freeze is nearly over. A stays frozen for ``freeze_s``, longer than every
-timeout (the lease timeout, A's heartbeat timeout), then gets SIGCONT: its posted writes go on, it posts more, and it reports
-once every future of its settled and its transport is quiet. B then loads every key it stored.
+timeout (the lease timeout, A's heartbeat timeout), then gets SIGCONT: its posted writes go on,
+it posts more, and it reports once every future of its settled and its transport is quiet. B
+then loads every key it stored.
 
 What must hold (``Outcome.problems`` otherwise):
 

@@ -241,8 +241,9 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
             # slack) per process, twice (the last point's may still be on their way back).
             private = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
             # A shared host holds every process's grants (and those of sessions that ended with
-            # writes in flight, until released), and evicts beyond that: twice the private pool. The grant cap (default: a sixteenth of the pool, sized for pools
-            # of gigabytes) is a sixteenth per process, but at least twice the blocks in flight.
+            # writes in flight, until released), and evicts beyond that: twice the private
+            # pool. The grant cap (default: a sixteenth of the pool, sized for pools of
+            # gigabytes) is a sixteenth per process, but at least twice the blocks in flight.
             shared = 2 * private
             max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, shared // (16 * max_tiers)))
             pools = [shared] * max_hosts + [private] * max_hosts
