@@ -59,11 +59,14 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.vllm import tier_sizing
+from torch_kv_tier.integrations.vllm.admission import PromotionAdmission
 from torch_kv_tier.integrations.vllm.reconnect import Reconnector
 from torch_kv_tier.integrations.vllm.tier_config import (
     RemoteHostTierConfig,
@@ -95,6 +98,8 @@ class RemoteHostMetrics:
     INFLIGHT_TRANSFERS = "torch_kv_tier_inflight_transfers"
     FAILED_TRANSFERS = "torch_kv_tier_failed_transfers"
     EVICTED_CHUNKS = "torch_kv_tier_evicted_chunks"
+    REFUSED_PROMOTIONS = "torch_kv_tier_refused_promotions"
+    LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
     LABEL = "remote"
 
 
@@ -153,6 +158,8 @@ class RemoteHostTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._last_stats: dict[str, int] = {}
+        rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        self._admission = PromotionAdmission(tier_sizing.promotion_budget(rows))
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
         self._reconnector: Reconnector | None = None
@@ -169,9 +176,16 @@ class RemoteHostTier(SecondaryTierManager):
             raise
         logger.info(
             "RemoteHostTier ready: %d chunks of %d bytes, remote host(s) %s",
-            primary_kv_view.shape[0] if primary_kv_view.shape else 0,
+            rows,
             self.block_size_bytes,
             ", ".join(config.remotes),
+        )
+        tier_sizing.log_spec_sizing(
+            offloading_spec,
+            rows,
+            self.block_size_bytes,
+            config.expected_concurrency,
+            config.expected_prefix_tokens,
         )
 
     # ------------------------------------------------------------------
@@ -184,17 +198,22 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when a completed copy of ``key`` is on a remote host, RETRY while a store of it
-        to this tier is still in flight, else MISS; from local state only (no network).
+        """HIT when a completed copy of ``key`` is on a remote host and its promotion is
+        admitted, RETRY while a store of it to this tier is still in flight, else MISS; from
+        local state only (no network).
 
-        A key whose promotion already failed for this request is a MISS for the rest of the
-        request, so vLLM recomputes it instead of retrying the promotion forever.
+        A HIT makes vLLM promote the chunk into its CPU primary tier, so it is answered only
+        within :class:`PromotionAdmission`'s budget, and once per request and scheduling
+        attempt: a MISS instead ends the request's prefix there and it recomputes the rest at
+        once. A key whose promotion already failed for this request is a MISS for the rest of
+        the request, so vLLM recomputes it instead of retrying the promotion forever.
         """
         failed = self._failed_keys.get(req_context.req_id)
         if failed is not None and key in failed:
             return LookupResult.MISS
         if self._tier.contains(key):
-            return LookupResult.HIT
+            admitted = self._admission.admit(req_context.req_id, key)
+            return LookupResult.HIT if admitted else LookupResult.MISS
         return LookupResult.RETRY if key in self._storing else LookupResult.MISS
 
     @override
@@ -210,6 +229,7 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's keys into its primary rows; returns at once (result later)."""
+        self._admission.on_submitted(job_metadata.req_context.req_id, job_metadata.keys)
         self._submit(job_metadata, self._tier.load)
 
     @override
@@ -238,6 +258,16 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_keys.pop(req_context.req_id, None)
+        self._admission.release(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Release the admission budget of requests scheduled (their promoted chunks are now
+        pinned for loading) or preempted this step, and of promotions vLLM could not
+        allocate."""
+        for req_id in context.preempted_req_ids:
+            self._admission.release(req_id)
+        self._admission.end_step(context.new_req_ids)
 
     @override
     def drain_jobs(self) -> None:
@@ -303,6 +333,16 @@ class RemoteHostTier(SecondaryTierManager):
             RemoteHostMetrics.EVICTED_CHUNKS: OffloadingCounterMetadata(
                 documentation="Chunks evicted from remote hosts to make room.", labelnames=labels
             ),
+            RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
+                documentation="Remote hits answered MISS because the CPU tier's promotion "
+                "budget was full.",
+                labelnames=labels,
+            ),
+            RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
+                documentation="Promised chunks vLLM's CPU tier lost before their request used "
+                "them (allocation failed, or evicted); answered MISS, never read again.",
+                labelnames=labels,
+            ),
         }
 
     @override
@@ -311,6 +351,9 @@ class RemoteHostTier(SecondaryTierManager):
         if self._manager is None:
             return None
         snapshot = _stats_snapshot(self._manager)
+        admission = self._admission.stats
+        snapshot[RemoteHostMetrics.REFUSED_PROMOTIONS] = admission.refused_budget
+        snapshot[RemoteHostMetrics.LOST_PROMOTIONS] = admission.refused_repeat
         stats = OffloadingConnectorStats()
         for name in _GAUGES:
             stats.set_gauge(name, snapshot[name], self._label)
@@ -431,6 +474,8 @@ class RemoteHostTier(SecondaryTierManager):
             )
             self._ready.append(JobResult(job.job_id, False))
             self._record_failed_promotion(job.req_context, keys, job.is_promotion)
+            if job.is_promotion:
+                self._admission.on_read(job.req_context.req_id, keys)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
         if not job.is_promotion:
@@ -443,7 +488,9 @@ class RemoteHostTier(SecondaryTierManager):
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
-        if not job.is_promotion:
+        if job.is_promotion:
+            self._admission.on_read(job.req_context.req_id, job.keys)
+        else:
             self._storing.subtract(job.keys)
             for key in job.keys:
                 if self._storing[key] <= 0:
@@ -543,7 +590,12 @@ _GAUGES = (
     RemoteHostMetrics.CONNECTED_REMOTES,
     RemoteHostMetrics.INFLIGHT_TRANSFERS,
 )
-_COUNTERS = (RemoteHostMetrics.FAILED_TRANSFERS, RemoteHostMetrics.EVICTED_CHUNKS)
+_COUNTERS = (
+    RemoteHostMetrics.FAILED_TRANSFERS,
+    RemoteHostMetrics.EVICTED_CHUNKS,
+    RemoteHostMetrics.REFUSED_PROMOTIONS,
+    RemoteHostMetrics.LOST_PROMOTIONS,
+)
 
 
 def _stats_snapshot(manager: TierManager) -> dict[str, int]:
