@@ -44,6 +44,7 @@ from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E402
 from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
+from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
@@ -157,12 +158,19 @@ class Driver:
         self.run_until_idle()
         return self.lookup(ctx, keys)
 
-    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
-        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
-        the GPU then loads for them."""
+    def arrive(self, req_id: str) -> ReqContext:
+        """A new request, and the scheduler step it arrived in (in which the tier holds its
+        promotions back, to see the whole burst it may be part of)."""
         ctx = ReqContext(req_id=req_id)
         with self.manager.lock:
             self.manager.on_new_request(ctx)
+        self.step()
+        return ctx
+
+    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
+        the GPU then loads for them."""
+        ctx = self.arrive(req_id)
         assert self.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
         loaded = self.loaded_bytes(ctx, keys)
         with self.manager.lock:
@@ -293,9 +301,7 @@ def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> Non
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 4)
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
+        ctx = driver.arrive("req-c")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
         # The remote copy of one chunk disappears between the HIT and the promotion.
         driver.tier.tier_manager.discard([keys[2]])
@@ -325,6 +331,7 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
             manager.reset_cache()  # asserts that no job is left unreported
             if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
                 manager.on_reset_flushed()
+        driver.step()  # a later request: nothing prefills any more
         assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
@@ -339,9 +346,7 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         keys = offload_then_evict(driver, 4)
         with manager.lock:
             manager.take_events()
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
+        ctx = driver.arrive("req-c")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
         stop_process(tcp_server.proc.pid)  # the read cannot complete...
         driver.step()  # ...once the promotion is submitted,
@@ -529,13 +534,6 @@ def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines(
 BUDGET = tier_sizing.promotion_budget(PRIMARY_CHUNKS)
 
 
-def new_request(driver: Driver, req_id: str) -> ReqContext:
-    ctx = ReqContext(req_id=req_id)
-    with driver.manager.lock:
-        driver.manager.on_new_request(ctx)
-    return ctx
-
-
 def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first(
     server: ServerProcess,
 ) -> None:
@@ -547,20 +545,46 @@ def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first
     try:
         keys = offload_then_evict(driver, PRIMARY_CHUNKS)
         first, second = keys[:BUDGET], keys[BUDGET:]
-        ctx_1, ctx_2 = new_request(driver, "req-1"), new_request(driver, "req-2")
+        ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
         assert driver.lookup(ctx_1, first) == [LookupResult.HIT_PENDING] * BUDGET
         assert driver.lookup(ctx_2, second[:1]) == [LookupResult.MISS]  # budget spent
         driver.run_until_idle()  # the reads landed: the budget is free for the next request
         assert driver.lookup(ctx_1, first) == [LookupResult.HIT] * BUDGET
         assert driver.loaded_bytes(ctx_1, first) == [driver.written[k] for k in first]
         driver.step(scheduled=["req-1"])
-        ctx_3 = new_request(driver, "req-3")
+        ctx_3 = driver.arrive("req-3")
         assert driver.promote(ctx_3, second) == [LookupResult.HIT] * len(second)
         assert driver.loaded_bytes(ctx_3, second) == [driver.written[k] for k in second]
         data = driver.metrics()
         assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
         assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 1
         for ctx in (ctx_1, ctx_2, ctx_3):
+            with manager.lock:
+                manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
+    server: ServerProcess,
+) -> None:
+    """Two waiting requests whose expected prefixes (4 chunks each) together exceed what the
+    CPU tier may promote (4): both recompute (MISS on their first chunk), so neither waits
+    three steps for a promotion while the other's prefill fills them; once one is scheduled,
+    the last one fits and is promoted."""
+    spec, manager = make_manager(server.address, expected_prefix_tokens=BUDGET * 16)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
+        assert driver.lookup(ctx_1, keys[:1]) == [LookupResult.MISS]
+        assert driver.lookup(ctx_2, keys[:1]) == [LookupResult.MISS]
+        driver.step(scheduled=["req-1"])  # req-1 recomputes; req-2 is alone in the queue
+        assert driver.promote(ctx_2, keys) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx_2, keys) == [driver.written[k] for k in keys]
+        data = driver.metrics()
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 2
+        for ctx in (ctx_1, ctx_2):
             with manager.lock:
                 manager.on_request_finished(ctx)
     finally:
@@ -575,7 +599,7 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(server: ServerProc
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, BUDGET)
-        ctx = new_request(driver, "req-1")
+        ctx = driver.arrive("req-1")
         assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
         # The request is not scheduled yet; what vLLM stores meanwhile evicts its chunks.
         evicted = driver.store("req-other", keys_for("other", PRIMARY_CHUNKS))
@@ -602,10 +626,10 @@ def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 2)
-        writer = new_request(driver, "req-writing")
+        writer = driver.arrive("req-writing")
         with manager.lock:  # GPU -> CPU stores in flight fill the whole CPU tier
             assert manager.prepare_store(keys_for("pending", PRIMARY_CHUNKS), writer) is not None
-        ctx = new_request(driver, "req-1")
+        ctx = driver.arrive("req-1")
         assert driver.lookup(ctx, keys) == [LookupResult.MISS, LookupResult.MISS]
         driver.step()
         assert driver.tier._admission.held == 0
@@ -645,3 +669,24 @@ def test_startup_sizing_names_the_cpu_bytes_to_use(
     else:
         (message,) = warnings
         assert warns in message and f">= {need}" in message
+
+
+def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill() -> None:
+    """The two gates before a request's first promotion, without vLLM: a request is held
+    (RETRY) in the step it arrived in; a request while vLLM stores newly computed chunks
+    (others prefill) recomputes (MISS); and a key promised once is never promised again."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    admission.on_new_request("a")
+    assert admission.admit("a", b"k0") is Verdict.RETRY
+    admission.end_step(scheduled=(), preempted=())
+    admission.on_stored(2)  # half a 4-chunk prefix of new KV: something prefills
+    assert admission.admit("a", b"k0") is Verdict.MISS
+    admission.end_step(scheduled=(), preempted=())
+    admission.end_step(scheduled=(), preempted=())  # two quiet steps later
+    assert admission.admit("a", b"k0") is Verdict.HIT
+    admission.on_submitted("a", [b"k0"])
+    admission.on_read("a", [b"k0"])
+    assert admission.held == 0
+    assert admission.admit("a", b"k0") is Verdict.MISS  # lost before use: not read again
+    admission.end_step(scheduled=("a",), preempted=())
+    assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1

@@ -66,7 +66,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.vllm import tier_sizing
-from torch_kv_tier.integrations.vllm.admission import PromotionAdmission
+from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict
 from torch_kv_tier.integrations.vllm.reconnect import Reconnector
 from torch_kv_tier.integrations.vllm.tier_config import (
     RemoteHostTierConfig,
@@ -159,7 +159,10 @@ class RemoteHostTier(SecondaryTierManager):
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._last_stats: dict[str, int] = {}
         rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
-        self._admission = PromotionAdmission(tier_sizing.promotion_budget(rows))
+        tokens_per_chunk = tier_sizing.tokens_per_chunk(offloading_spec)
+        self._admission = PromotionAdmission(
+            tier_sizing.promotion_budget(rows), tokens_per_chunk, config.expected_prefix_tokens
+        )
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
         self._reconnector: Reconnector | None = None
@@ -180,12 +183,12 @@ class RemoteHostTier(SecondaryTierManager):
             self.block_size_bytes,
             ", ".join(config.remotes),
         )
-        tier_sizing.log_spec_sizing(
-            offloading_spec,
+        tier_sizing.log_startup_sizing(
             rows,
             self.block_size_bytes,
-            config.expected_concurrency,
+            tokens_per_chunk,
             config.expected_prefix_tokens,
+            config.expected_concurrency,
         )
 
     # ------------------------------------------------------------------
@@ -194,26 +197,25 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._admission.on_new_request(req_context.req_id)
         return RequestOffloadingContext()
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when a completed copy of ``key`` is on a remote host and its promotion is
-        admitted, RETRY while a store of it to this tier is still in flight, else MISS; from
+        """For a completed copy of ``key`` on a remote host, what :class:`PromotionAdmission`
+        decides (HIT: promote it; RETRY: the request arrived in this step; MISS: recompute
+        from here); RETRY while a store of it to this tier is still in flight; else MISS. From
         local state only (no network).
 
-        A HIT makes vLLM promote the chunk into its CPU primary tier, so it is answered only
-        within :class:`PromotionAdmission`'s budget, and once per request and scheduling
-        attempt: a MISS instead ends the request's prefix there and it recomputes the rest at
-        once. A key whose promotion already failed for this request is a MISS for the rest of
-        the request, so vLLM recomputes it instead of retrying the promotion forever.
+        A key whose promotion already failed for this request is a MISS for the rest of the
+        request, so vLLM recomputes it instead of retrying the promotion forever.
         """
         failed = self._failed_keys.get(req_context.req_id)
         if failed is not None and key in failed:
             return LookupResult.MISS
+        self._admission.observe(req_context.req_id, req_context.get_offload_key_position(key))
         if self._tier.contains(key):
-            admitted = self._admission.admit(req_context.req_id, key)
-            return LookupResult.HIT if admitted else LookupResult.MISS
+            return _LOOKUP[self._admission.admit(req_context.req_id, key)]
         return LookupResult.RETRY if key in self._storing else LookupResult.MISS
 
     @override
@@ -224,6 +226,10 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Send the job's primary rows to the remote hosts; returns at once (result later)."""
+        ctx = job_metadata.req_context
+        for key in job_metadata.keys:
+            self._admission.observe(ctx.req_id, ctx.get_offload_key_position(key))
+        self._admission.on_stored(len(job_metadata.keys))
         self._submit(job_metadata, self._tier.store)
 
     @override
@@ -258,16 +264,13 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_keys.pop(req_context.req_id, None)
-        self._admission.release(req_context.req_id)
+        self._admission.finish(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        """Release the admission budget of requests scheduled (their promoted chunks are now
-        pinned for loading) or preempted this step, and of promotions vLLM could not
-        allocate."""
-        for req_id in context.preempted_req_ids:
-            self._admission.release(req_id)
-        self._admission.end_step(context.new_req_ids)
+        """Tell admission which requests this step scheduled or preempted (and so which
+        promotions vLLM could not allocate)."""
+        self._admission.end_step(context.new_req_ids, context.preempted_req_ids)
 
     @override
     def drain_jobs(self) -> None:
@@ -334,8 +337,9 @@ class RemoteHostTier(SecondaryTierManager):
                 documentation="Chunks evicted from remote hosts to make room.", labelnames=labels
             ),
             RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
-                documentation="Remote hits answered MISS because the CPU tier's promotion "
-                "budget was full.",
+                documentation="Remote hits answered MISS (recompute) because other requests "
+                "were prefilling, the CPU tier could not take every waiting request's prefix, "
+                "or its budget for reads in flight was full.",
                 labelnames=labels,
             ),
             RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
@@ -352,7 +356,9 @@ class RemoteHostTier(SecondaryTierManager):
             return None
         snapshot = _stats_snapshot(self._manager)
         admission = self._admission.stats
-        snapshot[RemoteHostMetrics.REFUSED_PROMOTIONS] = admission.refused_budget
+        snapshot[RemoteHostMetrics.REFUSED_PROMOTIONS] = (
+            admission.refused_busy + admission.refused_pressure + admission.refused_budget
+        )
         snapshot[RemoteHostMetrics.LOST_PROMOTIONS] = admission.refused_repeat
         stats = OffloadingConnectorStats()
         for name in _GAUGES:
@@ -583,6 +589,12 @@ class RemoteHostTier(SecondaryTierManager):
         if flat is not None:
             flat.release()
 
+
+_LOOKUP = {
+    Verdict.HIT: LookupResult.HIT,
+    Verdict.RETRY: LookupResult.RETRY,
+    Verdict.MISS: LookupResult.MISS,
+}
 
 _GAUGES = (
     RemoteHostMetrics.STORED_CHUNKS,

@@ -75,8 +75,10 @@ class RemoteHostTierConfig:
         connect_timeout_s: how long one handshake with a remote host may take.
         expected_concurrency: concurrent requests the startup sizing check
             (:mod:`~torch_kv_tier.integrations.vllm.tier_sizing`) sizes the CPU tier for.
-        expected_prefix_tokens: prefix length that check assumes; ``None``: vLLM's
-            ``max_model_len``.
+        expected_prefix_tokens: prefix length one request is assumed to promote, by that
+            check and by admission's test whether the CPU tier can take every waiting
+            request's prefix (:mod:`~torch_kv_tier.integrations.vllm.admission`); ``None``:
+            no startup check, and admission uses the longest recent prompt.
     """
 
     remotes: tuple[str, ...]

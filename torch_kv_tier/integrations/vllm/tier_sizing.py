@@ -12,8 +12,7 @@ remote host, pinned there). The rule, per concurrently promoted request::
 
 A smaller tier stays correct: the requests that do not fit are recomputed at once (their
 lookups answer MISS), they just gain nothing from the remote host. Pure functions, plus
-:func:`log_spec_sizing` for the tier's constructor (which reads vLLM's ``max_model_len`` when
-it runs inside vLLM's config context, and imports vLLM only for that).
+:func:`tokens_per_chunk` for vLLM's offloading spec; no vLLM import.
 """
 
 from __future__ import annotations
@@ -57,12 +56,23 @@ def log_startup_sizing(
     primary_chunks: int,
     chunk_bytes: int,
     tokens_per_chunk: int,
-    prefix_tokens: int,
+    prefix_tokens: int | None,
     concurrency: int,
-) -> bool:
+) -> bool | None:
     """Log what this CPU tier promotes at once for ``concurrency`` requests of
     ``prefix_tokens``-token prefixes; warn, with the size to use, when it cannot serve them
-    all, or not one. Returns whether the size suffices for ``concurrency``."""
+    all, or not one. Returns whether the size suffices for ``concurrency`` (``None``, and
+    only the tier's size logged, when ``prefix_tokens`` is not configured)."""
+    if prefix_tokens is None:
+        logger.info(
+            "RemoteHostTier sizing: the CPU primary tier holds %d chunks of %d tokens, "
+            "promotions up to %d; set expected_prefix_tokens (and expected_concurrency) to "
+            "have the size checked",
+            primary_chunks,
+            tokens_per_chunk,
+            promotion_budget(primary_chunks),
+        )
+        return None
     fits = concurrent_prefixes(primary_chunks, prefix_tokens, tokens_per_chunk)
     need = recommended_cpu_bytes(concurrency, prefix_tokens, tokens_per_chunk, chunk_bytes)
     have = primary_chunks * chunk_bytes
@@ -107,42 +117,19 @@ def log_startup_sizing(
     return fits >= concurrency
 
 
-def log_spec_sizing(
-    spec: Any,
-    primary_chunks: int,
-    chunk_bytes: int,
-    concurrency: int,
-    prefix_tokens: int | None,
-) -> bool | None:
-    """:func:`log_startup_sizing` for vLLM's offloading ``spec`` (tokens per chunk from its
-    block size and ``blocks_per_chunk``); ``prefix_tokens`` ``None``: vLLM's
-    ``max_model_len``. Returns ``None`` (and only logs that) when either is unknown."""
-    tokens_per_block = getattr(spec, "tokens_per_block", None) or (0,)
-    tokens_per_chunk = int(tokens_per_block[0]) * int(getattr(spec, "blocks_per_chunk", 1))
-    prefix = prefix_tokens or _max_model_len()
-    if tokens_per_chunk <= 0 or not prefix:
-        logger.info("RemoteHostTier sizing: prefix length unknown; no sizing check")
-        return None
-    return log_startup_sizing(primary_chunks, chunk_bytes, tokens_per_chunk, prefix, concurrency)
-
-
-def _max_model_len() -> int | None:
-    """vLLM's ``max_model_len`` when this runs inside its config context (engine start)."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:
-        return None
-    model = getattr(get_current_vllm_config_or_none(), "model_config", None)
-    length = getattr(model, "max_model_len", None)
-    return int(length) if length else None
+def tokens_per_chunk(spec: Any) -> int:
+    """Tokens one chunk of vLLM's offloading ``spec`` holds (block size x
+    ``blocks_per_chunk``; 1 when the spec does not say)."""
+    tokens_per_block = getattr(spec, "tokens_per_block", None) or (1,)
+    return max(1, int(tokens_per_block[0]) * int(getattr(spec, "blocks_per_chunk", 1)))
 
 
 __all__ = [
     "PROMOTION_SHARE",
     "chunks_per_prefix",
     "concurrent_prefixes",
-    "log_spec_sizing",
     "log_startup_sizing",
     "promotion_budget",
     "recommended_cpu_bytes",
+    "tokens_per_chunk",
 ]
