@@ -676,13 +676,14 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     (RETRY) in the step it arrived in; a request while vLLM stores newly computed chunks
     (others prefill) recomputes (MISS); and a key promised once is never promised again."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
-    admission.on_new_request("a")
-    assert admission.admit("a", b"k0") is Verdict.RETRY
-    admission.end_step(scheduled=(), preempted=())
     admission.on_stored(2)  # half a 4-chunk prefix of new KV: something prefills
-    assert admission.admit("a", b"k0") is Verdict.MISS
+    admission.on_new_request("a")
+    assert admission.admit("a", b"k0") is Verdict.MISS  # recompute now, not a step later
     admission.end_step(scheduled=(), preempted=())
     admission.end_step(scheduled=(), preempted=())  # two quiet steps later
+    admission.on_new_request("b")
+    assert admission.admit("b", b"k0") is Verdict.RETRY  # arrived in this step
+    admission.end_step(scheduled=(), preempted=())
     assert admission.admit("a", b"k0") is Verdict.HIT
     admission.on_submitted("a", [b"k0"])
     admission.on_read("a", [b"k0"])

