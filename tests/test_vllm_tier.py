@@ -43,6 +43,8 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E402
+from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
+from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
@@ -56,13 +58,17 @@ STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
 def make_manager(
-    remote: Any, *, kv_events: bool = False, **tier_options: Any
+    remote: Any,
+    *,
+    kv_events: bool = False,
+    primary_chunks: int = PRIMARY_CHUNKS,
+    **tier_options: Any,
 ) -> tuple[Any, TieringOffloadingManager]:
     """The spec and the TieringOffloadingManager vLLM would build for this extra config; the
     tier leases :data:`PRIVATE_LEASE` unless ``tier_options`` say otherwise."""
     extra_config = {
         "spec_name": "TieringOffloadingSpec",
-        "cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
+        "cpu_bytes_to_use": primary_chunks * CHUNK_BYTES,
         "secondary_tiers": [
             {
                 "type": "RemoteHostTier",
@@ -128,9 +134,11 @@ class Driver:
         with self.manager.lock:
             return [self.manager.lookup(key, ctx) for key in keys]
 
-    def step(self) -> None:
+    def step(self, scheduled: Sequence[str] = ()) -> None:
+        """End a scheduler step; ``scheduled``: the requests it scheduled (vLLM's new ones)."""
+        context = ScheduleEndContext(new_req_ids=list(scheduled), preempted_req_ids=())
         with self.manager.lock:
-            self.manager.on_schedule_end(STEP)
+            self.manager.on_schedule_end(context if scheduled else STEP)
 
     def run_until_idle(self, timeout: float = 20.0) -> float:
         """Step while the manager has pending work; fail the test if it never settles."""
@@ -150,12 +158,19 @@ class Driver:
         self.run_until_idle()
         return self.lookup(ctx, keys)
 
-    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
-        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
-        the GPU then loads for them."""
+    def arrive(self, req_id: str) -> ReqContext:
+        """A new request, and the scheduler step it arrived in (in which the tier holds its
+        promotions back, to see the whole burst it may be part of)."""
         ctx = ReqContext(req_id=req_id)
         with self.manager.lock:
             self.manager.on_new_request(ctx)
+        self.step()
+        return ctx
+
+    def promote_request(self, req_id: str, keys: Sequence[OffloadKey]) -> list[bytes]:
+        """A new request whose prefix is ``keys``: every key must promote (a HIT); returns what
+        the GPU then loads for them."""
+        ctx = self.arrive(req_id)
         assert self.promote(ctx, keys) == [LookupResult.HIT] * len(keys)
         loaded = self.loaded_bytes(ctx, keys)
         with self.manager.lock:
@@ -286,9 +301,7 @@ def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> Non
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 4)
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
+        ctx = driver.arrive("req-c")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
         # The remote copy of one chunk disappears between the HIT and the promotion.
         driver.tier.tier_manager.discard([keys[2]])
@@ -312,12 +325,13 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
     spec, manager = make_manager(server.address)
     driver = Driver(manager)
     try:
-        keys = keys_for("prefix", 6)
+        keys = keys_for("prefix", PRIMARY_CHUNKS // 2)  # what the tier may promote at once
         driver.store("req-a", keys)  # cascades submitted, not yet collected
         with manager.lock:
             manager.reset_cache()  # asserts that no job is left unreported
             if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 holds promotions until then
                 manager.on_reset_flushed()
+        driver.step()  # a later request: nothing prefills any more
         assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
@@ -332,9 +346,7 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         keys = offload_then_evict(driver, 4)
         with manager.lock:
             manager.take_events()
-        ctx = ReqContext(req_id="req-c")
-        with manager.lock:
-            manager.on_new_request(ctx)
+        ctx = driver.arrive("req-c")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
         stop_process(tcp_server.proc.pid)  # the read cannot complete...
         driver.step()  # ...once the promotion is submitted,
@@ -517,3 +529,165 @@ def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines(
         assert default_config_fields(other, 65536) != same
     assert default_config_fields(spec("llama"), 32768) != same
     assert default_config_fields(SimpleNamespace(), 4096) == {"chunk_bytes": "4096"}
+
+
+BUDGET = tier_sizing.promotion_budget(PRIMARY_CHUNKS)
+
+
+def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first(
+    server: ServerProcess,
+) -> None:
+    """Two requests whose prefixes together exceed what the CPU tier may promote: the first
+    gets its leading chunks, the second a MISS on its first chunk (so vLLM recomputes it at
+    once instead of waiting), and once the first is scheduled the budget serves the next."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, PRIMARY_CHUNKS)
+        first, second = keys[:BUDGET], keys[BUDGET:]
+        ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
+        assert driver.lookup(ctx_1, first) == [LookupResult.HIT_PENDING] * BUDGET
+        assert driver.lookup(ctx_2, second[:1]) == [LookupResult.MISS]  # budget spent
+        driver.run_until_idle()  # the reads landed: the budget is free for the next request
+        assert driver.lookup(ctx_1, first) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx_1, first) == [driver.written[k] for k in first]
+        driver.step(scheduled=["req-1"])
+        ctx_3 = driver.arrive("req-3")
+        assert driver.promote(ctx_3, second) == [LookupResult.HIT] * len(second)
+        assert driver.loaded_bytes(ctx_3, second) == [driver.written[k] for k in second]
+        data = driver.metrics()
+        assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 1
+        for ctx in (ctx_1, ctx_2, ctx_3):
+            with manager.lock:
+                manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
+    server: ServerProcess,
+) -> None:
+    """Two waiting requests whose expected prefixes (4 chunks each) together exceed what the
+    CPU tier may promote (4): both recompute (MISS on their first chunk), so neither waits
+    three steps for a promotion while the other's prefill fills them; once one is scheduled,
+    the last one fits and is promoted."""
+    spec, manager = make_manager(server.address, expected_prefix_tokens=BUDGET * 16)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
+        assert driver.lookup(ctx_1, keys[:1]) == [LookupResult.MISS]
+        assert driver.lookup(ctx_2, keys[:1]) == [LookupResult.MISS]
+        driver.step(scheduled=["req-1"])  # req-1 recomputes; req-2 is alone in the queue
+        assert driver.promote(ctx_2, keys) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx_2, keys) == [driver.written[k] for k in keys]
+        data = driver.metrics()
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 2
+        for ctx in (ctx_1, ctx_2):
+            with manager.lock:
+                manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_promoted_chunk_lost_before_use_is_never_read_again(server: ServerProcess) -> None:
+    """A promoted chunk that vLLM's CPU tier evicts before its request is scheduled is a MISS
+    when the request looks it up again: the request recomputes from there, the tier does not
+    read the chunk a second time (under load that re-read looped, step after step)."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx = driver.arrive("req-1")
+        assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
+        # The request is not scheduled yet; what vLLM stores meanwhile evicts its chunks.
+        evicted = driver.store("req-other", keys_for("other", PRIMARY_CHUNKS))
+        assert set(keys) <= set(evicted)
+        assert driver.lookup(ctx, keys[:1]) == [LookupResult.MISS]
+        driver.run_until_idle()
+        data = driver.metrics()
+        assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == BUDGET * CHUNK_BYTES
+        assert data[RemoteHostMetrics.LOST_PROMOTIONS][(server.address,)] == 1
+        with manager.lock:
+            manager.on_request_finished(ctx)
+        assert driver.promote_request("req-2", keys) == [driver.written[k] for k in keys]
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
+    server: ServerProcess,
+) -> None:
+    """With the CPU tier full of chunks vLLM is still writing, a remote hit cannot be allocated:
+    vLLM answers MISS, and the tier keeps it a MISS for that request (no read, no deferral),
+    and gives the budget back at the end of the step."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, 2)
+        writer = driver.arrive("req-writing")
+        with manager.lock:  # GPU -> CPU stores in flight fill the whole CPU tier
+            assert manager.prepare_store(keys_for("pending", PRIMARY_CHUNKS), writer) is not None
+        ctx = driver.arrive("req-1")
+        assert driver.lookup(ctx, keys) == [LookupResult.MISS, LookupResult.MISS]
+        driver.step()
+        assert driver.tier._admission.held == 0
+        assert driver.lookup(ctx, keys[:1]) == [LookupResult.MISS]
+        data = driver.metrics()
+        assert TieringOffloadingMetrics.READ_BYTES not in data
+    finally:
+        driver.shutdown(spec)
+
+
+@pytest.mark.parametrize(
+    ("primary_chunks", "concurrency", "warns"),
+    [(16, 4, "can never promote"), (2048, 16, "promotes only"), (4096, 16, None)],
+)
+def test_startup_sizing_names_the_cpu_bytes_to_use(
+    server: ServerProcess,
+    caplog: pytest.LogCaptureFixture,
+    primary_chunks: int,
+    concurrency: int,
+    warns: str | None,
+) -> None:
+    """2000-token prefixes of 16-token chunks need 125 chunks each, promotions half the tier:
+    4 concurrent ones need 1000 chunks; 16 need 4000."""
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.integrations.vllm.tier_sizing")
+    extra = {"expected_concurrency": concurrency, "expected_prefix_tokens": 2000}
+    spec, manager = make_manager(server.address, **extra, primary_chunks=primary_chunks)
+    Driver(manager).shutdown(spec)
+    need = tier_sizing.recommended_cpu_bytes(concurrency, 2000, 16, CHUNK_BYTES)
+    assert need >= concurrency * 125 * 2 * CHUNK_BYTES
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name == tier_sizing.__name__
+    ]
+    if warns is None:
+        assert not warnings
+    else:
+        (message,) = warnings
+        assert warns in message and f">= {need}" in message
+
+
+def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill() -> None:
+    """The two gates before a request's first promotion, without vLLM: a request is held
+    (RETRY) in the step it arrived in; a request while vLLM stores newly computed chunks
+    (others prefill) recomputes (MISS); and a key promised once is never promised again."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    admission.on_stored(2)  # half a 4-chunk prefix of new KV: something prefills
+    admission.on_new_request("a")
+    assert admission.admit("a", b"k0") is Verdict.MISS  # recompute now, not a step later
+    admission.end_step(scheduled=(), preempted=())
+    admission.end_step(scheduled=(), preempted=())  # two quiet steps later
+    admission.on_new_request("b")
+    assert admission.admit("b", b"k0") is Verdict.RETRY  # arrived in this step
+    admission.end_step(scheduled=(), preempted=())
+    assert admission.admit("a", b"k0") is Verdict.HIT
+    admission.on_submitted("a", [b"k0"])
+    admission.on_read("a", [b"k0"])
+    assert admission.held == 0
+    assert admission.admit("a", b"k0") is Verdict.MISS  # lost before use: not read again
+    admission.end_step(scheduled=("a",), preempted=())
+    assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1

@@ -11,9 +11,7 @@ for the two-engine one (about 100 s in all on the 2-core CI machine).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -23,11 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,6 +38,12 @@ if not current_platform.is_cpu():  # e.g. the main environment's scheduler-only 
         allow_module_level=True,
     )
 
+from engine_procs import (  # noqa: E402
+    RECOMPUTE_DEADLINE_S,
+    engine_processes,
+    is_resource_tracker,
+    offload_region,
+)
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
@@ -54,8 +55,6 @@ from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCK_TOKENS = 32
 PREFIX_TOKENS = 320  # 10 chunks of the shared prefix
-RECOMPUTE_DEADLINE_S = 60.0
-ENGINE_START_S = 240.0  # one engine start (20-90 s here), with room for a loaded CI machine
 HOST_DEADLINE_S = 20.0  # what the remote host reports, a few heartbeats (1 s) late at most
 T = TypeVar("T")
 
@@ -94,13 +93,6 @@ def within(seconds: float, what: str, fn: Callable[[], T]) -> T:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """``$TKVT_TINY_MODEL`` (CI builds it with the README's command), else a fresh build."""
-    built = os.environ.get("TKVT_TINY_MODEL")
-    return built or str(tiny_model.build(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     with ServerProcess.start(num_blocks=256, block_len=engine.TINY_MODEL_CHUNK_BYTES) as srv:
         yield srv
@@ -126,7 +118,7 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
     engine_procs = [
         p
         for p in psutil.Process().children(recursive=True)
-        if p.pid not in children_before and not _is_resource_tracker(p)
+        if p.pid not in children_before and not is_resource_tracker(p)
     ]
     assert engine_procs, "vLLM should run its engine in separate processes (multiprocess mode)"
     try:
@@ -180,7 +172,7 @@ def test_a_second_engine_promotes_a_prefix_only_the_first_computed(model_dir: st
         engine_processes(model_dir, 2) as (first, second),
     ):
         first.start(host.address)
-        recomputed = first.generate(prompt)
+        (recomputed,) = first.generate([prompt])
         assert recomputed.cached_tokens == 0, "the first engine found cached KV in a new pool"
         assert wait_until(
             lambda: observer.stats()["shared_stored_blocks"] >= prefix_chunks, HOST_DEADLINE_S
@@ -189,7 +181,7 @@ def test_a_second_engine_promotes_a_prefix_only_the_first_computed(model_dir: st
         sessions_before = _session_ids(observer.stats())
         second.start(host.address)
         (second_session,) = _session_ids(observer.stats()) - sessions_before
-        served = second.generate(prompt)
+        (served,) = second.generate([prompt])
         assert served.tokens == recomputed.tokens
         assert served.cached_tokens >= PREFIX_TOKENS, "the second engine recomputed the prefix"
         assert served.remote_hits >= prefix_chunks, "the remote host served no chunk"
@@ -207,136 +199,6 @@ def _session_ids(stats: dict[str, Any]) -> set[str]:
 
 def _bytes_read(stats: dict[str, Any], session_id: str) -> int:
     return next(s["bytes_read"] for s in stats["sessions"] if s["public_id"] == session_id)
-
-
-@dataclass(frozen=True)
-class Served:
-    """One greedy answer of an :class:`EngineProcess`, and its engine's remote-tier counters."""
-
-    tokens: list[int]
-    cached_tokens: int
-    remote_hits: float  # vLLM's tier chunk hits of the engine so far
-
-
-@contextlib.contextmanager
-def engine_processes(model_dir: str, count: int) -> Iterator[list[EngineProcess]]:
-    """``count`` :class:`EngineProcess` es, spawned at once (their imports overlap); on exit
-    all are stopped together, and whatever is left of them is killed."""
-    engines: list[EngineProcess] = []
-    try:
-        engines += [EngineProcess(model_dir) for _ in range(count)]
-        yield engines
-    finally:
-        try:  # a clean stop even after a failure: vLLM removes its /dev/shm region then
-            for each in engines:
-                each.request_stop()
-            for each in engines:
-                each.wait_stopped()
-        finally:
-            for each in engines:
-                each.kill()
-
-
-class EngineProcess:
-    """A process of its own that, once :meth:`start` ed, runs one engine
-    (:func:`engine.make_llm`, and so its own engine processes), as a second server on the same
-    host would; :meth:`generate` sends it a prompt over a pipe. Every wait has a deadline."""
-
-    def __init__(self, model_dir: str) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing shared
-        self._conn, child_end = context.Pipe()
-        self.process = context.Process(
-            target=_run_engine, args=(model_dir, child_end), name="vllm-engine"
-        )
-        self.process.start()
-        child_end.close()
-
-    def start(self, remote: str) -> None:
-        """Start the engine, its tier joining the remote host ``remote``."""
-        self._conn.send(remote)
-        self.region = Path(self._reply("ready", ENGINE_START_S, "the engine start"))
-        assert self.region.exists(), f"vLLM's offload region is not at {self.region}"
-
-    def generate(self, prompt: list[int]) -> Served:
-        self._conn.send(prompt)
-        served = self._reply("served", RECOMPUTE_DEADLINE_S, "a request")
-        assert isinstance(served, Served)
-        return served
-
-    def request_stop(self) -> None:
-        """Ask the engine to shut down (returns at once; see :meth:`wait_stopped`)."""
-        with contextlib.suppress(BrokenPipeError):  # it is gone already: wait_stopped says so
-            self._conn.send(None)
-
-    def wait_stopped(self) -> None:
-        self._reply("stopped", RECOMPUTE_DEADLINE_S, "the engine shutdown")
-        self.process.join(RECOMPUTE_DEADLINE_S)
-        assert self.process.exitcode == 0, f"engine process exit code {self.process.exitcode}"
-
-    def kill(self) -> None:
-        """Kill the process and its children if any still runs (a failed test); fail if one
-        survives."""
-        try:
-            procs = [psutil.Process(self.process.pid)]
-            procs += procs[0].children(recursive=True)
-        except psutil.NoSuchProcess:
-            procs = []
-        procs = [p for p in procs if not _is_resource_tracker(p)]
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        self.process.join(5)
-        self._conn.close()
-        assert not alive, f"engine processes survived SIGKILL: {alive}"
-
-    def _reply(self, expected: str, seconds: float, what: str) -> Any:
-        if not self._conn.poll(seconds):
-            pytest.fail(f"{what} did not finish within {seconds:.0f} s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self.process.join(5)
-            pytest.fail(f"the engine process died during {what} (exit {self.process.exitcode})")
-        if kind == "error":
-            pytest.fail(f"the engine process failed during {what}:\n{value}")
-        assert kind == expected, (kind, value)
-        return value
-
-
-def _run_engine(model_dir: str, conn: Connection) -> None:
-    """Body of an :class:`EngineProcess`: wait for the remote host's address (``None``: stop
-    before starting), start the engine, answer each prompt received on ``conn`` until ``None``
-    arrives, stop the engine. A failure goes back as ``("error", traceback)``."""
-    try:
-        from vllm import LLM  # noqa: F401  (imported now, while another engine starts)
-
-        remote = conn.recv()
-        if remote is not None:
-            _serve(engine.make_llm(model_dir, remote), conn)
-        conn.send(("stopped", None))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
-
-
-def _serve(llm: Any, conn: Connection) -> None:
-    try:
-        conn.send(("ready", str(offload_region(llm))))
-        greedy = SamplingParams(temperature=0.0, max_tokens=16)
-        while (prompt := conn.recv()) is not None:
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], greedy)[0]
-            hits = engine.tier_metric(llm, "vllm:kv_offload_tiering_chunk_hits")
-            conn.send(
-                ("served", Served(list(out.outputs[0].token_ids), out.num_cached_tokens, hits))
-            )
-    finally:
-        engine.shutdown(llm)
-
-
-def _is_resource_tracker(proc: psutil.Process) -> bool:
-    """multiprocessing's resource tracker: it lives as long as this (test) process, by design."""
-    return any("resource_tracker" in part for part in proc.cmdline())
 
 
 def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
@@ -398,12 +260,6 @@ def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
 def offload_regions() -> set[str]:
     """vLLM's shared offload regions (one file per engine) now in /dev/shm."""
     return {p.name for p in Path("/dev/shm").glob("vllm_offload_*.mmap")}
-
-
-def offload_region(llm: Any) -> Path:
-    """The shared offload region of ``llm``'s engine (vLLM names it by the engine id)."""
-    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    return Path("/dev/shm") / f"vllm_offload_{engine_id}.mmap"
 
 
 def _server_pid(shell: subprocess.Popen[bytes]) -> int:

@@ -35,8 +35,11 @@ ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "block_size": 32, "max_mod
 TINY_MODEL_CHUNK_BYTES = 32768
 
 
-def kv_transfer_config(remote: str, cpu_bytes_to_use: int = 64 << 20) -> dict[str, Any]:
-    """vLLM's ``kv_transfer_config``: CPU tiered offloading, one remote host as second tier."""
+def kv_transfer_config(
+    remote: str, cpu_bytes_to_use: int = 64 << 20, **tier_options: Any
+) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config``: CPU tiered offloading, one remote host as second tier
+    (``tier_options``: more keys of its ``secondary_tiers`` entry)."""
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -49,14 +52,23 @@ def kv_transfer_config(remote: str, cpu_bytes_to_use: int = 64 << 20) -> dict[st
                     "type": "RemoteHostTier",
                     "module_path": "torch_kv_tier.integrations.vllm.remote_tier",
                     "remote": remote,
+                    **tier_options,
                 }
             ],
         },
     }
 
 
-def make_llm(model_dir: str, remote: str, **overrides: Any) -> Any:
-    """``vllm.LLM`` over ``model_dir`` with :data:`ENGINE_ARGS` and :func:`kv_transfer_config`.
+def make_llm(
+    model_dir: str,
+    remote: str,
+    *,
+    cpu_bytes_to_use: int = 64 << 20,
+    tier_options: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Any:
+    """``vllm.LLM`` over ``model_dir`` with :data:`ENGINE_ARGS` and :func:`kv_transfer_config`
+    (``cpu_bytes_to_use``, ``tier_options``); ``overrides`` replace engine arguments.
 
     Sets :data:`ENGINE_ENV` in this process (inherited by vLLM's engine processes) where unset.
     """
@@ -64,7 +76,8 @@ def make_llm(model_dir: str, remote: str, **overrides: Any) -> Any:
         os.environ.setdefault(name, value)
     from vllm import LLM
 
-    args = {**ENGINE_ARGS, "kv_transfer_config": kv_transfer_config(remote)}
+    kv = kv_transfer_config(remote, cpu_bytes_to_use, **(tier_options or {}))
+    args = {**ENGINE_ARGS, "kv_transfer_config": kv}
     args.update(overrides)
     return LLM(model=model_dir, disable_log_stats=False, **args)
 

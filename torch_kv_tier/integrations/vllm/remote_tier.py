@@ -59,11 +59,14 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.vllm import tier_sizing
+from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict
 from torch_kv_tier.integrations.vllm.reconnect import Reconnector
 from torch_kv_tier.integrations.vllm.tier_config import (
     RemoteHostTierConfig,
@@ -95,6 +98,8 @@ class RemoteHostMetrics:
     INFLIGHT_TRANSFERS = "torch_kv_tier_inflight_transfers"
     FAILED_TRANSFERS = "torch_kv_tier_failed_transfers"
     EVICTED_CHUNKS = "torch_kv_tier_evicted_chunks"
+    REFUSED_PROMOTIONS = "torch_kv_tier_refused_promotions"
+    LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
     LABEL = "remote"
 
 
@@ -153,6 +158,11 @@ class RemoteHostTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._last_stats: dict[str, int] = {}
+        rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
+        tokens_per_chunk = tier_sizing.tokens_per_chunk(offloading_spec)
+        self._admission = PromotionAdmission(
+            tier_sizing.promotion_budget(rows), tokens_per_chunk, config.expected_prefix_tokens
+        )
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
         self._reconnector: Reconnector | None = None
@@ -169,9 +179,16 @@ class RemoteHostTier(SecondaryTierManager):
             raise
         logger.info(
             "RemoteHostTier ready: %d chunks of %d bytes, remote host(s) %s",
-            primary_kv_view.shape[0] if primary_kv_view.shape else 0,
+            rows,
             self.block_size_bytes,
             ", ".join(config.remotes),
+        )
+        tier_sizing.log_startup_sizing(
+            rows,
+            self.block_size_bytes,
+            tokens_per_chunk,
+            config.expected_prefix_tokens,
+            config.expected_concurrency,
         )
 
     # ------------------------------------------------------------------
@@ -180,12 +197,15 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._admission.on_new_request(req_context.req_id)
         return RequestOffloadingContext()
 
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """HIT when a completed copy of ``key`` is on a remote host, RETRY while a store of it
-        to this tier is still in flight, else MISS; from local state only (no network).
+        """For a completed copy of ``key`` on a remote host, what :class:`PromotionAdmission`
+        decides (HIT: promote it; RETRY: the request arrived in this step; MISS: recompute
+        from here); RETRY while a store of it to this tier is still in flight; else MISS. From
+        local state only (no network).
 
         A key whose promotion already failed for this request is a MISS for the rest of the
         request, so vLLM recomputes it instead of retrying the promotion forever.
@@ -193,8 +213,9 @@ class RemoteHostTier(SecondaryTierManager):
         failed = self._failed_keys.get(req_context.req_id)
         if failed is not None and key in failed:
             return LookupResult.MISS
+        self._admission.observe(req_context.req_id, req_context.get_offload_key_position(key))
         if self._tier.contains(key):
-            return LookupResult.HIT
+            return _LOOKUP[self._admission.admit(req_context.req_id, key)]
         return LookupResult.RETRY if key in self._storing else LookupResult.MISS
 
     @override
@@ -205,11 +226,16 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         """Send the job's primary rows to the remote hosts; returns at once (result later)."""
+        ctx = job_metadata.req_context
+        for key in job_metadata.keys:
+            self._admission.observe(ctx.req_id, ctx.get_offload_key_position(key))
+        self._admission.on_stored(len(job_metadata.keys))
         self._submit(job_metadata, self._tier.store)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         """Read the job's keys into its primary rows; returns at once (result later)."""
+        self._admission.on_submitted(job_metadata.req_context.req_id, job_metadata.keys)
         self._submit(job_metadata, self._tier.load)
 
     @override
@@ -238,6 +264,13 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_keys.pop(req_context.req_id, None)
+        self._admission.finish(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """Tell admission which requests this step scheduled or preempted (and so which
+        promotions vLLM could not allocate)."""
+        self._admission.end_step(context.new_req_ids, context.preempted_req_ids)
 
     @override
     def drain_jobs(self) -> None:
@@ -303,6 +336,17 @@ class RemoteHostTier(SecondaryTierManager):
             RemoteHostMetrics.EVICTED_CHUNKS: OffloadingCounterMetadata(
                 documentation="Chunks evicted from remote hosts to make room.", labelnames=labels
             ),
+            RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
+                documentation="Remote hits answered MISS (recompute) because other requests "
+                "were prefilling, the CPU tier could not take every waiting request's prefix, "
+                "or its budget for reads in flight was full.",
+                labelnames=labels,
+            ),
+            RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
+                documentation="Promised chunks vLLM's CPU tier lost before their request used "
+                "them (allocation failed, or evicted); answered MISS, never read again.",
+                labelnames=labels,
+            ),
         }
 
     @override
@@ -311,6 +355,11 @@ class RemoteHostTier(SecondaryTierManager):
         if self._manager is None:
             return None
         snapshot = _stats_snapshot(self._manager)
+        admission = self._admission.stats
+        snapshot[RemoteHostMetrics.REFUSED_PROMOTIONS] = (
+            admission.refused_busy + admission.refused_pressure + admission.refused_budget
+        )
+        snapshot[RemoteHostMetrics.LOST_PROMOTIONS] = admission.refused_repeat
         stats = OffloadingConnectorStats()
         for name in _GAUGES:
             stats.set_gauge(name, snapshot[name], self._label)
@@ -431,6 +480,8 @@ class RemoteHostTier(SecondaryTierManager):
             )
             self._ready.append(JobResult(job.job_id, False))
             self._record_failed_promotion(job.req_context, keys, job.is_promotion)
+            if job.is_promotion:
+                self._admission.on_read(job.req_context.req_id, keys)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
         if not job.is_promotion:
@@ -443,7 +494,9 @@ class RemoteHostTier(SecondaryTierManager):
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
-        if not job.is_promotion:
+        if job.is_promotion:
+            self._admission.on_read(job.req_context.req_id, job.keys)
+        else:
             self._storing.subtract(job.keys)
             for key in job.keys:
                 if self._storing[key] <= 0:
@@ -537,13 +590,24 @@ class RemoteHostTier(SecondaryTierManager):
             flat.release()
 
 
+_LOOKUP = {
+    Verdict.HIT: LookupResult.HIT,
+    Verdict.RETRY: LookupResult.RETRY,
+    Verdict.MISS: LookupResult.MISS,
+}
+
 _GAUGES = (
     RemoteHostMetrics.STORED_CHUNKS,
     RemoteHostMetrics.CAPACITY_CHUNKS,
     RemoteHostMetrics.CONNECTED_REMOTES,
     RemoteHostMetrics.INFLIGHT_TRANSFERS,
 )
-_COUNTERS = (RemoteHostMetrics.FAILED_TRANSFERS, RemoteHostMetrics.EVICTED_CHUNKS)
+_COUNTERS = (
+    RemoteHostMetrics.FAILED_TRANSFERS,
+    RemoteHostMetrics.EVICTED_CHUNKS,
+    RemoteHostMetrics.REFUSED_PROMOTIONS,
+    RemoteHostMetrics.LOST_PROMOTIONS,
+)
 
 
 def _stats_snapshot(manager: TierManager) -> dict[str, int]:

