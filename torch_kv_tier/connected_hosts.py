@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
@@ -35,6 +36,7 @@ _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 # A session opened only to release ended ones: a host that does not answer in this time is down
 # or restarted, and holds nothing of them any more.
 _RELEASE_TIMEOUT_S = 2.0
+_RELEASE_TRIES = 4
 
 
 class ConnectedHosts:
@@ -172,17 +174,27 @@ class ConnectedHosts:
 
     def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
-        raises: a host that does not answer keeps holding, which is safe)."""
+        raises: a host that does not answer keeps holding, which is safe). A slow host gets
+        ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each; one that answers none is
+        down or restarted, and a restarted host holds nothing of them."""
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
-        try:
-            self._open(quick, held, private=False).close(clean=True)
-        except Exception as exc:
-            logger.warning(
-                "could not tell %s that %d ended sessions resolved (it keeps their slots held): %s",
-                dial.address,
-                len(held),
-                exc,
-            )
+        for attempt in range(1, _RELEASE_TRIES + 1):
+            try:
+                self._open(quick, held, private=False).close(clean=True)
+                return
+            except Exception as exc:
+                with self._lock:  # ``_open`` handed them back for a later try
+                    self._ended.take(dial.address)
+                if attempt == _RELEASE_TRIES or self._closed:
+                    logger.warning(
+                        "could not tell %s that %d ended sessions resolved (it keeps their "
+                        "slots held): %s",
+                        dial.address,
+                        len(held),
+                        exc,
+                    )
+                    return
+                time.sleep(_RELEASE_TIMEOUT_S / 4)
 
     def _register(
         self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int

@@ -133,6 +133,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._blocks_stored = self._blocks_loaded = 0
         self._transfers_done = self._transfers_failed = 0
         self._verify_failed = 0
+        self._peers_dropped = 0
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
@@ -375,6 +376,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
                 latency_p99_us=float(np.percentile(lat, 99)),
                 events_dropped=self._index.events_dropped,
                 verify_failed=self._verify_failed,
+                peers_dropped=self._peers_dropped,
                 unreleased_sessions=self._ended.unresolved,
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)

@@ -64,4 +64,5 @@ class TierStats:
     events_dropped: int = 0  # events discarded because nobody called take_events
     verify_failed: int = 0  # blocks read whose bytes did not match their key's digest: "missing"
     unreleased_sessions: int = 0  # ended sessions whose writes the transport still holds
+    peers_dropped: int = 0  # peer registrations dropped (failed, lost, removed or replaced)
     peers: dict[str, PeerStats] = field(default_factory=dict)

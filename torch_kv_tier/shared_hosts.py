@@ -122,15 +122,21 @@ class SharedHosts:
         slot granted, none of this tier's writes to the host in flight and no commit sent since
         the request (either would make room in its share), they fail with "capacity"."""
         granted: list[int] = []
+        failed = True  # no answer, or an ``Error`` (the host no longer knows the session)
         try:
             answer = future.result()
         except Exception as exc:
             logger.warning("grant from %s failed: %s", peer.slots.peer_id, exc)
         else:
-            if hasattr(answer, "slots"):
-                granted = answer.slots
-            else:  # an ``Error``: the session ends (the host no longer knows it) or is refused
+            failed = not hasattr(answer, "slots")
+            if failed:
                 logger.warning("grant from %s refused: %s", peer.slots.peer_id, answer)
+            else:
+                granted = answer.slots
+        if failed and peer.session.lost is not None:
+            with self._lock:  # its loss drops the peer: the waiting stores fail "peer lost"
+                peer.slots.refilling = False  # type: ignore[union-attr]
+            return
         with self._lock:
             slots = peer.slots
             assert isinstance(slots, SharedSlots)

@@ -66,6 +66,7 @@ class Transfers:
     _transfers_done: int
     _transfers_failed: int
     _verify_failed: int
+    _peers_dropped: int
 
     if TYPE_CHECKING:  # implemented by SharedHosts and ConnectedHosts
 
@@ -323,6 +324,7 @@ class Transfers:
         (their writes keep their slots fenced until the transport reports them) and leave its
         in-flight loads to settle when the transport reports them. Returns its session (to
         end) and whether that may be clean (no write of it in flight)."""
+        self._peers_dropped += 1
         peer = self._peers.pop(peer_id)
         self._index.remove_peer(peer_id)
         while peer.queue:

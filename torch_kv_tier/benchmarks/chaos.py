@@ -294,7 +294,11 @@ class Chaos:
             growth = (end["rss"] - start["rss"]) / start["rss"]
             out.at_most(f"{name} RSS growth", round(100 * growth, 1), 100 * RSS_GROWTH, "%")
             out.at_most(f"{name} threads growth", end["threads"] - start["threads"], THREADS_GROWTH)
-            fd_bound = FDS_PER_DEAD_PEER * restarts + 16  # NIXL keeps a dead agent's sockets
+            # NIXL keeps the sockets of every remote agent a tier removed: one per dropped
+            # registration (a host restart, and also a reset or a freeze that dropped the host)
+            worker = self.counts.get(name)
+            drops = max(restarts, worker.peers_dropped if worker is not None else 0)
+            fd_bound = FDS_PER_DEAD_PEER * drops + 16
             out.at_most(f"{name} fds growth", end["fds"] - start["fds"], fd_bound)
         reasons: dict[str, int] = {}
         for counts in self.counts.values():

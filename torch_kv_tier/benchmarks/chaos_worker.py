@@ -57,6 +57,7 @@ class WorkerCounts:
     probes_stale: int = 0
     connects: int = 0
     connect_failures: int = 0
+    peers_dropped: int = 0  # the tier's registrations dropped (each costs NIXL's kept sockets)
     raised: int = 0  # calls that raised something else than a bad key's ValueError/TypeError
     raised_samples: list[str] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)  # failed keys by reason
@@ -204,6 +205,7 @@ def worker(
                     logging.getLogger(__name__).error("%s raised %r", role, exc)
                 time.sleep(pause_s)
             w.counts.failures = dict(w.failures)
+            w.counts.peers_dropped = w.tier.stats().peers_dropped
             results.put(("done", name, w.counts))
     except BaseException:
         results.put(("error", name, traceback.format_exc()))
