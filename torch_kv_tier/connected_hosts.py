@@ -120,7 +120,7 @@ class ConnectedHosts:
             )
         except BaseException:
             with self._lock:  # the host may not have heard them: tell it next time
-                self._ended.resolved.setdefault(dial.address, []).extend(release)
+                self._ended.give_back(dial.address, release)
             raise
 
     def _redial(self, dial: Dial) -> None:
@@ -170,7 +170,7 @@ class ConnectedHosts:
         try:
             session.release(held)
         except ConnectionError:
-            self._ended.resolved.setdefault(address, []).extend(held)
+            self._ended.give_back(address, held)
 
     def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never

@@ -70,6 +70,11 @@ class EndedSessions:
         self.resolved.setdefault(session.address, []).append(session.session_id)
         return True
 
+    def give_back(self, address: str, session_ids: list[str]) -> None:
+        """Sessions ``take`` returned that the host may not have heard of: tell it later."""
+        if session_ids:
+            self.resolved.setdefault(address, []).extend(session_ids)
+
     def take(self, address: str) -> list[str]:
         """The resolved sessions of ``address``, to tell its server (now forgotten here)."""
         return self.resolved.pop(address, [])

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.index import AnyPeer, BlockIndex, SharedSlots
+from torch_kv_tier.index import BlockIndex, SharedSlots
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import CAPACITY
@@ -231,4 +231,4 @@ class _HostChanges:
             self._synced.set()
 
 
-__all__ = ["MAX_GRANT", "AnyPeer", "SharedHosts"]
+__all__ = ["MAX_GRANT", "SharedHosts"]
