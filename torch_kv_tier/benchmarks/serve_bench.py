@@ -9,11 +9,15 @@ neighbour count), against one ``torch-kv-tier serve`` remote host on loopback:
   first and so fills the remote pool;
 - replica **B**, a fresh process with the same config, serves the same prompt sets: their KV is
   only in the remote pool;
-- replica **C**, no offloading, recomputes them.
+- replica **C**, no offloading, recomputes them;
+- replica **D**, vLLM's CPU offloading with no secondary tier, recomputes them too and pays
+  every cost of the offloading path (each computed chunk copied to the CPU tier, the
+  connector's scheduler hooks) but the remote tier's: where B loses to C, D tells whether the
+  remote tier or the offloading path beneath it is what costs.
 
 Every round (``--repeats`` per concurrency level) has a prompt set of its own (random dataset,
 seed = base seed + round), so B's own prefix cache never serves a round from an earlier one;
-B and C take each round in turn, alternating which goes first. Before the rounds, each fresh
+B, C and D take each round in turn, rotating which goes first. Before the rounds, each fresh
 replica serves one warm-up set (its first requests: the first transfers, the first forward
 passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand`` driven in this
 process, with ``--ready-check-timeout-sec 0`` (its test request would warm B's prefix cache).
@@ -52,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 32768  # the tiny model's (engine.TINY_MODEL_CHUNK_BYTES)
 STORE_SETTLE_S = 60.0
+ROLES = ("warm", "tier", "recompute", "offload")  # replicas A, B, C, D
+
+
+def offload_only(kv: dict[str, Any]) -> dict[str, Any]:
+    """``kv`` (a ``kv_transfer_config`` with the remote tier) without its secondary tiers:
+    vLLM's CPU offloading alone."""
+    extra = {**kv["kv_connector_extra_config"], "secondary_tiers": []}
+    return {**kv, "kv_connector_extra_config": extra}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,29 +157,34 @@ def run(args: argparse.Namespace) -> int:
 def _run_replicas(
     args: argparse.Namespace, model: str, kv: dict[str, Any], logs: Path
 ) -> dict[str, Any]:
-    """A warms the pool with every prompt set and stops; then B (served from the pool) and C
-    (recompute), fresh processes started together, each serve one warm-up set (its first
-    requests, reported apart) and then every level's rounds, alternating which goes first, so
-    both see the same machine load."""
+    """A warms the pool with every prompt set and stops; then B (served from the pool), C
+    (recompute) and D (CPU offloading only), fresh processes started together, each serve one
+    warm-up set (its first requests, reported apart) and then every level's rounds, rotating
+    which goes first, so all see the same machine load."""
     logs.mkdir(parents=True, exist_ok=True)
     rounds = [(c, args.seed + 1 + n) for n, c in enumerate(_schedule(args))]
     warmup = (1, args.seed)  # concurrency, seed
-    runs: dict[str, list[dict[str, Any]]] = {"warm": [], "tier": [], "recompute": []}
+    runs: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     with _replica(model, logs / "warm.log", kv) as warm:
         for concurrency, seed in [warmup, *rounds]:
             runs["warm"].append(_run(args, model, warm, concurrency, seed))
         _settle(warm)
     with contextlib.ExitStack() as stack:
-        tier, recompute = Replica.start_many(
-            model, [(logs / "tier.log", kv), (logs / "recompute.log", None)]
+        served = Replica.start_many(
+            model,
+            [
+                (logs / "tier.log", kv),
+                (logs / "recompute.log", None),
+                (logs / "offload.log", offload_only(kv)),
+            ],
         )
-        stack.callback(recompute.stop)
-        stack.callback(tier.stop)
+        for replica in served:
+            stack.callback(replica.stop)
+        order = list(zip(ROLES[1:], served))
         for n, (concurrency, seed) in enumerate([warmup, *rounds]):
-            pair = [("tier", tier), ("recompute", recompute)]
-            for role, replica in pair if n % 2 == 0 else reversed(pair):
+            for role, replica in order[n % 3 :] + order[: n % 3]:
                 runs[role].append(_run(args, model, replica, concurrency, seed))
-    replicas = {"warm": warm, "tier": tier, "recompute": recompute}
+    replicas = {"warm": warm, **dict(zip(ROLES[1:], served))}
     return {
         role: {
             "first_requests": runs[role][0],

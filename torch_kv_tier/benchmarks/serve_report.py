@@ -11,6 +11,9 @@ Targets (issue 19), each printed met/missed:
   tokens vLLM counted as loaded by the connector, in chunks; vLLM's own ``chunk_hits`` counts
   lookup hits, including chunks that were promoted and then lost before use);
 - per replica with the tier: no ``EngineDeadError`` and no process killed after vLLM's grace.
+
+Beside them, for attribution only (no target): replica D's TTFT (vLLM's CPU offloading with no
+secondary tier), i.e. what the offloading path costs before the remote tier adds anything.
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for scenario in scenarios:
         replicas = scenario["replicas"]
         tier_rounds, recompute_rounds = replicas["tier"]["rounds"], replicas["recompute"]["rounds"]
+        offload_rounds = replicas.get("offload", {}).get("rounds", [])  # absent before D existed
         for concurrency in dict.fromkeys(r["concurrency"] for r in tier_rounds):
             tier = _pool([r for r in tier_rounds if r["concurrency"] == concurrency])
             recompute = _pool([r for r in recompute_rounds if r["concurrency"] == concurrency])
+            mine = [r for r in offload_rounds if r["concurrency"] == concurrency]
+            offload = _pool(mine) if mine else {"p50_ms": None, "p99_ms": None}
             reads = tier["tier_read_bytes"] / CHUNK_BYTES
             delivered = tier["connector_hit_tokens"] / TOKENS_PER_CHUNK
             rows.append(
@@ -57,6 +63,8 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "tier_p99_ms": tier["p99_ms"],
                     "recompute_p50_ms": recompute["p50_ms"],
                     "recompute_p99_ms": recompute["p99_ms"],
+                    "offload_p50_ms": offload["p50_ms"],
+                    "offload_p99_ms": offload["p99_ms"],
                     "speedup_p50": recompute["p50_ms"] / tier["p50_ms"],
                     "speedup_p99": recompute["p99_ms"] / tier["p99_ms"],
                     "tier_req_per_s": tier["request_throughput"],
@@ -72,7 +80,8 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "prompt_tokens": tier["prompt_tokens"],
                     "first_requests_ttft_ms": {
                         role: 1e3 * max(replicas[role]["first_requests"]["ttfts_s"])
-                        for role in ("tier", "recompute")
+                        for role in ("tier", "recompute", "offload")
+                        if role in replicas
                     },
                     "shutdown_s": {r: replicas[r]["shutdown_s"] for r in replicas},
                     "log": {r: replicas[r]["log"] for r in ("warm", "tier")},
@@ -135,15 +144,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the summary."""
     lines = [
         "| scenario | conc | TTFT p50 tier / recompute (ms) | p99 tier / recompute (ms) "
-        "| p50 speedup | req/s tier / recompute | chunks read / delivered | lookup hits "
-        "| alloc. failures | refused / lost | prompt tokens from tier |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| p50 / p99 offload only (ms) | p50 speedup | req/s tier / recompute "
+        "| chunks read / delivered | lookup hits | alloc. failures | refused / lost "
+        "| prompt tokens from tier |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        offload = (
+            f"{r['offload_p50_ms']:.0f} / {r['offload_p99_ms']:.0f}"
+            if r.get("offload_p50_ms") is not None
+            else "-"
+        )
         lines.append(
             f"| {r['scenario']} | {r['concurrency']} "
             f"| {r['tier_p50_ms']:.0f} / {r['recompute_p50_ms']:.0f} "
-            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} "
+            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} | {offload} "
             f"| {r['speedup_p50']:.2f}x "
             f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
             f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "

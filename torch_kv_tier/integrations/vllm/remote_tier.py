@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DRAIN_WARN_EVERY_S = 5.0
+_MIN_CLOSE_S = 0.5  # what closing the manager gets when the reconnector used up the budget
 
 _StartTransfer = Callable[
     [Sequence[OffloadKey], Sequence[int]], "concurrent.futures.Future[TransferResult]"
@@ -306,8 +307,11 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
-        """Close the tier manager (cancelling what is still in flight after ``close_timeout_s``),
-        the NIXL registration, and every view over the primary region. Idempotent."""
+        """Close the tier manager, the NIXL registration, and every view over the primary
+        region, within ``close_timeout_s`` (default 3 s, inside vLLM's 5 s shutdown grace):
+        transfers still in flight then are cancelled and their sessions end unclean (their
+        hosts hold those slots, see the README's fencing). A handshake in progress is waited
+        for first (at most ``connect_timeout_s``). Idempotent."""
         self._teardown()
 
     @classmethod
@@ -570,15 +574,16 @@ class RemoteHostTier(SecondaryTierManager):
         it), so it is released only once nothing can transfer into that memory any more: if
         closing fails, the region stays mapped rather than let the NIC write into freed memory.
         """
+        deadline = time.monotonic() + self._config.close_timeout_s
         reconnector, self._reconnector = self._reconnector, None
-        if reconnector is not None:
+        if reconnector is not None:  # a handshake in progress must end before the manager does
             reconnector.stop(timeout=self._config.connect_timeout_s + 1.0)
         manager, self._manager = self._manager, None
         self._jobs.clear()
         self._storing.clear()
         if manager is not None:
             try:
-                manager.close(timeout=self._config.close_timeout_s)
+                manager.close(timeout=max(deadline - time.monotonic(), _MIN_CLOSE_S))
             except Exception:
                 logger.exception(
                     "RemoteHostTier: closing the tier manager failed; keeping vLLM's primary "

@@ -70,7 +70,8 @@ class RemoteHostTierConfig:
         locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
         enable_kv_events: emit vLLM KV events for chunks stored in and dropped from this tier.
         drain_timeout_s: how long ``drain_jobs`` waits for in-flight transfers before raising.
-        close_timeout_s: how long ``shutdown`` waits for in-flight transfers before cancelling.
+        close_timeout_s: how long ``shutdown`` may take (waiting for in-flight transfers, then
+            cancelling them, then ending the sessions); default within vLLM's 5 s grace.
         reconnect_interval_s: how often a dropped remote host is dialled again; 0 never.
         connect_timeout_s: how long one handshake with a remote host may take.
         expected_concurrency: concurrent requests the startup sizing check
@@ -92,7 +93,7 @@ class RemoteHostTierConfig:
     locality: str = "REMOTE"
     enable_kv_events: bool = False
     drain_timeout_s: float = 120.0
-    close_timeout_s: float = 10.0
+    close_timeout_s: float = 3.0
     reconnect_interval_s: float = 5.0
     connect_timeout_s: float = 10.0
     expected_concurrency: int = 1
