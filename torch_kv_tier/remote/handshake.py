@@ -2,7 +2,8 @@
 
 ``connect`` makes the DEALER socket (with a monitor that reports a reset connection) and
 ``handshake`` runs ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's
-thread, before any I/O thread exists. See ``protocol`` for the conversation and the proofs.
+thread, before any I/O thread exists (``check_session_args`` first refuses bad arguments). See
+``protocol`` for the conversation and the proofs.
 """
 
 from __future__ import annotations
@@ -41,6 +42,32 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
     return host, int(port_text)
+
+
+def check_session_args(
+    region: p.Region,
+    agent_metadata: bytes,
+    slots: int | None,
+    private: bool,
+    token: str | None,
+    **timeouts_s: float,
+) -> None:
+    """``RemoteSession.open``'s checks, before any network traffic: ``ValueError`` naming the
+    bad argument."""
+    problem = region.problem()
+    if problem is not None:
+        raise ValueError(problem)
+    if slots is not None and slots <= 0:
+        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
+    if slots is not None and not private:
+        raise ValueError("slots= sizes a private lease: pass private=True with it")
+    if not agent_metadata:
+        raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
+    for name, value in timeouts_s.items():
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if token == "":
+        raise ValueError("token is empty: pass None for a server without a token")
 
 
 def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
