@@ -299,6 +299,13 @@ class FakeSource:
         return "fake"
 
 
+def rounds(source: FakeSource, n: int) -> None:
+    """Wait until Membership resolved ``source`` ``n`` more times (a round ends after that only
+    with its dials, so ``n`` >= 2 means one whole round ran)."""
+    seen = source.resolves
+    wait_until(lambda: source.resolves >= seen + n, f"{n} more rounds")
+
+
 @pytest.fixture
 def fake() -> Iterator[tuple[FakeTier, FakeSource, Membership]]:
     tier, source = FakeTier(), FakeSource("a:1")
@@ -321,7 +328,7 @@ def test_membership_connects_appearing_and_disconnects_vanishing_hosts(
     source.hosts = ["b:2"]
     wait_until(lambda: "a:1" not in membership.hosts(), "a:1 is dropped")
     wait_until(lambda: tier.peers() == ["host:b:2"], "the tier disconnects a:1")
-    time.sleep(0.1)  # several more rounds change nothing
+    rounds(source, 5)  # more rounds change nothing
     assert tier.count(("connect", "a:1")) == 1 and tier.count(("connect", "b:2")) == 1
     assert tier.count(("disconnect", "host:a:1")) == 1
     assert tier.callers == {"tkvt-membership"}  # never the caller's thread
@@ -346,8 +353,7 @@ def test_a_failed_resolve_drops_nothing_and_is_logged_once(
     caplog.set_level(logging.INFO, logger="torch_kv_tier.membership")
     wait_until(lambda: tier.peers() == ["host:a:1"], "a:1 is connected")
     source.failing = True
-    seen = source.resolves
-    wait_until(lambda: source.resolves > seen + 5, "several failed rounds")
+    rounds(source, 5)
     assert tier.peers() == ["host:a:1"] and membership.hosts() == {"a:1": "host:a:1"}
     assert not any(call[0] == "disconnect" for call in tier.calls)
     assert caplog.text.count("DNS blinked; keeping the last known remote hosts") == 1
@@ -385,12 +391,11 @@ def test_known_hosts_are_not_dialled_again_and_a_shared_peer_stays() -> None:
     )
     membership.start()
     try:
-        seen = source.resolves
-        wait_until(lambda: source.resolves > seen + 3, "a few rounds")
+        rounds(source, 3)
         assert tier.calls == []
         source.hosts = ["a:1"]
         wait_until(lambda: "a:1/v6" not in membership.hosts(), "the v6 address leaves")
-        time.sleep(0.1)
+        rounds(source, 3)
         assert tier.calls == [] and tier.peers() == ["host:a:1"]
     finally:
         membership.stop(timeout=5)
