@@ -455,8 +455,11 @@ def test_a_real_tier_joins_and_leaves_a_host_named_in_a_watched_file(tmp_path: P
         try:
             assert tier.peers() == []
             write_hosts(path, f"# kv hosts\n{server.address}\n")
-            wait_until(lambda: len(tier.peers()) == 1, "the tier joins the host")
-            assert membership.hosts() == {server.address: tier.peers()[0]}
+            wait_until(
+                lambda: membership.hosts().get(server.address) is not None,
+                "the tier joins the host",
+            )
+            assert list(membership.hosts().values()) == tier.peers() and len(tier.peers()) == 1
             tier.arena.tensor[:4].random_(0, 256)
             keys = [f"block-{i}" for i in range(4)]
             assert tier.store(keys, range(4)).result(timeout=WAIT_S).ok
