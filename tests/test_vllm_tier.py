@@ -407,9 +407,37 @@ def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -
         driver.shutdown(spec)
 
 
+def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
+    server: ServerProcess, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    hosts = tmp_path / "kv-hosts"
+    hosts.write_text("# no hosts yet\n")
+    spec, manager = make_manager(f"file:{hosts}", reconnect_interval_s=0.1)
+    driver = Driver(manager)
+    tier = driver.tier.tier_manager
+    try:
+        assert tier.peers() == []  # vLLM started without hosts, and said so
+        assert "lists no remote host; starting without remote hosts" in caplog.text
+        staged = tmp_path / "kv-hosts.tmp"
+        staged.write_text(f"{server.address}\n")
+        os.replace(staged, hosts)
+        wait_until(lambda: bool(tier.peers()), 20.0, "the tier joins the host in the file")
+        keys = keys_for("from-file", 2)
+        driver.store("req-a", keys)
+        driver.run_until_idle()
+        assert all(tier.contains(k) for k in keys)
+        hosts.write_text("")
+        wait_until(lambda: not tier.peers(), 20.0, "the tier drops the host left out")
+        assert not any(tier.contains(k) for k in keys)
+    finally:
+        driver.shutdown(spec)
+
+
 def test_bad_config_raises_before_connecting() -> None:
     with pytest.raises(ValueError, match='"remote"'):
         make_manager("not-an-address")
+    with pytest.raises(ValueError, match='"remote": bad host source .* accepted'):
+        make_manager("dns:kv-hosts")  # no port
     with pytest.raises(ValueError, match='"slots"'):
         make_manager("127.0.0.1:1", slots=0)
 

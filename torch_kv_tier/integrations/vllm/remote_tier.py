@@ -67,12 +67,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.vllm import tier_sizing
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict
-from torch_kv_tier.integrations.vllm.reconnect import Reconnector
 from torch_kv_tier.integrations.vllm.tier_config import (
     RemoteHostTierConfig,
     default_config_fields,
 )
 from torch_kv_tier.manager import TierManager, TransferResult
+from torch_kv_tier.membership import Membership, first_hosts
 from torch_kv_tier.transport import NixlTransport
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _DRAIN_WARN_EVERY_S = 5.0
-_MIN_CLOSE_S = 0.5  # what closing the manager gets when the reconnector used up the budget
+_MIN_CLOSE_S = 0.5  # what closing the manager gets when the membership used up the budget
 
 _StartTransfer = Callable[
     [Sequence[OffloadKey], Sequence[int]], "concurrent.futures.Future[TransferResult]"
@@ -148,7 +148,7 @@ class RemoteHostTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._config = config
         self.locality = Locality(config.locality)
-        self._label = (",".join(config.remotes),)
+        self._label = (config.remote,)
         self._emit_events = (
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
@@ -166,15 +166,19 @@ class RemoteHostTier(SecondaryTierManager):
         )
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
-        self._reconnector: Reconnector | None = None
+        self._membership: Membership | None = None
         try:
             self._manager = self._build_manager(primary_kv_view, offloading_spec)
-            peers = {address: self._connect(address) for address in config.remotes}
+            peers = {address: self._connect(address) for address in first_hosts(config.source)}
             if config.reconnect_interval_s > 0:
-                self._reconnector = Reconnector(
-                    self._manager, peers, self._dial, config.reconnect_interval_s
+                self._membership = Membership(
+                    self._manager,
+                    config.source,
+                    interval_s=config.reconnect_interval_s,
+                    connect_kwargs=config.connect_kwargs(),
+                    known=peers,
                 )
-                self._reconnector.start()
+                self._membership.start()
         except BaseException:
             self._teardown()
             raise
@@ -182,7 +186,7 @@ class RemoteHostTier(SecondaryTierManager):
             "RemoteHostTier ready: %d chunks of %d bytes, remote host(s) %s",
             rows,
             self.block_size_bytes,
-            ", ".join(config.remotes),
+            config.remote,
         )
         tier_sizing.log_startup_sizing(
             rows,
@@ -291,7 +295,7 @@ class RemoteHostTier(SecondaryTierManager):
                 raise TimeoutError(
                     f"RemoteHostTier.drain_jobs: {len(pending)} transfer(s) still in flight "
                     f"after {self._config.drain_timeout_s:.0f}s; check the remote host(s) "
-                    f"{', '.join(self._config.remotes)} or raise drain_timeout_s"
+                    f"{self._config.remote} or raise drain_timeout_s"
                 )
             _, not_done = concurrent.futures.wait(
                 pending, timeout=min(remaining, _DRAIN_WARN_EVERY_S)
@@ -424,18 +428,12 @@ class RemoteHostTier(SecondaryTierManager):
     def _dial(self, address: str) -> str:
         """Handshake with one remote host and join its shared pool (or lease slots of it);
         returns the peer id."""
-        return self._tier.connect(
-            address,
-            token=self._config.token,
-            private=self._config.private,
-            slots=self._config.slots,
-            timeout_s=self._config.connect_timeout_s,
-        )
+        return self._tier.connect(address, **self._config.connect_kwargs())
 
     def _connect(self, address: str) -> str | None:
         """``_dial`` at startup.
 
-        A host that does not answer (down, or not started yet) is left to the reconnect thread
+        A host that does not answer (down, or not started yet) is left to the membership thread
         when there is one: vLLM starts without it and gains it when it comes up (``None``).
         Any other failure, and a silent host when reconnecting is off, raises with what the
         user should check (a host that answers but refuses is misconfigured, not down).
@@ -575,9 +573,9 @@ class RemoteHostTier(SecondaryTierManager):
         closing fails, the region stays mapped rather than let the NIC write into freed memory.
         """
         deadline = time.monotonic() + self._config.close_timeout_s
-        reconnector, self._reconnector = self._reconnector, None
-        if reconnector is not None:  # a handshake in progress must end before the manager does
-            reconnector.stop(timeout=self._config.connect_timeout_s + 1.0)
+        membership, self._membership = self._membership, None
+        if membership is not None:  # a handshake in progress must end before the manager does
+            membership.stop(timeout=self._config.connect_timeout_s + 1.0)
         manager, self._manager = self._manager, None
         self._jobs.clear()
         self._storing.clear()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch_kv_tier.membership import HostSource, StaticHosts, parse_source, source_scheme
 from torch_kv_tier.remote.client import parse_address
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,11 @@ class RemoteHostTierConfig:
     """Validated options of one :class:`RemoteHostTier`.
 
     Attributes:
-        remotes: ``HOST:PORT`` of every ``torch-kv-tier serve`` remote host, in config order.
+        remote: the ``remote`` setting as written (a static list joined by commas): the
+            tier's metric label and what its messages name.
+        source: where the ``torch-kv-tier serve`` remote hosts come from: a static list of
+            ``HOST:PORT``, DNS (``dns:NAME:PORT``, ``srv:_SERVICE._PROTO.NAME``) or a watched
+            file (``file:/PATH``); see :mod:`torch_kv_tier.membership`.
         token: shared secret read from ``token_file`` (``None`` when the server needs none).
         private: lease slots of each remote host for this tier alone (no other tier reads or
             evicts them) instead of joining the host's shared pool, the default, where every
@@ -72,7 +77,9 @@ class RemoteHostTierConfig:
         drain_timeout_s: how long ``drain_jobs`` waits for in-flight transfers before raising.
         close_timeout_s: how long ``shutdown`` may take (waiting for in-flight transfers, then
             cancelling them, then ending the sessions); default within vLLM's 5 s grace.
-        reconnect_interval_s: how often a dropped remote host is dialled again; 0 never.
+        reconnect_interval_s: how often ``source`` is resolved again (hosts that appeared are
+            connected, those that vanished disconnected) and a dropped remote host is dialled
+            again; 0 never.
         connect_timeout_s: how long one handshake with a remote host may take.
         expected_concurrency: concurrent requests the startup sizing check
             (:mod:`~torch_kv_tier.integrations.vllm.tier_sizing`) sizes the CPU tier for.
@@ -82,7 +89,8 @@ class RemoteHostTierConfig:
             no startup check, and admission uses the longest recent prompt.
     """
 
-    remotes: tuple[str, ...]
+    remote: str
+    source: HostSource
     token: str | None = None
     private: bool = False
     slots: int | None = None
@@ -117,7 +125,8 @@ class RemoteHostTierConfig:
         if options.get("remote") is None:
             raise ValueError(
                 'RemoteHostTier needs "remote": the HOST:PORT printed by `torch-kv-tier serve` '
-                '(its "ready HOST:PORT" line), or a list of them'
+                '(its "ready HOST:PORT" line), a list of them, "dns:NAME:PORT", '
+                '"srv:_SERVICE._PROTO.NAME" or "file:/PATH"'
             )
         backends = options.get("backends")
         private = _bool(options, "private", cls.private)
@@ -127,8 +136,10 @@ class RemoteHostTierConfig:
                 'RemoteHostTier "slots" sizes a private lease: add "private": true, or drop '
                 '"slots" to share the hosts\' pools with every tier of the same model'
             )
+        remote, source = parse_remote(options["remote"])
         return cls(
-            remotes=parse_remotes(options["remote"]),
+            remote=remote,
+            source=source,
             token=_read_token(options.get("token_file")),
             private=private,
             slots=slots,
@@ -150,6 +161,30 @@ class RemoteHostTierConfig:
             expected_prefix_tokens=_optional_positive_int(options, "expected_prefix_tokens"),
         )
 
+    def connect_kwargs(self) -> dict[str, Any]:
+        """``TierManager.connect``'s keyword arguments for every remote host of this tier."""
+        return {
+            "token": self.token,
+            "private": self.private,
+            "slots": self.slots,
+            "timeout_s": self.connect_timeout_s,
+        }
+
+
+def parse_remote(value: Any) -> tuple[str, HostSource]:
+    """``remote`` as its label and its host source: a ``dns:``/``srv:``/``file:`` spec
+    (:func:`~torch_kv_tier.membership.parse_source`), else a static list (:func:`parse_remotes`).
+
+    Raises ``ValueError`` naming ``remote`` and what it accepts.
+    """
+    if isinstance(value, str) and source_scheme(value) is not None:
+        try:
+            return value, parse_source(value)
+        except ValueError as exc:
+            raise ValueError(f'"remote": {exc}') from None
+    remotes = parse_remotes(value)
+    return ",".join(remotes), StaticHosts(remotes)
+
 
 def parse_remotes(value: Any) -> tuple[str, ...]:
     """Normalise ``remote`` (one ``HOST:PORT``, a comma-separated string, or a list).
@@ -162,7 +197,10 @@ def parse_remotes(value: Any) -> tuple[str, ...]:
     elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         items = [v.strip() for v in value]
     else:
-        raise ValueError(f'"remote" must be "HOST:PORT" or a list of them, got {value!r}')
+        raise ValueError(
+            f'"remote" must be "HOST:PORT", a list of them, "dns:NAME:PORT", '
+            f'"srv:_SERVICE._PROTO.NAME" or "file:/PATH", got {value!r}'
+        )
     if not items:
         raise ValueError('"remote" is empty: give at least one HOST:PORT')
     for item in items:

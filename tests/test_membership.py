@@ -1,0 +1,472 @@
+"""Membership (issue 20, item 4): a tier's remote hosts follow a static list, DNS (A/AAAA and
+SRV, through a real stub DNS server on 127.0.0.1) or a watched file, with no restart."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
+import pytest
+import torch
+from remote_support import BLOCK_LEN
+
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.membership import (
+    DnsHosts,
+    Membership,
+    SourceError,
+    SrvHosts,
+    StaticHosts,
+    WatchedFile,
+    first_hosts,
+    make_resolver,
+    parse_source,
+)
+from torch_kv_tier.remote import ServerProcess
+
+WAIT_S = 10.0
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting until {what}"
+        time.sleep(0.01)
+
+
+# -- parse_source ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "text"),
+    [
+        ("10.0.0.2:5600, 10.0.0.1:5600,10.0.0.2:5600", StaticHosts, "10.0.0.1:5600,10.0.0.2:5600"),
+        (["h2:1", "[::1]:2"], StaticHosts, "[::1]:2,h2:1"),
+        ("dns:5600", StaticHosts, "dns:5600"),  # a host named "dns"
+        ("dns:kv.ns.svc.cluster.local:5600", DnsHosts, "dns:kv.ns.svc.cluster.local:5600"),
+        ("srv:_kv._tcp.kv.ns.svc.cluster.local", SrvHosts, "srv:_kv._tcp.kv.ns.svc.cluster.local"),
+        ("file:/etc/kv-hosts", WatchedFile, "file:/etc/kv-hosts"),
+    ],
+)
+def test_parse_source_forms(spec: Any, kind: type, text: str) -> None:
+    source = parse_source(spec)
+    assert isinstance(source, kind)
+    assert str(source) == text
+
+
+def test_a_static_source_resolves_sorted_and_deduplicated() -> None:
+    source = parse_source("b:2,a:1,b:2")
+    assert source.resolve() == ["a:1", "b:2"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "",
+        "not-an-address",
+        "host:99999",
+        ["a:1", 5],
+        [],
+        "dns:kv.example",
+        "dns:kv.example:port",
+        "dns::5600",
+        "srv:kv.example",
+        "srv:_kv.example",
+        "srv:_kv._tcp",
+        "file:",
+    ],
+)
+def test_parse_source_errors_name_the_accepted_forms(spec: Any) -> None:
+    with pytest.raises(ValueError, match="accepted: .*dns:NAME:PORT.*srv:.*file:"):
+        parse_source(spec)
+
+
+# -- DNS, through a stub server ----------------------------------------------------------------
+
+
+class StubDns:
+    """A UDP DNS server on 127.0.0.1 answering from ``records``: (name, type) -> rdata texts.
+    A name with no record of any type is NXDOMAIN; ``servfail`` answers every query SERVFAIL."""
+
+    def __init__(self) -> None:
+        self.records: dict[tuple[str, str], list[str]] = {}
+        self.servfail = False
+        self.queries = 0
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self.port = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wire, peer = self._sock.recvfrom(4096)
+            except TimeoutError:
+                continue
+            query = dns.message.from_wire(wire)
+            response = dns.message.make_response(query)
+            response.flags |= dns.flags.AA
+            question = query.question[0]
+            name, rdtype = question.name.to_text(), dns.rdatatype.to_text(question.rdtype)
+            self.queries += 1
+            if self.servfail:
+                response.set_rcode(dns.rcode.SERVFAIL)
+            elif (name, rdtype) in self.records:
+                texts = self.records[(name, rdtype)]
+                response.answer.append(dns.rrset.from_text_list(name, 5, "IN", rdtype, texts))
+            elif not any(known == name for known, _ in self.records):
+                response.set_rcode(dns.rcode.NXDOMAIN)
+            self._sock.sendto(response.to_wire(), peer)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+
+@pytest.fixture
+def stub_dns() -> Iterator[StubDns]:
+    server = StubDns()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_dns_a_and_aaaa_records_follow_the_server(stub_dns: StubDns) -> None:
+    resolver = make_resolver("127.0.0.1", stub_dns.port, lifetime_s=2.0)
+    source = parse_source("dns:kv.test:5600", resolver=resolver)
+    stub_dns.records = {
+        ("kv.test.", "A"): ["127.0.0.3", "127.0.0.2"],
+        ("kv.test.", "AAAA"): ["::1"],
+    }
+    assert source.resolve() == ["127.0.0.2:5600", "127.0.0.3:5600", "[::1]:5600"]
+    stub_dns.records = {("kv.test.", "A"): ["127.0.0.4"]}  # AAAA: no data
+    assert source.resolve() == ["127.0.0.4:5600"]
+    stub_dns.records = {("other.test.", "A"): ["127.0.0.9"]}  # kv.test: NXDOMAIN, no hosts
+    assert source.resolve() == []
+    stub_dns.servfail = True
+    with pytest.raises(SourceError, match="dns:kv.test:5600"):
+        source.resolve()
+
+
+def test_srv_records_give_each_targets_addresses_and_port(stub_dns: StubDns) -> None:
+    resolver = make_resolver("127.0.0.1", stub_dns.port, lifetime_s=2.0)
+    source = parse_source("srv:_kv._tcp.kv.test", resolver=resolver)
+    stub_dns.records = {
+        ("_kv._tcp.kv.test.", "SRV"): ["0 0 5601 pod-a.kv.test.", "0 0 5602 pod-b.kv.test."],
+        ("pod-a.kv.test.", "A"): ["10.0.0.1"],
+        ("pod-b.kv.test.", "A"): ["10.0.0.2"],
+        ("pod-b.kv.test.", "AAAA"): ["fd00::2"],
+    }
+    assert source.resolve() == ["10.0.0.1:5601", "10.0.0.2:5602", "[fd00::2]:5602"]
+    stub_dns.records = {  # pod-b left; pod-a came back on another address; pod-c has none yet
+        ("_kv._tcp.kv.test.", "SRV"): ["0 0 5601 pod-a.kv.test.", "0 0 5603 pod-c.kv.test."],
+        ("pod-a.kv.test.", "A"): ["10.0.0.7"],
+    }
+    assert source.resolve() == ["10.0.0.7:5601"]
+    stub_dns.servfail = True
+    with pytest.raises(SourceError, match="srv:_kv._tcp.kv.test"):
+        source.resolve()
+
+
+def test_a_dns_server_that_does_not_answer_fails_within_the_lifetime() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:  # bound, never answers
+        silent.bind(("127.0.0.1", 0))
+        resolver = make_resolver("127.0.0.1", silent.getsockname()[1], lifetime_s=0.3)
+        start = time.monotonic()
+        with pytest.raises(SourceError, match="dns:kv.test:5600"):
+            parse_source("dns:kv.test:5600", resolver=resolver).resolve()
+        assert time.monotonic() - start < 3.0
+
+
+# -- watched file ------------------------------------------------------------------------------
+
+
+def write_hosts(path: Path, text: str) -> None:
+    """Replace ``path`` atomically, as the README says to."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def test_a_watched_file_is_re_read_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    write_hosts(path, "# kv hosts\n10.0.0.2:5600\n\n  10.0.0.1:5600  # rack 1\n10.0.0.2:5600\n")
+    source = parse_source(f"file:{path}")
+    assert source.resolve() == ["10.0.0.1:5600", "10.0.0.2:5600"]
+    with path.open("a") as f:  # appended in place: size and mtime change
+        f.write("10.0.0.3:5600\n")
+    assert source.resolve() == ["10.0.0.1:5600", "10.0.0.2:5600", "10.0.0.3:5600"]
+    write_hosts(path, "# 10.0.0.1:5600\n10.0.0.3:5600\n")
+    assert source.resolve() == ["10.0.0.3:5600"]
+    write_hosts(path, "10.0.0.3:5600\nnot an address\n")
+    with pytest.raises(SourceError, match=r"line 2 'not an address' is not HOST:PORT"):
+        source.resolve()
+    write_hosts(path, "")
+    assert source.resolve() == []
+    path.unlink()
+    with pytest.raises(SourceError, match=f"file:{path}"):
+        source.resolve()
+
+
+def test_first_hosts_warns_and_starts_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "hosts"
+    assert first_hosts(parse_source(f"file:{path}")) == []
+    assert "cannot read it" in caplog.text and "starting without remote hosts" in caplog.text
+    path.write_text("# nothing yet\n")
+    caplog.clear()
+    assert first_hosts(parse_source(f"file:{path}")) == []
+    assert "lists no remote host" in caplog.text
+    path.write_text("10.0.0.1:5600\n")
+    assert first_hosts(parse_source(f"file:{path}")) == ["10.0.0.1:5600"]
+
+
+# -- Membership against a fake tier ------------------------------------------------------------
+
+
+class FakeTier:
+    """Records connect/disconnect; a host's peer id is ``host:`` + its name (both of a host's
+    addresses reach the same peer); ``down`` addresses time out."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.kwargs: list[dict[str, Any]] = []
+        self.down: set[str] = set()
+        self.closed = False
+        self.callers: set[str] = set()
+
+    def connect(self, address: str, **kwargs: Any) -> str:
+        with self.lock:
+            self.callers.add(threading.current_thread().name)
+            if self.closed:
+                raise RuntimeError("TierManager is closed")
+            self.calls.append(("connect", address))
+            self.kwargs.append(kwargs)
+            if address in self.down:
+                raise TimeoutError(f"no answer from {address}")
+            peer = "host:" + address.split("/")[0]
+            self.live.add(peer)
+            return peer
+
+    def disconnect(self, peer_id: str) -> None:
+        with self.lock:
+            self.calls.append(("disconnect", peer_id))
+            if peer_id not in self.live:
+                raise KeyError(peer_id)
+            self.live.discard(peer_id)
+
+    def peers(self) -> list[str]:
+        with self.lock:
+            return sorted(self.live)
+
+    def count(self, call: tuple[str, str]) -> int:
+        with self.lock:
+            return self.calls.count(call)
+
+
+class FakeSource:
+    def __init__(self, *hosts: str) -> None:
+        self.hosts = list(hosts)
+        self.failing = False
+        self.resolves = 0
+
+    def resolve(self) -> list[str]:
+        self.resolves += 1
+        if self.failing:
+            raise SourceError("fake: DNS blinked")
+        return sorted(self.hosts)
+
+    def __str__(self) -> str:
+        return "fake"
+
+
+def rounds(source: FakeSource, n: int) -> None:
+    """Wait until Membership resolved ``source`` ``n`` more times (a round ends after that only
+    with its dials, so ``n`` >= 2 means one whole round ran)."""
+    seen = source.resolves
+    wait_until(lambda: source.resolves >= seen + n, f"{n} more rounds")
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeTier, FakeSource, Membership]]:
+    tier, source = FakeTier(), FakeSource("a:1")
+    membership = Membership(tier, source, interval_s=0.02, connect_kwargs={"timeout_s": 1.0})
+    membership.start()
+    try:
+        yield tier, source, membership
+    finally:
+        membership.stop(timeout=5)
+
+
+def test_membership_connects_appearing_and_disconnects_vanishing_hosts(
+    fake: tuple[FakeTier, FakeSource, Membership],
+) -> None:
+    tier, source, membership = fake
+    wait_until(lambda: membership.hosts() == {"a:1": "host:a:1"}, "a:1 is connected")
+    assert tier.kwargs == [{"timeout_s": 1.0}]
+    source.hosts = ["a:1", "b:2"]
+    wait_until(lambda: membership.hosts().get("b:2") == "host:b:2", "b:2 is connected")
+    source.hosts = ["b:2"]
+    wait_until(lambda: "a:1" not in membership.hosts(), "a:1 is dropped")
+    wait_until(lambda: tier.peers() == ["host:b:2"], "the tier disconnects a:1")
+    rounds(source, 5)  # more rounds change nothing
+    assert tier.count(("connect", "a:1")) == 1 and tier.count(("connect", "b:2")) == 1
+    assert tier.count(("disconnect", "host:a:1")) == 1
+    assert tier.callers == {"tkvt-membership"}  # never the caller's thread
+
+
+def test_membership_redials_a_peer_the_tier_dropped(
+    fake: tuple[FakeTier, FakeSource, Membership],
+) -> None:
+    tier, _, membership = fake
+    wait_until(lambda: tier.peers() == ["host:a:1"], "a:1 is connected")
+    with tier.lock:
+        tier.live.clear()  # the tier lost the host (it died, a transfer failed)
+    wait_until(lambda: tier.peers() == ["host:a:1"], "a:1 is re-dialled")
+    assert tier.count(("connect", "a:1")) == 2
+    assert membership.hosts() == {"a:1": "host:a:1"}
+
+
+def test_a_failed_resolve_drops_nothing_and_is_logged_once(
+    fake: tuple[FakeTier, FakeSource, Membership], caplog: pytest.LogCaptureFixture
+) -> None:
+    tier, source, membership = fake
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.membership")
+    wait_until(lambda: tier.peers() == ["host:a:1"], "a:1 is connected")
+    source.failing = True
+    rounds(source, 5)
+    assert tier.peers() == ["host:a:1"] and membership.hosts() == {"a:1": "host:a:1"}
+    assert not any(call[0] == "disconnect" for call in tier.calls)
+    assert caplog.text.count("DNS blinked; keeping the last known remote hosts") == 1
+    with tier.lock:
+        tier.live.clear()  # still re-dialled while the source fails
+    wait_until(lambda: tier.peers() == ["host:a:1"], "a:1 is re-dialled during the outage")
+    source.failing, source.hosts = False, []
+    wait_until(lambda: tier.peers() == [], "a:1 is dropped once the source answers")
+    assert "fake resolves again: 0 remote host(s)" in caplog.text
+
+
+def test_a_failed_connect_is_retried_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    tier, source = FakeTier(), FakeSource("a:1")
+    tier.down.add("a:1")
+    membership = Membership(tier, source, interval_s=0.02)
+    membership.start()
+    try:
+        wait_until(lambda: tier.count(("connect", "a:1")) > 5, "several tries")
+        assert membership.hosts() == {"a:1": None}
+        assert caplog.text.count("remote host a:1 cannot be connected") == 1
+        with tier.lock:
+            tier.down.clear()
+        wait_until(lambda: membership.hosts() == {"a:1": "host:a:1"}, "a:1 connects")
+    finally:
+        membership.stop(timeout=5)
+
+
+def test_known_hosts_are_not_dialled_again_and_a_shared_peer_stays() -> None:
+    """``known`` (the caller dialled them) keeps a connected host as it is; two addresses of one
+    host (A and AAAA): losing one address keeps the peer."""
+    tier, source = FakeTier(), FakeSource("a:1", "a:1/v6")
+    tier.live.add("host:a:1")
+    membership = Membership(
+        tier, source, interval_s=0.02, known={"a:1": "host:a:1", "a:1/v6": "host:a:1"}
+    )
+    membership.start()
+    try:
+        rounds(source, 3)
+        assert tier.calls == []
+        source.hosts = ["a:1"]
+        wait_until(lambda: "a:1/v6" not in membership.hosts(), "the v6 address leaves")
+        rounds(source, 3)
+        assert tier.calls == [] and tier.peers() == ["host:a:1"]
+    finally:
+        membership.stop(timeout=5)
+
+
+def test_membership_ends_when_the_tier_closes() -> None:
+    tier, source = FakeTier(), FakeSource("a:1")
+    tier.closed = True
+    membership = Membership(tier, source, interval_s=0.02)
+    membership.start()
+    wait_until(lambda: not membership._thread.is_alive(), "the thread ends")
+    assert source.resolves == 1
+
+
+def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
+    release = threading.Event()
+    entered = threading.Event()
+
+    class SlowTier(FakeTier):
+        def connect(self, address: str, **kwargs: Any) -> str:
+            entered.set()
+            release.wait(timeout=WAIT_S)
+            return super().connect(address, **kwargs)
+
+    tier = SlowTier()
+    membership = Membership(tier, FakeSource("a:1"), interval_s=0.02)
+    membership.start()
+    assert entered.wait(timeout=WAIT_S)
+    start = time.monotonic()
+    membership.stop(timeout=0.2)  # the handshake is still running: gives up after 0.2 s
+    assert 0.15 < time.monotonic() - start < 2.0
+    release.set()
+    membership.stop(timeout=WAIT_S)  # it ends once the handshake does, and dials nothing more
+    assert not membership._thread.is_alive()
+    assert tier.calls == [("connect", "a:1")]
+
+
+def test_membership_needs_a_positive_interval() -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        Membership(FakeTier(), FakeSource(), interval_s=0)
+
+
+# -- a real tier and a real host ---------------------------------------------------------------
+
+
+def test_a_real_tier_joins_and_leaves_a_host_named_in_a_watched_file(tmp_path: Path) -> None:
+    path = tmp_path / "kv-hosts"
+    write_hosts(path, "# no hosts yet\n")
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="membership") as tier,
+    ):
+        membership = Membership(
+            tier, parse_source(f"file:{path}"), interval_s=0.1, connect_kwargs={"timeout_s": 5.0}
+        )
+        membership.start()
+        try:
+            assert tier.peers() == []
+            write_hosts(path, f"# kv hosts\n{server.address}\n")
+            wait_until(
+                lambda: membership.hosts().get(server.address) is not None,
+                "the tier joins the host",
+            )
+            assert list(membership.hosts().values()) == tier.peers() and len(tier.peers()) == 1
+            tier.arena.tensor[:4].random_(0, 256)
+            keys = [f"block-{i}" for i in range(4)]
+            assert tier.store(keys, range(4)).result(timeout=WAIT_S).ok
+            assert tier.load(keys, range(8, 12)).result(timeout=WAIT_S).ok
+            assert torch.equal(tier.arena.tensor[8:12], tier.arena.tensor[:4])
+            write_hosts(path, f"# {server.address}\n")
+            wait_until(lambda: tier.peers() == [], "the tier drops the host")
+            assert membership.hosts() == {} and tier.lookup(keys) == 0
+        finally:
+            membership.stop(timeout=WAIT_S)
