@@ -23,6 +23,7 @@ from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.replica import IndexFollower
+from torch_kv_tier.shared_host import SharedHost
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -128,11 +129,12 @@ def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
         TierManager.create(16, BLOCK_LEN, name="refused", grant_batch=2) as tier,
     ):
         tier.connect(server.address)
-        (peer,) = tier._peers.values()
+        (host,) = tier._peers.values()
+        assert isinstance(host, SharedHost)
         refused: Future[p.ServerMessage] = Future()
         refused.set_result(p.Error(0, p.UNKNOWN_SESSION))
-        peer.slots.refilling = True  # type: ignore[union-attr]  # as when the request went out
-        tier._on_granted(peer, peer.slots.commits, 2, refused)  # type: ignore[union-attr]
+        host.refilling = True  # as when the request went out
+        tier._on_granted(host, host.commits, 2, refused)
         keys = [f"k{i}" for i in range(6)]  # more than one grant: the next grants still come
         assert tier.store(keys, range(6)).result(timeout=RESULT_TIMEOUT_S).ok
 

@@ -44,6 +44,7 @@ class ConnectedHosts:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     transport: DataTransport
+    verify: bool
     _lock: threading.Lock
     _closed: bool
     _index: BlockIndex
@@ -61,6 +62,27 @@ class ConnectedHosts:
         def _flush(self) -> None: ...
         def _join_shared(self, session: Any, timeout_s: float) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
+
+    def _remove(self, peer_id: str) -> None:
+        """``remove_peer`` (unlocked): drop the peer, end its session clean unless a write of
+        it is in flight, and stop dialling it; its ended sessions are still released."""
+        with self._lock:
+            self._check_open()
+            dial = self._dials.pop(peer_id, None)
+            if dial is not None:  # its ended sessions are still to be released
+                self._removed[dial.address] = dial
+            if peer_id not in self._peers:
+                if dial is not None:  # lost and being dialled again: that stops
+                    self._send_releases(dial.address)
+                    return
+                raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
+            session, clean = self._drop_peer(peer_id)
+        self._flush()
+        if session is not None:
+            self._close_session(session, clean)
+        if dial is not None:
+            with self._lock:
+                self._send_releases(dial.address)
 
     def _connect(self, dial: Dial) -> str:
         """Open a session with ``dial``'s host (telling it the ended sessions it may release)
@@ -236,8 +258,9 @@ class ConnectedHosts:
         self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
         with self._lock:
             self._check_open()
-            peer = self._peers[peer_id] = Peer(self._index.add_peer(peer_id, slots))
-            peer.session = session
+            self._peers[peer_id] = Peer(
+                self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
+            )
 
     def _close_session(self, session: Any, clean: bool) -> None:
         """End a dropped peer's session (unlocked); dial the host again if it was lost rather

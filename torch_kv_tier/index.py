@@ -14,7 +14,7 @@ registration of the same peer id may still land on them (``fence``).
 
 A shared host (``SharedSlots``) keeps its own index: the host decides eviction, and this tier
 holds a copy of the host's key set with each key's slot and digest (kept current by the host's
-events, see ``apply_host_changes``) plus a batch of slots the host granted it for new keys. A
+events, see ``apply_host_changes``); the slots the host granted it are its ``SharedHost``'s. A
 load reads a shared key's slot from the copy, unpinned: a slot evicted and rewritten meanwhile
 fails its digest and is a miss.
 """
@@ -66,19 +66,16 @@ class PeerSlots:
 
 
 class SharedSlots:
-    """A shared host as this tier sees it: the host's keys (a copy, possibly stale) and the
-    slots the host granted this tier for new keys (used in order)."""
+    """A shared host's key set as this tier sees it: a copy of the host's keys with each one's
+    slot and digest, possibly stale (the slots the host granted this tier belong to its
+    ``shared_host.SharedHost``)."""
 
-    __slots__ = ("capacity", "capped", "commits", "entries", "grants", "peer_id", "refilling")
+    __slots__ = ("capacity", "entries", "peer_id")
 
     def __init__(self, peer_id: str, capacity: int) -> None:
         self.peer_id = peer_id
         self.capacity = capacity  # the host's pool, shared with every other tier
         self.entries: dict[Key, tuple[int, int]] = {}  # the host's keys -> (slot, digest)
-        self.grants: deque[int] = deque()
-        self.refilling = False  # a grant request is in flight
-        self.capped = False  # the host granted less than asked: ask again after a commit
-        self.commits = 0  # commit messages sent (each returns granted slots to the host)
 
     @property
     def used(self) -> int:
@@ -189,13 +186,10 @@ class BlockIndex:
 
     # -- stores -------------------------------------------------------------------------------
 
-    def reserve(self, peer: AnyPeer, n: int) -> list[int]:
-        """Up to ``n`` slots of ``peer`` for new keys: free ones first, then the slots of its
-        least recently used unpinned keys, which are evicted and handed over directly. A shared
-        host's slots come from its grants only (the host evicts when it grants)."""
-        if isinstance(peer, SharedSlots):
-            grants = peer.grants
-            return [grants.popleft() for _ in range(min(n, len(grants)))]
+    def reserve(self, peer: PeerSlots, n: int) -> list[int]:
+        """Up to ``n`` slots of a tier-owned ``peer`` for new keys: free ones first, then the
+        slots of its least recently used unpinned keys, which are evicted and handed over
+        directly. (A shared host's slots come from its grants: ``SharedHost.take_slots``.)"""
         pool = peer.pool
         slots = pool.allocate(min(n, pool.num_free))
         need = n - len(slots)
@@ -223,14 +217,6 @@ class BlockIndex:
                 table[slot - start] = digest
         self.where.update(dict.fromkeys(keys, peer))
         self._log("stored", keys, peer.peer_id)
-
-    @staticmethod
-    def release(peer: AnyPeer, slots: list[int]) -> None:
-        """Return reserved slots that were not published (failed or discarded writes)."""
-        if isinstance(peer, SharedSlots):
-            peer.grants.extendleft(slots)
-        else:
-            peer.pool.free(slots)
 
     def apply_host_changes(
         self,

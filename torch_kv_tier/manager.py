@@ -1,11 +1,11 @@
 """``TierManager``: logical KV block keys kept on remote peers, moved by NIXL transfers.
 
-The public API and the calls' validation only: the index of what is stored where (placement,
-slot pool, LRU, pins) lives in ``torch_kv_tier.index``, the per-call, per-transfer and per-peer
-records in ``torch_kv_tier.records``, block digests in ``torch_kv_tier.digest``; the transfers'
-life (submit, poll, finish, settle, drop a failed peer) in ``torch_kv_tier.transfers``, the
-shared-host half in ``torch_kv_tier.shared_hosts`` and the sessions with connected hosts in
-``torch_kv_tier.connected_hosts`` (its base classes).
+The public API and the calls' validation. Its parts: ``index`` (what is stored where:
+placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, per tier-owned
+peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
+the base classes ``transfers`` (a transfer's life: submit, poll, finish per operation, settle,
+drop a failed peer), ``shared_hosts`` (driving shared hosts) and ``connected_hosts`` (sessions:
+connect, redial, release).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
@@ -16,20 +16,19 @@ poller), so a callback may call back into the manager. Registering a peer's regi
 (seconds for a big pool) runs outside the lock: lookups and transfers go on meanwhile.
 
 The guarantee: a load returns the bytes its key names, or fails the key. Every store computes
-the digest of each block it writes (``verify``); every load recomputes the digests of what it
-read and reports a key whose bytes differ as "missing" (``stats().verify_failed``), whatever
-wrote the remote slot meanwhile. A load's future resolves only once the transport can no longer
-write into its local blocks.
+the digest of each block it writes; every load recomputes the digests of what it read and
+reports a key whose bytes differ as "missing" (``stats().verify_failed``), whatever wrote the
+remote slot meanwhile. A load's future resolves only once the transport can no longer write
+into its local blocks.
 
 Failure model: a transfer that fails fails its keys, and its peer is dropped with its keys (a
 cache entry that cannot be trusted is cheaper to recompute than to serve); so does a peer the
-transport reports faulted and a connected host whose session is lost. A connected host that was
-dropped is dialled again in the background (``connections.Redialer``). The futures of a dropped
-peer's stores resolve at once ("peer lost"); its loads resolve when the transport reports them
-(until then their local blocks may still be written). A write the transport still holds after
-its peer was dropped may yet land: its remote slots stay out of every pool of that peer id here,
-and its session counts as unclean, so the host holds the session's slots until this tier tells
-it (``connections.EndedSessions``) that the transport reported the last such write.
+transport reports faulted and a connected host whose session is lost (it is dialled again in
+the background). A dropped peer's stores resolve at once ("peer lost"), its loads when the
+transport reports them. A write the transport still holds after its peer was dropped may yet
+land: its remote slots stay out of every pool of that peer id here, and its session counts as
+unclean, so the host holds the session's slots until this tier tells it
+(``connections.EndedSessions``) that the transport reported the last such write.
 """
 
 from __future__ import annotations
@@ -37,32 +36,30 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
-
-import numpy as np
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connected_hosts import ConnectedHosts
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.digest import BlockDigests
-from torch_kv_tier.index import BlockIndex, SharedSlots, drain
+from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
-    CAPACITY,
     CLOSED,
     MISSING,
     NO_PEERS,
     PEER_LOST,
+    Counters,
     PeerStats,
     TierEvent,
     TierStats,
     TransferResult,
 )
-from torch_kv_tier.shared_hosts import MAX_GRANT, SharedHosts
+from torch_kv_tier.shared_host import MAX_GRANT, SharedHost
+from torch_kv_tier.shared_hosts import SharedHosts
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
 
@@ -130,12 +127,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
-        self._blocks_stored = self._blocks_loaded = 0
-        self._transfers_done = self._transfers_failed = 0
-        self._verify_failed = 0
-        self._peers_dropped = 0
+        self._counters = Counters(_LATENCY_WINDOW)
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
-        self._latencies_us: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._poller_idle = False
         self._closed = False
         self._stopping = False
@@ -203,23 +196,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
 
         Raises ``KeyError`` for an unknown peer.
         """
-        with self._lock:
-            self._check_open()
-            dial = self._dials.pop(peer_id, None)
-            if dial is not None:  # its ended sessions are still to be released
-                self._removed[dial.address] = dial
-            if peer_id not in self._peers:
-                if dial is not None:  # lost and being dialled again: that stops
-                    self._send_releases(dial.address)
-                    return
-                raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
-            session, clean = self._drop_peer(peer_id)
-        self._flush()
-        if session is not None:
-            self._close_session(session, clean)
-        if dial is not None:
-            with self._lock:
-                self._send_releases(dial.address)
+        self._remove(peer_id)
 
     def connect(
         self,
@@ -300,7 +277,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             ready = self._after_submit(request, groups)
             for peer_id in groups:  # after the commits of what completed already
                 peer = self._peers.get(peer_id)  # polling may have dropped it
-                if peer is not None and isinstance(peer.slots, SharedSlots):
+                if isinstance(peer, SharedHost):
                     self._refill(peer)
         resolve(ready)
         return request.future
@@ -359,24 +336,24 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
 
     def stats(self) -> TierStats:
         with self._lock:
-            lat = np.asarray(self._latencies_us) if self._latencies_us else np.zeros(1)
-            bl = self.transport.block_len
+            c, bl = self._counters, self.transport.block_len
+            p50, p99 = c.latency_percentiles_us()
             return TierStats(
-                blocks_stored=self._blocks_stored,
-                bytes_stored=self._blocks_stored * bl,
-                blocks_loaded=self._blocks_loaded,
-                bytes_loaded=self._blocks_loaded * bl,
-                transfers_done=self._transfers_done,
-                transfers_failed=self._transfers_failed,
+                blocks_stored=c.blocks_stored,
+                bytes_stored=c.blocks_stored * bl,
+                blocks_loaded=c.blocks_loaded,
+                bytes_loaded=c.blocks_loaded * bl,
+                transfers_done=c.transfers_done,
+                transfers_failed=c.transfers_failed,
                 evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
                 keys=len(self._index.where),
-                latency_p50_us=float(np.percentile(lat, 50)),
-                latency_p99_us=float(np.percentile(lat, 99)),
+                latency_p50_us=p50,
+                latency_p99_us=p99,
                 events_dropped=self._index.events_dropped,
-                verify_failed=self._verify_failed,
-                peers_dropped=self._peers_dropped,
+                verify_failed=c.verify_failed,
+                peers_dropped=c.peers_dropped,
                 unreleased_sessions=self._ended.unresolved,
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
@@ -404,26 +381,9 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             if self._closed:
                 return
             self._closed = True
-            for peer in self._peers.values():
-                while peer.queue:
-                    self._finish(peer.queue.popleft(), CLOSED)
-                self._fail_awaiting(peer, CLOSED)
             deadline = time.monotonic() + timeout
-            self._cond.notify_all()
-            while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
-                self._cond.wait(timeout=deadline - time.monotonic())
-            leftover = list(self._ops)
-            if any(not self._ops[tid].orphaned for tid in leftover):
-                logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
-            self.transport.cancel(leftover)
-            cancelled = list(map(self._ops.pop, leftover))
+            cancelled = self._cancel_all(deadline)
             dirty = {op.peer for op in cancelled if op.kind == "store"}
-            for op in cancelled:
-                if op.kind == "store" and not op.orphaned:
-                    self._finish(op, CLOSED)
-            self._stopping = True
-            self._cond.notify_all()
-            self._report_usage(time.perf_counter())
             ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
         self._flush()
         if threading.current_thread() is not self._thread:  # close() from a done-callback
@@ -462,26 +422,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
     def _digest_stores(self) -> bool:
         """Whether stores compute digests: to verify private loads, or for any shared host
         (read without the lock: a host joining meanwhile only costs that call's digests)."""
-        return self.verify or any(isinstance(p.slots, SharedSlots) for p in self._peers.values())
-
-    def _store_on(
-        self, peer: Peer, keys: list[Key], local: list[int], digests: list[int], request: Request
-    ) -> None:
-        """Reserve slots of ``peer`` for a group of a store and launch it; keys no slot was
-        found for fail with "capacity" (a private peer) or wait for the host's next grant."""
-        op = Op("store", peer.slots.peer_id, peer, keys, local, [], request, digests)
-        self._storing.update(dict.fromkeys(keys, op))
-        op.remote = self._index.reserve(peer.slots, len(keys))
-        if len(op.remote) < len(keys):
-            rest = op.split(len(op.remote))
-            if isinstance(peer.slots, SharedSlots):  # waits for the host's next grant
-                self._storing.update(dict.fromkeys(rest.keys, rest))
-                peer.awaiting.append(rest)
-            else:
-                drain(map(self._storing.pop, rest.keys))
-                request.settle(rest.keys, CAPACITY)
-        if op.keys:
-            self._launch(op)
+        return self.verify or any(p.verifies for p in self._peers.values())
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]

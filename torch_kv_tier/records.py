@@ -1,5 +1,5 @@
 """The records ``TierManager`` keeps: one per call (``Request``), per transfer (``Op``) and per
-peer registration (``Peer``).
+tier-owned peer registration (``Peer``; a shared host's is ``shared_host.SharedHost``).
 
 Plain state, no locking of their own: the manager mutates them under its lock, except
 ``resolve``, which it calls without the lock so that a future's callbacks may call back into it.
@@ -12,7 +12,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from torch_kv_tier.index import AnyPeer
+from torch_kv_tier.index import AnyPeer, BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 
@@ -48,17 +48,31 @@ class Request:
 
 
 class Peer:
-    """A peer registration as the manager drives it (its slots live in the index)."""
+    """A tier-owned peer registration (``add_peer``, or a private lease) as the manager drives
+    it: its transfers in flight and queued, its session, and what its slots are (they live in
+    the index). A shared host is a ``shared_host.SharedHost``.
 
-    __slots__ = ("awaiting", "inflight", "queue", "read", "session", "slots", "written")
+    ``verifies``: whether its loads check their digests (a private peer: the tier's
+    ``verify``; a shared host always).
+    """
 
-    def __init__(self, slots: AnyPeer) -> None:
+    __slots__ = ("inflight", "queue", "read", "session", "slots", "verifies", "written")
+
+    def __init__(self, slots: AnyPeer, *, verifies: bool, session: Any = None) -> None:
         self.slots = slots
+        self.verifies = verifies
         self.inflight = 0  # this registration's ops submitted to the transport
         self.queue: deque[Op] = deque()  # ops waiting for an in-flight slot, in order
-        self.awaiting: deque[Op] = deque()  # shared host: stores waiting for granted slots
-        self.session: Any = None  # RemoteSession when the peer came from connect()
+        self.session: Any = session  # RemoteSession when the peer came from connect()
         self.written = self.read = 0  # bytes moved not yet reported to the session
+
+    def take_slots(self, index: BlockIndex, n: int) -> list[int]:
+        """Up to ``n`` slots for new keys (evicting the least recently used)."""
+        return index.reserve(self.slots, n)  # type: ignore[arg-type]
+
+    def return_slots(self, slots: list[int]) -> None:
+        """Slots taken for writes that were not published (failed or discarded)."""
+        self.slots.pool.free(slots)  # type: ignore[union-attr]
 
     def report_usage(self) -> None:
         """Hand the bytes moved since the last report to the session (if any)."""

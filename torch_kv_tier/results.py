@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from torch_kv_tier.keys import Key
 
@@ -66,3 +69,29 @@ class TierStats:
     unreleased_sessions: int = 0  # ended sessions whose writes the transport still holds
     peers_dropped: int = 0  # peer registrations dropped (failed, lost, removed or replaced)
     peers: dict[str, PeerStats] = field(default_factory=dict)
+
+
+class Counters:
+    """A tier's running totals, mutated under its lock; ``latencies_us`` keeps the per-transfer
+    completion latencies of the last ``window`` transfers."""
+
+    __slots__ = (
+        "blocks_loaded",
+        "blocks_stored",
+        "latencies_us",
+        "peers_dropped",
+        "transfers_done",
+        "transfers_failed",
+        "verify_failed",
+    )
+
+    def __init__(self, window: int = 4096) -> None:
+        self.blocks_stored = self.blocks_loaded = 0
+        self.transfers_done = self.transfers_failed = 0
+        self.verify_failed = self.peers_dropped = 0
+        self.latencies_us: deque[float] = deque(maxlen=window)
+
+    def latency_percentiles_us(self) -> tuple[float, float]:
+        """p50 and p99 of the recent latencies (0 before the first transfer)."""
+        lat = np.asarray(self.latencies_us) if self.latencies_us else np.zeros(1)
+        return float(np.percentile(lat, 50)), float(np.percentile(lat, 99))

@@ -1,19 +1,11 @@
-"""The tier's half of a shared remote host: granted slots, commits, recency, and the copy of
-the host's key set with each key's slot and digest (the host's half is ``remote.shared_cache``).
+"""The tier's side of its shared hosts: joining one, asking it for slots and launching the stores
+that waited for them, recency, and applying its index events. The per-host state (grants,
+waiting stores, commits, verification) is each host's ``shared_host.SharedHost``; the copy of
+its key set is the index's ``SharedSlots``.
 
-``SharedHosts`` is a part of ``TierManager`` (its base class), kept in its own file because it is
-one concept: how a tier uses a host whose index the host owns. It uses the manager's lock and
-tables, and the manager's ``_launch``/``_after_submit``/``_finish``/``_register`` to submit
-and settle transfers; the manager calls ``_join_shared`` from ``connect``, ``_refill`` from
-``store``, ``_publish`` from its store completion and ``_touch_shared`` from ``touch`` and its
-load completion.
-
-A store writes into slots the host granted this tier ahead of time (refilled in the background
-when half a batch is used) and commits its keys with their digests once the write completed; a
-store with no granted slot left waits in its peer's ``awaiting`` queue (its keys are "in
-flight": a second store of them joins it, a discard unpublishes them). A load reads straight
-from the slot the copy of the host's index names, with no round trip to the host, and checks
-the digest (the manager's load completion); recency goes to the host batched (``touch``).
+``SharedHosts`` is a part of ``TierManager`` (its base class, beside ``Transfers`` and
+``ConnectedHosts``): ``connect`` joins a shared host with ``_join_shared``; ``store`` and a
+store's completion call ``_refill``; ``touch`` and a load's completion ``_touch_shared``.
 
 Threading: methods without "(I/O thread, unlocked)" run with the manager's lock held. Answers
 from the host (grants, index events) arrive on the session's I/O thread, which takes the lock
@@ -21,12 +13,12 @@ itself; a request's answer callback is attached before the request is sent, so i
 on the caller's thread (where the lock is held and not reentrant).
 
 Failure model: a grant that does not come (the host refused, or timed out) leaves the stores
-waiting for it to fail with "capacity" only when nothing this tier does could free its share.
+waiting for it to fail with "capacity" only when nothing this tier does could free its share;
+a session lost meanwhile drops the host, and they fail "peer lost".
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import weakref
@@ -39,11 +31,9 @@ from torch_kv_tier.index import BlockIndex, SharedSlots
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import CAPACITY
-from torch_kv_tier.transport.base import DataTransport
+from torch_kv_tier.shared_host import SharedHost
 
 logger = logging.getLogger(__name__)
-
-MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
 
 
 class SharedHosts:
@@ -51,14 +41,13 @@ class SharedHosts:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     grant_batch: int
-    transport: DataTransport
     _lock: threading.Lock
     _closed: bool
     _index: BlockIndex
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
 
-    if TYPE_CHECKING:  # implemented by TierManager
+    if TYPE_CHECKING:  # implemented by TierManager, Transfers and ConnectedHosts
 
         def _check_open(self) -> None: ...
         def _launch(self, op: Op) -> None: ...
@@ -72,7 +61,7 @@ class SharedHosts:
         def remove_peer(self, peer_id: str) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
-        """Register a shared host: its NIXL region (outside the lock), its first grant (in the
+        """Register a shared host: its NIXL region (unlocked), its first grant (in the
         background), then its key set (awaited)."""
         peer_id = session.peer_id
         self._register(
@@ -84,11 +73,9 @@ class SharedHosts:
         )
         with self._lock:
             self._check_open()
-            peer = self._peers[peer_id] = Peer(
-                self._index.add_shared_peer(peer_id, session.num_blocks)
-            )
-            peer.session = session
-            self._refill(peer)
+            slots = self._index.add_shared_peer(peer_id, session.num_blocks)
+            host = self._peers[peer_id] = SharedHost(slots, session, self.grant_batch)
+            self._refill(host)
         try:
             synced = threading.Event()
             session.follow(_HostChanges(self, peer_id, synced))
@@ -98,97 +85,61 @@ class SharedHosts:
             self.remove_peer(peer_id)
             raise
 
-    def _refill(self, peer: Peer) -> None:
-        """Ask the host for more slots when fewer than half a batch are left, or stores wait
-        for slots; the answer lands in ``_on_granted``, on the session's I/O thread. After a
-        grant that came short (the host caps what one session holds uncommitted), only a
-        commit (which makes room in this tier's share) or a waiting store asks again."""
-        slots = peer.slots
-        assert isinstance(slots, SharedSlots)
-        need = sum(len(op.keys) for op in peer.awaiting)
-        if slots.refilling or (
-            not need and (slots.capped or len(slots.grants) >= self.grant_batch // 2)
-        ):
+    def _refill(self, host: SharedHost) -> None:
+        """Ask ``host`` for the slots it wants (``SharedHost.grant_wanted``); the answer lands
+        in ``_on_granted``, on the session's I/O thread."""
+        want = host.grant_wanted()
+        if not want:
             return
-        want = min(max(self.grant_batch, 2 * need), MAX_GRANT)
         try:
-            peer.session.grant(want, partial(self._on_granted, peer, slots.commits, want))
+            host.session.grant(want, partial(self._on_granted, host, host.commits, want))
         except ConnectionError:
             return  # the session is ending; its loss drops the peer
-        slots.refilling = True
+        host.refilling = True
 
-    def _on_granted(self, peer: Peer, commits: int, want: int, future: Future[Any]) -> None:
-        """A grant answer (I/O thread, unlocked): stores waiting for slots go out. With no
-        slot granted, none of this tier's writes to the host in flight and no commit sent since
-        the request (either would make room in its share), they fail with "capacity"."""
+    def _on_granted(self, host: SharedHost, commits: int, want: int, future: Future[Any]) -> None:
+        """A grant answer (I/O thread, unlocked): stores waiting for slots go out, or fail
+        with "capacity" when nothing this tier does could free its share."""
         granted: list[int] = []
-        failed = True  # no answer, or an ``Error`` (the host no longer knows the session)
         try:
             answer = future.result()
         except Exception as exc:
-            logger.warning("grant from %s failed: %s", peer.slots.peer_id, exc)
-        else:
-            failed = not hasattr(answer, "slots")
-            if failed:
-                logger.warning("grant from %s refused: %s", peer.slots.peer_id, answer)
-            else:
-                granted = answer.slots
-        if failed and peer.session.lost is not None:
-            with self._lock:  # its loss drops the peer: the waiting stores fail "peer lost"
-                peer.slots.refilling = False  # type: ignore[union-attr]
-            return
+            answer = exc
+        if hasattr(answer, "slots"):
+            granted = answer.slots
+        else:  # no answer, or an ``Error`` (the host no longer knows the session)
+            logger.warning("grant from %s failed: %s", host.slots.peer_id, answer)
         with self._lock:
-            slots = peer.slots
-            assert isinstance(slots, SharedSlots)
-            slots.refilling = False
-            if self._closed or self._peers.get(slots.peer_id) is not peer:
+            if not granted and host.session.lost is not None:
+                host.refilling = False  # its loss drops the peer: the waiters fail "peer lost"
                 return
-            slots.grants.extend(granted)
-            slots.capped = len(granted) < want and slots.commits == commits
-            self._launch_awaiting(peer)
-            busy = peer.inflight or peer.queue or slots.commits != commits
-            if peer.awaiting and not granted and not busy:
-                self._fail_awaiting(peer, CAPACITY)
-            if not slots.capped:  # a capped tier asks again after its next commit
-                self._refill(peer)
-            ready = self._after_submit(None, [slots.peer_id])
+            if self._closed or self._peers.get(host.slots.peer_id) is not host:
+                host.refilling = False
+                return
+            hopeless = host.granted(granted, want, commits)
+            self._launch_awaiting(host)
+            if hopeless:
+                self._fail_awaiting(host, CAPACITY)
+            if not host.capped:  # a capped tier asks again after its next commit
+                self._refill(host)
+            ready = self._after_submit(None, [host.slots.peer_id])
         resolve(ready)
 
-    def _launch_awaiting(self, peer: Peer) -> None:
-        """Send waiting stores into the slots granted so far (in order, split as needed)."""
-        slots = peer.slots
-        while peer.awaiting and slots.grants:  # type: ignore[union-attr]
-            op = peer.awaiting.popleft()
-            op.remote = self._index.reserve(slots, len(op.keys))
-            if len(op.remote) < len(op.keys):
-                rest = op.split(len(op.remote))
+    def _launch_awaiting(self, host: SharedHost) -> None:
+        for op, rest in host.launchable():
+            if rest is not None:
                 self._storing.update(dict.fromkeys(rest.keys, rest))
-                peer.awaiting.appendleft(rest)
             self._launch(op)
 
     def _fail_awaiting(self, peer: Peer, reason: str) -> None:
-        while peer.awaiting:
-            self._finish(peer.awaiting.popleft(), reason)
-
-    def _publish(self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
-        """Make written ``keys`` visible; a shared host learns them with a commit, which
-        returns their slots from this tier's share of grants, so stores waiting for slots may
-        ask again."""
-        self._index.publish(peer.slots, keys, slots, digests)
-        if not keys or not isinstance(peer.slots, SharedSlots):
-            return
-        peer.slots.commits += 1
-        peer.slots.capped = False
-        with contextlib.suppress(ConnectionError):  # the session is ending
-            peer.session.commit(keys, slots, digests)
-        if peer.awaiting:
-            self._refill(peer)
+        if isinstance(peer, SharedHost):
+            for op in peer.take_awaiting():
+                self._finish(op, reason)
 
     def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None:
         """Report recency to shared hosts (batched by their sessions)."""
         for slots, keys in groups.items():
-            with contextlib.suppress(ConnectionError):  # the session is ending
-                self._peers[slots.peer_id].session.touch(keys)
+            self._peers[slots.peer_id].touch(keys)  # type: ignore[attr-defined]
 
     def _on_host_changes(
         self,
@@ -201,9 +152,16 @@ class SharedHosts:
     ) -> None:
         """A shared host's key set changed (I/O thread, unlocked)."""
         with self._lock:
-            peer = self._peers.get(peer_id)
-            if peer is not None and isinstance(peer.slots, SharedSlots):
-                self._index.apply_host_changes(peer.slots, stored, slots, digests, evicted, reset)
+            host = self._peers.get(peer_id)
+            if isinstance(host, SharedHost):
+                self._index.apply_host_changes(
+                    host.slots,  # type: ignore[arg-type]
+                    stored,
+                    slots,
+                    digests,
+                    evicted,
+                    reset,
+                )
 
 
 class _HostChanges:
@@ -231,4 +189,4 @@ class _HostChanges:
             self._synced.set()
 
 
-__all__ = ["MAX_GRANT", "SharedHosts"]
+__all__ = ["SharedHosts"]

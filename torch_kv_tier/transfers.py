@@ -20,16 +20,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import EndedSessions
 from torch_kv_tier.digest import BlockDigests
-from torch_kv_tier.index import BlockIndex, PeerSlots, SharedSlots, drain
+from torch_kv_tier.index import BlockIndex, PeerSlots, drain
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
-from torch_kv_tier.results import MISSING, PEER_LOST, TRANSFER_FAILED
+from torch_kv_tier.results import (
+    CAPACITY,
+    CLOSED,
+    MISSING,
+    PEER_LOST,
+    TRANSFER_FAILED,
+    Counters,
+)
+from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transport.base import DataTransport, PollResult
 
 logger = logging.getLogger(__name__)
@@ -43,7 +50,6 @@ class Transfers:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     transport: DataTransport
-    verify: bool
     max_inflight: int
     _lock: threading.Lock
     _cond: threading.Condition
@@ -59,21 +65,12 @@ class Transfers:
     _ended: EndedSessions
     _block_len: int
     _max_poll_interval_s: float
-    _latencies_us: deque[float]
     _usage_due: float
-    _blocks_stored: int
-    _blocks_loaded: int
-    _transfers_done: int
-    _transfers_failed: int
-    _verify_failed: int
-    _peers_dropped: int
+    _counters: Counters
 
     if TYPE_CHECKING:  # implemented by SharedHosts and ConnectedHosts
 
-        def _publish(
-            self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]
-        ) -> None: ...
-        def _touch_shared(self, groups: dict[SharedSlots, list[Key]]) -> None: ...
+        def _refill(self, host: SharedHost) -> None: ...
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _send_releases(self, address: str) -> None: ...
         def _close_session(self, session: Any, clean: bool) -> None: ...
@@ -122,6 +119,50 @@ class Transfers:
             else:
                 time.sleep(delay)
                 delay = min(max(delay * 2, 50e-6), self._max_poll_interval_s)
+
+    def _store_on(
+        self, peer: Peer, keys: list[Key], local: list[int], digests: list[int], request: Request
+    ) -> None:
+        """Reserve slots of ``peer`` for a group of a store and launch it; keys no slot was
+        found for fail with "capacity" (a private peer) or wait for the host's next grant."""
+        op = Op("store", peer.slots.peer_id, peer, keys, local, [], request, digests)
+        self._storing.update(dict.fromkeys(keys, op))
+        op.remote = peer.take_slots(self._index, len(keys))
+        if len(op.remote) < len(keys):
+            rest = op.split(len(op.remote))
+            if isinstance(peer, SharedHost):  # waits for the host's next grant
+                self._storing.update(dict.fromkeys(rest.keys, rest))
+                peer.awaiting.append(rest)
+            else:
+                drain(map(self._storing.pop, rest.keys))
+                request.settle(rest.keys, CAPACITY)
+        if op.keys:
+            self._launch(op)
+
+    def _cancel_all(self, deadline: float) -> list[Op]:
+        """``close``'s first half: fail what is queued or awaits slots, wait until
+        ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
+        "closed" now; a load's, returned, once the transport is closed: until then its blocks
+        may still be written) and stop the poller."""
+        for peer in self._peers.values():
+            while peer.queue:
+                self._finish(peer.queue.popleft(), CLOSED)
+            self._fail_awaiting(peer, CLOSED)
+        self._cond.notify_all()
+        while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
+            self._cond.wait(timeout=deadline - time.monotonic())
+        leftover = list(self._ops)
+        if any(not self._ops[tid].orphaned for tid in leftover):
+            logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
+        self.transport.cancel(leftover)
+        cancelled = list(map(self._ops.pop, leftover))
+        for op in cancelled:
+            if op.kind == "store" and not op.orphaned:
+                self._finish(op, CLOSED)
+        self._stopping = True
+        self._cond.notify_all()
+        self._report_usage(time.perf_counter())
+        return cancelled
 
     def _launch(self, op: Op) -> None:
         if op.peer.inflight >= self.max_inflight:
@@ -184,14 +225,14 @@ class Transfers:
         for tid in result.done:
             op = self._take(tid, now, freed)
             if op is not None:
-                self._transfers_done += 1
+                self._counters.transfers_done += 1
                 self._finish(op, None)
         lost: dict[str, str] = {}
         for tid in result.failed:
             op = self._take(tid, now, freed)
             if op is None:
                 continue
-            self._transfers_failed += 1
+            self._counters.transfers_failed += 1
             alive = self._peers.get(op.peer_id) is op.peer
             self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
             if alive:
@@ -224,7 +265,7 @@ class Transfers:
             return None
         op.peer.inflight -= 1
         freed.append(op.peer)
-        self._latencies_us.append((now - op.submitted) * 1e6)
+        self._counters.latencies_us.append((now - op.submitted) * 1e6)
         return op
 
     def _report_usage(self, now: float) -> None:
@@ -264,25 +305,34 @@ class Transfers:
                 self._publish(peer, keys, slots, digests)
             else:
                 unused = op.remote
-            self._index.release(peer.slots, unused)
+            peer.return_slots(unused)
         if reason is None:
             n = len(op.keys)
-            self._blocks_stored += n
+            self._counters.blocks_stored += n
             op.owner.nbytes += n * self._block_len
             if peer is not None:
                 peer.written += n * self._block_len
         self._settle(op, [], reason)
+
+    def _publish(self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
+        """Make written ``keys`` visible; a shared host learns them with a commit, which
+        returns their slots from this tier's share of grants, so stores waiting for slots may
+        ask again."""
+        self._index.publish(peer.slots, keys, slots, digests)
+        if keys and isinstance(peer, SharedHost):
+            peer.commit(keys, slots, digests)
+            if peer.awaiting:
+                self._refill(peer)
 
     def _finish_load(self, op: Op, peer: Peer | None, reason: str | None) -> None:
         if peer is not None and isinstance(peer.slots, PeerSlots):
             self._index.unpin(peer.slots, op.remote)
         bad: list[Key] = []
         if reason is None:
-            shared = isinstance(op.peer.slots, SharedSlots)
-            if shared or self.verify:
+            if op.peer.verifies:
                 bad = self._digests.mismatched(op.local, op.keys, op.digests)
             if bad:
-                self._verify_failed += len(bad)
+                self._counters.verify_failed += len(bad)
                 logger.warning(
                     "%d of %d blocks read from %s do not hold their keys' bytes (rewritten or "
                     "torn meanwhile): reported missing",
@@ -293,12 +343,12 @@ class Transfers:
                 if peer is not None:
                     self._index.discard(bad, "lost")
             n = len(op.keys) - len(bad)
-            self._blocks_loaded += n
+            self._counters.blocks_loaded += n
             op.owner.nbytes += n * self._block_len
             if peer is not None:
                 peer.read += n * self._block_len
-                if shared:
-                    self._touch_shared({peer.slots: op.keys})  # type: ignore[dict-item]
+                if isinstance(peer, SharedHost):
+                    peer.touch(op.keys)
         self._settle(op, bad, reason)
 
     def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
@@ -324,7 +374,7 @@ class Transfers:
         (their writes keep their slots fenced until the transport reports them) and leave its
         in-flight loads to settle when the transport reports them. Returns its session (to
         end) and whether that may be clean (no write of it in flight)."""
-        self._peers_dropped += 1
+        self._counters.peers_dropped += 1
         peer = self._peers.pop(peer_id)
         self._index.remove_peer(peer_id)
         while peer.queue:

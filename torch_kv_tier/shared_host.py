@@ -1,0 +1,118 @@
+"""``SharedHost``: one shared ``torch-kv-tier serve`` host as a tier uses it: the slots the host
+granted this tier, the stores waiting for them, the commits and recency it is told (the host's
+half is ``remote.shared_cache``; the copy of its key set is the index's ``SharedSlots``).
+
+A store writes into slots the host granted this tier ahead of time and commits its keys with
+their digests once the write completed; a commit returns those slots from this tier's share of
+the host's uncommitted grants, so the host may grant more. A store with no granted slot left
+waits in ``awaiting`` until the next grant. A load reads straight from the slot the copy of the
+index names, with no round trip to the host, and always verifies its digests (``verifies``):
+nothing pins what it reads.
+
+State only: no lock, no thread, no reference to the tier. The tier (``TierManager``) calls every
+method under its lock and does the I/O: it sends the grant requests this object asks for
+(``grant_wanted``) and routes their answers back (``granted``), on the session's I/O thread,
+under the same lock.
+
+Failure model: a session that ends (or is lost) ends this object's life with it; the tier then
+fails what waits here (``take_awaiting``), and the host holds what the session may still write
+until the tier releases it (``connections.EndedSessions``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from torch_kv_tier.index import BlockIndex, SharedSlots
+from torch_kv_tier.keys import Key
+from torch_kv_tier.records import Op, Peer
+
+MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
+
+
+class SharedHost(Peer):
+    """A shared host's registration (module docstring); ``session`` is its ``RemoteSession``."""
+
+    __slots__ = ("awaiting", "capped", "commits", "grant_batch", "grants", "refilling")
+
+    def __init__(self, slots: SharedSlots, session: Any, grant_batch: int) -> None:
+        super().__init__(slots, verifies=True, session=session)
+        self.grant_batch = grant_batch
+        self.grants: deque[int] = deque()  # granted slots not yet written, used in order
+        self.awaiting: deque[Op] = deque()  # stores waiting for granted slots, in order
+        self.refilling = False  # a grant request is in flight
+        self.capped = False  # the host granted less than asked: ask again after a commit
+        self.commits = 0  # commits sent (each returns granted slots to the host)
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def take_slots(self, index: BlockIndex, n: int) -> list[int]:
+        """Up to ``n`` granted slots (the host evicted for them when it granted them)."""
+        return self._pop_grants(n)
+
+    def return_slots(self, slots: list[int]) -> None:
+        self.grants.extendleft(slots)
+
+    def grant_wanted(self) -> int:
+        """How many slots to ask the host for now (0: none). Asks when fewer than half a batch
+        are left or stores wait; after a grant that came short (the host caps what one
+        session holds uncommitted), only a commit or a waiting store asks again."""
+        need = sum(len(op.keys) for op in self.awaiting)
+        if self.refilling or (
+            not need and (self.capped or len(self.grants) >= self.grant_batch // 2)
+        ):
+            return 0
+        return min(max(self.grant_batch, 2 * need), MAX_GRANT)
+
+    def granted(self, slots: list[int], want: int, commits_then: int) -> bool:
+        """The host answered a request for ``want`` slots made after ``commits_then`` commits
+        with ``slots``. Returns whether the waiting stores can never get slots: none came,
+        none of this tier's writes to the host are in flight and no commit went out since
+        the request (either would make room in this tier's share)."""
+        self.refilling = False
+        self.grants.extend(slots)
+        self.capped = len(slots) < want and self.commits == commits_then
+        busy = self.inflight or self.queue or self.commits != commits_then
+        return bool(self.awaiting) and not slots and not busy
+
+    def launchable(self) -> Iterator[tuple[Op, Op | None]]:
+        """Waiting stores that granted slots now cover, in order, each with its slots; a store
+        only partly covered is split, and its rest (the second item) waits on at its head."""
+        while self.awaiting and self.grants:
+            op = self.awaiting.popleft()
+            op.remote = self._pop_grants(len(op.keys))
+            rest = None
+            if len(op.remote) < len(op.keys):
+                rest = op.split(len(op.remote))
+                self.awaiting.appendleft(rest)
+            yield op, rest
+
+    def _pop_grants(self, n: int) -> list[int]:
+        grants = self.grants
+        return [grants.popleft() for _ in range(min(n, len(grants)))]
+
+    def take_awaiting(self) -> list[Op]:
+        """Every waiting store, for the tier to fail (the session ended, or capacity)."""
+        ops, self.awaiting = list(self.awaiting), deque()
+        return ops
+
+    # -- what the host is told ------------------------------------------------------------
+
+    def commit(self, keys: list[Key], slots: list[int], digests: list[int]) -> None:
+        """Publish written ``keys`` to the host (batched by the session; a session that is
+        ending drops it, and its loss drops this host)."""
+        self.commits += 1
+        self.capped = False
+        with contextlib.suppress(ConnectionError):
+            self.session.commit(keys, slots, digests)
+
+    def touch(self, keys: list[Key]) -> None:
+        """Report recency (batched by the session)."""
+        with contextlib.suppress(ConnectionError):
+            self.session.touch(keys)
+
+
+__all__ = ["MAX_GRANT", "SharedHost"]
