@@ -89,9 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="write the JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        help="run nothing: summarize, check and plot the runs of an earlier --out file again "
+        "(rewritten in place, or to --out)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        return _report(earlier, args.out or args.from_json, args.plot)
     from torch_kv_tier.integrations.vllm import engine, tier_sizing, tiny_model
     from torch_kv_tier.remote.launch import ServerProcess
 
@@ -143,14 +152,19 @@ def run(args: argparse.Namespace) -> int:
         },
         "scenarios": scenarios,
     }
-    result["summary"] = serve_report.summarize(scenarios)
+    return _report(result, args.out, args.plot)
+
+
+def _report(result: dict[str, Any], out: Path | None, plot: Path | None) -> int:
+    """Summary, targets (printed met/missed), JSON and plot of ``result``'s scenarios."""
+    result["summary"] = serve_report.summarize(result["scenarios"])
     result["targets"] = serve_report.targets(result["summary"])
     print(serve_report.table(result["summary"]))
     print(serve_report.target_lines(result["targets"]))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
-    if args.plot:
-        serve_report.plot(result, args.plot)
+    if out:
+        out.write_text(json.dumps(result, indent=1))
+    if plot:
+        serve_report.plot(result, plot)
     return 0 if all(t["met"] for t in result["targets"]) else 1
 
 
