@@ -598,8 +598,9 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
 ) -> None:
     """Two waiting requests whose expected prefixes (4 chunks each) together exceed what the
     CPU tier may promote (4): both recompute (MISS on their first chunk), so neither waits
-    three steps for a promotion while the other's prefill fills them; once one is scheduled,
-    the last one fits and is promoted."""
+    three steps for a promotion while the other's prefill fills them. Once one is scheduled
+    the last one fits, but is still refused while that recompute prefills (its step and the
+    next); after two quiet steps it is promoted."""
     spec, manager = make_manager(server.address, expected_prefix_tokens=BUDGET * 16)
     driver = Driver(manager)
     try:
@@ -608,10 +609,13 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
         assert driver.lookup(ctx_1, keys[:1]) == [LookupResult.MISS]
         assert driver.lookup(ctx_2, keys[:1]) == [LookupResult.MISS]
         driver.step(scheduled=["req-1"])  # req-1 recomputes; req-2 is alone in the queue
+        assert driver.lookup(ctx_2, keys[:1]) == [LookupResult.MISS]  # req-1 prefills
+        driver.step(scheduled=[])
+        driver.step(scheduled=[])
         assert driver.promote(ctx_2, keys) == [LookupResult.HIT] * BUDGET
         assert driver.loaded_bytes(ctx_2, keys) == [driver.written[k] for k in keys]
         data = driver.metrics()
-        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 2
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 3
         for ctx in (ctx_1, ctx_2):
             with manager.lock:
                 manager.on_request_finished(ctx)
@@ -719,3 +723,29 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     assert admission.admit("a", b"k0") is Verdict.MISS  # lost before use: not read again
     admission.end_step(scheduled=("a",), preempted=())
     assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1
+
+
+def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_stored() -> None:
+    """A CPU tier too small to take what vLLM computes stores nothing ("cannot store
+    chunks"): a recompute scheduled in the last two steps still says that others prefill, so
+    a new request recomputes at once (MISS) rather than being held a step and promoted."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    admission.on_new_request("r")
+    admission.end_step(scheduled=("r",), preempted=())  # r recomputes: it promised nothing
+    admission.on_new_request("a")
+    assert admission.admit("a", b"k0") is Verdict.MISS
+    admission.finish("a")  # (aborted: it would recompute, and count as a recompute too)
+    admission.end_step(scheduled=(), preempted=())
+    admission.on_new_request("b")
+    assert admission.admit("b", b"k0") is Verdict.MISS  # r's step is one of the last two
+    admission.finish("b")
+    admission.end_step(scheduled=(), preempted=())
+    admission.on_new_request("c")
+    assert admission.admit("c", b"k1") is Verdict.RETRY  # quiet for two steps: held, then
+    admission.end_step(scheduled=(), preempted=())
+    assert admission.admit("c", b"k1") is Verdict.HIT  # promoted
+    admission.on_submitted("c", [b"k1"])
+    admission.end_step(scheduled=("c",), preempted=())  # a promoted request is no recompute
+    admission.on_new_request("d")
+    assert admission.admit("d", b"k2") is Verdict.RETRY
+    assert admission.stats.refused_busy == 2

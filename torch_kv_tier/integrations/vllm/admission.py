@@ -20,8 +20,11 @@ at the head of the queue one: promotion wins only while those steps are short, i
 other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
 the requests behind it no faster). So a request's first promotion is admitted only when:
 
-- **nothing else prefills**: vLLM stored fewer than half a prefix of newly computed chunks
-  in this step and the previous one;
+- **nothing else prefills**: no request with nothing promoted (a recompute) was scheduled in
+  the last two scheduler steps, and vLLM stored fewer than half a prefix of newly computed
+  chunks in this step and the previous one. Both signals are needed: a CPU tier too small to
+  take the chunks vLLM computes stores none of them ("cannot store chunks"), so under the
+  very pressure where promotions lose, the stores alone would say that nothing prefills;
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
   the longest prompt among the last requests served) for every request waiting to be
@@ -127,6 +130,7 @@ class PromotionAdmission:
         self._held = 0
         self._step = 0
         self._stored = [0, 0]  # chunks vLLM stored in this step, in the previous one
+        self._recomputes = [0, 0]  # recomputes scheduled in the last step, in the one before
 
     @property
     def prefix_chunks(self) -> int:
@@ -178,7 +182,7 @@ class PromotionAdmission:
     def _first_promotion(self, req_id: str) -> Verdict | None:
         """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
         first: a request that will recompute anyway is not held back a step."""
-        if sum(self._stored) >= max(1, self.prefix_chunks // 2):
+        if sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2):
             self.stats.refused_busy += 1
             return Verdict.MISS
         if len(self._waiting) * self.prefix_chunks > self.budget:
@@ -210,7 +214,9 @@ class PromotionAdmission:
         """The scheduler step ended (after vLLM submitted its promotions): forget the
         requests it ``scheduled`` (``preempted`` ones wait again, with a fresh attempt), and
         release the promises vLLM could not allocate."""
+        recomputes = 0
         for req_id in scheduled:
+            recomputes += req_id not in self._attempts
             self._forget_attempt(req_id)
             self._waiting.pop(req_id, None)
         for req_id in preempted:
@@ -224,6 +230,7 @@ class PromotionAdmission:
                 attempt.unsubmitted.clear()
         self._step += 1
         self._stored = [0, self._stored[0]]
+        self._recomputes = [recomputes, self._recomputes[0]]
 
     def finish(self, req_id: str) -> None:
         """``req_id`` finished (or was aborted): remember its length, forget the rest."""
