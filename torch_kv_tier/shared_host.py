@@ -67,16 +67,20 @@ class SharedHost(Peer):
             return 0
         return min(max(self.grant_batch, 2 * need), MAX_GRANT)
 
-    def granted(self, slots: list[int], want: int, commits_then: int) -> bool:
+    def granted(self, slots: list[int], want: int, commits_then: int) -> None:
         """The host answered a request for ``want`` slots made after ``commits_then`` commits
-        with ``slots``. Returns whether the waiting stores can never get slots: none came,
-        none of this tier's writes to the host are in flight and no commit went out since
-        the request (either would make room in this tier's share)."""
+        with ``slots``."""
         self.refilling = False
         self.grants.extend(slots)
         self.capped = len(slots) < want and self.commits == commits_then
+
+    def starved(self, got_slots: bool, commits_then: int) -> bool:
+        """Whether the stores still waiting (once the granted slots were launched) can never
+        get slots: the answer brought none, none of this tier's writes to the host are in
+        flight and no commit went out since the request (either would make room in this
+        tier's share)."""
         busy = self.inflight or self.queue or self.commits != commits_then
-        return bool(self.awaiting) and not slots and not busy
+        return bool(self.awaiting) and not got_slots and not busy
 
     def launchable(self) -> Iterator[tuple[Op, Op | None]]:
         """Waiting stores that granted slots now cover, in order, each with its slots; a store

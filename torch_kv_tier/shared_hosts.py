@@ -105,20 +105,21 @@ class SharedHosts:
             answer = future.result()
         except Exception as exc:
             answer = exc
-        if hasattr(answer, "slots"):
-            granted = answer.slots
-        else:  # no answer, or an ``Error`` (the host no longer knows the session)
+        failed = not hasattr(answer, "slots")  # no answer, or an ``Error`` (session unknown)
+        if failed:
             logger.warning("grant from %s failed: %s", host.slots.peer_id, answer)
+        else:
+            granted = answer.slots
         with self._lock:
-            if not granted and host.session.lost is not None:
+            if failed and host.session.lost is not None:
                 host.refilling = False  # its loss drops the peer: the waiters fail "peer lost"
                 return
             if self._closed or self._peers.get(host.slots.peer_id) is not host:
                 host.refilling = False
                 return
-            hopeless = host.granted(granted, want, commits)
+            host.granted(granted, want, commits)
             self._launch_awaiting(host)
-            if hopeless:
+            if host.starved(bool(granted), commits):
                 self._fail_awaiting(host, CAPACITY)
             if not host.capped:  # a capped tier asks again after its next commit
                 self._refill(host)
