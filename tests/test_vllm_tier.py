@@ -725,6 +725,44 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1
 
 
+def test_admission_holds_a_new_request_for_its_arrival_window_and_sees_the_burst_behind_it() -> (
+    None
+):
+    """Empty scheduler steps take well under a millisecond, so a request is held (RETRY) for
+    ``arrival_window_s`` of its arrival, not for one step only: a burst that arrives inside
+    the window is seen whole and refused (its prefixes do not fit), the first request with it;
+    a request that stays alone is promoted once the window has passed."""
+    now = [0.0]
+    admission = PromotionAdmission(
+        budget_chunks=8,
+        tokens_per_chunk=16,
+        prefix_tokens=64,
+        arrival_window_s=0.02,
+        clock=lambda: now[0],
+    )
+    admission.on_new_request("first")
+    for _ in range(5):  # empty steps, 1 ms apart
+        assert admission.admit("first", b"k0") is Verdict.RETRY
+        admission.end_step(scheduled=(), preempted=())
+        now[0] += 0.001
+    for n in range(3):  # the burst: three prefixes of 4 chunks do not fit a budget of 8
+        admission.on_new_request(f"burst{n}")
+    assert admission.admit("first", b"k0") is Verdict.MISS
+    assert admission.stats.refused_pressure == 1 and admission.stats.admitted == 0
+    for req_id in ("first", "burst0", "burst1", "burst2"):
+        admission.finish(req_id)
+    admission.end_step(scheduled=(), preempted=())
+    admission.end_step(scheduled=(), preempted=())
+    admission.on_new_request("alone")
+    admission.end_step(scheduled=(), preempted=())
+    now[0] += 0.019
+    assert admission.admit("alone", b"k1") is Verdict.RETRY  # steps later, inside the window
+    now[0] += 0.001
+    assert admission.admit("alone", b"k1") is Verdict.HIT
+    with pytest.raises(ValueError, match="arrival_window_s"):
+        PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, arrival_window_s=-1)
+
+
 def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_stored() -> None:
     """A CPU tier too small to take what vLLM computes stores nothing ("cannot store
     chunks"): a recompute scheduled in the last two steps still says that others prefill, so

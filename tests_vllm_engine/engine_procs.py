@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import time
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class Served:
     cached_tokens: int
     remote_hits: float  # vLLM's tier chunk hits of the engine so far
     ttft_s: float  # vLLM's first-token latency of this request (arrival to first token)
+    queued_s: float  # when the engine core queued it (its monotonic clock): the arrival it saw
 
 
 @contextlib.contextmanager
@@ -75,9 +77,11 @@ class EngineProcess:
         self.region = Path(self._reply("ready", ENGINE_START_S, "the engine start"))
         assert self.region.exists(), f"vLLM's offload region is not at {self.region}"
 
-    def generate(self, prompts: list[list[int]]) -> list[Served]:
-        """Greedy answers of ``prompts``, submitted together (one burst), in their order."""
-        self._conn.send(prompts)
+    def generate(self, prompts: list[list[int]], lead_s: float = 0.0) -> list[Served]:
+        """Greedy answers of ``prompts``, submitted together (one burst), in their order;
+        with ``lead_s``, the first one that long ahead of the others (a burst as it reaches a
+        server: someone is first)."""
+        self._conn.send((prompts, lead_s))
         served = self._reply("served", RECOMPUTE_DEADLINE_S, "a request")
         assert isinstance(served, list)
         return served
@@ -148,9 +152,13 @@ def _serve(llm: Any, conn: Connection) -> None:
     try:
         conn.send(("ready", str(offload_region(llm))))
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
-        while (prompts := conn.recv()) is not None:
+        while (burst := conn.recv()) is not None:
+            prompts, lead_s = burst
             batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-            outs = llm.generate(batch, greedy, use_tqdm=False)
+            if lead_s:
+                outs = _generate_led(llm, batch, greedy, lead_s)
+            else:
+                outs = llm.generate(batch, greedy, use_tqdm=False)
             hits = engine.tier_metric(llm, "vllm:kv_offload_tiering_chunk_hits")
             served = [
                 Served(
@@ -158,12 +166,37 @@ def _serve(llm: Any, conn: Connection) -> None:
                     out.num_cached_tokens,
                     hits,
                     float(out.metrics.first_token_latency),
+                    float(out.metrics.queued_ts),
                 )
                 for out in outs
             ]
             conn.send(("served", served))
     finally:
         engine.shutdown(llm)
+
+
+def _generate_led(llm: Any, prompts: list[Any], params: Any, lead_s: float) -> list[Any]:
+    """``llm.generate`` with the first prompt submitted ``lead_s`` ahead of the others, through
+    vLLM's public ``LLMEngine`` calls (``add_request``, ``step``)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    engine_ = llm.llm_engine
+    ids = [f"led-{time.monotonic_ns()}-{n}" for n in range(len(prompts))]
+    engine_.add_request(ids[0], prompts[0], params)
+    time.sleep(lead_s)
+    for request_id, prompt in zip(ids[1:], prompts[1:]):
+        engine_.add_request(request_id, prompt, params)
+    finished: dict[str, Any] = {}
+    deadline = time.monotonic() + RECOMPUTE_DEADLINE_S
+    while engine_.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"a burst of {len(prompts)} did not finish in {RECOMPUTE_DEADLINE_S} s"
+            )
+        finished.update((out.request_id, out) for out in engine_.step() if out.finished)
+    return [finished[request_id] for request_id in ids]
 
 
 def is_resource_tracker(proc: psutil.Process) -> bool:

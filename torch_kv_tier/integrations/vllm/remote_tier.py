@@ -162,7 +162,10 @@ class RemoteHostTier(SecondaryTierManager):
         rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         tokens_per_chunk = tier_sizing.tokens_per_chunk(offloading_spec)
         self._admission = PromotionAdmission(
-            tier_sizing.promotion_budget(rows), tokens_per_chunk, config.expected_prefix_tokens
+            tier_sizing.promotion_budget(rows),
+            tokens_per_chunk,
+            config.expected_prefix_tokens,
+            config.arrival_window_s,
         )
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
@@ -208,7 +211,7 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """For a completed copy of ``key`` on a remote host, what :class:`PromotionAdmission`
-        decides (HIT: promote it; RETRY: the request arrived in this step; MISS: recompute
+        decides (HIT: promote it; RETRY: the request arrived just now; MISS: recompute
         from here); RETRY while a store of it to this tier is still in flight; else MISS. From
         local state only (no network).
 

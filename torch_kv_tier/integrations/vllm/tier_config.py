@@ -39,6 +39,7 @@ KNOWN_KEYS = frozenset(
         "connect_timeout_s",
         "expected_concurrency",
         "expected_prefix_tokens",
+        "arrival_window_s",
     }
 )
 
@@ -87,6 +88,9 @@ class RemoteHostTierConfig:
             check and by admission's test whether the CPU tier can take every waiting
             request's prefix (:mod:`~torch_kv_tier.integrations.vllm.admission`); ``None``:
             no startup check, and admission uses the longest recent prompt.
+        arrival_window_s: how long admission holds a newly arrived request before its first
+            promotion, so that a burst arriving behind it is seen whole; 0: one scheduler
+            step only.
     """
 
     remote: str
@@ -106,6 +110,7 @@ class RemoteHostTierConfig:
     connect_timeout_s: float = 10.0
     expected_concurrency: int = 1
     expected_prefix_tokens: int | None = None
+    arrival_window_s: float = 0.02
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RemoteHostTierConfig:
@@ -159,6 +164,9 @@ class RemoteHostTierConfig:
                 options, "expected_concurrency", cls.expected_concurrency
             ),
             expected_prefix_tokens=_optional_positive_int(options, "expected_prefix_tokens"),
+            arrival_window_s=_seconds(
+                options, "arrival_window_s", cls.arrival_window_s, allow_zero=True
+            ),
         )
 
     def connect_kwargs(self) -> dict[str, Any]:
