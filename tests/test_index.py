@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.digest import block_digest
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Placement, home_peer
 from torch_kv_tier.manager import TierManager
@@ -36,6 +37,27 @@ def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
     assert peer.pool.is_free(10)
     kinds = [(kind, key) for kind, key, _ in index.take_events()]
     assert kinds[-4:] == [("evicted", "b"), ("evicted", "c"), ("discarded", "a"), ("evicted", "d")]
+
+
+def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now() -> None:
+    """A shared host's copy keeps one digest per slot. A key whose slot went to another key
+    before the copy heard of the eviction (the tier's own commit is published before the host's
+    older events arrive) is located with the new key's digest, which its bytes (the new key's)
+    fail: a miss, never the other key's bytes. Events applied later leave the host's truth."""
+    index = BlockIndex()
+    peer = index.add_shared_peer("h", 8)
+    old, new = b"k-old".ljust(32, b"\0"), b"k-new".ljust(32, b"\0")
+    block = bytes(range(64))
+    index.apply_host_changes(peer, [old], [5], [block_digest(b"old bytes", old)], [], False)
+    index.publish(peer, [new], [5], [block_digest(block, new)])  # slot 5 now holds `new`
+    groups, missing = index.locate([old, new], [0, 1])
+    assert missing == []
+    ((_, _, slots, digests),) = groups.values()
+    assert slots == [5, 5] and digests == [block_digest(block, new)] * 2
+    assert block_digest(block, old) != digests[0]  # `old` reads `new`'s bytes: a miss
+    index.apply_host_changes(peer, [], [], [], [old], False)  # the eviction arrives
+    assert index.lookup([old]) == 0 and index.lookup([new]) == 1
+    assert index.locate([old], [0]) == ({}, [old])
 
 
 def test_fenced_slots_stay_out_of_a_new_registration_until_released() -> None:

@@ -1,5 +1,5 @@
 """``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
-``chaos``, ``shared-bench``, ``digest-cost`` and ``serve-bench``."""
+``chaos``, ``shared-bench``, ``digest-cost``, ``fleet-bench`` and ``serve-bench``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ _COMMANDS = {
     "digest-cost": (
         "torch_kv_tier.benchmarks.digest_cost",
         "the cost of verification: GB/s per core of the block digest, cache- and DRAM-resident",
+    ),
+    "fleet-bench": (
+        "torch_kv_tier.benchmarks.fleet_bench",
+        "fleet scale: follower memory per key, join, host fan-out per follower, key movement",
     ),
     "serve-bench": (
         "torch_kv_tier.benchmarks.serve_bench",

@@ -13,10 +13,10 @@ while pinned (freed on the last unpin) and slots withheld because a write of an 
 registration of the same peer id may still land on them (``fence``).
 
 A shared host (``SharedSlots``) keeps its own index: the host decides eviction, and this tier
-holds a copy of the host's key set with each key's slot and digest (kept current by the host's
-events, see ``apply_host_changes``); the slots the host granted it are its ``SharedHost``'s. A
-load reads a shared key's slot from the copy, unpinned: a slot evicted and rewritten meanwhile
-fails its digest and is a miss.
+holds a copy of the host's key set with each key's slot and each slot's digest (kept current
+by the host's events, see ``apply_host_changes``); the slots the host granted it are its
+``SharedHost``'s. A load reads a shared key's slot from the copy, unpinned: a slot evicted and
+rewritten meanwhile fails its digest and is a miss.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 from typing import Literal
+
+import numpy as np
 
 from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.slots import SlotPool
@@ -67,15 +69,32 @@ class PeerSlots:
 
 class SharedSlots:
     """A shared host's key set as this tier sees it: a copy of the host's keys with each one's
-    slot and digest, possibly stale (the slots the host granted this tier belong to its
-    ``shared_host.SharedHost``)."""
+    slot, and each slot's digest, possibly stale (the slots the host granted this tier belong
+    to its ``shared_host.SharedHost``).
 
-    __slots__ = ("capacity", "entries", "peer_id")
+    Digests are kept per slot, in one array the size of the host's pool: a slot holds one key
+    at a time, and a per-key ``(slot, digest)`` tuple cost 56 B and a garbage-collector scan
+    per key. A slot's digest is the one of the last key this copy learnt there; a key whose
+    entry is stale fails it (digests are seeded with their key), which is a miss."""
+
+    __slots__ = ("capacity", "digests", "entries", "peer_id")
 
     def __init__(self, peer_id: str, capacity: int) -> None:
         self.peer_id = peer_id
         self.capacity = capacity  # the host's pool, shared with every other tier
-        self.entries: dict[Key, tuple[int, int]] = {}  # the host's keys -> (slot, digest)
+        self.entries: dict[Key, int] = {}  # the host's keys -> slot
+        self.digests = np.zeros(capacity, dtype=np.uint64)  # slot -> digest
+
+    def learn(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
+        """``keys`` are stored in ``slots`` with bytes of ``digests``."""
+        self.entries.update(zip(keys, slots))
+        if slots:
+            self.digests[np.asarray(slots, dtype=np.int64)] = np.asarray(digests, dtype=np.uint64)
+
+    def find(self, keys: Sequence[Key]) -> tuple[list[int], list[int]]:
+        """The slots and digests of stored ``keys``."""
+        slots = list(map(self.entries.__getitem__, keys))
+        return slots, self.digests[slots].tolist()
 
     @property
     def used(self) -> int:
@@ -209,7 +228,7 @@ class BlockIndex:
         """Make ``keys`` (written into ``slots``, bytes with ``digests``) visible, most
         recently used."""
         if isinstance(peer, SharedSlots):
-            peer.entries.update(zip(keys, zip(slots, digests)))
+            peer.learn(keys, slots, digests)
         else:
             lru, table, start = peer.lru, peer.digests, peer.pool.slots.start
             for key, slot, digest in zip(keys, slots, digests):  # beats OrderedDict.update
@@ -231,11 +250,11 @@ class BlockIndex:
         ``digests`` (``reset``: they are all of it now)."""
         where, entries = self.where, peer.entries
         if reset:
-            evicted = list(entries.keys() - set(stored))
+            evicted = list(entries.keys() - set(stored)) if entries else []
         gone = [key for key in dict.fromkeys(evicted) if where.get(key) is peer]
         drain(map(where.pop, gone))
         drain(map(entries.pop, evicted, repeat(None)))
-        entries.update(zip(stored, zip(slots, digests)))
+        peer.learn(stored, slots, digests)
         new = [key for key in stored if key not in where]
         where.update(dict.fromkeys(new, peer))
         self._log("evicted", gone, peer.peer_id)
@@ -268,9 +287,9 @@ class BlockIndex:
                 group[1].append(idx)
         for peer, (gkeys, _, slots, digests) in groups.items():
             if isinstance(peer, SharedSlots):
-                found = list(map(peer.entries.__getitem__, gkeys))
-                slots.extend(slot for slot, _ in found)
-                digests.extend(digest for _, digest in found)
+                found_slots, found_digests = peer.find(gkeys)
+                slots.extend(found_slots)
+                digests.extend(found_digests)
                 continue
             slots.extend(map(peer.lru.__getitem__, gkeys))
             table, start = peer.digests, peer.pool.slots.start

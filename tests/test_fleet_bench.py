@@ -1,0 +1,35 @@
+"""``torch-kv-tier fleet-bench`` on a small fleet: every figure lands in the table and the JSON,
+through the real host and follower code (a follower that joined holds every key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torch_kv_tier import cli
+
+
+def test_tiny_fleet_reports_every_figure_and_target(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fleet.json"
+    argv = ["fleet-bench", "--keys", "3000", "--followers", "1,3", "--hosts", "4,16",
+            "--rounds", "2", "--batches", "2", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    result = json.loads(out.read_text())
+    figures = result["figures"]
+    assert figures["follower_bytes_per_key"]["median"] > 32  # at least the keys themselves
+    assert set(figures["fanout_us_per_key_per_follower"]) == {"1", "3"}
+    assert figures["lookup_ns"]["p99"] >= figures["lookup_ns"]["p50"] > 0
+    for add, remove in figures["moved_over_1_n_by_hosts"].values():
+        assert 0.5 < add < 1.5 and 0.5 < remove < 1.5  # about 1/N move, never all of them
+    assert set(result["targets"]) == {
+        "follower_bytes_per_key", "join_s_per_million", "fanout_marginal_us", "moved_over_1_n"
+    }  # fmt: skip
+    assert "targets:" in capsys.readouterr().out
+
+
+def test_a_fleet_of_one_host_is_refused() -> None:
+    assert cli.main(["fleet-bench", "--hosts", "1"]) == 2

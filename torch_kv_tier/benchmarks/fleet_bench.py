@@ -1,0 +1,362 @@
+"""``torch-kv-tier fleet-bench``: what a tier and a host pay as the fleet grows (issue 20).
+
+A simulated fleet, in one process, through the real code and the real protocol frames: a
+host's ``SharedService`` over its ``SharedCache``, followers' ``IndexFollower`` s feeding a
+tier's ``BlockIndex``, frames encoded and decoded with ``remote.protocol`` and pushed over real
+ZeroMQ sockets (a ROUTER and one DEALER per follower, TCP loopback). NIXL moves no bytes here:
+nothing measured depends on it. Keys are 32 random bytes (vLLM's block hashes). Figures:
+
+- ``follower_bytes_per_key``: the memory a tier holds per key of a host it follows
+  (``tracemalloc``: the decoded keys, the index's entries, its key -> host map and its
+  per-slot digests), after a join of a full host of ``--keys`` keys;
+- ``join_s_per_million``: a follower's join (the host's paged snapshot, encoded, decoded and
+  applied), per million keys;
+- ``fanout_us_per_key_per_follower``: the host's CPU (its thread's CPU time) to push
+  ``Events`` for newly stored keys to F followers, per key and follower, for each F in
+  ``--followers``; ``fanout_marginal_us`` is the slope over F (what one more follower costs);
+  ``apply_us_per_key``: a follower's CPU to decode and apply them;
+- ``lookup_ns`` p50/p99: one ``BlockIndex.lookup`` of one key (vLLM's tier ``lookup`` asks one
+  key at a time, on the scheduler thread), with ``--keys`` keys held;
+- ``moved_over_1_n``: the fraction of keys whose home changes when one of N hosts is added or
+  removed, over 1/N, for each N in ``--hosts`` (``keys.Placement``).
+
+Each figure is the median over ``--rounds`` rounds with its min..max. The targets are issue
+20's; the table says met or missed. Exit status 0 (a missed target is a figure, not an error);
+2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from torch_kv_tier.benchmarks.bench import _list, _positive
+from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.keys import Placement
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.leases import Session, SlotPool
+from torch_kv_tier.remote.replica import IndexFollower
+from torch_kv_tier.remote.shared_service import SharedService
+
+TARGETS = {  # figure -> (bound, what it means)
+    "follower_bytes_per_key": (16.0, "<= 16 B per key a follower holds"),
+    "join_s_per_million": (1.0, "join <= 1 s per million keys"),
+    "fanout_marginal_us": (0.1, "host fan-out <= 0.1 us per key per follower"),
+    "moved_over_1_n": (1.2, "a host added or removed moves <= 1.2 x 1/N of the keys"),
+}
+DEFAULTS: dict[str, Any] = {
+    "keys": 200_000,
+    "followers": [1, 4, 16, 64],
+    "hosts": [4, 16, 100],
+    "rounds": 5,
+    "batches": 16,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``fleet-bench`` options to ``parser``."""
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--keys", type=_positive, help="keys one host holds (default 200000)")
+    parser.add_argument("--followers", type=_list(int), help="followers per host (1,4,16,64)")
+    parser.add_argument("--hosts", type=_list(int), help="host counts for movement (4,16,100)")
+    parser.add_argument("--rounds", type=_positive, help="rounds per figure (default 5)")
+    parser.add_argument(
+        "--batches", type=_positive, help="Events batches of 8192 keys per fan-out round (16)"
+    )
+    parser.add_argument("--json", help="write the results here as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = {k: (getattr(args, k, None) or v) for k, v in DEFAULTS.items()}
+    if min(opts["followers"]) < 1 or min(opts["hosts"]) < 2:
+        print("fleet-bench: need --followers >= 1 and --hosts >= 2", file=sys.stderr)
+        return 2
+    rounds = range(opts["rounds"])
+    figures: dict[str, Any] = {}
+    figures["follower_bytes_per_key"] = _summary([_follower_bytes(opts["keys"]) for _ in rounds])
+    figures["join_s_per_million"] = _summary(
+        [_join_s(opts["keys"]) * 1e6 / opts["keys"] for _ in rounds]
+    )
+    per_f: dict[int, list[float]] = {f: [] for f in opts["followers"]}
+    applies: list[float] = []
+    for _ in rounds:  # interleaved: every F in each round
+        for f in opts["followers"]:
+            host_us, apply_us = _fanout_us(f, opts["batches"])
+            per_f[f].append(host_us)
+            applies.append(apply_us)
+    figures["fanout_us_per_key_per_follower"] = {f: _summary(v) for f, v in per_f.items()}
+    figures["fanout_marginal_us"] = _summary(_slopes(per_f))
+    figures["apply_us_per_key"] = _summary(applies)
+    lookups = _lookup_ns(opts["keys"])
+    figures["lookup_ns"] = {"p50": _pct(lookups, 50), "p99": _pct(lookups, 99)}
+    movement = {n: _moved_over_1_n(n, opts["keys"]) for n in opts["hosts"]}
+    figures["moved_over_1_n_by_hosts"] = movement
+    figures["moved_over_1_n"] = _summary([max(v) for v in movement.values()])
+    result = {
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "options": opts,
+        "figures": figures,
+        "targets": {
+            name: {
+                "bound": bound,
+                "median": figures[name]["median"],
+                "met": figures[name]["median"] <= bound,
+                "what": what,
+            }
+            for name, (bound, what) in TARGETS.items()
+        },
+    }
+    print(_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+# -- figures ------------------------------------------------------------------------------------
+
+
+def _keys(n: int) -> list[bytes]:
+    rnd = os.urandom(32 * n)
+    return [rnd[i : i + 32] for i in range(0, 32 * n, 32)]
+
+
+def _host(n_keys: int, sessions: int = 1, room: int = 0) -> tuple[SharedService, list[Session]]:
+    """A host whose namespace ``"m"`` holds ``n_keys`` keys in a pool of ``n_keys + room``
+    slots (0: full, as a host is once it has run a while), and ``sessions`` joined to it."""
+    service = SharedService(SlotPool(max(n_keys + room, 1)), quota=None, max_granted=8192)
+    members = [_session(f"s{i}") for i in range(sessions)]
+    for session in members:
+        service.join(session)
+    _store(service, members[0], _keys(n_keys))
+    return service, members
+
+
+def _session(sid: str) -> Session:
+    return Session(
+        sid,
+        sid,
+        "fleet-bench",
+        range(0),
+        0.0,
+        0.0,
+        shared=True,
+        namespace="m",
+        identity=sid.encode(),
+    )
+
+
+def _store(service: SharedService, session: Session, keys: list[bytes]) -> None:
+    for start in range(0, len(keys), 4096):
+        batch = keys[start : start + 4096]
+        slots = service.cache.grant(session.session_id, len(batch))
+        service.cache.commit(session.session_id, batch, slots, [hash(k) & 0xFFFF for k in batch])
+
+
+def _follow(service: SharedService, session: Session, index: BlockIndex) -> IndexFollower:
+    """A follower of ``session``'s namespace feeding ``index``, its pages through the real
+    frames; returns once joined."""
+    peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
+
+    def on_change(stored, slots, digests, evicted, reset) -> None:
+        index.apply_host_changes(peer, stored, slots, digests, evicted, reset)
+
+    def request_page(cursor: int, done: Callable[[Future[p.ServerMessage]], None]) -> None:
+        answer = service.answer(session, p.SnapshotRequest(1, session.session_id, cursor), 0.0)
+        future: Future[p.ServerMessage] = Future()
+        future.set_result(p.decode_server(p.encode(answer)))  # type: ignore[arg-type]
+        done(future)
+
+    follower = IndexFollower(request_page, on_change)
+    follower.start()
+    assert not follower.syncing
+    return follower
+
+
+def _follower_bytes(n_keys: int) -> float:
+    service, (session,) = _host(n_keys)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = BlockIndex()
+        _follow(service, session, index)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.lookup([next(iter(service.cache.namespaces["m"].entries))]) == 1
+    return held / n_keys
+
+
+def _join_s(n_keys: int) -> float:
+    service, (session,) = _host(n_keys)
+    index = BlockIndex()
+    start = time.perf_counter()
+    _follow(service, session, index)
+    return time.perf_counter() - start
+
+
+def _fanout_us(followers: int, batches: int) -> tuple[float, float]:
+    """Host CPU per key per follower to push ``batches`` Events batches of newly stored keys to
+    ``followers`` DEALER sockets; and the CPU one follower spends decoding and applying them."""
+    service, members = _host(0, followers, room=batches * p.MAX_KEYS_PER_MESSAGE)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealers = []
+    for session in members:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, session.identity)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealers.append(dealer)
+    router.setsockopt(zmq.SNDHWM, 0)
+    time.sleep(0.2)  # let every DEALER finish connecting (a ROUTER drops frames for unknown ids)
+    frames_in: list[bytes] = []
+    drained = threading.Event()
+
+    def drain() -> None:
+        want, got = batches * followers, 0
+        poller = zmq.Poller()
+        for dealer in dealers:
+            poller.register(dealer, zmq.POLLIN)
+        while got < want and poller.poll(10_000):
+            for dealer in dealers:
+                while True:
+                    try:
+                        frame = dealer.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    got += 1
+                    if dealer is dealers[0]:
+                        frames_in.append(frame)
+        drained.set()
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    keys = _keys(batches * p.MAX_KEYS_PER_MESSAGE)
+    host_cpu = 0.0
+    try:
+        for b in range(batches):
+            _store(
+                service,
+                members[0],
+                keys[b * p.MAX_KEYS_PER_MESSAGE : (b + 1) * p.MAX_KEYS_PER_MESSAGE],
+            )
+            start = time.thread_time()
+            for sessions, frame in service.events(members):  # as the server's _push_events
+                for session in sessions:
+                    router.send_multipart([session.identity, frame], zmq.NOBLOCK)
+            host_cpu += time.thread_time() - start
+        if not drained.wait(60):
+            raise TimeoutError("the followers did not receive every Events frame within 60 s")
+        index = BlockIndex()
+        peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
+        start = time.thread_time()
+        for frame in frames_in:
+            ev = p.decode_server(frame)
+            assert isinstance(ev, p.Events)
+            index.apply_host_changes(peer, ev.stored, ev.slots, ev.digests, ev.evicted, False)
+        apply_cpu = time.thread_time() - start
+    finally:
+        drainer.join(5)
+        for sock in (router, *dealers):
+            sock.close(linger=0)
+        ctx.term()
+    n = batches * p.MAX_KEYS_PER_MESSAGE
+    return host_cpu / (n * followers) * 1e6, apply_cpu / n * 1e6
+
+
+def _lookup_ns(n_keys: int, samples: int = 20_000) -> list[float]:
+    service, (session,) = _host(n_keys)
+    index = BlockIndex()
+    _follow(service, session, index)
+    keys = list(service.cache.namespaces["m"].entries)[:samples]
+    clock, lookup, out = time.perf_counter_ns, index.lookup, []
+    for key in keys:
+        one = [key]
+        start = clock()
+        lookup(one)
+        out.append(float(clock() - start))
+    return out
+
+
+def _moved_over_1_n(hosts: int, n_keys: int) -> list[float]:
+    """The fraction of keys whose home changes over the ideal 1/N: one host added to ``hosts``
+    (ideal 1/(N+1)), one of ``hosts`` removed (ideal 1/N)."""
+    names = [f"10.0.{i // 250}.{i % 250}:5600" for i in range(hosts + 1)]
+    keys = _keys(min(n_keys, 100_000))
+    base = Placement(names[:hosts]).homes(keys)
+    out = []
+    for after in (names, names[1:hosts]):
+        homes = Placement(after).homes(keys)
+        moved = sum(a != b for a, b in zip(base, homes)) / len(keys)
+        out.append(moved * max(hosts, len(after)))
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def _summary(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+
+def _slopes(per_f: dict[int, list[float]]) -> list[float]:
+    """Per round: the host's extra CPU per key for each follower past the first (least
+    squares over F of total cost per key, F x per-key-per-follower)."""
+    fs = sorted(per_f)
+    if len(fs) < 2:
+        return [per_f[fs[0]][r] for r in range(len(per_f[fs[0]]))]
+    out = []
+    for r in range(len(per_f[fs[0]])):
+        ys = [f * per_f[f][r] for f in fs]
+        mean_f, mean_y = statistics.fmean(fs), statistics.fmean(ys)
+        num = sum((f - mean_f) * (y - mean_y) for f, y in zip(fs, ys))
+        out.append(num / sum((f - mean_f) ** 2 for f in fs))
+    return out
+
+
+def _table(result: dict[str, Any]) -> str:
+    fig = result["figures"]
+    rng = lambda s, fmt: f"{s['median']:{fmt}} ({s['min']:{fmt}}..{s['max']:{fmt}})"  # noqa: E731
+    lines = [
+        f"fleet-bench: {result['options']['keys']} keys per host, "
+        f"{result['options']['rounds']} rounds, {result['machine']['cpus']} CPUs",
+        f"follower memory per key      {rng(fig['follower_bytes_per_key'], '.1f')} B",
+        f"join per million keys        {rng(fig['join_s_per_million'], '.2f')} s",
+    ]
+    for f, s in fig["fanout_us_per_key_per_follower"].items():
+        lines.append(f"host fan-out, {f:3d} followers  {rng(s, '.4f')} us per key per follower")
+    lines += [
+        f"host fan-out, marginal       {rng(fig['fanout_marginal_us'], '.4f')} us per key "
+        "per follower",
+        f"follower apply               {rng(fig['apply_us_per_key'], '.3f')} us per key",
+        f"lookup of one key            p50 {fig['lookup_ns']['p50']:.0f} ns, "
+        f"p99 {fig['lookup_ns']['p99']:.0f} ns",
+    ]
+    for n, (add, remove) in fig["moved_over_1_n_by_hosts"].items():
+        lines.append(
+            f"keys moved, {n:3d} hosts       add one {add:.3f}, remove one {remove:.3f} x 1/N"
+        )
+    lines.append("targets:")
+    for t in result["targets"].values():
+        lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['median']:.4g}")
+    return "\n".join(lines)
