@@ -254,3 +254,34 @@ def test_a_release_of_a_session_the_host_still_counts_live_ends_it_clean() -> No
         assert wait_for(lambda: old.lost is not None, 10.0)  # the host no longer knows it
         old.close()
         new.close()
+
+
+def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_host() -> None:
+    """Regression (``test_burst``, 2 runs of 8: the host stored 806 and 928 of 992 chunks
+    that the tier had reported stored, its session's 248 granted slots never committed).
+    ``commit`` looked its batch up before taking the session's lock; the I/O thread, taking
+    the batch in between (it swaps in a new list), sent the old one, and the commit appended to
+    it was never sent. Here the I/O thread takes the batch at exactly that moment."""
+    with ServerProcess.start(256, BLOCK_LEN) as server:  # grants up to 16 slots a session
+        session = fake_session(server.address, private=False)
+        try:
+            answer: Future[Any] = Future()
+            session.grant(4, lambda future: answer.set_result(future.result()))
+            slots = answer.result(timeout=10).slots
+            assert len(slots) == 4
+            enqueue = session._enqueue
+
+            def batch_taken_first(put: Any, allow_closed: bool) -> None:
+                with session._lock:  # as the I/O thread's _send_batches does
+                    session._commits, session._touches = [], []
+                enqueue(put, allow_closed)
+
+            session._enqueue = batch_taken_first  # type: ignore[method-assign]
+            keys = [f"key-{i}".encode() for i in range(4)]
+            session.commit(keys, slots, [1, 2, 3, 4])
+            del session._enqueue  # the rest as usual
+            assert wait_for(lambda: session.stats()["shared_stored_blocks"] == 4, 10.0), (
+                session.stats()
+            )
+        finally:
+            session.close()

@@ -86,6 +86,14 @@ class EngineProcess:
         assert isinstance(served, list)
         return served
 
+    def counters(self) -> dict[str, float]:
+        """The engine's offloading metrics now (``torch_kv_tier_*`` and vLLM's
+        ``vllm:kv_offload*``, summed over labels): what a failure message shows."""
+        self._conn.send("counters")
+        counters = self._reply("counters", RECOMPUTE_DEADLINE_S, "reading the metrics")
+        assert isinstance(counters, dict)
+        return counters
+
     def request_stop(self) -> None:
         """Ask the engine to shut down (returns at once; see :meth:`wait_stopped`)."""
         with contextlib.suppress(BrokenPipeError):  # it is gone already: wait_stopped says so
@@ -153,6 +161,9 @@ def _serve(llm: Any, conn: Connection) -> None:
         conn.send(("ready", str(offload_region(llm))))
         greedy = SamplingParams(temperature=0.0, max_tokens=16)
         while (burst := conn.recv()) is not None:
+            if burst == "counters":
+                conn.send(("counters", _counters(llm)))
+                continue
             prompts, lead_s = burst
             batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
             if lead_s:
@@ -173,6 +184,15 @@ def _serve(llm: Any, conn: Connection) -> None:
             conn.send(("served", served))
     finally:
         engine.shutdown(llm)
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    counters: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("torch_kv_tier_", "vllm:kv_offload")):
+            value = float(getattr(metric, "value", 0) or 0)
+            counters[metric.name] = counters.get(metric.name, 0.0) + value
+    return counters
 
 
 def _generate_led(llm: Any, prompts: list[Any], params: Any, lead_s: float) -> list[Any]:

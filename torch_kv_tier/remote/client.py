@@ -252,11 +252,14 @@ class RemoteSession(SessionIO):
     def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
         """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
         completed (no answer; batched with other commits into as few frames as possible)."""
-        self._enqueue(partial(_add, self._commits, [(keys, slots, digests)]), False)
+        # The batch is looked up under the lock, inside ``_enqueue``: the I/O thread swaps in a
+        # new list each time it takes one, and a list taken before the lock could already be
+        # sent (the commit was lost: the host kept the slots granted, the keys never stored).
+        self._enqueue(lambda: _add(self._commits, [(keys, slots, digests)]), False)
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; batched like commits)."""
-        self._enqueue(partial(_add, self._touches, keys), False)
+        self._enqueue(lambda: _add(self._touches, keys), False)
 
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved."""
