@@ -725,42 +725,46 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1
 
 
-def test_admission_holds_a_new_request_for_its_arrival_window_and_sees_the_burst_behind_it() -> (
-    None
-):
-    """Empty scheduler steps take well under a millisecond, so a request is held (RETRY) for
-    ``arrival_window_s`` of its arrival, not for one step only: a burst that arrives inside
-    the window is seen whole and refused (its prefixes do not fit), the first request with it;
-    a request that stays alone is promoted once the window has passed."""
+def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> None:
+    """A request that reached an idle engine a step ahead of a burst is promoted (it was seen
+    alone). The burst's requests, which would recompute (their prefixes do not fit) and fill
+    its steps with their prefill, wait instead (RETRY, once per step: the next lookup in the
+    step ends vLLM's scan) until it is scheduled, and at most ``guard_s`` after they arrived.
+    With no promotion under way, a request that would recompute does so at once."""
     now = [0.0]
     admission = PromotionAdmission(
-        budget_chunks=8,
-        tokens_per_chunk=16,
-        prefix_tokens=64,
-        arrival_window_s=0.02,
+        budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
         clock=lambda: now[0],
-    )
+    )  # fmt: skip
+    assert admission.recompute("nobody") is Verdict.MISS
     admission.on_new_request("first")
-    for _ in range(5):  # empty steps, 1 ms apart
-        assert admission.admit("first", b"k0") is Verdict.RETRY
-        admission.end_step(scheduled=(), preempted=())
-        now[0] += 0.001
-    for n in range(3):  # the burst: three prefixes of 4 chunks do not fit a budget of 8
+    assert admission.admit("first", b"k0") is Verdict.RETRY  # its arrival step
+    admission.end_step(scheduled=(), preempted=())
+    assert admission.admit("first", b"k0") is Verdict.HIT  # alone: promoted
+    admission.on_submitted("first", [b"k0"])
+    for n in range(3):  # the burst: four prefixes of 4 chunks do not fit a budget of 8
         admission.on_new_request(f"burst{n}")
-    assert admission.admit("first", b"k0") is Verdict.MISS
-    assert admission.stats.refused_pressure == 1 and admission.stats.admitted == 0
-    for req_id in ("first", "burst0", "burst1", "burst2"):
-        admission.finish(req_id)
+    assert admission.admit("burst0", b"k1") is Verdict.RETRY  # a remote hit that would recompute
+    assert admission.admit("burst0", b"k2") is Verdict.MISS  # the same step: the scan ends
+    assert admission.recompute("burst1") is Verdict.RETRY  # a key the tier does not hold
+    admission.end_step(scheduled=(), preempted=())
+    now[0] += 0.01
+    admission.on_read("first", [b"k0"])
+    assert admission.recompute("burst1") is Verdict.RETRY  # next step: still waiting
+    admission.end_step(scheduled=("first",), preempted=())  # the promoted request runs
+    assert admission.admit("burst0", b"k1") is Verdict.MISS  # nothing under way: recompute
+    assert admission.recompute("burst1") is Verdict.MISS
+    assert admission.stats.guarded == 3 and admission.stats.refused_pressure == 1
+    admission.end_step(scheduled=("burst0", "burst1"), preempted=())
     admission.end_step(scheduled=(), preempted=())
     admission.end_step(scheduled=(), preempted=())
-    admission.on_new_request("alone")
+    admission.on_new_request("second")
     admission.end_step(scheduled=(), preempted=())
-    now[0] += 0.019
-    assert admission.admit("alone", b"k1") is Verdict.RETRY  # steps later, inside the window
-    now[0] += 0.001
-    assert admission.admit("alone", b"k1") is Verdict.HIT
-    with pytest.raises(ValueError, match="arrival_window_s"):
-        PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, arrival_window_s=-1)
+    assert admission.admit("second", b"k3") is Verdict.HIT  # promoted; burst2 still waits:
+    now[0] += 0.04  # 0.05 s after it arrived, it waits no longer (a promotion may be stuck)
+    assert admission.recompute("burst2") is Verdict.MISS
+    with pytest.raises(ValueError, match="guard_s"):
+        PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, guard_s=-1)
 
 
 def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_stored() -> None:

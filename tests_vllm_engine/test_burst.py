@@ -37,10 +37,10 @@ PROMPT_TOKENS = 2000
 CHUNK_TOKENS = 32
 CPU_CHUNKS = 256
 STALL_FACTOR = 2.0
-# The burst's first request reaches the engine this far ahead of the rest (inside admission's
-# 20 ms arrival window): an idle engine runs several scheduler steps meanwhile, and holding a
-# request one step only let it start promoting before the burst was seen (0.75 s instead of a
-# 0.23 s recompute, once in CI).
+# The burst's first request reaches the engine this far ahead of the rest: an idle engine runs
+# several scheduler steps meanwhile, sees it alone and promotes it; the others must then wait
+# for it (admission's promotion guard) rather than fill its steps with their prefill (before
+# the guard: 0.75 s against a 0.23 s recompute, once in CI).
 LEAD_S = 0.005
 HOST_DEADLINE_S = 20.0
 
@@ -70,7 +70,10 @@ def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: 
         assert all(r.cached_tokens == 0 for r in recomputed)
         assert wait_until(
             lambda: observer.stats()["shared_stored_blocks"] >= stored, HOST_DEADLINE_S
-        ), "the first engine's chunks never all reached the host's shared pool"
+        ), (
+            f"the first engine's {stored} chunks never all reached the host's shared pool: "
+            f"host {_shared_stats(observer.stats())}, engine {first.counters()}"
+        )
         second.start(host.address, **options)
         reference = second.generate(before, LEAD_S)
         served = second.generate(burst, LEAD_S)
@@ -92,6 +95,10 @@ def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: 
 
 def _prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(PROMPT_TOKENS)]
+
+
+def _shared_stats(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k.startswith("shared_")}
 
 
 def _ttft(served: Served) -> float:

@@ -30,15 +30,9 @@ the requests behind it no faster). So a request's first promotion is admitted on
   the longest prompt among the last requests served) for every request waiting to be
   scheduled; in a burst it cannot serve whole, the requests it does not serve recompute and
   fill the promoted ones' steps with their prefill;
-- **the queue is known**: not in the scheduler step the request arrived in, nor within
-  ``arrival_window_s`` of its arrival (it answers RETRY until then). Steps are no clock: on an
-  engine where nothing prefills a step schedules nothing and takes well under a millisecond,
-  so one step alone let a request that arrived a step ahead of its burst start promoting, and
-  the burst's prefills then filled its three steps (measured on the 2-core CI machine: 0.75 s
-  instead of its 0.23 s recompute). A request of a burst that arrives inside the window is
-  refused as soon as the burst is seen (the queue does not fit), so the window delays only a
-  request that arrives alone, and only by the window. This is a speed rule: no byte a load
-  returns depends on it.
+- **the queue is known**: not in the scheduler step the request arrived in (it answers RETRY
+  there, for one step, which on an engine where nothing prefills is a short one), so a burst
+  whose requests reach the engine together is seen whole.
 
 Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
 promoted:
@@ -51,6 +45,17 @@ promoted:
 - **once per attempt**: a chunk already promised to the same request since it was last
   scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (allocation
   failed, evicted before use, promotion failed), and reading it again would be wasted.
+
+**Promotions under way go first.** Steps are no clock: on an idle engine a step schedules
+nothing and takes well under a millisecond, so a request that reaches the engine a few
+milliseconds ahead of a burst is seen alone and starts promoting; the burst's prefills then
+filled its three steps (measured in CI: 0.75 s against its 0.23 s recompute). So while another
+request's promotion is under way (promised, not yet scheduled), a request that would recompute
+waits instead (RETRY), for at most ``guard_s`` after its arrival: the promoted request's steps
+stay short, and the request that waits recomputes right after it. This costs nothing when no
+promotion is under way (a request arriving alone is promoted at once), and holds a request at
+most ``guard_s`` when one is stuck (its host froze). A speed rule only: no byte a load returns
+depends on it.
 
 A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
 recomputes the rest at once (no deferral); promises are made in lookup order, i.e. the leading
@@ -92,7 +97,8 @@ class AdmissionStats:
     """Counters since the tier started (monotonic)."""
 
     admitted: int = 0  # lookups answered HIT
-    held: int = 0  # RETRY: the request arrived in this scheduler step or window
+    held: int = 0  # RETRY: the request arrived in this scheduler step
+    guarded: int = 0  # RETRY: it would recompute while another request's promotion is under way
     refused_busy: int = 0  # MISS: other requests are prefilling
     refused_pressure: int = 0  # MISS: the waiting queue's prefixes do not fit the CPU tier
     refused_budget: int = 0  # MISS: the budget for reads in flight was full
@@ -124,9 +130,8 @@ class PromotionAdmission:
         tokens_per_chunk: tokens one chunk holds (>= 1).
         prefix_tokens: the prefix one waiting request is expected to promote; ``None``: the
             longest prompt among the last requests served (see :meth:`observe`).
-        arrival_window_s: how long after its arrival a request is held (RETRY) before its
-            first promotion, so that a burst arriving behind it is seen whole (>= 0; 0: the
-            arrival step only).
+        guard_s: how long a request that would recompute waits (RETRY) while another request's
+            promotion is under way (>= 0; 0: never).
         clock: seconds, monotonic (``time.monotonic``; tests pass their own).
     """
 
@@ -135,20 +140,21 @@ class PromotionAdmission:
         budget_chunks: int,
         tokens_per_chunk: int,
         prefix_tokens: int | None = None,
-        arrival_window_s: float = 0.0,
+        guard_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if budget_chunks < 0 or tokens_per_chunk < 1 or arrival_window_s < 0:
+        if budget_chunks < 0 or tokens_per_chunk < 1 or guard_s < 0:
             raise ValueError(
-                "need budget_chunks >= 0, tokens_per_chunk >= 1 and arrival_window_s >= 0, got "
-                f"{budget_chunks}, {tokens_per_chunk}, {arrival_window_s}"
+                "need budget_chunks >= 0, tokens_per_chunk >= 1 and guard_s >= 0, got "
+                f"{budget_chunks}, {tokens_per_chunk}, {guard_s}"
             )
         self.budget = budget_chunks
         self.stats = AdmissionStats()
         self._tokens_per_chunk = tokens_per_chunk
         self._prefix_tokens = prefix_tokens
-        self._window_s = arrival_window_s
+        self._guard_s = guard_s
         self._clock = clock
+        self._guarded: set[str] = set()  # requests the guard answered RETRY in this step
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self._lengths: dict[str, int] = {}  # request -> furthest prompt token seen
         self._waiting: dict[str, _Arrival] = {}  # requests not yet scheduled
@@ -209,18 +215,41 @@ class PromotionAdmission:
         """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
         first: a request that will recompute anyway is not held back a step."""
         if sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2):
-            self.stats.refused_busy += 1
-            return Verdict.MISS
+            guard = self._guard(req_id)
+            if guard is None:
+                self.stats.refused_busy += 1
+            return guard or Verdict.MISS
         if len(self._waiting) * self.prefix_chunks > self.budget:
-            self.stats.refused_pressure += 1
-            return Verdict.MISS
+            guard = self._guard(req_id)
+            if guard is None:
+                self.stats.refused_pressure += 1
+            return guard or Verdict.MISS
         arrival = self._waiting.get(req_id)
-        if arrival is not None and (
-            arrival.step >= self._step or self._clock() - arrival.at_s < self._window_s
-        ):
+        if arrival is not None and arrival.step >= self._step:
             self.stats.held += 1
             return Verdict.RETRY
         return None
+
+    def recompute(self, req_id: str) -> Verdict:
+        """What a lookup of a key the tier does not hold answers for ``req_id``: MISS (it
+        recomputes from here), or RETRY while another request's promotion is under way."""
+        return self._guard(req_id) or Verdict.MISS
+
+    def _guard(self, req_id: str) -> Verdict | None:
+        """``None`` unless ``req_id``, about to recompute, must wait for another request's
+        promotion (module docstring): then RETRY on its first lookup in this step, MISS on the
+        next ones (vLLM goes on scanning a prefix after a RETRY, and one RETRY already defers
+        the request; the MISS ends the scan)."""
+        if not self._attempts or req_id in self._attempts:
+            return None
+        arrival = self._waiting.get(req_id)
+        if arrival is None or self._clock() - arrival.at_s >= self._guard_s:
+            return None
+        if req_id in self._guarded:
+            return Verdict.MISS
+        self._guarded.add(req_id)
+        self.stats.guarded += 1
+        return Verdict.RETRY
 
     def on_submitted(self, req_id: str, keys: Iterable[Hashable]) -> None:
         """vLLM submitted a promotion of ``keys`` for ``req_id``: their allocation succeeded."""
@@ -258,6 +287,7 @@ class PromotionAdmission:
                 attempt.held.difference_update(attempt.unsubmitted)
                 attempt.unsubmitted.clear()
         self._step += 1
+        self._guarded.clear()
         self._stored = [0, self._stored[0]]
         self._recomputes = [recomputes, self._recomputes[0]]
 

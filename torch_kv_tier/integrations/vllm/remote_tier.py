@@ -165,7 +165,7 @@ class RemoteHostTier(SecondaryTierManager):
             tier_sizing.promotion_budget(rows),
             tokens_per_chunk,
             config.expected_prefix_tokens,
-            config.arrival_window_s,
+            config.promotion_guard_s,
         )
         self._flat_view: memoryview | None = None
         self._manager: TierManager | None = None
@@ -211,9 +211,10 @@ class RemoteHostTier(SecondaryTierManager):
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """For a completed copy of ``key`` on a remote host, what :class:`PromotionAdmission`
-        decides (HIT: promote it; RETRY: the request arrived just now; MISS: recompute
-        from here); RETRY while a store of it to this tier is still in flight; else MISS. From
-        local state only (no network).
+        decides (HIT: promote it; RETRY: the request arrived in this step, or waits for another
+        request's promotion; MISS: recompute from here); RETRY while a store of it to this tier
+        is still in flight; else MISS, or RETRY while another request's promotion is under way
+        (admission's guard). From local state only (no network).
 
         A key whose promotion already failed for this request is a MISS for the rest of the
         request, so vLLM recomputes it instead of retrying the promotion forever.
@@ -224,7 +225,9 @@ class RemoteHostTier(SecondaryTierManager):
         self._admission.observe(req_context.req_id, req_context.get_offload_key_position(key))
         if self._tier.contains(key):
             return _LOOKUP[self._admission.admit(req_context.req_id, key)]
-        return LookupResult.RETRY if key in self._storing else LookupResult.MISS
+        if key in self._storing:
+            return LookupResult.RETRY
+        return _LOOKUP[self._admission.recompute(req_context.req_id)]
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

@@ -39,7 +39,7 @@ KNOWN_KEYS = frozenset(
         "connect_timeout_s",
         "expected_concurrency",
         "expected_prefix_tokens",
-        "arrival_window_s",
+        "promotion_guard_s",
     }
 )
 
@@ -88,9 +88,9 @@ class RemoteHostTierConfig:
             check and by admission's test whether the CPU tier can take every waiting
             request's prefix (:mod:`~torch_kv_tier.integrations.vllm.admission`); ``None``:
             no startup check, and admission uses the longest recent prompt.
-        arrival_window_s: how long admission holds a newly arrived request before its first
-            promotion, so that a burst arriving behind it is seen whole; 0: one scheduler
-            step only.
+        promotion_guard_s: how long a request that would recompute waits while another
+            request's promotion is under way, so the promoted request's steps are not filled
+            with its prefill (see :mod:`~torch_kv_tier.integrations.vllm.admission`); 0: never.
     """
 
     remote: str
@@ -110,7 +110,7 @@ class RemoteHostTierConfig:
     connect_timeout_s: float = 10.0
     expected_concurrency: int = 1
     expected_prefix_tokens: int | None = None
-    arrival_window_s: float = 0.02
+    promotion_guard_s: float = 0.05
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> RemoteHostTierConfig:
@@ -164,8 +164,8 @@ class RemoteHostTierConfig:
                 options, "expected_concurrency", cls.expected_concurrency
             ),
             expected_prefix_tokens=_optional_positive_int(options, "expected_prefix_tokens"),
-            arrival_window_s=_seconds(
-                options, "arrival_window_s", cls.arrival_window_s, allow_zero=True
+            promotion_guard_s=_seconds(
+                options, "promotion_guard_s", cls.promotion_guard_s, allow_zero=True
             ),
         )
 
