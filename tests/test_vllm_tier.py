@@ -433,6 +433,33 @@ def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
         driver.shutdown(spec)
 
 
+def test_shutdown_during_a_handshake_with_a_silent_host_stays_within_close_timeout(
+    server: ServerProcess, tmp_path: Any
+) -> None:
+    """Regression (CI, the engine e2e after its host was killed): vLLM killed the engine 5 s
+    after SIGTERM, before its worker removed the shared region, because shutdown waited for
+    the membership thread's handshake with a host that does not answer (up to
+    ``connect_timeout_s`` + 1 s). Now shutdown takes at most ``close_timeout_s``."""
+    silent = socket.socket()  # accepts TCP connections (the kernel does) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    hosts = tmp_path / "kv-hosts"
+    hosts.write_text(f"{server.address}\n")
+    spec, manager = make_manager(
+        f"file:{hosts}", reconnect_interval_s=0.1, connect_timeout_s=10, close_timeout_s=2
+    )
+    driver = Driver(manager)
+    try:
+        staged = tmp_path / "kv-hosts.tmp"
+        staged.write_text(f"{server.address}\n127.0.0.1:{silent.getsockname()[1]}\n")
+        os.replace(staged, hosts)
+        time.sleep(1.0)  # the membership thread is now dialling the silent host (10 s)
+        driver.shutdown(spec, timeout=2.5)  # close_timeout_s, and the region released
+    finally:
+        driver.shutdown(spec)
+        silent.close()
+
+
 def test_bad_config_raises_before_connecting() -> None:
     with pytest.raises(ValueError, match='"remote"'):
         make_manager("not-an-address")

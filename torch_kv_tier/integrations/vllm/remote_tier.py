@@ -321,7 +321,7 @@ class RemoteHostTier(SecondaryTierManager):
         region, within ``close_timeout_s`` (default 3 s, inside vLLM's 5 s shutdown grace):
         transfers still in flight then are cancelled and their sessions end unclean (their
         hosts hold those slots, see the README's fencing). A handshake in progress is waited
-        for first (at most ``connect_timeout_s``). Idempotent."""
+        for at most half that budget; it then fails on the closed manager. Idempotent."""
         self._teardown()
 
     @classmethod
@@ -580,8 +580,13 @@ class RemoteHostTier(SecondaryTierManager):
         """
         deadline = time.monotonic() + self._config.close_timeout_s
         membership, self._membership = self._membership, None
-        if membership is not None:  # a handshake in progress must end before the manager does
-            membership.stop(timeout=self._config.connect_timeout_s + 1.0)
+        if membership is not None:
+            # At most half the budget: a handshake with a host that does not answer lasts up to
+            # connect_timeout_s (10 s), past vLLM's 5 s grace, which then kills the engine
+            # before its worker removes the shared region. Once the manager is closed, such a
+            # handshake fails cleanly ("TierManager is closed"; the transport refuses a late
+            # registration) and ends its session; the thread is a daemon.
+            membership.stop(timeout=self._config.close_timeout_s / 2)
         manager, self._manager = self._manager, None
         self._jobs.clear()
         self._storing.clear()
