@@ -214,53 +214,36 @@ def _fanout_us(followers: int, batches: int) -> tuple[float, float]:
     service, members = _host(0, followers, room=batches * p.MAX_KEYS_PER_MESSAGE)
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    dealers = []
-    for session in members:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, session.identity)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        dealers.append(dealer)
-    router.setsockopt(zmq.SNDHWM, 0)
-    time.sleep(0.2)  # let every DEALER finish connecting (a ROUTER drops frames for unknown ids)
+    dealers: list[zmq.Socket[bytes]] = []
     frames_in: list[bytes] = []
-    drained = threading.Event()
-
-    def drain() -> None:
-        want, got = batches * followers, 0
-        poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
-        while got < want and poller.poll(10_000):
-            for dealer in dealers:
-                while True:
-                    try:
-                        frame = dealer.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    got += 1
-                    if dealer is dealers[0]:
-                        frames_in.append(frame)
-        drained.set()
-
-    drainer = threading.Thread(target=drain, daemon=True)
-    drainer.start()
-    keys = _keys(batches * p.MAX_KEYS_PER_MESSAGE)
-    host_cpu = 0.0
+    drainer = threading.Thread(target=_drain, args=(dealers, batches, frames_in), daemon=True)
     try:
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        router.setsockopt(zmq.SNDHWM, 0)
+        for session in members:
+            dealer = ctx.socket(zmq.DEALER)
+            dealers.append(dealer)
+            dealer.setsockopt(zmq.IDENTITY, session.identity)
+            dealer.setsockopt(zmq.RCVHWM, 0)
+            dealer.connect(f"tcp://127.0.0.1:{port}")
+            dealer.send(b"hello")  # a ROUTER drops frames for ids it has not heard from yet
+        for _ in members:
+            if not router.poll(10_000):
+                raise TimeoutError("a follower socket did not connect within 10 s")
+            router.recv_multipart()
+        drainer.start()
+        keys = _keys(batches * p.MAX_KEYS_PER_MESSAGE)
+        host_cpu = 0.0
         for b in range(batches):
-            _store(
-                service,
-                members[0],
-                keys[b * p.MAX_KEYS_PER_MESSAGE : (b + 1) * p.MAX_KEYS_PER_MESSAGE],
-            )
+            batch = keys[b * p.MAX_KEYS_PER_MESSAGE : (b + 1) * p.MAX_KEYS_PER_MESSAGE]
+            _store(service, members[0], batch)
             start = time.thread_time()
             for sessions, frame in service.events(members):  # as the server's _push_events
                 for session in sessions:
                     router.send_multipart([session.identity, frame], zmq.NOBLOCK)
             host_cpu += time.thread_time() - start
-        if not drained.wait(60):
+        drainer.join(60)
+        if drainer.is_alive() or len(frames_in) != batches:
             raise TimeoutError("the followers did not receive every Events frame within 60 s")
         index = BlockIndex()
         peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
@@ -271,12 +254,32 @@ def _fanout_us(followers: int, batches: int) -> tuple[float, float]:
             index.apply_host_changes(peer, ev.stored, ev.slots, ev.digests, ev.evicted, False)
         apply_cpu = time.thread_time() - start
     finally:
-        drainer.join(5)
+        if drainer.is_alive():
+            drainer.join(5)
         for sock in (router, *dealers):
             sock.close(linger=0)
         ctx.term()
     n = batches * p.MAX_KEYS_PER_MESSAGE
     return host_cpu / (n * followers) * 1e6, apply_cpu / n * 1e6
+
+
+def _drain(dealers: list[zmq.Socket[bytes]], batches: int, frames_in: list[bytes]) -> None:
+    """A follower side of the fan-out: receive every frame (those of the first follower kept
+    for the apply figure); gives up after 10 s without a frame."""
+    want, got = batches * len(dealers), 0
+    poller = zmq.Poller()
+    for dealer in dealers:
+        poller.register(dealer, zmq.POLLIN)
+    while got < want and poller.poll(10_000):
+        for dealer in dealers:
+            while True:
+                try:
+                    frame = dealer.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got += 1
+                if dealer is dealers[0]:
+                    frames_in.append(frame)
 
 
 def _lookup_ns(n_keys: int, samples: int = 20_000) -> list[float]:
