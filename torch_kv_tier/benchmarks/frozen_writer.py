@@ -354,15 +354,18 @@ def _recover(tier: TierManager, address: str, setup: Setup, out: Outcome) -> Non
     deadline = started + setup.recover_s
     want = setup.num_blocks if setup.private else setup.num_blocks // 2
     attempt = 0
+    refused: HandshakeRejected | None = None
     while time.monotonic() < deadline:
         attempt += 1
         for peer in tier.peers():
             tier.disconnect(peer)
         try:
             peer, _ = _connect(tier, address, setup, deadline)
-        except HandshakeRejected as exc:
-            out.problem(f"after A settled, B stayed refused for {setup.recover_s:.0f} s: {exc}")
-            return
+        except HandshakeRejected as exc:  # A's release of its held slots may still be on its way
+            refused = exc
+            time.sleep(0.1)
+            continue
+        refused = None
         if setup.private and tier.stats().peers[peer].capacity < want:
             time.sleep(0.1)
             continue
@@ -375,6 +378,9 @@ def _recover(tier: TierManager, address: str, setup: Setup, out: Outcome) -> Non
                 took = round(time.monotonic() - started, 2)
                 out.at_most("seconds until B used the whole pool again", took, setup.recover_s, "s")
                 return
+    if refused is not None:
+        out.problem(f"after A settled, B stayed refused for {setup.recover_s:.0f} s: {refused}")
+        return
     out.problem(f"after A settled, B could not use the whole pool within {setup.recover_s:.0f} s")
 
 
