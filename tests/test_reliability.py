@@ -234,7 +234,8 @@ bad_keys = st.one_of(
 
 def _valid_keys(keys: list[Any]) -> bool:
     typed = all(type(k) in (str, bytes, int) for k in keys)
-    return typed and len(set(keys)) == len(keys)
+    in_range = all(-(2**63) <= k < 2**64 for k in keys if type(k) is int)  # 64-bit int keys
+    return typed and in_range and len(set(keys)) == len(keys)
 
 
 @fuzz
