@@ -139,6 +139,28 @@ def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
         assert tier.store(keys, range(6)).result(timeout=RESULT_TIMEOUT_S).ok
 
 
+def test_a_grant_that_times_out_is_asked_again_and_never_fails_capacity() -> None:
+    """Regression (CI, a host SIGKILLed while frozen): a grant request that timed out before
+    the heartbeat declared the session lost failed the stores waiting for it with "capacity".
+    No answer says nothing about capacity: the tier asks again, and the stores go out."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "16"]) as server,
+        TierManager.create(16, BLOCK_LEN, name="silent", grant_batch=4) as tier,
+    ):
+        tier.connect(server.address)
+        (host,) = tier._peers.values()
+        assert isinstance(host, SharedHost)
+        with tier._lock:  # as while a grant request is out: no slots, the store waits
+            host.grants.clear()  # (4 of the session's 16 granted slots, never written)
+            host.refilling = True
+        waiting = tier.store(["a", "b"], range(2))
+        timed_out: Future[p.ServerMessage] = Future()
+        timed_out.set_exception(TimeoutError("no answer within 10 s"))
+        tier._on_granted(host, host.commits, 4, timed_out)
+        result = waiting.result(timeout=RESULT_TIMEOUT_S)
+        assert result.ok, result.failed
+
+
 def test_a_peer_dropped_while_a_store_polls_it_fails_its_keys_not_the_call() -> None:
     """Regression: ``store`` looked the peers it submitted to up again after polling them, and
     raised ``KeyError(peer_id)`` when the poll had dropped one (seen as ``KeyError('r1')``)."""

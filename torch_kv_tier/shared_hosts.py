@@ -12,9 +12,11 @@ from the host (grants, index events) arrive on the session's I/O thread, which t
 itself; a request's answer callback is attached before the request is sent, so it never runs
 on the caller's thread (where the lock is held and not reentrant).
 
-Failure model: a grant that does not come (the host refused, or timed out) leaves the stores
-waiting for it to fail with "capacity" only when nothing this tier does could free its share;
-a session lost meanwhile drops the host, and they fail "peer lost".
+Failure model: a grant answered with no slots fails the stores waiting for it with "capacity"
+only when nothing this tier does could free its share. A grant that brings no answer (the host
+is silent, or no longer knows the session) says nothing about capacity: the stores wait on, a
+silent host is asked again, and when the session is lost the host is dropped and they fail
+"peer lost".
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.index import BlockIndex, SharedSlots
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
+from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.results import CAPACITY
 from torch_kv_tier.shared_host import SharedHost
 
@@ -100,20 +103,15 @@ class SharedHosts:
     def _on_granted(self, host: SharedHost, commits: int, want: int, future: Future[Any]) -> None:
         """A grant answer (I/O thread, unlocked): stores waiting for slots go out, or fail
         with "capacity" when nothing this tier does could free its share."""
-        granted: list[int] = []
         try:
             answer = future.result()
-        except Exception as exc:
+        except Exception as exc:  # no answer in time, or the session closed
             answer = exc
-        failed = not hasattr(answer, "slots")  # no answer, or an ``Error`` (session unknown)
-        if failed:
-            logger.warning("grant from %s failed: %s", host.slots.peer_id, answer)
-        else:
-            granted = answer.slots
+        if not isinstance(answer, p.Granted):
+            self._on_grant_unanswered(host, answer)
+            return
+        granted = answer.slots
         with self._lock:
-            if failed and host.session.lost is not None:
-                host.refilling = False  # its loss drops the peer: the waiters fail "peer lost"
-                return
             if self._closed or self._peers.get(host.slots.peer_id) is not host:
                 host.refilling = False
                 return
@@ -125,6 +123,25 @@ class SharedHosts:
                 self._refill(host)
             ready = self._after_submit(None, [host.slots.peer_id])
         resolve(ready)
+
+    def _on_grant_unanswered(self, host: SharedHost, answer: object) -> None:
+        """A grant request that brought no slots and no answer about them (I/O thread,
+        unlocked): the host went silent, or answered ``Error`` (it no longer knows the
+        session). That says nothing about capacity, so the stores waiting stay, bounded by
+        the session's fate: a silent host is asked again, and a session lost meanwhile (the
+        heartbeat's verdict, or the host's ``Error`` on the next heartbeat) drops the host
+        and fails them "peer lost"."""
+        why = answer.reason if isinstance(answer, p.Error) else repr(answer)
+        logger.warning("grant from %s brought no answer: %s", host.slots.peer_id, why)
+        with self._lock:
+            host.refilling = False
+            alive = host.session.lost is None and not self._closed
+            if (
+                alive
+                and self._peers.get(host.slots.peer_id) is host
+                and not isinstance(answer, p.Error)
+            ):
+                self._refill(host)
 
     def _launch_awaiting(self, host: SharedHost) -> None:
         for op, rest in host.launchable():
