@@ -294,7 +294,7 @@ def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_hos
             enqueue = session._enqueue
 
             def batch_taken_first(put: Any, allow_closed: bool) -> None:
-                with session._lock:  # as the I/O thread's _send_batches does
+                with session._lock:  # as the I/O thread's _send_commits does
                     session._commits, session._touches = [], []
                 enqueue(put, allow_closed)
 
@@ -305,5 +305,29 @@ def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_hos
             assert wait_for(lambda: session.stats()["shared_stored_blocks"] == 4, 10.0), (
                 session.stats()
             )
+        finally:
+            session.close()
+
+
+def test_a_grant_asked_right_after_a_commit_counts_the_slots_that_commit_returned() -> None:
+    """A session batches its commits for up to ``COMMIT_PERIOD_S``, but a request made after a
+    commit always reaches the host after it: a grant asked right after committing every granted
+    slot gets slots again (sent ahead of its commit, the host would count them still granted,
+    cap the grant at zero, and the tier's waiting stores would fail "capacity")."""
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "4"]) as server:
+        session = fake_session(server.address, private=False)
+        try:
+
+            def grant() -> list[int]:
+                answer: Future[Any] = Future()
+                session.grant(4, lambda future: answer.set_result(future.result()))
+                return list(answer.result(timeout=10).slots)
+
+            slots = grant()
+            for round_ in range(40):
+                assert len(slots) == 4, f"round {round_}: granted {slots}"
+                keys = [f"r{round_}-{i}".encode() for i in range(4)]
+                session.commit(keys, slots, [1, 2, 3, 4])
+                slots = grant()  # no wait between them: the commit is still batched
         finally:
             session.close()

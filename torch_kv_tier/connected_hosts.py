@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.records import Peer
 from torch_kv_tier.transport.base import DataTransport
@@ -45,7 +46,7 @@ class ConnectedHosts:
     # The manager's state this part uses (set by ``TierManager.__init__``).
     transport: DataTransport
     verify: bool
-    _lock: threading.Lock
+    _lock: DeferringLock
     _closed: bool
     _index: BlockIndex
     _peers: dict[str, Peer]

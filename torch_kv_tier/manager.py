@@ -43,6 +43,7 @@ from typing import Any
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connected_hosts import ConnectedHosts
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, check_keys
@@ -116,8 +117,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._num_local, self._block_len = transport.num_blocks, transport.block_len
         self.max_inflight = max_inflight
         self._max_poll_interval_s = max_poll_interval_s
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._lock = DeferringLock()
+        self._cond = threading.Condition(self._lock)  # type: ignore[arg-type]
         self._index = BlockIndex(events=events)
         self._peers: dict[str, Peer] = {}
         self._storing: dict[Key, Op] = {}  # key -> its store in flight, queued or awaiting slots

@@ -36,7 +36,15 @@ MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
 class SharedHost(Peer):
     """A shared host's registration (module docstring); ``session`` is its ``RemoteSession``."""
 
-    __slots__ = ("awaiting", "capped", "commits", "grant_batch", "grants", "refilling")
+    __slots__ = (
+        "__weakref__",  # its session's index follower holds it weakly
+        "awaiting",
+        "capped",
+        "commits",
+        "grant_batch",
+        "grants",
+        "refilling",
+    )
 
     def __init__(self, slots: SharedSlots, session: Any, grant_batch: int) -> None:
         super().__init__(slots, verifies=True, session=session)

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex, SharedSlots
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
@@ -44,7 +45,7 @@ class SharedHosts:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     grant_batch: int
-    _lock: threading.Lock
+    _lock: DeferringLock
     _closed: bool
     _index: BlockIndex
     _peers: dict[str, Peer]
@@ -81,7 +82,7 @@ class SharedHosts:
             self._refill(host)
         try:
             synced = threading.Event()
-            session.follow(_HostChanges(self, peer_id, synced))
+            session.follow(_HostChanges(self, host, synced))
             if not synced.wait(timeout_s):
                 raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:
@@ -161,35 +162,59 @@ class SharedHosts:
 
     def _on_host_changes(
         self,
-        peer_id: str,
+        host: SharedHost,
         stored: list[Key],
         slots: list[int],
         digests: list[int],
         evicted: list[Key],
         reset: bool,
     ) -> None:
-        """A shared host's key set changed (I/O thread, unlocked)."""
-        with self._lock:
-            host = self._peers.get(peer_id)
-            if isinstance(host, SharedHost):
-                self._index.apply_host_changes(
-                    host.slots,  # type: ignore[arg-type]
-                    stored,
-                    slots,
-                    digests,
-                    evicted,
-                    reset,
-                )
+        """A shared host's key set changed (I/O thread, unlocked). Applied under the lock
+        without waiting for it: now when it is free, else by its holder before it releases it
+        (a store holds it through its transfer), so every later call sees it. A snapshot is
+        applied before this returns (joining waits for it)."""
+        apply = partial(self._apply_host_changes, host, stored, slots, digests, evicted, reset)
+        if reset:
+            self._lock.run_now(apply)
+        else:
+            self._lock.run_soon(apply)
+
+    def _apply_host_changes(
+        self,
+        host: SharedHost,
+        stored: list[Key],
+        slots: list[int],
+        digests: list[int],
+        evicted: list[Key],
+        reset: bool,
+    ) -> None:
+        """(Lock held.) Changes of a host dropped or joined again meanwhile are ignored; a batch
+        that cannot be applied (a bug) is logged and the host asked for a new snapshot."""
+        if self._peers.get(host.slots.peer_id) is not host:
+            return
+        try:
+            self._index.apply_host_changes(
+                host.slots,  # type: ignore[arg-type]
+                stored,
+                slots,
+                digests,
+                evicted,
+                reset,
+            )
+        except Exception:
+            logger.exception("%s: index changes not applied: resyncing", host.slots.peer_id)
+            host.session.resync()
 
 
 class _HostChanges:
-    """The ``on_change`` a shared session calls: forwards to its tier, held weakly (the tier
-    owns the session; a strong reference would be a cycle keeping the tier's NIXL agent alive
-    until the garbage collector runs), and marks the first snapshot."""
+    """The ``on_change`` a shared session calls: forwards to its tier and its ``SharedHost``,
+    both held weakly (the tier owns the session; a strong reference would be a cycle keeping
+    the tier's NIXL agent alive until the garbage collector runs), and marks the first
+    snapshot."""
 
-    def __init__(self, tier: SharedHosts, peer_id: str, synced: threading.Event) -> None:
+    def __init__(self, tier: SharedHosts, host: SharedHost, synced: threading.Event) -> None:
         self._tier = weakref.ref(tier)
-        self._peer_id = peer_id
+        self._host = weakref.ref(host)
         self._synced = synced
 
     def __call__(
@@ -200,9 +225,9 @@ class _HostChanges:
         evicted: list[Key],
         reset: bool,
     ) -> None:
-        tier = self._tier()
-        if tier is not None:
-            tier._on_host_changes(self._peer_id, stored, slots, digests, evicted, reset)
+        tier, host = self._tier(), self._host()
+        if tier is not None and host is not None:
+            tier._on_host_changes(host, stored, slots, digests, evicted, reset)
         if reset:
             self._synced.set()
 

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import EndedSessions
+from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex, PeerSlots, drain
 from torch_kv_tier.keys import Key
@@ -51,7 +52,7 @@ class Transfers:
     # The manager's state this part uses (set by ``TierManager.__init__``).
     transport: DataTransport
     max_inflight: int
-    _lock: threading.Lock
+    _lock: DeferringLock
     _cond: threading.Condition
     _closed: bool
     _stopping: bool

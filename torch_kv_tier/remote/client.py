@@ -258,7 +258,8 @@ class RemoteSession(SessionIO):
         self._enqueue(lambda: _add(self._commits, [(keys, slots, digests)]), False)
 
     def touch(self, keys: list[Any]) -> None:
-        """Report ``keys`` recently used (no answer; batched like commits)."""
+        """Report ``keys`` recently used (no answer; sent at most ``session_io.TOUCH_PERIOD_S``
+        later, batched with every other touch of that period)."""
         self._enqueue(lambda: _add(self._touches, keys), False)
 
     def release(self, held: list[str]) -> None:
@@ -286,6 +287,13 @@ class RemoteSession(SessionIO):
             follower.start()
 
         self._enqueue_action(start)
+
+    def resync(self) -> None:
+        """Take a new snapshot of the followed index (thread-safe; for a follower whose copy
+        could not apply a change)."""
+        follower = self._follower
+        if follower is not None:
+            self._enqueue_action(follower.start)
 
     def stats(self) -> dict[str, Any]:
         """The server's stats: leases, occupancy, bytes moved, counters.

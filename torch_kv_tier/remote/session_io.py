@@ -1,13 +1,20 @@
 """The I/O thread of a ``RemoteSession``: the only user of its ZeroMQ socket once the handshake
 is done.
 
-Each wake-up (a request queued from any thread, a frame from the server, a heartbeat or request
-deadline) it runs queued actions, sends the commits and touches batched since the last one (as
-few frames as fit, before the requests made after them), sends queued requests, hands answers
+Each wake-up (a request queued from any thread, a frame from the server, a heartbeat, request or
+batch deadline) it runs queued actions, sends the commits batched since the last send (as few
+frames as fit, always before the requests made after them), sends queued requests, hands answers
 to their futures and pushed ``Events`` to the follower, and heartbeats. It ends the session,
 loudly (``on_lost``), when the server stops answering heartbeats, says it no longer knows the
 session, the control connection closes or is reset (the socket's monitor), or a frame cannot be
 queued: a control message is delivered or the session is lost.
+
+Commits and touches (recency) are batched by period, not sent per call: the first one after a
+send wakes the I/O thread, which sends them all when the period is over. A frame per store or
+load call cost two thread wake-ups on each side, and the host's events answering each commit
+as many again. Commits wait at most ``COMMIT_PERIOD_S`` (what other tiers' copies of the index
+lag behind for it), touches ``TOUCH_PERIOD_S``, each key once (a key's recency counts only
+when it is the least recently used of a whole pool).
 
 ``SessionIO`` is a part of ``RemoteSession`` (its base class): the state it uses is set by
 ``RemoteSession.__init__``, and its lock guards what other threads hand over.
@@ -39,6 +46,10 @@ logger = logging.getLogger(__name__)
 # a request made from any thread: build the message for a seq, the future its answer resolves
 # (``None``: a message without an answer), timeout
 Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float]
+
+
+TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
+COMMIT_PERIOD_S = 0.002  # the longest a commit waits to be sent (unless a request follows it)
 
 
 class _Lost(Exception):
@@ -77,15 +88,21 @@ class SessionIO:
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r.fileno(), zmq.POLLIN)
-        last_ok = next_hb = time.monotonic()
+        last_ok = next_hb = touches_due = commits_due = time.monotonic()
         lost: str | None = None
         try:
             while True:
                 with self._lock:
                     if self._stopping:
                         break
+                    touched = bool(self._touches)
+                    committed = bool(self._commits)
                 now = time.monotonic()
                 deadlines = [next_hb, last_ok + self._hb_timeout_s]
+                if touched:
+                    deadlines.append(touches_due)
+                if committed:
+                    deadlines.append(commits_due)
                 deadlines.extend(deadline for _, deadline in pending.values())
                 poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3)))
                 self._drain_wake()
@@ -96,14 +113,18 @@ class SessionIO:
                     except queue.Empty:
                         break
                 now = time.monotonic()
-                # commits first: a grant request made after a commit must reach the server
-                # after it (the commit returns granted slots to this session's share)
-                self._send_batches(sock, seqs)
-                while True:
-                    try:
-                        make, future, timeout_s = self._requests.get_nowait()
-                    except queue.Empty:
-                        break
+                # Commits first: a grant request made after a commit must reach the server
+                # after it (the commit returns granted slots to this session's share). The
+                # requests are taken before the commits, so every commit made before one of
+                # them goes out ahead of it.
+                requests = self._take_requests()
+                if requests or now >= commits_due:
+                    commits_due = now + COMMIT_PERIOD_S
+                    self._send_commits(sock, seqs)
+                if now >= touches_due:
+                    touches_due = now + TOUCH_PERIOD_S
+                    self._send_touches(sock, seqs)
+                for make, future, timeout_s in requests:
                     seq = next(seqs)
                     if future is not None:
                         pending[seq] = (future, now + timeout_s)
@@ -143,24 +164,37 @@ class SessionIO:
         finally:
             self._finish(sock, monitor, pending, lost)
 
-    def _send_batches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
-        """The commits and touches made since the last wake-up, in as few frames as fit."""
+    def _take_requests(self) -> list[Request]:
+        requests = []
+        while True:
+            try:
+                requests.append(self._requests.get_nowait())
+            except queue.Empty:
+                return requests
+
+    def _send_commits(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
+        """The commits made since the last wake-up, in as few frames as fit."""
         with self._lock:
             commits, self._commits = self._commits, []
-            touches, self._touches = self._touches, []
+        if not commits:
+            return
+        keys = [k for c in commits for k in c[0]]
+        slots = [s for c in commits for s in c[1]]
+        digests = [d for c in commits for d in c[2]]
         step = p.MAX_KEYS_PER_MESSAGE
-        if commits:
-            keys = [k for c in commits for k in c[0]]
-            slots = [s for c in commits for s in c[1]]
-            digests = [d for c in commits for d in c[2]]
-            for i in range(0, len(keys), step):
-                chunk = slice(i, i + step)
-                self._send(
-                    sock,
-                    p.Commit(
-                        next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]
-                    ),
-                )
+        for i in range(0, len(keys), step):
+            chunk = slice(i, i + step)
+            self._send(
+                sock,
+                p.Commit(next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]),
+            )
+
+    def _send_touches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
+        """The keys touched since the last time, each once, in as few frames as fit."""
+        with self._lock:
+            touches, self._touches = self._touches, []
+        touches = list(dict.fromkeys(touches))
+        step = p.MAX_KEYS_PER_MESSAGE
         for i in range(0, len(touches), step):
             self._send(sock, p.Touch(next(seqs), self.session_id, touches[i : i + step]))
 
