@@ -2,12 +2,12 @@
 is done.
 
 Each wake-up (a request queued from any thread, a frame from the server, a heartbeat, request or
-batch deadline) it runs queued actions, sends the commits batched since the last send (as few
-frames as fit, always before the requests made after them), sends queued requests, hands answers
-to their futures and pushed ``Events`` to the follower, and heartbeats. It ends the session,
-loudly (``on_lost``), when the server stops answering heartbeats, says it no longer knows the
-session, the control connection closes or is reset (the socket's monitor), or a frame cannot be
-queued: a control message is delivered or the session is lost.
+batch deadline) it runs queued actions, sends the commits and touches batched since the last
+send (as few frames as fit, always before the requests made after them), sends queued requests,
+hands answers to their futures and pushed ``Events`` to the follower, and heartbeats. It ends
+the session, loudly (``on_lost``), when the server stops answering heartbeats, says it no
+longer knows the session, the control connection closes or is reset (the socket's monitor), or
+a frame cannot be queued: a control message is delivered or the session is lost.
 
 Commits and touches (recency) are batched by period, not sent per call: the first one after a
 send wakes the I/O thread, which sends them all when the period is over. A frame per store or
@@ -113,15 +113,15 @@ class SessionIO:
                     except queue.Empty:
                         break
                 now = time.monotonic()
-                # Commits first: a grant request made after a commit must reach the server
-                # after it (the commit returns granted slots to this session's share). The
-                # requests are taken before the commits, so every commit made before one of
-                # them goes out ahead of it.
+                # Commits and touches first: a request made after them reaches the server after
+                # them (a grant request must find the slots a commit returned to this session's
+                # share). The requests are taken before the batches, so every commit and touch
+                # made before one of them goes out ahead of it.
                 requests = self._take_requests()
                 if requests or now >= commits_due:
                     commits_due = now + COMMIT_PERIOD_S
                     self._send_commits(sock, seqs)
-                if now >= touches_due:
+                if requests or now >= touches_due:
                     touches_due = now + TOUCH_PERIOD_S
                     self._send_touches(sock, seqs)
                 for make, future, timeout_s in requests:
