@@ -4,10 +4,12 @@ connection, a refused grant, and a peer dropped while a store polls it (issue 18
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -121,16 +123,25 @@ def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_aga
         assert loaded.ok and torch.equal(b.arena.tensor[:8], a.arena.tensor[8:16])
 
 
-def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
-    """Regression: an ``Error`` answer (a frozen client that came back after its session
-    expired) raised ``'Error' object has no attribute 'slots'`` in the grant callback."""
+@contextlib.contextmanager
+def _tier_on_one_shared_host(
+    *, max_grant: int, grant_batch: int
+) -> Iterator[tuple[TierManager, SharedHost]]:
+    """A tier joined to one shared host of 64 slots that grants a session ``max_grant``."""
     with (
-        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "2"]) as server,
-        TierManager.create(16, BLOCK_LEN, name="refused", grant_batch=2) as tier,
+        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", str(max_grant)]) as server,
+        TierManager.create(16, BLOCK_LEN, name="grants", grant_batch=grant_batch) as tier,
     ):
         tier.connect(server.address)
         (host,) = tier._peers.values()
         assert isinstance(host, SharedHost)
+        yield tier, host
+
+
+def test_a_grant_answered_with_an_error_is_handled_not_raised() -> None:
+    """Regression: an ``Error`` answer (a frozen client that came back after its session
+    expired) raised ``'Error' object has no attribute 'slots'`` in the grant callback."""
+    with _tier_on_one_shared_host(max_grant=2, grant_batch=2) as (tier, host):
         refused: Future[p.ServerMessage] = Future()
         refused.set_result(p.Error(0, p.UNKNOWN_SESSION))
         host.refilling = True  # as when the request went out
@@ -143,13 +154,7 @@ def test_a_grant_that_times_out_is_asked_again_and_never_fails_capacity() -> Non
     """Regression (CI, a host SIGKILLed while frozen): a grant request that timed out before
     the heartbeat declared the session lost failed the stores waiting for it with "capacity".
     No answer says nothing about capacity: the tier asks again, and the stores go out."""
-    with (
-        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "16"]) as server,
-        TierManager.create(16, BLOCK_LEN, name="silent", grant_batch=4) as tier,
-    ):
-        tier.connect(server.address)
-        (host,) = tier._peers.values()
-        assert isinstance(host, SharedHost)
+    with _tier_on_one_shared_host(max_grant=16, grant_batch=4) as (tier, host):
         with tier._lock:  # as while a grant request is out: no slots, the store waits
             host.grants.clear()  # (4 of the session's 16 granted slots, never written)
             host.refilling = True

@@ -118,7 +118,7 @@ def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:
     ):
         peer_id = tier.connect(server.address)
         # the host never had this key; pretend an event said it had (a stale copy)
-        tier._on_host_changes(tier._peers[peer_id], [b"ghost"], [3], [12345], [], False)
+        tier._on_host_changes(tier._peers[peer_id], ([b"ghost"], [3], [12345], [], False))
         assert tier.lookup([b"ghost"]) == 1
         result = tier.load([b"ghost"], [0]).result(timeout=RESULT_TIMEOUT_S)
         assert result.failed == {b"ghost": MISSING}  # slot 3 does not hold its bytes

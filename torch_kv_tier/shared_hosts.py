@@ -39,6 +39,9 @@ from torch_kv_tier.shared_host import SharedHost
 
 logger = logging.getLogger(__name__)
 
+# What a host's index events say: (stored keys, their slots, their digests, evicted keys, reset)
+HostChange = tuple[list[Key], list[int], list[int], list[Key], bool]
+
 
 class SharedHosts:
     """Shared-host behaviour of ``TierManager`` (module docstring)."""
@@ -160,47 +163,25 @@ class SharedHosts:
         for slots, keys in groups.items():
             self._peers[slots.peer_id].touch(keys)  # type: ignore[attr-defined]
 
-    def _on_host_changes(
-        self,
-        host: SharedHost,
-        stored: list[Key],
-        slots: list[int],
-        digests: list[int],
-        evicted: list[Key],
-        reset: bool,
-    ) -> None:
+    def _on_host_changes(self, host: SharedHost, change: HostChange) -> None:
         """A shared host's key set changed (I/O thread, unlocked). Applied under the lock
         without waiting for it: now when it is free, else by its holder before it releases it
-        (a store holds it through its transfer), so every later call sees it. A snapshot is
-        applied before this returns (joining waits for it)."""
-        apply = partial(self._apply_host_changes, host, stored, slots, digests, evicted, reset)
-        if reset:
+        (a store holds it through its transfer), so every later call sees it. A snapshot
+        (``reset``, the change's last item) is applied before this returns: joining waits for
+        it."""
+        apply = partial(self._apply_host_changes, host, change)
+        if change[-1]:
             self._lock.run_now(apply)
         else:
             self._lock.run_soon(apply)
 
-    def _apply_host_changes(
-        self,
-        host: SharedHost,
-        stored: list[Key],
-        slots: list[int],
-        digests: list[int],
-        evicted: list[Key],
-        reset: bool,
-    ) -> None:
+    def _apply_host_changes(self, host: SharedHost, change: HostChange) -> None:
         """(Lock held.) Changes of a host dropped or joined again meanwhile are ignored; a batch
         that cannot be applied (a bug) is logged and the host asked for a new snapshot."""
         if self._peers.get(host.slots.peer_id) is not host:
             return
         try:
-            self._index.apply_host_changes(
-                host.slots,  # type: ignore[arg-type]
-                stored,
-                slots,
-                digests,
-                evicted,
-                reset,
-            )
+            self._index.apply_host_changes(host.slots, *change)  # type: ignore[arg-type]
         except Exception:
             logger.exception("%s: index changes not applied: resyncing", host.slots.peer_id)
             host.session.resync()
@@ -227,7 +208,7 @@ class _HostChanges:
     ) -> None:
         tier, host = self._tier(), self._host()
         if tier is not None and host is not None:
-            tier._on_host_changes(host, stored, slots, digests, evicted, reset)
+            tier._on_host_changes(host, (stored, slots, digests, evicted, reset))
         if reset:
             self._synced.set()
 
