@@ -8,9 +8,11 @@ its key set is the index's ``SharedSlots``.
 store's completion call ``_refill``; ``touch`` and a load's completion ``_touch_shared``.
 
 Threading: methods without "(I/O thread, unlocked)" run with the manager's lock held. Answers
-from the host (grants, index events) arrive on the session's I/O thread, which takes the lock
-itself; a request's answer callback is attached before the request is sent, so it never runs
-on the caller's thread (where the lock is held and not reentrant).
+from the host arrive on the session's I/O thread: a grant's takes the lock itself; index events
+are handed to the lock (``DeferringLock.run_soon``) and applied by whoever holds it, so the I/O
+thread never waits behind a store's transfer. A request's answer callback is attached before
+the request is sent, so it never runs on the caller's thread (where the lock is held and not
+reentrant).
 
 Failure model: a grant answered with no slots fails the stores waiting for it with "capacity"
 only when nothing this tier does could free its share. A grant that brings no answer (the host

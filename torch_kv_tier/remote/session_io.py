@@ -165,6 +165,7 @@ class SessionIO:
             self._finish(sock, monitor, pending, lost)
 
     def _take_requests(self) -> list[Request]:
+        """Every request queued so far, in order."""
         requests = []
         while True:
             try:
@@ -173,7 +174,7 @@ class SessionIO:
                 return requests
 
     def _send_commits(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
-        """The commits made since the last wake-up, in as few frames as fit."""
+        """The commits made since the last send, in as few frames as fit."""
         with self._lock:
             commits, self._commits = self._commits, []
         if not commits:
