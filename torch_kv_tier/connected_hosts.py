@@ -38,6 +38,11 @@ _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 # or restarted, and holds nothing of them any more.
 _RELEASE_TIMEOUT_S = 2.0
 _RELEASE_TRIES = 4
+# The longest such a release runs in its own thread, every try and the pauses between them.
+RELEASE_THREAD = "tkvt-release"
+RELEASE_BUDGET_S = (
+    _RELEASE_TRIES * _RELEASE_TIMEOUT_S + (_RELEASE_TRIES - 1) * _RELEASE_TIMEOUT_S / 4
+)
 
 
 class ConnectedHosts:
@@ -186,7 +191,10 @@ class ConnectedHosts:
                 held = self._ended.take(address)
                 if dial is not None and held:
                     threading.Thread(
-                        target=self._release_over_own_session, args=(dial, held), daemon=True
+                        target=self._release_over_own_session,
+                        args=(dial, held),
+                        name=RELEASE_THREAD,
+                        daemon=True,
                     ).start()
             return
         held = self._ended.take(address)
@@ -217,7 +225,7 @@ class ConnectedHosts:
                         exc,
                     )
                     return
-                time.sleep(_RELEASE_TIMEOUT_S / 4)
+                time.sleep(_RELEASE_TIMEOUT_S / 4)  # counted in RELEASE_BUDGET_S
 
     def _register(
         self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
+END_THREAD = "tkvt-session-end"  # ends a lost peer's session, which waits for its host
 
 
 class Transfers:
@@ -406,7 +407,9 @@ class Transfers:
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
         session, clean = self._drop_peer(peer_id)
         if session is not None:  # ending waits for the server: not under the lock
-            threading.Thread(target=self._close_session, args=(session, clean), daemon=True).start()
+            threading.Thread(
+                target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True
+            ).start()
 
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""

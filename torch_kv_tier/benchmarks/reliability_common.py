@@ -22,6 +22,9 @@ from typing import IO
 import psutil
 import torch
 
+from torch_kv_tier.connected_hosts import RELEASE_THREAD
+from torch_kv_tier.transfers import END_THREAD
+
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
 # on one host) it often completes inside transfer(), before any fault can be injected.
 TCP_ENV = {"UCX_TLS": "tcp"}
@@ -159,14 +162,16 @@ class Resources:
 
 
 def settled_resources(baseline: Resources, timeout_s: float = 5.0) -> Resources:
-    """This process's resources once its thread count is back to ``baseline``'s (or after
-    ``timeout_s``): helper threads, e.g. a lost session closing, finish on their own."""
-    now = Resources.of()
+    """This process's resources once its thread count is back to ``baseline``'s and no tier
+    helper that holds a socket runs (or after ``timeout_s``): a lost session ending, or a
+    release told to a dead host (up to ``RELEASE_BUDGET_S``), finish on their own."""
     deadline = time.monotonic() + timeout_s
-    while now.threads > baseline.threads and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while True:
         now = Resources.of()
-    return now
+        helpers = [t for t in threading.enumerate() if t.name in (RELEASE_THREAD, END_THREAD)]
+        if (now.threads <= baseline.threads and not helpers) or time.monotonic() >= deadline:
+            return now
+        time.sleep(0.05)
 
 
 class LineReader:
