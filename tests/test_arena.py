@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import pytest
 import torch
 
@@ -34,6 +35,18 @@ def test_cpu_arena_falls_back_to_pageable_memory_with_one_warning(
 def test_insisting_on_pinned_memory_without_an_accelerator_raises() -> None:
     with pytest.raises(RuntimeError, match="cannot pin"):
         BlockArena(4, 64, pin_memory=True)
+
+
+@cpu_only
+def test_a_pageable_arena_is_resident_from_the_start() -> None:
+    """A remote one-sided write into a page this process never touched costs the kernel a
+    page fault per page (a fresh 4 GiB host pool took 0.07 GB/s against 1.8 GB/s touched): the
+    arena faults every page in when it is made."""
+    rss = psutil.Process().memory_info().rss
+    arena = BlockArena(256, 256 << 10)  # 64 MiB: far above malloc's mmap threshold
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown >= 0.9 * arena.tensor.numel(), f"only {grown >> 20} MiB of 64 MiB resident"
+    assert not arena.tensor.any()
 
 
 @cuda

@@ -26,8 +26,9 @@ class BlockArena:
     """One contiguous ``torch.uint8`` tensor ``[num_blocks, block_len]`` plus a slot allocator.
 
     ``device="cpu"`` gives pinned host memory when an accelerator is present and pageable memory
-    (with one logged warning) on a CPU-only build; ``pin_memory=True`` insists on pinning and
-    raises where that is impossible. ``device="cuda[:n]"`` gives device memory, which a
+    (with one logged warning) on a CPU-only build, zeroed at creation so that every page is
+    resident before a transfer touches it; ``pin_memory=True`` insists on pinning and raises
+    where that is impossible. ``device="cuda[:n]"`` gives device memory, which a
     ``NixlTransport`` registers as VRAM.
 
     Threading: ``allocate``/``free`` are guarded by an internal lock; the tensor itself is the
@@ -53,9 +54,13 @@ class BlockArena:
                 raise ValueError("pin_memory applies to host arenas only, not to a cuda arena")
             tensor = torch.empty(num_blocks, block_len, dtype=torch.uint8, device=dev)
         elif dev.type == "cpu":
-            tensor = torch.empty(
-                num_blocks, block_len, dtype=torch.uint8, pin_memory=_choose_pinning(pin_memory)
-            )
+            pinned = _choose_pinning(pin_memory)
+            tensor = torch.empty(num_blocks, block_len, dtype=torch.uint8, pin_memory=pinned)
+            if not pinned:  # (pinned memory is resident already)
+                # Fault every page in now: a one-sided write from another process into a page
+                # this process never touched costs the kernel a remote page fault per page
+                # (measured: 0.07 GB/s into a fresh 4 GiB host pool, 1.8 GB/s into a touched one).
+                tensor.zero_()
         else:
             raise ValueError(f"device must be 'cpu' or 'cuda[:n]', got {dev}")
         self._adopt(tensor)
