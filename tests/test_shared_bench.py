@@ -13,6 +13,7 @@ import pytest
 
 from torch_kv_tier import cli
 from torch_kv_tier.benchmarks.remote import host_group
+from torch_kv_tier.benchmarks.shared_bench import private_lease
 from torch_kv_tier.benchmarks.shared_worker import Worker
 
 BLOCK_LEN = 4096
@@ -82,7 +83,7 @@ def _open(hosts: tuple[str, str], op: str) -> dict[str, Any]:
     return {"cmd": "open", "block_len": BLOCK_LEN, "addresses": [hosts[0]],
             "private_addresses": [hosts[1]], "systems": ["shared", "private"],
             "working_set": 16 * BLOCK_LEN, "batch": 4, "inflight": 2, "op": op,
-            "min_time": 0.01, "warmup": 0.005, "seed": 1}  # fmt: skip
+            "min_time": 0.01, "warmup": 0.005, "seed": 1, "private_lease": 64}  # fmt: skip
 
 
 def test_points_never_store_a_key_twice(hosts: tuple[str, str]) -> None:
@@ -123,3 +124,15 @@ def test_burst_whose_stores_send_nothing_fails(hosts: tuple[str, str], system: s
             worker.burst({"system": system})
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(("tiers", "n_hosts"), [(1, 1), (2, 1), (4, 1), (1, 2), (1, 4)])
+def test_a_private_tier_leases_as_much_as_a_shared_one_cycles_through(
+    tiers: int, n_hosts: int
+) -> None:
+    """A lease of the working set alone stays in the CPU's caches where a shared pool does not:
+    the private tiers together lease one pool per host (``system_tier`` leases 1.5 x an even
+    share of its lease on each of several hosts)."""
+    lease = private_lease(6144, tiers, n_hosts)
+    per_host = lease * tiers if n_hosts == 1 else -(-3 * lease // (2 * n_hosts))
+    assert per_host == 6144

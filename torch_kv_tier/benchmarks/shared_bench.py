@@ -5,7 +5,8 @@ tier's per-call work holds the GIL: threads would measure the GIL, not the pool)
 distinct keys at once. Points: 1, 2, 4 tiers on one host and one tier over 1, 2, 4 hosts, at each
 block size. At every point each process holds three systems open over the same hosts:
 ``shared`` (the tier joined to the hosts' shared pools), ``private`` (the same tier on private
-leases, ``connect(private=True, slots=...)``) and ``nixl_raw`` (a bare NIXL initiator on a
+leases, ``connect(private=True, slots=...)``, as large as what it cycles through on the shared
+pools: ``private_lease``) and ``nixl_raw`` (a bare NIXL initiator on a
 private lease of the first host, ``system_nixl_raw``). The private systems lease from hosts of
 their own, started like the shared ones: a shared pool draws free slots in runs of up to 4096
 and keeps them, so on one host the private leases would be refused once the shared tiers ran.
@@ -183,7 +184,8 @@ def _point(
             {"cmd": "open", "block_len": block_len, "addresses": hosts[0],
              "private_addresses": hosts[1], "systems": SYSTEMS,
              "working_set": cfg["working_set_mib"] << 20, "batch": BATCH, "inflight": INFLIGHT,
-             "op": op, "min_time": cfg["min_time"], "warmup": cfg["min_time"] / 2, "seed": seed},
+             "op": op, "min_time": cfg["min_time"], "warmup": cfg["min_time"] / 2, "seed": seed,
+             "private_lease": cfg["private_lease"]},
         )  # fmt: skip
         for r in range(cfg["rounds"]):
             for name in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
@@ -237,16 +239,16 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     try:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
-            # A private host holds a nixl_raw lease and a private tier's lease (working set +
-            # slack) per process, twice (the last point's may still be on their way back).
-            private = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
             # A shared host holds every process's grants (and those of sessions that ended with
-            # writes in flight, until released), and evicts beyond that: twice the private
-            # pool. The grant cap (default: a sixteenth of the pool, sized for pools of
-            # gigabytes) is a sixteenth per process, but at least twice the blocks in flight.
-            shared = 2 * private
+            # writes in flight, until released), and evicts beyond that. The grant cap (default:
+            # a sixteenth of the pool, sized for pools of gigabytes) is a sixteenth per process,
+            # but at least twice the blocks in flight.
+            shared = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
             max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, shared // (16 * max_tiers)))
-            pools = [shared] * max_hosts + [private] * max_hosts
+            # A private host holds the private tiers' leases (as much as the shared tiers cycle
+            # through: ``private_lease``) and a nixl_raw lease of the working set per process,
+            # twice (the last point's may still be on their way back).
+            pools = [shared] * max_hosts + [2 * shared] * max_hosts
             with host_group(None, block_len, pools, ["--max-grant", str(max_grant)]) as hosts:
                 missing = [h.problem for h in hosts if h.address is None]
                 if missing:
@@ -258,11 +260,21 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
                         logger.info("%d K: %d tiers, %d hosts, %s", block_len >> 10, tiers,
                                     n_hosts, op)  # fmt: skip
                         pair = (addresses[:n_hosts], addresses[max_hosts : max_hosts + n_hosts])
-                        yield _point(workers, {**cfg, "block_len": block_len}, seed, pair,
-                                     tiers, op)  # fmt: skip
+                        lease = private_lease(shared, tiers, n_hosts)
+                        yield _point(workers, {**cfg, "block_len": block_len,
+                                               "private_lease": lease}, seed, pair, tiers,
+                                     op)  # fmt: skip
     finally:
         if workers is not None:
             workers.close()
+
+
+def private_lease(pool: int, tiers: int, hosts: int) -> int:
+    """The slots each private tier leases: as many as it cycles through on the shared pools,
+    so that both write into as much memory (a lease of the working set alone stays in the CPU's
+    caches, a shared pool does not). On one host its share of the pool; over several hosts
+    one pool per host (``system_tier`` leases 1.5 times an even share on each)."""
+    return pool // tiers if hosts == 1 else 2 * pool * hosts // 3
 
 
 def _environment() -> dict[str, Any]:

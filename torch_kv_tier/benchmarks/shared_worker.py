@@ -100,8 +100,14 @@ class Worker:
             self.keys,
         )
         point = Point(msg["op"], "contiguous", block_len, msg["batch"], msg["inflight"])
+        # the private tier leases as much as the shared one cycles through (its working set plus
+        # slack: fresh keys evict the oldest); nixl_raw leases its working set
+        leased = replace(
+            private, slack_slots=max(private.slack_slots, msg["private_lease"] - ws_blocks)
+        )
+        targets = {"shared": shared, "private": leased, "nixl_raw": private}
         for name in msg["systems"]:
-            self.systems[name] = _open(name, shared if name == "shared" else private)
+            self.systems[name] = _open(name, targets[name])
             self.states[name] = runner.prepare(self.systems[name], point)
         self.runner = runner
         return {}
