@@ -205,5 +205,7 @@ def test_an_index_event_the_tier_cannot_apply_is_resynced_not_a_lost_host(
         keys = [f"k{i}" for i in range(16)]
         assert a.store(keys, range(16)).result(timeout=RESULT_TIMEOUT_S).ok
         assert wait_for(lambda: b.lookup(keys) == 16, 5.0), "b never resynced"
-        assert calls[1][5] is True  # the second call was a snapshot (reset)
+        # a snapshot (reset) followed; batches handed to the tier's lock before the failing one
+        # was applied may come first (the lock's holder applies them in order)
+        assert any(call[5] is True for call in calls[1:])
         assert b.peers() == [peer]

@@ -89,7 +89,8 @@ class SharedSlots:
         """``keys`` are stored in ``slots`` with bytes of ``digests``."""
         self.entries.update(zip(keys, slots))
         if slots:
-            self.digests[np.asarray(slots, dtype=np.int64)] = np.asarray(digests, dtype=np.uint64)
+            n = len(slots)
+            self.digests[np.fromiter(slots, np.int64, n)] = np.fromiter(digests, np.uint64, n)
 
     def find(self, keys: Sequence[Key]) -> tuple[list[int], list[int]]:
         """The slots and digests of stored ``keys``."""
@@ -256,7 +257,7 @@ class BlockIndex:
         drain(map(entries.pop, evicted, repeat(None)))
         peer.learn(stored, slots, digests)
         new = [key for key in stored if key not in where]
-        where.update(dict.fromkeys(new, peer))
+        where.update(zip(new, repeat(peer)))  # no intermediate dict: a snapshot is every key
         self._log("evicted", gone, peer.peer_id)
         self._log("stored", new, peer.peer_id)
 

@@ -17,6 +17,7 @@ with its own number: a page of an older chain (superseded by a resync) is ignore
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -109,9 +110,9 @@ class IndexFollower:
         self.event_seq = page.event_seq
         self.snapshots += 1
         self._on_change(
-            [k for pg in pages for k in pg.keys],
-            [s for pg in pages for s in pg.slots],
-            [d for pg in pages for d in pg.digests],
+            list(itertools.chain.from_iterable(pg.keys for pg in pages)),
+            list(itertools.chain.from_iterable(pg.slots for pg in pages)),
+            list(itertools.chain.from_iterable(pg.digests for pg in pages)),
             [],
             True,
         )
