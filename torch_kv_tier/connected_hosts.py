@@ -38,8 +38,8 @@ _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 # or restarted, and holds nothing of them any more.
 _RELEASE_TIMEOUT_S = 2.0
 _RELEASE_TRIES = 4
-# The longest such a release runs in its own thread, every try and the pauses between them.
-RELEASE_THREAD = "tkvt-release"
+RELEASE_THREAD = "tkvt-release"  # the thread such a release runs in
+# The longest that thread runs: every try and the pauses between them.
 RELEASE_BUDGET_S = (
     _RELEASE_TRIES * _RELEASE_TIMEOUT_S + (_RELEASE_TRIES - 1) * _RELEASE_TIMEOUT_S / 4
 )
