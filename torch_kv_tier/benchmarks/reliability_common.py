@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 import torch
 
 from torch_kv_tier.connected_hosts import RELEASE_THREAD
+from torch_kv_tier.remote import Region, RemoteSession
 from torch_kv_tier.transfers import END_THREAD
 
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
@@ -200,3 +201,15 @@ def kill_process(proc: subprocess.Popen[str]) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
+
+
+def server_stats(address: str, block_len: int) -> dict[str, Any]:
+    """The server's stats through a short-lived shared session: it needs no NIXL agent and
+    holds no slot (a private lease would need a free one)."""
+    session = RemoteSession.open(
+        address, agent_metadata=b"stats probe", region=Region(4096, 1, block_len)
+    )
+    try:
+        return session.stats()
+    finally:
+        session.close()

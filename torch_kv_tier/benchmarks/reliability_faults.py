@@ -34,6 +34,7 @@ from torch_kv_tier.benchmarks.reliability_common import (
     Resources,
     kill_process,
     random_blocks,
+    server_stats,
     settled_resources,
     stop_process,
     ucx_over_tcp,
@@ -42,7 +43,7 @@ from torch_kv_tier.benchmarks.reliability_common import (
 from torch_kv_tier.connected_hosts import RELEASE_BUDGET_S
 from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.manager import TierManager, TransferResult
-from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
+from torch_kv_tier.remote import HandshakeRejected, ServerProcess
 
 FDS_PER_DEAD_PEER = 10  # sockets NIXL leaves open per removed remote agent, see peer_death
 PEER_GONE = {"peer lost", "transfer failed"}  # the reasons a dead peer's keys may fail with
@@ -389,18 +390,6 @@ def _reuse_whole_pool(
             )
         same = int((tier.arena.tensor == original).all(dim=1).sum())
         return granted, same
-
-
-def server_stats(address: str, block_len: int) -> dict[str, Any]:
-    """The server's stats through a short-lived shared session: it needs no NIXL agent and
-    holds no slot (a private lease would need a free one)."""
-    session = RemoteSession.open(
-        address, agent_metadata=b"stats probe", region=Region(4096, 1, block_len)
-    )
-    try:
-        return session.stats()
-    finally:
-        session.close()
 
 
 def close_under_load(

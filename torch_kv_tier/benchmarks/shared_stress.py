@@ -66,8 +66,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
-from torch_kv_tier.benchmarks.reliability_faults import server_stats
+from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
     check_faults,
