@@ -60,6 +60,29 @@ def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now() -> N
     assert index.locate([old], [0]) == ({}, [old])
 
 
+def test_a_key_on_two_peers_is_found_on_either_and_lost_only_with_the_last() -> None:
+    """A shared host's copy answers for its own keys (no second per-key map): a key on a
+    tier-owned peer and on two shared hosts is read from the tier-owned one first, then from
+    the hosts in the order they joined; dropping one peer loses only the keys no other holds."""
+    index = BlockIndex(events=True)
+    own = index.add_peer("own", range(4))
+    h1, h2 = index.add_shared_peer("h1", 8), index.add_shared_peer("h2", 8)
+    index.apply_host_changes(h1, [b"a", b"b"], [1, 2], [11, 12], [], False)
+    index.apply_host_changes(h2, [b"b", b"c"], [3, 4], [13, 14], [], False)
+    index.publish(own, [b"c"], index.reserve(own, 1), [99])
+    assert index.holders([b"a", b"b", b"c", b"d"]) == [h1, h1, own, None]
+    assert index.lookup([b"a", b"b", b"c", b"d"]) == 3 and index.key_count == 5
+    assert not index.none_stored([b"d", b"c"]) and index.none_stored([b"d"])
+    assert index.remove_peer("h1") == [b"a"]  # b is still on h2
+    groups, missing = index.locate([b"a", b"b", b"c"], [0, 1, 2])
+    assert missing == [b"a"] and groups[h2] == ([b"b"], [1], [3], [13])
+    index.apply_host_changes(h2, [], [], [], [b"c"], False)  # still on the tier-owned peer
+    assert index.holder(b"c") is own
+    events = [(kind, key) for kind, key, _ in index.take_events()]
+    # (the tier's own store of c is logged too: publish logs what this tier stored)
+    assert events == [("stored", k) for k in (b"a", b"b", b"c", b"c")] + [("lost", b"a")]
+
+
 def test_fenced_slots_stay_out_of_a_new_registration_until_released() -> None:
     index = BlockIndex()
     index.add_peer("p", range(4))

@@ -17,12 +17,17 @@ holds a copy of the host's key set with each key's slot and each slot's digest (
 by the host's events, see ``apply_host_changes``); the slots the host granted it are its
 ``SharedHost``'s. A load reads a shared key's slot from the copy, unpinned: a slot evicted and
 rewritten meanwhile fails its digest and is a miss.
+
+Which peer holds a key: ``where`` maps the keys of tier-owned peers; a shared host's copy
+answers for its own keys (no second map per key: a follower of a big host holds one dict
+entry per key, not two). A key held by several peers is found on a tier-owned one first, then
+on the shared hosts in the order they joined.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import islice, repeat
 from typing import Literal
 
@@ -118,7 +123,10 @@ class BlockIndex:
         # existing objects: publishing allocates no per-key container the garbage collector
         # would have to track and re-scan (a (peer, slot) tuple per key cost ~0.5 us per key
         # in collections once the index held tens of thousands of keys).
-        self.where: dict[Key, AnyPeer] = {}
+        self.where: dict[Key, PeerSlots] = {}  # keys of tier-owned peers only
+        self.shared: list[SharedSlots] = []  # shared hosts, in the order they joined
+        # The maps that say which keys are stored: ``where``, then each shared host's copy.
+        self._maps: tuple[dict[Key, PeerSlots] | dict[Key, int], ...] = (self.where,)
         self.evictions = 0
         self.events_dropped = 0
         self._events: deque[tuple[str, Key, str]] | None = (
@@ -138,7 +146,7 @@ class BlockIndex:
         peer.pool.take(fenced)
         peer.withheld.update(fenced)
         self.peers[peer_id] = peer
-        self._placement = Placement(self.peers)
+        self._peers_changed()
         return peer
 
     def add_shared_peer(self, peer_id: str, capacity: int) -> SharedSlots:
@@ -146,19 +154,22 @@ class BlockIndex:
         if peer_id in self.peers:
             raise ValueError(f"peer {peer_id!r} is registered; remove it first")
         peer = self.peers[peer_id] = SharedSlots(peer_id, capacity)
-        self._placement = Placement(self.peers)
+        self.shared.append(peer)
+        self._peers_changed()
         return peer
 
     def remove_peer(self, peer_id: str) -> list[Key]:
         """Forget a registration; returns its stored keys (now lost to this tier)."""
         peer = self.peers.pop(peer_id)
-        self._placement = Placement(self.peers)
-        where = self.where
-        if isinstance(peer, SharedSlots):  # another host may hold some of the same keys
-            lost = [key for key in peer.entries if where.get(key) is peer]
+        if isinstance(peer, SharedSlots):
+            self.shared.remove(peer)
+            self._peers_changed()
+            # another peer may hold some of the same keys
+            lost = [key for key in peer.entries if self.holder(key) is None]
         else:
+            self._peers_changed()
             lost = list(peer.lru)
-        drain(map(where.pop, lost))
+            drain(map(self.where.pop, lost))
         self._log("lost", lost, peer_id)
         return lost
 
@@ -166,11 +177,56 @@ class BlockIndex:
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` are stored."""
-        where = self.where
+        where, shared = self.where, self.shared
+        if not shared or (not where and len(shared) == 1):  # one map to ask
+            held = shared[0].entries if shared else where
+            for n, key in enumerate(keys):
+                if key not in held:
+                    return n
+            return len(keys)
+        maps = self._maps
         for n, key in enumerate(keys):
-            if key not in where:
+            if not any(key in held for held in maps):
                 return n
         return len(keys)
+
+    def holder(self, key: Key) -> AnyPeer | None:
+        """The peer ``key`` is read from (module docstring); ``None``: not stored."""
+        peer: AnyPeer | None = self.where.get(key)
+        if peer is None:
+            for shared in self.shared:
+                if key in shared.entries:
+                    return shared
+        return peer
+
+    def holders(self, keys: Sequence[Key]) -> list[AnyPeer | None]:
+        """``holder`` of each key."""
+        where, shared = self.where, self.shared
+        if not where and shared:  # the first shared host answers for every key: C-level
+            pick: dict[bool, AnyPeer | None] = {True: shared[0], False: None}
+            held = list(map(pick.__getitem__, map(shared[0].entries.__contains__, keys)))
+            shared = shared[1:]
+        else:
+            held = list(map(where.get, keys))
+        for peer in shared:
+            if None not in held:
+                break
+            has = peer.entries.__contains__
+            held = [p if p is not None or not has(k) else peer for p, k in zip(held, keys)]
+        return held
+
+    def none_stored(self, keys: Collection[Key]) -> bool:
+        """True when no key of ``keys`` is stored (one C-level pass per peer kind)."""
+        return all(held.keys().isdisjoint(keys) for held in self._maps)
+
+    @property
+    def key_count(self) -> int:
+        """Keys stored, a key held by several peers counted on each."""
+        return len(self.where) + sum(len(peer.entries) for peer in self.shared)
+
+    def _peers_changed(self) -> None:
+        self._placement = Placement(self.peers)
+        self._maps = (self.where, *(peer.entries for peer in self.shared))
 
     def place(
         self, keys: Sequence[Key], local: Sequence[int], digests: Sequence[int]
@@ -192,15 +248,14 @@ class BlockIndex:
         return groups
 
     def touch(self, keys: Iterable[Key]) -> dict[SharedSlots, list[Key]]:
-        """Mark stored ``keys`` most recently used; returns those on shared hosts, whose
-        recency the caller reports to the host."""
-        where = self.where
+        """Mark stored ``keys`` most recently used (others are ignored); returns those on
+        shared hosts, whose recency the caller reports to the host."""
+        keys = list(keys)
         shared: dict[SharedSlots, list[Key]] = {}
-        for key in keys:
-            peer = where[key]
+        for key, peer in zip(keys, self.holders(keys)):
             if isinstance(peer, SharedSlots):
                 shared.setdefault(peer, []).append(key)
-            else:
+            elif peer is not None:
                 peer.lru.move_to_end(key)
         return shared
 
@@ -235,7 +290,7 @@ class BlockIndex:
             for key, slot, digest in zip(keys, slots, digests):  # beats OrderedDict.update
                 lru[key] = slot
                 table[slot - start] = digest
-        self.where.update(dict.fromkeys(keys, peer))
+            self.where.update(dict.fromkeys(keys, peer))
         self._log("stored", keys, peer.peer_id)
 
     def apply_host_changes(
@@ -249,16 +304,15 @@ class BlockIndex:
     ) -> None:
         """A shared host's key set changed: ``stored`` keys now live in ``slots`` with
         ``digests`` (``reset``: they are all of it now)."""
-        where, entries = self.where, peer.entries
+        entries = peer.entries
         if reset:
             evicted = list(entries.keys() - set(stored)) if entries else []
-        gone = [key for key in dict.fromkeys(evicted) if where.get(key) is peer]
-        drain(map(where.pop, gone))
+        logged = self.events_enabled
+        was = [key for key in dict.fromkeys(evicted) if key in entries] if logged else []
         drain(map(entries.pop, evicted, repeat(None)))
+        new = [key for key in stored if self.holder(key) is None] if logged else []
         peer.learn(stored, slots, digests)
-        new = [key for key in stored if key not in where]
-        where.update(zip(new, repeat(peer)))  # no intermediate dict: a snapshot is every key
-        self._log("evicted", gone, peer.peer_id)
+        self._log("evicted", [key for key in was if self.holder(key) is None], peer.peer_id)
         self._log("stored", new, peer.peer_id)
 
     # -- loads --------------------------------------------------------------------------------
@@ -270,7 +324,7 @@ class BlockIndex:
         slots, digests)}`` and the missing keys. A tier-owned peer's slots are pinned (never
         evicted or reused until ``unpin``) and marked most recently used; a shared host's are
         read as the copy of its index has them (its recency is reported by the caller)."""
-        entries = list(map(self.where.get, keys))
+        entries = self.holders(keys)
         missing: list[Key] = []
         groups: dict[AnyPeer, tuple[list, list, list, list]] = {}
         if len(self.peers) == 1 and None not in entries:
@@ -323,13 +377,14 @@ class BlockIndex:
         A shared host's key is forgotten by this tier only: other tiers may still use it.
         ``kind`` is the event logged ("lost" for keys whose bytes failed their digest)."""
         for key in keys:
-            peer = self.where.pop(key, None)
+            peer = self.holder(key)
             if peer is None:
                 continue
             if isinstance(peer, SharedSlots):
                 peer.entries.pop(key, None)
                 self._log(kind, [key], peer.peer_id)
                 continue
+            del self.where[key]
             slot = peer.lru.pop(key)
             if slot in peer.pins:
                 peer.doomed.add(slot)

@@ -255,12 +255,13 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         with self._lock:
             self._check_open()
             index, storing = self._index, self._storing
-            if index.where.keys().isdisjoint(keys) and storing.keys().isdisjoint(keys):
+            if index.none_stored(keys) and storing.keys().isdisjoint(keys):
                 new_keys, new_local, new_digests = keys, local, digests
             else:
                 new_keys, new_local, new_digests, stored = [], [], [], []
-                for key, idx, digest in zip(keys, local, digests):
-                    if key in index.where:
+                holders = index.holders(keys)
+                for key, idx, digest, holder in zip(keys, local, digests, holders):
+                    if holder is not None:
                         stored.append(key)
                     elif key in storing:
                         storing[key].joined.setdefault(request, []).append(key)
@@ -315,14 +316,13 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
 
     def contains(self, key: Key) -> bool:
         with self._lock:
-            return key in self._index.where
+            return self._index.holder(key) is not None
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
         are ignored)."""
         with self._lock:
-            where = self._index.where
-            self._touch_shared(self._index.touch([key for key in keys if key in where]))
+            self._touch_shared(self._index.touch(keys))
 
     def discard(self, keys: Sequence[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
@@ -349,7 +349,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
                 evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
-                keys=len(self._index.where),
+                keys=self._index.key_count,
                 latency_p50_us=p50,
                 latency_p99_us=p99,
                 events_dropped=self._index.events_dropped,
