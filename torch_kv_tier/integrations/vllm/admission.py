@@ -20,11 +20,14 @@ at the head of the queue one: promotion wins only while those steps are short, i
 other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
 the requests behind it no faster). So a request's first promotion is admitted only when:
 
-- **nothing else prefills**: no request with nothing promoted (a recompute) was scheduled in
-  the last two scheduler steps, and vLLM stored fewer than half a prefix of newly computed
-  chunks in this step and the previous one. Both signals are needed: a CPU tier too small to
-  take the chunks vLLM computes stores none of them ("cannot store chunks"), so under the
-  very pressure where promotions lose, the stores alone would say that nothing prefills;
+- **nothing else prefills**: no other request is running or waiting, or else no request with
+  nothing promoted (a recompute) was scheduled in the last two scheduler steps and vLLM
+  stored fewer than half a prefix of newly computed chunks in this step and the previous one.
+  Both signals are needed: a CPU tier too small to take the chunks vLLM computes stores none
+  of them ("cannot store chunks"), so under the very pressure where promotions lose, the
+  stores alone would say that nothing prefills. They count steps, and an idle engine runs no
+  step: the last two may be long past, their requests finished (a request served right after
+  a one-token recompute), hence the first condition;
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
   the longest prompt among the last requests served) for every request waiting to be
@@ -158,6 +161,7 @@ class PromotionAdmission:
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self._lengths: dict[str, int] = {}  # request -> furthest prompt token seen
         self._waiting: dict[str, _Arrival] = {}  # requests not yet scheduled
+        self._running: set[str] = set()  # scheduled, not finished (nor preempted)
         self._attempts: dict[str, _Attempt] = {}
         self._held = 0
         self._step = 0
@@ -214,7 +218,9 @@ class PromotionAdmission:
     def _first_promotion(self, req_id: str) -> Verdict | None:
         """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
         first: a request that will recompute anyway is not held back a step."""
-        if sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2):
+        others = len(self._running) + len(self._waiting) - (req_id in self._waiting)
+        busy = sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2)
+        if others and busy:
             guard = self._guard(req_id)
             if guard is None:
                 self.stats.refused_busy += 1
@@ -277,8 +283,10 @@ class PromotionAdmission:
             recomputes += req_id not in self._attempts
             self._forget_attempt(req_id)
             self._waiting.pop(req_id, None)
+            self._running.add(req_id)
         for req_id in preempted:
             self._forget_attempt(req_id)
+            self._running.discard(req_id)
             self._waiting[req_id] = _Arrival(self._step, self._clock())
         for attempt in self._attempts.values():
             if attempt.unsubmitted:
@@ -295,6 +303,7 @@ class PromotionAdmission:
         """``req_id`` finished (or was aborted): remember its length, forget the rest."""
         self._forget_attempt(req_id)
         self._waiting.pop(req_id, None)
+        self._running.discard(req_id)
         length = self._lengths.pop(req_id, None)
         if length is not None:
             self._recent.append(length)
