@@ -18,11 +18,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# The environment a CPU engine needs here: no model hub, 1 GiB of KV cache, no core pinning.
+# The environment a CPU engine needs here: no model hub, 1 GiB of KV cache, no core pinning,
+# and OpenMP threads for every core but one. vLLM's own CPU binding reserves a core for the
+# engine's other processes (its scheduler, which spin-waits on the worker, the API server);
+# with "nobind" the worker's OpenMP team would take every core, and on the 2-core test machine
+# a forward pass then took about 3x longer whenever one of those ran (a bimodal TTFT, with or
+# without the tier: the README's "Under load").
 ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1)),
 }
 
 # Engine arguments besides the model and the KV transfer config. The CPU attention backend
