@@ -332,8 +332,9 @@ def _held_for_frozen_a(address: str, setup: Setup, deadline: float) -> int:
         stats.update(server_stats(address, setup.block_len))
         return int(stats["held_sessions"]) >= 1
 
-    wait_until(ended, max(0.0, deadline - time.monotonic()), interval_s=0.05)
-    return int(stats["held_blocks"]) if int(stats["held_sessions"]) >= 1 else 0
+    if not wait_until(ended, max(0.0, deadline - time.monotonic()), interval_s=0.05):
+        return 0
+    return int(stats["held_blocks"])
 
 
 def _check_loads(
