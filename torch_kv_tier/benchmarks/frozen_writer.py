@@ -4,13 +4,15 @@ blocks a host hands to the next writer.
 On a real ``torch-kv-tier serve --lease-timeout 1``, writer A (its own process,
 ``frozen_writer_client``) takes the whole pool (a private lease of every slot, or the shared
 pool with grants of the whole pool), fills its arena with ``0xAA``, posts stores and stops
-itself with SIGSTOP while they are in flight. The parent waits until every thread of A is
-stopped, then tier B (this process) takes the same slots (retrying ``no free slots``), stores
-its keys (each block ``0xBB`` with its key's number in front; ``capacity`` is retried) until all
-are stored or the freeze is nearly over. A stays frozen for ``freeze_s``, longer than every
-timeout (the lease timeout, A's heartbeat timeout), then gets SIGCONT: its posted writes go on,
-it posts more, and it reports once every future of its settled and its transport is quiet. B
-then loads every key it stored.
+itself with SIGSTOP while they are in flight. The host is stopped while A posts and resumed
+once every thread of A is stopped: over UCX/TCP the target drives a write's completion, so A's
+writes are in flight at its freeze by construction, not by the speed of the wire. Then tier B
+(this process) takes the same slots (retrying ``no free slots``), stores its keys (each block
+``0xBB`` with its key's number in front; ``capacity`` is retried) until all are stored or the
+freeze is nearly over. A stays frozen for ``freeze_s``, longer than every timeout (the lease
+timeout, A's heartbeat timeout), then gets SIGCONT: its posted writes go on, it posts more, and
+it reports once every future of its settled and its transport is quiet. B then loads every key
+it stored.
 
 What must hold (``Outcome.problems`` otherwise):
 
@@ -19,8 +21,8 @@ What must hold (``Outcome.problems`` otherwise):
 * every future, A's and B's, settles within its bound;
 * the host did not lose the slots for good: within ``recover_s`` after A settled, B leases the
   whole pool again (private) or stores fresh keys (shared), and loads every one byte-correct;
-* the setup hit the race: over UCX/TCP A's stores really were in flight at the freeze (its
-  tier's ``stats()`` just before the stop), and while A was frozen the host ended its session
+* the setup hit the race: over UCX/TCP A's stores were in flight at the freeze (its tier's
+  ``stats()`` just before the stop), and while A was frozen the host ended its session
   with slots held for it (its ``held_blocks``, read after B stored: slots A may still write,
   which B's stores would have taken without the fence); otherwise the setup is retried, up to
   ``attempts`` times. Whether B was refused at first (a handshake, or stores failing with
@@ -46,7 +48,6 @@ from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,8 +56,10 @@ from torch_kv_tier.benchmarks.reliability_common import (
     TCP_ENV,
     LineReader,
     Outcome,
+    all_stopped,
     kill_process,
     server_stats,
+    stop_process,
     ucx_over_tcp,
     wait_until,
 )
@@ -68,7 +71,8 @@ from torch_kv_tier.results import CAPACITY
 logger = logging.getLogger(__name__)
 
 RESULT_TIMEOUT_S = 30.0  # one store/load future of B's
-CHILD_START_S = 120.0  # A imports torch and NIXL, connects and posts (2 busy cores: slow)
+CHILD_START_S = 120.0  # A imports torch and NIXL, connects and stores its warm-up key
+POST_S = 10.0  # A posts its stores and stops itself, while the host is stopped
 SETTLE_S = 60.0  # A's report after SIGCONT (its futures take up to 30 s, its transport 15 s)
 B_FILL, RECOVERY_FILL, A_FILL = 0xBB, 0xCC, 0xAA
 
@@ -161,11 +165,10 @@ def _trial(setup: Setup, out: Outcome) -> None:
         )
         try:
             lines = LineReader(writer.stdout)
-            posted = _event(lines, "posted", CHILD_START_S, out)
-            if posted is None:
+            if _event(lines, "ready", CHILD_START_S, out) is None:
                 return
-            if not wait_until(lambda: _all_stopped(writer.pid), 10.0, interval_s=0.001):
-                out.problem("A did not stop itself within 10 s of posting")
+            posted = _post_with_the_host_stopped(writer, host.proc.pid, lines, out)
+            if posted is None:
                 return
             frozen_at = time.monotonic()
             _record_posted(posted, setup.tcp, out)
@@ -198,13 +201,27 @@ def _trial(setup: Setup, out: Outcome) -> None:
             kill_process(writer)
 
 
-def _all_stopped(pid: int) -> bool:
-    """Every thread of ``pid`` is in state T (stopped); ``/proc/PID/task/*/stat``."""
-    states = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(FileNotFoundError, IndexError):  # a thread that just exited
-            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-    return bool(states) and all(state in "tT" for state in states)
+def _post_with_the_host_stopped(
+    writer: subprocess.Popen[str], host_pid: int, lines: LineReader, out: Outcome
+) -> dict[str, Any] | None:
+    """Tell A to post its stores while the host is stopped, and resume the host once A stopped
+    itself: over UCX/TCP the target drives a write's completion, so every write A posted is
+    still in flight at its freeze, whatever the speed of the wire. A's ``posted`` event, or
+    ``None`` (and a problem)."""
+    assert writer.stdin is not None
+    stop_process(host_pid)
+    try:
+        writer.stdin.write("post\n")
+        writer.stdin.flush()
+        posted = _event(lines, "posted", POST_S, out)
+        if posted is not None and not wait_until(
+            lambda: all_stopped(writer.pid), POST_S, interval_s=0.001
+        ):
+            out.problem(f"A did not stop itself within {POST_S:.0f} s of posting")
+            return None
+        return posted
+    finally:
+        os.kill(host_pid, signal.SIGCONT)
 
 
 def _event(lines: LineReader, name: str, timeout_s: float, out: Outcome) -> dict[str, Any] | None:

@@ -3,12 +3,14 @@
 ``python -m torch_kv_tier.benchmarks.frozen_writer_client HOST:PORT [options]``:
 
 1. connects one tier (a private lease of ``--num-blocks`` slots, or the shared pool), fills its
-   arena with ``0xAA`` and stores one warm-up key (UCX wired up, grants in hand);
+   arena with ``0xAA``, stores one warm-up key (UCX wired up, grants in hand), prints
+   ``{"event": "ready"}`` and waits for ``post`` on stdin (the parent stops the host first, so
+   that over UCX/TCP no write can complete: the target drives its completion);
 2. posts ``--stores`` stores of ``--first`` fresh keys each, prints
    ``{"event": "posted", "inflight": N, "queued": N, "done": N}`` (its tier's ``stats()`` right
    after posting) and **stops itself with SIGSTOP**, so the freeze lands while those writes
-   are in flight (over UCX/TCP) and before the next ones are posted: a GC pause, a VM
-   migration or a debugger does the same at a random point;
+   are in flight and before the next ones are posted: a GC pause, a VM migration or a
+   debugger does the same at a random point;
 3. once resumed (SIGCONT), posts ``--stores`` stores of ``--second`` fresh keys at once (a
    writer frozen inside its store call carries on where it was), waits for every future
    (``RESULT_TIMEOUT_S`` each) and for its tier's in-flight writes to end, disconnects its
@@ -38,6 +40,7 @@ from torch_kv_tier.manager import TierManager, TransferResult
 
 RESULT_TIMEOUT_S = 30.0  # one store future after the resume
 INFLIGHT_TIMEOUT_S = 15.0  # the transport's writes to end after the futures settled
+READY_TIMEOUT_S = 60.0  # the parent's "post" after "ready" (it stops the host first)
 FILL = 0xAA  # every byte A ever writes
 
 
@@ -67,10 +70,10 @@ def _outcomes(futures: list[Future[TransferResult]], deadline: float) -> tuple[C
     return reasons, unsettled
 
 
-def _wait_exit(max_seconds: float) -> None:
-    ready, _, _ = select.select([sys.stdin], [], [], max_seconds)
-    if ready:
-        sys.stdin.readline()
+def _read_command(timeout_s: float) -> str | None:
+    """The next line on stdin, stripped; ``None`` when none comes within ``timeout_s``."""
+    ready, _, _ = select.select([sys.stdin], [], [], timeout_s)
+    return sys.stdin.readline().strip() if ready else None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -91,6 +94,9 @@ def run(args: argparse.Namespace) -> None:
         warm = tier.store(["a-warm"], [0]).result(timeout=RESULT_TIMEOUT_S)
         if not warm.ok:
             raise RuntimeError(f"warm-up store failed: {warm.failed}")
+        _emit("ready")
+        if _read_command(READY_TIMEOUT_S) != "post":
+            raise RuntimeError(f"no 'post' on stdin within {READY_TIMEOUT_S:.0f} s")
         first = _post(tier, "first", args.stores, args.first)
         stats = tier.stats()
         _emit(
@@ -118,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
             inflight=inflight,
             seconds=round(time.monotonic() - resumed, 3),
         )
-        _wait_exit(args.max_seconds)
+        _read_command(args.max_seconds)  # "exit", or the parent is gone
 
 
 def main(argv: Sequence[str] | None = None) -> int:

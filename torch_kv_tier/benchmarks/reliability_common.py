@@ -134,18 +134,19 @@ def stop_process(pid: int, timeout_s: float = 5.0) -> None:
     Raises ``TimeoutError`` when a thread is still running after ``timeout_s``.
     """
     os.kill(pid, signal.SIGSTOP)
-
-    def stopped() -> bool:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:  # "tid (comm) S ...": the state follows the last ')'
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except (FileNotFoundError, IndexError):
-                continue  # a thread that just exited
-        return all(state in "tT" for state in states)
-
-    if not wait_until(stopped, timeout_s, interval_s=0.001):
+    if not wait_until(lambda: all_stopped(pid), timeout_s, interval_s=0.001):
         raise TimeoutError(f"process {pid} did not stop within {timeout_s} s of SIGSTOP")
+
+
+def all_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is in state T (stopped), read from ``/proc/PID/task/*/stat``."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:  # "tid (comm) S ...": the state follows the last ')'
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue  # a thread that just exited
+    return bool(states) and all(state in "tT" for state in states)
 
 
 @dataclass(frozen=True)
