@@ -322,6 +322,7 @@ def test_a_grant_asked_right_after_a_commit_counts_the_slots_that_commit_returne
     with ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "4"]) as server:
         session = fake_session(server.address, private=False)
         try:
+            assert session.max_granted == 4  # the handshake announces the cap: the reserve
 
             def grant() -> list[int]:
                 answer: Future[Any] = Future()

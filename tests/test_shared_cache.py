@@ -180,3 +180,25 @@ def test_shared_grants_draw_only_what_they_need_so_private_leases_still_fit() ->
     cache.join("a", "model-x")
     assert len(cache.grant("a", 512)) == 4
     assert pool.take(60) == range(4, 64)  # a private lease of every other slot
+
+
+def test_a_grant_of_many_slots_evicts_the_least_recently_used_keys_oldest_first() -> None:
+    cache = _cache(num_blocks=8)
+    keys = [f"k{i}" for i in range(8)]
+    slots = dict(zip(keys, _store(cache, "a", keys)))
+    cache.touch("a", ["k0", "k1"])
+    cache.take_events(64)
+    granted = cache.grant("b", 5)
+    assert granted == [slots[k] for k in ("k2", "k3", "k4", "k5", "k6")]
+    assert cache.take_events(64)[0][5] == ["k2", "k3", "k4", "k5", "k6"]  # evicted, in order
+    assert _found(cache, "a", ["k0", "k1", "k7"]) == [slots["k0"], slots["k1"], slots["k7"]]
+    assert cache.evictions == 5
+
+
+def test_a_grant_takes_the_free_slots_first_then_evicts_for_the_rest() -> None:
+    cache = _cache(num_blocks=8)
+    stored = _store(cache, "a", ["k0", "k1", "k2", "k3", "k4", "k5"])
+    granted = cache.grant("b", 4)
+    assert len(set(granted)) == 4 and set(granted).isdisjoint(stored[2:])
+    assert set(granted) == set(range(8)) - set(stored) | set(stored[:2])
+    assert _found(cache, "a", ["k0", "k1", "k2"]) == [-1, -1, stored[2]]

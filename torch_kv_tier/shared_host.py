@@ -43,12 +43,18 @@ class SharedHost(Peer):
         "commits",
         "grant_batch",
         "grants",
+        "outstanding",
         "refilling",
+        "reserve",
     )
 
     def __init__(self, slots: SharedSlots, session: Any, grant_batch: int) -> None:
         super().__init__(slots, verifies=True, session=session)
         self.grant_batch = grant_batch
+        # the share of granted, uncommitted slots this tier keeps: the host's cap on one
+        # session's (announced in its handshake), at most grant_batch
+        self.reserve = min(grant_batch, session.max_granted or grant_batch)
+        self.outstanding = 0  # slots the host counts as granted to this session: not committed
         self.grants: deque[int] = deque()  # granted slots not yet written, used in order
         self.awaiting: deque[Op] = deque()  # stores waiting for granted slots, in order
         self.refilling = False  # a grant request is in flight
@@ -65,21 +71,30 @@ class SharedHost(Peer):
         self.grants.extendleft(slots)
 
     def grant_wanted(self) -> int:
-        """How many slots to ask the host for now (0: none). Asks when fewer than half a batch
-        are left or stores wait; after a grant that came short (the host caps what one
-        session holds uncommitted), only a commit or a waiting store asks again."""
-        need = sum(len(op.keys) for op in self.awaiting)
-        if self.refilling or (
-            not need and (self.capped or len(self.grants) >= self.grant_batch // 2)
-        ):
+        """How many slots to ask the host for now (0: none).
+
+        Stores waiting for slots ask at once. Otherwise the tier tops its ``reserve`` up once
+        fewer than half of it is in hand and a quarter of it is room the host will grant again
+        (slots committed since): one request per quarter reserve written, not one per commit
+        (a commit goes out ahead of a request, so a request per commit also defeated the
+        commits' batching). After a grant that came short (the host's cap, the namespace's quota,
+        nothing left to evict), only a commit or a waiting store asks again."""
+        if self.refilling:
             return 0
-        return min(max(self.grant_batch, 2 * need), MAX_GRANT)
+        need = sum(len(op.keys) for op in self.awaiting)
+        if need:
+            return min(max(self.grant_batch, 2 * need), MAX_GRANT)
+        room = self.reserve - self.outstanding
+        if self.capped or len(self.grants) >= self.reserve // 2 or room < self.reserve // 4:
+            return 0
+        return room
 
     def granted(self, slots: list[int], want: int, commits_then: int) -> None:
         """The host answered a request for ``want`` slots made after ``commits_then`` commits
         with ``slots``."""
         self.refilling = False
         self.grants.extend(slots)
+        self.outstanding += len(slots)
         self.capped = len(slots) < want and self.commits == commits_then
 
     def starved(self, got_slots: bool, commits_then: int) -> bool:
@@ -118,6 +133,7 @@ class SharedHost(Peer):
         ending drops it, and its loss drops this host)."""
         self.commits += 1
         self.capped = False
+        self.outstanding -= len(keys)
         with contextlib.suppress(ConnectionError):
             self.session.commit(keys, slots, digests)
 

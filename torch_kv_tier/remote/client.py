@@ -105,6 +105,7 @@ class RemoteSession(SessionIO):
         self.mem_type = accept.region.mem_type
         self.lease = range(accept.lease_start, accept.lease_stop)
         self.shared = accept.shared
+        self.max_granted = accept.max_granted  # 0: not announced (an older host)
         self._follower: IndexFollower | None = None
         self._on_lost = _callback_ref(on_lost)
         # several heartbeats fit in both our loss timeout and the server's lease timeout

@@ -130,6 +130,7 @@ class Accept(msgspec.Struct, tag="accept"):
     lease_timeout_s: float
     shared: bool = False
     host_id: str = ""  # stable across restarts at the same address: what keys are placed by
+    max_granted: int = 0  # shared: the most slots a session may hold granted, uncommitted
 
 
 class Reject(msgspec.Struct, tag="reject"):

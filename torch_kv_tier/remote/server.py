@@ -53,6 +53,9 @@ __all__ = ["Server", "ServerConfig", "add_arguments", "run"]  # ``cli`` runs thi
 
 IDLE_POLL_S = 0.1  # longest wait for a control message (bounds SIGTERM latency too)
 EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
+# Index events go out at most this often (each frame costs a wake-up on every side, which on
+# a busy host cost more than the keys in it); an event is pushed at once after a quiet period.
+EVENTS_PERIOD_S = 0.002
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
@@ -143,12 +146,17 @@ class Server:
         assert self._socket is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
-        next_expiry = 0.0
+        next_expiry = next_push = 0.0
         while not stop.is_set():
-            if poller.poll(math.ceil(IDLE_POLL_S * 1e3)):
+            wait_s = IDLE_POLL_S
+            with self._lock:
+                if self._shared.cache.has_events():
+                    wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
+            if poller.poll(math.ceil(wait_s * 1e3)):
                 self._drain()
-                self._push_events()
             now = time.monotonic()
+            if now >= next_push and self._push_events():
+                next_push = now + EVENTS_PERIOD_S
             if now >= next_expiry:
                 next_expiry = now + EXPIRY_PERIOD_S
                 self._expire(now)
@@ -166,14 +174,17 @@ class Server:
             if reply is not None:
                 self._send(identity, p.encode(reply), self._session_of(identity))
 
-    def _push_events(self) -> None:
+    def _push_events(self) -> bool:
         """Tell every shared session what its namespace's index gained and lost (each frame
-        encoded once for all of them)."""
+        encoded once for all of them); whether there was anything to tell."""
         with self._lock:
+            if not self._shared.cache.has_events():
+                return False
             frames = self._shared.events(list(self._leases.sessions.values()))
         for sessions, frame in frames:
             for session in sessions:
                 self._send(session.identity, frame, session)
+        return True
 
     def _send(self, identity: bytes, frame: bytes, session: Session | None) -> None:
         """Queue one frame; a session it cannot be queued for ends (its slots are held)."""
@@ -370,6 +381,7 @@ class Server:
             lease_timeout_s=self._leases.lease_timeout_s,
             shared=session.shared,
             host_id=self.host_id,
+            max_granted=self._shared.cache.max_granted if session.shared else 0,
         )
 
     def _heartbeat(self, session: Session, hb: p.Heartbeat) -> p.ServerMessage:

@@ -146,16 +146,16 @@ class SharedCache:
         ns, granted = self._grants[session_id]
         want = min(want, self.max_granted - len(granted))
         slots: list[int] = []
-        while len(slots) < want:
-            if ns.used + len(slots) >= self.quota:
-                slot = self._evict_from(ns)
+        while len(slots) < want:  # in runs: every key evicted below may be ns's own
+            room = self.quota - ns.used - len(slots)  # slots ns may take beyond its own
+            if room <= 0:
+                run = self._evict_from(ns, want - len(slots))
             else:
-                slot = self._take_free(want - len(slots))
-                if slot is None:
-                    slot = self._evict_oldest()
-            if slot is None:
+                n = min(want - len(slots), room)
+                run = self._take_free(n) or self._evict_oldest(n)
+            if not run:
                 break
-            slots.append(slot)
+            slots += run
         granted.update(slots)
         ns.granted += len(slots)
         return slots
@@ -215,6 +215,10 @@ class SharedCache:
     def namespace_of(self, session_id: str) -> Namespace:
         return self._grants[session_id][0]
 
+    def has_events(self) -> bool:
+        """Whether a namespace stored or evicted a key since the last ``take_events``."""
+        return any(ns.stored or ns.evicted for ns in self.namespaces.values())
+
     def take_events(self, max_keys: int) -> list[EventBatch]:
         """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
         evicted)`` batches of at most ``max_keys`` keys; each namespace's sequence number grows
@@ -254,32 +258,42 @@ class SharedCache:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _take_free(self, need: int) -> int | None:
-        """A free slot: one freed here before, else drawn from the pool (only as many as the
-        grant needs, so the rest stays available to private leases)."""
-        if not self._free:
-            run = self.pool.take(need) if self.pool.free else None
+    def _take_free(self, n: int) -> list[int]:
+        """Up to ``n`` free slots, lowest first: ones freed here before, else drawn from the
+        pool (only as many as the grant needs, so the rest stays available to private
+        leases)."""
+        free = self._free
+        if not free:
+            run = self.pool.take(n) if self.pool.free else None
             if run is None:
-                return None
-            self._free.extend(reversed(run))  # pop() hands out the lowest slot first
-        return self._free.pop()
+                return []
+            free.extend(reversed(run))  # taken from the end: the lowest slot first
+        taken = free[: -n - 1 : -1]
+        if taken:
+            del free[-len(taken) :]
+        return taken
 
-    def _evict_oldest(self) -> int | None:
-        if not self._lru:
-            return None
-        (name, key), slot = next(iter(self._lru.items()))
-        self._evict(self.namespaces[name], key)
-        return slot
+    def _evict_oldest(self, n: int) -> list[int]:
+        """The slots of up to ``n`` least recently used keys of any namespace, evicted."""
+        lru, namespaces = self._lru, self.namespaces
+        slots = []
+        for _ in range(min(n, len(lru))):
+            (name, key), slot = lru.popitem(last=False)
+            ns = namespaces[name]
+            del ns.entries[key]
+            ns.evicted.append(key)
+            slots.append(slot)
+        self.evictions += len(slots)
+        return slots
 
-    def _evict_from(self, ns: Namespace) -> int | None:
-        if not ns.entries:
-            return None
-        key, slot = next(iter(ns.entries.items()))
-        self._evict(ns, key)
-        return slot
-
-    def _evict(self, ns: Namespace, key: Key) -> None:
-        del ns.entries[key]
-        del self._lru[(ns.name, key)]
-        ns.evicted.append(key)
-        self.evictions += 1
+    def _evict_from(self, ns: Namespace, n: int) -> list[int]:
+        """The slots of up to ``n`` of ``ns``'s least recently used keys, evicted."""
+        entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
+        slots = []
+        for _ in range(min(n, len(entries))):
+            key, slot = entries.popitem(last=False)
+            del lru[(name, key)]
+            evicted.append(key)
+            slots.append(slot)
+        self.evictions += len(slots)
+        return slots
