@@ -122,12 +122,14 @@ class SharedHosts:
                 host.refilling = False
                 return
             host.granted(granted, want, commits)
-            self._launch_awaiting(host)
+            launched = self._launch_awaiting(host)
             if host.starved(bool(granted), commits):
                 self._fail_awaiting(host, CAPACITY)
             if not host.capped:  # a capped tier asks again after its next commit
                 self._refill(host)
-            ready = self._after_submit(None, [host.slots.peer_id])
+            # the stores launched may have completed in their submission (a top-up launches
+            # none: this thread's time is the stores' GIL time, see ``session_io``)
+            ready = self._after_submit(None, [host.slots.peer_id] if launched else [])
         resolve(ready)
 
     def _on_grant_unanswered(self, host: SharedHost, answer: object) -> None:
@@ -149,11 +151,15 @@ class SharedHosts:
             ):
                 self._refill(host)
 
-    def _launch_awaiting(self, host: SharedHost) -> None:
+    def _launch_awaiting(self, host: SharedHost) -> bool:
+        """Launch the waiting stores that granted slots now cover; whether there were any."""
+        launched = False
         for op, rest in host.launchable():
             if rest is not None:
                 self._storing.update(dict.fromkeys(rest.keys, rest))
             self._launch(op)
+            launched = True
+        return launched
 
     def _fail_awaiting(self, peer: Peer, reason: str) -> None:
         if isinstance(peer, SharedHost):

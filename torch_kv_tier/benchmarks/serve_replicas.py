@@ -36,12 +36,15 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300.0
 # vLLM's engine processes get this long to finish after SIGTERM (the README's command).
 SHUTDOWN_TIMEOUT_S = 30
-# Lines in a replica's log that the benchmark reports, by what they mean.
+# Lines in a replica's log that the benchmark reports, by what they mean; counted apart in
+# what it logged while serving and after ``stop`` sent SIGTERM (``log_counts``).
 LOG_PATTERNS = {
     "engine_dead": re.compile(r"EngineDeadError"),
     "cannot_store": re.compile(r"cannot store", re.I),
     "sigterm_after_grace": re.compile(r"did not (exit|terminate)|sending SIGTERM|SIGKILL", re.I),
     "sizing_warning": re.compile(r"RemoteHostTier: the CPU primary tier"),
+    "died": re.compile(r"died unexpectedly"),  # an engine or worker process, by vLLM
+    "tier_traceback": re.compile(r'File "[^"]*torch_kv_tier/'),  # an exception through ours
 }
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
@@ -62,6 +65,7 @@ class Replica:
         self.port = port
         self.log_path = log_path
         self.shutdown_s: float | None = None  # set by stop()
+        self.serving_log_bytes: int | None = None  # the log's size when stop() sent SIGTERM
         self._log = log
 
     @classmethod
@@ -134,6 +138,7 @@ class Replica:
         if self.shutdown_s is not None:
             return self.shutdown_s
         start = time.monotonic()
+        self.serving_log_bytes = self.log_path.stat().st_size
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -152,9 +157,16 @@ class Replica:
         self._log.close()
 
     def log_counts(self) -> dict[str, int]:
-        """How many log lines match each of :data:`LOG_PATTERNS`."""
-        text = self.log_path.read_text(errors="replace")
-        return {name: len(p.findall(text)) for name, p in LOG_PATTERNS.items()}
+        """How many log lines match each of :data:`LOG_PATTERNS` while serving (``name``) and
+        after ``stop`` sent SIGTERM (``name + "_in_shutdown"``)."""
+        data = self.log_path.read_bytes()
+        cut = len(data) if self.serving_log_bytes is None else self.serving_log_bytes
+        parts = {"": data[:cut], "_in_shutdown": data[cut:]}
+        return {
+            name + suffix: len(pattern.findall(part.decode(errors="replace")))
+            for name, pattern in LOG_PATTERNS.items()
+            for suffix, part in parts.items()
+        }
 
     def _answers(self, path: str) -> bool:
         try:

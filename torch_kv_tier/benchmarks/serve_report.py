@@ -10,9 +10,12 @@ Targets (issue 19), each printed met/missed:
 - per scenario: chunks the tier read / chunks it delivered <= 1.05 (delivered: the prompt
   tokens vLLM counted as loaded by the connector, in chunks; vLLM's own ``chunk_hits`` counts
   lookup hits, including chunks that were promoted and then lost before use);
-- per replica with the tier: no ``EngineDeadError`` and no process killed after vLLM's grace
-  (printed beside the ``EngineDeadError`` lines of the replicas without it: vLLM 0.32's API
-  server logs one when its engine exits first, with or without offloading).
+- per replica with the tier, a clean shutdown: no process killed after vLLM's grace, no
+  engine or worker that died, no exception through ``torch_kv_tier`` at any time, and no
+  ``EngineDeadError`` while serving. An ``EngineDeadError`` logged after SIGTERM is printed
+  beside, with the same count for the replicas without the tier: vLLM 0.32's
+  ``AsyncLLM.shutdown`` stops the engine core before it cancels its output handler, which then
+  logs one on an orderly shutdown, with or without offloading (vllm-project/vllm#48745).
 
 Beside them, for attribution only (no target): replica D's TTFT (vLLM's CPU offloading with no
 secondary tier), i.e. what the offloading path costs before the remote tier adds anything.
@@ -30,6 +33,18 @@ TOKENS_PER_CHUNK = 32
 SPEEDUP_AT_1 = 2.0
 READS_PER_HIT = 1.05
 _TIER_ROLES = ("warm", "tier")  # the replicas with the remote tier (A and B)
+# ``Replica.log_counts`` names that make a tier replica's shutdown unclean (the serving part
+# and the shutdown part; an EngineDeadError only while serving), and vLLM#48745's line.
+_UNCLEAN = (
+    "sigterm_after_grace",
+    "sigterm_after_grace_in_shutdown",
+    "died",
+    "died_in_shutdown",
+    "tier_traceback",
+    "tier_traceback_in_shutdown",
+    "engine_dead",
+)
+_SPURIOUS = "engine_dead_in_shutdown"
 # Per-round counters the benchmark reads from a replica's /metrics (increase over the round).
 COUNTERS = (
     "tier_hits",
@@ -138,11 +153,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ratio <= READS_PER_HIT,
         )
         log = mine[0]["log"]
-        bad = sum(log[r]["engine_dead"] + log[r]["sigterm_after_grace"] for r in _TIER_ROLES)
-        vanilla = sum(log[r]["engine_dead"] for r in log if r not in _TIER_ROLES)
+        bad = sum(log[r].get(name, 0) for r in _TIER_ROLES for name in _UNCLEAN)
+        shutdown = sum(log[r].get(_SPURIOUS, 0) for r in _TIER_ROLES)
+        vanilla = sum(log[r].get(_SPURIOUS, 0) for r in log if r not in _TIER_ROLES)
         add(
-            f"{scenario}: clean shutdowns (EngineDeadError / killed lines of A and B; "
-            f"EngineDeadError without the tier, C and D: {vanilla})",
+            f"{scenario}: clean shutdowns (lines of A and B killed after grace, died, through "
+            f"torch_kv_tier or EngineDeadError while serving; EngineDeadError after SIGTERM, "
+            f"vLLM#48745: A and B {shutdown}, C and D without the tier {vanilla})",
             bad,
             0,
             bad == 0,

@@ -122,6 +122,7 @@ class RemoteSession(SessionIO):
         self._requests: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._actions: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._commits: list[tuple[list[Any], list[int], list[int]]] = []
+        self._commits_watched = False  # the I/O thread looks at the commits by their deadline
         self._touches: list[Any] = []
         self._stopping = False  # tells the I/O thread to exit
         self._wake_r, self._wake_w = socket.socketpair()
@@ -256,7 +257,10 @@ class RemoteSession(SessionIO):
         # The batch is looked up under the lock, inside ``_enqueue``: the I/O thread swaps in a
         # new list each time it takes one, and a list taken before the lock could already be
         # sent (the commit was lost: the host kept the slots granted, the keys never stored).
-        self._enqueue(lambda: _add(self._commits, [(keys, slots, digests)]), False)
+        self._enqueue(
+            lambda: _add(self._commits, [(keys, slots, digests)]) and not self._commits_watched,
+            False,
+        )
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; sent at most ``session_io.TOUCH_PERIOD_S``

@@ -53,9 +53,10 @@ __all__ = ["Server", "ServerConfig", "add_arguments", "run"]  # ``cli`` runs thi
 
 IDLE_POLL_S = 0.1  # longest wait for a control message (bounds SIGTERM latency too)
 EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
-# Index events go out at most this often (each frame costs a wake-up on every side, which on
-# a busy host cost more than the keys in it); an event is pushed at once after a quiet period.
-EVENTS_PERIOD_S = 0.002
+# Index events go out at most this often (each frame wakes every follower's I/O thread, which
+# shares its tier's GIL with the tier's stores: see ``session_io``); an event is pushed at once
+# after a quiet period.
+EVENTS_PERIOD_S = 0.005
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks

@@ -9,12 +9,18 @@ the session, loudly (``on_lost``), when the server stops answering heartbeats, s
 longer knows the session, the control connection closes or is reset (the socket's monitor), or
 a frame cannot be queued: a control message is delivered or the session is lost.
 
-Commits and touches (recency) are batched by period, not sent per call: the first one after a
-send wakes the I/O thread, which sends them all when the period is over. A frame per store or
-load call cost two thread wake-ups on each side, and the host's events answering each commit
-as many again. Commits wait at most ``COMMIT_PERIOD_S`` (what other tiers' copies of the index
-lag behind for it), touches ``TOUCH_PERIOD_S``, each key once (a key's recency counts only
-when it is the least recently used of a whole pool).
+Commits and touches (recency) are batched by period, not sent per call: commits go out at most
+every ``COMMIT_PERIOD_S`` (what other tiers' copies of the index lag behind for them, with the
+host's ``EVENTS_PERIOD_S``), touches every ``TOUCH_PERIOD_S``, each key once (a key's recency
+counts only when it is the least recently used of a whole pool). The first commit after a quiet
+period wakes the I/O thread; while commits flow it looks at them on its own by their deadline.
+
+Why so frugal: this thread shares the tier's GIL with the caller's thread, which holds it
+through each store's transfer and digests. Every wake-up's Python runs on that thread's time:
+measured here, a thread busy 25 % of the time in 1 ms wake-ups cut a private tier's store
+throughput to 0.70 of its own (a neighbour process as busy cut nothing), and a frame per store
+call had this thread busy 20 %. So a wake-up looks only at what the poller says is ready, and
+receives without ``recv`` raising ``zmq.Again``.
 
 ``SessionIO`` is a part of ``RemoteSession`` (its base class): the state it uses is set by
 ``RemoteSession.__init__``, and its lock guards what other threads hand over.
@@ -32,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from itertools import chain
 from typing import Any
 
 import zmq
@@ -49,7 +56,7 @@ Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | Non
 
 
 TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
-COMMIT_PERIOD_S = 0.002  # the longest a commit waits to be sent (unless a request follows it)
+COMMIT_PERIOD_S = 0.005  # commits go out at most this often (and before any request)
 
 
 class _Lost(Exception):
@@ -74,6 +81,7 @@ class SessionIO:
     _requests: queue.SimpleQueue[Request]
     _actions: queue.SimpleQueue[Callable[[], None]]
     _commits: list[tuple[list[Any], list[int], list[int]]]
+    _commits_watched: bool
     _touches: list[Any]
     _wake_r: socket.socket
     _wake_w: socket.socket
@@ -85,42 +93,45 @@ class SessionIO:
         pending: dict[int, tuple[Future[p.ServerMessage], float]] = {}
         seqs = itertools.count(3)  # 1 and 2 were the handshake
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(self._wake_r.fileno(), zmq.POLLIN)
+        wake = self._wake_r.fileno()
+        for readable in (sock, monitor, wake):
+            poller.register(readable, zmq.POLLIN)
         last_ok = next_hb = touches_due = commits_due = time.monotonic()
         lost: str | None = None
         try:
             while True:
+                now = time.monotonic()
                 with self._lock:
                     if self._stopping:
                         break
                     touched = bool(self._touches)
                     committed = bool(self._commits)
-                now = time.monotonic()
+                    # While commits flow this thread looks at them by ``commits_due`` on its
+                    # own, and a commit needs no wake-up (``RemoteSession.commit``).
+                    self._commits_watched = committed or now < commits_due
                 deadlines = [next_hb, last_ok + self._hb_timeout_s]
                 if touched:
                     deadlines.append(touches_due)
-                if committed:
+                if self._commits_watched:
                     deadlines.append(commits_due)
                 deadlines.extend(deadline for _, deadline in pending.values())
-                poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3)))
-                self._drain_wake()
-                _check_connection(monitor)
-                while True:
-                    try:
-                        self._actions.get_nowait()()
-                    except queue.Empty:
-                        break
+                # Each wake-up holds the GIL its caller's thread needs (a tier's stores run on
+                # it): only what the poller says is ready is looked at.
+                ready = dict(poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3))))
+                if wake in ready:
+                    self._drain_wake()
+                if monitor in ready:
+                    _check_connection(monitor)
+                while not self._actions.empty():
+                    self._actions.get_nowait()()
                 now = time.monotonic()
                 # Commits and touches first: a request made after them reaches the server after
                 # them (a grant request must find the slots a commit returned to this session's
                 # share). The requests are taken before the batches, so every commit and touch
                 # made before one of them goes out ahead of it.
                 requests = self._take_requests()
-                if requests or now >= commits_due:
+                if (requests or now >= commits_due) and self._send_commits(sock, seqs):
                     commits_due = now + COMMIT_PERIOD_S
-                    self._send_commits(sock, seqs)
                 if requests or now >= touches_due:
                     touches_due = now + TOUCH_PERIOD_S
                     self._send_touches(sock, seqs)
@@ -129,7 +140,7 @@ class SessionIO:
                     if future is not None:
                         pending[seq] = (future, now + timeout_s)
                     self._send(sock, make(seq))
-                for message in self._receive(sock):
+                for message in self._receive(sock) if sock in ready else ():
                     if isinstance(message, p.Events):
                         self._on_events(message)
                         continue
@@ -165,23 +176,20 @@ class SessionIO:
             self._finish(sock, monitor, pending, lost)
 
     def _take_requests(self) -> list[Request]:
-        """Every request queued so far, in order."""
+        """Every request queued so far, in order (this thread is their only consumer)."""
         requests = []
-        while True:
-            try:
-                requests.append(self._requests.get_nowait())
-            except queue.Empty:
-                return requests
+        while not self._requests.empty():
+            requests.append(self._requests.get_nowait())
+        return requests
 
-    def _send_commits(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
-        """The commits made since the last send, in as few frames as fit."""
+    def _send_commits(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> bool:
+        """The commits made since the last send, in as few frames as fit; whether there were
+        any."""
         with self._lock:
             commits, self._commits = self._commits, []
         if not commits:
-            return
-        keys = [k for c in commits for k in c[0]]
-        slots = [s for c in commits for s in c[1]]
-        digests = [d for c in commits for d in c[2]]
+            return False
+        keys, slots, digests = (list(chain.from_iterable(part)) for part in zip(*commits))
         step = p.MAX_KEYS_PER_MESSAGE
         for i in range(0, len(keys), step):
             chunk = slice(i, i + step)
@@ -189,6 +197,7 @@ class SessionIO:
                 sock,
                 p.Commit(next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]),
             )
+        return True
 
     def _send_touches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
         """The keys touched since the last time, each once, in as few frames as fit."""
@@ -248,9 +257,9 @@ class SessionIO:
             follower.start()
 
     def _drain_wake(self) -> None:
+        """Take the wake-up bytes (one ``recv``: any written after it wake the next poll)."""
         with contextlib.suppress(BlockingIOError):
-            while self._wake_r.recv(4096):
-                pass
+            self._wake_r.recv(4096)
 
     def _send(self, sock: zmq.Socket[bytes], message: p.ClientMessage) -> None:
         try:
@@ -259,16 +268,16 @@ class SessionIO:
             raise _Lost(f"{SNDHWM} control frames queued: the server does not read") from None
 
     def _receive(self, sock: zmq.Socket[bytes]) -> list[p.ServerMessage]:
+        """Every frame queued (checked with ``ZMQ_EVENTS``: a ``recv`` that finds none raises,
+        which cost more than the rest of a wake-up)."""
         messages: list[p.ServerMessage] = []
-        while True:
-            try:
-                frame = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
+        while int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            frame = sock.recv(zmq.NOBLOCK)
             try:
                 messages.append(p.decode_server(frame))
             except p.BadFrame as exc:
                 logger.warning("%s sent a bad control frame: %s", self.peer_id, exc)
+        return messages
 
 
 def _check_connection(monitor: zmq.Socket[bytes]) -> None:

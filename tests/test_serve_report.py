@@ -1,0 +1,73 @@
+"""The serving benchmark's shutdown verdict (issue 19, item 5), without a vLLM server: a replica's
+log is counted apart while serving and after SIGTERM, and the "clean shutdown" target fails on
+what the tier could cause, not on vLLM 0.32's own ``EngineDeadError`` of an orderly shutdown
+(vllm-project/vllm#48745), which replicas without the tier log as well."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from torch_kv_tier.benchmarks.serve_replicas import Replica
+from torch_kv_tier.benchmarks.serve_report import targets
+
+SPURIOUS = "ERROR [async_llm.py:906] AsyncLLM output_handler failed.\nEngineDeadError: x\n"
+TRACEBACK = 'Traceback (most recent call last):\n  File "/x/torch_kv_tier/manager.py", line 1\n'
+
+
+def _replica(tmp_path: Path, serving: str, after_sigterm: str) -> dict[str, int]:
+    """A stand-in server that logs ``serving``, then ``after_sigterm`` when SIGTERMed."""
+    log_path = tmp_path / "replica.log"
+    script = (
+        "import signal, sys, time\n"
+        f"sys.stdout.write({serving!r}); sys.stdout.flush()\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (sys.stdout.write({after_sigterm!r}), "
+        "sys.exit(0)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    log = log_path.open("wb")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    replica = Replica(proc, 0, log_path, log)
+    deadline = time.monotonic() + 30
+    while b"ready" not in log_path.read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    replica.stop()
+    return replica.log_counts()
+
+
+def _clean_shutdown(logs: dict[str, dict[str, int]]) -> dict[str, Any]:
+    row = {
+        "scenario": "s",
+        "concurrency": 4,
+        "tier_p50_ms": 1.0,
+        "tier_p99_ms": 1.0,
+        "recompute_p50_ms": 2.0,
+        "recompute_p99_ms": 2.0,
+        "delivered": 1,
+        "tier_reads": 1,
+        "log": logs,
+    }
+    return next(t for t in targets([row]) if "clean shutdowns" in t["target"])
+
+
+def test_a_log_is_counted_apart_while_serving_and_after_sigterm(tmp_path: Path) -> None:
+    counts = _replica(tmp_path, "INFO serving\n", SPURIOUS)
+    assert counts["engine_dead"] == 0 and counts["engine_dead_in_shutdown"] == 1
+    counts = _replica(tmp_path, SPURIOUS + TRACEBACK, "")
+    assert counts["engine_dead"] == 1 and counts["tier_traceback"] == 1
+    assert counts["engine_dead_in_shutdown"] == 0
+
+
+def test_only_what_the_tier_could_cause_fails_a_clean_shutdown(tmp_path: Path) -> None:
+    quiet = _replica(tmp_path, "INFO serving\n", "INFO bye\n")
+    vllm_48745 = _replica(tmp_path, "INFO serving\n", SPURIOUS)
+    verdict = _clean_shutdown({"warm": vllm_48745, "tier": quiet, "recompute": vllm_48745})
+    assert verdict["met"] and "A and B 1, C and D without the tier 1" in verdict["target"]
+    dead_while_serving = _replica(tmp_path, SPURIOUS, "")
+    assert not _clean_shutdown({"warm": quiet, "tier": dead_while_serving})["met"]
+    through_the_tier = _replica(tmp_path, "INFO serving\n", TRACEBACK)
+    assert not _clean_shutdown({"warm": quiet, "tier": through_the_tier})["met"]
