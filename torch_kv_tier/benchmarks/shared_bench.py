@@ -71,6 +71,7 @@ FULL: dict[str, Any] = {
 }
 BATCH, INFLIGHT = 16, 4
 GRANT_BATCH = 512  # TierManager's default grant request
+MAX_RESERVE_BYTES = 32 << 20  # the most a shared tier's reserve of granted slots holds here
 ANSWER_TIMEOUT_S = 120.0  # one open (NIXL agents, staging, warm-up) or burst of one process
 RATIOS = (("shared", "nixl_raw"), ("private", "nixl_raw"), ("shared", "private"))
 
@@ -239,12 +240,16 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     try:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
-            # A shared host holds every process's grants (and those of sessions that ended with
-            # writes in flight, until released), and evicts beyond that. The grant cap (default:
-            # a sixteenth of the pool, sized for pools of gigabytes) is a sixteenth per process,
-            # but at least twice the blocks in flight.
-            shared = 4 * max_tiers * (ws_blocks + BATCH * INFLIGHT)
-            max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, shared // (16 * max_tiers)))
+            # The grant cap is a tier's default reserve: its grant batch, which a host at its
+            # default cap (a sixteenth of the pool) grants from 8192 slots up, i.e. on any pool
+            # of gigabytes. At most MAX_RESERVE_BYTES, so that the pools fit this machine (128
+            # slots at 256 KiB), and at least twice the blocks in flight. A shared host holds
+            # every process's reserve (and those of sessions that ended with writes in flight,
+            # until released) beside what they store, and evicts beyond that: its pool is four
+            # times every working set, and at least twice every working set and reserve.
+            max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, MAX_RESERVE_BYTES // block_len))
+            need = ws_blocks + BATCH * INFLIGHT
+            shared = max(4 * max_tiers * need, 2 * max_tiers * (need + max_grant))
             # A private host holds the private tiers' leases (as much as the shared tiers cycle
             # through: ``private_lease``) and a nixl_raw lease of the working set per process,
             # twice (the last point's may still be on their way back).
