@@ -20,12 +20,14 @@ from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.connected_hosts import RELEASE_THREAD
 from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.shared_host import SharedHost
+from torch_kv_tier.transfers import END_THREAD
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -121,6 +123,31 @@ def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_aga
         assert b.peers() == [peer]
         loaded = b.load(after, range(8)).result(timeout=RESULT_TIMEOUT_S)
         assert loaded.ok and torch.equal(b.arena.tensor[:8], a.arena.tensor[8:16])
+
+
+def test_a_tier_runs_the_same_threads_whether_or_not_it_lost_a_host() -> None:
+    """A tier's thread count must not depend on whether it lost a host, or when: a leak check
+    that compares trials (the peer-death scenario) cannot tell a late first start from a leak.
+    The redial thread used to start with the first loss, from the thread that ends the lost
+    session, racing the caller's ``disconnect`` (CI failed with one thread grown in trial 2)."""
+
+    def names() -> set[str]:
+        return {t.name for t in threading.enumerate()}
+
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="lost") as tier,
+    ):
+        peer = tier.connect(server.address)
+        connected = names()
+        server.kill()
+        assert wait_for(lambda: tier.peers() == [], 15.0)
+        assert wait_for(lambda: END_THREAD not in names(), 15.0), "the lost session never ended"
+        tier.disconnect(peer)  # the dial stops; the thread that dials stays with the tier
+        # a release told to the dead host runs in a thread of its own for up to
+        # RELEASE_BUDGET_S and then ends (the peer-death scenario waits for it)
+        grown = names() - connected - {RELEASE_THREAD}
+        assert not grown, f"threads started by the loss: {grown}"
 
 
 @contextlib.contextmanager

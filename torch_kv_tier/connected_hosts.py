@@ -121,6 +121,7 @@ class ConnectedHosts:
             raise
         with self._lock:
             self._dials[peer_id] = dial
+        self._redialer.arm()
         if session.lost is not None:  # lost before it was published: nobody dropped it
             self._on_session_lost(peer_id)
         return str(peer_id)

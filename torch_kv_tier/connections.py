@@ -12,7 +12,8 @@ still in flight; once the transport reported the last one, the session is *resol
 goes to the server with the next session's handshake or with a ``Release`` on a live session.
 
 Threading: ``EndedSessions`` is plain state the manager mutates under its lock. ``Redialer``
-runs one daemon thread per lost host; it calls back into the manager without holding anything.
+runs one daemon thread for all lost hosts, from the tier's first connected host until it closes;
+it calls back into the manager without holding anything.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class EndedSessions:
 
 
 class Redialer:
-    """Dials lost hosts again in the background (module docstring): one thread for every lost
-    host, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling to ``REDIAL_MAX_S``).
+    """Dials lost hosts again in the background (module docstring): one thread (started by
+    ``arm``) for every lost host, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling
+    to ``REDIAL_MAX_S``).
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). Both are
@@ -103,15 +105,21 @@ class Redialer:
         self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
         self._thread: threading.Thread | None = None
 
+    def arm(self) -> None:
+        """Start the thread (idempotent). The tier arms it when it connects its first host, so
+        that the thread runs from then until the tier closes, whether or not it loses a host."""
+        with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(target=self._run, name="tkvt-redial", daemon=True)
+                self._thread.start()
+
     def start(self, spec: Dial) -> None:
         """Dial ``spec`` again until it answers."""
+        self.arm()
         with self._lock:
             if self._stop.is_set() or spec in self._due:
                 return
             self._due[spec] = (time.monotonic() + REDIAL_FIRST_S, REDIAL_FIRST_S)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tkvt-redial", daemon=True)
-                self._thread.start()
             self._lock.notify()
 
     def stop(self, timeout: float) -> None:

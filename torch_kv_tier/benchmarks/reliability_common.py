@@ -8,6 +8,7 @@ to, plus the problems it found (a problem is a broken promise: a hung future, a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -29,6 +30,8 @@ from torch_kv_tier.transfers import END_THREAD
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
 # on one host) it often completes inside transfer(), before any fault can be injected.
 TCP_ENV = {"UCX_TLS": "tcp"}
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -165,13 +168,23 @@ class Resources:
 
 def settled_resources(baseline: Resources, timeout_s: float = 5.0) -> Resources:
     """This process's resources once its thread count is back to ``baseline``'s and no tier
-    helper that holds a socket runs (or after ``timeout_s``): a lost session ending, or a
-    release told to a dead host (up to ``RELEASE_BUDGET_S``), finish on their own."""
+    helper that holds a socket runs (or after ``timeout_s``, with a warning that names the
+    threads): a lost session ending, or a release told to a dead host (up to
+    ``RELEASE_BUDGET_S``), finish on their own."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = Resources.of()
         helpers = [t for t in threading.enumerate() if t.name in (RELEASE_THREAD, END_THREAD)]
-        if (now.threads <= baseline.threads and not helpers) or time.monotonic() >= deadline:
+        if now.threads <= baseline.threads and not helpers:
+            return now
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "threads not settled after %.1f s: %d against %d before (Python threads: %s)",
+                timeout_s,
+                now.threads,
+                baseline.threads,
+                sorted(t.name for t in threading.enumerate()),
+            )
             return now
         time.sleep(0.05)
 
