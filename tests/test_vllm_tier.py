@@ -763,6 +763,7 @@ def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle
     promoted, not refused for a prefill that is over."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
     admission.on_new_request("r")
+    assert admission.recompute("r") is Verdict.MISS  # a key the tier does not hold
     admission.end_step(scheduled=("r",), preempted=())  # r recomputes
     admission.on_stored(4)  # and stores its prefix
     admission.finish("r")  # one token: done; the engine goes idle (no step)
@@ -773,6 +774,7 @@ def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle
     assert admission.stats.refused_busy == 0
     admission.on_new_request("b")  # b arrives while a waits: a counts as another request
     admission.on_new_request("c")
+    assert admission.recompute("b") is Verdict.MISS
     admission.end_step(scheduled=("b",), preempted=())  # b recomputes, c arrives beside it
     assert admission.admit("c", b"k1") is Verdict.MISS
     assert admission.stats.refused_busy == 1
@@ -826,6 +828,7 @@ def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_store
     a new request recomputes at once (MISS) rather than being held a step and promoted."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
     admission.on_new_request("r")
+    assert admission.recompute("r") is Verdict.MISS
     admission.end_step(scheduled=("r",), preempted=())  # r recomputes: it promised nothing
     admission.on_new_request("a")
     assert admission.admit("a", b"k0") is Verdict.MISS
@@ -844,3 +847,23 @@ def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_store
     admission.on_new_request("d")
     assert admission.admit("d", b"k2") is Verdict.RETRY
     assert admission.stats.refused_busy == 2
+
+
+def test_admission_counts_a_request_served_from_the_caches_above_it_as_no_recompute() -> None:
+    """vLLM serves a repeated prompt from its own prefix cache or CPU tier without asking this
+    tier: it computes nothing, so the requests beside it are still promoted. (serve-bench at
+    concurrency 16: vLLM's random prompts repeat across rounds; one such prompt scheduled first
+    counted as a recompute, and the whole burst recomputed, slower than without the tier.) A
+    request the tier answered MISS is a recompute."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=32)
+    for req_id in ("cached", "a", "b"):
+        admission.on_new_request(req_id)
+    admission.end_step(scheduled=("cached",), preempted=())  # never asked this tier
+    assert admission.admit("a", b"k0") is Verdict.HIT
+    assert admission.admit("b", b"k1") is Verdict.HIT
+    admission.on_new_request("r")
+    admission.on_new_request("c")
+    assert admission.recompute("r") is Verdict.MISS  # r recomputes
+    admission.end_step(scheduled=("r",), preempted=())
+    assert admission.admit("c", b"k2") is Verdict.MISS  # a, b and r are others; r prefills
+    assert admission.stats.refused_busy == 1

@@ -20,9 +20,12 @@ at the head of the queue one: promotion wins only while those steps are short, i
 other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
 the requests behind it no faster). So a request's first promotion is admitted only when:
 
-- **nothing else prefills**: no other request is running or waiting, or else no request with
-  nothing promoted (a recompute) was scheduled in the last two scheduler steps and vLLM
-  stored fewer than half a prefix of newly computed chunks in this step and the previous one.
+- **nothing else prefills**: no other request is running or waiting, or else no recompute
+  was scheduled in the last two scheduler steps and vLLM stored fewer than half a prefix of
+  newly computed chunks in this step and the previous one. A recompute is a request this tier
+  answered MISS and that promoted nothing: a request vLLM served from its own prefix cache or
+  CPU tier never asks this tier and computes (almost) nothing: no recompute, or a burst
+  beside one repeated prompt would recompute whole.
   Both signals are needed: a CPU tier too small to take the chunks vLLM computes stores none
   of them ("cannot store chunks"), so under the very pressure where promotions lose, the
   stores alone would say that nothing prefills. They count steps, and an idle engine runs no
@@ -167,6 +170,7 @@ class PromotionAdmission:
         self._step = 0
         self._stored = [0, 0]  # chunks vLLM stored in this step, in the previous one
         self._recomputes = [0, 0]  # recomputes scheduled in the last step, in the one before
+        self._missed: set[str] = set()  # requests not yet scheduled this tier answered MISS
 
     @property
     def prefix_chunks(self) -> int:
@@ -195,6 +199,9 @@ class PromotionAdmission:
 
     def admit(self, req_id: str, key: Hashable) -> Verdict:
         """What a lookup of ``key`` (held by the tier) for ``req_id`` answers."""
+        return self._answer(req_id, self._admit(req_id, key))
+
+    def _admit(self, req_id: str, key: Hashable) -> Verdict:
         attempt = self._attempts.get(req_id)
         if attempt is not None and key in attempt.promised:
             self.stats.refused_repeat += 1
@@ -239,7 +246,12 @@ class PromotionAdmission:
     def recompute(self, req_id: str) -> Verdict:
         """What a lookup of a key the tier does not hold answers for ``req_id``: MISS (it
         recomputes from here), or RETRY while another request's promotion is under way."""
-        return self._guard(req_id) or Verdict.MISS
+        return self._answer(req_id, self._guard(req_id) or Verdict.MISS)
+
+    def _answer(self, req_id: str, verdict: Verdict) -> Verdict:
+        if verdict is Verdict.MISS:
+            self._missed.add(req_id)
+        return verdict
 
     def _guard(self, req_id: str) -> Verdict | None:
         """``None`` unless ``req_id``, about to recompute, must wait for another request's
@@ -280,12 +292,14 @@ class PromotionAdmission:
         release the promises vLLM could not allocate."""
         recomputes = 0
         for req_id in scheduled:
-            recomputes += req_id not in self._attempts
+            recomputes += req_id in self._missed and req_id not in self._attempts
+            self._missed.discard(req_id)
             self._forget_attempt(req_id)
             self._waiting.pop(req_id, None)
             self._running.add(req_id)
         for req_id in preempted:
             self._forget_attempt(req_id)
+            self._missed.discard(req_id)
             self._running.discard(req_id)
             self._waiting[req_id] = _Arrival(self._step, self._clock())
         for attempt in self._attempts.values():
@@ -302,6 +316,7 @@ class PromotionAdmission:
     def finish(self, req_id: str) -> None:
         """``req_id`` finished (or was aborted): remember its length, forget the rest."""
         self._forget_attempt(req_id)
+        self._missed.discard(req_id)
         self._waiting.pop(req_id, None)
         self._running.discard(req_id)
         length = self._lengths.pop(req_id, None)
