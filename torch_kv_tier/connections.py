@@ -87,7 +87,7 @@ class EndedSessions:
 
 class Redialer:
     """Dials lost hosts again in the background (module docstring): one thread (started by
-    ``arm``) for every lost host, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling
+    ``arm``) for all lost hosts, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling
     to ``REDIAL_MAX_S``).
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says

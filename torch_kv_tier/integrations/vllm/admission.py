@@ -23,9 +23,9 @@ the requests behind it no faster). So a request's first promotion is admitted on
 - **nothing else prefills**: no other request is running or waiting, or else no recompute
   was scheduled in the last two scheduler steps and vLLM stored fewer than half a prefix of
   newly computed chunks in this step and the previous one. A recompute is a request this tier
-  answered MISS and that promoted nothing: a request vLLM served from its own prefix cache or
-  CPU tier never asks this tier and computes (almost) nothing: no recompute, or a burst
-  beside one repeated prompt would recompute whole.
+  answered MISS and that promoted nothing. A request vLLM serves from its own prefix cache or
+  CPU tier never asks this tier and computes (almost) nothing, so it is no recompute (counted
+  as one, a single repeated prompt would make the burst beside it recompute whole).
   Both signals are needed: a CPU tier too small to take the chunks vLLM computes stores none
   of them ("cannot store chunks"), so under the very pressure where promotions lose, the
   stores alone would say that nothing prefills. They count steps, and an idle engine runs no
