@@ -31,6 +31,13 @@ THROUGHPUT_FIELDS = {
 SPREAD = {"median", "q1", "q3", "min", "max"}
 
 
+def test_too_few_hit_blocks_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["shared-bench", "--quick", "--hit-blocks", "10"]) == 2
+    assert "--hit-blocks must be >= 16" in capsys.readouterr().err
+
+
 def test_quick_run_writes_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "shared.json"
     assert cli.main(["shared-bench", "--quick", "--json", str(out)]) == 0

@@ -612,7 +612,7 @@ def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first
         assert driver.loaded_bytes(ctx_3, second) == [driver.written[k] for k in second]
         data = driver.metrics()
         assert data[TieringOffloadingMetrics.READ_BYTES][TIER_LABEL] == len(keys) * CHUNK_BYTES
-        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 1
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS] == {(server.address, "budget"): 1}
         for ctx in (ctx_1, ctx_2, ctx_3):
             with manager.lock:
                 manager.on_request_finished(ctx)
@@ -642,7 +642,10 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
         assert driver.promote(ctx_2, keys) == [LookupResult.HIT] * BUDGET
         assert driver.loaded_bytes(ctx_2, keys) == [driver.written[k] for k in keys]
         data = driver.metrics()
-        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS][(server.address,)] == 3
+        assert data[RemoteHostMetrics.REFUSED_PROMOTIONS] == {
+            (server.address, "pressure"): 2,
+            (server.address, "busy"): 1,
+        }
         for ctx in (ctx_1, ctx_2):
             with manager.lock:
                 manager.on_request_finished(ctx)
@@ -867,3 +870,28 @@ def test_admission_counts_a_request_served_from_the_caches_above_it_as_no_recomp
     admission.end_step(scheduled=("r",), preempted=())
     assert admission.admit("c", b"k2") is Verdict.MISS  # a, b and r are others; r prefills
     assert admission.stats.refused_busy == 1
+
+
+def test_admission_promotes_a_request_that_would_recompute_behind_two_prefills() -> None:
+    """Others prefilling refuse a promotion only while the request's own recompute would start
+    soon. One recompute at the start of a burst refused the request beside it, which then
+    recomputed and refused the next, until the whole burst recomputed in a queue (serve-bench,
+    concurrency 16: no chunk promoted, slower than without the tier). A request behind two
+    prefills (a recompute scheduled in the last step, one waiting that arrived before it) is
+    promoted; one that arrived before the waiting recompute is not behind it."""
+    now = [0.0]
+    admission = PromotionAdmission(
+        budget_chunks=64, tokens_per_chunk=16, prefix_tokens=64, clock=lambda: now[0]
+    )
+    admission.on_new_request("early")
+    now[0] += 0.001
+    for req_id in ("r", "a", "b", "c"):
+        admission.on_new_request(req_id)
+    assert admission.recompute("r") is Verdict.MISS
+    admission.end_step(scheduled=("r",), preempted=())  # r prefills
+    assert admission.admit("a", b"a0") is Verdict.MISS  # behind r only: recompute
+    assert admission.admit("early", b"e0") is Verdict.MISS  # a arrived after it: r only
+    assert admission.admit("b", b"b0") is Verdict.HIT  # behind r, early and a: promoted
+    assert admission.admit("b", b"b1") is Verdict.HIT
+    assert admission.admit("c", b"c0") is Verdict.HIT
+    assert admission.stats.refused_busy == 2 and admission.stats.admitted == 3

@@ -49,7 +49,6 @@ from torch_kv_tier.benchmarks.serve_replicas import (
     Replica,
     busy_neighbour,
     metric_sum,
-    tier_sum,
 )
 
 logger = logging.getLogger(__name__)
@@ -235,23 +234,24 @@ def _settle(replica: Replica) -> None:
     logger.warning("replica A still has transfers in flight after %.0f s", STORE_SETTLE_S)
 
 
-_METRICS = {  # serve_report.COUNTERS -> (labelled by tier or any, vLLM metric name)
-    "tier_hits": ("tier", "vllm:kv_offload_tiering_chunk_hits"),
-    "tier_read_bytes": ("tier", "vllm:kv_offload_tiering_read_bytes"),
-    "allocation_failures": ("any", "vllm:kv_offload_tiering_promotion_allocation_failures"),
-    "refused_promotions": ("any", "torch_kv_tier_refused_promotions"),
-    "lost_promotions": ("any", "torch_kv_tier_lost_promotions"),
-    "connector_hit_tokens": ("any", "vllm:external_prefix_cache_hits"),
-    "prompt_tokens": ("any", "vllm:prompt_tokens"),
+_TIER = 'tier="1:RemoteHostTier"'  # vLLM's label of the remote tier's tiering metrics
+_METRICS = {  # serve_report.COUNTERS -> (vLLM metric name, a label its samples must have)
+    "tier_hits": ("vllm:kv_offload_tiering_chunk_hits", _TIER),
+    "tier_read_bytes": ("vllm:kv_offload_tiering_read_bytes", _TIER),
+    "allocation_failures": ("vllm:kv_offload_tiering_promotion_allocation_failures", ""),
+    "refused_promotions": ("torch_kv_tier_refused_promotions", ""),
+    "refused_busy": ("torch_kv_tier_refused_promotions", 'reason="busy"'),
+    "refused_pressure": ("torch_kv_tier_refused_promotions", 'reason="pressure"'),
+    "refused_budget": ("torch_kv_tier_refused_promotions", 'reason="budget"'),
+    "lost_promotions": ("torch_kv_tier_lost_promotions", ""),
+    "connector_hit_tokens": ("vllm:external_prefix_cache_hits", ""),
+    "prompt_tokens": ("vllm:prompt_tokens", ""),
 }
 
 
 def _counters(replica: Replica) -> dict[str, float]:
     samples = replica.metrics()
-    return {
-        name: tier_sum(samples, metric) if kind == "tier" else metric_sum(samples, metric)
-        for name, (kind, metric) in _METRICS.items()
-    }
+    return {name: metric_sum(samples, *selector) for name, selector in _METRICS.items()}
 
 
 def _run(

@@ -176,19 +176,14 @@ class Replica:
             return False
 
 
-def tier_sum(samples: dict[str, float], name: str, tier: str = "1:RemoteHostTier") -> float:
-    """Sum of the ``name`` samples (a counter's ``_total`` included) labelled ``tier``."""
-    label = f'tier="{tier}"'
+def metric_sum(samples: dict[str, float], name: str, label: str = "") -> float:
+    """Sum of every ``name`` sample (a counter's ``_total`` included) whose labels include
+    ``label`` (e.g. ``reason="busy"``; empty: whatever its labels)."""
     return sum(
-        value
-        for key, value in samples.items()
-        if key.split("{", 1)[0] in (name, f"{name}_total") and label in key
+        v
+        for k, v in samples.items()
+        if k.split("{", 1)[0] in (name, f"{name}_total") and label in k
     )
-
-
-def metric_sum(samples: dict[str, float], name: str) -> float:
-    """Sum of every ``name`` sample whatever its labels (a counter's ``_total`` included)."""
-    return sum(v for k, v in samples.items() if k.split("{", 1)[0] in (name, f"{name}_total"))
 
 
 def _spin(stop: Any) -> None:

@@ -51,6 +51,9 @@ COUNTERS = (
     "tier_read_bytes",
     "allocation_failures",
     "refused_promotions",
+    "refused_busy",
+    "refused_pressure",
+    "refused_budget",
     "lost_promotions",
     "connector_hit_tokens",
     "prompt_tokens",
@@ -93,6 +96,10 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "reads_per_delivered": reads / delivered if delivered else None,
                     "allocation_failures": tier["allocation_failures"],
                     "refused_promotions": tier["refused_promotions"],
+                    "refused_by_reason": {
+                        reason: tier[f"refused_{reason}"]
+                        for reason in ("busy", "pressure", "budget")
+                    },
                     "lost_promotions": tier["lost_promotions"],
                     "tokens_from_connector": tier["connector_hit_tokens"],
                     "prompt_tokens": tier["prompt_tokens"],
@@ -172,11 +179,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| scenario | conc | TTFT p50 tier / recompute (ms) | p99 tier / recompute (ms) "
         "| p50 / p99 offload only (ms) | p50 speedup | req/s tier / recompute "
-        "| chunks read / delivered | lookup hits | alloc. failures | refused / lost "
+        "| chunks read / delivered | lookup hits | alloc. failures "
+        "| refused (busy/pressure/budget) / lost "
         "| prompt tokens from tier |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        by_reason = r.get("refused_by_reason")  # absent from results before it was counted
+        reasons = "/".join(f"{n:.0f}" for n in by_reason.values()) if by_reason else "-"
         offload = (
             f"{r['offload_p50_ms']:.0f} / {r['offload_p99_ms']:.0f}"
             if r.get("offload_p50_ms") is not None
@@ -190,7 +200,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
             f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "
             f"| {r['allocation_failures']:.0f} "
-            f"| {r['refused_promotions']:.0f} / {r['lost_promotions']:.0f} "
+            f"| {r['refused_promotions']:.0f} ({reasons}) / {r['lost_promotions']:.0f} "
             f"| {r['tokens_from_connector']:.0f} of {r['prompt_tokens']:.0f} |"
         )
     return "\n".join(lines)

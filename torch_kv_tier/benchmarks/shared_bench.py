@@ -104,6 +104,11 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     cfg = {k: (v if (v := getattr(args, k, None)) is not None else base[k]) for k in base}
     if cfg["min_time"] <= 0 or cfg["heartbeat_s"] <= 0:
         raise ValueError("--min-time and --heartbeat-s must be > 0")
+    if cfg["hit_blocks"] < shared_checks.LOAD_BATCH:
+        raise ValueError(
+            f"--hit-blocks must be >= {shared_checks.LOAD_BATCH} (the keys of one timed load), "
+            f"got {cfg['hit_blocks']}"
+        )
     return cfg
 
 

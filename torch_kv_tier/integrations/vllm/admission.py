@@ -30,7 +30,13 @@ the requests behind it no faster). So a request's first promotion is admitted on
   of them ("cannot store chunks"), so under the very pressure where promotions lose, the
   stores alone would say that nothing prefills. They count steps, and an idle engine runs no
   step: the last two may be long past, their requests finished (a request served right after
-  a one-token recompute), hence the first condition;
+  a one-token recompute), hence the first condition. Unless its own recompute would wait: a
+  request behind two or more prefills (recomputes scheduled in the last step, or waiting
+  ahead of it) is promoted all the same, since its recompute would end after three prefills,
+  no sooner than its promotion's three steps. Without that exception, one recompute at the
+  start of a burst refused the request beside it, which recomputed in turn and refused the
+  next: the whole burst recomputed, each request queued behind the others (serve-bench at
+  concurrency 16: no chunk promoted, TTFT p50 1060 ms against 902 ms without the tier);
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
   the longest prompt among the last requests served) for every request waiting to be
@@ -87,6 +93,9 @@ logger = logging.getLogger(__name__)
 
 # Finished requests whose prompt lengths the prefix estimate remembers.
 _RECENT_REQUESTS = 64
+# A request that would wait behind this many prefills is promoted even while others prefill:
+# its recompute would end after three prefills, no sooner than its promotion's three steps.
+_PREFILLS_AHEAD_TO_PROMOTE = 2
 
 
 @dataclass
@@ -227,7 +236,7 @@ class PromotionAdmission:
         first: a request that will recompute anyway is not held back a step."""
         others = len(self._running) + len(self._waiting) - (req_id in self._waiting)
         busy = sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2)
-        if others and busy:
+        if others and busy and self._prefills_ahead(req_id) < _PREFILLS_AHEAD_TO_PROMOTE:
             guard = self._guard(req_id)
             if guard is None:
                 self.stats.refused_busy += 1
@@ -242,6 +251,19 @@ class PromotionAdmission:
             self.stats.held += 1
             return Verdict.RETRY
         return None
+
+    def _prefills_ahead(self, req_id: str) -> int:
+        """The prefills ``req_id`` would wait behind if it recomputed: the recomputes scheduled
+        in the last step (prefilling now) and those waiting that arrived before it."""
+        arrival = self._waiting.get(req_id)
+        queued = sum(
+            1
+            for other in self._missed
+            if other != req_id
+            and (at := self._waiting.get(other)) is not None
+            and (arrival is None or at <= arrival)
+        )
+        return self._recomputes[0] + queued
 
     def recompute(self, req_id: str) -> Verdict:
         """What a lookup of a key the tier does not hold answers for ``req_id``: MISS (it

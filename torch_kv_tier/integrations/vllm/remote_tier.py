@@ -23,7 +23,7 @@ config-info metric); ``ConfigInfoMapping`` is imported for type checking only.
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
 tier-poll thread also calls ``get_finished_jobs``). Per-job state (``_jobs``, ``_ready``,
-``_failed_keys``, ``_last_stats``) is therefore touched only from those serialized calls. The one
+``_failed_keys``, ``_last_counters``) is therefore touched only from those serialized calls. The one
 cross-thread hand-off is ``_completions``, a thread-safe queue fed by future done-callbacks. A
 callback runs on whichever thread resolves the future: the ``TierManager``'s poller, or the
 submitting thread itself when the result is known at once, and that thread then holds vLLM's
@@ -102,6 +102,7 @@ class RemoteHostMetrics:
     REFUSED_PROMOTIONS = "torch_kv_tier_refused_promotions"
     LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
     LABEL = "remote"
+    REASON = "reason"  # REFUSED_PROMOTIONS' second label: busy, pressure or budget
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class RemoteHostTier(SecondaryTierManager):
         self._failed_keys: dict[str, set[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._last_stats: dict[str, int] = {}
+        self._last_counters: dict[tuple[str, tuple[str, ...]], int] = {}  # (name, labels)
         rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
         tokens_per_chunk = tier_sizing.tokens_per_chunk(offloading_spec)
         self._admission = PromotionAdmission(
@@ -351,10 +352,11 @@ class RemoteHostTier(SecondaryTierManager):
                 documentation="Chunks evicted from remote hosts to make room.", labelnames=labels
             ),
             RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
-                documentation="Remote hits answered MISS (recompute) because other requests "
-                "were prefilling, the CPU tier could not take every waiting request's prefix, "
-                "or its budget for reads in flight was full.",
-                labelnames=labels,
+                documentation="Remote hits answered MISS (recompute), by reason: other "
+                "requests were prefilling (busy), the CPU tier could not take every waiting "
+                "request's prefix (pressure), or its budget for reads in flight was full "
+                "(budget).",
+                labelnames=(*labels, RemoteHostMetrics.REASON),
             ),
             RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
                 documentation="Promised chunks vLLM's CPU tier lost before their request used "
@@ -370,18 +372,21 @@ class RemoteHostTier(SecondaryTierManager):
             return None
         snapshot = _stats_snapshot(self._manager)
         admission = self._admission.stats
-        snapshot[RemoteHostMetrics.REFUSED_PROMOTIONS] = (
-            admission.refused_busy + admission.refused_pressure + admission.refused_budget
-        )
         snapshot[RemoteHostMetrics.LOST_PROMOTIONS] = admission.refused_repeat
         stats = OffloadingConnectorStats()
         for name in _GAUGES:
             stats.set_gauge(name, snapshot[name], self._label)
-        for name in _COUNTERS:
-            delta = snapshot[name] - self._last_stats.get(name, 0)
+        counters: dict[tuple[str, tuple[str, ...]], int] = {
+            (name, self._label): snapshot[name] for name in _COUNTERS
+        }
+        for reason in ("busy", "pressure", "budget"):
+            refused = getattr(admission, f"refused_{reason}")
+            counters[RemoteHostMetrics.REFUSED_PROMOTIONS, (*self._label, reason)] = refused
+        for (name, labels), total in counters.items():
+            delta = total - self._last_counters.get((name, labels), 0)
             if delta > 0:
-                stats.increase_counter(name, delta, self._label)
-        self._last_stats = snapshot
+                stats.increase_counter(name, delta, labels)
+        self._last_counters = counters
         return stats
 
     @classmethod
@@ -616,10 +621,9 @@ _GAUGES = (
     RemoteHostMetrics.CONNECTED_REMOTES,
     RemoteHostMetrics.INFLIGHT_TRANSFERS,
 )
-_COUNTERS = (
+_COUNTERS = (  # labelled by remote only (REFUSED_PROMOTIONS, by reason too, is apart)
     RemoteHostMetrics.FAILED_TRANSFERS,
     RemoteHostMetrics.EVICTED_CHUNKS,
-    RemoteHostMetrics.REFUSED_PROMOTIONS,
     RemoteHostMetrics.LOST_PROMOTIONS,
 )
 
