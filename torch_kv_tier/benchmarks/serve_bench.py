@@ -50,6 +50,7 @@ from torch_kv_tier.benchmarks.serve_replicas import (
     busy_neighbour,
     metric_sum,
 )
+from torch_kv_tier.integrations.vllm.admission import REFUSAL_REASONS
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +241,10 @@ _METRICS = {  # serve_report.COUNTERS -> (vLLM metric name, a label its samples 
     "tier_read_bytes": ("vllm:kv_offload_tiering_read_bytes", _TIER),
     "allocation_failures": ("vllm:kv_offload_tiering_promotion_allocation_failures", ""),
     "refused_promotions": ("torch_kv_tier_refused_promotions", ""),
-    "refused_busy": ("torch_kv_tier_refused_promotions", 'reason="busy"'),
-    "refused_pressure": ("torch_kv_tier_refused_promotions", 'reason="pressure"'),
-    "refused_budget": ("torch_kv_tier_refused_promotions", 'reason="budget"'),
+    **{
+        f"refused_{reason}": ("torch_kv_tier_refused_promotions", f'reason="{reason}"')
+        for reason in REFUSAL_REASONS
+    },
     "lost_promotions": ("torch_kv_tier_lost_promotions", ""),
     "connector_hit_tokens": ("vllm:external_prefix_cache_hits", ""),
     "prompt_tokens": ("vllm:prompt_tokens", ""),

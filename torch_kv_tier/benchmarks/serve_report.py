@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from torch_kv_tier.integrations.vllm.admission import REFUSAL_REASONS
+
 CHUNK_BYTES = 32768
 TOKENS_PER_CHUNK = 32
 SPEEDUP_AT_1 = 2.0
@@ -51,9 +53,7 @@ COUNTERS = (
     "tier_read_bytes",
     "allocation_failures",
     "refused_promotions",
-    "refused_busy",
-    "refused_pressure",
-    "refused_budget",
+    *(f"refused_{reason}" for reason in REFUSAL_REASONS),
     "lost_promotions",
     "connector_hit_tokens",
     "prompt_tokens",
@@ -97,8 +97,7 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "allocation_failures": tier["allocation_failures"],
                     "refused_promotions": tier["refused_promotions"],
                     "refused_by_reason": {
-                        reason: tier[f"refused_{reason}"]
-                        for reason in ("busy", "pressure", "budget")
+                        reason: tier[f"refused_{reason}"] for reason in REFUSAL_REASONS
                     },
                     "lost_promotions": tier["lost_promotions"],
                     "tokens_from_connector": tier["connector_hit_tokens"],

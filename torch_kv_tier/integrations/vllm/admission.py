@@ -120,6 +120,18 @@ class AdmissionStats:
     refused_repeat: int = 0  # MISS: promised before in this attempt, and lost by vLLM
     unallocated: int = 0  # promises vLLM could not allocate (never submitted)
 
+    def refused(self) -> dict[str, int]:
+        """First promotions refused (MISS), by reason (``REFUSAL_REASONS``)."""
+        return {
+            "busy": self.refused_busy,
+            "pressure": self.refused_pressure,
+            "budget": self.refused_budget,
+        }
+
+
+# Why a first promotion is refused: the keys of ``AdmissionStats.refused`` (a metric label).
+REFUSAL_REASONS = ("busy", "pressure", "budget")
+
 
 class _Arrival(NamedTuple):
     """When a request waiting to be scheduled arrived (or was preempted)."""
@@ -351,4 +363,4 @@ class PromotionAdmission:
             self._held -= len(attempt.held)
 
 
-__all__ = ["AdmissionStats", "PromotionAdmission", "Verdict"]
+__all__ = ["REFUSAL_REASONS", "AdmissionStats", "PromotionAdmission", "Verdict"]

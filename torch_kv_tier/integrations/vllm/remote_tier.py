@@ -102,7 +102,7 @@ class RemoteHostMetrics:
     REFUSED_PROMOTIONS = "torch_kv_tier_refused_promotions"
     LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
     LABEL = "remote"
-    REASON = "reason"  # REFUSED_PROMOTIONS' second label: busy, pressure or budget
+    REASON = "reason"  # REFUSED_PROMOTIONS' second label: one of admission.REFUSAL_REASONS
 
 
 @dataclass(frozen=True)
@@ -379,8 +379,7 @@ class RemoteHostTier(SecondaryTierManager):
         counters: dict[tuple[str, tuple[str, ...]], int] = {
             (name, self._label): snapshot[name] for name in _COUNTERS
         }
-        for reason in ("busy", "pressure", "budget"):
-            refused = getattr(admission, f"refused_{reason}")
+        for reason, refused in admission.refused().items():
             counters[RemoteHostMetrics.REFUSED_PROMOTIONS, (*self._label, reason)] = refused
         for (name, labels), total in counters.items():
             delta = total - self._last_counters.get((name, labels), 0)
