@@ -1,11 +1,11 @@
 """The tier's half of the ``torch-kv-tier serve`` control plane: sessions with connected hosts,
 dialling a lost host again, and releasing ended sessions (see ``connections``).
 
-``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``): the
-manager's ``connect`` opens a session here (``_connect``), a private lease registers through
-``_add_private`` and a shared pool through ``SharedHosts._join_shared``; a session that is lost
-drops its peer (``_on_session_lost``) and, once ended, is dialled again (``_close_session``);
-``close`` ends every session (``_end_sessions``).
+``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``) and
+holds its public ``connect``/``disconnect``: a session opens in ``_connect``, a private lease
+registers through ``_add_private`` and a shared pool through ``SharedHosts._join_shared``; a
+session that is lost drops its peer (``_on_session_lost``) and, once ended, is dialled again
+(``_close_session``); ``close`` ends every session (``_end_sessions``).
 
 Fencing, client half: a session that ended with writes in flight, or without a clean
 disconnect, is held by its host until this tier names it as *resolved*, i.e. once the transport
@@ -68,6 +68,45 @@ class ConnectedHosts:
         def _flush(self) -> None: ...
         def _join_shared(self, session: Any, timeout_s: float) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
+
+    # -- public: connected hosts ---------------------------------------------------------------
+
+    def connect(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        private: bool = False,
+        slots: int | None = None,
+        timeout_s: float = 10.0,
+        heartbeat_timeout_s: float = 10.0,
+    ) -> str:
+        """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
+        ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
+        peer id: the host's stable id, the same in every tier (what keys are placed by).
+        Connecting a host that is connected already returns its id.
+
+        Shared: every tier with the same config fingerprint sees the keys the others stored
+        (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
+        the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
+        the session is lost (the server stops answering heartbeats for ``heartbeat_timeout_s``,
+        forgets the session, or the control connection is reset) the peer is dropped as lost
+        and dialled again in the background until it answers or ``disconnect`` is called.
+        """
+        if slots is not None and not private:
+            raise ValueError("slots= sizes a private lease: pass private=True with it")
+        if not private and not self.verify:
+            raise ValueError(
+                "a shared pool needs verify=True: its loads read unpinned slots and rely on "
+                "digests to turn a slot rewritten meanwhile into a miss"
+            )
+        return self._connect(Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s))
+
+    def disconnect(self, peer_id: str) -> None:
+        """End a connected host's session and forget it (as ``remove_peer``)."""
+        self.remove_peer(peer_id)
+
+    # -- internals ----------------------------------------------------------------------------
 
     def _remove(self, peer_id: str) -> None:
         """``remove_peer`` (unlocked): drop the peer, end its session clean unless a write of

@@ -4,8 +4,8 @@ The public API and the calls' validation. Its parts: ``index`` (what is stored w
 placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, per tier-owned
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
 the base classes ``transfers`` (a transfer's life: submit, poll, finish per operation, settle,
-drop a failed peer), ``shared_hosts`` (driving shared hosts) and ``connected_hosts`` (sessions:
-connect, redial, release).
+drop a failed peer), ``shared_hosts`` (driving shared hosts) and ``connected_hosts`` (``connect``,
+``disconnect`` and the sessions: redial, release).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
@@ -198,41 +198,6 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         Raises ``KeyError`` for an unknown peer.
         """
         self._remove(peer_id)
-
-    def connect(
-        self,
-        address: str,
-        *,
-        token: str | None = None,
-        private: bool = False,
-        slots: int | None = None,
-        timeout_s: float = 10.0,
-        heartbeat_timeout_s: float = 10.0,
-    ) -> str:
-        """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
-        ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
-        peer id: the host's stable id, the same in every tier (what keys are placed by).
-        Connecting a host that is connected already returns its id.
-
-        Shared: every tier with the same config fingerprint sees the keys the others stored
-        (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
-        the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
-        the session is lost (the server stops answering heartbeats for ``heartbeat_timeout_s``,
-        forgets the session, or the control connection is reset) the peer is dropped as lost
-        and dialled again in the background until it answers or ``disconnect`` is called.
-        """
-        if slots is not None and not private:
-            raise ValueError("slots= sizes a private lease: pass private=True with it")
-        if not private and not self.verify:
-            raise ValueError(
-                "a shared pool needs verify=True: its loads read unpinned slots and rely on "
-                "digests to turn a slot rewritten meanwhile into a miss"
-            )
-        return self._connect(Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s))
-
-    def disconnect(self, peer_id: str) -> None:
-        """End a connected host's session and forget it (as ``remove_peer``)."""
-        self.remove_peer(peer_id)
 
     def peers(self) -> list[str]:
         with self._lock:

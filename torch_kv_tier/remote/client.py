@@ -5,8 +5,8 @@ disconnect; for a shared session also grants, commits, touches and the index eve
 background I/O thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from
 any thread (answers resolve futures on the I/O thread), batches commits and touches into as few
 frames as each wake-up allows, and reports a lost session through ``on_lost``. A shared
-session's pushed ``Events`` go to its ``IndexFollower`` (``follow``). The I/O thread's half is
-``session_io``.
+session's pushed ``Events`` go to its ``IndexFollower`` (``follow``). The I/O thread, and how
+any thread hands it work, is ``session_io``.
 
 Delivery: a control message is delivered or the session is lost, loudly. The session is lost
 when the server stops answering heartbeats, says it no longer knows the session, the control
@@ -17,7 +17,6 @@ server then holds what the session may still write until the client releases it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -44,7 +43,7 @@ from torch_kv_tier.remote.handshake import (
 )
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower, OnChange
-from torch_kv_tier.remote.session_io import Request, SessionIO, close_sockets
+from torch_kv_tier.remote.session_io import Request, SessionIO, add_to_batch, close_sockets
 
 logger = logging.getLogger(__name__)
 
@@ -257,15 +256,15 @@ class RemoteSession(SessionIO):
         # The batch is looked up under the lock, inside ``_enqueue``: the I/O thread swaps in a
         # new list each time it takes one, and a list taken before the lock could already be
         # sent (the commit was lost: the host kept the slots granted, the keys never stored).
+        commit = [(keys, slots, digests)]
         self._enqueue(
-            lambda: _add(self._commits, [(keys, slots, digests)]) and not self._commits_watched,
-            False,
+            lambda: add_to_batch(self._commits, commit) and not self._commits_watched, False
         )
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; sent at most ``session_io.TOUCH_PERIOD_S``
         later, batched with every other touch of that period)."""
-        self._enqueue(lambda: _add(self._touches, keys), False)
+        self._enqueue(lambda: add_to_batch(self._touches, keys), False)
 
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved."""
@@ -352,69 +351,3 @@ class RemoteSession(SessionIO):
 
     def __repr__(self) -> str:
         return f"RemoteSession({self.peer_id!r}, {self.public_id}, lease={self.lease})"
-
-    # -- requests from any thread -----------------------------------------------------------
-
-    def _call(
-        self,
-        make: Callable[[int], p.ClientMessage],
-        timeout_s: float,
-        *,
-        allow_closed: bool = False,
-    ) -> p.ServerMessage:
-        future = self._call_async(make, timeout_s=timeout_s, allow_closed=allow_closed)
-        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
-
-    def _call_async(
-        self,
-        make: Callable[[int], p.ClientMessage],
-        on_answer: Callable[[Future[p.ServerMessage]], None] | None = None,
-        timeout_s: float | None = None,
-        *,
-        allow_closed: bool = False,
-    ) -> Future[p.ServerMessage]:
-        """Send a request; its future resolves on the I/O thread (``TimeoutError`` after
-        ``timeout_s``, default the session's), where ``on_answer`` then runs. Raises
-        ``ConnectionError`` once closed or lost."""
-        future: Future[p.ServerMessage] = Future()
-        future.set_running_or_notify_cancel()
-        if on_answer is not None:  # before the request exists: it cannot have an answer yet
-            future.add_done_callback(on_answer)
-        timeout = self._timeout_s if timeout_s is None else timeout_s
-        self._enqueue(lambda: self._requests.put((make, future, timeout)), allow_closed)
-        return future
-
-    def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
-        """Send a message that gets no answer."""
-        self._enqueue(lambda: self._requests.put((make, None, 0.0)), False)
-
-    def _enqueue_action(self, action: Callable[[], None]) -> None:
-        self._enqueue(lambda: self._actions.put(action), False)
-
-    def _enqueue(self, put: Callable[[], bool | None], allow_closed: bool) -> None:
-        """Hand work to the I/O thread (``put`` runs under the lock) and wake it, unless
-        ``put`` says a wake-up is pending already (it returns ``False``: a batch that was not
-        empty, which the I/O thread has not taken yet)."""
-        with self._lock:
-            if self._lost_reason is not None:
-                raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
-            if (self._closed and not allow_closed) or self._io_done:
-                raise ConnectionError(f"session {self.peer_id} is closed")
-            wake = put() is not False
-        if wake:
-            self._wake()
-
-    def _wake(self) -> None:
-        with self._lock:
-            if self._io_done:
-                return
-            with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
-                self._wake_w.send(b"\0")
-
-
-def _add(batch: list[Any], items: list[Any]) -> bool:
-    """Append ``items`` to a batch the I/O thread takes whole; whether it was empty (only
-    then does the I/O thread need a wake-up: one is pending for a batch not yet taken)."""
-    was_empty = not batch
-    batch.extend(items)
-    return was_empty

@@ -1,5 +1,6 @@
 """The I/O thread of a ``RemoteSession``: the only user of its ZeroMQ socket once the handshake
-is done.
+is done, and how other threads hand it work (``_call_async``, ``_post``, ``_enqueue``: put
+under the session's lock, then one wake-up, skipped when one is pending already).
 
 Each wake-up (a request queued from any thread, a frame from the server, a heartbeat, request or
 batch deadline) it runs queued actions, sends the commits and touches batched since the last
@@ -76,6 +77,7 @@ class SessionIO:
     _lost_reason: str | None
     _interval_s: float
     _hb_timeout_s: float
+    _timeout_s: float
     _follower: IndexFollower | None
     _usage: dict[str, int]
     _requests: queue.SimpleQueue[Request]
@@ -86,6 +88,64 @@ class SessionIO:
     _wake_r: socket.socket
     _wake_w: socket.socket
     _on_lost: Callable[[], Callable[[str], None] | None]
+
+    # -- requests from any thread -----------------------------------------------------------
+
+    def _call(
+        self,
+        make: Callable[[int], p.ClientMessage],
+        timeout_s: float,
+        *,
+        allow_closed: bool = False,
+    ) -> p.ServerMessage:
+        future = self._call_async(make, timeout_s=timeout_s, allow_closed=allow_closed)
+        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
+
+    def _call_async(
+        self,
+        make: Callable[[int], p.ClientMessage],
+        on_answer: Callable[[Future[p.ServerMessage]], None] | None = None,
+        timeout_s: float | None = None,
+        *,
+        allow_closed: bool = False,
+    ) -> Future[p.ServerMessage]:
+        """Send a request; its future resolves on the I/O thread (``TimeoutError`` after
+        ``timeout_s``, default the session's), where ``on_answer`` then runs. Raises
+        ``ConnectionError`` once closed or lost."""
+        future: Future[p.ServerMessage] = Future()
+        future.set_running_or_notify_cancel()
+        if on_answer is not None:  # before the request exists: it cannot have an answer yet
+            future.add_done_callback(on_answer)
+        timeout = self._timeout_s if timeout_s is None else timeout_s
+        self._enqueue(lambda: self._requests.put((make, future, timeout)), allow_closed)
+        return future
+
+    def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
+        """Send a message that gets no answer."""
+        self._enqueue(lambda: self._requests.put((make, None, 0.0)), False)
+
+    def _enqueue_action(self, action: Callable[[], None]) -> None:
+        self._enqueue(lambda: self._actions.put(action), False)
+
+    def _enqueue(self, put: Callable[[], bool | None], allow_closed: bool) -> None:
+        """Hand work to the I/O thread (``put`` runs under the lock) and wake it, unless
+        ``put`` says a wake-up is pending already (it returns ``False``: a batch that was not
+        empty, which the I/O thread has not taken yet)."""
+        with self._lock:
+            if self._lost_reason is not None:
+                raise ConnectionError(f"session {self.peer_id} lost: {self._lost_reason}")
+            if (self._closed and not allow_closed) or self._io_done:
+                raise ConnectionError(f"session {self.peer_id} is closed")
+            wake = put() is not False
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._io_done:
+                return
+            with contextlib.suppress(BlockingIOError):  # a wake-up is already pending
+                self._wake_w.send(b"\0")
 
     # -- the I/O thread ---------------------------------------------------------------------
 
@@ -293,3 +353,11 @@ def close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         sock.disable_monitor()
     monitor.close(linger=0)
     sock.close(linger=0)
+
+
+def add_to_batch(batch: list[Any], items: list[Any]) -> bool:
+    """Append ``items`` to a batch the I/O thread takes whole; whether it was empty (only
+    then does the I/O thread need a wake-up: one is pending for a batch not yet taken)."""
+    was_empty = not batch
+    batch.extend(items)
+    return was_empty
