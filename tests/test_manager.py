@@ -14,6 +14,7 @@ from remote_peer import RemotePeer
 
 from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.shared_host import default_grant_batch
 from torch_kv_tier.transport.base import PollResult
 
 BLOCK = 4096
@@ -216,6 +217,13 @@ def test_bad_input_raises_before_anything_is_sent(peers: tuple[RemotePeer, Remot
             tier.add_peer("b", *peers[1].peer_args()[:3], BLOCK * 2)
         with pytest.raises(KeyError):
             tier.remove_peer("nobody")
+
+
+def test_the_grant_batch_defaults_to_a_reserve_sized_for_the_block() -> None:
+    with TierManager.create(4, 64 << 10, name="reserve") as tier:
+        assert tier.grant_batch == default_grant_batch(64 << 10) == 1024
+    with TierManager.create(4, 64 << 10, name="reserve", grant_batch=8) as tier:
+        assert tier.grant_batch == 8
 
 
 def test_store_without_peers_fails_every_key() -> None:

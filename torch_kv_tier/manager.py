@@ -59,7 +59,7 @@ from torch_kv_tier.results import (
     TierStats,
     TransferResult,
 )
-from torch_kv_tier.shared_host import MAX_GRANT, SharedHost
+from torch_kv_tier.shared_host import MAX_GRANT, SharedHost, default_grant_batch
 from torch_kv_tier.shared_hosts import SharedHosts
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
@@ -96,7 +96,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         max_inflight: int = 64,
         max_poll_interval_s: float = 500e-6,
         events: bool = False,
-        grant_batch: int = 512,
+        grant_batch: int | None = None,
         verify: bool = True,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
@@ -107,6 +107,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             )
         if max_inflight <= 0:
             raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+        if grant_batch is None:
+            grant_batch = default_grant_batch(transport.block_len)
         if not 0 < grant_batch <= MAX_GRANT:
             raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
         self.grant_batch = grant_batch
@@ -147,7 +149,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         name: str = "tier",
         max_inflight: int = 64,
         events: bool = False,
-        grant_batch: int = 512,
+        grant_batch: int | None = None,
         verify: bool = True,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.

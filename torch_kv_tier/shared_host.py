@@ -31,6 +31,17 @@ from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer
 
 MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
+DEFAULT_GRANT_BATCH = 512  # slots, unless RESERVE_BYTES of them is more
+RESERVE_BYTES = 64 << 20  # at least this much of a reserve by default (small blocks)
+
+
+def default_grant_batch(block_len: int) -> int:
+    """``TierManager``'s default ``grant_batch`` for blocks of ``block_len`` bytes: 512 slots,
+    or as many as hold 64 MiB when that is more (at most ``MAX_GRANT``). The reserve must
+    outlast what a tier writes while a top-up is on its way: a grant round trip (1.9 ms p50,
+    8 ms p99 here) plus the commits not yet sent (up to 5 ms), about 40 MiB at 3 GB/s. With
+    512 slots of 64 KiB (32 MiB), about 1 % of stores found it empty and waited."""
+    return min(max(DEFAULT_GRANT_BATCH, RESERVE_BYTES // block_len), MAX_GRANT)
 
 
 class SharedHost(Peer):
@@ -143,4 +154,4 @@ class SharedHost(Peer):
             self.session.touch(keys)
 
 
-__all__ = ["MAX_GRANT", "SharedHost"]
+__all__ = ["MAX_GRANT", "RESERVE_BYTES", "SharedHost", "default_grant_batch"]

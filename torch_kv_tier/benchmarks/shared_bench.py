@@ -42,6 +42,7 @@ from torch_kv_tier.benchmarks.bench import _list, _positive, _size
 from torch_kv_tier.benchmarks.reliability_common import LineReader, kill_process
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
+from torch_kv_tier.shared_host import default_grant_batch
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,7 @@ FULL: dict[str, Any] = {
     "heartbeat_s": 10.0,
 }
 BATCH, INFLIGHT = 16, 4
-GRANT_BATCH = 512  # TierManager's default grant request
-MAX_RESERVE_BYTES = 32 << 20  # the most a shared tier's reserve of granted slots holds here
+MAX_RESERVE_BYTES = 64 << 20  # the most a shared tier's reserve of granted slots holds here
 ANSWER_TIMEOUT_S = 120.0  # one open (NIXL agents, staging, warm-up) or burst of one process
 RATIOS = (("shared", "nixl_raw"), ("private", "nixl_raw"), ("shared", "private"))
 
@@ -245,14 +245,18 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     try:
         for block_len in cfg["block_sizes"]:
             ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
-            # The grant cap is a tier's default reserve: its grant batch, which a host at its
-            # default cap (a sixteenth of the pool) grants from 8192 slots up, i.e. on any pool
-            # of gigabytes. At most MAX_RESERVE_BYTES, so that the pools fit this machine (128
-            # slots at 256 KiB), and at least twice the blocks in flight. A shared host holds
+            # The grant cap is a tier's default reserve: its grant batch
+            # (``shared_host.default_grant_batch``), which a host at its default cap (a
+            # sixteenth of the pool) grants on any pool of gigabytes. At most MAX_RESERVE_BYTES,
+            # so that the pools fit this machine (256 slots at 256 KiB, where the default is
+            # 512), and at least twice the blocks in flight. A shared host holds
             # every process's reserve (and those of sessions that ended with writes in flight,
             # until released) beside what they store, and evicts beyond that: its pool is four
             # times every working set, and at least twice every working set and reserve.
-            max_grant = min(GRANT_BATCH, max(2 * BATCH * INFLIGHT, MAX_RESERVE_BYTES // block_len))
+            max_grant = min(
+                default_grant_batch(block_len),
+                max(2 * BATCH * INFLIGHT, MAX_RESERVE_BYTES // block_len),
+            )
             need = ws_blocks + BATCH * INFLIGHT
             shared = max(4 * max_tiers * need, 2 * max_tiers * (need + max_grant))
             # A private host holds the private tiers' leases (as much as the shared tiers cycle
