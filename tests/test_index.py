@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import zlib
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -13,9 +14,10 @@ import torch
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.digest import block_digest
-from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.index import COMPACT_AFTER_SLOTS, BlockIndex
 from torch_kv_tier.keys import Placement, home_peer
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.slot_maps import CompactSlots, DictSlots
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult
 
 BLOCK = 64
@@ -39,12 +41,13 @@ def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
     assert kinds[-4:] == [("evicted", "b"), ("evicted", "c"), ("discarded", "a"), ("evicted", "d")]
 
 
-def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now() -> None:
+@pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
+def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now(compact: bool) -> None:
     """A shared host's copy keeps one digest per slot. A key whose slot went to another key
     before the copy heard of the eviction (the tier's own commit is published before the host's
     older events arrive) is located with the new key's digest, which its bytes (the new key's)
     fail: a miss, never the other key's bytes. Events applied later leave the host's truth."""
-    index = BlockIndex()
+    index = BlockIndex(compact=compact)
     peer = index.add_shared_peer("h", 8)
     old, new = b"k-old".ljust(32, b"\0"), b"k-new".ljust(32, b"\0")
     block = bytes(range(64))
@@ -60,11 +63,22 @@ def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now() -> N
     assert index.locate([old], [0]) == ({}, [old])
 
 
-def test_a_key_on_two_peers_is_found_on_either_and_lost_only_with_the_last() -> None:
+def test_keys_of_one_crc32_still_have_different_digests() -> None:
+    """Digests are seeded with the key's 64-bit fingerprint: two keys whose CRC-32 (the placement
+    hash, and the digest seed before) agree still bind the same bytes to different digests, so
+    a stale entry read through one of them is a miss (with a 32-bit seed, it passed)."""
+    a, b = bytes.fromhex("292c99bfb5b820b7"), bytes.fromhex("11983d82cb0bebd2")
+    assert zlib.crc32(a) == zlib.crc32(b)
+    block = bytes(range(256)) * 4
+    assert block_digest(block, a) != block_digest(block, b)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
+def test_a_key_on_two_peers_is_found_on_either_and_lost_only_with_the_last(compact: bool) -> None:
     """A shared host's copy answers for its own keys (no second per-key map): a key on a
     tier-owned peer and on two shared hosts is read from the tier-owned one first, then from
     the hosts in the order they joined; dropping one peer loses only the keys no other holds."""
-    index = BlockIndex(events=True)
+    index = BlockIndex(events=True, compact=compact)
     own = index.add_peer("own", range(4))
     h1, h2 = index.add_shared_peer("h1", 8), index.add_shared_peer("h2", 8)
     index.apply_host_changes(h1, [b"a", b"b"], [1, 2], [11, 12], [], False)
@@ -273,3 +287,21 @@ def test_close_does_not_wait_for_a_write_orphaned_by_a_dropped_peer() -> None:
     closer.join(timeout=20)  # its future is resolved: close() must not sit out its timeout
     assert not closer.is_alive()
     assert transport.in_flight() == []  # the orphaned write was cancelled
+
+
+def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
+    """The copy of a host is a dict (fastest per call) while the pools followed stay within
+    ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""
+    index = BlockIndex()
+    small = index.add_shared_peer("small", COMPACT_AFTER_SLOTS // 2)
+    big = index.add_shared_peer("big", COMPACT_AFTER_SLOTS // 2 + 1)
+    assert isinstance(small.map, DictSlots) and isinstance(big.map, CompactSlots)
+    keys = [f"k{i}".encode() for i in range(1000)]
+    index.apply_host_changes(big, keys, list(range(1000)), list(range(1000)), [], False)
+    index.publish(big, [b"own"], [1000], [7])  # this tier's commit, not yet echoed
+    assert index.lookup([*keys, b"own", b"x"]) == 1001 and index.holder(b"own") is big
+    groups, missing = index.locate([keys[3], b"own", b"x"], [0, 1, 2])
+    assert missing == [b"x"] and groups[big][2:] == ([3, 1000], [3, 7])
+    index.apply_host_changes(big, [b"own"], [1000], [7], keys[:500], False)  # the echo
+    assert index.lookup(keys) == 0 and index.lookup(keys[500:]) == 500
+    assert big.stored == 501 and big.map.nbytes <= 8 * 1501  # tombstones until a merge

@@ -22,11 +22,16 @@ def _stats(address: str) -> dict[str, Any]:
         return session.stats()
 
 
-def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another() -> None:
+COPIES = pytest.mark.parametrize("compact", [False, True], ids=["dict-copy", "compact-copy"])
+
+
+@COPIES
+def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another(compact: bool) -> None:
+    """Either form of the copy of the host's index (``slot_maps``) serves the same bytes."""
     with (
         ServerProcess.start(2048, BLOCK_LEN) as server,
-        TierManager.create(1024, BLOCK_LEN, name="writer") as writer,
-        TierManager.create(1024, BLOCK_LEN, name="reader") as reader,
+        TierManager.create(1024, BLOCK_LEN, name="writer", compact_index=compact) as writer,
+        TierManager.create(1024, BLOCK_LEN, name="reader", compact_index=compact) as reader,
     ):
         writer.connect(server.address)
         reader.connect(server.address)
@@ -125,14 +130,17 @@ def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:
         assert tier.lookup([b"ghost"]) == 0 and tier.stats().verify_failed == 1
 
 
+@COPIES
 def test_a_slot_evicted_and_rewritten_under_a_stale_copy_is_a_miss_never_wrong_bytes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, compact: bool
 ) -> None:
     """No pin holds what a shared load reads: a reader whose copy of the index still names an
     evicted key reads another key's bytes there, and its digest turns that into a miss."""
     with (
         ServerProcess.start(16, BLOCK_LEN, extra_args=["--max-grant", "8"]) as server,
-        TierManager.create(16, BLOCK_LEN, name="reader", grant_batch=4) as reader,
+        TierManager.create(
+            16, BLOCK_LEN, name="reader", grant_batch=4, compact_index=compact
+        ) as reader,
         TierManager.create(64, BLOCK_LEN, name="writer", grant_batch=8) as writer,
     ):
         reader.connect(server.address)
@@ -155,10 +163,13 @@ def test_a_slot_evicted_and_rewritten_under_a_stale_copy_is_a_miss_never_wrong_b
                 assert torch.equal(reader.arena.tensor[row], expected[keys.index(key)])
 
 
-def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier() -> None:
+@COPIES
+def test_a_full_shared_pool_evicts_the_least_recently_used_and_tells_every_tier(
+    compact: bool,
+) -> None:
     with (
         ServerProcess.start(64, BLOCK_LEN) as server,
-        TierManager.create(64, BLOCK_LEN, name="a", grant_batch=8) as a,
+        TierManager.create(64, BLOCK_LEN, name="a", grant_batch=8, compact_index=compact) as a,
         TierManager.create(64, BLOCK_LEN, name="b", grant_batch=8) as b,
     ):
         a.connect(server.address)

@@ -1,8 +1,11 @@
 """Block digests: what a load checks its bytes against, so it returns the bytes its key names or
 a miss, whatever wrote the slot meanwhile.
 
-A digest is xxh3-64 of a block's bytes, seeded with the key's stable 32-bit hash
-(``keys.key_hash``): it binds the bytes to their key. A store computes the digests of its source
+A digest is xxh3-64 of a block's bytes, seeded with the key's stable 64-bit fingerprint
+(``keys.key_fingerprint``): it binds the bytes to their key. (A 32-bit seed, as before, let the
+bytes of any key whose seed equals the asked key's pass its check: odds of 2**-32 per stale
+read, which a busy fleet reaches in weeks. With 64 bits, a read of another key's bytes passes
+with odds of 2**-64.) A store computes the digests of its source
 blocks before it writes them; the index keeps each stored key's digest (a shared host publishes
 it with the key); a load recomputes the digests of the blocks it brought in and reports a key
 whose digest differs as "missing". That catches, whatever the transport or its timing: a torn
@@ -28,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from torch_kv_tier.keys import Key, key_hash
+from torch_kv_tier.keys import Key, key_fingerprint
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -47,7 +50,7 @@ class BlockDigests:
         if rows is None:  # device memory: one gather and copy to host for the whole call
             rows = list(self._blocks[list(idxs)].cpu().numpy())
             idxs = range(len(rows))
-        return [_xxh3(rows[i], key_hash(k)) for i, k in zip(idxs, keys)]
+        return [_xxh3(rows[i], key_fingerprint(k)) for i, k in zip(idxs, keys)]
 
     def mismatched(
         self, idxs: Sequence[int], keys: Sequence[Key], expected: Sequence[int]
@@ -61,4 +64,4 @@ class BlockDigests:
 
 def block_digest(block: bytes | memoryview, key: Key) -> int:
     """The digest of one block's bytes as ``key`` (what ``BlockDigests.of`` computes)."""
-    return _xxh3(block, key_hash(key))
+    return _xxh3(block, key_fingerprint(key))

@@ -12,30 +12,33 @@ read pins (slot -> loads in flight; a pinned slot is never evicted or reused), s
 while pinned (freed on the last unpin) and slots withheld because a write of an earlier
 registration of the same peer id may still land on them (``fence``).
 
-A shared host (``SharedSlots``) keeps its own index: the host decides eviction, and this tier
-holds a copy of the host's key set with each key's slot and each slot's digest (kept current
-by the host's events, see ``apply_host_changes``); the slots the host granted it are its
+A shared host (``slot_maps.SharedSlots``) keeps its own index: the host decides eviction, and
+this tier holds a copy of the host's key set with each key's slot and each slot's digest (kept
+current by the host's events, see ``apply_host_changes``); the slots the host granted it are its
 ``SharedHost``'s. A load reads a shared key's slot from the copy, unpinned: a slot evicted and
-rewritten meanwhile fails its digest and is a miss.
+rewritten meanwhile fails its digest and is a miss. The copy is a dict (fastest per call, ~150 B
+per key) until the pools of the hosts this tier follows add up to more than
+``COMPACT_AFTER_SLOTS``; each host joined after that, or every host with ``compact=True``, is
+held in 16 B per key (``slot_maps.CompactSlots``), so a tier's index stays within ~150 MB plus
+16 B per key whatever the fleet.
 
 Which peer holds a key: ``where`` maps the keys of tier-owned peers; a shared host's copy
-answers for its own keys (no second map per key: a follower of a big host holds one dict
-entry per key, not two). A key held by several peers is found on a tier-owned one first, then
-on the shared hosts in the order they joined.
+answers for its own keys (no second map per key). A key held by several peers is found on a
+tier-owned one first, then on the shared hosts in the order they joined.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 from typing import Literal
 
-import numpy as np
-
 from torch_kv_tier.keys import Key, Placement
+from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots
 from torch_kv_tier.slots import SlotPool
 
+COMPACT_AFTER_SLOTS = 1 << 20  # a dict copy of that many keys is ~150 MB
 EventKind = Literal["stored", "evicted", "discarded", "lost"]
 MAX_EVENTS = 100_000
 
@@ -72,61 +75,23 @@ class PeerSlots:
         return len(self.lru)
 
 
-class SharedSlots:
-    """A shared host's key set as this tier sees it: a copy of the host's keys with each one's
-    slot, and each slot's digest, possibly stale (the slots the host granted this tier belong
-    to its ``shared_host.SharedHost``).
-
-    Digests are kept per slot, in one array the size of the host's pool: a slot holds one key
-    at a time, and a per-key ``(slot, digest)`` tuple cost 56 B and a garbage-collector scan
-    per key. A slot's digest is the one of the last key this copy learnt there; a key whose
-    entry is stale fails it (digests are seeded with their key), which is a miss."""
-
-    __slots__ = ("capacity", "digests", "entries", "peer_id")
-
-    def __init__(self, peer_id: str, capacity: int) -> None:
-        self.peer_id = peer_id
-        self.capacity = capacity  # the host's pool, shared with every other tier
-        self.entries: dict[Key, int] = {}  # the host's keys -> slot
-        self.digests = np.zeros(capacity, dtype=np.uint64)  # slot -> digest
-
-    def learn(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
-        """``keys`` are stored in ``slots`` with bytes of ``digests``."""
-        self.entries.update(zip(keys, slots))
-        if slots:
-            n = len(slots)
-            self.digests[np.fromiter(slots, np.int64, n)] = np.fromiter(digests, np.uint64, n)
-
-    def find(self, keys: Sequence[Key]) -> tuple[list[int], list[int]]:
-        """The slots and digests of stored ``keys``."""
-        slots = list(map(self.entries.__getitem__, keys))
-        return slots, self.digests[slots].tolist()
-
-    @property
-    def used(self) -> int:
-        return len(self.entries)
-
-    @property
-    def stored(self) -> int:
-        return len(self.entries)
-
-
 AnyPeer = PeerSlots | SharedSlots
 
 
 class BlockIndex:
     """Stored keys across peers: placement, LRU, pins, eviction and the event log."""
 
-    def __init__(self, *, events: bool = False) -> None:
+    def __init__(self, *, events: bool = False, compact: bool | None = None) -> None:
         self.peers: dict[str, AnyPeer] = {}
+        # A shared host's copy in a dict or a compact table (``slot_maps``); ``None``: compact
+        # once the pools of the hosts followed would add up to more than COMPACT_AFTER_SLOTS.
+        self.compact = compact
         # Stored key -> its peer (the slot is ``peer.lru[key]``). Values are references to
         # existing objects: publishing allocates no per-key container the garbage collector
         # would have to track and re-scan (a (peer, slot) tuple per key cost ~0.5 us per key
         # in collections once the index held tens of thousands of keys).
         self.where: dict[Key, PeerSlots] = {}  # keys of tier-owned peers only
         self.shared: list[SharedSlots] = []  # shared hosts, in the order they joined
-        # The maps that say which keys are stored: ``where``, then each shared host's copy.
-        self._maps: tuple[dict[Key, PeerSlots] | dict[Key, int], ...] = (self.where,)
         self.evictions = 0
         self.events_dropped = 0
         self._events: deque[tuple[str, Key, str]] | None = (
@@ -153,7 +118,11 @@ class BlockIndex:
         """A new shared host (its keys arrive with ``apply_host_changes``)."""
         if peer_id in self.peers:
             raise ValueError(f"peer {peer_id!r} is registered; remove it first")
-        peer = self.peers[peer_id] = SharedSlots(peer_id, capacity)
+        followed = capacity + sum(peer.capacity for peer in self.shared)
+        compact = self.compact if self.compact is not None else followed > COMPACT_AFTER_SLOTS
+        slot_map = CompactSlots(capacity, keep_keys=self.events_enabled) if compact else DictSlots()
+        peer = SharedSlots(peer_id, capacity, slot_map)
+        self.peers[peer_id] = peer
         self.shared.append(peer)
         self._peers_changed()
         return peer
@@ -164,8 +133,8 @@ class BlockIndex:
         if isinstance(peer, SharedSlots):
             self.shared.remove(peer)
             self._peers_changed()
-            # another peer may hold some of the same keys
-            lost = [key for key in peer.entries if self.holder(key) is None]
+            # another peer may hold some of the same keys (named only when events are logged)
+            lost = self._unheld(list(peer.map.keys()))
         else:
             self._peers_changed()
             lost = list(peer.lru)
@@ -177,16 +146,21 @@ class BlockIndex:
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` are stored."""
-        where, shared = self.where, self.shared
-        if not shared or (not where and len(shared) == 1):  # one map to ask
-            held = shared[0].entries if shared else where
+        if not self.shared:
+            where = self.where
             for n, key in enumerate(keys):
-                if key not in held:
+                if key not in where:
                     return n
             return len(keys)
-        maps = self._maps
+        if len(keys) > 16:  # a pass per peer beats numpy's per-call cost past a few keys
+            if not self.where and len(self.shared) == 1:
+                has = self.shared[0].map.contains(keys)
+                return has.index(False) if False in has else len(keys)
+            held = self.holders(keys)
+            return held.index(None) if None in held else len(keys)
+        holder = self.holder
         for n, key in enumerate(keys):
-            if not any(key in held for held in maps):
+            if holder(key) is None:
                 return n
         return len(keys)
 
@@ -195,38 +169,43 @@ class BlockIndex:
         peer: AnyPeer | None = self.where.get(key)
         if peer is None:
             for shared in self.shared:
-                if key in shared.entries:
+                if shared.map.contains_one(key):
                     return shared
         return peer
 
     def holders(self, keys: Sequence[Key]) -> list[AnyPeer | None]:
-        """``holder`` of each key."""
+        """``holder`` of each key (one pass per peer kind: a dict's and each table's)."""
         where, shared = self.where, self.shared
-        if not where and shared:  # the first shared host answers for every key: C-level
-            pick: dict[bool, AnyPeer | None] = {True: shared[0], False: None}
-            held = list(map(pick.__getitem__, map(shared[0].entries.__contains__, keys)))
+        if not where and shared:  # the first shared host answers for every key
+            pick: tuple[AnyPeer | None, AnyPeer] = (None, shared[0])
+            held = list(map(pick.__getitem__, shared[0].map.contains(keys)))
             shared = shared[1:]
         else:
             held = list(map(where.get, keys))
         for peer in shared:
             if None not in held:
                 break
-            has = peer.entries.__contains__
-            held = [p if p is not None or not has(k) else peer for p, k in zip(held, keys)]
+            has = peer.map.contains(keys)
+            held = [p if p is not None or not h else peer for p, h in zip(held, has)]
         return held
 
-    def none_stored(self, keys: Collection[Key]) -> bool:
-        """True when no key of ``keys`` is stored (one C-level pass per peer kind)."""
-        return all(held.keys().isdisjoint(keys) for held in self._maps)
+    def none_stored(self, keys: Sequence[Key]) -> bool:
+        """True when no key of ``keys`` is stored (one pass per peer kind)."""
+        if not self.where.keys().isdisjoint(keys):
+            return False
+        return not any(peer.map.holds_any(keys) for peer in self.shared)
+
+    def _unheld(self, keys: Sequence[Key]) -> list[Key]:
+        """Those of ``keys`` no peer holds."""
+        return [k for k, held in zip(keys, self.holders(keys)) if held is None]
 
     @property
     def key_count(self) -> int:
         """Keys stored, a key held by several peers counted on each."""
-        return len(self.where) + sum(len(peer.entries) for peer in self.shared)
+        return len(self.where) + sum(peer.stored for peer in self.shared)
 
     def _peers_changed(self) -> None:
         self._placement = Placement(self.peers)
-        self._maps = (self.where, *(peer.entries for peer in self.shared))
 
     def place(
         self, keys: Sequence[Key], local: Sequence[int], digests: Sequence[int]
@@ -284,7 +263,7 @@ class BlockIndex:
         """Make ``keys`` (written into ``slots``, bytes with ``digests``) visible, most
         recently used."""
         if isinstance(peer, SharedSlots):
-            peer.learn(keys, slots, digests)
+            peer.publish(keys, slots, digests)
         else:
             lru, table, start = peer.lru, peer.digests, peer.pool.slots.start
             for key, slot, digest in zip(keys, slots, digests):  # beats OrderedDict.update
@@ -304,15 +283,18 @@ class BlockIndex:
     ) -> None:
         """A shared host's key set changed: ``stored`` keys now live in ``slots`` with
         ``digests`` (``reset``: they are all of it now)."""
-        entries = peer.entries
-        if reset:
-            evicted = list(entries.keys() - set(stored)) if entries else []
         logged = self.events_enabled
-        was = [key for key in dict.fromkeys(evicted) if key in entries] if logged else []
-        drain(map(entries.pop, evicted, repeat(None)))
-        new = [key for key in stored if self.holder(key) is None] if logged else []
-        peer.learn(stored, slots, digests)
-        self._log("evicted", [key for key in was if self.holder(key) is None], peer.peer_id)
+        if reset:
+            was = list(set(peer.map.keys()).difference(stored)) if logged else []
+            new = self._unheld(stored) if logged else []
+            peer.reset(stored, slots, digests)
+        else:
+            evicted = list(dict.fromkeys(evicted))
+            was = [k for k, h in zip(evicted, peer.map.contains(evicted)) if h] if logged else []
+            peer.map.forget(evicted)
+            new = self._unheld(stored) if logged else []
+            peer.learn(stored, slots, digests)
+        self._log("evicted", self._unheld(was), peer.peer_id)
         self._log("stored", new, peer.peer_id)
 
     # -- loads --------------------------------------------------------------------------------
@@ -324,6 +306,8 @@ class BlockIndex:
         slots, digests)}`` and the missing keys. A tier-owned peer's slots are pinned (never
         evicted or reused until ``unpin``) and marked most recently used; a shared host's are
         read as the copy of its index has them (its recency is reported by the caller)."""
+        if len(self.peers) == 1 and self.shared:  # one host: one pass finds every slot
+            return self._locate_on(self.shared[0], keys, local)
         entries = self.holders(keys)
         missing: list[Key] = []
         groups: dict[AnyPeer, tuple[list, list, list, list]] = {}
@@ -359,6 +343,22 @@ class BlockIndex:
         return groups, missing
 
     @staticmethod
+    def _locate_on(
+        peer: SharedSlots, keys: Sequence[Key], local: Sequence[int]
+    ) -> tuple[dict[AnyPeer, tuple[list, list, list, list]], list[Key]]:
+        """``locate`` when ``peer`` is the only peer."""
+        slots = peer.map.slots(keys)
+        if -1 not in slots:
+            found, missing = (list(keys), list(local), slots), []
+        else:
+            hits = [i for i, s in enumerate(slots) if s >= 0]
+            found = ([keys[i] for i in hits], [local[i] for i in hits], [slots[i] for i in hits])
+            missing = [k for k, s in zip(keys, slots) if s < 0]
+        if not found[0]:
+            return {}, missing
+        return {peer: (*found, peer.digests[found[2]].tolist())}, missing
+
+    @staticmethod
     def unpin(peer: PeerSlots, slots: list[int]) -> None:
         """Drop one pin of each slot; a discarded slot goes back to the pool on its last."""
         pins = peer.pins
@@ -381,7 +381,7 @@ class BlockIndex:
             if peer is None:
                 continue
             if isinstance(peer, SharedSlots):
-                peer.entries.pop(key, None)
+                peer.map.forget([key])
                 self._log(kind, [key], peer.peer_id)
                 continue
             del self.where[key]

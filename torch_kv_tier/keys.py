@@ -13,9 +13,10 @@ import functools
 import hashlib
 import zlib
 from collections.abc import Collection, Iterable, Sequence
-from typing import Union
+from typing import Union, cast
 
 import numpy as np
+import xxhash
 
 Key = Union[bytes, str, int]  # noqa: UP007  (a runtime alias, usable on Python 3.10)
 
@@ -95,6 +96,28 @@ def key_hash(key: Key) -> int:
     if isinstance(key, str):
         return zlib.crc32(key.encode(), 0x5BD1E995)
     return zlib.crc32((key & _MASK64).to_bytes(8, "little"), key >> 64 & 0xFFFFFFFF)
+
+
+def key_fingerprints(keys: Sequence[Key]) -> np.ndarray:
+    """A stable 64-bit fingerprint of each key (``uint64``): xxh3-64 of its bytes, seeded by its
+    type, so ``b"a"``, ``"a"`` and an int never share one by construction. The same in every
+    process. One C-level pass for the usual all-``bytes`` keys (vLLM's block hashes)."""
+    n = len(keys)
+    if set(map(type, keys)) <= {bytes}:
+        return np.fromiter(map(_xxh3, cast("Sequence[bytes]", keys)), np.uint64, n)
+    return np.fromiter(map(key_fingerprint, keys), np.uint64, n)
+
+
+def key_fingerprint(key: Key) -> int:
+    """``key_fingerprints`` of one key."""
+    if isinstance(key, bytes):
+        return _xxh3(key)
+    if isinstance(key, str):
+        return _xxh3(key.encode(), 1)
+    return _xxh3((key & _MASK64).to_bytes(8, "little"), 2 + (key >> 64 & 1))
+
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

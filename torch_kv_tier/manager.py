@@ -83,7 +83,9 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
 
     ``verify=False`` skips the digests of private peers' blocks (loads then trust that nothing
     but this tier wrote its slots, which fencing keeps true, see the module docstring); a shared
-    host's loads are always verified, since nothing pins what they read.
+    host's loads are always verified, since nothing pins what they read. ``compact_index``: how
+    the copy of a shared host's index is held (``index.BlockIndex``; ``None``: a dict until the
+    hosts followed add up to 2**20 slots, then 16 B per key).
 
     Threading and failures: see the module docstring.
     """
@@ -98,6 +100,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         events: bool = False,
         grant_batch: int | None = None,
         verify: bool = True,
+        compact_index: bool | None = None,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -121,7 +124,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._max_poll_interval_s = max_poll_interval_s
         self._lock = DeferringLock()
         self._cond = threading.Condition(self._lock)  # type: ignore[arg-type]
-        self._index = BlockIndex(events=events)
+        self._index = BlockIndex(events=events, compact=compact_index)
         self._peers: dict[str, Peer] = {}
         self._storing: dict[Key, Op] = {}  # key -> its store in flight, queued or awaiting slots
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
@@ -151,6 +154,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         events: bool = False,
         grant_batch: int | None = None,
         verify: bool = True,
+        compact_index: bool | None = None,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
 
@@ -171,6 +175,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             events=events,
             grant_batch=grant_batch,
             verify=verify,
+            compact_index=compact_index,
         )
 
     # -- peers --------------------------------------------------------------------------------

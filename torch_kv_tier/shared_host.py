@@ -26,9 +26,10 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from torch_kv_tier.index import BlockIndex, SharedSlots
+from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer
+from torch_kv_tier.slot_maps import SharedSlots
 
 MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
 DEFAULT_GRANT_BATCH = 512  # slots, unless RESERVE_BYTES of them is more

@@ -32,12 +32,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.deferring_lock import DeferringLock
-from torch_kv_tier.index import BlockIndex, SharedSlots
+from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.results import CAPACITY
 from torch_kv_tier.shared_host import SharedHost
+from torch_kv_tier.slot_maps import SharedSlots
 
 logger = logging.getLogger(__name__)
 

@@ -4,19 +4,27 @@ A simulated fleet, in one process, through the real code and the real protocol f
 host's ``SharedService`` over its ``SharedCache``, followers' ``IndexFollower`` s feeding a
 tier's ``BlockIndex``, frames encoded and decoded with ``remote.protocol`` and pushed over real
 ZeroMQ sockets (a ROUTER and one DEALER per follower, TCP loopback). NIXL moves no bytes here:
-nothing measured depends on it. Keys are 32 random bytes (vLLM's block hashes). Figures:
+nothing measured depends on it. Keys are 32 random bytes (vLLM's block hashes). Followers hold
+the compact copy (``slot_maps.CompactSlots``), the one a tier uses past 2**20 slots followed;
+``dict_follower_bytes_per_key`` is the dict copy below that, for comparison. Figures:
 
 - ``follower_bytes_per_key``: the memory a tier holds per key of a host it follows
-  (``tracemalloc``: the decoded keys, the index's entries, its key -> host map and its
-  per-slot digests), after a join of a full host of ``--keys`` keys;
+  (``tracemalloc``: the index's entries and its per-slot digests, and whatever else the join
+  left), after a join of a full host: the slope between joins of ``--keys`` / 2 and ``--keys``
+  keys (what each key adds); ``follower_bytes_fixed``: what a followed host costs whatever its
+  keys (the intercept); ``follower_bytes_over_keys``: the whole, over ``--keys``;
 - ``join_s_per_million``: a follower's join (the host's paged snapshot, encoded, decoded and
   applied), per million keys;
 - ``fanout_us_per_key_per_follower``: the host's CPU (its thread's CPU time) to push
   ``Events`` for newly stored keys to F followers, per key and follower, for each F in
   ``--followers``; ``fanout_marginal_us`` is the slope over F (what one more follower costs);
   ``apply_us_per_key``: a follower's CPU to decode and apply them;
-- ``lookup_ns`` p50/p99: one ``BlockIndex.lookup`` of one key (vLLM's tier ``lookup`` asks one
-  key at a time, on the scheduler thread), with ``--keys`` keys held;
+- ``lookup_ns`` p50/p99: ``BlockIndex.holder`` of one key, which ``TierManager.contains``
+  asks (vLLM's tier ``lookup`` asks one key at a time, on the scheduler thread), with
+  ``--keys`` keys held; ``prefix_lookup_ns``: ``BlockIndex.lookup`` of a prefix of 64 keys;
+- ``call_us``: median µs of the index calls a 16-key shared store (``none_stored``,
+  ``publish``) and load (``locate``) make, and of one-key ``contains``, for a dict copy and a
+  compact one;
 - ``moved_over_1_n``: the fraction of keys whose home changes when one of N hosts is added or
   removed, over 1/N, for each N in ``--hosts`` (``keys.Placement``).
 
@@ -28,6 +36,7 @@ Each figure is the median over ``--rounds`` rounds with its min..max. The target
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -44,7 +53,7 @@ import zmq
 
 from torch_kv_tier.benchmarks.bench import _list, _positive
 from torch_kv_tier.index import BlockIndex
-from torch_kv_tier.keys import Placement
+from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.replica import IndexFollower
@@ -86,7 +95,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     rounds = range(opts["rounds"])
     figures: dict[str, Any] = {}
-    figures["follower_bytes_per_key"] = _summary([_follower_bytes(opts["keys"]) for _ in rounds])
+    half, whole = opts["keys"] // 2, opts["keys"]
+    held = [(_follower_bytes(half), _follower_bytes(whole)) for _ in rounds]
+    slopes = [(b - a) / (whole - half) for a, b in held]
+    figures["follower_bytes_per_key"] = _summary(slopes)
+    figures["follower_bytes_fixed"] = _summary([b - k * whole for (_, b), k in zip(held, slopes)])
+    figures["follower_bytes_over_keys"] = _summary([b / whole for _, b in held])
+    dict_held = [_follower_bytes(whole, compact=False) / whole for _ in rounds]
+    figures["dict_follower_bytes_per_key"] = _summary(dict_held)
     figures["join_s_per_million"] = _summary(
         [_join_s(opts["keys"]) * 1e6 / opts["keys"] for _ in rounds]
     )
@@ -100,8 +116,13 @@ def run(args: argparse.Namespace) -> int:
     figures["fanout_us_per_key_per_follower"] = {f: _summary(v) for f, v in per_f.items()}
     figures["fanout_marginal_us"] = _summary(_slopes(per_f))
     figures["apply_us_per_key"] = _summary(applies)
-    lookups = _lookup_ns(opts["keys"])
+    lookups, prefixes = _lookup_ns(opts["keys"])
     figures["lookup_ns"] = {"p50": _pct(lookups, 50), "p99": _pct(lookups, 99)}
+    figures["prefix_lookup_ns"] = {"p50": _pct(prefixes, 50), "p99": _pct(prefixes, 99)}
+    figures["call_us"] = {
+        form: _call_us(opts["keys"], compact)
+        for form, compact in (("dict", False), ("compact", True))
+    }
     movement = {n: _moved_over_1_n(n, opts["keys"]) for n in opts["hosts"]}
     figures["moved_over_1_n_by_hosts"] = movement
     figures["moved_over_1_n"] = _summary([max(v) for v in movement.values()])
@@ -186,23 +207,24 @@ def _follow(service: SharedService, session: Session, index: BlockIndex) -> Inde
     return follower
 
 
-def _follower_bytes(n_keys: int) -> float:
+def _follower_bytes(n_keys: int, compact: bool = True) -> int:
     service, (session,) = _host(n_keys)
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        index = BlockIndex()
+        index = BlockIndex(compact=compact)
         _follow(service, session, index)
+        gc.collect()  # the snapshot's page futures and frames are garbage, not held
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
     assert index.lookup([next(iter(service.cache.namespaces["m"].entries))]) == 1
-    return held / n_keys
+    return held
 
 
 def _join_s(n_keys: int) -> float:
     service, (session,) = _host(n_keys)
-    index = BlockIndex()
+    index = BlockIndex(compact=True)
     start = time.perf_counter()
     _follow(service, session, index)
     return time.perf_counter() - start
@@ -245,7 +267,7 @@ def _fanout_us(followers: int, batches: int) -> tuple[float, float]:
         drainer.join(60)
         if drainer.is_alive() or len(frames_in) != batches:
             raise TimeoutError("the followers did not receive every Events frame within 60 s")
-        index = BlockIndex()
+        index = BlockIndex(compact=True)
         peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
         start = time.thread_time()
         for frame in frames_in:
@@ -282,17 +304,56 @@ def _drain(dealers: list[zmq.Socket[bytes]], batches: int, frames_in: list[bytes
                     frames_in.append(frame)
 
 
-def _lookup_ns(n_keys: int, samples: int = 20_000) -> list[float]:
+def _lookup_ns(n_keys: int, samples: int = 20_000) -> tuple[list[float], list[float]]:
+    """Nanoseconds of ``holder`` of one key, and of ``lookup`` of a stored 64-key prefix."""
     service, (session,) = _host(n_keys)
-    index = BlockIndex()
+    index = BlockIndex(compact=True)
     _follow(service, session, index)
     keys = list(service.cache.namespaces["m"].entries)[:samples]
-    clock, lookup, out = time.perf_counter_ns, index.lookup, []
+    clock, holder, lookup, ones, prefixes = time.perf_counter_ns, index.holder, index.lookup, [], []
     for key in keys:
-        one = [key]
         start = clock()
-        lookup(one)
-        out.append(float(clock() - start))
+        holder(key)
+        ones.append(float(clock() - start))
+    for at in range(0, len(keys) - 64, 64):
+        prefix = keys[at : at + 64]
+        start = clock()
+        lookup(prefix)
+        prefixes.append(float(clock() - start))
+    return ones, prefixes
+
+
+def _call_us(n_keys: int, compact: bool, calls: int = 2000) -> dict[str, float]:
+    """Median µs of the index calls a 16-key shared store and load make, and of one-key
+    ``contains``, on a copy of ``n_keys`` keys held as a dict or compact."""
+    keys: list[Key] = list(_keys(n_keys))
+    index = BlockIndex(compact=compact)
+    peer = index.add_shared_peer("host", n_keys + 16 * calls)
+    for at in range(0, n_keys, p.MAX_KEYS_PER_MESSAGE):
+        batch = keys[at : at + p.MAX_KEYS_PER_MESSAGE]
+        index.apply_host_changes(
+            peer, batch, list(range(at, at + len(batch))), [1] * len(batch), [], False
+        )
+    new: list[Key] = list(_keys(16 * calls))
+    calls_of = {
+        "store_check_16": lambda i: index.none_stored(new[16 * i : 16 * i + 16]),
+        "locate_16": lambda i: index.locate(keys[16 * i : 16 * i + 16], range(16)),
+        "publish_16": lambda i: index.publish(
+            peer,
+            new[16 * i : 16 * i + 16],
+            list(range(n_keys + 16 * i, n_keys + 16 * (i + 1))),
+            [1] * 16,
+        ),
+        "contains_1": lambda i: index.holder(keys[i]),
+    }
+    out = {}
+    for name, call in calls_of.items():
+        times = []
+        for i in range(calls):
+            start = time.perf_counter_ns()
+            call(i)
+            times.append(time.perf_counter_ns() - start)
+        out[name] = statistics.median(times) / 1e3
     return out
 
 
@@ -343,7 +404,11 @@ def _table(result: dict[str, Any]) -> str:
     lines = [
         f"fleet-bench: {result['options']['keys']} keys per host, "
         f"{result['options']['rounds']} rounds, {result['machine']['cpus']} CPUs",
-        f"follower memory per key      {rng(fig['follower_bytes_per_key'], '.1f')} B",
+        f"follower memory per key      {rng(fig['follower_bytes_per_key'], '.2f')} B, plus "
+        f"{fig['follower_bytes_fixed']['median'] / 1024:.1f} KiB per host "
+        f"({fig['follower_bytes_over_keys']['median']:.2f} B per key in all)",
+        f"  (a dict copy, below 2**20 slots followed: "
+        f"{fig['dict_follower_bytes_per_key']['median']:.1f} B per key)",
         f"join per million keys        {rng(fig['join_s_per_million'], '.2f')} s",
     ]
     for f, s in fig["fanout_us_per_key_per_follower"].items():
@@ -354,6 +419,13 @@ def _table(result: dict[str, Any]) -> str:
         f"follower apply               {rng(fig['apply_us_per_key'], '.3f')} us per key",
         f"lookup of one key            p50 {fig['lookup_ns']['p50']:.0f} ns, "
         f"p99 {fig['lookup_ns']['p99']:.0f} ns",
+        f"lookup of a 64-key prefix    p50 {fig['prefix_lookup_ns']['p50'] / 1e3:.1f} us, "
+        f"p99 {fig['prefix_lookup_ns']['p99'] / 1e3:.1f} us",
+        "index calls, median us       "
+        + "   ".join(
+            f"{form}: " + ", ".join(f"{name} {us:.1f}" for name, us in calls.items())
+            for form, calls in fig["call_us"].items()
+        ),
     ]
     for n, (add, remove) in fig["moved_over_1_n_by_hosts"].items():
         lines.append(
