@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from torch_kv_tier.benchmarks.shared_stress_faults import Freeze, plan_freezes, unexplained_calls
 from torch_kv_tier.benchmarks.shared_stress_worker import (
@@ -30,15 +31,19 @@ def _run(tmp_path: Path, *args: str) -> tuple[int, dict]:
     return code, json.loads(out.read_text())
 
 
+@pytest.mark.parametrize("copy", ["dict-copy", "compact-copy"])
 def test_no_wrong_block_while_writers_evict_and_writers_and_the_host_freeze(
-    tmp_path: Path,
+    tmp_path: Path, copy: str
 ) -> None:
     """2 writers + 2 readers for 40 s; two writer freezes (one past the host's lease timeout)
-    and one host freeze past the tiers' heartbeat timeout."""
+    and one host freeze past the tiers' heartbeat timeout. Each form of the tiers' copy of the
+    host's index (``slot_maps``): the compact one's pending commits, tombstones and merges run
+    under the same evictions and freezes."""
     code, report = _run(
         tmp_path,
         *("--writers", "2", "--readers", "2", "--seconds", "40"),
         *("--writer-freezes", "2", "--host-freezes", "1"),
+        *(["--compact-index"] if copy == "compact-copy" else []),
     )
     totals, faults = report["totals"], report["faults"]
     assert report["problems"] == [] and code == 0, report["problems"]  # HELD LEAK included

@@ -282,6 +282,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="corrupt two loaded blocks on purpose: passes only if exactly they count wrong",
     )
+    parser.add_argument(
+        "--compact-index",
+        action="store_true",
+        help="tiers hold the host's index compact (16 B per key; default: a dict at this size)",
+    )
     parser.add_argument("--json", type=Path, help="write the report as JSON to this file")
 
 
@@ -312,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         self_check=args.self_check,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        compact_index=True if args.compact_index else None,
     )
     report = shared_stress(
         writers=args.writers,

@@ -56,6 +56,7 @@ class Params:
     seed: int = 0
     self_check: bool = False
     heartbeat_timeout_s: float = 10.0  # the tier's: a host silent this long is dropped
+    compact_index: bool | None = None  # the tiers' copy of the host's index (None: their default)
 
 
 @dataclass
@@ -248,7 +249,12 @@ def worker(
     try:
         table = block_table(params.keys, params.block_len)
         rng = random.Random(f"{params.seed}-{role}-{index}")
-        with TierManager.create(params.max_batch, params.block_len, name=f"{role}-{index}") as tier:
+        with TierManager.create(
+            params.max_batch,
+            params.block_len,
+            name=f"{role}-{index}",
+            compact_index=params.compact_index,
+        ) as tier:
             tier.connect(address, heartbeat_timeout_s=params.heartbeat_timeout_s)
             results.put(("ready", role, index, None))
             if not start.wait(STARTUP_TIMEOUT_S):
