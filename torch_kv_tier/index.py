@@ -35,17 +35,12 @@ from itertools import islice, repeat
 from typing import Literal
 
 from torch_kv_tier.keys import Key, Placement
-from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots
+from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots, drain
 from torch_kv_tier.slots import SlotPool
 
 COMPACT_AFTER_SLOTS = 1 << 20  # a dict copy of that many keys is ~150 MB
 EventKind = Literal["stored", "evicted", "discarded", "lost"]
 MAX_EVENTS = 100_000
-
-
-def drain(iterator: Iterable[object]) -> None:
-    """Run a ``map`` for its side effects at C speed."""
-    deque(iterator, maxlen=0)
 
 
 class PeerSlots:

@@ -30,7 +30,8 @@ from torch_kv_tier.key_table import KeyTable
 from torch_kv_tier.keys import Key, key_fingerprint, key_fingerprints
 
 
-def _drain(iterator: Iterable[object]) -> None:
+def drain(iterator: Iterable[object]) -> None:
+    """Run a ``map`` for its side effects at C speed."""
     deque(iterator, maxlen=0)
 
 
@@ -56,7 +57,7 @@ class DictSlots:
     learn = publish  # the host stores ``keys`` in ``slots``
 
     def forget(self, keys: Sequence[Key]) -> None:
-        _drain(map(self._slots.pop, keys, repeat(None)))
+        drain(map(self._slots.pop, keys, repeat(None)))
 
     def reset(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
         self._slots = dict(zip(keys, slots))
@@ -135,7 +136,7 @@ class CompactSlots:
     def _settle(self, keys: Sequence[Key]) -> None:
         """The host's word on ``keys`` replaces this tier's own."""
         if self._pending:
-            _drain(map(self._pending.pop, keys, repeat(None)))
+            drain(map(self._pending.pop, keys, repeat(None)))
 
     def slots(self, keys: Sequence[Key]) -> list[int]:
         """The slot of each of ``keys``, ``-1`` for one not stored."""
