@@ -30,6 +30,7 @@ pytest.importorskip(
     reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
+from remote_support import wait_for  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -895,3 +896,44 @@ def test_admission_promotes_a_request_that_would_recompute_behind_two_prefills()
     assert admission.admit("b", b"b1") is Verdict.HIT
     assert admission.admit("c", b"c0") is Verdict.HIT
     assert admission.stats.refused_busy == 2 and admission.stats.admitted == 3
+
+
+def test_a_chunk_on_the_hosts_disk_is_retried_while_promoted_then_a_hit(tmp_path: Any) -> None:
+    """A chunk the host's pool evicted to its disk (``serve --disk``): vLLM's lookup answers
+    RETRY while the host promotes it (never a MISS, never a HIT before it is in DRAM), then the
+    promotion delivers the bytes stored."""
+    disk = ["--disk", str(tmp_path / "disk"), "--disk-bytes", str(256 * CHUNK_BYTES)]
+    with ServerProcess.start(
+        16, CHUNK_BYTES, extra_args=[*disk, "--disk-admit", "1", "--max-grant", "4"]
+    ) as host:
+        spec, manager = make_manager(host.address, private=False, slots=None)
+        driver = Driver(manager)
+        try:
+            keys = keys_for("deep", 4)
+            driver.store("req-a", keys)
+            driver.run_until_idle()
+            for j in range(6):  # 48 more chunks through a 16-slot pool: deep-* go to disk
+                driver.store(f"fill-{j}", keys_for(f"fill{j}", PRIMARY_CHUNKS))
+                driver.run_until_idle()
+                time.sleep(0.05)  # the host's copies ahead of eviction
+            tier = driver.tier.tier_manager
+            assert wait_for(
+                lambda: not any(map(tier.contains, keys)) and tier.lookup(keys) == len(keys), 10.0
+            ), "the host to announce the chunks on its disk"
+            ctx = driver.arrive("req-c")
+            seen: list[LookupResult] = []
+            deadline = time.monotonic() + 10.0
+            while True:
+                results = driver.lookup(ctx, keys)
+                seen += results
+                if all(r is LookupResult.HIT_PENDING for r in results):
+                    break
+                assert time.monotonic() < deadline, results
+                driver.step()
+                time.sleep(0.01)
+            assert LookupResult.RETRY in seen and LookupResult.MISS not in seen
+            driver.run_until_idle()
+            assert driver.lookup(ctx, keys) == [LookupResult.HIT] * len(keys)
+            assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        finally:
+            driver.shutdown(spec)

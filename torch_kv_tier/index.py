@@ -115,8 +115,10 @@ class BlockIndex:
             raise ValueError(f"peer {peer_id!r} is registered; remove it first")
         followed = capacity + sum(peer.capacity for peer in self.shared)
         compact = self.compact if self.compact is not None else followed > COMPACT_AFTER_SLOTS
-        slot_map = CompactSlots(capacity, keep_keys=self.events_enabled) if compact else DictSlots()
-        peer = SharedSlots(peer_id, capacity, slot_map)
+        keep = self.events_enabled
+        slot_map = CompactSlots(capacity, keep_keys=keep) if compact else DictSlots()
+        disk = CompactSlots(1, keep_keys=keep) if compact else DictSlots()
+        peer = SharedSlots(peer_id, capacity, slot_map, disk)
         self.peers[peer_id] = peer
         self.shared.append(peer)
         self._peers_changed()
@@ -140,7 +142,40 @@ class BlockIndex:
     # -- lookups and placement ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` are stored."""
+        """How many leading ``keys`` are stored (in a peer's memory or on a host's disk)."""
+        n = self._lookup_held(keys)
+        if n < len(keys) and self.has_disk_keys():
+            holder, disk_holder = self.holder, self.disk_holder
+            while n < len(keys) and (
+                holder(keys[n]) is not None or disk_holder(keys[n]) is not None
+            ):
+                n += 1
+        return n
+
+    def has_disk_keys(self) -> bool:
+        """Whether a shared host announced keys it holds on its disk only."""
+        return any(len(peer.disk) for peer in self.shared)
+
+    def disk_holder(self, key: Key) -> SharedSlots | None:
+        """The shared host holding ``key`` on its disk only; ``None``: none."""
+        for peer in self.shared:
+            if peer.disk.contains_one(key):
+                return peer
+        return None
+
+    def on_disk(self, keys: Sequence[Key]) -> dict[SharedSlots, list[int]]:
+        """The positions in ``keys`` of those held on a host's disk only, by host."""
+        found: dict[SharedSlots, list[int]] = {}
+        taken: set[int] = set()
+        for peer in self.shared:
+            if len(peer.disk):
+                for i, has in enumerate(peer.disk.contains(keys)):
+                    if has and i not in taken:
+                        found.setdefault(peer, []).append(i)
+                        taken.add(i)
+        return found
+
+    def _lookup_held(self, keys: Sequence[Key]) -> int:
         if not self.shared:
             where = self.where
             for n, key in enumerate(keys):
@@ -286,7 +321,7 @@ class BlockIndex:
         else:
             evicted = list(dict.fromkeys(evicted))
             was = [k for k, h in zip(evicted, peer.map.contains(evicted)) if h] if logged else []
-            peer.map.forget(evicted)
+            peer.forget(evicted)
             new = self._unheld(stored) if logged else []
             peer.learn(stored, slots, digests)
         self._log("evicted", self._unheld(was), peer.peer_id)

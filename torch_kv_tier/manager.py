@@ -47,6 +47,7 @@ from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CLOSED,
@@ -67,6 +68,7 @@ from torch_kv_tier.transport.base import DataTransport, block_indices
 logger = logging.getLogger(__name__)
 
 _LATENCY_WINDOW = 4096
+PROMOTION_TIMEOUT_S = 5.0  # a load of a key on a host's disk waits this long for its promotion
 
 
 class TierManager(Transfers, SharedHosts, ConnectedHosts):
@@ -127,6 +129,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._index = BlockIndex(events=events, compact=compact_index)
         self._peers: dict[str, Peer] = {}
         self._storing: dict[Key, Op] = {}  # key -> its store in flight, queued or awaiting slots
+        self._promotions = Promotions()  # loads waiting for keys on a host's disk
+        self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
@@ -269,6 +273,8 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         with self._lock:
             self._check_open()
             groups, missing = self._index.locate(keys, local)
+            if missing and self._index.has_disk_keys():
+                missing = self._park_on_disk(request, keys, local, missing)
             request.settle(missing, MISSING)
             peer_ids = []
             for slots, (gkeys, glocal, remote, digests) in groups.items():
@@ -282,13 +288,24 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         return request.future
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` are stored (the prefix a scheduler can load)."""
+        """How many leading ``keys`` are stored (the prefix a scheduler can load), counting
+        keys a host holds on its disk (``load`` promotes them first)."""
         with self._lock:
             return self._index.lookup(keys)
 
     def contains(self, key: Key) -> bool:
+        """Whether ``key`` is stored in a peer's memory (ready to read at once)."""
         with self._lock:
             return self._index.holder(key) is not None
+
+    def prefetch(self, keys: Sequence[Key]) -> int:
+        """Ask the hosts holding any of ``keys`` on their disk to bring them into DRAM (no
+        wait); returns how many of ``keys`` are on a disk with their promotion awaited (a key
+        the host did not promote within ``promotion_timeout_s`` is not counted)."""
+        with self._lock:
+            if not self._index.has_disk_keys():
+                return 0
+            return sum(map(len, self._promote(list(keys)).values()))
 
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
@@ -356,6 +373,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             self._closed = True
             deadline = time.monotonic() + timeout
             cancelled = self._cancel_all(deadline)
+            self._fail_parked(self._promotions.take_all(), CLOSED)
             dirty = {op.peer for op in cancelled if op.kind == "store"}
             ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
         self._flush()

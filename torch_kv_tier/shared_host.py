@@ -34,6 +34,8 @@ from torch_kv_tier.slot_maps import SharedSlots
 MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
 DEFAULT_GRANT_BATCH = 512  # slots, unless RESERVE_BYTES of them is more
 RESERVE_BYTES = 64 << 20  # at least this much of a reserve by default (small blocks)
+PROMOTE_AGAIN_S = 1.0  # a promotion still awaited is asked for again after this long
+MAX_PROMOTING = 4096  # promotions remembered before the old ones are forgotten
 
 
 def default_grant_batch(block_len: int) -> int:
@@ -56,6 +58,7 @@ class SharedHost(Peer):
         "grant_batch",
         "grants",
         "outstanding",
+        "promoting",
         "refilling",
         "reserve",
     )
@@ -72,6 +75,8 @@ class SharedHost(Peer):
         self.refilling = False  # a grant request is in flight
         self.capped = False  # the host granted less than asked: ask again after a commit
         self.commits = 0  # commits sent (each returns granted slots to the host)
+        # key on the host's disk -> when its promotion was first and last asked for
+        self.promoting: dict[Key, tuple[float, float]] = {}
 
     # -- slots ----------------------------------------------------------------------------
 
@@ -153,6 +158,29 @@ class SharedHost(Peer):
         """Report recency (batched by the session)."""
         with contextlib.suppress(ConnectionError):
             self.session.touch(keys)
+
+    def promote(self, keys: list[Key], now: float, timeout_s: float) -> list[Key]:
+        """Ask the host to bring ``keys`` (on its disk) into DRAM, each at most once per
+        ``PROMOTE_AGAIN_S``. Returns the keys whose promotion is awaited: first asked for less
+        than ``timeout_s`` ago. A promotion the host could not make (no slot) is so given up
+        after ``timeout_s``, and tried afresh once as long again has passed."""
+        asked = self.promoting
+        if len(asked) > MAX_PROMOTING:
+            for key in [k for k, (first, _) in asked.items() if now - first > 2 * timeout_s]:
+                del asked[key]
+        send = []
+        for key in keys:
+            first, last = asked.get(key, (now, -PROMOTE_AGAIN_S))
+            if now - first > 2 * timeout_s:
+                first, last = now, -PROMOTE_AGAIN_S
+            if now - last >= PROMOTE_AGAIN_S and now - first < timeout_s:
+                send.append(key)
+                last = now
+            asked[key] = (first, last)
+        if send:
+            with contextlib.suppress(ConnectionError):
+                self.session.promote(send)
+        return [k for k in keys if now - asked[k][0] < timeout_s]
 
 
 __all__ = ["MAX_GRANT", "RESERVE_BYTES", "SharedHost", "default_grant_batch"]

@@ -14,6 +14,10 @@ thread never waits behind a store's transfer. A request's answer callback is att
 the request is sent, so it never runs on the caller's thread (where the lock is held and not
 reentrant).
 
+Keys a host holds on its disk only (``serve --disk``): a load of them asks the host to promote
+them and parks (``promotions``) until its index events announce them in DRAM, then reads them
+as any load; announced gone, or not promoted within ``promotion_timeout_s``, they are missing.
+
 Failure model: a grant answered with no slots fails the stores waiting for it with "capacity"
 only when nothing this tier does could free its share. A grant that brings no answer (the host
 is silent, or no longer knows the session) says nothing about capacity: the stores wait on, a
@@ -25,18 +29,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
+from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.results import CAPACITY
+from torch_kv_tier.results import CAPACITY, MISSING
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.slot_maps import SharedSlots
 
@@ -51,6 +57,11 @@ class SharedHosts:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     grant_batch: int
+    promotion_timeout_s: float
+    _cond: threading.Condition
+    _promotions: Promotions
+    _ops: dict[int, Op]
+    _ready: list[Request]
     _lock: DeferringLock
     _closed: bool
     _index: BlockIndex
@@ -69,6 +80,7 @@ class SharedHosts:
             self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
         ) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
+        def _ready_if_settled(self, request: Request) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
         """Register a shared host: its NIXL region (unlocked), its first grant (in the
@@ -194,6 +206,72 @@ class SharedHosts:
         except Exception:
             logger.exception("%s: index changes not applied: resyncing", host.slots.peer_id)
             host.session.resync()
+        if self._promotions.waiting_on(host.slots.peer_id):
+            self._resume_promoted(host)
+
+    # -- keys on a host's disk ------------------------------------------------------------
+
+    def _promote(self, keys: list[Key]) -> dict[SharedHost, list[Key]]:
+        """Ask the hosts holding ``keys`` on disk to promote them; the keys whose promotion is
+        awaited, by host."""
+        now, awaited = time.monotonic(), {}
+        for slots, positions in self._index.on_disk(keys).items():
+            host = self._peers[slots.peer_id]
+            assert isinstance(host, SharedHost)
+            waiting = host.promote([keys[i] for i in positions], now, self.promotion_timeout_s)
+            if waiting:
+                awaited[host] = waiting
+        return awaited
+
+    def _park_on_disk(
+        self, request: Request, keys: list[Key], local: list[int], missing: list[Key]
+    ) -> list[Key]:
+        """Park the load of those ``missing`` keys a host holds on disk until it promoted them;
+        returns the keys really missing."""
+        awaited = self._promote(missing)
+        if not awaited:
+            return missing
+        local_of = dict(zip(keys, local))
+        deadline = time.monotonic() + self.promotion_timeout_s
+        parked: set[Key] = set()
+        for host, waiting in awaited.items():
+            self._promotions.park(
+                host.slots.peer_id,
+                Parked(request, waiting, [local_of[k] for k in waiting], deadline),
+            )
+            parked.update(waiting)
+        return [k for k in missing if k not in parked]
+
+    def _resume_promoted(self, host: SharedHost) -> None:
+        """(Lock held.) ``host``'s key set changed: read the parked keys it now has in DRAM,
+        fail those it no longer holds, park the rest again."""
+        peer_id = host.slots.peer_id
+        for waiting in self._promotions.take(peer_id):
+            groups, missing = self._index.locate(waiting.keys, waiting.local)
+            for slots, (gkeys, glocal, remote, digests) in groups.items():
+                peer = self._peers[slots.peer_id]
+                self._launch(
+                    Op("load", slots.peer_id, peer, gkeys, glocal, remote, waiting.request, digests)
+                )
+            on_disk = self._index.on_disk(missing).get(cast(SharedSlots, host.slots), [])
+            still = [missing[i] for i in on_disk]
+            if still:
+                local_of = dict(zip(waiting.keys, waiting.local))
+                local = [local_of[k] for k in still]
+                self._promotions.park(
+                    peer_id, Parked(waiting.request, still, local, waiting.deadline)
+                )
+                kept = set(still)
+                missing = [k for k in missing if k not in kept]
+            waiting.request.settle(missing, MISSING)
+            self._ready_if_settled(waiting.request)
+        if self._ops or self._ready:
+            self._cond.notify()
+
+    def _fail_parked(self, parked: list[Parked], reason: str) -> None:
+        for waiting in parked:
+            waiting.request.settle(waiting.keys, reason)
+            self._ready_if_settled(waiting.request)
 
 
 class _HostChanges:

@@ -28,6 +28,7 @@ import numpy as np
 
 from torch_kv_tier.key_table import KeyTable
 from torch_kv_tier.keys import Key, key_fingerprint, key_fingerprints
+from torch_kv_tier.remote.protocol import ON_DISK
 
 
 def drain(iterator: Iterable[object]) -> None:
@@ -167,6 +168,15 @@ class CompactSlots:
 SlotMap = DictSlots | CompactSlots
 
 
+def _split_on_disk(
+    keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]
+) -> tuple[list[Key], list[int], list[int], list[Key]]:
+    """``(keys, slots, digests)`` of the keys in DRAM, and the keys on disk."""
+    ram = [i for i, s in enumerate(slots) if s != ON_DISK]
+    on_disk = [k for k, s in zip(keys, slots) if s == ON_DISK]
+    return [keys[i] for i in ram], [slots[i] for i in ram], [digests[i] for i in ram], on_disk
+
+
 class SharedSlots:
     """A shared host's key set as this tier sees it: each key's slot (``slot_maps``: a dict, or
     for a tier that follows many keys a table of 8 B per key) and each slot's digest, possibly
@@ -175,30 +185,53 @@ class SharedSlots:
     Digests are kept per slot, in one array the size of the host's pool: a slot holds one key
     at a time. A slot's digest is the one of the last key this copy learnt there; a key whose
     entry is stale, or whose fingerprint another key shares, fails it (digests are seeded with
-    their key): a miss. So a compact follower holds 16 B per key of a full host."""
+    their key): a miss. So a compact follower holds 16 B per key of a full host.
 
-    __slots__ = ("capacity", "digests", "map", "peer_id")
+    Keys the host holds only on its disk (announced in slot ``ON_DISK``) are in ``disk``, a map
+    of the same kind (every slot 0): they are stored, but a load asks the host to promote them
+    first."""
 
-    def __init__(self, peer_id: str, capacity: int, slot_map: SlotMap) -> None:
+    __slots__ = ("capacity", "digests", "disk", "map", "peer_id")
+
+    def __init__(self, peer_id: str, capacity: int, slot_map: SlotMap, disk: SlotMap) -> None:
         self.peer_id = peer_id
         self.capacity = capacity  # the host's pool, shared with every other tier
         self.map = slot_map  # the host's keys -> slot
+        self.disk = disk  # the host's keys on its disk only
         self.digests = np.zeros(capacity, dtype=np.uint64)  # slot -> digest
 
     def publish(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """This tier committed ``keys`` to ``slots`` with bytes of ``digests``."""
         self.map.publish(keys, slots)
         self.digests[list(slots)] = digests
+        if len(self.disk):
+            self.disk.forget(keys)
 
     def learn(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
-        """The host stores ``keys`` in ``slots`` with bytes of ``digests``."""
+        """The host stores ``keys`` in ``slots`` with bytes of ``digests`` (or on its disk)."""
+        if ON_DISK in slots:
+            keys, slots, digests, on_disk = _split_on_disk(keys, slots, digests)
+            self.map.forget(on_disk)
+            self.disk.learn(on_disk, [0] * len(on_disk))
         self.map.learn(keys, slots)
         self._set_digests(slots, digests)
+        if len(self.disk):
+            self.disk.forget(keys)
 
     def reset(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """``keys`` are all the host stores now."""
+        on_disk: list[Key] = []
+        if ON_DISK in slots:
+            keys, slots, digests, on_disk = _split_on_disk(keys, slots, digests)
         self.map.reset(keys, slots)
+        self.disk.reset(on_disk, [0] * len(on_disk))
         self._set_digests(slots, digests)
+
+    def forget(self, keys: Sequence[Key]) -> None:
+        """The host no longer holds ``keys``, in DRAM or on disk."""
+        self.map.forget(keys)
+        if len(self.disk):
+            self.disk.forget(keys)
 
     def _set_digests(self, slots: Sequence[int], digests: Sequence[int]) -> None:
         if slots:

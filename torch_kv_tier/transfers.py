@@ -28,6 +28,7 @@ from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex, PeerSlots, drain
 from torch_kv_tier.keys import Key
+from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CAPACITY,
@@ -64,6 +65,7 @@ class Transfers:
     _storing: dict[Key, Op]
     _ops: dict[int, Op]
     _ready: list[Request]
+    _promotions: Promotions
     _ended: EndedSessions
     _block_len: int
     _max_poll_interval_s: float
@@ -76,6 +78,7 @@ class Transfers:
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _send_releases(self, address: str) -> None: ...
         def _close_session(self, session: Any, clean: bool) -> None: ...
+        def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
 
     # -- background thread --------------------------------------------------------------------
 
@@ -93,13 +96,22 @@ class Transfers:
             with self._cond:
                 if not self._ops:
                     delay, last_activity = 0.0, time.perf_counter()
-                while not self._ops and not self._stopping:
+                if self._promotions:
+                    self._fail_parked(self._promotions.take_expired(time.monotonic()), MISSING)
+                while not self._ops and not self._stopping and not self._ready:
                     self._poller_idle = True
-                    if not self._cond.wait(timeout=1.0):  # idle: report the last bytes moved
+                    # idle: report the last bytes moved (and look at promotions' deadlines)
+                    if not self._cond.wait(timeout=0.1 if self._promotions else 1.0):
                         self._report_usage(time.perf_counter())
+                        if self._promotions:
+                            now = time.monotonic()
+                            self._fail_parked(self._promotions.take_expired(now), MISSING)
                 self._poller_idle = False
                 if self._stopping:
                     return
+            if self._ready and not self._ops:  # settled without a transfer (promotions)
+                self._flush()
+                continue
             try:
                 result = self.transport.poll()
                 faults = self.transport.faulted_peers()
@@ -382,6 +394,7 @@ class Transfers:
         while peer.queue:
             self._finish(peer.queue.popleft(), PEER_LOST)
         self._fail_awaiting(peer, PEER_LOST)
+        self._fail_parked(self._promotions.take(peer_id), PEER_LOST)
         writes = 0
         for op in self._ops.values():
             if op.peer is peer and not op.orphaned:

@@ -6,6 +6,9 @@ nothing is evicted: a probe key stays until its host dies), ``--writers`` + ``--
 long-lived tier processes (``chaos_worker``; stopped and resumed, never killed: their fds,
 threads and RSS are measured), and one short-lived writer that gets SIGKILLed and replaced.
 Every tier joins the shared pool of every host (and dials again a host it lost).
+With ``--disk DIR`` every host keeps a disk tier (``serve --disk``) behind a pool of a quarter
+of the key space: keys leave DRAM for the disk and are promoted back, and a host killed in the
+middle of its disk writes restarts on its directory and recovers what verifies.
 
 Faults, one every 0.2 to 1 s, chosen at random: SIGKILL a host and restart it on the same port;
 SIGSTOP a host or a long-lived tier for 0.5 to 3 s; SIGKILL the short-lived tier; reset the
@@ -44,7 +47,7 @@ from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER
 
 logger = logging.getLogger(__name__)
 
-POOL_BLOCKS = 2048  # per host: more than the key space, so nothing is evicted
+POOL_BLOCKS = 2048  # per host: more than the key space, so nothing is evicted (without --disk)
 START_S = 180.0  # every worker ready (spawned interpreters import torch and NIXL)
 GRACE_S = 90.0  # after --seconds: the last calls (a frozen worker finishes late), counts back
 RSS_GROWTH = 0.25  # the most a long-lived tier's RSS may grow over its loop
@@ -52,15 +55,27 @@ THREADS_GROWTH = 4  # the most threads it may gain (a re-dialed session's I/O th
 
 
 class Hosts:
-    """The host processes, each on a fixed port across restarts."""
+    """The host processes, each on a fixed port across restarts. With ``disk``, each host
+    keeps a disk tier in its own directory under it (every block admitted) behind a pool of a
+    quarter of the key space, so keys go to disk and come back, and a restart after SIGKILL
+    recovers that directory."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, disk: Path | None, keys: int) -> None:
         from torch_kv_tier.remote import ServerProcess
 
-        self._start = lambda port: ServerProcess.start(
-            POOL_BLOCKS, cw.BLOCK_LEN, extra_args=["--port", str(port)]
+        def options(i: int) -> list[str]:
+            if disk is None:
+                return []
+            size = str(2 * keys * cw.BLOCK_LEN)
+            return ["--disk", str(disk / f"host-{i}"), "--disk-bytes", size, "--disk-admit", "1"]
+
+        pool = POOL_BLOCKS if disk is None else max(64, keys // 4)
+        self._start = lambda i, port: ServerProcess.start(
+            pool, cw.BLOCK_LEN, extra_args=["--port", str(port), *options(i)]
         )
-        self.servers = [ServerProcess.start(POOL_BLOCKS, cw.BLOCK_LEN) for _ in range(count)]
+        self.servers = [
+            ServerProcess.start(pool, cw.BLOCK_LEN, extra_args=options(i)) for i in range(count)
+        ]
         self.restarts = 0
 
     @property
@@ -74,7 +89,7 @@ class Hosts:
         deadline = time.monotonic() + 30
         while True:
             try:
-                self.servers[i] = self._start(port)
+                self.servers[i] = self._start(i, port)
                 break
             except RuntimeError:
                 if time.monotonic() > deadline:
@@ -206,7 +221,7 @@ class Chaos:
 
         a = self.args
         started = time.monotonic()
-        hosts = Hosts(a.hosts)
+        hosts = Hosts(a.hosts, a.disk, a.keys)
         long_lived = [f"writer-{i}" for i in range(a.writers)]
         long_lived += [f"reader-{i}" for i in range(a.readers)]
         probe_tiers = [
@@ -329,6 +344,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pause", type=float, default=0.005, help="s between a tier's calls")
     parser.add_argument("--seed", type=int, default=0, help="fault schedule seed")
     parser.add_argument("--json", type=Path, help="write the figures as JSON to this file")
+    parser.add_argument(
+        "--disk",
+        type=Path,
+        help="give every host a disk tier under this directory (a pool of a quarter of the "
+        "key space in front of it; a host restarted after SIGKILL recovers its disk)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

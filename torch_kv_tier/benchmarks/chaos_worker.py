@@ -156,7 +156,7 @@ class _Worker:
         peers = self.tier.peers()
         pending = []
         for host, key, deadline in self.probes:
-            if self.tier.contains(key):
+            if self.tier.lookup([key]):  # in DRAM or on the host's disk
                 self.counts.probes_seen += 1
             elif not any(_on(p, host) for p in peers):
                 self.counts.probes_dropped += 1

@@ -266,6 +266,13 @@ class RemoteSession(SessionIO):
         later, batched with every other touch of that period)."""
         self._enqueue(lambda: add_to_batch(self._touches, keys), False)
 
+    def promote(self, keys: list[Any]) -> None:
+        """Ask the host to bring ``keys``, which it announced on its disk, into DRAM slots (no
+        answer: it announces them stored once they are; sent at once)."""
+        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
+            chunk = keys[i : i + p.MAX_KEYS_PER_MESSAGE]
+            self._post(partial(p.Promote, session_id=self.session_id, keys=chunk))
+
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved."""
         for i in range(0, len(held), p.MAX_RELEASE):

@@ -28,7 +28,9 @@ Conversation:
    evicted)`` (``seq`` 0) to every shared session of the namespace; a gap in ``event_seq``
    means events were lost, and the client takes a new snapshot. A client reads a stored key's
    slot straight from its copy and checks the bytes against the digest: a stale copy costs a
-   miss, never wrong bytes.
+   miss, never wrong bytes. A host with a disk tier (``serve --disk``) announces a key held
+   only on its disk as stored in slot ``ON_DISK`` (digest 0); ``Promote(keys)`` (no answer)
+   asks it to bring such keys back into DRAM slots, which it then announces as stored there.
 5. Fencing: a session that ends without a clean ``Disconnect`` (expired, or writes still in
    flight) may still write its slots, so the server holds them (its private lease, or its
    uncommitted grants) until the client names it in ``Release(held)`` (no answer) or in a later
@@ -57,9 +59,10 @@ import msgspec
 
 from torch_kv_tier.keys import limits_problem
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 1 << 20  # the largest frame either side accepts; NIXL metadata is ~1 KiB
 NONCE_BYTES = 32
+ON_DISK = -1  # the slot of a key a shared host holds only on its disk (``Promote`` it)
 UNKNOWN_SESSION = "unknown session"
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame below MAX_FRAME_BYTES (keys <= MAX_KEY_BYTES)
@@ -209,6 +212,12 @@ class Touch(msgspec.Struct, tag="touch"):
     keys: list[WireKey]
 
 
+class Promote(msgspec.Struct, tag="promote"):
+    seq: int
+    session_id: str
+    keys: list[WireKey]  # keys announced in slot ``ON_DISK``: bring them into DRAM slots
+
+
 class SnapshotRequest(msgspec.Struct, tag="snapshot"):
     seq: int
     session_id: str
@@ -243,6 +252,7 @@ ClientMessage = (
     | Commit
     | Release
     | Touch
+    | Promote
     | SnapshotRequest
 )
 ServerMessage = (

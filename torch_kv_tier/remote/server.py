@@ -19,9 +19,14 @@ Incoming transfers are served by the transport's own NIXL progress thread, which
 UCX worker's events while idle (see ``transport.nixl_agent``): the same mechanism as any passive
 ``NixlTransport``, so this loop never calls into NIXL for progress.
 
+A disk tier (``--disk``, ``disk_tier``) keeps blocks the pool evicts and promotes them back on a
+tier's ``Promote``; the loop polls its I/O (every ``DISK_POLL_S`` while any is in flight), and
+a restart on the same directories recovers and verifies what they held before ``ready``.
+
 Threading: one loop thread (the caller of ``Server.serve``) owns the ZeroMQ socket, the
-transport and every mutation. ``Server._lock`` guards the lease table, the shared cache and the
-counters, so the metrics HTTP thread can read a consistent ``stats()`` snapshot.
+transport, the disk and every mutation. ``Server._lock`` guards the lease table, the shared
+cache, the disk and the counters, so the metrics HTTP thread can read a consistent
+``stats()`` snapshot.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 import zmq
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.disk_tier import DiskTier
 from torch_kv_tier.remote.leases import LeaseTable, Session
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
 from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, format_address
@@ -57,6 +65,8 @@ EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
 # shares its tier's GIL with the tier's stores: see ``session_io``); an event is pushed at once
 # after a quiet period.
 EVENTS_PERIOD_S = 0.005
+PAGE = 4096
+DISK_POLL_S = 0.0005  # the longest wait for a control message while disk I/O is in flight
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
@@ -95,6 +105,7 @@ class Server:
         self._started = time.monotonic()
         self._metrics: MetricsServer | None = None
         self._socket: zmq.Socket[bytes] | None = None
+        self._disk: DiskTier | None = None
         try:  # the cheap steps that fail on a busy port first, then the pool
             self._socket = self._bind(config.host, config.port)
             endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -105,8 +116,10 @@ class Server:
                 self._metrics = MetricsServer(
                     config.host, config.metrics_port, lambda: render_prometheus(self.stats())
                 )
-            self.arena = BlockArena(config.num_blocks, config.block_len)
+            self.arena = self._make_arena(config)
             self.transport = NixlTransport("tkvt-server", self.arena.tensor, config.config_fields)
+            if config.disk_paths:
+                self._disk = self._open_disk(config)
             self._agent_metadata = self.transport.get_agent_metadata()
             self._region = p.Region(
                 self.transport.base_addr,
@@ -117,6 +130,38 @@ class Server:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _make_arena(config: ServerConfig) -> BlockArena:
+        """The pool; page-aligned when a disk tier is behind it (O_DIRECT needs that)."""
+        if not config.disk_paths:
+            return BlockArena(config.num_blocks, config.block_len)
+        nbytes = config.num_blocks * config.block_len
+        raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+        start = -raw.ctypes.data % PAGE
+        pool = torch.from_numpy(raw[start : start + nbytes])
+        pool.zero_()  # every page faulted in, as ``BlockArena`` does
+        return BlockArena.wrap(pool.view(config.num_blocks, config.block_len))
+
+    def _open_disk(self, config: ServerConfig) -> DiskTier:
+        """The disk tier, with what its directories held recovered and verified."""
+        from torch_kv_tier.remote.disk_store import DiskStore  # NIXL POSIX: only when asked
+
+        store = DiskStore(
+            config.disk_paths,
+            config.disk_bytes,
+            block_len=config.block_len,
+            pool_addr=self.arena.tensor.data_ptr(),
+            pool_blocks=config.num_blocks,
+        )
+        try:
+            disk = DiskTier(self._shared.cache, store, admit_after=config.disk_admit)
+            self._shared.disk = disk
+            disk.recover()
+        except BaseException:
+            store.close()
+            raise
+        return disk
 
     @property
     def name(self) -> str:
@@ -151,6 +196,10 @@ class Server:
         while not stop.is_set():
             wait_s = IDLE_POLL_S
             with self._lock:
+                if self._disk is not None:
+                    self._disk.step(time.monotonic())
+                    if self._disk.busy():
+                        wait_s = DISK_POLL_S
                 if self._shared.cache.has_events():
                     wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
             if poller.poll(math.ceil(wait_s * 1e3)):
@@ -483,6 +532,9 @@ class Server:
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
+        if self._disk is not None:  # waits for its I/O: before the pool goes
+            self._disk.close()
+            self._disk = None
         transport = getattr(self, "transport", None)  # absent when construction failed early
         if transport is not None:
             transport.close()

@@ -38,6 +38,9 @@ class ServerConfig:
     max_sessions: int = 1024
     hold_timeout_s: float | None = None  # held slots go back after this; None: when released
     host_id: str | None = None  # default: the address the server listens on
+    disk_paths: tuple[str, ...] = ()  # directories of the disk tier (``--disk``)
+    disk_bytes: int = 0  # bytes of blocks per directory (``--disk-bytes``)
+    disk_admit: int = 2  # sightings before a block is copied to disk (``--disk-admit``)
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_len <= 0:
@@ -61,6 +64,17 @@ class ServerConfig:
             raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
         if self.host_id is not None and not 0 < len(self.host_id) <= 128:
             raise ValueError(f"--host-id must be 1 to 128 characters, got {self.host_id!r}")
+        if self.disk_paths and self.disk_bytes < self.block_len:
+            raise ValueError(
+                f"--disk-bytes must hold at least one block of --block-len {self.block_len} "
+                f"bytes, got {self.disk_bytes}"
+            )
+        if self.disk_bytes and not self.disk_paths:
+            raise ValueError("--disk-bytes needs --disk PATH (a directory for the blocks)")
+        if len(set(self.disk_paths)) != len(self.disk_paths):
+            raise ValueError(f"--disk names a directory twice: {list(self.disk_paths)}")
+        if self.disk_admit < 1:
+            raise ValueError(f"--disk-admit must be >= 1, got {self.disk_admit}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.token is None and not is_loopback(self.host):
@@ -88,7 +102,25 @@ class ServerConfig:
             max_sessions=args.max_sessions,
             hold_timeout_s=args.hold_timeout,
             host_id=args.host_id,
+            disk_paths=tuple(args.disk or ()),
+            disk_bytes=parse_bytes(args.disk_bytes) if args.disk_bytes else 0,
+            disk_admit=args.disk_admit,
         )
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"64G"``, ``"512MiB"``, ``"1048576"`` as a byte count; ``ValueError`` otherwise."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        examples = "1073741824, 64G, 512MiB"
+        raise ValueError(f"not a byte count: {text!r} (examples: {examples})") from None
+    return int(value * _UNITS[unit])
 
 
 def is_loopback(host: str) -> bool:
@@ -197,6 +229,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1024,
         help="most sessions open at once (default 1024); more handshakes are rejected",
+    )
+    parser.add_argument(
+        "--disk",
+        action="append",
+        metavar="PATH",
+        help="a directory for a disk tier behind the pool (repeat for several disks): blocks "
+        "the pool evicts are kept there and promoted back when a tier asks; a restart on the "
+        "same directories finds them again",
+    )
+    parser.add_argument(
+        "--disk-bytes",
+        help="bytes of blocks per --disk directory, allocated at start (e.g. 64G)",
+    )
+    parser.add_argument(
+        "--disk-admit",
+        type=int,
+        default=2,
+        help="times a block must be seen (stored, stored again, loaded) before it is copied to "
+        "disk (default 2: blocks stored once and never read stay off the disk; 1: every block)",
     )
     parser.add_argument(
         "--host-id",

@@ -30,15 +30,23 @@ namespace (``take_events``) for the server to push to the sessions.
 Slots come from the server's ``SlotPool`` only as grants need them; once drawn they stay with
 the shared cache (reused for shared keys, never returned), so private leases get the slots the
 shared pool has not filled yet.
+
+A disk behind the pool (``attach_disk``, see ``disk_tier``): an evicted key whose disk copy is
+complete stays known, *on disk* (announced in slot ``protocol.ON_DISK``) until the disk drops
+it; a slot the disk is copying from is not evicted (the next least recently used key is). A
+promotion takes slots like a grant, for the host itself (``take_for``), and publishes the key
+like a commit (``promoted``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from torch_kv_tier.remote.leases import SlotPool
+from torch_kv_tier.remote.protocol import ON_DISK
 
 Key = bytes | str | int
 EventBatch = tuple["Namespace", int, list[Key], list[int], list[int], list[Key]]
@@ -56,11 +64,20 @@ class Namespace:
     event_seq: int = 0  # sequence number of the last event batch taken
     stored: list[Key] = field(default_factory=list)
     evicted: list[Key] = field(default_factory=list)
+    on_disk: list[Key] = field(default_factory=list)  # left DRAM, kept by the disk
 
     @property
     def used(self) -> int:
         """Slots charged to the namespace: stored plus granted."""
         return len(self.entries) + self.granted
+
+
+class DiskSide(Protocol):
+    """What the cache asks of the disk behind it (``disk_store.DiskStore``)."""
+
+    def contains(self, namespace: str, key: Key) -> bool: ...
+    def busy_dram_slots(self) -> set[int]: ...
+    def keys_of(self, namespace: str) -> list[Key]: ...
 
 
 class SharedCache:
@@ -91,6 +108,12 @@ class SharedCache:
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
         self._grants: dict[str, tuple[Namespace, set[int]]] = {}  # session -> its granted slots
         self._held: dict[str, tuple[list[int], float]] = {}  # ended session -> (slots, since)
+        self.disk: DiskSide | None = None
+        self.seen: Callable[[str, Sequence[Key]], None] | None = None  # commits and touches
+
+    def attach_disk(self, disk: DiskSide, seen: Callable[[str, Sequence[Key]], None]) -> None:
+        """Put ``disk`` behind the pool; ``seen`` hears each commit's and touch's keys."""
+        self.disk, self.seen = disk, seen
 
     # -- sessions -----------------------------------------------------------------------------
 
@@ -144,7 +167,12 @@ class SharedCache:
         namespace is at its quota with nothing of its own to evict, or every slot is granted or
         held."""
         ns, granted = self._grants[session_id]
-        want = min(want, self.max_granted - len(granted))
+        slots = self.take_for(ns, min(want, self.max_granted - len(granted)))
+        granted.update(slots)
+        return slots
+
+    def take_for(self, ns: Namespace, want: int) -> list[int]:
+        """Up to ``want`` slots charged to ``ns`` as granted (a grant, or a promotion's)."""
         slots: list[int] = []
         while len(slots) < want:  # in runs: every key evicted below may be ns's own
             room = self.quota - ns.used - len(slots)  # slots ns may take beyond its own
@@ -156,9 +184,48 @@ class SharedCache:
             if not run:
                 break
             slots += run
-        granted.update(slots)
         ns.granted += len(slots)
         return slots
+
+    def promoted(self, ns: Namespace, key: Key, slot: int, digest: int) -> bool:
+        """A promotion brought ``key`` into ``slot`` (taken with ``take_for``): publish it, as a
+        commit does. A key stored meanwhile keeps that copy; the slot is free again."""
+        ns.granted -= 1
+        if key in ns.entries:
+            self._free.append(slot)
+            return False
+        ns.entries[key] = slot
+        self._digests[slot] = digest
+        self._lru[(ns.name, key)] = slot
+        ns.stored.append(key)
+        return True
+
+    def unpromoted(self, ns: Namespace, slot: int) -> None:
+        """A promotion into ``slot`` failed: the slot is free again."""
+        ns.granted -= 1
+        self._free.append(slot)
+
+    def left_disk(self, namespace: str, key: Key) -> None:
+        """The disk dropped ``key``: announce it evicted unless it is in DRAM."""
+        ns = self.namespaces.get(namespace)
+        if ns is not None and key not in ns.entries:
+            ns.evicted.append(key)
+
+    def oldest(self, n: int) -> list[tuple[str, Key, int]]:
+        """The ``n`` least recently used stored keys, oldest first: (namespace, key, slot)."""
+        out: list[tuple[str, Key, int]] = []
+        for (name, key), slot in self._lru.items():
+            if len(out) >= n:
+                break
+            out.append((name, key, slot))
+        return out
+
+    def digest_of(self, slot: int) -> int:
+        return self._digests[slot]
+
+    def free_slots(self) -> int:
+        """Slots a grant could take without evicting."""
+        return len(self._free) + self.pool.free
 
     def commit(
         self, session_id: str, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]
@@ -174,6 +241,8 @@ class SharedCache:
         if entry is None:
             return 0
         ns, granted = entry
+        if self.seen is not None:
+            self.seen(ns.name, keys)
         table = self._digests
         published = 0
         for key, slot, digest in zip(keys, slots, digests):
@@ -195,6 +264,9 @@ class SharedCache:
     def touch(self, session_id: str, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` most recently used (unknown keys are ignored)."""
         ns, _ = self._grants[session_id]
+        if self.seen is not None:
+            keys = list(keys)
+            self.seen(ns.name, keys)
         entries, lru = ns.entries, self._lru
         for key in keys:
             if key in entries:
@@ -210,33 +282,54 @@ class SharedCache:
         # In the dict's own order, not the LRU's: a snapshot has no order, and walking an
         # OrderedDict's links costs ten times as much (~110 ns per key).
         keys, slots = list(dict.keys(ns.entries)), list(dict.values(ns.entries))
-        return keys, slots, list(map(self._digests.__getitem__, slots)), ns.event_seq
+        digests = list(map(self._digests.__getitem__, slots))
+        if self.disk is not None:
+            entries = ns.entries
+            disk_only = [k for k in self.disk.keys_of(ns.name) if k not in entries]
+            keys += disk_only
+            slots += [ON_DISK] * len(disk_only)
+            digests += [0] * len(disk_only)
+        return keys, slots, digests, ns.event_seq
 
     def namespace_of(self, session_id: str) -> Namespace:
         return self._grants[session_id][0]
 
     def has_events(self) -> bool:
         """Whether a namespace stored or evicted a key since the last ``take_events``."""
-        return any(ns.stored or ns.evicted for ns in self.namespaces.values())
+        return any(ns.stored or ns.evicted or ns.on_disk for ns in self.namespaces.values())
 
     def take_events(self, max_keys: int) -> list[EventBatch]:
         """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
         evicted)`` batches of at most ``max_keys`` keys; each namespace's sequence number grows
         by one per batch. A key is reported in its final state only (stored, with its slot and
-        digest now, or evicted)."""
+        digest now, on disk: slot ``ON_DISK``, or evicted)."""
         batches: list[EventBatch] = []
+        disk = self.disk
         for ns in list(self.namespaces.values()):
             entries = ns.entries
             stored = [k for k in dict.fromkeys(ns.stored) if k in entries]
             evicted = [k for k in dict.fromkeys(ns.evicted) if k not in entries]
-            ns.stored, ns.evicted = [], []
-            while stored or evicted:
+            on_disk: list[Key] = []
+            if disk is not None and (ns.on_disk or evicted):
+                name = ns.name
+                moved = dict.fromkeys(ns.on_disk + evicted)
+                on_disk = [k for k in moved if k not in entries and disk.contains(name, k)]
+                kept = set(on_disk)
+                evicted = [k for k in evicted if k not in kept]
+            ns.stored, ns.evicted, ns.on_disk = [], [], []
+            while stored or evicted or on_disk:
                 ns.event_seq += 1
                 out_evicted, evicted = evicted[:max_keys], evicted[max_keys:]
                 room = max_keys - len(out_evicted)
                 out_stored, stored = stored[:room], stored[room:]
                 slots = list(map(entries.__getitem__, out_stored))
                 digests = list(map(self._digests.__getitem__, slots))
+                room -= len(out_stored)
+                if room and on_disk:
+                    out_disk, on_disk = on_disk[:room], on_disk[room:]
+                    out_stored = out_stored + out_disk
+                    slots += [ON_DISK] * len(out_disk)
+                    digests += [0] * len(out_disk)
                 batches.append((ns, ns.event_seq, out_stored, slots, digests, out_evicted))
         return batches
 
@@ -274,8 +367,19 @@ class SharedCache:
         return taken
 
     def _evict_oldest(self, n: int) -> list[int]:
-        """The slots of up to ``n`` least recently used keys of any namespace, evicted."""
+        """The slots of up to ``n`` least recently used keys of any namespace, evicted (not
+        those the disk is copying: the next oldest instead)."""
         lru, namespaces = self._lru, self.namespaces
+        busy = self.disk.busy_dram_slots() if self.disk is not None else None
+        if busy:
+            victims = _oldest_not_in(lru.items(), busy, n)
+            for pair, _ in victims:
+                del lru[pair]
+            for (name, key), _ in victims:
+                del namespaces[name].entries[key]
+                namespaces[name].evicted.append(key)
+            self.evictions += len(victims)
+            return [slot for _, slot in victims]
         slots = []
         for _ in range(min(n, len(lru))):
             (name, key), slot = lru.popitem(last=False)
@@ -287,13 +391,29 @@ class SharedCache:
         return slots
 
     def _evict_from(self, ns: Namespace, n: int) -> list[int]:
-        """The slots of up to ``n`` of ``ns``'s least recently used keys, evicted."""
+        """The slots of up to ``n`` of ``ns``'s least recently used keys, evicted (not those
+        the disk is copying)."""
         entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
-        slots = []
-        for _ in range(min(n, len(entries))):
-            key, slot = entries.popitem(last=False)
+        busy = self.disk.busy_dram_slots() if self.disk is not None else None
+        victims = _oldest_not_in(entries.items(), busy or set(), n)
+        for key, _ in victims:
+            del entries[key]
             del lru[(name, key)]
             evicted.append(key)
-            slots.append(slot)
-        self.evictions += len(slots)
-        return slots
+        self.evictions += len(victims)
+        return [slot for _, slot in victims]
+
+
+def _oldest_not_in(
+    items: Iterable[tuple[Any, int]], busy: set[int], n: int
+) -> list[tuple[Any, int]]:
+    """The first ``n`` of ``items`` whose slot is not in ``busy``."""
+    out: list[tuple[Any, int]] = []
+    if n <= 0:
+        return out
+    for item in items:
+        if item[1] not in busy:
+            out.append(item)
+            if len(out) == n:
+                break
+    return out

@@ -13,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.disk_tier import DiskTier
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 
-SharedMessage = p.GrantRequest | p.Commit | p.Touch | p.SnapshotRequest
-SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.Touch, p.SnapshotRequest)
+SharedMessage = p.GrantRequest | p.Commit | p.Touch | p.Promote | p.SnapshotRequest
+SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.Touch, p.Promote, p.SnapshotRequest)
 MAX_GRANT = 4096  # slots one grant may ask for
 
 _Snapshot = tuple[list[Any], list[int], list[int], int]
@@ -29,6 +30,7 @@ class SharedService:
     def __init__(self, pool: SlotPool, *, quota: int | None, max_granted: int | None) -> None:
         self.cache = SharedCache(pool, quota=quota, max_granted=max_granted)
         self._snapshots: dict[str, _Snapshot] = {}  # session -> keys, slots, digests, event seq
+        self.disk: DiskTier | None = None  # the server's disk tier, if any
 
     def join(self, session: Session) -> None:
         self.cache.join(session.session_id, session.namespace)
@@ -58,6 +60,10 @@ class SharedService:
             return None
         if isinstance(message, p.Touch):
             cache.touch(sid, message.keys)
+            return None
+        if isinstance(message, p.Promote):
+            if self.disk is not None:
+                self.disk.promote(cache.namespace_of(sid), message.keys)
             return None
         if isinstance(message, p.GrantRequest):
             want = min(max(message.want, 0), MAX_GRANT)
@@ -109,4 +115,5 @@ class SharedService:
                 ns.name or "(none)": {"stored": len(ns.entries), "granted": ns.granted}
                 for ns in cache.namespaces.values()
             },
+            **(self.disk.stats() if self.disk is not None else {}),
         }

@@ -214,8 +214,9 @@ class RemoteHostTier(SecondaryTierManager):
         """For a completed copy of ``key`` on a remote host, what :class:`PromotionAdmission`
         decides (HIT: promote it; RETRY: the request arrived in this step, or waits for another
         request's promotion; MISS: recompute from here); RETRY while a store of it to this tier
-        is still in flight; else MISS, or RETRY while another request's promotion is under way
-        (admission's guard). From local state only (no network).
+        is still in flight, or while a host brings it from its disk into DRAM (asked here, at
+        most ``TierManager.promotion_timeout_s``); else MISS, or RETRY while another request's
+        promotion is under way (admission's guard). From local state only (no network).
 
         A key whose promotion already failed for this request is a MISS for the rest of the
         request, so vLLM recomputes it instead of retrying the promotion forever.
@@ -226,8 +227,8 @@ class RemoteHostTier(SecondaryTierManager):
         self._admission.observe(req_context.req_id, req_context.get_offload_key_position(key))
         if self._tier.contains(key):
             return _LOOKUP[self._admission.admit(req_context.req_id, key)]
-        if key in self._storing:
-            return LookupResult.RETRY
+        if key in self._storing or self._tier.prefetch([key]):
+            return LookupResult.RETRY  # a store in flight, or a promotion from a host's disk
         return _LOOKUP[self._admission.recompute(req_context.req_id)]
 
     @override

@@ -1,0 +1,232 @@
+"""The host's disk tier as bookkeeping (``disk_tier.DiskTier`` over ``SharedCache``, a disk
+that completes its I/O when polled): copies ahead of eviction, admission, keys announced on
+disk, promotions, slots withheld while the disk still uses them; and the tier's copy of the
+index (``SharedSlots``) holding keys announced on disk."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.remote.disk_tier import DiskTier, SeenCounts
+from torch_kv_tier.remote.leases import SlotPool
+from torch_kv_tier.remote.protocol import ON_DISK
+from torch_kv_tier.remote.shared_cache import SharedCache
+
+
+@dataclass
+class Completions:
+    written: list[tuple[str, Any]] = field(default_factory=list)
+    read: list[tuple[str, Any, int, int]] = field(default_factory=list)
+    failed: list[tuple[str, Any, int]] = field(default_factory=list)
+
+
+class FakeDisk:
+    """``DiskStore``'s interface in memory: I/O posted now completes at the next ``poll``."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.keys: dict[tuple[str, Any], int] = {}  # (namespace, key) -> digest, LRU order
+        self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
+        self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
+        self.fail_reads = False
+
+    def contains(self, namespace: str, key: Any) -> bool:
+        return (namespace, key) in self.keys
+
+    def keys_of(self, namespace: str) -> list[Any]:
+        return [k for (ns, k) in self.keys if ns == namespace]
+
+    def busy_dram_slots(self) -> set[int]:
+        return {s for _, s in self.writing.values()} | set(self.reading.values())
+
+    def in_flight(self) -> int:
+        return int(bool(self.writing or self.reading))
+
+    def write(self, items: list[tuple[str, Any, int, int]]) -> list[tuple[str, Any]]:
+        evicted = []
+        for ns, key, digest, slot in items:
+            if (ns, key) in self.keys or (ns, key) in self.writing:
+                continue
+            if len(self.keys) + len(self.writing) >= self.capacity:
+                if not self.keys:  # every slot has a write in flight
+                    continue
+                victim = next(iter(self.keys))
+                del self.keys[victim]
+                evicted.append(victim)
+            self.writing[(ns, key)] = (digest, slot)
+        return evicted
+
+    def read(self, items: list[tuple[str, Any, int]]) -> list[tuple[str, Any]]:
+        skipped = []
+        for ns, key, slot in items:
+            if (ns, key) not in self.keys:
+                skipped.append((ns, key))
+            else:
+                self.reading[(ns, key)] = slot
+        return skipped
+
+    def poll(self) -> Completions:
+        done = Completions()
+        for (ns, key), (digest, _) in self.writing.items():
+            self.keys[(ns, key)] = digest
+            done.written.append((ns, key))
+        self.writing = {}
+        for (ns, key), slot in self.reading.items():
+            if self.fail_reads:
+                del self.keys[(ns, key)]
+                done.failed.append((ns, key, slot))
+            else:
+                done.read.append((ns, key, slot, self.keys[(ns, key)]))
+        self.reading = {}
+        return done
+
+    def stats(self) -> dict[str, Any]:
+        return {"disk_keys": len(self.keys)}
+
+    def close(self) -> None:
+        pass
+
+
+def _host(num_blocks: int = 8, disk_slots: int = 64, admit: int = 1) -> tuple[Any, ...]:
+    cache = SharedCache(SlotPool(num_blocks), max_granted=num_blocks)
+    disk = FakeDisk(disk_slots)
+    tier = DiskTier(cache, disk, admit_after=admit)  # type: ignore[arg-type]
+    cache.join("s", "ns")
+    return cache, disk, tier
+
+
+def _store(cache: SharedCache, keys: list[Any]) -> None:
+    slots = cache.grant("s", len(keys))
+    assert len(slots) == len(keys)
+    cache.commit("s", keys, slots, [hash(k) & 0xFFFF for k in keys])
+
+
+def _events(cache: SharedCache) -> tuple[dict[Any, int], list[Any]]:
+    stored: dict[Any, int] = {}
+    evicted: list[Any] = []
+    for _, _, keys, slots, _, gone in cache.take_events(1024):
+        stored.update(zip(keys, slots))
+        evicted += gone
+    return stored, evicted
+
+
+def test_keys_copied_ahead_leave_dram_as_on_disk_and_come_back_promoted() -> None:
+    cache, disk, tier = _host()
+    _store(cache, [f"k{i}" for i in range(8)])  # the pool is full: every key may be evicted
+    tier.step(now=1.0)  # copies ahead of eviction posted
+    tier.step(now=2.0)  # and completed
+    assert len(disk.keys) == 8
+    _events(cache)
+    _store(cache, ["n0", "n1"])  # evicts k0 and k1, which the disk holds
+    stored, evicted = _events(cache)
+    assert stored["k0"] == stored["k1"] == ON_DISK and evicted == []
+    assert stored["n0"] >= 0
+    snapshot_keys, snapshot_slots, _, _ = cache.snapshot("s")
+    assert dict(zip(snapshot_keys, snapshot_slots))["k0"] == ON_DISK
+    tier.promote(cache.namespace_of("s"), ["k0", "absent"])
+    tier.step(now=3.0)  # a DRAM slot taken (k2 evicted: on disk too), the read posted
+    tier.step(now=4.0)  # the read completed: k0 published
+    stored, _ = _events(cache)
+    assert stored["k0"] >= 0 and stored["k2"] == ON_DISK
+    assert cache.digest_of(stored["k0"]) == disk.keys[("ns", "k0")]
+    assert tier.stats()["disk_promotions"] == 1
+
+
+def test_a_key_being_copied_is_not_evicted_the_next_oldest_is() -> None:
+    cache, disk, tier = _host(num_blocks=4)
+    _store(cache, ["a", "b"])
+    tier.step(now=1.0)  # copies of a and b in flight
+    _store(cache, ["c", "d"])
+    assert len(disk.busy_dram_slots()) == 2
+    _events(cache)
+    _store(cache, ["e", "f"])  # the pool is full: c and d go, a and b stay
+    _, evicted = _events(cache)
+    assert sorted(evicted) == ["c", "d"]
+    assert disk.busy_dram_slots().isdisjoint(cache.namespace_of("s").entries[k] for k in "ef")
+    tier.step(now=2.0)  # copies done
+    _store(cache, ["g"])  # now a, the oldest, leaves for the disk
+    stored, _ = _events(cache)
+    assert stored["a"] == ON_DISK
+
+
+def test_blocks_seen_once_stay_off_the_disk_by_default() -> None:
+    cache, disk, tier = _host(admit=2)
+    _store(cache, [f"k{i}" for i in range(8)])
+    cache.touch("s", ["k3", "k4"])  # loaded once: seen twice
+    tier.step(now=1.0)
+    tier.step(now=2.0)
+    assert sorted(k for _, k in disk.keys) == ["k3", "k4"]
+    _events(cache)
+    _store(cache, [f"n{i}" for i in range(8)])  # evicts all eight
+    stored, evicted = _events(cache)
+    assert {k for k, s in stored.items() if s == ON_DISK} == {"k3", "k4"}
+    assert sorted(evicted) == sorted(f"k{i}" for i in range(8) if i not in (3, 4))
+
+
+def test_a_disk_that_drops_a_key_announces_it_evicted() -> None:
+    cache, disk, tier = _host(num_blocks=4, disk_slots=4)
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)  # all four on disk
+    _events(cache)
+    _store(cache, ["e", "f", "g", "h"])  # evicts every key to the disk
+    stored, evicted = _events(cache)
+    assert all(stored[k] == ON_DISK for k in "abcd") and evicted == []
+    tier.step(now=3.0)  # copies of e..h take the disk's room: a..d dropped
+    stored, evicted = _events(cache)
+    assert sorted(evicted) == ["a", "b", "c", "d"]
+
+
+def test_a_failed_promotion_frees_its_slot_and_announces_the_key_evicted() -> None:
+    cache, disk, tier = _host(num_blocks=4)
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)
+    _store(cache, ["e"])  # a leaves DRAM for the disk
+    _events(cache)
+    disk.fail_reads = True
+    tier.promote(cache.namespace_of("s"), ["a"])
+    tier.step(now=3.0)
+    tier.step(now=4.0)
+    _, evicted = _events(cache)
+    assert "a" in evicted
+    assert cache.namespace_of("s").granted == 0
+    assert tier.stats()["disk_promotions_failed"] == 1
+
+
+def test_seen_counts_count_per_namespace_and_age() -> None:
+    counts = SeenCounts()
+    counts.add("x", [b"a", b"a", b"b"])  # a batch counts a key once
+    counts.add("x", [b"a"])
+    assert counts.counts("x", [b"a", b"b", b"c"]).tolist() == [2, 1, 0]
+    assert counts.counts("y", [b"a"]).tolist() == [0]
+    counts._added = SeenCounts.AGE_EVERY - 1
+    counts.add("x", [b"d"])
+    assert counts.counts("x", [b"a", b"d"]).tolist() == [1, 0]
+
+
+def test_disk_admit_must_be_positive() -> None:
+    cache = SharedCache(SlotPool(4))
+    with pytest.raises(ValueError, match="--disk-admit"):
+        DiskTier(cache, FakeDisk(4), admit_after=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["dict-copy", "compact-copy"])
+def test_a_tiers_copy_counts_keys_on_disk_and_forgets_them_when_promoted(compact: bool) -> None:
+    index = BlockIndex(compact=compact)
+    peer = index.add_shared_peer("host", 16)
+    index.apply_host_changes(peer, [b"a", b"b", b"c"], [3, ON_DISK, ON_DISK], [7, 0, 0], [], True)
+    assert index.lookup([b"a", b"b", b"c", b"d"]) == 3
+    assert index.holder(b"b") is None and index.disk_holder(b"b") is peer
+    assert index.on_disk([b"a", b"b", b"c"]) == {peer: [1, 2]}
+    groups, missing = index.locate([b"a", b"b"], [0, 1])
+    assert missing == [b"b"]
+    index.apply_host_changes(peer, [b"b"], [5], [9], [b"c"], False)  # promoted; c dropped
+    assert index.holder(b"b") is peer and not index.has_disk_keys()
+    assert index.lookup([b"a", b"b", b"c"]) == 2
+    index.apply_host_changes(peer, [b"a"], [ON_DISK], [0], [], False)  # a left DRAM
+    assert index.holder(b"a") is None and index.disk_holder(b"a") is peer

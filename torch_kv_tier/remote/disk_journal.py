@@ -1,0 +1,175 @@
+"""One directory of a host's disk tier: its block file, header and journal (``disk_store``).
+
+Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
+O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
+directory made for other blocks is refused, not reinterpreted) and ``journal.log``.
+
+Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
+(``DEL``), each framed by its length and CRC-32. Appends are buffered and written with one
+``os.write`` per ``flush``; ``fsync`` runs at most once per ``FSYNC_PERIOD_S`` (a process crash
+loses nothing written, a power loss the records of the last period). ``records`` reads up to
+the first torn or corrupt frame (a crash in the middle of an append costs that record only);
+``rewrite`` replaces the journal by the live records (temporary file, fsync, rename).
+
+Threading: not thread-safe; owned by one ``DiskStore``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from torch_kv_tier.keys import Key
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+PUT, DEL = 1, 0
+_FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
+_encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
+_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
+
+Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
+
+
+class DiskError(OSError):
+    """A disk directory that cannot be used; the message says what to do."""
+
+
+class DiskDir:
+    """The files of one ``--disk`` directory (module docstring). Raises ``DiskError`` for a
+    path that cannot be written, a file system without room for ``nbytes``, or a directory
+    made with another block length or size."""
+
+    def __init__(self, path: Path, nbytes: int, block_len: int) -> None:
+        self.path = path
+        self.slots = nbytes // block_len
+        self.fd = self.journal = -1
+        self.pending = bytearray()  # records appended, not yet written
+        self.records = 0  # records in the journal file
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._check_header(block_len)
+            self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len)
+            self._allocate(self.slots * block_len)
+            self.journal = os.open(path / "journal.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, OSError) and not isinstance(exc, DiskError):
+                why = exc.strerror or str(exc)
+                raise DiskError(f"cannot use {path} for the disk tier: {why}") from exc
+            raise
+
+    def _check_header(self, block_len: int) -> None:
+        meta = self.path / "meta.json"
+        want = {"format": FORMAT, "block_len": block_len, "slots": self.slots}
+        if not meta.exists():
+            meta.write_text(json.dumps(want))
+            return
+        have = json.loads(meta.read_text())
+        if have != want:
+            raise DiskError(
+                f"{self.path} holds {have.get('slots')} blocks of {have.get('block_len')} bytes, "
+                f"not {self.slots} of {block_len}: pass the --block-len and --disk-bytes it was "
+                "made with, or an empty directory"
+            )
+
+    def _allocate(self, size: int) -> None:
+        if os.fstat(self.fd).st_size >= size:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            st = os.statvfs(self.path)
+            raise DiskError(
+                f"{self.path} needs {size} bytes for --disk-bytes, only {st.f_bavail * st.f_frsize}"
+                " free: pass a smaller --disk-bytes or free space"
+            ) from exc
+
+    # -- journal --------------------------------------------------------------------------
+
+    def append(self, op: int, slot: int, namespace: str, key: Key, digest: int) -> None:
+        self.pending += _frame((op, slot, namespace, key, digest))
+        self.records += 1
+
+    def flush(self, *, sync: bool) -> None:
+        """Write the appended records; ``fsync`` too with ``sync``."""
+        try:
+            if self.pending:
+                os.write(self.journal, self.pending)
+            if sync:
+                os.fsync(self.journal)
+        except OSError as exc:  # a full disk: those keys are lost at a restart, nothing else
+            logger.warning("disk: journal of %s not written: %s", self.path, exc)
+        self.pending = bytearray()
+
+    def read_records(self) -> list[Record]:
+        """The journal's records, up to its first torn or corrupt frame."""
+        data = (self.path / "journal.log").read_bytes()
+        out: list[Record] = []
+        pos = 0
+        while pos + _FRAME.size <= len(data):
+            length, crc = _FRAME.unpack_from(data, pos)
+            payload = data[pos + _FRAME.size : pos + _FRAME.size + length]
+            try:
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    raise ValueError("torn")
+                out.append(_decoder.decode(payload))
+            except (msgspec.DecodeError, ValueError):
+                logger.warning("disk: journal of %s torn at byte %d: rest ignored", self.path, pos)
+                break
+            pos += _FRAME.size + length
+        return out
+
+    def rewrite(self, live: Iterable[Record]) -> None:
+        """Replace the journal by ``live`` (temporary file, fsync, rename)."""
+        out = bytearray()
+        count = 0
+        for record in live:
+            out += _frame(record)
+            count += 1
+        tmp = self.path / "journal.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, out)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path / "journal.log")
+        os.close(self.journal)
+        self.journal = os.open(self.path / "journal.log", os.O_RDWR | os.O_APPEND)
+        self.records, self.pending = count, bytearray()
+
+    def close(self) -> None:
+        """Write what is pending, fsync, close both files. Idempotent."""
+        if self.journal >= 0:
+            self.flush(sync=True)
+        for fd in (self.fd, self.journal):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.journal = -1
+
+
+def _frame(record: Record) -> bytes:
+    payload = _encoder.encode(record)
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _open_blocks(path: Path, block_len: int) -> tuple[int, bool]:
+    """The block file and whether it is O_DIRECT (blocks of whole pages, and a file system that
+    takes it: tmpfs refuses)."""
+    flags = os.O_RDWR | os.O_CREAT
+    if block_len % 4096 == 0 and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError:
+            pass
+    return os.open(path, flags, 0o600), False

@@ -1,0 +1,433 @@
+"""``DiskStore``: a host's blocks on local files, written from and read into its DRAM pool through
+NIXL's POSIX backend, with a journal that lets a restarted host find them again.
+
+Each ``--disk`` directory is a ``disk_journal.DiskDir`` (block file, header, journal). Their
+slots form one pool: global slot ``g`` is slot ``g // n`` of directory ``g % n``, so consecutive
+allocations alternate between directories. ``write``/``read`` post one NIXL request per
+directory touched (DRAM slots and file slots from lists prepared once: no byte and no per-block
+call goes through Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a
+key used); a slot with I/O in flight is never evicted.
+
+Recovery (``recover``): the journal of each directory is replayed (the last record of a slot
+wins), every surviving block is read and checked against its digest (xxh3-64 seeded with its
+key, as ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a
+record torn at the journal's tail cost those keys, nothing else; the journal is then rewritten
+with the live records only.
+
+Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
+error drops the keys of that request from the disk (``poll().failed``), logged, never raised;
+construction raises ``DiskError`` with what to do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from torch_kv_tier.keys import Key, key_fingerprint
+from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
+
+logger = logging.getLogger(__name__)
+
+FSYNC_PERIOD_S = 1.0
+CLOSE_WAIT_S = 10.0
+_xxh3 = xxhash.xxh3_64_intdigest
+
+Pair = tuple[str, Key]
+
+
+@dataclass
+class DiskCompletions:
+    written: list[Pair] = field(default_factory=list)
+    read: list[tuple[str, Key, int, int]] = field(default_factory=list)  # ns, key, dram, digest
+    failed: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+
+
+@dataclass
+class _Request:
+    handle: Any
+    kind: str  # "write" or "read"
+    items: list[tuple[str, Key, int, int, int]]  # ns, key, digest, disk slot, dram slot
+    nbytes: int
+    started: float
+
+
+class DiskStore:
+    """Blocks on disk for one host (module docstring)."""
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        bytes_per_path: int,
+        *,
+        block_len: int,
+        pool_addr: int,
+        pool_blocks: int,
+        name: str = "tkvt-disk",
+    ) -> None:
+        if bytes_per_path < block_len:
+            raise ValueError(f"--disk-bytes {bytes_per_path} holds no block of {block_len} bytes")
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.block_len = block_len
+        self._dirs: list[DiskDir] = []
+        try:
+            for p in paths:
+                self._dirs.append(DiskDir(Path(p), bytes_per_path, block_len))
+        except BaseException:
+            self._close_files()
+            raise
+        self.direct_io = all(d.direct for d in self._dirs) and pool_addr % 4096 == 0
+        slots = bytes_per_path // block_len  # in every directory
+        self.capacity = len(self._dirs) * slots
+        self._fresh = 0  # global slots from here on were never used
+        self._free: list[int] = []  # used slots free again
+        self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
+        self._writing: set[Pair] = set()
+        self._busy_disk: set[int] = set()
+        self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
+        self._requests: list[_Request] = []
+        self._failed_at_start = DiskCompletions()  # requests NIXL refused: the next poll's
+        self._last_sync = time.monotonic()
+        self._counters = dict.fromkeys(
+            (
+                "disk_writes", "disk_reads", "disk_write_bytes", "disk_read_bytes",
+                "disk_evictions", "disk_failures", "disk_recover_dropped",
+            ),
+            0,
+        )  # fmt: skip
+        self._busy_s = {"write": 0.0, "read": 0.0}
+        agent_name = f"{name}-{os.getpid()}-{next(_agent_ids)}"
+        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=[]))
+        self._closed = False
+        try:
+            self._agent.create_backend("POSIX", {})
+            pool = [(pool_addr, pool_blocks * block_len, 0, "")]
+            self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
+            files = [(0, d.slots * block_len, d.fd, "") for d in self._dirs]
+            self._file_reg = self._agent.register_memory(files, "FILE", backends=["POSIX"])
+            rows = _descriptors(pool_addr, pool_blocks, block_len, 0)
+            self._dram = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", rows, "DRAM", backends=["POSIX"]
+            )
+            self._files = [
+                self._agent.prep_xfer_dlist(
+                    self._agent.name,
+                    _descriptors(0, d.slots, block_len, d.fd),
+                    "FILE",
+                    backends=["POSIX"],
+                )
+                for d in self._dirs
+            ]
+        except BaseException:
+            self.close()
+            raise
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def contains(self, namespace: str, key: Key) -> bool:
+        return (namespace, key) in self._where
+
+    def digest(self, namespace: str, key: Key) -> int | None:
+        entry = self._where.get((namespace, key))
+        return None if entry is None else entry[1]
+
+    def keys_of(self, namespace: str) -> list[Key]:
+        return [k for ns, k in self._where if ns == namespace]
+
+    def busy_dram_slots(self) -> set[int]:
+        return set(self._busy_dram)
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    # -- I/O ----------------------------------------------------------------------------------
+
+    def write(self, items: Sequence[tuple[str, Key, int, int]]) -> list[Pair]:
+        """Post writes of DRAM slots to disk: ``(namespace, key, digest, dram_slot)``; keys on
+        disk or being written are skipped. Returns the keys evicted from disk for room."""
+        evicted: list[Pair] = []
+        batch: list[tuple[str, Key, int, int, int]] = []
+        for ns, key, digest, dram in items:
+            pair = (ns, key)
+            if pair in self._where or pair in self._writing:
+                continue
+            slot = self._take_slot(evicted)
+            if slot is None:
+                break
+            self._writing.add(pair)
+            batch.append((ns, key, digest, slot, dram))
+        if batch:
+            self._post("write", batch)
+        return evicted
+
+    def read(self, items: Sequence[tuple[str, Key, int]]) -> list[Pair]:
+        """Post reads of keys' disk copies into DRAM slots: ``(namespace, key, dram_slot)``.
+        Returns the keys skipped (not on disk)."""
+        skipped: list[Pair] = []
+        batch: list[tuple[str, Key, int, int, int]] = []
+        for ns, key, dram in items:
+            entry = self._where.get((ns, key))
+            if entry is None:
+                skipped.append((ns, key))
+                continue
+            self._where.move_to_end((ns, key))
+            batch.append((ns, key, entry[1], entry[0], dram))
+        if batch:
+            self._post("read", batch)
+        return skipped
+
+    def remove(self, namespace: str, key: Key) -> bool:
+        """Forget a disk copy (its slot is free once no read uses it)."""
+        entry = self._where.pop((namespace, key), None)
+        if entry is None:
+            return False
+        self._release(entry[0], (namespace, key))
+        return True
+
+    def poll(self) -> DiskCompletions:
+        """Completed and failed I/O since the last call (non-blocking)."""
+        done, self._failed_at_start = self._failed_at_start, DiskCompletions()
+        if not self._requests:
+            self._sync_journals(force=False)
+            return done
+        left = []
+        for request in self._requests:
+            try:
+                state = self._agent.check_xfer_state(request.handle)
+            except Exception as exc:  # NIXL raises on a failed request
+                logger.warning("disk %s failed: %s", request.kind, exc)
+                state = "ERR"
+            if state == "PROC":
+                left.append(request)
+                continue
+            self._finish(request, state == "DONE", done)
+        self._requests = left
+        self._sync_journals(force=False)
+        return done
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def recover(self) -> list[tuple[str, Key, int]]:
+        """Rebuild the index from the journals, keeping the blocks that verify (module
+        docstring). Returns ``(namespace, key, digest)`` of each, least recently used first
+        (journal order). Call once, before any other I/O."""
+        n = len(self._dirs)
+        row = mmap.mmap(-1, self.block_len)  # page-aligned, as O_DIRECT reads need
+        found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
+        try:
+            for f, d in enumerate(self._dirs):
+                last: dict[int, tuple[int, str, Key, int]] = {}
+                for order, (op, j, ns, key, digest) in enumerate(d.read_records()):
+                    if op == PUT and 0 <= j < d.slots:
+                        last[j] = (order, ns, key, digest)
+                    else:
+                        last.pop(j, None)
+                for j, (order, ns, key, digest) in last.items():
+                    got = os.preadv(d.fd, [row], j * self.block_len)
+                    if got == self.block_len and _xxh3(row, key_fingerprint(key)) == digest:
+                        found.append((order, j * n + f, ns, key, digest))
+                    else:
+                        self._counters["disk_recover_dropped"] += 1
+        finally:
+            row.close()
+        found.sort(key=lambda entry: entry[0])
+        for _, slot, ns, key, digest in found:
+            self._where.pop((ns, key), None)  # one key in two slots: the later one stays
+            self._where[(ns, key)] = (slot, digest)
+        taken = {slot for slot, _ in self._where.values()}
+        self._fresh = max(taken, default=-1) + 1
+        self._free = sorted(set(range(self._fresh)) - taken, reverse=True)
+        for f, d in enumerate(self._dirs):
+            self._rewrite_journal(f, d)
+        return [(ns, key, digest) for (ns, key), (_, digest) in self._where.items()]
+
+    def stats(self) -> dict[str, Any]:
+        c = self._counters
+        return {
+            **c,
+            "disk_keys": len(self._where),
+            "disk_bytes": len(self._where) * self.block_len,
+            "disk_capacity_bytes": self.capacity * self.block_len,
+            "disk_write_gbps": c["disk_write_bytes"] / self._busy_s["write"] / 1e9
+            if self._busy_s["write"]
+            else 0.0,
+            "disk_read_gbps": c["disk_read_bytes"] / self._busy_s["read"] / 1e9
+            if self._busy_s["read"]
+            else 0.0,
+            "disk_direct_io": self.direct_io,
+        }
+
+    def close(self) -> None:
+        """Wait (at most ``CLOSE_WAIT_S``) for I/O in flight, sync the journals, release every
+        NIXL handle and registration, close the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        agent = getattr(self, "_agent", None)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._requests and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.001)
+        if self._requests:
+            logger.warning("disk: %d requests still in flight at close", len(self._requests))
+        if agent is not None:
+            for request in self._requests:
+                _quietly(lambda r=request: agent.release_xfer_handle(r.handle))
+            for dlist in [getattr(self, "_dram", None), *getattr(self, "_files", [])]:
+                if dlist is not None:
+                    _quietly(lambda h=dlist: agent.release_dlist_handle(h))
+            for reg in (getattr(self, "_file_reg", None), getattr(self, "_pool_reg", None)):
+                if reg is not None:
+                    _quietly(lambda r=reg: agent.deregister_memory(r, backends=["POSIX"]))
+            self._agent = None
+        self._requests = []
+        self._sync_journals(force=True)
+        self._close_files()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _take_slot(self, evicted: list[Pair]) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._fresh < self.capacity:
+            self._fresh += 1
+            return self._fresh - 1
+        for pair, (slot, _) in self._where.items():  # the least recently used not in use
+            if slot not in self._busy_disk:
+                del self._where[pair]
+                evicted.append(pair)
+                self._counters["disk_evictions"] += 1
+                return slot
+        return None
+
+    def _post(self, kind: str, batch: list[tuple[str, Key, int, int, int]]) -> None:
+        n = len(self._dirs)
+        by_dir: dict[int, list[tuple[str, Key, int, int, int]]] = {}
+        for item in batch:
+            by_dir.setdefault(item[3] % n, []).append(item)
+        op = "WRITE" if kind == "write" else "READ"
+        for f, items in by_dir.items():
+            dram = [it[4] for it in items]
+            disk = [it[3] // n for it in items]
+            for it in items:
+                self._busy_disk.add(it[3])
+                self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
+            request = _Request(None, kind, items, len(items) * self.block_len, time.perf_counter())
+            try:
+                request.handle = self._agent.make_prepped_xfer(
+                    op, self._dram, dram, self._files[f], disk, backends=["POSIX"]
+                )
+                state = self._agent.transfer(request.handle)
+            except Exception as exc:
+                logger.warning("disk %s of %d blocks could not start: %s", kind, len(items), exc)
+                state = "ERR"
+            if state == "ERR":
+                self._finish(request, False, self._failed_at_start)
+            else:
+                self._requests.append(request)
+
+    def _finish(self, request: _Request, ok: bool, done: DiskCompletions) -> None:
+        if request.handle is not None:
+            _quietly(lambda: self._agent.release_xfer_handle(request.handle))
+        self._busy_s[request.kind] += time.perf_counter() - request.started
+        for ns, key, digest, slot, dram in request.items:
+            self._busy_disk.discard(slot)
+            count = self._busy_dram.pop(dram) - 1
+            if count:
+                self._busy_dram[dram] = count
+            pair = (ns, key)
+            if request.kind == "write":
+                self._writing.discard(pair)
+                if ok:
+                    self._where[pair] = (slot, digest)
+                    self._append(slot, PUT, ns, key, digest)
+                    done.written.append(pair)
+                else:
+                    self._free.append(slot)
+                    done.failed.append((ns, key, dram))
+            elif ok:
+                done.read.append((ns, key, dram, digest))
+            else:
+                if self._where.get(pair, (None,))[0] == slot:
+                    del self._where[pair]
+                    self._append(slot, DEL, ns, key, 0)
+                    self._free.append(slot)
+                done.failed.append((ns, key, dram))
+        if ok:
+            self._counters[f"disk_{request.kind}s"] += len(request.items)
+            self._counters[f"disk_{request.kind}_bytes"] += request.nbytes
+        else:
+            self._counters["disk_failures"] += len(request.items)
+
+    def _release(self, slot: int, pair: Pair) -> None:
+        self._append(slot, DEL, pair[0], pair[1], 0)
+        self._free.append(slot)
+
+    def _append(self, slot: int, op: int, namespace: str, key: Key, digest: int) -> None:
+        n = len(self._dirs)
+        self._dirs[slot % n].append(op, slot // n, namespace, key, digest)
+
+    def _sync_journals(self, *, force: bool) -> None:
+        """Write the records appended (one ``os.write`` per journal), fsync at most every
+        ``FSYNC_PERIOD_S`` (always with ``force``), compact a journal past 4x its live keys."""
+        now = time.monotonic()
+        sync = force or now - self._last_sync >= FSYNC_PERIOD_S
+        for f, d in enumerate(self._dirs):
+            if d.records > 4 * len(self._where) + 4096:
+                d.flush(sync=False)
+                self._rewrite_journal(f, d)
+            elif d.pending or sync:
+                d.flush(sync=sync)
+        if sync:
+            self._last_sync = now
+
+    def _rewrite_journal(self, f: int, d: DiskDir) -> None:
+        """Replace ``d``'s journal by one ``PUT`` per key it holds."""
+        n = len(self._dirs)
+        d.rewrite(
+            (PUT, slot // n, ns, key, digest)
+            for (ns, key), (slot, digest) in self._where.items()
+            if slot % n == f
+        )
+
+    def _close_files(self) -> None:
+        for d in self._dirs:
+            _quietly(d.close)
+        self._dirs = []
+
+
+_agent_ids = itertools.count()
+
+
+def _descriptors(base: int, count: int, block_len: int, device: int) -> np.ndarray:
+    """NIXL's ``(address or offset, length, device)`` rows for ``count`` consecutive blocks."""
+    rows = np.empty((count, 3), dtype=np.int64)
+    rows[:, 0] = base + np.arange(count, dtype=np.int64) * block_len
+    rows[:, 1] = block_len
+    rows[:, 2] = device
+    return rows
+
+
+def _quietly(action: Any) -> None:
+    try:
+        action()
+    except Exception:
+        logger.debug("disk: release failed", exc_info=True)
+
+
+__all__ = ["DiskCompletions", "DiskError", "DiskStore"]

@@ -1,0 +1,206 @@
+"""``DiskTier``: a shared pool's disk behind its DRAM (``serve --disk``): what goes to disk, when,
+and promotions back.
+
+Copies ahead of eviction. The disk writes a key's block while the key still lives in DRAM,
+once the key is among the least recently used of a pool with few free slots (``step``), so an
+eviction usually finds the copy complete: the key is then announced *on disk* (slot
+``protocol.ON_DISK``) and its slot is reused at once. A slot being copied is not evicted (the
+next least recently used key is). A key evicted with no copy is gone, as without a disk. Every write
+goes from the pool's DRAM slot to the file through NIXL's POSIX backend (``DiskStore``): no byte
+crosses Python.
+
+Admission: a key is copied only once it was *seen* ``admit_after`` times (a commit, a second
+commit of the same key by another engine, a load's recency report), counted in ``SeenCounts``,
+a count-min sketch of its fingerprint that outlives the key's eviction and halves every
+``AGE_EVERY`` sightings. The default, 2 ("seen twice", as Dynamo KVBM writes its SSD tier), keeps
+blocks stored once and never read off the disk; ``--disk-admit 1`` copies every block.
+
+Promotion. A tier that wants a key announced on disk sends ``Promote(keys)``; each loop turn
+(``step``) takes the promotions asked since the last one, takes DRAM slots for them as a grant
+would (``SharedCache.take_for``: free slots, else the least recently used keys), and posts one
+read per disk file; reads of several turns overlap. A completed read publishes the key in its
+new slot with the digest its block had when it was stored, as a commit does: a disk that
+returned other bytes fails the reader's check, a miss, never a hit.
+
+Threading: not thread-safe; the server's loop thread calls every method with its state lock
+held, like ``SharedCache``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from torch_kv_tier.keys import Key, key_fingerprints
+from torch_kv_tier.remote.shared_cache import Namespace, SharedCache
+
+if TYPE_CHECKING:
+    from torch_kv_tier.remote.disk_store import DiskStore
+
+logger = logging.getLogger(__name__)
+
+SPILL_BATCH = 256  # blocks one copy request writes at most
+MAX_SPILLS_IN_FLIGHT = 4  # copy requests in flight at once
+MIN_SPILL_WINDOW = 256  # least recently used keys the copies run ahead over, at least
+COPY_PERIOD_S = 0.002  # the copies ahead of eviction are looked for at most this often
+
+
+class SeenCounts:
+    """How often keys were seen lately: a count-min sketch of ``ROWS`` x 2**16 counters of one
+    byte over the keys' 64-bit fingerprints (each row indexed by 16 other bits), saturating at
+    15, every counter halved once ``AGE_EVERY`` sightings were added. 256 KiB whatever the key
+    count; it overestimates (two keys sharing every counter), never underestimates before
+    aging."""
+
+    ROWS = 4
+    AGE_EVERY = 1 << 20
+    CAP = 15
+
+    def __init__(self) -> None:
+        self._table = np.zeros((self.ROWS, 1 << 16), dtype=np.uint8)
+        self._added = 0
+
+    @staticmethod
+    def _columns(namespace: str, keys: Sequence[Key]) -> list[np.ndarray]:
+        fps = key_fingerprints(keys) ^ np.uint64(xxhash.xxh3_64_intdigest(namespace.encode()))
+        return [((fps >> np.uint64(16 * r)) & np.uint64(0xFFFF)).astype(np.intp) for r in range(4)]
+
+    def add(self, namespace: str, keys: Sequence[Key]) -> None:
+        if not keys:
+            return
+        for row, cols in zip(self._table, self._columns(namespace, keys)):
+            row[cols] = np.minimum(row[cols] + 1, self.CAP)
+        self._added += len(keys)
+        if self._added >= self.AGE_EVERY:
+            self._table >>= 1
+            self._added = 0
+
+    def counts(self, namespace: str, keys: Sequence[Key]) -> np.ndarray:
+        """An upper bound of each key's recent sightings."""
+        cols = self._columns(namespace, keys)
+        return np.min([row[c] for row, c in zip(self._table, cols)], axis=0)
+
+
+class DiskTier:
+    """The disk behind one server's shared cache (module docstring)."""
+
+    def __init__(self, cache: SharedCache, store: DiskStore, *, admit_after: int = 2) -> None:
+        if admit_after < 1:
+            raise ValueError(f"--disk-admit must be >= 1 sightings, got {admit_after}")
+        self.cache = cache
+        self.store = store
+        self.admit_after = admit_after
+        self.seen = SeenCounts()
+        cache.attach_disk(store, self._seen)
+        self._asked: list[tuple[Namespace, Key]] = []  # promotions asked since the last step
+        self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
+        self._next_copy = 0.0
+        self.counters = dict.fromkeys(
+            ("disk_promotions", "disk_promotions_failed", "disk_promote_asked", "disk_copies"), 0
+        )
+
+    def recover(self) -> int:
+        """Find what the disk held (before the server takes sessions); returns the key count."""
+        found = self.store.recover()
+        logger.info("disk: %d blocks recovered and verified", len(found))
+        return len(found)
+
+    def _seen(self, namespace: str, keys: Sequence[Key]) -> None:
+        if self.admit_after > 1:
+            self.seen.add(namespace, keys)
+
+    def promote(self, ns: Namespace, keys: Sequence[Key]) -> None:
+        """A session asked for ``keys`` of ``ns`` (announced on disk) in DRAM: next ``step``."""
+        self.counters["disk_promote_asked"] += len(keys)
+        self._asked.extend((ns, key) for key in keys)
+
+    def busy(self) -> bool:
+        """Whether disk I/O is in flight or promotions wait (the loop then polls often)."""
+        return bool(self._asked) or self.store.in_flight() > 0
+
+    def step(self, now: float) -> None:
+        """Collect completed disk I/O, start asked promotions and (at most every
+        ``COPY_PERIOD_S``) the copies ahead of eviction."""
+        self._collect()
+        if self._asked:
+            self._start_promotions()
+        if now >= self._next_copy and self.store.in_flight() < MAX_SPILLS_IN_FLIGHT:
+            self._next_copy = now + COPY_PERIOD_S
+            self._copy_ahead()
+
+    def _collect(self) -> None:
+        done = self.store.poll()
+        cache = self.cache
+        self.counters["disk_copies"] += len(done.written)
+        for name, key, slot, digest in done.read:
+            entry = self._promoting.pop((name, key), None)
+            if entry is not None:
+                cache.promoted(entry[0], key, slot, digest)
+                self.counters["disk_promotions"] += 1
+        for name, key, _slot in done.failed:
+            entry = self._promoting.pop((name, key), None)
+            if entry is not None:
+                cache.unpromoted(*entry)
+                self.counters["disk_promotions_failed"] += 1
+            cache.left_disk(name, key)
+
+    def _start_promotions(self) -> None:
+        asked, self._asked = self._asked, []
+        store, promoting = self.store, self._promoting
+        wanted: dict[tuple[str, Key], Namespace] = {}
+        for ns, key in asked:
+            if key not in ns.entries and store.contains(ns.name, key):
+                wanted.setdefault((ns.name, key), ns)
+        for pair in promoting.keys() & wanted.keys():
+            del wanted[pair]
+        by_ns: dict[str, list[Key]] = {}
+        for (name, key), _ in wanted.items():
+            by_ns.setdefault(name, []).append(key)
+        items: list[tuple[str, Key, int]] = []
+        for name, keys in by_ns.items():
+            ns = wanted[(name, keys[0])]
+            slots = self.cache.take_for(ns, len(keys))
+            for key, slot in zip(keys, slots):
+                promoting[(name, key)] = (ns, slot)
+                items.append((name, key, slot))
+            if len(slots) < len(keys):
+                short = len(keys) - len(slots)
+                logger.info("disk: %d promotions of %s found no DRAM slot", short, name)
+        if items:
+            for name, key in store.read(items):  # dropped by the disk meanwhile
+                ns, slot = promoting.pop((name, key))
+                self.cache.unpromoted(ns, slot)
+                self.cache.left_disk(name, key)
+
+    def _copy_ahead(self) -> None:
+        """Copy the least recently used keys that are admitted and not on disk yet, when the
+        pool has fewer free slots than the window the copies run ahead over."""
+        cache, store = self.cache, self.store
+        window = max(MIN_SPILL_WINDOW, 2 * cache.max_granted)
+        if cache.free_slots() >= window:
+            return
+        oldest = [e for e in cache.oldest(window) if not store.contains(e[0], e[1])]
+        if not oldest:
+            return
+        if self.admit_after > 1:
+            admitted: list[tuple[str, Key, int]] = []
+            by_ns: dict[str, list[tuple[str, Key, int]]] = {}
+            for entry in oldest:
+                by_ns.setdefault(entry[0], []).append(entry)
+            for name, entries in by_ns.items():
+                counts = self.seen.counts(name, [e[1] for e in entries])
+                admitted += [e for e, c in zip(entries, counts) if c >= self.admit_after]
+            oldest = admitted
+        items = [(name, key, cache.digest_of(slot), slot) for name, key, slot in oldest]
+        for name, key in store.write(items[:SPILL_BATCH]):
+            cache.left_disk(name, key)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.store.stats(), **self.counters, "disk_admit_after": self.admit_after}
+
+    def close(self) -> None:
+        self.store.close()
