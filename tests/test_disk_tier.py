@@ -127,7 +127,7 @@ def test_keys_copied_ahead_leave_dram_as_on_disk_and_come_back_promoted() -> Non
     assert stored["n0"] >= 0
     snapshot_keys, snapshot_slots, _, _ = cache.snapshot("s")
     assert dict(zip(snapshot_keys, snapshot_slots))["k0"] == ON_DISK
-    tier.promote(cache.namespace_of("s"), ["k0", "absent"])
+    tier.promote(cache.namespace_of("s"), ["k0", "absent"], 3.0)
     tier.step(now=3.0)  # a DRAM slot taken (k2 evicted: on disk too), the read posted
     tier.step(now=4.0)  # the read completed: k0 published
     stored, _ = _events(cache)
@@ -189,13 +189,35 @@ def test_a_failed_promotion_frees_its_slot_and_announces_the_key_evicted() -> No
     _store(cache, ["e"])  # a leaves DRAM for the disk
     _events(cache)
     disk.fail_reads = True
-    tier.promote(cache.namespace_of("s"), ["a"])
+    tier.promote(cache.namespace_of("s"), ["a"], 3.0)
     tier.step(now=3.0)
     tier.step(now=4.0)
     _, evicted = _events(cache)
     assert "a" in evicted
     assert cache.namespace_of("s").granted == 0
     assert tier.stats()["disk_promotions_failed"] == 1
+
+
+def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:
+    cache, disk, tier = _host(num_blocks=4)
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)  # all four on disk
+    granted = cache.grant("s", 4)  # every slot granted, uncommitted: nothing to evict
+    assert len(granted) == 4
+    tier.promote(cache.namespace_of("s"), ["a"], 3.0)
+    tier.step(now=3.0)
+    assert tier.busy() and not disk.reading  # waiting for a slot
+    cache.commit("s", ["e", "f", "g", "h"], granted, [1, 2, 3, 4])  # evictable again
+    tier.step(now=4.0)
+    tier.step(now=4.1)
+    stored, _ = _events(cache)
+    assert stored["a"] >= 0 and tier.stats()["disk_promotions"] == 1
+    tier.promote(cache.namespace_of("s"), ["b"], 5.0)
+    cache.grant("s", 4)  # all granted again
+    tier.step(now=5.0)
+    tier.step(now=11.0)  # given up after PROMOTE_RETRY_S
+    assert not tier.busy() and tier.stats()["disk_promotions_without_slot"] == 1
 
 
 def test_seen_counts_count_per_namespace_and_age() -> None:

@@ -1,5 +1,6 @@
 """``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
-``chaos``, ``shared-bench``, ``digest-cost``, ``fleet-bench`` and ``serve-bench``."""
+``chaos``, ``shared-bench``, ``digest-cost``, ``fleet-bench``, ``disk-bench`` and
+``serve-bench``."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ _COMMANDS = {
     "fleet-bench": (
         "torch_kv_tier.benchmarks.fleet_bench",
         "fleet scale: follower memory per key, join, host fan-out per follower, key movement",
+    ),
+    "disk-bench": (
+        "torch_kv_tier.benchmarks.disk_bench",
+        "a host's disk tier: GB/s against raw O_DIRECT, hit rate beyond DRAM, warm restart",
     ),
     "serve-bench": (
         "torch_kv_tier.benchmarks.serve_bench",

@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Iterable
 from concurrent.futures import Future
 from functools import partial
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
 from torch_kv_tier.deferring_lock import DeferringLock
@@ -44,7 +45,7 @@ from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.results import CAPACITY, MISSING
 from torch_kv_tier.shared_host import SharedHost
-from torch_kv_tier.slot_maps import SharedSlots
+from torch_kv_tier.slot_maps import SharedSlots, drain
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +207,8 @@ class SharedHosts:
         except Exception:
             logger.exception("%s: index changes not applied: resyncing", host.slots.peer_id)
             host.session.resync()
+        if host.promoting:  # keys the host announced (in DRAM, or on disk again) were promoted
+            drain(map(host.promoting.pop, change[0], repeat(None)))
         if self._promotions.waiting_on(host.slots.peer_id):
             self._resume_promoted(host)
 

@@ -40,7 +40,7 @@ RESULT_TIMEOUT_S = 60.0
 
 
 def _serve(pool_blocks: int, block_len: int, disk: Path | None, disk_bytes: int) -> ServerProcess:
-    args = ["--max-grant", "256"]
+    args: list[str] = []
     if disk is not None:
         args += ["--disk", str(disk), "--disk-bytes", str(disk_bytes)]
     return ServerProcess.start(pool_blocks, block_len, extra_args=args, timeout_s=600)

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 SPILL_BATCH = 256  # blocks one copy request writes at most
 MAX_SPILLS_IN_FLIGHT = 4  # copy requests in flight at once
 MIN_SPILL_WINDOW = 256  # least recently used keys the copies run ahead over, at least
+COPY_SHARE = 8  # at most 1/8 of the pool's slots is being copied at once...
+MIN_COPY_BUDGET = 16  # ...or this many
+PROMOTE_RETRY_S = 5.0  # a promotion that finds no DRAM slot is tried again this long
 COPY_PERIOD_S = 0.002  # the copies ahead of eviction are looked for at most this often
 
 
@@ -96,11 +99,19 @@ class DiskTier:
         self.admit_after = admit_after
         self.seen = SeenCounts()
         cache.attach_disk(store, self._seen)
-        self._asked: list[tuple[Namespace, Key]] = []  # promotions asked since the last step
+        # promotions to start: (namespace, key, when first asked)
+        self._asked: list[tuple[Namespace, Key, float]] = []
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
         self._next_copy = 0.0
         self.counters = dict.fromkeys(
-            ("disk_promotions", "disk_promotions_failed", "disk_promote_asked", "disk_copies"), 0
+            (
+                "disk_promotions",
+                "disk_promotions_failed",
+                "disk_promotions_without_slot",
+                "disk_promote_asked",
+                "disk_copies",
+            ),
+            0,  # fmt: skip
         )
 
     def recover(self) -> int:
@@ -113,10 +124,10 @@ class DiskTier:
         if self.admit_after > 1:
             self.seen.add(namespace, keys)
 
-    def promote(self, ns: Namespace, keys: Sequence[Key]) -> None:
+    def promote(self, ns: Namespace, keys: Sequence[Key], now: float) -> None:
         """A session asked for ``keys`` of ``ns`` (announced on disk) in DRAM: next ``step``."""
         self.counters["disk_promote_asked"] += len(keys)
-        self._asked.extend((ns, key) for key in keys)
+        self._asked.extend((ns, key, now) for key in keys)
 
     def busy(self) -> bool:
         """Whether disk I/O is in flight or promotions wait (the loop then polls often)."""
@@ -127,7 +138,7 @@ class DiskTier:
         ``COPY_PERIOD_S``) the copies ahead of eviction."""
         self._collect()
         if self._asked:
-            self._start_promotions()
+            self._start_promotions(now)
         if now >= self._next_copy and self.store.in_flight() < MAX_SPILLS_IN_FLIGHT:
             self._next_copy = now + COPY_PERIOD_S
             self._copy_ahead()
@@ -148,13 +159,15 @@ class DiskTier:
                 self.counters["disk_promotions_failed"] += 1
             cache.left_disk(name, key)
 
-    def _start_promotions(self) -> None:
+    def _start_promotions(self, now: float) -> None:
+        """Promotions asked: those that find no DRAM slot (every slot granted, or being
+        copied) are tried again at the next step, for at most ``PROMOTE_RETRY_S``."""
         asked, self._asked = self._asked, []
         store, promoting = self.store, self._promoting
-        wanted: dict[tuple[str, Key], Namespace] = {}
-        for ns, key in asked:
+        wanted: dict[tuple[str, Key], tuple[Namespace, float]] = {}
+        for ns, key, since in asked:
             if key not in ns.entries and store.contains(ns.name, key):
-                wanted.setdefault((ns.name, key), ns)
+                wanted.setdefault((ns.name, key), (ns, since))
         for pair in promoting.keys() & wanted.keys():
             del wanted[pair]
         by_ns: dict[str, list[Key]] = {}
@@ -162,14 +175,17 @@ class DiskTier:
             by_ns.setdefault(name, []).append(key)
         items: list[tuple[str, Key, int]] = []
         for name, keys in by_ns.items():
-            ns = wanted[(name, keys[0])]
+            ns = wanted[(name, keys[0])][0]
             slots = self.cache.take_for(ns, len(keys))
             for key, slot in zip(keys, slots):
                 promoting[(name, key)] = (ns, slot)
                 items.append((name, key, slot))
-            if len(slots) < len(keys):
-                short = len(keys) - len(slots)
-                logger.info("disk: %d promotions of %s found no DRAM slot", short, name)
+            for key in keys[len(slots) :]:
+                since = wanted[(name, key)][1]
+                if now - since < PROMOTE_RETRY_S:
+                    self._asked.append((ns, key, since))
+                else:
+                    self.counters["disk_promotions_without_slot"] += 1
         if items:
             for name, key in store.read(items):  # dropped by the disk meanwhile
                 ns, slot = promoting.pop((name, key))
@@ -196,7 +212,10 @@ class DiskTier:
                 admitted += [e for e, c in zip(entries, counts) if c >= self.admit_after]
             oldest = admitted
         items = [(name, key, cache.digest_of(slot), slot) for name, key, slot in oldest]
-        for name, key in store.write(items[:SPILL_BATCH]):
+        # slots being copied cannot be evicted: keep most of the pool evictable
+        share = max(MIN_COPY_BUDGET, cache.pool.num_blocks // COPY_SHARE)
+        budget = share - len(store.busy_dram_slots())
+        for name, key in store.write(items[: min(SPILL_BATCH, budget)]):
             cache.left_disk(name, key)
 
     def stats(self) -> dict[str, Any]:

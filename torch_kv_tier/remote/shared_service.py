@@ -63,7 +63,7 @@ class SharedService:
             return None
         if isinstance(message, p.Promote):
             if self.disk is not None:
-                self.disk.promote(cache.namespace_of(sid), message.keys)
+                self.disk.promote(cache.namespace_of(sid), message.keys, now)
             return None
         if isinstance(message, p.GrantRequest):
             want = min(max(message.want, 0), MAX_GRANT)
