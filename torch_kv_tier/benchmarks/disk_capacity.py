@@ -39,10 +39,13 @@ PREFIX_BLOCKS = 16  # blocks per request
 RESULT_TIMEOUT_S = 60.0
 
 
-def _serve(pool_blocks: int, block_len: int, disk: Path | None, disk_bytes: int) -> ServerProcess:
+def _serve(
+    pool_blocks: int, block_len: int, disk: Path | None, disk_bytes: int, admit: int = 2
+) -> ServerProcess:
     args: list[str] = []
     if disk is not None:
         args += ["--disk", str(disk), "--disk-bytes", str(disk_bytes)]
+        args += ["--disk-admit", str(admit)]
     return ServerProcess.start(pool_blocks, block_len, extra_args=args, timeout_s=600)
 
 
@@ -136,7 +139,7 @@ def restart(disk_dir: Path, *, pool_mib: int, disk_mib: int, block_len: int) -> 
     with _serve(pool_blocks, block_len, None, 0):
         bare_s = time.perf_counter() - started
     started = time.perf_counter()
-    with _serve(pool_blocks, block_len, disk_dir, disk_mib << 20) as server:
+    with _serve(pool_blocks, block_len, disk_dir, disk_mib << 20, admit=1) as server:
         ready_s = time.perf_counter() - started
         keys_found = server_stats(server.address, block_len)["disk_keys"]
         burst_keys = [f"burst-{i}".encode() for i in range(2 * pool_blocks)]

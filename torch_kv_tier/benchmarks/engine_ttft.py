@@ -10,7 +10,11 @@ for each repeat, interleaved:
   device cache and the CPU primary tier, so every prefix chunk comes from the remote host;
 - ``recompute``: a prefix never seen (nothing to load), after the same reset;
 - ``cpu_tier``: the remote case's prefix again after a reset of the device cache only, so it
-  comes from vLLM's CPU primary tier.
+  comes from vLLM's CPU primary tier;
+- ``remote_disk`` (with ``--disk``: the host keeps a disk tier, ``serve --disk``): another
+  prefix offloaded, then pushed out of the host's DRAM pool by a filler tier of another model
+  (a pool's worth of blocks, in batches the host's copies to disk keep up with), so every
+  chunk is promoted from the host's disk before it is read.
 
 TTFT is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1`` (offline: one
 request, no queueing, so that is prefill plus the first token). The prompt is the prefix plus a
@@ -37,7 +41,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CONDITIONS = ("remote", "recompute", "cpu_tier")
+CONDITIONS = ("remote", "recompute", "cpu_tier", "remote_disk")
+POOL_BLOCKS = 1024  # the host's DRAM pool, in chunks
+FILL_BATCH = 64  # filler blocks per store (the host copies ahead of eviction meanwhile)
 SUFFIX_TOKENS = 8
 
 
@@ -56,8 +62,27 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, int(out.num_cached_tokens or 0)
 
 
-def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[str, Any]]:
-    """``repeats`` rounds of every condition, interleaved; one row per sample."""
+def _push_out_of_dram(address: str, rnd: int) -> None:
+    """Store a pool's worth of another model's blocks on the host, so everything older leaves
+    its DRAM (for its disk)."""
+    from torch_kv_tier.integrations.vllm.engine import TINY_MODEL_CHUNK_BYTES
+    from torch_kv_tier.manager import TierManager
+
+    with TierManager.create(
+        FILL_BATCH, TINY_MODEL_CHUNK_BYTES, config_fields={"filler": 1}, name="filler"
+    ) as filler:
+        filler.connect(address)
+        for i in range(0, POOL_BLOCKS, FILL_BATCH):
+            keys = [f"fill-{rnd}-{j}" for j in range(i, i + FILL_BATCH)]
+            filler.store(keys, range(FILL_BATCH)).result(timeout=60)
+            time.sleep(0.02)
+
+
+def measure(
+    llm: Any, prefix_tokens: int, repeats: int, seed: int, disk_host: str | None = None
+) -> list[dict[str, Any]]:
+    """``repeats`` rounds of every condition, interleaved; one row per sample (``remote_disk``
+    only with ``disk_host``, the address of a host with a disk tier)."""
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     for repeat in range(-1, repeats):  # round -1 warms the engine up and is not reported
@@ -70,6 +95,13 @@ def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[
         samples["recompute"] = _ttft(llm, _tokens(rng, prefix_tokens + SUFFIX_TOKENS))
         llm.reset_prefix_cache(reset_connector=False)  # device cache only
         samples["cpu_tier"] = _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))
+        if disk_host is not None:
+            deep = _tokens(rng, prefix_tokens)
+            _ttft(llm, deep + _tokens(rng, SUFFIX_TOKENS))
+            llm.reset_prefix_cache(reset_connector=True)
+            time.sleep(0.2)  # the host's copies of the prefix to disk
+            _push_out_of_dram(disk_host, repeat)
+            samples["remote_disk"] = _ttft(llm, deep + _tokens(rng, SUFFIX_TOKENS))
         if repeat < 0:
             continue
         for condition, (seconds, cached) in samples.items():
@@ -118,11 +150,18 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, Any], path: Path, title:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for i, condition in enumerate(CONDITIONS):
+    shown = [c for c in CONDITIONS if c in summary]
+    for i, condition in enumerate(shown):
         values = [r["ttft_s"] * 1e3 for r in rows if r["condition"] == condition]
         ax.scatter([i] * len(values), values, alpha=0.6)
         ax.hlines(summary[condition]["median_s"] * 1e3, i - 0.25, i + 0.25, colors="black")
-    ax.set_xticks(range(len(CONDITIONS)), ["remote host\n(promoted)", "recomputed", "CPU tier"])
+    names = {
+        "remote": "remote host\n(promoted)",
+        "recompute": "recomputed",
+        "cpu_tier": "CPU tier",
+        "remote_disk": "remote host's\ndisk (promoted)",
+    }
+    ax.set_xticks(range(len(shown)), [names[c] for c in shown])
     ax.set_ylabel("time to first token (ms)")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
@@ -138,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="write JSON (rows and summary) here")
     parser.add_argument("--plot", type=Path, help="write a PNG here (needs matplotlib)")
+    parser.add_argument(
+        "--disk", action="store_true", help="give the host a disk tier; adds remote_disk"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -146,10 +188,18 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(tiny_model.build(Path(tmp) / "tiny-llama", seed=args.seed))
-        with ServerProcess.start(num_blocks=1024, block_len=engine.TINY_MODEL_CHUNK_BYTES) as srv:
+        disk = []
+        if args.disk:
+            size = str(8 * POOL_BLOCKS * engine.TINY_MODEL_CHUNK_BYTES)
+            disk = ["--disk", str(Path(tmp) / "disk"), "--disk-bytes", size, "--disk-admit", "1"]
+        with ServerProcess.start(
+            POOL_BLOCKS, engine.TINY_MODEL_CHUNK_BYTES, extra_args=disk
+        ) as srv:
             llm = engine.make_llm(model, srv.address)
             try:
-                rows = measure(llm, args.prefix_tokens, args.repeats, args.seed)
+                rows = measure(
+                    llm, args.prefix_tokens, args.repeats, args.seed, srv.address if disk else None
+                )
             finally:
                 engine.shutdown(llm)
     summary = summarize(rows, args.prefix_tokens)
@@ -163,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {_cpus()} CPUs",
         "remote": "torch-kv-tier serve on loopback (same machine)",
     }
-    for condition in CONDITIONS:
+    for condition in (c for c in CONDITIONS if c in summary):
         s = summary[condition]
         print(
             f"{condition:>10}: median {s['median_s'] * 1e3:7.1f} ms "
@@ -182,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             f" CPU\nremote host on loopback; {args.repeats} interleaved repeats, bar = median"
         )
         plot(rows, summary, args.plot, title)
-    unserved = {c: summary[c]["n"] - summary[c]["served"] for c in ("remote", "cpu_tier")}
+    loaded = [c for c in ("remote", "cpu_tier", "remote_disk") if c in summary]
+    unserved = {c: summary[c]["n"] - summary[c]["served"] for c in loaded}
     if any(unserved.values()):
         logger.error(
             "samples that recomputed instead of loading their prefix: %s; their TTFTs are a "

@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
 from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
+from torch_kv_tier.transport.nixl_agent import descriptors
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +117,14 @@ class DiskStore:
             self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
             files = [(0, d.slots * block_len, d.fd, "") for d in self._dirs]
             self._file_reg = self._agent.register_memory(files, "FILE", backends=["POSIX"])
-            rows = _descriptors(pool_addr, pool_blocks, block_len, 0)
+            rows = descriptors(pool_addr, pool_blocks, block_len, 0)
             self._dram = self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", rows, "DRAM", backends=["POSIX"]
             )
             self._files = [
                 self._agent.prep_xfer_dlist(
                     self._agent.name,
-                    _descriptors(0, d.slots, block_len, d.fd),
+                    descriptors(0, d.slots, block_len, d.fd),
                     "FILE",
                     backends=["POSIX"],
                 )
@@ -412,15 +412,6 @@ class DiskStore:
 
 
 _agent_ids = itertools.count()
-
-
-def _descriptors(base: int, count: int, block_len: int, device: int) -> np.ndarray:
-    """NIXL's ``(address or offset, length, device)`` rows for ``count`` consecutive blocks."""
-    rows = np.empty((count, 3), dtype=np.int64)
-    rows[:, 0] = base + np.arange(count, dtype=np.int64) * block_len
-    rows[:, 1] = block_len
-    rows[:, 2] = device
-    return rows
 
 
 def _quietly(action: Any) -> None:
