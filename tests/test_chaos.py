@@ -32,3 +32,21 @@ def test_chaos_keeps_every_promise(tmp_path: Path) -> None:
     assert figures["stale probes (a listed host's key never seen)"]["value"] == 0
     assert figures["blocks verified"]["value"] > 0
     assert figures["host restarts"]["value"] > 0  # the chaos really happened
+
+
+@pytest.mark.timeout(600)
+def test_chaos_with_disk_tiers_keeps_every_promise(tmp_path: Path) -> None:
+    """The same chaos with every host keeping a disk tier behind a pool of a quarter of the key
+    space: keys leave DRAM for disk and come back, and hosts SIGKILLed mid-write restart on
+    their directories (``serve --disk``)."""
+    out = tmp_path / "chaos.json"
+    args = ["--log-level", "CRITICAL", "chaos", "--seconds", "40", "--writers", "1"]
+    args += ["--readers", "1", "--pause", "0.01", "--disk", str(tmp_path / "disks")]
+    code = main([*args, "--json", str(out)])
+    report = json.loads(out.read_text())
+    figures = {f["name"]: f for f in report["figures"]}
+    failed = [f["name"] for f in report["figures"] if not f["ok"]]
+    assert code == 0 and report["ok"], f"{failed}\n" + "\n".join(report["problems"])
+    assert figures["wrong blocks"]["value"] == 0 and figures["futures hung"]["value"] == 0
+    assert figures["blocks verified"]["value"] > 0
+    assert figures["host restarts"]["value"] > 0
