@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def _serve(disk: Path, *, admit: int = 1, disk_blocks: int = DISK_BLOCKS) -> Ser
         BLOCK_LEN,
         extra_args=[
             "--disk", str(disk), "--disk-bytes", str(disk_blocks * BLOCK_LEN),
-            "--disk-admit", str(admit), "--max-grant", "8",
+            "--disk-admit", str(admit), "--max-grant", "8", "--metrics-port", "0",
         ],
     )  # fmt: skip
 
@@ -77,6 +78,13 @@ def test_blocks_evicted_from_dram_are_promoted_from_disk_byte_identical(tmp_path
         assert stats["disk_promotions"] >= len(keys) - POOL_BLOCKS
         assert stats["disk_keys"] == len(keys) and stats["disk_failures"] == 0
         assert reader.stats().verify_failed == 0
+        url = f"http://127.0.0.1:{stats['metrics_port']}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            metrics = response.read().decode()
+        assert f"torch_kv_tier_server_disk_keys {len(keys)}\n" in metrics
+        promotions = stats["disk_promotions"]
+        assert f'disk_promotions_total{{result="done"}} {promotions}\n' in metrics
+        assert 'torch_kv_tier_server_disk_blocks_total{op="written"} 160\n' in metrics
 
 
 def test_a_host_restarted_on_its_disk_serves_what_it_held(tmp_path: Path) -> None:

@@ -109,7 +109,59 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
             ('{direction="read"}', stats["bytes_read"]),
         ],
     )
+    if "disk_keys" in stats:  # a disk tier (``serve --disk``)
+        _disk_metrics(stats, metric)
     return "\n".join(lines) + "\n"
+
+
+def _disk_metrics(stats: Mapping[str, Any], metric: Callable[..., None]) -> None:
+    metric("disk_keys", "gauge", "Keys held on the disk tier.", [("", stats["disk_keys"])])
+    metric(
+        "disk_bytes",
+        "gauge",
+        "Bytes of blocks on the disk tier, and its capacity.",
+        [
+            ('{kind="stored"}', stats["disk_bytes"]),
+            ('{kind="capacity"}', stats["disk_capacity_bytes"]),
+        ],
+    )
+    metric(
+        "disk_blocks_total",
+        "counter",
+        "Blocks written to (copies ahead of eviction) and read from (promotions) the disk.",
+        [('{op="written"}', stats["disk_writes"]), ('{op="read"}', stats["disk_reads"])],
+    )
+    metric(
+        "disk_promotions_total",
+        "counter",
+        "Promotions from disk into DRAM (disk hits) by result.",
+        [
+            ('{result="done"}', stats["disk_promotions"]),
+            ('{result="failed"}', stats["disk_promotions_failed"]),
+            ('{result="no_slot"}', stats["disk_promotions_without_slot"]),
+        ],
+    )
+    metric(
+        "disk_evictions_total",
+        "counter",
+        "Keys the disk's LRU dropped.",
+        [("", stats["disk_evictions"])],
+    )
+    metric(
+        "disk_failures_total",
+        "counter",
+        "Blocks of failed disk I/O.",
+        [("", stats["disk_failures"])],
+    )
+    metric(
+        "disk_gbps",
+        "gauge",
+        "Disk GB/s over the time its requests were in flight.",
+        [
+            ('{op="write"}', f"{stats['disk_write_gbps']:.3f}"),
+            ('{op="read"}', f"{stats['disk_read_gbps']:.3f}"),
+        ],
+    )
 
 
 class MetricsServer:
