@@ -68,6 +68,27 @@ def test_a_key_stored_twice_keeps_its_first_copy_frees_the_second_and_announces_
     assert cache.evictions == 0
 
 
+def test_a_commit_of_fresh_stored_and_repeated_keys_and_foreign_slots_takes_each_alone() -> None:
+    cache = _cache(num_blocks=8)
+    [old] = _store(cache, "a", [b"old"])
+    mine = cache.grant("a", 4)
+    theirs = cache.grant("b", 1)
+    keys = [b"new1", b"old", b"new1", b"new2", b"x"]
+    slots = [mine[0], mine[1], mine[2], mine[3], theirs[0]]
+    assert cache.commit("a", keys, slots, [1, 2, 3, 4, 5]) == 2  # type: ignore[arg-type]
+    # the first copy of a key wins (stored before, or earlier in the message); b's slot is b's
+    assert _found(cache, "b", [b"new1", b"old", b"new2", b"x"]) == [mine[0], old, mine[3], -1]
+    assert cache.commit("b", [b"x"], theirs, [6]) == 1  # b's slot was never taken from it
+    assert sorted(cache.grant("a", 2)) == sorted(mine[1:3])  # the two unused slots, free again
+
+
+def test_a_commits_keys_are_evicted_in_the_order_it_named_them() -> None:
+    cache = _cache(num_blocks=4)
+    slots = _store(cache, "a", [b"k0", b"k1", b"k2", b"k3"])
+    assert cache.grant("b", 2) == slots[:2]  # the pool is full: k0 and k1 go first
+    assert _found(cache, "b", [b"k0", b"k1", b"k2", b"k3"]) == [-1, -1, *slots[2:]]
+
+
 def test_a_full_pool_evicts_the_least_recently_used_key() -> None:
     cache = _cache(num_blocks=3)
     _store(cache, "a", [b"k0", b"k1", b"k2"])

@@ -48,7 +48,7 @@ from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
-from torch_kv_tier.records import Op, Peer, Request, resolve
+from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
 from torch_kv_tier.results import (
     CLOSED,
     MISSING,
@@ -230,21 +230,11 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         request = Request(keys)
         with self._lock:
             self._check_open()
-            index, storing = self._index, self._storing
-            if index.none_stored(keys) and storing.keys().isdisjoint(keys):
-                new_keys, new_local, new_digests = keys, local, digests
-            else:
-                new_keys, new_local, new_digests, stored = [], [], [], []
-                holders = index.holders(keys)
-                for key, idx, digest, holder in zip(keys, local, digests, holders):
-                    if holder is not None:
-                        stored.append(key)
-                    elif key in storing:
-                        storing[key].joined.setdefault(request, []).append(key)
-                    else:
-                        new_keys.append(key)
-                        new_local.append(idx)
-                        new_digests.append(digest)
+            index = self._index
+            new_keys, new_local, new_digests, stored = split_new(
+                index, self._storing, request, keys, local, digests
+            )
+            if stored:
                 self._touch_shared(index.touch(stored))
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local, new_digests) if new_keys else {}
@@ -326,24 +316,13 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
 
     def stats(self) -> TierStats:
         with self._lock:
-            c, bl = self._counters, self.transport.block_len
-            p50, p99 = c.latency_percentiles_us()
-            return TierStats(
-                blocks_stored=c.blocks_stored,
-                bytes_stored=c.blocks_stored * bl,
-                blocks_loaded=c.blocks_loaded,
-                bytes_loaded=c.blocks_loaded * bl,
-                transfers_done=c.transfers_done,
-                transfers_failed=c.transfers_failed,
+            return self._counters.stats(
+                self._block_len,
                 evictions=self._index.evictions,
                 inflight=len(self._ops),
                 queued=sum(len(p.queue) for p in self._peers.values()),
                 keys=self._index.key_count,
-                latency_p50_us=p50,
-                latency_p99_us=p99,
                 events_dropped=self._index.events_dropped,
-                verify_failed=c.verify_failed,
-                peers_dropped=c.peers_dropped,
                 unreleased_sessions=self._ended.unresolved,
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)

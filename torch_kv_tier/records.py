@@ -154,3 +154,29 @@ def resolve(ready: list[Request]) -> None:
     """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
     for request in ready:
         request.future.set_result(request.result())
+
+
+def split_new(
+    index: BlockIndex,
+    storing: dict[Key, Op],
+    request: Request,
+    keys: list[Key],
+    local: list[int],
+    digests: list[int],
+) -> tuple[list[Key], list[int], list[int], list[Key]]:
+    """Which of a store's ``keys`` need a transfer: ``(new keys, their local blocks, their
+    digests, keys already stored)``. A key whose store is in flight (``storing``) joins that
+    store for ``request`` instead; the stored ones are the caller's to settle."""
+    if index.none_stored(keys) and storing.keys().isdisjoint(keys):
+        return keys, local, digests, []
+    new_keys, new_local, new_digests, stored = [], [], [], []
+    for key, idx, digest, holder in zip(keys, local, digests, index.holders(keys)):
+        if holder is not None:
+            stored.append(key)
+        elif key in storing:
+            storing[key].joined.setdefault(request, []).append(key)
+        else:
+            new_keys.append(key)
+            new_local.append(idx)
+            new_digests.append(digest)
+    return new_keys, new_local, new_digests, stored

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -90,6 +90,23 @@ class Counters:
         self.transfers_done = self.transfers_failed = 0
         self.verify_failed = self.peers_dropped = 0
         self.latencies_us: deque[float] = deque(maxlen=window)
+
+    def stats(self, block_len: int, **gauges: Any) -> TierStats:
+        """These totals as ``TierStats``, with the ``gauges`` (the tier's other fields) added."""
+        p50, p99 = self.latency_percentiles_us()
+        return TierStats(
+            blocks_stored=self.blocks_stored,
+            bytes_stored=self.blocks_stored * block_len,
+            blocks_loaded=self.blocks_loaded,
+            bytes_loaded=self.blocks_loaded * block_len,
+            transfers_done=self.transfers_done,
+            transfers_failed=self.transfers_failed,
+            latency_p50_us=p50,
+            latency_p99_us=p99,
+            verify_failed=self.verify_failed,
+            peers_dropped=self.peers_dropped,
+            **gauges,
+        )
 
     def latency_percentiles_us(self) -> tuple[float, float]:
         """p50 and p99 of the recent latencies (0 before the first transfer)."""
