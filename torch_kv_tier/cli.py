@@ -1,6 +1,6 @@
 """``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
-``chaos``, ``shared-bench``, ``digest-cost``, ``fleet-bench``, ``disk-bench`` and
-``serve-bench``."""
+``chaos``, ``shared-bench``, ``digest-cost``, ``share-cost``, ``fleet-bench``, ``disk-bench``
+and ``serve-bench``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ _COMMANDS = {
     "digest-cost": (
         "torch_kv_tier.benchmarks.digest_cost",
         "the cost of verification: GB/s per core of the block digest, cache- and DRAM-resident",
+    ),
+    "share-cost": (
+        "torch_kv_tier.benchmarks.share_cost",
+        "the shared pool's control-plane CPU per key: host commit, grant, events; followers",
     ),
     "fleet-bench": (
         "torch_kv_tier.benchmarks.fleet_bench",
