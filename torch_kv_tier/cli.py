@@ -12,7 +12,10 @@ from collections.abc import Sequence
 
 # subcommand -> (module providing add_arguments/run, help)
 _COMMANDS = {
-    "serve": ("torch_kv_tier.remote.server", "run a remote host: a NIXL-registered DRAM pool"),
+    "serve": (
+        "torch_kv_tier.remote.serve_command",
+        "run a remote host: a NIXL-registered DRAM pool",
+    ),
     "bench": ("torch_kv_tier.benchmarks.bench", "measure throughput against raw NIXL and memcpy"),
     "stress": (
         "torch_kv_tier.benchmarks.soak",

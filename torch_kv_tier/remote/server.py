@@ -5,7 +5,8 @@ its blocks one-sidedly over NIXL; the server only answers the control plane (han
 heartbeats, stats, disconnects, and for shared sessions grants, commits, pins and the events
 that keep every client's copy of the index current; see ``protocol`` and ``shared_service``).
 A session is shared by default: every session with the same config fingerprint sees the keys
-the others stored. A private session leases a range of slots that it manages alone.
+the others stored. A private session leases a range of slots that it manages alone. The
+handshake's checks are ``server_handshake``'s, the command line ``serve_command``'s.
 
 Fencing: a session that ends without a clean disconnect (no heartbeat for ``--lease-timeout``,
 a disconnect with writes in flight, or an answer or push that could not be queued for it) may
@@ -31,15 +32,10 @@ cache, the disk and the counters, so the metrics HTTP thread can read a consiste
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import secrets
-import signal
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,13 +47,14 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.disk_tier import DiskTier
 from torch_kv_tier.remote.leases import LeaseTable, Session
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
-from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, format_address
+from torch_kv_tier.remote.server_config import ServerConfig, format_address
+from torch_kv_tier.remote.server_handshake import Gate, Refused
 from torch_kv_tier.remote.shared_service import SHARED_MESSAGES, SharedService
 from torch_kv_tier.transport import NixlTransport
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Server", "ServerConfig", "add_arguments", "run"]  # ``cli`` runs this module
+__all__ = ["Server", "ServerConfig"]  # ``serve_command`` runs it
 
 IDLE_POLL_S = 0.1  # longest wait for a control message (bounds SIGTERM latency too)
 EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
@@ -67,17 +64,8 @@ EXPIRY_PERIOD_S = 0.1  # how often leases are checked for missed heartbeats
 EVENTS_PERIOD_S = 0.005
 PAGE = 4096
 DISK_POLL_S = 0.0005  # the longest wait for a control message while disk I/O is in flight
-CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
-MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
 MAX_CLIENT_NAME = 128
-
-
-@dataclass
-class _Challenge:
-    nonce: bytes
-    client_nonce: bytes
-    expires: float
 
 
 class Server:
@@ -97,7 +85,6 @@ class Server:
         self._shared = SharedService(
             self._leases.pool, quota=config.namespace_quota, max_granted=config.max_grant
         )
-        self._challenges: dict[bytes, _Challenge] = {}
         self._last_session: Session | None = None  # the session of the message being answered
         self._counters = dict.fromkeys(
             ("handshakes_accepted", "handshakes_rejected", "bad_frames"), 0
@@ -126,6 +113,9 @@ class Server:
                 self.transport.num_blocks,
                 self.transport.block_len,
                 self.transport.mem_type,
+            )
+            self._gate = Gate(
+                config.token, self.transport.block_len, self.transport.config_fingerprint
             )
         except BaseException:
             self.close()
@@ -294,8 +284,7 @@ class Server:
                     now - session.last_seen,
                     _span(session.lease),
                 )
-            for identity in [i for i, c in self._challenges.items() if c.expires < now]:
-                del self._challenges[identity]
+            self._gate.expire(now)
 
     # -- message handling (caller holds self._lock) ----------------------------------------
 
@@ -339,53 +328,19 @@ class Server:
         return p.Reject(seq, reason)
 
     def _hello(self, identity: bytes, hello: p.Hello, now: float) -> p.ServerMessage:
-        if hello.version != p.PROTOCOL_VERSION:
-            return self._reject(
-                hello.seq, "?", f"protocol version {hello.version} != {p.PROTOCOL_VERSION}"
-            )
-        if not 16 <= len(hello.client_nonce) <= 64:
-            return self._bad(f"client nonce must be 16..64 bytes, got {len(hello.client_nonce)}")
-        nonce = secrets.token_bytes(p.NONCE_BYTES)
-        self._challenges.pop(identity, None)
-        self._challenges[identity] = _Challenge(nonce, hello.client_nonce, now + CHALLENGE_TTL_S)
-        while len(self._challenges) > MAX_PENDING_CHALLENGES:
-            del self._challenges[next(iter(self._challenges))]
-        token = self.config.token
-        proof = p.server_proof(token, nonce, hello.client_nonce) if token else b""
-        return p.Challenge(p.PROTOCOL_VERSION, hello.seq, nonce, proof)
+        try:
+            return self._gate.hello(identity, hello, now)
+        except Refused as exc:
+            return self._reject(hello.seq, "?", str(exc))
+        except p.BadFrame as exc:
+            return self._bad(str(exc))
 
     def _handshake(self, identity: bytes, hs: p.Handshake, now: float) -> p.ServerMessage:
         name = hs.client_name[:MAX_CLIENT_NAME]
-        challenge = self._challenges.pop(identity, None)
-        if hs.version != p.PROTOCOL_VERSION:
-            return self._reject(
-                hs.seq, name, f"protocol version {hs.version} != {p.PROTOCOL_VERSION}"
-            )
-        if challenge is None or challenge.expires < now or challenge.nonce != hs.nonce:
-            return self._reject(hs.seq, name, "stale or unknown nonce: start again with hello")
-        token = self.config.token
-        if token and not p.proof_matches(
-            p.client_proof(token, challenge.nonce, challenge.client_nonce), hs.proof
-        ):
-            return self._reject(hs.seq, name, "bad token")
-        problem = hs.region.problem()
-        if problem is not None:
-            return self._reject(hs.seq, name, problem)
-        if hs.region.block_len != self._region.block_len:
-            return self._reject(
-                hs.seq, name, f"block_len {hs.region.block_len} != {self._region.block_len}"
-            )
-        ours = self.transport.config_fingerprint
-        if len(hs.config_fingerprint) > p.MAX_FINGERPRINT:
-            return self._reject(
-                hs.seq, name, f"config fingerprint longer than {p.MAX_FINGERPRINT} characters"
-            )
-        if ours and hs.config_fingerprint and ours != hs.config_fingerprint:
-            return self._reject(hs.seq, name, "config fingerprint mismatch")
-        if hs.slots is not None and hs.slots <= 0:
-            return self._reject(hs.seq, name, f"slots must be > 0, got {hs.slots}")
-        if not hs.agent_metadata:
-            return self._reject(hs.seq, name, "agent metadata is empty")
+        try:
+            self._gate.check(identity, hs, now)
+        except Refused as exc:
+            return self._reject(hs.seq, name, str(exc))
         self._release(hs.release[: p.MAX_RELEASE])
         if len(self._leases.sessions) >= self._leases.max_sessions:
             return self._reject(
@@ -548,59 +503,3 @@ def _count_bytes(session: Session, report: p.Heartbeat | p.Disconnect) -> None:
 
 def _span(lease: range) -> str:
     return f"[{lease.start}, {lease.stop})"
-
-
-def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; print ``ready HOST:PORT`` once listening. Returns 0, or
-    2 for bad options and 1 when the pool or the port cannot be set up."""
-    try:
-        config = ServerConfig.from_args(args)
-    except ValueError as exc:
-        print(f"torch-kv-tier serve: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    restore = _install_signal_handlers(stop)
-    try:
-        try:
-            server = Server(config)
-        except (OSError, RuntimeError, MemoryError) as exc:
-            logger.error("cannot start: %s", exc)
-            return 1
-        try:
-            logger.info(
-                "serving %d x %d B (%s) as %s, lease timeout %.1f s%s",
-                config.num_blocks,
-                config.block_len,
-                server.transport.mem_type,
-                server.name,
-                config.lease_timeout_s,
-                f", metrics on port {server.stats()['metrics_port']}"
-                if config.metrics_port is not None
-                else "",
-            )
-            print(f"ready {server.address}", flush=True)
-            server.serve(stop)
-            logger.info("stopping: releasing %d leases", len(server.stats()["sessions"]))
-        finally:
-            server.close()
-    finally:
-        restore()
-    logger.info("stopped")
-    return 0
-
-
-def _install_signal_handlers(stop: threading.Event) -> Any:
-    """SIGINT/SIGTERM set ``stop`` (main thread only); returns a function restoring the old
-    handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.getsignal(s) for s in signals}
-    for s in signals:
-        signal.signal(s, lambda signum, frame: stop.set())
-
-    def restore() -> None:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-    return restore
