@@ -1,6 +1,6 @@
 """``torch-kv-tier`` command line: ``serve``, ``bench``, ``stress``, ``shared-stress``,
-``chaos``, ``shared-bench``, ``digest-cost``, ``share-cost``, ``fleet-bench``, ``disk-bench``
-and ``serve-bench``."""
+``chaos``, ``shared-bench``, ``digest-cost``, ``share-cost``, ``thread-cost``, ``fleet-bench``,
+``disk-bench`` and ``serve-bench``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ _COMMANDS = {
     "share-cost": (
         "torch_kv_tier.benchmarks.share_cost",
         "the shared pool's control-plane CPU per key: host commit, grant, events; followers",
+    ),
+    "thread-cost": (
+        "torch_kv_tier.benchmarks.thread_cost",
+        "where shared and private tiers spend CPU: per thread kind, per GB, context switches",
     ),
     "fleet-bench": (
         "torch_kv_tier.benchmarks.fleet_bench",

@@ -244,21 +244,7 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     workers: Workers | None = None  # started once the first hosts are up (fewer at once)
     try:
         for block_len in cfg["block_sizes"]:
-            ws_blocks = max(BATCH * INFLIGHT, (cfg["working_set_mib"] << 20) // block_len)
-            # The grant cap is a tier's default reserve: its grant batch
-            # (``shared_host.default_grant_batch``), which a host at its default cap (a
-            # sixteenth of the pool) grants on any pool of gigabytes. At most MAX_RESERVE_BYTES,
-            # so that the pools fit this machine (256 slots at 256 KiB, where the default is
-            # 512), and at least twice the blocks in flight. A shared host holds
-            # every process's reserve (and those of sessions that ended with writes in flight,
-            # until released) beside what they store, and evicts beyond that: its pool is four
-            # times every working set, and at least twice every working set and reserve.
-            max_grant = min(
-                default_grant_batch(block_len),
-                max(2 * BATCH * INFLIGHT, MAX_RESERVE_BYTES // block_len),
-            )
-            need = ws_blocks + BATCH * INFLIGHT
-            shared = max(4 * max_tiers * need, 2 * max_tiers * (need + max_grant))
+            shared, max_grant = shared_pool(block_len, cfg["working_set_mib"], max_tiers)
             # A private host holds the private tiers' leases (as much as the shared tiers cycle
             # through: ``private_lease``) and a nixl_raw lease of the working set per process,
             # twice (the last point's may still be on their way back).
@@ -281,6 +267,26 @@ def throughput(cfg: dict[str, Any], seed: int) -> Iterator[dict[str, Any]]:
     finally:
         if workers is not None:
             workers.close()
+
+
+def shared_pool(block_len: int, working_set_mib: int, tiers: int) -> tuple[int, int]:
+    """The slots of a shared host for ``tiers`` processes cycling ``working_set_mib`` each, and
+    its ``--max-grant``.
+
+    The grant cap is a tier's default reserve: its grant batch
+    (``shared_host.default_grant_batch``), which a host at its default cap (a sixteenth of the
+    pool) grants on any pool of gigabytes. At most MAX_RESERVE_BYTES, so that the pools fit this
+    machine (256 slots at 256 KiB, where the default is 512), and at least twice the blocks in
+    flight. A shared host holds every process's reserve (and those of sessions that ended with
+    writes in flight, until released) beside what they store, and evicts beyond that: its pool
+    is four times every working set, and at least twice every working set and reserve.
+    """
+    ws_blocks = max(BATCH * INFLIGHT, (working_set_mib << 20) // block_len)
+    max_grant = min(
+        default_grant_batch(block_len), max(2 * BATCH * INFLIGHT, MAX_RESERVE_BYTES // block_len)
+    )
+    need = ws_blocks + BATCH * INFLIGHT
+    return max(4 * tiers * need, 2 * tiers * (need + max_grant)), max_grant
 
 
 def private_lease(pool: int, tiers: int, hosts: int) -> int:

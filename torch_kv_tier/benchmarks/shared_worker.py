@@ -17,6 +17,8 @@ sent to stderr. Commands:
   ``verified`` per system. ``shared_bench`` sends ``last`` and ``finish`` to one process at a
   time: tiers sharing a pool evict each other's keys, so no other process may store between a
   process's last stores and their read-back;
+- ``threads``: ``{"threads": {native id: name}}`` of this process's Python threads (for
+  ``thread_cost``, which reads their CPU time from ``/proc``);
 - ``exit``.
 
 Every repeat of a tier system (``burst`` and ``last``) is checked against the tier's own counters
@@ -38,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import IO, Any
@@ -165,6 +168,7 @@ def serve(index: int, commands: IO[str], answers: IO[str]) -> None:
         "burst": worker.burst,
         "last": worker.last,
         "finish": worker.finish,
+        "threads": lambda msg: {"threads": {t.native_id: t.name for t in threading.enumerate()}},
     }
     try:
         for line in commands:

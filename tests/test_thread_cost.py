@@ -1,0 +1,37 @@
+"""``torch-kv-tier thread-cost`` with one tier process: every thread kind it names is read from
+/proc, and a shared tier has a session I/O thread that wakes, a private one none."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from torch_kv_tier import cli
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def test_one_tier_run_reads_every_thread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "threads.json"
+    argv = ["thread-cost", "--tiers", "1", "--seconds", "1", "--rounds", "1",
+            "--working-set-mib", "2", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"shared", "private"}
+    for row in rows.values():
+        [window] = row["windows"]
+        assert window["gbps"] > 0 and window["per_gb"]["tier"]["cpu_ms"] > 0
+    shared, private = (rows[s]["windows"][0]["per_gb"] for s in ("shared", "private"))
+    # its I/O thread wakes for commits, grants and events; a private lease's only heartbeats
+    assert shared["session"]["voluntary"] > max(5 * private["session"]["voluntary"], 0)
+    assert shared["host"]["cpu_ms"] > 0  # the shared host answers it
+    assert "| 64K | shared |" in capsys.readouterr().out
+
+
+def test_a_window_of_no_time_is_refused() -> None:
+    assert cli.main(["thread-cost", "--seconds", "0"]) == 2
