@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.shared_bench import _environment, _spread
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.leases import Session, SlotPool
@@ -150,12 +148,6 @@ def _follower_rounds(compact: bool, pool: int, warm: Frames, timed: Frames) -> l
     return out
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    q1, med, q3 = np.percentile(values, [25, 50, 75])
-    return {"median": float(med), "q1": float(q1), "q3": float(q3),
-            "min": min(values), "max": max(values)}  # fmt: skip
-
-
 def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per number of tiers: ``us_per_key`` of every host cell and follower (spread
     over rounds), ``announced_per_stored`` and ``ms_per_gb`` per block size."""
@@ -227,14 +219,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"torch-kv-tier share-cost: --keys-per-commit must be at most "
               f"{p.MAX_KEYS_PER_MESSAGE} and half of --pool-slots", file=sys.stderr)  # fmt: skip
         return 2
-    env: dict[str, Any] = {
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "loadavg_start": os.getloadavg(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["torch-kv-tier", *sys.argv[1:]]),
-    }
+    env = _environment()
     rows = measure(cfg)
     env["loadavg_end"] = os.getloadavg()
     print(table(rows))

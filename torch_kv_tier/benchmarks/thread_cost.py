@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from collections.abc import Iterable
@@ -40,6 +39,7 @@ from torch_kv_tier.benchmarks.shared_bench import (
     BATCH,
     INFLIGHT,
     Workers,
+    _environment,
     private_lease,
     shared_pool,
 )
@@ -226,13 +226,7 @@ def run(args: argparse.Namespace) -> int:
         print("torch-kv-tier thread-cost: --seconds must be > 0, and /proc is needed (Linux)",
               file=sys.stderr)  # fmt: skip
         return 2
-    env: dict[str, Any] = {
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(["torch-kv-tier", *sys.argv[1:]]),
-    }
+    env = _environment()
     try:
         rows = measure(cfg)
     except RuntimeError as exc:
