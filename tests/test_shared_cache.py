@@ -223,3 +223,19 @@ def test_a_grant_takes_the_free_slots_first_then_evicts_for_the_rest() -> None:
     assert len(set(granted)) == 4 and set(granted).isdisjoint(stored[2:])
     assert set(granted) == set(range(8)) - set(stored) | set(stored[:2])
     assert _found(cache, "a", ["k0", "k1", "k2"]) == [-1, -1, stored[2]]
+
+
+def test_grants_come_in_ascending_slots_whatever_order_they_were_freed_or_evicted_in() -> None:
+    """A tier writes and reads a call's blocks into its granted slots in order, and adjacent
+    slots are one transfer segment: grants after a session left (its slots freed) and grants
+    that evict keys stored out of slot order still come ascending."""
+    cache = _cache(num_blocks=64)
+    cache.grant("a", 40)
+    cache.leave("a", 0.0, clean=True)  # its 40 slots are free again
+    assert cache.grant("b", 16) == list(range(16))
+    assert cache.grant("b", 16) == list(range(16, 32))
+    slots = cache.grant("c", 32)  # the 8 free slots left and 24 drawn from the pool
+    assert slots == sorted(slots)
+    backwards = list(reversed(slots))
+    assert cache.commit("c", [f"k{i}" for i in range(32)], backwards, [0] * 32) == 32
+    assert cache.grant("c", 32) == slots  # evicted newest slot first, granted ascending

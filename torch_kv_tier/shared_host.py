@@ -85,7 +85,7 @@ class SharedHost(Peer):
         return self._pop_grants(n)
 
     def return_slots(self, slots: list[int]) -> None:
-        self.grants.extendleft(slots)
+        self.grants.extendleft(reversed(slots))  # back at the head, in their order
 
     def grant_wanted(self) -> int:
         """How many slots to ask the host for now (0: none).

@@ -137,9 +137,9 @@ class SharedCache:
         ns.sessions -= 1
         if granted:
             if clean:
-                self._free.extend(granted)
+                self._free_again(granted)
             else:
-                self._held[session_id] = (sorted(granted), now)
+                self._held[session_id] = (list(granted), now)
         if not ns.sessions and not ns.entries and not ns.granted:
             del self.namespaces[ns.name]
 
@@ -151,7 +151,7 @@ class SharedCache:
         for sid in session_ids:
             held = self._held.pop(sid, None)
             if held is not None:
-                self._free.extend(held[0])
+                self._free_again(held[0])
                 freed += len(held[0])
         return freed
 
@@ -185,6 +185,10 @@ class SharedCache:
                 break
             slots += run
         ns.granted += len(slots)
+        # Ascending: a tier writes and reads a call's blocks in the order it was granted their
+        # slots, and a run of adjacent slots is one transfer segment instead of one per block
+        # (evicted keys' slots come in recency order, free ones in the order they were freed).
+        slots.sort()
         return slots
 
     def promoted(self, ns: Namespace, key: Key, slot: int, digest: int) -> bool:
@@ -350,6 +354,10 @@ class SharedCache:
         return len(self._held)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _free_again(self, slots: Iterable[int]) -> None:
+        """Return ``slots`` to the free list, the lowest last: taken first, in ascending runs."""
+        self._free.extend(sorted(slots, reverse=True))
 
     def _take_free(self, n: int) -> list[int]:
         """Up to ``n`` free slots, lowest first: ones freed here before, else drawn from the
