@@ -368,7 +368,7 @@ class SharedCache:
             run = self.pool.take(n) if self.pool.free else None
             if run is None:
                 return []
-            free.extend(reversed(run))  # taken from the end: the lowest slot first
+            self._free_again(run)
         taken = free[: -n - 1 : -1]
         if taken:
             del free[-len(taken) :]
