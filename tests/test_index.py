@@ -35,7 +35,7 @@ def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
     assert index.lookup(["a", "d", "b"]) == 2 and index.evictions == 2
     index.discard(["a"])  # pinned: its slot is freed on the last unpin, not now
     assert index.reserve(peer, 5) == [13]  # only "d" was evictable
-    index.unpin(peer, [10])
+    peer.unpin([10])
     assert peer.pool.is_free(10)
     kinds = [(kind, key) for kind, key, _ in index.take_events()]
     assert kinds[-4:] == [("evicted", "b"), ("evicted", "c"), ("discarded", "a"), ("evicted", "d")]

@@ -6,11 +6,9 @@ module decides *where* (placement, slot pool, LRU eviction) and keeps the tables
 Every operation takes a whole batch and does its per-key work in C-level container operations
 (``dict.update``, ``map`` over bound methods) where the semantics allow.
 
-State per peer registration (``PeerSlots``): a slot pool, the stored keys in LRU order (oldest
-first), each slot's digest (``torch_kv_tier.digest``: what a load checks its bytes against),
-read pins (slot -> loads in flight; a pinned slot is never evicted or reused), slots discarded
-while pinned (freed on the last unpin) and slots withheld because a write of an earlier
-registration of the same peer id may still land on them (``fence``).
+A tier-owned peer (a private lease) is a ``peer_slots.PeerSlots``: its slot pool, its keys in
+LRU order, its slots' digests, read pins, and the slots withheld because a write of an earlier
+registration of the same peer id may still land on them (``fence``, ``peer_slots.Fences``).
 
 A shared host (``slot_maps.SharedSlots``) keeps its own index: the host decides eviction, and
 this tier holds a copy of the host's key set with each key's slot and each slot's digest (kept
@@ -29,45 +27,18 @@ tier-owned one first, then on the shared hosts in the order they joined.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 from typing import Literal
 
 from torch_kv_tier.keys import Key, Placement
+from torch_kv_tier.peer_slots import Fences, PeerSlots
 from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots, drain
-from torch_kv_tier.slots import SlotPool
 
 COMPACT_AFTER_SLOTS = 1 << 20  # a dict copy of that many keys is ~150 MB
 EventKind = Literal["stored", "evicted", "discarded", "lost"]
 MAX_EVENTS = 100_000
-
-
-class PeerSlots:
-    """One peer registration's remote slots (see the module docstring)."""
-
-    __slots__ = ("digests", "doomed", "lru", "peer_id", "pins", "pool", "withheld")
-
-    def __init__(self, peer_id: str, slots: range) -> None:
-        self.peer_id = peer_id
-        self.pool = SlotPool(slots)
-        self.lru: OrderedDict[Key, int] = OrderedDict()  # stored key -> slot, oldest first
-        self.digests = [0] * len(slots)  # slot - slots.start -> digest of its stored key
-        self.pins: dict[int, int] = {}  # slot -> loads in flight (only positive counts)
-        self.doomed: set[int] = set()  # discarded while pinned: freed on the last unpin
-        self.withheld: set[int] = set()  # fenced by an earlier registration's late write
-
-    @property
-    def used(self) -> int:
-        return len(self.pool) - self.pool.num_free
-
-    @property
-    def capacity(self) -> int:
-        return len(self.pool)
-
-    @property
-    def stored(self) -> int:
-        return len(self.lru)
 
 
 AnyPeer = PeerSlots | SharedSlots
@@ -92,7 +63,7 @@ class BlockIndex:
         self._events: deque[tuple[str, Key, str]] | None = (
             deque(maxlen=MAX_EVENTS) if events else None
         )
-        self._fences: dict[str, dict[int, int]] = {}  # peer id -> slot -> late writes pending
+        self._fences = Fences()
         self._placement = Placement(())
 
     # -- peers --------------------------------------------------------------------------------
@@ -102,9 +73,7 @@ class BlockIndex:
         if peer_id in self.peers:
             raise ValueError(f"peer {peer_id!r} is registered; remove it first")
         peer = PeerSlots(peer_id, slots)
-        fenced = [s for s in self._fences.get(peer_id, ()) if s in slots]
-        peer.pool.take(fenced)
-        peer.withheld.update(fenced)
+        peer.withhold(self._fences.of(peer_id))
         self.peers[peer_id] = peer
         self._peers_changed()
         return peer
@@ -388,18 +357,6 @@ class BlockIndex:
             return {}, missing
         return {peer: (*found, peer.digests[found[2]].tolist())}, missing
 
-    @staticmethod
-    def unpin(peer: PeerSlots, slots: list[int]) -> None:
-        """Drop one pin of each slot; a discarded slot goes back to the pool on its last."""
-        pins = peer.pins
-        counts = list(map(pins.pop, slots))
-        for slot, count in zip(slots, counts):
-            if count > 1:
-                pins[slot] = count - 1
-            elif slot in peer.doomed:
-                peer.doomed.discard(slot)
-                peer.pool.free([slot])
-
     # -- removal ------------------------------------------------------------------------------
 
     def discard(self, keys: Iterable[Key], kind: EventKind = "discarded") -> None:
@@ -427,33 +384,18 @@ class BlockIndex:
     def fence(self, peer_id: str, slots: Iterable[int]) -> None:
         """A write to ``slots`` of a dropped registration of ``peer_id`` may still land: keep
         them out of every later registration's pool until ``unfence``."""
-        fences = self._fences.setdefault(peer_id, {})
-        for slot in slots:
-            fences[slot] = fences.get(slot, 0) + 1
+        self._fences.add(peer_id, slots)
 
     def unfence(self, peer_id: str, slots: Iterable[int]) -> None:
         """That write resolved: the slots may be used again (by the current registration)."""
-        fences = self._fences.get(peer_id)
-        if fences is None:
-            return
-        released = []
-        for slot in slots:
-            count = fences.pop(slot, 0)
-            if count > 1:
-                fences[slot] = count - 1
-            elif count == 1:
-                released.append(slot)
-        if not fences:
-            del self._fences[peer_id]
+        released = self._fences.resolve(peer_id, slots)
         peer = self.peers.get(peer_id)
         if isinstance(peer, PeerSlots):
-            back = [s for s in released if s in peer.withheld]
-            peer.withheld.difference_update(back)
-            peer.pool.free(back)
+            peer.give_back(released)
 
     def fenced(self, peer_id: str) -> int:
         """Slots of ``peer_id`` that a late write may still land on."""
-        return len(self._fences.get(peer_id, ()))
+        return len(self._fences.of(peer_id))
 
     # -- events -------------------------------------------------------------------------------
 

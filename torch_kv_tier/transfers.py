@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connections import EndedSessions
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
-from torch_kv_tier.index import BlockIndex, PeerSlots, drain
+from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key
+from torch_kv_tier.peer_slots import PeerSlots
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
@@ -340,7 +341,7 @@ class Transfers:
 
     def _finish_load(self, op: Op, peer: Peer | None, reason: str | None) -> None:
         if peer is not None and isinstance(peer.slots, PeerSlots):
-            self._index.unpin(peer.slots, op.remote)
+            peer.slots.unpin(op.remote)
         bad: list[Key] = []
         if reason is None:
             if op.peer.verifies:
