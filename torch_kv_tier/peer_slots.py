@@ -17,7 +17,7 @@ Threading: none; the owner (``BlockIndex``, under the manager's lock) serialises
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.slots import SlotPool
@@ -101,6 +101,6 @@ class Fences:
             del self._pending[peer_id]
         return released
 
-    def of(self, peer_id: str) -> Iterable[int]:
+    def of(self, peer_id: str) -> Collection[int]:
         """The slots of ``peer_id`` a late write may still land on."""
         return self._pending.get(peer_id, {}).keys()
