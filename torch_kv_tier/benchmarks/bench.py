@@ -25,6 +25,7 @@ from typing import Any
 
 from torch_kv_tier.benchmarks import report, report_verify
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS, Skip, System
+from torch_kv_tier.benchmarks.options import list_of, positive, quiet_nixl, size
 from torch_kv_tier.benchmarks.remote import Target, host_group, read_token
 from torch_kv_tier.benchmarks.sweep import Point, PointRunner, PointState, Settings
 
@@ -88,42 +89,6 @@ FULL = {
 }
 
 
-def _size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
-    try:
-        value = int(number) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16K, 2M)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
-
-def _list(
-    parse: Callable[[str], Any], choices: Sequence[str] | None = None
-) -> Callable[[str], list[Any]]:
-    def parse_list(text: str) -> list[Any]:
-        items = [parse(x) for x in text.split(",") if x.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError("empty list")
-        if choices is not None:
-            bad = [x for x in items if x not in choices]
-            if bad:
-                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(choices)}")
-        return items
-
-    return parse_list
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser``."""
     parser.description = __doc__
@@ -137,26 +102,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--systems",
-        type=_list(str, list(SYSTEMS)),
+        type=list_of(str, list(SYSTEMS)),
         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
     )
-    parser.add_argument("--block-sizes", type=_list(_size), help="e.g. 16K,64K,256K,2M")
-    parser.add_argument("--batches", type=_list(_positive), help="blocks per call, e.g. 1,16,128")
-    parser.add_argument("--inflight", type=_list(_positive), help="calls in flight, e.g. 1,8")
-    parser.add_argument("--ops", type=_list(str, OPS), default=list(OPS), help="write,read")
+    parser.add_argument("--block-sizes", type=list_of(size), help="e.g. 16K,64K,256K,2M")
+    parser.add_argument("--batches", type=list_of(positive), help="blocks per call, e.g. 1,16,128")
+    parser.add_argument("--inflight", type=list_of(positive), help="calls in flight, e.g. 1,8")
+    parser.add_argument("--ops", type=list_of(str, OPS), default=list(OPS), help="write,read")
     parser.add_argument(
-        "--patterns", type=_list(str, PATTERNS), default=list(PATTERNS), help="contiguous,scattered"
+        "--patterns",
+        type=list_of(str, PATTERNS),
+        default=list(PATTERNS),
+        help="contiguous,scattered",
     )
-    parser.add_argument("--repeats", type=_positive, help="timed repeats per point (median)")
+    parser.add_argument("--repeats", type=positive, help="timed repeats per point (median)")
     parser.add_argument("--min-time", type=float, help="seconds per timed repeat (at least)")
     parser.add_argument(
         "--pool-mib",
-        type=_positive,
+        type=positive,
         help="remote pool per block size, MiB (the local arena is twice this)",
     )
     parser.add_argument(
         "--working-set-mib",
-        type=_positive,
+        type=positive,
         help="bytes cycled through per point, MiB (bounded by the pool)",
     )
     parser.add_argument(
@@ -167,7 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--poll-depths",
-        type=_list(_positive),
+        type=list_of(positive),
         help="transfers in flight for the poll-cost measurement",
     )
     parser.add_argument(
@@ -181,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", help="file holding the remote host's token")
     parser.add_argument(
         "--transports",
-        type=_list(str, ["shm", "tcp"]),
+        type=list_of(str, ["shm", "tcp"]),
         help="shm (UCX's default on loopback), tcp, or both (default: shm for --quick, both "
         "for a full run)",
     )
@@ -537,21 +505,6 @@ def _set_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _quiet_nixl() -> None:
-    """NIXL logs every agent it creates at INFO; keep that out of the bench output (after its
-    import, which installs NIXL's own logging configuration)."""
-    from torch_kv_tier.transport.ucx_env import apply_ucx_policy
-
-    apply_ucx_policy()
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return  # reported per system
-    nixl_logger = logging.getLogger("nixl")
-    if nixl_logger.getEffectiveLevel() < logging.WARNING and not logger.isEnabledFor(logging.DEBUG):
-        nixl_logger.setLevel(logging.WARNING)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print the tables; return the exit status."""
     try:
@@ -568,7 +521,7 @@ def run(args: argparse.Namespace) -> int:
     # vLLM sets this before NIXL loads UCX (it warns when it cannot); set it for every system
     # alike so that all NIXL users run with the same UCX settings.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
-    _quiet_nixl()
+    quiet_nixl()
     if device != "cpu":
         import torch
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
-from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.options import list_of, positive, size
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.keys import Key
 
@@ -53,11 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``digest-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--block-sizes", type=_list(_size), help="default 16K,64K,256K,1M,2M")
+    parser.add_argument("--block-sizes", type=list_of(size), help="default 16K,64K,256K,1M,2M")
     parser.add_argument(
-        "--arena-mib", type=_positive, help="DRAM-resident arena, MiB (default 2048)"
+        "--arena-mib", type=positive, help="DRAM-resident arena, MiB (default 2048)"
     )
-    parser.add_argument("--rounds", type=_positive, help="interleaved rounds (default 7)")
+    parser.add_argument("--rounds", type=positive, help="interleaved rounds (default 7)")
     parser.add_argument(
         "--min-time", type=float, help="seconds per cache-resident cell and round (default 0.1)"
     )

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.bench import _positive, _size
 from torch_kv_tier.benchmarks.disk_capacity import capacity, restart
+from torch_kv_tier.benchmarks.options import positive, size
 from torch_kv_tier.remote.disk_store import DiskStore
 from torch_kv_tier.remote.disk_tier import MAX_SPILLS_IN_FLIGHT, SPILL_BATCH
 
@@ -49,14 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dir", type=Path, help="where the files go (default: a new directory under .)"
     )
-    parser.add_argument("--block-len", type=_size, default=256 << 10, help="default 256K")
-    parser.add_argument("--total-bytes", type=_size, default=256 << 20, help="default 256M")
-    parser.add_argument("--rounds", type=_positive, default=5, help="default 5")
-    parser.add_argument("--pool-mib", type=_positive, default=64, help="capacity: DRAM pool")
-    parser.add_argument("--disk-mib", type=_positive, default=1024, help="capacity: disk")
-    parser.add_argument("--capacity-block-len", type=_size, default=64 << 10, help="64K")
-    parser.add_argument("--requests", type=_positive, default=2000, help="capacity requests")
-    parser.add_argument("--capacity-rounds", type=_positive, default=2, help="default 2")
+    parser.add_argument("--block-len", type=size, default=256 << 10, help="default 256K")
+    parser.add_argument("--total-bytes", type=size, default=256 << 20, help="default 256M")
+    parser.add_argument("--rounds", type=positive, default=5, help="default 5")
+    parser.add_argument("--pool-mib", type=positive, default=64, help="capacity: DRAM pool")
+    parser.add_argument("--disk-mib", type=positive, default=1024, help="capacity: disk")
+    parser.add_argument("--capacity-block-len", type=size, default=64 << 10, help="64K")
+    parser.add_argument("--requests", type=positive, default=2000, help="capacity requests")
+    parser.add_argument("--capacity-rounds", type=positive, default=2, help="default 2")
     parser.add_argument(
         "--skip-capacity", action="store_true", help="throughput only (skip parts 2 and 3)"
     )

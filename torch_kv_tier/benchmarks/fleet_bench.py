@@ -51,7 +51,7 @@ from typing import Any
 
 import zmq
 
-from torch_kv_tier.benchmarks.bench import _list, _positive
+from torch_kv_tier.benchmarks.options import list_of, positive
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.remote import protocol as p
@@ -78,12 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``fleet-bench`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--keys", type=_positive, help="keys one host holds (default 200000)")
-    parser.add_argument("--followers", type=_list(int), help="followers per host (1,4,16,64)")
-    parser.add_argument("--hosts", type=_list(int), help="host counts for movement (4,16,100)")
-    parser.add_argument("--rounds", type=_positive, help="rounds per figure (default 5)")
+    parser.add_argument("--keys", type=positive, help="keys one host holds (default 200000)")
+    parser.add_argument("--followers", type=list_of(int), help="followers per host (1,4,16,64)")
+    parser.add_argument("--hosts", type=list_of(int), help="host counts for movement (4,16,100)")
+    parser.add_argument("--rounds", type=positive, help="rounds per figure (default 5)")
     parser.add_argument(
-        "--batches", type=_positive, help="Events batches of 8192 keys per fan-out round (16)"
+        "--batches", type=positive, help="Events batches of 8192 keys per fan-out round (16)"
     )
     parser.add_argument("--json", help="write the results here as JSON")
 

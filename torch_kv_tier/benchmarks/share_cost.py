@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.options import list_of, positive, size
 from torch_kv_tier.benchmarks.shared_bench import _environment, _spread
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import protocol as p
@@ -55,12 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``share-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--tiers", type=_list(_positive), help="sessions storing (default 1,4)")
-    parser.add_argument("--block-sizes", type=_list(_size), help="for ms per GB (64K,256K)")
-    parser.add_argument("--keys-per-commit", type=_positive, help="keys per grant and commit")
-    parser.add_argument("--pool-slots", type=_positive, help="the host's pool (default 16384)")
-    parser.add_argument("--rounds", type=_positive, help="rounds per figure (default 7)")
-    parser.add_argument("--steps", type=_positive, help="commits per session and round (100)")
+    parser.add_argument("--tiers", type=list_of(positive), help="sessions storing (default 1,4)")
+    parser.add_argument("--block-sizes", type=list_of(size), help="for ms per GB (64K,256K)")
+    parser.add_argument("--keys-per-commit", type=positive, help="keys per grant and commit")
+    parser.add_argument("--pool-slots", type=positive, help="the host's pool (default 16384)")
+    parser.add_argument("--rounds", type=positive, help="rounds per figure (default 7)")
+    parser.add_argument("--steps", type=positive, help="commits per session and round (100)")
     parser.add_argument("--json", help="write every figure to this JSON file")
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
-from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.options import list_of, positive, size
 from torch_kv_tier.benchmarks.reliability_common import LineReader, kill_process
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
@@ -80,15 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``shared-bench`` options to ``parser``."""
     parser.description = __doc__
     parser.add_argument("--quick", action="store_true", help="fewer points and rounds (~1 min)")
-    parser.add_argument("--block-sizes", type=_list(_size), help="e.g. 64K,256K")
-    parser.add_argument("--tiers", type=_list(_positive), help="tier processes per host: 1,2,4")
-    parser.add_argument("--hosts", type=_list(_positive), help="hosts under one tier: 1,2,4")
-    parser.add_argument("--rounds", type=_positive, help="interleaved rounds per point")
+    parser.add_argument("--block-sizes", type=list_of(size), help="e.g. 64K,256K")
+    parser.add_argument("--tiers", type=list_of(positive), help="tier processes per host: 1,2,4")
+    parser.add_argument("--hosts", type=list_of(positive), help="hosts under one tier: 1,2,4")
+    parser.add_argument("--rounds", type=positive, help="interleaved rounds per point")
     parser.add_argument("--min-time", type=float, help="seconds per timed burst (at least)")
-    parser.add_argument("--working-set-mib", type=_positive, help="bytes cycled per process")
-    parser.add_argument("--hit-blocks", type=_positive, help="blocks of the cross-tier hit")
-    parser.add_argument("--lookup-calls", type=_positive, help="timed lookup calls")
-    parser.add_argument("--staleness-samples", type=_positive, help="stores timed to visibility")
+    parser.add_argument("--working-set-mib", type=positive, help="bytes cycled per process")
+    parser.add_argument("--hit-blocks", type=positive, help="blocks of the cross-tier hit")
+    parser.add_argument("--lookup-calls", type=positive, help="timed lookup calls")
+    parser.add_argument("--staleness-samples", type=positive, help="stores timed to visibility")
     parser.add_argument(
         "--heartbeat-s",
         type=float,
@@ -377,10 +377,10 @@ def _failures(result: dict[str, Any]) -> list[str]:
 
 
 def _setup_nixl() -> None:
-    from torch_kv_tier.benchmarks.bench import _quiet_nixl
+    from torch_kv_tier.benchmarks.options import quiet_nixl
 
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # as ``bench`` sets it
-    _quiet_nixl()
+    quiet_nixl()
 
 
 def run(args: argparse.Namespace) -> int:

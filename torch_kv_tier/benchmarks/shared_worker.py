@@ -186,12 +186,12 @@ def serve(index: int, commands: IO[str], answers: IO[str]) -> None:
 
 
 def main() -> int:
-    from torch_kv_tier.benchmarks.bench import _quiet_nixl
+    from torch_kv_tier.benchmarks.options import quiet_nixl
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # native libraries printing to stdout must not corrupt the answers
     sys.stdout = sys.stderr
-    _quiet_nixl()
+    quiet_nixl()
     serve(int(sys.argv[1]), sys.stdin, answers)
     return 0
 

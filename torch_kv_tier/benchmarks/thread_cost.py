@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.bench import _list, _positive, _size
+from torch_kv_tier.benchmarks.options import list_of, positive, size
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_bench import (
     BATCH,
@@ -65,11 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--op", choices=("write", "read"), help="stores (default) or loads")
-    parser.add_argument("--block-sizes", type=_list(_size), help="default 64K")
-    parser.add_argument("--tiers", type=_positive, help="tier processes (default 4)")
+    parser.add_argument("--block-sizes", type=list_of(size), help="default 64K")
+    parser.add_argument("--tiers", type=positive, help="tier processes (default 4)")
     parser.add_argument("--seconds", type=float, help="window per system and round (6)")
-    parser.add_argument("--rounds", type=_positive, help="rounds (default 3)")
-    parser.add_argument("--working-set-mib", type=_positive, help="bytes cycled per process")
+    parser.add_argument("--rounds", type=positive, help="rounds (default 3)")
+    parser.add_argument("--working-set-mib", type=positive, help="bytes cycled per process")
     parser.add_argument("--json", help="write every figure to this JSON file")
 
 

@@ -1,0 +1,71 @@
+"""What every benchmark command shares: argument types for its options (sizes such as ``64K``,
+comma-separated lists, positive counts) and quieting NIXL's own logging.
+
+Each type raises ``argparse.ArgumentTypeError`` with what to type instead, so a bad option is
+refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def size(text: str) -> int:
+    """A byte count such as ``16K``, ``2M``, ``1GiB`` or ``4096``."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in "KMG" else text
+    try:
+        value = int(number) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16K, 2M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def list_of(
+    parse: Callable[[str], Any], choices: Sequence[str] | None = None
+) -> Callable[[str], list[Any]]:
+    """A type for a comma-separated list of ``parse``'s values (only ``choices``, if given)."""
+
+    def parse_list(text: str) -> list[Any]:
+        items = [parse(x) for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError("empty list")
+        if choices is not None:
+            bad = [x for x in items if x not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {list(choices)}")
+        return items
+
+    return parse_list
+
+
+def positive(text: str) -> int:
+    """An integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def quiet_nixl() -> None:
+    """Apply the UCX policy and keep NIXL's INFO line per agent out of a benchmark's output
+    (after NIXL's import, which installs its own logging configuration), unless this module
+    logs at DEBUG."""
+    from torch_kv_tier.transport.ucx_env import apply_ucx_policy
+
+    apply_ucx_policy()
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError:
+        return  # reported per system
+    nixl_logger = logging.getLogger("nixl")
+    if nixl_logger.getEffectiveLevel() < logging.WARNING and not logger.isEnabledFor(logging.DEBUG):
+        nixl_logger.setLevel(logging.WARNING)
