@@ -36,11 +36,17 @@ MAX_CLIENT_NAME = 128
 class ControlPlane:
     """Sessions and the answers to their messages, for one server (module docstring).
 
-    Answers handshakes once ``open`` gave it the server's parts that exist only after its pool
-    is registered.
+    ``gate`` checks handshakes; ``server_stats()`` answers stats requests; ``accept`` goes into
+    every ``Accept`` (the server's agent name and metadata, its pool's ``Region``, its host id).
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        gate: Gate,
+        server_stats: Callable[[], dict[str, Any]],
+        **accept: Any,
+    ) -> None:
         self.config = config
         self.leases = LeaseTable(
             config.num_blocks, config.lease_timeout_s, config.max_lease, config.max_sessions
@@ -52,15 +58,9 @@ class ControlPlane:
             ("handshakes_accepted", "handshakes_rejected", "bad_frames"), 0
         )
         self._last_session: Session | None = None  # the session of the message being answered
-        self._gate: Gate | None = None
-        self._server_stats: Callable[[], dict[str, Any]] = dict
-        self._accept: dict[str, Any] = {}
-
-    def open(self, gate: Gate, server_stats: Callable[[], dict[str, Any]], **accept: Any) -> None:
-        """Answer handshakes as ``gate`` checks them, with ``accept`` in every ``Accept`` (the
-        server's agent name and metadata, its pool's ``Region``, its host id), and stats
-        requests with ``server_stats()``."""
-        self._gate, self._server_stats, self._accept = gate, server_stats, accept
+        self._gate = gate
+        self._server_stats = server_stats
+        self._accept = accept
 
     def answer(self, identity: bytes, body: list[bytes], now: float) -> p.ServerMessage | None:
         """The reply to one message of ``identity`` (``None``: nothing to send back)."""
@@ -137,8 +137,7 @@ class ControlPlane:
                 now - session.last_seen,
                 _span(session.lease),
             )
-        if self._gate is not None:
-            self._gate.expire(now)
+        self._gate.expire(now)
 
     def stats(self, now: float) -> dict[str, Any]:
         """Leases, occupancy, client-reported bytes, the shared cache's figures, the sessions
@@ -192,7 +191,6 @@ class ControlPlane:
         return p.Reject(seq, reason)
 
     def _hello(self, identity: bytes, hello: p.Hello, now: float) -> p.ServerMessage:
-        assert self._gate is not None, "open() first"
         try:
             return self._gate.hello(identity, hello, now)
         except Refused as exc:
@@ -201,7 +199,6 @@ class ControlPlane:
             return self._bad(str(exc))
 
     def _handshake(self, identity: bytes, hs: p.Handshake, now: float) -> p.ServerMessage:
-        assert self._gate is not None, "open() first"
         name = hs.client_name[:MAX_CLIENT_NAME]
         try:
             self._gate.check(identity, hs, now)

@@ -75,8 +75,6 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
-        self._control = ControlPlane(config)
-        self._shared = self._control.shared
         self._started = time.monotonic()
         self._metrics: MetricsServer | None = None
         self._socket: zmq.Socket[bytes] | None = None
@@ -92,11 +90,11 @@ class Server:
                     config.host, config.metrics_port, lambda: render_prometheus(self.stats())
                 )
             self.arena = self._make_arena(config)
-            self.transport = NixlTransport("tkvt-server", self.arena.tensor, config.config_fields)
-            if config.disk_paths:
-                self._disk = self._open_disk(config)
-            transport = self.transport
-            self._control.open(
+            self.transport = transport = NixlTransport(
+                "tkvt-server", self.arena.tensor, config.config_fields
+            )
+            self._control = ControlPlane(
+                config,
                 Gate(config.token, transport.block_len, transport.config_fingerprint),
                 self._stats_locked,
                 server_name=self.name,
@@ -109,6 +107,8 @@ class Server:
                 ),
                 host_id=self.host_id,
             )
+            if config.disk_paths:
+                self._disk = self._open_disk(config)
         except BaseException:
             self.close()
             raise
@@ -137,8 +137,8 @@ class Server:
             pool_blocks=config.num_blocks,
         )
         try:
-            disk = DiskTier(self._shared.cache, store, admit_after=config.disk_admit)
-            self._shared.disk = disk
+            disk = DiskTier(self._control.shared.cache, store, admit_after=config.disk_admit)
+            self._control.shared.disk = disk
             disk.recover()
         except BaseException:
             store.close()
@@ -182,7 +182,7 @@ class Server:
                     self._disk.step(time.monotonic())
                     if self._disk.busy():
                         wait_s = DISK_POLL_S
-                if self._shared.cache.has_events():
+                if self._control.shared.cache.has_events():
                     wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
             if poller.poll(math.ceil(wait_s * 1e3)):
                 self._drain()
@@ -211,9 +211,9 @@ class Server:
         """Tell every shared session what its namespace's index gained and lost (each frame
         encoded once for all of them); whether there was anything to tell."""
         with self._lock:
-            if not self._shared.cache.has_events():
+            if not self._control.shared.cache.has_events():
                 return False
-            frames = self._shared.events(list(self._control.leases.sessions.values()))
+            frames = self._control.shared.events(list(self._control.leases.sessions.values()))
         for sessions, frame in frames:
             for session in sessions:
                 self._send(session.identity, frame, session)
@@ -248,6 +248,7 @@ class Server:
             return self._stats_locked()
 
     def _stats_locked(self) -> dict[str, Any]:
+        now = time.monotonic()
         return {
             "protocol_version": p.PROTOCOL_VERSION,
             "server_name": self.name,
@@ -255,8 +256,8 @@ class Server:
             "address": self.address,
             "num_blocks": self.config.num_blocks,
             "block_len": self.config.block_len,
-            **self._control.stats(time.monotonic()),
-            "uptime_s": time.monotonic() - self._started,
+            **self._control.stats(now),
+            "uptime_s": now - self._started,
             "metrics_port": self._metrics.port if self._metrics else None,
         }
 
