@@ -110,7 +110,7 @@ def test_verify_off_runs_beside_the_tier_and_nixl_raw(
 
 
 def test_verify_off_is_opt_in() -> None:
-    run = bench._Run(_args(*TINY), bench.QUICK, "cpu")
+    run = bench.BenchSweep(_args(*TINY), bench.QUICK, "cpu")
     assert "torch_kv_tier_noverify" not in run.systems
     assert [g for g in run.groups() if "torch_kv_tier" in g] == [
         ["nixl_raw", "torch_kv_tier"], ["vllm_nixl", "torch_kv_tier"]
