@@ -15,25 +15,50 @@ bytes had not all landed when its commit was read. A late write of the *same* ke
 same bytes, so it is harmless.
 
 One algorithm for every tier, because tiers of one model share a host whether their arenas are
-in host or GPU memory. xxh3 runs at ~20 GB/s per core here (16 KiB to 1 MiB blocks) and
-releases the GIL, so the poller and other callers go on meanwhile. A CUDA arena's blocks are
-copied to host memory first (one gather and one device-to-host copy per call): there is no
-maintained xxh3 for CUDA, and a device-only checksum could not be checked by a host-memory tier
-reading the same key.
+in host or GPU memory. xxh3 runs at ~20 GB/s per core here (16 KiB to 1 MiB blocks). A CUDA
+arena's blocks are copied to host memory first (one gather and one device-to-host copy per
+call): there is no maintained xxh3 for CUDA, and a device-only checksum could not be checked by
+a host-memory tier reading the same key.
+
+The GIL is kept while hashing. python-xxhash 4 releases it for every input over 64 KiB; a block
+hashed in one call would then hand the GIL away once per block, and beside any busy Python
+thread of the process each hand-back waits out the interpreter's switch interval (5 ms): a
+19 us digest of a 1 MiB block took 5.2 ms, and a store of 16 such blocks 80 ms. So a block over
+``CHUNK`` bytes is fed to one xxh3 state in ``CHUNK``-byte pieces (the digest is the same as in
+one call, and the same for every xxhash version); the interpreter may still switch threads
+between blocks.
 
 Threading: stateless apart from the per-arena row views; safe from any thread.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
 
+CHUNK = 64 << 10  # the longest input python-xxhash hashes without releasing the GIL
+
 _xxh3 = xxhash.xxh3_64_intdigest
+_xxh3_state = xxhash.xxh3_64
+
+
+def _pieces(block: Any) -> list[memoryview]:
+    """``block``'s bytes as views of at most ``CHUNK`` bytes each."""
+    view = memoryview(block).cast("B")
+    return [view[start : start + CHUNK] for start in range(0, len(view), CHUNK)]
+
+
+def _digest_of_pieces(pieces: list[memoryview], seed: int) -> int:
+    """xxh3-64 of the pieces' bytes one after the other (the same as of those bytes at once)."""
+    state = _xxh3_state(seed=seed)
+    deque(map(state.update, pieces), 0)
+    return state.intdigest()
 
 
 class BlockDigests:
@@ -41,16 +66,21 @@ class BlockDigests:
 
     def __init__(self, blocks: torch.Tensor) -> None:
         self._blocks = blocks
-        # One memoryview per row, made once: hashing a row is then one C call.
-        self._rows = list(blocks.numpy()) if blocks.device.type == "cpu" else None
+        self._whole = blocks.shape[1] <= CHUNK  # a block is then hashed in one call
+        # Each row's view (or its pieces), made once: hashing a row is then one C call (each).
+        self._rows = self._host_rows(blocks.numpy()) if blocks.device.type == "cpu" else None
+
+    def _host_rows(self, rows: Any) -> list[Any]:
+        return list(rows) if self._whole else list(map(_pieces, rows))
 
     def of(self, idxs: Sequence[int], keys: Sequence[Key]) -> list[int]:
         """The digest of block ``idxs[i]`` as the bytes of ``keys[i]``."""
         rows = self._rows
         if rows is None:  # device memory: one gather and copy to host for the whole call
-            rows = list(self._blocks[list(idxs)].cpu().numpy())
+            rows = self._host_rows(self._blocks[list(idxs)].cpu().numpy())
             idxs = range(len(rows))
-        return [_xxh3(rows[i], key_fingerprint(k)) for i, k in zip(idxs, keys)]
+        digest = _xxh3 if self._whole else _digest_of_pieces
+        return [digest(rows[i], key_fingerprint(k)) for i, k in zip(idxs, keys)]
 
     def mismatched(
         self, idxs: Sequence[int], keys: Sequence[Key], expected: Sequence[int]
@@ -62,6 +92,7 @@ class BlockDigests:
         return [k for k, g, e in zip(keys, got, expected) if g != e]
 
 
-def block_digest(block: bytes | memoryview, key: Key) -> int:
-    """The digest of one block's bytes as ``key`` (what ``BlockDigests.of`` computes)."""
-    return _xxh3(block, key_fingerprint(key))
+def block_digest(block: Any, key: Key) -> int:
+    """The digest of one block's bytes (any buffer) as ``key`` (what ``BlockDigests.of``
+    computes)."""
+    return _digest_of_pieces(_pieces(block), key_fingerprint(key))

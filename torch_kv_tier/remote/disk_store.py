@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
-from torch_kv_tier.keys import Key, key_fingerprint
+from torch_kv_tier.digest import block_digest
+from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
 from torch_kv_tier.transport.nixl_agent import descriptors
 
@@ -42,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 FSYNC_PERIOD_S = 1.0
 CLOSE_WAIT_S = 10.0
-_xxh3 = xxhash.xxh3_64_intdigest
 
 Pair = tuple[str, Key]
 
@@ -239,7 +237,7 @@ class DiskStore:
                         last.pop(j, None)
                 for j, (order, ns, key, digest) in last.items():
                     got = os.preadv(d.fd, [row], j * self.block_len)
-                    if got == self.block_len and _xxh3(row, key_fingerprint(key)) == digest:
+                    if got == self.block_len and block_digest(row, key) == digest:
                         found.append((order, j * n + f, ns, key, digest))
                     else:
                         self._counters["disk_recover_dropped"] += 1
