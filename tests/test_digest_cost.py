@@ -19,11 +19,11 @@ def test_tiny_run_writes_every_cell(tmp_path: Path, capsys: pytest.CaptureFixtur
     cells = {(r["block_len"], r["place"], r["function"]) for r in rows}
     assert cells == {
         (bl, place, fn) for bl in (16 << 10, 64 << 10)
-        for place in ("cache", "dram") for fn in ("digest", "xxh3")
+        for place in ("cache", "dram", "busy") for fn in ("digest", "xxh3")
     }  # fmt: skip
     for r in rows:
         assert len(r["gbps_per_core_rounds"]) == 2 and r["gbps_per_core"]["median"] > 0
-    assert "| 64K | dram |" in capsys.readouterr().out
+    assert "| 64K | busy |" in capsys.readouterr().out
 
 
 def test_an_arena_smaller_than_one_call_is_refused() -> None:

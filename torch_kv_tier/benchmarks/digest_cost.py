@@ -7,7 +7,10 @@ size, with the blocks in two places:
 - ``cache``: the same few blocks hashed again and again (``max(1, 1 MiB / block)`` blocks): the
   cost when the transfer has just brought the bytes into the CPU caches;
 - ``dram``: an arena much larger than the last-level cache (``--arena-mib``, default 2 GiB),
-  walked once per round in order, so each block comes from memory.
+  walked once per round in order, so each block comes from memory;
+- ``busy``: the ``cache`` blocks again, while another Python thread of the process spins: what
+  a digest costs beside a busy thread (see ``torch_kv_tier.digest`` on the GIL). Read its wall
+  GB/s: its per-core figure leaves out the time spent waiting for the GIL.
 
 Two functions per place: ``digest`` is ``BlockDigests.of`` on calls of 16 blocks (what a store
 or load pays: the per-key seed and the Python around the C call included), ``xxh3`` the bare
@@ -22,11 +25,14 @@ Exit status 0; 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,7 +45,7 @@ from torch_kv_tier.keys import Key
 
 BATCH = 16  # blocks per ``BlockDigests.of`` call, as one tier call of 16 blocks
 HOT_BYTES = 1 << 20  # the cache-resident set: this many bytes of blocks (at least one block)
-PLACES = ("cache", "dram")
+PLACES = ("cache", "dram", "busy")
 FUNCTIONS = ("digest", "xxh3")
 DEFAULTS: dict[str, Any] = {
     "block_sizes": [16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20],
@@ -70,7 +76,7 @@ class _Cell:
     def __init__(self, arena: torch.Tensor, block_len: int, place: str, function: str) -> None:
         self.block_len, self.place, self.function = block_len, place, function
         blocks = arena[: arena.numel() // block_len * block_len].view(-1, block_len)
-        if place == "cache":
+        if place != "dram":
             blocks = blocks[: max(1, HOT_BYTES // block_len)]
         n = blocks.shape[0] // BATCH * BATCH if blocks.shape[0] >= BATCH else blocks.shape[0]
         self.calls = [list(range(i, min(i + BATCH, n))) for i in range(0, n, BATCH)]
@@ -94,16 +100,35 @@ class _Cell:
         return sum(len(c) for c in self.calls) * self.block_len
 
     def measure(self, min_time: float) -> None:
-        """One round: one pass (``dram``) or whole passes for ``min_time`` (``cache``)."""
+        """One round: one pass (``dram``) or whole passes for ``min_time`` (else)."""
         moved = 0
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
-        while True:
-            moved += self._pass()
-            if self.place == "dram" or time.perf_counter() - wall0 >= min_time:
-                break
-        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        with _busy_thread() if self.place == "busy" else contextlib.nullcontext():
+            wall0, cpu0 = time.perf_counter(), time.thread_time()
+            while True:
+                moved += self._pass()
+                if self.place == "dram" or time.perf_counter() - wall0 >= min_time:
+                    break
+            wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
         self.cpu_gbps.append(moved / max(cpu, 1e-9) / 1e9)
         self.wall_gbps.append(moved / wall / 1e9)
+
+
+@contextlib.contextmanager
+def _busy_thread() -> Iterator[None]:
+    """A Python thread that spins (holding the GIL whenever it runs) while the block runs."""
+    stop = threading.Event()
+    spinner = threading.Thread(target=_spin, args=(stop,), name="busy", daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        spinner.join(timeout=5.0)
+
+
+def _spin(stop: threading.Event) -> None:
+    while not stop.is_set():
+        pass
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -158,15 +183,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     by = {(r["block_len"], r["place"], r["function"]): r for r in rows}
     lines = [
         "| block | place | blocks | digest GB/s per core (IQR; min..max) | xxh3 GB/s per core "
-        "| digest GB/s wall |",
-        "|---|---|---|---|---|---|",
+        "| digest GB/s wall | xxh3 GB/s wall |",
+        "|---|---|---|---|---|---|---|",
     ]
     for bl in dict.fromkeys(r["block_len"] for r in rows):
         for place in PLACES:
             d, x = by[(bl, place, "digest")], by[(bl, place, "xxh3")]
             lines.append(
                 f"| {_label(bl)} | {place} | {d['blocks']} | {cell(d, 'gbps_per_core')} "
-                f"| {cell(x, 'gbps_per_core')} | {cell(d, 'gbps_wall')} |"
+                f"| {cell(x, 'gbps_per_core')} | {cell(d, 'gbps_wall')} | {cell(x, 'gbps_wall')} |"
             )
     return "\n".join(lines)
 
