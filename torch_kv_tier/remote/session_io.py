@@ -16,12 +16,12 @@ host's ``EVENTS_PERIOD_S``), touches every ``TOUCH_PERIOD_S``, each key once (a 
 counts only when it is the least recently used of a whole pool). The first commit after a quiet
 period wakes the I/O thread; while commits flow it looks at them on its own by their deadline.
 
-Why so frugal: this thread shares the tier's GIL with the caller's thread, which holds it
-through each store's transfer and digests. Every wake-up's Python runs on that thread's time:
-measured here, a thread busy 25 % of the time in 1 ms wake-ups cut a private tier's store
-throughput to 0.70 of its own (a neighbour process as busy cut nothing), and a frame per store
-call had this thread busy 20 %. So a wake-up looks only at what the poller says is ready, and
-receives without ``recv`` raising ``zmq.Again``.
+Why so frugal: this thread shares the tier's GIL with the caller's thread, which needs it for
+each store's Python and digests (NIXL's ``transfer()`` releases it while it posts). Every
+wake-up's Python runs on that thread's time: measured here, a thread busy 25 % of the time in
+1 ms wake-ups cut a private tier's store throughput to 0.70 of its own (a neighbour process as
+busy cut nothing), and a frame per store call had this thread busy 20 %. So a wake-up looks
+only at what the poller says is ready, and receives without ``recv`` raising ``zmq.Again``.
 
 ``SessionIO`` is a part of ``RemoteSession`` (its base class): the state it uses is set by
 ``RemoteSession.__init__``, and its lock guards what other threads hand over.
