@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -350,3 +351,36 @@ def _exchange(address: str, frames: list[bytes], wait_s: float = 5.0) -> p.Serve
 def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return str(response.read().decode())
+
+
+def test_a_metrics_scrape_during_start_up_gets_the_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metrics port serves from the start; a scrape that comes while the pool is still being
+    made waits for it and answers the whole stats, not an error."""
+    from torch_kv_tier.remote.server import Server
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    port = free_port()
+    answers: list[str | BaseException] = []
+
+    def scrape() -> None:
+        try:
+            answers.append(_metrics(port))
+        except BaseException as exc:
+            answers.append(exc)
+
+    scraper = threading.Thread(target=scrape)
+    make_arena = Server._make_arena
+
+    def slow_arena(config: ServerConfig) -> Any:
+        scraper.start()  # the metrics server is up; the control plane is not built yet
+        time.sleep(0.3)
+        return make_arena(config)
+
+    monkeypatch.setattr(Server, "_make_arena", staticmethod(slow_arena))
+    server = Server(ServerConfig(num_blocks=8, block_len=BLOCK_LEN, metrics_port=port))
+    try:
+        scraper.join(timeout=10)
+        assert len(answers) == 1 and isinstance(answers[0], str), answers
+        assert "torch_kv_tier_server_sessions 0\n" in answers[0]
+    finally:
+        server.close()

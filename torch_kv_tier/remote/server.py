@@ -80,35 +80,36 @@ class Server:
         self._socket: zmq.Socket[bytes] | None = None
         self._disk: DiskTier | None = None
         try:  # the cheap steps that fail on a busy port first, then the pool
-            self._socket = self._bind(config.host, config.port)
-            endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.port = int(endpoint.rsplit(":", 1)[1])
-            self.address = format_address(config.host, self.port)
-            self.host_id = config.host_id or self.address
-            if config.metrics_port is not None:
-                self._metrics = MetricsServer(
-                    config.host, config.metrics_port, lambda: render_prometheus(self.stats())
+            with self._lock:  # a metrics scrape meanwhile waits for the stats to exist
+                self._socket = self._bind(config.host, config.port)
+                endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.port = int(endpoint.rsplit(":", 1)[1])
+                self.address = format_address(config.host, self.port)
+                self.host_id = config.host_id or self.address
+                if config.metrics_port is not None:
+                    self._metrics = MetricsServer(
+                        config.host, config.metrics_port, lambda: render_prometheus(self.stats())
+                    )
+                self.arena = self._make_arena(config)
+                self.transport = transport = NixlTransport(
+                    "tkvt-server", self.arena.tensor, config.config_fields
                 )
-            self.arena = self._make_arena(config)
-            self.transport = transport = NixlTransport(
-                "tkvt-server", self.arena.tensor, config.config_fields
-            )
-            self._control = ControlPlane(
-                config,
-                Gate(config.token, transport.block_len, transport.config_fingerprint),
-                self._stats_locked,
-                server_name=self.name,
-                agent_metadata=transport.get_agent_metadata(),
-                region=p.Region(
-                    transport.base_addr,
-                    transport.num_blocks,
-                    transport.block_len,
-                    transport.mem_type,
-                ),
-                host_id=self.host_id,
-            )
-            if config.disk_paths:
-                self._disk = self._open_disk(config)
+                self._control = ControlPlane(
+                    config,
+                    Gate(config.token, transport.block_len, transport.config_fingerprint),
+                    self._stats_locked,
+                    server_name=self.name,
+                    agent_metadata=transport.get_agent_metadata(),
+                    region=p.Region(
+                        transport.base_addr,
+                        transport.num_blocks,
+                        transport.block_len,
+                        transport.mem_type,
+                    ),
+                    host_id=self.host_id,
+                )
+                if config.disk_paths:
+                    self._disk = self._open_disk(config)
         except BaseException:
             self.close()
             raise
