@@ -23,7 +23,7 @@ a host-memory tier reading the same key.
 The GIL is kept while hashing. python-xxhash 4 releases it for every input over 64 KiB; a block
 hashed in one call would then hand the GIL away once per block, and beside any busy Python
 thread of the process each hand-back waits out the interpreter's switch interval (5 ms): a
-19 us digest of a 1 MiB block took 5.2 ms, and a store of 16 such blocks 80 ms. So a block over
+19 us digest of a 1 MiB block took 5.2 ms, and a store of 16 such blocks 91 ms. So a block over
 ``CHUNK`` bytes is fed to one xxh3 state in ``CHUNK``-byte pieces (the digest is the same as in
 one call, and the same for every xxhash version); the interpreter may still switch threads
 between blocks.

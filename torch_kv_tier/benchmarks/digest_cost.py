@@ -2,7 +2,7 @@
 
 Every store computes, and every load recomputes, one xxh3-64 digest per block
 (``torch_kv_tier.digest.BlockDigests``). This measures that digest on one thread, for each block
-size, with the blocks in two places:
+size, with the blocks in three places:
 
 - ``cache``: the same few blocks hashed again and again (``max(1, 1 MiB / block)`` blocks): the
   cost when the transfer has just brought the bytes into the CPU caches;
