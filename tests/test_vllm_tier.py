@@ -753,10 +753,12 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
     admission.end_step(scheduled=(), preempted=())
     assert admission.admit("a", b"k0") is Verdict.HIT
     admission.on_submitted("a", [b"k0"])
-    admission.on_read("a", [b"k0"])
-    assert admission.held == 0
+    assert admission.held == 1  # read, landed or not: in the budget until a is scheduled
     assert admission.admit("a", b"k0") is Verdict.MISS  # lost before use: not read again
     admission.end_step(scheduled=("a",), preempted=())
+    assert admission.held == 1  # vLLM loads it into its KV cache in this step
+    admission.end_step(scheduled=(), preempted=())
+    assert admission.held == 0
     assert admission.stats.refused_busy == 1 and admission.stats.refused_repeat == 1
 
 
@@ -808,7 +810,6 @@ def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> 
     assert admission.recompute("burst1") is Verdict.RETRY  # a key the tier does not hold
     admission.end_step(scheduled=(), preempted=())
     now[0] += 0.01
-    admission.on_read("first", [b"k0"])
     assert admission.recompute("burst1") is Verdict.RETRY  # next step: still waiting
     admission.end_step(scheduled=("first",), preempted=())  # the promoted request runs
     assert admission.admit("burst0", b"k1") is Verdict.MISS  # nothing under way: recompute
@@ -896,6 +897,45 @@ def test_admission_promotes_a_request_that_would_recompute_behind_two_prefills()
     assert admission.admit("b", b"b1") is Verdict.HIT
     assert admission.admit("c", b"c0") is Verdict.HIT
     assert admission.stats.refused_busy == 2 and admission.stats.admitted == 3
+
+
+def test_admission_pipelines_a_burst_larger_than_the_budget_from_its_third_step() -> None:
+    """A burst whose prefixes do not all fit the CPU tier (issue 19's 8 MiB tier at
+    concurrency 16: two prefixes' budget, sixteen requests): vLLM asks only about the head of
+    the queue, one recompute a step. The first two heads recompute (promoting them would cost
+    them three steps against one or two); from the third step on, a head has waited behind two
+    recomputes and is promoted whole, with the next one while the budget holds whole prefixes,
+    and the one after recomputes in the same step. A promise stays in the budget until vLLM
+    has loaded it (the step after its request is scheduled), and is never made in part."""
+    admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
+    burst = [f"r{n}" for n in range(8)]  # budget: two prefixes of 4 chunks
+    for req_id in burst:
+        admission.on_new_request(req_id)
+    assert admission.admit("r0", b"r0-0") is Verdict.MISS  # the queue does not fit: pressure
+    admission.end_step(scheduled=("r0",), preempted=())
+    assert admission.admit("r1", b"r1-0") is Verdict.MISS  # behind one prefill: busy
+    admission.end_step(scheduled=("r1",), preempted=())
+    for req_id in ("r2", "r3"):  # behind two recomputes: promoted, each its whole prefix
+        assert [admission.admit(req_id, f"{req_id}-{c}".encode()) for c in range(4)] == [
+            Verdict.HIT
+        ] * 4
+        admission.on_submitted(req_id, [f"{req_id}-{c}".encode() for c in range(4)])
+    assert admission.held == 8
+    assert admission.admit("r4", b"r4-0") is Verdict.MISS  # no whole prefix left: recompute
+    admission.end_step(scheduled=("r4",), preempted=())
+    # r2's and r3's reads landed: their chunks stay in the budget (vLLM's stores would evict
+    # them first) until vLLM has loaded them, the step after their request is scheduled
+    assert admission.admit("r5", b"r5-0") is Verdict.MISS
+    admission.end_step(scheduled=("r5",), preempted=())
+    admission.on_read_failed("r3", [b"r3-3"])  # a failed read leaves the budget at once
+    assert admission.held == 7
+    admission.end_step(scheduled=("r2",), preempted=())
+    assert admission.admit("r6", b"r6-0") is Verdict.MISS  # vLLM loads r2's chunks now
+    admission.end_step(scheduled=("r6",), preempted=())
+    assert admission.admit("r7", b"r7-0") is Verdict.HIT  # r2's budget: the next head's
+    stats = admission.stats
+    assert (stats.refused_pressure, stats.refused_busy, stats.refused_budget) == (1, 1, 3)
+    assert stats.admitted == 9
 
 
 def test_a_chunk_on_the_hosts_disk_is_retried_while_promoted_then_a_hit(tmp_path: Any) -> None:

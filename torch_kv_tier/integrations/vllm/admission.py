@@ -30,13 +30,7 @@ the requests behind it no faster). So a request's first promotion is admitted on
   of them ("cannot store chunks"), so under the very pressure where promotions lose, the
   stores alone would say that nothing prefills. They count steps, and an idle engine runs no
   step: the last two may be long past, their requests finished (a request served right after
-  a one-token recompute), hence the first condition. Unless its own recompute would wait: a
-  request behind two or more prefills (recomputes scheduled in the last step, or waiting
-  ahead of it) is promoted all the same, since its recompute would end after three prefills,
-  no sooner than its promotion's three steps. Without that exception, one recompute at the
-  start of a burst refused the request beside it, which recomputed in turn and refused the
-  next: the whole burst recomputed, each request queued behind the others (serve-bench at
-  concurrency 16: no chunk promoted, TTFT p50 1060 ms against 902 ms without the tier);
+  a one-token recompute), hence the first condition;
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
   the longest prompt among the last requests served) for every request waiting to be
@@ -46,14 +40,38 @@ the requests behind it no faster). So a request's first promotion is admitted on
   there, for one step, which on an engine where nothing prefills is a short one), so a burst
   whose requests reach the engine together is seen whole.
 
+Unless its own recompute would wait: a request whose recompute ends behind two or more
+prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
+of the last step, plus those waiting that arrived before it), is promoted whatever the others
+do, as long as its whole prefix fits the budget left: its recompute would end after three
+prefills, no sooner than its promotion's three steps. vLLM asks this tier about a waiting
+request only when its scheduler reaches it with token budget left, one long prompt a step, so
+in a burst it is only ever asked about the head of the queue: the head of a burst's third step
+has waited behind two recomputes. Its promotion defers it (vLLM then asks about the next
+request in the same step), so each step of a burst larger than the CPU tier recomputes one
+request and starts promoting as many as the budget holds whole prefixes of; each request
+behind them waits one step less. Without the exception, one recompute at the start of a burst
+refused the request beside it, which recomputed in turn and refused the next: the whole burst
+recomputed, each request queued behind the others (serve-bench at concurrency 16: no chunk
+promoted, TTFT p50 1060 ms against 902 ms without the tier, and with an 8 MiB CPU tier, where
+the whole queue never fits, the tier recomputed every burst). A request whose prefix does not
+fit the budget left recomputes at once (part of a prefix would cost it both the promotion's
+steps and a recompute).
+
 Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
 promoted:
 
 - **within a budget** of CPU-tier chunks
-  (:func:`~torch_kv_tier.integrations.vllm.tier_sizing.promotion_budget`) for reads not yet
-  landed: vLLM holds those chunks as writes in flight, which nothing can evict or reuse. A
-  landed read frees its budget at once; a promise whose allocation failed (vLLM never
-  submitted it) is released at the end of the step.
+  (:func:`~torch_kv_tier.integrations.vllm.tier_sizing.promotion_budget`) for the chunks
+  promised to requests not yet scheduled or scheduled in the last step: vLLM holds them as
+  writes in flight while they are read, then as the source of its load into the KV cache
+  during the step their request is scheduled in; in between they are idle chunks that its
+  stores evict first (their recency is that of their allocation, and vLLM reports a read that
+  landed at its next poll, right before the step's stores). A promise leaves the budget one
+  step after its request is scheduled, when the request is preempted or finished, or when its
+  read failed; a promise whose allocation failed (vLLM never submitted it) is released at the
+  end of the step. (Released when their reads landed, a burst's promotions ran ahead of its
+  loads: with an 8 MiB tier at concurrency 16, 1.17 chunks read per chunk used.)
 - **once per attempt**: a chunk already promised to the same request since it was last
   scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (allocation
   failed, evicted before use, promotion failed), and reading it again would be wasted.
@@ -116,7 +134,7 @@ class AdmissionStats:
     guarded: int = 0  # RETRY: it would recompute while another request's promotion is under way
     refused_busy: int = 0  # MISS: other requests are prefilling
     refused_pressure: int = 0  # MISS: the waiting queue's prefixes do not fit the CPU tier
-    refused_budget: int = 0  # MISS: the budget for reads in flight was full
+    refused_budget: int = 0  # MISS: no room for the (whole) prefix in the budget
     refused_repeat: int = 0  # MISS: promised before in this attempt, and lost by vLLM
     unallocated: int = 0  # promises vLLM could not allocate (never submitted)
 
@@ -138,6 +156,7 @@ class _Arrival(NamedTuple):
 
     step: int
     at_s: float  # on the admission's clock
+    recomputed: int  # recomputes scheduled before it arrived (``_recomputed``)
 
 
 class Verdict(enum.Enum):
@@ -152,8 +171,8 @@ class PromotionAdmission:
     """Admission of promotions into vLLM's CPU tier; see the module docstring.
 
     Args:
-        budget_chunks: CPU-tier chunks that reads not yet landed may occupy at once (>= 0; 0
-            admits nothing).
+        budget_chunks: CPU-tier chunks that promises not yet loaded by vLLM may occupy at once
+            (>= 0; 0 admits nothing).
         tokens_per_chunk: tokens one chunk holds (>= 1).
         prefix_tokens: the prefix one waiting request is expected to promote; ``None``: the
             longest prompt among the last requests served (see :meth:`observe`).
@@ -191,6 +210,8 @@ class PromotionAdmission:
         self._step = 0
         self._stored = [0, 0]  # chunks vLLM stored in this step, in the previous one
         self._recomputes = [0, 0]  # recomputes scheduled in the last step, in the one before
+        self._recomputed = 0  # recomputes scheduled since the tier started
+        self._loading = 0  # of ``_held``: promised to requests scheduled in the last step
         self._missed: set[str] = set()  # requests not yet scheduled this tier answered MISS
 
     @property
@@ -207,12 +228,12 @@ class PromotionAdmission:
 
     @property
     def held(self) -> int:
-        """Chunks promised whose reads have not landed."""
+        """Chunks in the budget: promised, and not yet loaded by vLLM (module docstring)."""
         return self._held
 
     def on_new_request(self, req_id: str) -> None:
         """``req_id`` arrived and waits to be scheduled."""
-        self._waiting[req_id] = _Arrival(self._step, self._clock())
+        self._waiting[req_id] = self._arrival()
 
     def on_stored(self, chunks: int) -> None:
         """vLLM stored ``chunks`` newly computed chunks (the cascade of a store job)."""
@@ -246,9 +267,18 @@ class PromotionAdmission:
     def _first_promotion(self, req_id: str) -> Verdict | None:
         """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
         first: a request that will recompute anyway is not held back a step."""
+        if self._prefills_ahead(req_id) >= _PREFILLS_AHEAD_TO_PROMOTE:
+            # Its recompute would end after three prefills, no sooner than its promotion's
+            # three steps: promoted if its whole prefix fits the budget left (part of one
+            # would cost it both the promotion's steps and a recompute), else it recomputes
+            # now. The queue behind it need not fit: it recomputes meanwhile, one step sooner.
+            if self._held + self.prefix_chunks > self.budget:
+                self.stats.refused_budget += 1
+                return Verdict.MISS
+            return None
         others = len(self._running) + len(self._waiting) - (req_id in self._waiting)
         busy = sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2)
-        if others and busy and self._prefills_ahead(req_id) < _PREFILLS_AHEAD_TO_PROMOTE:
+        if others and busy:
             guard = self._guard(req_id)
             if guard is None:
                 self.stats.refused_busy += 1
@@ -265,17 +295,25 @@ class PromotionAdmission:
         return None
 
     def _prefills_ahead(self, req_id: str) -> int:
-        """The prefills ``req_id`` would wait behind if it recomputed: the recomputes scheduled
-        in the last step (prefilling now) and those waiting that arrived before it."""
+        """The prefills ``req_id``'s recompute would end behind, counted from its arrival: the
+        recomputes scheduled since it arrived (at least those of the last step, prefilling
+        now) and those waiting that arrived before it. A request at the head of a burst's
+        queue has waited behind every recompute scheduled before it: vLLM asks this tier about
+        a waiting request only when its scheduler reaches it with token budget left, one long
+        prompt a step, so the head is all it is ever asked about."""
         arrival = self._waiting.get(req_id)
         queued = sum(
             1
             for other in self._missed
             if other != req_id
             and (at := self._waiting.get(other)) is not None
-            and (arrival is None or at <= arrival)
+            and (arrival is None or (at.step, at.at_s) <= (arrival.step, arrival.at_s))
         )
-        return self._recomputes[0] + queued
+        since = 0 if arrival is None else self._recomputed - arrival.recomputed
+        return max(since, self._recomputes[0]) + queued
+
+    def _arrival(self) -> _Arrival:
+        return _Arrival(self._step, self._clock(), self._recomputed)
 
     def recompute(self, req_id: str) -> Verdict:
         """What a lookup of a key the tier does not hold answers for ``req_id``: MISS (it
@@ -309,9 +347,9 @@ class PromotionAdmission:
         if attempt is not None:
             attempt.unsubmitted.difference_update(keys)
 
-    def on_read(self, req_id: str, keys: Iterable[Hashable]) -> None:
-        """The promotion of ``keys`` for ``req_id`` finished (landed or failed): they leave
-        the budget."""
+    def on_read_failed(self, req_id: str, keys: Iterable[Hashable]) -> None:
+        """The promotion of ``keys`` for ``req_id`` failed (the request recomputes them): they
+        leave the budget. Chunks that landed stay in it until vLLM has loaded them."""
         attempt = self._attempts.get(req_id)
         if attempt is None:
             return
@@ -322,20 +360,25 @@ class PromotionAdmission:
 
     def end_step(self, scheduled: Collection[str], preempted: Collection[str]) -> None:
         """The scheduler step ended (after vLLM submitted its promotions): forget the
-        requests it ``scheduled`` (``preempted`` ones wait again, with a fresh attempt), and
-        release the promises vLLM could not allocate."""
+        requests it ``scheduled`` (their promises stay in the budget one step more, while vLLM
+        loads them; ``preempted`` ones wait again, with a fresh attempt), and release the
+        promises vLLM could not allocate."""
         recomputes = 0
+        self._held -= self._loading
+        self._loading = 0
         for req_id in scheduled:
             recomputes += req_id in self._missed and req_id not in self._attempts
             self._missed.discard(req_id)
-            self._forget_attempt(req_id)
+            attempt = self._attempts.pop(req_id, None)
+            if attempt is not None:  # vLLM loads its chunks into the KV cache in this step
+                self._loading += len(attempt.held)
             self._waiting.pop(req_id, None)
             self._running.add(req_id)
         for req_id in preempted:
             self._forget_attempt(req_id)
             self._missed.discard(req_id)
             self._running.discard(req_id)
-            self._waiting[req_id] = _Arrival(self._step, self._clock())
+            self._waiting[req_id] = self._arrival()
         for attempt in self._attempts.values():
             if attempt.unsubmitted:
                 self.stats.unallocated += len(attempt.unsubmitted)
@@ -346,6 +389,7 @@ class PromotionAdmission:
         self._guarded.clear()
         self._stored = [0, self._stored[0]]
         self._recomputes = [recomputes, self._recomputes[0]]
+        self._recomputed += recomputes
 
     def finish(self, req_id: str) -> None:
         """``req_id`` finished (or was aborted): remember its length, forget the rest."""

@@ -355,8 +355,8 @@ class RemoteHostTier(SecondaryTierManager):
             RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
                 documentation="Remote hits answered MISS (recompute), by reason: other "
                 "requests were prefilling (busy), the CPU tier could not take every waiting "
-                "request's prefix (pressure), or its budget for reads in flight was full "
-                "(budget).",
+                "request's prefix (pressure), or its budget for promoted chunks not yet loaded "
+                "was full (budget).",
                 labelnames=(*labels, RemoteHostMetrics.REASON),
             ),
             RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
@@ -493,8 +493,6 @@ class RemoteHostTier(SecondaryTierManager):
             )
             self._ready.append(JobResult(job.job_id, False))
             self._record_failed_promotion(job.req_context, keys, job.is_promotion)
-            if job.is_promotion:
-                self._admission.on_read(job.req_context.req_id, keys)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
         if not job.is_promotion:
@@ -507,9 +505,7 @@ class RemoteHostTier(SecondaryTierManager):
         job = self._jobs.pop(job_id, None)
         if job is None:
             return
-        if job.is_promotion:
-            self._admission.on_read(job.req_context.req_id, job.keys)
-        else:
+        if not job.is_promotion:
             self._storing.subtract(job.keys)
             for key in job.keys:
                 if self._storing[key] <= 0:
@@ -550,8 +546,10 @@ class RemoteHostTier(SecondaryTierManager):
     def _record_failed_promotion(
         self, req_context: ReqContext, keys: Collection[OffloadKey], is_promotion: bool
     ) -> None:
+        """Failed promotions: a MISS for the rest of the request, and out of the budget."""
         if is_promotion and keys:
             self._failed_keys.setdefault(req_context.req_id, set()).update(keys)
+            self._admission.on_read_failed(req_context.req_id, keys)
 
     def _take_tier_events(self) -> None:
         """Drain the tier manager's events (always, so they cannot pile up); keep them for
