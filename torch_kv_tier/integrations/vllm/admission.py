@@ -43,20 +43,21 @@ the requests behind it no faster). So a request's first promotion is admitted on
 Unless its own recompute would wait: a request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
 of the last step, plus those waiting that arrived before it), is promoted whatever the others
-do, as long as its whole prefix fits the budget left: its recompute would end after three
-prefills, no sooner than its promotion's three steps. vLLM asks this tier about a waiting
-request only when its scheduler reaches it with token budget left, one long prompt a step, so
-in a burst it is only ever asked about the head of the queue: the head of a burst's third step
-has waited behind two recomputes. Its promotion defers it (vLLM then asks about the next
-request in the same step), so each step of a burst larger than the CPU tier recomputes one
-request and starts promoting as many as the budget holds whole prefixes of; each request
-behind them waits one step less. Without the exception, one recompute at the start of a burst
-refused the request beside it, which recomputed in turn and refused the next: the whole burst
-recomputed, each request queued behind the others (serve-bench at concurrency 16: no chunk
-promoted, TTFT p50 1060 ms against 902 ms without the tier, and with an 8 MiB CPU tier, where
-the whole queue never fits, the tier recomputed every burst). A request whose prefix does not
-fit the budget left recomputes at once (part of a prefix would cost it both the promotion's
-steps and a recompute).
+do, as long as its whole prefix fits the budget left: counted from its arrival, its recompute
+would take three prefills or more, its promotion at most the two more steps of its own (w + 3
+against w + 1 steps for w >= 2 waited, within 5/3: every request stays within the CI burst
+test's 2x of its recompute). vLLM asks this tier about a waiting request only when its
+scheduler reaches it with token budget left, one long prompt a step, so in a burst it is only
+ever asked about the head of the queue: the head of a burst's third step has waited behind two
+recomputes. Its promotion defers it (vLLM then asks about the next request in the same step),
+so each step of a burst larger than the CPU tier recomputes one request and starts promoting as
+many as the budget holds whole prefixes of; each request behind them waits one step less.
+Without the exception, one recompute at the start of a burst refused the request beside it,
+which recomputed in turn and refused the next: the whole burst recomputed, each request queued
+behind the others (serve-bench at concurrency 16: no chunk promoted, TTFT p50 1060 ms against
+902 ms without the tier, and with an 8 MiB CPU tier, where the whole queue never fits, the tier
+recomputed every burst). A request whose prefix does not fit the budget left recomputes at once
+(part of a prefix would cost it both the promotion's steps and a recompute).
 
 Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
 promoted:
@@ -111,8 +112,8 @@ logger = logging.getLogger(__name__)
 
 # Finished requests whose prompt lengths the prefix estimate remembers.
 _RECENT_REQUESTS = 64
-# A request that would wait behind this many prefills is promoted even while others prefill:
-# its recompute would end after three prefills, no sooner than its promotion's three steps.
+# A request whose recompute ends behind this many prefills (counted from its arrival) is
+# promoted even while others prefill: w + 3 steps against w + 1, at most 5/3 of its recompute.
 _PREFILLS_AHEAD_TO_PROMOTE = 2
 
 
@@ -268,8 +269,8 @@ class PromotionAdmission:
         """Why ``req_id`` may not start promoting now (``None``: it may). The refusals come
         first: a request that will recompute anyway is not held back a step."""
         if self._prefills_ahead(req_id) >= _PREFILLS_AHEAD_TO_PROMOTE:
-            # Its recompute would end after three prefills, no sooner than its promotion's
-            # three steps: promoted if its whole prefix fits the budget left (part of one
+            # Its promotion takes at most 5/3 of its recompute, counted from its arrival:
+            # promoted if its whole prefix fits the budget left (part of one
             # would cost it both the promotion's steps and a recompute), else it recomputes
             # now. The queue behind it need not fit: it recomputes meanwhile, one step sooner.
             if self._held + self.prefix_chunks > self.budget:
