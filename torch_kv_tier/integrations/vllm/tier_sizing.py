@@ -48,7 +48,7 @@ def recommended_cpu_bytes(
 
 def concurrent_prefixes(primary_chunks: int, prefix_tokens: int, tokens_per_chunk: int) -> int:
     """How many whole ``prefix_tokens``-token prefixes a tier of ``primary_chunks`` promotes
-    at once (0: not even one; such a prefix is then only ever partly served)."""
+    at once (0: not even one; such a prefix is then always recomputed)."""
     return promotion_budget(primary_chunks) // chunks_per_prefix(prefix_tokens, tokens_per_chunk)
 
 
@@ -95,8 +95,9 @@ def log_startup_sizing(
         one = recommended_cpu_bytes(1, prefix_tokens, tokens_per_chunk, chunk_bytes)
         logger.warning(
             "RemoteHostTier: the CPU primary tier (cpu_bytes_to_use=%d) can never promote a "
-            "whole %d-token prefix, so such requests are only partly served from the remote "
-            "host; use cpu_bytes_to_use >= %d for one at a time, >= %d for %d concurrent",
+            "whole %d-token prefix, so such requests are always recomputed (admission "
+            "promotes whole prefixes only); use cpu_bytes_to_use >= %d for one at a time, "
+            ">= %d for %d concurrent",
             have,
             prefix_tokens,
             one,
