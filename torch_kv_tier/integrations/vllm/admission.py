@@ -270,9 +270,9 @@ class PromotionAdmission:
         first: a request that will recompute anyway is not held back a step."""
         if self._prefills_ahead(req_id) >= _PREFILLS_AHEAD_TO_PROMOTE:
             # Its promotion takes at most 5/3 of its recompute, counted from its arrival:
-            # promoted if its whole prefix fits the budget left (part of one
-            # would cost it both the promotion's steps and a recompute), else it recomputes
-            # now. The queue behind it need not fit: it recomputes meanwhile, one step sooner.
+            # promoted if its whole prefix fits the budget left (part of one would cost it
+            # both the promotion's steps and a recompute), else it recomputes now. The queue
+            # behind it need not fit: it recomputes meanwhile, one step sooner.
             if self._held + self.prefix_chunks > self.budget:
                 self.stats.refused_budget += 1
                 return Verdict.MISS
