@@ -72,7 +72,7 @@ promoted:
   step after its request is scheduled, when the request is preempted or finished, or when its
   read failed; a promise whose allocation failed (vLLM never submitted it) is released at the
   end of the step. (Released when their reads landed, a burst's promotions ran ahead of its
-  loads: with an 8 MiB tier at concurrency 16, 1.17 chunks read per chunk used.)
+  loads: with an 8 MiB tier at concurrency 16, 1.33 chunks read per chunk used; 1.05 held.)
 - **once per attempt**: a chunk already promised to the same request since it was last
   scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (allocation
   failed, evicted before use, promotion failed), and reading it again would be wasted.
