@@ -308,7 +308,7 @@ class PromotionAdmission:
             for other in self._missed
             if other != req_id
             and (at := self._waiting.get(other)) is not None
-            and (arrival is None or (at.step, at.at_s) <= (arrival.step, arrival.at_s))
+            and (arrival is None or at <= arrival)
         )
         since = 0 if arrival is None else self._recomputed - arrival.recomputed
         return max(since, self._recomputes[0]) + queued
