@@ -765,8 +765,8 @@ def test_admission_holds_a_new_request_one_step_and_refuses_while_others_prefill
 def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle_engine() -> None:
     """Steps are no clock: an idle engine runs none, so "the last two steps" may be those of a
     request that finished long ago. A one-token request recomputed (and stored its chunks)
-    then finished; the next request, alone on the engine, is held its arrival step and
-    promoted, not refused for a prefill that is over."""
+    then finished; the next request, alone on the engine, is promoted in its arrival step (no
+    other request to wait for), not refused for a prefill that is over."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
     admission.on_new_request("r")
     assert admission.recompute("r") is Verdict.MISS  # a key the tier does not hold
@@ -774,10 +774,8 @@ def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle
     admission.on_stored(4)  # and stores its prefix
     admission.finish("r")  # one token: done; the engine goes idle (no step)
     admission.on_new_request("a")
-    assert admission.admit("a", b"k0") is Verdict.RETRY  # its arrival step, then:
-    admission.end_step(scheduled=(), preempted=())
-    assert admission.admit("a", b"k0") is Verdict.HIT
-    assert admission.stats.refused_busy == 0
+    assert admission.admit("a", b"k0") is Verdict.HIT  # its arrival step: alone, promoted
+    assert admission.stats.refused_busy == 0 and admission.stats.held == 0
     admission.on_new_request("b")  # b arrives while a waits: a counts as another request
     admission.on_new_request("c")
     assert admission.recompute("b") is Verdict.MISS
@@ -787,7 +785,7 @@ def test_admission_does_not_count_the_steps_of_requests_that_finished_on_an_idle
 
 
 def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> None:
-    """A request that reached an idle engine a step ahead of a burst is promoted (it was seen
+    """A request that reached an idle engine just ahead of a burst is promoted (it was seen
     alone). The burst's requests, which would recompute (their prefixes do not fit) and fill
     its steps with their prefill, wait instead (RETRY, once per step: the next lookup in the
     step ends vLLM's scan) until it is scheduled, and at most ``guard_s`` after they arrived.
@@ -799,9 +797,7 @@ def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> 
     )  # fmt: skip
     assert admission.recompute("nobody") is Verdict.MISS
     admission.on_new_request("first")
-    assert admission.admit("first", b"k0") is Verdict.RETRY  # its arrival step
-    admission.end_step(scheduled=(), preempted=())
-    assert admission.admit("first", b"k0") is Verdict.HIT  # alone: promoted
+    assert admission.admit("first", b"k0") is Verdict.HIT  # alone: promoted in its arrival step
     admission.on_submitted("first", [b"k0"])
     for n in range(3):  # the burst: four prefixes of 4 chunks do not fit a budget of 8
         admission.on_new_request(f"burst{n}")
