@@ -1,0 +1,197 @@
+"""What a ``RemoteHostTier`` owns: its view of vLLM's primary region, the ``TierManager`` (and
+with it the NIXL registration) over that region, the remote hosts it joined at startup and the
+membership thread that dials the rest; built together, released in order.
+
+Threading: built and closed on the thread that builds or shuts down the tier (vLLM's); the
+membership thread is its own (``membership``).
+
+Failure model: a host that does not answer at startup is left to the membership thread when
+reconnecting is on; any other startup failure raises ``RuntimeError`` with what to check, after
+everything built so far is released. Closing never leaves NIXL able to write into memory vLLM
+unmapped: when the manager fails to close, the primary region stays mapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.vllm.tier_config import (
+    RemoteHostTierConfig,
+    default_config_fields,
+)
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.membership import Membership, first_hosts
+from torch_kv_tier.transport import NixlTransport
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+_MIN_CLOSE_S = 0.5  # what closing the manager gets when the membership used up the budget
+
+
+class TierResources:
+    """The primary region's view, the ``TierManager`` over it, and the hosts it follows.
+
+    Raises ``ValueError`` for a bad ``primary_kv_view`` (nothing is built then), and
+    ``RuntimeError`` when a remote host refused or could not be reached at startup (everything
+    built is released first).
+    """
+
+    def __init__(
+        self,
+        primary_kv_view: memoryview,
+        spec: OffloadingSpec,
+        config: RemoteHostTierConfig,
+        agent_name: str,
+        *,
+        block_bytes: int,
+        events: bool,
+    ) -> None:
+        self._config = config
+        self._block_bytes = block_bytes
+        self._flat_view: memoryview | None
+        self._flat_view, region = adopt_primary_view(primary_kv_view)
+        self.manager: TierManager | None = None
+        self._membership: Membership | None = None
+        try:
+            self.manager = _build_manager(region, spec, config, agent_name, events)
+            peers = {address: self._connect(address) for address in first_hosts(config.source)}
+            if config.reconnect_interval_s > 0:
+                self._membership = Membership(
+                    self.manager,
+                    config.source,
+                    interval_s=config.reconnect_interval_s,
+                    connect_kwargs=config.connect_kwargs(),
+                    known=peers,
+                )
+                self._membership.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _connect(self, address: str) -> str | None:
+        """Join ``address`` at startup; its peer id.
+
+        A host that does not answer (down, or not started yet) is left to the membership thread
+        when there is one: vLLM starts without it and gains it when it comes up (``None``).
+        Any other failure, and a silent host when reconnecting is off, raises with what the
+        user should check (a host that answers but refuses is misconfigured, not down).
+        """
+        assert self.manager is not None
+        try:
+            return self.manager.connect(address, **self._config.connect_kwargs())
+        except TimeoutError as exc:
+            if self._config.reconnect_interval_s <= 0:
+                raise self._startup_error(address, exc) from exc
+            logger.warning(
+                "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
+                "without it and dialling it every %.1fs",
+                address,
+                exc,
+                self._config.reconnect_interval_s,
+            )
+            return None
+        except Exception as exc:
+            raise self._startup_error(address, exc) from exc
+
+    def _startup_error(self, address: str, exc: Exception) -> RuntimeError:
+        """What a user must check when ``address`` cannot be used at startup."""
+        n = self._block_bytes
+        return RuntimeError(
+            f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
+            f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
+            f"size here is {n} bytes), be reachable from this host, and agree with this "
+            "tier's token_file and config_fields."
+        )
+
+    def close(self) -> None:
+        """Stop the membership thread, close the tier manager (and with it the NIXL
+        registration), then release the view of the primary region so vLLM can unmap it;
+        within ``close_timeout_s``. Idempotent.
+
+        The view is what keeps vLLM's shared memory mapped (the tensor over it does not pin
+        it), so it is released only once nothing can transfer into that memory any more: if
+        closing fails, the region stays mapped rather than let the NIC write into freed memory.
+        """
+        deadline = time.monotonic() + self._config.close_timeout_s
+        membership, self._membership = self._membership, None
+        if membership is not None:
+            # At most half the budget: a handshake with a host that does not answer lasts up to
+            # connect_timeout_s (10 s), past vLLM's 5 s grace, which then kills the engine
+            # before its worker removes the shared region. Once the manager is closed, such a
+            # handshake fails cleanly ("TierManager is closed"; the transport refuses a late
+            # registration) and ends its session; the thread is a daemon.
+            membership.stop(timeout=self._config.close_timeout_s / 2)
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            try:
+                manager.close(timeout=max(deadline - time.monotonic(), _MIN_CLOSE_S))
+            except Exception:
+                logger.exception(
+                    "RemoteHostTier: closing the tier manager failed; keeping vLLM's primary "
+                    "region mapped since NIXL may still have it registered"
+                )
+                return
+        flat, self._flat_view = self._flat_view, None
+        if flat is not None:
+            flat.release()
+
+
+def _build_manager(
+    region: torch.Tensor,
+    spec: OffloadingSpec,
+    config: RemoteHostTierConfig,
+    agent_name: str,
+    events: bool,
+) -> TierManager:
+    """Register vLLM's primary region with NIXL (no copy) and wrap it in a TierManager."""
+    fields = config.config_fields
+    transport = NixlTransport(
+        agent_name,
+        region,
+        default_config_fields(spec, region.shape[1]) if fields is None else fields,
+        backends=list(config.backends) if config.backends else None,
+        num_threads=config.num_threads,
+        passive_progress=False,  # an initiator only: the tier's poller progresses it
+    )
+    try:
+        return TierManager(
+            BlockArena.wrap(region),
+            transport,
+            max_inflight=config.max_inflight,
+            events=events,
+        )
+    except BaseException:
+        transport.close()
+        raise
+
+
+def adopt_primary_view(view: memoryview) -> tuple[memoryview, torch.Tensor]:
+    """A flat byte view of vLLM's primary region and a ``uint8 [rows, row_bytes]`` tensor over
+    it, sharing its memory (no copy).
+
+    The view keeps vLLM's mapping alive; the tensor does not (``torch.frombuffer`` holds no
+    buffer export), so release the view only after the tensor's last user is gone.
+    """
+    if view.ndim != 2 or not view.shape or not view.strides:
+        raise ValueError(f"primary_kv_view must be 2-D (num_chunks x chunk_bytes), got {view!r}")
+    if view.itemsize != 1 or not view.c_contiguous or view.readonly:
+        raise ValueError(
+            "primary_kv_view must be a writable, C-contiguous byte region "
+            f"(format {view.format!r}, c_contiguous={view.c_contiguous}, "
+            f"readonly={view.readonly})"
+        )
+    rows, row_bytes = view.shape
+    flat = view.cast("B")
+    tensor = torch.frombuffer(flat, dtype=torch.uint8).view(rows, row_bytes)
+    return flat, tensor
+
+
+__all__ = ["TierResources", "adopt_primary_view"]
