@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import threading
 import time
 
 import msgspec
@@ -141,6 +142,24 @@ def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None
                 RemoteSession.open(address, **args)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="HOST:PORT"):
             RemoteSession.open("localhost", agent_metadata=b"m", region=region)
+
+
+def test_a_handshake_with_a_silent_host_gives_up_when_cancelled() -> None:
+    """A tier that closes sets ``cancel``: the handshake waiting for an answer ends within
+    ``CANCEL_POLL_S`` or so, not at its ``timeout_s``."""
+    with socket.socket() as silent:  # accepts TCP connections (the kernel does), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        cancel = threading.Event()
+        threading.Timer(0.3, cancel.set).start()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match="cancelled: the tier is closing"):
+            RemoteSession.open(
+                address, agent_metadata=b"m", region=p.Region(4096, 8, 64), timeout_s=10.0,
+                cancel=cancel,
+            )  # fmt: skip
+        assert 0.3 <= time.monotonic() - t0 < 1.5
 
 
 def test_parse_address() -> None:

@@ -434,13 +434,15 @@ def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
         driver.shutdown(spec)
 
 
-def test_shutdown_during_a_handshake_with_a_silent_host_stays_within_close_timeout(
+def test_shutdown_during_a_handshake_with_a_silent_host_does_not_wait_for_it(
     server: ServerProcess, tmp_path: Any
 ) -> None:
     """Regression (CI, the engine e2e after its host was killed): vLLM killed the engine 5 s
     after SIGTERM, before its worker removed the shared region, because shutdown waited for
     the membership thread's handshake with a host that does not answer (up to
-    ``connect_timeout_s`` + 1 s). Now shutdown takes at most ``close_timeout_s``."""
+    ``connect_timeout_s`` + 1 s; then up to half of ``close_timeout_s``, which with the
+    worker's own exit still overran vLLM's grace). Closing the manager now ends the handshake
+    at once."""
     silent = socket.socket()  # accepts TCP connections (the kernel does) and never answers
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
@@ -455,7 +457,7 @@ def test_shutdown_during_a_handshake_with_a_silent_host_stays_within_close_timeo
         staged.write_text(f"{server.address}\n127.0.0.1:{silent.getsockname()[1]}\n")
         os.replace(staged, hosts)
         time.sleep(1.0)  # the membership thread is now dialling the silent host (10 s)
-        driver.shutdown(spec, timeout=2.5)  # close_timeout_s, and the region released
+        driver.shutdown(spec, timeout=0.8)  # was close_timeout_s / 2 = 1 s and more
     finally:
         driver.shutdown(spec)
         silent.close()

@@ -59,6 +59,7 @@ class ConnectedHosts:
     _removed: dict[str, Dial]
     _ended: EndedSessions
     _redialer: Redialer
+    _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
 
     if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
 
@@ -185,6 +186,7 @@ class ConnectedHosts:
                 heartbeat_timeout_s=dial.heartbeat_timeout_s,
                 private=private,
                 release=release,
+                cancel=self._closing,
             )
         except BaseException:
             with self._lock:  # the host may not have heard them: tell it next time

@@ -137,6 +137,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
+        self._closing = threading.Event()
         self._counters = Counters(_LATENCY_WINDOW)
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._poller_idle = False
@@ -344,8 +345,9 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
         (their keys fail with "closed"), then end the sessions and close the transport; a load
-        cancelled here resolves only after that, when nothing can land in its blocks any more.
-        Idempotent."""
+        cancelled here resolves only after that, when nothing can land in its blocks any more;
+        a handshake in progress on another thread gives up at once. Idempotent."""
+        self._closing.set()
         with self._lock:
             if self._closed:
                 return

@@ -152,12 +152,14 @@ class RemoteSession(SessionIO):
         client_name: str | None = None,
         private: bool = False,
         release: list[str] | None = None,
+        cancel: threading.Event | None = None,
     ) -> RemoteSession:
         """Handshake with the server at ``address`` (``HOST:PORT``): a shared session, or with
         ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the
         server grants one client) that no other client sees. ``release`` names earlier
         sessions of this client whose writes all resolved: the server frees what it held for
-        them.
+        them. Setting ``cancel`` ends a handshake still waiting for the server (a tier that
+        closes).
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
         ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost
@@ -166,7 +168,7 @@ class RemoteSession(SessionIO):
         Raises ``ValueError`` for bad arguments (before any network traffic),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
         ``TimeoutError`` when no server answers within ``timeout_s``, ``ConnectionError``
-        when the server answers with an error.
+        when the server answers with an error or ``cancel`` was set.
         """
         check_session_args(
             region,
@@ -198,6 +200,7 @@ class RemoteSession(SessionIO):
                     private=private,
                     release=list(release or ())[: p.MAX_RELEASE],
                 ),
+                cancel,
             )
         except BaseException:
             close_sockets(sock, monitor)

@@ -3,7 +3,9 @@
 ``connect`` makes the DEALER socket (with a monitor that reports a reset connection) and
 ``handshake`` runs ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's
 thread, before any I/O thread exists (``check_session_args`` first refuses bad arguments). See
-``protocol`` for the conversation and the proofs.
+``protocol`` for the conversation and the proofs. A handshake waits for each answer until its
+deadline, or until its ``cancel`` event is set (looked at every ``CANCEL_POLL_S``): a tier that
+closes does not wait out a handshake with a host that does not answer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import threading
 import time
 from typing import Any
 
@@ -21,6 +24,7 @@ from torch_kv_tier.remote import protocol as p
 logger = logging.getLogger(__name__)
 
 SNDHWM = 1000  # control frames queued to the server before the session counts as failed
+CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
 
 
 class HandshakeRejected(Exception):
@@ -92,12 +96,14 @@ def handshake(
     deadline: float,
     token: str | None,
     request: p.Handshake,
+    cancel: threading.Event | None = None,
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
-    ``TimeoutError`` (nothing answered by ``deadline``) or ``ConnectionError``."""
+    ``TimeoutError`` (nothing answered by ``deadline``) or ``ConnectionError`` (the server
+    answered with an error, or ``cancel`` was set while waiting)."""
     client_nonce = secrets.token_bytes(p.NONCE_BYTES)
     sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
-    challenge = _expect(sock, address, 1, deadline, p.Challenge)
+    challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)
     if challenge.version != p.PROTOCOL_VERSION:
         raise HandshakeRejected(
             address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
@@ -106,7 +112,7 @@ def handshake(
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
     sock.send(p.encode(request))
-    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept)
+    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel)
     # checked last so that a wrong token gets the server's "bad token"; an honest server that
     # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
     if token is not None and not p.proof_matches(
@@ -124,9 +130,16 @@ def describe(message: p.ServerMessage) -> str:
     return f"unexpected {type(message).__name__}"
 
 
-def _await_reply(sock: zmq.Socket[bytes], seq: int, deadline: float) -> p.ServerMessage | None:
-    """The reply to request ``seq``, or ``None`` at ``deadline``; other frames are skipped."""
+def _await_reply(
+    sock: zmq.Socket[bytes], seq: int, deadline: float, cancel: threading.Event | None
+) -> p.ServerMessage | None:
+    """The reply to request ``seq``, or ``None`` at ``deadline`` or once ``cancel`` is set;
+    other frames are skipped."""
     while (left := deadline - time.monotonic()) > 0:
+        if cancel is not None:
+            if cancel.is_set():
+                return None
+            left = min(left, CANCEL_POLL_S)
         if not sock.poll(math.ceil(left * 1e3), zmq.POLLIN):
             continue
         try:
@@ -140,9 +153,16 @@ def _await_reply(sock: zmq.Socket[bytes], seq: int, deadline: float) -> p.Server
 
 
 def _expect(
-    sock: zmq.Socket[bytes], address: str, seq: int, deadline: float, kind: type[Any]
+    sock: zmq.Socket[bytes],
+    address: str,
+    seq: int,
+    deadline: float,
+    kind: type[Any],
+    cancel: threading.Event | None,
 ) -> Any:
-    reply = _await_reply(sock, seq, deadline)
+    reply = _await_reply(sock, seq, deadline, cancel)
+    if reply is None and cancel is not None and cancel.is_set():
+        raise ConnectionError(f"handshake with {address} cancelled: the tier is closing")
     if reply is None:
         raise TimeoutError(
             f"no answer from a torch-kv-tier server at {address}: is `torch-kv-tier serve` "

@@ -243,8 +243,8 @@ class RemoteHostTier(SecondaryTierManager):
         """Close the tier manager, the NIXL registration, and every view over the primary
         region, within ``close_timeout_s`` (default 3 s, inside vLLM's 5 s shutdown grace):
         transfers still in flight then are cancelled and their sessions end unclean (their
-        hosts hold those slots, see the README's fencing). A handshake in progress is waited
-        for at most half that budget; it then fails on the closed manager. Idempotent."""
+        hosts hold those slots, see the README's fencing). A handshake in progress (a host
+        that does not answer) gives up at once. Idempotent."""
         self._resources.close()
         self._jobs.clear()
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_MIN_CLOSE_S = 0.5  # what closing the manager gets when the membership used up the budget
+_MIN_CLOSE_S = 0.5  # the least each of the manager and the membership thread gets to close
 
 
 class TierResources:
@@ -112,33 +112,32 @@ class TierResources:
         )
 
     def close(self) -> None:
-        """Stop the membership thread, close the tier manager (and with it the NIXL
-        registration), then release the view of the primary region so vLLM can unmap it;
-        within ``close_timeout_s``. Idempotent.
+        """Close the tier manager (and with it the NIXL registration), stop the membership
+        thread, then release the view of the primary region so vLLM can unmap it; within
+        ``close_timeout_s``. Idempotent.
 
-        The view is what keeps vLLM's shared memory mapped (the tensor over it does not pin
-        it), so it is released only once nothing can transfer into that memory any more: if
-        closing fails, the region stays mapped rather than let the NIC write into freed memory.
+        The manager goes first: closing it ends a handshake in progress on any thread (a host
+        that does not answer would hold one for ``connect_timeout_s``, 10 s, past vLLM's 5 s
+        shutdown grace), and the membership thread, finding it closed, ends. The view is what
+        keeps vLLM's shared memory mapped (the tensor over it does not pin it), so it is
+        released only once nothing can transfer into that memory any more: if closing fails,
+        the region stays mapped rather than let the NIC write into freed memory.
         """
         deadline = time.monotonic() + self._config.close_timeout_s
-        membership, self._membership = self._membership, None
-        if membership is not None:
-            # At most half the budget: a handshake with a host that does not answer lasts up to
-            # connect_timeout_s (10 s), past vLLM's 5 s grace, which then kills the engine
-            # before its worker removes the shared region. Once the manager is closed, such a
-            # handshake fails cleanly ("TierManager is closed"; the transport refuses a late
-            # registration) and ends its session; the thread is a daemon.
-            membership.stop(timeout=self._config.close_timeout_s / 2)
         manager, self.manager = self.manager, None
-        if manager is not None:
-            try:
+        membership, self._membership = self._membership, None
+        try:
+            if manager is not None:
                 manager.close(timeout=max(deadline - time.monotonic(), _MIN_CLOSE_S))
-            except Exception:
-                logger.exception(
-                    "RemoteHostTier: closing the tier manager failed; keeping vLLM's primary "
-                    "region mapped since NIXL may still have it registered"
-                )
-                return
+        except Exception:
+            logger.exception(
+                "RemoteHostTier: closing the tier manager failed; keeping vLLM's primary "
+                "region mapped since NIXL may still have it registered"
+            )
+            return
+        finally:
+            if membership is not None:
+                membership.stop(timeout=max(deadline - time.monotonic(), _MIN_CLOSE_S))
         flat, self._flat_view = self._flat_view, None
         if flat is not None:
             flat.release()
