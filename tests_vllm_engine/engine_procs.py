@@ -75,7 +75,7 @@ class EngineProcess:
         :func:`engine.make_llm` (e.g. ``cpu_bytes_to_use``, ``tier_options``)."""
         self._conn.send((remote, options))
         self.region = Path(self._reply("ready", ENGINE_START_S, "the engine start"))
-        assert self.region.exists(), f"vLLM's offload region is not at {self.region}"
+        assert_region_in_use_and_unlinked(self.region, self.process.pid)
 
     def generate(self, prompts: list[list[int]], lead_s: float = 0.0) -> list[Served]:
         """Greedy answers of ``prompts``, submitted together (one burst), in their order;
@@ -222,6 +222,18 @@ def _generate_led(llm: Any, prompts: list[Any], params: Any, lead_s: float) -> l
 def is_resource_tracker(proc: psutil.Process) -> bool:
     """multiprocessing's resource tracker: it lives as long as this (test) process, by design."""
     return any("resource_tracker" in part for part in proc.cmdline())
+
+
+def assert_region_in_use_and_unlinked(region: Path, root_pid: int) -> None:
+    """vLLM's offload region ``region`` is mapped by the engine processes under ``root_pid``
+    and its name is already gone from ``/dev/shm`` (``cpu_spec``: no exit can leave it there)."""
+    root = psutil.Process(root_pid)
+    mapped = False
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error, OSError):
+            mapped = mapped or str(region) in Path(f"/proc/{proc.pid}/maps").read_text()
+    assert mapped, f"no engine process maps vLLM's offload region {region}"
+    assert not region.exists(), f"vLLM's offload region {region} still has its name"
 
 
 def offload_region(llm: Any) -> Path:

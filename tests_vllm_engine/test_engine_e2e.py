@@ -40,6 +40,7 @@ if not current_platform.is_cpu():  # e.g. the main environment's scheduler-only 
 
 from engine_procs import (  # noqa: E402
     RECOMPUTE_DEADLINE_S,
+    assert_region_in_use_and_unlinked,
     engine_processes,
     is_resource_tracker,
     offload_region,
@@ -114,7 +115,7 @@ def test_engine_promotes_a_shared_prefix_from_the_remote_host(
 
     llm = engine.make_llm(model_dir, server.address)
     region = offload_region(llm)
-    assert region.exists(), f"vLLM's offload region is not at {region}"
+    assert_region_in_use_and_unlinked(region, os.getpid())
     engine_procs = [
         p
         for p in psutil.Process().children(recursive=True)
@@ -243,9 +244,8 @@ def test_vllm_serve_runs_as_documented(model_dir: str) -> None:
                 answer = json.loads(reply.read())
             assert answer["choices"][0]["text"]
         finally:
-            # SIGTERM to the server process (`kill PID`), which stops its engine processes. A
-            # signal to the whole group (Ctrl-C) kills those before they clean up, and leaves
-            # vLLM's shared offload region in /dev/shm (vLLM's behaviour, not the tier's).
+            # SIGTERM to the server process (`kill PID`), which stops its engine processes (a
+            # signal to the whole group, Ctrl-C, kills those before they clean up).
             os.kill(_server_pid(proc), signal.SIGTERM)
             try:
                 proc.wait(timeout=60)

@@ -26,6 +26,7 @@ it in ``shutdown``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -129,11 +130,14 @@ class CPUKVCopyWorker(OffloadingWorker):
         """Nothing to wait for: every job finished inside its submit call."""
 
     def shutdown(self) -> None:
-        """Drop the views and release the shared region. Idempotent."""
+        """Drop the views and release the shared region (its file too, unless the scheduler
+        already unlinked it: ``cpu_spec``). Idempotent."""
         self._host.clear()
         self._kv.clear()
         region, self._region = self._region, None
         if region is not None:
+            if not os.path.exists(region.mmap_path):
+                region._creator = False  # nothing to unlink (vLLM would warn)
             region.cleanup()
 
     def _transfer(
