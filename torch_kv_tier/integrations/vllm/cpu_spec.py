@@ -22,9 +22,9 @@ The region's name in ``/dev/shm`` is dropped as soon as the scheduler has mapped
 process to open it by name: every worker created or opened it while vLLM built the KV caches,
 before the scheduler exists), as vLLM does for its GPU workers once they all mapped it. So no
 exit, clean or not, leaves the file behind: vLLM force-kills an engine whose main thread missed
-SIGTERM (its busy loop then waits on its input queue with no timeout; measured here in about 1
-run in 6 of the engine e2e test, with or without promotions in flight) before the worker
-removes the file, and 70 MB or more of ``/dev/shm`` stayed taken per engine start.
+SIGTERM (its busy loop then waits on its input queue with no timeout; 3 of 27 runs of the engine
+e2e test here, before this change) before the worker removes the file, and 70 MB or more of
+``/dev/shm`` stayed taken per engine start.
 """
 
 from __future__ import annotations
