@@ -158,8 +158,8 @@ class RemoteSession(SessionIO):
         ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the
         server grants one client) that no other client sees. ``release`` names earlier
         sessions of this client whose writes all resolved: the server frees what it held for
-        them. Setting ``cancel`` ends a handshake still waiting for the server (a tier that
-        closes).
+        them. Setting ``cancel`` ends a handshake still waiting for the server's first answer
+        (a tier that closes; see ``handshake``).
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
         ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost

@@ -3,9 +3,12 @@
 ``connect`` makes the DEALER socket (with a monitor that reports a reset connection) and
 ``handshake`` runs ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's
 thread, before any I/O thread exists (``check_session_args`` first refuses bad arguments). See
-``protocol`` for the conversation and the proofs. A handshake waits for each answer until its
-deadline, or until its ``cancel`` event is set (looked at every ``CANCEL_POLL_S``): a tier that
-closes does not wait out a handshake with a host that does not answer.
+``protocol`` for the conversation and the proofs. A handshake waits for the server's first
+answer until its deadline, or until its ``cancel`` event is set (looked at every
+``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. The
+``Accept`` is always awaited to the deadline: once the ``Handshake`` is sent the server may have
+opened the session, and a client that left without its id could never release what the server
+holds for it.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def handshake(
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
     ``TimeoutError`` (nothing answered by ``deadline``) or ``ConnectionError`` (the server
-    answered with an error, or ``cancel`` was set while waiting)."""
+    answered with an error, or ``cancel`` was set before its first answer)."""
     client_nonce = secrets.token_bytes(p.NONCE_BYTES)
     sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
     challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)
@@ -112,7 +115,7 @@ def handshake(
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
     sock.send(p.encode(request))
-    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel)
+    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, None)  # module docstring
     # checked last so that a wrong token gets the server's "bad token"; an honest server that
     # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
     if token is not None and not p.proof_matches(
