@@ -346,7 +346,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
         (their keys fail with "closed"), then end the sessions and close the transport; a load
         cancelled here resolves only after that, when nothing can land in its blocks any more;
-        a handshake in progress on another thread gives up at once. Idempotent."""
+        a handshake on another thread still awaiting a first answer gives up. Idempotent."""
         self._closing.set()
         with self._lock:
             if self._closed:
