@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,3 +28,13 @@ def peer2() -> Iterator[RemotePeer]:
     """A second, independent remote peer process."""
     with RemotePeer(1024, BLOCK_LEN) as p:
         yield p
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """No automatic collection: what is freed is freed by reference counting alone."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

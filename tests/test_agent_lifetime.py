@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,16 +17,6 @@ from torch_kv_tier.transport import NixlTransport, agent_lifetime
 
 BLOCK_LEN = 4096
 LOOP = Path(__file__).with_name("gc_user_loop.py")
-
-
-@pytest.fixture
-def no_gc() -> Iterator[None]:
-    """No automatic collection: what is freed is freed by reference counting alone."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def test_close_destroys_the_agent_at_once(no_gc: None) -> None:

@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E4
 from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
+from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
@@ -470,6 +472,23 @@ def test_bad_config_raises_before_connecting() -> None:
         make_manager("dns:kv-hosts")  # no port
     with pytest.raises(ValueError, match='"slots"'):
         make_manager("127.0.0.1:1", slots=0)
+
+
+def test_the_jobs_table_does_not_keep_its_tier_alive(no_gc: None) -> None:
+    """``TierJobs`` holds its tier's failed-promotion callback weakly: a strong bound method
+    made a cycle (tier -> jobs -> method -> tier) that kept the tier, and its NIXL agent, alive
+    until the garbage collector ran."""
+
+    class Owner:
+        def __init__(self) -> None:
+            self.jobs = TierJobs(self.failed)
+
+        def failed(self, req_context: Any, keys: Any) -> None: ...
+
+    owner = Owner()
+    gone = weakref.ref(owner)
+    del owner
+    assert gone() is None
 
 
 def test_failed_nixl_setup_releases_the_primary_region(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,7 +10,9 @@ callback only enqueues a job id.
 
 Failure model: a job the tier manager rejects, or whose future fails, is reported failed;
 a promotion that fails for some of its keys is reported with the keys that did land. Failed
-promotions also go to ``on_failed_promotion`` (the tier answers MISS for them from then on).
+promotions also go to ``on_failed_promotion`` (the tier answers MISS for them from then on),
+held weakly: it is the owning tier's bound method, and a strong reference would be a cycle that
+keeps the tier, and its NIXL agent, alive until the garbage collector runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import concurrent.futures
 import logging
 import queue
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -57,7 +60,7 @@ class TierJobs:
     """
 
     def __init__(self, on_failed_promotion: OnFailedPromotion) -> None:
-        self._on_failed_promotion = on_failed_promotion
+        self._on_failed_promotion = weakref.WeakMethod(on_failed_promotion)
         self._jobs: dict[int, _Job] = {}
         self._ready: list[JobResult] = []
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -184,7 +187,9 @@ class TierJobs:
         self, req_context: ReqContext, keys: Collection[OffloadKey], is_promotion: bool
     ) -> None:
         if is_promotion and keys:
-            self._on_failed_promotion(req_context, keys)
+            on_failed = self._on_failed_promotion()
+            if on_failed is not None:
+                on_failed(req_context, keys)
 
 
 def _summarize(failed: dict[Any, str]) -> str:
