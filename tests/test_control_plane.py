@@ -26,6 +26,7 @@ from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.replica import IndexFollower
+from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transfers import END_THREAD
 
@@ -364,3 +365,73 @@ def test_a_grant_asked_right_after_a_commit_counts_the_slots_that_commit_returne
                 slots = grant()  # no wait between them: the commit is still batched
         finally:
             session.close()
+
+
+def test_a_top_up_grant_goes_out_with_the_next_commits_and_is_answered() -> None:
+    """A top-up (``with_commits``) waits for the session's next batch of commits instead of a
+    wake-up of its own: made while commits flow, it still reaches the host, after the commits
+    made before it (so it counts the slots they returned); made while none flow, it goes out
+    at once."""
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "4"]) as server:
+        session = fake_session(server.address, private=False)
+        try:
+
+            def ask(*, with_commits: bool) -> Future[Any]:
+                answer: Future[Any] = Future()
+                session.grant(
+                    4,
+                    lambda future: answer.set_result(future.result()),
+                    with_commits=with_commits,
+                )
+                return answer
+
+            slots = list(ask(with_commits=False).result(timeout=10).slots)
+            for round_ in range(20):
+                assert len(slots) == 4, f"round {round_}: granted {slots}"
+                keys = [f"r{round_}-{i}".encode() for i in range(4)]
+                session.commit(keys, slots, [1, 2, 3, 4])
+                slots = list(ask(with_commits=True).result(timeout=10).slots)
+            time.sleep(0.2)  # commits stopped flowing: a top-up wakes the I/O thread
+            assert len(ask(with_commits=True).result(timeout=10).slots) == 0  # 4 still granted
+        finally:
+            session.close()
+
+
+def test_a_top_up_made_after_the_commits_stopped_goes_out_at_once() -> None:
+    """Regression: a top-up made after the quiet period that follows a commit's send, and
+    before that send's deadline, once the I/O thread had seen the quiet period end, woke it;
+    it sent nothing (no commit was due) and then watched no deadline: the top-up waited for
+    the next heartbeat, seconds later."""
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=["--lease-timeout", "300"]) as server:
+        session = fake_session(
+            server.address, private=False, heartbeat_interval_s=60.0, heartbeat_timeout_s=300.0
+        )
+        try:
+            for round_ in range(5):
+                answer: Future[Any] = Future()
+                session.commit([f"r{round_}".encode()], [0], [1])  # quiet: sent at once
+                time.sleep(2 * COMMIT_QUIET_S)  # past the quiet period, before the deadline
+                seen: Future[Any] = Future()  # an answer wakes the I/O thread: it sees that
+                session.grant(0, seen.set_result)
+                seen.result(timeout=10)
+                session.grant(1, answer.set_result, with_commits=True)
+                assert isinstance(answer.result(timeout=1.0).result(), p.Granted), round_
+        finally:
+            session.close()
+
+
+def test_a_top_up_waiting_for_commits_fails_when_its_session_closes() -> None:
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False)
+        answers: list[Future[Any]] = []
+        try:
+            for _ in range(50):
+                session.commit([b"unknown"], [0], [1])  # commits flow: top-ups wait for them
+                answers.append(Future())
+                session.grant(4, answers[-1].set_result, with_commits=True)
+        finally:
+            session.close()
+        for answer in answers:  # each answered, or failed by the close: none left waiting
+            outcome = answer.result(timeout=10)
+            error = outcome.exception(timeout=0)
+            assert isinstance(error, ConnectionError) or isinstance(outcome.result(), p.Granted)

@@ -92,10 +92,11 @@ class SharedHost(Peer):
 
         Stores waiting for slots ask at once. Otherwise the tier tops its ``reserve`` up once
         fewer than half of it is in hand and a quarter of it is room the host will grant again
-        (slots committed since): one request per quarter reserve written, not one per commit
-        (a commit goes out ahead of a request, so a request per commit also defeated the
-        commits' batching). After a grant that came short (the host's cap, the namespace's quota,
-        nothing left to evict), only a commit or a waiting store asks again."""
+        (slots committed since): one request per quarter reserve written, not one per commit.
+        That top-up goes out with the next commits (``RemoteSession.grant``'s
+        ``with_commits``), or at once when the tier is ``running_low``. After a grant that came
+        short (the host's cap, the namespace's quota, nothing left to evict), only a commit or a
+        waiting store asks again."""
         if self.refilling:
             return 0
         need = sum(len(op.keys) for op in self.awaiting)
@@ -105,6 +106,11 @@ class SharedHost(Peer):
         if self.capped or len(self.grants) >= self.reserve // 2 or room < self.reserve // 4:
             return 0
         return room
+
+    def running_low(self) -> bool:
+        """Whether stores wait for slots, or will soon: a top-up must not wait for the next
+        commits then (``RemoteSession.grant``'s ``with_commits``)."""
+        return bool(self.awaiting) or len(self.grants) < self.reserve // 4
 
     def granted(self, slots: list[int], want: int, commits_then: int) -> None:
         """The host answered a request for ``want`` slots made after ``commits_then`` commits

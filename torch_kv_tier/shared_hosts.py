@@ -112,10 +112,17 @@ class SharedHosts:
         """Ask ``host`` for the slots it wants (``SharedHost.grant_wanted``); the answer lands
         in ``_on_granted``, on the session's I/O thread."""
         want = host.grant_wanted()
-        if not want:
-            return
         try:
-            host.session.grant(want, partial(self._on_granted, host, host.commits, want))
+            if not want:
+                if host.refilling and host.running_low():
+                    host.session.send_batched()  # a top-up waiting for the next commits
+                return
+            # a top-up goes out with the next commits; stores waiting for slots ask at once
+            host.session.grant(
+                want,
+                partial(self._on_granted, host, host.commits, want),
+                with_commits=not host.running_low(),
+            )
         except ConnectionError:
             return  # the session is ending; its loss drops the peer
         host.refilling = True

@@ -122,6 +122,8 @@ class RemoteSession(SessionIO):
         self._actions: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._commits: list[tuple[list[Any], list[int], list[int]]] = []
         self._commits_watched = False  # the I/O thread looks at the commits by their deadline
+        self._riders: list[Request] = []  # requests that go out with the next commits
+        self._flush = False  # send the riders (and the commits) at the next wake-up
         self._touches: list[Any] = []
         self._stopping = False  # tells the I/O thread to exit
         self._wake_r, self._wake_w = socket.socketpair()
@@ -248,10 +250,22 @@ class RemoteSession(SessionIO):
 
     # -- shared sessions (thread-safe; answers resolve on the I/O thread) ----------------------
 
-    def grant(self, want: int, on_answer: Callable[[Future[p.ServerMessage]], None]) -> None:
+    def grant(
+        self,
+        want: int,
+        on_answer: Callable[[Future[p.ServerMessage]], None],
+        *,
+        with_commits: bool = False,
+    ) -> None:
         """Ask for up to ``want`` slots only this session may write; ``on_answer`` gets the
-        future of the ``Granted`` answer, on the I/O thread (never on the caller's)."""
-        self._call_async(lambda seq: p.GrantRequest(seq, self.session_id, want), on_answer)
+        future of the ``Granted`` answer, on the I/O thread (never on the caller's).
+        ``with_commits``: a top-up that can wait for the next batch of commits (sent with it,
+        without a wake-up of its own, while commits flow)."""
+        self._call_async(
+            lambda seq: p.GrantRequest(seq, self.session_id, want),
+            on_answer,
+            with_commits=with_commits,
+        )
 
     def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
         """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
@@ -259,10 +273,7 @@ class RemoteSession(SessionIO):
         # The batch is looked up under the lock, inside ``_enqueue``: the I/O thread swaps in a
         # new list each time it takes one, and a list taken before the lock could already be
         # sent (the commit was lost: the host kept the slots granted, the keys never stored).
-        commit = [(keys, slots, digests)]
-        self._enqueue(
-            lambda: add_to_batch(self._commits, commit) and not self._commits_watched, False
-        )
+        self._enqueue(lambda: self._add_commit((keys, slots, digests)), False)
 
     def touch(self, keys: list[Any]) -> None:
         """Report ``keys`` recently used (no answer; sent at most ``session_io.TOUCH_PERIOD_S``

@@ -10,11 +10,15 @@ the session, loudly (``on_lost``), when the server stops answering heartbeats, s
 longer knows the session, the control connection closes or is reset (the socket's monitor), or
 a frame cannot be queued: a control message is delivered or the session is lost.
 
-Commits and touches (recency) are batched by period, not sent per call: commits go out at most
-every ``COMMIT_PERIOD_S`` (what other tiers' copies of the index lag behind for them, with the
-host's ``EVENTS_PERIOD_S``), touches every ``TOUCH_PERIOD_S``, each key once (a key's recency
-counts only when it is the least recently used of a whole pool). The first commit after a quiet
-period wakes the I/O thread; while commits flow it looks at them on its own by their deadline.
+Commits and touches (recency) are batched, not sent per call. The first commit after a quiet
+period (``COMMIT_QUIET_S``) wakes the I/O thread and goes out at once. While commits flow they
+need no wake-up: they go out when the host's index events arrive (the host's tick, every
+``server.EVENTS_PERIOD_S``; one wake-up for both), else ``COMMIT_PERIOD_S`` after the last send.
+A key stored while commits flow so reaches other tiers' copies of the index one to two event
+periods later. A request made ``with_commits`` (a grant that tops up a tier's reserve) waits for
+the next commits and goes out behind them, unless ``send_batched`` asks for them now. Touches go
+out every ``TOUCH_PERIOD_S``, each key once (a key's recency counts only when it is the least
+recently used of a whole pool).
 
 Why so frugal: this thread shares the tier's GIL with the caller's thread, which needs it for
 each store's Python and digests (NIXL's ``transfer()`` releases it while it posts). Every
@@ -57,7 +61,11 @@ Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | Non
 
 
 TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
-COMMIT_PERIOD_S = 0.005  # commits go out at most this often (and before any request)
+# While commits flow they go out when the host's index events arrive (its period's tick, every
+# ``server.EVENTS_PERIOD_S``: one wake-up for both) or, without events, this long after the
+# last send; a commit made at least ``COMMIT_QUIET_S`` after the last send goes out at once.
+COMMIT_PERIOD_S = 0.02
+COMMIT_QUIET_S = 0.005
 
 
 class _Lost(Exception):
@@ -84,6 +92,8 @@ class SessionIO:
     _actions: queue.SimpleQueue[Callable[[], None]]
     _commits: list[tuple[list[Any], list[int], list[int]]]
     _commits_watched: bool
+    _riders: list[Request]
+    _flush: bool
     _touches: list[Any]
     _wake_r: socket.socket
     _wake_w: socket.socket
@@ -108,17 +118,48 @@ class SessionIO:
         timeout_s: float | None = None,
         *,
         allow_closed: bool = False,
+        with_commits: bool = False,
     ) -> Future[p.ServerMessage]:
         """Send a request; its future resolves on the I/O thread (``TimeoutError`` after
-        ``timeout_s``, default the session's), where ``on_answer`` then runs. Raises
+        ``timeout_s``, default the session's, counted from its send), where ``on_answer`` then
+        runs. ``with_commits``: it may wait for the next batch of commits and go out with it,
+        without a wake-up of its own, while commits flow (at most ``COMMIT_PERIOD_S``). Raises
         ``ConnectionError`` once closed or lost."""
         future: Future[p.ServerMessage] = Future()
         future.set_running_or_notify_cancel()
         if on_answer is not None:  # before the request exists: it cannot have an answer yet
             future.add_done_callback(on_answer)
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        self._enqueue(lambda: self._requests.put((make, future, timeout)), allow_closed)
+        request = (make, future, timeout)
+        if with_commits:
+            self._enqueue(lambda: self._ride(request), allow_closed)
+        else:
+            self._enqueue(lambda: self._requests.put(request), allow_closed)
         return future
+
+    def send_batched(self) -> None:
+        """Send the requests waiting for the next commits now, with the commits made so far
+        (nothing when none waits: no wake-up)."""
+        with self._lock:
+            if not self._riders or self._io_done:
+                return
+            self._flush = True
+        self._wake()
+
+    def _add_commit(self, commit: tuple[list[Any], list[int], list[int]]) -> bool:
+        """(Lock held.) Batch ``commit``; whether the I/O thread needs a wake-up for it: only
+        the first commit after a quiet period, which then goes out at once."""
+        wake = add_to_batch(self._commits, [commit]) and not self._commits_watched
+        self._flush |= wake
+        return wake
+
+    def _ride(self, request: Request) -> bool:
+        """(Lock held.) Queue ``request`` for the next commits; whether the I/O thread needs a
+        wake-up for it (it does not while it looks at the commits by their deadline)."""
+        self._riders.append(request)
+        wake = not self._commits_watched
+        self._flush |= wake  # no deadline is watched: it goes out at that wake-up
+        return wake
 
     def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
         """Send a message that gets no answer."""
@@ -156,7 +197,7 @@ class SessionIO:
         wake = self._wake_r.fileno()
         for readable in (sock, monitor, wake):
             poller.register(readable, zmq.POLLIN)
-        last_ok = next_hb = touches_due = commits_due = time.monotonic()
+        last_ok = next_hb = touches_due = commits_sent = commits_due = time.monotonic()
         lost: str | None = None
         try:
             while True:
@@ -168,7 +209,7 @@ class SessionIO:
                     committed = bool(self._commits)
                     # While commits flow this thread looks at them by ``commits_due`` on its
                     # own, and a commit needs no wake-up (``RemoteSession.commit``).
-                    self._commits_watched = committed or now < commits_due
+                    self._commits_watched = committed or now < commits_sent + COMMIT_QUIET_S
                 deadlines = [next_hb, last_ok + self._hb_timeout_s]
                 if touched:
                     deadlines.append(touches_due)
@@ -184,25 +225,11 @@ class SessionIO:
                     _check_connection(monitor)
                 while not self._actions.empty():
                     self._actions.get_nowait()()
-                now = time.monotonic()
-                # Commits and touches first: a request made after them reaches the server after
-                # them (a grant request must find the slots a commit returned to this session's
-                # share). The requests are taken before the batches, so every commit and touch
-                # made before one of them goes out ahead of it.
-                requests = self._take_requests()
-                if (requests or now >= commits_due) and self._send_commits(sock, seqs):
-                    commits_due = now + COMMIT_PERIOD_S
-                if requests or now >= touches_due:
-                    touches_due = now + TOUCH_PERIOD_S
-                    self._send_touches(sock, seqs)
-                for make, future, timeout_s in requests:
-                    seq = next(seqs)
-                    if future is not None:
-                        pending[seq] = (future, now + timeout_s)
-                    self._send(sock, make(seq))
+                ticked = False  # the host pushed index events: its period's tick
                 for message in self._receive(sock) if sock in ready else ():
                     if isinstance(message, p.Events):
                         self._on_events(message)
+                        ticked = True
                         continue
                     if isinstance(message, p.HeartbeatAck):
                         last_ok = time.monotonic()
@@ -215,6 +242,28 @@ class SessionIO:
                     entry = pending.pop(message.seq, None)
                     if entry is not None:
                         entry[0].set_result(message)
+                now = time.monotonic()
+                # Commits and touches first: a request made after them reaches the server after
+                # them (a grant request must find the slots a commit returned to this session's
+                # share). The requests are taken before the batches, so every commit and touch
+                # made before one of them goes out ahead of it. While the host pushes events,
+                # commits go out on their arrival: one wake-up for both.
+                requests = self._take_requests()
+                with self._lock:  # after the wake-up ``send_batched`` made, or before it
+                    flush, self._flush = self._flush, False
+                if requests or now >= commits_due or ticked or flush:
+                    with self._lock:  # made before the commits taken next: sent after them
+                        requests[:0], self._riders = self._riders, []
+                    if self._send_commits(sock, seqs):
+                        commits_sent, commits_due = now, now + COMMIT_PERIOD_S
+                if requests or now >= touches_due:
+                    touches_due = now + TOUCH_PERIOD_S
+                    self._send_touches(sock, seqs)
+                for make, future, timeout_s in requests:
+                    seq = next(seqs)
+                    if future is not None:
+                        pending[seq] = (future, now + timeout_s)
+                    self._send(sock, make(seq))
                 now = time.monotonic()
                 for seq in [s for s, (_, deadline) in pending.items() if deadline <= now]:
                     pending.pop(seq)[0].set_exception(
@@ -282,14 +331,11 @@ class SessionIO:
                 self._lost_reason = lost
             self._wake_r.close()
             self._wake_w.close()
+            riders, self._riders = self._riders, []
         error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
         for future, _ in pending.values():
             future.set_exception(error)
-        while True:
-            try:
-                _, waiting, _ = self._requests.get_nowait()
-            except queue.Empty:
-                break
+        for _, waiting, _ in riders + self._take_requests():
             if waiting is not None:
                 waiting.set_exception(error)
         close_sockets(sock, monitor)
