@@ -17,8 +17,10 @@ switches. Figures are per GB moved by all processes, per thread kind:
 - ``host``: the shared host's loop thread; ``host other``: its other threads (ZeroMQ's, NIXL's
   progress thread, metrics). The private host is a passive one-sided target and is not read.
 
-Median over ``--rounds`` with min..max; GB/s is the bytes of the window over its span. Linux
-only (``/proc``). Exit status 0, 1 when a worker or host failed, 2 for bad arguments.
+Median over ``--rounds`` with min..max; GB/s is the bytes of the window over its span. Then,
+one worker at a time as ``shared-bench`` does (others' stores would evict what it reads back),
+each runs a last repeat of each system and reads it back. Linux only (``/proc``). Exit status 0,
+1 when a worker or host failed or bytes read back differ, 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -181,7 +183,13 @@ def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 for r in range(cfg["rounds"]):
                     for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
                         windows[system].append(_window(workers, n, system, cfg["seconds"], procs))
-                workers.ask(n, {"cmd": "finish"})
+                for i in range(n):  # one at a time: others' stores would evict what it reads back
+                    workers.ask(i + 1, {"cmd": "last"}, first=i)
+                    [done] = workers.ask(i + 1, {"cmd": "finish"}, first=i)
+                    if not all(done["verified"].values()):
+                        raise RuntimeError(
+                            f"worker {i}: bytes read back differ: {done['verified']}"
+                        )
             finally:
                 workers.close()
         for system, ws in windows.items():
