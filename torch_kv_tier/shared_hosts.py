@@ -111,17 +111,15 @@ class SharedHosts:
     def _refill(self, host: SharedHost) -> None:
         """Ask ``host`` for the slots it wants (``SharedHost.grant_wanted``); the answer lands
         in ``_on_granted``, on the session's I/O thread."""
-        want = host.grant_wanted()
+        want, low = host.grant_wanted(), host.running_low()
         try:
             if not want:
-                if host.refilling and host.running_low():
+                if host.refilling and low:
                     host.session.send_batched()  # a top-up waiting for the next commits
                 return
             # a top-up goes out with the next commits; stores waiting for slots ask at once
             host.session.grant(
-                want,
-                partial(self._on_granted, host, host.commits, want),
-                with_commits=not host.running_low(),
+                want, partial(self._on_granted, host, host.commits, want), with_commits=not low
             )
         except ConnectionError:
             return  # the session is ending; its loss drops the peer

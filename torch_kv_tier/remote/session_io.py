@@ -249,13 +249,13 @@ class SessionIO:
                 # made before one of them goes out ahead of it. While the host pushes events,
                 # commits go out on their arrival: one wake-up for both.
                 requests = self._take_requests()
-                with self._lock:  # after the wake-up ``send_batched`` made, or before it
+                with self._lock:  # the flag: after the wake-up ``send_batched`` made, or before
                     flush, self._flush = self._flush, False
-                if requests or now >= commits_due or ticked or flush:
-                    with self._lock:  # made before the commits taken next: sent after them
+                    send = bool(requests) or now >= commits_due or ticked or flush
+                    if send:  # made before the commits taken next: sent after them
                         requests[:0], self._riders = self._riders, []
-                    if self._send_commits(sock, seqs):
-                        commits_sent, commits_due = now, now + COMMIT_PERIOD_S
+                if send and self._send_commits(sock, seqs):
+                    commits_sent, commits_due = now, now + COMMIT_PERIOD_S
                 if requests or now >= touches_due:
                     touches_due = now + TOUCH_PERIOD_S
                     self._send_touches(sock, seqs)
