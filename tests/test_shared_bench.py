@@ -15,6 +15,7 @@ from torch_kv_tier import cli
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_bench import private_lease
 from torch_kv_tier.benchmarks.shared_worker import Worker
+from torch_kv_tier.benchmarks.workers import Workers
 
 BLOCK_LEN = 4096
 
@@ -110,6 +111,23 @@ def test_points_never_store_a_key_twice(hosts: tuple[str, str]) -> None:
         assert marks == sorted(set(marks))  # every point began past the keys of the last
     finally:
         worker.close()
+
+
+def test_every_process_runs_the_same_calls_per_burst(hosts: tuple[str, str]) -> None:
+    """A burst's figure spans all processes from the first start to the last end: one that
+    calibrated fewer calls finished early and left its core idle. ``open_point`` gives every
+    process the most calls any of them calibrated, per system, in whole cycles of its plan."""
+    workers = Workers(2)
+    try:
+        calls = workers.open_point(2, _open(hosts, "write"))
+        cycle = 16 // 4  # calls over the working set: 16 blocks, 4 a call
+        assert calls.keys() == {"shared", "private"}
+        for name, count in calls.items():
+            assert count >= cycle and count % cycle == 0
+            answers = workers.ask(2, {"cmd": "burst", "system": name})
+            assert [a["bytes"] for a in answers] == [count * 4 * BLOCK_LEN] * 2
+    finally:
+        workers.close()
 
 
 @pytest.mark.parametrize("system", ["shared", "private"])

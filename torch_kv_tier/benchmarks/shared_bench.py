@@ -11,8 +11,9 @@ private lease of the first host, ``system_nixl_raw``). The private systems lease
 their own, started like the shared ones: a shared pool draws free slots in runs of up to 4096
 and keeps them, so on one host the private leases would be refused once the shared tiers ran.
 Rounds alternate the systems' order (A B C, C B A, ...); in each round every process runs one
-timed burst of one system at once (``sweep.PointRunner``), and the aggregate GB/s is all bytes
-over the span from the first start to the last end. Ratios (shared/nixl_raw,
+timed burst of one system at once (``sweep.PointRunner``), every process the same calls
+(``workers.Workers.open_point``), and the aggregate GB/s is all bytes over the span from the
+first start to the last end. Ratios (shared/nixl_raw,
 private/nixl_raw, shared/private) are paired within a round and reported as median, IQR and
 min..max; after the rounds every system's bytes are verified. A tier repeat whose bytes the
 tier's own counters did not move (a store that sent nothing) ends its point as an error.
@@ -29,7 +30,6 @@ import json
 import logging
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -39,9 +39,9 @@ import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
 from torch_kv_tier.benchmarks.options import list_of, positive, size
-from torch_kv_tier.benchmarks.reliability_common import LineReader, kill_process
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
+from torch_kv_tier.benchmarks.workers import Workers
 from torch_kv_tier.shared_host import default_grant_batch
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,6 @@ FULL: dict[str, Any] = {
 }
 BATCH, INFLIGHT = 16, 4
 MAX_RESERVE_BYTES = 64 << 20  # the most a shared tier's reserve of granted slots holds here
-ANSWER_TIMEOUT_S = 120.0  # one open (NIXL agents, staging, warm-up) or burst of one process
 RATIOS = (("shared", "nixl_raw"), ("private", "nixl_raw"), ("shared", "private"))
 
 
@@ -112,58 +111,6 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-class Workers:
-    """``n`` ``shared_worker`` processes; ``ask`` sends one command to some and collects the
-    answers (each within ``ANSWER_TIMEOUT_S``, else ``TimeoutError``)."""
-
-    def __init__(self, n: int) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-        self.readers: list[LineReader] = []
-        try:
-            for i in range(n):
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "torch_kv_tier.benchmarks.shared_worker", str(i)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                self.procs.append(proc)
-                self.readers.append(LineReader(proc.stdout))
-        except BaseException:
-            self.close()
-            raise
-
-    def ask(self, n: int, msg: dict[str, Any], first: int = 0) -> list[dict[str, Any]]:
-        """Send ``msg`` to workers ``first .. n - 1``; their answers, in order."""
-        line = json.dumps(msg) + "\n"
-        for proc in self.procs[first:n]:
-            assert proc.stdin is not None
-            proc.stdin.write(line)
-            proc.stdin.flush()
-        answers = []
-        for i, reader in enumerate(self.readers[first:n], start=first):
-            text = reader.next_line(ANSWER_TIMEOUT_S)
-            if text is None:
-                raise RuntimeError(f"worker {i} exited (code {self.procs[i].poll()})")
-            answers.append(json.loads(text))
-        errors = [
-            f"worker {i}: {a['error']}" for i, a in enumerate(answers, start=first) if not a["ok"]
-        ]
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        return answers
-
-    def close(self) -> None:
-        for proc in self.procs:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write('{"cmd": "exit"}\n')
-                proc.stdin.flush()
-                proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                kill_process(proc)
-
-
 def _spread(values: list[float]) -> dict[str, float]:
     q1, med, q3 = np.percentile(values, [25, 50, 75])
     return {"median": float(med), "q1": float(q1), "q3": float(q3),
@@ -185,7 +132,7 @@ def _point(
     gbps: dict[str, list[float]] = {name: [] for name in SYSTEMS}
     error = None
     try:
-        workers.ask(
+        workers.open_point(
             tiers,
             {"cmd": "open", "block_len": block_len, "addresses": hosts[0],
              "private_addresses": hosts[1], "systems": SYSTEMS,

@@ -113,6 +113,13 @@ class Worker:
             self.systems[name] = _open(name, targets[name])
             self.states[name] = runner.prepare(self.systems[name], point)
         self.runner = runner
+        return {"calls": {name: state.calls for name, state in self.states.items()}}
+
+    def calls(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Make each system's timed repeats ``msg["calls"][system]`` calls
+        (``Workers.open_point``)."""
+        for name, state in self.states.items():
+            state.run_at_least(int(msg["calls"][name]))
         return {}
 
     def burst(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +172,7 @@ def serve(index: int, commands: IO[str], answers: IO[str]) -> None:
     worker = Worker(index)
     handlers = {
         "open": worker.open,
+        "calls": worker.calls,
         "burst": worker.burst,
         "last": worker.last,
         "finish": worker.finish,

@@ -235,6 +235,12 @@ class PointState:
     us_per_call: list[float] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
 
+    def run_at_least(self, calls: int) -> None:
+        """Make a timed repeat ``calls`` calls, rounded up to whole cycles over the plan (as
+        ``PointRunner.prepare`` counts them)."""
+        size = len(self.plan.calls)
+        self.calls = max(1, math.ceil(calls / size)) * size
+
 
 class _Cycle:
     """The calls of a plan in submission order, with keys for systems that place blocks.

@@ -40,11 +40,11 @@ from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_bench import (
     BATCH,
     INFLIGHT,
-    Workers,
     _environment,
     private_lease,
     shared_pool,
 )
+from torch_kv_tier.benchmarks.workers import Workers
 
 SYSTEMS = ("shared", "private")
 KINDS = ("tier", "session", "poller", "zmq", "tier other", "host", "host other")
@@ -168,7 +168,7 @@ def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 raise RuntimeError(f"hosts did not start: {[h.problem for h in hosts]}")
             workers = Workers(n)
             try:
-                workers.ask(n, {
+                workers.open_point(n, {
                     "cmd": "open", "block_len": block_len, "addresses": [hosts[0].address],
                     "private_addresses": [hosts[1].address], "systems": list(SYSTEMS),
                     "working_set": cfg["working_set_mib"] << 20, "batch": BATCH,
