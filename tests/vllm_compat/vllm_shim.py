@@ -91,7 +91,7 @@ class VllmNamedNixlTransport(our_nixl.NixlTransport):
 
     @property
     def _remote_dlists(self) -> dict[str, Any]:
-        return {peer_id: peer.dlist for peer_id, peer in self._peers.items()}
+        return {peer_id: peer.dlist for peer_id, peer in self._peers._published.items()}
 
     @property
     def _peer_strikes(self) -> dict[str, int]:

@@ -9,16 +9,16 @@ agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's progress thread, so its table
 backend are multi-threaded (see ``nixl_agent.make_agent``). A passive target needs no calls at
 all: that progress thread serves incoming transfers and sleeps in ``poll()`` when idle.
 
-Registration generations. Every ``add_remote_peer_async`` and ``remove_remote_peer`` bumps the
-peer's generation; a registration publishes only if its generation is still current, otherwise
-it releases what it built and its future fails ("superseded"). So a removal during a
-registration wins, and a failed re-registration leaves the working one published.
+Registrations (``nixl_peers``). Every ``add_remote_peer_async`` and ``remove_remote_peer``
+starts a new generation of the peer: a registration superseded while it ran releases what it
+built and its future fails ("superseded"), so a removal during a registration wins, and a failed
+re-registration leaves the working one published.
 
 Failure model (see ``base.py`` and ``faults.py``). A transfer that stays in flight keeps its
 handle and, after ``remove_remote_peer``, keeps its peer's descriptors and remote agent too:
 they are released when its last transfer resolves (or by ``cancel``/``close``), so its state
 check stays meaningful and a re-added peer id never shares a destination that may still be
-written. A remote agent is removed only when no registration uses it any more.
+written.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
 from torch_kv_tier.transport.faults import PeerHealth, ends_transfer
 from torch_kv_tier.transport.nixl_agent import NOT_INSTALLED, descriptors, load_nixl, make_agent
+from torch_kv_tier.transport.nixl_peers import NixlPeer, NixlPeers
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +46,8 @@ _GONE = "GONE"  # pseudo-state: the check raised a remote disconnect, the transf
 
 
 @dataclass(eq=False)
-class _Peer:
-    """One registration of a remote region; ``inflight`` holds its unresolved transfer ids."""
-
-    peer_id: str
-    nixl_name: str
-    dlist: Any
-    num_blocks: int
-    inflight: set[int] = field(default_factory=set)
-
-
-@dataclass(eq=False)
 class _Transfer:
-    peer: _Peer
+    peer: NixlPeer
     handle: Any
     struck: bool = False  # already counted against its peer (a raising check counts once)
 
@@ -95,17 +85,13 @@ class NixlTransport(DataTransport):
         self._local_id = local_id
         self._name = f"{local_id}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}  # published registrations
-        self._retired: list[_Peer] = []  # unpublished, with transfers still in flight
-        self._building: list[str] = []  # remote agent names of registrations being built
-        self._gen: dict[str, int] = {}
+        self._peers = NixlPeers(self._name, self.block_len, self._lock)
         self._inflight: dict[int, _Transfer] = {}
         self._health = PeerHealth(self._name)
         self._ids = itertools.count(1)
         self._closed = False
         self._kept_until_exit = False  # see agent_lifetime
         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-nixl-reg")
-        self._agent: Any = None
         self._local_dlist: Any = None
         self._reg: Any = None
         api = self._nixl_api()
@@ -137,6 +123,15 @@ class NixlTransport(DataTransport):
             r.mem_type,
             r.device_id,
         )
+
+    @property
+    def _agent(self) -> Any:
+        """The NIXL agent (``None`` without NIXL or once closed); the registrations hold it."""
+        return self._peers.agent
+
+    @_agent.setter
+    def _agent(self, agent: Any) -> None:
+        self._peers.agent = agent
 
     @staticmethod
     def _nixl_api() -> tuple[Any, Any] | None:
@@ -215,13 +210,13 @@ class NixlTransport(DataTransport):
             raise ValueError(f"peer mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
         with self._lock:
             self._check_open()
-            gen = self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
+            gen = self._peers.next_generation(peer_id)
 
         def register() -> None:
-            peer = self._build_peer(
+            peer = self._peers.build(
                 peer_id, bytes(agent_metadata), base_addr, num_blocks, mem_type, device_id
             )
-            if not self._publish(peer, gen):
+            if not self._peers.publish(peer, gen):
                 raise RuntimeError(
                     f"registration of peer {peer_id!r} was superseded (the peer was removed or "
                     "registered again while this registration ran)"
@@ -237,11 +232,8 @@ class NixlTransport(DataTransport):
         """
         with self._lock:
             self._check_open()
-            self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
             self._health.forget(peer_id)
-            peer = self._peers.pop(peer_id, None)
-            if peer is not None:
-                self._retire(peer)
+            self._peers.remove(peer_id)
 
     def faulted_peers(self) -> dict[str, str]:
         with self._lock:
@@ -270,8 +262,8 @@ class NixlTransport(DataTransport):
             self._check_open()
             done: list[int] = []
             failed: list[int] = []
-            succeeded: set[_Peer] = set()
-            failures: list[tuple[_Peer, str]] = []
+            succeeded: set[NixlPeer] = set()
+            failures: list[tuple[NixlPeer, str]] = []
             for tid, xfer in self._inflight.items():
                 if peer_id is not None and xfer.peer.peer_id != peer_id:
                     continue
@@ -284,10 +276,10 @@ class NixlTransport(DataTransport):
                     if not xfer.struck:
                         failures.append((xfer.peer, f"state {state}"))
             for peer in succeeded:
-                if self._is_published(peer):
+                if self._peers.is_published(peer):
                     self._health.succeeded(peer.peer_id)
             for peer, cause in failures:
-                if self._is_published(peer):
+                if self._peers.is_published(peer):
                     self._health.failed(peer.peer_id, cause)
             for tid in itertools.chain(done, failed):
                 self._forget(tid, release=True)
@@ -346,8 +338,7 @@ class NixlTransport(DataTransport):
                 return
             for tid in list(self._inflight):
                 self._forget(tid, release=True)
-            for peer_id in list(self._peers):
-                self._retire(self._peers.pop(peer_id))
+            self._peers.remove_all()
             for what, step in (
                 (
                     "local descriptor list",
@@ -374,67 +365,6 @@ class NixlTransport(DataTransport):
             raise RuntimeError(f"NixlTransport {self._name} is closed")
         if self._agent is None:
             raise RuntimeError(f"NixlTransport {self._name} is unavailable: {NOT_INSTALLED}")
-
-    def _build_peer(
-        self,
-        peer_id: str,
-        metadata: bytes,
-        base_addr: int,
-        num_blocks: int,
-        mem_type: str,
-        device_id: int,
-    ) -> _Peer:
-        """The expensive half of a registration; runs on the registration thread, unlocked.
-
-        On failure, the remote agent is removed unless another registration uses it (loading
-        metadata that is already loaded hands back the same name, not its ownership).
-        """
-        agent = self._agent
-        nixl_name = agent.add_remote_agent(metadata)
-        nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
-        with self._lock:
-            self._building.append(nixl_name)
-        try:
-            descs = descriptors(base_addr, num_blocks, self.block_len, device_id)
-            xfer_descs = agent.get_xfer_descs(descs, mem_type=mem_type)
-            dlist = agent.prep_xfer_dlist(nixl_name, xfer_descs)
-        except Exception:
-            with self._lock:
-                self._building.remove(nixl_name)
-                in_use = self._name_in_use(nixl_name)
-            if not in_use:
-                self._remove_agent(peer_id, nixl_name)
-            raise
-        return _Peer(peer_id, nixl_name, dlist, num_blocks)
-
-    def _publish(self, peer: _Peer, gen: int) -> bool:
-        """Publish ``peer`` if ``gen`` is current, replacing an older registration; else drop it."""
-        with self._lock:
-            self._building.remove(peer.nixl_name)
-            fresh = not self._closed and self._gen.get(peer.peer_id) == gen
-            if fresh:
-                old = self._peers.get(peer.peer_id)
-                self._peers[peer.peer_id] = peer
-                if old is not None:
-                    self._retire(old)
-        if fresh:
-            logger.info(
-                "NixlTransport %s: peer %s = %s, %d blocks",
-                self._name,
-                peer.peer_id,
-                peer.nixl_name,
-                peer.num_blocks,
-            )
-            return True
-        logger.info(
-            "NixlTransport %s: discarding superseded registration of peer %s",
-            self._name,
-            peer.peer_id,
-        )
-        with self._lock:
-            if self._agent is not None:
-                self._release_peer(peer)
-        return False
 
     def _submit(
         self, op: str, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
@@ -502,66 +432,16 @@ class NixlTransport(DataTransport):
             )
             if not xfer.struck:
                 xfer.struck = True
-                if self._is_published(xfer.peer):
+                if self._peers.is_published(xfer.peer):
                     self._health.state_check_raised(xfer.peer.peer_id, exc)
             return _GONE if ends_transfer(exc) else None
-
-    def _is_published(self, peer: _Peer) -> bool:
-        return self._peers.get(peer.peer_id) is peer
 
     def _forget(self, tid: int, *, release: bool) -> None:
         """Drop a transfer (releasing its handle if asked); free a retired peer it was last of."""
         xfer = self._inflight.pop(tid)
         if release:
             self._release_handle(tid, xfer.handle)
-        peer = xfer.peer
-        peer.inflight.discard(tid)
-        if not peer.inflight and peer in self._retired:
-            self._retired.remove(peer)
-            self._release_peer(peer)
-
-    def _retire(self, peer: _Peer) -> None:
-        """An unpublished registration: release it now, or once its transfers resolve."""
-        if peer.inflight:
-            self._retired.append(peer)
-        else:
-            self._release_peer(peer)
-
-    def _release_peer(self, peer: _Peer) -> None:
-        """Release a registration's descriptors, and its remote agent if no one else uses it.
-
-        The two are independent: a failed descriptor release must not leave the agent loaded.
-        """
-        try:
-            self._agent.release_dlist_handle(peer.dlist)
-        except Exception as exc:
-            logger.warning(
-                "NixlTransport %s: releasing %s's descriptors failed: %s",
-                self._name,
-                peer.peer_id,
-                exc,
-            )
-        if not self._name_in_use(peer.nixl_name):
-            self._remove_agent(peer.peer_id, peer.nixl_name)
-
-    def _name_in_use(self, nixl_name: str) -> bool:
-        return (
-            nixl_name in self._building
-            or any(p.nixl_name == nixl_name for p in self._peers.values())
-            or any(p.nixl_name == nixl_name for p in self._retired)
-        )
-
-    def _remove_agent(self, peer_id: str, nixl_name: str) -> None:
-        try:
-            self._agent.remove_remote_agent(nixl_name)
-        except Exception as exc:
-            logger.warning(
-                "NixlTransport %s: removing remote agent %s of %s failed: %s",
-                self._name,
-                nixl_name,
-                peer_id,
-                exc,
-            )
+        self._peers.transfer_ended(xfer.peer, tid)
 
     def _release_handle(self, tid: int, handle: Any) -> None:
         try:

@@ -1,0 +1,194 @@
+"""``NixlPeers``: the remote regions a ``NixlTransport`` registered, each a NIXL remote agent and
+a prepared descriptor list over the region's blocks, and the release of both once nothing uses
+them.
+
+Registration generations. Every registration and removal of a peer id bumps its generation
+(``next_generation``); a registration publishes only if its generation is still current,
+otherwise it releases what it built and reports itself superseded. So a removal during a
+registration wins, and a failed re-registration leaves the working one published.
+
+Lifetime. A registration replaced or removed while transfers to it are in flight is *retired*:
+it keeps its descriptors and remote agent until its last transfer resolves
+(``transfer_ended``), so that transfer's state check stays meaningful and a re-added peer id
+never shares a destination that may still be written. A remote agent is removed only when no
+registration uses it any more (loading metadata already loaded hands back the same name, not
+its ownership).
+
+Threading: the owner's lock (``lock``, the transport's) guards every table. ``build`` runs
+unlocked on the transport's registration thread (the expensive half: seconds for a big region)
+and takes the lock only to note the agent it builds; ``publish`` takes it itself; every other
+method expects the caller to hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_kv_tier.transport.nixl_agent import descriptors
+
+# The transport's logger: these lines are the transport's (``NixlTransport <name>: ...``).
+logger = logging.getLogger("torch_kv_tier.transport.nixl")
+
+
+@dataclass(eq=False)
+class NixlPeer:
+    """One registration of a remote region; ``inflight`` holds its unresolved transfer ids."""
+
+    peer_id: str
+    nixl_name: str
+    dlist: Any
+    num_blocks: int
+    inflight: set[int] = field(default_factory=set)
+
+
+class NixlPeers:
+    """The registrations of one transport (module docstring). ``agent`` is the transport's NIXL
+    agent, ``None`` once it closed (or when NIXL is missing): nothing is released then."""
+
+    def __init__(self, owner: str, block_len: int, lock: threading.Lock) -> None:
+        self.agent: Any = None
+        self._owner = owner  # the transport's name, for logs
+        self._block_len = block_len
+        self._lock = lock
+        self._published: dict[str, NixlPeer] = {}
+        self._retired: list[NixlPeer] = []  # unpublished, with transfers still in flight
+        self._building: list[str] = []  # remote agent names of registrations being built
+        self._gen: dict[str, int] = {}
+
+    def get(self, peer_id: str) -> NixlPeer | None:
+        """The published registration of ``peer_id``."""
+        return self._published.get(peer_id)
+
+    def is_published(self, peer: NixlPeer) -> bool:
+        return self._published.get(peer.peer_id) is peer
+
+    def next_generation(self, peer_id: str) -> int:
+        """A new generation of ``peer_id``: every registration begun before it is superseded."""
+        gen = self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
+        return gen
+
+    def build(
+        self,
+        peer_id: str,
+        metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        mem_type: str,
+        device_id: int,
+    ) -> NixlPeer:
+        """Load the peer's agent and prepare its descriptors (unlocked). On failure, the remote
+        agent is removed unless another registration uses it."""
+        agent = self.agent
+        nixl_name = agent.add_remote_agent(metadata)
+        nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
+        with self._lock:
+            self._building.append(nixl_name)
+        try:
+            descs = descriptors(base_addr, num_blocks, self._block_len, device_id)
+            xfer_descs = agent.get_xfer_descs(descs, mem_type=mem_type)
+            dlist = agent.prep_xfer_dlist(nixl_name, xfer_descs)
+        except Exception:
+            with self._lock:
+                self._building.remove(nixl_name)
+                in_use = self._name_in_use(nixl_name)
+            if not in_use:
+                self._remove_agent(peer_id, nixl_name)
+            raise
+        return NixlPeer(peer_id, nixl_name, dlist, num_blocks)
+
+    def publish(self, peer: NixlPeer, gen: int) -> bool:
+        """Publish ``peer`` if ``gen`` is still current and the transport open (``agent``),
+        replacing (retiring) an older registration; else release it. Takes the lock."""
+        with self._lock:
+            self._building.remove(peer.nixl_name)
+            fresh = self.agent is not None and self._gen.get(peer.peer_id) == gen
+            if fresh:
+                old = self._published.get(peer.peer_id)
+                self._published[peer.peer_id] = peer
+                if old is not None:
+                    self._retire(old)
+        if fresh:
+            logger.info(
+                "NixlTransport %s: peer %s = %s, %d blocks",
+                self._owner,
+                peer.peer_id,
+                peer.nixl_name,
+                peer.num_blocks,
+            )
+            return True
+        logger.info(
+            "NixlTransport %s: discarding superseded registration of peer %s",
+            self._owner,
+            peer.peer_id,
+        )
+        with self._lock:
+            if self.agent is not None:
+                self._release(peer)
+        return False
+
+    def remove(self, peer_id: str) -> None:
+        """Unpublish ``peer_id`` (retired until its transfers resolve) and supersede any
+        registration of it still being built."""
+        self.next_generation(peer_id)
+        peer = self._published.pop(peer_id, None)
+        if peer is not None:
+            self._retire(peer)
+
+    def remove_all(self) -> None:
+        """Unpublish every registration (the transport is closing)."""
+        for peer_id in list(self._published):
+            self._retire(self._published.pop(peer_id))
+
+    def transfer_ended(self, peer: NixlPeer, tid: int) -> None:
+        """Transfer ``tid`` to ``peer`` resolved: a retired registration it was the last
+        transfer of is released."""
+        peer.inflight.discard(tid)
+        if not peer.inflight and peer in self._retired:
+            self._retired.remove(peer)
+            self._release(peer)
+
+    def _retire(self, peer: NixlPeer) -> None:
+        """An unpublished registration: release it now, or once its transfers resolve."""
+        if peer.inflight:
+            self._retired.append(peer)
+        else:
+            self._release(peer)
+
+    def _release(self, peer: NixlPeer) -> None:
+        """Release a registration's descriptors, and its remote agent if no one else uses it.
+
+        The two are independent: a failed descriptor release must not leave the agent loaded.
+        """
+        try:
+            self.agent.release_dlist_handle(peer.dlist)
+        except Exception as exc:
+            logger.warning(
+                "NixlTransport %s: releasing %s's descriptors failed: %s",
+                self._owner,
+                peer.peer_id,
+                exc,
+            )
+        if not self._name_in_use(peer.nixl_name):
+            self._remove_agent(peer.peer_id, peer.nixl_name)
+
+    def _name_in_use(self, nixl_name: str) -> bool:
+        return (
+            nixl_name in self._building
+            or any(p.nixl_name == nixl_name for p in self._published.values())
+            or any(p.nixl_name == nixl_name for p in self._retired)
+        )
+
+    def _remove_agent(self, peer_id: str, nixl_name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(nixl_name)
+        except Exception as exc:
+            logger.warning(
+                "NixlTransport %s: removing remote agent %s of %s failed: %s",
+                self._owner,
+                nixl_name,
+                peer_id,
+                exc,
+            )
