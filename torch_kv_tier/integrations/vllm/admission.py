@@ -45,7 +45,8 @@ the requests behind it no faster). So a request's first promotion is admitted on
 
 Unless its own recompute would wait: a request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
-of the last step, plus those waiting that arrived before it), is promoted whatever the others
+of the last step, plus those waiting that arrived before it and were answered MISS, not
+those the guard below holds), is promoted whatever the others
 do, as long as its whole prefix fits the budget left: counted from its arrival, its recompute
 would take three prefills or more, its promotion at most the two more steps of its own (w + 3
 against w + 1 steps for w >= 2 waited, within 5/3: every request stays within the CI burst
@@ -216,7 +217,9 @@ class PromotionAdmission:
         self._recomputes = [0, 0]  # recomputes scheduled in the last step, in the one before
         self._recomputed = 0  # recomputes scheduled since the tier started
         self._loading = 0  # of ``_held``: promised to requests scheduled in the last step
-        self._missed: set[str] = set()  # requests not yet scheduled this tier answered MISS
+        # requests not yet scheduled this tier answered MISS (they recompute), but not those
+        # the guard holds in this step: their MISS only ends vLLM's scan (``_answer``)
+        self._missed: set[str] = set()
 
     @property
     def prefix_chunks(self) -> int:
@@ -325,7 +328,9 @@ class PromotionAdmission:
         return self._answer(req_id, self._guard(req_id) or Verdict.MISS)
 
     def _answer(self, req_id: str, verdict: Verdict) -> Verdict:
-        if verdict is Verdict.MISS:
+        # A request the guard answered RETRY in this step is deferred whatever its other
+        # lookups answer: it is no recompute ahead of the requests that arrived after it.
+        if verdict is Verdict.MISS and req_id not in self._guarded:
             self._missed.add(req_id)
         return verdict
 
