@@ -844,32 +844,36 @@ def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> 
         PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, guard_s=-1)
 
 
-def test_admission_does_not_count_requests_the_guard_holds_as_prefills_ahead() -> None:
-    """The guard answers a held request RETRY once per step, then MISS to end vLLM's scan;
-    the request is deferred all the same. Counted as a recompute queued ahead, two such
-    requests made every later request of the burst "behind two prefills": promoted or
-    recomputed at once, past the guard, and their prefill filled the steps of the promotion
-    under way (CI, the engine burst test: the first request 0.298 s against its 0.123 s
-    recompute)."""
+def test_admission_holds_a_request_the_budget_refuses_while_a_promotion_is_under_way() -> None:
+    """A request behind two prefills is promoted if its prefix fits the budget, else it
+    recomputes: not at once while another request's promotion is under way, or its prefill
+    fills that promotion's steps (CI, the engine burst test: three such recomputes scheduled in
+    the step of the first request's load, its first token after 0.298 s against its 0.123 s
+    recompute). It waits like any refused request, at most ``guard_s``."""
     now = [0.0]
     admission = PromotionAdmission(
         budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
         clock=lambda: now[0],
     )  # fmt: skip
     admission.on_new_request("first")
-    assert admission.admit("first", b"f0") is Verdict.HIT  # alone: promoted at once
-    admission.on_submitted("first", [b"f0"])
+    first = [f"f{c}".encode() for c in range(4)]
+    assert [admission.admit("first", k) for k in first] == [Verdict.HIT] * 4  # alone
+    admission.on_submitted("first", first)
     admission.end_step(scheduled=(), preempted=())
     for n in range(4):  # the burst arrives while first's promotion is under way
         admission.on_new_request(f"b{n}")
-    for req_id in ("b0", "b1"):
-        assert admission.admit(req_id, f"{req_id}-0".encode()) is Verdict.RETRY  # held
+    for req_id in ("b0", "b1"):  # the queue does not fit: held
+        assert admission.admit(req_id, f"{req_id}-0".encode()) is Verdict.RETRY
         assert admission.admit(req_id, f"{req_id}-1".encode()) is Verdict.MISS  # scan ends
-    assert admission.admit("b2", b"b2-0") is Verdict.RETRY  # held too: nothing prefills
-    assert admission.recompute("b3") is Verdict.RETRY
-    assert admission.stats.admitted == 1 and admission.stats.guarded == 4
-    admission.end_step(scheduled=("first",), preempted=())  # first runs; the burst goes on
-    assert admission.admit("b0", b"b0-0") is Verdict.MISS  # the queue does not fit: recompute
+    b2 = [f"b2-{c}".encode() for c in range(4)]  # behind b0's and b1's prefills: promoted
+    assert [admission.admit("b2", k) for k in b2] == [Verdict.HIT] * 4
+    admission.on_submitted("b2", b2)
+    assert admission.admit("b3", b"b3-0") is Verdict.RETRY  # no room left: held, not recomputed
+    assert admission.stats.refused_budget == 0
+    admission.end_step(scheduled=("first",), preempted=())  # b2's promotion is still under way
+    now[0] += 0.05  # the guard holds a request at most 0.05 s after it arrived
+    assert admission.admit("b3", b"b3-0") is Verdict.MISS
+    assert admission.stats.refused_budget == 1 and admission.stats.guarded == 3
 
 
 def test_admission_refuses_while_a_recompute_prefills_even_when_nothing_is_stored() -> None:

@@ -45,8 +45,7 @@ the requests behind it no faster). So a request's first promotion is admitted on
 
 Unless its own recompute would wait: a request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
-of the last step, plus those waiting that arrived before it and were answered MISS, not
-those the guard below holds), is promoted whatever the others
+of the last step, plus those waiting that arrived before it), is promoted whatever the others
 do, as long as its whole prefix fits the budget left: counted from its arrival, its recompute
 would take three prefills or more, its promotion at most the two more steps of its own (w + 3
 against w + 1 steps for w >= 2 waited, within 5/3: every request stays within the CI burst
@@ -61,9 +60,12 @@ which recomputed in turn and refused the next: the whole burst recomputed, each 
 behind the others (serve-bench at concurrency 16: no chunk promoted, TTFT p50 1060 ms against
 902 ms without the tier, and with an 8 MiB CPU tier, where the whole queue never fits, the tier
 recomputed every burst). A request whose prefix does not fit the budget left recomputes at once
-(part of a prefix would cost it both the promotion's steps and a recompute).
+(part of a prefix would cost it both the promotion's steps and a recompute), unless the guard
+below holds it: its prefill must not fill the steps of a promotion under way (CI's engine burst
+test, once: three such recomputes scheduled in the step of the promoted request's load, whose
+first token then came after 0.298 s against its 0.123 s recompute).
 
-Otherwise the request recomputes at once (MISS), as without the tier. Its chunks are then
+Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside). Its chunks are then
 promoted:
 
 - **within a budget** of CPU-tier chunks
@@ -217,9 +219,7 @@ class PromotionAdmission:
         self._recomputes = [0, 0]  # recomputes scheduled in the last step, in the one before
         self._recomputed = 0  # recomputes scheduled since the tier started
         self._loading = 0  # of ``_held``: promised to requests scheduled in the last step
-        # requests not yet scheduled this tier answered MISS (they recompute), but not those
-        # the guard holds in this step: their MISS only ends vLLM's scan (``_answer``)
-        self._missed: set[str] = set()
+        self._missed: set[str] = set()  # requests not yet scheduled this tier answered MISS
 
     @property
     def prefix_chunks(self) -> int:
@@ -260,8 +260,7 @@ class PromotionAdmission:
             if refusal is not None:
                 return refusal
         if self._held >= self.budget:
-            self.stats.refused_budget += 1
-            return Verdict.MISS
+            return self._refuse(req_id, "budget")  # in mid-prefix: MISS (the guard lets it be)
         if attempt is None:
             attempt = self._attempts[req_id] = _Attempt()
         attempt.promised.add(key)
@@ -277,29 +276,34 @@ class PromotionAdmission:
         if self._prefills_ahead(req_id) >= _PREFILLS_AHEAD_TO_PROMOTE:
             # Its promotion takes at most 5/3 of its recompute, counted from its arrival:
             # promoted if its whole prefix fits the budget left (part of one would cost it
-            # both the promotion's steps and a recompute), else it recomputes now. The queue
-            # behind it need not fit: it recomputes meanwhile, one step sooner.
+            # both the promotion's steps and a recompute), else it recomputes now, or waits
+            # while another request's promotion is under way, as any refused request (the
+            # guard: its prefill would fill that promotion's steps). The queue behind it need
+            # not fit: it recomputes meanwhile, one step sooner.
             if self._held + self.prefix_chunks > self.budget:
-                self.stats.refused_budget += 1
-                return Verdict.MISS
+                return self._refuse(req_id, "budget")
             return None
         others = len(self._running) + len(self._waiting) - (req_id in self._waiting)
         busy = sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2)
         if others and busy:
-            guard = self._guard(req_id)
-            if guard is None:
-                self.stats.refused_busy += 1
-            return guard or Verdict.MISS
+            return self._refuse(req_id, "busy")
         if len(self._waiting) * self.prefix_chunks > self.budget:
-            guard = self._guard(req_id)
-            if guard is None:
-                self.stats.refused_pressure += 1
-            return guard or Verdict.MISS
+            return self._refuse(req_id, "pressure")
         arrival = self._waiting.get(req_id)
         if others and arrival is not None and arrival.step >= self._step:
             self.stats.held += 1
             return Verdict.RETRY
         return None
+
+    def _refuse(self, req_id: str, reason: str) -> Verdict:
+        """A promotion refused for ``reason`` (one of ``REFUSAL_REASONS``): the request
+        recomputes (MISS, counted), unless the guard makes it wait for another request's
+        promotion (RETRY, counted as ``guarded``)."""
+        guard = self._guard(req_id)
+        if guard is None:
+            name = f"refused_{reason}"
+            setattr(self.stats, name, getattr(self.stats, name) + 1)
+        return guard or Verdict.MISS
 
     def _prefills_ahead(self, req_id: str) -> int:
         """The prefills ``req_id``'s recompute would end behind, counted from its arrival: the
@@ -328,9 +332,7 @@ class PromotionAdmission:
         return self._answer(req_id, self._guard(req_id) or Verdict.MISS)
 
     def _answer(self, req_id: str, verdict: Verdict) -> Verdict:
-        # A request the guard answered RETRY in this step is deferred whatever its other
-        # lookups answer: it is no recompute ahead of the requests that arrived after it.
-        if verdict is Verdict.MISS and req_id not in self._guarded:
+        if verdict is Verdict.MISS:
             self._missed.add(req_id)
         return verdict
 
