@@ -65,8 +65,8 @@ below holds it: its prefill must not fill the steps of a promotion under way (CI
 test, once: three such recomputes scheduled in the step of the promoted request's load, whose
 first token then came after 0.298 s against its 0.123 s recompute).
 
-Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside). Its chunks are then
-promoted:
+Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
+Its chunks are then promoted:
 
 - **within a budget** of CPU-tier chunks
   (:func:`~torch_kv_tier.integrations.vllm.tier_sizing.promotion_budget`) for the chunks
@@ -260,7 +260,8 @@ class PromotionAdmission:
             if refusal is not None:
                 return refusal
         if self._held >= self.budget:
-            return self._refuse(req_id, "budget")  # in mid-prefix: MISS (the guard lets it be)
+            # a first promotion may wait (the guard); in mid-prefix the scan ends here (MISS)
+            return self._refuse(req_id, "budget")
         if attempt is None:
             attempt = self._attempts[req_id] = _Attempt()
         attempt.promised.add(key)
