@@ -48,6 +48,7 @@ from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E4
 from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
+from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig  # noqa: E402
 from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
 
@@ -615,8 +616,10 @@ def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first
     server: ServerProcess,
 ) -> None:
     """Two requests whose prefixes together exceed what the CPU tier may promote: the first
-    gets its leading chunks, the second a MISS on its first chunk (so vLLM recomputes it at
-    once instead of waiting), and once the first is scheduled the budget serves the next."""
+    gets its leading chunks; the second waits while that promotion is under way (RETRY: its
+    prefill would fill the first one's steps), at most ``promotion_guard_s``, then gets a MISS
+    on its first chunk (vLLM recomputes it, no longer waiting); once the first is scheduled the
+    budget serves the next."""
     spec, manager = make_manager(server.address)
     driver = Driver(manager)
     try:
@@ -624,7 +627,9 @@ def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first
         first, second = keys[:BUDGET], keys[BUDGET:]
         ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
         assert driver.lookup(ctx_1, first) == [LookupResult.HIT_PENDING] * BUDGET
-        assert driver.lookup(ctx_2, second[:1]) == [LookupResult.MISS]  # budget spent
+        assert driver.lookup(ctx_2, second[:1]) == [LookupResult.RETRY]  # budget spent: waits
+        time.sleep(RemoteHostTierConfig.promotion_guard_s + 0.01)
+        assert driver.lookup(ctx_2, second[:1]) == [LookupResult.MISS]  # waited long enough
         driver.run_until_idle()  # the reads landed: the budget is free for the next request
         assert driver.lookup(ctx_1, first) == [LookupResult.HIT] * BUDGET
         assert driver.loaded_bytes(ctx_1, first) == [driver.written[k] for k in first]
