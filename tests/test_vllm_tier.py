@@ -612,7 +612,7 @@ def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines(
 BUDGET = tier_sizing.promotion_budget(PRIMARY_CHUNKS)
 
 
-def test_a_burst_beyond_the_promotion_budget_misses_at_once_leading_chunks_first(
+def test_a_burst_beyond_the_promotion_budget_waits_then_misses_leading_chunks_first(
     server: ServerProcess,
 ) -> None:
     """Two requests whose prefixes together exceed what the CPU tier may promote: the first

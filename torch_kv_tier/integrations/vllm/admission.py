@@ -298,8 +298,8 @@ class PromotionAdmission:
 
     def _refuse(self, req_id: str, reason: str) -> Verdict:
         """A promotion refused for ``reason`` (one of ``REFUSAL_REASONS``): the request
-        recomputes (MISS, counted), unless the guard makes it wait for another request's
-        promotion (RETRY, counted as ``guarded``)."""
+        recomputes (MISS, counted), unless the guard holds it for another request's promotion
+        (``_guard``'s answer, counted there as ``guarded``, not here)."""
         guard = self._guard(req_id)
         if guard is None:
             name = f"refused_{reason}"
