@@ -7,10 +7,12 @@ head_dim]``, stores it under a caller-chosen key (see
 :func:`~torch_kv_tier.integrations.torch_loop.keys.prefix_keys`), and scatters stored blocks back
 into any pages of the cache later, in this or another process.
 
-Data path: cache pages -> arena slots (one vectorized gather per layer) -> remote host (NIXL), and
-back. The arena is the tier's registered memory: on the cache's device (``staging="device"``: a
-CUDA arena registered as VRAM, GPUDirect where the NIC allows) or in host memory
-(``staging="host"``: pinned when CUDA is present, the cache pages copied through it).
+Data path: cache pages -> arena slots (one vectorized gather per layer, :mod:`.page_copy`) ->
+remote host (NIXL), and back; an offload larger than the arena goes in batches, reported as one
+future (:mod:`.offload_results`). The arena is the tier's registered memory: on the cache's
+device (``staging="device"``: a CUDA arena registered as VRAM, GPUDirect where the NIC allows)
+or in host memory (``staging="host"``: pinned when CUDA is present, the cache pages copied
+through it).
 
 Failure policy: a missing or failed remote never raises from :meth:`~PagedKVOffloader.offload` or
 :meth:`~PagedKVOffloader.restore` unless ``strict=True``; offloads report failed keys in their
@@ -31,6 +33,13 @@ from typing import Literal
 
 import torch
 
+from torch_kv_tier.integrations.torch_loop.offload_results import (
+    Batch,
+    OffloadError,
+    combine,
+    failed_now,
+)
+from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import TransferResult
@@ -40,10 +49,6 @@ __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
 log = logging.getLogger(__name__)
 
 Staging = Literal["device", "host"]
-
-
-class OffloadError(RuntimeError):
-    """Raised by a ``strict=True`` offloader when the tier fails an offload or restore."""
 
 
 class PagedKVOffloader:
@@ -98,6 +103,7 @@ class PagedKVOffloader:
         self._blocks = manager.arena.view(
             self.dtype, len(self.key_caches), 2, page_size, heads, head_dim
         )
+        self._pages = PageCopier(self.key_caches, self.value_caches, self._blocks)
         self._lock = threading.Lock()
         self._slots_freed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
@@ -235,12 +241,12 @@ class PagedKVOffloader:
         keys, pages = self._check_args(keys, page_ids, "offload")
         started = time.perf_counter()
         todo = {key: page for key, page in zip(keys, pages, strict=True) if not self._contains(key)}
-        parts: list[tuple[list[Key], Future[TransferResult]]] = []
+        parts: list[Batch] = []
         batch_keys = list(todo)
         for lo in range(0, len(batch_keys), self._blocks.shape[0]):
             chunk = batch_keys[lo : lo + self._blocks.shape[0]]
             parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk])))
-        return self._combine(keys, parts, started)
+        return combine(keys, parts, started, strict=self.strict)
 
     def restore(self, keys: Sequence[Key], page_ids: Sequence[int]) -> int:
         """Bring back the longest stored prefix of ``keys`` into ``page_ids``; return its length.
@@ -320,13 +326,13 @@ class PagedKVOffloader:
     def _store_batch(self, keys: list[Key], pages: list[int]) -> Future[TransferResult]:
         slots = self._acquire(len(keys), time.monotonic() + self.timeout)
         if slots is None:
-            return _failed(keys, "capacity", "no free arena slots within the timeout")
-        self._gather(pages, slots)
+            return failed_now(keys, "capacity", "no free arena slots within the timeout")
+        self._pages.gather(pages, slots)
         try:
             future = self.manager.store(keys, slots)
         except Exception as exc:
             self._release(slots)
-            return _failed(keys, str(exc), "tier refused the store")
+            return failed_now(keys, str(exc), "tier refused the store")
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(lambda done: self._release(slots, done))
@@ -359,7 +365,7 @@ class PagedKVOffloader:
         if count < len(keys):
             log.warning("restore stopped at page %d: %s", count, result.failed.get(keys[count]))
         try:
-            self._scatter(slots[:count], pages[:count])
+            self._pages.scatter(slots[:count], pages[:count])
         finally:
             self._release(slots)
         return count
@@ -381,115 +387,3 @@ class PagedKVOffloader:
             if store is not None:
                 self._pending.discard(store)
             self._slots_freed.notify_all()
-
-    def _gather(self, pages: list[int], slots: list[int]) -> None:
-        """Pack ``pages`` of every layer into arena ``slots`` (finished before it returns)."""
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        packed = torch.stack(
-            [
-                torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
-                for k, v in zip(self.key_caches, self.value_caches, strict=True)
-            ],
-            dim=1,
-        )  # [n, layers, 2, page_size, heads, head_dim] on the caches' device
-        run = _run_start(slots)
-        if run is not None:
-            self._blocks[run : run + len(slots)].copy_(packed)
-        else:
-            where = torch.tensor(slots, dtype=torch.long, device=self._blocks.device)
-            self._blocks.index_copy_(0, where, packed.to(self._blocks.device))
-        self._synchronize()
-
-    def _scatter(self, slots: list[int], pages: list[int]) -> None:
-        """Unpack arena ``slots`` into ``pages`` of every layer (finished before it returns)."""
-        if not slots:
-            return
-        run = _run_start(slots)
-        if run is not None:
-            packed = self._blocks[run : run + len(slots)]
-        else:
-            where = torch.tensor(slots, dtype=torch.long, device=self._blocks.device)
-            packed = self._blocks.index_select(0, where)
-        packed = packed.to(self.device)
-        index = torch.tensor(pages, dtype=torch.long, device=self.device)
-        for layer, (k, v) in enumerate(zip(self.key_caches, self.value_caches, strict=True)):
-            k.index_copy_(0, index, packed[:, layer, 0])
-            v.index_copy_(0, index, packed[:, layer, 1])
-        self._synchronize()
-
-    def _synchronize(self) -> None:
-        # CUDA kernels that read or write the arena must finish before NIXL touches it or the
-        # slots are reused.
-        for device in {self.device, self._blocks.device}:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-
-    def _combine(
-        self,
-        keys: list[Key],
-        parts: list[tuple[list[Key], Future[TransferResult]]],
-        started: float,
-    ) -> Future[TransferResult]:
-        """One future over the batch futures, reporting every requested key in call order."""
-        combined: Future[TransferResult] = Future()
-        remaining = [len(parts)]
-        lock = threading.Lock()
-
-        def finish() -> None:
-            failed: dict[Key, str] = {}
-            nbytes = 0
-            for part_keys, part in parts:
-                try:
-                    part_result = part.result()
-                except Exception as exc:  # the tier failed the whole batch
-                    failed.update(dict.fromkeys(part_keys, str(exc) or type(exc).__name__))
-                    continue
-                failed.update(part_result.failed)
-                nbytes += part_result.nbytes
-            result = TransferResult(
-                ok=not failed,
-                keys=[k for k in keys if k not in failed],
-                failed=failed,
-                nbytes=nbytes,
-                seconds=time.perf_counter() - started,
-            )
-            if failed and self.strict:
-                combined.set_exception(OffloadError(f"offload failed: {failed}"))
-            else:
-                if failed:
-                    log.warning("offload of %d pages failed: %s", len(failed), _reasons(failed))
-                combined.set_result(result)
-
-        def on_part(_: Future[TransferResult]) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                finish()
-
-        if not parts:
-            finish()
-        for _, part in parts:
-            part.add_done_callback(on_part)
-        return combined
-
-
-def _failed(keys: list[Key], reason: str, what: str) -> Future[TransferResult]:
-    log.warning("%s: %s", what, reason)
-    future: Future[TransferResult] = Future()
-    failed = dict.fromkeys(keys, reason)
-    future.set_result(TransferResult(ok=False, keys=[], failed=failed, nbytes=0, seconds=0.0))
-    return future
-
-
-def _run_start(slots: list[int]) -> int | None:
-    """First slot if ``slots`` is one ascending contiguous run (a single copy), else None."""
-    first = slots[0]
-    return first if slots == list(range(first, first + len(slots))) else None
-
-
-def _reasons(failed: dict[Key, str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for reason in failed.values():
-        counts[reason] = counts.get(reason, 0) + 1
-    return counts

@@ -1,0 +1,95 @@
+"""What ``PagedKVOffloader.offload`` returns: one future over the tier's batch futures.
+
+An offload larger than the arena goes to the tier in batches, each with its own future.
+:func:`combine` resolves one future once every batch has, reporting every requested key in call
+order: stored (``keys``) or failed with the tier's reason (``failed``). Non-strict, that future
+never raises; strict, it raises :class:`OffloadError` when any key failed.
+
+Threading: a batch future's callback runs on whichever thread resolves it (the tier's poller,
+or the caller when the tier settled it at once); the last one to finish builds the result, so
+the combined future resolves exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from torch_kv_tier.keys import Key
+from torch_kv_tier.results import TransferResult
+
+__all__ = ["OffloadError", "combine", "failed_now"]
+
+log = logging.getLogger(__name__)
+
+Batch = tuple[list[Key], Future[TransferResult]]
+
+
+class OffloadError(RuntimeError):
+    """Raised by a ``strict=True`` offloader when the tier fails an offload or restore."""
+
+
+def combine(
+    keys: list[Key], parts: list[Batch], started: float, *, strict: bool
+) -> Future[TransferResult]:
+    """One future over the batch futures ``parts`` (module docstring); ``started`` is the
+    offload's ``time.perf_counter()`` at its start."""
+    combined: Future[TransferResult] = Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def finish() -> None:
+        failed: dict[Key, str] = {}
+        nbytes = 0
+        for part_keys, part in parts:
+            try:
+                part_result = part.result()
+            except Exception as exc:  # the tier failed the whole batch
+                failed.update(dict.fromkeys(part_keys, str(exc) or type(exc).__name__))
+                continue
+            failed.update(part_result.failed)
+            nbytes += part_result.nbytes
+        result = TransferResult(
+            ok=not failed,
+            keys=[k for k in keys if k not in failed],
+            failed=failed,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - started,
+        )
+        if failed and strict:
+            combined.set_exception(OffloadError(f"offload failed: {failed}"))
+        else:
+            if failed:
+                log.warning("offload of %d pages failed: %s", len(failed), _reasons(failed))
+            combined.set_result(result)
+
+    def on_part(_: Future[TransferResult]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    if not parts:
+        finish()
+    for _, part in parts:
+        part.add_done_callback(on_part)
+    return combined
+
+
+def failed_now(keys: list[Key], reason: str, what: str) -> Future[TransferResult]:
+    """A resolved future failing every one of ``keys`` with ``reason`` (logged with ``what``)."""
+    log.warning("%s: %s", what, reason)
+    future: Future[TransferResult] = Future()
+    failed = dict.fromkeys(keys, reason)
+    future.set_result(TransferResult(ok=False, keys=[], failed=failed, nbytes=0, seconds=0.0))
+    return future
+
+
+def _reasons(failed: dict[Key, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for reason in failed.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    return counts
