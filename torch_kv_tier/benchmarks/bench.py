@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torch_kv_tier.benchmarks import report, report_verify
+from torch_kv_tier.benchmarks import report, report_plot, report_verify
 from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
 from torch_kv_tier.benchmarks.options import list_of, positive, quiet_nixl, size
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         report.save_json(rows, args.out)
         print(f"results: {args.out}")
     if args.plot:
-        report.plot(rows, args.plot)
+        report_plot.plot(rows, args.plot)
         print(f"plot: {args.plot}")
     failed = [r for r in rows if r.get("error")]
     return 1 if failed else 0
