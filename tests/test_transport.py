@@ -25,6 +25,7 @@ from torch_kv_tier.transport import (
     config_fingerprint,
     nixl_agent,
 )
+from torch_kv_tier.transport import nixl as nixl_module
 from torch_kv_tier.transport.ucx_env import apply_ucx_policy, ucx_backend_params
 
 BLOCK = 4096
@@ -448,6 +449,24 @@ def test_registration_runs_off_the_caller_and_a_removal_meanwhile_wins(
     local._agent = blocking._agent
     local.add_remote_peer_async("p", *peer.peer_args()).result(timeout=10)
     tid = local.write_blocks("p", [1], [1])
+    assert drain(local, {tid})[0] == {tid}
+
+
+def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
+    local: NixlTransport, peer: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(nixl_module, "REGISTRATION_TIMEOUT_S", 0.5)
+    blocking = BlockingPrep(local._agent)
+    local._agent = blocking
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s.*add_remote_peer again"):
+        local.add_remote_peer("p", *peer.peer_args())
+    blocking.release.set()  # the abandoned registration now completes: it must not publish
+    local._registrar.submit(lambda: None).result(timeout=10)  # runs after it (one thread)
+    assert blocking.calls["remove_remote_agent"] == 1  # its agent, released
+    local._agent = blocking._agent
+    assert local.write_blocks("p", [0], [0]) is None  # unknown peer
+    local.add_remote_peer("p", *peer.peer_args())  # a registration in time still works
+    tid = local.write_blocks("p", [2], [2])
     assert drain(local, {tid})[0] == {tid}
 
 

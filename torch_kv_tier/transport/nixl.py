@@ -29,6 +29,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ from torch_kv_tier.transport.nixl_peers import NixlPeer, NixlPeers
 logger = logging.getLogger(__name__)
 
 _GONE = "GONE"  # pseudo-state: the check raised a remote disconnect, the transfer is over
+# How long ``add_remote_peer`` waits for a registration (NIXL's local work: milliseconds here).
+REGISTRATION_TIMEOUT_S = 60.0
 
 
 @dataclass(eq=False)
@@ -171,8 +174,13 @@ class NixlTransport(DataTransport):
         mem_type: str = "DRAM",
         device_id: int = 0,
     ) -> None:
-        """Register a peer region and wait for it; see ``add_remote_peer_async``."""
-        self.add_remote_peer_async(
+        """Register a peer region and wait for it; see ``add_remote_peer_async``.
+
+        Raises ``TimeoutError`` when the registration has not finished within
+        ``REGISTRATION_TIMEOUT_S``: it is then abandoned (it can no longer publish the peer; a
+        working registration of it is kept), so the caller's view and the transport's agree.
+        """
+        future = self.add_remote_peer_async(
             peer_id,
             agent_metadata,
             base_addr,
@@ -180,7 +188,24 @@ class NixlTransport(DataTransport):
             block_len,
             mem_type=mem_type,
             device_id=device_id,
-        ).result()
+        )
+        try:
+            future.result(timeout=REGISTRATION_TIMEOUT_S)
+        except FutureTimeout:
+            with self._lock:
+                self._peers.next_generation(peer_id)  # it can no longer publish the peer
+            try:  # unless it did just before: its future then resolves at once
+                published = future.exception(timeout=1.0) is None
+            except FutureTimeout:
+                published = False
+            if published:
+                return
+            raise TimeoutError(
+                f"registering peer {peer_id!r} did not finish within {REGISTRATION_TIMEOUT_S:g}"
+                " s (NIXL's add_remote_agent or prep_xfer_dlist did not return); it was abandoned"
+                " and the peer is not registered: check the peer's agent metadata, then call "
+                "add_remote_peer again"
+            ) from None
 
     def add_remote_peer_async(
         self,
