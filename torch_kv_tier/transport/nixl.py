@@ -203,8 +203,8 @@ class NixlTransport(DataTransport):
             raise TimeoutError(
                 f"registering peer {peer_id!r} did not finish within {REGISTRATION_TIMEOUT_S:g}"
                 " s (NIXL's add_remote_agent or prep_xfer_dlist did not return); it was abandoned"
-                " and the peer is not registered: check the peer's agent metadata, then call "
-                "add_remote_peer again"
+                " and will not take effect (an earlier registration of the peer, if any, stays in"
+                " use): check the peer's agent metadata, then call add_remote_peer again"
             ) from None
 
     def add_remote_peer_async(
