@@ -470,6 +470,24 @@ def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
     assert drain(local, {tid})[0] == {tid}
 
 
+def test_a_reregistration_that_outlives_its_wait_keeps_the_working_one(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local.region.owner[5] = 5
+    local.add_remote_peer("p", *peer.peer_args())
+    monkeypatch.setattr(nixl_module, "REGISTRATION_TIMEOUT_S", 0.5)
+    blocking = BlockingPrep(local._agent)
+    local._agent = blocking
+    with pytest.raises(TimeoutError, match="an earlier registration of the peer"):
+        local.add_remote_peer("p", *peer2.peer_args())
+    blocking.release.set()
+    local._registrar.submit(lambda: None).result(timeout=10)
+    local._agent = blocking._agent
+    tid = local.write_blocks("p", [5], [5])  # still the first registration: peer, not peer2
+    assert drain(local, {tid})[0] == {tid}
+    assert int(peer.get([5]).sum()) == 5 * BLOCK
+
+
 def test_a_failed_reregistration_keeps_the_working_one(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
