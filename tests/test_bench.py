@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_kv_tier.benchmarks import bench
+from torch_kv_tier.benchmarks import bench, report
 from torch_kv_tier.benchmarks.core import Call, Op
 from torch_kv_tier.benchmarks.system_memcpy import Memcpy
 
@@ -115,6 +115,26 @@ def test_verify_off_is_opt_in() -> None:
     assert [g for g in run.groups() if "torch_kv_tier" in g] == [
         ["nixl_raw", "torch_kv_tier"], ["vllm_nixl", "torch_kv_tier"]
     ]  # fmt: skip
+
+
+def test_a_system_measured_alone_gets_no_ratio_against_itself() -> None:
+    # On a GPU the staged tier runs in a group of its own: it has no interleaved reference, and
+    # a ratio of it against itself (1.00, +0 us) once filled the multi-host table.
+    point = {
+        "kind": "throughput", "transport": "shm", "op": "write", "pattern": "contiguous",
+        "block_len": 65536, "batch": 16, "inflight_requested": 1, "skipped": None, "error": None,
+        "gbps": 1.0, "verified": True, "p50_us": 900.0, "p99_us": 990.0,
+        "gbps_repeats": [1.0, 1.1], "us_per_call_repeats": [900.0, 850.0],
+    }  # fmt: skip
+    rows = [
+        {**point, "system": "torch_kv_tier_staged", "group": "torch_kv_tier_staged"},
+        {**point, "system": "nixl_raw", "group": "nixl_raw"},
+        {**point, "system": "torch_kv_tier", "group": "nixl_raw", "gbps_repeats": [0.5, 0.55]},
+    ]
+    ratios = report.ratio_rows(rows)
+    assert [(r["system"], r["reference"]) for r in ratios] == [("torch_kv_tier", "nixl_raw")]
+    assert ratios[0]["ratio_median"] == pytest.approx(0.5)
+    assert "several remote hosts" not in report.render(rows + ratios)
 
 
 def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -310,3 +310,11 @@ def test_example_command_starts_its_own_remote_host(capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "prefix hit: 4/4 pages restored" in out
     assert "bit-identical to full recompute (torch.equal, prompt + decode): yes" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_example_refuses_a_cuda_device_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        example_main(["--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available: run with --device cpu" in capsys.readouterr().err

@@ -115,7 +115,8 @@ def ratio_rows(rows: Sequence[Row]) -> list[Row]:
         ref_name = "nixl_raw" if group == MULTI_GROUP else group
         ref = systems.get(ref_name)
         for name, row in systems.items():
-            if not name.startswith(TIER) or not (_ok(row) and _ok(ref)):
+            # A system measured in a group of its own (the staged GPU path) has no reference.
+            if name == ref_name or not name.startswith(TIER) or not (_ok(row) and _ok(ref)):
                 continue
             assert ref is not None
             pairs = list(zip(row["gbps_repeats"], ref["gbps_repeats"], strict=False))

@@ -175,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="timed runs of request B (median)")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} but CUDA is not available: run with --device cpu")
 
     config = DecoderConfig(hidden=args.hidden, layers=args.layers, ffn=4 * args.hidden)
     try:

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The CUDA checks that CI cannot run (CI has no GPU): every CUDA test, the CUDA torch-loop example
+# in both staging modes, and `bench --device cuda` with the copy ceiling and verification on/off.
+#
+# Run from the repository root on a CUDA machine that has torch; the project's other
+# dependencies either installed or carried as wheels (and tarballs of unpacked wheels) in .whl/,
+# which are installed into /tmp/site first. Logs and results go to $OUT (default ./gpu-check),
+# at most 8 files. Each step has its own timeout; the script exits 1 if any step failed.
+#
+# The nixl-cu13 wheel is ~59 MB; to carry it in less, unpack it and keep only the NIXL modules
+# and their libraries (its nixl_ep_cu13 and headers are not used here):
+#   unzip -q nixl_cu13-*.whl -d x && tar -C x -cJf .whl/nixl_cu13.tar.xz nixl_cu13 \
+#       nixl_cu13.libs .nixl_cu13.mesonpy.libs nixl_cu13-*.dist-info      # ~16 MB
+# with the small `nixl` wheel (the import name `nixl`), pyzmq, msgspec and dnspython as wheels.
+set -uo pipefail
+out=${OUT:-gpu-check}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+        .whl/*.whl || exit 1
+    for t in .whl/*.tar.xz; do [ -e "$t" ] && tar xJf "$t" -C /tmp/site; done
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+failed=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: output appended to $out/NAME.log, its tail echoed
+    local name=$1 limit=$2 start=$SECONDS rc
+    shift 2
+    echo "=== $name: $*" | tee -a "$out/$name.log"
+    timeout "$limit" "$@" >>"$out/$name.log" 2>&1
+    rc=$?
+    echo "=== $name: rc=$rc after $((SECONDS - start)) s" | tee -a "$out/$name.log"
+    tail -n 15 "$out/$name.log"
+    [ "$rc" -eq 0 ] || failed=1
+}
+
+step env 60 bash -c "nvidia-smi -L; $py -c 'import torch, nixl._api; \
+print(torch.__version__, torch.cuda.get_device_name(0))'"
+step tests 150 $py -m pytest -q -rs -p no:cacheprovider -k "${TESTS_K:-cuda or vram}" \
+    tests/test_arena.py tests/test_torch_loop.py tests/test_transport.py tests/test_bench.py
+for staging in device host; do
+    step example 60 $py -m torch_kv_tier.integrations.torch_loop.example --device cuda \
+        --staging "$staging"
+done
+step bench 120 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
+    --transports shm --block-sizes 16K,64K,256K,2M --repeats 3 --no-poll-scaling \
+    --systems memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_noverify,torch_kv_tier_staged \
+    --out "$out/bench-cuda.json" --plot "$out/bench-cuda.png"
+exit "$failed"
