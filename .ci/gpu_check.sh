@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI cannot run (CI has no GPU): every CUDA test, the CUDA torch-loop example
 # in both staging modes, and `bench --device cuda` with the copy ceiling and verification on/off.
+# Then, while a machine with many cores is at hand, `shared-bench` at 1 and 4 tiers: on the
+# 2-core development VM four tier processes and a host saturate the CPU, so its shared/private
+# store ratio is a ratio of CPU per byte; here it is the pool's own.
 #
 # Run from the repository root on a CUDA machine that has torch; the project's other
 # dependencies either installed or carried as wheels (and tarballs of unpacked wheels) in .whl/,
@@ -44,8 +47,10 @@ for staging in device host; do
     step example 60 $py -m torch_kv_tier.integrations.torch_loop.example --device cuda \
         --staging "$staging"
 done
-step bench 120 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
+step bench 180 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
     --transports shm --block-sizes 16K,64K,256K,2M --repeats 3 --no-poll-scaling \
     --systems memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_noverify,torch_kv_tier_staged \
     --out "$out/bench-cuda.json" --plot "$out/bench-cuda.png"
+step shared 240 $py -m torch_kv_tier --log-level ERROR shared-bench --block-sizes 64K,256K \
+    --tiers 1,4 --hosts 1 --rounds 5 --json "$out/shared-bench.json"
 exit "$failed"
