@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The CUDA checks that CI cannot run (CI has no GPU): every CUDA test, the CUDA torch-loop example
-# in both staging modes, and `bench --device cuda` with the copy ceiling and verification on/off.
+# in both staging modes, `bench --device cuda` with the copy ceiling and verification on/off, and
+# `digest-cost --device cuda` (where a GPU arena's digests spend their time).
 # Then, while a machine with many cores is at hand, `shared-bench` at 1 and 4 tiers: on the
 # 2-core development VM four tier processes and a host saturate the CPU, so its shared/private
 # store ratio is a ratio of CPU per byte; here it is the pool's own.
 #
 # Run from the repository root on a CUDA machine that has torch; the project's other
 # dependencies either installed or carried as wheels (and tarballs of unpacked wheels) in .whl/,
-# which are installed into /tmp/site first. Logs and results go to $OUT (default ./gpu-check),
-# at most 8 files. Each step has its own timeout; the script exits 1 if any step failed.
+# which are installed into /tmp/site first. The log (gpu-check.log) and results go to $OUT
+# (default ./gpu-check), five files. Each step has its own timeout; the script exits 1 if any
+# step failed.
 #
 # The nixl-cu13 wheel is ~59 MB; to carry it in less, unpack it and keep only the NIXL modules
 # and their libraries (its nixl_ep_cu13 and headers are not used here):
@@ -28,21 +30,26 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 failed=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...: output appended to $out/NAME.log, its tail echoed
-    local name=$1 limit=$2 start=$SECONDS rc
+log=$out/gpu-check.log
+step() {  # step NAME TIMEOUT_S COMMAND...: output appended to $log, its tail echoed
+    local name=$1 limit=$2 start=$SECONDS rc part
     shift 2
-    echo "=== $name: $*" | tee -a "$out/$name.log"
-    timeout "$limit" "$@" >>"$out/$name.log" 2>&1
+    part=$(mktemp)
+    echo "=== $name: $*" | tee -a "$log"
+    timeout "$limit" "$@" >"$part" 2>&1
     rc=$?
-    echo "=== $name: rc=$rc after $((SECONDS - start)) s" | tee -a "$out/$name.log"
-    tail -n 15 "$out/$name.log"
+    cat "$part" >>"$log"
+    tail -n 15 "$part"
+    rm -f "$part"
+    echo "=== $name: rc=$rc after $((SECONDS - start)) s" | tee -a "$log"
     [ "$rc" -eq 0 ] || failed=1
 }
 
 step env 60 bash -c "nvidia-smi -L; $py -c 'import torch, nixl._api; \
 print(torch.__version__, torch.cuda.get_device_name(0))'"
 step tests 150 $py -m pytest -q -rs -p no:cacheprovider -k "${TESTS_K:-cuda or vram}" \
-    tests/test_arena.py tests/test_torch_loop.py tests/test_transport.py tests/test_bench.py
+    tests/test_arena.py tests/test_torch_loop.py tests/test_transport.py tests/test_bench.py \
+    tests/test_digest_cost.py
 for staging in device host; do
     step example 60 $py -m torch_kv_tier.integrations.torch_loop.example --device cuda \
         --staging "$staging"
@@ -51,6 +58,8 @@ step bench 180 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no
     --transports shm --block-sizes 16K,64K,256K,2M --repeats 3 --no-poll-scaling \
     --systems memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_noverify,torch_kv_tier_staged \
     --out "$out/bench-cuda.json" --plot "$out/bench-cuda.png"
+step digest 90 $py -m torch_kv_tier digest-cost --device cuda --arena-mib 1024 --rounds 5 \
+    --json "$out/digest-cuda.json"
 step shared 240 $py -m torch_kv_tier --log-level ERROR shared-bench --block-sizes 64K,256K \
     --tiers 1,4 --hosts 1 --rounds 5 --json "$out/shared-bench.json"
 exit "$failed"

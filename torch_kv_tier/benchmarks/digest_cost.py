@@ -19,7 +19,10 @@ place, function) cell in alternating order; each cell's figure is the median ove
 its IQR and min..max. GB/s is computed twice: over the thread's CPU time (``per core``: what a
 core delivers, robust to other processes on the machine) and over wall time.
 
-Exit status 0; 2 for bad arguments.
+``--device cuda`` times a CUDA arena's digests instead (``digest_gpu``: the whole digest, its
+copy to host memory, and that copy into pinned memory).
+
+Exit status 0; 2 for bad arguments (``--device cuda`` without CUDA among them).
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive, help="interleaved rounds (default 7)")
     parser.add_argument(
         "--min-time", type=float, help="seconds per cache-resident cell and round (default 0.1)"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda[:n]: a CUDA arena's digests"
     )
     parser.add_argument("--json", help="write every figure to this JSON file")
 
@@ -204,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         print("torch-kv-tier digest-cost: --min-time must be > 0 and the arena hold 16 blocks "
               "of the largest size", file=sys.stderr)  # fmt: skip
         return 2
+    device = args.device
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"torch-kv-tier digest-cost: --device {device}: use cpu, or cuda[:n] on a machine "
+              "with CUDA", file=sys.stderr)  # fmt: skip
+        return 2
     env: dict[str, Any] = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
@@ -212,17 +223,26 @@ def run(args: argparse.Namespace) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(["torch-kv-tier", *sys.argv[1:]]),
     }
-    rows = measure(sorted(set(sizes)), arena_mib, rounds, min_time)
+    if device == "cpu":
+        rows = measure(sorted(set(sizes)), arena_mib, rounds, min_time)
+        text = table(rows)
+    else:
+        from torch_kv_tier.benchmarks import digest_gpu  # it uses this module's helpers
+
+        rows = digest_gpu.measure(sorted(set(sizes)), arena_mib, rounds, min_time, device)
+        text = digest_gpu.table(rows)
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
     env["loadavg_end"] = os.getloadavg()
-    print(table(rows))
+    print(text)
     print(
-        f"\n{rounds} rounds; DRAM arena {arena_mib} MiB; load average "
+        f"\n{rounds} rounds; {device} arena {arena_mib} MiB; load average "
         f"{'/'.join(f'{x:.2f}' for x in env['loadavg_start'])} at start, "
         f"{'/'.join(f'{x:.2f}' for x in env['loadavg_end'])} at end, on {env['cpus']} CPUs"
     )
     if args.json:
         config = {"block_sizes": sizes, "arena_mib": arena_mib, "rounds": rounds,
-                  "min_time": min_time, "batch": BATCH, "hot_bytes": HOT_BYTES}  # fmt: skip
+                  "min_time": min_time, "batch": BATCH, "hot_bytes": HOT_BYTES,
+                  "device": device}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"env": env, "config": config, "rows": rows}, f, indent=1)
         print(f"results: {args.json}")
