@@ -7,16 +7,10 @@
 # store ratio is a ratio of CPU per byte; here it is the pool's own.
 #
 # Run from the repository root on a CUDA machine that has torch; the project's other
-# dependencies either installed or carried as wheels (and tarballs of unpacked wheels) in .whl/,
-# which are installed into /tmp/site first. The log (gpu-check.log) and results go to $OUT
-# (default ./gpu-check), five files. Each step has its own timeout; the script exits 1 if any
-# step failed.
-#
-# The nixl-cu13 wheel is ~59 MB; to carry it in less, unpack it and keep only the NIXL modules
-# and their libraries (its nixl_ep_cu13 and headers are not used here):
-#   unzip -q nixl_cu13-*.whl -d x && tar -C x -cJf .whl/nixl_cu13.tar.xz nixl_cu13 \
-#       nixl_cu13.libs .nixl_cu13.mesonpy.libs nixl_cu13-*.dist-info      # ~16 MB
-# with the small `nixl` wheel (the import name `nixl`), pyzmq, msgspec and dnspython as wheels.
+# dependencies either installed or in .whl/ (made by .ci/gpu_wheels.sh on a machine with the
+# package index: wheels, and nixl-cu13 as a tarball of its unpacked modules), which are installed
+# into /tmp/site first. The log (gpu-check.log) and results go to $OUT (default ./gpu-check),
+# five files. Each step has its own timeout; the script exits 1 if any step failed.
 set -uo pipefail
 out=${OUT:-gpu-check}
 mkdir -p "$out"
