@@ -35,8 +35,8 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -118,6 +118,10 @@ class _Cell:
         self.cpu_gbps.append(moved / max(cpu, 1e-9) / 1e9)
         self.wall_gbps.append(moved / wall / 1e9)
 
+    def reset(self) -> None:
+        self.cpu_gbps.clear()
+        self.wall_gbps.clear()
+
 
 @contextlib.contextmanager
 def _busy_thread() -> Iterator[None]:
@@ -153,13 +157,7 @@ def measure(
     cells = [
         _Cell(arena, bl, place, fn) for bl in block_sizes for place in PLACES for fn in FUNCTIONS
     ]
-    for cell in cells:  # warm-up: code paths, page tables (excluded)
-        cell.measure(min_time / 10)
-        cell.cpu_gbps.clear()
-        cell.wall_gbps.clear()
-    for r in range(rounds):
-        for cell in cells if r % 2 == 0 else cells[::-1]:
-            cell.measure(min_time)
+    interleave(cells, rounds, min_time)
     return [
         {
             "block_len": c.block_len,
@@ -173,6 +171,22 @@ def measure(
         }
         for c in cells
     ]
+
+
+class Timed(Protocol):
+    def measure(self, min_time: float) -> None: ...
+    def reset(self) -> None: ...
+
+
+def interleave(cells: Sequence[Timed], rounds: int, min_time: float) -> None:
+    """A short warm-up of every cell (code paths, page tables, allocators; then ``reset``),
+    then ``rounds`` rounds over the cells in alternating order."""
+    for cell in cells:
+        cell.measure(min_time / 10)
+        cell.reset()
+    for r in range(rounds):
+        for cell in cells if r % 2 == 0 else cells[::-1]:
+            cell.measure(min_time)
 
 
 def _label(n: int) -> str:

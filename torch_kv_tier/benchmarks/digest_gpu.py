@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torch_kv_tier.benchmarks.digest_cost import BATCH, _label, _spread
+from torch_kv_tier.benchmarks.digest_cost import BATCH, _label, _spread, interleave
 from torch_kv_tier.digest import BlockDigests
 
 FUNCTIONS = ("digest", "d2h", "d2h_pinned")
@@ -67,6 +67,9 @@ class _Cell:
                 break
         self.gbps.append(calls * BATCH * self.block_len / wall / 1e9)
 
+    def reset(self) -> None:
+        self.gbps.clear()
+
 
 def measure(
     block_sizes: list[int], arena_mib: int, rounds: int, min_time: float, device: str
@@ -75,12 +78,7 @@ def measure(
     ``rounds``) and the per-round figures. Raises ``ValueError`` if the arena is too small."""
     arena = torch.full((arena_mib << 20,), 0xA5, dtype=torch.uint8, device=device)
     cells = [_Cell(arena, bl, fn) for bl in block_sizes for fn in FUNCTIONS]
-    for cell in cells:  # warm-up: allocator, pinned buffer, code paths (excluded)
-        cell.measure(min_time / 10)
-        cell.gbps.clear()
-    for r in range(rounds):
-        for cell in cells if r % 2 == 0 else cells[::-1]:
-            cell.measure(min_time)
+    interleave(cells, rounds, min_time)
     return [
         {
             "block_len": c.block_len,
