@@ -10,7 +10,8 @@
 # dependencies either installed or in .whl/ (made by .ci/gpu_wheels.sh on a machine with the
 # package index: wheels, and nixl-cu13 as a tarball of its unpacked modules), which are installed
 # into /tmp/site first. The log (gpu-check.log) and results go to $OUT (default ./gpu-check),
-# five files. Each step has its own timeout; the script exits 1 if any step failed.
+# five files. Each step has its own timeout (tests, examples and bench took 3 minutes on an H200);
+# the script exits 1 if any step failed.
 set -uo pipefail
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -48,12 +49,12 @@ for staging in device host; do
     step example 60 $py -m torch_kv_tier.integrations.torch_loop.example --device cuda \
         --staging "$staging"
 done
+step digest 90 $py -m torch_kv_tier digest-cost --device cuda --arena-mib 1024 --rounds 5 \
+    --json "$out/digest-cuda.json"
 step bench 180 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
     --transports shm --block-sizes 16K,64K,256K,2M --repeats 3 --no-poll-scaling \
     --systems memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_noverify,torch_kv_tier_staged \
     --out "$out/bench-cuda.json" --plot "$out/bench-cuda.png"
-step digest 90 $py -m torch_kv_tier digest-cost --device cuda --arena-mib 1024 --rounds 5 \
-    --json "$out/digest-cuda.json"
 step shared 240 $py -m torch_kv_tier --log-level ERROR shared-bench --block-sizes 64K,256K \
     --tiers 1,4 --hosts 1 --rounds 5 --json "$out/shared-bench.json"
 exit "$failed"
