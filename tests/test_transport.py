@@ -112,6 +112,45 @@ def test_memoryview_and_tensor_regions_describe_the_same_memory() -> None:
     assert a.mem_type == b.mem_type == "DRAM"
 
 
+_UNAVAILABLE_PROBE = """
+import sys
+from torch_kv_tier.transport import NixlTransport
+if sys.argv[1] == "absent":
+    sys.modules["nixl"] = None  # as if nixl were not installed
+t = NixlTransport("probe", memoryview(bytearray(4 * 64)).cast("B", (4, 64)))
+try:
+    t.write_blocks("peer", [0], [0])
+except RuntimeError as exc:
+    print(t.available, exc)
+"""
+
+
+@pytest.mark.parametrize("case", ["absent", "broken"])
+def test_an_unavailable_nixl_says_whether_it_is_missing_or_broken(
+    case: str, tmp_path: Path
+) -> None:
+    # A broken install (here: its native library missing, as in a trimmed wheel) must not be
+    # reported as "not installed": the user would reinstall the wrong thing, or nothing.
+    fake = tmp_path / "nixl"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "_api.py").write_text(
+        'raise ImportError("libnixl.so: cannot open shared object file: No such file")\n'
+    )
+    path = [str(tmp_path)] if case == "broken" else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, os.getcwd()])}
+    out = subprocess.run(
+        [sys.executable, "-c", _UNAVAILABLE_PROBE, case],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert out.startswith("False ")
+    if case == "absent":
+        assert "NIXL is not installed: run `pip install nixl`" in out
+    else:
+        assert "installed but does not load" in out and "libnixl.so" in out
+        assert "pip install --force-reinstall nixl" in out
+
+
 def test_fingerprint_is_the_reference_algorithm() -> None:
     fields = {"model": "m", "dtype": "float16", "layers": 32}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))

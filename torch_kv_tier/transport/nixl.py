@@ -38,7 +38,12 @@ import torch
 from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
 from torch_kv_tier.transport.faults import PeerHealth, ends_transfer
-from torch_kv_tier.transport.nixl_agent import NOT_INSTALLED, descriptors, load_nixl, make_agent
+from torch_kv_tier.transport.nixl_agent import (
+    descriptors,
+    load_nixl,
+    make_agent,
+    unavailable_reason,
+)
 from torch_kv_tier.transport.nixl_peers import NixlPeer, NixlPeers
 
 logger = logging.getLogger(__name__)
@@ -70,8 +75,9 @@ class NixlTransport(DataTransport):
             is never a target (a tier client) may pass False: it progresses its own transfers
             in ``poll``, and over TCP measured about 2x the throughput without the thread.
 
-    Without NIXL installed the transport is constructed unavailable (``available`` is False)
-    and every NIXL-backed method raises ``RuntimeError`` saying how to install it.
+    Without a loadable NIXL the transport is constructed unavailable (``available`` is False)
+    and every NIXL-backed method raises ``RuntimeError`` saying why (not installed, or installed
+    but failing to load, with the import error) and what to do.
     """
 
     def __init__(
@@ -99,7 +105,7 @@ class NixlTransport(DataTransport):
         self._reg: Any = None
         api = self._nixl_api()
         if api is None:
-            logger.warning("NixlTransport %s: unavailable: %s", self._name, NOT_INSTALLED)
+            logger.warning("NixlTransport %s: unavailable: %s", self._name, unavailable_reason())
             return
         agent_lifetime.check_room()
         agent = make_agent(
@@ -389,7 +395,7 @@ class NixlTransport(DataTransport):
         if self._closed:
             raise RuntimeError(f"NixlTransport {self._name} is closed")
         if self._agent is None:
-            raise RuntimeError(f"NixlTransport {self._name} is unavailable: {NOT_INSTALLED}")
+            raise RuntimeError(f"NixlTransport {self._name} is unavailable: {unavailable_reason()}")
 
     def _submit(
         self, op: str, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]

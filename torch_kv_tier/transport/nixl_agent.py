@@ -38,17 +38,35 @@ PROGRESS_DELAY_US = 100_000
 
 _BIND_LOCK = threading.Lock()
 _api: tuple[Any, Any] | None = None
+_unavailable = NOT_INSTALLED  # why the last ``load_nixl`` found no NIXL
+
+
+def unavailable_reason() -> str:
+    """Why ``load_nixl`` returned ``None``, and what to do: NIXL is not installed, or it is
+    installed but does not load (a missing shared library, no wheel for this CUDA version)."""
+    return _unavailable
+
+
+def _why(exc: ImportError) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name in ("nixl", "nixl._api"):
+        return NOT_INSTALLED
+    return (
+        f"NIXL is installed but does not load ({type(exc).__name__}: {exc}): reinstall it for "
+        "this machine (`pip install --force-reinstall nixl`; on a GPU host it brings the "
+        "nixl-cuXX wheel of the CUDA major version it detects)"
+    )
 
 
 def load_nixl() -> tuple[Any, Any] | None:
-    """``(nixl_agent, nixl_agent_config)``, or ``None`` when NIXL is not installed.
+    """``(nixl_agent, nixl_agent_config)``, or ``None`` when NIXL is not installed or does not
+    load (``unavailable_reason`` says which).
 
     Applies the UCX policy first (it must precede UCX's loading). NIXL's Python logger writes
     INFO lines to stdout by default; it is routed through ``logging`` instead, at the
     application's level (unless ``NIXL_LOG_LEVEL`` says otherwise), so stdout stays the
     application's.
     """
-    global _api
+    global _api, _unavailable
     if _api is not None:
         return _api
     apply_ucx_policy()
@@ -56,7 +74,8 @@ def load_nixl() -> tuple[Any, Any] | None:
         # NIXL binds its console handler to sys.stdout at import time and may log right away.
         with contextlib.redirect_stdout(sys.stderr):
             from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
+    except ImportError as exc:
+        _unavailable = _why(exc)
         return None
     nixl_logger = logging.getLogger("nixl")
     for handler in list(nixl_logger.handlers):
