@@ -54,8 +54,9 @@ def has_gpu_device(procfs: Path = _NVIDIA_GPUS) -> bool:
 def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str] | None:
     """Init params for a UCX backend without ``rc_gda``, on GPU hosts; ``None`` elsewhere.
 
-    Why, as vLLM 0.33 does for its transport: the tier moves host memory only, but on a GPU host
-    UCX also wires ``rc_gda`` (GPU-initiated RDMA) lanes to every peer, and their connect fails
+    Why, as vLLM 0.33 does for its transport: the tier's transfers are posted by the CPU (from
+    host memory, or from a CUDA arena), never by GPU kernels, but on a GPU host UCX also wires
+    ``rc_gda`` (GPU-initiated RDMA) lanes to every peer, and their connect fails
     after a delay once a peer stalls or is replaced, leaving that peer unreachable until restart.
     Without a GPU there are no such lanes, so nothing changes there. ``UCX_TLS`` set by the user
     still wins over ``engine_config``.
