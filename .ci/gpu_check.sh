@@ -11,7 +11,8 @@
 # package index: wheels, and nixl-cu13 as a tarball of its unpacked modules), which are installed
 # into /tmp/site first. The log (gpu-check.log) and results go to $OUT (default ./gpu-check),
 # five files. Each step has its own timeout (tests, examples and bench took 3 minutes on an H200);
-# the script exits 1 if any step failed.
+# the script exits 1 if any step failed. TESTS_K replaces the tests' -k selection (default: the
+# CUDA tests, `cuda or vram`); PYTHON the interpreter (default python3).
 set -uo pipefail
 out=${OUT:-gpu-check}
 mkdir -p "$out"

@@ -2,8 +2,9 @@
 
 A tier whose arena is on the GPU digests each call's blocks on the host
 (``torch_kv_tier.digest.BlockDigests``: one gather on the device, one copy to pageable host
-memory, then xxh3 per block). On an H200 that cost about 1.5 ms per 2 MiB block in
-``torch-kv-tier bench --device cuda``, far more than hashing or a pinned copy should. This
+memory, then xxh3 per block). On an H200 the tier with digests took 1.5 to 2.2 ms more per
+2 MiB block than without in ``torch-kv-tier bench --device cuda``, far more than hashing or a
+pinned copy should. This
 times, per block size, on calls of 16 blocks walked in order through the arena:
 
 - ``digest``: ``BlockDigests.of`` on the CUDA arena, all of it;
