@@ -3,6 +3,7 @@ computed without handing the GIL away (python-xxhash releases it for inputs over
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -64,3 +65,37 @@ def test_xxhash_is_never_given_more_than_a_chunk(
     assert max(lengths) <= CHUNK
     monkeypatch.undo()
     assert got == BlockDigests(arena).of([0, 1, 2], ["x", "y", "z"])
+
+
+def _staged_digests_agree_with_the_host(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device arena's digests (staged through each thread's buffer, ``STAGING_BYTES`` at a
+    time) equal the host's, for calls longer than the buffer and from threads at once."""
+    block_len = 96 << 10  # hashed in pieces
+    monkeypatch.setattr(digest, "STAGING_BYTES", 2 * block_len + 1)  # two blocks per copy
+    host = _arena(block_len, blocks=7)
+    keys = list(range(7))
+    expected = BlockDigests(host).of(range(7), keys)
+    staged = BlockDigests(host.to(device))
+    staged._rows = None  # the device path, also for a CPU tensor (then unpinned)
+    assert staged.of([6, 0, 3, 1, 5], [6, 0, 3, 1, 5]) == [expected[i] for i in (6, 0, 3, 1, 5)]
+    assert staged.of([2], [2]) == [expected[2]]
+
+    def digest_many(order: list[int]) -> list[list[int]]:
+        return [staged.of(order, order) for _ in range(20)]
+
+    orders = [list(range(7)), list(range(6, -1, -1))]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(digest_many, orders))
+    for order, got in zip(orders, results):
+        assert got == [[expected[i] for i in order]] * 20
+
+
+def test_a_device_arena_is_staged_a_bounded_copy_at_a_time_per_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _staged_digests_agree_with_the_host("cpu", monkeypatch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_arena_digests_as_the_host_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    _staged_digests_agree_with_the_host("cuda", monkeypatch)

@@ -39,7 +39,7 @@ def test_cuda_device_without_cuda_is_refused(capsys: pytest.CaptureFixture[str])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_digest_cost_times_the_digest_and_both_copies(
+def test_cuda_digest_cost_times_both_digests_and_both_copies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "digest.json"
@@ -48,7 +48,9 @@ def test_cuda_digest_cost_times_the_digest_and_both_copies(
     assert cli.main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {(r["block_len"], r["function"]) for r in rows} == {
-        (bl, fn) for bl in (16 << 10, 64 << 10) for fn in ("digest", "d2h", "d2h_pinned")
+        (bl, fn)
+        for bl in (16 << 10, 64 << 10)
+        for fn in ("digest", "digest_pageable", "d2h", "d2h_pinned")
     }
     assert all(len(r["gbps_wall_rounds"]) == 2 and r["gbps_wall"]["median"] > 0 for r in rows)
     assert "| 64K |" in capsys.readouterr().out
