@@ -23,7 +23,7 @@ from typing import Any
 from torch_kv_tier.benchmarks import report, report_plot, report_verify
 from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
-from torch_kv_tier.benchmarks.options import list_of, positive, quiet_nixl, size
+from torch_kv_tier.benchmarks.options import list_of, positive, quiet_nixl, size, usable_cpus
 from torch_kv_tier.benchmarks.remote import read_token
 
 QUICK = {
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{len(rows)} rows in {time.monotonic() - started:.1f} s; "
         f"load average (1/5/15 min) {_loads(bench.env['loadavg_start'])} at start, "
-        f"{_loads(bench.env['loadavg_end'])} at end, on {os.cpu_count()} CPUs; "
+        f"{_loads(bench.env['loadavg_end'])} at end, on {usable_cpus()} CPUs; "
         f"transports {', '.join(cfg['transports'])}"
     )
     if args.out:

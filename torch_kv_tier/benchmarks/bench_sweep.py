@@ -25,6 +25,7 @@ from typing import Any
 
 from torch_kv_tier.benchmarks import report
 from torch_kv_tier.benchmarks.core import Skip, System
+from torch_kv_tier.benchmarks.options import usable_cpus
 from torch_kv_tier.benchmarks.remote import Target, host_group, read_token
 from torch_kv_tier.benchmarks.sweep import Point, PointRunner, PointState, Settings
 
@@ -67,7 +68,7 @@ def environment(device: str) -> dict[str, Any]:
     return {
         "host": platform.node(),
         "gpu": gpu,
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
         "loadavg_start": os.getloadavg(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import xxhash
 
-from torch_kv_tier.benchmarks.options import list_of, positive, size
+from torch_kv_tier.benchmarks.options import list_of, positive, size, usable_cpus
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.keys import Key
 
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env: dict[str, Any] = {
         "host": platform.node(),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
         "xxhash": xxhash.VERSION,
         "loadavg_start": os.getloadavg(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks.disk_capacity import capacity, restart
-from torch_kv_tier.benchmarks.options import positive, size
+from torch_kv_tier.benchmarks.options import positive, size, usable_cpus
 from torch_kv_tier.remote.disk_store import DiskStore
 from torch_kv_tier.remote.disk_tier import MAX_SPILLS_IN_FLIGHT, SPILL_BATCH
 
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     directory.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{os.cpu_count()} CPUs, {platform.machine()}, "
+        "machine": f"{usable_cpus()} CPUs, {platform.machine()}, "
         f"load {os.getloadavg()[0]:.2f} at start",
         "filesystem": _filesystem(directory),
     }

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import random
 import statistics
@@ -38,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from torch_kv_tier.benchmarks.options import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "vllm": vllm.__version__,
         "engine_args": engine.ENGINE_ARGS,
-        "machine": f"{platform.machine()}, {_cpus()} CPUs",
+        "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
         "remote": "torch-kv-tier serve on loopback (same machine)",
     }
     for condition in (c for c in CONDITIONS if c in summary):
@@ -242,10 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 if __name__ == "__main__":

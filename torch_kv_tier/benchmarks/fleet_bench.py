@@ -51,7 +51,7 @@ from typing import Any
 
 import zmq
 
-from torch_kv_tier.benchmarks.options import list_of, positive
+from torch_kv_tier.benchmarks.options import list_of, positive, usable_cpus
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.remote import protocol as p
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     figures["moved_over_1_n_by_hosts"] = movement
     figures["moved_over_1_n"] = _summary([max(v) for v in movement.values()])
     result = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpus": usable_cpus(), "python": platform.python_version()},
         "options": opts,
         "figures": figures,
         "targets": {

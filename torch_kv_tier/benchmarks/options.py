@@ -1,5 +1,6 @@
 """What every benchmark command shares: argument types for its options (sizes such as ``64K``,
-comma-separated lists, positive counts) and quieting NIXL's own logging.
+comma-separated lists, positive counts), quieting NIXL's own logging, and the number of CPUs a
+report states.
 
 Each type raises ``argparse.ArgumentTypeError`` with what to type instead, so a bad option is
 refused before anything starts.
@@ -9,10 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: fewer than the machine's under
+    ``taskset``), which is what a benchmark's figures depend on."""
+    return len(os.sched_getaffinity(0))
 
 
 def size(text: str) -> int:

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks import serve_report
+from torch_kv_tier.benchmarks.options import usable_cpus
 from torch_kv_tier.benchmarks.serve_replicas import (
     Replica,
     busy_neighbour,
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             "num_prompts": args.num_prompts,
             "concurrency": args.concurrency,
             "repeats": args.repeats,
-            "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs",
+            "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
             "load_before": os.getloadavg(),
             "remote": "torch-kv-tier serve on loopback (same machine)",
         },

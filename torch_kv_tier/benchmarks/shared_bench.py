@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
-from torch_kv_tier.benchmarks.options import list_of, positive, size
+from torch_kv_tier.benchmarks.options import list_of, positive, size, usable_cpus
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
 from torch_kv_tier.benchmarks.workers import Workers
@@ -247,7 +247,7 @@ def private_lease(pool: int, tiers: int, hosts: int) -> int:
 def _environment() -> dict[str, Any]:
     return {
         "host": platform.node(),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "loadavg_start": os.getloadavg(),

@@ -66,6 +66,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from torch_kv_tier.benchmarks.options import usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
@@ -335,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
         report["machine"] = {
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "cpus": os.cpu_count(),
+            "cpus": usable_cpus(),
             "load_average": os.getloadavg(),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from torch_kv_tier.benchmarks.options import usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def _document(args: argparse.Namespace, outcomes: list[Outcome]) -> dict[str, ob
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),
-            "cpus": os.cpu_count(),
+            "cpus": usable_cpus(),
             "load_average": os.getloadavg(),
         },
         "ok": all(o.ok for o in outcomes),
