@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from torch_kv_tier.benchmarks import bench, report
+from torch_kv_tier.benchmarks import bench, engine_ttft, report, serve_bench
 from torch_kv_tier.benchmarks.core import Call, Op
 from torch_kv_tier.benchmarks.system_memcpy import Memcpy
 
@@ -161,3 +163,23 @@ def test_bad_arguments_are_refused_before_anything_runs(
         _args("--block-sizes", "0K")
     with pytest.raises(SystemExit):
         _args("--systems", "nope")
+
+
+@pytest.mark.parametrize(
+    "main", [bench.main, serve_bench.main, engine_ttft.main], ids=["bench", "serve", "engine"]
+)
+def test_plot_without_matplotlib_is_refused_before_the_run(
+    main: Callable[[list[str]], int],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name)
+    )
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error, before anything runs
+        main(["--plot", str(tmp_path / "x.png")])
+    assert exited.value.code == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

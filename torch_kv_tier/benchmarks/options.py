@@ -9,9 +9,11 @@ refused before anything starts.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,17 @@ def positive(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def plot_file(text: str) -> Path:
+    """A PNG path for ``--plot``, refused at once when matplotlib is not installed (rather than
+    after the whole run, when the figures are drawn)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or leave --plot out; the JSON has every figure)"
+        )
+    return Path(text)
 
 
 def quiet_nixl() -> None:

@@ -6,12 +6,13 @@ a plot is asked for (it is not a dependency of the package).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks.report import Row, _grouped, _size
 
 
-def plot(rows: list[Row], path: str) -> None:
+def plot(rows: list[Row], path: str | Path) -> None:
     """GB/s against block size, one line per system, write and read panels (matplotlib Agg).
 
     Shown: the largest requested depth and, among batches, 16 when measured (else the largest);
