@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E402
-from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
+from torch_kv_tier.integrations.vllm import promotion_rank, tier_sizing  # noqa: E402
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig  # noqa: E402
@@ -476,15 +476,15 @@ def test_bad_config_raises_before_connecting() -> None:
 
 
 def test_the_jobs_table_does_not_keep_its_tier_alive(no_gc: None) -> None:
-    """``TierJobs`` holds its tier's failed-promotion callback weakly: a strong bound method
-    made a cycle (tier -> jobs -> method -> tier) that kept the tier, and its NIXL agent, alive
-    until the garbage collector ran."""
+    """``TierJobs`` holds its tier's promotion callback weakly: a strong bound method made a
+    cycle (tier -> jobs -> method -> tier) that kept the tier, and its NIXL agent, alive until
+    the garbage collector ran."""
 
     class Owner:
         def __init__(self) -> None:
-            self.jobs = TierJobs(self.failed)
+            self.jobs = TierJobs(self.promoted)
 
-        def failed(self, req_context: Any, keys: Any) -> None: ...
+        def promoted(self, req_context: Any, landed: Any, failed: Any) -> None: ...
 
     owner = Owner()
     gone = weakref.ref(owner)
@@ -703,6 +703,51 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(server: ServerProc
         assert driver.promote_request("req-2", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
+
+
+def test_chunks_stored_while_a_landed_promotion_waits_evict_its_tail_first(
+    server: ServerProcess,
+) -> None:
+    """A promoted prefix that landed waits, idle, for its request to be scheduled; what vLLM
+    stores meanwhile evicts the prefix's last chunks first, so the request still hits its
+    leading chunks (vLLM's scan of a prefix stops at its first miss: losing the first chunk
+    would waste every read of the promotion). vLLM 0.33 ranks a request's chunks so; on 0.32
+    the tier ranks the chunks that landed (``promotion_rank``)."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx = driver.arrive("req-1")
+        for position, key in enumerate(keys, start=1):  # as vLLM's scheduler records them
+            ctx.set_offload_key_position(key, 16 * position)
+        assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
+        # The CPU tier holds the promoted prefix and older chunks; storing two more chunks than
+        # those older ones evicts two of the prefix's.
+        others = keys_for("other", PRIMARY_CHUNKS - BUDGET + 2)
+        evicted = set(driver.store("req-other", others))
+        assert [k for k in keys if k in evicted] == keys[-2:]
+        assert driver.lookup(ctx, keys[:-2]) == [LookupResult.HIT] * (BUDGET - 2)
+        assert driver.loaded_bytes(ctx, keys[:-2]) == [driver.written[k] for k in keys[:-2]]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+@pytest.mark.parametrize(
+    ("version", "by_allocation"),
+    [
+        ("0.32.0", True),
+        ("0.32.1+cpu", True),
+        ("0.33.0", False),
+        ("0.34.0rc1", False),
+        ("1.0", False),
+    ],
+)
+def test_only_vllm_before_0_33_ranks_promotions_by_allocation(
+    version: str, by_allocation: bool
+) -> None:
+    assert promotion_rank.ranks_by_allocation(version) is by_allocation
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(

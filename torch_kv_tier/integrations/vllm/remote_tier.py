@@ -22,7 +22,8 @@ config-info metric); ``ConfigInfoMapping`` is imported for type checking only.
 
 Parts, one module each in this package: what the tier owns and releases (the region's view,
 the ``TierManager``, the hosts) ``tier_resources``; vLLM's jobs and their results ``tier_jobs``;
-which lookup hits become promotions ``admission``; the metrics ``tier_metrics``.
+which lookup hits become promotions ``admission``; where a landed promotion ranks in vLLM
+0.32's CPU tier ``promotion_rank``; the metrics ``tier_metrics``.
 
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
@@ -56,7 +57,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from torch_kv_tier.integrations.vllm import tier_sizing
+from torch_kv_tier.integrations.vllm import promotion_rank, tier_sizing
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs
@@ -113,7 +114,8 @@ class RemoteHostTier(SecondaryTierManager):
         self._emit_events = (
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
-        self._jobs = TierJobs(self._record_failed_promotion)
+        self._rank_landed = promotion_rank.landed_ranker(offloading_spec)
+        self._jobs = TierJobs(self._promotion_finished)
         self._failed_keys: dict[str, set[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
         self._metrics = TierMetrics(config.remote)
@@ -288,12 +290,20 @@ class RemoteHostTier(SecondaryTierManager):
             raise RuntimeError("RemoteHostTier is shut down")
         return manager
 
-    def _record_failed_promotion(
-        self, req_context: ReqContext, keys: Collection[OffloadKey]
+    def _promotion_finished(
+        self,
+        req_context: ReqContext,
+        landed: Sequence[OffloadKey],
+        failed: Collection[OffloadKey],
     ) -> None:
-        """Failed promotions: a MISS for the rest of the request, and out of the budget."""
-        self._failed_keys.setdefault(req_context.req_id, set()).update(keys)
-        self._admission.on_read_failed(req_context.req_id, keys)
+        """A promotion finished: what landed is ranked in vLLM's CPU tier where vLLM 0.32 needs
+        it (``promotion_rank``); what failed is a MISS for the rest of the request, and out of
+        the budget."""
+        if landed and self._rank_landed is not None:
+            self._rank_landed(req_context, landed)
+        if failed:
+            self._failed_keys.setdefault(req_context.req_id, set()).update(failed)
+            self._admission.on_read_failed(req_context.req_id, failed)
 
     def _take_tier_events(self) -> None:
         """Drain the tier manager's events (always, so they cannot pile up); keep them for

@@ -9,10 +9,12 @@ result is known at once, and that thread then holds vLLM's lock, which is not re
 callback only enqueues a job id.
 
 Failure model: a job the tier manager rejects, or whose future fails, is reported failed;
-a promotion that fails for some of its keys is reported with the keys that did land. Failed
-promotions also go to ``on_failed_promotion`` (the tier answers MISS for them from then on),
-held weakly: it is the owning tier's bound method, and a strong reference would be a cycle that
-keeps the tier, and its NIXL agent, alive until the garbage collector runs.
+a promotion that fails for some of its keys is reported with the keys that did land. Every
+finished promotion also goes to ``on_promotion`` with the keys that landed and those that failed
+(the tier ranks the first in vLLM's CPU tier and answers MISS for the second from then on),
+before vLLM hears of it. It is held weakly: it is the owning tier's bound method, and a strong
+reference would be a cycle that keeps the tier, and its NIXL agent, alive until the garbage
+collector runs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ _DRAIN_WARN_EVERY_S = 5.0
 StartTransfer = Callable[
     [Sequence[OffloadKey], Sequence[int]], "concurrent.futures.Future[TransferResult]"
 ]
-OnFailedPromotion = Callable[[ReqContext, Collection[OffloadKey]], None]
+# (the promotion's request, the keys that landed in the job's order, the keys that failed)
+OnPromotion = Callable[[ReqContext, Sequence[OffloadKey], Collection[OffloadKey]], None]
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,8 @@ class TierJobs:
     RETRY).
     """
 
-    def __init__(self, on_failed_promotion: OnFailedPromotion) -> None:
-        self._on_failed_promotion = weakref.WeakMethod(on_failed_promotion)
+    def __init__(self, on_promotion: OnPromotion) -> None:
+        self._on_promotion = weakref.WeakMethod(on_promotion)
         self._jobs: dict[int, _Job] = {}
         self._ready: list[JobResult] = []
         self._completions: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -89,7 +92,7 @@ class TierJobs:
                 job.job_id,
             )
             self._ready.append(JobResult(job.job_id, False))
-            self._failed(job.req_context, keys, job.is_promotion)
+            self._promoted(job.req_context, job.is_promotion, (), keys)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
         if not job.is_promotion:
@@ -156,9 +159,10 @@ class TierJobs:
         except Exception as exc:  # the tier manager failed the future itself
             logger.warning("RemoteHostTier: job %d failed: %s", job_id, exc)
             self._ready.append(JobResult(job_id, False))
-            self._failed(job.req_context, job.keys, job.is_promotion)
+            self._promoted(job.req_context, job.is_promotion, (), job.keys)
             return
         if result.ok:
+            self._promoted(job.req_context, job.is_promotion, job.keys, ())
             self._ready.append(
                 JobResult(job_id, True, transfer_time=result.seconds, transfer_bytes=result.nbytes)
             )
@@ -172,6 +176,8 @@ class TierJobs:
             _summarize(result.failed),
         )
         succeeded = tuple(key for key in job.keys if key not in result.failed)
+        failed = [key for key in job.keys if key in result.failed]
+        self._promoted(job.req_context, job.is_promotion, succeeded, failed)
         self._ready.append(
             JobResult(
                 job_id,
@@ -181,15 +187,18 @@ class TierJobs:
                 transfer_bytes=result.nbytes,
             )
         )
-        self._failed(job.req_context, [k for k in job.keys if k in result.failed], job.is_promotion)
 
-    def _failed(
-        self, req_context: ReqContext, keys: Collection[OffloadKey], is_promotion: bool
+    def _promoted(
+        self,
+        req_context: ReqContext,
+        is_promotion: bool,
+        landed: Sequence[OffloadKey],
+        failed: Collection[OffloadKey],
     ) -> None:
-        if is_promotion and keys:
-            on_failed = self._on_failed_promotion()
-            if on_failed is not None:
-                on_failed(req_context, keys)
+        if is_promotion:
+            on_promotion = self._on_promotion()
+            if on_promotion is not None:
+                on_promotion(req_context, landed, failed)
 
 
 def _summarize(failed: dict[Any, str]) -> str:
