@@ -8,7 +8,9 @@ threads and RSS are measured), and one short-lived writer that gets SIGKILLed an
 Every tier joins the shared pool of every host (and dials again a host it lost).
 With ``--disk DIR`` every host keeps a disk tier (``serve --disk``) behind a pool of a quarter
 of the key space: keys leave DRAM for the disk and are promoted back, and a host killed in the
-middle of its disk writes restarts on its directory and recovers what verifies.
+middle of its disk writes restarts on its directory and recovers what verifies. With ``--tcp``
+every process runs UCX over TCP (over shared memory a transfer usually completes inside
+``transfer()``; over TCP it stays in flight while its writer or its host freezes or dies).
 
 Faults, one every 0.2 to 1 s, chosen at random: SIGKILL a host and restart it on the same port;
 SIGSTOP a host or a long-lived tier for 0.5 to 3 s; SIGKILL the short-lived tier; reset the
@@ -42,8 +44,8 @@ from typing import Any
 import psutil
 
 from torch_kv_tier.benchmarks import chaos_worker as cw
-from torch_kv_tier.benchmarks.reliability_common import Outcome
-from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER
+from torch_kv_tier.benchmarks.reliability_common import Outcome, ucx_over_tcp
+from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER, FDS_PER_DEAD_PEER_TCP
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +315,8 @@ class Chaos:
             # registration (a host restart, and also a reset or a freeze that dropped the host)
             worker = self.counts.get(name)
             drops = max(restarts, worker.peers_dropped if worker is not None else 0)
-            fd_bound = FDS_PER_DEAD_PEER * drops + 16
+            per_drop = FDS_PER_DEAD_PEER_TCP if self.args.tcp else FDS_PER_DEAD_PEER
+            fd_bound = per_drop * drops + 16
             out.at_most(f"{name} fds growth", end["fds"] - start["fds"], fd_bound)
         reasons: dict[str, int] = {}
         for counts in self.counts.values():
@@ -345,6 +348,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="fault schedule seed")
     parser.add_argument("--json", type=Path, help="write the figures as JSON to this file")
     parser.add_argument(
+        "--tcp",
+        action="store_true",
+        help="UCX over TCP (UCX_TLS=tcp) for every process instead of UCX's choice (shared "
+        "memory here): transfers stay in flight while processes freeze, die and reconnect",
+    )
+    parser.add_argument(
         "--disk",
         type=Path,
         help="give every host a disk tier under this directory (a pool of a quarter of the "
@@ -357,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
     if min(args.hosts, args.writers, args.readers) <= 0 or args.seconds < 10 or args.keys < 64:
         print("torch-kv-tier chaos: counts > 0, --seconds >= 10, --keys >= 64", file=sys.stderr)
         return 2
-    out = Chaos(args).run()
+    with ucx_over_tcp() if args.tcp else contextlib.nullcontext():
+        out = Chaos(args).run()
     print(render(out))
     if args.json is not None:
         report = {**asdict(out), "ok": out.ok}
