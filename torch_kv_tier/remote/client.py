@@ -21,8 +21,10 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
+import traceback
 import types
 import weakref
 from collections.abc import Callable
@@ -361,7 +363,13 @@ class RemoteSession(SessionIO):
         if not on_io_thread:
             self._thread.join(timeout=self._timeout_s)
             if self._thread.is_alive():
-                logger.error("I/O thread of %s did not stop", self.peer_id)
+                frame = sys._current_frames().get(self._thread.ident or -1)
+                logger.error(
+                    "I/O thread of %s did not stop within %.1f s; it is at:\n%s",
+                    self.peer_id,
+                    self._timeout_s,
+                    "".join(traceback.format_stack(frame)) if frame else "(ended meanwhile)",
+                )
         logger.info("closed session %s of %s", self.public_id, self.peer_id)
 
     def __enter__(self) -> RemoteSession:
