@@ -162,7 +162,7 @@ class _Worker:
                 self.counts.probes_dropped += 1
             elif time.monotonic() > deadline:
                 self.counts.probes_stale += 1
-                logging.getLogger(__name__).warning("stale: %s lists %s, no %r", peers, host, key)
+                logging.getLogger(__name__).error("stale: %s lists %s, no %r", peers, host, key)
             else:
                 pending.append((host, key, deadline))
         self.probes = pending
