@@ -11,10 +11,14 @@ long-lived tier's fds, threads and RSS flat, every worker finished. The long run
 from __future__ import annotations
 
 import json
+import queue
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from torch_kv_tier.benchmarks import chaos_worker as cw
 from torch_kv_tier.cli import main
 
 
@@ -56,3 +60,40 @@ def test_chaos_with_disk_tiers_keeps_every_promise(tmp_path: Path) -> None:
     assert figures["wrong blocks"]["value"] == 0 and figures["futures hung"]["value"] == 0
     assert figures["blocks verified"]["value"] > 0
     assert figures["host restarts"]["value"] > 0
+
+
+class _Tier:
+    """What a chaos worker asks of its tier when it checks probes: one host listed, no key."""
+
+    def __init__(self, on_lookup: Callable[[], None] = lambda: None) -> None:
+        self.on_lookup = on_lookup
+
+    def peers(self) -> list[str]:
+        return ["127.0.0.1:1"]
+
+    def lookup(self, keys: list[str]) -> list[str]:
+        self.on_lookup()
+        return []
+
+
+@pytest.mark.parametrize("restart", ["none", "before", "during the lookups"])
+def test_a_probe_of_a_host_restarted_meanwhile_is_not_judged_stale(
+    monkeypatch: pytest.MonkeyPatch, restart: str
+) -> None:
+    """A restarted host is empty, and a tier that dialled it again lists it: its probe is
+    answered by the restart. The orchestrator queues the notice before the kill, and the
+    worker reads its queue after the lookups, so a lookup the kill emptied is never judged
+    without it. Without a restart, an unseen probe of a listed host past its bound is stale."""
+    monkeypatch.setattr(cw, "STALE_BOUND_S", 0.0)
+    commands: queue.Queue[Any] = queue.Queue()
+    notice = ("restart", "127.0.0.1:1")
+    tier = _Tier(lambda: commands.put(notice) if restart == "during the lookups" else None)
+    worker = cw._Worker(tier, ["127.0.0.1:1"], 8, "seed", commands)
+    commands.put(("probe", "127.0.0.1:1", "probe-1"))
+    if restart == "before":
+        commands.put(notice)
+    assert worker.take_commands()
+    worker.check_probes()
+    stale = restart == "none"
+    assert (worker.counts.probes_stale, worker.counts.probes_restarted) == (stale, not stale)
+    assert worker.probes == []

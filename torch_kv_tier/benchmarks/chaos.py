@@ -165,6 +165,8 @@ class Chaos:
         )
         i = self.rng.randrange(len(hosts.servers))
         if kind == "kill-host":
+            for name in long_lived:  # before the kill: a worker's verdict reads it (chaos_worker)
+                self.commands[name].put(("restart", hosts.addresses[i]))
             hosts.restart(i)
         elif kind == "stop-host" or kind == "stop-tier":
             pid = hosts.servers[i].proc.pid if kind == "stop-host" else None
@@ -205,11 +207,9 @@ class Chaos:
         except TimeoutError:
             self.out.problem(f"a probe store to {address} did not settle")
             return
-        peers = tier.peers()
-        if result.ok and peers:
-            incarnation = peers[0].rsplit("/", 1)[0]
+        if result.ok and tier.peers():
             for name in long_lived:
-                self.commands[name].put((incarnation, key))
+                self.commands[name].put(("probe", address, key))
 
     def resume_due(self, now: float) -> None:
         due = [(t, pid) for t, pid in self.stopped if t <= now]
@@ -298,6 +298,7 @@ class Chaos:
         out.equals("stale probes (a listed host's key never seen)", total["probes_stale"], 0)
         out.info("probes seen", total["probes_seen"])
         out.info("probes answered by dropping the host", total["probes_dropped"])
+        out.info("probes answered by the host's restart", total["probes_restarted"])
         out.info("bad keys refused at the call", total["bad_raised"])
         out.info("bad keys whose future settled", total["bad_settled"])
         out.info("connects (first and re-dials)", total["connects"])

@@ -4,9 +4,13 @@ host, every loaded block checked, every future bounded, probes of staleness answ
 A key's block is a pure function of its number (``reliability_concurrency.make_block``), so a
 reader checks any block it loads. A worker connects to every host it does not list as a peer
 (at most once per ``REDIAL_S`` per host: hosts are killed and restarted under it), and between
-rounds it answers the orchestrator's probes: "host H stored key K at time T". A probe is
-*seen* once ``contains(K)``; *dropped* once no peer of the worker is on H; *stale* when
-neither happened within ``STALE_BOUND_S`` (the tier lists H but never learnt of K).
+rounds it answers the orchestrator's probes: "host H stored key K". A probe is *seen* once
+``lookup([K])``; *dropped* once no peer of the worker is on H, or once the orchestrator says
+it restarts H (a new H is empty: a tier that dialled it again in the middle of one round
+lists H and rightly never sees K); *stale* when none of these happened within
+``STALE_BOUND_S`` (the tier lists H but never learnt of K). The orchestrator queues a
+restart's notice before its SIGKILL, and a worker reads its queue again after looking its
+probes up, so a lookup that the restart could have emptied is never judged without the notice.
 
 A worker also feeds the public API keys the wire cannot carry (an int ``>= 2**64``, a 100 kB
 ``bytes`` key): raising ``ValueError``/``TypeError`` at the call is fine, a future that settles
@@ -53,7 +57,8 @@ class WorkerCounts:
     bad_raised: int = 0  # bad keys refused at the call (ValueError/TypeError)
     bad_settled: int = 0  # bad keys whose future settled
     probes_seen: int = 0
-    probes_dropped: int = 0
+    probes_dropped: int = 0  # no peer of the worker on the host
+    probes_restarted: int = 0  # the host restarted first
     probes_stale: int = 0
     connects: int = 0
     connect_failures: int = 0
@@ -69,15 +74,20 @@ def _on(peer_id: str, prefix: str) -> bool:
 
 
 class _Worker:
-    def __init__(self, tier: Any, addresses: list[str], keys: int, seed: str) -> None:
+    def __init__(
+        self, tier: Any, addresses: list[str], keys: int, seed: str, commands: Any
+    ) -> None:
         self.tier = tier
+        self.commands = commands
+        self.stopping = False
         self.addresses = addresses
         self.keys = keys
         self.rng = random.Random(seed)
         self.counts = WorkerCounts()
         self.failures: Counter[str] = Counter()
         self.dialed: dict[str, float] = {}
-        self.probes: list[tuple[str, Any, float]] = []  # (host, key, deadline)
+        self.probes: list[tuple[str, Any, float, int]] = []  # (host, key, deadline, restarts)
+        self.restarts: Counter[str] = Counter()  # restart notices by host
 
     def redial(self) -> None:
         """Connect to every host no peer is on (rate-limited per host)."""
@@ -140,32 +150,45 @@ class _Worker:
         if self.settle(future) is not None:
             self.counts.bad_settled += 1
 
-    def take_commands(self, commands: Any) -> bool:
-        """Queue the probes sent since the last round; ``False`` once told to stop."""
+    def take_commands(self) -> bool:
+        """Queue the probes and count the restarts sent since the last call; ``False`` once
+        told to stop."""
         while True:
             try:
-                command = commands.get_nowait()
+                command = self.commands.get_nowait()
             except queue.Empty:
-                return True
+                return not self.stopping
             if command is None:
-                return False
-            host, key = command
-            self.probes.append((host, key, time.monotonic() + STALE_BOUND_S))
+                self.stopping = True
+            elif command[0] == "restart":
+                self.restarts[command[1]] += 1
+            else:
+                _, host, key = command
+                deadline = time.monotonic() + STALE_BOUND_S
+                self.probes.append((host, key, deadline, self.restarts[host]))
 
     def check_probes(self) -> None:
         peers = self.tier.peers()
-        pending = []
-        for host, key, deadline in self.probes:
+        unseen = []  # (probe, overdue)
+        for probe in self.probes:
+            host, key, deadline, _ = probe
             if self.tier.lookup([key]):  # in DRAM or on the host's disk
                 self.counts.probes_seen += 1
             elif not any(_on(p, host) for p in peers):
                 self.counts.probes_dropped += 1
-            elif time.monotonic() > deadline:
+            else:
+                unseen.append((probe, time.monotonic() > deadline))
+        self.probes = []
+        self.take_commands()  # the notice of a restart that emptied a host came before it
+        for probe, overdue in unseen:
+            host, key, _, restarts = probe
+            if self.restarts[host] != restarts:
+                self.counts.probes_restarted += 1
+            elif overdue:
                 self.counts.probes_stale += 1
                 logging.getLogger(__name__).error("stale: %s lists %s, no %r", peers, host, key)
             else:
-                pending.append((host, key, deadline))
-        self.probes = pending
+                self.probes.append(probe)
 
 
 def worker(
@@ -184,11 +207,11 @@ def worker(
 
     try:
         with TierManager.create(16, BLOCK_LEN, name=name, grant_batch=64) as tier:
-            w = _Worker(tier, addresses, keys, name)
+            w = _Worker(tier, addresses, keys, name, commands)
             w.redial()
             results.put(("ready", name, None))
             deadline = time.monotonic() + seconds
-            while time.monotonic() < deadline and w.take_commands(commands):
+            while time.monotonic() < deadline and w.take_commands():
                 w.redial()
                 w.check_probes()
                 try:
