@@ -20,6 +20,7 @@ from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.connected_hosts import RELEASE_THREAD
 from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
@@ -124,6 +125,44 @@ def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_aga
         assert b.peers() == [peer]
         loaded = b.load(after, range(8)).result(timeout=RESULT_TIMEOUT_S)
         assert loaded.ok and torch.equal(b.arena.tensor[:8], a.arena.tensor[8:16])
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
+@pytest.mark.parametrize("tcp", [False, True], ids=["ucx-default", "tcp"])
+def test_resets_that_drop_a_host_cost_no_sockets_on_the_tier_or_the_host(tcp: bool) -> None:
+    """Each reset drops the host and dials it again; its NIXL agent is the same process's, so
+    the tier loads it again rather than removing it, which would leave about 10 sockets open on
+    each side per drop (NIXL keeps a removed agent's: ``nixl_peers``)."""
+    with contextlib.ExitStack() as stack:
+        if tcp:
+            stack.enter_context(ucx_over_tcp())
+        server = stack.enter_context(ServerProcess.start(64, BLOCK_LEN))
+        tier = stack.enter_context(TierManager.create(16, BLOCK_LEN, name="reset"))
+        tier.connect(server.address)
+        fill_random(tier)
+        port = server.address.rsplit(":", 1)[1]
+
+        def round_trip(i: int) -> None:
+            keys = [f"{i}-{j}" for j in range(4)]
+            assert tier.store(keys, range(4)).result(timeout=RESULT_TIMEOUT_S).ok
+            loaded = tier.load(keys, range(4, 8)).result(timeout=RESULT_TIMEOUT_S)
+            assert loaded.ok and torch.equal(tier.arena.tensor[4:8], tier.arena.tensor[:4])
+
+        round_trip(0)
+        host = psutil.Process(server.proc.pid)
+        fds = psutil.Process().num_fds(), host.num_fds()
+        for i in range(1, 6):
+            dropped = tier.stats().peers_dropped
+            subprocess.run(
+                ["ss", "-K", "dst", f"127.0.0.1:{port}"], check=True, capture_output=True
+            )
+            assert wait_for(
+                lambda d=dropped: tier.stats().peers_dropped > d and bool(tier.peers()), 15.0
+            ), "the tier did not drop the host and dial it again"
+            round_trip(i)
+        assert tier.stats().peers_dropped == 5
+        grown = psutil.Process().num_fds() - fds[0], host.num_fds() - fds[1]
+        assert max(grown) <= 4, f"fds grown over 5 drops (tier, host): {grown}"
 
 
 def test_a_tier_runs_the_same_threads_whether_or_not_it_lost_a_host() -> None:

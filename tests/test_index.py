@@ -63,6 +63,23 @@ def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now(compac
     assert index.locate([old], [0]) == ({}, [old])
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
+def test_the_first_snapshot_keeps_what_the_tier_committed_while_joining(compact: bool) -> None:
+    """A tier joins with its snapshot requested before its first grant, so what it commits
+    meanwhile reaches the host after the snapshot was taken and is echoed later: the snapshot,
+    which replaces the copy, must not hide it (a load would miss a key its store just reported
+    stored). A key the snapshot has keeps the host's slot: its first commit won."""
+    index = BlockIndex(compact=compact)
+    peer = index.add_shared_peer("h", 8)
+    mine, both = b"mine".ljust(32, b"\0"), b"both".ljust(32, b"\0")
+    index.publish(peer, [mine, both], [1, 2], [11, 12])
+    index.apply_host_changes(peer, [both], [6], [16], [], True)  # the first snapshot
+    groups, missing = index.locate([mine, both], [0, 1])
+    assert missing == []
+    ((_, _, slots, digests),) = groups.values()
+    assert (slots, digests) == ([1, 6], [11, 16])
+
+
 def test_keys_of_one_crc32_still_have_different_digests() -> None:
     """Digests are seeded with the key's 64-bit fingerprint: two keys whose CRC-32 (the placement
     hash, and the digest seed before) agree still bind the same bytes to different digests, so

@@ -389,9 +389,10 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """remove_remote_peer unpublishes the peer at once, but a write still running is neither
-    failed nor released: it lands, is reported done, and only then is the peer released. A
-    cancel("wait") meanwhile returns it (state PROC) instead of releasing it. 32 MiB over TCP to
-    a stopped target: more than the kernel's socket buffers take."""
+    failed nor released: it lands, is reported done, and only then are the peer's descriptors
+    released (its agent stays loaded, parked). A cancel("wait") meanwhile returns it (state
+    PROC) instead of releasing it. 32 MiB over TCP to a stopped target: more than the kernel's
+    socket buffers take."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     n, block = 512, 64 * 1024
     with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
@@ -411,10 +412,11 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
             assert t.poll("v") == PollResult() and t.inflight_count() == 1
             assert t.cancel([tid], mode="wait") == [tid]  # type: ignore[list-item]
             assert "release_xfer_handle" not in spy.calls
-            assert "remove_remote_agent" not in spy.calls  # deferred: the write may still land
+            assert "release_dlist_handle" not in spy.calls  # deferred: the write may still land
             victim.signal(signal.SIGCONT)
             assert drain(t, {tid}, peer_id="v") == ({tid}, set())  # type: ignore[arg-type]
-            assert spy.calls["remove_remote_agent"] == 1
+            assert spy.calls["release_dlist_handle"] == 1
+            assert "remove_remote_agent" not in spy.calls  # parked: see nixl_peers
             assert torch.equal(victim.get(list(range(n))), region)
         finally:
             t.close()
@@ -436,9 +438,11 @@ def test_peer_teardown_finishes_when_a_release_step_raises(
     faulty = FaultyAgent(local._agent, {"release_dlist_handle"})
     local._agent = faulty
     local.remove_remote_peer("p")
-    assert faulty.calls["remove_remote_agent"] == 1
     assert local.write_blocks("p", [0], [0]) is None
     local._agent = faulty._agent
+    local.add_remote_peer("p", *peer.peer_args())  # the teardown finished: it registers again
+    tid = local.write_blocks("p", [0], [0])
+    assert drain(local, {tid})[0] == {tid}
 
 
 # -- registration -------------------------------------------------------------------------------
@@ -484,7 +488,7 @@ def test_registration_runs_off_the_caller_and_a_removal_meanwhile_wins(
     with pytest.raises(RuntimeError, match="superseded"):
         future.result(timeout=10)
     assert local.write_blocks("p", [0], [0]) is None
-    assert blocking.calls["remove_remote_agent"] == 1 and blocking.calls["release_dlist_handle"]
+    assert blocking.calls["release_dlist_handle"] and "remove_remote_agent" not in blocking.calls
     local._agent = blocking._agent
     local.add_remote_peer_async("p", *peer.peer_args()).result(timeout=10)
     tid = local.write_blocks("p", [1], [1])
@@ -501,7 +505,7 @@ def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
         local.add_remote_peer("p", *peer.peer_args())
     blocking.release.set()  # the abandoned registration now completes: it must not publish
     local._registrar.submit(lambda: None).result(timeout=10)  # runs after it (one thread)
-    assert blocking.calls["remove_remote_agent"] == 1  # its agent, released
+    assert blocking.calls["release_dlist_handle"] == 1  # its descriptors; its agent parked
     local._agent = blocking._agent
     assert local.write_blocks("p", [0], [0]) is None  # unknown peer
     local.add_remote_peer("p", *peer.peer_args())  # a registration in time still works

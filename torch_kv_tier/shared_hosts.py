@@ -84,8 +84,9 @@ class SharedHosts:
         def _ready_if_settled(self, request: Request) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
-        """Register a shared host: its NIXL region (unlocked), its first grant (in the
-        background), then its key set (awaited)."""
+        """Register a shared host: its NIXL region (unlocked), its key set's snapshot, then its
+        first grant (in the background, after the snapshot request on the wire: no commit of
+        this tier precedes the snapshot, ``SharedSlots``), then the snapshot (awaited)."""
         peer_id = session.peer_id
         self._register(
             peer_id,
@@ -94,14 +95,21 @@ class SharedHosts:
             session.num_blocks,
             session.block_len,
         )
+        synced = threading.Event()
         with self._lock:
             self._check_open()
             slots = self._index.add_shared_peer(peer_id, session.num_blocks)
             host = self._peers[peer_id] = SharedHost(slots, session, self.grant_batch)
-            self._refill(host)
+            lost = None
+            try:
+                session.follow(_HostChanges(self, host, synced))
+            except ConnectionError as exc:  # the session ended already: dropped below, unlocked
+                lost = exc
+            else:
+                self._refill(host)
         try:
-            synced = threading.Event()
-            session.follow(_HostChanges(self, host, synced))
+            if lost is not None:
+                raise lost
             if not synced.wait(timeout_s):
                 raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:

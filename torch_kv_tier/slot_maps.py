@@ -189,9 +189,15 @@ class SharedSlots:
 
     Keys the host holds only on its disk (announced in slot ``ON_DISK``) are in ``disk``, a map
     of the same kind (every slot 0): they are stored, but a load asks the host to promote them
-    first."""
+    first.
 
-    __slots__ = ("capacity", "digests", "disk", "map", "peer_id")
+    Until its first snapshot is applied, the copy also keeps what this tier commits (``joining``):
+    the tier joins with the snapshot requested before its first grant, so every such commit
+    reaches the host after the snapshot was taken and its echo comes later; the snapshot, which
+    replaces the copy, must not hide those keys meanwhile (a load would miss a key its store
+    just reported stored)."""
+
+    __slots__ = ("capacity", "digests", "disk", "joining", "map", "peer_id")
 
     def __init__(self, peer_id: str, capacity: int, slot_map: SlotMap, disk: SlotMap) -> None:
         self.peer_id = peer_id
@@ -199,6 +205,7 @@ class SharedSlots:
         self.map = slot_map  # the host's keys -> slot
         self.disk = disk  # the host's keys on its disk only
         self.digests = np.zeros(capacity, dtype=np.uint64)  # slot -> digest
+        self.joining: list[tuple[Sequence[Key], Sequence[int], Sequence[int]]] | None = []
 
     def publish(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """This tier committed ``keys`` to ``slots`` with bytes of ``digests``."""
@@ -206,6 +213,8 @@ class SharedSlots:
         self.digests[list(slots)] = digests
         if len(self.disk):
             self.disk.forget(keys)
+        if self.joining is not None:
+            self.joining.append((keys, slots, digests))
 
     def learn(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """The host stores ``keys`` in ``slots`` with bytes of ``digests`` (or on its disk)."""
@@ -226,6 +235,15 @@ class SharedSlots:
         self.map.reset(keys, slots)
         self.disk.reset(on_disk, [0] * len(on_disk))
         self._set_digests(slots, digests)
+        joined, self.joining = self.joining, None
+        for own_keys, own_slots, own_digests in joined or ():  # committed after the snapshot
+            kept = [i for i, held in enumerate(self.map.contains(own_keys)) if not held]
+            if kept:
+                self.publish(
+                    [own_keys[i] for i in kept],
+                    [own_slots[i] for i in kept],
+                    [own_digests[i] for i in kept],
+                )
 
     def forget(self, keys: Sequence[Key]) -> None:
         """The host no longer holds ``keys``, in DRAM or on disk."""

@@ -312,12 +312,13 @@ class Chaos:
             growth = (end["rss"] - start["rss"]) / start["rss"]
             out.at_most(f"{name} RSS growth", round(100 * growth, 1), 100 * RSS_GROWTH, "%")
             out.at_most(f"{name} threads growth", end["threads"] - start["threads"], THREADS_GROWTH)
-            # NIXL keeps the sockets of every remote agent a tier removed: one per dropped
-            # registration (a host restart, and also a reset or a freeze that dropped the host)
+            # NIXL keeps the sockets of every remote agent a tier removed: one per host restart
+            # (a reset or a freeze that drops a host loads its parked agent again: nixl_peers)
             worker = self.counts.get(name)
-            drops = max(restarts, worker.peers_dropped if worker is not None else 0)
-            per_drop = FDS_PER_DEAD_PEER_TCP if self.args.tcp else FDS_PER_DEAD_PEER
-            fd_bound = per_drop * drops + 16
+            if worker is not None:
+                out.info(f"{name} hosts dropped", worker.peers_dropped)
+            per_restart = FDS_PER_DEAD_PEER_TCP if self.args.tcp else FDS_PER_DEAD_PEER
+            fd_bound = per_restart * restarts + 16
             out.at_most(f"{name} fds growth", end["fds"] - start["fds"], fd_bound)
         reasons: dict[str, int] = {}
         for counts in self.counts.values():

@@ -62,7 +62,7 @@ class WorkerCounts:
     probes_stale: int = 0
     connects: int = 0
     connect_failures: int = 0
-    peers_dropped: int = 0  # the tier's registrations dropped (each costs NIXL's kept sockets)
+    peers_dropped: int = 0  # hosts the tier dropped (a restart, a reset, a long freeze)
     raised: int = 0  # calls that raised something else than a bad key's ValueError/TypeError
     raised_samples: list[str] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)  # failed keys by reason

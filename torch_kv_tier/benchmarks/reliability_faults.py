@@ -46,8 +46,8 @@ from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
 
 FDS_PER_DEAD_PEER = 10  # sockets NIXL leaves open per removed remote agent, see peer_death
-# ... over UCX's TCP transport, where a tier that re-dials often keeps a few more: 10.5 to 10.8
-# per dropped registration on average (chaos --tcp, 300 s, ~95 drops per tier)
+# ... over UCX's TCP transport, a few more: 10.5 to 10.8 per removed agent on average (chaos
+# --tcp, 300 s, ~95 removals per tier, when a reset also removed the host's agent)
 FDS_PER_DEAD_PEER_TCP = 12
 PEER_GONE = {"peer lost", "transfer failed"}  # the reasons a dead peer's keys may fail with
 

@@ -10,9 +10,17 @@ registration wins, and a failed re-registration leaves the working one published
 Lifetime. A registration replaced or removed while transfers to it are in flight is *retired*:
 it keeps its descriptors and remote agent until its last transfer resolves
 (``transfer_ended``), so that transfer's state check stays meaningful and a re-added peer id
-never shares a destination that may still be written. A remote agent is removed only when no
-registration uses it any more (loading metadata already loaded hands back the same name, not
-its ownership).
+never shares a destination that may still be written.
+
+Remote agents. Loading metadata already loaded hands back the same name, not its ownership, so
+an agent is shared by every registration that loaded it. Once none uses it, it stays loaded,
+*parked* under the peer id of its last registration, and is removed only when that peer id is
+published with another agent (the host restarted) or the transport closes. NIXL keeps the
+sockets of a removed remote agent open (ai-dynamo/nixl#2025: about 10 per removal, on this side
+and on the host's), so removing and loading again the agent of a host that is still the same
+process (a tier drops a host after a reset control connection or a long freeze, then dials it
+again) would leak them at every drop; a parked agent is simply loaded again. Parking holds no
+descriptors: nothing can be transferred to a parked agent until a registration is published.
 
 Threading: the owner's lock (``lock``, the transport's) guards every table. ``build`` runs
 unlocked on the transport's registration thread (the expensive half: seconds for a big region)
@@ -56,6 +64,7 @@ class NixlPeers:
         self._published: dict[str, NixlPeer] = {}
         self._retired: list[NixlPeer] = []  # unpublished, with transfers still in flight
         self._building: list[str] = []  # remote agent names of registrations being built
+        self._parked: dict[str, str] = {}  # peer id -> its last agent, loaded, used by none
         self._gen: dict[str, int] = {}
 
     def get(self, peer_id: str) -> NixlPeer | None:
@@ -110,6 +119,9 @@ class NixlPeers:
                 self._published[peer.peer_id] = peer
                 if old is not None:
                     self._retire(old)
+                parked = self._parked.pop(peer.peer_id, None)
+                if parked is not None and not self._name_in_use(parked):
+                    self._remove_agent(peer.peer_id, parked)  # the peer has another agent now
         if fresh:
             logger.info(
                 "NixlTransport %s: peer %s = %s, %d blocks",
@@ -138,9 +150,14 @@ class NixlPeers:
             self._retire(peer)
 
     def remove_all(self) -> None:
-        """Unpublish every registration (the transport is closing)."""
+        """Unpublish every registration and remove every parked agent (the transport is
+        closing)."""
         for peer_id in list(self._published):
             self._retire(self._published.pop(peer_id))
+        parked, self._parked = self._parked, {}
+        for peer_id, nixl_name in parked.items():
+            if not self._name_in_use(nixl_name):
+                self._remove_agent(peer_id, nixl_name)
 
     def transfer_ended(self, peer: NixlPeer, tid: int) -> None:
         """Transfer ``tid`` to ``peer`` resolved: a retired registration it was the last
@@ -158,10 +175,8 @@ class NixlPeers:
             self._release(peer)
 
     def _release(self, peer: NixlPeer) -> None:
-        """Release a registration's descriptors, and its remote agent if no one else uses it.
-
-        The two are independent: a failed descriptor release must not leave the agent loaded.
-        """
+        """Release a registration's descriptors, and park its remote agent if no one else uses
+        it (module docstring). A failed descriptor release does not stop the agent's step."""
         try:
             self.agent.release_dlist_handle(peer.dlist)
         except Exception as exc:
@@ -171,12 +186,20 @@ class NixlPeers:
                 peer.peer_id,
                 exc,
             )
-        if not self._name_in_use(peer.nixl_name):
+        if self._name_in_use(peer.nixl_name):
+            return
+        if peer.peer_id in self._published:  # the peer has another agent now
             self._remove_agent(peer.peer_id, peer.nixl_name)
+            return
+        replaced = self._parked.get(peer.peer_id)
+        self._parked[peer.peer_id] = peer.nixl_name
+        if replaced is not None and not self._name_in_use(replaced):
+            self._remove_agent(peer.peer_id, replaced)
 
     def _name_in_use(self, nixl_name: str) -> bool:
         return (
             nixl_name in self._building
+            or nixl_name in self._parked.values()
             or any(p.nixl_name == nixl_name for p in self._published.values())
             or any(p.nixl_name == nixl_name for p in self._retired)
         )
