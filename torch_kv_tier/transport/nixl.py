@@ -259,7 +259,9 @@ class NixlTransport(DataTransport):
         """Unpublish ``peer_id`` at once, also over a registration still running.
 
         Its in-flight transfers stay in flight and are reported by ``poll`` when they resolve;
-        its descriptors and remote agent are released after the last of them.
+        its descriptors are released after the last of them. Its remote agent stays loaded
+        until the peer id is registered with another agent or the transport closes (NIXL keeps
+        a removed agent's sockets open: ``nixl_peers``).
         """
         with self._lock:
             self._check_open()
