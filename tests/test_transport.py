@@ -445,6 +445,33 @@ def test_peer_teardown_finishes_when_a_release_step_raises(
     assert drain(local, {tid})[0] == {tid}
 
 
+def test_a_removed_peers_agent_stays_loaded_until_the_peer_has_another(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
+) -> None:
+    """NIXL keeps a removed remote agent's sockets open (``nixl_peers``): a peer removed and
+    registered again from the same metadata (a host dropped after a reset, dialled again) loads
+    its parked agent again, never removing it; from other metadata (the host restarted) the
+    parked one is removed; close removes what is parked."""
+    spy = FaultyAgent(local._agent, set())
+    local._agent = spy
+    for i in range(3):
+        local.region.owner[i] = i + 1
+        local.add_remote_peer("p", *peer.peer_args())
+        tid = local.write_blocks("p", [i], [i])
+        assert drain(local, {tid})[0] == {tid}
+        local.remove_remote_peer("p")
+    assert [int(b.sum()) for b in peer.get([0, 1, 2])] == [1 * BLOCK, 2 * BLOCK, 3 * BLOCK]
+    assert "remove_remote_agent" not in spy.calls and spy.calls["release_dlist_handle"] == 3
+    local.add_remote_peer("p", *peer2.peer_args())
+    assert spy.calls["remove_remote_agent"] == 1  # peer's agent: the peer id has another now
+    tid = local.write_blocks("p", [0], [5])
+    assert drain(local, {tid})[0] == {tid}
+    assert int(peer2.get([5]).sum()) == BLOCK
+    local.remove_remote_peer("p")
+    local.close()
+    assert spy.calls["remove_remote_agent"] == 2  # peer2's agent, parked until now
+
+
 # -- registration -------------------------------------------------------------------------------
 
 

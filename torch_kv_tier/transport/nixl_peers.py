@@ -20,7 +20,9 @@ sockets of a removed remote agent open (ai-dynamo/nixl#2025: about 10 per remova
 and on the host's), so removing and loading again the agent of a host that is still the same
 process (a tier drops a host after a reset control connection or a long freeze, then dials it
 again) would leak them at every drop; a parked agent is simply loaded again. Parking holds no
-descriptors: nothing can be transferred to a parked agent until a registration is published.
+descriptors: nothing can be transferred to a parked agent until a registration is published. A
+registration from other metadata first removes the peer's parked agent (NIXL hands back an agent
+already loaded under the same name as it was, and an agent name may outlive its process).
 
 Threading: the owner's lock (``lock``, the transport's) guards every table. ``build`` runs
 unlocked on the transport's registration thread (the expensive half: seconds for a big region)
@@ -49,6 +51,7 @@ class NixlPeer:
     nixl_name: str
     dlist: Any
     num_blocks: int
+    metadata: bytes  # what its agent was loaded from
     inflight: set[int] = field(default_factory=set)
 
 
@@ -64,7 +67,7 @@ class NixlPeers:
         self._published: dict[str, NixlPeer] = {}
         self._retired: list[NixlPeer] = []  # unpublished, with transfers still in flight
         self._building: list[str] = []  # remote agent names of registrations being built
-        self._parked: dict[str, str] = {}  # peer id -> its last agent, loaded, used by none
+        self._parked: dict[str, tuple[str, bytes]] = {}  # peer id -> (agent, its metadata)
         self._gen: dict[str, int] = {}
 
     def get(self, peer_id: str) -> NixlPeer | None:
@@ -91,6 +94,12 @@ class NixlPeers:
         """Load the peer's agent and prepare its descriptors (unlocked). On failure, the remote
         agent is removed unless another registration uses it."""
         agent = self.agent
+        with self._lock:  # a parked agent loaded from other metadata would be handed back as is
+            parked = self._parked.get(peer_id)
+            if parked is not None and parked[1] != metadata:
+                del self._parked[peer_id]
+                if not self._name_in_use(parked[0]):
+                    self._remove_agent(peer_id, parked[0])
         nixl_name = agent.add_remote_agent(metadata)
         nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
         with self._lock:
@@ -106,7 +115,7 @@ class NixlPeers:
             if not in_use:
                 self._remove_agent(peer_id, nixl_name)
             raise
-        return NixlPeer(peer_id, nixl_name, dlist, num_blocks)
+        return NixlPeer(peer_id, nixl_name, dlist, num_blocks, metadata)
 
     def publish(self, peer: NixlPeer, gen: int) -> bool:
         """Publish ``peer`` if ``gen`` is still current and the transport open (``agent``),
@@ -120,8 +129,8 @@ class NixlPeers:
                 if old is not None:
                     self._retire(old)
                 parked = self._parked.pop(peer.peer_id, None)
-                if parked is not None and not self._name_in_use(parked):
-                    self._remove_agent(peer.peer_id, parked)  # the peer has another agent now
+                if parked is not None and not self._name_in_use(parked[0]):
+                    self._remove_agent(peer.peer_id, parked[0])  # the peer has another agent now
         if fresh:
             logger.info(
                 "NixlTransport %s: peer %s = %s, %d blocks",
@@ -155,7 +164,7 @@ class NixlPeers:
         for peer_id in list(self._published):
             self._retire(self._published.pop(peer_id))
         parked, self._parked = self._parked, {}
-        for peer_id, nixl_name in parked.items():
+        for peer_id, (nixl_name, _) in parked.items():
             if not self._name_in_use(nixl_name):
                 self._remove_agent(peer_id, nixl_name)
 
@@ -192,14 +201,14 @@ class NixlPeers:
             self._remove_agent(peer.peer_id, peer.nixl_name)
             return
         replaced = self._parked.get(peer.peer_id)
-        self._parked[peer.peer_id] = peer.nixl_name
-        if replaced is not None and not self._name_in_use(replaced):
-            self._remove_agent(peer.peer_id, replaced)
+        self._parked[peer.peer_id] = (peer.nixl_name, peer.metadata)
+        if replaced is not None and not self._name_in_use(replaced[0]):
+            self._remove_agent(peer.peer_id, replaced[0])
 
     def _name_in_use(self, nixl_name: str) -> bool:
         return (
             nixl_name in self._building
-            or nixl_name in self._parked.values()
+            or any(name == nixl_name for name, _ in self._parked.values())
             or any(p.nixl_name == nixl_name for p in self._published.values())
             or any(p.nixl_name == nixl_name for p in self._retired)
         )
