@@ -389,10 +389,9 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """remove_remote_peer unpublishes the peer at once, but a write still running is neither
-    failed nor released: it lands, is reported done, and only then are the peer's descriptors
-    released (its agent stays loaded, parked). A cancel("wait") meanwhile returns it (state
-    PROC) instead of releasing it. 32 MiB over TCP to a stopped target: more than the kernel's
-    socket buffers take."""
+    failed nor released: it lands, is reported done, and only then is the peer released. A
+    cancel("wait") meanwhile returns it (state PROC) instead of releasing it. 32 MiB over TCP to
+    a stopped target: more than the kernel's socket buffers take."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     n, block = 512, 64 * 1024
     with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
@@ -412,11 +411,10 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
             assert t.poll("v") == PollResult() and t.inflight_count() == 1
             assert t.cancel([tid], mode="wait") == [tid]  # type: ignore[list-item]
             assert "release_xfer_handle" not in spy.calls
-            assert "release_dlist_handle" not in spy.calls  # deferred: the write may still land
+            assert "remove_remote_agent" not in spy.calls  # deferred: the write may still land
             victim.signal(signal.SIGCONT)
             assert drain(t, {tid}, peer_id="v") == ({tid}, set())  # type: ignore[arg-type]
-            assert spy.calls["release_dlist_handle"] == 1
-            assert "remove_remote_agent" not in spy.calls  # parked: see nixl_peers
+            assert spy.calls["remove_remote_agent"] == 1
             assert torch.equal(victim.get(list(range(n))), region)
         finally:
             t.close()
@@ -438,20 +436,18 @@ def test_peer_teardown_finishes_when_a_release_step_raises(
     faulty = FaultyAgent(local._agent, {"release_dlist_handle"})
     local._agent = faulty
     local.remove_remote_peer("p")
+    assert faulty.calls["remove_remote_agent"] == 1
     assert local.write_blocks("p", [0], [0]) is None
     local._agent = faulty._agent
-    local.add_remote_peer("p", *peer.peer_args())  # the teardown finished: it registers again
-    tid = local.write_blocks("p", [0], [0])
-    assert drain(local, {tid})[0] == {tid}
 
 
-def test_a_removed_peers_agent_stays_loaded_until_the_peer_has_another(
+def test_a_dropped_peers_agent_stays_loaded_until_the_peer_has_another(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
-    """NIXL keeps a removed remote agent's sockets open (``nixl_peers``): a peer removed and
-    registered again from the same metadata (a host dropped after a reset, dialled again) loads
+    """NIXL keeps a removed remote agent's sockets open (``nixl_peers``): a peer dropped and
+    registered again from the same metadata (a host lost after a reset, dialled again) loads
     its parked agent again, never removing it; from other metadata (the host restarted) the
-    parked one is removed; close removes what is parked."""
+    parked one is removed, as it is by ``remove_remote_peer`` (vLLM's contract) and by close."""
     spy = FaultyAgent(local._agent, set())
     local._agent = spy
     for i in range(3):
@@ -459,7 +455,7 @@ def test_a_removed_peers_agent_stays_loaded_until_the_peer_has_another(
         local.add_remote_peer("p", *peer.peer_args())
         tid = local.write_blocks("p", [i], [i])
         assert drain(local, {tid})[0] == {tid}
-        local.remove_remote_peer("p")
+        local.drop_remote_peer("p")
     assert [int(b.sum()) for b in peer.get([0, 1, 2])] == [1 * BLOCK, 2 * BLOCK, 3 * BLOCK]
     assert "remove_remote_agent" not in spy.calls and spy.calls["release_dlist_handle"] == 3
     local.add_remote_peer("p", *peer2.peer_args())
@@ -467,9 +463,13 @@ def test_a_removed_peers_agent_stays_loaded_until_the_peer_has_another(
     tid = local.write_blocks("p", [0], [5])
     assert drain(local, {tid})[0] == {tid}
     assert int(peer2.get([5]).sum()) == BLOCK
+    local.drop_remote_peer("p")
     local.remove_remote_peer("p")
+    assert spy.calls["remove_remote_agent"] == 2  # peer2's agent, parked until removed
+    local.add_remote_peer("p", *peer.peer_args())
+    local.drop_remote_peer("p")
     local.close()
-    assert spy.calls["remove_remote_agent"] == 2  # peer2's agent, parked until now
+    assert spy.calls["remove_remote_agent"] == 3  # peer's, parked until close
 
 
 # -- registration -------------------------------------------------------------------------------
@@ -515,7 +515,7 @@ def test_registration_runs_off_the_caller_and_a_removal_meanwhile_wins(
     with pytest.raises(RuntimeError, match="superseded"):
         future.result(timeout=10)
     assert local.write_blocks("p", [0], [0]) is None
-    assert blocking.calls["release_dlist_handle"] and "remove_remote_agent" not in blocking.calls
+    assert blocking.calls["remove_remote_agent"] == 1 and blocking.calls["release_dlist_handle"]
     local._agent = blocking._agent
     local.add_remote_peer_async("p", *peer.peer_args()).result(timeout=10)
     tid = local.write_blocks("p", [1], [1])
@@ -532,7 +532,7 @@ def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
         local.add_remote_peer("p", *peer.peer_args())
     blocking.release.set()  # the abandoned registration now completes: it must not publish
     local._registrar.submit(lambda: None).result(timeout=10)  # runs after it (one thread)
-    assert blocking.calls["release_dlist_handle"] == 1  # its descriptors; its agent parked
+    assert blocking.calls["remove_remote_agent"] == 1  # its agent, released
     local._agent = blocking._agent
     assert local.write_blocks("p", [0], [0]) is None  # unknown peer
     local.add_remote_peer("p", *peer.peer_args())  # a registration in time still works

@@ -384,11 +384,12 @@ class Transfers:
             request.queued = True
             self._ready.append(request)
 
-    def _drop_peer(self, peer_id: str) -> tuple[Any, bool]:
+    def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]:
         """Forget a peer and its keys; fail its queued ops, settle its in-flight stores as lost
         (their writes keep their slots fenced until the transport reports them) and leave its
         in-flight loads to settle when the transport reports them. Returns its session (to
-        end) and whether that may be clean (no write of it in flight)."""
+        end) and whether that may be clean (no write of it in flight). A ``lost`` peer is
+        dropped from the transport (``drop_remote_peer``: it will be dialled again)."""
         self._counters.peers_dropped += 1
         peer = self._peers.pop(peer_id)
         self._index.remove_peer(peer_id)
@@ -405,7 +406,10 @@ class Transfers:
                     self._index.fence(peer_id, op.remote)
                     self._finish(op, PEER_LOST)
         try:
-            self.transport.remove_remote_peer(peer_id)
+            if lost:
+                self.transport.drop_remote_peer(peer_id)
+            else:
+                self.transport.remove_remote_peer(peer_id)
         except Exception:
             logger.exception("removing peer %s from the transport failed", peer_id)
         peer.report_usage()
@@ -419,7 +423,7 @@ class Transfers:
         if peer_id not in self._peers:
             return
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
-        session, clean = self._drop_peer(peer_id)
+        session, clean = self._drop_peer(peer_id, lost=True)
         if session is not None:  # ending waits for the server: not under the lock
             threading.Thread(
                 target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True

@@ -261,6 +261,13 @@ class DataTransport(ABC):
         (cancel them to stop tracking them). Clears the peer's fault. Unknown ids are ignored.
         """
 
+    def drop_remote_peer(self, peer_id: str) -> None:
+        """``remove_remote_peer`` for a peer that will likely be registered again from the same
+        metadata (a host dropped after its control connection was lost, dialled again); our
+        extension. A transport may keep what a new registration would reuse (the NIXL
+        transport keeps the remote agent loaded: ``nixl_peers``)."""
+        self.remove_remote_peer(peer_id)
+
     @abstractmethod
     def write_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]

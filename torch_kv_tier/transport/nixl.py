@@ -259,14 +259,21 @@ class NixlTransport(DataTransport):
         """Unpublish ``peer_id`` at once, also over a registration still running.
 
         Its in-flight transfers stay in flight and are reported by ``poll`` when they resolve;
-        its descriptors are released after the last of them. Its remote agent stays loaded
-        until the peer id is registered with another agent or the transport closes (NIXL keeps
-        a removed agent's sockets open: ``nixl_peers``).
+        its descriptors and remote agent are released after the last of them.
         """
         with self._lock:
             self._check_open()
             self._health.forget(peer_id)
-            self._peers.remove(peer_id)
+            self._peers.remove(peer_id, park=False)
+
+    def drop_remote_peer(self, peer_id: str) -> None:
+        """``remove_remote_peer``, except that the peer's remote agent stays loaded (parked)
+        until the peer id is registered again from other metadata, removed, or the transport
+        closes: NIXL keeps a removed agent's sockets open (``nixl_peers``)."""
+        with self._lock:
+            self._check_open()
+            self._health.forget(peer_id)
+            self._peers.remove(peer_id, park=True)
 
     def faulted_peers(self) -> dict[str, str]:
         with self._lock:

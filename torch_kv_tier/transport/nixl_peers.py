@@ -13,16 +13,17 @@ it keeps its descriptors and remote agent until its last transfer resolves
 never shares a destination that may still be written.
 
 Remote agents. Loading metadata already loaded hands back the same name, not its ownership, so
-an agent is shared by every registration that loaded it. Once none uses it, it stays loaded,
-*parked* under the peer id of its last registration, and is removed only when that peer id is
-published with another agent (the host restarted) or the transport closes. NIXL keeps the
-sockets of a removed remote agent open (ai-dynamo/nixl#2025: about 10 per removal, on this side
-and on the host's), so removing and loading again the agent of a host that is still the same
-process (a tier drops a host after a reset control connection or a long freeze, then dials it
-again) would leak them at every drop; a parked agent is simply loaded again. Parking holds no
-descriptors: nothing can be transferred to a parked agent until a registration is published. A
-registration from other metadata first removes the peer's parked agent (NIXL hands back an agent
-already loaded under the same name as it was, and an agent name may outlive its process).
+an agent is shared by every registration that loaded it, and removed once none uses it, unless
+its peer was *dropped* (``remove(park=True)``: a peer that will likely be registered again from
+the same metadata). Then the agent stays loaded, *parked* under the peer id, until that peer id
+is published with another agent (the host restarted), registered from other metadata (NIXL
+hands back an agent already loaded under the same name as it was, and an agent name may outlive
+its process), removed, or the transport closes. NIXL keeps the sockets of a removed remote agent
+open (ai-dynamo/nixl#2025: about 10 per removal, on this side and on the host's), so removing
+and loading again the agent of a host that is still the same process (a tier drops a host after
+a reset control connection or a long freeze, then dials it again) would leak them at every
+drop; a parked agent is simply loaded again. Parking holds no descriptors: nothing can be
+transferred to a parked agent until a registration is published.
 
 Threading: the owner's lock (``lock``, the transport's) guards every table. ``build`` runs
 unlocked on the transport's registration thread (the expensive half: seconds for a big region)
@@ -68,6 +69,7 @@ class NixlPeers:
         self._retired: list[NixlPeer] = []  # unpublished, with transfers still in flight
         self._building: list[str] = []  # remote agent names of registrations being built
         self._parked: dict[str, tuple[str, bytes]] = {}  # peer id -> (agent, its metadata)
+        self._parking: set[str] = set()  # dropped peer ids: their agents park when released
         self._gen: dict[str, int] = {}
 
     def get(self, peer_id: str) -> NixlPeer | None:
@@ -128,6 +130,7 @@ class NixlPeers:
                 self._published[peer.peer_id] = peer
                 if old is not None:
                     self._retire(old)
+                self._parking.discard(peer.peer_id)
                 parked = self._parked.pop(peer.peer_id, None)
                 if parked is not None and not self._name_in_use(parked[0]):
                     self._remove_agent(peer.peer_id, parked[0])  # the peer has another agent now
@@ -150,10 +153,18 @@ class NixlPeers:
                 self._release(peer)
         return False
 
-    def remove(self, peer_id: str) -> None:
+    def remove(self, peer_id: str, *, park: bool) -> None:
         """Unpublish ``peer_id`` (retired until its transfers resolve) and supersede any
-        registration of it still being built."""
+        registration of it still being built; ``park``: its agent stays loaded (module
+        docstring), else it goes, parked or not."""
         self.next_generation(peer_id)
+        if park:
+            self._parking.add(peer_id)
+        else:
+            self._parking.discard(peer_id)
+            parked = self._parked.pop(peer_id, None)
+            if parked is not None and not self._name_in_use(parked[0]):
+                self._remove_agent(peer_id, parked[0])
         peer = self._published.pop(peer_id, None)
         if peer is not None:
             self._retire(peer)
@@ -197,8 +208,8 @@ class NixlPeers:
             )
         if self._name_in_use(peer.nixl_name):
             return
-        if peer.peer_id in self._published:  # the peer has another agent now
-            self._remove_agent(peer.peer_id, peer.nixl_name)
+        if peer.peer_id not in self._parking or peer.peer_id in self._published:
+            self._remove_agent(peer.peer_id, peer.nixl_name)  # removed, or it has another agent
             return
         replaced = self._parked.get(peer.peer_id)
         self._parked[peer.peer_id] = (peer.nixl_name, peer.metadata)
