@@ -99,9 +99,7 @@ class NixlPeers:
         with self._lock:  # a parked agent loaded from other metadata would be handed back as is
             parked = self._parked.get(peer_id)
             if parked is not None and parked[1] != metadata:
-                del self._parked[peer_id]
-                if not self._name_in_use(parked[0]):
-                    self._remove_agent(peer_id, parked[0])
+                self._unpark(peer_id)
         nixl_name = agent.add_remote_agent(metadata)
         nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
         with self._lock:
@@ -131,9 +129,7 @@ class NixlPeers:
                 if old is not None:
                     self._retire(old)
                 self._parking.discard(peer.peer_id)
-                parked = self._parked.pop(peer.peer_id, None)
-                if parked is not None and not self._name_in_use(parked[0]):
-                    self._remove_agent(peer.peer_id, parked[0])  # the peer has another agent now
+                self._unpark(peer.peer_id)  # unless the new registration loaded it again
         if fresh:
             logger.info(
                 "NixlTransport %s: peer %s = %s, %d blocks",
@@ -162,9 +158,7 @@ class NixlPeers:
             self._parking.add(peer_id)
         else:
             self._parking.discard(peer_id)
-            parked = self._parked.pop(peer_id, None)
-            if parked is not None and not self._name_in_use(parked[0]):
-                self._remove_agent(peer_id, parked[0])
+            self._unpark(peer_id)
         peer = self._published.pop(peer_id, None)
         if peer is not None:
             self._retire(peer)
@@ -174,10 +168,8 @@ class NixlPeers:
         closing)."""
         for peer_id in list(self._published):
             self._retire(self._published.pop(peer_id))
-        parked, self._parked = self._parked, {}
-        for peer_id, (nixl_name, _) in parked.items():
-            if not self._name_in_use(nixl_name):
-                self._remove_agent(peer_id, nixl_name)
+        for peer_id in list(self._parked):
+            self._unpark(peer_id)
 
     def transfer_ended(self, peer: NixlPeer, tid: int) -> None:
         """Transfer ``tid`` to ``peer`` resolved: a retired registration it was the last
@@ -195,8 +187,9 @@ class NixlPeers:
             self._release(peer)
 
     def _release(self, peer: NixlPeer) -> None:
-        """Release a registration's descriptors, and park its remote agent if no one else uses
-        it (module docstring). A failed descriptor release does not stop the agent's step."""
+        """Release a registration's descriptors, and its remote agent once no registration
+        uses it: parked for a dropped peer, else removed (module docstring). A failed
+        descriptor release does not stop the agent's step."""
         try:
             self.agent.release_dlist_handle(peer.dlist)
         except Exception as exc:
@@ -211,10 +204,14 @@ class NixlPeers:
         if peer.peer_id not in self._parking or peer.peer_id in self._published:
             self._remove_agent(peer.peer_id, peer.nixl_name)  # removed, or it has another agent
             return
-        replaced = self._parked.get(peer.peer_id)
+        self._unpark(peer.peer_id)  # an older agent of the peer (this one is not parked: above)
         self._parked[peer.peer_id] = (peer.nixl_name, peer.metadata)
-        if replaced is not None and not self._name_in_use(replaced[0]):
-            self._remove_agent(peer.peer_id, replaced[0])
+
+    def _unpark(self, peer_id: str) -> None:
+        """Forget ``peer_id``'s parked agent, and remove it unless a registration uses it."""
+        parked = self._parked.pop(peer_id, None)
+        if parked is not None and not self._name_in_use(parked[0]):
+            self._remove_agent(peer_id, parked[0])
 
     def _name_in_use(self, nixl_name: str) -> bool:
         return (
