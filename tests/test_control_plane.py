@@ -303,8 +303,8 @@ def test_an_index_snapshot_superseded_by_a_resync_is_ignored() -> None:
     requests: list[tuple[int, Any]] = []
     changes: list[tuple[list[Any], bool]] = []
     follower = IndexFollower(
-        lambda cursor, on_page: requests.append((cursor, on_page)),
-        lambda stored, slots, digests, evicted, reset: changes.append((stored, reset)),
+        lambda cursor, on_page, on_sent: requests.append((cursor, on_page)),
+        lambda stored, slots, digests, evicted, reset, sent: changes.append((stored, reset)),
     )
     follower.start()
     follower.start()  # a resync before the first snapshot's page came
@@ -321,6 +321,33 @@ def test_an_index_snapshot_superseded_by_a_resync_is_ignored() -> None:
     follower.check(9)  # the host pushed batches 8 and 9 ...
     follower.check(9)  # ... and they never came: a new snapshot
     assert follower.syncing and len(requests) == 3
+
+
+def test_a_snapshot_carries_the_commits_sent_after_its_request_and_no_others() -> None:
+    """A commit made before a resync but sent after the snapshot's request is not in the
+    snapshot: it goes with it (``sent``), as does one made later; one sent before the request,
+    or while an older chain's request was the last sent, does not; after the snapshot, none."""
+    requests: list[tuple[Any, Any]] = []
+    changes: list[tuple[list[Any], bool, Any]] = []
+    follower = IndexFollower(
+        lambda cursor, on_page, on_sent: requests.append((on_page, on_sent)),
+        lambda stored, slots, digests, evicted, reset, sent: changes.append((stored, reset, sent)),
+    )
+    follower.start()
+    follower.on_commits([b"before"], [1], [11])  # queued before the request, sent ahead of it
+    follower.start()  # a resync before the first request went out: that chain is superseded
+    requests[0][1]()  # its request goes out (first: requests leave in order)
+    follower.on_commits([b"between"], [2], [12])  # sent before the new chain's request
+    requests[1][1]()
+    follower.on_commits([b"after"], [3], [13])
+    follower.on_commits([b"later"], [4], [14])
+    future: Future[p.ServerMessage] = Future()
+    future.set_result(p.SnapshotPage(0, [b"snap"], [5], [15], 7, -1))
+    requests[1][0](future)
+    follower.on_commits([b"echoed"], [6], [16])  # after the snapshot: its echo is enough
+    assert changes == [([b"snap"], True, [([b"after"], [3], [13]), ([b"later"], [4], [14])])]
+    follower.on_events(p.Events(0, 8, [b"echoed"], [6], [16], []))
+    assert changes[-1] == ([b"echoed"], False, ())
 
 
 def test_a_fingerprint_longer_than_any_config_is_rejected() -> None:

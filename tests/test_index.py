@@ -64,20 +64,27 @@ def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now(compac
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
-def test_the_first_snapshot_keeps_what_the_tier_committed_while_joining(compact: bool) -> None:
-    """A tier joins with its snapshot requested before its first grant, so what it commits
-    meanwhile reaches the host after the snapshot was taken and is echoed later: the snapshot,
-    which replaces the copy, must not hide it (a load would miss a key its store just reported
-    stored). A key the snapshot has keeps the host's slot: its first commit won."""
+def test_a_snapshot_keeps_what_the_tier_sent_after_it_was_taken(compact: bool) -> None:
+    """What this tier commits after a snapshot's request went out (while joining, or in a
+    resync later) reaches the host after the snapshot was taken and is echoed later: the
+    snapshot, which replaces the copy, must not hide it meanwhile (a load would miss a key its
+    store just reported stored). A key the snapshot has keeps the host's slot: its first commit
+    won. A commit sent before the request is the snapshot's to answer for."""
     index = BlockIndex(compact=compact)
     peer = index.add_shared_peer("h", 8)
-    mine, both = b"mine".ljust(32, b"\0"), b"both".ljust(32, b"\0")
+    mine, both, gone = (k.ljust(32, b"\0") for k in (b"mine", b"both", b"gone"))
+    index.publish(peer, [gone], [3], [13])  # sent before the request, evicted before the snapshot
     index.publish(peer, [mine, both], [1, 2], [11, 12])
-    index.apply_host_changes(peer, [both], [6], [16], [], True)  # the first snapshot
+    sent = [([mine], [1], [11]), ([both], [2], [12])]
+    index.apply_host_changes(peer, [both], [6], [16], [], True, sent)  # the snapshot
     groups, missing = index.locate([mine, both], [0, 1])
     assert missing == []
     ((_, _, slots, digests),) = groups.values()
     assert (slots, digests) == ([1, 6], [11, 16])
+    if not compact:  # (the compact copy keeps its unechoed commits anyway; digests check them)
+        assert index.lookup([gone]) == 0
+        index.apply_host_changes(peer, [both], [6], [16], [], True)  # nothing sent after it
+        assert index.lookup([both, mine]) == 1
 
 
 def test_keys_of_one_crc32_still_have_different_digests() -> None:

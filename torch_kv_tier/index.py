@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import islice, repeat
+from itertools import chain, islice, repeat
 from typing import Literal
 
 from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.peer_slots import Fences, PeerSlots
+from torch_kv_tier.remote.replica import Commits
 from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots, drain
 
 COMPACT_AFTER_SLOTS = 1 << 20  # a dict copy of that many keys is ~150 MB
@@ -279,14 +280,17 @@ class BlockIndex:
         digests: list[int],
         evicted: list[Key],
         reset: bool,
+        sent: Commits = (),
     ) -> None:
         """A shared host's key set changed: ``stored`` keys now live in ``slots`` with
-        ``digests`` (``reset``: they are all of it now)."""
+        ``digests`` (``reset``: they are all of it now, but for what this tier ``sent`` after
+        the snapshot was taken: ``SharedSlots.reset``)."""
         logged = self.events_enabled
         if reset:
-            was = list(set(peer.map.keys()).difference(stored)) if logged else []
-            new = self._unheld(stored) if logged else []
-            peer.reset(stored, slots, digests)
+            kept = [*stored, *chain.from_iterable(keys for keys, _, _ in sent)] if logged else []
+            was = list(set(peer.map.keys()).difference(kept)) if logged else []
+            new = self._unheld(kept) if logged else []
+            peer.reset(stored, slots, digests, sent)
         else:
             evicted = list(dict.fromkeys(evicted))
             was = [k for k, h in zip(evicted, peer.map.contains(evicted)) if h] if logged else []

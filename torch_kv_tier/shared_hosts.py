@@ -43,14 +43,16 @@ from torch_kv_tier.keys import Key
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.replica import Commits
 from torch_kv_tier.results import CAPACITY, MISSING
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.slot_maps import SharedSlots, drain
 
 logger = logging.getLogger(__name__)
 
-# What a host's index events say: (stored keys, their slots, their digests, evicted keys, reset)
-HostChange = tuple[list[Key], list[int], list[int], list[Key], bool]
+# What a host's index events say: (stored keys, their slots, their digests, evicted keys, reset,
+# with a reset this tier's commits the snapshot cannot have: ``remote.replica``)
+HostChange = tuple[list[Key], list[int], list[int], list[Key], bool, Commits]
 
 
 class SharedHosts:
@@ -202,10 +204,9 @@ class SharedHosts:
         """A shared host's key set changed (I/O thread, unlocked). Applied under the lock
         without waiting for it: now when it is free, else by its holder before it releases it
         (a store holds it through its transfer), so every later call sees it. A snapshot
-        (``reset``, the change's last item) is applied before this returns: joining waits for
-        it."""
+        (``reset``) is applied before this returns: joining waits for it."""
         apply = partial(self._apply_host_changes, host, change)
-        if change[-1]:
+        if change[4]:
             self._lock.run_now(apply)
         else:
             self._lock.run_soon(apply)
@@ -215,13 +216,24 @@ class SharedHosts:
         that cannot be applied (a bug) is logged and the host asked for a new snapshot."""
         if self._peers.get(host.slots.peer_id) is not host:
             return
+        stored, slots, digests, evicted, reset, sent = change
+        if reset:  # nor can a snapshot have the commits not sent yet (made under this lock)
+            sent = [*sent, *host.session.unsent_commits()]
         try:
-            self._index.apply_host_changes(host.slots, *change)  # type: ignore[arg-type]
+            self._index.apply_host_changes(
+                host.slots,  # type: ignore[arg-type]
+                stored,
+                slots,
+                digests,
+                evicted,
+                reset,
+                sent,
+            )
         except Exception:
             logger.exception("%s: index changes not applied: resyncing", host.slots.peer_id)
             host.session.resync()
         if host.promoting:  # keys the host announced (in DRAM, or on disk again) were promoted
-            drain(map(host.promoting.pop, change[0], repeat(None)))
+            drain(map(host.promoting.pop, stored, repeat(None)))
         if self._promotions.waiting_on(host.slots.peer_id):
             self._resume_promoted(host)
 
@@ -308,10 +320,11 @@ class _HostChanges:
         digests: list[int],
         evicted: list[Key],
         reset: bool,
+        sent: Commits,
     ) -> None:
         tier, host = self._tier(), self._host()
         if tier is not None and host is not None:
-            tier._on_host_changes(host, (stored, slots, digests, evicted, reset))
+            tier._on_host_changes(host, (stored, slots, digests, evicted, reset, sent))
         if reset:
             self._synced.set()
 

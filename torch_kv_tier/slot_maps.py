@@ -191,13 +191,11 @@ class SharedSlots:
     of the same kind (every slot 0): they are stored, but a load asks the host to promote them
     first.
 
-    Until its first snapshot is applied, the copy also keeps what this tier commits (``joining``):
-    the tier joins with the snapshot requested before its first grant, so every such commit
-    reaches the host after the snapshot was taken and its echo comes later; the snapshot, which
-    replaces the copy, must not hide those keys meanwhile (a load would miss a key its store
-    just reported stored)."""
+    A snapshot replaces the copy but for this tier's commits that reached the host after it was
+    taken (``reset``'s ``sent``: ``remote.replica``), whose echo comes later: hiding them
+    meanwhile, a load would miss a key its store just reported stored."""
 
-    __slots__ = ("capacity", "digests", "disk", "joining", "map", "peer_id")
+    __slots__ = ("capacity", "digests", "disk", "map", "peer_id")
 
     def __init__(self, peer_id: str, capacity: int, slot_map: SlotMap, disk: SlotMap) -> None:
         self.peer_id = peer_id
@@ -205,7 +203,6 @@ class SharedSlots:
         self.map = slot_map  # the host's keys -> slot
         self.disk = disk  # the host's keys on its disk only
         self.digests = np.zeros(capacity, dtype=np.uint64)  # slot -> digest
-        self.joining: list[tuple[Sequence[Key], Sequence[int], Sequence[int]]] | None = []
 
     def publish(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """This tier committed ``keys`` to ``slots`` with bytes of ``digests``."""
@@ -213,8 +210,6 @@ class SharedSlots:
         self.digests[list(slots)] = digests
         if len(self.disk):
             self.disk.forget(keys)
-        if self.joining is not None:
-            self.joining.append((keys, slots, digests))
 
     def learn(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
         """The host stores ``keys`` in ``slots`` with bytes of ``digests`` (or on its disk)."""
@@ -227,16 +222,23 @@ class SharedSlots:
         if len(self.disk):
             self.disk.forget(keys)
 
-    def reset(self, keys: Sequence[Key], slots: Sequence[int], digests: Sequence[int]) -> None:
-        """``keys`` are all the host stores now."""
+    def reset(
+        self,
+        keys: Sequence[Key],
+        slots: Sequence[int],
+        digests: Sequence[int],
+        sent: Iterable[tuple[Sequence[Key], Sequence[int], Sequence[int]]],
+    ) -> None:
+        """``keys`` are all the host stores now, but for the batches of commits this tier
+        ``sent`` after the snapshot was taken (or not yet): those the snapshot lacks are
+        published again (a key it has keeps the host's slot: the first commit of a key wins)."""
         on_disk: list[Key] = []
         if ON_DISK in slots:
             keys, slots, digests, on_disk = _split_on_disk(keys, slots, digests)
         self.map.reset(keys, slots)
         self.disk.reset(on_disk, [0] * len(on_disk))
         self._set_digests(slots, digests)
-        joined, self.joining = self.joining, None
-        for own_keys, own_slots, own_digests in joined or ():  # committed after the snapshot
+        for own_keys, own_slots, own_digests in sent:
             kept = [i for i, held in enumerate(self.map.contains(own_keys)) if not held]
             if kept:
                 self.publish(

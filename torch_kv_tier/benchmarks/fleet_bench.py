@@ -192,10 +192,13 @@ def _follow(service: SharedService, session: Session, index: BlockIndex) -> Inde
     frames; returns once joined."""
     peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
 
-    def on_change(stored, slots, digests, evicted, reset) -> None:
-        index.apply_host_changes(peer, stored, slots, digests, evicted, reset)
+    def on_change(stored, slots, digests, evicted, reset, sent) -> None:
+        index.apply_host_changes(peer, stored, slots, digests, evicted, reset, sent)
 
-    def request_page(cursor: int, done: Callable[[Future[p.ServerMessage]], None]) -> None:
+    def request_page(
+        cursor: int, done: Callable[[Future[p.ServerMessage]], None], on_sent: Callable[[], None]
+    ) -> None:
+        on_sent()
         answer = service.answer(session, p.SnapshotRequest(1, session.session_id, cursor), 0.0)
         future: Future[p.ServerMessage] = Future()
         future.set_result(p.decode_server(p.encode(answer)))  # type: ignore[arg-type]

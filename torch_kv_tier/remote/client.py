@@ -297,17 +297,25 @@ class RemoteSession(SessionIO):
             )
 
     def follow(self, on_change: OnChange) -> None:
-        """Keep ``on_change(stored, slots, digests, evicted, reset)`` informed of the
-        namespace's key set: a snapshot first (``reset=True``), then every change, on the I/O
-        thread (where the snapshot is started too, so no event is applied before it)."""
+        """Keep ``on_change(stored, slots, digests, evicted, reset, sent)`` informed of the
+        namespace's key set: a snapshot first (``reset=True``, with this session's commits the
+        snapshot cannot have: ``replica``), then every change, on the I/O thread (where the
+        snapshot is started too, so no event is applied before it)."""
         if not self.shared:
             raise ValueError(f"{self.peer_id} is a private lease: there is no shared index")
-        follower = IndexFollower(
-            lambda cursor, on_page: self._call_async(
-                lambda seq: p.SnapshotRequest(seq, self.session_id, cursor), on_page
-            ),
-            on_change,
-        )
+
+        def request_page(
+            cursor: int,
+            on_page: Callable[[Future[p.ServerMessage]], None],
+            on_sent: Callable[[], None],
+        ) -> None:
+            def make(seq: int) -> p.SnapshotRequest:
+                on_sent()
+                return p.SnapshotRequest(seq, self.session_id, cursor)
+
+            self._call_async(make, on_page)
+
+        follower = IndexFollower(request_page, on_change)
 
         def start() -> None:
             self._follower = follower

@@ -4,9 +4,17 @@ The host pushes ``Events`` batches, numbered per namespace. The follower starts 
 snapshot (buffering the events that arrive meanwhile), then applies each batch in order. A gap
 in the numbering, or a heartbeat answer naming a batch it never got (``check``), triggers a new
 snapshot. The copy's owner sees every change through ``on_change(stored, slots, digests,
-evicted, reset)``: ``reset=True`` means ``stored`` is the whole key set and everything else is
-gone. A stale copy only ever costs a miss: a load checks the bytes it read against the digest,
-so a slot that was rewritten meanwhile is reported missing, never served.
+evicted, reset, sent)``: ``reset=True`` means ``stored`` is the whole key set and everything
+else is gone, but for ``sent``, the batches of this session's commits that went out after the
+snapshot's first request (``on_commits`` hears of every commit sent). The host took the
+snapshot before it read them, so they are not in it, and their echo comes later: a copy
+replaced by the snapshot alone would hide them meanwhile (a load would miss a key its store
+just reported stored). Recording starts when that request is sent, not when the snapshot is
+decided, so a commit made before the decision but sent after the request is kept too, and none
+the snapshot already has is; the commits not sent yet when the snapshot is applied are the
+owner's to keep (``SessionIO.unsent_commits``). A stale copy only ever costs a miss: a load
+checks the bytes it read against the digest, so a slot that was rewritten meanwhile is
+reported missing, never served.
 
 Threading: every method runs on the session's I/O thread (events, snapshot pages and heartbeat
 answers arrive there, and ``RemoteSession.follow`` starts the follower there), so the follower
@@ -19,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,17 +35,17 @@ from torch_kv_tier.remote import protocol as p
 
 logger = logging.getLogger(__name__)
 
-OnChange = Callable[[list[Any], list[int], list[int], list[Any], bool], None]
+# Batches of this session's commits, each (keys, slots, digests)
+Commits = Sequence[tuple[Sequence[Any], Sequence[int], Sequence[int]]]
+OnChange = Callable[[list[Any], list[int], list[int], list[Any], bool, Commits], None]
+# request_page(cursor, on_page, on_sent): on_sent() runs on the I/O thread as the request goes out
+RequestPage = Callable[[int, Callable[[Future[p.ServerMessage]], None], Callable[[], None]], object]
 
 
 class IndexFollower:
     """Follows one shared session's namespace (module docstring)."""
 
-    def __init__(
-        self,
-        request_page: Callable[[int, Callable[[Future[p.ServerMessage]], None]], object],
-        on_change: OnChange,
-    ) -> None:
+    def __init__(self, request_page: RequestPage, on_change: OnChange) -> None:
         self._request_page = request_page
         self._on_change = on_change
         self.event_seq = 0
@@ -47,13 +55,19 @@ class IndexFollower:
         self._behind = -1  # a pushed batch a heartbeat answer named that had not arrived
         self._pages: list[p.SnapshotPage] = []
         self._buffer: list[p.Events] = []
+        self._sent: list[tuple[Any, Any, Any]] | None = None  # sent since the first request
 
     def start(self) -> None:
         """Take a snapshot (again); events arriving meanwhile are buffered."""
         self.syncing = True
         self._chain += 1
-        self._pages, self._buffer, self._behind = [], [], -1
+        self._pages, self._buffer, self._behind, self._sent = [], [], -1, None
         self._request(0)
+
+    def on_commits(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
+        """This session just sent these commits to the host."""
+        if self._sent is not None:
+            self._sent.append((keys, slots, digests))
 
     def on_events(self, events: p.Events) -> None:
         if self.syncing:
@@ -69,7 +83,7 @@ class IndexFollower:
             self.start()
         else:
             self.event_seq = events.event_seq
-            self._on_change(events.stored, events.slots, events.digests, events.evicted, False)
+            self._on_change(events.stored, events.slots, events.digests, events.evicted, False, ())
 
     def check(self, host_event_seq: int) -> None:
         """A heartbeat answer: the host had pushed batches up to ``host_event_seq``. A batch
@@ -85,7 +99,15 @@ class IndexFollower:
     def _request(self, cursor: int) -> None:
         chain = self._chain
         with contextlib.suppress(ConnectionError):  # the session is over: nothing to follow
-            self._request_page(cursor, lambda future: self._on_page(chain, future))
+            self._request_page(
+                cursor,
+                lambda future: self._on_page(chain, future),
+                lambda: self._on_request_sent(chain, cursor),
+            )
+
+    def _on_request_sent(self, chain: int, cursor: int) -> None:
+        if chain == self._chain and cursor == 0:
+            self._sent = []  # every commit sent from now on reaches the host after the snapshot
 
     def _on_page(self, chain: int, future: Future[p.ServerMessage]) -> None:
         if chain != self._chain:
@@ -98,14 +120,14 @@ class IndexFollower:
             return
         if not isinstance(page, p.SnapshotPage):
             logger.warning("index snapshot refused: %s", page)
-            self.syncing = False
+            self.syncing, self._sent = False, None
             return
         self._pages.append(page)
         if page.next_cursor >= 0:
             self._request(page.next_cursor)
             return
-        pages, buffered = self._pages, self._buffer
-        self._pages, self._buffer = [], []
+        pages, buffered, sent = self._pages, self._buffer, self._sent or []
+        self._pages, self._buffer, self._sent = [], [], None
         self.syncing = False
         self.event_seq = page.event_seq
         self.snapshots += 1
@@ -115,6 +137,7 @@ class IndexFollower:
             list(itertools.chain.from_iterable(pg.digests for pg in pages)),
             [],
             True,
+            sent,
         )
         for events in buffered:
             self.on_events(events)

@@ -146,6 +146,12 @@ class SessionIO:
             self._flush = True
         self._wake()
 
+    def unsent_commits(self) -> list[tuple[list[Any], list[int], list[int]]]:
+        """The batches of commits made but not sent yet (thread-safe: a snapshot being applied
+        cannot have them, ``replica``)."""
+        with self._lock:
+            return list(self._commits)
+
     def _add_commit(self, commit: tuple[list[Any], list[int], list[int]]) -> bool:
         """(Lock held.) Batch ``commit``; whether the I/O thread needs a wake-up for it: only
         the first commit after a quiet period, which then goes out at once."""
@@ -306,6 +312,8 @@ class SessionIO:
                 sock,
                 p.Commit(next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]),
             )
+        if self._follower is not None:
+            self._follower.on_commits(keys, slots, digests)
         return True
 
     def _send_touches(self, sock: zmq.Socket[bytes], seqs: itertools.count[int]) -> None:
