@@ -1,7 +1,8 @@
-"""The serving benchmark's shutdown verdict (issue 19, item 5), without a vLLM server: a replica's
-log is counted apart while serving and after SIGTERM, and the "clean shutdown" target fails on
-what the tier could cause, not on vLLM 0.32's own ``EngineDeadError`` of an orderly shutdown
-(vllm-project/vllm#48745), which replicas without the tier log as well."""
+"""The serving benchmark's report, without a vLLM server: the shutdown verdict (issue 19, item 5):
+a replica's log is counted apart while serving and after SIGTERM, and the "clean shutdown" target
+fails on what the tier could cause, not on vLLM 0.32's own ``EngineDeadError`` of an orderly
+shutdown (vllm-project/vllm#48745), which replicas without the tier log as well; and the
+per-round speedups beside the pooled one."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from torch_kv_tier.benchmarks.serve_replicas import Replica
-from torch_kv_tier.benchmarks.serve_report import targets
+from torch_kv_tier.benchmarks.serve_report import COUNTERS, summarize, table, targets
 
 SPURIOUS = "ERROR [async_llm.py:906] AsyncLLM output_handler failed.\nEngineDeadError: x\n"
 TRACEBACK = 'Traceback (most recent call last):\n  File "/x/torch_kv_tier/manager.py", line 1\n'
@@ -71,3 +74,31 @@ def test_only_what_the_tier_could_cause_fails_a_clean_shutdown(tmp_path: Path) -
     assert not _clean_shutdown({"warm": quiet, "tier": dead_while_serving})["met"]
     through_the_tier = _replica(tmp_path, "INFO serving\n", TRACEBACK)
     assert not _clean_shutdown({"warm": quiet, "tier": through_the_tier})["met"]
+
+
+def _replica_rounds(p50s_ms: list[float]) -> dict[str, Any]:
+    """A replica's results at concurrency 4: one round per p50, three requests each."""
+    rounds = [
+        {
+            "concurrency": 4,
+            "ttfts_s": [p50 / 2e3, p50 / 1e3, p50 / 5e2],
+            "request_throughput": 1.0,
+            **dict.fromkeys(COUNTERS, 0),
+            "tier_read_bytes": 32768,
+            "connector_hit_tokens": 32,
+        }
+        for p50 in p50s_ms
+    ]
+    return {"first_requests": {"ttfts_s": [0.1]}, "rounds": rounds, "shutdown_s": 1.0, "log": {}}
+
+
+def test_the_report_pairs_each_round_of_the_tier_with_the_same_round_recomputed() -> None:
+    scenario = {
+        "name": "s",
+        "replicas": {"tier": _replica_rounds([100, 300]), "recompute": _replica_rounds([50, 900])},
+    }
+    (row,) = summarize([scenario])
+    # one round lost, the other won 3x
+    assert row["speedup_p50_per_round"] == pytest.approx([0.5, 3.0])
+    assert row["speedup_p50"] == pytest.approx(275 / 175)  # the pooled p50s hide the lost round
+    assert "| 1.57x (0.50-3.00) |" in table([row])

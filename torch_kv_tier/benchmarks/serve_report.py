@@ -18,7 +18,9 @@ Targets (issue 19), each printed met/missed:
   logs one on an orderly shutdown, with or without offloading (vllm-project/vllm#48745).
 
 Beside them, for attribution only (no target): replica D's TTFT (vLLM's CPU offloading with no
-secondary tier), i.e. what the offloading path costs before the remote tier adds anything.
+secondary tier), i.e. what the offloading path costs before the remote tier adds anything; and
+the p50 speedup of each round (B's and C's runs of it paired), whose range says how much a
+pooled figure near its target owes to the round it fell in.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tier_rounds, recompute_rounds = replicas["tier"]["rounds"], replicas["recompute"]["rounds"]
         offload_rounds = replicas.get("offload", {}).get("rounds", [])  # absent before D existed
         for concurrency in dict.fromkeys(r["concurrency"] for r in tier_rounds):
-            tier = _pool([r for r in tier_rounds if r["concurrency"] == concurrency])
-            recompute = _pool([r for r in recompute_rounds if r["concurrency"] == concurrency])
+            tier_level = [r for r in tier_rounds if r["concurrency"] == concurrency]
+            recompute_level = [r for r in recompute_rounds if r["concurrency"] == concurrency]
+            tier, recompute = _pool(tier_level), _pool(recompute_level)
             mine = [r for r in offload_rounds if r["concurrency"] == concurrency]
             offload = _pool(mine) if mine else {"p50_ms": None, "p99_ms": None}
             reads = tier["tier_read_bytes"] / CHUNK_BYTES
@@ -88,6 +91,7 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "offload_p99_ms": offload["p99_ms"],
                     "speedup_p50": recompute["p50_ms"] / tier["p50_ms"],
                     "speedup_p99": recompute["p99_ms"] / tier["p99_ms"],
+                    "speedup_p50_per_round": _paired_speedups(tier_level, recompute_level),
                     "tier_req_per_s": tier["request_throughput"],
                     "recompute_req_per_s": recompute["request_throughput"],
                     "tier_hits": tier["tier_hits"],
@@ -112,6 +116,18 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def _paired_speedups(
+    tier_rounds: list[dict[str, Any]], recompute_rounds: list[dict[str, Any]]
+) -> list[float]:
+    """Recompute p50 / tier p50 of each round, B's and C's runs of it paired (they take each
+    round in turn, so a pair shares the machine's state): the spread says how much of the
+    pooled speedup is the round it fell in."""
+    return [
+        float(np.median(c["ttfts_s"]) / np.median(t["ttfts_s"]))
+        for t, c in zip(tier_rounds, recompute_rounds, strict=True)
+    ]
 
 
 def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -177,7 +193,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the summary."""
     lines = [
         "| scenario | conc | TTFT p50 tier / recompute (ms) | p99 tier / recompute (ms) "
-        "| p50 / p99 offload only (ms) | p50 speedup | req/s tier / recompute "
+        "| p50 / p99 offload only (ms) | p50 speedup (per-round min-max) | req/s tier / recompute "
         "| chunks read / delivered | lookup hits | alloc. failures "
         "| refused (busy/pressure/budget) / lost "
         "| prompt tokens from tier |",
@@ -195,7 +211,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['scenario']} | {r['concurrency']} "
             f"| {r['tier_p50_ms']:.0f} / {r['recompute_p50_ms']:.0f} "
             f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} | {offload} "
-            f"| {r['speedup_p50']:.2f}x "
+            f"| {r['speedup_p50']:.2f}x ({_spread(r['speedup_p50_per_round'])}) "
             f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
             f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "
             f"| {r['allocation_failures']:.0f} "
@@ -203,6 +219,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['tokens_from_connector']:.0f} of {r['prompt_tokens']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _spread(speedups: list[float]) -> str:
+    """``min-max`` of the per-round speedups."""
+    return f"{min(speedups):.2f}-{max(speedups):.2f}"
 
 
 def target_lines(results: list[dict[str, Any]]) -> str:
