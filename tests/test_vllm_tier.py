@@ -242,6 +242,14 @@ def offload_then_evict(driver: Driver, n: int) -> list[OffloadKey]:
     return keys
 
 
+def hold_with_stores_in_flight(driver: Driver, chunks: int) -> None:
+    """GPU -> CPU stores of one request, never completed, take ``chunks`` of the CPU tier: vLLM
+    cannot evict them."""
+    writer = driver.arrive("req-writing")
+    with driver.manager.lock:
+        assert driver.manager.prepare_store(keys_for("pending", chunks), writer) is not None
+
+
 def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) -> None:
     spec, manager = make_manager(
         server.address, kv_events=True, enable_kv_events=True, unknown_future_key=1
@@ -760,9 +768,7 @@ def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
     driver = Driver(manager)
     try:
         keys = offload_then_evict(driver, 2)
-        writer = driver.arrive("req-writing")
-        with manager.lock:  # GPU -> CPU stores in flight fill the whole CPU tier
-            assert manager.prepare_store(keys_for("pending", PRIMARY_CHUNKS), writer) is not None
+        hold_with_stores_in_flight(driver, PRIMARY_CHUNKS)  # the whole CPU tier
         ctx = driver.arrive("req-1")
         assert driver.lookup(ctx, keys) == [LookupResult.MISS, LookupResult.MISS]
         driver.step()
@@ -770,6 +776,30 @@ def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
         assert driver.lookup(ctx, keys[:1]) == [LookupResult.MISS]
         data = driver.metrics()
         assert TieringOffloadingMetrics.READ_BYTES not in data
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_promotion_the_cpu_tier_can_allocate_only_in_part_is_not_read(
+    server: ServerProcess,
+) -> None:
+    """With room in the CPU tier for one chunk of a two-chunk prefix, vLLM promotes the first
+    and answers MISS for the second (its scan ends there). Reading the first would defer the
+    request for the promotion and then recompute the rest; the tier reports the promotion
+    failed unread instead, and the request recomputes whole (a MISS from its first chunk) with
+    nothing left pending and the budget given back."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, 2)
+        hold_with_stores_in_flight(driver, PRIMARY_CHUNKS - 1)  # all but one chunk
+        ctx = driver.arrive("req-1")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING, LookupResult.MISS]
+        driver.run_until_idle()  # the job is submitted at the step's end and reported failed
+        assert driver.lookup(ctx, keys[:1]) == [LookupResult.MISS]
+        assert driver.tier._admission.held == 0
+        assert driver.tier._admission.stats.dropped_partial == 1
+        assert TieringOffloadingMetrics.READ_BYTES not in driver.metrics()
     finally:
         driver.shutdown(spec)
 

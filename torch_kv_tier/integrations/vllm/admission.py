@@ -94,6 +94,13 @@ promotion is under way (a request arriving alone is promoted at once), and holds
 most ``guard_s`` when one is stuck (its host froze). A speed rule only: no byte a load returns
 depends on it.
 
+**A promotion vLLM could allocate only part of is dropped unread** (``on_submitted``): its CPU
+tier, full of chunks it cannot evict (promotions not yet loaded, stores whose cascade is in
+flight), answered MISS for the rest, which ends its prefix scan; read, the part would cost the
+request the promotion's steps and a recompute of the rest (CI's engine burst test, once: 3 of
+62 chunks promoted, first token after 0.719 s against its 0.258 s recompute). Reported failed,
+it recomputes whole from the next step.
+
 A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
 recomputes the rest at once (no deferral); promises are made in lookup order, i.e. the leading
 chunks of a prefix first. A request's promises are forgotten when it is scheduled, preempted
@@ -144,6 +151,7 @@ class AdmissionStats:
     refused_budget: int = 0  # MISS: no room for the (whole) prefix in the budget
     refused_repeat: int = 0  # MISS: promised before in this attempt, and lost by vLLM
     unallocated: int = 0  # promises vLLM could not allocate (never submitted)
+    dropped_partial: int = 0  # promotions not read: vLLM allocated only part of the promises
 
     def refused(self) -> dict[str, int]:
         """First promotions refused (MISS), by reason (``REFUSAL_REASONS``)."""
@@ -353,11 +361,24 @@ class PromotionAdmission:
         self.stats.guarded += 1
         return Verdict.RETRY
 
-    def on_submitted(self, req_id: str, keys: Iterable[Hashable]) -> None:
-        """vLLM submitted a promotion of ``keys`` for ``req_id``: their allocation succeeded."""
+    def on_submitted(self, req_id: str, keys: Iterable[Hashable]) -> bool:
+        """vLLM submitted a promotion of ``keys`` for ``req_id``: their allocation succeeded.
+        Returns whether the promotion is to be dropped unread: vLLM could not allocate other
+        chunks promised to the request in this step (its CPU tier was full of chunks it cannot
+        evict: promotions not yet loaded, stores whose cascade is in flight), so its prefix
+        scan ended there. vLLM submits one job per request at the end of the step, after every
+        lookup, so the promises it left out are known here. Read, the part would cost the
+        request the promotion's steps and then a recompute of the rest (the case a first
+        promotion is refused for when its prefix does not fit the budget); dropped (reported
+        failed: a MISS for the rest of the request), it recomputes whole from the next step."""
         attempt = self._attempts.get(req_id)
-        if attempt is not None:
-            attempt.unsubmitted.difference_update(keys)
+        if attempt is None:
+            return False
+        attempt.unsubmitted.difference_update(keys)
+        if not attempt.unsubmitted:
+            return False
+        self.stats.dropped_partial += 1
+        return True
 
     def on_read_failed(self, req_id: str, keys: Iterable[Hashable]) -> None:
         """The promotion of ``keys`` for ``req_id`` failed (the request recomputes them): they

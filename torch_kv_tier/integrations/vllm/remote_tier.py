@@ -196,8 +196,12 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        """Read the job's keys into its primary rows; returns at once (result later)."""
-        self._admission.on_submitted(job_metadata.req_context.req_id, job_metadata.keys)
+        """Read the job's keys into its primary rows; returns at once (result later). A
+        promotion vLLM could allocate only part of is reported failed unread
+        (``PromotionAdmission.on_submitted``): the request recomputes instead of waiting."""
+        if self._admission.on_submitted(job_metadata.req_context.req_id, job_metadata.keys):
+            self._jobs.fail(job_metadata)
+            return
         self._jobs.submit(job_metadata, self._tier.load)
 
     @override

@@ -91,14 +91,19 @@ class TierJobs:
                 "promotion" if job.is_promotion else "store",
                 job.job_id,
             )
-            self._ready.append(JobResult(job.job_id, False))
-            self._promoted(job.req_context, job.is_promotion, (), keys)
+            self.fail(job)
             return
         self._jobs[job.job_id] = _Job(keys, job.is_promotion, job.req_context, future)
         if not job.is_promotion:
             self.storing.update(keys)
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
+
+    def fail(self, job: TransferJob) -> None:
+        """Report ``job`` failed, unstarted, at the next ``finished`` (a promotion's keys go to
+        ``on_promotion`` as failed)."""
+        self._ready.append(JobResult(job.job_id, False))
+        self._promoted(job.req_context, job.is_promotion, (), tuple(job.keys))
 
     def finished(self) -> list[JobResult]:
         """Every job that finished since the previous call, each reported exactly once."""
