@@ -1067,6 +1067,59 @@ def test_admission_pipelines_a_burst_larger_than_the_budget_from_its_third_step(
     assert stats.admitted == 9
 
 
+@pytest.mark.parametrize(("primary_chunks", "verdict"), [(16, Verdict.MISS), (20, Verdict.HIT)])
+def test_admission_promotes_behind_prefills_only_what_the_cpu_tier_holds_beside_their_stores(
+    primary_chunks: int, verdict: Verdict
+) -> None:
+    """A request behind two prefills is promoted only if vLLM's CPU tier holds its prefix beside
+    a prefix for each recompute of the last step, twice (that step's stores still in flight and
+    this step's): its chunks land amid those stores and, idle until their request is scheduled,
+    are what vLLM evicts (the CI engine burst test: request 1 evicted down to 3 of 62 chunks,
+    then recomputed, its first token after 0.571 s against its 0.243 s recompute)."""
+    admission = PromotionAdmission(
+        budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64, primary_chunks=primary_chunks
+    )
+    for req_id in ("r0", "r1", "r2"):
+        admission.on_new_request(req_id)
+    assert admission.admit("r0", b"r0-0") is Verdict.MISS  # the queue does not fit: pressure
+    assert admission.admit("r1", b"r1-0") is Verdict.MISS
+    admission.end_step(scheduled=("r0", "r1"), preempted=())  # two prefixes of stores ahead
+    # behind two prefills, its 4 chunks in the budget; beside 2 x 2 x 4 chunks of stores?
+    assert admission.admit("r2", b"r2-0") is verdict
+    assert admission.stats.refused_busy == (verdict is Verdict.MISS)
+
+
+def test_admission_guard_releases_the_requests_it_holds_in_queue_order() -> None:
+    """The guard reads its clock once a step: a request it holds is never overtaken by one that
+    arrived after it and was looked up later in the same step, past the guard's time by then
+    (the CI engine burst test's repeat: requests 6 to 8 released 4 ms after 1 and 2 were held,
+    in the same step, and scheduled before them)."""
+    now = [0.0]
+    admission = PromotionAdmission(
+        budget_chunks=4, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
+        clock=lambda: now[0],
+    )  # fmt: skip
+    admission.on_new_request("first")
+    first = [f"f{c}".encode() for c in range(4)]
+    assert [admission.admit("first", k) for k in first] == [Verdict.HIT] * 4  # alone
+    admission.on_submitted("first", first)
+    admission.end_step(scheduled=(), preempted=())  # first's promotion is under way
+    admission.on_new_request("a")
+    now[0] = 0.01
+    admission.on_new_request("b")
+    now[0] = 0.049
+    assert admission.recompute("a") is Verdict.RETRY  # held for first's promotion
+    now[0] = 0.061  # later in the same step: b's 0.05 s are over by the wall clock
+    assert admission.recompute("b") is Verdict.RETRY  # but a, ahead of it, is still held
+    admission.end_step(scheduled=(), preempted=())
+    assert [admission.recompute("a"), admission.recompute("b")] == [Verdict.MISS] * 2
+
+
+def test_admission_rejects_a_cpu_tier_smaller_than_its_budget() -> None:
+    with pytest.raises(ValueError, match="primary_chunks"):
+        PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, primary_chunks=7)
+
+
 def test_a_chunk_on_the_hosts_disk_is_retried_while_promoted_then_a_hit(tmp_path: Any) -> None:
     """A chunk the host's pool evicted to its disk (``serve --disk``): vLLM's lookup answers
     RETRY while the host promotes it (never a MISS, never a HIT before it is in DRAM), then the

@@ -86,6 +86,7 @@ def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: 
         second.start(host.address, **options)
         reference = second.generate(before, LEAD_S)
         served = second.generate(burst, LEAD_S)
+        counters = second.counters()
         reference = [
             max(r, s, key=_ttft) for r, s in zip(reference, second.generate(after, LEAD_S))
         ]
@@ -98,7 +99,8 @@ def test_a_burst_larger_than_the_cpu_tier_recomputes_without_a_stall(model_dir: 
     queued = [round(s.queued_s - served[0].queued_s, 3) for s in served]
     assert not slow, (
         f"requests (index, TTFT s, recompute TTFT s, tokens served from cache) slower than 2x: "
-        f"{slow}; when the engine queued each request, s after the first: {queued}"
+        f"{slow}; when the engine queued each request, s after the first: {queued}; "
+        f"the engine's counters after the burst: {counters}"
     )
 
 

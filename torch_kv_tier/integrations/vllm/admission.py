@@ -46,7 +46,8 @@ the requests behind it no faster). So a request's first promotion is admitted on
 Unless its own recompute would wait: a request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
 of the last step, plus those waiting that arrived before it), is promoted whatever the others
-do, as long as its whole prefix fits the budget left: counted from its arrival, its recompute
+do, as long as its whole prefix fits the budget left and the CPU tier can hold it beside the
+stores ahead (below): counted from its arrival, its recompute
 would take three prefills or more, its promotion at most the two more steps of its own (w + 3
 against w + 1 steps for w >= 2 waited, within 5/3: every request stays within the CI burst
 test's 2x of its recompute). vLLM asks this tier about a waiting request only when its
@@ -64,6 +65,18 @@ recomputed every burst). A request whose prefix does not fit the budget left rec
 below holds it: its prefill must not fill the steps of a promotion under way (CI's engine burst
 test, once: three such recomputes scheduled in the step of the promoted request's load, whose
 first token then came after 0.298 s against its 0.123 s recompute).
+
+**The stores ahead.** A promotion's chunks land at the end of its step, when vLLM stores the
+KV that step's recomputes computed, while the stores of the step before are still in flight
+(vLLM cannot evict a chunk until it hears that its cascade to this tier finished); once landed
+they are idle until their request is scheduled, and vLLM's stores evict idle chunks, tail first,
+when it has no other room. So a request behind two prefills is promoted only if the CPU tier
+(``primary_chunks``) holds the promises held, its prefix, and a prefix for each recompute of
+the last step twice over (that step's and this one's). Without it, on the CI engine burst test's
+8 MiB tier (256 chunks), every promotion admitted right after a step of two or three recomputes
+was evicted down to its first 3 to 6 chunks before its request ran (16 of 16, against 1 of 59
+promoted otherwise, over 17 bursts in a row): the request waited for its promotion and then
+recomputed, its first token after 0.571 s against its 0.243 s recompute (once in CI).
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
@@ -91,7 +104,8 @@ request's promotion is under way (promised, not yet scheduled), a request that w
 waits instead (RETRY), for at most ``guard_s`` after its arrival: the promoted request's steps
 stay short, and the request that waits recomputes right after it. This costs nothing when no
 promotion is under way (a request arriving alone is promoted at once), and holds a request at
-most ``guard_s`` when one is stuck (its host froze). A speed rule only: no byte a load returns
+most ``guard_s`` when one is stuck (its host froze). Its clock is read once a step, so it
+releases the requests it holds in their queue order. A speed rule only: no byte a load returns
 depends on it.
 
 **A promotion vLLM could allocate only part of is dropped unread** (``on_submitted``): its CPU
@@ -120,6 +134,8 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from torch_kv_tier.integrations.vllm import tier_sizing
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +210,8 @@ class PromotionAdmission:
         guard_s: how long a request that would recompute waits (RETRY) while another request's
             promotion is under way (>= 0; 0: never).
         clock: seconds, monotonic (``time.monotonic``; tests pass their own).
+        primary_chunks: chunks of vLLM's CPU tier (>= ``budget_chunks``; ``None``: the
+            budget at ``tier_sizing.PROMOTION_SHARE`` of it).
     """
 
     def __init__(
@@ -203,19 +221,29 @@ class PromotionAdmission:
         prefix_tokens: int | None = None,
         guard_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        primary_chunks: int | None = None,
     ) -> None:
+        if primary_chunks is None:
+            primary_chunks = math.floor(budget_chunks / tier_sizing.PROMOTION_SHARE)
         if budget_chunks < 0 or tokens_per_chunk < 1 or guard_s < 0:
             raise ValueError(
                 "need budget_chunks >= 0, tokens_per_chunk >= 1 and guard_s >= 0, got "
                 f"{budget_chunks}, {tokens_per_chunk}, {guard_s}"
             )
+        if primary_chunks < budget_chunks:
+            raise ValueError(
+                f"primary_chunks ({primary_chunks}) is smaller than budget_chunks "
+                f"({budget_chunks}): the budget is a share of vLLM's CPU tier"
+            )
         self.budget = budget_chunks
+        self.primary_chunks = primary_chunks
         self.stats = AdmissionStats()
         self._tokens_per_chunk = tokens_per_chunk
         self._prefix_tokens = prefix_tokens
         self._guard_s = guard_s
         self._clock = clock
         self._guarded: set[str] = set()  # requests the guard answered RETRY in this step
+        self._guard_now: float | None = None  # the clock at the guard's first use in this step
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self._lengths: dict[str, int] = {}  # request -> furthest prompt token seen
         self._waiting: dict[str, _Arrival] = {}  # requests not yet scheduled
@@ -291,6 +319,10 @@ class PromotionAdmission:
             # not fit: it recomputes meanwhile, one step sooner.
             if self._held + self.prefix_chunks > self.budget:
                 return self._refuse(req_id, "budget")
+            if self._held + self.prefix_chunks + self._stores_ahead() > self.primary_chunks:
+                # its chunks would land amid stores the CPU tier cannot also hold, and be
+                # evicted before its request is scheduled (module docstring)
+                return self._refuse(req_id, "busy")
             return None
         others = len(self._running) + len(self._waiting) - (req_id in self._waiting)
         busy = sum(self._recomputes) or sum(self._stored) >= max(1, self.prefix_chunks // 2)
@@ -332,6 +364,12 @@ class PromotionAdmission:
         since = 0 if arrival is None else self._recomputed - arrival.recomputed
         return max(since, self._recomputes[0]) + queued
 
+    def _stores_ahead(self) -> int:
+        """The chunks vLLM may store while a promotion admitted now lands and waits for its
+        request's step: a prefix for each recompute of the last step (still in flight, not
+        evictable until vLLM hears its cascade finished) and as many again for this step's."""
+        return 2 * self._recomputes[0] * self.prefix_chunks
+
     def _arrival(self) -> _Arrival:
         return _Arrival(self._step, self._clock(), self._recomputed)
 
@@ -349,11 +387,17 @@ class PromotionAdmission:
         """``None`` unless ``req_id``, about to recompute, must wait for another request's
         promotion (module docstring): then RETRY on its first lookup in this step, MISS on the
         next ones (vLLM goes on scanning a prefix after a RETRY, and one RETRY already defers
-        the request; the MISS ends the scan)."""
+        the request; the MISS ends the scan). Its clock is read once a step: vLLM looks the
+        waiting requests up in queue order, so the ones it holds are released in that order,
+        never one behind another that was still held in the same step (the CI engine burst
+        test's repeat: requests 1 and 2 held, 6 to 8 released 4 ms later in the same step and
+        scheduled first, 1 and 2 then first served after 0.48 and 0.62 s against 0.24 s)."""
         if not self._attempts or req_id in self._attempts:
             return None
         arrival = self._waiting.get(req_id)
-        if arrival is None or self._clock() - arrival.at_s >= self._guard_s:
+        if self._guard_now is None:  # one time for the whole step (docstring)
+            self._guard_now = self._clock()
+        if arrival is None or self._guard_now - arrival.at_s >= self._guard_s:
             return None
         if req_id in self._guarded:
             return Verdict.MISS
@@ -420,6 +464,7 @@ class PromotionAdmission:
                 attempt.unsubmitted.clear()
         self._step += 1
         self._guarded.clear()
+        self._guard_now = None
         self._stored = [0, self._stored[0]]
         self._recomputes = [recomputes, self._recomputes[0]]
         self._recomputed += recomputes

@@ -126,6 +126,7 @@ class RemoteHostTier(SecondaryTierManager):
             tokens_per_chunk,
             config.expected_prefix_tokens,
             config.promotion_guard_s,
+            primary_chunks=rows,
         )
         self._resources = TierResources(
             primary_kv_view,
