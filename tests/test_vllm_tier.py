@@ -925,15 +925,11 @@ def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> 
         PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, guard_s=-1)
 
 
-def test_admission_holds_a_request_the_budget_refuses_while_a_promotion_is_under_way() -> None:
-    """A request behind two prefills is promoted if its prefix fits the budget, else it
-    recomputes: not at once while another request's promotion is under way, or its prefill
-    fills that promotion's steps (CI, the engine burst test: three such recomputes scheduled in
-    the step of the first request's load, its first token after 0.298 s against its 0.123 s
-    recompute). It waits like any refused request, at most ``guard_s``."""
-    now = [0.0]
+def _with_a_promotion_under_way(budget_chunks: int, now: list[float]) -> PromotionAdmission:
+    """An admission with a 0.05 s guard on the clock ``now[0]``, whose request "first" arrived
+    alone, promoted its 4-chunk prefix (submitted), and is not yet scheduled."""
     admission = PromotionAdmission(
-        budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
+        budget_chunks=budget_chunks, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
         clock=lambda: now[0],
     )  # fmt: skip
     admission.on_new_request("first")
@@ -941,6 +937,17 @@ def test_admission_holds_a_request_the_budget_refuses_while_a_promotion_is_under
     assert [admission.admit("first", k) for k in first] == [Verdict.HIT] * 4  # alone
     admission.on_submitted("first", first)
     admission.end_step(scheduled=(), preempted=())
+    return admission
+
+
+def test_admission_holds_a_request_the_budget_refuses_while_a_promotion_is_under_way() -> None:
+    """A request behind two prefills is promoted if its prefix fits the budget, else it
+    recomputes: not at once while another request's promotion is under way, or its prefill
+    fills that promotion's steps (CI, the engine burst test: three such recomputes scheduled in
+    the step of the first request's load, its first token after 0.298 s against its 0.123 s
+    recompute). It waits like any refused request, at most ``guard_s``."""
+    now = [0.0]
+    admission = _with_a_promotion_under_way(budget_chunks=8, now=now)
     for n in range(4):  # the burst arrives while first's promotion is under way
         admission.on_new_request(f"b{n}")
     for req_id in ("b0", "b1"):  # the queue does not fit: held
@@ -1096,15 +1103,7 @@ def test_admission_guard_releases_the_requests_it_holds_in_queue_order() -> None
     (the CI engine burst test's repeat: requests 6 to 8 released 4 ms after 1 and 2 were held,
     in the same step, and scheduled before them)."""
     now = [0.0]
-    admission = PromotionAdmission(
-        budget_chunks=4, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
-        clock=lambda: now[0],
-    )  # fmt: skip
-    admission.on_new_request("first")
-    first = [f"f{c}".encode() for c in range(4)]
-    assert [admission.admit("first", k) for k in first] == [Verdict.HIT] * 4  # alone
-    admission.on_submitted("first", first)
-    admission.end_step(scheduled=(), preempted=())  # first's promotion is under way
+    admission = _with_a_promotion_under_way(budget_chunks=4, now=now)
     admission.on_new_request("a")
     now[0] = 0.01
     admission.on_new_request("b")

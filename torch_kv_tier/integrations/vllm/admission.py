@@ -111,9 +111,10 @@ depends on it.
 **A promotion vLLM could allocate only part of is dropped unread** (``on_submitted``): its CPU
 tier, full of chunks it cannot evict (promotions not yet loaded, stores whose cascade is in
 flight), answered MISS for the rest, which ends its prefix scan; read, the part would cost the
-request the promotion's steps and a recompute of the rest (CI's engine burst test, once: 3 of
-62 chunks promoted, first token after 0.719 s against its 0.258 s recompute). Reported failed,
-it recomputes whole from the next step.
+request the promotion's steps and a recompute of the rest (traced on the CI engine burst
+test's shape, several times a burst). Reported failed, it recomputes whole from the next step.
+(CI's burst test failure put down to this at first, 3 of 62 chunks served, was the stores
+ahead, above.)
 
 A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
 recomputes the rest at once (no deferral); promises are made in lookup order, i.e. the leading
