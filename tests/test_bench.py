@@ -183,3 +183,24 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
     assert exited.value.code == 2
     assert "pip install matplotlib" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_promotion_trace_splits_a_request_into_segments_that_add_up() -> None:
+    from torch_kv_tier.benchmarks.promotion_trace import SEGMENTS, _Timeline, segments
+
+    timeline = _Timeline()
+    names = ["generate>"]
+    names += ["schedule>", "read>", "read<", "schedule<", "update>", "update<"]
+    names += ["schedule>", "schedule<", "update>", "update<"] * 2
+    names += ["generate<"]
+    timeline.events = [(i * 1e-3, name) for i, name in enumerate(names)]  # 1 ms apart
+    timeline.lookup_s, timeline.finished_jobs_s = 0.5e-3, 0.25e-3
+    seg = segments(timeline)
+    assert seg["total"] == pytest.approx(len(names) - 1)
+    assert sum(seg[name] for name in SEGMENTS) == pytest.approx(seg["total"])
+    assert seg["tier_read"] == pytest.approx(1) and seg["vllm_lookup"] == pytest.approx(0.5)
+    assert seg["step1_rest"] == pytest.approx(3) and seg["step2"] == pytest.approx(3)
+    assert seg["step3_forward"] == pytest.approx(1) and seg["tier_work"] == pytest.approx(1.75)
+    del timeline.events[1:7]  # no promotion step: a recompute's trace
+    with pytest.raises(ValueError, match="not a three-step promotion"):
+        segments(timeline)

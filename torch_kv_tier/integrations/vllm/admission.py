@@ -6,77 +6,45 @@ allocates a primary-tier chunk at once (evicting the least recently used idle on
 the chunk there at the end of the scheduler step; a request whose prefix has a promotion in
 flight is deferred to a later step, when it looks its prefix up again. With more prefix chunks
 wanted than the primary tier holds (a burst of long prompts, a small ``cpu_bytes_to_use``),
-that goes wrong in two ways, both seen under load (issue 19):
-
-- promoted chunks are evicted, by the next promotions or by the chunks vLLM stores, before
-  their request is scheduled; its next lookup finds them gone and promotes them again, so the
-  tier reads chunks that are never used, and the request is deferred step after step;
-- a chunk whose allocation fails answers MISS, but the request is still deferred for its
-  other pending chunks and asks again next step.
+promoted chunks are evicted before their request runs (read for nothing, the request deferred
+step after step), and a chunk whose allocation fails still defers its request (issue 19).
 
 :class:`PromotionAdmission` decides each HIT. A promoted request needs three scheduler steps
 before its first token (the promotion, vLLM's asynchronous load, the compute), a recomputed one
 at the head of the queue one: promotion wins only while those steps are short, i.e. while no
-other request is prefilling (measured on a busy engine: 3x slower than its own recompute, and
-the requests behind it no faster). So a request's first promotion is admitted only when:
+other request prefills. So a request's first promotion is admitted only when:
 
 - **nothing else prefills**: no other request is running or waiting, or else no recompute
-  was scheduled in the last two scheduler steps and vLLM stored fewer than half a prefix of
-  newly computed chunks in this step and the previous one. A recompute is a request this tier
-  answered MISS and that promoted nothing. A request vLLM serves from its own prefix cache or
-  CPU tier never asks this tier and computes (almost) nothing, so it is no recompute (counted
-  as one, a single repeated prompt would make the burst beside it recompute whole).
-  Both signals are needed: a CPU tier too small to take the chunks vLLM computes stores none
-  of them ("cannot store chunks"), so under the very pressure where promotions lose, the
-  stores alone would say that nothing prefills. They count steps, and an idle engine runs no
-  step: the last two may be long past, their requests finished (a request served right after
-  a one-token recompute), hence the first condition;
+  (a request this tier answered MISS that promoted nothing) was scheduled in the last two
+  steps and vLLM stored fewer than half a prefix of newly computed chunks in this step and the
+  one before. Both signals are needed: a CPU tier too small for what vLLM computes stores none
+  of it. A request vLLM serves from its own caches never asks this tier and is no recompute;
 - **the whole queue fits**: the CPU tier could take a whole prefix
-  (:attr:`PromotionAdmission.prefix_chunks`: ``expected_prefix_tokens`` when configured, else
-  the longest prompt among the last requests served) for every request waiting to be
-  scheduled; in a burst it cannot serve whole, the requests it does not serve recompute and
-  fill the promoted ones' steps with their prefill;
-- **the queue is known**: while other requests run or wait, not in the scheduler step the
-  request arrived in (it answers RETRY there, for one step, which on an engine where nothing
-  prefills is a short one), so a burst whose requests reach the engine together is seen whole.
-  A request alone on the engine is promoted in its arrival step: the hold would cost it one
-  empty step, about 2 ms of its 17 ms TTFT in serve-bench at concurrency 1 here, and requests
-  arriving right behind it wait for its promotion anyway (the guard below).
+  (:attr:`PromotionAdmission.prefix_chunks`) for every request waiting to be scheduled;
+- **the queue is known**: while others run or wait, not in the step the request arrived in
+  (RETRY for one step), so a burst that reaches the engine together is seen whole. A request
+  alone on the engine is promoted in its arrival step.
 
-Unless its own recompute would wait: a request whose recompute ends behind two or more
-prefills, counted from its arrival (the recomputes scheduled since it arrived, at least those
-of the last step, plus those waiting that arrived before it), is promoted whatever the others
-do, as long as its whole prefix fits the budget left and the CPU tier can hold it beside the
-stores ahead (below): counted from its arrival, its recompute
-would take three prefills or more, its promotion at most the two more steps of its own (w + 3
-against w + 1 steps for w >= 2 waited, within 5/3: every request stays within the CI burst
-test's 2x of its recompute). vLLM asks this tier about a waiting request only when its
-scheduler reaches it with token budget left, one long prompt a step, so in a burst it is only
-ever asked about the head of the queue: the head of a burst's third step has waited behind two
-recomputes. Its promotion defers it (vLLM then asks about the next request in the same step),
-so each step of a burst larger than the CPU tier recomputes one request and starts promoting as
-many as the budget holds whole prefixes of; each request behind them waits one step less.
-Without the exception, one recompute at the start of a burst refused the request beside it,
-which recomputed in turn and refused the next: the whole burst recomputed, each request queued
-behind the others (serve-bench at concurrency 16: no chunk promoted, TTFT p50 1060 ms against
-902 ms without the tier, and with an 8 MiB CPU tier, where the whole queue never fits, the tier
-recomputed every burst). A request whose prefix does not fit the budget left recomputes at once
-(part of a prefix would cost it both the promotion's steps and a recompute), unless the guard
-below holds it: its prefill must not fill the steps of a promotion under way (CI's engine burst
-test, once: three such recomputes scheduled in the step of the promoted request's load, whose
-first token then came after 0.298 s against its 0.123 s recompute).
+**Unless its own recompute would wait.** A request whose recompute ends behind two or more
+prefills, counted from its arrival (the recomputes scheduled since, at least the last step's,
+plus those waiting ahead of it), is promoted whatever the others do: its promotion takes
+w + 3 steps against w + 1 for w >= 2 waited, within 5/3 of its recompute. vLLM's scheduler asks
+about the waiting requests in queue order until the step's token budget is spent; a request it
+defers (a promotion, a RETRY) spends none of it, so one step asks about every request up to the
+recomputes that fill it, and from a burst's third step on the first one it asks about has
+waited behind two recomputes. So each step of a burst larger than the CPU tier recomputes and
+starts promoting side by side (without the exception one recompute refused the next request,
+and the whole burst recomputed in a queue). It applies only while:
 
-**The stores ahead.** A promotion's chunks land at the end of its step, when vLLM stores the
-KV that step's recomputes computed, while the stores of the step before are still in flight
-(vLLM cannot evict a chunk until it hears that its cascade to this tier finished); once landed
-they are idle until their request is scheduled, and vLLM's stores evict idle chunks, tail first,
-when it has no other room. So a request behind two prefills is promoted only if the CPU tier
-(``primary_chunks``) holds the promises held, its prefix, and a prefix for each recompute of
-the last step twice over (that step's and this one's). Without it, on the CI engine burst test's
-8 MiB tier (256 chunks), every promotion admitted right after a step of two or three recomputes
-was evicted down to its first 3 to 6 chunks before its request ran (16 of 16, against 1 of 59
-promoted otherwise, over 17 bursts in a row): the request waited for its promotion and then
-recomputed, its first token after 0.571 s against its 0.243 s recompute (once in CI).
+- the request's whole prefix fits the budget left (part of one would cost it both the
+  promotion's steps and a recompute), and
+- **the stores ahead** leave room: its chunks land at the end of its step, amid the stores of
+  that step's recomputes, while the last step's are still in flight (vLLM evicts none of those
+  until their cascade to this tier finished); once landed they are idle until their request
+  runs, and vLLM's stores evict idle chunks, tail first, when it has no other room. So the CPU
+  tier (``primary_chunks``) must hold the promises held, the prefix, and a prefix per recompute
+  of the last step twice over. (Without it, on the CI burst test's shape, 16 of 16 such
+  promotions were evicted down to 3 to 6 chunks before their request ran.)
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
@@ -84,42 +52,32 @@ Its chunks are then promoted:
 - **within a budget** of CPU-tier chunks
   (:func:`~torch_kv_tier.integrations.vllm.tier_sizing.promotion_budget`) for the chunks
   promised to requests not yet scheduled or scheduled in the last step: vLLM holds them as
-  writes in flight while they are read, then as the source of its load into the KV cache
-  during the step their request is scheduled in; in between they are idle chunks that its
-  stores evict first (their recency is that of their allocation, and vLLM reports a read that
-  landed at its next poll, right before the step's stores). A promise leaves the budget one
-  step after its request is scheduled, when the request is preempted or finished, or when its
-  read failed; a promise whose allocation failed (vLLM never submitted it) is released at the
-  end of the step. (Released when their reads landed, a burst's promotions ran ahead of its
-  loads: with an 8 MiB tier at concurrency 16, 1.33 chunks read per chunk used; 1.05 held.)
+  writes in flight while they are read, then as the source of its load into the KV cache in the
+  step their request is scheduled in. A promise leaves the budget one step after its request is
+  scheduled, when the request is preempted or finished, or when its read failed; one vLLM could
+  not allocate (never submitted) leaves at the end of the step;
 - **once per attempt**: a chunk already promised to the same request since it was last
-  scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (allocation
-  failed, evicted before use, promotion failed), and reading it again would be wasted.
+  scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost, and reading it
+  again would be wasted.
 
-**Promotions under way go first.** Steps are no clock: on an idle engine a step schedules
-nothing and takes well under a millisecond, so a request that reaches the engine a few
-milliseconds ahead of a burst is seen alone and starts promoting; the burst's prefills then
-filled its three steps (measured in CI: 0.75 s against its 0.23 s recompute). So while another
-request's promotion is under way (promised, not yet scheduled), a request that would recompute
-waits instead (RETRY), for at most ``guard_s`` after its arrival: the promoted request's steps
-stay short, and the request that waits recomputes right after it. This costs nothing when no
-promotion is under way (a request arriving alone is promoted at once), and holds a request at
-most ``guard_s`` when one is stuck (its host froze). Its clock is read once a step, so it
-releases the requests it holds in their queue order. A speed rule only: no byte a load returns
-depends on it.
+**Promotions under way go first.** Steps are no clock: an idle engine runs empty steps well
+under a millisecond apart, so a request a few milliseconds ahead of a burst is seen alone and
+promoted, and the burst's prefills would fill its three steps. So while another request's
+promotion is under way (promised, not yet scheduled), a request that would recompute waits
+(RETRY) for at most ``guard_s`` after its arrival, then recomputes. It costs nothing when no
+promotion is under way and bounds the wait when one is stuck (its host froze). Its clock is
+read once a step, so it releases the requests it holds in queue order. A speed rule only: no
+byte a load returns depends on it.
 
 **A promotion vLLM could allocate only part of is dropped unread** (``on_submitted``): its CPU
-tier, full of chunks it cannot evict (promotions not yet loaded, stores whose cascade is in
-flight), answered MISS for the rest, which ends its prefix scan; read, the part would cost the
-request the promotion's steps and a recompute of the rest (traced on the CI engine burst
-test's shape, several times a burst). Reported failed, it recomputes whole from the next step.
-(CI's burst test failure put down to this at first, 3 of 62 chunks served, was the stores
-ahead, above.)
+tier, full of chunks it cannot evict, answered MISS for the rest, which ended the prefix scan;
+read, the part would cost the request the promotion's steps and a recompute of the rest.
+Reported failed, the request recomputes whole from the next step.
 
 A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
-recomputes the rest at once (no deferral); promises are made in lookup order, i.e. the leading
-chunks of a prefix first. A request's promises are forgotten when it is scheduled, preempted
-or finished.
+recomputes the rest at once; promises are made in lookup order, i.e. the leading chunks of a
+prefix first. A request's promises are forgotten when it is scheduled, preempted or finished.
+The README's vLLM section gives the measurements behind each rule.
 
 Threading: none of its own; every method is called under vLLM's manager lock (see
 :mod:`torch_kv_tier.integrations.vllm.remote_tier`), so no two run at once.
@@ -350,10 +308,9 @@ class PromotionAdmission:
     def _prefills_ahead(self, req_id: str) -> int:
         """The prefills ``req_id``'s recompute would end behind, counted from its arrival: the
         recomputes scheduled since it arrived (at least those of the last step, prefilling
-        now) and those waiting that arrived before it. A request at the head of a burst's
-        queue has waited behind every recompute scheduled before it: vLLM asks this tier about
-        a waiting request only when its scheduler reaches it with token budget left, one long
-        prompt a step, so the head is all it is ever asked about."""
+        now) and those waiting that arrived before it (this tier answered them MISS; vLLM asks
+        in queue order, so a request it asks about after them in the same step is behind
+        them)."""
         arrival = self._waiting.get(req_id)
         queued = sum(
             1
