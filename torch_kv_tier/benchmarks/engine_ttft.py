@@ -170,6 +170,22 @@ def plot(rows: list[dict[str, Any]], summary: dict[str, Any], path: Path, title:
     fig.savefig(path, dpi=120)
 
 
+def run_conditions(prefix_tokens: int, repeats: int) -> dict[str, Any]:
+    """What a run's JSON records of its setting (vLLM, engine arguments, machine, host)."""
+    import vllm
+
+    from torch_kv_tier.integrations.vllm import engine
+
+    return {
+        "prefix_tokens": prefix_tokens,
+        "repeats": repeats,
+        "vllm": vllm.__version__,
+        "engine_args": engine.ENGINE_ARGS,
+        "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
+        "remote": "torch-kv-tier serve on loopback (same machine)",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
@@ -204,16 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 engine.shutdown(llm)
     summary = summarize(rows, args.prefix_tokens)
-    import vllm
-
-    conditions = {
-        "prefix_tokens": args.prefix_tokens,
-        "repeats": args.repeats,
-        "vllm": vllm.__version__,
-        "engine_args": engine.ENGINE_ARGS,
-        "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
-        "remote": "torch-kv-tier serve on loopback (same machine)",
-    }
+    conditions = run_conditions(args.prefix_tokens, args.repeats)
     for condition in (c for c in CONDITIONS if c in summary):
         s = summary[condition]
         print(
@@ -229,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.plot:
         title = (
-            f"TTFT, {args.prefix_tokens}-token shared prefix, tiny Llama on vLLM {vllm.__version__}"
-            f" CPU\nremote host on loopback; {args.repeats} interleaved repeats, bar = median"
+            f"TTFT, {args.prefix_tokens}-token shared prefix, tiny Llama on vLLM "
+            f"{conditions['vllm']} CPU\nremote host on loopback; {args.repeats} interleaved "
+            "repeats, bar = median"
         )
         plot(rows, summary, args.plot, title)
     loaded = [c for c in ("remote", "cpu_tier", "remote_disk") if c in summary]

@@ -28,7 +28,6 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -37,8 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.benchmarks.engine_ttft import SUFFIX_TOKENS, _tokens, _ttft
-from torch_kv_tier.benchmarks.options import usable_cpus
+from torch_kv_tier.benchmarks.engine_ttft import SUFFIX_TOKENS, _tokens, _ttft, run_conditions
 
 logger = logging.getLogger(__name__)
 
@@ -252,15 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in summary.items():
         print(f"{name:>14}: {s['median']:6.2f} ({s['min']:.2f}-{s['max']:.2f})")
     if args.out:
-        import vllm
-
-        conditions = {
-            "prefix_tokens": args.prefix_tokens,
-            "repeats": args.repeats,
-            "vllm": vllm.__version__,
-            "engine_args": engine.ENGINE_ARGS,
-            "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
-        }
+        conditions = run_conditions(args.prefix_tokens, args.repeats)
         out = {"conditions": conditions, "summary": summary, "rows": rows}
         args.out.write_text(json.dumps(out, indent=1))
     return 0 if traced else 1
