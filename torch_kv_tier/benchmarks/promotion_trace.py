@@ -58,7 +58,8 @@ SEGMENTS = (
 
 
 class _Timeline:
-    """Events of one request: (seconds, name), plus time spent inside the tier's lookups."""
+    """Events of one request: (seconds, name), plus the time spent inside the tier's lookups
+    and its reports of finished jobs."""
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str]] = []
@@ -92,11 +93,16 @@ def _instrumented(timeline: _Timeline) -> Iterator[None]:
 
         return wrap
 
-    def summed(attr: str) -> Callable[[Any], Any]:
+    def summed(attr: str, *, materialize: bool = False) -> Callable[[Any], Any]:
+        """Add each call's time to ``timeline.<attr>`` (``materialize``: the call returns an
+        iterable, listed inside the timing; vLLM iterates it once, so a list is the same)."""
+
         def wrap(orig: Any) -> Any:
             def timed(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 out = orig(*args, **kwargs)
+                if materialize:
+                    out = list(out)
                 setattr(timeline, attr, getattr(timeline, attr) + time.perf_counter() - start)
                 return out
 
@@ -104,21 +110,12 @@ def _instrumented(timeline: _Timeline) -> Iterator[None]:
 
         return wrap
 
-    def finished_jobs(orig: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            out = list(orig(*args, **kwargs))  # vLLM iterates it once; a list is the same
-            timeline.finished_jobs_s += time.perf_counter() - start
-            return out
-
-        return timed
-
     patches = [
         (Scheduler, "schedule", around("schedule>", "schedule<")),
         (Scheduler, "update_from_output", around("update>", "update<")),
         (RemoteHostTier, "lookup", summed("lookup_s")),
         (RemoteHostTier, "submit_load", around("read>", "read<")),
-        (RemoteHostTier, "get_finished_jobs", finished_jobs),
+        (RemoteHostTier, "get_finished_jobs", summed("finished_jobs_s", materialize=True)),
     ]
     saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in patches]
     try:
