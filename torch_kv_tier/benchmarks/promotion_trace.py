@@ -38,11 +38,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.benchmarks.engine_ttft import SUFFIX_TOKENS, _tokens, _ttft, run_conditions
+from torch_kv_tier.benchmarks.engine_ttft import (
+    POOL_BLOCKS,
+    SUFFIX_TOKENS,
+    _tokens,
+    _ttft,
+    run_conditions,
+)
 
 logger = logging.getLogger(__name__)
 
-POOL_BLOCKS = 1024
 SEGMENTS = (
     "intake",  # generate() called -> the first scheduler step starts
     "vllm_lookup",  # step 1: vLLM's prefix lookup and promotion bookkeeping, less the tier's
@@ -211,16 +216,17 @@ def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Median, min and max of every segment over the repeats that traced whole."""
     good = [r for r in rows if "error" not in r]
-    names = ("speedup", "total", "recompute", "tier_work", *SEGMENTS)
-    return {
-        name: {
-            "median": statistics.median(r[name] for r in good),
-            "min": min(r[name] for r in good),
-            "max": max(r[name] for r in good),
+    if not good:
+        return {}
+    summary = {}
+    for name in ("speedup", "total", "recompute", "tier_work", *SEGMENTS):
+        values = [r[name] for r in good]
+        summary[name] = {
+            "median": statistics.median(values),
+            "min": min(values),
+            "max": max(values),
         }
-        for name in names
-        if good
-    }
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
