@@ -18,7 +18,10 @@ other request prefills. So a request's first promotion is admitted only when:
   (a request this tier answered MISS that promoted nothing) was scheduled in the last two
   steps and vLLM stored fewer than half a prefix of newly computed chunks in this step and the
   one before. Both signals are needed: a CPU tier too small for what vLLM computes stores none
-  of it. A request vLLM serves from its own caches never asks this tier and is no recompute;
+  of it. They count steps, and an idle engine runs none, so the last two may be long past:
+  hence the first condition. A request vLLM serves from its own caches never asks this tier
+  and is no recompute (counted as one, a single repeated prompt would make the burst beside it
+  recompute whole);
 - **the whole queue fits**: the CPU tier could take a whole prefix
   (:attr:`PromotionAdmission.prefix_chunks`) for every request waiting to be scheduled;
 - **the queue is known**: while others run or wait, not in the step the request arrived in
