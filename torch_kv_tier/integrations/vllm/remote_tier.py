@@ -192,7 +192,6 @@ class RemoteHostTier(SecondaryTierManager):
         ctx = job_metadata.req_context
         for key in job_metadata.keys:
             self._admission.observe(ctx.req_id, ctx.get_offload_key_position(key))
-        self._admission.on_stored(len(job_metadata.keys))
         self._jobs.submit(job_metadata, self._tier.store)
 
     @override

@@ -72,8 +72,9 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="Chunks evicted from remote hosts to make room.", labelnames=labels
         ),
         RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
-            documentation="Remote hits answered MISS (recompute), by reason: other "
-            "requests were prefilling (busy), the CPU tier could not take every waiting "
+            documentation="Remote hits answered MISS (recompute), by reason: the CPU tier "
+            "could not hold the prefix beside the stores of the recomputes around it (busy), "
+            "it could not take every waiting "
             "request's prefix (pressure), or its budget for promoted chunks not yet loaded "
             "was full (budget).",
             labelnames=(*labels, RemoteHostMetrics.REASON),
