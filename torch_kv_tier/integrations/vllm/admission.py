@@ -28,14 +28,16 @@ refusals a serve-bench run at concurrency 4; README, "Under load", measures its 
 
 **Unless its own recompute would wait.** A request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since, at least the last step's,
-plus those waiting ahead of it), is promoted whether or not the queue fits or is known: its
-promotion takes w + 3 steps against w + 1 for w >= 2 waited, within 5/3 of its recompute.
-vLLM's scheduler asks about the waiting requests in queue order until the step's token budget
-is spent; a request it defers (a promotion, a RETRY) spends none of it, so one step asks about
-every request up to the recomputes that fill it, and from a burst's third step on the first
-one it asks about has waited behind two recomputes. So each step of a burst larger than the
-CPU tier recomputes and starts promoting side by side (without the exception, a burst whose
-queue never fits the CPU tier recomputed whole, in a queue). It applies only while:
+plus those waiting ahead of it; a recompute is a request this tier answered MISS, not one vLLM
+serves from its own caches without asking, which computes nothing), is promoted whether or
+not the queue fits or is known: its promotion takes w + 3 steps against w + 1 for w >= 2
+waited, within 5/3 of its recompute. vLLM's scheduler asks about the waiting requests in queue
+order until the step's token budget is spent; a request it defers (a promotion, a RETRY) spends
+none of it, so one step asks about every request up to the recomputes that fill it, and from a
+burst's third step on the first one it asks about has waited behind two recomputes. So each
+step of a burst larger than the CPU tier recomputes and starts promoting side by side (without
+the exception, a burst whose queue never fits the CPU tier recomputed whole, in a queue). It
+applies only while:
 
 - the request's whole prefix fits the budget left (part of one would cost it both the
   promotion's steps and a recompute), and
