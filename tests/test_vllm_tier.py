@@ -855,8 +855,8 @@ def test_admission_holds_a_new_request_one_step_and_never_promises_a_key_twice()
 def test_admission_promotes_beside_a_recompute_so_one_recompute_does_not_breed_the_next() -> None:
     """A request that arrives while another recomputes is promoted (a step later), not
     refused: refused, it would prefill beside that recompute, and its own prefill would then
-    refuse the request after it, and so on (serve-bench, concurrency 4, 8 MiB CPU tier: 7 to
-    16 such refusals a run, 54 % to 74 % of the prompt tokens from the tier; 83 % to 87 %
+    refuse the request after it, and so on (serve-bench, concurrency 4, 8 MiB CPU tier: 6 to
+    16 such refusals a scenario, 56 % to 76 % of the prompt tokens from the tier; 83 % to 93 %
     without them). A promoted request is no recompute."""
     admission = PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64)
     admission.on_new_request("r")

@@ -23,8 +23,8 @@ request adds none). So a request's first promotion is admitted only when:
 
 Others prefilling is no reason to refuse: a request refused for it recomputes, prefills beside
 them and makes the next request's steps long in turn. (A rule that refused a request while a
-recompute was scheduled in the last two steps or vLLM stored new chunks answered 7 to 19 such
-refusals a serve-bench run at concurrency 4; README, "Under load", measures its removal.)
+recompute was scheduled in the last two steps or vLLM stored new chunks answered 6 to 19 such
+refusals per serve-bench scenario at concurrency 4; README, "Under load", measures its removal.)
 
 **Unless its own recompute would wait.** A request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since, at least the last step's,

@@ -74,9 +74,8 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         RemoteHostMetrics.REFUSED_PROMOTIONS: OffloadingCounterMetadata(
             documentation="Remote hits answered MISS (recompute), by reason: the CPU tier "
             "could not hold the prefix beside the stores of the recomputes around it (busy), "
-            "it could not take every waiting "
-            "request's prefix (pressure), or its budget for promoted chunks not yet loaded "
-            "was full (budget).",
+            "it could not take every waiting request's prefix (pressure), or its budget for "
+            "promoted chunks not yet loaded was full (budget).",
             labelnames=(*labels, RemoteHostMetrics.REASON),
         ),
         RemoteHostMetrics.LOST_PROMOTIONS: OffloadingCounterMetadata(
