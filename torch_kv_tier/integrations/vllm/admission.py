@@ -47,10 +47,13 @@ applies only while:
   runs, and vLLM's stores evict idle chunks, tail first, when it has no other room. So the CPU
   tier (``primary_chunks``) must hold the promises held, the prefix, and a prefix per recompute
   of the last step twice over. (Without it, on the CI burst test's shape, 16 of 16 such
-  promotions were evicted down to 3 to 6 chunks before their request ran.) A request promoted
-  because the queue fits and is known is not checked: in serve-bench at concurrency 4 with an
-  8 MiB tier no such promotion lost a chunk unchecked, and checked, the tier served fewer
-  prompt tokens (README, "Under load").
+  promotions were evicted down to 3 to 6 chunks before their request ran. vLLM holds more at
+  times: 15 of 228 such promotions still lost chunks in serve-bench at concurrency 16 with an
+  8 MiB tier; counting the step before the last's stores too saved those reads but cost a
+  quarter of the tier's prompt tokens and its p50 margin, README "Eight rounds".) A request
+  promoted because the queue fits and is known is not checked: in serve-bench at concurrency 4
+  with an 8 MiB tier no such promotion lost a chunk unchecked (nor 118 at concurrency 16), and
+  checked, the tier served fewer prompt tokens (README, "Under load").
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
