@@ -2,7 +2,7 @@
 a replica's log is counted apart while serving and after SIGTERM, and the "clean shutdown" target
 fails on what the tier could cause, not on vLLM 0.32's own ``EngineDeadError`` of an orderly
 shutdown (vllm-project/vllm#48745), which replicas without the tier log as well; and the
-per-round speedups beside the pooled one."""
+per-round speedups and slowest-request ratios beside the pooled figures."""
 
 from __future__ import annotations
 
@@ -102,3 +102,8 @@ def test_the_report_pairs_each_round_of_the_tier_with_the_same_round_recomputed(
     assert row["speedup_p50_per_round"] == pytest.approx([0.5, 3.0])
     assert row["speedup_p50"] == pytest.approx(275 / 175)  # the pooled p50s hide the lost round
     assert "| 1.57x (0.50-3.00) |" in table([row])
+    # and the slowest request of each round: the tier's over the recompute's
+    assert row["slowest_ratio_per_round"] == pytest.approx([2.0, 1 / 3])
+    assert f"| {row['tier_p99_ms']:.0f} / {row['recompute_p99_ms']:.0f} (0.33-2.00) |" in table(
+        [row]
+    )

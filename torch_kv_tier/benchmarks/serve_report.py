@@ -18,13 +18,16 @@ Targets (issue 19), each printed met/missed:
   logs one on an orderly shutdown, with or without offloading (vllm-project/vllm#48745).
 
 Beside them, for attribution only (no target): replica D's TTFT (vLLM's CPU offloading with no
-secondary tier), i.e. what the offloading path costs before the remote tier adds anything; and
-the p50 speedup of each round (B's and C's runs of it paired), whose range says how much a
-pooled figure near its target owes to the round it fell in.
+secondary tier), i.e. what the offloading path costs before the remote tier adds anything; the
+p50 speedup of each round (B's and C's runs of it paired), whose range says how much a pooled
+figure near its target owes to the round it fell in; and each round's slowest request with the
+tier over the slowest of the same round recomputed, whose range says the same of a p99, the
+slowest round's figure (at concurrency 16 with an 8 MiB tier, 0.55 to 1.95 over 64 rounds).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +94,10 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "offload_p99_ms": offload["p99_ms"],
                     "speedup_p50": recompute["p50_ms"] / tier["p50_ms"],
                     "speedup_p99": recompute["p99_ms"] / tier["p99_ms"],
-                    "speedup_p50_per_round": _paired_speedups(tier_level, recompute_level),
+                    "speedup_p50_per_round": _per_round(tier_level, recompute_level, _p50_speedup),
+                    "slowest_ratio_per_round": _per_round(
+                        tier_level, recompute_level, _slowest_ratio
+                    ),
                     "tier_req_per_s": tier["request_throughput"],
                     "recompute_req_per_s": recompute["request_throughput"],
                     "tier_hits": tier["tier_hits"],
@@ -118,16 +124,28 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _paired_speedups(
-    tier_rounds: list[dict[str, Any]], recompute_rounds: list[dict[str, Any]]
+def _per_round(
+    tier_rounds: list[dict[str, Any]],
+    recompute_rounds: list[dict[str, Any]],
+    ratio: Callable[[list[float], list[float]], float],
 ) -> list[float]:
-    """Recompute p50 / tier p50 of each round, B's and C's runs of it paired (they take each
-    round in turn, so a pair shares the machine's state): the spread says how much of the
-    pooled speedup is the round it fell in."""
+    """``ratio(tier TTFTs, recompute TTFTs)`` of each round, B's and C's runs of it paired (they
+    take each round in turn, so a pair shares the machine's state): the spread says how much of
+    a pooled figure is the round it fell in."""
     return [
-        float(np.median(c["ttfts_s"]) / np.median(t["ttfts_s"]))
+        float(ratio(t["ttfts_s"], c["ttfts_s"]))
         for t, c in zip(tier_rounds, recompute_rounds, strict=True)
     ]
+
+
+def _p50_speedup(tier: list[float], recompute: list[float]) -> float:
+    return float(np.median(recompute) / np.median(tier))
+
+
+def _slowest_ratio(tier: list[float], recompute: list[float]) -> float:
+    """The slowest request with the tier over the slowest recomputed (above 1: the tier's was
+    slower)."""
+    return max(tier) / max(recompute)
 
 
 def _pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -192,7 +210,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     """A Markdown table of the summary."""
     lines = [
-        "| scenario | conc | TTFT p50 tier / recompute (ms) | p99 tier / recompute (ms) "
+        "| scenario | conc | TTFT p50 tier / recompute (ms) "
+        "| p99 tier / recompute (ms) (per-round slowest, tier / recompute, min-max) "
         "| p50 / p99 offload only (ms) | p50 speedup (per-round min-max) | req/s tier / recompute "
         "| chunks read / delivered | lookup hits | alloc. failures "
         "| refused (busy/pressure/budget) / lost "
@@ -202,6 +221,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         by_reason = r.get("refused_by_reason")  # absent from results before it was counted
         reasons = "/".join(f"{n:.0f}" for n in by_reason.values()) if by_reason else "-"
+        slowest = r.get("slowest_ratio_per_round")  # absent from results before it was kept
+        p99_spread = f" ({_spread(slowest)})" if slowest else ""
         offload = (
             f"{r['offload_p50_ms']:.0f} / {r['offload_p99_ms']:.0f}"
             if r.get("offload_p50_ms") is not None
@@ -210,7 +231,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['concurrency']} "
             f"| {r['tier_p50_ms']:.0f} / {r['recompute_p50_ms']:.0f} "
-            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} | {offload} "
+            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f}{p99_spread} | {offload} "
             f"| {r['speedup_p50']:.2f}x ({_spread(r['speedup_p50_per_round'])}) "
             f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
             f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "
@@ -221,9 +242,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _spread(speedups: list[float]) -> str:
-    """``min-max`` of the per-round speedups."""
-    return f"{min(speedups):.2f}-{max(speedups):.2f}"
+def _spread(ratios: list[float]) -> str:
+    """``min-max`` of per-round ratios."""
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def target_lines(results: list[dict[str, Any]]) -> str:
