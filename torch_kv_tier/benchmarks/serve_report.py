@@ -221,8 +221,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         by_reason = r.get("refused_by_reason")  # absent from results before it was counted
         reasons = "/".join(f"{n:.0f}" for n in by_reason.values()) if by_reason else "-"
-        slowest = r.get("slowest_ratio_per_round")  # absent from results before it was kept
-        p99_spread = f" ({_spread(slowest)})" if slowest else ""
         offload = (
             f"{r['offload_p50_ms']:.0f} / {r['offload_p99_ms']:.0f}"
             if r.get("offload_p50_ms") is not None
@@ -231,7 +229,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['concurrency']} "
             f"| {r['tier_p50_ms']:.0f} / {r['recompute_p50_ms']:.0f} "
-            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f}{p99_spread} | {offload} "
+            f"| {r['tier_p99_ms']:.0f} / {r['recompute_p99_ms']:.0f} "
+            f"({_spread(r['slowest_ratio_per_round'])}) | {offload} "
             f"| {r['speedup_p50']:.2f}x ({_spread(r['speedup_p50_per_round'])}) "
             f"| {r['tier_req_per_s']:.2f} / {r['recompute_req_per_s']:.2f} "
             f"| {r['tier_reads']:.0f} / {r['delivered']:.0f} | {r['tier_hits']:.0f} "
