@@ -50,7 +50,8 @@ applies only while:
   promotions were evicted down to 3 to 6 chunks before their request ran. vLLM holds more at
   times: 15 of 228 such promotions still lost chunks in serve-bench at concurrency 16 with an
   8 MiB tier; counting the step before the last's stores too saved those reads but cost a
-  quarter of the tier's prompt tokens and its p50 margin, README "Eight rounds".) A request
+  quarter of the tier's prompt tokens and its p50 margin, and dropping at the end of the step
+  a promotion that step's recomputes crowd cost its p99 margin, README "Eight rounds".) A request
   promoted because the queue fits and is known is not checked: in serve-bench at concurrency 4
   with an 8 MiB tier no such promotion lost a chunk unchecked (nor 118 at concurrency 16), and
   checked, the tier served fewer prompt tokens (README, "Under load").
