@@ -913,6 +913,35 @@ def test_admission_lets_a_promotion_under_way_go_first_for_at_most_guard_s() -> 
         PromotionAdmission(budget_chunks=8, tokens_per_chunk=16, guard_s=-1)
 
 
+@pytest.mark.parametrize("ended", ["read failed", "dropped unread"])
+def test_admission_guard_holds_nobody_for_a_promotion_that_failed_or_was_dropped(
+    ended: str,
+) -> None:
+    """A promotion whose read failed (its host lost) or that was dropped unread (vLLM allocated
+    only part of it) is no longer under way: its request recomputes, so a request that would
+    recompute is not held for it, though the failed request is not yet scheduled."""
+    now = [0.0]
+    admission = PromotionAdmission(
+        budget_chunks=8, tokens_per_chunk=16, prefix_tokens=64, guard_s=0.05,
+        clock=lambda: now[0],
+    )  # fmt: skip
+    admission.on_new_request("first")
+    keys = [f"f{c}".encode() for c in range(4)]
+    assert [admission.admit("first", k) for k in keys] == [Verdict.HIT] * 4  # alone
+    dropped = ended == "dropped unread"  # vLLM allocated the first two only
+    assert admission.on_submitted("first", keys[:2] if dropped else keys) is dropped
+    if dropped:
+        admission.on_read_failed("first", keys[:2])  # reported failed at once
+    admission.end_step(scheduled=(), preempted=())
+    if not dropped:
+        admission.on_read_failed("first", keys)  # its host was lost: heard in the next step
+    admission.on_new_request("next")
+    assert admission.recompute("next") is Verdict.MISS  # not held: nothing under way
+    assert admission.stats.guarded == 0
+    admission.end_step(scheduled=("next",), preempted=())
+    assert admission.held == 0
+
+
 def _with_a_promotion_under_way(budget_chunks: int, now: list[float]) -> PromotionAdmission:
     """An admission with a 0.05 s guard on the clock ``now[0]``, whose request "first" arrived
     alone, promoted its 4-chunk prefix (submitted), and is not yet scheduled."""

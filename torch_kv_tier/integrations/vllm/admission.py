@@ -73,7 +73,8 @@ Its chunks are then promoted:
 **Promotions under way go first.** Steps are no clock: an idle engine runs empty steps well
 under a millisecond apart, so a request a few milliseconds ahead of a burst is seen alone and
 promoted, and the burst's prefills would fill its three steps. So while another request's
-promotion is under way (promised, not yet scheduled), a request that would recompute waits
+promotion is under way (promised, not yet scheduled, its read not failed nor dropped), a
+request that would recompute waits
 (RETRY) for at most ``guard_s`` after its arrival, then recomputes. It costs nothing when no
 promotion is under way and bounds the wait when one is stuck (its host froze). Its clock is
 read once a step, so it releases the requests it holds in queue order. A speed rule only: no
@@ -353,8 +354,8 @@ class PromotionAdmission:
         never one behind another that was still held in the same step (the CI engine burst
         test's repeat: requests 1 and 2 held, 6 to 8 released 4 ms later in the same step and
         scheduled first, 1 and 2 then first served after 0.48 and 0.62 s against 0.24 s)."""
-        if not self._attempts or req_id in self._attempts:
-            return None
+        if req_id in self._attempts or not any(a.held for a in self._attempts.values()):
+            return None  # its own promotion, or none under way (read failed or dropped unread)
         arrival = self._waiting.get(req_id)
         if self._guard_now is None:  # one time for the whole step (docstring)
             self._guard_now = self._clock()
