@@ -73,12 +73,11 @@ Its chunks are then promoted:
 **Promotions under way go first.** Steps are no clock: an idle engine runs empty steps well
 under a millisecond apart, so a request a few milliseconds ahead of a burst is seen alone and
 promoted, and the burst's prefills would fill its three steps. So while another request's
-promotion is under way (promised, not yet scheduled, its read not failed nor dropped), a
-request that would recompute waits
-(RETRY) for at most ``guard_s`` after its arrival, then recomputes. It costs nothing when no
-promotion is under way and bounds the wait when one is stuck (its host froze). Its clock is
-read once a step, so it releases the requests it holds in queue order. A speed rule only: no
-byte a load returns depends on it.
+promotion is under way (promised, not yet scheduled, its read neither failed nor dropped), a
+request that would recompute waits (RETRY) for at most ``guard_s`` after its arrival, then
+recomputes. It costs nothing when no promotion is under way and bounds the wait when one is
+stuck (its host froze). Its clock is read once a step, so it releases the requests it holds in
+queue order. A speed rule only: no byte a load returns depends on it.
 
 **A promotion vLLM could allocate only part of is dropped unread** (``on_submitted``): its CPU
 tier, full of chunks it cannot evict, answered MISS for the rest, which ended the prefix scan;
