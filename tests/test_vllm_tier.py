@@ -13,6 +13,7 @@ region; every promotion is checked byte for byte against them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -45,8 +46,9 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa:
 from vllm_support import offloading_config  # noqa: E402
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process  # noqa: E402
-from torch_kv_tier.integrations.vllm import promotion_rank, tier_sizing  # noqa: E402
+from torch_kv_tier.integrations.vllm import tier_sizing  # noqa: E402
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict  # noqa: E402
+from torch_kv_tier.integrations.vllm.promotion_pin import PromotionPins  # noqa: E402
 from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, RemoteHostTier  # noqa: E402
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig  # noqa: E402
 from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs  # noqa: E402
@@ -682,10 +684,48 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
         driver.shutdown(spec)
 
 
-def test_a_promoted_chunk_lost_before_use_is_never_read_again(server: ServerProcess) -> None:
-    """A promoted chunk that vLLM's CPU tier evicts before its request is scheduled is a MISS
-    when the request looks it up again: the request recomputes from there, the tier does not
-    read the chunk a second time (under load that re-read looped, step after step)."""
+def land_unheard(driver: Driver, ctx: ReqContext, keys: Sequence[OffloadKey]) -> None:
+    """Promote ``keys`` for ``ctx``'s request and let the read land without vLLM hearing of it:
+    vLLM learns of it at its next poll (in the next store, right before that store allocates)."""
+    assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
+    driver.step()  # vLLM submits the promotion at the step's end
+    driver.tier._jobs.drain(10.0, "the test's host")  # landed; reported at vLLM's next poll
+
+
+def test_a_promotion_heard_of_in_a_store_is_held_before_that_store_allocates(
+    server: ServerProcess,
+) -> None:
+    """vLLM polls the tier's finished jobs at the start of a store and allocates right after:
+    the chunks of a promotion it hears of there are already held when it allocates, so a
+    store that would need them is refused (vLLM retries it at the next step) and the
+    request hits every chunk (before, that store evicted them and the reads were wasted)."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx = driver.arrive("req-1")
+        land_unheard(driver, ctx, keys)
+        writer = ReqContext(req_id="req-writer")
+        with manager.lock:
+            manager.on_new_request(writer)
+            assert manager.prepare_store(keys_for("other", PRIMARY_CHUNKS), writer) is None
+            manager.on_request_finished(writer)
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+    finally:
+        driver.shutdown(spec)
+
+
+def test_a_promoted_chunk_lost_before_use_is_never_read_again(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the tier cannot hold a landed promotion (a vLLM build whose CPU tier it cannot
+    reach), a promoted chunk that vLLM's CPU tier evicts before its request is scheduled is a
+    MISS when the request looks it up again: the request recomputes from there, the tier does
+    not read the chunk a second time (under load that re-read looped, step after step)."""
+    monkeypatch.setattr(PromotionPins, "_primary", lambda self: None)
     spec, manager = make_manager(server.address)
     driver = Driver(manager)
     try:
@@ -707,49 +747,65 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(server: ServerProc
         driver.shutdown(spec)
 
 
-def test_chunks_stored_while_a_landed_promotion_waits_evict_its_tail_first(
-    server: ServerProcess,
-) -> None:
-    """A promoted prefix that landed waits, idle, for its request to be scheduled; what vLLM
-    stores meanwhile evicts the prefix's last chunks first, so the request still hits its
-    leading chunks (vLLM's scan of a prefix stops at its first miss: losing the first chunk
-    would waste every read of the promotion). vLLM 0.33 ranks a request's chunks so; on 0.32
-    the tier ranks the chunks that landed (``promotion_rank``)."""
+def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: ServerProcess) -> None:
+    """Once a step ended after a promotion landed, vLLM's stores cannot evict it while its
+    request waits: a store that would need its chunks is refused (vLLM retries it at the next
+    step) and the request hits every chunk. Its request scheduled (or finished unscheduled),
+    the chunks are evictable again; and vLLM can reset its CPU tier with a promotion held."""
     spec, manager = make_manager(server.address)
     driver = Driver(manager)
+    writer = ReqContext(req_id="req-writer")
+    probes = itertools.count()
+
+    def can_store(n: int) -> bool:
+        """Whether vLLM's CPU tier takes a store of ``n`` new chunks now (whose GPU copy then
+        fails, so nothing is cascaded or kept)."""
+        keys = keys_for(f"probe-{next(probes)}", n)
+        with manager.lock:
+            out = manager.prepare_store(keys, writer)
+            if out is not None:
+                manager.complete_store(out.keys_to_store, writer, success=False)
+        return out is not None
+
     try:
         keys = offload_then_evict(driver, BUDGET)
+        with manager.lock:
+            manager.on_new_request(writer)
         ctx = driver.arrive("req-1")
-        for position, key in enumerate(keys, start=1):  # as vLLM's scheduler records them
-            ctx.set_offload_key_position(key, 16 * position)
         assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
-        # The CPU tier holds the promoted prefix and older chunks; storing two more chunks than
-        # those older ones evicts two of the prefix's.
-        others = keys_for("other", PRIMARY_CHUNKS - BUDGET + 2)
-        evicted = set(driver.store("req-other", others))
-        assert [k for k in keys if k in evicted] == keys[-2:]
-        assert driver.lookup(ctx, keys[:-2]) == [LookupResult.HIT] * (BUDGET - 2)
-        assert driver.loaded_bytes(ctx, keys[:-2]) == [driver.written[k] for k in keys[:-2]]
+        assert not can_store(PRIMARY_CHUNKS - BUDGET + 1)  # it would evict the promotion
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        driver.step(scheduled=["req-1"])
+        assert can_store(PRIMARY_CHUNKS)  # evicts all of it
         with manager.lock:
             manager.on_request_finished(ctx)
+
+        ctx = driver.arrive("req-2")  # promoted, then finished (aborted) unscheduled
+        assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
+        assert not can_store(PRIMARY_CHUNKS - BUDGET + 1)
+        with manager.lock:
+            manager.on_request_finished(ctx)
+        assert can_store(PRIMARY_CHUNKS)
+
+        # vLLM resets its CPU tier with one promotion held and another landed, unheard (it
+        # hears of it in the reset, which clears both).
+        held = driver.arrive("req-3")
+        assert driver.promote(held, keys[:2]) == [LookupResult.HIT] * 2
+        unheard = driver.arrive("req-4")
+        land_unheard(driver, unheard, keys[2:])
+        with manager.lock:
+            manager.reset_cache()
+            if hasattr(manager, "on_reset_flushed"):  # vLLM 0.33 promotes again once told so
+                manager.on_reset_flushed()
+            manager.on_request_finished(held)
+            manager.on_request_finished(unheard)
+        assert can_store(PRIMARY_CHUNKS)
+        with manager.lock:
+            manager.on_request_finished(writer)
+        assert driver.promote_request("req-5", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
-
-
-@pytest.mark.parametrize(
-    ("version", "by_allocation"),
-    [
-        ("0.32.0", True),
-        ("0.32.1+cpu", True),
-        ("0.33.0", False),
-        ("0.34.0rc1", False),
-        ("1.0", False),
-    ],
-)
-def test_only_vllm_before_0_33_ranks_promotions_by_allocation(
-    version: str, by_allocation: bool
-) -> None:
-    assert promotion_rank.ranks_by_allocation(version) is by_allocation
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(

@@ -6,8 +6,9 @@ allocates a primary-tier chunk at once (evicting the least recently used idle on
 the chunk there at the end of the scheduler step; a request whose prefix has a promotion in
 flight is deferred to a later step, when it looks its prefix up again. With more prefix chunks
 wanted than the primary tier holds (a burst of long prompts, a small ``cpu_bytes_to_use``),
-promoted chunks are evicted before their request runs (read for nothing, the request deferred
-step after step), and a chunk whose allocation fails still defers its request (issue 19).
+promoted chunks were evicted before their request ran (read for nothing, the request deferred
+step after step; now held, ``promotion_pin``), and a chunk whose allocation fails still defers
+its request (issue 19).
 
 :class:`PromotionAdmission` decides each HIT. A promoted request needs three scheduler steps
 before its first token (the promotion, vLLM's asynchronous load, the compute), a recomputed one
@@ -43,18 +44,17 @@ applies only while:
   promotion's steps and a recompute), and
 - **the stores ahead** leave room: its chunks land at the end of its step, amid the stores of
   that step's recomputes, while the last step's are still in flight (vLLM evicts none of those
-  until their cascade to this tier finished); once landed they are idle until their request
-  runs, and vLLM's stores evict idle chunks, tail first, when it has no other room. So the CPU
-  tier (``primary_chunks``) must hold the promises held, the prefix, and a prefix per recompute
-  of the last step twice over. (Without it, on the CI burst test's shape, 16 of 16 such
-  promotions were evicted down to 3 to 6 chunks before their request ran. vLLM holds more at
-  times: 15 of 228 such promotions still lost chunks in serve-bench at concurrency 16 with an
-  8 MiB tier; counting the step before the last's stores too saved those reads but cost a
-  quarter of the tier's prompt tokens and its p50 margin, and dropping at the end of the step
-  a promotion that step's recomputes crowd cost its p99 margin, README "Eight rounds".) A request
-  promoted because the queue fits and is known is not checked: in serve-bench at concurrency 4
-  with an 8 MiB tier no such promotion lost a chunk unchecked (nor 118 at concurrency 16), and
-  checked, the tier served fewer prompt tokens (README, "Under load").
+  until their cascade to this tier finished); once landed they are held until their request
+  runs (``promotion_pin``), so a store that finds no other room is refused and retried a step
+  later. So the CPU tier (``primary_chunks``) must hold the promises held, the prefix, and a
+  prefix per recompute of the last step twice over. (Measured before landed promotions were
+  held, when such stores evicted them: without the check, on the CI burst test's shape, 16 of 16
+  such promotions were evicted down to 3 to 6 chunks before their request ran; with it, 15 of
+  228 still lost chunks in serve-bench at concurrency 16 with an 8 MiB tier, which the hold
+  ended; README, "Held until scheduled".) A request promoted because the queue fits and is
+  known is not checked: in serve-bench at concurrency 4 with an 8 MiB tier no such promotion
+  lost a chunk unchecked (nor 118 at concurrency 16), and checked, the tier served fewer prompt
+  tokens (README, "Under load").
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
@@ -67,8 +67,8 @@ Its chunks are then promoted:
   scheduled, when the request is preempted or finished, or when its read failed; one vLLM could
   not allocate (never submitted) leaves at the end of the step;
 - **once per attempt**: a chunk already promised to the same request since it was last
-  scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost, and reading it
-  again would be wasted.
+  scheduled answers MISS: vLLM only asks again for a chunk its CPU tier lost (one the tier could
+  not hold), and reading it again would be wasted.
 
 **Promotions under way go first.** Steps are no clock: an idle engine runs empty steps well
 under a millisecond apart, so a request a few milliseconds ahead of a burst is seen alone and
@@ -285,8 +285,8 @@ class PromotionAdmission:
             if self._held + self.prefix_chunks > self.budget:
                 return self._refuse(req_id, "budget")
             if self._held + self.prefix_chunks + self._stores_ahead() > self.primary_chunks:
-                # its chunks would land amid stores the CPU tier cannot also hold, and be
-                # evicted before its request is scheduled (module docstring)
+                # its chunks would land amid stores the CPU tier cannot also hold, and crowd
+                # them out until its request is scheduled (module docstring)
                 return self._refuse(req_id, "busy")
             return None
         if len(self._waiting) * self.prefix_chunks > self.budget:

@@ -22,8 +22,8 @@ config-info metric); ``ConfigInfoMapping`` is imported for type checking only.
 
 Parts, one module each in this package: what the tier owns and releases (the region's view,
 the ``TierManager``, the hosts) ``tier_resources``; vLLM's jobs and their results ``tier_jobs``;
-which lookup hits become promotions ``admission``; where a landed promotion ranks in vLLM
-0.32's CPU tier ``promotion_rank``; the metrics ``tier_metrics``.
+which lookup hits become promotions ``admission``; landed promotions held in vLLM's CPU tier
+until their request is scheduled ``promotion_pin``; the metrics ``tier_metrics``.
 
 Threading: vLLM calls every method under its tiering manager's lock, so no two run at once, but
 not always on the same thread (this tier sets ``tolerates_off_thread_polling``, so vLLM's
@@ -57,8 +57,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from torch_kv_tier.integrations.vllm import promotion_rank, tier_sizing
+from torch_kv_tier.integrations.vllm import tier_sizing
 from torch_kv_tier.integrations.vllm.admission import PromotionAdmission, Verdict
+from torch_kv_tier.integrations.vllm.promotion_pin import PromotionPins
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs
 from torch_kv_tier.integrations.vllm.tier_metrics import (
@@ -114,7 +115,7 @@ class RemoteHostTier(SecondaryTierManager):
         self._emit_events = (
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
-        self._rank_landed = promotion_rank.landed_ranker(offloading_spec)
+        self._pins = PromotionPins(offloading_spec)
         self._jobs = TierJobs(self._promotion_finished)
         self._failed_keys: dict[str, set[OffloadKey]] = {}
         self._events: list[OffloadingEvent] = []
@@ -206,10 +207,11 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """Every job that finished since the previous call, each reported exactly once."""
+        """Every job that finished since the previous call, each reported exactly once (one
+        at a time: a promotion's chunks are held as vLLM marks them ready, ``promotion_pin``)."""
         finished = self._jobs.finished()
         self._take_tier_events()
-        return finished
+        return self._pins.reported(finished)
 
     @override
     def has_pending_work(self) -> bool:
@@ -225,12 +227,15 @@ class RemoteHostTier(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._failed_keys.pop(req_context.req_id, None)
         self._admission.finish(req_context.req_id)
+        self._pins.release([req_context.req_id])
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Tell admission which requests this step scheduled or preempted (and so which
-        promotions vLLM could not allocate)."""
+        promotions vLLM could not allocate); release the promotions held for those requests
+        (``promotion_pin``)."""
         self._admission.end_step(context.new_req_ids, context.preempted_req_ids)
+        self._pins.end_step(context.new_req_ids, context.preempted_req_ids)
 
     @override
     def drain_jobs(self) -> None:
@@ -243,6 +248,7 @@ class RemoteHostTier(SecondaryTierManager):
             TimeoutError: transfers are still in flight after ``drain_timeout_s``.
         """
         self._jobs.drain(self._config.drain_timeout_s, self._config.remote)
+        self._pins.release_all()  # vLLM resets its CPU tier next (``promotion_pin``)
 
     @override
     def shutdown(self) -> None:
@@ -300,11 +306,11 @@ class RemoteHostTier(SecondaryTierManager):
         landed: Sequence[OffloadKey],
         failed: Collection[OffloadKey],
     ) -> None:
-        """A promotion finished: what landed is ranked in vLLM's CPU tier where vLLM 0.32 needs
-        it (``promotion_rank``); what failed is a MISS for the rest of the request, and out of
-        the budget."""
-        if landed and self._rank_landed is not None:
-            self._rank_landed(req_context, landed)
+        """A promotion finished: what landed is to be held in vLLM's CPU tier until its
+        request is scheduled (``promotion_pin``); what failed is a MISS for the rest of the
+        request, and out of the budget."""
+        if landed:
+            self._pins.landed(req_context, landed)
         if failed:
             self._failed_keys.setdefault(req_context.req_id, set()).update(failed)
             self._admission.on_read_failed(req_context.req_id, failed)
