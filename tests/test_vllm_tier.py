@@ -748,9 +748,9 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(
 
 
 def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: ServerProcess) -> None:
-    """Once a step ended after a promotion landed, vLLM's stores cannot evict it while its
-    request waits: a store that would need its chunks is refused (vLLM retries it at the next
-    step) and the request hits every chunk. Its request scheduled (or finished unscheduled),
+    """Once vLLM heard that a promotion landed, its stores cannot evict it while its request
+    waits: a store that would need its chunks is refused (vLLM retries it at the next step)
+    and the request hits every chunk. Its request scheduled (or finished unscheduled),
     the chunks are evictable again; and vLLM can reset its CPU tier with a promotion held."""
     spec, manager = make_manager(server.address)
     driver = Driver(manager)
