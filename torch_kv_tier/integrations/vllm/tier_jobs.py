@@ -8,13 +8,13 @@ resolves the future (the ``TierManager``'s poller, or the submitting thread itse
 result is known at once, and that thread then holds vLLM's lock, which is not reentrant), so a
 callback only enqueues a job id.
 
-Failure model: a job the tier manager rejects, or whose future fails, is reported failed;
-a promotion that fails for some of its keys is reported with the keys that did land. Every
+Failure model: a job the tier manager rejects, or whose future fails, is reported failed; a
+promotion that fails for some of its keys is reported with the keys that did land. Every
 finished promotion also goes to ``on_promotion`` with the keys that landed and those that failed
-(the tier ranks the first in vLLM's CPU tier and answers MISS for the second from then on),
-before vLLM hears of it. It is held weakly: it is the owning tier's bound method, and a strong
-reference would be a cycle that keeps the tier, and its NIXL agent, alive until the garbage
-collector runs.
+(the tier holds the first in vLLM's CPU tier until their request is scheduled, and answers MISS
+for the second from then on), before vLLM hears of it. It is held weakly: it is the owning
+tier's bound method, and a strong reference would be a cycle that keeps the tier, and its NIXL
+agent, alive until the garbage collector runs.
 """
 
 from __future__ import annotations
