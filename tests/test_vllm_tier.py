@@ -773,10 +773,12 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
             manager.on_new_request(writer)
         ctx = driver.arrive("req-1")
         assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
+        assert held_promotions(driver) == BUDGET
         assert not can_store(PRIMARY_CHUNKS - BUDGET + 1)  # it would evict the promotion
         assert driver.lookup(ctx, keys) == [LookupResult.HIT] * BUDGET
         assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
         driver.step(scheduled=["req-1"])
+        assert held_promotions(driver) == 0
         assert can_store(PRIMARY_CHUNKS)  # evicts all of it
         with manager.lock:
             manager.on_request_finished(ctx)
@@ -786,6 +788,7 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
         assert not can_store(PRIMARY_CHUNKS - BUDGET + 1)
         with manager.lock:
             manager.on_request_finished(ctx)
+        assert held_promotions(driver) == 0
         assert can_store(PRIMARY_CHUNKS)
 
         # vLLM resets its CPU tier with one promotion held and another landed, unheard (it
@@ -800,12 +803,18 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
                 manager.on_reset_flushed()
             manager.on_request_finished(held)
             manager.on_request_finished(unheard)
+        assert held_promotions(driver) == 0
         assert can_store(PRIMARY_CHUNKS)
         with manager.lock:
             manager.on_request_finished(writer)
         assert driver.promote_request("req-5", keys) == [driver.written[k] for k in keys]
     finally:
         driver.shutdown(spec)
+
+
+def held_promotions(driver: Driver) -> int:
+    """The tier's gauge of promoted chunks held in vLLM's CPU tier."""
+    return driver.metrics()[RemoteHostMetrics.HELD_PROMOTIONS][(driver.tier._config.remote,)]
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(

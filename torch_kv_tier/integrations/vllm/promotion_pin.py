@@ -54,6 +54,11 @@ class PromotionPins:
         self._unreachable_logged = False
         self._draining = False  # vLLM drains the tier to reset its CPU tier: pin nothing
 
+    @property
+    def held(self) -> int:
+        """Chunks pinned now."""
+        return sum(len(keys) for _, keys in self._pinned.values())
+
     def landed(self, req_context: ReqContext, keys: Sequence[OffloadKey]) -> None:
         """A promotion's ``keys`` landed; vLLM has not heard yet (they are pinned once it
         marked them ready)."""

@@ -273,7 +273,7 @@ class RemoteHostTier(SecondaryTierManager):
         manager = self._resources.manager
         if manager is None:
             return None
-        return self._metrics.stats(manager, self._admission.stats)
+        return self._metrics.stats(manager, self._admission.stats, self._pins.held)
 
     @classmethod
     @override

@@ -31,6 +31,7 @@ class RemoteHostMetrics:
     EVICTED_CHUNKS = "torch_kv_tier_evicted_chunks"
     REFUSED_PROMOTIONS = "torch_kv_tier_refused_promotions"
     LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
+    HELD_PROMOTIONS = "torch_kv_tier_held_promotions"
     LABEL = "remote"
     REASON = "reason"  # REFUSED_PROMOTIONS' second label: one of admission.REFUSAL_REASONS
 
@@ -40,6 +41,7 @@ _GAUGES = (
     RemoteHostMetrics.CAPACITY_CHUNKS,
     RemoteHostMetrics.CONNECTED_REMOTES,
     RemoteHostMetrics.INFLIGHT_TRANSFERS,
+    RemoteHostMetrics.HELD_PROMOTIONS,
 )
 _COUNTERS = (  # labelled by remote only (REFUSED_PROMOTIONS, by reason too, is apart)
     RemoteHostMetrics.FAILED_TRANSFERS,
@@ -64,6 +66,11 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
         ),
         RemoteHostMetrics.INFLIGHT_TRANSFERS: OffloadingGaugeMetadata(
             documentation="Transfers to or from remote hosts in flight.", labelnames=labels
+        ),
+        RemoteHostMetrics.HELD_PROMOTIONS: OffloadingGaugeMetadata(
+            documentation="Promoted chunks held in vLLM's CPU tier until their request is "
+            "scheduled (0 once no request waits for a promotion).",
+            labelnames=labels,
         ),
         RemoteHostMetrics.FAILED_TRANSFERS: OffloadingCounterMetadata(
             documentation="Transfers to or from remote hosts that failed.", labelnames=labels
@@ -94,10 +101,14 @@ class TierMetrics:
         self._label = (remote,)
         self._last_counters: dict[tuple[str, tuple[str, ...]], int] = {}  # (name, labels)
 
-    def stats(self, manager: TierManager, admission: AdmissionStats) -> OffloadingConnectorStats:
-        """The gauges now, and the counters' increase since the previous call."""
+    def stats(
+        self, manager: TierManager, admission: AdmissionStats, held_promotions: int
+    ) -> OffloadingConnectorStats:
+        """The gauges now, and the counters' increase since the previous call;
+        ``held_promotions``: the chunks ``PromotionPins`` holds."""
         snapshot = _stats_snapshot(manager)
         snapshot[RemoteHostMetrics.LOST_PROMOTIONS] = admission.refused_repeat
+        snapshot[RemoteHostMetrics.HELD_PROMOTIONS] = held_promotions
         stats = OffloadingConnectorStats()
         for name in _GAUGES:
             stats.set_gauge(name, snapshot[name], self._label)
