@@ -15,8 +15,13 @@ neighbour count), against one ``torch-kv-tier serve`` remote host on loopback:
   connector's scheduler hooks) but the remote tier's: where B loses to C, D tells whether the
   remote tier or the offloading path beneath it is what costs.
 
-Every round (``--repeats`` per concurrency level) has a prompt set of its own (random dataset,
-seed = base seed + round), so B's own prefix cache never serves a round from an earlier one;
+Every round (``--repeats`` per concurrency level) has a prompt set of its own: ``--num-prompts``
+prompts of ``--input-len`` tokens drawn uniformly at random (seed = base seed + round), passed to
+the client as a custom dataset, so no prompt repeats another, in its round or an earlier one, and
+no replica's own prefix cache serves one. (Not vLLM's random dataset: its prompts are runs of
+consecutive token ids from a random start, so the tiny model's 1024-token vocabulary allows 1024
+of them, and a full run repeated earlier rounds' prompts, most in its last level; README,
+"Serving under load".)
 B, C and D take each round in turn, rotating which goes first. Before the rounds, each fresh
 replica serves one warm-up set (its first requests: the first transfers, the first forward
 passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand`` driven in this
@@ -38,6 +43,7 @@ import json
 import logging
 import os
 import platform
+import random
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -51,6 +57,7 @@ from torch_kv_tier.benchmarks.serve_replicas import (
     busy_neighbour,
     metric_sum,
 )
+from torch_kv_tier.integrations.vllm import tiny_model
 from torch_kv_tier.integrations.vllm.admission import REFUSAL_REASONS
 
 logger = logging.getLogger(__name__)
@@ -68,7 +75,11 @@ def offload_only(kv: dict[str, Any]) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
+    parser.add_argument(
+        "--model",
+        help="the tiny Llama's directory (tiny_model; default: build it): the prompt sets are "
+        "words of its vocabulary, one token each",
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--num-prompts", type=int, default=24, help="prompts per round")
     parser.add_argument(
@@ -102,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         earlier = json.loads(args.from_json.read_text())
         return _report(earlier, args.out or args.from_json, args.plot)
-    from torch_kv_tier.integrations.vllm import engine, tier_sizing, tiny_model
+    from torch_kv_tier.integrations.vllm import engine, tier_sizing
     from torch_kv_tier.remote.launch import ServerProcess
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -132,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                         expected_prefix_tokens=args.input_len,
                         expected_concurrency=max(args.concurrency),
                     )
-                    replicas = _run_replicas(args, model, kv, logs / f"s{len(scenarios)}")
+                    replicas = _run_replicas(args, model, kv, logs / f"s{len(scenarios)}", work)
                 scenarios.append(
                     {"name": name, "cpu_bytes": cpu_bytes, "busy": busy, "replicas": replicas}
                 )
@@ -170,7 +181,7 @@ def _report(result: dict[str, Any], out: Path | None, plot: Path | None) -> int:
 
 
 def _run_replicas(
-    args: argparse.Namespace, model: str, kv: dict[str, Any], logs: Path
+    args: argparse.Namespace, model: str, kv: dict[str, Any], logs: Path, prompts: Path
 ) -> dict[str, Any]:
     """A warms the pool with every prompt set and stops; then B (served from the pool), C
     (recompute) and D (CPU offloading only), fresh processes started together, each serve one
@@ -182,7 +193,7 @@ def _run_replicas(
     runs: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
     with _replica(model, logs / "warm.log", kv) as warm:
         for concurrency, seed in [warmup, *rounds]:
-            runs["warm"].append(_run(args, model, warm, concurrency, seed))
+            runs["warm"].append(_run(args, model, warm, concurrency, seed, prompts))
         _settle(warm)
     with contextlib.ExitStack() as stack:
         served = Replica.start_many(
@@ -198,7 +209,7 @@ def _run_replicas(
         order = list(zip(ROLES[1:], served))
         for n, (concurrency, seed) in enumerate([warmup, *rounds]):
             for role, replica in order[n % 3 :] + order[: n % 3]:
-                runs[role].append(_run(args, model, replica, concurrency, seed))
+                runs[role].append(_run(args, model, replica, concurrency, seed, prompts))
     replicas = {"warm": warm, **dict(zip(ROLES[1:], served))}
     return {
         role: {
@@ -237,7 +248,8 @@ def _settle(replica: Replica) -> None:
 
 
 _TIER = 'tier="1:RemoteHostTier"'  # vLLM's label of the remote tier's tiering metrics
-_METRICS = {  # serve_report.COUNTERS -> (vLLM metric name, a label its samples must have)
+# serve_report.COUNTERS and GAUGES -> (vLLM metric name, a label its samples must have)
+_METRICS = {
     "tier_hits": ("vllm:kv_offload_tiering_chunk_hits", _TIER),
     "tier_read_bytes": ("vllm:kv_offload_tiering_read_bytes", _TIER),
     "allocation_failures": ("vllm:kv_offload_tiering_promotion_allocation_failures", ""),
@@ -249,6 +261,7 @@ _METRICS = {  # serve_report.COUNTERS -> (vLLM metric name, a label its samples 
     "lost_promotions": ("torch_kv_tier_lost_promotions", ""),
     "connector_hit_tokens": ("vllm:external_prefix_cache_hits", ""),
     "prompt_tokens": ("vllm:prompt_tokens", ""),
+    "held_promotions": ("torch_kv_tier_held_promotions", ""),
 }
 
 
@@ -257,14 +270,42 @@ def _counters(replica: Replica) -> dict[str, float]:
     return {name: metric_sum(samples, *selector) for name, selector in _METRICS.items()}
 
 
+def _prompt_set(directory: Path, seed: int, num_prompts: int, input_len: int) -> Path:
+    """Round ``seed``'s prompts as a ``bench serve`` custom dataset (JSON lines, written once):
+    ``num_prompts`` prompts of ``input_len`` tokens of the tiny model's vocabulary, each drawn
+    uniformly at random (``random.Random(seed)``)."""
+    path = directory / f"prompts-{seed}.jsonl"
+    if not path.exists():
+        rng = random.Random(seed)
+        words = tiny_model.VOCAB_SIZE - len(tiny_model.SPECIAL_TOKENS)
+        sets = ([rng.randrange(words) for _ in range(input_len)] for _ in range(num_prompts))
+        path.write_text(
+            "".join(json.dumps({"prompt": tiny_model.prompt(ids)}) + "\n" for ids in sets)
+        )
+    return path
+
+
 def _run(
-    args: argparse.Namespace, model: str, replica: Replica, concurrency: int, seed: int
+    args: argparse.Namespace,
+    model: str,
+    replica: Replica,
+    concurrency: int,
+    seed: int,
+    prompts: Path,
 ) -> dict[str, Any]:
-    """One ``bench serve`` run; its TTFTs and the replica's counter increases."""
+    """One ``bench serve`` run of round ``seed``'s prompt set; its TTFTs and the replica's
+    counter increases.
+
+    Raises:
+        RuntimeError: the replica counted other than ``--input-len`` tokens per prompt (a
+            ``--model`` whose vocabulary is not the tiny model's).
+    """
     before = _counters(replica)
+    dataset = _prompt_set(prompts, seed, args.num_prompts, args.input_len)
     argv = [
-        "--model", model, "--port", str(replica.port), "--dataset-name", "random",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--model", model, "--port", str(replica.port), "--dataset-name", "custom",
+        "--dataset-path", str(dataset), "--custom-output-len", str(args.output_len),
+        "--skip-chat-template", "--disable-shuffle",
         "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
         "--seed", str(seed), "--ready-check-timeout-sec", "0", "--save-detailed",
         "--percentile-metrics", "ttft", "--metric-percentiles", "50,99",
@@ -280,6 +321,13 @@ def _run(
         "completed": bench["completed"],
     }
     run.update({name: after[name] - before[name] for name in serve_report.COUNTERS})
+    run.update({name: after[name] for name in serve_report.GAUGES})
+    if run["prompt_tokens"] != args.num_prompts * args.input_len:
+        raise RuntimeError(
+            f"the replica counted {run['prompt_tokens']:.0f} prompt tokens for {args.num_prompts} "
+            f"prompts of {args.input_len}: serve-bench's prompts are words of the tiny model's "
+            "vocabulary (pass a model built by torch_kv_tier.integrations.vllm.tiny_model)"
+        )
     logger.info(
         "port %d c=%d: p50 %.0f ms p99 %.0f ms; tier: %d hits, %d chunks read, %d tokens used",
         replica.port,

@@ -63,6 +63,9 @@ COUNTERS = (
     "connector_hit_tokens",
     "prompt_tokens",
 )
+# Per-round gauges it reads at the round's end: promoted chunks still held in vLLM's CPU tier
+# (0 once every request of the round finished; more is a leak).
+GAUGES = ("held_promotions",)
 
 
 def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,6 +113,9 @@ def summarize(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         reason: tier[f"refused_{reason}"] for reason in REFUSAL_REASONS
                     },
                     "lost_promotions": tier["lost_promotions"],
+                    "held_promotions_after_rounds": max(
+                        (r.get("held_promotions", 0) for r in tier_level), default=0
+                    ),
                     "tokens_from_connector": tier["connector_hit_tokens"],
                     "prompt_tokens": tier["prompt_tokens"],
                     "first_requests_ttft_ms": {
