@@ -21,7 +21,7 @@ the client as a custom dataset, so no prompt repeats another, in its round or an
 no replica's own prefix cache serves one. (Not vLLM's random dataset: its prompts are runs of
 consecutive token ids from a random start, so the tiny model's 1024-token vocabulary allows 1024
 of them, and a full run repeated earlier rounds' prompts, most in its last level; README,
-"Serving under load".)
+"Prompt sets that do not repeat".)
 B, C and D take each round in turn, rotating which goes first. Before the rounds, each fresh
 replica serves one warm-up set (its first requests: the first transfers, the first forward
 passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand`` driven in this
