@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+import zmq
 from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
@@ -484,6 +485,31 @@ def test_a_top_up_made_after_the_commits_stopped_goes_out_at_once() -> None:
                 assert isinstance(answer.result(timeout=1.0).result(), p.Granted), round_
         finally:
             session.close()
+
+
+def test_a_new_session_waits_for_its_first_commit_instead_of_polling_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression: a new session's I/O thread took its start for the time of a last commit
+    send, so for the quiet period after it (``COMMIT_QUIET_S``) it watched a commit deadline
+    already past and polled without waiting: hundreds of wake-ups, a core busy, each time a
+    session opened."""
+    polls_without_wait = [0]
+    poll = zmq.Poller.poll
+
+    def counting_poll(self: zmq.Poller, timeout: int | None = None) -> Any:
+        if timeout == 0 and threading.current_thread().name.startswith("tkvt-session"):
+            polls_without_wait[0] += 1
+        return poll(self, timeout)
+
+    monkeypatch.setattr(zmq.Poller, "poll", counting_poll)
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False)
+        try:
+            time.sleep(10 * COMMIT_QUIET_S)
+        finally:
+            session.close()
+    assert polls_without_wait[0] <= 2  # the first heartbeat, due at once
 
 
 def test_a_top_up_waiting_for_commits_fails_when_its_session_closes() -> None:

@@ -203,7 +203,8 @@ class SessionIO:
         wake = self._wake_r.fileno()
         for readable in (sock, monitor, wake):
             poller.register(readable, zmq.POLLIN)
-        last_ok = next_hb = touches_due = commits_sent = commits_due = time.monotonic()
+        last_ok = next_hb = touches_due = commits_due = time.monotonic()
+        commits_sent = -math.inf  # none yet: the first commit goes out at once
         lost: str | None = None
         try:
             while True:
