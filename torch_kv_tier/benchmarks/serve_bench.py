@@ -58,7 +58,7 @@ from torch_kv_tier.benchmarks.serve_replicas import (
     metric_sum,
 )
 from torch_kv_tier.integrations.vllm import tiny_model
-from torch_kv_tier.integrations.vllm.admission import REFUSAL_REASONS
+from torch_kv_tier.integrations.vllm.admission_stats import REFUSAL_REASONS
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.integrations.vllm.admission import REFUSAL_REASONS
+from torch_kv_tier.integrations.vllm.admission_stats import REFUSAL_REASONS
 
 CHUNK_BYTES = 32768
 TOKENS_PER_CHUNK = 32

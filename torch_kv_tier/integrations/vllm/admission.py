@@ -23,9 +23,8 @@ request adds none). So a request's first promotion is admitted only when:
   alone on the engine is promoted in its arrival step.
 
 Others prefilling is no reason to refuse: a request refused for it recomputes, prefills beside
-them and makes the next request's steps long in turn. (A rule that refused a request while a
-recompute was scheduled in the last two steps or vLLM stored new chunks answered 6 to 19 such
-refusals per serve-bench scenario at concurrency 4; README, "Under load", measures its removal.)
+them and makes the next request's steps long in turn (README, "Under load", measures the rule
+that did).
 
 **Unless its own recompute would wait.** A request whose recompute ends behind two or more
 prefills, counted from its arrival (the recomputes scheduled since, at least the last step's,
@@ -47,14 +46,10 @@ applies only while:
   until their cascade to this tier finished); once landed they are held until their request
   runs (``promotion_pin``), so a store that finds no other room is refused and retried a step
   later. So the CPU tier (``primary_chunks``) must hold the promises held, the prefix, and a
-  prefix per recompute of the last step twice over. (Measured before landed promotions were
-  held, when such stores evicted them: without the check, on the CI burst test's shape, 16 of 16
-  such promotions were evicted down to 3 to 6 chunks before their request ran; with it, 15 of
-  228 still lost chunks in serve-bench at concurrency 16 with an 8 MiB tier, which the hold
-  ended; README, "Held until scheduled".) A request promoted because the queue fits and is
-  known is not checked: in serve-bench at concurrency 4 with an 8 MiB tier no such promotion
-  lost a chunk unchecked (nor 118 at concurrency 16), and checked, the tier served fewer prompt
-  tokens (README, "Under load").
+  prefix per recompute of the last step twice over (README, "Held until scheduled"). A request
+  promoted because the queue fits and is known is not checked: unchecked, none lost a chunk in
+  serve-bench at concurrency 4 and 16 with an 8 MiB tier, and checked, the tier served fewer
+  prompt tokens (README, "Under load").
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
@@ -105,6 +100,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torch_kv_tier.integrations.vllm import tier_sizing
+from torch_kv_tier.integrations.vllm.admission_stats import AdmissionStats
 
 logger = logging.getLogger(__name__)
 
@@ -123,33 +119,6 @@ class _Attempt:
     promised: set[Hashable] = field(default_factory=set)  # every key answered HIT
     held: set[Hashable] = field(default_factory=set)  # promised, read not landed: in the budget
     unsubmitted: set[Hashable] = field(default_factory=set)  # promised this step, not submitted
-
-
-@dataclass
-class AdmissionStats:
-    """Counters since the tier started (monotonic)."""
-
-    admitted: int = 0  # lookups answered HIT
-    held: int = 0  # RETRY: the request arrived in this scheduler step, beside others
-    guarded: int = 0  # RETRY: it would recompute while another request's promotion is under way
-    refused_busy: int = 0  # MISS: its prefix would land amid stores the CPU tier cannot hold
-    refused_pressure: int = 0  # MISS: the waiting queue's prefixes do not fit the CPU tier
-    refused_budget: int = 0  # MISS: no room for the (whole) prefix in the budget
-    refused_repeat: int = 0  # MISS: promised before in this attempt, and lost by vLLM
-    unallocated: int = 0  # promises vLLM could not allocate (never submitted)
-    dropped_partial: int = 0  # promotions not read: vLLM allocated only part of the promises
-
-    def refused(self) -> dict[str, int]:
-        """First promotions refused (MISS), by reason (``REFUSAL_REASONS``)."""
-        return {
-            "busy": self.refused_busy,
-            "pressure": self.refused_pressure,
-            "budget": self.refused_budget,
-        }
-
-
-# Why a first promotion is refused: the keys of ``AdmissionStats.refused`` (a metric label).
-REFUSAL_REASONS = ("busy", "pressure", "budget")
 
 
 class _Arrival(NamedTuple):
@@ -299,9 +268,9 @@ class PromotionAdmission:
         return None
 
     def _refuse(self, req_id: str, reason: str) -> Verdict:
-        """A promotion refused for ``reason`` (one of ``REFUSAL_REASONS``): the request
-        recomputes (MISS, counted), unless the guard holds it for another request's promotion
-        (``_guard``'s answer, counted there as ``guarded``, not here)."""
+        """A promotion refused for ``reason`` (one of ``admission_stats.REFUSAL_REASONS``): the
+        request recomputes (MISS, counted), unless the guard holds it for another request's
+        promotion (``_guard``'s answer, counted there as ``guarded``, not here)."""
         guard = self._guard(req_id)
         if guard is None:
             name = f"refused_{reason}"
@@ -445,4 +414,4 @@ class PromotionAdmission:
             self._held -= len(attempt.held)
 
 
-__all__ = ["REFUSAL_REASONS", "AdmissionStats", "PromotionAdmission", "Verdict"]
+__all__ = ["PromotionAdmission", "Verdict"]

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from torch_kv_tier.integrations.vllm.admission import AdmissionStats
+from torch_kv_tier.integrations.vllm.admission_stats import AdmissionStats
 from torch_kv_tier.manager import TierManager
 
 
@@ -33,7 +33,7 @@ class RemoteHostMetrics:
     LOST_PROMOTIONS = "torch_kv_tier_lost_promotions"
     HELD_PROMOTIONS = "torch_kv_tier_held_promotions"
     LABEL = "remote"
-    REASON = "reason"  # REFUSED_PROMOTIONS' second label: one of admission.REFUSAL_REASONS
+    REASON = "reason"  # REFUSED_PROMOTIONS' second label: one of admission_stats.REFUSAL_REASONS
 
 
 _GAUGES = (
