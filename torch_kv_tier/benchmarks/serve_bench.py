@@ -277,7 +277,7 @@ def _prompt_set(directory: Path, seed: int, num_prompts: int, input_len: int) ->
     path = directory / f"prompts-{seed}.jsonl"
     if not path.exists():
         rng = random.Random(seed)
-        words = tiny_model.VOCAB_SIZE - len(tiny_model.SPECIAL_TOKENS)
+        words = tiny_model.WORDS
         sets = ([rng.randrange(words) for _ in range(input_len)] for _ in range(num_prompts))
         path.write_text(
             "".join(json.dumps({"prompt": tiny_model.prompt(ids)}) + "\n" for ids in sets)

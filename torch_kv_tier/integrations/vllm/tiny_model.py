@@ -20,12 +20,13 @@ logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+WORDS = VOCAB_SIZE - len(SPECIAL_TOKENS)  # ordinary tokens: ``word(0)`` .. ``word(WORDS - 1)``
 # Positions the model supports: the longest prompt + output a test can send.
 MAX_POSITIONS = 2048
 
 
 def word(i: int) -> str:
-    """The text of ordinary token ``i`` (0 <= i < VOCAB_SIZE - len(SPECIAL_TOKENS))."""
+    """The text of ordinary token ``i`` (0 <= i < ``WORDS``)."""
     return f"w{i}"
 
 
@@ -43,9 +44,8 @@ def build(out_dir: Path, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_words = VOCAB_SIZE - len(SPECIAL_TOKENS)
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({word(i): len(SPECIAL_TOKENS) + i for i in range(n_words)})
+    vocab.update({word(i): len(SPECIAL_TOKENS) + i for i in range(WORDS)})
     tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
