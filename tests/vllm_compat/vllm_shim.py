@@ -94,6 +94,10 @@ class VllmNamedNixlTransport(our_nixl.NixlTransport):
         return {peer_id: peer.dlist for peer_id, peer in self._peers._published.items()}
 
     @property
+    def _inflight(self) -> dict[int, None]:
+        return dict.fromkeys(self._transfers)
+
+    @property
     def _peer_strikes(self) -> dict[str, int]:
         return self._health.strikes
 

@@ -14,50 +14,41 @@ starts a new generation of the peer: a registration superseded while it ran rele
 built and its future fails ("superseded"), so a removal during a registration wins, and a failed
 re-registration leaves the working one published.
 
-Failure model (see ``base.py`` and ``faults.py``). A transfer that stays in flight keeps its
-handle and, after ``remove_remote_peer``, keeps its peer's descriptors and remote agent too:
-they are released when its last transfer resolves (or by ``cancel``/``close``), so its state
-check stays meaningful and a re-added peer id never shares a destination that may still be
-written.
+Failure model (see ``base.py``, ``faults.py`` and ``nixl_inflight``, which owns the transfers
+in flight). A transfer that stays in flight keeps its handle and, after ``remove_remote_peer``,
+keeps its peer's descriptors and remote agent too: they are released when its last transfer
+resolves (or by ``cancel``/``close``), so its state check stays meaningful and a re-added peer
+id never shares a destination that may still be written.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices
-from torch_kv_tier.transport.faults import PeerHealth, ends_transfer
+from torch_kv_tier.transport.faults import PeerHealth
 from torch_kv_tier.transport.nixl_agent import (
     descriptors,
     load_nixl,
     make_agent,
     unavailable_reason,
 )
-from torch_kv_tier.transport.nixl_peers import NixlPeer, NixlPeers
+from torch_kv_tier.transport.nixl_inflight import NixlInflight
+from torch_kv_tier.transport.nixl_peers import NixlPeers
 
 logger = logging.getLogger(__name__)
 
-_GONE = "GONE"  # pseudo-state: the check raised a remote disconnect, the transfer is over
 # How long ``add_remote_peer`` waits for a registration (NIXL's local work: milliseconds here).
 REGISTRATION_TIMEOUT_S = 60.0
-
-
-@dataclass(eq=False)
-class _Transfer:
-    peer: NixlPeer
-    handle: Any
-    struck: bool = False  # already counted against its peer (a raising check counts once)
 
 
 class NixlTransport(DataTransport):
@@ -95,11 +86,9 @@ class NixlTransport(DataTransport):
         self._name = f"{local_id}-{uuid.uuid4().hex[:12]}"
         self._lock = threading.Lock()
         self._peers = NixlPeers(self._name, self.block_len, self._lock)
-        self._inflight: dict[int, _Transfer] = {}
         self._health = PeerHealth(self._name)
-        self._ids = itertools.count(1)
+        self._transfers = NixlInflight(self._name, self._peers, self._health)
         self._closed = False
-        self._kept_until_exit = False  # see agent_lifetime
         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-nixl-reg")
         self._local_dlist: Any = None
         self._reg: Any = None
@@ -293,79 +282,25 @@ class NixlTransport(DataTransport):
 
     def poll(self, peer_id: str | None = None) -> PollResult:
         """See ``DataTransport.poll``; ``peer_fault`` is set on a faulted peer's scoped poll.
-
         A state check that raises faults the peer and keeps the transfer unless the error is a
-        remote disconnect (then it is failed). Successes in the batch reset the peer's strikes
-        before its failures count, whatever the order the transfers were checked in.
-        """
+        remote disconnect (``nixl_inflight``)."""
         with self._lock:
             self._check_open()
-            done: list[int] = []
-            failed: list[int] = []
-            succeeded: set[NixlPeer] = set()
-            failures: list[tuple[NixlPeer, str]] = []
-            for tid, xfer in self._inflight.items():
-                if peer_id is not None and xfer.peer.peer_id != peer_id:
-                    continue
-                state = self._checked_state(tid, xfer)
-                if state == "DONE":
-                    done.append(tid)
-                    succeeded.add(xfer.peer)
-                elif state not in ("PROC", "PEND", None):
-                    failed.append(tid)
-                    if not xfer.struck:
-                        failures.append((xfer.peer, f"state {state}"))
-            for peer in succeeded:
-                if self._peers.is_published(peer):
-                    self._health.succeeded(peer.peer_id)
-            for peer, cause in failures:
-                if self._peers.is_published(peer):
-                    self._health.failed(peer.peer_id, cause)
-            for tid in itertools.chain(done, failed):
-                self._forget(tid, release=True)
-            fault = self._health.faults.get(peer_id) if peer_id is not None else None
-        return PollResult(done or (), failed or (), fault)
+            return self._transfers.poll(peer_id)
 
     def cancel(self, transfer_ids: Iterable[int], mode: CancelMode = "immediate") -> list[int]:
-        """See ``DataTransport.cancel``.
-
-        ``"wait"`` checks each transfer's state first: UCX frees a handle even while its WRITE
-        still runs, so a ``PROC``/``PEND`` transfer is never released here and its id is
-        returned. A raising check faults the peer and keeps the transfer, except after a remote
-        disconnect, which drops it. A release that raises keeps it too.
-        """
+        """See ``DataTransport.cancel``. ``"wait"`` never releases a transfer still running
+        (UCX frees a handle even while its WRITE runs) and returns its id (``nixl_inflight``)."""
         if mode not in ("immediate", "wait"):
             raise ValueError(f"cancel mode must be 'immediate' or 'wait', got {mode!r}")
-        still: list[int] = []
         with self._lock:
             self._check_open()
-            for tid in transfer_ids:
-                xfer = self._inflight.get(tid)
-                if xfer is None:
-                    continue
-                if mode == "immediate":
-                    self._forget(tid, release=True)
-                    continue
-                state = self._checked_state(tid, xfer)
-                if state == _GONE:  # the handle may not release any more; nothing more lands
-                    self._forget(tid, release=True)
-                    continue
-                if state in ("PROC", "PEND", None):
-                    still.append(tid)
-                    continue
-                try:
-                    self._agent.release_xfer_handle(xfer.handle)
-                except Exception as exc:
-                    logger.debug("NixlTransport %s: transfer %d draining: %s", self._name, tid, exc)
-                    still.append(tid)
-                    continue
-                self._forget(tid, release=False)
-        return still
+            return self._transfers.cancel(transfer_ids, mode)
 
     def inflight_count(self) -> int:
         """Transfers submitted and not yet reported by ``poll`` (for stats and leak checks)."""
         with self._lock:
-            return len(self._inflight)
+            return len(self._transfers)
 
     def close(self) -> None:
         # Let a registration still running finish before the agent goes away under it.
@@ -376,8 +311,7 @@ class NixlTransport(DataTransport):
             self._closed = True
             if self._agent is None:
                 return
-            for tid in list(self._inflight):
-                self._forget(tid, release=True)
+            self._transfers.release_all()
             self._peers.remove_all()
             for what, step in (
                 (
@@ -427,64 +361,4 @@ class NixlTransport(DataTransport):
             dest = remote if op == "WRITE" else local
             if len(set(dest)) != len(dest):
                 raise ValueError(f"{op} destination indices repeat: each block may be written once")
-            handle = None
-            try:
-                handle = self._agent.make_prepped_xfer(
-                    op, self._local_dlist, local, peer.dlist, remote
-                )
-                if self._agent.transfer(handle) == "ERR":
-                    raise RuntimeError("NIXL refused to post the transfer (state ERR)")
-            except Exception as exc:
-                logger.warning(
-                    "NixlTransport %s: %s to %s failed: %s", self._name, op, peer_id, exc
-                )
-                if handle is not None and agent_lifetime.is_post_disconnect(exc):
-                    self._keep_agent_until_exit()
-                if handle is not None:
-                    self._release_handle(-1, handle)
-                self._health.raised(peer_id, exc)
-                return None
-            tid = next(self._ids)
-            self._inflight[tid] = _Transfer(peer, handle)
-            peer.inflight.add(tid)
-            return tid
-
-    def _keep_agent_until_exit(self) -> None:
-        """UCX may still hold a request NIXL freed: never destroy this agent (closed or not)."""
-        if not self._kept_until_exit:
-            self._kept_until_exit = True
-            agent_lifetime.keep_until_exit(self._agent, self._name)
-
-    def _checked_state(self, tid: int, xfer: _Transfer) -> str | None:
-        """The transfer's NIXL state; ``None`` when the check raised but it may still write.
-
-        A raising check faults the (still published) peer once per transfer and warns once;
-        after a remote disconnect it returns ``_GONE``.
-        """
-        try:
-            return str(self._agent.check_xfer_state(xfer.handle))
-        except Exception as exc:
-            (logger.debug if xfer.struck else logger.warning)(
-                "NixlTransport %s: check_xfer_state failed for transfer %d: %s",
-                self._name,
-                tid,
-                exc,
-            )
-            if not xfer.struck:
-                xfer.struck = True
-                if self._peers.is_published(xfer.peer):
-                    self._health.state_check_raised(xfer.peer.peer_id, exc)
-            return _GONE if ends_transfer(exc) else None
-
-    def _forget(self, tid: int, *, release: bool) -> None:
-        """Drop a transfer (releasing its handle if asked); free a retired peer it was last of."""
-        xfer = self._inflight.pop(tid)
-        if release:
-            self._release_handle(tid, xfer.handle)
-        self._peers.transfer_ended(xfer.peer, tid)
-
-    def _release_handle(self, tid: int, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:
-            logger.debug("NixlTransport %s: releasing transfer %d: %s", self._name, tid, exc)
+            return self._transfers.post(op, self._local_dlist, local, peer, remote)
