@@ -220,6 +220,72 @@ def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:
     assert not tier.busy() and tier.stats()["disk_promotions_without_slot"] == 1
 
 
+def _a_namespace_only_on_disk() -> tuple[Any, ...]:
+    """Namespace "ns" (session "s") whose eight keys all left DRAM for the disk: namespace
+    "other" (session "o") filled the pool."""
+    cache, disk, tier = _host()
+    _store(cache, [f"k{i}" for i in range(8)])
+    tier.step(now=1.0)
+    tier.step(now=2.0)  # all eight on disk
+    cache.join("o", "other")
+    cache.commit("o", [f"o{i}" for i in range(8)], cache.grant("o", 8), list(range(8)))
+    _events(cache)
+    assert not cache.namespace_of("s").entries and disk.contains("ns", "k0")
+    return cache, disk, tier
+
+
+def test_a_promotion_of_a_namespace_whose_last_session_left_is_dropped() -> None:
+    """Found by review: a promotion asked right before its namespace's last session left was
+    published into the forgotten namespace; the eviction that later reached the key raised
+    ``KeyError`` in the server's loop (the host died), having lost the slot."""
+    cache, disk, tier = _a_namespace_only_on_disk()
+    tier.promote(cache.namespace_of("s"), ["k0"], 3.0)
+    cache.leave("s", 3.0, clean=True)
+    assert "ns" not in cache.namespaces
+    tier.step(now=3.0)
+    tier.step(now=3.1)
+    assert not disk.reading and not tier.busy()
+    cache.touch("o", [f"o{i}" for i in range(8)])
+    assert len(cache.grant("o", 8)) == 8  # evicts only "other"'s keys, each once
+    assert cache.stored + cache.granted + cache.free_slots() == 8
+
+
+def test_a_promotion_asked_before_its_namespace_was_joined_again_lands_in_the_new_one() -> None:
+    """The same, with a new session joining the namespace before the promotion starts: the key
+    is promoted into the namespace the new session sees, and no slot is lost."""
+    cache, disk, tier = _a_namespace_only_on_disk()
+    tier.promote(cache.namespace_of("s"), ["k0"], 3.0)
+    cache.leave("s", 3.0, clean=True)
+    cache.join("s2", "ns")
+    tier.admit_after = 1000  # no copies ahead: their slots could not be evicted
+    tier.step(now=3.0)
+    tier.step(now=3.1)
+    assert "k0" in cache.namespace_of("s2").entries
+    cache.leave("s2", 4.0, clean=True)
+    cache.leave("o", 4.0, clean=True)
+    assert cache.stored + cache.granted + cache.held + cache.free_slots() == 8
+
+
+def test_no_copy_ahead_starts_while_promotions_keep_more_than_its_share_busy() -> None:
+    """Found by review: with promotions' reads keeping more DRAM slots busy than the copies'
+    share (1/8 of the pool, at least 16), the budget went negative and ``items[:budget]``
+    posted all but the last few copies: 60 of 64 slots busy, none evictable for grants."""
+    cache, disk, tier = _host(num_blocks=64, disk_slots=1024)
+    keys = [f"k{i}" for i in range(64)]
+    _store(cache, keys)
+    now = 1.0
+    while len(disk.keys) < 64 or disk.writing:
+        tier.step(now=now)
+        now += 1.0
+    tier.admit_after = 1000  # nothing admitted: no copy before the promotions below
+    _store(cache, [f"n{i}" for i in range(64)])  # every k* leaves DRAM for the disk
+    tier.step(now=now)
+    tier.admit_after = 1
+    tier.promote(cache.namespace_of("s"), keys[:20], now)
+    tier.step(now=now + 1.0)
+    assert len(disk.reading) == 20 and not disk.writing
+
+
 def test_seen_counts_count_per_namespace_and_age() -> None:
     counts = SeenCounts()
     counts.add("x", [b"a", b"a", b"b"])  # a batch counts a key once

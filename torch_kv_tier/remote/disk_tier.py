@@ -99,8 +99,9 @@ class DiskTier:
         self.admit_after = admit_after
         self.seen = SeenCounts()
         cache.attach_disk(store, self._seen)
-        # promotions to start: (namespace, key, when first asked)
-        self._asked: list[tuple[Namespace, Key, float]] = []
+        # promotions to start: (namespace name, key, when first asked); by name, so that one
+        # asked by a session that left since is dropped with its namespace (``SharedCache.leave``)
+        self._asked: list[tuple[str, Key, float]] = []
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
         self._next_copy = 0.0
         self.counters = dict.fromkeys(
@@ -127,7 +128,7 @@ class DiskTier:
     def promote(self, ns: Namespace, keys: Sequence[Key], now: float) -> None:
         """A session asked for ``keys`` of ``ns`` (announced on disk) in DRAM: next ``step``."""
         self.counters["disk_promote_asked"] += len(keys)
-        self._asked.extend((ns, key, now) for key in keys)
+        self._asked.extend((ns.name, key, now) for key in keys)
 
     def busy(self) -> bool:
         """Whether disk I/O is in flight or promotions wait (the loop then polls often)."""
@@ -161,13 +162,15 @@ class DiskTier:
 
     def _start_promotions(self, now: float) -> None:
         """Promotions asked: those that find no DRAM slot (every slot granted, or being
-        copied) are tried again at the next step, for at most ``PROMOTE_RETRY_S``."""
+        copied) are tried again at the next step, for at most ``PROMOTE_RETRY_S``; those of a
+        namespace forgotten meanwhile (no session left) are dropped."""
         asked, self._asked = self._asked, []
-        store, promoting = self.store, self._promoting
+        store, promoting, namespaces = self.store, self._promoting, self.cache.namespaces
         wanted: dict[tuple[str, Key], tuple[Namespace, float]] = {}
-        for ns, key, since in asked:
-            if key not in ns.entries and store.contains(ns.name, key):
-                wanted.setdefault((ns.name, key), (ns, since))
+        for name, key, since in asked:
+            ns = namespaces.get(name)
+            if ns is not None and key not in ns.entries and store.contains(name, key):
+                wanted.setdefault((name, key), (ns, since))
         for pair in promoting.keys() & wanted.keys():
             del wanted[pair]
         by_ns: dict[str, list[Key]] = {}
@@ -183,7 +186,7 @@ class DiskTier:
             for key in keys[len(slots) :]:
                 since = wanted[(name, key)][1]
                 if now - since < PROMOTE_RETRY_S:
-                    self._asked.append((ns, key, since))
+                    self._asked.append((name, key, since))
                 else:
                     self.counters["disk_promotions_without_slot"] += 1
         if items:
@@ -199,6 +202,12 @@ class DiskTier:
         window = max(MIN_SPILL_WINDOW, 2 * cache.max_granted)
         if cache.free_slots() >= window:
             return
+        # slots being copied cannot be evicted: keep most of the pool evictable (promotions'
+        # reads alone may keep more than the share busy)
+        share = max(MIN_COPY_BUDGET, cache.pool.num_blocks // COPY_SHARE)
+        budget = min(SPILL_BATCH, share - len(store.busy_dram_slots()))
+        if budget <= 0:
+            return
         oldest = [e for e in cache.oldest(window) if not store.contains(e[0], e[1])]
         if not oldest:
             return
@@ -211,11 +220,8 @@ class DiskTier:
                 counts = self.seen.counts(name, [e[1] for e in entries])
                 admitted += [e for e, c in zip(entries, counts) if c >= self.admit_after]
             oldest = admitted
-        items = [(name, key, cache.digest_of(slot), slot) for name, key, slot in oldest]
-        # slots being copied cannot be evicted: keep most of the pool evictable
-        share = max(MIN_COPY_BUDGET, cache.pool.num_blocks // COPY_SHARE)
-        budget = share - len(store.busy_dram_slots())
-        for name, key in store.write(items[: min(SPILL_BATCH, budget)]):
+        items = [(name, key, cache.digest_of(slot), slot) for name, key, slot in oldest[:budget]]
+        for name, key in store.write(items):
             cache.left_disk(name, key)
 
     def stats(self) -> dict[str, Any]:
