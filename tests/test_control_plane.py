@@ -27,6 +27,7 @@ from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake import AcceptLost
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
 from torch_kv_tier.shared_host import SharedHost
@@ -376,6 +377,90 @@ def test_a_release_of_a_session_the_host_still_counts_live_ends_it_clean() -> No
         assert wait_for(lambda: old.lost is not None, 10.0)  # the host no longer knows it
         old.close()
         new.close()
+
+
+def _hello(address: str) -> tuple[zmq.Socket[bytes], p.Challenge]:
+    """A raw control connection to ``address`` that said hello; its challenge."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(f"tcp://{address}")
+    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, b"c" * 32)))
+    assert sock.poll(10_000)
+    challenge = p.decode_server(sock.recv())
+    assert isinstance(challenge, p.Challenge)
+    return sock, challenge
+
+
+def _private_handshake(nonce: bytes) -> bytes:
+    region = Region(0x10000, 8, BLOCK_LEN)
+    return p.encode(
+        p.Handshake(p.PROTOCOL_VERSION, 2, nonce, b"", b"x", region, "", None, private=True)
+    )
+
+
+def test_a_session_whose_accept_was_never_read_is_released_by_its_id() -> None:
+    """An Accept queued but never read (the client's deadline passed first): the client knows
+    the session's id all the same (the nonce it answered) and names it in its next handshake's
+    release, which ends the session clean."""
+    with ServerProcess.start(32, BLOCK_LEN) as server:
+        sock, challenge = _hello(server.address)
+        try:
+            sock.send(_private_handshake(challenge.nonce))
+            assert sock.poll(10_000)  # the Accept is there, unread
+            with fake_session(server.address, slots=8, release=[challenge.nonce.hex()]) as new:
+                stats = new.stats()
+            assert len(stats["sessions"]) == 1, stats["sessions"]
+            assert (stats["held_blocks"], stats["leased_blocks"]) == (0, 8), stats
+        finally:
+            sock.close(linger=0)
+
+
+def test_a_session_released_before_its_handshake_arrived_never_opens() -> None:
+    """The release can overtake the handshake it gives up (two connections): the nonce is
+    revoked, so the late handshake is refused and nothing is leased for it."""
+    with ServerProcess.start(32, BLOCK_LEN) as server:
+        sock, challenge = _hello(server.address)
+        try:
+            with fake_session(server.address, slots=8, release=[challenge.nonce.hex()]) as new:
+                sock.send(_private_handshake(challenge.nonce))
+                assert sock.poll(10_000)
+                reply = p.decode_server(sock.recv())
+                assert isinstance(reply, p.Reject) and "nonce" in reply.reason, reply
+                assert new.stats()["leased_blocks"] == 8
+        finally:
+            sock.close(linger=0)
+
+
+def test_a_tier_whose_accept_never_came_releases_that_session_at_its_next_handshake() -> None:
+    """A host that answers hello and then nothing (frozen, or its Accept lost): the tier's
+    connect raises ``AcceptLost`` (a ``TimeoutError``) naming the session the host may have
+    opened, and the tier's next handshake there releases it."""
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    handshakes: list[p.Handshake] = []
+
+    def host() -> None:  # challenges every hello, answers no handshake
+        while len(handshakes) < 2 and router.poll(20_000):
+            identity, frame = router.recv_multipart()
+            message = p.decode_client(frame)
+            if isinstance(message, p.Hello):
+                nonce = bytes([len(handshakes)]) * p.NONCE_BYTES
+                challenge = p.Challenge(p.PROTOCOL_VERSION, 1, nonce, b"")
+                router.send_multipart([identity, p.encode(challenge)])
+            elif isinstance(message, p.Handshake):
+                handshakes.append(message)
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    try:
+        with TierManager.create(4, BLOCK_LEN, name="lost-accept") as tier:
+            for _ in range(2):
+                with pytest.raises(AcceptLost) as lost:
+                    tier.connect(f"127.0.0.1:{port}", private=True, timeout_s=0.5)
+            thread.join(timeout=10)
+        assert lost.value.session_id == (b"\x01" * p.NONCE_BYTES).hex()
+        assert [h.release for h in handshakes] == [[], [(b"\x00" * p.NONCE_BYTES).hex()]]
+    finally:
+        router.close(linger=0)
 
 
 def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_host() -> None:

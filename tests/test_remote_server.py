@@ -384,3 +384,57 @@ def test_a_metrics_scrape_during_start_up_gets_the_stats(monkeypatch: pytest.Mon
         assert "torch_kv_tier_server_sessions 0\n" in answers[0]
     finally:
         server.close()
+
+
+class _PeersGone:
+    """A ROUTER socket whose peer hung up: ``frames`` arrive, and only a ``Challenge`` can be
+    sent back (the peer is gone by the time of the ``Accept``)."""
+
+    def __init__(self) -> None:
+        self.frames: list[list[bytes]] = []
+        self.sent: list[p.ServerMessage] = []
+
+    def get(self, option: int) -> int:
+        return zmq.POLLIN if self.frames else 0
+
+    def recv_multipart(self, flags: int) -> list[bytes]:
+        return self.frames.pop(0)
+
+    def send_multipart(self, frames: list[bytes], flags: int) -> None:
+        message = p.decode_server(frames[1])
+        if not isinstance(message, p.Challenge):
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        self.sent.append(message)
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+
+def test_a_session_whose_accept_cannot_be_queued_ends_clean() -> None:
+    """Found by review: an Accept that could not be queued (its client hung up after sending
+    the handshake) was dropped and its session left open; it then expired with its lease held
+    for good, since nobody knew its id. Its client never learned of the lease, so never wrote
+    it: the session ends clean, its slots free at once."""
+    from torch_kv_tier.remote.server import Server
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    server = Server(ServerConfig(num_blocks=32, block_len=BLOCK_LEN))
+    try:
+        assert server._socket is not None
+        server._socket.close(linger=0)
+        server._socket = sock = _PeersGone()  # type: ignore[assignment]
+        sock.frames.append([b"peer", p.encode(p.Hello(p.PROTOCOL_VERSION, 1, b"c" * 32))])
+        server._drain()
+        (challenge,) = sock.sent
+        assert isinstance(challenge, p.Challenge)
+        region = p.Region(0x10000, 8, BLOCK_LEN)
+        handshake = p.Handshake(
+            p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, private=True
+        )
+        sock.frames.append([b"peer", p.encode(handshake)])
+        server._drain()
+        stats = server.stats()
+        assert stats["handshakes_accepted"] == 1 and stats["sessions"] == []
+        assert (stats["leased_blocks"], stats["held_blocks"], stats["free_blocks"]) == (0, 0, 32)
+    finally:
+        server.close()

@@ -168,8 +168,9 @@ class ConnectedHosts:
 
     def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any:
         """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told
-        again when nothing answered."""
+        again when nothing answered, with the session the host may have opened meanwhile."""
         from torch_kv_tier.remote.client import RemoteSession
+        from torch_kv_tier.remote.handshake import AcceptLost
         from torch_kv_tier.remote.protocol import Region
 
         t = self.transport
@@ -188,7 +189,9 @@ class ConnectedHosts:
                 release=release,
                 cancel=self._closing,
             )
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, AcceptLost):
+                release = [*release, exc.session_id]
             with self._lock:  # the host may not have heard them: tell it next time
                 self._ended.give_back(dial.address, release)
             raise

@@ -171,8 +171,9 @@ class RemoteSession(SessionIO):
 
         Raises ``ValueError`` for bad arguments (before any network traffic),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
-        ``TimeoutError`` when no server answers within ``timeout_s``, ``ConnectionError``
-        when the server answers with an error or ``cancel`` was set.
+        ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost``, with the
+        id of the session the server may have opened, once the handshake went out),
+        ``ConnectionError`` when the server answers with an error or ``cancel`` was set.
         """
         check_session_args(
             region,

@@ -93,7 +93,8 @@ class ControlPlane:
         return self._disconnect(session, message)
 
     def session_of(self, identity: bytes) -> Session | None:
-        """The live session the last answered message came from, if it came over ``identity``."""
+        """The live session the last answered message came from (or opened), if it came over
+        ``identity``."""
         session = self._last_session
         return session if session is not None and session.identity == identity else None
 
@@ -209,7 +210,11 @@ class ControlPlane:
             return self._reject(
                 hs.seq, name, f"too many sessions (--max-sessions {self.leases.max_sessions})"
             )
-        session = self.leases.open(name, hs.slots, now, private=hs.private)
+        # Its id is the nonce it answered (single use): a client whose Accept never came
+        # knows it, and names it in a later release (``handshake.AcceptLost``).
+        session = self.leases.open(
+            name, hs.slots, now, private=hs.private, session_id=hs.nonce.hex()
+        )
         if session is None:
             held = self.leases.held_blocks
             return self._reject(
@@ -220,6 +225,7 @@ class ControlPlane:
             )
         self.counters["handshakes_accepted"] += 1
         session.identity = identity
+        self._last_session = session
         if session.shared:
             session.namespace = hs.config_fingerprint
             self.shared.join(session)
@@ -257,9 +263,12 @@ class ControlPlane:
     def _release(self, session_ids: list[str]) -> None:
         """Earlier sessions whose client reported every write resolved: free what they held.
         A session this server still counts live (its client gave it up while this server was
-        frozen or slow, before it expired here) ends now, clean: nothing of it is in flight."""
+        frozen or slow, before it expired here) ends now, clean: nothing of it is in flight.
+        One not opened yet never will be: its client gave up waiting for the Accept, and the
+        nonce its handshake answers is revoked."""
         if not session_ids:
             return
+        self._gate.revoke(session_ids)
         for sid in session_ids:
             session = self.leases.sessions.get(sid)
             if session is not None:

@@ -7,8 +7,10 @@ thread, before any I/O thread exists (``check_session_args`` first refuses bad a
 answer until its deadline, or until its ``cancel`` event is set (looked at every
 ``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. The
 ``Accept`` is always awaited to the deadline: once the ``Handshake`` is sent the server may have
-opened the session, and a client that left without its id could never release what the server
-holds for it.
+opened the session. Without it by then, the handshake raises ``AcceptLost`` with the session's
+id (the server names a session by the nonce it answered), which the client names in its next
+handshake's ``release`` to that server: the server then ends the session, clean (nothing was
+written through it), or refuses the ``Handshake`` if it has not arrived yet.
 """
 
 from __future__ import annotations
@@ -39,6 +41,22 @@ class HandshakeRejected(Exception):
         super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
         self.address = address
         self.reason = reason
+
+
+class AcceptLost(TimeoutError):
+    """No ``Accept`` by the deadline, after the ``Handshake`` went out: the server may have
+    opened session ``session_id`` (and leased slots to it) without this client learning of it.
+    Pass ``session_id`` in ``release`` of the next ``RemoteSession.open`` to that server (a
+    ``TierManager`` does so itself) so that it ends that session."""
+
+    def __init__(self, address: str, session_id: str) -> None:
+        super().__init__(
+            f"no answer from the torch-kv-tier server at {address} to the handshake: it may have"
+            f" opened a session this client never learned of; name it in release= of the next"
+            f" handshake there ({session_id[:8]}... in AcceptLost.session_id)"
+        )
+        self.address = address
+        self.session_id = session_id
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -102,8 +120,9 @@ def handshake(
     cancel: threading.Event | None = None,
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
-    ``TimeoutError`` (nothing answered by ``deadline``) or ``ConnectionError`` (the server
-    answered with an error, or ``cancel`` was set before its first answer)."""
+    ``TimeoutError`` (nothing answered by ``deadline``; ``AcceptLost`` once the ``Handshake``
+    went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set
+    before its first answer)."""
     client_nonce = secrets.token_bytes(p.NONCE_BYTES)
     sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
     challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)
@@ -115,7 +134,10 @@ def handshake(
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
     sock.send(p.encode(request))
-    accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, None)  # module docstring
+    try:
+        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, None)  # module docstring
+    except TimeoutError:
+        raise AcceptLost(address, challenge.nonce.hex()) from None
     # checked last so that a wrong token gets the server's "bad token"; an honest server that
     # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
     if token is not None and not p.proof_matches(

@@ -130,10 +130,17 @@ class LeaseTable:
         self._public_ids = itertools.count(1)
 
     def open(
-        self, client_name: str, slots: int | None, now: float, *, private: bool = True
+        self,
+        client_name: str,
+        slots: int | None,
+        now: float,
+        *,
+        private: bool = True,
+        session_id: str | None = None,
     ) -> Session | None:
         """Start a session; a private one leases up to ``slots`` slots, a shared one leases
-        none. ``None`` when no slot is free or ``max_sessions`` are open."""
+        none. ``None`` when no slot is free or ``max_sessions`` are open. ``session_id``: the
+        secret the client knows it by (default: a random one); it must be new."""
         if len(self.sessions) >= self.max_sessions:
             return None
         if private:
@@ -143,7 +150,7 @@ class LeaseTable:
         else:
             lease = range(0)
         session = Session(
-            session_id=secrets.token_hex(16),
+            session_id=session_id or secrets.token_hex(16),
             public_id=f"s{next(self._public_ids)}",
             client_name=client_name,
             lease=lease,

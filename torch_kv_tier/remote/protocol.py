@@ -14,7 +14,9 @@ Conversation:
    every tier places keys by), or ``Reject(reason)``. A private session gets a lease
    (``lease_start``/``lease_stop``) that it manages alone; a shared session (the default) gets
    none and works through the messages of step 4. ``release`` names earlier sessions of this
-   client whose writes have all resolved (see step 5).
+   client whose writes have all resolved (see step 5). A session's id is the nonce its
+   ``Handshake`` answered, in hex: a client whose ``Accept`` never came knows it all the same,
+   and releases it.
 3. ``Heartbeat`` -> ``HeartbeatAck`` every heartbeat interval (for a shared session it carries
    the namespace's last ``event_seq``, so a client that missed pushed events notices);
    ``StatsRequest`` -> ``StatsReply``; ``Disconnect(clean)`` -> ``DisconnectAck``. A request

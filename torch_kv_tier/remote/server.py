@@ -209,7 +209,7 @@ class Server:
                 reply = self._control.answer(identity, body, time.monotonic())
                 session = self._control.session_of(identity)
             if reply is not None:
-                self._send(identity, p.encode(reply), session)
+                self._send(identity, p.encode(reply), session, opens=isinstance(reply, p.Accept))
 
     def _push_events(self) -> bool:
         """Tell every shared session what its namespace's index gained and lost (each frame
@@ -223,8 +223,11 @@ class Server:
                 self._send(session.identity, frame, session)
         return True
 
-    def _send(self, identity: bytes, frame: bytes, session: Session | None) -> None:
-        """Queue one frame; a session it cannot be queued for ends (its slots are held)."""
+    def _send(
+        self, identity: bytes, frame: bytes, session: Session | None, *, opens: bool = False
+    ) -> None:
+        """Queue one frame; a session it cannot be queued for ends: its slots are held, unless
+        the frame ``opens`` it (its Accept): its client never learned of it, nothing to fence."""
         assert self._socket is not None
         try:
             self._socket.send_multipart([identity, frame], zmq.NOBLOCK)
@@ -234,8 +237,8 @@ class Server:
                 return
             with self._lock:
                 if self._control.leases.sessions.get(session.session_id) is session:
-                    why = f"a frame for it was not queued ({exc})"
-                    self._control.end(session, clean=False, why=why)
+                    why = f"{'its Accept' if opens else 'a frame for it'} was not queued ({exc})"
+                    self._control.end(session, clean=opens, why=why)
 
     def _expire(self, now: float) -> None:
         with self._lock:

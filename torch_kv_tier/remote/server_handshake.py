@@ -90,6 +90,14 @@ class Gate:
         if not hs.agent_metadata:
             raise Refused("agent metadata is empty")
 
+    def revoke(self, session_ids: list[str]) -> None:
+        """Forget the nonces of these (would-be) sessions: a session's id is the nonce its
+        handshake answered, in hex, so a ``Handshake`` still on its way with one is refused."""
+        ids = set(session_ids)
+        challenges = self._challenges
+        for identity in [i for i, c in challenges.items() if c.nonce.hex() in ids]:
+            del challenges[identity]
+
     def expire(self, now: float) -> None:
         """Forget the nonces not answered in time."""
         challenges = self._challenges
