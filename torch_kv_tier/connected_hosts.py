@@ -140,6 +140,11 @@ class ConnectedHosts:
         peer_id = session.peer_id
         with self._lock:
             known = peer_id in self._peers
+            # Known before the peer is published: a session lost right after it (its I/O
+            # thread drops the peer at once) is dialled again (``_close_session``).
+            first_dial = not known and peer_id not in self._dials
+            if first_dial:
+                self._dials[peer_id] = dial
         if known:
             session.close(clean=True)
             return str(peer_id)
@@ -157,7 +162,12 @@ class ConnectedHosts:
                     session,
                 )
         except BaseException:
-            session.close(clean=True)
+            if first_dial:
+                with self._lock:
+                    if peer_id not in self._peers and self._dials.get(peer_id) is dial:
+                        del self._dials[peer_id]
+            if not session.shared:  # (a failed join ends its session itself)
+                session.close(clean=True)  # never published: nothing of it was written
             raise
         with self._lock:
             self._dials[peer_id] = dial

@@ -154,6 +154,8 @@ class Redialer:
             if wanted(spec):
                 dial(spec)
                 logger.info("re-connected %s", spec.address)
+                if wanted(spec):  # lost again before the dial returned: its drop found it due
+                    raise ConnectionError("the new session was lost at once")
         except Exception as exc:
             with self._lock:
                 backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)

@@ -48,6 +48,8 @@ from torch_kv_tier.results import CAPACITY, MISSING
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.slot_maps import SharedSlots, drain
 
+_JOIN_POLL_S = 0.05  # how often a join waiting for the host's index looks at its session
+
 logger = logging.getLogger(__name__)
 
 # What a host's index events say: (stored keys, their slots, their digests, evicted keys, reset,
@@ -82,40 +84,62 @@ class SharedHosts:
         def _register(
             self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
         ) -> None: ...
-        def remove_peer(self, peer_id: str) -> None: ...
+        def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
+        def _flush(self) -> None: ...
         def _ready_if_settled(self, request: Request) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
         """Register a shared host: its NIXL region (unlocked), its key set's snapshot, then its
         first grant (in the background, after the snapshot request on the wire: no commit of
-        this tier precedes the snapshot, ``SharedSlots``), then the snapshot (awaited)."""
+        this tier precedes the snapshot, ``SharedSlots``), then the snapshot (awaited).
+
+        On failure (raised) the session is ended, clean unless a store to the host is in flight
+        (stores may go out before the snapshot is in), and the host dropped; the caller's dial
+        stays, so that a redial goes on."""
         peer_id = session.peer_id
-        self._register(
-            peer_id,
-            session.agent_metadata,
-            session.base_addr,
-            session.num_blocks,
-            session.block_len,
-        )
+        try:
+            self._register(
+                peer_id,
+                session.agent_metadata,
+                session.base_addr,
+                session.num_blocks,
+                session.block_len,
+            )
+        except BaseException:
+            session.close(clean=True)  # nothing of it was published: nothing written
+            raise
         synced = threading.Event()
+        host = lost = None
         with self._lock:
-            self._check_open()
-            slots = self._index.add_shared_peer(peer_id, session.num_blocks)
-            host = self._peers[peer_id] = SharedHost(slots, session, self.grant_batch)
-            lost = None
-            try:
-                session.follow(_HostChanges(self, host, synced))
-            except ConnectionError as exc:  # the session ended already: dropped below, unlocked
-                lost = exc
-            else:
-                self._refill(host)
+            if not self._closed:
+                slots = self._index.add_shared_peer(peer_id, session.num_blocks)
+                host = self._peers[peer_id] = SharedHost(slots, session, self.grant_batch)
+                try:
+                    session.follow(_HostChanges(self, host, synced))
+                except ConnectionError as exc:  # the session ended already: dropped below
+                    lost = exc
+                else:
+                    self._refill(host)
+        if host is None:
+            session.close(clean=True)
+            self._check_open()  # raises: the tier closed
         try:
             if lost is not None:
                 raise lost
-            if not synced.wait(timeout_s):
-                raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
+            deadline = time.monotonic() + timeout_s
+            while not synced.wait(min(_JOIN_POLL_S, max(deadline - time.monotonic(), 0))):
+                if session.lost is not None:
+                    raise ConnectionError(f"{peer_id} was lost before it sent its index")
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:
-            self.remove_peer(peer_id)
+            with self._lock:  # unless the session's loss dropped it (and ends the session)
+                ended = None
+                if self._peers.get(peer_id) is host:
+                    ended = self._drop_peer(peer_id, lost=session.lost is not None)
+            if ended is not None:
+                self._flush()
+                session.close(clean=ended[1])
             raise
 
     def _refill(self, host: SharedHost) -> None:
@@ -268,6 +292,7 @@ class SharedHosts:
                 Parked(request, waiting, [local_of[k] for k in waiting], deadline),
             )
             parked.update(waiting)
+        self._cond.notify()  # an idle poller looks at the parked loads' deadlines again
         return [k for k in missing if k not in parked]
 
     def _resume_promoted(self, host: SharedHost) -> None:

@@ -76,6 +76,7 @@ class Transfers:
     if TYPE_CHECKING:  # implemented by SharedHosts and ConnectedHosts
 
         def _refill(self, host: SharedHost) -> None: ...
+        def _launch_awaiting(self, host: SharedHost) -> bool: ...
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _send_releases(self, address: str) -> None: ...
         def _close_session(self, session: Any, clean: bool) -> None: ...
@@ -110,9 +111,10 @@ class Transfers:
                 self._poller_idle = False
                 if self._stopping:
                     return
-            if self._ready and not self._ops:  # settled without a transfer (promotions)
+            if self._ready:  # settled without a transfer (promotions), maybe while others fly
                 self._flush()
-                continue
+                if not self._ops:
+                    continue
             try:
                 result = self.transport.poll()
                 faults = self.transport.faulted_peers()
@@ -318,9 +320,11 @@ class Transfers:
         if peer is not None:
             if reason is None:
                 self._publish(peer, keys, slots, digests)
-            else:
+            else:  # the transfer failed: its peer is dropped next, its waiting stores fail
                 unused = op.remote
             peer.return_slots(unused)
+            if reason is None and unused and isinstance(peer, SharedHost) and peer.awaiting:
+                self._launch_awaiting(peer)  # the slots of discarded keys, as a grant's
         if reason is None:
             n = len(op.keys)
             self._counters.blocks_stored += n

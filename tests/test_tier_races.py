@@ -1,0 +1,202 @@
+"""Races and stalls in a tier's own bookkeeping, found by review, each on a tier whose transport
+and host sessions are in this process (``LateWriteTransport``; ``_SharedSession``): futures that
+must resolve whatever else is in flight, slots that must go out to the stores waiting for them,
+and hosts that must be dialled again whenever their session is lost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+from remote_support import BLOCK_LEN, wait_for
+from test_index import LateWriteTransport
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.connections import Dial, Redialer
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.protocol import ON_DISK
+from torch_kv_tier.shared_host import SharedHost
+
+RESULT_TIMEOUT_S = 10.0
+
+
+class _SharedSession:
+    """What a tier uses of a shared ``RemoteSession``; grant requests wait in ``grants`` until
+    the test answers them."""
+
+    def __init__(self, peer_id: str, max_granted: int) -> None:
+        self.peer_id, self.address, self.session_id = peer_id, f"{peer_id}:1", f"sid-{peer_id}"
+        self.shared, self.max_granted, self.lost = True, max_granted, None
+        self.agent_metadata, self.base_addr, self.num_blocks, self.block_len = b"", 0, 8, BLOCK_LEN
+        self.grants: list[Any] = []
+        self.promoted: list[Any] = []
+        self.closed: list[bool] = []
+
+    def grant(self, want: int, on_answer: Any, *, with_commits: bool = False) -> None:
+        self.grants.append(on_answer)
+
+    def answer(self, slots: list[int]) -> None:
+        future: Future[p.ServerMessage] = Future()
+        future.set_result(p.Granted(1, slots))
+        self.grants.pop(0)(future)
+
+    def promote(self, keys: list[Any]) -> None:
+        self.promoted += keys
+
+    def close(self, *, clean: bool = True) -> None:
+        self.closed.append(clean)
+
+    def commit(self, *args: Any) -> None: ...
+    def touch(self, *args: Any) -> None: ...
+    def follow(self, *args: Any) -> None: ...
+    def send_batched(self) -> None: ...
+    def report_usage(self, **kwargs: Any) -> None: ...
+    def release(self, *args: Any) -> None: ...
+    def unsent_commits(self) -> list[Any]:
+        return []
+
+
+def _tier() -> tuple[TierManager, LateWriteTransport]:
+    """A tier with a private peer ``r0`` whose writes stay in flight until landed."""
+    LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    arena = BlockArena(16, BLOCK_LEN)
+    transport = LateWriteTransport(arena.tensor)
+    transport.hold = True
+    tier = TierManager(arena, transport)
+    return tier, transport
+
+
+def _add_shared_host(tier: TierManager, max_granted: int) -> tuple[SharedHost, _SharedSession]:
+    """A shared host ``h`` (8 slots) published as ``_join_shared`` does, without a network."""
+    LateWriteTransport.remotes[b"h"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    tier.transport.add_remote_peer("h", b"h", 0, 8, BLOCK_LEN)
+    session = _SharedSession("h", max_granted)
+    with tier._lock:
+        slots = tier._index.add_shared_peer("h", 8)
+        host = tier._peers["h"] = SharedHost(slots, session, max_granted)
+    return host, session
+
+
+@pytest.mark.parametrize("settled_by", ["its timeout", "the host's announcement"])
+def test_a_parked_load_resolves_while_another_transfer_stays_in_flight(settled_by: str) -> None:
+    """A load parked until a host promotes its key from disk settles "missing" (its timeout
+    passed, or the host announced the key gone); the poller resolved such a request only when
+    nothing else was in flight, so a write held in flight (a frozen host) kept it pending."""
+    tier, transport = _tier()
+    with tier:
+        tier.add_peer("r0", b"r0", 0, 8, BLOCK_LEN)
+        tier.store([b"held"], [0])  # stays in flight
+        host, session = _add_shared_host(tier, 8)
+        with tier._lock:
+            tier._apply_host_changes(host, ([b"cold"], [ON_DISK], [0], [], False, ()))
+        tier.promotion_timeout_s = 0.3 if settled_by == "its timeout" else 60.0
+        load = tier.load([b"cold"], [3])
+        assert session.promoted == [b"cold"]
+        if settled_by == "the host's announcement":
+            with tier._lock:  # its disk dropped the key
+                tier._apply_host_changes(host, ([], [], [], [b"cold"], False, ()))
+        result = load.result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {b"cold": "missing"}
+        assert transport.in_flight()  # still: the load did not wait for it
+        for tid in transport.in_flight():
+            transport.land(tid)
+
+
+def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() -> None:
+    """A store waited for slots while an earlier store held the tier's whole grant and the host
+    granted no more (its cap); every key of the earlier store was discarded, so it committed
+    nothing and asked for nothing, and its slots went back unused while the store waited."""
+    tier, transport = _tier()
+    with tier:
+        host, session = _add_shared_host(tier, max_granted=4)
+        with tier._lock:
+            tier._refill(host)
+        session.answer([0, 1, 2, 3])
+        first = tier.store([b"a0", b"a1", b"a2", b"a3"], range(4))
+        waiting = tier.store([b"b0", b"b1"], [4, 5])
+        session.answer([])  # the host's cap: nothing more until a commit
+        tier.discard([b"a0", b"a1", b"a2", b"a3"])
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert first.result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: bool(transport.in_flight()), 5.0), "the waiting store never went"
+        for tid in transport.in_flight():
+            transport.land(tid)
+        assert waiting.result(timeout=RESULT_TIMEOUT_S).ok
+
+
+def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> None:
+    """A shared host lost while the tier waits for its index: the join fails with
+    ``ConnectionError`` at once (it waited out its whole timeout, then raised ``KeyError``),
+    the host is dropped and its session ended clean (no store of it in flight)."""
+    tier, _ = _tier()
+    with tier:
+        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        session = _SharedSession("h", 8)
+        threading.Timer(0.2, lambda: setattr(session, "lost", "reset")).start()
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match="lost before it sent its index"):
+            tier._join_shared(session, timeout_s=30.0)
+        assert time.monotonic() - start < 5.0
+        assert tier.peers() == [] and session.closed == [True]
+
+
+class _PrivateSession(_SharedSession):
+    """A private lease's session as ``_connect`` uses it."""
+
+    def __init__(self) -> None:
+        super().__init__("host-1", 0)
+        self.shared, self.lease = False, range(8)
+
+
+def test_a_session_lost_right_after_connect_published_it_is_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session's I/O thread reported it lost after its peer was published but before
+    ``connect`` had recorded how to dial it: the drop found no dial, and the host was never
+    dialled again."""
+    tier, _ = _tier()
+    session = _PrivateSession()
+    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
+    add_private = TierManager._add_private
+
+    def add_then_lose(self: TierManager, *args: Any) -> None:
+        add_private(self, *args)
+        session.lost = "the control connection was reset"  # as the session's I/O thread does
+        self._on_session_lost(session.peer_id)
+
+    monkeypatch.setattr(TierManager, "_add_private", add_then_lose)
+    dialled: list[Dial] = []
+    monkeypatch.setattr(tier._redialer, "start", dialled.append)
+    with tier:
+        assert tier.connect("host:1", private=True) == "host-1"
+        assert wait_for(lambda: bool(dialled), 5.0), "the lost host is never dialled again"
+        assert dialled[0].address == "host:1" and tier.peers() == []
+
+
+def test_a_redial_whose_new_session_is_lost_at_once_dials_again() -> None:
+    """The redialer forgot a host whose dial succeeded, even when the new session was lost
+    before the dial returned (the drop then found the host still due, and added nothing)."""
+    spec = Dial("host:1", None, False, None, 1.0, 1.0)
+    dials: list[Dial] = []
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            dials.append(dial)
+
+        def wanted(self, dial: Dial) -> bool:
+            return len(dials) < 2  # the first session is lost at once, the second stays
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    redialer.start(spec)
+    try:
+        assert wait_for(lambda: len(dials) == 2, 10.0), dials
+    finally:
+        redialer.stop(timeout=5.0)
