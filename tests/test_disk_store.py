@@ -103,6 +103,29 @@ def test_the_disk_evicts_its_least_recently_used_never_a_block_in_flight(
         store.close()
 
 
+def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
+    pool: np.ndarray, tmp_path: Path
+) -> None:
+    """Found by review: ``remove`` freed the disk slot at once, so a write could take it while
+    a read of it was still in flight."""
+    store = _open(pool, [tmp_path / "a"])
+    try:
+        store.recover()
+        _write(store, pool, [("ns", b"old", 0)])
+        (slot, _) = store._where[("ns", b"old")]
+        assert store.read([("ns", b"old", 40)]) == []  # in flight until polled
+        assert store.remove("ns", b"old")
+        store.write([("ns", b"new", _digest(pool, 1, b"new"), 1)])
+        done = _settle(store)
+        assert [k for _, k, _, _ in done.read] == [b"old"] and np.array_equal(pool[40], pool[0])
+        assert store._where[("ns", b"new")][0] != slot
+        store.write([("ns", b"newer", _digest(pool, 2, b"newer"), 2)])
+        _settle(store)
+        assert store._where[("ns", b"newer")][0] == slot  # free once the read ended
+    finally:
+        store.close()
+
+
 def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(
     pool: np.ndarray, tmp_path: Path
 ) -> None:

@@ -5,9 +5,10 @@ O_DIRECT where the file system allows it), ``meta.json`` (format, block length, 
 directory made for other blocks is refused, not reinterpreted) and ``journal.log``.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
-(``DEL``), each framed by its length and CRC-32. Appends are buffered and written with one
-``os.write`` per ``flush``; ``fsync`` runs at most once per ``FSYNC_PERIOD_S`` (a process crash
-loses nothing written, a power loss the records of the last period). ``records`` reads up to
+(``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
+(one ``os.write``, more after a short write); ``fsync`` runs at most once per
+``FSYNC_PERIOD_S`` (a process crash loses nothing written, a power loss the records of the last
+period). ``records`` reads up to
 the first torn or corrupt frame (a crash in the middle of an append costs that record only);
 ``rewrite`` replaces the journal by the live records (temporary file, fsync, rename).
 
@@ -103,8 +104,9 @@ class DiskDir:
     def flush(self, *, sync: bool) -> None:
         """Write the appended records; ``fsync`` too with ``sync``."""
         try:
-            if self.pending:
-                os.write(self.journal, self.pending)
+            view = memoryview(self.pending)
+            while view:  # a short write must not leave a torn frame before the next ones
+                view = view[os.write(self.journal, view) :]
             if sync:
                 os.fsync(self.journal)
         except OSError as exc:  # a full disk: those keys are lost at a restart, nothing else

@@ -91,6 +91,7 @@ class DiskStore:
         self.capacity = len(self._dirs) * slots
         self._fresh = 0  # global slots from here on were never used
         self._free: list[int] = []  # used slots free again
+        self._freed_busy: set[int] = set()  # removed while a read used them: free after it
         self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
         self._writing: set[Pair] = set()
         self._busy_disk: set[int] = set()
@@ -345,6 +346,9 @@ class DiskStore:
         self._busy_s[request.kind] += time.perf_counter() - request.started
         for ns, key, digest, slot, dram in request.items:
             self._busy_disk.discard(slot)
+            if slot in self._freed_busy:
+                self._freed_busy.discard(slot)
+                self._free.append(slot)
             count = self._busy_dram.pop(dram) - 1
             if count:
                 self._busy_dram[dram] = count
@@ -374,7 +378,7 @@ class DiskStore:
 
     def _release(self, slot: int, pair: Pair) -> None:
         self._append(slot, DEL, pair[0], pair[1], 0)
-        self._free.append(slot)
+        (self._freed_busy.add if slot in self._busy_disk else self._free.append)(slot)
 
     def _append(self, slot: int, op: int, namespace: str, key: Key, digest: int) -> None:
         n = len(self._dirs)
