@@ -63,8 +63,7 @@ class Namespace:
     sessions: int = 0  # sessions joined
     event_seq: int = 0  # sequence number of the last event batch taken
     stored: list[Key] = field(default_factory=list)
-    evicted: list[Key] = field(default_factory=list)
-    on_disk: list[Key] = field(default_factory=list)  # left DRAM, kept by the disk
+    evicted: list[Key] = field(default_factory=list)  # left DRAM (the disk may keep them)
 
     @property
     def used(self) -> int:
@@ -300,7 +299,7 @@ class SharedCache:
 
     def has_events(self) -> bool:
         """Whether a namespace stored or evicted a key since the last ``take_events``."""
-        return any(ns.stored or ns.evicted or ns.on_disk for ns in self.namespaces.values())
+        return any(ns.stored or ns.evicted for ns in self.namespaces.values())
 
     def take_events(self, max_keys: int) -> list[EventBatch]:
         """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
@@ -314,13 +313,12 @@ class SharedCache:
             stored = [k for k in dict.fromkeys(ns.stored) if k in entries]
             evicted = [k for k in dict.fromkeys(ns.evicted) if k not in entries]
             on_disk: list[Key] = []
-            if disk is not None and (ns.on_disk or evicted):
+            if disk is not None and evicted:
                 name = ns.name
-                moved = dict.fromkeys(ns.on_disk + evicted)
-                on_disk = [k for k in moved if k not in entries and disk.contains(name, k)]
+                on_disk = [k for k in evicted if disk.contains(name, k)]
                 kept = set(on_disk)
                 evicted = [k for k in evicted if k not in kept]
-            ns.stored, ns.evicted, ns.on_disk = [], [], []
+            ns.stored, ns.evicted = [], []
             while stored or evicted or on_disk:
                 ns.event_seq += 1
                 out_evicted, evicted = evicted[:max_keys], evicted[max_keys:]
