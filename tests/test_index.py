@@ -64,6 +64,23 @@ def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now(compac
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
+def test_a_read_that_fails_its_digest_forgets_its_key_only_where_it_read_it(compact: bool) -> None:
+    """Found by review: a read of a slot rewritten meanwhile fails its digest and its key is
+    forgotten; but when an event moved the key to another slot while the read was in flight
+    (evicted, then stored again by another tier), that newer entry was forgotten too, and the
+    tier missed a key its host held until it stored it again itself."""
+    index = BlockIndex(compact=compact)
+    peer = index.add_shared_peer("h", 16)
+    index.apply_host_changes(peer, [b"k", b"j"], [3, 4], [111, 112], [], True)
+    groups, _ = index.locate([b"k", b"j"], [0, 1])
+    assert groups[peer][2] == [3, 4]  # the reads go to slots 3 and 4
+    index.apply_host_changes(peer, [b"k"], [5], [222], [], False)  # k moved meanwhile
+    index.discard_read("h", [b"k", b"j"], [3, 4])  # both failed their digests
+    assert index.holder(b"k") is peer and peer.find([b"k"])[0] == [5]
+    assert index.holder(b"j") is None
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
 def test_a_snapshot_keeps_what_the_tier_sent_after_it_was_taken(compact: bool) -> None:
     """What this tier commits after a snapshot's request went out (while joining, or in a
     resync later) reaches the host after the snapshot was taken and is echoed later: the

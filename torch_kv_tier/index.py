@@ -383,6 +383,20 @@ class BlockIndex:
                 peer.pool.free([slot])
             self._log(kind, [key], peer.peer_id)
 
+    def discard_read(self, peer_id: str, keys: Sequence[Key], slots: Sequence[int]) -> None:
+        """Forget ``keys`` whose bytes, read from ``slots`` of ``peer_id``, failed their digest
+        (``discard(kind="lost")``), except those this copy maps elsewhere by now: stored again
+        while the read was in flight, that entry is another copy of the key."""
+        still = []
+        for key, slot in zip(keys, slots):
+            peer = self.holder(key)
+            if peer is None or peer.peer_id != peer_id:
+                continue
+            now = peer.map.slots([key])[0] if isinstance(peer, SharedSlots) else peer.lru[key]
+            if now == slot:
+                still.append(key)
+        self.discard(still, "lost")
+
     # -- late writes of dropped registrations -------------------------------------------------
 
     def fence(self, peer_id: str, slots: Iterable[int]) -> None:

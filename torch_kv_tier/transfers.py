@@ -360,7 +360,8 @@ class Transfers:
                     op.peer_id,
                 )
                 if peer is not None:
-                    self._index.discard(bad, "lost")
+                    slot_of = dict(zip(op.keys, op.remote))
+                    self._index.discard_read(op.peer_id, bad, [slot_of[k] for k in bad])
             n = len(op.keys) - len(bad)
             self._counters.blocks_loaded += n
             op.owner.nbytes += n * self._block_len
