@@ -12,6 +12,7 @@ region; every promotion is checked byte for byte against them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
@@ -815,6 +816,34 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
 def held_promotions(driver: Driver) -> int:
     """The tier's gauge of promoted chunks held in vLLM's CPU tier."""
     return driver.metrics()[RemoteHostMetrics.HELD_PROMOTIONS][(driver.tier._config.remote,)]
+
+
+@pytest.mark.parametrize("lands", [True, False], ids=["landed", "failed"])
+def test_a_request_that_ends_while_its_promotion_flies_keeps_nothing(
+    server: ServerProcess, lands: bool
+) -> None:
+    """Found by review: a request aborted while its promotion was in flight (vLLM lets a request
+    end with its jobs in flight) had the promotion's chunks pinned in vLLM's CPU tier once it
+    landed, for a request that would never be scheduled or finish again: they could never be
+    evicted. A failed promotion likewise left the request's failed keys behind for good."""
+    spec, manager = make_manager(server.address)
+    driver = Driver(manager)
+    try:
+        keys = offload_then_evict(driver, BUDGET)
+        ctx = driver.arrive("req-1")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
+        if not lands:
+            driver.tier.tier_manager.discard(keys)  # the remote copies go before the read
+        with manager.lock:  # the read is done but not collected: as if still in flight
+            manager.on_schedule_end(STEP)  # the promotion is submitted
+            jobs = driver.tier._jobs._jobs.values()
+            assert jobs and concurrent.futures.wait([j.future for j in jobs], timeout=10).done
+            manager.on_request_finished(ctx)  # the client aborted the waiting request
+        driver.run_until_idle()  # vLLM hears of the promotion now
+        assert held_promotions(driver) == 0 and driver.tier._failed_keys == {}
+        assert driver.tier._ended == set()
+    finally:
+        driver.shutdown(spec)
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(

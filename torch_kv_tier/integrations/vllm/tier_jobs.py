@@ -99,6 +99,10 @@ class TierJobs:
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
 
+    def promoting(self, req_id: str) -> bool:
+        """Whether a promotion of request ``req_id`` is in flight or not yet collected."""
+        return any(j.is_promotion and j.req_context.req_id == req_id for j in self._jobs.values())
+
     def fail(self, job: TransferJob) -> None:
         """Report ``job`` failed, unstarted, at the next ``finished`` (a promotion's keys go to
         ``on_promotion`` as failed)."""
