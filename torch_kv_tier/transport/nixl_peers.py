@@ -23,7 +23,9 @@ open (ai-dynamo/nixl#2025: about 10 per removal, on this side and on the host's)
 and loading again the agent of a host that is still the same process (a tier drops a host after
 a reset control connection or a long freeze, then dials it again) would leak them at every
 drop; a parked agent is simply loaded again. Parking holds no descriptors: nothing can be
-transferred to a parked agent until a registration is published.
+transferred to a parked agent until a registration is published. While a registration loads
+its metadata, an agent loaded from the same metadata is not removed (the load may be handing
+it back); once the load returned, it goes unless that registration uses it.
 
 Threading: the owner's lock (``lock``, the transport's) guards every table. ``build`` runs
 unlocked on the transport's registration thread (the expensive half: seconds for a big region)
@@ -68,6 +70,10 @@ class NixlPeers:
         self._published: dict[str, NixlPeer] = {}
         self._retired: list[NixlPeer] = []  # unpublished, with transfers still in flight
         self._building: list[str] = []  # remote agent names of registrations being built
+        # metadata whose agent is being loaded (one at a time: one registration thread), and
+        # the agents a release left loaded meanwhile: the load may hand back one of them
+        self._loading: bytes | None = None
+        self._kept_for_load: list[str] = []
         self._parked: dict[str, tuple[str, bytes]] = {}  # peer id -> (agent, its metadata)
         self._parking: set[str] = set()  # dropped peer ids: their agents park when released
         self._gen: dict[str, int] = {}
@@ -100,10 +106,20 @@ class NixlPeers:
             parked = self._parked.get(peer_id)
             if parked is not None and parked[1] != metadata:
                 self._unpark(peer_id)
-        nixl_name = agent.add_remote_agent(metadata)
-        nixl_name = nixl_name.decode() if isinstance(nixl_name, bytes) else str(nixl_name)
-        with self._lock:
-            self._building.append(nixl_name)
+            self._loading = metadata
+        nixl_name = ""
+        try:
+            loaded = agent.add_remote_agent(metadata)
+            nixl_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        finally:
+            with self._lock:
+                self._loading = None
+                if nixl_name:
+                    self._building.append(nixl_name)
+                kept, self._kept_for_load = self._kept_for_load, []
+                gone = [name for name in kept if not self._name_in_use(name)]
+            for name in gone:  # not what the load handed back
+                self._remove_agent(peer_id, name)
         try:
             descs = descriptors(base_addr, num_blocks, self._block_len, device_id)
             xfer_descs = agent.get_xfer_descs(descs, mem_type=mem_type)
@@ -201,6 +217,9 @@ class NixlPeers:
             )
         if self._name_in_use(peer.nixl_name):
             return
+        if self._loading == peer.metadata:  # the load under way may hand this agent back
+            self._kept_for_load.append(peer.nixl_name)
+            return
         if peer.peer_id not in self._parking or peer.peer_id in self._published:
             self._remove_agent(peer.peer_id, peer.nixl_name)  # removed, or it has another agent
             return
@@ -211,7 +230,10 @@ class NixlPeers:
         """Forget ``peer_id``'s parked agent, and remove it unless a registration uses it."""
         parked = self._parked.pop(peer_id, None)
         if parked is not None and not self._name_in_use(parked[0]):
-            self._remove_agent(peer_id, parked[0])
+            if self._loading == parked[1]:  # the load under way may hand it back
+                self._kept_for_load.append(parked[0])
+            else:
+                self._remove_agent(peer_id, parked[0])
 
     def _name_in_use(self, nixl_name: str) -> bool:
         return (
