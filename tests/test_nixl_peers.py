@@ -51,18 +51,25 @@ def _register(peers: NixlPeers, lock: threading.Lock, peer_id: str, metadata: by
     return peer
 
 
-def test_a_retired_registration_released_during_a_load_of_its_metadata_keeps_the_agent() -> None:
-    """Found by review: a peer removed with a transfer in flight is registered again from the
-    same metadata; the transfer resolves while the new registration loads the agent (NIXL hands
-    back the one already loaded). Its release removed that agent, and the new registration
-    failed with NOT_FOUND."""
+def _a_retired_registration() -> tuple[threading.Lock, _Agent, NixlPeers, Any]:
+    """Peer "P", registered from metadata ``M`` and removed with transfer 7 in flight: retired
+    until it resolves."""
     lock, agent = threading.Lock(), _Agent()
     peers = NixlPeers("t", 64, lock)
     peers.agent = agent
     old = _register(peers, lock, "P", b"M")
     old.inflight.add(7)
     with lock:
-        peers.remove("P", park=False)  # retired until transfer 7 resolves
+        peers.remove("P", park=False)
+    return lock, agent, peers, old
+
+
+def test_a_retired_registration_released_during_a_load_of_its_metadata_keeps_the_agent() -> None:
+    """Found by review: a peer removed with a transfer in flight is registered again from the
+    same metadata; the transfer resolves while the new registration loads the agent (NIXL hands
+    back the one already loaded). Its release removed that agent, and the new registration
+    failed with NOT_FOUND."""
+    lock, agent, peers, old = _a_retired_registration()
 
     def transfer_7_resolves() -> None:  # on the poller's thread
         def resolve() -> None:
@@ -81,13 +88,7 @@ def test_a_retired_registration_released_during_a_load_of_its_metadata_keeps_the
 def test_an_agent_kept_for_a_load_that_failed_is_removed() -> None:
     """The same release during a load that then fails: nothing uses the agent any more, and it
     is removed once the load returned."""
-    lock, agent = threading.Lock(), _Agent()
-    peers = NixlPeers("t", 64, lock)
-    peers.agent = agent
-    old = _register(peers, lock, "P", b"M")
-    old.inflight.add(7)
-    with lock:
-        peers.remove("P", park=False)
+    lock, agent, peers, old = _a_retired_registration()
 
     def resolve_then_fail() -> None:
         with lock:
