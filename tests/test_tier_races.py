@@ -146,6 +146,23 @@ def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> N
         assert tier.peers() == [] and session.closed == [True]
 
 
+def test_a_redial_whose_join_fails_keeps_the_host_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A redial whose new session was lost before the host's index came fails, and the host is
+    still to be dialled: the failed join used to remove the host as a user's ``remove_peer``
+    does, which ended the redialling for good."""
+    tier, _ = _tier()
+    session = _SharedSession("h", 8)
+    session.lost = "reset"  # lost as soon as it joined
+    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
+    dial = Dial("h:1", None, False, None, 1.0, 1.0)
+    with tier:
+        tier._dials["h"] = dial  # the host was connected before, then lost
+        with pytest.raises(ConnectionError):
+            tier._redial(dial)
+        assert tier._wants_dial(dial) and tier.peers() == []
+
+
 class _PrivateSession(_SharedSession):
     """A private lease's session as ``_connect`` uses it."""
 
