@@ -8,9 +8,9 @@ Journal: one record per completed write (``PUT``: slot, namespace, key, digest) 
 (``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
 (one ``os.write``, more after a short write); ``fsync`` runs at most once per
 ``FSYNC_PERIOD_S`` (a process crash loses nothing written, a power loss the records of the last
-period). ``records`` reads up to
-the first torn or corrupt frame (a crash in the middle of an append costs that record only);
-``rewrite`` replaces the journal by the live records (temporary file, fsync, rename).
+period). ``records`` reads up to the first torn or corrupt frame (a crash in the middle of an
+append costs that record only); ``rewrite`` replaces the journal by the live records (temporary
+file, fsync, rename).
 
 Threading: not thread-safe; owned by one ``DiskStore``.
 """
