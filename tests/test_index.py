@@ -177,7 +177,10 @@ class LateWriteTransport(DataTransport):
         self._pending: dict[int, tuple[str, torch.Tensor, list[int], list[int]]] = {}
         self._done: dict[int, str] = {}
         self._faults: dict[str, str] = {}
+        self._failed: dict[int, str] = {}
         self.hold = False
+        self.refuse_next = False  # the next write is sent, then refused: it lands on ``land``
+        self._ended: set[int] = set()  # reported failed or refused, yet still to land
 
     def get_agent_metadata(self) -> bytes:
         return b"local"
@@ -204,6 +207,10 @@ class LateWriteTransport(DataTransport):
                 list(local_idxs),
                 list(remote_idxs),
             )
+        if self.refuse_next:  # NIXL freed what it sent: never reported
+            self.refuse_next = False
+            self._ended.add(tid)
+            return None
         if not self.hold:
             self.land(tid)
         return tid
@@ -222,7 +229,13 @@ class LateWriteTransport(DataTransport):
         with self._lock:
             peer_id, remote, local, dest = self._pending.pop(tid)
             remote[dest] = self.region.owner[local]
-            self._done[tid] = peer_id
+            if tid not in self._ended:
+                self._done[tid] = peer_id
+
+    def fail(self, tid: int) -> None:
+        """Report ``tid`` failed while it stays in flight (it lands on ``land``, unreported)."""
+        with self._lock:
+            self._failed[tid] = self._pending[tid][0]
 
     def fault(self, peer_id: str, cause: str) -> None:
         with self._lock:
@@ -235,9 +248,13 @@ class LateWriteTransport(DataTransport):
     def poll(self, peer_id: str | None = None) -> PollResult:
         with self._lock:
             done = [t for t, p in self._done.items() if peer_id in (None, p)]
+            failed = [t for t, p in self._failed.items() if peer_id in (None, p)]
             for tid in done:
                 del self._done[tid]
-            return PollResult(done, (), self._faults.get(peer_id) if peer_id else None)
+            for tid in failed:
+                del self._failed[tid]
+                self._ended.add(tid)
+            return PollResult(done, failed, self._faults.get(peer_id) if peer_id else None)
 
     def faulted_peers(self) -> dict[str, str]:
         with self._lock:
@@ -290,6 +307,55 @@ def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> 
         assert torch.equal(arena.tensor[8:12], arena.tensor[2:6])
         lost = [e.key for e in tier.take_events() if e.kind == "lost"]
         assert lost == []  # "a" and "b" never became visible
+
+
+@pytest.mark.parametrize("failed_by", ["its post", "its report"])
+def test_a_failed_write_never_hands_its_slot_to_another_key(failed_by: str) -> None:
+    """A write that failed may still land part-way (NIXL reports a failure while other parts are
+    in flight; a post that fails part-way frees what it sent): its slot used to go back to the
+    pool, a private tier without verification stored another key there, the stray write landed
+    and that key loaded the first one's bytes as ok."""
+    LateWriteTransport.remotes[b"one"] = torch.zeros(1, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(4, BLOCK)
+    arena.tensor[0].fill_(0xAA)
+    arena.tensor[1].fill_(0xBB)
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport, verify=False) as tier:
+        tier.add_peer("p", b"one", 0, 1, BLOCK)
+        transport.hold = failed_by == "its report"
+        transport.refuse_next = failed_by == "its post"
+        first = tier.store(["a"], [0])
+        (stray,) = transport.in_flight()
+        if failed_by == "its report":
+            transport.fail(stray)
+        assert first.result(timeout=5).failed == {"a": "transfer failed"}
+        assert tier.peers() == []
+        transport.hold = False
+        tier.add_peer("p", b"one", 0, 1, BLOCK)  # the same memory under the same peer id
+        assert tier.store(["b"], [1]).result(timeout=5).failed == {"b": "capacity"}
+        transport.land(stray)
+        assert tier.lookup(["b"]) == 0
+        assert tier.stats().inflight == 0
+
+
+def test_a_write_of_a_dropped_registration_reported_failed_stays_fenced() -> None:
+    """The transport reported a write of a dropped registration failed: its slot came back to
+    the pool as if the write had ended, while part of it may still land."""
+    LateWriteTransport.remotes[b"one"] = torch.zeros(1, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(4, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport) as tier:
+        tier.add_peer("p", b"one", 0, 1, BLOCK)
+        transport.hold = True
+        assert tier.store(["a"], [0]).done() is False
+        transport.fault("p", "state check raised")
+        _wait(lambda: tier.peers() == [])  # dropped; its write stays in flight
+        (stray,) = transport.in_flight()
+        tier.add_peer("p", b"one", 0, 1, BLOCK)
+        transport.fail(stray)
+        _wait(lambda: tier.stats().inflight == 0)  # reported
+        transport.hold = False
+        assert tier.store(["b"], [1]).result(timeout=5).failed == {"b": "capacity"}
 
 
 def test_a_faulted_peer_is_dropped_with_its_keys() -> None:

@@ -130,6 +130,27 @@ def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() ->
         assert waiting.result(timeout=RESULT_TIMEOUT_S).ok
 
 
+def test_a_failed_write_leaves_its_session_held() -> None:
+    """A write that failed may still land part-way, so its session must not end clean: it did,
+    and the host handed the slots on while the stray write could still reach them."""
+    tier, transport = _tier()
+    with tier:
+        host, session = _add_shared_host(tier, max_granted=4)
+        with tier._lock:
+            tier._refill(host)
+        session.answer([0, 1, 2, 3])
+        store = tier.store([b"a0", b"a1"], [0, 1])
+        (tid,) = transport.in_flight()
+        transport.fail(tid)
+        assert store.result(timeout=RESULT_TIMEOUT_S).failed == {
+            b"a0": "transfer failed",
+            b"a1": "transfer failed",
+        }
+        assert wait_for(lambda: session.closed == [False], 5.0), session.closed
+        transport.land(tid)
+        assert tier.stats().unreleased_sessions == 1  # never told to the host: its hold ends it
+
+
 def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> None:
     """A shared host lost while the tier waits for its index: the join fails with
     ``ConnectionError`` at once (it waited out its whole timeout, then raised ``KeyError``),

@@ -28,7 +28,9 @@ the background). A dropped peer's stores resolve at once ("peer lost"), its load
 transport reports them. A write the transport still holds after its peer was dropped may yet
 land: its remote slots stay out of every pool of that peer id here, and its session counts as
 unclean, so the host holds the session's slots until this tier tells it
-(``connections.EndedSessions``) that the transport reported the last such write.
+(``connections.EndedSessions``) that the transport reported the last such write. A write that
+failed may land part-way later: its slots and session stay so for good (the host's hold ends
+it).
 """
 
 from __future__ import annotations

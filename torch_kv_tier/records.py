@@ -56,12 +56,22 @@ class Peer:
     ``verify``; a shared host always).
     """
 
-    __slots__ = ("inflight", "queue", "read", "session", "slots", "verifies", "written")
+    __slots__ = (
+        "inflight",
+        "lost_writes",
+        "queue",
+        "read",
+        "session",
+        "slots",
+        "verifies",
+        "written",
+    )
 
     def __init__(self, slots: AnyPeer, *, verifies: bool, session: Any = None) -> None:
         self.slots = slots
         self.verifies = verifies
         self.inflight = 0  # this registration's ops submitted to the transport
+        self.lost_writes = 0  # writes that failed: part of them may land any time
         self.queue: deque[Op] = deque()  # ops waiting for an in-flight slot, in order
         self.session: Any = session  # RemoteSession when the peer came from connect()
         self.written = self.read = 0  # bytes moved not yet reported to the session

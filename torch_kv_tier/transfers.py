@@ -8,7 +8,8 @@ transport's report) to ``_finish_store``/``_finish_load`` (one per operation: pu
 release slots; unpin and verify digests) and ``_settle`` (the requests' keys). A peer that
 fails is dropped by ``_drop_peer``: its stores settle at once, its loads when the transport
 reports them (their blocks may still be written until then), and its writes in flight keep
-their slots fenced and its session unclean.
+their slots fenced and its session unclean. A write that failed keeps them so for good: part of
+it may still land (NIXL reports a failure while other parts are in flight).
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -240,13 +241,13 @@ class Transfers:
         now = time.perf_counter()
         freed: list[Peer] = []  # peers whose in-flight count went down
         for tid in result.done:
-            op = self._take(tid, now, freed)
+            op = self._take(tid, now, freed, failed=False)
             if op is not None:
                 self._counters.transfers_done += 1
                 self._finish(op, None)
         lost: dict[str, str] = {}
         for tid in result.failed:
-            op = self._take(tid, now, freed)
+            op = self._take(tid, now, freed, failed=True)
             if op is None:
                 continue
             self._counters.transfers_failed += 1
@@ -264,17 +265,24 @@ class Transfers:
         if now >= self._usage_due:
             self._report_usage(now)
 
-    def _take(self, tid: int, now: float, freed: list[Peer]) -> Op | None:
+    def _take(self, tid: int, now: float, freed: list[Peer], *, failed: bool) -> Op | None:
         """The op of a transfer the transport reported, off the in-flight table; ``None`` when
         there is nothing left to do but its aftermath (unknown id, or an op orphaned by its
-        peer's drop: a store's slots unfence and its ended session may be released; a load's
-        request settles now that nothing lands in its blocks any more)."""
+        peer's drop: a store's slots unfence and its ended session may be released, unless it
+        ``failed``: then part of it may still land; a load's request settles now that nothing
+        lands in its blocks any more)."""
         op = self._ops.pop(tid, None)
         if op is None:
             return None
         if op.orphaned:
             if op.kind == "load":
                 self._settle(op, [], PEER_LOST)
+            elif failed:
+                logger.warning(
+                    "a write to %s, dropped meanwhile, failed: its slots stay fenced and its "
+                    "session is held (part of it may still land)",
+                    op.peer_id,
+                )
             else:
                 self._index.unfence(op.peer_id, op.remote)
                 if op.peer.session is not None and self._ended.write_resolved(op.peer.session):
@@ -317,10 +325,12 @@ class Transfers:
                     keys.append(key)
                     slots.append(slot)
                     digests.append(digest)
-        if peer is not None:
+        if reason == TRANSFER_FAILED:  # its peer is dropped next, its waiting stores fail
+            self._lost_write(op)
+        elif peer is not None:
             if reason is None:
                 self._publish(peer, keys, slots, digests)
-            else:  # the transfer failed: its peer is dropped next, its waiting stores fail
+            else:
                 unused = op.remote
             peer.return_slots(unused)
             if reason is None and unused and isinstance(peer, SharedHost) and peer.awaiting:
@@ -332,6 +342,19 @@ class Transfers:
             if peer is not None:
                 peer.written += n * self._block_len
         self._settle(op, [], reason)
+
+    def _lost_write(self, op: Op) -> None:
+        """A write that failed may have sent part of its blocks, which can land any time (NIXL
+        reports a failure while other parts are in flight, and a failed post frees what it sent
+        without cancelling it): its slots stay fenced for good, and its session unclean."""
+        logger.warning(
+            "a write of %d blocks to %s failed: its slots stay fenced and its session is held "
+            "(part of it may still land)",
+            len(op.remote),
+            op.peer_id,
+        )
+        self._index.fence(op.peer_id, op.remote)
+        op.peer.lost_writes += 1
 
     def _publish(self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
         """Make written ``keys`` visible; a shared host learns them with a commit, which
@@ -402,7 +425,7 @@ class Transfers:
             self._finish(peer.queue.popleft(), PEER_LOST)
         self._fail_awaiting(peer, PEER_LOST)
         self._fail_parked(self._promotions.take(peer_id), PEER_LOST)
-        writes = 0
+        writes = peer.lost_writes  # never resolved: the host holds them until its hold ends
         for op in self._ops.values():
             if op.peer is peer and not op.orphaned:
                 op.orphaned = True
