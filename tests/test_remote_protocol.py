@@ -44,6 +44,19 @@ def test_messages_round_trip_and_bad_frames_say_why() -> None:
         p.decode_server(p.encode(hs))
 
 
+def test_a_frame_nested_too_deeply_is_a_bad_frame() -> None:
+    """Keys decode as ``Any``: 5 KiB of nested arrays exhaust msgspec's recursion limit, and the
+    ``RecursionError`` that raised was not a ``BadFrame`` (it stopped the host's loop)."""
+    for encoded, decode in (
+        (p.encode(p.Touch(1, "s", [])), p.decode_client),
+        (p.encode(p.Events(0, 1, [], [], [], [])), p.decode_server),
+    ):
+        assert encoded.endswith(b"\x90")  # the last field: an empty list of keys
+        deep = encoded[:-1] + b"\x91" * 5000 + b"\x01"
+        with pytest.raises(p.BadFrame, match="nested too deeply"):
+            decode(deep)
+
+
 def test_proofs_need_the_token_and_differ_by_direction() -> None:
     nonce, client_nonce = b"a" * 32, b"b" * 32
     proof = p.client_proof("tok", nonce, client_nonce)

@@ -214,6 +214,21 @@ def test_bad_frames_are_answered_or_dropped_and_the_server_keeps_serving(
     assert stats["bad_frames"] >= 1 and stats["handshakes_accepted"] >= 1
 
 
+def test_a_frame_nested_too_deeply_is_answered_and_the_server_keeps_serving(
+    open_server: ServerProcess,
+) -> None:
+    """5 KiB of nested arrays in a key used to raise ``RecursionError`` out of the decoder and
+    stop the host, with every session on it."""
+    addr = open_server.address
+    session = fake_session(addr, private=False)
+    frame = p.encode(p.Touch(3, session.session_id, []))
+    reply = _exchange(addr, [frame[:-1] + b"\x91" * 5000 + b"\x01"])
+    assert isinstance(reply, p.Error) and "nested too deeply" in reply.reason
+    assert open_server.proc.poll() is None, open_server.stderr
+    assert session.stats()["bad_frames"] >= 1 and session.lost is None
+    session.close()
+
+
 def test_sigterm_exits_zero_within_5s_releasing_everything() -> None:
     server = ServerProcess.start(16, BLOCK_LEN, extra_args=["--metrics-port", "0"])
     try:

@@ -276,7 +276,8 @@ _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
 
 
 class BadFrame(ValueError):
-    """A frame that is too large, not msgpack, or not a known message; the text says which."""
+    """A frame that is too large, not msgpack, nested too deeply, or not a known message; the
+    text says which."""
 
 
 def encode(message: ClientMessage | ServerMessage) -> bytes:
@@ -291,6 +292,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, frame: bytes) -> Any:
         return decoder.decode(frame)
     except msgspec.DecodeError as exc:
         raise BadFrame(f"malformed frame: {exc}") from None
+    except RecursionError:  # a key field (``Any``) nested thousands deep: a few KiB do it
+        raise BadFrame("malformed frame: nested too deeply") from None
 
 
 def decode_client(frame: bytes) -> ClientMessage:
