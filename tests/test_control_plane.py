@@ -494,6 +494,39 @@ def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_hos
             session.close()
 
 
+def test_a_commit_with_a_negative_digest_is_refused_and_followers_stay_in_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A digest is a 64-bit unsigned int, but msgpack carries negative ints too: the host stored
+    a rogue client's ``-1`` and pushed it, every follower of the namespace failed to apply it
+    (to a ``uint64`` array), resynced, failed on the snapshot too, and so on (thousands of
+    snapshots a second, for as long as the key stayed)."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="follower") as tier,
+    ):
+        tier.connect(server.address)
+        fill_random(tier)
+        assert tier.store([b"good"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        rogue = fake_session(server.address, private=False)
+        try:
+            answer: Future[Any] = Future()
+            rogue.grant(2, lambda future: answer.set_result(future.result()))
+            slots = answer.result(timeout=10).slots
+            rogue.commit([b"rogue"], slots[:1], [-1])
+            rogue.stats()  # a request goes out after the commits made before it: a frame apart
+            rogue.commit([b"benign"], slots[1:], [7])
+            assert wait_for(lambda: tier.lookup([b"benign"]) == 1, 10.0)
+            assert tier.lookup([b"rogue"]) == 0
+            assert rogue.stats()["shared_stored_blocks"] == 2  # good and benign
+        finally:
+            rogue.close()
+        assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+        tier.arena.tensor[5].zero_()
+        assert tier.load([b"good"], [5]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(tier.arena.tensor[5], tier.arena.tensor[0])
+
+
 def test_a_grant_asked_right_after_a_commit_counts_the_slots_that_commit_returned() -> None:
     """A session batches its commits for up to ``COMMIT_PERIOD_S``, but a request made after a
     commit always reaches the host after it: a grant asked right after committing every granted

@@ -55,6 +55,10 @@ class SharedService:
         if problem is not None:
             return p.Error(message.seq, problem)
         if isinstance(message, p.Commit):
+            # msgpack ints reach 2**64 - 1 at most; a negative one is no digest, and every
+            # follower of the namespace would fail to apply it, then its snapshots, for good
+            if message.digests and min(message.digests) < 0:
+                return p.Error(message.seq, "digests must be in [0, 2**64)")
             if len(message.keys) == len(message.slots) == len(message.digests):
                 cache.commit(sid, message.keys, message.slots, message.digests)
             return None
