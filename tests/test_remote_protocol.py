@@ -6,6 +6,7 @@ import argparse
 import socket
 import threading
 import time
+import urllib.request
 
 import msgspec
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession, parse_address
 from torch_kv_tier.remote.leases import LeaseTable, SlotPool
-from torch_kv_tier.remote.metrics import render_prometheus
+from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
 from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, is_loopback
 
 
@@ -237,3 +238,24 @@ def test_prometheus_text_escapes_client_names() -> None:
     assert 'client="evil\\"\\n"} 2\n' in text
     for line in text.splitlines():
         assert line.startswith("#") or line.startswith("torch_kv_tier_server_")
+
+
+def test_idle_connections_to_the_metrics_port_do_not_hold_up_a_scrape() -> None:
+    """The metrics port served one connection at a time, each waited on for up to 5 s: a peer
+    that connected and sent nothing (a TCP health check) held every scrape up behind it, and
+    one that trickled its request held them forever."""
+    metrics = MetricsServer("127.0.0.1", 0, lambda: "torch_kv_tier_server_up 1\n")
+    idle = [socket.create_connection(("127.0.0.1", metrics.port)) for _ in range(3)]
+    try:
+        idle[0].sendall(b"GET /met")  # and never the rest
+        url = f"http://127.0.0.1:{metrics.port}/metrics"
+        t0 = time.monotonic()
+        with urllib.request.urlopen(url, timeout=3) as response:
+            assert response.read() == b"torch_kv_tier_server_up 1\n"
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for conn in idle:
+            conn.close()
+        t0 = time.monotonic()
+        metrics.close()
+        assert time.monotonic() - t0 < 2.0

@@ -167,7 +167,9 @@ def _disk_metrics(stats: Mapping[str, Any], metric: Callable[..., None]) -> None
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (0: any free port) in a daemon thread.
 
-    ``render`` is called on the HTTP thread for each request; it must be thread-safe.
+    Each connection is served on a daemon thread of its own: a peer that connects and sends
+    nothing (a TCP health check, a port scan) or trickles its request holds only its own thread,
+    never the scrapes of others. ``render`` is called on those threads; it must be thread-safe.
     """
 
     def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
@@ -188,7 +190,8 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 logger.debug("metrics %s: " + format, self.client_address[0], *args)
 
-        self._httpd = http.server.HTTPServer((host, port), Handler)
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True  # ``close`` waits for none of them
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
             target=self._httpd.serve_forever,
