@@ -208,6 +208,15 @@ def test_config_refuses_off_loopback_without_token(tmp_path) -> None:
         ServerConfig.from_args(_args("--lease-timeout", "0"))
 
 
+def test_config_refuses_a_metrics_port_out_of_range() -> None:
+    """Unchecked, it reached ``bind`` after the control port was bound and the pool allocated,
+    and serve died with an ``OverflowError`` traceback instead of exit 2 naming the option."""
+    for bad in ("70000", "-1"):
+        with pytest.raises(ValueError, match=r"--metrics-port must be in \[0, 65535\]"):
+            ServerConfig.from_args(_args("--metrics-port", bad))
+    assert ServerConfig.from_args(_args("--metrics-port", "0")).metrics_port == 0
+
+
 def test_prometheus_text_escapes_client_names() -> None:
     stats = {
         "uptime_s": 1.5,

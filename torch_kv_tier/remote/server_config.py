@@ -77,6 +77,10 @@ class ServerConfig:
             raise ValueError(f"--disk-admit must be >= 1, got {self.disk_admit}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(
+                f"--metrics-port must be in [0, 65535] (0: any free port), got {self.metrics_port}"
+            )
         if self.token is None and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to listen on {self.host} without a token: anyone who reaches that "
