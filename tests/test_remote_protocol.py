@@ -217,6 +217,27 @@ def test_config_refuses_a_metrics_port_out_of_range() -> None:
     assert ServerConfig.from_args(_args("--metrics-port", "0")).metrics_port == 0
 
 
+def test_config_refuses_nan_and_infinite_numbers_naming_the_option() -> None:
+    """argparse's ``float`` takes ``nan`` and ``inf``: a lease timeout of nan passed ``<= 0`` and
+    no silent session ever expired (nor did a hold end with ``--hold-timeout nan``); a disk size
+    of inf was an ``OverflowError`` traceback, of nan a message that named no option."""
+    for option in ("--lease-timeout", "--hold-timeout"):
+        for bad in ("nan", "inf", "-inf"):
+            with pytest.raises(ValueError, match=f"{option} must be a finite number of seconds"):
+                ServerConfig.from_args(_args(f"{option}={bad}"))
+    for bad in ("nan", "inf", "1e400", "1e300T", ""):
+        with pytest.raises(ValueError, match="--disk-bytes is not a byte count"):
+            ServerConfig.from_args(_args("--disk", "/nonexistent", "--disk-bytes", bad or " "))
+    config = ServerConfig.from_args(
+        _args("--lease-timeout", "0.5", "--hold-timeout", "60", "--disk", "d", "--disk-bytes", "1M")
+    )
+    assert (config.lease_timeout_s, config.hold_timeout_s, config.disk_bytes) == (
+        0.5,
+        60.0,
+        1 << 20,
+    )
+
+
 def test_prometheus_text_escapes_client_names() -> None:
     stats = {
         "uptime_s": 1.5,

@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import stat
@@ -48,8 +49,12 @@ class ServerConfig:
                 f"--num-blocks and --block-len must be > 0, got {self.num_blocks} and "
                 f"{self.block_len}"
             )
-        if self.lease_timeout_s <= 0:
-            raise ValueError(f"--lease-timeout must be > 0 seconds, got {self.lease_timeout_s}")
+        # not ``<= 0``: nan passes that, and a session silent for nan seconds never expires
+        if not 0 < self.lease_timeout_s < math.inf:
+            raise ValueError(
+                f"--lease-timeout must be a finite number of seconds > 0, got "
+                f"{self.lease_timeout_s}"
+            )
         if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
             raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
         if self.namespace_quota is not None and not 0 < self.namespace_quota <= self.num_blocks:
@@ -58,8 +63,11 @@ class ServerConfig:
             )
         if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
             raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
-        if self.hold_timeout_s is not None and self.hold_timeout_s <= 0:
-            raise ValueError(f"--hold-timeout must be > 0 seconds, got {self.hold_timeout_s}")
+        if self.hold_timeout_s is not None and not 0 < self.hold_timeout_s < math.inf:
+            raise ValueError(
+                f"--hold-timeout must be a finite number of seconds > 0 (leave it out: held "
+                f"until released), got {self.hold_timeout_s}"
+            )
         if self.max_sessions <= 0:
             raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
         if self.host_id is not None and not 0 < len(self.host_id) <= 128:
@@ -107,7 +115,7 @@ class ServerConfig:
             hold_timeout_s=args.hold_timeout,
             host_id=args.host_id,
             disk_paths=tuple(args.disk or ()),
-            disk_bytes=parse_bytes(args.disk_bytes) if args.disk_bytes else 0,
+            disk_bytes=parse_bytes(args.disk_bytes, "--disk-bytes") if args.disk_bytes else 0,
             disk_admit=args.disk_admit,
         )
 
@@ -115,15 +123,18 @@ class ServerConfig:
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_bytes(text: str) -> int:
-    """``"64G"``, ``"512MiB"``, ``"1048576"`` as a byte count; ``ValueError`` otherwise."""
+def parse_bytes(text: str, option: str) -> int:
+    """``"64G"``, ``"512MiB"``, ``"1048576"`` as a byte count; ``ValueError`` naming
+    ``option`` otherwise (``nan`` and ``inf`` included)."""
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
     try:
         value = float(t[: len(t) - len(unit)])
     except ValueError:
+        value = math.nan
+    if not math.isfinite(value * _UNITS[unit]):
         examples = "1073741824, 64G, 512MiB"
-        raise ValueError(f"not a byte count: {text!r} (examples: {examples})") from None
+        raise ValueError(f"{option} is not a byte count: {text!r} (examples: {examples})")
     return int(value * _UNITS[unit])
 
 
