@@ -289,3 +289,16 @@ def test_idle_connections_to_the_metrics_port_do_not_hold_up_a_scrape() -> None:
         t0 = time.monotonic()
         metrics.close()
         assert time.monotonic() - t0 < 2.0
+
+
+def test_a_busy_metrics_port_is_named_in_the_error() -> None:
+    """serve said only ``cannot start: [Errno 98] Address already in use``, which reads as the
+    control port."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            OSError, match=rf"cannot serve metrics on 127.0.0.1:{port} \(--metrics-port\)"
+        ):
+            MetricsServer("127.0.0.1", port, lambda: "")

@@ -170,6 +170,7 @@ class MetricsServer:
     Each connection is served on a daemon thread of its own: a peer that connects and sends
     nothing (a TCP health check, a port scan) or trickles its request holds only its own thread,
     never the scrapes of others. ``render`` is called on those threads; it must be thread-safe.
+    Raises ``OSError`` naming the address when the port cannot be bound.
     """
 
     def __init__(self, host: str, port: int, render: Callable[[], str]) -> None:
@@ -190,7 +191,12 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 logger.debug("metrics %s: " + format, self.client_address[0], *args)
 
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:  # the control port's error names its address: so does this
+            raise OSError(
+                f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}"
+            ) from None
         self._httpd.daemon_threads = True  # ``close`` waits for none of them
         self.port: int = self._httpd.server_address[1]
         self._thread = threading.Thread(
