@@ -238,6 +238,15 @@ def test_config_refuses_nan_and_infinite_numbers_naming_the_option() -> None:
     )
 
 
+def test_config_refuses_a_token_file_that_is_not_text_naming_the_option(tmp_path) -> None:
+    """The ``UnicodeDecodeError`` (a ``ValueError``) went out as it was: serve printed "'utf-8'
+    codec can't decode byte 0xff ...", naming no option."""
+    token = tmp_path / "token"
+    token.write_bytes(b"\xff\xfe secret")
+    with pytest.raises(ValueError, match=f"--token-file {token} is not UTF-8 text"):
+        ServerConfig.from_args(_args("--token-file", str(token)))
+
+
 def test_prometheus_text_escapes_client_names() -> None:
     stats = {
         "uptime_s": 1.5,

@@ -159,6 +159,11 @@ def read_token_file(path: str) -> str:
             mode = os.fstat(f.fileno()).st_mode
     except OSError as exc:
         raise ValueError(f"cannot read --token-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:  # a ValueError, but its text names no option
+        raise ValueError(
+            f"--token-file {path} is not UTF-8 text: put a long random string in it "
+            "(openssl rand -hex 32)"
+        ) from None
     if not token:
         raise ValueError(f"--token-file {path} is empty: put a long random string in it")
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
