@@ -32,6 +32,7 @@ from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transfers import END_THREAD
+from torch_kv_tier.transport import nixl as nixl_module
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -298,6 +299,51 @@ def test_a_slow_registration_does_not_hold_up_lookups() -> None:
         assert time.monotonic() - started < 0.5
         adding.join(timeout=10)
         assert tier.peers() == ["p"]
+
+
+def test_a_load_cancelled_by_close_waits_for_a_release_left_to_a_stuck_registration(
+    peer: Any, peer2: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NixlTransport.close`` leaves its release to a registration stuck past
+    ``CLOSE_REGISTRATION_WAIT_S``: until then a cancelled read may still land, so the tier's
+    close must not settle that load before the transport says it released everything."""
+    monkeypatch.setattr(nixl_module, "CLOSE_REGISTRATION_WAIT_S", 0.3)
+    tier = TierManager.create(8, BLOCK_LEN, name="stuck-close")
+    transport: Any = tier.transport
+    tier.add_peer("q", *peer.peer_args())
+    assert tier.store(["k"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+    agent = transport._agent
+    release, entered = threading.Event(), threading.Event()
+
+    class Stuck:  # reads never finish; loading a remote agent blocks until ``release``
+        def __getattr__(self, name: str) -> Any:
+            real = getattr(agent, name)
+            if name == "check_xfer_state":
+                return lambda handle: "PROC"
+            if name != "add_remote_agent":
+                return real
+
+            def slow(*args: Any) -> Any:
+                entered.set()
+                assert release.wait(30)
+                return real(*args)
+
+            return slow
+
+    transport._agent = Stuck()
+    try:
+        load = tier.load(["k"], [1])
+        transport.add_remote_peer_async("p", *peer2.peer_args())
+        assert entered.wait(10)
+        closer = threading.Thread(target=tier.close, kwargs={"timeout": 0.3})
+        closer.start()
+        closer.join(timeout=10)
+        assert not closer.is_alive()
+        time.sleep(0.2)
+        assert not load.done(), "settled while the agent may still write its block"
+    finally:
+        release.set()
+    assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"k": "closed"}
 
 
 def test_an_index_snapshot_superseded_by_a_resync_is_ignored() -> None:

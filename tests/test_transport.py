@@ -476,23 +476,27 @@ def test_a_dropped_peers_agent_stays_loaded_until_the_peer_has_another(
 
 
 class BlockingPrep(FaultyAgent):
-    """Real agent whose ``prep_xfer_dlist`` for a remote agent waits for ``release``."""
+    """Real agent whose ``prep_xfer_dlist`` for a remote agent (or the call named ``blocks``)
+    waits for ``release``."""
 
-    def __init__(self, agent: Any, fail: set[str] | None = None) -> None:
+    def __init__(
+        self, agent: Any, fail: set[str] | None = None, blocks: str = "prep_xfer_dlist"
+    ) -> None:
         super().__init__(agent, fail or set())
         self.entered = threading.Event()
         self.release = threading.Event()
         self.threads: list[int] = []
+        self.blocks = blocks
 
     def __getattr__(self, name: str) -> Any:
         call = super().__getattr__(name)
-        if name != "prep_xfer_dlist":
+        if name != self.blocks:
             return call
 
         def blocking(*args: Any, **kwargs: Any) -> Any:
             self.threads.append(threading.get_ident())
             self.entered.set()
-            assert self.release.wait(10)
+            assert self.release.wait(30)
             return call(*args, **kwargs)
 
         return blocking
@@ -616,6 +620,43 @@ def test_close_is_idempotent_releases_everything_and_forbids_further_use(peer: R
     ]:
         with pytest.raises(RuntimeError, match="closed"):
             method(*args)
+
+
+def test_close_returns_while_a_registration_is_stuck_and_releases_once_it_returns(
+    peer: RemotePeer, peer2: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote metadata load that never returns held ``close()`` for good (it joined the
+    registration thread without a limit). Now close returns after ``CLOSE_REGISTRATION_WAIT_S``
+    without calling into the agent (a stuck load may hold NIXL's lock), and the release runs
+    once the registration returns."""
+    monkeypatch.setattr(nixl_module, "CLOSE_REGISTRATION_WAIT_S", 0.5)
+    t = NixlTransport("stuck", torch.zeros(8, BLOCK, dtype=torch.uint8))
+    t.add_remote_peer("q", *peer.peer_args())
+    tid = t.write_blocks("q", [0], [0])
+    blocking = BlockingPrep(t._agent, blocks="add_remote_agent")
+    t._agent = blocking
+    future = t.add_remote_peer_async("p", *peer2.peer_args())
+    try:
+        assert blocking.entered.wait(10)
+        closer = threading.Thread(target=t.close)
+        closer.start()
+        closer.join(timeout=5)
+        assert not closer.is_alive(), "close() waited for a stuck registration"
+        assert t.available is False
+        with pytest.raises(RuntimeError, match="closed"):
+            t.poll()
+        assert "deregister_memory" not in blocking.calls  # nothing touched under the load
+    finally:
+        blocking.release.set()
+    with pytest.raises(RuntimeError, match="superseded"):
+        future.result(timeout=10)  # it can no longer publish
+    deadline = time.monotonic() + 10
+    while blocking.calls.get("deregister_memory", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert blocking.calls["deregister_memory"] == 1
+    assert blocking.released and tid is not None  # the transfer's handle
+    assert blocking.calls["remove_remote_agent"] == 2  # p's (superseded) and q's
+    t.close()  # idempotent
 
 
 def test_one_thread_submits_while_another_polls(local: NixlTransport, peer: RemotePeer) -> None:

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from torch_kv_tier.arena import BlockArena
@@ -365,7 +366,13 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
         self._end_sessions(ending, deadline - time.monotonic())
         self.transport.close()
-        with self._lock:  # the transport is gone: nothing lands in a cancelled load's blocks
+        # once the transport released everything, nothing lands in a cancelled load's blocks
+        self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+
+    def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
+        """``close``'s last step (unlocked): the loads it cancelled settle, now that the
+        transport can no longer write into their blocks."""
+        with self._lock:
             for op in cancelled:
                 if op.kind == "load":
                     self._finish(op, PEER_LOST if op.orphaned else CLOSED)

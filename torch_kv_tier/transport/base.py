@@ -24,7 +24,7 @@ import ctypes
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -316,3 +316,10 @@ class DataTransport(ABC):
 
         Afterwards every other method raises ``RuntimeError``.
         """
+
+    def on_released(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once nothing can land in the local region any more (after ``close``
+        released everything); our extension. This default runs it at once: for transports whose
+        ``close`` releases everything before it returns. ``NixlTransport`` may finish its release
+        later (a registration stuck past ``close``), and runs it then, on that thread."""
+        callback()

@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # How long ``add_remote_peer`` waits for a registration (NIXL's local work: milliseconds here).
 REGISTRATION_TIMEOUT_S = 60.0
+# How long ``close`` waits for a registration still running before it leaves the release to it.
+CLOSE_REGISTRATION_WAIT_S = 5.0
 
 
 class NixlTransport(DataTransport):
@@ -90,6 +93,9 @@ class NixlTransport(DataTransport):
         self._transfers = NixlInflight(self._name, self._peers, self._health)
         self._closed = False
         self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-nixl-reg")
+        self._last_registration: Future[None] | None = None  # the registrar runs them in order
+        self._released = False  # close's release ran (``on_released``)
+        self._on_released: list[Callable[[], None]] = []
         self._local_dlist: Any = None
         self._reg: Any = None
         api = self._nixl_api()
@@ -144,7 +150,7 @@ class NixlTransport(DataTransport):
     @property
     def available(self) -> bool:
         """True while the transport has a NIXL agent: NIXL installed and not closed."""
-        return self._agent is not None
+        return self._agent is not None and not self._closed
 
     @property
     def agent_name(self) -> str:
@@ -217,7 +223,7 @@ class NixlTransport(DataTransport):
 
         Bad arguments raise here. The future fails with NIXL's error (nothing is published, a
         known peer keeps its working registration) or with ``RuntimeError`` "superseded" when
-        the peer was removed or registered again meanwhile.
+        the peer was removed or registered again (or the transport closed) meanwhile.
         """
         if block_len != self.block_len:
             raise ValueError(
@@ -228,21 +234,24 @@ class NixlTransport(DataTransport):
             raise ValueError(f"peer {peer_id!r} num_blocks must be > 0, got {num_blocks}")
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"peer mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
-        with self._lock:
-            self._check_open()
-            gen = self._peers.next_generation(peer_id)
 
         def register() -> None:
+            with self._lock:
+                self._check_open()  # closed while it waited: nothing to build
             peer = self._peers.build(
                 peer_id, bytes(agent_metadata), base_addr, num_blocks, mem_type, device_id
             )
             if not self._peers.publish(peer, gen):
                 raise RuntimeError(
                     f"registration of peer {peer_id!r} was superseded (the peer was removed or "
-                    "registered again while this registration ran)"
+                    "registered again, or the transport closed, while this registration ran)"
                 )
 
-        return self._registrar.submit(register)
+        with self._lock:
+            self._check_open()
+            gen = self._peers.next_generation(peer_id)
+            future = self._last_registration = self._registrar.submit(register)
+        return future
 
     def remove_remote_peer(self, peer_id: str) -> None:
         """Unpublish ``peer_id`` at once, also over a registration still running.
@@ -303,33 +312,72 @@ class NixlTransport(DataTransport):
             return len(self._transfers)
 
     def close(self) -> None:
-        # Let a registration still running finish before the agent goes away under it.
-        self._registrar.shutdown(wait=True)
+        """See ``DataTransport.close``. A registration still running is waited for at most
+        ``CLOSE_REGISTRATION_WAIT_S`` (releasing the agent under it would free what it uses);
+        past that, close returns without calling into the agent (a stuck metadata load may hold
+        NIXL's lock), logs what stays held, and the release runs on the registration's thread
+        once it returns. The superseded registration never publishes."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._agent is None:
+            self._peers.supersede_all()
+            last = self._last_registration
+        self._registrar.shutdown(wait=False)  # registrations still queued fail ("closed")
+        if last is not None and wait_futures([last], CLOSE_REGISTRATION_WAIT_S).not_done:
+            with self._lock:
+                transfers = len(self._transfers)
+            logger.warning(
+                "NixlTransport %s: closed with a peer registration still running after %g s "
+                "(NIXL's add_remote_agent or prep_xfer_dlist did not return): its agent, memory "
+                "registration, peers and %d transfers in flight are released once it returns",
+                self._name,
+                CLOSE_REGISTRATION_WAIT_S,
+                transfers,
+            )
+            last.add_done_callback(lambda _: self._release_agent())
+            return
+        self._release_agent()
+
+    def on_released(self, callback: Callable[[], None]) -> None:
+        """See ``DataTransport.on_released``: at once when close released the agent, else when
+        it does (on the thread of the registration that held it up)."""
+        with self._lock:
+            if not self._released:
+                self._on_released.append(callback)
                 return
-            self._transfers.release_all()
-            self._peers.remove_all()
-            for what, step in (
-                (
-                    "local descriptor list",
-                    lambda: self._agent.release_dlist_handle(self._local_dlist),
-                ),
-                ("memory registration", lambda: self._agent.deregister_memory(self._reg)),
-            ):
-                try:
-                    step()
-                except Exception as exc:
-                    logger.warning(
-                        "NixlTransport %s: releasing %s failed: %s", self._name, what, exc
-                    )
-            # Every handle wrapper references the agent, released or not: drop them all, so
-            # the agent is destroyed here, on this thread, not later by the collector.
-            self._local_dlist = self._reg = None
-            self._agent = None
+        callback()
+
+    def _release_agent(self) -> None:
+        """Release every transfer, peer and registration, then the agent (close's second half,
+        run once no registration uses the agent), then run the ``on_released`` callbacks."""
+        with self._lock:
+            callbacks, self._on_released = self._on_released, []
+            self._released = True
+            if self._agent is not None:
+                self._release_nixl()
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("NixlTransport %s: an on_released callback raised", self._name)
+
+    def _release_nixl(self) -> None:
+        """Release what the agent holds, then the agent (the caller holds ``_lock``)."""
+        self._transfers.release_all()
+        self._peers.remove_all()
+        for what, step in (
+            ("local descriptor list", lambda: self._agent.release_dlist_handle(self._local_dlist)),
+            ("memory registration", lambda: self._agent.deregister_memory(self._reg)),
+        ):
+            try:
+                step()
+            except Exception as exc:
+                logger.warning("NixlTransport %s: releasing %s failed: %s", self._name, what, exc)
+        # Every handle wrapper references the agent, released or not: drop them all, so the
+        # agent is destroyed here, on this thread, not later by the collector.
+        self._local_dlist = self._reg = None
+        self._agent = None
         logger.info("NixlTransport %s: closed", self._name)
 
     # -- internals -----------------------------------------------------------------------------

@@ -165,6 +165,11 @@ class NixlPeers:
                 self._release(peer)
         return False
 
+    def supersede_all(self) -> None:
+        """A new generation of every peer id: no registration under way publishes (closing)."""
+        for peer_id in list(self._gen):
+            self.next_generation(peer_id)
+
     def remove(self, peer_id: str, *, park: bool) -> None:
         """Unpublish ``peer_id`` (retired until its transfers resolve) and supersede any
         registration of it still being built; ``park``: its agent stays loaded (module
