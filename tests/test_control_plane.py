@@ -20,6 +20,7 @@ import zmq
 from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
+from torch_kv_tier import connected_hosts
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.connected_hosts import RELEASE_THREAD
@@ -299,6 +300,42 @@ def test_a_slow_registration_does_not_hold_up_lookups() -> None:
         assert time.monotonic() - started < 0.5
         adding.join(timeout=10)
         assert tier.peers() == ["p"]
+
+
+def test_a_registration_that_outlives_the_tiers_wait_is_abandoned(
+    peer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``add_peer`` gave up on a slow NIXL registration with a bare ``TimeoutError`` and left it
+    running: it published the peer in the transport later, a registration the tier never knew
+    (its remote agent and descriptors held until close). Now the registration is abandoned."""
+    monkeypatch.setattr(connected_hosts, "_REGISTER_TIMEOUT_S", 0.5)
+    with TierManager.create(8, BLOCK_LEN, name="abandon") as tier:
+        transport: Any = tier.transport
+        agent = transport._agent
+        release = threading.Event()
+
+        class SlowLoad:
+            def __getattr__(self, name: str) -> Any:
+                real = getattr(agent, name)
+                if name != "add_remote_agent":
+                    return real
+
+                def slow(*args: Any) -> Any:
+                    assert release.wait(30)
+                    return real(*args)
+
+                return slow
+
+        transport._agent = SlowLoad()
+        try:
+            with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+                tier.add_peer("p", *peer.peer_args())
+        finally:
+            release.set()
+        transport._registrar.submit(lambda: None).result(timeout=10)  # runs after it
+        transport._agent = agent
+        assert tier.peers() == [] and transport._peers.get("p") is None
+        assert transport.write_blocks("p", [0], [0]) is None  # unknown to the transport too
 
 
 def test_a_load_cancelled_by_close_waits_for_a_release_left_to_a_stuck_registration(

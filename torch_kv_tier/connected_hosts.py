@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
@@ -286,10 +287,25 @@ class ConnectedHosts:
         self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
     ) -> None:
         """Register a peer's region with the transport (unlocked: seconds for a big region,
-        while lookups and transfers go on)."""
-        self.transport.add_remote_peer_async(
+        while lookups and transfers go on).
+
+        Raises ``TimeoutError`` when it has not finished within ``_REGISTER_TIMEOUT_S``: it is
+        then abandoned (removed from the transport, which supersedes it), so that it never
+        publishes a peer this tier does not know."""
+        future = self.transport.add_remote_peer_async(
             peer_id, agent_metadata, base_addr, num_blocks, block_len
-        ).result(timeout=_REGISTER_TIMEOUT_S)
+        )
+        try:
+            future.result(timeout=_REGISTER_TIMEOUT_S)
+        except FutureTimeout:
+            try:
+                self.transport.remove_remote_peer(peer_id)
+            except Exception:  # the transport closed meanwhile: it published nothing
+                logger.exception("abandoning the registration of %s failed", peer_id)
+            raise TimeoutError(
+                f"registering {peer_id}'s region with the transport did not finish within "
+                f"{_REGISTER_TIMEOUT_S:g} s; it was abandoned"
+            ) from None
 
     def _add_private(
         self,
