@@ -7,6 +7,7 @@ CUDA tests skip cleanly without a GPU.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -238,6 +239,30 @@ def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
             assert torch.equal(page(keys_c, 8 + i), expected[i])
         late = off.offload([4], [b"after-death"]).result(timeout=30)  # does not raise either
         assert late.keys == [] or late.ok
+
+
+def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:
+    # A frozen host grants no slots: a store waits (holding its arena slot) until the session is
+    # lost (10 s). An offload of many batches then fails the rest once its one timeout ran out;
+    # before, every batch waited a full timeout of its own (here about 15 s in all).
+    keys_c, values_c = random_caches(torch.float32, seed=5)
+    keys = [f"frozen-{i}".encode() for i in range(20)]
+    with (
+        ServerProcess.start(4, BLOCK_LEN, host="127.0.0.1") as server,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=server.address, arena_blocks=1, timeout=1.0
+        ) as off,
+    ):
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            future = off.offload(range(20), keys)
+            took = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert took < 2.5
+        result = future.result(timeout=30)
+        assert not result.ok and "capacity" in result.failed.values()
 
 
 def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:

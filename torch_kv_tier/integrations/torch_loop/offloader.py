@@ -77,9 +77,9 @@ class PagedKVOffloader:
     ) -> None:
         """Wrap ``manager``, whose arena's ``block_len`` must equal :meth:`block_len_for`.
 
-        ``timeout`` bounds every wait (a restore's load, free arena slots for an offload, a
-        flush). Raises ``ValueError`` if the caches disagree in shape, dtype or device, or do not
-        match the arena's block length.
+        ``timeout`` bounds each call's waits in all (a restore's loads, an offload's waits for
+        free arena slots, a flush). Raises ``ValueError`` if the caches disagree in shape, dtype
+        or device, or do not match the arena's block length.
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -237,15 +237,19 @@ class PagedKVOffloader:
         Its ``failed`` maps the other keys to a reason ("no peers", "peer lost", "capacity",
         ...). Non-strict, the future never raises; with ``strict`` it raises ``OffloadError``
         when any key failed. Raises ``ValueError`` for bad arguments.
+
+        An offload larger than the arena waits for slots its earlier batches hold, ``timeout`` in
+        all: pages that find no free slot by then fail with "capacity" at once.
         """
         keys, pages = self._check_args(keys, page_ids, "offload")
         started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
         todo = {key: page for key, page in zip(keys, pages, strict=True) if not self._contains(key)}
         parts: list[Batch] = []
         batch_keys = list(todo)
         for lo in range(0, len(batch_keys), self._blocks.shape[0]):
             chunk = batch_keys[lo : lo + self._blocks.shape[0]]
-            parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk])))
+            parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk], deadline)))
         return combine(keys, parts, started, strict=self.strict)
 
     def restore(self, keys: Sequence[Key], page_ids: Sequence[int]) -> int:
@@ -323,8 +327,10 @@ class PagedKVOffloader:
         except Exception:  # the store below reports the tier's failure per key
             return False
 
-    def _store_batch(self, keys: list[Key], pages: list[int]) -> Future[TransferResult]:
-        slots = self._acquire(len(keys), time.monotonic() + self.timeout)
+    def _store_batch(
+        self, keys: list[Key], pages: list[int], deadline: float
+    ) -> Future[TransferResult]:
+        slots = self._acquire(len(keys), deadline)
         if slots is None:
             return failed_now(keys, "capacity", "no free arena slots within the timeout")
         self._pages.gather(pages, slots)
