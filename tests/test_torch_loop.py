@@ -265,6 +265,28 @@ def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:
         assert not result.ok and "capacity" in result.failed.values()
 
 
+def test_failed_page_copy_hands_its_arena_slots_back(
+    remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The gather allocates the packed pages on the caches' device first: on a full GPU it raises
+    # OutOfMemoryError. Its slots used to stay allocated for good, so every later offload and
+    # restore waited its timeout and failed ("capacity", 0 pages).
+    keys_c, values_c = random_caches(torch.float32, seed=6)
+    with PagedKVOffloader.create(keys_c, values_c, remote=remote, arena_blocks=2, timeout=2) as off:
+        real_gather = off._pages.gather
+
+        def out_of_memory(pages: list[int], slots: list[int]) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+        monkeypatch.setattr(off._pages, "gather", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            off.offload([0, 1], [b"oom-0", b"oom-1"])
+        assert off.manager.arena.num_free == 2
+        monkeypatch.setattr(off._pages, "gather", real_gather)
+        assert off.offload([0, 1], [b"oom-0", b"oom-1"]).result(timeout=30).ok
+        assert off.restore([b"oom-0", b"oom-1"], [5, 6]) == 2
+
+
 def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     keys_c, values_c = random_caches(torch.float32)
     with TierManager.create(4, BLOCK_LEN * 2) as manager, pytest.raises(ValueError, match="block_"):

@@ -333,7 +333,11 @@ class PagedKVOffloader:
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             return failed_now(keys, "capacity", "no free arena slots within the timeout")
-        self._pages.gather(pages, slots)
+        try:
+            self._pages.gather(pages, slots)
+        except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
+            self._release(slots)
+            raise
         try:
             future = self.manager.store(keys, slots)
         except Exception as exc:
