@@ -287,6 +287,27 @@ def test_failed_page_copy_hands_its_arena_slots_back(
         assert off.restore([b"oom-0", b"oom-1"], [5, 6]) == 2
 
 
+@pytest.mark.parametrize("built_in_inference_mode", ["caches", "offloader"])
+def test_offload_restore_work_outside_the_inference_mode_things_were_built_in(
+    remote: str, built_in_inference_mode: str
+) -> None:
+    # A server often builds its KV cache (or everything) under torch.inference_mode(). Tensors
+    # made there refuse in-place writes outside it: restore raised once the pages had come
+    # back (caches), offload raised and kept its arena slots (offloader: the arena).
+    with torch.inference_mode(built_in_inference_mode == "caches"):
+        keys_c, values_c = random_caches(torch.float32, seed=7)
+    with torch.inference_mode(built_in_inference_mode == "offloader"):
+        off = PagedKVOffloader.create(keys_c, values_c, remote=remote, arena_blocks=3)
+    keys = [f"inference-{built_in_inference_mode}-{i}".encode() for i in range(4)]
+    with off:
+        expected = [page(keys_c, p) for p in range(4)]
+        assert off.offload(range(4), keys).result(timeout=30).ok
+        assert off.restore(keys, [10, 11, 12, 13]) == 4
+        for i in range(4):
+            assert torch.equal(page(keys_c, 10 + i), expected[i])
+        assert off.manager.arena.num_free == 3
+
+
 def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     keys_c, values_c = random_caches(torch.float32)
     with TierManager.create(4, BLOCK_LEN * 2) as manager, pytest.raises(ValueError, match="block_"):

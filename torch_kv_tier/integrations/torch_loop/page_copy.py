@@ -9,6 +9,10 @@ Threading and ownership: the caller (``PagedKVOffloader``, on its generation loo
 the slots it passes, and no transfer may touch them during a copy. Every copy has finished when
 the call returns (CUDA work is synchronized), so NIXL may then read or write the slots and the
 caller may reuse the pages.
+
+Every copy runs under ``torch.inference_mode()``: it moves bytes, records no autograd, and works
+whatever mode the caches or the arena were created in (a tensor created under inference mode
+refuses in-place writes outside it).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PageCopier:
         self.device = self.key_caches[0].device
         self.blocks = blocks
 
+    @torch.inference_mode()
     def gather(self, pages: list[int], slots: list[int]) -> None:
         """Pack ``pages`` of every layer into arena ``slots`` (finished before it returns)."""
         index = torch.tensor(pages, dtype=torch.long, device=self.device)
@@ -54,6 +59,7 @@ class PageCopier:
             self.blocks.index_copy_(0, where, packed.to(self.blocks.device))
         self._synchronize()
 
+    @torch.inference_mode()
     def scatter(self, slots: list[int], pages: list[int]) -> None:
         """Unpack arena ``slots`` into ``pages`` of every layer (finished before it returns)."""
         if not slots:
