@@ -143,7 +143,9 @@ def test_decoder_restored_pages_give_identical_logits(dtype: torch.dtype) -> Non
 # -- the offloader against a real remote host -------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_offload_restore_round_trip_through_few_arena_slots(
     remote: str, dtype: torch.dtype
 ) -> None:

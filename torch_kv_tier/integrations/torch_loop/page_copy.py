@@ -10,6 +10,9 @@ the slots it passes, and no transfer may touch them during a copy. Every copy ha
 the call returns (CUDA work is synchronized), so NIXL may then read or write the slots and the
 caller may reuse the pages.
 
+Copies move bits, whatever the float dtype: the caches and the arena are seen as integers of
+the same item size (``float8`` has no CPU ``index_copy_``; integers have every index copy).
+
 Every copy runs under ``torch.inference_mode()``: it moves bytes, records no autograd, and works
 whatever mode the caches or the arena were created in (a tensor created under inference mode
 refuses in-place writes outside it).
@@ -23,6 +26,8 @@ import torch
 
 __all__ = ["PageCopier"]
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 class PageCopier:
     """Gathers cache pages into arena blocks and scatters blocks back (module docstring)."""
@@ -35,10 +40,10 @@ class PageCopier:
     ) -> None:
         """``blocks`` is the arena viewed as ``[slots, layers, 2, page_size, heads, head_dim]``
         in the caches' dtype; the caches are checked by ``PagedKVOffloader.block_len_for``."""
-        self.key_caches = list(key_caches)
-        self.value_caches = list(value_caches)
+        self.key_caches = [_bits(cache) for cache in key_caches]
+        self.value_caches = [_bits(cache) for cache in value_caches]
         self.device = self.key_caches[0].device
-        self.blocks = blocks
+        self.blocks = _bits(blocks)
 
     @torch.inference_mode()
     def gather(self, pages: list[int], slots: list[int]) -> None:
@@ -83,6 +88,11 @@ class PageCopier:
         for device in {self.device, self.blocks.device}:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` seen as integers of its item size, sharing memory (any strides: same size)."""
+    return tensor.view(_BITS[tensor.element_size()])
 
 
 def _run_start(slots: list[int]) -> int | None:
