@@ -330,6 +330,12 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         with pytest.raises(TypeError, match="keys must be"):
             off.offload([1], [1.5])  # type: ignore[list-item]
         assert off.lookup([b"a"]) == 0
+        # lookup checks its keys as restore does, instead of logging a "tier lookup failed"
+        # and answering 0 (a miss) for a key the tier could never hold.
+        with pytest.raises(TypeError, match="keys must be"):
+            off.lookup([1.5])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="at most 64 bytes"):
+            off.lookup([b"x" * 65])
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------

@@ -217,14 +217,12 @@ class PagedKVOffloader:
             return ""
 
     def lookup(self, keys: Sequence[Key]) -> int:
-        """Number of leading ``keys`` stored in the tier (0 if the tier cannot answer)."""
-        try:
-            return self.manager.lookup(list(keys))
-        except Exception as exc:
-            if self.strict:
-                raise OffloadError(f"tier lookup failed: {exc}") from exc
-            log.warning("tier lookup failed, treating as a miss: %s", exc)
-            return 0
+        """Number of leading ``keys`` stored in the tier (0 if the tier cannot answer).
+
+        ``keys`` are checked as :meth:`restore` checks them: ``TypeError`` for a non-key,
+        ``ValueError`` for a repeat or a key out of the limits.
+        """
+        return self._lookup(check_keys(keys))
 
     def offload(self, page_ids: Sequence[int], keys: Sequence[Key]) -> Future[TransferResult]:
         """Copy pages ``page_ids`` (all layers) into arena slots and store them under ``keys``.
@@ -264,7 +262,7 @@ class PagedKVOffloader:
         keys, pages = self._check_args(keys, page_ids, "restore")
         if len(set(pages)) != len(pages):
             raise ValueError("restore page_ids must be distinct: two blocks cannot share a page")
-        wanted = self.lookup(keys)
+        wanted = self._lookup(keys)
         deadline = time.monotonic() + self.timeout
         restored = 0
         step = self._blocks.shape[0]
@@ -326,6 +324,15 @@ class PagedKVOffloader:
             return self.manager.contains(key)
         except Exception:  # the store below reports the tier's failure per key
             return False
+
+    def _lookup(self, keys: list[Key]) -> int:
+        try:
+            return self.manager.lookup(keys)
+        except Exception as exc:
+            if self.strict:
+                raise OffloadError(f"tier lookup failed: {exc}") from exc
+            log.warning("tier lookup failed, treating as a miss: %s", exc)
+            return 0
 
     def _store_batch(
         self, keys: list[Key], pages: list[int], deadline: float
