@@ -187,6 +187,27 @@ def test_restore_brings_back_only_the_stored_prefix(remote: str) -> None:
         assert off.restore(keys[3:], dst[3:]) == 0  # a miss at the first key restores nothing
 
 
+def test_caches_of_another_dtype_or_layout_never_restore_each_others_pages(remote: str) -> None:
+    # float16 and bfloat16 caches of one shape have one block_len, so one host serves both; with
+    # the default namespace the same tokens give the same keys. The bfloat16 offloader restored
+    # the float16 pages' bits as bfloat16 values (every restored value wrong, no error).
+    half_k, half_v = random_caches(torch.float16, seed=8)
+    bf16_k, bf16_v = random_caches(torch.bfloat16, seed=9)
+    # float16 again, twice the layers of half the page size: the same block_len, other meaning
+    deep_k, deep_v = (
+        [torch.randn(NUM_PAGES, PAGE // 2, HEADS, 64).half() for _ in range(2 * LAYERS)]
+        for _ in range(2)
+    )
+    keys = prefix_keys(range(2 * PAGE), PAGE)
+    with PagedKVOffloader.create(half_k, half_v, remote=remote) as half:
+        assert half.offload([0, 1], keys).result(timeout=30).ok
+        assert half.restore(keys, [5, 6]) == 2
+    for other_k, other_v in ((bf16_k, bf16_v), (deep_k, deep_v)):
+        with PagedKVOffloader.create(other_k, other_v, remote=remote) as other:
+            assert other.lookup(keys) == 0
+            assert other.restore(keys, [5, 6]) == 0
+
+
 def test_restore_feeds_the_decoder_bit_identical_logits(remote: str) -> None:
     result = run_demo(
         remote,

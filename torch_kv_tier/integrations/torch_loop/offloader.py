@@ -168,6 +168,12 @@ class PagedKVOffloader:
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
+
+        ``config_fields`` are hashed into the tier's config fingerprint, which a shared host
+        partitions its pool by (and a host started with ``--config-fields`` checks). Unset, they
+        are the caches' layout (``{"kv_layout": {dtype, layers, page shape}}``), so caches of
+        another dtype or layout never restore these pages, whatever keys they use; set them,
+        and put the dtype and layout in them yourself.
         """
         block_len = cls.block_len_for(key_caches, value_caches)
         if staging not in ("device", "host"):
@@ -176,8 +182,11 @@ class PagedKVOffloader:
             raise ValueError(f"arena_blocks must be >= 1, got {arena_blocks}")
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
         device = str(key_caches[0].device) if staging == "device" else "cpu"
+        first = key_caches[0]
+        layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
+        fields = {"kv_layout": layout} if config_fields is None else config_fields
         manager = TierManager.create(
-            arena_blocks, block_len, device=device, config_fields=config_fields, name=name
+            arena_blocks, block_len, device=device, config_fields=fields, name=name
         )
         try:
             offloader = cls(
