@@ -6,6 +6,7 @@ CUDA tests skip cleanly without a GPU.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -286,6 +287,33 @@ def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:
         assert took < 2.5
         result = future.result(timeout=30)
         assert not result.ok and "capacity" in result.failed.values()
+
+
+def test_flush_returns_once_the_offload_futures_are_done() -> None:
+    # An offload's future resolves after its batches' slots were handed back; in between, the
+    # failed offload's warning goes to the log (here a slow handler). flush() woke on the slots
+    # and returned True while the future was still pending.
+    class SlowHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            time.sleep(0.5)
+
+    keys_c, values_c = random_caches(torch.float32, seed=10)
+    results_log = logging.getLogger("torch_kv_tier.integrations.torch_loop.offload_results")
+    handler = SlowHandler()
+    results_log.addHandler(handler)
+    try:
+        with (
+            ServerProcess.start(4, BLOCK_LEN, host="127.0.0.1") as server,
+            PagedKVOffloader.create(keys_c, values_c, remote=server.address, timeout=5) as off,
+        ):
+            os.kill(server.proc.pid, signal.SIGSTOP)  # its stores wait for slots it grants
+            future = off.offload(range(8), [f"flush-{i}".encode() for i in range(8)])
+            os.kill(server.proc.pid, signal.SIGKILL)  # then fail, "peer lost", off this thread
+            assert off.flush(timeout=15)
+            assert future.done()
+            assert not future.result().ok
+    finally:
+        results_log.removeHandler(handler)
 
 
 def test_failed_page_copy_hands_its_arena_slots_back(

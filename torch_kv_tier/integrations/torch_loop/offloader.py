@@ -62,7 +62,8 @@ class PagedKVOffloader:
     Threading: call :meth:`offload`, :meth:`restore`, :meth:`flush` and :meth:`close` from one
     thread (the generation loop). Store completions run on the tier's background thread and only
     return arena slots; ``self._slots_freed`` (a condition on ``self._lock``) guards the arena's
-    allocator and the set of pending offloads.
+    allocator and the set of pending offloads (the tier's store futures and the futures
+    :meth:`offload` returned).
     """
 
     def __init__(
@@ -257,7 +258,11 @@ class PagedKVOffloader:
         for lo in range(0, len(batch_keys), self._blocks.shape[0]):
             chunk = batch_keys[lo : lo + self._blocks.shape[0]]
             parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk], deadline)))
-        return combine(keys, parts, started, strict=self.strict)
+        combined = combine(keys, parts, started, strict=self.strict)
+        with self._lock:  # flush() waits for what the caller holds, not only for the batches
+            self._pending.add(combined)
+        combined.add_done_callback(self._retire)
+        return combined
 
     def restore(self, keys: Sequence[Key], page_ids: Sequence[int]) -> int:
         """Bring back the longest stored prefix of ``keys`` into ``page_ids``; return its length.
@@ -286,7 +291,8 @@ class PagedKVOffloader:
         return restored
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every offload so far has completed; ``False`` if ``timeout`` ran out."""
+        """Wait until every offload so far has completed (the futures :meth:`offload` returned
+        are done); ``False`` if ``timeout`` ran out."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             while self._pending:
@@ -405,6 +411,12 @@ class PagedKVOffloader:
                     return None
                 self._slots_freed.wait(left)
             return arena.allocate(n)
+
+    def _retire(self, offload: Future[TransferResult]) -> None:
+        """Forget a resolved offload's future; wakes :meth:`flush`."""
+        with self._lock:
+            self._pending.discard(offload)
+            self._slots_freed.notify_all()
 
     def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
         """Return arena slots (and retire the store that used them); wakes waiters."""
