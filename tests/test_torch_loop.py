@@ -367,6 +367,10 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         PagedKVOffloader.block_len_for(keys_c, [v[:, :4] for v in values_c])
     with pytest.raises(ValueError, match="staging"):
         PagedKVOffloader.create(keys_c, values_c, staging="gpu")  # type: ignore[arg-type]
+    # inf raised OverflowError from the first wait; nan made every wait spin until it ended
+    for bad_timeout in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="timeout"):
+            PagedKVOffloader.create(keys_c, values_c, timeout=bad_timeout)
     with PagedKVOffloader.create(keys_c, values_c, remote=remote) as off:
         with pytest.raises(ValueError, match="page ids"):
             off.offload([0, 1], [b"a"])
@@ -379,6 +383,8 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         with pytest.raises(TypeError, match="keys must be"):
             off.offload([1], [1.5])  # type: ignore[list-item]
         assert off.lookup([b"a"]) == 0
+        with pytest.raises(ValueError, match="timeout"):
+            off.flush(float("nan"))
         # lookup checks its keys as restore does, instead of logging a "tier lookup failed"
         # and answering 0 (a miss) for a key the tier could never hold.
         with pytest.raises(TypeError, match="keys must be"):

@@ -23,6 +23,7 @@ always raise ``ValueError`` before any memory or network is touched.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import threading
 import time
@@ -79,8 +80,9 @@ class PagedKVOffloader:
         """Wrap ``manager``, whose arena's ``block_len`` must equal :meth:`block_len_for`.
 
         ``timeout`` bounds each call's waits in all (a restore's loads, an offload's waits for
-        free arena slots, a flush). Raises ``ValueError`` if the caches disagree in shape, dtype
-        or device, or do not match the arena's block length.
+        free arena slots, a flush): a finite number of seconds > 0. Raises ``ValueError`` if the
+        caches disagree in shape, dtype or device, do not match the arena's block length, or for
+        another ``timeout``.
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -89,8 +91,8 @@ class PagedKVOffloader:
                 f"caches across all layers is {self.block_len} bytes: build the tier with "
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout < math.inf:  # nan too: a wait for nan seconds returns at once
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -292,7 +294,10 @@ class PagedKVOffloader:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
-        are done); ``False`` if ``timeout`` ran out."""
+        are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
+        finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
+        if timeout is not None and not 0 <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             while self._pending:
