@@ -367,6 +367,16 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         PagedKVOffloader.block_len_for(keys_c, [v[:, :4] for v in values_c])
     with pytest.raises(ValueError, match="staging"):
         PagedKVOffloader.create(keys_c, values_c, staging="gpu")  # type: ignore[arg-type]
+    # Connection arguments no host could accept: logged as "remote host ... unavailable" before,
+    # leaving an offloader without a tier that recomputed everything.
+    for kwargs, match in (
+        ({"remote": remote, "slots": 8}, "private=True"),
+        ({"remote": remote, "private": True, "slots": 0}, "slots must be > 0"),
+        ({"remote": "localhost"}, "HOST:PORT"),
+        ({"remote": remote, "token": ""}, "token is empty"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            PagedKVOffloader.create(keys_c, values_c, **kwargs)  # type: ignore[arg-type]
     # inf raised OverflowError from the first wait; nan made every wait spin until it ended
     for bad_timeout in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="timeout"):

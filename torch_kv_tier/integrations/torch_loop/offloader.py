@@ -43,6 +43,7 @@ from torch_kv_tier.integrations.torch_loop.offload_results import (
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote.handshake import parse_address
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -167,7 +168,9 @@ class PagedKVOffloader:
 
         ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
         (``token``/``private``/``slots`` are passed to each ``connect``). A host that cannot be
-        reached is logged and skipped (restores then return 0) unless ``strict``, which raises.
+        reached is logged and skipped (restores then return 0) unless ``strict``, which raises;
+        arguments no host could accept raise ``ValueError`` before the tier is built
+        (:meth:`connect`).
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
@@ -184,6 +187,8 @@ class PagedKVOffloader:
         if arena_blocks < 1:
             raise ValueError(f"arena_blocks must be >= 1, got {arena_blocks}")
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
+        for address in remotes:
+            _check_connect_args(address, token, private, slots)
         device = str(key_caches[0].device) if staging == "device" else "cpu"
         first = key_caches[0]
         layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
@@ -218,8 +223,11 @@ class PagedKVOffloader:
         """Connect the tier to a remote host's shared pool (or, ``private``, lease ``slots`` of
         it); returns its peer id, or ``""`` if it failed.
 
-        Failure is logged and swallowed unless ``strict`` (then ``OffloadError``).
+        Failure is logged and swallowed unless ``strict`` (then ``OffloadError``). Arguments no
+        host could accept (an address not ``HOST:PORT``, ``slots`` without ``private`` or not
+        > 0, an empty ``token``) raise ``ValueError`` instead.
         """
+        _check_connect_args(address, token, private, slots)
         try:
             return self.manager.connect(address, token=token, private=private, slots=slots)
         except Exception as exc:
@@ -430,3 +438,15 @@ class PagedKVOffloader:
             if store is not None:
                 self._pending.discard(store)
             self._slots_freed.notify_all()
+
+
+def _check_connect_args(address: str, token: str | None, private: bool, slots: int | None) -> None:
+    """``ValueError`` for connection arguments no host could accept: the caller's mistake, which
+    :meth:`PagedKVOffloader.connect` must not log as a host that is unavailable."""
+    parse_address(address)
+    if slots is not None and slots <= 0:
+        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
+    if slots is not None and not private:
+        raise ValueError("slots= sizes a private lease: pass private=True with it")
+    if token == "":
+        raise ValueError("token is empty: pass None for a server without a token")
