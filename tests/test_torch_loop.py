@@ -111,6 +111,9 @@ def test_prefix_keys_are_stable_across_processes() -> None:
 def test_prefix_keys_reject_bad_input() -> None:
     with pytest.raises(ValueError, match="page_size"):
         prefix_keys([1, 2, 3], 0)
+    for not_an_int in (8.0, "8", True):  # struct.error "bad char in struct format" for 8.0
+        with pytest.raises(TypeError, match="page_size must be an int"):
+            prefix_keys([1, 2, 3], not_an_int)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="integers"):
         prefix_keys([1.5, 2.0], 1)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="int64"):

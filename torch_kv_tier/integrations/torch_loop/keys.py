@@ -30,8 +30,11 @@ def prefix_keys(token_ids: Iterable[int], page_size: int, *, namespace: bytes = 
 
     ``token_ids`` may be any iterable of ints, including a 1-D integer tensor or array. Raises
     ``ValueError`` for ``page_size < 1`` or a token id outside the int64 range, ``TypeError`` for
-    a non-integer token id.
+    a non-integer ``page_size`` or token id.
     """
+    if isinstance(page_size, bool) or not hasattr(type(page_size), "__index__"):
+        raise TypeError(f"page_size must be an int, got {type(page_size).__name__} {page_size!r}")
+    page_size = operator.index(page_size)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     as_list = getattr(token_ids, "tolist", None)  # tensors and arrays: one conversion, not n
