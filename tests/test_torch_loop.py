@@ -398,6 +398,14 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         assert off.lookup([b"a"]) == 0
         with pytest.raises(ValueError, match="timeout"):
             off.flush(float("nan"))
+    # A refused close() timeout leaves the offloader open: close() again closes its tier (a
+    # close() that raised used to have marked it closed first, so its tier was never closed).
+    off = PagedKVOffloader.create(keys_c, values_c)
+    with pytest.raises(ValueError, match="timeout"):
+        off.close(timeout=float("inf"))
+    off.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        off.manager.load([b"a"], [0])
         # lookup checks its keys as restore does, instead of logging a "tier lookup failed"
         # and answering 0 (a miss) for a key the tier could never hold.
         with pytest.raises(TypeError, match="keys must be"):

@@ -304,8 +304,7 @@ class PagedKVOffloader:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
         are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
         finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
-        if timeout is not None and not 0 <= timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        _check_wait(timeout)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             while self._pending:
@@ -316,14 +315,18 @@ class PagedKVOffloader:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending offloads (up to ``timeout``), then close an owned tier. Idempotent."""
+        """Wait for pending offloads (up to ``timeout``, checked as :meth:`flush` checks it),
+        then close an owned tier, even when the wait is interrupted. Idempotent."""
+        _check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
         self._closed = True
-        if not self.flush(timeout):
-            log.warning("closing with offloads still in flight; they may not be stored")
-        if self._owns_manager:
-            self.manager.close()
+        try:
+            if not self.flush(timeout):
+                log.warning("closing with offloads still in flight; they may not be stored")
+        finally:
+            if self._owns_manager:
+                self.manager.close()
 
     def __enter__(self) -> PagedKVOffloader:
         return self
@@ -438,6 +441,12 @@ class PagedKVOffloader:
             if store is not None:
                 self._pending.discard(store)
             self._slots_freed.notify_all()
+
+
+def _check_wait(timeout: float | None) -> None:
+    """``ValueError`` unless ``timeout`` is ``None`` or a finite number of seconds >= 0."""
+    if timeout is not None and not 0 <= timeout < math.inf:
+        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
 
 
 def _check_connect_args(address: str, token: str | None, private: bool, slots: int | None) -> None:
