@@ -311,6 +311,9 @@ def test_flush_returns_once_the_offload_futures_are_done() -> None:
         ):
             os.kill(server.proc.pid, signal.SIGSTOP)  # its stores wait for slots it grants
             future = off.offload(range(8), [f"flush-{i}".encode() for i in range(8)])
+            # Its stores are in flight: cancel() refuses (it said True, and the offload's end
+            # logged InvalidStateError from the callback setting the cancelled future's result).
+            assert not future.cancel()
             os.kill(server.proc.pid, signal.SIGKILL)  # then fail, "peer lost", off this thread
             assert off.flush(timeout=15)
             assert future.done()

@@ -3,7 +3,8 @@
 An offload larger than the arena goes to the tier in batches, each with its own future.
 :func:`combine` resolves one future once every batch has, reporting every requested key in call
 order: stored (``keys``) or failed with the tier's reason (``failed``). Non-strict, that future
-never raises; strict, it raises :class:`OffloadError` when any key failed.
+never raises; strict, it raises :class:`OffloadError` when any key failed. It is running from the
+start, so ``cancel()`` returns ``False``: the batches are already with the tier.
 
 Threading: a batch future's callback runs on whichever thread resolves it (the tier's poller,
 or the caller when the tier settled it at once); the last one to finish builds the result, so
@@ -37,6 +38,7 @@ def combine(
     """One future over the batch futures ``parts`` (module docstring); ``started`` is the
     offload's ``time.perf_counter()`` at its start."""
     combined: Future[TransferResult] = Future()
+    combined.set_running_or_notify_cancel()  # its batches are in flight: cancel() refuses
     remaining = [len(parts)]
     lock = threading.Lock()
 

@@ -254,7 +254,8 @@ class PagedKVOffloader:
         ``keys`` must be distinct (``ValueError``), bytes, str or int (``TypeError``).
         Its ``failed`` maps the other keys to a reason ("no peers", "peer lost", "capacity",
         ...). Non-strict, the future never raises; with ``strict`` it raises ``OffloadError``
-        when any key failed. Raises ``ValueError`` for bad arguments.
+        when any key failed; it cannot be cancelled (``cancel()`` returns ``False``). Raises
+        ``ValueError`` for bad arguments.
 
         An offload larger than the arena waits for slots its earlier batches hold, ``timeout`` in
         all: pages that find no free slot by then fail with "capacity" at once.
