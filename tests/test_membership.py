@@ -470,3 +470,53 @@ def test_a_real_tier_joins_and_leaves_a_host_named_in_a_watched_file(tmp_path: P
             assert membership.hosts() == {} and tier.lookup(keys) == 0
         finally:
             membership.stop(timeout=WAIT_S)
+
+
+def session_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("tkvt-session"))
+
+
+def test_two_connects_of_one_host_at_once_both_return_its_peer() -> None:
+    """Membership's thread and the tier's redialer (or a user) may dial one host at the same
+    time: both get its peer id, and one session stays (found by review: one of them failed with
+    "registration superseded", a ``RuntimeError`` that ended Membership's thread, or left a
+    session open that nobody would ever close)."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="two-connects") as tier,
+    ):
+        register = tier._register
+        entered: list[threading.Event] = [threading.Event(), threading.Event()]
+
+        def overlapping_register(*args: Any) -> None:
+            """The first registration waits (1 s at most) until the other connect reaches
+            its own; each then registers in turn, so both joins overlap."""
+            first = not entered[0].is_set()
+            entered[0 if first else 1].set()
+            if first:
+                entered[1].wait(timeout=1.0)
+            register(*args)
+
+        tier._register = overlapping_register  # type: ignore[method-assign]
+        start = threading.Barrier(2)
+        results: list[object] = []
+
+        def connect() -> None:
+            start.wait(timeout=WAIT_S)
+            try:
+                results.append(tier.connect(server.address, timeout_s=5.0))
+            except Exception as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=connect) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=WAIT_S * 2)
+        assert len(results) == 2 and all(isinstance(r, str) for r in results), results
+        assert results[0] == results[1] and tier.peers() == [results[0]]
+        wait_until(lambda: len(session_threads()) == 1, f"one session left: {session_threads()}")
+        tier.arena.tensor[:2].random_(0, 256)
+        assert tier.store(["x", "y"], [0, 1]).result(timeout=WAIT_S).ok
+        assert tier.load(["x", "y"], [2, 3]).result(timeout=WAIT_S).ok
+        assert torch.equal(tier.arena.tensor[2:4], tier.arena.tensor[:2])

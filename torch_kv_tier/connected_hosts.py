@@ -39,6 +39,7 @@ _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 # or restarted, and holds nothing of them any more.
 _RELEASE_TIMEOUT_S = 2.0
 _RELEASE_TRIES = 4
+_JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 RELEASE_THREAD = "tkvt-release"  # the thread such a release runs in
 # The longest that thread runs: every try and the pauses between them.
 RELEASE_BUDGET_S = (
@@ -57,6 +58,7 @@ class ConnectedHosts:
     _index: BlockIndex
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
+    _joining: dict[str, threading.Event]  # peer id -> set once its connect in progress ended
     _removed: dict[str, Dial]
     _ended: EndedSessions
     _redialer: Redialer
@@ -86,7 +88,8 @@ class ConnectedHosts:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
         peer id: the host's stable id, the same in every tier (what keys are placed by).
-        Connecting a host that is connected already returns its id.
+        Connecting a host that is connected already returns its id; so does a connect of a
+        host another thread is connecting meanwhile, once that one succeeded.
 
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
@@ -140,42 +143,69 @@ class ConnectedHosts:
         session = self._open(dial, release, private=dial.private)
         peer_id = session.peer_id
         with self._lock:
-            known = peer_id in self._peers
+            joining = self._joining.get(peer_id)
+            known = peer_id in self._peers or joining is not None
             # Known before the peer is published: a session lost right after it (its I/O
             # thread drops the peer at once) is dialled again (``_close_session``).
             first_dial = not known and peer_id not in self._dials
             if first_dial:
                 self._dials[peer_id] = dial
+            if not known:  # another connect of the host waits for this one
+                joined = self._joining[peer_id] = threading.Event()
         if known:
             session.close(clean=True)
+            if joining is not None:
+                self._await_join(peer_id, joining, dial.timeout_s)
             return str(peer_id)
         try:
-            if session.shared:
-                self._join_shared(session, dial.timeout_s)
-            else:
-                self._add_private(
-                    peer_id,
-                    session.agent_metadata,
-                    session.base_addr,
-                    session.num_blocks,
-                    session.block_len,
-                    session.lease,
-                    session,
-                )
-        except BaseException:
-            if first_dial:
-                with self._lock:
-                    if peer_id not in self._peers and self._dials.get(peer_id) is dial:
-                        del self._dials[peer_id]
-            if not session.shared:  # (a failed join ends its session itself)
-                session.close(clean=True)  # never published: nothing of it was written
-            raise
-        with self._lock:
-            self._dials[peer_id] = dial
+            try:
+                if session.shared:
+                    self._join_shared(session, dial.timeout_s)
+                else:
+                    self._add_private(
+                        peer_id,
+                        session.agent_metadata,
+                        session.base_addr,
+                        session.num_blocks,
+                        session.block_len,
+                        session.lease,
+                        session,
+                    )
+            except BaseException:
+                if first_dial:
+                    with self._lock:
+                        if peer_id not in self._peers and self._dials.get(peer_id) is dial:
+                            del self._dials[peer_id]
+                if not session.shared:  # (a failed join ends its session itself)
+                    session.close(clean=True)  # never published: nothing of it was written
+                raise
+            with self._lock:
+                self._dials[peer_id] = dial
+        finally:
+            with self._lock:
+                del self._joining[peer_id]
+            joined.set()
         self._redialer.arm()
         if session.lost is not None:  # lost before it was published: nobody dropped it
             self._on_session_lost(peer_id)
         return str(peer_id)
+
+    def _await_join(self, peer_id: str, joined: threading.Event, timeout_s: float) -> None:
+        """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
+        when it goes on past ``timeout_s``, ``ConnectionError`` when it failed, ``RuntimeError``
+        when the tier closed meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while not joined.wait(min(_JOIN_WAIT_POLL_S, max(deadline - time.monotonic(), 0))):
+            if self._closing.is_set():
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{peer_id}: a connect of it on another thread did not end within {timeout_s} s"
+                )
+        with self._lock:
+            self._check_open()
+            if peer_id not in self._peers:
+                raise ConnectionError(f"{peer_id}: a connect of it on another thread failed")
 
     def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any:
         """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told

@@ -137,6 +137,7 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
+        self._joining: dict[str, threading.Event] = {}  # peer id -> set when its connect ended
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
