@@ -520,3 +520,36 @@ def test_two_connects_of_one_host_at_once_both_return_its_peer() -> None:
         assert tier.store(["x", "y"], [0, 1]).result(timeout=WAIT_S).ok
         assert tier.load(["x", "y"], [2, 3]).result(timeout=WAIT_S).ok
         assert torch.equal(tier.arena.tensor[2:4], tier.arena.tensor[:2])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_host_restarted_under_another_id_at_the_same_address_replaces_the_old_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new pod on a reused IP (or a host restarted with another ``--host-id``) answers at the
+    address the tier dialled: the tier follows it, and stops dialling the old id (found by
+    review: the old id stayed due for a redial for good, and every redial, up to every 10 s,
+    opened a session with the new host and called itself failed)."""
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.connections")
+    port = free_port()
+    args = ["--port", str(port), "--host-id"]
+    with TierManager.create(16, BLOCK_LEN, name="restarted") as tier:
+        first = ServerProcess.start(32, BLOCK_LEN, extra_args=[*args, "pod-a"])
+        try:
+            assert tier.connect(first.address, timeout_s=5.0) == "pod-a"
+        finally:
+            first.kill()
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=[*args, "pod-b"]):
+            wait_until(lambda: tier.peers() == ["pod-b"], "the tier follows the new host")
+            time.sleep(2.0)  # redials at 0.5, 1 and 2 s would have gone on
+            assert "re-dialling" not in caplog.text, caplog.text
+            assert list(tier._dials) == ["pod-b"]
+            tier.arena.tensor[:1].random_(0, 256)
+            assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
+            assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
+            assert torch.equal(tier.arena.tensor[1], tier.arena.tensor[0])

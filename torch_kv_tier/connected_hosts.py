@@ -96,7 +96,9 @@ class ConnectedHosts:
         the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
         the session is lost (the server stops answering heartbeats for ``heartbeat_timeout_s``,
         forgets the session, or the control connection is reset) the peer is dropped as lost
-        and dialled again in the background until it answers or ``disconnect`` is called.
+        and dialled again in the background until it answers or ``disconnect`` is called; a
+        host with another id answering at its address (restarted under another
+        ``--host-id``) joins in its place.
         """
         if slots is not None and not private:
             raise ValueError("slots= sizes a private lease: pass private=True with it")
@@ -152,6 +154,8 @@ class ConnectedHosts:
                 self._dials[peer_id] = dial
             if not known:  # another connect of the host waits for this one
                 joined = self._joining[peer_id] = threading.Event()
+            elif joining is None:  # (a join in progress does this once it succeeded)
+                self._forget_replaced(peer_id, dial.address)
         if known:
             session.close(clean=True)
             if joining is not None:
@@ -181,6 +185,7 @@ class ConnectedHosts:
                 raise
             with self._lock:
                 self._dials[peer_id] = dial
+                self._forget_replaced(peer_id, dial.address)
         finally:
             with self._lock:
                 del self._joining[peer_id]
@@ -189,6 +194,22 @@ class ConnectedHosts:
         if session.lost is not None:  # lost before it was published: nobody dropped it
             self._on_session_lost(peer_id)
         return str(peer_id)
+
+    def _forget_replaced(self, peer_id: str, address: str) -> None:
+        """``address`` answered as ``peer_id``: a host this tier lost that was dialled there
+        under another id (restarted with another ``--host-id``, a new pod on a reused IP) is
+        gone, and is not dialled again (its ended sessions are still released there)."""
+        replaced = [
+            pid
+            for pid, d in self._dials.items()
+            if d.address == address
+            and pid != peer_id
+            and pid not in self._peers
+            and pid not in self._joining
+        ]
+        for pid in replaced:
+            del self._dials[pid]
+            logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
 
     def _await_join(self, peer_id: str, joined: threading.Event, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
