@@ -85,6 +85,11 @@ def test_a_static_source_resolves_sorted_and_deduplicated() -> None:
         "srv:_kv.example",
         "srv:_kv._tcp",
         "file:",
+        # found by review: a DNS name holding a ':' (a port after an SRV name, an IPv6
+        # address) resolved to no host at all, which drops every host with no error
+        "srv:_kv._tcp.kv.example:5600",
+        "dns:kv.example:5600:5600",
+        "dns:fd00::1:5600",
     ],
 )
 def test_parse_source_errors_name_the_accepted_forms(spec: Any) -> None:

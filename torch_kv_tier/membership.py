@@ -91,6 +91,16 @@ def make_resolver(
     return resolver
 
 
+def _check_dns_name(name: str) -> None:
+    """``ValueError`` for a name no DNS record could have: one with a ``:`` (a port, or an IP
+    address) would resolve to no host at all, and so drop every host."""
+    if ":" in name:
+        raise ValueError(
+            f"{name!r} is not a DNS name (no ':'; an SRV record carries the port, and addresses "
+            "are listed as HOST:PORT)"
+        )
+
+
 def _addresses(resolver: dns.resolver.Resolver, name: str) -> list[str]:
     """The A and AAAA addresses of ``name``; ``[]`` when DNS answers it has none."""
     found: list[str] = []
@@ -108,6 +118,7 @@ class DnsHosts:
     unless one is given (see :func:`make_resolver`); ``name`` is taken as fully qualified."""
 
     def __init__(self, name: str, port: int, resolver: dns.resolver.Resolver | None = None) -> None:
+        _check_dns_name(name)
         parse_address(_host_port(name, port))
         self._name, self._port = name, port
         self._resolver = resolver or dns.resolver.Resolver()
@@ -133,6 +144,7 @@ class SrvHosts:
         labels = name.split(".")
         if len(labels) < 3 or not all(label[1:] and label[0] == "_" for label in labels[:2]):
             raise ValueError(f"SRV name must be _SERVICE._PROTO.DOMAIN, got {name!r}")
+        _check_dns_name(name)
         self._name = name
         self._resolver = resolver or dns.resolver.Resolver()
 
