@@ -554,7 +554,26 @@ def test_a_host_restarted_under_another_id_at_the_same_address_replaces_the_old_
             time.sleep(2.0)  # redials at 0.5, 1 and 2 s would have gone on
             assert "re-dialling" not in caplog.text, caplog.text
             assert list(tier._dials) == ["pod-b"]
+            assert "pod-a" not in tier.transport._peers._parked  # type: ignore[attr-defined]
             tier.arena.tensor[:1].random_(0, 256)
             assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
             assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
             assert torch.equal(tier.arena.tensor[1], tier.arena.tensor[0])
+
+
+def test_a_lost_host_that_leaves_keeps_no_nixl_agent_loaded() -> None:
+    """A host that died (its peer dropped as lost: its NIXL agent stays parked for the redial)
+    and then left the fleet (Membership disconnects it) keeps nothing loaded (found by review:
+    its agent, and the sockets NIXL keeps for it, stayed until the tier closed, one per host
+    that ever left that way)."""
+    with TierManager.create(16, BLOCK_LEN, name="left-lost") as tier:
+        server = ServerProcess.start(32, BLOCK_LEN)
+        try:
+            peer = tier.connect(server.address, timeout_s=5.0)
+        finally:
+            server.kill()
+        wait_until(lambda: tier.peers() == [], "the tier drops the dead host")
+        parked = tier.transport._peers._parked  # type: ignore[attr-defined]
+        assert list(parked) == [peer]  # kept for the redial
+        tier.disconnect(peer)
+        assert list(parked) == []

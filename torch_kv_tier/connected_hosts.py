@@ -125,6 +125,7 @@ class ConnectedHosts:
                 self._removed[dial.address] = dial
             if peer_id not in self._peers:
                 if dial is not None:  # lost and being dialled again: that stops
+                    self._unpark(peer_id)
                     self._send_releases(dial.address)
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
@@ -209,7 +210,16 @@ class ConnectedHosts:
         ]
         for pid in replaced:
             del self._dials[pid]
+            self._unpark(pid)
             logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
+
+    def _unpark(self, peer_id: str) -> None:
+        """A lost peer (its NIXL agent parked by the transport for a redial) is not dialled
+        again: the transport lets go of its agent."""
+        try:
+            self.transport.remove_remote_peer(peer_id)
+        except Exception:
+            logger.exception("removing peer %s from the transport failed", peer_id)
 
     def _await_join(self, peer_id: str, joined: threading.Event, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
