@@ -577,3 +577,26 @@ def test_a_lost_host_that_leaves_keeps_no_nixl_agent_loaded() -> None:
         assert list(parked) == [peer]  # kept for the redial
         tier.disconnect(peer)
         assert list(parked) == []
+
+
+def test_two_hosts_with_one_id_are_a_clear_error() -> None:
+    """Two host processes that call themselves the same (pods left at the default
+    ``--host-id``, the address they listen on: ``0.0.0.0:5600`` in every pod): connecting the
+    second names the mistake (found by review: it returned the first host's peer id, so a fleet
+    of N such hosts was silently one host)."""
+    args = ["--host-id", "0.0.0.0:5600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+        TierManager.create(16, BLOCK_LEN, name="one-id") as tier,
+    ):
+        assert tier.connect(first.address, timeout_s=5.0) == "0.0.0.0:5600"
+        port = first.address.rsplit(":", 1)[1]
+        assert tier.connect(f"localhost:{port}", timeout_s=5.0) == "0.0.0.0:5600"  # same host
+        with pytest.raises(ValueError, match=r"another process.*--host-id"):
+            tier.connect(second.address, timeout_s=5.0)
+        assert tier.peers() == ["0.0.0.0:5600"]
+        wait_until(lambda: len(session_threads()) == 1, f"one session left: {session_threads()}")
+        tier.arena.tensor[:1].random_(0, 256)
+        assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
+        assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok

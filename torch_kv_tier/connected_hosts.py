@@ -88,8 +88,10 @@ class ConnectedHosts:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
         peer id: the host's stable id, the same in every tier (what keys are placed by).
-        Connecting a host that is connected already returns its id; so does a connect of a
-        host another thread is connecting meanwhile, once that one succeeded.
+        Connecting a host that is connected already returns its id (also at another address
+        of it); so does a connect of a host another thread is connecting meanwhile, once that
+        one succeeded. Another host process with the id of a connected one raises
+        ``ValueError`` naming both addresses (hosts need distinct ``--host-id``).
 
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
@@ -148,6 +150,7 @@ class ConnectedHosts:
         with self._lock:
             joining = self._joining.get(peer_id)
             known = peer_id in self._peers or joining is not None
+            twin = self._twin(peer_id, session)
             # Known before the peer is published: a session lost right after it (its I/O
             # thread drops the peer at once) is dialled again (``_close_session``).
             first_dial = not known and peer_id not in self._dials
@@ -155,8 +158,15 @@ class ConnectedHosts:
                 self._dials[peer_id] = dial
             if not known:  # another connect of the host waits for this one
                 joined = self._joining[peer_id] = threading.Event()
-            elif joining is None:  # (a join in progress does this once it succeeded)
+            elif joining is None and twin is None:  # (a join does this once it succeeded)
                 self._forget_replaced(peer_id, dial.address)
+        if twin is not None:
+            session.close(clean=True)
+            raise ValueError(
+                f"the host at {dial.address} calls itself {peer_id!r}, as does the host "
+                f"connected at {twin}, another process: give each host its own --host-id "
+                "(by default it is the address the host listens on)"
+            )
         if known:
             session.close(clean=True)
             if joining is not None:
@@ -195,6 +205,15 @@ class ConnectedHosts:
         if session.lost is not None:  # lost before it was published: nobody dropped it
             self._on_session_lost(peer_id)
         return str(peer_id)
+
+    def _twin(self, peer_id: str, session: Any) -> str | None:
+        """The address of the connected host ``peer_id`` when it is another process than the
+        one ``session`` reached (two hosts with one id, or one that restarted unnoticed yet)."""
+        peer = self._peers.get(peer_id)
+        other = None if peer is None else peer.session
+        if other is None or other.agent_metadata == session.agent_metadata:
+            return None
+        return str(other.address)
 
     def _forget_replaced(self, peer_id: str, address: str) -> None:
         """``address`` answered as ``peer_id``: a host this tier lost that was dialled there
