@@ -107,6 +107,7 @@ class StubDns:
     def __init__(self) -> None:
         self.records: dict[tuple[str, str], list[str]] = {}
         self.servfail = False
+        self.delay_s = 0.0  # before each answer
         self.queries = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind(("127.0.0.1", 0))
@@ -128,6 +129,7 @@ class StubDns:
             question = query.question[0]
             name, rdtype = question.name.to_text(), dns.rdatatype.to_text(question.rdtype)
             self.queries += 1
+            time.sleep(self.delay_s)
             if self.servfail:
                 response.set_rcode(dns.rcode.SERVFAIL)
             elif (name, rdtype) in self.records:
@@ -197,6 +199,31 @@ def test_a_dns_server_that_does_not_answer_fails_within_the_lifetime() -> None:
         with pytest.raises(SourceError, match="dns:kv.test:5600"):
             parse_source("dns:kv.test:5600", resolver=resolver).resolve()
         assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("spec", ["dns:kv.test:5600", "srv:_kv._tcp.kv.test"])
+def test_a_slow_dns_server_fails_a_resolve_within_the_lifetime(
+    stub_dns: StubDns, spec: str
+) -> None:
+    """A resolve takes at most the resolver's lifetime, however many queries it makes (found
+    by review: each query had the whole lifetime, so an SRV source of 4 targets on a server
+    answering each query just within it held Membership's round for 9 lifetimes)."""
+    targets = [f"pod-{i}.kv.test." for i in range(4)]
+    stub_dns.records = {
+        ("_kv._tcp.kv.test.", "SRV"): [f"0 0 5600 {t}" for t in targets],
+        ("kv.test.", "A"): ["10.0.0.1"],
+        ("kv.test.", "AAAA"): ["fd00::1"],
+        **{(t, "A"): ["10.0.0.2"] for t in targets},
+        **{(t, "AAAA"): ["fd00::2"] for t in targets},
+    }
+    resolver = make_resolver("127.0.0.1", stub_dns.port, lifetime_s=1.0)
+    source = parse_source(spec, resolver=resolver)
+    assert source.resolve()  # answers at once: fine
+    stub_dns.delay_s = 0.6  # each query answers within the lifetime, not all of them
+    start = time.monotonic()
+    with pytest.raises(SourceError, match=spec):
+        source.resolve()
+    assert time.monotonic() - start < 1.5
 
 
 # -- watched file ------------------------------------------------------------------------------

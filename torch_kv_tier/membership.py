@@ -6,8 +6,9 @@ every ``interval_s`` and reconciles a tier (a ``TierManager``): it connects host
 disconnects hosts that disappeared, and dials again a listed host whose peer the tier dropped.
 
 Threading: sources are plain objects resolved on the caller's thread (``resolve`` blocks for at
-most the resolver's lifetime, or one file read). After ``start``, ``Membership`` calls the tier
-only from its own daemon thread; ``hosts`` and ``stop`` may be called from any thread.
+most the resolver's lifetime, all its queries together, or one file read). After ``start``,
+``Membership`` calls the tier only from its own daemon thread; ``hosts`` and ``stop`` may be
+called from any thread.
 
 Failure model: a failed resolve (DNS timeout or SERVFAIL, missing or unreadable file, a bad
 line) keeps the last known set, so a DNS blink never drops every host; an authoritative answer
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -82,8 +84,8 @@ class StaticHosts:
 def make_resolver(
     nameserver: str, port: int = 53, lifetime_s: float = 5.0
 ) -> dns.resolver.Resolver:
-    """A resolver that asks only ``nameserver`` (an IP address) on ``port``, each query
-    bounded by ``lifetime_s``, with no cache."""
+    """A resolver that asks only ``nameserver`` (an IP address) on ``port``, each resolve of
+    a source (all its queries) bounded by ``lifetime_s``, with no cache."""
     resolver = dns.resolver.Resolver(configure=False)
     resolver.nameservers = [nameserver]
     resolver.port = port
@@ -101,15 +103,27 @@ def _check_dns_name(name: str) -> None:
         )
 
 
-def _addresses(resolver: dns.resolver.Resolver, name: str) -> list[str]:
+def _query(
+    resolver: dns.resolver.Resolver, name: str, rdtype: str, deadline: float
+) -> dns.resolver.Answer | None:
+    """``rdtype`` records of ``name``, within what is left until ``deadline`` (one resolve's
+    queries share the resolver's lifetime); ``None`` when DNS answers there are none."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise dns.exception.Timeout(timeout=resolver.lifetime)
+    try:
+        return resolver.resolve(name, rdtype, lifetime=left)
+    except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+        return None
+
+
+def _addresses(resolver: dns.resolver.Resolver, name: str, deadline: float) -> list[str]:
     """The A and AAAA addresses of ``name``; ``[]`` when DNS answers it has none."""
     found: list[str] = []
     for rdtype in ("A", "AAAA"):
-        try:
-            answer = resolver.resolve(name, rdtype)
-        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-            continue
-        found.extend(rdata.to_text() for rdata in answer)
+        answer = _query(resolver, name, rdtype, deadline)
+        if answer is not None:
+            found.extend(rdata.to_text() for rdata in answer)
     return found
 
 
@@ -124,8 +138,9 @@ class DnsHosts:
         self._resolver = resolver or dns.resolver.Resolver()
 
     def resolve(self) -> list[str]:
+        deadline = time.monotonic() + self._resolver.lifetime
         try:
-            found = _addresses(self._resolver, self._name)
+            found = _addresses(self._resolver, self._name, deadline)
         except dns.exception.DNSException as exc:
             raise SourceError(f"{self}: {exc}") from exc
         return sorted({_host_port(ip, self._port) for ip in found})
@@ -150,15 +165,14 @@ class SrvHosts:
 
     def resolve(self) -> list[str]:
         found: set[str] = set()
+        deadline = time.monotonic() + self._resolver.lifetime
         try:
-            try:
-                records = list(self._resolver.resolve(self._name, "SRV"))
-            except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
-                records = []
+            records = list(_query(self._resolver, self._name, "SRV", deadline) or ())
             for record in records:
                 target = record.target.to_text()
                 found.update(
-                    _host_port(ip, record.port) for ip in _addresses(self._resolver, target)
+                    _host_port(ip, record.port)
+                    for ip in _addresses(self._resolver, target, deadline)
                 )
         except dns.exception.DNSException as exc:
             raise SourceError(f"{self}: {exc}") from exc
