@@ -442,6 +442,37 @@ def test_membership_ends_when_the_tier_closes() -> None:
     assert source.resolves == 1
 
 
+def test_a_runtime_error_of_an_open_tier_is_a_failed_connect() -> None:
+    """Only a closed tier ends the thread (found by review: any ``RuntimeError`` did, such as
+    NIXL's "registration superseded" when a connect raced a disconnect of the same host, and
+    the tier then followed its source no more)."""
+
+    class RacingTier(FakeTier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.races = 2
+
+        def connect(self, address: str, **kwargs: Any) -> str:
+            with self.lock:
+                self.races -= 1
+                racing = self.races >= 0
+            if racing:
+                raise RuntimeError(f"registration of peer {address!r} was superseded")
+            return super().connect(address, **kwargs)
+
+    tier, source = RacingTier(), FakeSource("a:1")
+    membership = Membership(tier, source, interval_s=0.02)
+    membership.start()
+    try:
+        wait_until(lambda: membership.hosts() == {"a:1": "host:a:1"}, "a:1 connects")
+        with tier.lock:
+            tier.closed = True
+        source.hosts = ["a:1", "b:2"]
+        wait_until(lambda: not membership._thread.is_alive(), "the thread ends once closed")
+    finally:
+        membership.stop(timeout=5)
+
+
 def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
     release = threading.Event()
     entered = threading.Event()

@@ -219,6 +219,11 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
         with self._lock:
             return list(self._peers)
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (``connect``, ``store`` and ``load`` then raise)."""
+        return self._closed
+
     # -- data ---------------------------------------------------------------------------------
 
     def store(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:

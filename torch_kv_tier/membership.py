@@ -14,7 +14,8 @@ Failure model: a failed resolve (DNS timeout or SERVFAIL, missing or unreadable 
 line) keeps the last known set, so a DNS blink never drops every host; an authoritative answer
 (NXDOMAIN, no records, an empty file) is a real set, and empty drops every host. A failed
 connect is retried every round. Both are logged once per outage, and again when they recover.
-A ``RuntimeError`` from the tier means it was closed: the thread then ends.
+Once the tier is closed (its calls raise ``RuntimeError``), the thread ends; a ``RuntimeError``
+of an open tier is a failed call like any other.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Tier(Protocol):
     def connect(self, *args: Any, **kwargs: Any) -> str: ...
     def disconnect(self, peer_id: str) -> None: ...
     def peers(self) -> list[str]: ...
+    @property
+    def closed(self) -> bool: ...
 
 
 def _host_port(host: str, port: int) -> str:
@@ -366,12 +369,12 @@ class Membership:
         return listed
 
     def _dial(self, address: str) -> None:
-        """Connect ``address``; a ``RuntimeError`` (the tier is closed) ends the thread."""
+        """Connect ``address``; a ``RuntimeError`` of a closed tier ends the thread."""
         try:
             peer_id = self._tier.connect(address, **self._connect_kwargs)
-        except RuntimeError:
-            raise
         except Exception as exc:
+            if isinstance(exc, RuntimeError) and self._tier.closed:
+                raise
             if address not in self._down:
                 self._down.add(address)
                 logger.warning(
