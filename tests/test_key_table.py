@@ -105,3 +105,14 @@ def test_fingerprints_tell_key_types_apart_and_are_stable() -> None:
     assert len(set(fps)) == len(keys)
     assert fps == [key_fingerprint(k) for k in keys]
     assert key_fingerprints([b"\x00" * 32]).tolist() == [key_fingerprint(b"\x00" * 32)]
+
+
+@pytest.mark.parametrize(
+    ("capacity", "fingerprint_bits"), [(2**24, 39), (2**24 - 1, 40), (200_000, 46), (1000, 54)]
+)
+def test_fingerprint_bits_as_the_docs_state(capacity: int, fingerprint_bits: int) -> None:
+    """The slot bits hold every slot and the all-ones tombstone: a pool of 2**24 slots keeps 39
+    fingerprint bits (found by review: the docs said 40, and halved the odds they derive)."""
+    table = KeyTable(capacity)
+    assert 64 - bin(table._mask_int).count("1") == fingerprint_bits
+    assert table._mask_int > capacity - 1  # the last slot is not the tombstone
