@@ -23,7 +23,6 @@ from test_index import LateWriteTransport
 from torch_kv_tier import connected_hosts
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
-from torch_kv_tier.connected_hosts import RELEASE_THREAD
 from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
@@ -31,6 +30,7 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import AcceptLost
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
+from torch_kv_tier.session_releases import RELEASE_THREAD
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transfers import END_THREAD
 from torch_kv_tier.transport import nixl as nixl_module

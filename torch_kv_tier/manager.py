@@ -5,7 +5,7 @@ placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, 
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
 the base classes ``transfers`` (a transfer's life: submit, poll, finish per operation, settle,
 drop a failed peer), ``shared_hosts`` (driving shared hosts) and ``connected_hosts`` (``connect``,
-``disconnect`` and the sessions: redial, release).
+``disconnect`` and the sessions: redial) with its base ``session_releases``.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:

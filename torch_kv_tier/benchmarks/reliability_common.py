@@ -23,8 +23,8 @@ from typing import IO, Any
 import psutil
 import torch
 
-from torch_kv_tier.connected_hosts import RELEASE_THREAD
 from torch_kv_tier.remote import Region, RemoteSession
+from torch_kv_tier.session_releases import RELEASE_THREAD
 from torch_kv_tier.transfers import END_THREAD
 
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default

@@ -40,10 +40,10 @@ from torch_kv_tier.benchmarks.reliability_common import (
     ucx_over_tcp,
     wait_until,
 )
-from torch_kv_tier.connected_hosts import RELEASE_BUDGET_S
 from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.manager import TierManager, TransferResult
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
+from torch_kv_tier.session_releases import RELEASE_BUDGET_S
 
 FDS_PER_DEAD_PEER = 10  # sockets NIXL leaves open per removed remote agent, see peer_death
 # ... over UCX's TCP transport, a few more: 10.5 to 10.8 per removed agent on average (chaos

@@ -1,0 +1,139 @@
+"""The tier's half of fencing: telling hosts which ended sessions *resolved*.
+
+A session that ended with writes in flight, or without a clean disconnect, is held by its host
+until this tier names it as resolved, i.e. once the transport reported its last write
+(``connections.EndedSessions`` counts them). The names go to the host with the next handshake (a
+redial), with a ``Release`` on a live session of that host, or, when the tier has no session
+with it any more (removed, or closing), with a short session of its own opened only to carry
+them (``RELEASE_THREAD``).
+
+``SessionReleases`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``).
+
+Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
+under it. Failure model: a host that does not answer keeps holding the sessions, which is safe;
+a restarted host holds nothing of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from torch_kv_tier.connections import Dial, EndedSessions
+from torch_kv_tier.deferring_lock import DeferringLock
+from torch_kv_tier.records import Peer
+
+logger = logging.getLogger(__name__)
+
+# A session opened only to release ended ones: a host that does not answer in this time is down
+# or restarted, and holds nothing of them any more.
+_RELEASE_TIMEOUT_S = 2.0
+_RELEASE_TRIES = 4
+RELEASE_THREAD = "tkvt-release"  # the thread such a release runs in
+# The longest that thread runs: every try and the pauses between them.
+RELEASE_BUDGET_S = (
+    _RELEASE_TRIES * _RELEASE_TIMEOUT_S + (_RELEASE_TRIES - 1) * _RELEASE_TIMEOUT_S / 4
+)
+
+
+class SessionReleases:
+    """Releasing ended sessions, for ``TierManager`` (module docstring)."""
+
+    # The manager's state this part uses (set by ``TierManager.__init__``).
+    _lock: DeferringLock
+    _closed: bool
+    _peers: dict[str, Peer]
+    _dials: dict[str, Dial]
+    _removed: dict[str, Dial]
+    _ended: EndedSessions
+
+    if TYPE_CHECKING:  # implemented by ConnectedHosts
+
+        def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any: ...
+
+    def _send_releases(self, address: str) -> None:
+        """Tell ``address``'s host which ended sessions resolved: over its live session, else
+        with the redial's handshake, else (nobody dials it any more) over a session of their
+        own."""
+        session = next(
+            (p.session for p in self._peers.values() if p.session and p.session.address == address),
+            None,
+        )
+        if session is None:
+            dial = next((d for d in self._dials.values() if d.address == address), None)
+            if dial is None and not self._closed:
+                dial = self._removed.get(address)
+                held = self._ended.take(address)
+                if dial is not None and held:
+                    threading.Thread(
+                        target=self._release_over_own_session,
+                        args=(dial, held),
+                        name=RELEASE_THREAD,
+                        daemon=True,
+                    ).start()
+            return
+        held = self._ended.take(address)
+        try:
+            session.release(held)
+        except ConnectionError:
+            self._ended.give_back(address, held)
+
+    def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
+        """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
+        raises: a host that does not answer keeps holding, which is safe). A slow host gets
+        ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each; one that answers none is
+        down or restarted, and a restarted host holds nothing of them."""
+        quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
+        for attempt in range(1, _RELEASE_TRIES + 1):
+            try:
+                self._open(quick, held, private=False).close(clean=True)
+                return
+            except Exception as exc:
+                with self._lock:  # ``_open`` handed them back for a later try
+                    self._ended.take(dial.address)
+                if attempt == _RELEASE_TRIES or self._closed:
+                    logger.warning(
+                        "could not tell %s that %d ended sessions resolved (it keeps their "
+                        "slots held): %s",
+                        dial.address,
+                        len(held),
+                        exc,
+                    )
+                    return
+                time.sleep(_RELEASE_TIMEOUT_S / 4)  # counted in RELEASE_BUDGET_S
+
+    def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
+        """``close``'s last word to every host (unlocked): each live session carries the
+        resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
+        in flight); a host with resolved sessions and no live one gets a session of its own.
+        Side by side, within ``timeout_s`` (at least 0.1 s); a host that does not answer ends
+        the session itself after its lease timeout."""
+        with self._lock:
+            work: list[tuple[Any, tuple[Any, ...]]] = [
+                (end_session, (s, clean, self._ended.take(s.address))) for s, clean in ending
+            ]
+            for address in list(self._ended.resolved):
+                dial = self._removed.get(address) or next(
+                    (d for d in self._dials.values() if d.address == address), None
+                )
+                if dial is not None:
+                    work.append((self._release_over_own_session, (dial, self._ended.take(address))))
+        threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in work]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(timeout_s, 0.1))
+
+
+def end_session(session: Any, clean: bool, held: list[str]) -> None:
+    """Tell a host which ended sessions resolved, then end ``session`` (clean: no write of it
+    in flight). Never raises: a host that does not answer ends the session itself."""
+    if held:
+        try:
+            session.release(held)
+        except ConnectionError:
+            logger.info("%s: could not release %d ended sessions", session.peer_id, len(held))
+    session.close(clean=clean)
