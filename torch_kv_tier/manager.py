@@ -3,9 +3,10 @@
 The public API and the calls' validation. Its parts: ``index`` (what is stored where:
 placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, per tier-owned
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
-the base classes ``transfers`` (a transfer's life: submit, poll, finish per operation, settle,
-drop a failed peer), ``shared_hosts`` (driving shared hosts) and ``connected_hosts`` (``connect``,
-``disconnect`` and the sessions: redial) with its base ``session_releases``.
+the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its base
+``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts) and
+``connected_hosts`` (``connect``, ``disconnect`` and the sessions: redial; its base
+``session_releases``).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:

@@ -4,8 +4,8 @@ applying finished stores and loads to the index, and dropping peers that failed.
 ``Transfers`` is a part of ``TierManager`` (its base class, beside ``SharedHosts`` and
 ``ConnectedHosts``), kept in its own file because it is one concept: the life of a transfer,
 from ``_launch`` (submit, or queue behind ``max_inflight``) through ``_complete`` (the
-transport's report) to ``_finish_store``/``_finish_load`` (one per operation: publish or
-release slots; unpin and verify digests) and ``_settle`` (the requests' keys). A peer that
+transport's report) to ``_finish`` (its base ``finishes.Finishes``: one method per
+operation, then the requests' keys). A peer that
 fails is dropped by ``_drop_peer``: its stores settle at once, its loads when the transport
 reports them (their blocks may still be written until then), and its writes in flight keep
 their slots fenced and its session unclean. A write that failed keeps them so for good: part of
@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connections import EndedSessions
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
+from torch_kv_tier.finishes import Finishes
 from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key
-from torch_kv_tier.peer_slots import PeerSlots
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
@@ -50,7 +50,7 @@ _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often 
 END_THREAD = "tkvt-session-end"  # ends a lost peer's session, which waits for its host
 
 
-class Transfers:
+class Transfers(Finishes):
     """Transfer lifecycle of ``TierManager`` (module docstring)."""
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
@@ -298,119 +298,6 @@ class Transfers:
         self._usage_due = now + _USAGE_PERIOD_S
         for peer in self._peers.values():
             peer.report_usage()
-
-    def _finish(self, op: Op, reason: str | None) -> None:
-        """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
-        op.settled = True
-        peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
-        if op.kind == "store":
-            self._finish_store(op, peer, reason)
-        else:
-            self._finish_load(op, peer, reason)
-
-    def _finish_store(self, op: Op, peer: Peer | None, reason: str | None) -> None:
-        storing = self._storing
-        if not op.discarded:  # every key still maps to this op (only a discard unmaps one)
-            drain(map(storing.pop, op.keys))
-            keys, slots, digests = op.keys, op.remote, op.digests
-            unused: list[int] = []
-        else:
-            keys, slots, digests, unused = [], [], [], []
-            for key, slot, digest in zip(op.keys, op.remote, op.digests):
-                if storing.get(key) is op:
-                    del storing[key]
-                if key in op.discarded:
-                    unused.append(slot)
-                else:
-                    keys.append(key)
-                    slots.append(slot)
-                    digests.append(digest)
-        if reason == TRANSFER_FAILED:  # its peer is dropped next, its waiting stores fail
-            self._lost_write(op)
-        elif peer is not None:
-            if reason is None:
-                self._publish(peer, keys, slots, digests)
-            else:
-                unused = op.remote
-            peer.return_slots(unused)
-            if reason is None and unused and isinstance(peer, SharedHost) and peer.awaiting:
-                self._launch_awaiting(peer)  # the slots of discarded keys, as a grant's
-        if reason is None:
-            n = len(op.keys)
-            self._counters.blocks_stored += n
-            op.owner.nbytes += n * self._block_len
-            if peer is not None:
-                peer.written += n * self._block_len
-        self._settle(op, [], reason)
-
-    def _lost_write(self, op: Op) -> None:
-        """A write that failed may have sent part of its blocks, which can land any time (NIXL
-        reports a failure while other parts are in flight, and a failed post frees what it sent
-        without cancelling it): its slots stay fenced for good, and its session unclean."""
-        logger.warning(
-            "a write of %d blocks to %s failed: its slots stay fenced and its session is held "
-            "(part of it may still land)",
-            len(op.remote),
-            op.peer_id,
-        )
-        self._index.fence(op.peer_id, op.remote)
-        op.peer.lost_writes += 1
-
-    def _publish(self, peer: Peer, keys: list[Key], slots: list[int], digests: list[int]) -> None:
-        """Make written ``keys`` visible; a shared host learns them with a commit, which
-        returns their slots from this tier's share of grants, so stores waiting for slots may
-        ask again."""
-        self._index.publish(peer.slots, keys, slots, digests)
-        if keys and isinstance(peer, SharedHost):
-            peer.commit(keys, slots, digests)
-            if peer.awaiting:
-                self._refill(peer)
-
-    def _finish_load(self, op: Op, peer: Peer | None, reason: str | None) -> None:
-        if peer is not None and isinstance(peer.slots, PeerSlots):
-            peer.slots.unpin(op.remote)
-        bad: list[Key] = []
-        if reason is None:
-            if op.peer.verifies:
-                bad = self._digests.mismatched(op.local, op.keys, op.digests)
-            if bad:
-                self._counters.verify_failed += len(bad)
-                logger.warning(
-                    "%d of %d blocks read from %s do not hold their keys' bytes (rewritten or "
-                    "torn meanwhile): reported missing",
-                    len(bad),
-                    len(op.keys),
-                    op.peer_id,
-                )
-                if peer is not None:
-                    slot_of = dict(zip(op.keys, op.remote))
-                    self._index.discard_read(op.peer_id, bad, [slot_of[k] for k in bad])
-            n = len(op.keys) - len(bad)
-            self._counters.blocks_loaded += n
-            op.owner.nbytes += n * self._block_len
-            if peer is not None:
-                peer.read += n * self._block_len
-                if isinstance(peer, SharedHost):
-                    peer.touch(op.keys)
-        self._settle(op, bad, reason)
-
-    def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
-        """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing"."""
-        if bad:
-            rejected = set(bad)
-            op.owner.settle([k for k in op.keys if k not in rejected], reason)
-            op.owner.settle(bad, MISSING)
-        else:
-            op.owner.settle(op.keys, reason)
-        self._ready_if_settled(op.owner)
-        for request, keys in op.joined.items():
-            request.settle(keys, reason)
-            self._ready_if_settled(request)
-
-    def _ready_if_settled(self, request: Request) -> None:
-        if request.pending == 0 and not request.queued:
-            request.queued = True
-            self._ready.append(request)
 
     def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]:
         """Forget a peer and its keys; fail its queued ops, settle its in-flight stores as lost
