@@ -82,6 +82,15 @@ def _add_shared_host(tier: TierManager, max_granted: int) -> tuple[SharedHost, _
     return host, session
 
 
+def _granted_host(tier: TierManager, slots: list[int]) -> _SharedSession:
+    """A shared host ``h`` that granted ``slots`` (and no more) to ``tier``."""
+    host, session = _add_shared_host(tier, max_granted=len(slots))
+    with tier._lock:
+        tier._refill(host)
+    session.answer(slots)
+    return session
+
+
 @pytest.mark.parametrize("settled_by", ["its timeout", "the host's announcement"])
 def test_a_parked_load_resolves_while_another_transfer_stays_in_flight(settled_by: str) -> None:
     """A load parked until a host promotes its key from disk settles "missing" (its timeout
@@ -113,10 +122,7 @@ def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() ->
     nothing and asked for nothing, and its slots went back unused while the store waited."""
     tier, transport = _tier()
     with tier:
-        host, session = _add_shared_host(tier, max_granted=4)
-        with tier._lock:
-            tier._refill(host)
-        session.answer([0, 1, 2, 3])
+        session = _granted_host(tier, [0, 1, 2, 3])
         first = tier.store([b"a0", b"a1", b"a2", b"a3"], range(4))
         waiting = tier.store([b"b0", b"b1"], [4, 5])
         session.answer([])  # the host's cap: nothing more until a commit
@@ -135,10 +141,7 @@ def test_a_failed_write_leaves_its_session_held() -> None:
     and the host handed the slots on while the stray write could still reach them."""
     tier, transport = _tier()
     with tier:
-        host, session = _add_shared_host(tier, max_granted=4)
-        with tier._lock:
-            tier._refill(host)
-        session.answer([0, 1, 2, 3])
+        session = _granted_host(tier, [0, 1, 2, 3])
         store = tier.store([b"a0", b"a1"], [0, 1])
         (tid,) = transport.in_flight()
         transport.fail(tid)
