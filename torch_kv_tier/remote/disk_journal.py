@@ -2,7 +2,8 @@
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
-directory made for other blocks is refused, not reinterpreted) and ``journal.log``.
+directory made for other blocks, or a header that cannot be read, is refused, not
+reinterpreted; written whole or not at all) and ``journal.log``.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
@@ -17,6 +18,7 @@ Threading: not thread-safe; owned by one ``DiskStore``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -70,12 +72,22 @@ class DiskDir:
             raise
 
     def _check_header(self, block_len: int) -> None:
+        """Refuse a header of other blocks, or one that cannot be read; write one (whole or
+        not at all) where there is none."""
         meta = self.path / "meta.json"
         want = {"format": FORMAT, "block_len": block_len, "slots": self.slots}
         if not meta.exists():
-            meta.write_text(json.dumps(want))
+            _write_durably(meta, json.dumps(want).encode())
             return
-        have = json.loads(meta.read_text())
+        try:
+            have = json.loads(meta.read_bytes())
+            if not isinstance(have, dict):
+                raise ValueError(f"{have!r} is no header")
+        except ValueError as exc:  # JSON or UTF-8 damage
+            raise DiskError(
+                f"{meta} cannot be read ({exc}): restore it, or remove it to start {self.path} "
+                "afresh (its blocks are kept only where they verify), or pass an empty directory"
+            ) from exc
         if have != want:
             raise DiskError(
                 f"{self.path} holds {have.get('slots')} blocks of {have.get('block_len')} bytes, "
@@ -163,6 +175,33 @@ class DiskDir:
 def _frame(record: Record) -> bytes:
     payload = _encoder.encode(record)
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _write_durably(path: Path, data: bytes | bytearray) -> None:
+    """Replace ``path`` by ``data`` whole or not at all, durably: a temporary file written in
+    full and synced, renamed over ``path``, the directory synced (a rename is an entry of the
+    directory: without its sync, a power loss may bring the old file back). Raises ``OSError``
+    with the temporary file removed."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:  # a short write is no error: write the rest
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _open_blocks(path: Path, block_len: int) -> tuple[int, bool]:

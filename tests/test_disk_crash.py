@@ -1,0 +1,65 @@
+"""A disk directory's crash consistency, failure by failure (found by review): a header cut or
+corrupted, a start refused for want of space, a journal write cut short or refused, a compaction
+cut short, renamed without its directory synced or refused, blocks never synced before the
+journal records naming them, a key evicted without a record saying so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+from torch_kv_tier.keys import Key, key_fingerprint
+from torch_kv_tier.remote.disk_journal import PUT, DiskDir
+from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
+
+BLOCK = 16 << 10
+POOL = 16
+
+
+@pytest.fixture
+def pool() -> np.ndarray:
+    raw = np.empty(POOL * BLOCK + 4096, dtype=np.uint8)  # page-aligned, as the server's pool
+    start = -raw.ctypes.data % 4096
+    rows = raw[start : start + POOL * BLOCK].reshape(POOL, BLOCK)
+    rows[:] = np.random.default_rng(1).integers(0, 256, rows.shape, dtype=np.uint8)
+    return rows
+
+
+def _open(pool: np.ndarray, dirs: list[Path], slots: int = 8) -> DiskStore:
+    return DiskStore(
+        [str(d) for d in dirs], slots * BLOCK, block_len=BLOCK, pool_addr=pool.ctypes.data,
+        pool_blocks=POOL,
+    )  # fmt: skip
+
+
+def _digest(pool: np.ndarray, slot: int, key: Key) -> int:
+    return xxhash.xxh3_64_intdigest(pool[slot], key_fingerprint(key))
+
+
+def _write(store: DiskStore, pool: np.ndarray, key: Key, dram: int) -> DiskCompletions:
+    store.write([("ns", key, _digest(pool, dram, key), dram)])
+    done = DiskCompletions()
+    while store.in_flight() or not (done.written or done.failed):
+        more = store.poll()
+        done.written += more.written
+        done.failed += more.failed
+    return done
+
+
+def _records(n: int) -> list[Any]:
+    return [(PUT, i, "ns", f"key-{i}".encode(), i) for i in range(n)]
+
+
+@pytest.mark.parametrize("text", ["", '{"format": 1, "block_', "[]", "null"])
+def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, text: str) -> None:
+    """A SIGKILL while ``meta.json`` was written left it empty or cut: the start raised a
+    ``JSONDecodeError`` (or ``AttributeError``), a traceback instead of exit 1 with a message."""
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "meta.json").write_text(text)
+    with pytest.raises(DiskError, match=f"{d}.*meta.json"):
+        DiskDir(d, 8 * BLOCK, BLOCK)
