@@ -63,3 +63,16 @@ def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, te
     (d / "meta.json").write_text(text)
     with pytest.raises(DiskError, match=f"{d}.*meta.json"):
         DiskDir(d, 8 * BLOCK, BLOCK)
+
+
+def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
+    pool: np.ndarray, tmp_path: Path
+) -> None:
+    """The header was written before the block file was allocated: a start with a
+    ``--disk-bytes`` beyond the free space told the operator to pass a smaller one, and the
+    next start with a smaller one was refused as "a directory made with another size"."""
+    with pytest.raises(DiskError, match="pass a smaller --disk-bytes"):
+        _open(pool, [tmp_path / "d"], slots=1 << 44)
+    store = _open(pool, [tmp_path / "d"])  # as the message said
+    store.recover()
+    store.close()

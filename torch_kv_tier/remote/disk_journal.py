@@ -60,9 +60,11 @@ class DiskDir:
         self.records = 0  # records in the journal file
         try:
             path.mkdir(parents=True, exist_ok=True)
-            self._check_header(block_len)
+            header = self._check_header(block_len)
             self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len)
             self._allocate(self.slots * block_len)
+            if header is not None:  # only once the blocks fit: a size refused is not kept
+                _write_durably(path / "meta.json", header)
             self.journal = os.open(path / "journal.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except BaseException as exc:
             self.close()
@@ -71,14 +73,13 @@ class DiskDir:
                 raise DiskError(f"cannot use {path} for the disk tier: {why}") from exc
             raise
 
-    def _check_header(self, block_len: int) -> None:
-        """Refuse a header of other blocks, or one that cannot be read; write one (whole or
-        not at all) where there is none."""
+    def _check_header(self, block_len: int) -> bytes | None:
+        """Refuse a header of other blocks, or one that cannot be read; returns the header to
+        write (whole or not at all, once the blocks are allocated) where there is none."""
         meta = self.path / "meta.json"
         want = {"format": FORMAT, "block_len": block_len, "slots": self.slots}
         if not meta.exists():
-            _write_durably(meta, json.dumps(want).encode())
-            return
+            return json.dumps(want).encode()
         try:
             have = json.loads(meta.read_bytes())
             if not isinstance(have, dict):
@@ -94,6 +95,7 @@ class DiskDir:
                 f"not {self.slots} of {block_len}: pass the --block-len and --disk-bytes it was "
                 "made with, or an empty directory"
             )
+        return None
 
     def _allocate(self, size: int) -> None:
         if os.fstat(self.fd).st_size >= size:
