@@ -5,6 +5,9 @@ journal records naming them, a key evicted without a record saying so."""
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +79,58 @@ def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
     store = _open(pool, [tmp_path / "d"])  # as the message said
     store.recover()
     store.close()
+
+
+def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rewrite`` wrote the temporary journal with one ``os.write``: a short write replaced the
+    journal by a cut one (keys lost at the next start); an ENOSPC raised out of it (out of
+    ``DiskStore.poll``: the host's loop died)."""
+    d = DiskDir(tmp_path / "d", 8 * BLOCK, BLOCK)
+    try:
+        live = _records(50)
+        real_write = os.write
+        monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:100]))
+        d.rewrite(live)
+        monkeypatch.undo()
+        assert d.read_records() == live
+
+        def full(fd: int, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "write", full)
+        assert not d.rewrite(_records(10))  # logged, not raised; the journal stays as it was
+        monkeypatch.undo()
+        assert d.stale and d.read_records() == live
+        assert not (tmp_path / "d" / "journal.tmp").exists()
+    finally:
+        d.close()
+
+
+def test_a_compaction_syncs_the_directory_after_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename of the compacted journal was never made durable (no fsync of the directory):
+    after a power loss the old journal could come back, without every record appended to the
+    new one since, however long ago they were synced."""
+    d = DiskDir(tmp_path / "d", 8 * BLOCK, BLOCK)
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(a: Any, b: Any) -> None:
+        events.append("rename")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    try:
+        d.rewrite(_records(3))
+        assert "rename" in events and "fsync dir" in events[events.index("rename") :]
+    finally:
+        monkeypatch.undo()
+        d.close()

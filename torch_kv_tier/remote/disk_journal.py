@@ -10,8 +10,8 @@ Journal: one record per completed write (``PUT``: slot, namespace, key, digest) 
 (one ``os.write``, more after a short write); ``fsync`` runs at most once per
 ``FSYNC_PERIOD_S`` (a process crash loses nothing written, a power loss the records of the last
 period). ``records`` reads up to the first torn or corrupt frame (a crash in the middle of an
-append costs that record only); ``rewrite`` replaces the journal by the live records (temporary
-file, fsync, rename).
+append costs that record only); ``rewrite`` replaces the journal by the live records whole or
+not at all (temporary file, fsync, rename, fsync of the directory).
 
 Threading: not thread-safe; owned by one ``DiskStore``.
 """
@@ -58,13 +58,14 @@ class DiskDir:
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet written
         self.records = 0  # records in the journal file
+        self.stale = False  # a rewrite failed: try again (``DiskStore`` does, once a period)
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
             self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len)
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
-                _write_durably(path / "meta.json", header)
+                os.close(_write_durably(path / "meta.json", header))
             self.journal = os.open(path / "journal.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except BaseException as exc:
             self.close()
@@ -145,24 +146,25 @@ class DiskDir:
             pos += _FRAME.size + length
         return out
 
-    def rewrite(self, live: Iterable[Record]) -> None:
-        """Replace the journal by ``live`` (temporary file, fsync, rename)."""
+    def rewrite(self, live: Iterable[Record]) -> bool:
+        """Replace the journal by ``live`` (``_write_durably``) and append to the new one.
+        Returns False when it cannot be written (a full disk, EIO: logged, never raised): the
+        old journal stays as it was, and ``stale`` is set."""
         out = bytearray()
         count = 0
         for record in live:
             out += _frame(record)
             count += 1
-        tmp = self.path / "journal.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, out)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path / "journal.log")
+            fd = _write_durably(self.path / "journal.log", out)
+        except OSError as exc:
+            logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
+            self.stale = True
+            return False
         os.close(self.journal)
-        self.journal = os.open(self.path / "journal.log", os.O_RDWR | os.O_APPEND)
-        self.records, self.pending = count, bytearray()
+        self.journal = fd
+        self.records, self.pending, self.stale = count, bytearray(), False
+        return True
 
     def close(self) -> None:
         """Write what is pending, fsync, close both files. Idempotent."""
@@ -179,31 +181,36 @@ def _frame(record: Record) -> bytes:
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _write_durably(path: Path, data: bytes | bytearray) -> None:
+def _write_durably(path: Path, data: bytes | bytearray) -> int:
     """Replace ``path`` by ``data`` whole or not at all, durably: a temporary file written in
-    full and synced, renamed over ``path``, the directory synced (a rename is an entry of the
-    directory: without its sync, a power loss may bring the old file back). Raises ``OSError``
-    with the temporary file removed."""
+    full and synced, renamed over ``path``, then the directory synced (a rename is an entry of
+    the directory: without that sync a power loss may bring the old file back; its failure is
+    logged). Returns the new file's descriptor, open for appends. Raises ``OSError`` with
+    ``path`` as it was and the temporary file removed."""
     tmp = path.with_suffix(".tmp")
+    fd = -1
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:  # a short write is no error: write the rest
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        view = memoryview(data)
+        while view:  # a short write is no error: write the rest
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError as exc:
+        logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
+    return fd
 
 
 def _open_blocks(path: Path, block_len: int) -> tuple[int, bool]:
