@@ -81,6 +81,39 @@ def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
     store.close()
 
 
+def test_a_journal_write_cut_short_costs_no_other_record(
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short write then ENOSPC (a full file system) left a torn frame in the middle of the
+    journal: every record appended after it, written past it, was ignored by the next start."""
+    store = _open(pool, [tmp_path / "d"])
+    try:
+        store.recover()
+        d = store._dirs[0]
+        assert _write(store, pool, b"k0", 0).written and _write(store, pool, b"k1", 1).written
+        calls: list[int] = []
+
+        def full(fd: int, data: Any) -> int:
+            if fd != d.journal:
+                return real_write(fd, data)
+            calls.append(fd)
+            if len(calls) == 1:
+                return real_write(fd, bytes(data)[:7])  # a short write...
+            raise OSError(errno.ENOSPC, "No space left on device")  # ...then a full disk
+
+        real_write = os.write
+        monkeypatch.setattr(os, "write", full)
+        assert _write(store, pool, b"k2", 2).written  # its record: logged, not raised
+        assert len(calls) == 2
+        monkeypatch.undo()
+        assert _write(store, pool, b"k3", 3).written
+        store._sync_journals(force=True)
+        kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
+        assert {b"k0", b"k1", b"k3"} <= kept
+    finally:
+        store.close()
+
+
 def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

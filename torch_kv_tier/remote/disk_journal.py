@@ -9,9 +9,11 @@ Journal: one record per completed write (``PUT``: slot, namespace, key, digest) 
 (``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
 (one ``os.write``, more after a short write); ``fsync`` runs at most once per
 ``FSYNC_PERIOD_S`` (a process crash loses nothing written, a power loss the records of the last
-period). ``records`` reads up to the first torn or corrupt frame (a crash in the middle of an
-append costs that record only); ``rewrite`` replaces the journal by the live records whole or
-not at all (temporary file, fsync, rename, fsync of the directory).
+period). A write that fails (a full disk) cuts the journal back to its last whole record and
+marks it ``stale``: its owner rewrites it from its index (a crash meanwhile loses the records
+since, nothing else). ``read_records`` reads up to the first torn or corrupt frame (a crash in
+the middle of an append costs that record only); ``rewrite`` replaces the journal by the live
+records whole or not at all (temporary file, fsync, rename, fsync of the directory).
 
 Threading: not thread-safe; owned by one ``DiskStore``.
 """
@@ -58,7 +60,7 @@ class DiskDir:
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet written
         self.records = 0  # records in the journal file
-        self.stale = False  # a rewrite failed: try again (``DiskStore`` does, once a period)
+        self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, once a period)
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
@@ -117,15 +119,27 @@ class DiskDir:
         self.records += 1
 
     def flush(self, *, sync: bool) -> None:
-        """Write the appended records; ``fsync`` too with ``sync``."""
+        """Write the appended records; ``fsync`` too with ``sync``. A write or sync that fails
+        (a full disk, EIO) is logged, never raised: the journal is cut back to its last whole
+        record (a torn frame would hide every later one from ``read_records``) and marked
+        ``stale``; records are then dropped until ``rewrite`` writes it afresh."""
+        if self.stale:
+            self.pending = bytearray()
+            return
+        size = -1
         try:
+            size = os.lseek(self.journal, 0, os.SEEK_END)
             view = memoryview(self.pending)
             while view:  # a short write must not leave a torn frame before the next ones
                 view = view[os.write(self.journal, view) :]
             if sync:
                 os.fsync(self.journal)
-        except OSError as exc:  # a full disk: those keys are lost at a restart, nothing else
-            logger.warning("disk: journal of %s not written: %s", self.path, exc)
+        except OSError as exc:
+            logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
+            self.stale = True
+            if size >= 0:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.journal, size)
         self.pending = bytearray()
 
     def read_records(self) -> list[Record]:
