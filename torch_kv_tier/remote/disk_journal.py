@@ -8,11 +8,12 @@ reinterpreted; written whole or not at all) and ``journal.log``.
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
 (one ``os.write``, more after a short write); ``fsync`` runs at most once per
-``FSYNC_PERIOD_S`` (a process crash loses nothing written, a power loss the records of the last
-period). A write that fails (a full disk) cuts the journal back to its last whole record and
-marks it ``stale``: its owner rewrites it from its index (a crash meanwhile loses the records
-since, nothing else). ``read_records`` reads up to the first torn or corrupt frame (a crash in
-the middle of an append costs that record only); ``rewrite`` replaces the journal by the live
+``FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses nothing
+written, a power loss the records of the last period, never a block a synced record names). A
+write that fails (a full disk) cuts the journal back to its last whole record and marks it
+``stale``: its owner rewrites it from its index (a crash meanwhile loses the records since,
+nothing else). ``read_records`` reads up to the first torn or corrupt frame (a crash in the
+middle of an append costs that record only); ``rewrite`` replaces the journal by the live
 records whole or not at all (temporary file, fsync, rename, fsync of the directory).
 
 Threading: not thread-safe; owned by one ``DiskStore``.
@@ -119,10 +120,12 @@ class DiskDir:
         self.records += 1
 
     def flush(self, *, sync: bool) -> None:
-        """Write the appended records; ``fsync`` too with ``sync``. A write or sync that fails
-        (a full disk, EIO) is logged, never raised: the journal is cut back to its last whole
-        record (a torn frame would hide every later one from ``read_records``) and marked
-        ``stale``; records are then dropped until ``rewrite`` writes it afresh."""
+        """Write the appended records; with ``sync``, ``fdatasync`` the block file (each block a
+        record names was written before the record was appended), then ``fsync`` the journal.
+        A write or sync that fails (a full disk, EIO) is logged, never raised: the journal is
+        cut back to its last whole record (a torn frame would hide every later one from
+        ``read_records``) and marked ``stale``; records are then dropped until ``rewrite``
+        writes it afresh."""
         if self.stale:
             self.pending = bytearray()
             return
@@ -132,7 +135,8 @@ class DiskDir:
             view = memoryview(self.pending)
             while view:  # a short write must not leave a torn frame before the next ones
                 view = view[os.write(self.journal, view) :]
-            if sync:
+            if sync:  # the blocks first: a record synced names a block synced
+                os.fdatasync(self.fd)
                 os.fsync(self.journal)
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
