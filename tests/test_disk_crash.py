@@ -191,3 +191,43 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
     finally:
         monkeypatch.undo()
         store.close()
+
+
+def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eviction wrote no ``DEL``: its slot's record still named the evicted key until a write
+    there completed. When that write failed, the key came back at the next start, its old bytes
+    winning over the newer copy another directory held (journal positions of two directories
+    compared as if one order)."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    store = _open(pool, dirs, slots=2)  # global slots 0, 2 in a; 1, 3 in b
+    try:
+        store.recover()
+        for _ in range(6):  # a's journal grows longer than b's
+            assert _write(store, pool, b"churn", 9).written
+            store.remove("ns", b"churn")
+        assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
+        for i, key in enumerate([b"x1", b"x2", b"x3"]):
+            assert _write(store, pool, key, 1 + i).written
+        assert store._where[("ns", b"K")][0] == 0
+        real_transfer = store._agent.transfer
+
+        def refused(handle: Any) -> str:
+            raise RuntimeError("injected: the write could not start")
+
+        monkeypatch.setattr(store._agent, "transfer", refused)
+        store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K; fails
+        assert store.poll().failed == [("ns", b"L", 5)] and not store.contains("ns", b"K")
+        monkeypatch.setattr(store._agent, "transfer", real_transfer)
+        store.remove("ns", b"x1")  # b's slot 0 free
+        assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
+        assert store._where[("ns", b"K")][0] == 1
+    finally:
+        store.close()
+    store = _open(pool, dirs, slots=2)
+    try:
+        store.recover()
+        assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
+    finally:
+        store.close()

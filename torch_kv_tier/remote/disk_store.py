@@ -307,8 +307,9 @@ class DiskStore:
             self._fresh += 1
             return self._fresh - 1
         for pair, (slot, _) in self._where.items():  # the least recently used not in use
-            if slot not in self._busy_disk:
+            if slot not in self._busy_disk:  # its record goes before the slot is rewritten
                 del self._where[pair]
+                self._append(slot, DEL, pair[0], pair[1], 0)
                 evicted.append(pair)
                 self._counters["disk_evictions"] += 1
                 return slot
