@@ -231,3 +231,49 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
         assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
     finally:
         store.close()
+
+
+def test_a_key_found_in_two_directories_is_dropped_not_guessed(
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recovery sorted the records of every directory by their position in their own journal:
+    a key whose ``DEL`` in one directory was lost (its journal full, then a crash) and whose
+    newer copy lived in another came back with whichever copy sat deeper in its journal."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    store = _open(pool, dirs, slots=2)  # global slots 0, 2 in a; 1, 3 in b
+    try:
+        store.recover()
+        for _ in range(6):  # a's journal grows longer than b's
+            assert _write(store, pool, b"churn", 9).written
+            store.remove("ns", b"churn")
+        assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
+        for i, key in enumerate([b"x1", b"x2", b"x3"]):
+            assert _write(store, pool, key, 1 + i).written
+        real_write, real_transfer = os.write, store._agent.transfer
+
+        def a_full(fd: int, data: Any) -> int:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dirs[0])):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(fd, data)
+
+        def refused(handle: Any) -> str:
+            raise RuntimeError("injected: the write could not start")
+
+        monkeypatch.setattr(os, "write", a_full)
+        monkeypatch.setattr(store._agent, "transfer", refused)
+        store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K (DEL lost); fails
+        assert store.poll().failed == [("ns", b"L", 5)] and store._dirs[0].stale
+        monkeypatch.setattr(store._agent, "transfer", real_transfer)
+        store.remove("ns", b"x1")  # b's slot 0 free
+        assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
+        assert store._where[("ns", b"K")][0] == 1
+        monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL: no sync
+    finally:
+        store.close()
+    monkeypatch.undo()
+    store = _open(pool, dirs, slots=2)
+    try:
+        store.recover()
+        assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
+    finally:
+        store.close()

@@ -11,8 +11,9 @@ key used); a slot with I/O in flight is never evicted.
 Recovery (``recover``): the journal of each directory is replayed (the last record of a slot
 wins), every surviving block is read and checked against its digest (xxh3-64 seeded with its
 key, as ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a
-record torn at the journal's tail cost those keys, nothing else; the journal is then rewritten
-with the live records only.
+record torn at the journal's tail cost those keys, nothing else; so does a key found in two
+directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is unknown). The
+journal is then rewritten with the live records only.
 
 Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised;
@@ -244,9 +245,15 @@ class DiskStore:
                         self._counters["disk_recover_dropped"] += 1
         finally:
             row.close()
-        found.sort(key=lambda entry: entry[0])
+        found.sort(key=lambda entry: entry[0])  # orders of two directories: roughly
+        homes: dict[Pair, set[int]] = {}
+        for _, slot, ns, key, _ in found:
+            homes.setdefault((ns, key), set()).add(slot % n)
         for _, slot, ns, key, digest in found:
-            self._where.pop((ns, key), None)  # one key in two slots: the later one stays
+            if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
+                self._counters["disk_recover_dropped"] += 1
+                continue
+            self._where.pop((ns, key), None)  # two slots of one journal: the later one stays
             self._where[(ns, key)] = (slot, digest)
         taken = {slot for slot, _ in self._where.values()}
         self._fresh = max(taken, default=-1) + 1
@@ -262,12 +269,10 @@ class DiskStore:
             "disk_keys": len(self._where),
             "disk_bytes": len(self._where) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
-            "disk_write_gbps": c["disk_write_bytes"] / self._busy_s["write"] / 1e9
-            if self._busy_s["write"]
-            else 0.0,
-            "disk_read_gbps": c["disk_read_bytes"] / self._busy_s["read"] / 1e9
-            if self._busy_s["read"]
-            else 0.0,
+            **{
+                f"disk_{kind}_gbps": c[f"disk_{kind}_bytes"] / busy / 1e9 if busy else 0.0
+                for kind, busy in self._busy_s.items()
+            },
             "disk_direct_io": self.direct_io,
         }
 
