@@ -277,3 +277,29 @@ def test_a_key_found_in_two_directories_is_dropped_not_guessed(
         assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
     finally:
         store.close()
+
+
+def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An EIO reading one block (a bad sector) raised out of ``recover``: the host refused to
+    start ("[Errno 5] Input/output error", no path), at every restart."""
+    store = _open(pool, [tmp_path / "d"])
+    store.recover()
+    assert _write(store, pool, b"k0", 0).written and _write(store, pool, b"k1", 1).written
+    assert store._where[("ns", b"k0")][0] == 0
+    store.close()
+    real_preadv = os.preadv
+
+    def bad_sector(fd: int, buffers: Any, offset: int) -> int:
+        if offset == 0:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", bad_sector)
+    store = _open(pool, [tmp_path / "d"])
+    try:
+        assert [k for _, k, _ in store.recover()] == [b"k1"]
+        assert store.stats()["disk_recover_dropped"] == 1
+    finally:
+        store.close()

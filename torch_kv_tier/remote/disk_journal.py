@@ -164,6 +164,17 @@ class DiskDir:
             pos += _FRAME.size + length
         return out
 
+    def live(self) -> dict[int, tuple[int, str, Key, int]]:
+        """Slot -> (position in the journal, namespace, key, digest) of each slot whose last
+        record is a ``PUT`` (the last record of a slot wins)."""
+        last: dict[int, tuple[int, str, Key, int]] = {}
+        for order, (op, j, ns, key, digest) in enumerate(self.read_records()):
+            if op == PUT and 0 <= j < self.slots:
+                last[j] = (order, ns, key, digest)
+            else:
+                last.pop(j, None)
+        return last
+
     def rewrite(self, live: Iterable[Record]) -> bool:
         """Replace the journal by ``live`` (``_write_durably``) and append to the new one.
         Returns False when it cannot be written (a full disk, EIO: logged, never raised): the

@@ -231,14 +231,12 @@ class DiskStore:
         found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
         try:
             for f, d in enumerate(self._dirs):
-                last: dict[int, tuple[int, str, Key, int]] = {}
-                for order, (op, j, ns, key, digest) in enumerate(d.read_records()):
-                    if op == PUT and 0 <= j < d.slots:
-                        last[j] = (order, ns, key, digest)
-                    else:
-                        last.pop(j, None)
-                for j, (order, ns, key, digest) in last.items():
-                    got = os.preadv(d.fd, [row], j * self.block_len)
+                for j, (order, ns, key, digest) in d.live().items():
+                    try:
+                        got = os.preadv(d.fd, [row], j * self.block_len)
+                    except OSError as exc:  # a bad sector costs its key, not the start
+                        logger.warning("disk: block %d of %s unreadable: %s", j, d.path, exc)
+                        got = -1
                     if got == self.block_len and block_digest(row, key) == digest:
                         found.append((order, j * n + f, ns, key, digest))
                     else:
