@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -303,3 +304,34 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         assert store.stats()["disk_recover_dropped"] == 1
     finally:
         store.close()
+
+
+def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale journal on a full disk is rewritten again 1 s, then 2, 4... s later (a rewrite
+    encodes every live record), not at every loop turn; ``close`` tries once more."""
+    store = _open(pool, [tmp_path / "d"])
+    tries: list[bool] = []
+    try:
+        store.recover()
+        d = store._dirs[0]
+        assert _write(store, pool, b"k0", 0).written
+        real_rewrite, real_write = d.rewrite, os.write
+
+        def full(fd: int, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(d, "rewrite", lambda live: tries.append(real_rewrite(live)) or True)
+        monkeypatch.setattr(os, "write", full)
+        d.append(PUT, 0, "ns", b"k0", 0)  # its flush fails: stale
+        for _ in range(200):
+            store.poll()
+        assert d.stale and tries == [False] and d.retry_at > time.monotonic() + 0.5
+        d.retry_at = 0.0
+        store.poll()
+        assert tries == [False, False] and d.retry_at > time.monotonic() + 1.5
+        monkeypatch.setattr(os, "write", real_write)
+    finally:
+        store.close()  # tries once more, and succeeds
+    assert tries == [False, False, True] and not d.stale

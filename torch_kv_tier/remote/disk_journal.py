@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import struct
+import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -38,6 +39,7 @@ from torch_kv_tier.keys import Key
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
+REWRITE_RETRY_MAX_S = 60.0
 PUT, DEL = 1, 0
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
@@ -61,7 +63,9 @@ class DiskDir:
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet written
         self.records = 0  # records in the journal file
-        self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, once a period)
+        self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, at retry_at)
+        self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
+        self._retry_s = 0.0  # doubles with each failed rewrite, up to REWRITE_RETRY_MAX_S
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
@@ -178,7 +182,8 @@ class DiskDir:
     def rewrite(self, live: Iterable[Record]) -> bool:
         """Replace the journal by ``live`` (``_write_durably``) and append to the new one.
         Returns False when it cannot be written (a full disk, EIO: logged, never raised): the
-        old journal stays as it was, and ``stale`` is set."""
+        old journal stays as it was, ``stale`` is set, and ``retry_at`` 1 s later, then twice
+        as late after each failure in a row (at most ``REWRITE_RETRY_MAX_S``)."""
         out = bytearray()
         count = 0
         for record in live:
@@ -188,11 +193,13 @@ class DiskDir:
             fd = _write_durably(self.path / "journal.log", out)
         except OSError as exc:
             logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
-            self.stale = True
+            self.stale = True  # a full disk: a rewrite builds every record, so back off
+            self._retry_s = min(REWRITE_RETRY_MAX_S, max(1.0, 2 * self._retry_s))
+            self.retry_at = time.monotonic() + self._retry_s
             return False
         os.close(self.journal)
         self.journal = fd
-        self.records, self.pending, self.stale = count, bytearray(), False
+        self.records, self.pending, self.stale, self._retry_s = count, bytearray(), False, 0.0
         return True
 
     def close(self) -> None:

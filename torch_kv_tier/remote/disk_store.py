@@ -391,11 +391,12 @@ class DiskStore:
     def _sync_journals(self, *, force: bool) -> None:
         """Write the records appended (one ``os.write`` per journal), fsync at most every
         ``FSYNC_PERIOD_S`` (always with ``force``), compact a journal past 4x its live keys
-        (one whose rewrite failed: again at the next fsync)."""
+        (a stale one, whose write failed: at its ``retry_at``)."""
         now = time.monotonic()
         sync = force or now - self._last_sync >= FSYNC_PERIOD_S
         for f, d in enumerate(self._dirs):
-            if sync if d.stale else d.records > 4 * len(self._where) + 4096:
+            compact = d.records > 4 * len(self._where) + 4096
+            if (force or now >= d.retry_at) if d.stale else compact:
                 d.flush(sync=False)
                 self._rewrite_journal(f, d)
             elif d.pending or sync:
