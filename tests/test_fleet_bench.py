@@ -37,3 +37,15 @@ def test_tiny_fleet_reports_every_figure_and_target(
 
 def test_a_fleet_of_one_host_is_refused() -> None:
     assert cli.main(["fleet-bench", "--hosts", "1"]) == 2
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    """p99 of 100 samples is the 99th smallest, not the largest; p50 of 100 is the 50th."""
+    from torch_kv_tier.benchmarks.fleet_bench import _pct
+
+    values = [float(v) for v in range(100, 0, -1)]  # unsorted on purpose
+    assert _pct(values, 99) == 99.0
+    assert _pct(values, 50) == 50.0
+    assert _pct(values, 100) == 100.0
+    assert _pct(values[:10], 99) == 100.0  # 10 samples: p99 is the largest
+    assert _pct([7.0], 50) == 7.0

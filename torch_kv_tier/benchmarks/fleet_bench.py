@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -382,8 +383,10 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 
 
 def _pct(values: list[float], q: float) -> float:
+    """The ``q``-th percentile by nearest rank: the smallest value at least ``q`` % of the
+    samples are at or below (p99 of 100 samples is the 99th smallest, not the largest)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+    return ordered[max(0, min(len(ordered), math.ceil(len(ordered) * q / 100)) - 1)]
 
 
 def _slopes(per_f: dict[int, list[float]]) -> list[float]:
