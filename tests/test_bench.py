@@ -119,6 +119,19 @@ def test_verify_off_is_opt_in() -> None:
     ]  # fmt: skip
 
 
+def test_ucx_tls_caps_block_sizes_only_for_tcp() -> None:
+    # The 256 KiB cap (and the TCP batches) are TCP's; `--ucx-tls cma --block-sizes 64K,2M`
+    # once measured 64K alone, silently dropping the 2M the user asked for.
+    def plan(*argv: str) -> list[tuple[str, int]]:
+        args = _args("--quick", "--block-sizes", "64K,2M", *argv)
+        return bench.BenchSweep(args, bench._config(args), "cpu").plan
+
+    assert plan("--ucx-tls", "cma") == [("cma", 64 << 10), ("cma", 2 << 20)]
+    assert plan("--ucx-tls", "tcp") == [("tcp", 64 << 10)]
+    both = [("shm", 64 << 10), ("shm", 2 << 20), ("tcp", 64 << 10)]
+    assert plan("--transports", "shm,tcp") == both
+
+
 def test_a_system_measured_alone_gets_no_ratio_against_itself() -> None:
     # On a GPU the staged tier runs in a group of its own: it has no interleaved reference, and
     # a ratio of it against itself (1.00, +0 us) once filled the multi-host table.

@@ -126,13 +126,15 @@ class BenchSweep:
         self.transport: str = cfg["transports"][0]
 
     def _sizes(self, transport: str) -> list[int]:
+        """The block sizes of ``transport``'s pass: all of them, up to ``tcp_max_block`` over
+        TCP (slow on loopback). Another ``--ucx-tls`` keeps them all."""
         sizes: list[int] = self.cfg["block_sizes"]
-        if transport == "shm":
+        if not _tcp(transport):
             return sizes
         return [bl for bl in sizes if bl <= self.cfg["tcp_max_block"]] or sizes[:1]
 
     def points(self, transport: str) -> list[Point]:
-        batches = self.cfg["batches"] if transport == "shm" else self.cfg["tcp_batches"]
+        batches = self.cfg["tcp_batches"] if _tcp(transport) else self.cfg["batches"]
         return [
             Point(op, pattern, 0, batch, depth)
             for op in self.args.ops
@@ -354,6 +356,11 @@ class BenchSweep:
         for name, error in failed.items():
             logger.error("%s %s failed: %s", name, point, error)
             self._row(name, systems[name].path, point, group, error=error)
+
+
+def _tcp(transport: str) -> bool:
+    """True when ``transport`` (``shm``, ``tcp`` or a ``--ucx-tls`` list) names UCX's TCP."""
+    return "tcp" in transport.split(",")
 
 
 def _set_env(name: str, value: str | None) -> None:
