@@ -152,6 +152,49 @@ def test_a_system_measured_alone_gets_no_ratio_against_itself() -> None:
     assert "several remote hosts" not in report.render(rows + ratios)
 
 
+class _FakePollTransport:
+    """The part of ``NixlTransport`` poll scaling drives, over an in-memory remote pool that
+    corrupts one remote slot's last byte on every write to it."""
+
+    def __init__(self, arena: torch.Tensor, remote_blocks: int, corrupt: int) -> None:
+        self.arena, self.corrupt = arena, corrupt
+        self.remote = torch.zeros(remote_blocks, arena.shape[1], dtype=torch.uint8)
+        self.done: list[int] = []
+        self.ids = 0
+
+    def _move(self, dst: torch.Tensor, d: int, src: torch.Tensor, s: int) -> int:
+        dst[d] = src[s]
+        self.ids += 1
+        self.done.append(self.ids)
+        return self.ids
+
+    def write_blocks(self, peer: str, local: list[int], remote: list[int]) -> int:
+        tid = self._move(self.remote, remote[0], self.arena, local[0])
+        if remote[0] == self.corrupt:
+            self.remote[remote[0], -1] += 1
+        return tid
+
+    def read_blocks(self, peer: str, local: list[int], remote: list[int]) -> int:
+        return self._move(self.arena, local[0], self.remote, remote[0])
+
+    def poll(self) -> object:
+        done, self.done = self.done, []
+        return type("Polled", (), {"done": done, "failed": []})()
+
+
+def test_poll_scaling_verifies_every_block_it_wrote() -> None:
+    # At 10 in flight the runs write 100 distinct remote blocks (slots 0..99); the read-back
+    # once compared the first 10 only, so a wrong block 50 passed as verified.
+    from torch_kv_tier.benchmarks.poll_scaling import _depth
+
+    slots = 100
+    arena = torch.zeros(2 * slots, 64, dtype=torch.uint8)
+    good = _depth(_FakePollTransport(arena, slots, corrupt=-1), arena, 10, slots, 0, 7)
+    assert good["verified"] and good["error"] is None
+    bad = _depth(_FakePollTransport(arena, slots, corrupt=50), arena, 10, slots, 0, 7)
+    assert not bad["verified"] and bad["error"] == "1 of 100 blocks differ"
+
+
 def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bench.SYSTEMS, "corrupting", f"{__name__}:CorruptingMemcpy")
     out = tmp_path / "results.json"

@@ -122,9 +122,9 @@ def measure_poll_scaling(
 def _depth(
     transport: Any, arena: Any, depth: int, slots: int, base: int, seed: int
 ) -> dict[str, Any]:
-    used = np.arange(min(depth, slots))
-    fill(arena, used, seed)
     total = max(2 * depth, 2000)
+    used = np.arange(min(total, slots))  # every slot the runs write (slot ``j % slots``)
+    fill(arena, used, seed)
     _Steady(transport, depth, slots, base, min(total, 500))  # warm-up, excluded
     runs = [_Steady(transport, depth, slots, base, total) for _ in range(_REPEATS)]
     bad = _read_back(transport, arena, used, slots, base, seed)
