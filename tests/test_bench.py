@@ -195,6 +195,32 @@ def test_poll_scaling_verifies_every_block_it_wrote() -> None:
     assert not bad["verified"] and bad["error"] == "1 of 100 blocks differ"
 
 
+def test_vllm_nixl_driver_yields_the_core_when_nothing_completed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The method gives every system the same driver: a reap that saw nothing done yields the
+    # core (nixl_raw and the tier do; on 2 cores a spinning initiator starves the loopback
+    # target). vllm_nixl's reap spun without yielding.
+    pytest.importorskip("vllm.v1.kv_offload.tiering.p2p.data")
+    import os
+
+    from torch_kv_tier.benchmarks.system_vllm_nixl import VllmNixl
+
+    class Transport:
+        done: list[int] = []
+
+        def poll(self, peer: str) -> object:
+            return type("Polled", (), {"done": list(self.done), "failed": []})()
+
+    yields: list[int] = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+    system = VllmNixl.__new__(VllmNixl)
+    system._transport = Transport()
+    assert system.reap(0.5) == [] and yields == [1]
+    Transport.done = [7]
+    assert [tid for tid, _ in system.reap(0.5)] == [7] and yields == [1]
+
+
 def test_corrupted_bytes_fail_the_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(bench.SYSTEMS, "corrupting", f"{__name__}:CorruptingMemcpy")
     out = tmp_path / "results.json"

@@ -10,6 +10,7 @@ back with a bare NIXL agent.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Hashable, Sequence
@@ -81,6 +82,8 @@ class VllmNixl(System):
         if result.failed:
             raise TransferFailed(f"vLLM transfers failed: {list(result.failed)}")
         now = time.perf_counter()
+        if not result.done:
+            os.sched_yield()  # as nixl_raw and the tier do: the same driver for every system
         return [(tid, now) for tid in result.done]
 
     def fetch(self, calls: Sequence[Call], scratch: Sequence[np.ndarray]) -> None:
