@@ -24,7 +24,7 @@ from torch_kv_tier.transport import agent_lifetime
 # nothing to it; this loop must post its restore to the dead host (the path that leaked), as a
 # tier does when the host dies between its last check and the post. So the sessions here learn
 # of the death by heartbeats only.
-session_io._check_connection = lambda monitor: None
+session_io.disconnected = lambda monitor: False
 
 # 8 KiB pages: a 4-page restore is a multi-fragment CMA read, the case that leaked a request
 LAYERS, PAGES, PAGE, HEADS, HEAD_DIM = 2, 24, 8, 2, 32

@@ -38,6 +38,7 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import (
     HandshakeRejected,
     check_session_args,
+    close_sockets,
     connect,
     describe,
     handshake,
@@ -45,7 +46,7 @@ from torch_kv_tier.remote.handshake import (
 )
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower, OnChange
-from torch_kv_tier.remote.session_io import Request, SessionIO, add_to_batch, close_sockets
+from torch_kv_tier.remote.session_io import Request, SessionIO, add_to_batch
 
 logger = logging.getLogger(__name__)
 

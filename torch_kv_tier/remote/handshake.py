@@ -1,8 +1,9 @@
 """The client's first steps with a server: the control socket and the authenticated handshake.
 
-``connect`` makes the DEALER socket (with a monitor that reports a reset connection) and
-``handshake`` runs ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's
-thread, before any I/O thread exists (``check_session_args`` first refuses bad arguments). See
+``connect`` makes the DEALER socket (with a monitor that reports a reset connection:
+``disconnected``; ``close_sockets`` closes both) and ``handshake`` runs
+``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's thread, before any I/O
+thread exists (``check_session_args`` first refuses bad arguments). See
 ``protocol`` for the conversation and the proofs. A handshake waits for the server's first
 answer until its deadline, or until its ``cancel`` event is set (looked at every
 ``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. The
@@ -15,6 +16,7 @@ written through it), or refuses the ``Handshake`` if it has not arrived yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import secrets
@@ -23,6 +25,7 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
 
@@ -109,6 +112,23 @@ def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(f"tcp://{host}:{port}")
     return sock, monitor
+
+
+def disconnected(monitor: zmq.Socket[bytes]) -> bool:
+    """Whether ``connect``'s monitor reports the control connection closed (or reset)."""
+    while monitor.poll(0, zmq.POLLIN):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            return True
+    return False
+
+
+def close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    """Close what ``connect`` made."""
+    with contextlib.suppress(zmq.ZMQError):
+        sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def handshake(

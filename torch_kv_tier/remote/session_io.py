@@ -47,10 +47,9 @@ from itertools import chain
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote.handshake import SNDHWM
+from torch_kv_tier.remote.handshake import SNDHWM, close_sockets, disconnected
 from torch_kv_tier.remote.replica import IndexFollower
 
 logger = logging.getLogger(__name__)
@@ -228,8 +227,8 @@ class SessionIO:
                 ready = dict(poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3))))
                 if wake in ready:
                     self._drain_wake()
-                if monitor in ready:
-                    _check_connection(monitor)
+                if monitor in ready and disconnected(monitor):
+                    raise _Lost("the control connection was closed or reset")
                 while not self._actions.empty():
                     self._actions.get_nowait()()
                 ticked = False  # the host pushed index events: its period's tick
@@ -393,21 +392,6 @@ class SessionIO:
             except p.BadFrame as exc:
                 logger.warning("%s sent a bad control frame: %s", self.peer_id, exc)
         return messages
-
-
-def _check_connection(monitor: zmq.Socket[bytes]) -> None:
-    """Raise ``_Lost`` when the monitor reports the control connection closed."""
-    while monitor.poll(0, zmq.POLLIN):
-        event = recv_monitor_message(monitor)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            raise _Lost("the control connection was closed or reset")
-
-
-def close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-    with contextlib.suppress(zmq.ZMQError):
-        sock.disable_monitor()
-    monitor.close(linger=0)
-    sock.close(linger=0)
 
 
 def add_to_batch(batch: list[Any], items: list[Any]) -> bool:
