@@ -161,7 +161,9 @@ class SharedHosts:
 
     def _on_granted(self, host: SharedHost, commits: int, want: int, future: Future[Any]) -> None:
         """A grant answer (I/O thread, unlocked): stores waiting for slots go out, or fail
-        with "capacity" when nothing this tier does could free its share."""
+        with "capacity" when nothing this tier does could free its share. A request that timed
+        out comes here twice: with the ``TimeoutError``, then with its late answer, whose slots
+        are this tier's all the same (``RemoteSession.grant``)."""
         try:
             answer = future.result()
         except Exception as exc:  # no answer in time, or the session closed
@@ -189,9 +191,10 @@ class SharedHosts:
         """A grant request that brought no slots and no answer about them (I/O thread,
         unlocked): the host went silent, or answered ``Error`` (it no longer knows the
         session). That says nothing about capacity, so the stores waiting stay, bounded by
-        the session's fate: a silent host is asked again, and a session lost meanwhile (the
-        heartbeat's verdict, or the host's ``Error`` on the next heartbeat) drops the host
-        and fails them "peer lost"."""
+        the session's fate: a silent host is asked again (a late answer still brings its
+        slots, ``_on_granted``), and a session lost meanwhile (the heartbeat's verdict, or
+        the host's ``Error`` on the next heartbeat) drops the host and fails them "peer
+        lost"."""
         why = answer.reason if isinstance(answer, p.Error) else repr(answer)
         logger.warning("grant from %s brought no answer: %s", host.slots.peer_id, why)
         with self._lock:

@@ -64,6 +64,17 @@ def _callback_ref(
     return lambda: callback
 
 
+def _answer_late(
+    on_answer: Callable[[Future[p.ServerMessage]], None], message: p.ServerMessage
+) -> None:
+    """Run ``on_answer`` with a future of ``message``, an answer that came after its request
+    timed out; what it raises is logged, as for the first."""
+    future: Future[p.ServerMessage] = Future()
+    future.set_running_or_notify_cancel()
+    future.add_done_callback(on_answer)
+    future.set_result(message)
+
+
 class RemoteSession(SessionIO):
     """A session with a remote ``torch-kv-tier serve`` pool, kept alive by heartbeats.
 
@@ -262,13 +273,17 @@ class RemoteSession(SessionIO):
         with_commits: bool = False,
     ) -> None:
         """Ask for up to ``want`` slots only this session may write; ``on_answer`` gets the
-        future of the ``Granted`` answer, on the I/O thread (never on the caller's).
-        ``with_commits``: a top-up that can wait for the next batch of commits (sent with it,
-        without a wake-up of its own, while commits flow)."""
+        future of the ``Granted`` answer, on the I/O thread (never on the caller's). An answer
+        that comes after the timeout runs ``on_answer`` again, with a future of it: the host
+        counts those slots granted to this session (against its ``max_granted``) until it
+        commits them, so they must not go unused. ``with_commits``: a top-up that can wait for
+        the next batch of commits (sent with it, without a wake-up of its own, while commits
+        flow)."""
         self._call_async(
             lambda seq: p.GrantRequest(seq, self.session_id, want),
             on_answer,
             with_commits=with_commits,
+            late=partial(_answer_late, on_answer),
         )
 
     def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:

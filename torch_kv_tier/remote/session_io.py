@@ -5,10 +5,13 @@ under the session's lock, then one wake-up, skipped when one is pending already)
 Each wake-up (a request queued from any thread, a frame from the server, a heartbeat, request or
 batch deadline) it runs queued actions, sends the commits and touches batched since the last
 send (as few frames as fit, always before the requests made after them), sends queued requests,
-hands answers to their futures and pushed ``Events`` to the follower, and heartbeats. It ends
-the session, loudly (``on_lost``), when the server stops answering heartbeats, says it no
-longer knows the session, the control connection closes or is reset (the socket's monitor), or
-a frame cannot be queued: a control message is delivered or the session is lost.
+hands answers to their futures and pushed ``Events`` to the follower, and heartbeats. The
+server answers in order: an answer after its request's timeout is dropped (once a later request
+is answered it never comes), but a grant's, whose slots the server counts granted all the same
+(``_call_async``'s ``late``). It ends the session, loudly (``on_lost``), when the server
+stops answering heartbeats, says it no longer knows the session, the control connection closes
+or is reset (the socket's monitor), or a frame cannot be queued: a control message is delivered
+or the session is lost.
 
 Commits and touches (recency) are batched, not sent per call. The first commit after a quiet
 period (``COMMIT_QUIET_S``) wakes the I/O thread and goes out at once. While commits flow they
@@ -54,9 +57,13 @@ from torch_kv_tier.remote.replica import IndexFollower
 
 logger = logging.getLogger(__name__)
 
+# What an answer that came after its request's timeout is handed to (``_call_async``'s ``late``)
+OnLate = Callable[[p.ServerMessage], None]
 # a request made from any thread: build the message for a seq, the future its answer resolves
-# (``None``: a message without an answer), timeout
-Request = tuple[Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float]
+# (``None``: a message without an answer), timeout, what a late answer is handed to
+Request = tuple[
+    Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float, OnLate | None
+]
 
 
 TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
@@ -118,18 +125,22 @@ class SessionIO:
         *,
         allow_closed: bool = False,
         with_commits: bool = False,
+        late: OnLate | None = None,
     ) -> Future[p.ServerMessage]:
         """Send a request; its future resolves on the I/O thread (``TimeoutError`` after
         ``timeout_s``, default the session's, counted from its send), where ``on_answer`` then
         runs. ``with_commits``: it may wait for the next batch of commits and go out with it,
-        without a wake-up of its own, while commits flow (at most ``COMMIT_PERIOD_S``). Raises
-        ``ConnectionError`` once closed or lost."""
+        without a wake-up of its own, while commits flow (at most ``COMMIT_PERIOD_S``).
+        ``late`` gets an answer that comes after the timeout (the server did what was asked
+        all the same: a grant's slots are this session's until it commits them), unless the
+        server answered a later request first (it answers in order: this one never will be).
+        Raises ``ConnectionError`` once closed or lost."""
         future: Future[p.ServerMessage] = Future()
         future.set_running_or_notify_cancel()
         if on_answer is not None:  # before the request exists: it cannot have an answer yet
             future.add_done_callback(on_answer)
         timeout = self._timeout_s if timeout_s is None else timeout_s
-        request = (make, future, timeout)
+        request = (make, future, timeout, late)
         if with_commits:
             self._enqueue(lambda: self._ride(request), allow_closed)
         else:
@@ -168,7 +179,7 @@ class SessionIO:
 
     def _post(self, make: Callable[[int], p.ClientMessage]) -> None:
         """Send a message that gets no answer."""
-        self._enqueue(lambda: self._requests.put((make, None, 0.0)), False)
+        self._enqueue(lambda: self._requests.put((make, None, 0.0, None)), False)
 
     def _enqueue_action(self, action: Callable[[], None]) -> None:
         self._enqueue(lambda: self._actions.put(action), False)
@@ -196,7 +207,8 @@ class SessionIO:
     # -- the I/O thread ---------------------------------------------------------------------
 
     def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-        pending: dict[int, tuple[Future[p.ServerMessage], float]] = {}
+        pending: dict[int, tuple[Future[p.ServerMessage], float, OnLate | None]] = {}
+        late: dict[int, OnLate] = {}  # requests timed out whose answer is still wanted
         seqs = itertools.count(3)  # 1 and 2 were the handshake
         poller = zmq.Poller()
         wake = self._wake_r.fileno()
@@ -221,7 +233,7 @@ class SessionIO:
                     deadlines.append(touches_due)
                 if self._commits_watched:
                     deadlines.append(commits_due)
-                deadlines.extend(deadline for _, deadline in pending.values())
+                deadlines.extend(deadline for _, deadline, _ in pending.values())
                 # Each wake-up holds the GIL its caller's thread needs (a tier's stores run on
                 # it): only what the poller says is ready is looked at.
                 ready = dict(poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3))))
@@ -248,6 +260,10 @@ class SessionIO:
                     entry = pending.pop(message.seq, None)
                     if entry is not None:
                         entry[0].set_result(message)
+                    elif message.seq in late:
+                        late.pop(message.seq)(message)
+                    for seq in [s for s in late if s < message.seq]:
+                        del late[seq]  # answered in order: skipped, never to come
                 now = time.monotonic()
                 # Commits and touches first: a request made after them reaches the server after
                 # them (a grant request must find the slots a commit returned to this session's
@@ -265,14 +281,17 @@ class SessionIO:
                 if requests or now >= touches_due:
                     touches_due = now + TOUCH_PERIOD_S
                     self._send_touches(sock, seqs)
-                for make, future, timeout_s in requests:
+                for make, future, timeout_s, on_late in requests:
                     seq = next(seqs)
                     if future is not None:
-                        pending[seq] = (future, now + timeout_s)
+                        pending[seq] = (future, now + timeout_s, on_late)
                     self._send(sock, make(seq))
                 now = time.monotonic()
-                for seq in [s for s, (_, deadline) in pending.items() if deadline <= now]:
-                    pending.pop(seq)[0].set_exception(
+                for seq in [s for s, (_, deadline, _) in pending.items() if deadline <= now]:
+                    future, _, on_late = pending.pop(seq)
+                    if on_late is not None:
+                        late[seq] = on_late
+                    future.set_exception(
                         TimeoutError(f"{self.peer_id} did not answer within the timeout")
                     )
                 if now - last_ok > self._hb_timeout_s:
@@ -329,7 +348,7 @@ class SessionIO:
         self,
         sock: zmq.Socket[bytes],
         monitor: zmq.Socket[bytes],
-        pending: dict[int, tuple[Future[p.ServerMessage], float]],
+        pending: dict[int, tuple[Future[p.ServerMessage], float, OnLate | None]],
         lost: str | None,
     ) -> None:
         with self._lock:
@@ -341,9 +360,9 @@ class SessionIO:
             self._wake_w.close()
             riders, self._riders = self._riders, []
         error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
-        for future, _ in pending.values():
+        for future, _, _ in pending.values():
             future.set_exception(error)
-        for _, waiting, _ in riders + self._take_requests():
+        for _, waiting, _, _ in riders + self._take_requests():
             if waiting is not None:
                 waiting.set_exception(error)
         close_sockets(sock, monitor)

@@ -1,0 +1,73 @@
+"""A tier's session with a host that freezes, restarts or loses frames: what the host hands the
+session is never given for nothing, and what the tier tells it is never lost with a session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import Future
+
+from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
+
+from torch_kv_tier.benchmarks.reliability_common import stop_process
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.shared_host import SharedHost
+
+RESULT_TIMEOUT_S = 20.0
+
+
+def test_a_grant_answered_after_its_timeout_still_brings_its_slots() -> None:
+    """A grant request that timed out (a host frozen for longer than the request timeout,
+    shorter than the heartbeat timeout) was answered late: the host counted those slots as
+    granted to the session, the tier never learnt them. Once the session's share of granted
+    slots (``--max-grant``) was spent so, every grant came back empty and every store failed
+    "capacity" for as long as the session lived."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "4"]) as server,
+        TierManager.create(16, BLOCK_LEN, name="late-grant", grant_batch=4) as tier,
+    ):
+        tier.connect(server.address, timeout_s=1.0)
+        (host,) = tier._peers.values()
+        assert isinstance(host, SharedHost)
+        assert wait_for(lambda: len(host.grants) == 4 and not host.refilling, 5.0)
+        stop_process(server.proc.pid)
+        try:
+            with tier._lock:  # as a store does once its writes completed: commit, top up
+                slots = list(host.grants)
+                host.grants.clear()
+                host.commit([f"written-{i}" for i in range(4)], slots, [0] * 4)
+                tier._refill(host)
+            time.sleep(2.5)  # the top-up times out (1 s) and is asked again
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        fill_random(tier)
+        stored = tier.store(["a", "b"], range(2)).result(timeout=RESULT_TIMEOUT_S)
+        assert stored.ok, stored.failed
+
+
+def test_a_session_answers_a_late_grant_once_and_forgets_requests_the_host_skipped() -> None:
+    """At the session: a grant's answer after its timeout runs ``on_answer`` again (once, with
+    that answer); a request the host answered nothing to by the time it answered a later one
+    never will be (answers come in order), and is forgotten."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False, timeout_s=0.5)
+        answers: list[Future[p.ServerMessage]] = []
+        try:
+            stop_process(server.proc.pid)
+            try:
+                session.grant(2, answers.append)
+                assert wait_for(lambda: len(answers) == 1, 5.0)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert isinstance(answers[0].exception(timeout=0), TimeoutError)
+            assert wait_for(lambda: len(answers) == 2, 5.0), "the late answer never came"
+            late = answers[1].result(timeout=0)
+            assert isinstance(late, p.Granted) and len(late.slots) == 2
+            assert session.stats()["shared_granted_blocks"] == 2
+            time.sleep(0.2)
+            assert len(answers) == 2
+        finally:
+            session.close()
