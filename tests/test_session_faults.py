@@ -7,12 +7,15 @@ import os
 import signal
 import time
 from concurrent.futures import Future
+from typing import Any
 
-from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
+import pytest
+from remote_support import BLOCK_LEN, fake_session, fill_random, free_port, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import handshake as handshake_module
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.shared_host import SharedHost
 
@@ -71,3 +74,34 @@ def test_a_session_answers_a_late_grant_once_and_forgets_requests_the_host_skipp
             assert len(answers) == 2
         finally:
             session.close()
+
+
+def test_a_host_restarted_between_hello_and_handshake_is_greeted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ``Handshake`` reached a host restarted at the same address since it answered the
+    ``Hello`` (or, after a reset, the same host under a new connection): it refused the nonce
+    as stale, and the tier took that for a refusal (vLLM fails to start on one). The client
+    starts again with a ``Hello``, within its deadline."""
+    port = free_port()
+    args = ["--port", str(port), "--host-id", "restarted"]
+    servers = [ServerProcess.start(8, BLOCK_LEN, extra_args=args)]
+    expect = handshake_module._expect
+
+    def restart_after_the_challenge(*args_: Any) -> Any:
+        reply = expect(*args_)
+        if isinstance(reply, p.Challenge) and len(servers) == 1:
+            servers[0].stop()
+            servers.append(ServerProcess.start(8, BLOCK_LEN, extra_args=args))
+        return reply
+
+    monkeypatch.setattr(handshake_module, "_expect", restart_after_the_challenge)
+    try:
+        with fake_session(f"127.0.0.1:{port}", slots=4, timeout_s=30.0) as session:
+            assert session.peer_id == "restarted" and len(session.lease) == 4
+            time.sleep(0.5)  # the old connection's end is no loss of this session
+            assert session.lost is None
+        assert len(servers) == 2
+    finally:
+        for server in servers:
+            server.stop()

@@ -218,6 +218,7 @@ class RemoteSession(SessionIO):
                     release=list(release or ())[: p.MAX_RELEASE],
                 ),
                 cancel,
+                monitor,
             )
         except BaseException:
             close_sockets(sock, monitor)

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SNDHWM = 1000  # control frames queued to the server before the session counts as failed
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
+GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
 
 
 class HandshakeRejected(Exception):
@@ -138,11 +139,40 @@ def handshake(
     token: str | None,
     request: p.Handshake,
     cancel: threading.Event | None = None,
+    monitor: zmq.Socket[bytes] | None = None,
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
     ``TimeoutError`` (nothing answered by ``deadline``; ``AcceptLost`` once the ``Handshake``
     went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set
-    before its first answer)."""
+    before its first answer).
+
+    A ``Handshake`` refused for its nonce (``protocol.STALE_NONCE``: it reached a server
+    restarted since its ``Hello``, or the same one over a connection that was reset and came
+    back under a new identity) is no refusal of this client: it starts again with a ``Hello``,
+    up to ``GREETINGS`` times in all, within ``deadline``, first taking from ``connect``'s
+    ``monitor`` the disconnects of the connection that was replaced (none of the session's)."""
+    greetings = 1
+    while True:
+        try:
+            return _greet(sock, address, deadline, token, request, cancel)
+        except HandshakeRejected as exc:
+            if exc.reason != p.STALE_NONCE or greetings == GREETINGS:
+                raise
+        logger.info("%s refused the handshake's nonce as stale: greeting it again", address)
+        if monitor is not None:
+            disconnected(monitor)
+        greetings += 1
+
+
+def _greet(
+    sock: zmq.Socket[bytes],
+    address: str,
+    deadline: float,
+    token: str | None,
+    request: p.Handshake,
+    cancel: threading.Event | None,
+) -> p.Accept:
+    """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``)."""
     client_nonce = secrets.token_bytes(p.NONCE_BYTES)
     sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
     challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)

@@ -66,6 +66,9 @@ MAX_FRAME_BYTES = 1 << 20  # the largest frame either side accepts; NIXL metadat
 NONCE_BYTES = 32
 ON_DISK = -1  # the slot of a key a shared host holds only on its disk (``Promote`` it)
 UNKNOWN_SESSION = "unknown session"
+# a ``Handshake`` whose nonce this server never gave its connection (restarted, or the
+# connection was reset and came back under a new identity) or gave too long ago: say hello again
+STALE_NONCE = "stale or unknown nonce: start again with hello"
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame below MAX_FRAME_BYTES (keys <= MAX_KEY_BYTES)
 MAX_FINGERPRINT = 64  # characters of a config fingerprint (ours are 16 hex digits)

@@ -69,7 +69,7 @@ class Gate:
         if hs.version != p.PROTOCOL_VERSION:
             raise Refused(f"protocol version {hs.version} != {p.PROTOCOL_VERSION}")
         if challenge is None or challenge.expires < now or challenge.nonce != hs.nonce:
-            raise Refused("stale or unknown nonce: start again with hello")
+            raise Refused(p.STALE_NONCE)
         token = self._token
         if token and not p.proof_matches(
             p.client_proof(token, challenge.nonce, challenge.client_nonce), hs.proof
