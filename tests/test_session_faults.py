@@ -4,11 +4,14 @@ session is never given for nothing, and what the tier tells it is never lost wit
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 from concurrent.futures import Future
 from typing import Any
 
+import psutil
 import pytest
 from remote_support import BLOCK_LEN, fake_session, fill_random, free_port, wait_for
 
@@ -105,3 +108,52 @@ def test_a_host_restarted_between_hello_and_handshake_is_greeted_again(
     finally:
         for server in servers:
             server.stop()
+
+
+def _control_ports(server: ServerProcess) -> set[int]:
+    port = int(server.address.rsplit(":", 1)[1])
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
+def test_a_release_lost_with_its_session_is_told_again() -> None:
+    """A ``Release`` (ended sessions whose writes all resolved) went out on a session whose
+    control connection was then reset before the host read it (a frozen host, a NAT): the
+    tier had forgotten those sessions, and the host held their slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="releases") as tier,
+    ):
+        peer = tier.connect(server.address)
+        held = fake_session(server.address, private=False)
+        granted: Future[Future[p.ServerMessage]] = Future()
+        held.grant(2, granted.set_result)
+        assert isinstance(granted.result(timeout=10).result(), p.Granted)
+        held.close(clean=False)  # as if a write of it could still land: the host holds it
+        (host,) = tier._peers.values()
+        ports = _control_ports(server)
+        stop_process(server.proc.pid)
+        try:
+            for i in range(40):  # fill the connection's buffers: what follows stays queued
+                host.session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+                tier._send_releases(server.address)
+            time.sleep(0.2)
+            for port in ports:  # as a NAT does
+                subprocess.run(
+                    ["ss", "-K", "src", f"127.0.0.1:{port}"], check=True, capture_output=True
+                )
+            assert wait_for(lambda: host.session.lost is not None, 5.0)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: tier.peers() == [peer], 15.0), "the tier never came back"
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

@@ -60,6 +60,9 @@ class _SharedSession:
     def unsent_commits(self) -> list[Any]:
         return []
 
+    def unreleased(self) -> list[str]:
+        return []
+
 
 def _tier() -> tuple[TierManager, LateWriteTransport]:
     """A tier with a private peer ``r0`` whose writes stay in flight until landed."""

@@ -139,6 +139,7 @@ class RemoteSession(SessionIO):
         self._riders: list[Request] = []  # requests that go out with the next commits
         self._flush = False  # send the riders (and the commits) at the next wake-up
         self._touches: list[Any] = []
+        self._released: list[str] = []  # named in ``release``; read unless ``close`` was acked
         self._stopping = False  # tells the I/O thread to exit
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -308,11 +309,22 @@ class RemoteSession(SessionIO):
             self._post(partial(p.Promote, session_id=self.session_id, keys=chunk))
 
     def release(self, held: list[str]) -> None:
-        """Tell the server that every write of the earlier sessions ``held`` resolved."""
+        """Tell the server that every write of the earlier sessions ``held`` resolved. Until
+        this session's disconnect is answered they are ``unreleased``: a control connection
+        reset (or a session lost) may lose them in flight."""
         for i in range(0, len(held), p.MAX_RELEASE):
-            self._post(
-                partial(p.Release, session_id=self.session_id, held=held[i : i + p.MAX_RELEASE])
-            )
+            chunk = held[i : i + p.MAX_RELEASE]
+            self._post(partial(p.Release, session_id=self.session_id, held=chunk))
+            with self._lock:
+                self._released += chunk
+
+    def unreleased(self) -> list[str]:
+        """The sessions ``release`` named that the server may not have read: every one, unless
+        ``close`` got the answer to its disconnect (the server reads in order). A session that
+        ended otherwise (lost, reset, its disconnect unanswered) leaves them to be named again:
+        a server that read them, or restarted since, ignores them."""
+        with self._lock:
+            return list(self._released)
 
     def follow(self, on_change: OnChange) -> None:
         """Keep ``on_change(stored, slots, digests, evicted, reset, sent)`` informed of the
@@ -381,6 +393,9 @@ class RemoteSession(SessionIO):
                 )
                 if not isinstance(reply, p.DisconnectAck):
                     logger.warning("disconnect from %s: %s", self.peer_id, describe(reply))
+                else:  # read after every release this session carried
+                    with self._lock:
+                        self._released.clear()
             except (TimeoutError, ConnectionError) as exc:
                 logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
         with self._lock:
