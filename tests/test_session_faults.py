@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -157,3 +158,23 @@ def test_a_release_lost_with_its_session_is_told_again() -> None:
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"
             ]
+
+
+def test_a_session_closed_from_its_own_answer_callback_still_disconnects() -> None:
+    """``close`` on the session's I/O thread (an answer callback) sent no ``Disconnect``: the
+    host kept the session until its lease timeout, then held its grants as if a write of it
+    could still land, until a release that never comes."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False)
+        closed = threading.Event()
+
+        def close_here(_answer: Future[p.ServerMessage]) -> None:
+            session.close()
+            closed.set()
+
+        session.grant(2, close_here)
+        assert closed.wait(10)
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
+            stats = observer.stats()
+            assert stats["held_sessions"] == 0 and stats["shared_granted_blocks"] == 0, stats

@@ -375,22 +375,23 @@ class RemoteSession(SessionIO):
         """End the session (a disconnect), stop the I/O thread. Pass ``clean=False`` while a
         write to the server may still be in flight: the server then holds the session's slots
         until ``release``. Idempotent; never raises for a lost server (waits at most ~2 s for
-        its answer)."""
+        its answer). On the I/O thread (a callback) it returns at once: the disconnect goes out
+        as that thread stops, unanswered."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             alive = self._lost_reason is None
+            written, read = self._usage["bytes_written"], self._usage["bytes_read"]
+        bye = partial(p.Disconnect, session_id=self.session_id, clean=clean)
+        bye = partial(bye, bytes_written=written, bytes_read=read)
         on_io_thread = threading.current_thread() is self._thread
-        if alive and not on_io_thread:
+        if alive and on_io_thread:  # it cannot wait for its own answer
+            self._enqueue(lambda: self._requests.put((bye, None, 0.0, None)), True)
+        elif alive:
             try:
-                with self._lock:
-                    written, read = self._usage["bytes_written"], self._usage["bytes_read"]
-                reply = self._call(
-                    lambda seq: p.Disconnect(seq, self.session_id, written, read, clean),
-                    min(self._timeout_s, _DISCONNECT_TIMEOUT_S),
-                    allow_closed=True,
-                )
+                timeout_s = min(self._timeout_s, _DISCONNECT_TIMEOUT_S)
+                reply = self._call(bye, timeout_s, allow_closed=True)
                 if not isinstance(reply, p.DisconnectAck):
                     logger.warning("disconnect from %s: %s", self.peer_id, describe(reply))
                 else:  # read after every release this session carried

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 SNDHWM = 1000  # control frames queued to the server before the session counts as failed
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
+LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
 
 
@@ -124,12 +125,15 @@ def disconnected(monitor: zmq.Socket[bytes]) -> bool:
     return False
 
 
-def close_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-    """Close what ``connect`` made."""
+def close_sockets(
+    sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], *, linger: bool = False
+) -> None:
+    """Close what ``connect`` made; ``linger``: frames sent but not yet out still go, for up
+    to ``LINGER_MS`` (a ``Disconnect`` sent last), else they are dropped."""
     with contextlib.suppress(zmq.ZMQError):
         sock.disable_monitor()
     monitor.close(linger=0)
-    sock.close(linger=0)
+    sock.close(linger=LINGER_MS if linger else 0)
 
 
 def handshake(

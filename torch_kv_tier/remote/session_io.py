@@ -221,8 +221,7 @@ class SessionIO:
             while True:
                 now = time.monotonic()
                 with self._lock:
-                    if self._stopping:
-                        break
+                    stopping = self._stopping  # then it ends once what was queued went out
                     touched = bool(self._touches)
                     committed = bool(self._commits)
                     # While commits flow this thread looks at them by ``commits_due`` on its
@@ -236,7 +235,8 @@ class SessionIO:
                 deadlines.extend(deadline for _, deadline, _ in pending.values())
                 # Each wake-up holds the GIL its caller's thread needs (a tier's stores run on
                 # it): only what the poller says is ready is looked at.
-                ready = dict(poller.poll(max(0, math.ceil((min(deadlines) - now) * 1e3))))
+                wait = max(0, math.ceil((min(deadlines) - now) * 1e3))
+                ready = {} if stopping else dict(poller.poll(wait))
                 if wake in ready:
                     self._drain_wake()
                 if monitor in ready and disconnected(monitor):
@@ -286,6 +286,8 @@ class SessionIO:
                     if future is not None:
                         pending[seq] = (future, now + timeout_s, on_late)
                     self._send(sock, make(seq))
+                if stopping:  # (a ``Disconnect`` that ``close`` queued on this thread)
+                    break
                 now = time.monotonic()
                 for seq in [s for s, (_, deadline, _) in pending.items() if deadline <= now]:
                     future, _, on_late = pending.pop(seq)
@@ -365,7 +367,7 @@ class SessionIO:
         for _, waiting, _, _ in riders + self._take_requests():
             if waiting is not None:
                 waiting.set_exception(error)
-        close_sockets(sock, monitor)
+        close_sockets(sock, monitor, linger=lost is None)  # what went out last may go on
         if report:
             logger.warning("lost %s (session %s): %s", self.peer_id, self.public_id, lost)
             on_lost = self._on_lost()
