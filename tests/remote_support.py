@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import psutil
 import torch
 
 from torch_kv_tier.benchmarks.reliability_common import wait_until as wait_for  # noqa: F401  (re-exported)
@@ -84,3 +85,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def control_ports(server: Any) -> set[int]:
+    """This process's local ports of its established control connections to ``server`` (a
+    ``ServerProcess``), to reset one with ``ss -K``."""
+    port = int(server.address.rsplit(":", 1)[1])
+    return {
+        c.laddr.port
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
+    }

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
+from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, wait_for
 from test_index import LateWriteTransport
 
 from torch_kv_tier import connected_hosts
@@ -92,15 +92,6 @@ def test_a_key_the_wire_cannot_carry_is_refused_at_the_call_and_the_host_stays(
         assert tier.store(["after"], [12]).result(timeout=RESULT_TIMEOUT_S).ok
 
 
-def _control_ports(server: ServerProcess) -> set[int]:
-    port = int(server.address.rsplit(":", 1)[1])
-    return {
-        c.laddr.port
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-    }
-
-
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
 def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_again() -> None:
     with (
@@ -109,7 +100,7 @@ def test_a_reset_control_connection_is_noticed_and_the_tier_follows_the_host_aga
         TierManager.create(64, BLOCK_LEN, name="b") as b,
     ):
         b.connect(server.address)
-        b_ports = _control_ports(server)
+        b_ports = control_ports(server)
         peer = a.connect(server.address)
         fill_random(a)
         before = [f"before-{i}" for i in range(8)]

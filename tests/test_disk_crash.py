@@ -9,6 +9,7 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,81 +195,64 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
         store.close()
 
 
+def _evict_k_for_a_failed_write_then_store_it_in_b(
+    store: DiskStore,
+    pool: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+    before_write: Callable[[], None] | None,
+) -> None:
+    """Key K (old content) in directory a's slot 0, a's journal the longer; a write of L evicts
+    K and fails to start (``before_write`` runs just before it); then K is stored again, with
+    new content, in directory b."""
+    store.recover()
+    for _ in range(6):  # a's journal grows longer than b's
+        assert _write(store, pool, b"churn", 9).written
+        store.remove("ns", b"churn")
+    assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
+    for i, key in enumerate([b"x1", b"x2", b"x3"]):
+        assert _write(store, pool, key, 1 + i).written
+    assert store._where[("ns", b"K")][0] == 0
+    real_transfer = store._agent.transfer
+
+    def refused(handle: Any) -> str:
+        raise RuntimeError("injected: the write could not start")
+
+    if before_write is not None:
+        before_write()
+    monkeypatch.setattr(store._agent, "transfer", refused)
+    store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K; fails
+    assert store.poll().failed == [("ns", b"L", 5)] and not store.contains("ns", b"K")
+    monkeypatch.setattr(store._agent, "transfer", real_transfer)
+    store.remove("ns", b"x1")  # b's slot 0 free
+    assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
+    assert store._where[("ns", b"K")][0] == 1
+
+
+@pytest.mark.parametrize("a_journal", ["written", "full, then a crash"])
 def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, a_journal: str
 ) -> None:
-    """An eviction wrote no ``DEL``: its slot's record still named the evicted key until a write
-    there completed. When that write failed, the key came back at the next start, its old bytes
-    winning over the newer copy another directory held (journal positions of two directories
-    compared as if one order)."""
+    """Key K, evicted from directory a for a write that failed, stored again in b: at the next
+    start the old copy came back over the new one. Written: the eviction wrote no ``DEL``, so
+    a's record still named K. Full, then a crash: a's ``DEL`` was lost, and recovery compared
+    the journal positions of two directories as if one order, so the deeper copy won (a key
+    found in two directories is now dropped)."""
     dirs = [tmp_path / "a", tmp_path / "b"]
+    real_write = os.write
+
+    def a_full(fd: int, data: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dirs[0])):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    full = a_journal != "written"
     store = _open(pool, dirs, slots=2)  # global slots 0, 2 in a; 1, 3 in b
     try:
-        store.recover()
-        for _ in range(6):  # a's journal grows longer than b's
-            assert _write(store, pool, b"churn", 9).written
-            store.remove("ns", b"churn")
-        assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
-        for i, key in enumerate([b"x1", b"x2", b"x3"]):
-            assert _write(store, pool, key, 1 + i).written
-        assert store._where[("ns", b"K")][0] == 0
-        real_transfer = store._agent.transfer
-
-        def refused(handle: Any) -> str:
-            raise RuntimeError("injected: the write could not start")
-
-        monkeypatch.setattr(store._agent, "transfer", refused)
-        store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K; fails
-        assert store.poll().failed == [("ns", b"L", 5)] and not store.contains("ns", b"K")
-        monkeypatch.setattr(store._agent, "transfer", real_transfer)
-        store.remove("ns", b"x1")  # b's slot 0 free
-        assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
-        assert store._where[("ns", b"K")][0] == 1
-    finally:
-        store.close()
-    store = _open(pool, dirs, slots=2)
-    try:
-        store.recover()
-        assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
-    finally:
-        store.close()
-
-
-def test_a_key_found_in_two_directories_is_dropped_not_guessed(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Recovery sorted the records of every directory by their position in their own journal:
-    a key whose ``DEL`` in one directory was lost (its journal full, then a crash) and whose
-    newer copy lived in another came back with whichever copy sat deeper in its journal."""
-    dirs = [tmp_path / "a", tmp_path / "b"]
-    store = _open(pool, dirs, slots=2)  # global slots 0, 2 in a; 1, 3 in b
-    try:
-        store.recover()
-        for _ in range(6):  # a's journal grows longer than b's
-            assert _write(store, pool, b"churn", 9).written
-            store.remove("ns", b"churn")
-        assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
-        for i, key in enumerate([b"x1", b"x2", b"x3"]):
-            assert _write(store, pool, key, 1 + i).written
-        real_write, real_transfer = os.write, store._agent.transfer
-
-        def a_full(fd: int, data: Any) -> int:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(dirs[0])):
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real_write(fd, data)
-
-        def refused(handle: Any) -> str:
-            raise RuntimeError("injected: the write could not start")
-
-        monkeypatch.setattr(os, "write", a_full)
-        monkeypatch.setattr(store._agent, "transfer", refused)
-        store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K (DEL lost); fails
-        assert store.poll().failed == [("ns", b"L", 5)] and store._dirs[0].stale
-        monkeypatch.setattr(store._agent, "transfer", real_transfer)
-        store.remove("ns", b"x1")  # b's slot 0 free
-        assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
-        assert store._where[("ns", b"K")][0] == 1
-        monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL: no sync
+        before_write = (lambda: monkeypatch.setattr(os, "write", a_full)) if full else None
+        _evict_k_for_a_failed_write_then_store_it_in_b(store, pool, monkeypatch, before_write)
+        assert store._dirs[0].stale == full  # full: K's DEL lost
+        if full:
+            monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL
     finally:
         store.close()
     monkeypatch.undo()

@@ -12,9 +12,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-import psutil
 import pytest
-from remote_support import BLOCK_LEN, fake_session, fill_random, free_port, wait_for
+from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, free_port, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
@@ -111,15 +110,6 @@ def test_a_host_restarted_between_hello_and_handshake_is_greeted_again(
             server.stop()
 
 
-def _control_ports(server: ServerProcess) -> set[int]:
-    port = int(server.address.rsplit(":", 1)[1])
-    return {
-        c.laddr.port
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
-    }
-
-
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
 def test_a_release_lost_with_its_session_is_told_again() -> None:
     """A ``Release`` (ended sessions whose writes all resolved) went out on a session whose
@@ -136,7 +126,7 @@ def test_a_release_lost_with_its_session_is_told_again() -> None:
         assert isinstance(granted.result(timeout=10).result(), p.Granted)
         held.close(clean=False)  # as if a write of it could still land: the host holds it
         (host,) = tier._peers.values()
-        ports = _control_ports(server)
+        ports = control_ports(server)
         stop_process(server.proc.pid)
         try:
             for i in range(40):  # fill the connection's buffers: what follows stays queued
