@@ -24,6 +24,7 @@ from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.records import Peer
+from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.session_releases import SessionReleases, end_session
 from torch_kv_tier.transport.base import DataTransport
 
@@ -88,8 +89,7 @@ class ConnectedHosts(SessionReleases):
         host with another id answering at its address (restarted under another
         ``--host-id``) joins in its place.
         """
-        if slots is not None and not private:
-            raise ValueError("slots= sizes a private lease: pass private=True with it")
+        check_connect_args(address, slots, private, token)
         if not private and not self.verify:
             raise ValueError(
                 "a shared pool needs verify=True: its loads read unpinned slots and rely on "

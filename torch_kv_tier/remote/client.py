@@ -189,6 +189,7 @@ class RemoteSession(SessionIO):
         ``ConnectionError`` when the server answers with an error or ``cancel`` was set.
         """
         check_session_args(
+            address,
             region,
             agent_metadata,
             slots,

@@ -75,6 +75,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def check_session_args(
+    address: str,
     region: p.Region,
     agent_metadata: bytes,
     slots: int | None,
@@ -87,15 +88,22 @@ def check_session_args(
     problem = region.problem()
     if problem is not None:
         raise ValueError(problem)
-    if slots is not None and slots <= 0:
-        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
-    if slots is not None and not private:
-        raise ValueError("slots= sizes a private lease: pass private=True with it")
+    check_connect_args(address, slots, private, token)
     if not agent_metadata:
         raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
     for name, value in timeouts_s.items():
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_connect_args(address: str, slots: int | None, private: bool, token: str | None) -> None:
+    """Connection arguments no host could accept (what a tier's ``connect`` checks before it
+    dials): ``ValueError`` naming the bad one."""
+    parse_address(address)
+    if slots is not None and slots <= 0:
+        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
+    if slots is not None and not private:
+        raise ValueError("slots= sizes a private lease: pass private=True with it")
     if token == "":
         raise ValueError("token is empty: pass None for a server without a token")
 

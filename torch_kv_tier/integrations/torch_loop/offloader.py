@@ -43,7 +43,7 @@ from torch_kv_tier.integrations.torch_loop.offload_results import (
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote.handshake import parse_address
+from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -188,7 +188,7 @@ class PagedKVOffloader:
             raise ValueError(f"arena_blocks must be >= 1, got {arena_blocks}")
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
         for address in remotes:
-            _check_connect_args(address, token, private, slots)
+            check_connect_args(address, slots, private, token)
         device = str(key_caches[0].device) if staging == "device" else "cpu"
         first = key_caches[0]
         layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
@@ -227,7 +227,7 @@ class PagedKVOffloader:
         host could accept (an address not ``HOST:PORT``, ``slots`` without ``private`` or not
         > 0, an empty ``token``) raise ``ValueError`` instead.
         """
-        _check_connect_args(address, token, private, slots)
+        check_connect_args(address, slots, private, token)
         try:
             return self.manager.connect(address, token=token, private=private, slots=slots)
         except Exception as exc:
@@ -448,15 +448,3 @@ def _check_wait(timeout: float | None) -> None:
     """``ValueError`` unless ``timeout`` is ``None`` or a finite number of seconds >= 0."""
     if timeout is not None and not 0 <= timeout < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-
-
-def _check_connect_args(address: str, token: str | None, private: bool, slots: int | None) -> None:
-    """``ValueError`` for connection arguments no host could accept: the caller's mistake, which
-    :meth:`PagedKVOffloader.connect` must not log as a host that is unavailable."""
-    parse_address(address)
-    if slots is not None and slots <= 0:
-        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
-    if slots is not None and not private:
-        raise ValueError("slots= sizes a private lease: pass private=True with it")
-    if token == "":
-        raise ValueError("token is empty: pass None for a server without a token")
