@@ -113,7 +113,7 @@ class ConnectedHosts(SessionReleases):
                 self._removed[dial.address] = dial
             if peer_id not in self._peers:
                 if dial is not None:  # lost and being dialled again: that stops
-                    self._unpark(peer_id)
+                    self._remove_from_transport(peer_id)
                     self._send_releases(dial.address)
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
@@ -215,12 +215,13 @@ class ConnectedHosts(SessionReleases):
         ]
         for pid in replaced:
             del self._dials[pid]
-            self._unpark(pid)
+            self._remove_from_transport(pid)
             logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
 
-    def _unpark(self, peer_id: str) -> None:
-        """A lost peer (its NIXL agent parked by the transport for a redial) is not dialled
-        again: the transport lets go of its agent."""
+    def _remove_from_transport(self, peer_id: str) -> None:
+        """The transport lets go of ``peer_id`` (logged, never raised: a closed transport holds
+        nothing): a lost peer that is not dialled again (its NIXL agent was parked for a
+        redial), or a registration abandoned while it runs (superseded: it never publishes)."""
         try:
             self.transport.remove_remote_peer(peer_id)
         except Exception:
@@ -313,10 +314,7 @@ class ConnectedHosts(SessionReleases):
         try:
             future.result(timeout=_REGISTER_TIMEOUT_S)
         except FutureTimeout:
-            try:
-                self.transport.remove_remote_peer(peer_id)
-            except Exception:  # the transport closed meanwhile: it published nothing
-                logger.exception("abandoning the registration of %s failed", peer_id)
+            self._remove_from_transport(peer_id)
             raise TimeoutError(
                 f"registering {peer_id}'s region with the transport did not finish within "
                 f"{_REGISTER_TIMEOUT_S:g} s; it was abandoned"
