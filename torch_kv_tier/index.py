@@ -18,7 +18,8 @@ rewritten meanwhile fails its digest and is a miss. The copy is a dict (fastest 
 per key) until the pools of the hosts this tier follows add up to more than
 ``COMPACT_AFTER_SLOTS``; each host joined after that, or every host with ``compact=True``, is
 held in 16 B per key (``slot_maps.CompactSlots``), so a tier's index stays within ~150 MB plus
-16 B per key whatever the fleet.
+16 B per key whatever the fleet. Joining a host, applying its events and its keys on disk are
+the base class's, ``shared_index.SharedIndex``.
 
 Which peer holds a key: ``where`` maps the keys of tier-owned peers; a shared host's copy
 answers for its own keys (no second map per key). A key held by several peers is found on a
@@ -29,23 +30,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import chain, islice, repeat
-from typing import Literal
+from itertools import islice, repeat
 
 from torch_kv_tier.keys import Key, Placement
 from torch_kv_tier.peer_slots import Fences, PeerSlots
-from torch_kv_tier.remote.replica import Commits
-from torch_kv_tier.slot_maps import CompactSlots, DictSlots, SharedSlots, drain
+from torch_kv_tier.shared_index import COMPACT_AFTER_SLOTS, AnyPeer, EventKind, SharedIndex
+from torch_kv_tier.slot_maps import SharedSlots, drain
 
-COMPACT_AFTER_SLOTS = 1 << 20  # a dict copy of that many keys is ~150 MB
-EventKind = Literal["stored", "evicted", "discarded", "lost"]
 MAX_EVENTS = 100_000
 
 
-AnyPeer = PeerSlots | SharedSlots
-
-
-class BlockIndex:
+class BlockIndex(SharedIndex):
     """Stored keys across peers: placement, LRU, pins, eviction and the event log."""
 
     def __init__(self, *, events: bool = False, compact: bool | None = None) -> None:
@@ -79,21 +74,6 @@ class BlockIndex:
         self._peers_changed()
         return peer
 
-    def add_shared_peer(self, peer_id: str, capacity: int) -> SharedSlots:
-        """A new shared host (its keys arrive with ``apply_host_changes``)."""
-        if peer_id in self.peers:
-            raise ValueError(f"peer {peer_id!r} is registered; remove it first")
-        followed = capacity + sum(peer.capacity for peer in self.shared)
-        compact = self.compact if self.compact is not None else followed > COMPACT_AFTER_SLOTS
-        keep = self.events_enabled
-        slot_map = CompactSlots(capacity, keep_keys=keep) if compact else DictSlots()
-        disk = CompactSlots(1, keep_keys=keep) if compact else DictSlots()
-        peer = SharedSlots(peer_id, capacity, slot_map, disk)
-        self.peers[peer_id] = peer
-        self.shared.append(peer)
-        self._peers_changed()
-        return peer
-
     def remove_peer(self, peer_id: str) -> list[Key]:
         """Forget a registration; returns its stored keys (now lost to this tier)."""
         peer = self.peers.pop(peer_id)
@@ -121,29 +101,6 @@ class BlockIndex:
             ):
                 n += 1
         return n
-
-    def has_disk_keys(self) -> bool:
-        """Whether a shared host announced keys it holds on its disk only."""
-        return any(len(peer.disk) for peer in self.shared)
-
-    def disk_holder(self, key: Key) -> SharedSlots | None:
-        """The shared host holding ``key`` on its disk only; ``None``: none."""
-        for peer in self.shared:
-            if peer.disk.contains_one(key):
-                return peer
-        return None
-
-    def on_disk(self, keys: Sequence[Key]) -> dict[SharedSlots, list[int]]:
-        """The positions in ``keys`` of those held on a host's disk only, by host."""
-        found: dict[SharedSlots, list[int]] = {}
-        taken: set[int] = set()
-        for peer in self.shared:
-            if len(peer.disk):
-                for i, has in enumerate(peer.disk.contains(keys)):
-                    if has and i not in taken:
-                        found.setdefault(peer, []).append(i)
-                        taken.add(i)
-        return found
 
     def _lookup_held(self, keys: Sequence[Key]) -> int:
         if not self.shared:
@@ -272,34 +229,6 @@ class BlockIndex:
             self.where.update(dict.fromkeys(keys, peer))
         self._log("stored", keys, peer.peer_id)
 
-    def apply_host_changes(
-        self,
-        peer: SharedSlots,
-        stored: list[Key],
-        slots: list[int],
-        digests: list[int],
-        evicted: list[Key],
-        reset: bool,
-        sent: Commits = (),
-    ) -> None:
-        """A shared host's key set changed: ``stored`` keys now live in ``slots`` with
-        ``digests`` (``reset``: they are all of it now, but for what this tier ``sent`` after
-        the snapshot was taken: ``SharedSlots.reset``)."""
-        logged = self.events_enabled
-        if reset:
-            kept = [*stored, *chain.from_iterable(keys for keys, _, _ in sent)] if logged else []
-            was = list(set(peer.map.keys()).difference(kept)) if logged else []
-            new = self._unheld(kept) if logged else []
-            peer.reset(stored, slots, digests, sent)
-        else:
-            evicted = list(dict.fromkeys(evicted))
-            was = [k for k, h in zip(evicted, peer.map.contains(evicted)) if h] if logged else []
-            peer.forget(evicted)
-            new = self._unheld(stored) if logged else []
-            peer.learn(stored, slots, digests)
-        self._log("evicted", self._unheld(was), peer.peer_id)
-        self._log("stored", new, peer.peer_id)
-
     # -- loads --------------------------------------------------------------------------------
 
     def locate(
@@ -344,22 +273,6 @@ class BlockIndex:
                 for slot in slots:
                     pins[slot] = pins.get(slot, 0) + 1
         return groups, missing
-
-    @staticmethod
-    def _locate_on(
-        peer: SharedSlots, keys: Sequence[Key], local: Sequence[int]
-    ) -> tuple[dict[AnyPeer, tuple[list, list, list, list]], list[Key]]:
-        """``locate`` when ``peer`` is the only peer."""
-        slots = peer.map.slots(keys)
-        if -1 not in slots:
-            found, missing = (list(keys), list(local), slots), []
-        else:
-            hits = [i for i, s in enumerate(slots) if s >= 0]
-            found = ([keys[i] for i in hits], [local[i] for i in hits], [slots[i] for i in hits])
-            missing = [k for k, s in zip(keys, slots) if s < 0]
-        if not found[0]:
-            return {}, missing
-        return {peer: (*found, peer.digests[found[2]].tolist())}, missing
 
     # -- removal ------------------------------------------------------------------------------
 
@@ -438,3 +351,6 @@ class BlockIndex:
             self.events_dropped += overflow
         # Plain tuples of atoms: the garbage collector stops tracking them.
         log.extend(zip(repeat(kind), keys, repeat(peer_id)))
+
+
+__all__ = ["COMPACT_AFTER_SLOTS", "AnyPeer", "BlockIndex", "drain"]
