@@ -4,9 +4,9 @@ The public API and the calls' validation. Its parts: ``index`` (what is stored w
 placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, per tier-owned
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
 the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its base
-``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts) and
+``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts),
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions: redial; its base
-``session_releases``).
+``session_releases``) and ``closing`` (``close``: cancel, end the sessions, settle the loads).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.closing import Closing
 from torch_kv_tier.connected_hosts import ConnectedHosts
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
@@ -54,10 +53,8 @@ from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
 from torch_kv_tier.results import (
-    CLOSED,
     MISSING,
     NO_PEERS,
-    PEER_LOST,
     Counters,
     PeerStats,
     TierEvent,
@@ -75,7 +72,7 @@ _LATENCY_WINDOW = 4096
 PROMOTION_TIMEOUT_S = 5.0  # a load of a key on a host's disk waits this long for its promotion
 
 
-class TierManager(Transfers, SharedHosts, ConnectedHosts):
+class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
     """Keeps KV blocks under logical keys on remote peers and brings them back.
 
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
@@ -351,39 +348,6 @@ class TierManager(Transfers, SharedHosts, ConnectedHosts):
             return [TierEvent(*e) for e in self._index.take_events()]  # type: ignore[arg-type]
 
     # -- lifecycle ----------------------------------------------------------------------------
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
-        (their keys fail with "closed"), then end the sessions and close the transport; a load
-        cancelled here resolves only after that, when nothing can land in its blocks any more;
-        a handshake on another thread still awaiting a first answer gives up. Idempotent."""
-        self._closing.set()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            deadline = time.monotonic() + timeout
-            cancelled = self._cancel_all(deadline)
-            self._fail_parked(self._promotions.take_all(), CLOSED)
-            dirty = {op.peer for op in cancelled if op.kind == "store"}
-            ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
-        self._flush()
-        if threading.current_thread() is not self._thread:  # close() from a done-callback
-            self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
-        self._end_sessions(ending, deadline - time.monotonic())
-        self.transport.close()
-        # once the transport released everything, nothing lands in a cancelled load's blocks
-        self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
-
-    def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
-        """``close``'s last step (unlocked): the loads it cancelled settle, now that the
-        transport can no longer write into their blocks."""
-        with self._lock:
-            for op in cancelled:
-                if op.kind == "load":
-                    self._finish(op, PEER_LOST if op.orphaned else CLOSED)
-        self._flush()
 
     def __enter__(self) -> TierManager:
         return self

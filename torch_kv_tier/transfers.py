@@ -34,7 +34,6 @@ from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CAPACITY,
-    CLOSED,
     MISSING,
     PEER_LOST,
     TRANSFER_FAILED,
@@ -156,31 +155,6 @@ class Transfers(Finishes):
                 request.settle(rest.keys, CAPACITY)
         if op.keys:
             self._launch(op)
-
-    def _cancel_all(self, deadline: float) -> list[Op]:
-        """``close``'s first half: fail what is queued or awaits slots, wait until
-        ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
-        "closed" now; a load's, returned, once the transport is closed: until then its blocks
-        may still be written) and stop the poller."""
-        for peer in self._peers.values():
-            while peer.queue:
-                self._finish(peer.queue.popleft(), CLOSED)
-            self._fail_awaiting(peer, CLOSED)
-        self._cond.notify_all()
-        while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
-            self._cond.wait(timeout=deadline - time.monotonic())
-        leftover = list(self._ops)
-        if any(not self._ops[tid].orphaned for tid in leftover):
-            logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
-        self.transport.cancel(leftover)
-        cancelled = list(map(self._ops.pop, leftover))
-        for op in cancelled:
-            if op.kind == "store" and not op.orphaned:
-                self._finish(op, CLOSED)
-        self._stopping = True
-        self._cond.notify_all()
-        self._report_usage(time.perf_counter())
-        return cancelled
 
     def _launch(self, op: Op) -> None:
         if op.peer.inflight >= self.max_inflight:

@@ -1,0 +1,111 @@
+"""Closing a tier: ``close`` stops accepting work, waits (bounded) for the transfers in flight,
+cancels the rest, ends the sessions and closes the transport; the loads it cancelled settle only
+once the transport can no longer write into their blocks.
+
+``Closing`` is a part of ``TierManager`` (its first base class, beside ``Transfers``,
+``SharedHosts`` and ``ConnectedHosts``).
+
+Threading: ``close`` and ``_settle_cancelled_loads`` take the manager's lock themselves;
+``_cancel_all`` runs with it held (and waits on ``_cond``, which releases it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from torch_kv_tier.connections import Redialer
+from torch_kv_tier.deferring_lock import DeferringLock
+from torch_kv_tier.promotions import Parked, Promotions
+from torch_kv_tier.records import Op, Peer
+from torch_kv_tier.results import CLOSED, PEER_LOST
+from torch_kv_tier.transport.base import DataTransport
+
+logger = logging.getLogger(__name__)
+
+
+class Closing:
+    """The end of ``TierManager``'s life (module docstring)."""
+
+    # The manager's state this part uses (set by ``TierManager.__init__``).
+    transport: DataTransport
+    _lock: DeferringLock
+    _cond: threading.Condition
+    _closing: threading.Event
+    _closed: bool
+    _stopping: bool
+    _thread: threading.Thread
+    _redialer: Redialer
+    _peers: dict[str, Peer]
+    _ops: dict[int, Op]
+    _promotions: Promotions
+
+    if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
+
+        def _finish(self, op: Op, reason: str | None) -> None: ...
+        def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
+        def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
+        def _report_usage(self, now: float) -> None: ...
+        def _flush(self) -> None: ...
+        def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None: ...
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
+        (their keys fail with "closed"), then end the sessions and close the transport; a load
+        cancelled here resolves only after that, when nothing can land in its blocks any more;
+        a handshake on another thread still awaiting a first answer gives up. Idempotent."""
+        self._closing.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            deadline = time.monotonic() + timeout
+            cancelled = self._cancel_all(deadline)
+            self._fail_parked(self._promotions.take_all(), CLOSED)
+            dirty = {op.peer for op in cancelled if op.kind == "store"}
+            ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
+        self._flush()
+        if threading.current_thread() is not self._thread:  # close() from a done-callback
+            self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
+        self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        self._end_sessions(ending, deadline - time.monotonic())
+        self.transport.close()
+        # once the transport released everything, nothing lands in a cancelled load's blocks
+        self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+
+    def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
+        """``close``'s last step (unlocked): the loads it cancelled settle, now that the
+        transport can no longer write into their blocks."""
+        with self._lock:
+            for op in cancelled:
+                if op.kind == "load":
+                    self._finish(op, PEER_LOST if op.orphaned else CLOSED)
+        self._flush()
+
+    def _cancel_all(self, deadline: float) -> list[Op]:
+        """``close``'s first half: fail what is queued or awaits slots, wait until
+        ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
+        "closed" now; a load's, returned, once the transport is closed: until then its blocks
+        may still be written) and stop the poller."""
+        for peer in self._peers.values():
+            while peer.queue:
+                self._finish(peer.queue.popleft(), CLOSED)
+            self._fail_awaiting(peer, CLOSED)
+        self._cond.notify_all()
+        while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
+            self._cond.wait(timeout=deadline - time.monotonic())
+        leftover = list(self._ops)
+        if any(not self._ops[tid].orphaned for tid in leftover):
+            logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
+        self.transport.cancel(leftover)
+        cancelled = list(map(self._ops.pop, leftover))
+        for op in cancelled:
+            if op.kind == "store" and not op.orphaned:
+                self._finish(op, CLOSED)
+        self._stopping = True
+        self._cond.notify_all()
+        self._report_usage(time.perf_counter())
+        return cancelled
