@@ -41,6 +41,29 @@ def test_reserve_evicts_oldest_unpinned_and_hands_their_slots_over() -> None:
     assert kinds[-4:] == [("evicted", "b"), ("evicted", "c"), ("discarded", "a"), ("evicted", "d")]
 
 
+class _CountedPins(dict):
+    """A peer's pins that count the slots looked up in them."""
+
+    looked_up = 0
+
+    def __contains__(self, slot: object) -> bool:
+        self.looked_up += 1
+        return super().__contains__(slot)
+
+
+def test_eviction_beside_a_load_in_flight_looks_at_its_victims_only() -> None:
+    """While any slot of a peer was pinned (a load in flight), every store that evicted scanned
+    every key the peer holds for its victims: per-key Python over the whole index per store."""
+    index = BlockIndex()
+    peer = index.add_peer("p", range(10_000))
+    index.publish(peer, list(range(10_000)), index.reserve(peer, 10_000), [0] * 10_000)
+    index.locate([9_999], [0])  # pins the newest key's slot
+    peer.pins = pins = _CountedPins(peer.pins)
+    assert index.reserve(peer, 2) == [0, 1]  # the two oldest keys' slots
+    assert index.lookup([0, 1, 2]) == 0 and index.lookup([2]) == 1
+    assert pins.looked_up <= 4
+
+
 @pytest.mark.parametrize("compact", [False, True], ids=["dict", "compact"])
 def test_a_shared_keys_stale_slot_answers_the_digest_of_what_is_there_now(compact: bool) -> None:
     """A shared host's copy keeps one digest per slot. A key whose slot went to another key

@@ -209,7 +209,7 @@ class BlockIndex(SharedIndex):
             if not pins:
                 victims = list(islice(lru, need))
             else:
-                victims = [k for k, s in lru.items() if s not in pins][:need]
+                victims = list(islice((k for k, s in lru.items() if s not in pins), need))
             slots += map(lru.pop, victims)
             drain(map(self.where.pop, victims))
             self.evictions += len(victims)
