@@ -119,6 +119,27 @@ def test_a_parked_load_resolves_while_another_transfer_stays_in_flight(settled_b
             transport.land(tid)
 
 
+def test_a_parked_load_times_out_while_other_loads_keep_parking() -> None:
+    """An idle poller looked at the parked loads' deadlines only when its 0.1 s wait ran out,
+    and each load that parks wakes it: while loads kept parking more often than that (a host
+    that promotes nothing, asked by a busy scheduler), no parked load ever timed out."""
+    tier, _ = _tier()
+    with tier:
+        host, _ = _add_shared_host(tier, 8)
+        cold = [b"cold%d" % i for i in range(400)]
+        with tier._lock:
+            tier._apply_host_changes(host, (cold, [ON_DISK] * 400, [0] * 400, [], False, ()))
+        tier.promotion_timeout_s = 0.2
+        first = tier.load([cold[0]], [0])
+        for key in cold[1:]:  # one more parks every 10 ms, for 4 s at most
+            if first.done():
+                break
+            tier.load([key], [1])
+            time.sleep(0.01)
+        assert first.done(), "the first parked load outlived its timeout by seconds"
+        assert first.result().failed == {cold[0]: "missing"}
+
+
 def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() -> None:
     """A store waited for slots while an earlier store held the tier's whole grant and the host
     granted no more (its cap); every key of the earlier store was discarded, so it committed

@@ -102,12 +102,13 @@ class Transfers(Finishes):
                     self._fail_parked(self._promotions.take_expired(time.monotonic()), MISSING)
                 while not self._ops and not self._stopping and not self._ready:
                     self._poller_idle = True
-                    # idle: report the last bytes moved (and look at promotions' deadlines)
+                    # idle: report the last bytes moved; look at promotions' deadlines after
+                    # every wake-up (each load that parks wakes it)
                     if not self._cond.wait(timeout=0.1 if self._promotions else 1.0):
                         self._report_usage(time.perf_counter())
-                        if self._promotions:
-                            now = time.monotonic()
-                            self._fail_parked(self._promotions.take_expired(now), MISSING)
+                    if self._promotions:
+                        now = time.monotonic()
+                        self._fail_parked(self._promotions.take_expired(now), MISSING)
                 self._poller_idle = False
                 if self._stopping:
                     return
