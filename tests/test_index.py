@@ -419,6 +419,26 @@ def test_close_does_not_wait_for_a_write_orphaned_by_a_dropped_peer() -> None:
     assert transport.in_flight() == []  # the orphaned write was cancelled
 
 
+def test_close_from_a_done_callback_still_sees_the_transfers_in_flight_finish() -> None:
+    """``close`` called by a future's callback runs on the poller thread and waited for the
+    transfers in flight while nobody polled them: it sat out its whole timeout, then failed
+    stores that had landed long before with "closed" (and ended their sessions unclean)."""
+    LateWriteTransport.remotes[b"cb"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    tier = TierManager(arena, transport)
+    tier.add_peer("p", b"cb", 0, 4, BLOCK)
+    transport.hold = True
+    first, second = tier.store(["a"], [0]), tier.store(["b"], [1])
+    first_tid, second_tid = transport.in_flight()
+    first.add_done_callback(lambda _: tier.close(timeout=60.0))
+    transport.land(first_tid)  # the poller resolves it: its callback closes the tier
+    _wait(lambda: tier.closed)
+    transport.land(second_tid)
+    assert second.result(timeout=10).ok  # not "closed" once close's 60 s ran out
+    assert first.result(timeout=0).ok
+
+
 def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
     """The copy of a host is a dict (fastest per call) while the pools followed stay within
     ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""

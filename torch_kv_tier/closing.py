@@ -6,7 +6,8 @@ once the transport can no longer write into their blocks.
 ``SharedHosts`` and ``ConnectedHosts``).
 
 Threading: ``close`` and ``_settle_cancelled_loads`` take the manager's lock themselves;
-``_cancel_all`` runs with it held (and waits on ``_cond``, which releases it).
+``_cancel_all`` runs with it held (and waits on ``_cond``, which releases it; called by a
+future's callback on the poller thread, it polls the transfers it waits for itself).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch_kv_tier.results import CLOSED, PEER_LOST
 from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.001  # how often ``close`` on the poller thread polls the transfers it waits for
 
 
 class Closing:
@@ -49,6 +52,7 @@ class Closing:
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
         def _report_usage(self, now: float) -> None: ...
+        def _poll_all(self) -> None: ...
         def _flush(self) -> None: ...
         def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None: ...
 
@@ -89,14 +93,19 @@ class Closing:
         """``close``'s first half: fail what is queued or awaits slots, wait until
         ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
         "closed" now; a load's, returned, once the transport is closed: until then its blocks
-        may still be written) and stop the poller."""
+        may still be written) and stop the poller (on the poller's own thread, polling
+        meanwhile)."""
         for peer in self._peers.values():
             while peer.queue:
                 self._finish(peer.queue.popleft(), CLOSED)
             self._fail_awaiting(peer, CLOSED)
         self._cond.notify_all()
+        on_poller = threading.current_thread() is self._thread  # close() from a done-callback
         while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
-            self._cond.wait(timeout=deadline - time.monotonic())
+            if on_poller:  # the poller is this thread: nobody else polls the transfers
+                self._poll_all()
+            wait = deadline - time.monotonic()
+            self._cond.wait(timeout=min(wait, _POLL_S) if on_poller else wait)
         leftover = list(self._ops)
         if any(not self._ops[tid].orphaned for tid in leftover):
             logger.warning("closing with %d transfers in flight: cancelling", len(leftover))

@@ -138,6 +138,17 @@ class Transfers(Finishes):
                 time.sleep(delay)
                 delay = min(max(delay * 2, 50e-6), self._max_poll_interval_s)
 
+    def _poll_all(self) -> None:
+        """Poll every peer and apply what the transport reported (lock held: for a caller that
+        waits for transfers on the poller's own thread)."""
+        try:
+            result, faults = self.transport.poll(), self.transport.faulted_peers()
+        except Exception:
+            logger.exception("transport.poll failed; retrying")
+            return
+        if result.done or result.failed or faults:
+            self._complete(result, faults)
+
     def _store_on(
         self, peer: Peer, keys: list[Key], local: list[int], digests: list[int], request: Request
     ) -> None:
