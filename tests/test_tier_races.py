@@ -160,6 +160,37 @@ def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() ->
         assert waiting.result(timeout=RESULT_TIMEOUT_S).ok
 
 
+def test_a_store_the_host_has_no_slots_for_fails_once_only_loads_were_in_flight() -> None:
+    """A grant answered with no slots fails the stores waiting for it with "capacity" unless
+    a write of this tier to the host is in flight (its commit makes room). A load in flight
+    counted as such a write: the tier asked for nothing more (its grant came short), the load
+    freed nothing, and the store waited until the session ended."""
+    tier, transport = _tier()
+    with tier:
+        host, session = _add_shared_host(tier, 8)
+        with tier._lock:
+            tier._apply_host_changes(host, ([b"k"], [5], [0], [], False, ()))
+        held = tier.transport.read_blocks  # the load's read stays in flight until released
+        reads: list[int] = []
+
+        def read_blocks(peer_id: str, local: Any, remote: Any) -> int | None:
+            tid = held(peer_id, local, remote)
+            with transport._lock:
+                del transport._done[tid]
+            reads.append(tid)
+            return tid
+
+        transport.read_blocks = read_blocks  # type: ignore[method-assign]
+        load = tier.load([b"k"], [3])
+        assert reads and not load.done()
+        store = tier.store([b"s"], [0])  # no granted slot: waits, and asks the host
+        session.answer([])  # none: nothing this tier does could free its share
+        with transport._lock:
+            transport._done[reads[0]] = "h"
+        assert load.result(timeout=RESULT_TIMEOUT_S).failed == {b"k": "missing"}  # its digest
+        assert store.result(timeout=RESULT_TIMEOUT_S).failed == {b"s": "capacity"}
+
+
 def test_a_failed_write_leaves_its_session_held() -> None:
     """A write that failed may still land part-way, so its session must not end clean: it did,
     and the host handed the slots on while the stray write could still reach them."""

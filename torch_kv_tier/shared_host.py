@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 from torch_kv_tier.index import BlockIndex
@@ -120,13 +121,15 @@ class SharedHost(Peer):
         self.outstanding += len(slots)
         self.capped = len(slots) < want and self.commits == commits_then
 
-    def starved(self, got_slots: bool, commits_then: int) -> bool:
+    def starved(self, got_slots: bool, commits_then: int, inflight: Iterable[Op]) -> bool:
         """Whether the stores still waiting (once the granted slots were launched) can never
-        get slots: the answer brought none, none of this tier's writes to the host are in
-        flight and no commit went out since the request (either would make room in this
-        tier's share)."""
-        busy = self.inflight or self.queue or self.commits != commits_then
-        return bool(self.awaiting) and not got_slots and not busy
+        get slots: the answer brought none, none of this tier's writes to the host is in
+        flight (``inflight``: the tier's transfers in flight) or queued, and no commit went out
+        since the request (either would make room in this tier's share; a load makes none)."""
+        if not self.awaiting or got_slots or self.commits != commits_then:
+            return False
+        ops = chain(self.queue, inflight)
+        return not any(op.kind == "store" and op.peer is self for op in ops)
 
     def launchable(self) -> Iterator[tuple[Op, Op | None]]:
         """Waiting stores that granted slots now cover, in order, each with its slots; a store

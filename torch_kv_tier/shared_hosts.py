@@ -178,7 +178,7 @@ class SharedHosts:
                 return
             host.granted(granted, want, commits)
             launched = self._launch_awaiting(host)
-            if host.starved(bool(granted), commits):
+            if host.starved(bool(granted), commits, self._ops.values()):
                 self._fail_awaiting(host, CAPACITY)
             if not host.capped:  # a capped tier asks again after its next commit
                 self._refill(host)
