@@ -9,12 +9,14 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import pytest
 import torch
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.digest import block_digest
 from torch_kv_tier.index import COMPACT_AFTER_SLOTS, BlockIndex
+from torch_kv_tier.key_table import KeyTable
 from torch_kv_tier.keys import Placement, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.slot_maps import CompactSlots, DictSlots
@@ -159,6 +161,33 @@ def test_a_key_on_two_peers_is_found_on_either_and_lost_only_with_the_last(compa
     events = [(kind, key) for kind, key, _ in index.take_events()]
     # (the tier's own store of c is logged too: publish logs what this tier stored)
     assert events == [("stored", k) for k in (b"a", b"b", b"c", b"c")] + [("lost", b"a")]
+
+
+def test_a_discard_forgets_a_shared_hosts_keys_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A discard forgot a shared host's keys one at a time: a compact copy paid numpy's
+    per-call cost for each (~0.1 ms here), under the tier's lock (2,000 keys held it 0.2 s)."""
+    index = BlockIndex(events=True, compact=True)
+    own = index.add_peer("own", range(8))
+    host = index.add_shared_peer("h", 4096)
+    keys = [b"k%d" % i for i in range(1000)]
+    index.apply_host_changes(host, keys, list(range(1000)), list(range(1000)), [], False)
+    index.publish(own, [b"mine"], index.reserve(own, 1), [7])
+    index.take_events()
+    removals: list[int] = []
+    remove = KeyTable.remove
+
+    def counted(table: KeyTable, fingerprints: np.ndarray) -> int:
+        removals.append(len(fingerprints))
+        return remove(table, fingerprints)
+
+    monkeypatch.setattr(KeyTable, "remove", counted)
+    index.discard([b"mine", *keys[:500], b"unknown", keys[0]])
+    assert removals == [500]  # one pass for the host's keys (a repeated key counts once)
+    assert index.lookup(keys[:1]) == 0 and index.lookup(keys[500:]) == 500
+    assert index.holder(b"mine") is None and own.pool.num_free == 8
+    assert [(kind, key) for kind, key, _ in index.take_events()] == [
+        ("discarded", key) for key in [b"mine", *keys[:500]]
+    ]
 
 
 def test_fenced_slots_stay_out_of_a_new_registration_until_released() -> None:

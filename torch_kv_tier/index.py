@@ -278,15 +278,16 @@ class BlockIndex(SharedIndex):
 
     def discard(self, keys: Iterable[Key], kind: EventKind = "discarded") -> None:
         """Forget stored ``keys`` (others are ignored); a pinned slot is freed on its last unpin.
-        A shared host's key is forgotten by this tier only: other tiers may still use it.
-        ``kind`` is the event logged ("lost" for keys whose bytes failed their digest)."""
-        for key in keys:
-            peer = self.holder(key)
+        A shared host's key is forgotten by this tier only (other tiers may still use it), each
+        host's in one pass. ``kind`` is the event logged ("lost" for keys whose bytes failed
+        their digest)."""
+        keys = list(dict.fromkeys(keys))
+        shared: dict[SharedSlots, list[Key]] = {}
+        for key, peer in zip(keys, self.holders(keys)):
             if peer is None:
                 continue
             if isinstance(peer, SharedSlots):
-                peer.map.forget([key])
-                self._log(kind, [key], peer.peer_id)
+                shared.setdefault(peer, []).append(key)
                 continue
             del self.where[key]
             slot = peer.lru.pop(key)
@@ -295,20 +296,22 @@ class BlockIndex(SharedIndex):
             else:
                 peer.pool.free([slot])
             self._log(kind, [key], peer.peer_id)
+        for host, gone in shared.items():
+            host.map.forget(gone)
+            self._log(kind, gone, host.peer_id)
 
     def discard_read(self, peer_id: str, keys: Sequence[Key], slots: Sequence[int]) -> None:
         """Forget ``keys`` whose bytes, read from ``slots`` of ``peer_id``, failed their digest
         (``discard(kind="lost")``), except those this copy maps elsewhere by now: stored again
         while the read was in flight, that entry is another copy of the key."""
-        still = []
-        for key, slot in zip(keys, slots):
-            peer = self.holder(key)
-            if peer is None or peer.peer_id != peer_id:
-                continue
-            now = peer.map.slots([key])[0] if isinstance(peer, SharedSlots) else peer.lru[key]
-            if now == slot:
-                still.append(key)
-        self.discard(still, "lost")
+        peer = self.peers.get(peer_id)
+        if peer is None:
+            return
+        held = self.holders(keys)
+        now = peer.map.slots(keys) if isinstance(peer, SharedSlots) else map(peer.lru.get, keys)
+        self.discard(
+            [k for k, s, n, h in zip(keys, slots, now, held) if h is peer and n == s], "lost"
+        )
 
     # -- late writes of dropped registrations -------------------------------------------------
 
