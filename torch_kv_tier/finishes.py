@@ -49,7 +49,6 @@ class Finishes:
 
     def _finish(self, op: Op, reason: str | None) -> None:
         """Apply a finished (or abandoned) op to the index and settle its requests' keys."""
-        op.settled = True
         peer = op.peer if self._peers.get(op.peer_id) is op.peer else None
         if op.kind == "store":
             self._finish_store(op, peer, reason)

@@ -108,7 +108,6 @@ class Op:
         "peer",
         "peer_id",
         "remote",
-        "settled",
         "submitted",
     )
 
@@ -135,7 +134,6 @@ class Op:
         self.discarded: set[Key] = set()
         self.submitted = 0.0
         self.orphaned = False  # its peer was dropped while the transport still holds it
-        self.settled = False  # applied to the index, its requests' keys settled
 
     def split(self, n: int) -> Op:
         """Cut off and return the keys after the first ``n`` as an op of their own (a store
