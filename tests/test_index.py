@@ -468,6 +468,34 @@ def test_close_from_a_done_callback_still_sees_the_transfers_in_flight_finish() 
     assert first.result(timeout=0).ok
 
 
+def test_a_store_does_not_raise_when_a_peer_joins_while_it_looks_at_the_peers() -> None:
+    """Whether a store computes digests was read from the peer table without the lock (a
+    tier with ``verify=False`` walks it); a peer added or dropped by another thread meanwhile
+    (a redial, a lost session) made the store raise "dictionary changed size during
+    iteration" (7 of 8,000 stores beside a thread adding and removing peers)."""
+    LateWriteTransport.remotes[b"v"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    with TierManager(arena, LateWriteTransport(arena.tensor), verify=False) as tier:
+        tier.add_peer("p", b"v", 0, 4, BLOCK)
+
+        class JoinsMeanwhile:
+            """A peer whose ``verifies`` is read as another thread adds a peer."""
+
+            @property
+            def verifies(self) -> bool:
+                tier._peers["joined"] = tier._peers["p"]
+                return False
+
+            def report_usage(self) -> None: ...
+
+        tier._peers["looked at"] = JoinsMeanwhile()  # type: ignore[assignment]
+        try:
+            stored = tier.store(["a"], [0])
+        finally:
+            del tier._peers["looked at"], tier._peers["joined"]
+        assert stored.result(timeout=5).ok
+
+
 def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
     """The copy of a host is a dict (fastest per call) while the pools followed stay within
     ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""

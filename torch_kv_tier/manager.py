@@ -373,8 +373,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
 
     def _digest_stores(self) -> bool:
         """Whether stores compute digests: to verify private loads, or for any shared host
-        (read without the lock: a host joining meanwhile only costs that call's digests)."""
-        return self.verify or any(p.verifies for p in self._peers.values())
+        (read without the lock, from a copy of the table another thread may change: a host
+        joining meanwhile only costs that call's digests)."""
+        return self.verify or any(p.verifies for p in list(self._peers.values()))
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
