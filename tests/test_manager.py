@@ -226,6 +226,24 @@ def test_the_grant_batch_defaults_to_a_reserve_sized_for_the_block() -> None:
         assert tier.grant_batch == 8
 
 
+@pytest.mark.parametrize(
+    "bad", [{"max_inflight": 0}, {"grant_batch": 0}, {"grant_batch": 1 << 20}], ids=str
+)
+def test_create_refuses_bad_settings_before_it_builds_an_arena_or_an_agent(
+    bad: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``create`` checked its settings only once it had allocated the arena and started a NIXL
+    agent over it, which the ``ValueError`` then left behind (its threads, its registration)."""
+
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("built before the settings were checked")
+
+    monkeypatch.setattr("torch_kv_tier.manager.BlockArena", built)
+    monkeypatch.setattr("torch_kv_tier.transport.nixl.NixlTransport", built)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TierManager.create(4, BLOCK, name="bad", **bad)
+
+
 def test_store_without_peers_fails_every_key() -> None:
     with make_tier(8) as tier:
         assert tier.store(["a"], [0]).result(10).failed == {"a": "no peers"}

@@ -111,13 +111,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
                 f"region {transport.num_blocks} x {transport.block_len}: build the transport "
                 "over arena.tensor"
             )
-        if max_inflight <= 0:
-            raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
-        if grant_batch is None:
-            grant_batch = default_grant_batch(transport.block_len)
-        if not 0 < grant_batch <= MAX_GRANT:
-            raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
-        self.grant_batch = grant_batch
+        self.grant_batch = _checked_settings(max_inflight, grant_batch, transport.block_len)
         self.verify = verify
         self.arena = arena
         self.transport = transport
@@ -171,6 +165,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         """
         from torch_kv_tier.transport.nixl import NixlTransport
 
+        _checked_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
         arena = BlockArena(num_blocks, block_len, device=device)
         transport = NixlTransport(
             name, arena.tensor, config_fields=config_fields, passive_progress=False
@@ -376,6 +371,18 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         (read without the lock, from a copy of the table another thread may change: a host
         joining meanwhile only costs that call's digests)."""
         return self.verify or any(p.verifies for p in list(self._peers.values()))
+
+
+def _checked_settings(max_inflight: int, grant_batch: int | None, block_len: int) -> int:
+    """The grant batch a tier of blocks of ``block_len`` bytes uses (``None``: the default);
+    ``ValueError`` for a ``max_inflight`` or ``grant_batch`` out of range."""
+    if max_inflight <= 0:
+        raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+    if grant_batch is None:
+        grant_batch = default_grant_batch(block_len)
+    if not 0 < grant_batch <= MAX_GRANT:
+        raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
+    return grant_batch
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
