@@ -496,6 +496,18 @@ def test_a_store_does_not_raise_when_a_peer_joins_while_it_looks_at_the_peers() 
         assert stored.result(timeout=5).ok
 
 
+@pytest.mark.parametrize("interval", [-1.0, float("nan")])
+def test_a_bad_poll_interval_is_refused_before_the_poller_starts(interval: float) -> None:
+    """A negative ``max_poll_interval_s`` was taken: once idle, the poller's back-off slept a
+    negative time, ``time.sleep`` raised and the thread died, so no transfer completed on it
+    any more and every future that waited for one hung."""
+    arena = BlockArena(4, BLOCK)
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match="max_poll_interval_s"):
+        TierManager(arena, LateWriteTransport(arena.tensor), max_poll_interval_s=interval)
+    assert threading.active_count() == threads
+
+
 def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
     """The copy of a host is a dict (fastest per call) while the pools followed stay within
     ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""

@@ -112,6 +112,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
                 "over arena.tensor"
             )
         self.grant_batch = _checked_settings(max_inflight, grant_batch, transport.block_len)
+        if not max_poll_interval_s >= 0:  # (NaN too) the poller sleeps up to this long
+            raise ValueError(f"max_poll_interval_s must be >= 0, got {max_poll_interval_s}")
         self.verify = verify
         self.arena = arena
         self.transport = transport
