@@ -508,6 +508,28 @@ def test_a_bad_poll_interval_is_refused_before_the_poller_starts(interval: float
     assert threading.active_count() == threads
 
 
+def test_a_future_cannot_be_cancelled_while_its_transfer_is_in_flight() -> None:
+    """A store's or load's future could be cancelled (``asyncio.wait_for`` over
+    ``asyncio.wrap_future`` does so on its timeout): a load's then reported done while its read
+    could still land in its blocks, and resolving it raised ``InvalidStateError``, on the
+    poller (which then stopped resolving futures) or in an unrelated caller's call."""
+    LateWriteTransport.remotes[b"cx"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    transport = LateWriteTransport(arena.tensor)
+    with TierManager(arena, transport) as tier:
+        tier.add_peer("p", b"cx", 0, 4, BLOCK)
+        transport.hold = True
+        first = tier.store(["a"], [0])
+        assert not first.cancel() and not first.done()
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert first.result(timeout=5).ok
+        second = tier.store(["b"], [1])
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert second.result(timeout=5).ok
+
+
 def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
     """The copy of a host is a dict (fastest per call) while the pools followed stay within
     ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""

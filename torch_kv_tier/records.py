@@ -18,12 +18,16 @@ from torch_kv_tier.results import TransferResult
 
 
 class Request:
-    """One ``store``/``load`` call: its future and how many of its keys are still unsettled."""
+    """One ``store``/``load`` call: its future and how many of its keys are still unsettled.
+
+    The future is running from the start, so ``cancel()`` refuses: a transfer cannot be called
+    back, and a load's future must not report done while its read may still land."""
 
     __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
 
     def __init__(self, keys: list[Key]) -> None:
         self.future: Future[TransferResult] = Future()
+        self.future.set_running_or_notify_cancel()
         self.keys = keys
         self.pending = len(keys)
         self.failed: dict[Key, str] = {}
