@@ -18,6 +18,8 @@ from test_index import LateWriteTransport
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.promotions import Parked, Promotions
+from torch_kv_tier.records import Request
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.shared_host import SharedHost
@@ -138,6 +140,32 @@ def test_a_parked_load_times_out_while_other_loads_keep_parking() -> None:
             time.sleep(0.01)
         assert first.done(), "the first parked load outlived its timeout by seconds"
         assert first.result().failed == {cold[0]: "missing"}
+
+
+def test_parked_loads_are_not_walked_while_none_can_have_expired() -> None:
+    """The poller asks for expired promotions on every turn while transfers are in flight (it
+    spins then); the answer walked every parked load under the tier's lock each time (~0.4 ms
+    for 1,000 of them). It now keeps the earliest deadline and walks them only once that
+    passed."""
+    reads = 0
+
+    class Counted(Parked):
+        def __getattribute__(self, name: str) -> Any:
+            nonlocal reads
+            reads += name == "deadline"
+            return super().__getattribute__(name)
+
+    promotions = Promotions()
+    for i in range(100):
+        promotions.park(f"h{i % 2}", Counted(Request([i]), [i], [i], 100.0 + i))
+    reads = 0
+    assert promotions.take_expired(50.0) == [] and reads == 0
+    (first,) = promotions.take_expired(100.5)
+    assert first.keys == [0]
+    reads = 0
+    assert promotions.take_expired(100.9) == [] and reads == 0
+    assert [w.keys for w in promotions.take_expired(101.0)] == [[1]]
+    assert len(promotions.take_all()) == 98
 
 
 def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() -> None:

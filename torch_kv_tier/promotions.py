@@ -11,6 +11,7 @@ State only: no lock, no thread. ``TierManager`` calls every method under its loc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch_kv_tier.keys import Key
@@ -32,12 +33,16 @@ class Promotions:
 
     def __init__(self) -> None:
         self._parked: dict[str, list[Parked]] = {}
+        # No parked deadline is earlier: ``take_expired`` walks the loads only once it passed
+        # (the poller asks on every turn while transfers are in flight).
+        self._earliest = math.inf
 
     def __bool__(self) -> bool:
         return bool(self._parked)
 
     def park(self, peer_id: str, parked: Parked) -> None:
         self._parked.setdefault(peer_id, []).append(parked)
+        self._earliest = min(self._earliest, parked.deadline)
 
     def waiting_on(self, peer_id: str) -> bool:
         return peer_id in self._parked
@@ -48,18 +53,24 @@ class Promotions:
 
     def take_expired(self, now: float) -> list[Parked]:
         """The parked loads whose deadline passed."""
+        if now < self._earliest:
+            return []
         expired: list[Parked] = []
+        earliest = math.inf
         for peer_id in list(self._parked):
             waiting = self._parked[peer_id]
             expired += [w for w in waiting if w.deadline <= now]
             left = [w for w in waiting if w.deadline > now]
             if left:
                 self._parked[peer_id] = left
+                earliest = min(earliest, min(w.deadline for w in left))
             else:
                 del self._parked[peer_id]
+        self._earliest = earliest
         return expired
 
     def take_all(self) -> list[Parked]:
         parked = [w for waiting in self._parked.values() for w in waiting]
         self._parked.clear()
+        self._earliest = math.inf
         return parked
