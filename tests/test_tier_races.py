@@ -66,14 +66,36 @@ class _SharedSession:
         return []
 
 
-def _tier() -> tuple[TierManager, LateWriteTransport]:
+def _tier(max_inflight: int = 64) -> tuple[TierManager, LateWriteTransport]:
     """A tier with a private peer ``r0`` whose writes stay in flight until landed."""
     LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
     arena = BlockArena(16, BLOCK_LEN)
     transport = LateWriteTransport(arena.tensor)
     transport.hold = True
-    tier = TierManager(arena, transport)
+    tier = TierManager(arena, transport, max_inflight=max_inflight)
     return tier, transport
+
+
+def _hold_reads(transport: LateWriteTransport) -> list[tuple[int, str]]:
+    """Keep ``transport``'s reads in flight (their bytes arrive at once) until ``_report``;
+    returns the reads held, as (transfer id, peer id)."""
+    read, held = transport.read_blocks, []
+
+    def read_blocks(peer_id: str, local: Any, remote: Any) -> int | None:
+        tid = read(peer_id, local, remote)
+        with transport._lock:
+            del transport._done[tid]
+        held.append((tid, peer_id))
+        return tid
+
+    transport.read_blocks = read_blocks  # type: ignore[method-assign]
+    return held
+
+
+def _report(transport: LateWriteTransport, read: tuple[int, str]) -> None:
+    """The transport reports a read ``_hold_reads`` held."""
+    with transport._lock:
+        transport._done[read[0]] = read[1]
 
 
 def _add_shared_host(tier: TierManager, max_granted: int) -> tuple[SharedHost, _SharedSession]:
@@ -168,6 +190,28 @@ def test_parked_loads_are_not_walked_while_none_can_have_expired() -> None:
     assert len(promotions.take_all()) == 98
 
 
+def test_a_parked_load_its_host_promotes_while_the_tier_closes_still_resolves() -> None:
+    """``close`` failed the loads parked for a promotion only after its wait for the transfers
+    in flight; a host announcing their keys meanwhile launched them, behind ``max_inflight``
+    into the peer's queue, which ``close`` had already emptied: that load never resolved."""
+    tier, transport = _tier(max_inflight=1)
+    host, _ = _add_shared_host(tier, 8)
+    with tier._lock:
+        tier._apply_host_changes(host, ([b"hot", b"cold"], [5, ON_DISK], [0, 0], [], False, ()))
+    reads = _hold_reads(transport)
+    busy = tier.load([b"hot"], [2])  # the host's one in-flight transfer
+    parked = tier.load([b"cold"], [3])
+    closer = threading.Thread(target=tier.close, kwargs={"timeout": 1.0})
+    closer.start()
+    assert wait_for(lambda: tier.closed, 5.0)
+    tier._on_host_changes(host, ([b"cold"], [6], [0], [], False, ()))  # promoted
+    closer.join(timeout=RESULT_TIMEOUT_S)
+    assert not closer.is_alive()
+    assert busy.result(timeout=RESULT_TIMEOUT_S).failed == {b"hot": "closed"}
+    assert parked.result(timeout=RESULT_TIMEOUT_S).failed == {b"cold": "closed"}
+    assert len(reads) == 1
+
+
 def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() -> None:
     """A store waited for slots while an earlier store held the tier's whole grant and the host
     granted no more (its cap); every key of the earlier store was discarded, so it committed
@@ -198,23 +242,12 @@ def test_a_store_the_host_has_no_slots_for_fails_once_only_loads_were_in_flight(
         host, session = _add_shared_host(tier, 8)
         with tier._lock:
             tier._apply_host_changes(host, ([b"k"], [5], [0], [], False, ()))
-        held = tier.transport.read_blocks  # the load's read stays in flight until released
-        reads: list[int] = []
-
-        def read_blocks(peer_id: str, local: Any, remote: Any) -> int | None:
-            tid = held(peer_id, local, remote)
-            with transport._lock:
-                del transport._done[tid]
-            reads.append(tid)
-            return tid
-
-        transport.read_blocks = read_blocks  # type: ignore[method-assign]
+        reads = _hold_reads(transport)
         load = tier.load([b"k"], [3])
         assert reads and not load.done()
         store = tier.store([b"s"], [0])  # no granted slot: waits, and asks the host
         session.answer([])  # none: nothing this tier does could free its share
-        with transport._lock:
-            transport._done[reads[0]] = "h"
+        _report(transport, reads[0])
         assert load.result(timeout=RESULT_TIMEOUT_S).failed == {b"k": "missing"}  # its digest
         assert store.result(timeout=RESULT_TIMEOUT_S).failed == {b"s": "capacity"}
 

@@ -68,7 +68,6 @@ class Closing:
             self._closed = True
             deadline = time.monotonic() + timeout
             cancelled = self._cancel_all(deadline)
-            self._fail_parked(self._promotions.take_all(), CLOSED)
             dirty = {op.peer for op in cancelled if op.kind == "store"}
             ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
         self._flush()
@@ -90,7 +89,8 @@ class Closing:
         self._flush()
 
     def _cancel_all(self, deadline: float) -> list[Op]:
-        """``close``'s first half: fail what is queued or awaits slots, wait until
+        """``close``'s first half: fail what is queued or awaits slots or a promotion (a
+        promotion announced meanwhile would launch it behind the queues), wait until
         ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
         "closed" now; a load's, returned, once the transport is closed: until then its blocks
         may still be written) and stop the poller (on the poller's own thread, polling
@@ -99,6 +99,7 @@ class Closing:
             while peer.queue:
                 self._finish(peer.queue.popleft(), CLOSED)
             self._fail_awaiting(peer, CLOSED)
+        self._fail_parked(self._promotions.take_all(), CLOSED)
         self._cond.notify_all()
         on_poller = threading.current_thread() is self._thread  # close() from a done-callback
         while any(not op.orphaned for op in self._ops.values()) and time.monotonic() < deadline:
