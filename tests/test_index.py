@@ -387,7 +387,9 @@ def test_a_failed_write_never_hands_its_slot_to_another_key(failed_by: str) -> N
         assert tier.store(["b"], [1]).result(timeout=5).failed == {"b": "capacity"}
         transport.land(stray)
         assert tier.lookup(["b"]) == 0
-        assert tier.stats().inflight == 0
+        stats = tier.stats()
+        assert stats.inflight == 0
+        assert stats.transfers_failed == 1  # a refused post too: it failed its keys alike
 
 
 def test_a_write_of_a_dropped_registration_reported_failed_stays_fenced() -> None:

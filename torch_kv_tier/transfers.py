@@ -214,6 +214,7 @@ class Transfers(Finishes):
             logger.exception("submitting a %s to %s failed", op.kind, op.peer_id)
             tid = None
         if tid is None:
+            self._counters.transfers_failed += 1
             self._finish(op, TRANSFER_FAILED)
             self._lose_peer(op.peer_id, "refused a transfer")
             return
