@@ -532,6 +532,18 @@ def test_a_future_cannot_be_cancelled_while_its_transfer_is_in_flight() -> None:
         assert second.result(timeout=5).ok
 
 
+def test_discard_takes_its_keys_from_any_iterable() -> None:
+    """``discard`` walked its keys twice (stores in flight, then the index): given a generator,
+    the second walk found nothing, and the stored keys silently stayed."""
+    LateWriteTransport.remotes[b"dg"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
+    arena = BlockArena(8, BLOCK)
+    with TierManager(arena, LateWriteTransport(arena.tensor)) as tier:
+        tier.add_peer("p", b"dg", 0, 4, BLOCK)
+        assert tier.store(["a", "b"], [0, 1]).result(timeout=5).ok
+        tier.discard(key for key in ["a", "b"])
+        assert tier.lookup(["a"]) == tier.lookup(["b"]) == 0
+
+
 def test_a_tier_follows_hosts_in_a_dict_until_their_pools_add_up_to_a_million_slots() -> None:
     """The copy of a host is a dict (fastest per call) while the pools followed stay within
     ``COMPACT_AFTER_SLOTS``; a host that takes them past it is held compact (16 B per key)."""

@@ -308,8 +308,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         with self._lock:
             self._touch_shared(self._index.touch(keys))
 
-    def discard(self, keys: Sequence[Key]) -> None:
+    def discard(self, keys: Iterable[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
+        keys = list(keys)  # walked twice
         with self._lock:
             for key in keys:
                 op = self._storing.pop(key, None)  # a later store of key starts afresh
