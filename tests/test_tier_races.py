@@ -22,7 +22,7 @@ from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Request
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.protocol import ON_DISK
-from torch_kv_tier.shared_host import SharedHost
+from torch_kv_tier.shared_host import MAX_PROMOTING, SharedHost
 
 RESULT_TIMEOUT_S = 10.0
 
@@ -210,6 +210,31 @@ def test_a_parked_load_its_host_promotes_while_the_tier_closes_still_resolves() 
     assert busy.result(timeout=RESULT_TIMEOUT_S).failed == {b"hot": "closed"}
     assert parked.result(timeout=RESULT_TIMEOUT_S).failed == {b"cold": "closed"}
     assert len(reads) == 1
+
+
+def test_promotions_asked_are_forgotten_without_walking_the_recent_ones() -> None:
+    """Past ``MAX_PROMOTING`` remembered promotions, every load of a key on disk walked all of
+    them (under the tier's lock) to forget those asked long ago, even when none was: after a
+    burst of more than 4,096 promotions, each such load paid for the whole burst."""
+    unpacked = 0
+
+    class Asked(tuple):  # (first asked, last asked), counting the walks that look into it
+        def __iter__(self) -> Any:
+            nonlocal unpacked
+            unpacked += 1
+            return super().__iter__()
+
+    tier, _ = _tier()
+    with tier:
+        host, session = _add_shared_host(tier, 8)
+        now = 1000.0
+        host.promoting.update((b"old%d" % i, Asked((now - 60.0, now - 60.0))) for i in range(10))
+        host.promoting.update((b"new%d" % i, Asked((now, now))) for i in range(MAX_PROMOTING))
+        unpacked = 0
+        assert host.promote([b"k"], now, 5.0) == [b"k"] and session.promoted == [b"k"]
+        assert unpacked <= 11  # the old ones, and the first recent one
+        assert not any(key.startswith(b"old") for key in host.promoting)
+        assert len(host.promoting) == MAX_PROMOTING + 1
 
 
 def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() -> None:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Iterable, Iterator
-from itertools import chain
+from itertools import chain, takewhile
 from typing import Any
 
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.records import Op, Peer
-from torch_kv_tier.slot_maps import SharedSlots
+from torch_kv_tier.slot_maps import SharedSlots, drain
 
 MAX_GRANT = 4096  # the most slots one grant request asks a shared host for
 DEFAULT_GRANT_BATCH = 512  # slots, unless RESERVE_BYTES of them is more
@@ -76,7 +76,8 @@ class SharedHost(Peer):
         self.refilling = False  # a grant request is in flight
         self.capped = False  # the host granted less than asked: ask again after a commit
         self.commits = 0  # commits sent (each returns granted slots to the host)
-        # key on the host's disk -> when its promotion was first and last asked for
+        # key on the host's disk -> when its promotion was first and last asked for, in order
+        # of first asks (``promote`` forgets the oldest)
         self.promoting: dict[Key, tuple[float, float]] = {}
 
     # -- slots ----------------------------------------------------------------------------
@@ -174,14 +175,15 @@ class SharedHost(Peer):
         than ``timeout_s`` ago. A promotion the host could not make (no slot) is so given up
         after ``timeout_s``, and tried afresh once as long again has passed."""
         asked = self.promoting
-        if len(asked) > MAX_PROMOTING:
-            for key in [k for k, (first, _) in asked.items() if now - first > 2 * timeout_s]:
-                del asked[key]
+        if len(asked) > MAX_PROMOTING:  # in order of first asks: the old ones lead
+            old = takewhile(lambda item: now - item[1][0] > 2 * timeout_s, asked.items())
+            drain(map(asked.pop, [key for key, _ in old]))
         send = []
         for key in keys:
             first, last = asked.get(key, (now, -PROMOTE_AGAIN_S))
             if now - first > 2 * timeout_s:
                 first, last = now, -PROMOTE_AGAIN_S
+                del asked[key]  # asked afresh: to the end, keeping that order
             if now - last >= PROMOTE_AGAIN_S and now - first < timeout_s:
                 send.append(key)
                 last = now
