@@ -739,6 +739,51 @@ def test_a_process_that_used_nixl_exits_zero(peer: RemotePeer) -> None:
     assert int(peer.get([10, 11]).sum()) == 2 * BLOCK
 
 
+_STUCK_REGISTRATION_EXIT = """
+import sys, threading, torch
+from torch_kv_tier.transport import NixlTransport
+from torch_kv_tier.transport import nixl as nixl_module
+nixl_module.CLOSE_REGISTRATION_WAIT_S = 0.2
+t = NixlTransport("stuck-exit", torch.zeros(4, 64, dtype=torch.uint8))
+entered, real = threading.Event(), t._agent
+
+class Stuck:  # a metadata load that never returns
+    def __getattr__(self, name):
+        if name != "add_remote_agent":
+            return getattr(real, name)
+        def stuck(*args):
+            entered.set()
+            threading.Event().wait()
+        return stuck
+
+t._agent = Stuck()
+t.add_remote_peer_async("p", b"metadata", 0, 4, 64)
+assert entered.wait(30)
+if sys.argv[1] == "close":
+    t.close()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ending", ["close", "no-close"])
+def test_a_stuck_registration_never_holds_the_process_at_exit(ending: str) -> None:
+    """Found by review: the registration thread was not a daemon, so interpreter exit joined it
+    and a process whose peer registration never returned hung at exit for good, closed or not
+    (close itself returns: ``CLOSE_REGISTRATION_WAIT_S``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_REGISTRATION_EXIT, ending],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=30)
+        pytest.fail("the process did not exit: interpreter exit waits for the registration")
+    assert out == "exiting\n", err[-2000:]
+    assert proc.returncode == 0, err[-2000:]
+
+
 def test_nixl_log_lines_never_reach_stdout() -> None:
     script = (
         "import torch\n"

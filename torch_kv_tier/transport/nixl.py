@@ -3,11 +3,12 @@
 Threading. ``_lock`` guards every table and every agent call that touches transfers (submit,
 state checks, releases): any method may be called from any thread, one thread may submit while
 another polls. Peer registration (``add_remote_agent`` plus one descriptor per remote block,
-seconds for a big region) runs on a single worker thread, off the caller's thread and outside
-``_lock``; only its final publish takes ``_lock``. NIXL's own locking covers that overlap: the
-agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's progress thread, so its tables and its UCX
-backend are multi-threaded (see ``nixl_agent.make_agent``). A passive target needs no calls at
-all: that progress thread serves incoming transfers and sleeps in ``poll()`` when idle.
+seconds for a big region) runs on a single daemon thread (``registrar``: exit never waits for
+it), off the caller's thread and outside ``_lock``; only its final publish takes ``_lock``.
+NIXL's own locking covers that overlap: the agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's
+progress thread, so its tables and its UCX backend are multi-threaded (see
+``nixl_agent.make_agent``). A passive target needs no calls at all: that progress thread serves
+incoming transfers and sleeps in ``poll()`` when idle.
 
 Registrations (``nixl_peers``). Every ``add_remote_peer_async`` and ``remove_remote_peer``
 starts a new generation of the peer: a registration superseded while it ran releases what it
@@ -27,7 +28,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -45,6 +46,7 @@ from torch_kv_tier.transport.nixl_agent import (
 )
 from torch_kv_tier.transport.nixl_inflight import NixlInflight
 from torch_kv_tier.transport.nixl_peers import NixlPeers
+from torch_kv_tier.transport.registrar import Registrar
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class NixlTransport(DataTransport):
         self._health = PeerHealth(self._name)
         self._transfers = NixlInflight(self._name, self._peers, self._health)
         self._closed = False
-        self._registrar = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-nixl-reg")
+        self._registrar = Registrar(f"kv-tier-nixl-reg-{self._name}")
         self._last_registration: Future[None] | None = None  # the registrar runs them in order
         self._released = False  # close's release ran (``on_released``)
         self._on_released: list[Callable[[], None]] = []
@@ -323,7 +325,7 @@ class NixlTransport(DataTransport):
             self._closed = True
             self._peers.supersede_all()
             last = self._last_registration
-        self._registrar.shutdown(wait=False)  # registrations still queued fail ("closed")
+        self._registrar.shutdown()  # registrations still queued fail ("closed")
         if last is not None and wait_futures([last], CLOSE_REGISTRATION_WAIT_S).not_done:
             with self._lock:
                 transfers = len(self._transfers)
