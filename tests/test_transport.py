@@ -24,6 +24,7 @@ from torch_kv_tier.transport import (
     PollResult,
     config_fingerprint,
     nixl_agent,
+    nixl_registration,
 )
 from torch_kv_tier.transport import nixl as nixl_module
 from torch_kv_tier.transport.ucx_env import apply_ucx_policy, ucx_backend_params
@@ -529,7 +530,7 @@ def test_registration_runs_off_the_caller_and_a_removal_meanwhile_wins(
 def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
     local: NixlTransport, peer: RemotePeer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(nixl_module, "REGISTRATION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(nixl_registration, "REGISTRATION_TIMEOUT_S", 0.5)
     blocking = BlockingPrep(local._agent)
     local._agent = blocking
     with pytest.raises(TimeoutError, match="did not finish within 0.5 s.*add_remote_peer again"):
@@ -549,7 +550,7 @@ def test_a_reregistration_that_outlives_its_wait_keeps_the_working_one(
 ) -> None:
     local.region.owner[5] = 5
     local.add_remote_peer("p", *peer.peer_args())
-    monkeypatch.setattr(nixl_module, "REGISTRATION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(nixl_registration, "REGISTRATION_TIMEOUT_S", 0.5)
     blocking = BlockingPrep(local._agent)
     local._agent = blocking
     with pytest.raises(TimeoutError, match="an earlier registration of the peer"):

@@ -10,10 +10,9 @@ progress thread, so its tables and its UCX backend are multi-threaded (see
 ``nixl_agent.make_agent``). A passive target needs no calls at all: that progress thread serves
 incoming transfers and sleeps in ``poll()`` when idle.
 
-Registrations (``nixl_peers``). Every ``add_remote_peer_async`` and ``remove_remote_peer``
-starts a new generation of the peer: a registration superseded while it ran releases what it
-built and its future fails ("superseded"), so a removal during a registration wins, and a failed
-re-registration leaves the working one published.
+Registrations (``nixl_registration``, the base class adding and removing peers, over
+``nixl_peers``): a removal during a registration wins, a failed re-registration leaves the
+working one published.
 
 Failure model (see ``base.py``, ``faults.py`` and ``nixl_inflight``, which owns the transfers
 in flight). A transfer that stays in flight keeps its handle and, after ``remove_remote_peer``,
@@ -29,7 +28,6 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
@@ -46,17 +44,16 @@ from torch_kv_tier.transport.nixl_agent import (
 )
 from torch_kv_tier.transport.nixl_inflight import NixlInflight
 from torch_kv_tier.transport.nixl_peers import NixlPeers
+from torch_kv_tier.transport.nixl_registration import NixlRegistration
 from torch_kv_tier.transport.registrar import Registrar
 
 logger = logging.getLogger(__name__)
 
-# How long ``add_remote_peer`` waits for a registration (NIXL's local work: milliseconds here).
-REGISTRATION_TIMEOUT_S = 60.0
 # How long ``close`` waits for a registration still running before it leaves the release to it.
 CLOSE_REGISTRATION_WAIT_S = 5.0
 
 
-class NixlTransport(DataTransport):
+class NixlTransport(NixlRegistration, DataTransport):
     """A NIXL agent with one registration over the local region and prepared block lists.
 
     Args:
@@ -164,116 +161,7 @@ class NixlTransport(DataTransport):
             self._check_open()
             return bytes(self._agent.get_agent_metadata())
 
-    # -- peers ---------------------------------------------------------------------------------
-
-    def add_remote_peer(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        base_addr: int,
-        num_blocks: int,
-        block_len: int,
-        *,
-        mem_type: str = "DRAM",
-        device_id: int = 0,
-    ) -> None:
-        """Register a peer region and wait for it; see ``add_remote_peer_async``.
-
-        Raises ``TimeoutError`` when the registration has not finished within
-        ``REGISTRATION_TIMEOUT_S``: it is then abandoned (it can no longer publish the peer; a
-        working registration of it is kept), so the caller's view and the transport's agree.
-        """
-        future = self.add_remote_peer_async(
-            peer_id,
-            agent_metadata,
-            base_addr,
-            num_blocks,
-            block_len,
-            mem_type=mem_type,
-            device_id=device_id,
-        )
-        try:
-            future.result(timeout=REGISTRATION_TIMEOUT_S)
-        except FutureTimeout:
-            with self._lock:
-                self._peers.next_generation(peer_id)  # it can no longer publish the peer
-            try:  # unless it did just before: its future then resolves at once
-                published = future.exception(timeout=1.0) is None
-            except FutureTimeout:
-                published = False
-            if published:
-                return
-            raise TimeoutError(
-                f"registering peer {peer_id!r} did not finish within {REGISTRATION_TIMEOUT_S:g}"
-                " s (NIXL's add_remote_agent or prep_xfer_dlist did not return); it was abandoned"
-                " and will not take effect (an earlier registration of the peer, if any, stays in"
-                " use): check the peer's agent metadata, then call add_remote_peer again"
-            ) from None
-
-    def add_remote_peer_async(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        base_addr: int,
-        num_blocks: int,
-        block_len: int,
-        *,
-        mem_type: str = "DRAM",
-        device_id: int = 0,
-    ) -> Future[None]:
-        """Register a peer region on the registration thread (extension: its memory kind).
-
-        Bad arguments raise here. The future fails with NIXL's error (nothing is published, a
-        known peer keeps its working registration) or with ``RuntimeError`` "superseded" when
-        the peer was removed or registered again (or the transport closed) meanwhile.
-        """
-        if block_len != self.block_len:
-            raise ValueError(
-                f"peer {peer_id!r} block_len {block_len} != local block_len {self.block_len}: "
-                "both sides must use the same block size"
-            )
-        if num_blocks <= 0:
-            raise ValueError(f"peer {peer_id!r} num_blocks must be > 0, got {num_blocks}")
-        if mem_type not in ("DRAM", "VRAM"):
-            raise ValueError(f"peer mem_type must be 'DRAM' or 'VRAM', got {mem_type!r}")
-
-        def register() -> None:
-            with self._lock:
-                self._check_open()  # closed while it waited: nothing to build
-            peer = self._peers.build(
-                peer_id, bytes(agent_metadata), base_addr, num_blocks, mem_type, device_id
-            )
-            if not self._peers.publish(peer, gen):
-                raise RuntimeError(
-                    f"registration of peer {peer_id!r} was superseded (the peer was removed or "
-                    "registered again, or the transport closed, while this registration ran)"
-                )
-
-        with self._lock:
-            self._check_open()
-            gen = self._peers.next_generation(peer_id)
-            future = self._last_registration = self._registrar.submit(register)
-        return future
-
-    def remove_remote_peer(self, peer_id: str) -> None:
-        """Unpublish ``peer_id`` at once, also over a registration still running.
-
-        Its in-flight transfers stay in flight and are reported by ``poll`` when they resolve;
-        its descriptors and remote agent are released after the last of them.
-        """
-        with self._lock:
-            self._check_open()
-            self._health.forget(peer_id)
-            self._peers.remove(peer_id, park=False)
-
-    def drop_remote_peer(self, peer_id: str) -> None:
-        """``remove_remote_peer``, except that the peer's remote agent stays loaded (parked)
-        until the peer id is registered again from other metadata, removed, or the transport
-        closes: NIXL keeps a removed agent's sockets open (``nixl_peers``)."""
-        with self._lock:
-            self._check_open()
-            self._health.forget(peer_id)
-            self._peers.remove(peer_id, park=True)
+    # -- peers (``nixl_registration``: adding, removing, dropping) ------------------------------
 
     def faulted_peers(self) -> dict[str, str]:
         with self._lock:
