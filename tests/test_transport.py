@@ -298,6 +298,39 @@ def test_add_remote_peer_validates_geometry(local: NixlTransport, peer: RemotePe
         local.add_remote_peer("p", meta, addr, 0, BLOCK)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("base_addr", -4096, ValueError),
+        ("base_addr", 2**64 - BLOCK, ValueError),  # the region would wrap around
+        ("base_addr", 4096.0, TypeError),
+        ("base_addr", None, TypeError),
+        ("num_blocks", 2.5, TypeError),
+        ("num_blocks", True, TypeError),
+        ("device_id", -1, ValueError),
+    ],
+)
+def test_a_bad_peer_region_raises_before_its_agent_is_loaded(
+    local: NixlTransport, peer: RemotePeer, field: str, value: Any, error: type
+) -> None:
+    """Found by review: only ``block_len``, ``num_blocks <= 0`` and ``mem_type`` were checked.
+    A negative or wrapping ``base_addr`` or a float got as far as the registration thread: the
+    peer's agent was loaded (connecting to it), then NIXL's descriptor step failed and the agent
+    was removed again (NIXL keeps ~10 sockets of every removed agent open), and the future
+    failed with NIXL's or numpy's error instead of naming the argument."""
+    meta, addr, n, _ = peer.peer_args()
+    args = {"base_addr": addr, "num_blocks": n, "device_id": 0, field: value}
+    spy = FaultyAgent(local._agent, set())
+    local._agent = spy
+    with pytest.raises(error, match=field):
+        local.add_remote_peer_async(
+            "p", meta, args["base_addr"], args["num_blocks"], BLOCK, device_id=args["device_id"]
+        )
+    local._registrar.submit(lambda: None).result(timeout=10)  # nothing ran before it
+    assert "add_remote_agent" not in spy.calls
+    local._agent = spy._agent
+
+
 def test_readding_a_peer_replaces_it(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
