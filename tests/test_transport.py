@@ -578,6 +578,38 @@ def test_a_registration_that_outlives_its_wait_raises_and_is_never_published(
     assert drain(local, {tid})[0] == {tid}
 
 
+def test_a_registration_that_outlives_its_wait_never_supersedes_a_later_one(
+    local: NixlTransport, peer: RemotePeer, peer2: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``add_remote_peer`` giving up on its registration started a new
+    generation of the peer, so a registration of it begun meanwhile on another thread (the
+    peer's newer metadata) failed "superseded" although nothing removed it or replaced it."""
+    monkeypatch.setattr(nixl_registration, "REGISTRATION_TIMEOUT_S", 0.5)
+    local.region.owner[6] = 6
+    blocking = BlockingPrep(local._agent)
+    local._agent = blocking
+    later: list[Any] = []
+
+    def register_again() -> None:  # while the first registration is stuck
+        assert blocking.entered.wait(10)
+        later.append(local.add_remote_peer_async("p", *peer2.peer_args()))
+
+    thread = threading.Thread(target=register_again)
+    thread.start()
+    try:
+        with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+            local.add_remote_peer("p", *peer.peer_args())
+        thread.join(timeout=10)
+        assert later, "the second registration was not submitted"
+    finally:
+        blocking.release.set()
+    later[0].result(timeout=10)  # the later registration stands
+    local._agent = blocking._agent
+    tid = local.write_blocks("p", [6], [6])
+    assert drain(local, {tid})[0] == {tid}
+    assert int(peer2.get([6]).sum()) == 6 * BLOCK and int(peer.get([6]).sum()) == 0
+
+
 def test_a_reregistration_that_outlives_its_wait_keeps_the_working_one(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -90,6 +90,11 @@ class NixlPeers:
         gen = self._gen[peer_id] = self._gen.get(peer_id, 0) + 1
         return gen
 
+    def abandon(self, peer_id: str, gen: int) -> None:
+        """Registration ``gen`` of ``peer_id`` may no longer publish; one begun after it may."""
+        if self._gen.get(peer_id) == gen:
+            self.next_generation(peer_id)
+
     def build(
         self,
         peer_id: str,

@@ -94,20 +94,14 @@ class NixlRegistration:
         ``REGISTRATION_TIMEOUT_S``: it is then abandoned (it can no longer publish the peer; a
         working registration of it is kept), so the caller's view and the transport's agree.
         """
-        future = self.add_remote_peer_async(
-            peer_id,
-            agent_metadata,
-            base_addr,
-            num_blocks,
-            block_len,
-            mem_type=mem_type,
-            device_id=device_id,
+        future, gen = self._register(
+            peer_id, agent_metadata, base_addr, num_blocks, block_len, mem_type, device_id
         )
         try:
             future.result(timeout=REGISTRATION_TIMEOUT_S)
         except FutureTimeout:
             with self._lock:
-                self._peers.next_generation(peer_id)  # it can no longer publish the peer
+                self._peers.abandon(peer_id, gen)  # it can no longer publish the peer
             try:  # unless it did just before: its future then resolves at once
                 published = future.exception(timeout=1.0) is None
             except FutureTimeout:
@@ -139,6 +133,21 @@ class NixlRegistration:
         known peer keeps its working registration) or with ``RuntimeError`` "superseded" when
         the peer was removed or registered again (or the transport closed) meanwhile.
         """
+        return self._register(
+            peer_id, agent_metadata, base_addr, num_blocks, block_len, mem_type, device_id
+        )[0]
+
+    def _register(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+        mem_type: str,
+        device_id: int,
+    ) -> tuple[Future[None], int]:
+        """``add_remote_peer_async``, and the generation of the peer its registration is."""
         check_peer_region(
             peer_id, base_addr, num_blocks, block_len, self._region.block_len, device_id
         )
@@ -161,7 +170,7 @@ class NixlRegistration:
             self._check_open()
             gen = self._peers.next_generation(peer_id)
             future = self._last_registration = self._registrar.submit(register)
-        return future
+        return future, gen
 
     def remove_remote_peer(self, peer_id: str) -> None:
         """Unpublish ``peer_id`` at once, also over a registration still running.
