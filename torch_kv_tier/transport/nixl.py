@@ -3,12 +3,12 @@
 Threading. ``_lock`` guards every table and every agent call that touches transfers (submit,
 state checks, releases): any method may be called from any thread, one thread may submit while
 another polls. Peer registration (``add_remote_agent`` plus one descriptor per remote block,
-seconds for a big region) runs on a single daemon thread (``registrar``: exit never waits for
-it), off the caller's thread and outside ``_lock``; only its final publish takes ``_lock``.
-NIXL's own locking covers that overlap: the agent runs with ``NIXL_THREAD_SYNC_RW`` and NIXL's
-progress thread, so its tables and its UCX backend are multi-threaded (see
-``nixl_agent.make_agent``). A passive target needs no calls at all: that progress thread serves
-incoming transfers and sleeps in ``poll()`` when idle.
+seconds for a big region) runs on a single daemon thread (``registrar``: exit waits for it at
+most ``EXIT_WAIT_S``), off the caller's thread and outside ``_lock``; only its final publish
+takes ``_lock``. NIXL's own locking covers that overlap: the agent runs with
+``NIXL_THREAD_SYNC_RW`` and NIXL's progress thread, so its tables and its UCX backend are
+multi-threaded (see ``nixl_agent.make_agent``). A passive target needs no calls at all: that
+progress thread serves incoming transfers and sleeps in ``poll()`` when idle.
 
 Registrations (``nixl_registration``, the base class adding and removing peers, over
 ``nixl_peers``): a removal during a registration wins, a failed re-registration leaves the
