@@ -331,6 +331,26 @@ def test_a_bad_peer_region_raises_before_its_agent_is_loaded(
     local._agent = spy._agent
 
 
+@pytest.mark.parametrize("shift", [(0, 1), (1024, 0)], ids=["one-block-too-many", "past-its-end"])
+def test_a_region_the_peer_did_not_register_fails_saying_what_to_check(
+    local: NixlTransport, peer: RemotePeer, shift: tuple[int, int]
+) -> None:
+    """Found by review: a region outside the peer's registered memory failed with NIXL's bare
+    ``nixlNotFoundError('NIXL_ERR_NOT_FOUND')``, which names neither the region nor the fix.
+    The error stays NIXL's own (vLLM's suite checks its identity); a note says the rest."""
+    meta, addr, n, _ = peer.peer_args()
+    blocks, extra = shift
+    with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND") as raised:  # NIXL's own error
+        local.add_remote_peer("p", meta, addr + blocks * BLOCK, n + extra, BLOCK)
+    message = "\n".join(getattr(raised.value, "__notes__", ()))  # shown with its traceback
+    assert f"{n + extra} blocks of {BLOCK} B at {addr + blocks * BLOCK:#x}" in message
+    assert "check base_addr and num_blocks" in message
+    assert local.write_blocks("p", [0], [0]) is None
+    local.add_remote_peer("p", *peer.peer_args())  # the right region still registers
+    tid = local.write_blocks("p", [0], [0])
+    assert drain(local, {tid})[0] == {tid}
+
+
 def test_readding_a_peer_replaces_it(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:

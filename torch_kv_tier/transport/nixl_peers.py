@@ -105,7 +105,9 @@ class NixlPeers:
         device_id: int,
     ) -> NixlPeer:
         """Load the peer's agent and prepare its descriptors (unlocked). On failure, the remote
-        agent is removed unless another registration uses it."""
+        agent is removed unless another registration uses it; a failed preparation raises NIXL's
+        error itself (vLLM's contract) with a note naming the region (NIXL's says only its
+        status)."""
         agent = self.agent
         with self._lock:  # a parked agent loaded from other metadata would be handed back as is
             parked = self._parked.get(peer_id)
@@ -129,12 +131,18 @@ class NixlPeers:
             descs = descriptors(base_addr, num_blocks, self._block_len, device_id)
             xfer_descs = agent.get_xfer_descs(descs, mem_type=mem_type)
             dlist = agent.prep_xfer_dlist(nixl_name, xfer_descs)
-        except Exception:
+        except Exception as exc:
             with self._lock:
                 self._building.remove(nixl_name)
                 in_use = self._name_in_use(nixl_name)
             if not in_use:
                 self._remove_agent(peer_id, nixl_name)
+            exc.add_note(
+                f"peer {peer_id!r}: NIXL could not prepare {num_blocks} blocks of "
+                f"{self._block_len} B at {base_addr:#x}; the region must lie in memory the peer "
+                "registered (NIXL_ERR_NOT_FOUND when it does not): check base_addr and num_blocks "
+                "against what the peer advertised"
+            )
             raise
         return NixlPeer(peer_id, nixl_name, dlist, num_blocks, metadata)
 
