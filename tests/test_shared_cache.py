@@ -179,6 +179,19 @@ def test_a_namespace_with_no_session_and_no_key_is_forgotten() -> None:
     assert list(cache.namespaces) == ["kept"]  # it still has a key
 
 
+def test_a_namespace_whose_last_key_is_evicted_after_its_sessions_left_is_forgotten() -> None:
+    """Each namespace that stored a key and whose sessions then left stayed in the cache for
+    good once other namespaces evicted that key: a client cycling through fingerprints grew the
+    host's namespaces (and its stats, and the loop's scan for events) without bound."""
+    cache = SharedCache(SlotPool(1))
+    for i in range(100):  # each store evicts the key of the namespace before it
+        cache.join(f"s{i}", f"model-{i}")
+        _store(cache, f"s{i}", [b"k"])
+        cache.leave(f"s{i}", 0.0, clean=True)
+        cache.take_events(max_keys=100)
+    assert list(cache.namespaces) == ["model-99"]  # the one that still has its key
+
+
 def test_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="quota"):
         SharedCache(SlotPool(4), quota=0)

@@ -139,8 +139,7 @@ class SharedCache:
                 self._free_again(granted)
             else:
                 self._held[session_id] = (list(granted), now)
-        if not ns.sessions and not ns.entries and not ns.granted:
-            del self.namespaces[ns.name]
+        self._forget_if_unused(ns)
 
     def release(self, session_ids: Iterable[str]) -> int:
         """Ended sessions whose client reported every write resolved: their held slots are free
@@ -305,7 +304,8 @@ class SharedCache:
         """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
         evicted)`` batches of at most ``max_keys`` keys; each namespace's sequence number grows
         by one per batch. A key is reported in its final state only (stored, with its slot and
-        digest now, on disk: slot ``ON_DISK``, or evicted)."""
+        digest now, on disk: slot ``ON_DISK``, or evicted). A namespace whose sessions all left
+        is forgotten here once its last key was evicted."""
         batches: list[EventBatch] = []
         disk = self.disk
         for ns in list(self.namespaces.values()):
@@ -333,6 +333,7 @@ class SharedCache:
                     slots += [ON_DISK] * len(out_disk)
                     digests += [0] * len(out_disk)
                 batches.append((ns, ns.event_seq, out_stored, slots, digests, out_evicted))
+            self._forget_if_unused(ns)  # its last key evicted after its last session left
         return batches
 
     @property
@@ -352,6 +353,12 @@ class SharedCache:
         return len(self._held)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _forget_if_unused(self, ns: Namespace) -> None:
+        """Forget ``ns`` when no session, key or grant (a promotion's included) is left: a
+        session that joins later starts it again, with what the disk holds of it."""
+        if not ns.sessions and not ns.entries and not ns.granted:
+            del self.namespaces[ns.name]
 
     def _free_again(self, slots: Iterable[int]) -> None:
         """Return ``slots`` to the free list, the lowest last: taken first, in ascending runs."""
