@@ -192,6 +192,18 @@ def test_a_namespace_whose_last_key_is_evicted_after_its_sessions_left_is_forgot
     assert list(cache.namespaces) == ["model-99"]  # the one that still has its key
 
 
+def test_slots_a_promotion_writes_are_counted_granted_not_free_until_it_ends() -> None:
+    """A promotion's slots (``take_for``: the disk writes them) were counted by the
+    namespace but not in the host's ``granted`` total: stats and metrics showed them free."""
+    cache = _cache(num_blocks=4)
+    ns = cache.namespace_of("a")
+    first, second = cache.take_for(ns, 2)
+    assert (cache.granted, cache.free_slots()) == (2, 2)
+    cache.promoted(ns, b"k", first, 7)
+    cache.unpromoted(ns, second)
+    assert (cache.stored, cache.granted, cache.free_slots()) == (1, 0, 3)
+
+
 def test_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="quota"):
         SharedCache(SlotPool(4), quota=0)

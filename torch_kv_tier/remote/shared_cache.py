@@ -59,7 +59,7 @@ class Namespace:
 
     name: str
     entries: OrderedDict[Key, int] = field(default_factory=OrderedDict)
-    granted: int = 0  # slots granted to this namespace's sessions, not yet committed
+    granted: int = 0  # slots granted to its sessions or promotions, not committed yet
     sessions: int = 0  # sessions joined
     event_seq: int = 0  # sequence number of the last event batch taken
     stored: list[Key] = field(default_factory=list)
@@ -342,7 +342,8 @@ class SharedCache:
 
     @property
     def granted(self) -> int:
-        return sum(len(granted) for _, granted in self._grants.values())
+        """Slots granted and not committed yet: to sessions, and to promotions in flight."""
+        return sum(ns.granted for ns in self.namespaces.values())
 
     @property
     def held(self) -> int:
