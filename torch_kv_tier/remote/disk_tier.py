@@ -36,7 +36,8 @@ import numpy as np
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprints
-from torch_kv_tier.remote.shared_cache import Namespace, SharedCache
+from torch_kv_tier.remote.shared_cache import SharedCache
+from torch_kv_tier.remote.shared_events import Namespace
 
 if TYPE_CHECKING:
     from torch_kv_tier.remote.disk_store import DiskStore

@@ -25,7 +25,7 @@ miss, never wrong bytes.
 Capacity is one LRU over every stored slot, refreshed by ``touch``. When a grant needs slots
 and none is free, the least recently used key is evicted; a namespace at its quota evicts its
 own keys instead, so one tenant cannot take another's share. Every change is logged per
-namespace (``take_events``) for the server to push to the sessions.
+namespace (``take_events``, batched by ``shared_events``) for the server to push to the sessions.
 
 Slots come from the server's ``SlotPool`` only as grants need them; once drawn they stay with
 the shared cache (reused for shared keys, never returned), so private leases get the slots the
@@ -42,41 +42,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from torch_kv_tier.keys import Key
+from torch_kv_tier.remote import shared_events
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.protocol import ON_DISK
-
-Key = bytes | str | int
-EventBatch = tuple["Namespace", int, list[Key], list[int], list[int], list[Key]]
-
-
-@dataclass
-class Namespace:
-    """One namespace's stored keys (``key -> slot``, least recently used first) and the events
-    not yet taken."""
-
-    name: str
-    entries: OrderedDict[Key, int] = field(default_factory=OrderedDict)
-    granted: int = 0  # slots granted to its sessions or promotions, not committed yet
-    sessions: int = 0  # sessions joined
-    event_seq: int = 0  # sequence number of the last event batch taken
-    stored: list[Key] = field(default_factory=list)
-    evicted: list[Key] = field(default_factory=list)  # left DRAM (the disk may keep them)
-
-    @property
-    def used(self) -> int:
-        """Slots charged to the namespace: stored plus granted."""
-        return len(self.entries) + self.granted
-
-
-class DiskSide(Protocol):
-    """What the cache asks of the disk behind it (``disk_store.DiskStore``)."""
-
-    def contains(self, namespace: str, key: Key) -> bool: ...
-    def busy_dram_slots(self) -> set[int]: ...
-    def keys_of(self, namespace: str) -> list[Key]: ...
+from torch_kv_tier.remote.shared_events import DiskSide, EventBatch, Namespace
 
 
 class SharedCache:
@@ -301,39 +273,14 @@ class SharedCache:
         return any(ns.stored or ns.evicted for ns in self.namespaces.values())
 
     def take_events(self, max_keys: int) -> list[EventBatch]:
-        """Changes since the last call as ``(namespace, event_seq, stored, slots, digests,
-        evicted)`` batches of at most ``max_keys`` keys; each namespace's sequence number grows
-        by one per batch. A key is reported in its final state only (stored, with its slot and
-        digest now, on disk: slot ``ON_DISK``, or evicted). A namespace whose sessions all left
-        is forgotten here once its last key was evicted."""
-        batches: list[EventBatch] = []
-        disk = self.disk
+        """Changes since the last call, in numbered batches of final states
+        (``shared_events.take_events``). A namespace whose sessions all left is forgotten here
+        once its last key was evicted."""
+        batches = shared_events.take_events(
+            list(self.namespaces.values()), self._digests, self.disk, max_keys
+        )
         for ns in list(self.namespaces.values()):
-            entries = ns.entries
-            stored = [k for k in dict.fromkeys(ns.stored) if k in entries]
-            evicted = [k for k in dict.fromkeys(ns.evicted) if k not in entries]
-            on_disk: list[Key] = []
-            if disk is not None and evicted:
-                name = ns.name
-                on_disk = [k for k in evicted if disk.contains(name, k)]
-                kept = set(on_disk)
-                evicted = [k for k in evicted if k not in kept]
-            ns.stored, ns.evicted = [], []
-            while stored or evicted or on_disk:
-                ns.event_seq += 1
-                out_evicted, evicted = evicted[:max_keys], evicted[max_keys:]
-                room = max_keys - len(out_evicted)
-                out_stored, stored = stored[:room], stored[room:]
-                slots = list(map(entries.__getitem__, out_stored))
-                digests = list(map(self._digests.__getitem__, slots))
-                room -= len(out_stored)
-                if room and on_disk:
-                    out_disk, on_disk = on_disk[:room], on_disk[room:]
-                    out_stored = out_stored + out_disk
-                    slots += [ON_DISK] * len(out_disk)
-                    digests += [0] * len(out_disk)
-                batches.append((ns, ns.event_seq, out_stored, slots, digests, out_evicted))
-            self._forget_if_unused(ns)  # its last key evicted after its last session left
+            self._forget_if_unused(ns)
         return batches
 
     @property
