@@ -2,8 +2,8 @@
 
 The server owns one ``BlockArena`` registered with a ``NixlTransport``. Clients write and read
 its blocks one-sidedly over NIXL; the server only answers the control plane (``control``:
-handshakes, heartbeats, stats, disconnects, and for shared sessions grants, commits, pins and
-the events that keep every client's copy of the index current; see ``protocol`` and
+handshakes, heartbeats, stats, disconnects, and for shared sessions grants, commits, touches,
+promotions and the events that keep every client's copy of the index current; see ``protocol`` and
 ``shared_service``), and fences the slots of sessions that may still write. A session is
 shared by default: every session with the same config fingerprint sees the keys the others
 stored. A private session leases a range of slots that it manages alone. The handshake's
