@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession, parse_address
-from torch_kv_tier.remote.leases import LeaseTable, SlotPool
+from torch_kv_tier.remote.leases import LeaseTable, Session, SlotPool
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
 from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, is_loopback
+from torch_kv_tier.remote.shared_service import SharedService
 
 
 def test_messages_round_trip_and_bad_frames_say_why() -> None:
@@ -133,6 +134,21 @@ def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_fre
     assert table.close(a.session_id, 101.0, clean=True) is None
     assert table.close(c.session_id, 101.0, clean=False) is c and table.held_blocks == 2
     assert table.leased == 2 and table.retired_bytes_written == 7
+
+
+def test_a_commit_with_more_keys_than_slots_or_digests_is_refused_saying_so() -> None:
+    """Such a commit was dropped without a word (every other bad commit is answered with an
+    ``Error``): its keys were never stored and nothing said why."""
+    service = SharedService(SlotPool(8), quota=None, max_granted=4)
+    session = Session("sid", "s1", "rogue", range(0), 0.0, 0.0, shared=True, namespace="m")
+    service.join(session)
+    granted = service.answer(session, p.GrantRequest(1, "sid", 2), 0.0)
+    assert isinstance(granted, p.Granted) and len(granted.slots) == 2
+    reply = service.answer(session, p.Commit(2, "sid", [b"a", b"b"], granted.slots, [1]), 0.0)
+    assert isinstance(reply, p.Error) and "2 keys, 2 slots and 1 digests" in reply.reason
+    assert (service.cache.stored, service.cache.granted) == (0, 2)  # still the session's
+    assert service.answer(session, p.Commit(3, "sid", [b"a"], granted.slots[:1], [1]), 0.0) is None
+    assert service.cache.stored == 1
 
 
 def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None:

@@ -59,8 +59,14 @@ class SharedService:
             # follower of the namespace would fail to apply it, then its snapshots, for good
             if message.digests and min(message.digests) < 0:
                 return p.Error(message.seq, "digests must be in [0, 2**64)")
-            if len(message.keys) == len(message.slots) == len(message.digests):
-                cache.commit(sid, message.keys, message.slots, message.digests)
+            n_keys, n_slots, n_digests = map(len, (message.keys, message.slots, message.digests))
+            if not n_keys == n_slots == n_digests:
+                return p.Error(
+                    message.seq,
+                    f"a commit needs one slot and one digest per key, got {n_keys} keys, "
+                    f"{n_slots} slots and {n_digests} digests",
+                )
+            cache.commit(sid, message.keys, message.slots, message.digests)
             return None
         if isinstance(message, p.Touch):
             cache.touch(sid, message.keys)
