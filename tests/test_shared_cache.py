@@ -5,9 +5,12 @@ eviction, namespace quotas, held grants of sessions that ended uncleanly and the
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
+from torch_kv_tier.remote.shared_events import Namespace
 
 
 def _cache(num_blocks: int = 8, **kwargs: object) -> SharedCache:
@@ -264,3 +267,95 @@ def test_grants_come_in_ascending_slots_whatever_order_they_were_freed_or_evicte
     backwards = list(reversed(slots))
     assert cache.commit("c", [f"k{i}" for i in range(32)], backwards, [0] * 32) == 32
     assert cache.grant("c", 32) == slots  # evicted newest slot first, granted ascending
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["join", "grant", "commit", "touch", "leave", "release", "promote"]),
+        st.integers(0, 2),  # a session
+        st.integers(1, 9),  # a count, a key; odd: an unclean leave
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 12), st.booleans(), _OPS)
+@example(4, 4, False, [("grant", 0, 1), ("grant", 0, 3), ("leave", 0, 1), ("grant", 1, 4)])
+@example(2, 2, True, [("grant", 0, 1), ("promote", 0, 2), ("leave", 0, 2), ("promote", 1, 3)])
+def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or_held(
+    num_blocks: int, max_granted: int, quota: bool, ops: list[tuple[str, int, int]]
+) -> None:
+    """Odd but legal sequences (duplicate and foreign commits, a session ending twice, releases
+    of sessions that were never held, promotions) never give one slot two owners: a slot is
+    stored, granted to one session or promotion, held for one ended session, or free. Once
+    every session ended and was released, nothing is granted or held and only namespaces with
+    keys are left."""
+    cache = SharedCache(
+        SlotPool(num_blocks), quota=num_blocks // 2 or 1 if quota else None, max_granted=max_granted
+    )
+    granted: dict[str, set[int]] = {}  # live session -> slots it was granted, not committed
+    held: dict[str, set[int]] = {}  # ended session -> slots it may still write
+    promoting: list[tuple[Namespace, int]] = []
+
+    def check() -> None:
+        owned = [slot for _, _, slot in cache.oldest(num_blocks)]
+        owned += [slot for slots in (*granted.values(), *held.values()) for slot in slots]
+        owned += [slot for _, slot in promoting]
+        assert len(owned) == len(set(owned)), owned
+        assert len(owned) + cache.free_slots() == num_blocks
+        assert cache.granted == sum(map(len, granted.values())) + len(promoting)
+        assert cache.held == sum(map(len, held.values()))
+
+    for op, who, n in ops:
+        sid = f"s{who}"
+        if op == "join" or sid not in granted:
+            if sid not in granted and sid not in held:
+                cache.join(sid, f"model-{n % 2}")
+                granted[sid] = set()
+        elif op == "grant":
+            slots = cache.grant(sid, n)
+            assert not set(slots) & granted[sid]
+            granted[sid].update(slots)
+        elif op == "commit":  # its own slots, a foreign one, keys stored before or twice
+            mine = sorted(granted[sid])[: n % 4 + 1]
+            slots = [*mine, *[s for s in range(num_blocks) if s not in granted[sid]][-1:]]
+            keys = [f"k{(n + i) % 5}" for i in range(len(slots))]
+            cache.commit(sid, keys, slots, [7] * len(slots))
+            granted[sid].difference_update(mine)
+        elif op == "touch":
+            cache.touch(sid, [f"k{n % 5}", "never-stored"])
+        elif op == "leave":
+            cache.leave(sid, 0.0, clean=n % 2 == 0)
+            uncommitted = granted.pop(sid)
+            if n % 2 and uncommitted:
+                held[sid] = uncommitted
+            cache.leave(sid, 0.0, clean=True)  # ending twice changes nothing
+        elif op == "release":
+            cache.release([sid, "never-held"])
+            held.pop(sid, None)
+        else:  # a promotion into a slot taken for the namespace, which lands or fails
+            ns = cache.namespace_of(sid)
+            if n % 3 == 0 and promoting:
+                owner, slot = promoting.pop()
+                cache.promoted(owner, f"k{n % 5}", slot, 9)
+            elif n % 3 == 1 and promoting:
+                cache.unpromoted(*promoting.pop())
+            else:
+                promoting += [(ns, slot) for slot in cache.take_for(ns, 1)]
+        if op in ("grant", "commit", "leave"):
+            cache.take_events(max_keys=3)
+        check()
+
+    for owner, slot in promoting:
+        cache.unpromoted(owner, slot)
+    promoting.clear()
+    for sid in list(granted):
+        cache.leave(sid, 0.0, clean=True)
+    granted.clear()
+    cache.release(list(held))
+    held.clear()
+    cache.take_events(max_keys=3)
+    check()
+    assert (cache.granted, cache.held, cache.held_sessions) == (0, 0, 0)
+    assert all(ns.entries and not ns.sessions for ns in cache.namespaces.values())
