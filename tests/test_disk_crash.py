@@ -212,17 +212,17 @@ def _evict_k_for_a_failed_write_then_store_it_in_b(
     for i, key in enumerate([b"x1", b"x2", b"x3"]):
         assert _write(store, pool, key, 1 + i).written
     assert store._where[("ns", b"K")][0] == 0
-    real_transfer = store._agent.transfer
+    real_transfer = store._io._agent.transfer
 
     def refused(handle: Any) -> str:
         raise RuntimeError("injected: the write could not start")
 
     if before_write is not None:
         before_write()
-    monkeypatch.setattr(store._agent, "transfer", refused)
+    monkeypatch.setattr(store._io._agent, "transfer", refused)
     store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K; fails
     assert store.poll().failed == [("ns", b"L", 5)] and not store.contains("ns", b"K")
-    monkeypatch.setattr(store._agent, "transfer", real_transfer)
+    monkeypatch.setattr(store._io._agent, "transfer", real_transfer)
     store.remove("ns", b"x1")  # b's slot 0 free
     assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
     assert store._where[("ns", b"K")][0] == 1

@@ -4,16 +4,12 @@ NIXL's POSIX backend, with a journal that lets a restarted host find them again.
 Each ``--disk`` directory is a ``disk_journal.DiskDir`` (block file, header, journal). Their
 slots form one pool: global slot ``g`` is slot ``g // n`` of directory ``g % n``, so consecutive
 allocations alternate between directories. ``write``/``read`` post one NIXL request per
-directory touched (DRAM slots and file slots from lists prepared once: no byte and no per-block
-call goes through Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a
-key used); a slot with I/O in flight is never evicted.
+directory touched (``disk_io.DiskTransfers``: no byte and no per-block call goes through
+Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a key used); a slot
+with I/O in flight is never evicted.
 
-Recovery (``recover``): the journal of each directory is replayed (the last record of a slot
-wins), every surviving block is read and checked against its digest (xxh3-64 seeded with its
-key, as ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a
-record torn at the journal's tail cost those keys, nothing else; so does a key found in two
-directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is unknown). The
-journal is then rewritten with the live records only.
+Recovery (``recover``): the blocks the journals name that still verify (``disk_recovery``); the
+journals are then rewritten with the live records only.
 
 Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised;
@@ -22,10 +18,7 @@ construction raises ``DiskError`` with what to do.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import mmap
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.digest import block_digest
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.disk_io import DiskTransfers, quietly
 from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
-from torch_kv_tier.transport.nixl_agent import descriptors
+from torch_kv_tier.remote.disk_recovery import verified_index
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +70,6 @@ class DiskStore:
     ) -> None:
         if bytes_per_path < block_len:
             raise ValueError(f"--disk-bytes {bytes_per_path} holds no block of {block_len} bytes")
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.block_len = block_len
         self._dirs: list[DiskDir] = []
         try:
@@ -108,30 +99,17 @@ class DiskStore:
             0,
         )  # fmt: skip
         self._busy_s = {"write": 0.0, "read": 0.0}
-        agent_name = f"{name}-{os.getpid()}-{next(_agent_ids)}"
-        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=[]))
         self._closed = False
         try:
-            self._agent.create_backend("POSIX", {})
-            pool = [(pool_addr, pool_blocks * block_len, 0, "")]
-            self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
-            files = [(0, d.slots * block_len, d.fd, "") for d in self._dirs]
-            self._file_reg = self._agent.register_memory(files, "FILE", backends=["POSIX"])
-            rows = descriptors(pool_addr, pool_blocks, block_len, 0)
-            self._dram = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", rows, "DRAM", backends=["POSIX"]
+            self._io = DiskTransfers(
+                [(d.fd, d.slots) for d in self._dirs],
+                block_len=block_len,
+                pool_addr=pool_addr,
+                pool_blocks=pool_blocks,
+                name=name,
             )
-            self._files = [
-                self._agent.prep_xfer_dlist(
-                    self._agent.name,
-                    descriptors(0, d.slots, block_len, d.fd),
-                    "FILE",
-                    backends=["POSIX"],
-                )
-                for d in self._dirs
-            ]
         except BaseException:
-            self.close()
+            self._close_files()
             raise
 
     # -- queries ------------------------------------------------------------------------------
@@ -207,11 +185,7 @@ class DiskStore:
             return done
         left = []
         for request in self._requests:
-            try:
-                state = self._agent.check_xfer_state(request.handle)
-            except Exception as exc:  # NIXL raises on a failed request
-                logger.warning("disk %s failed: %s", request.kind, exc)
-                state = "ERR"
+            state = self._io.state(request.handle, request.kind)
             if state == "PROC":
                 left.append(request)
                 continue
@@ -226,33 +200,8 @@ class DiskStore:
         """Rebuild the index from the journals, keeping the blocks that verify (module
         docstring). Returns ``(namespace, key, digest)`` of each, least recently used first
         (journal order). Call once, before any other I/O."""
-        n = len(self._dirs)
-        row = mmap.mmap(-1, self.block_len)  # page-aligned, as O_DIRECT reads need
-        found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
-        try:
-            for f, d in enumerate(self._dirs):
-                for j, (order, ns, key, digest) in d.live().items():
-                    try:
-                        got = os.preadv(d.fd, [row], j * self.block_len)
-                    except OSError as exc:  # a bad sector costs its key, not the start
-                        logger.warning("disk: block %d of %s unreadable: %s", j, d.path, exc)
-                        got = -1
-                    if got == self.block_len and block_digest(row, key) == digest:
-                        found.append((order, j * n + f, ns, key, digest))
-                    else:
-                        self._counters["disk_recover_dropped"] += 1
-        finally:
-            row.close()
-        found.sort(key=lambda entry: entry[0])  # orders of two directories: roughly
-        homes: dict[Pair, set[int]] = {}
-        for _, slot, ns, key, _ in found:
-            homes.setdefault((ns, key), set()).add(slot % n)
-        for _, slot, ns, key, digest in found:
-            if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
-                self._counters["disk_recover_dropped"] += 1
-                continue
-            self._where.pop((ns, key), None)  # two slots of one journal: the later one stays
-            self._where[(ns, key)] = (slot, digest)
+        self._where, dropped = verified_index(self._dirs, self.block_len)
+        self._counters["disk_recover_dropped"] += dropped
         taken = {slot for slot, _ in self._where.values()}
         self._fresh = max(taken, default=-1) + 1
         self._free = sorted(set(range(self._fresh)) - taken, reverse=True)
@@ -280,23 +229,15 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        agent = getattr(self, "_agent", None)
         deadline = time.monotonic() + CLOSE_WAIT_S
         while self._requests and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.001)
         if self._requests:
             logger.warning("disk: %d requests still in flight at close", len(self._requests))
-        if agent is not None:
-            for request in self._requests:
-                _quietly(lambda r=request: agent.release_xfer_handle(r.handle))
-            for dlist in [getattr(self, "_dram", None), *getattr(self, "_files", [])]:
-                if dlist is not None:
-                    _quietly(lambda h=dlist: agent.release_dlist_handle(h))
-            for reg in (getattr(self, "_file_reg", None), getattr(self, "_pool_reg", None)):
-                if reg is not None:
-                    _quietly(lambda r=reg: agent.deregister_memory(r, backends=["POSIX"]))
-            self._agent = None
+        for request in self._requests:
+            self._io.release(request.handle)
+        self._io.close()
         self._requests = []
         self._sync_journals(force=True)
         self._close_files()
@@ -323,30 +264,21 @@ class DiskStore:
         by_dir: dict[int, list[tuple[str, Key, int, int, int]]] = {}
         for item in batch:
             by_dir.setdefault(item[3] % n, []).append(item)
-        op = "WRITE" if kind == "write" else "READ"
         for f, items in by_dir.items():
-            dram = [it[4] for it in items]
-            disk = [it[3] // n for it in items]
             for it in items:
                 self._busy_disk.add(it[3])
                 self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
             request = _Request(None, kind, items, len(items) * self.block_len, time.perf_counter())
-            try:
-                request.handle = self._agent.make_prepped_xfer(
-                    op, self._dram, dram, self._files[f], disk, backends=["POSIX"]
-                )
-                state = self._agent.transfer(request.handle)
-            except Exception as exc:
-                logger.warning("disk %s of %d blocks could not start: %s", kind, len(items), exc)
-                state = "ERR"
+            request.handle, state = self._io.post(
+                kind, f, [it[4] for it in items], [it[3] // n for it in items]
+            )
             if state == "ERR":
                 self._finish(request, False, self._failed_at_start)
             else:
                 self._requests.append(request)
 
     def _finish(self, request: _Request, ok: bool, done: DiskCompletions) -> None:
-        if request.handle is not None:
-            _quietly(lambda: self._agent.release_xfer_handle(request.handle))
+        self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
         for ns, key, digest, slot, dram in request.items:
             self._busy_disk.discard(slot)
@@ -415,18 +347,8 @@ class DiskStore:
 
     def _close_files(self) -> None:
         for d in self._dirs:
-            _quietly(d.close)
+            quietly(d.close)
         self._dirs = []
-
-
-_agent_ids = itertools.count()
-
-
-def _quietly(action: Any) -> None:
-    try:
-        action()
-    except Exception:
-        logger.debug("disk: release failed", exc_info=True)
 
 
 __all__ = ["DiskCompletions", "DiskError", "DiskStore"]

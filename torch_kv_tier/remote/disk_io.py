@@ -1,0 +1,120 @@
+"""``DiskTransfers``: NIXL POSIX requests between a host's DRAM pool and its block files, for
+``disk_store.DiskStore``.
+
+The pool and every block file are registered once, and their slots prepared once as descriptor
+lists (DRAM slot ``i`` at ``pool_addr + i * block_len``, file slot ``j`` at ``j * block_len``):
+a request names slots by index, no byte and no per-block call goes through Python.
+
+Threading and failures: not thread-safe; owned by one ``DiskStore``. A request NIXL refuses to
+start, or reports failed, is logged and answered ``"ERR"``, never raised; construction raises
+what NIXL raised, with everything it had made released.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from torch_kv_tier.transport.nixl_agent import descriptors
+
+logger = logging.getLogger(__name__)
+
+_agent_ids = itertools.count()
+
+
+class DiskTransfers:
+    """One NIXL agent with the POSIX backend over a pool and block files (module docstring).
+    ``files`` are ``(fd, slots)`` of each block file, in the order requests name them."""
+
+    def __init__(
+        self,
+        files: Sequence[tuple[int, int]],
+        *,
+        block_len: int,
+        pool_addr: int,
+        pool_blocks: int,
+        name: str,
+    ) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self._agent: Any = nixl_agent(
+            f"{name}-{os.getpid()}-{next(_agent_ids)}", nixl_agent_config(backends=[])
+        )
+        self._dram: Any = None
+        self._files: list[Any] = []
+        self._pool_reg: Any = None
+        self._file_reg: Any = None
+        try:
+            self._agent.create_backend("POSIX", {})
+            pool = [(pool_addr, pool_blocks * block_len, 0, "")]
+            self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
+            regs = [(0, slots * block_len, fd, "") for fd, slots in files]
+            self._file_reg = self._agent.register_memory(regs, "FILE", backends=["POSIX"])
+            rows = descriptors(pool_addr, pool_blocks, block_len, 0)
+            self._dram = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", rows, "DRAM", backends=["POSIX"]
+            )
+            self._files = [
+                self._agent.prep_xfer_dlist(
+                    self._agent.name,
+                    descriptors(0, slots, block_len, fd),
+                    "FILE",
+                    backends=["POSIX"],
+                )
+                for fd, slots in files
+            ]
+        except BaseException:
+            self.close()
+            raise
+
+    def post(self, kind: str, f: int, dram: list[int], disk: list[int]) -> tuple[Any, str]:
+        """Start a ``"write"`` (DRAM slots to slots of file ``f``) or ``"read"`` (the other way).
+        Returns the request's handle (None if none was made) and its state: ``"ERR"`` when it
+        could not start (logged), the handle then to be released all the same."""
+        op = "WRITE" if kind == "write" else "READ"
+        handle = None
+        try:
+            handle = self._agent.make_prepped_xfer(
+                op, self._dram, dram, self._files[f], disk, backends=["POSIX"]
+            )
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            logger.warning("disk %s of %d blocks could not start: %s", kind, len(dram), exc)
+            state = "ERR"
+        return handle, state
+
+    def state(self, handle: Any, kind: str) -> str:
+        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"`` (logged)."""
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception as exc:  # NIXL raises on a failed request
+            logger.warning("disk %s failed: %s", kind, exc)
+            return "ERR"
+
+    def release(self, handle: Any) -> None:
+        """Release a request's handle (a failure is logged at debug level)."""
+        if handle is not None and self._agent is not None:
+            quietly(lambda: self._agent.release_xfer_handle(handle))
+
+    def close(self) -> None:
+        """Release the descriptor lists and registrations. Idempotent."""
+        agent = self._agent
+        if agent is None:
+            return
+        for dlist in [self._dram, *self._files]:
+            if dlist is not None:
+                quietly(lambda h=dlist: agent.release_dlist_handle(h))
+        for reg in (self._file_reg, self._pool_reg):
+            if reg is not None:
+                quietly(lambda r=reg: agent.deregister_memory(r, backends=["POSIX"]))
+        self._agent = None
+
+
+def quietly(action: Any) -> None:
+    try:
+        action()
+    except Exception:
+        logger.debug("disk: release failed", exc_info=True)

@@ -1,0 +1,65 @@
+"""What a restarted host's disk directories still hold (``DiskStore.recover``).
+
+The journal of each directory is replayed (the last record of a slot wins), every surviving
+block is read and checked against its digest (xxh3-64 seeded with its key, as
+``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record torn
+at the journal's tail, a block unreadable (EIO) cost those keys, nothing else; so does a key
+found in two directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is
+unknown).
+
+Threading: runs on the caller's thread, before any other I/O on the directories.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch_kv_tier.digest import block_digest
+from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.disk_journal import DiskDir
+
+logger = logging.getLogger(__name__)
+
+Pair = tuple[str, Key]
+
+
+def verified_index(
+    dirs: Sequence[DiskDir], block_len: int
+) -> tuple[OrderedDict[Pair, tuple[int, int]], int]:
+    """The keys whose blocks verify: ``(namespace, key) -> (global slot, digest)``, least
+    recently used first (journal order; global slot ``g`` is slot ``g // n`` of directory
+    ``g % n``), and how many keys were dropped. Never raises for a block it cannot read."""
+    n = len(dirs)
+    dropped = 0
+    row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT reads need
+    found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
+    try:
+        for f, d in enumerate(dirs):
+            for j, (order, ns, key, digest) in d.live().items():
+                try:
+                    got = os.preadv(d.fd, [row], j * block_len)
+                except OSError as exc:  # a bad sector costs its key, not the start
+                    logger.warning("disk: block %d of %s unreadable: %s", j, d.path, exc)
+                    got = -1
+                if got == block_len and block_digest(row, key) == digest:
+                    found.append((order, j * n + f, ns, key, digest))
+                else:
+                    dropped += 1
+    finally:
+        row.close()
+    found.sort(key=lambda entry: entry[0])  # orders of two directories: roughly
+    homes: dict[Pair, set[int]] = {}
+    for _, slot, ns, key, _ in found:
+        homes.setdefault((ns, key), set()).add(slot % n)
+    index: OrderedDict[Pair, tuple[int, int]] = OrderedDict()
+    for _, slot, ns, key, digest in found:
+        if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
+            dropped += 1
+            continue
+        index.pop((ns, key), None)  # two slots of one journal: the later one stays
+        index[(ns, key)] = (slot, digest)
+    return index, dropped
