@@ -1,4 +1,5 @@
-"""Shared fixtures: remote peers in other processes, and a tier's block geometry."""
+"""Shared fixtures: remote peers in other processes, a tier's block geometry, a disk tier's
+DRAM pool."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,3 +40,12 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+@pytest.fixture
+def disk_pool() -> np.ndarray:
+    """A DRAM pool for a disk tier's tests: ``disk_support.DISK_POOL`` page-aligned rows of
+    ``DISK_BLOCK`` random bytes."""
+    from disk_support import make_disk_pool
+
+    return make_disk_pool()

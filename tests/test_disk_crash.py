@@ -15,38 +15,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xxhash
+from disk_support import DISK_BLOCK, digest_of, open_store
 
-from torch_kv_tier.keys import Key, key_fingerprint
+from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_journal import PUT, DiskDir
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
 
-BLOCK = 16 << 10
-POOL = 16
 
-
-@pytest.fixture
-def pool() -> np.ndarray:
-    raw = np.empty(POOL * BLOCK + 4096, dtype=np.uint8)  # page-aligned, as the server's pool
-    start = -raw.ctypes.data % 4096
-    rows = raw[start : start + POOL * BLOCK].reshape(POOL, BLOCK)
-    rows[:] = np.random.default_rng(1).integers(0, 256, rows.shape, dtype=np.uint8)
-    return rows
-
-
-def _open(pool: np.ndarray, dirs: list[Path], slots: int = 8) -> DiskStore:
-    return DiskStore(
-        [str(d) for d in dirs], slots * BLOCK, block_len=BLOCK, pool_addr=pool.ctypes.data,
-        pool_blocks=POOL,
-    )  # fmt: skip
-
-
-def _digest(pool: np.ndarray, slot: int, key: Key) -> int:
-    return xxhash.xxh3_64_intdigest(pool[slot], key_fingerprint(key))
-
-
-def _write(store: DiskStore, pool: np.ndarray, key: Key, dram: int) -> DiskCompletions:
-    store.write([("ns", key, _digest(pool, dram, key), dram)])
+def _write(store: DiskStore, disk_pool: np.ndarray, key: Key, dram: int) -> DiskCompletions:
+    store.write([("ns", key, digest_of(disk_pool, dram, key), dram)])
     done = DiskCompletions()
     while store.in_flight() or not (done.written or done.failed):
         more = store.poll()
@@ -67,32 +44,35 @@ def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, te
     d.mkdir()
     (d / "meta.json").write_text(text)
     with pytest.raises(DiskError, match=f"{d}.*meta.json"):
-        DiskDir(d, 8 * BLOCK, BLOCK)
+        DiskDir(d, 8 * DISK_BLOCK, DISK_BLOCK)
 
 
 def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     """The header was written before the block file was allocated: a start with a
     ``--disk-bytes`` beyond the free space told the operator to pass a smaller one, and the
     next start with a smaller one was refused as "a directory made with another size"."""
     with pytest.raises(DiskError, match="pass a smaller --disk-bytes"):
-        _open(pool, [tmp_path / "d"], slots=1 << 44)
-    store = _open(pool, [tmp_path / "d"])  # as the message said
+        open_store(disk_pool, [tmp_path / "d"], 1 << 44)
+    store = open_store(disk_pool, [tmp_path / "d"], 8)  # as the message said
     store.recover()
     store.close()
 
 
 def test_a_journal_write_cut_short_costs_no_other_record(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A short write then ENOSPC (a full file system) left a torn frame in the middle of the
     journal: every record appended after it, written past it, was ignored by the next start."""
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     try:
         store.recover()
         d = store._dirs[0]
-        assert _write(store, pool, b"k0", 0).written and _write(store, pool, b"k1", 1).written
+        assert (
+            _write(store, disk_pool, b"k0", 0).written
+            and _write(store, disk_pool, b"k1", 1).written
+        )
         calls: list[int] = []
 
         def full(fd: int, data: Any) -> int:
@@ -105,10 +85,10 @@ def test_a_journal_write_cut_short_costs_no_other_record(
 
         real_write = os.write
         monkeypatch.setattr(os, "write", full)
-        assert _write(store, pool, b"k2", 2).written  # its record: logged, not raised
+        assert _write(store, disk_pool, b"k2", 2).written  # its record: logged, not raised
         assert len(calls) == 2
         monkeypatch.undo()
-        assert _write(store, pool, b"k3", 3).written
+        assert _write(store, disk_pool, b"k3", 3).written
         store._sync_journals(force=True)
         kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
         assert {b"k0", b"k1", b"k3"} <= kept
@@ -122,7 +102,7 @@ def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
     """``rewrite`` wrote the temporary journal with one ``os.write``: a short write replaced the
     journal by a cut one (keys lost at the next start); an ENOSPC raised out of it (out of
     ``DiskStore.poll``: the host's loop died)."""
-    d = DiskDir(tmp_path / "d", 8 * BLOCK, BLOCK)
+    d = DiskDir(tmp_path / "d", 8 * DISK_BLOCK, DISK_BLOCK)
     try:
         live = _records(50)
         real_write = os.write
@@ -149,7 +129,7 @@ def test_a_compaction_syncs_the_directory_after_its_rename(
     """The rename of the compacted journal was never made durable (no fsync of the directory):
     after a power loss the old journal could come back, without every record appended to the
     new one since, however long ago they were synced."""
-    d = DiskDir(tmp_path / "d", 8 * BLOCK, BLOCK)
+    d = DiskDir(tmp_path / "d", 8 * DISK_BLOCK, DISK_BLOCK)
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -172,12 +152,12 @@ def test_a_compaction_syncs_the_directory_after_its_rename(
 
 
 def test_blocks_are_synced_before_the_journal_records_naming_them(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The block file was never synced, the journal once a second: after a power loss a
     record could outlive its block (dropped by the digest, but more lost than the README's
     "the last second of journal records")."""
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     synced: list[int] = []
     real_fsync, real_fdatasync = os.fsync, os.fdatasync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
@@ -185,7 +165,7 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
     try:
         store.recover()
         d = store._dirs[0]
-        assert _write(store, pool, b"k", 0).written
+        assert _write(store, disk_pool, b"k", 0).written
         synced.clear()
         store._sync_journals(force=True)
         assert d.fd in synced and d.journal in synced
@@ -197,7 +177,7 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
 
 def _evict_k_for_a_failed_write_then_store_it_in_b(
     store: DiskStore,
-    pool: np.ndarray,
+    disk_pool: np.ndarray,
     monkeypatch: pytest.MonkeyPatch,
     before_write: Callable[[], None] | None,
 ) -> None:
@@ -206,11 +186,11 @@ def _evict_k_for_a_failed_write_then_store_it_in_b(
     new content, in directory b."""
     store.recover()
     for _ in range(6):  # a's journal grows longer than b's
-        assert _write(store, pool, b"churn", 9).written
+        assert _write(store, disk_pool, b"churn", 9).written
         store.remove("ns", b"churn")
-    assert _write(store, pool, b"K", 0).written  # old content, a's slot 0
+    assert _write(store, disk_pool, b"K", 0).written  # old content, a's slot 0
     for i, key in enumerate([b"x1", b"x2", b"x3"]):
-        assert _write(store, pool, key, 1 + i).written
+        assert _write(store, disk_pool, key, 1 + i).written
     assert store._where[("ns", b"K")][0] == 0
     real_transfer = store._io._agent.transfer
 
@@ -220,17 +200,17 @@ def _evict_k_for_a_failed_write_then_store_it_in_b(
     if before_write is not None:
         before_write()
     monkeypatch.setattr(store._io._agent, "transfer", refused)
-    store.write([("ns", b"L", _digest(pool, 5, b"L"), 5)])  # evicts K; fails
+    store.write([("ns", b"L", digest_of(disk_pool, 5, b"L"), 5)])  # evicts K; fails
     assert store.poll().failed == [("ns", b"L", 5)] and not store.contains("ns", b"K")
     monkeypatch.setattr(store._io._agent, "transfer", real_transfer)
     store.remove("ns", b"x1")  # b's slot 0 free
-    assert _write(store, pool, b"K", 6).written  # K stored again: new content, in b
+    assert _write(store, disk_pool, b"K", 6).written  # K stored again: new content, in b
     assert store._where[("ns", b"K")][0] == 1
 
 
 @pytest.mark.parametrize("a_journal", ["written", "full, then a crash"])
 def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, a_journal: str
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, a_journal: str
 ) -> None:
     """Key K, evicted from directory a for a write that failed, stored again in b: at the next
     start the old copy came back over the new one. Written: the eviction wrote no ``DEL``, so
@@ -246,32 +226,32 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
         return real_write(fd, data)
 
     full = a_journal != "written"
-    store = _open(pool, dirs, slots=2)  # global slots 0, 2 in a; 1, 3 in b
+    store = open_store(disk_pool, dirs, 2)  # global slots 0, 2 in a; 1, 3 in b
     try:
         before_write = (lambda: monkeypatch.setattr(os, "write", a_full)) if full else None
-        _evict_k_for_a_failed_write_then_store_it_in_b(store, pool, monkeypatch, before_write)
+        _evict_k_for_a_failed_write_then_store_it_in_b(store, disk_pool, monkeypatch, before_write)
         assert store._dirs[0].stale == full  # full: K's DEL lost
         if full:
             monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL
     finally:
         store.close()
     monkeypatch.undo()
-    store = _open(pool, dirs, slots=2)
+    store = open_store(disk_pool, dirs, 2)
     try:
         store.recover()
-        assert store.digest("ns", b"K") in (None, _digest(pool, 6, b"K"))
+        assert store.digest("ns", b"K") in (None, digest_of(disk_pool, 6, b"K"))
     finally:
         store.close()
 
 
 def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An EIO reading one block (a bad sector) raised out of ``recover``: the host refused to
     start ("[Errno 5] Input/output error", no path), at every restart."""
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     store.recover()
-    assert _write(store, pool, b"k0", 0).written and _write(store, pool, b"k1", 1).written
+    assert _write(store, disk_pool, b"k0", 0).written and _write(store, disk_pool, b"k1", 1).written
     assert store._where[("ns", b"k0")][0] == 0
     store.close()
     real_preadv = os.preadv
@@ -282,7 +262,7 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", bad_sector)
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     try:
         assert [k for _, k, _ in store.recover()] == [b"k1"]
         assert store.stats()["disk_recover_dropped"] == 1
@@ -291,16 +271,16 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
 
 
 def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
-    pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stale journal on a full disk is rewritten again 1 s, then 2, 4... s later (a rewrite
     encodes every live record), not at every loop turn; ``close`` tries once more."""
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     tries: list[bool] = []
     try:
         store.recover()
         d = store._dirs[0]
-        assert _write(store, pool, b"k0", 0).written
+        assert _write(store, disk_pool, b"k0", 0).written
         real_rewrite, real_write = d.rewrite, os.write
 
         def full(fd: int, data: Any) -> int:

@@ -12,70 +12,34 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xxhash
+from disk_support import DISK_BLOCK, digest_of, open_store, settle
 
-from torch_kv_tier.keys import Key, key_fingerprint
-from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
-
-BLOCK = 16 << 10
-POOL = 64
+from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.disk_store import DiskError, DiskStore
 
 
-@pytest.fixture
-def pool() -> np.ndarray:
-    raw = np.empty(POOL * BLOCK + 4096, dtype=np.uint8)  # page-aligned, as the server's pool
-    start = -raw.ctypes.data % 4096
-    rows = raw[start : start + POOL * BLOCK].reshape(POOL, BLOCK)
-    rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
-    return rows
-
-
-def _open(pool: np.ndarray, dirs: list[Path], slots: int = 128) -> DiskStore:
-    return DiskStore(
-        [str(d) for d in dirs],
-        slots * BLOCK,
-        block_len=BLOCK,
-        pool_addr=pool.ctypes.data,
-        pool_blocks=POOL,
-    )
-
-
-def _digest(pool: np.ndarray, slot: int, key: Key) -> int:
-    return xxhash.xxh3_64_intdigest(pool[slot], key_fingerprint(key))
-
-
-def _settle(store: DiskStore) -> DiskCompletions:
-    done = DiskCompletions()
-    while store.in_flight():
-        more = store.poll()
-        done.written += more.written
-        done.read += more.read
-        done.failed += more.failed
-    return done
-
-
-def _write(store: DiskStore, pool: np.ndarray, items: list[tuple[str, Key, int]]) -> Any:
-    evicted = store.write([(ns, k, _digest(pool, s, k), s) for ns, k, s in items])
-    return evicted, _settle(store)
+def _write(store: DiskStore, disk_pool: np.ndarray, items: list[tuple[str, Key, int]]) -> Any:
+    evicted = store.write([(ns, k, digest_of(disk_pool, s, k), s) for ns, k, s in items])
+    return evicted, settle(store)
 
 
 def test_blocks_round_trip_byte_identical_across_two_directories(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = _open(pool, [tmp_path / "a", tmp_path / "b"])
+    store = open_store(disk_pool, [tmp_path / "a", tmp_path / "b"], 128)
     try:
         assert store.recover() == []
         keys: list[Key] = [b"bytes-key", "str-key", 7, *[f"k{i}".encode() for i in range(29)]]
-        evicted, done = _write(store, pool, [("m1", k, i) for i, k in enumerate(keys)])
+        evicted, done = _write(store, disk_pool, [("m1", k, i) for i, k in enumerate(keys)])
         assert evicted == [] and sorted(map(str, done.written)) == sorted(
             str(("m1", k)) for k in keys
         )
         assert store.contains("m1", 7) and not store.contains("m2", 7)
         assert not store.contains("m1", "7") and not store.contains("m1", b"str-key")
         assert store.read([("m1", k, 32 + i) for i, k in enumerate(keys)]) == []
-        done = _settle(store)
+        done = settle(store)
         assert len(done.read) == len(keys) and not done.failed
-        assert np.array_equal(pool[32:64], pool[:32])
+        assert np.array_equal(disk_pool[32:64], disk_pool[:32])
         assert all(d == store.digest(ns, k) for ns, k, _, d in done.read)
         assert store.read([("m2", 7, 0)]) == [("m2", 7)]  # another namespace: not on disk
         assert sorted(os.listdir(tmp_path / "a")) == ["blocks.dat", "journal.log", "meta.json"]
@@ -84,19 +48,19 @@ def test_blocks_round_trip_byte_identical_across_two_directories(
 
 
 def test_the_disk_evicts_its_least_recently_used_never_a_block_in_flight(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = _open(pool, [tmp_path / "d"], slots=4)
+    store = open_store(disk_pool, [tmp_path / "d"], 4)
     try:
         store.recover()
-        _write(store, pool, [("n", f"old{i}", i) for i in range(4)])
+        _write(store, disk_pool, [("n", f"old{i}", i) for i in range(4)])
         store.read([("n", "old0", 10)])  # in flight: old0 stays, and is the most recent
         assert store.busy_dram_slots() == {10}
-        evicted = store.write([("n", "new0", _digest(pool, 5, "new0"), 5)])
+        evicted = store.write([("n", "new0", digest_of(disk_pool, 5, "new0"), 5)])
         assert evicted == [("n", "old1")]
         assert store.busy_dram_slots() == {10, 5}
-        _settle(store)
-        evicted, _ = _write(store, pool, [("n", f"new{i}", 5 + i) for i in range(1, 4)])
+        settle(store)
+        evicted, _ = _write(store, disk_pool, [("n", f"new{i}", 5 + i) for i in range(1, 4)])
         assert sorted(evicted) == [("n", "old0"), ("n", "old2"), ("n", "old3")]
         assert store.stats()["disk_evictions"] == 4 and len(store) == 4
     finally:
@@ -104,109 +68,115 @@ def test_the_disk_evicts_its_least_recently_used_never_a_block_in_flight(
 
 
 def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     """Found by review: ``remove`` freed the disk slot at once, so a write could take it while
     a read of it was still in flight."""
-    store = _open(pool, [tmp_path / "a"])
+    store = open_store(disk_pool, [tmp_path / "a"], 128)
     try:
         store.recover()
-        _write(store, pool, [("ns", b"old", 0)])
+        _write(store, disk_pool, [("ns", b"old", 0)])
         (slot, _) = store._where[("ns", b"old")]
         assert store.read([("ns", b"old", 40)]) == []  # in flight until polled
         assert store.remove("ns", b"old")
-        store.write([("ns", b"new", _digest(pool, 1, b"new"), 1)])
-        done = _settle(store)
-        assert [k for _, k, _, _ in done.read] == [b"old"] and np.array_equal(pool[40], pool[0])
+        store.write([("ns", b"new", digest_of(disk_pool, 1, b"new"), 1)])
+        done = settle(store)
+        assert [k for _, k, _, _ in done.read] == [b"old"] and np.array_equal(
+            disk_pool[40], disk_pool[0]
+        )
         assert store._where[("ns", b"new")][0] != slot
-        store.write([("ns", b"newer", _digest(pool, 2, b"newer"), 2)])
-        _settle(store)
+        store.write([("ns", b"newer", digest_of(disk_pool, 2, b"newer"), 2)])
+        settle(store)
         assert store._where[("ns", b"newer")][0] == slot  # free once the read ended
     finally:
         store.close()
 
 
 def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     dirs = [tmp_path / "a", tmp_path / "b"]
-    store = _open(pool, dirs)
+    store = open_store(disk_pool, dirs, 128)
     store.recover()
     items = [("ns", f"k{i}".encode(), i) for i in range(40)]
-    _write(store, pool, items)
+    _write(store, disk_pool, items)
     store.remove("ns", b"k39")
     store.close()
-    store = _open(pool, dirs)
+    store = open_store(disk_pool, dirs, 128)
     try:
         found = store.recover()
         assert sorted(k for _, k, _ in found) == sorted(k for _, k, _ in items[:39])
-        assert all(d == _digest(pool, int(k[1:]), k) for _, k, d in found)  # type: ignore[arg-type]
+        assert all(d == digest_of(disk_pool, int(k[1:]), k) for _, k, d in found)  # type: ignore[arg-type]
     finally:
         store.close()
     with open(tmp_path / "a" / "blocks.dat", "r+b") as fh:  # k0 lives in a's slot 0
         fh.write(b"\xff" * 100)
     journal = tmp_path / "b" / "journal.log"
     os.truncate(journal, journal.stat().st_size - 3)  # b's last record torn
-    store = _open(pool, dirs)
+    store = open_store(disk_pool, dirs, 128)
     try:
         found = store.recover()
         assert len(found) == 37 and b"k0" not in {k for _, k, _ in found}
         assert store.stats()["disk_recover_dropped"] == 1
-        _write(store, pool, [("ns", b"again", 50)])  # new keys take free slots, never a kept one
+        _write(
+            store, disk_pool, [("ns", b"again", 50)]
+        )  # new keys take free slots, never a kept one
         assert len(store) == 38
     finally:
         store.close()
 
 
 def test_a_block_file_truncated_while_running_fails_reads_never_crashes(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = _open(pool, [tmp_path / "d"])
+    store = open_store(disk_pool, [tmp_path / "d"], 128)
     try:
         store.recover()
-        _write(store, pool, [("ns", f"k{i}", i) for i in range(8)])
+        _write(store, disk_pool, [("ns", f"k{i}", i) for i in range(8)])
         os.truncate(tmp_path / "d" / "blocks.dat", 0)
-        pool[32:40] = 0
+        disk_pool[32:40] = 0
         store.read([("ns", f"k{i}", 32 + i) for i in range(8)])
-        done = _settle(store)
+        done = settle(store)
         for _, key, slot, digest in done.read:  # whatever came back fails its digest
-            assert _digest(pool, slot, key) != digest
+            assert digest_of(disk_pool, slot, key) != digest
         assert len(done.read) + len(done.failed) == 8
     finally:
         store.close()
 
 
-def test_a_directory_made_for_other_blocks_is_refused(pool: np.ndarray, tmp_path: Path) -> None:
-    _open(pool, [tmp_path / "d"]).close()
+def test_a_directory_made_for_other_blocks_is_refused(
+    disk_pool: np.ndarray, tmp_path: Path
+) -> None:
+    open_store(disk_pool, [tmp_path / "d"], 128).close()
     with pytest.raises(DiskError, match="--block-len and --disk-bytes it was made with"):
-        _open(pool, [tmp_path / "d"], slots=64)
+        open_store(disk_pool, [tmp_path / "d"], 64)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
-    assert meta == {"format": 1, "block_len": BLOCK, "slots": 128}
+    assert meta == {"format": 1, "block_len": DISK_BLOCK, "slots": 128}
 
 
 def test_an_unusable_path_and_a_full_file_system_are_refused(
-    pool: np.ndarray, tmp_path: Path
+    disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(DiskError, match=str(blocker / "sub")):
-        _open(pool, [blocker / "sub"])
+        open_store(disk_pool, [blocker / "sub"], 128)
     with pytest.raises(DiskError, match="only [0-9]+ free: pass a smaller --disk-bytes"):
-        _open(pool, [tmp_path / "huge"], slots=1 << 44)
+        open_store(disk_pool, [tmp_path / "huge"], 1 << 44)
     with pytest.raises(ValueError, match="holds no block"):
-        DiskStore([str(tmp_path)], 100, block_len=BLOCK, pool_addr=0, pool_blocks=1)
+        DiskStore([str(tmp_path)], 100, block_len=DISK_BLOCK, pool_addr=0, pool_blocks=1)
 
 
-def test_closing_releases_every_file(pool: np.ndarray, tmp_path: Path) -> None:
+def test_closing_releases_every_file(disk_pool: np.ndarray, tmp_path: Path) -> None:
     def open_fds() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    _open(pool, [tmp_path / "d"]).close()  # NIXL's first use opens files it keeps
+    open_store(disk_pool, [tmp_path / "d"], 128).close()  # NIXL's first use opens files it keeps
     before = open_fds()
     for _ in range(10):
-        store = _open(pool, [tmp_path / "d"])
+        store = open_store(disk_pool, [tmp_path / "d"], 128)
         store.recover()
-        _write(store, pool, [("ns", b"k", 0)])
+        _write(store, disk_pool, [("ns", b"k", 0)])
         store.close()
         store.close()  # idempotent
     assert open_fds() == before
