@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_BLOCK, digest_of, open_store
+from disk_support import DISK_BLOCK, digest_of, open_store, settle
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_journal import PUT, DiskDir
@@ -299,3 +299,116 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
     finally:
         store.close()  # tries once more, and succeeds
     assert tries == [False, False, True] and not d.stale
+
+
+class HungDevice:
+    """A device that stops answering: the requests ``store`` posts while it ``hangs`` are
+    made but not started, and stay in flight; ``resume`` starts them (their bytes land late,
+    as a stuck device's or NFS's do) and lets them end."""
+
+    def __init__(self, store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.agent, self.io = store._io._agent, store._io
+        self.real_transfer, real_state = self.agent.transfer, self.io.state
+        self.held: list[Any] = []
+        self.hangs = True
+
+        def transfer(handle: Any) -> str:
+            if not self.hangs:
+                return str(self.real_transfer(handle))
+            self.held.append(handle)
+            return "PROC"
+
+        def state(handle: Any, kind: str) -> str:
+            return "PROC" if handle in self.held else real_state(handle, kind)
+
+        monkeypatch.setattr(self.agent, "transfer", transfer)
+        monkeypatch.setattr(self.io, "state", state)
+
+    def resume(self) -> None:
+        held, self.held = self.held, []
+        for handle in held:
+            assert self.real_transfer(handle) != "ERR"
+
+
+def _poll_until(store: DiskStore, what: str) -> dict[str, list[Any]]:
+    """Poll (at most 10 s) until ``what`` (a ``DiskCompletions`` field) is not empty; what
+    every field collected."""
+    done: dict[str, list[Any]] = {}
+    deadline = time.monotonic() + 10.0
+    while not done.get(what) and time.monotonic() < deadline:
+        for name, items in vars(store.poll()).items():
+            done.setdefault(name, []).extend(items)
+        time.sleep(0.01)
+    assert done.get(what), f"nothing {what} within 10 s"
+    return done
+
+
+def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowhere(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk request that hung (a stuck device, NFS) was waited on forever: its key stayed
+    "being written" (never copied again) and its DRAM slot unevictable, for good. It is now
+    given up after ``request_timeout_s``: the key fails, its DRAM slot is free, its disk slot
+    stays taken and the disk takes no write until the request ends, so the late write (of
+    whatever the DRAM slot then holds) overwrites no other key's block."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    store = open_store(disk_pool, dirs, 8, request_timeout_s=0.2)
+    try:
+        store.recover()
+        hung = HungDevice(store, monkeypatch)
+        store.write([("ns", b"K", digest_of(disk_pool, 0, b"K"), 0)])  # a's slot 0
+        assert _poll_until(store, "failed")["failed"] == [("ns", b"K", 0)]
+        assert not store.contains("ns", b"K")
+        assert store.busy_dram_slots() == set() and store.in_flight() == 0
+        assert store.stats()["disk_stuck"] == 1
+        hung.hangs = False
+        disk_pool[0] = 7  # the DRAM slot now holds another key
+        keys = [f"L{i}".encode() for i in range(6)]
+        items = [("ns", k, digest_of(disk_pool, 1 + i, k), 1 + i) for i, k in enumerate(keys)]
+        assert store.write(items) == [] and store.in_flight() == 0  # none while a is stuck
+        hung.resume()  # the stuck write lands now
+        deadline = time.monotonic() + 10.0
+        while store.stats()["disk_stuck_in_flight"] and time.monotonic() < deadline:
+            store.poll()
+            time.sleep(0.01)
+        assert store.stats()["disk_stuck_in_flight"] == 0
+        store.write(items)
+        assert not settle(store).failed and all(store.contains("ns", k) for k in keys)
+        store.read([("ns", k, 32 + i) for i, k in enumerate(keys)])
+        assert len(settle(store).read) == len(keys)
+        assert np.array_equal(disk_pool[32:38], disk_pool[1:7])
+    finally:
+        store.close()
+    store = open_store(disk_pool, dirs, 8)
+    try:
+        assert sorted(k for _, k, _ in store.recover()) == keys  # every block verifies
+    finally:
+        store.close()
+
+
+def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until_it_ends(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk read that hung was waited on forever (the promotion never failed). It is now
+    given up after ``request_timeout_s``: its key leaves the disk and the read is reported
+    ``abandoned``, its DRAM slot kept busy (the read may still write it) until it ends; a read
+    of its directory meanwhile fails at once."""
+    store = open_store(disk_pool, [tmp_path / "d"], 8, request_timeout_s=0.2)
+    try:
+        store.recover()
+        assert _write(store, disk_pool, b"K", 0).written
+        assert _write(store, disk_pool, b"M", 1).written
+        hung = HungDevice(store, monkeypatch)
+        store.read([("ns", b"K", 30)])
+        got = _poll_until(store, "abandoned")
+        assert got["abandoned"] == [("ns", b"K", 30)] and not got["read"] and not got["failed"]
+        assert not store.contains("ns", b"K") and store.busy_dram_slots() == {30}
+        store.read([("ns", b"M", 31)])  # the directory is stuck: refused, never posted
+        assert store.poll().failed == [("ns", b"M", 31)] and not store.contains("ns", b"M")
+        assert store.busy_dram_slots() == {30} and len(hung.held) == 1
+        hung.resume()
+        assert _poll_until(store, "released")["released"] == [30]
+        assert store.busy_dram_slots() == set()
+        assert np.array_equal(disk_pool[30], disk_pool[0])  # what landed late, where it was kept
+    finally:
+        store.close()

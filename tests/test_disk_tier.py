@@ -22,6 +22,8 @@ class Completions:
     written: list[tuple[str, Any]] = field(default_factory=list)
     read: list[tuple[str, Any, int, int]] = field(default_factory=list)
     failed: list[tuple[str, Any, int]] = field(default_factory=list)
+    abandoned: list[tuple[str, Any, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
 
 
 class FakeDisk:
@@ -33,6 +35,9 @@ class FakeDisk:
         self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
         self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
         self.fail_reads = False
+        self.hang_reads = False  # reads posted now are given up at the next poll...
+        self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
+        self.ended: list[int] = []
 
     def contains(self, namespace: str, key: Any) -> bool:
         return (namespace, key) in self.keys
@@ -41,7 +46,8 @@ class FakeDisk:
         return [k for (ns, k) in self.keys if ns == namespace]
 
     def busy_dram_slots(self) -> set[int]:
-        return {s for _, s in self.writing.values()} | set(self.reading.values())
+        busy = {s for _, s in self.writing.values()} | set(self.reading.values())
+        return busy | set(self.stuck.values())
 
     def in_flight(self) -> int:
         return int(bool(self.writing or self.reading))
@@ -69,14 +75,23 @@ class FakeDisk:
                 self.reading[(ns, key)] = slot
         return skipped
 
+    def end_stuck(self) -> None:
+        self.ended += self.stuck.values()
+        self.stuck = {}
+
     def poll(self) -> Completions:
-        done = Completions()
+        done = Completions(released=self.ended)
+        self.ended = []
         for (ns, key), (digest, _) in self.writing.items():
             self.keys[(ns, key)] = digest
             done.written.append((ns, key))
         self.writing = {}
         for (ns, key), slot in self.reading.items():
-            if self.fail_reads:
+            if self.hang_reads:
+                del self.keys[(ns, key)]
+                self.stuck[(ns, key)] = slot
+                done.abandoned.append((ns, key, slot))
+            elif self.fail_reads:
                 del self.keys[(ns, key)]
                 done.failed.append((ns, key, slot))
             else:
@@ -196,6 +211,32 @@ def test_a_failed_promotion_frees_its_slot_and_announces_the_key_evicted() -> No
     assert "a" in evicted
     assert cache.namespace_of("s").granted == 0
     assert tier.stats()["disk_promotions_failed"] == 1
+
+
+def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends() -> None:
+    """Found by review: a disk read that hung was waited on forever (its promotion never
+    failed, its slot stayed granted). A read the disk gives up fails the promotion, but its
+    slot, which the read may still write, goes back to the pool only once the read ends."""
+    cache, disk, tier = _host(num_blocks=4)
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)
+    _store(cache, ["e"])  # a leaves DRAM for the disk
+    _events(cache)
+    disk.hang_reads = True
+    tier.promote(cache.namespace_of("s"), ["a"], 3.0)
+    tier.step(now=3.0)  # a DRAM slot taken, the read posted
+    tier.step(now=4.0)  # given up
+    _, evicted = _events(cache)
+    assert "a" in evicted and tier.stats()["disk_promotions_failed"] == 1
+    slot = disk.stuck[("ns", "a")]
+    free_before = cache.free_slots()
+    tier.step(now=5.0)
+    assert cache.namespace_of("s").granted == 1 and cache.free_slots() == free_before
+    disk.end_stuck()
+    tier.step(now=6.0)  # the read ended: the slot is free again
+    assert cache.namespace_of("s").granted == 0 and cache.free_slots() == free_before + 1
+    assert slot in cache.grant("s", 1)
 
 
 def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 FSYNC_PERIOD_S = 1.0
 CLOSE_WAIT_S = 10.0
+REQUEST_TIMEOUT_S = 30.0  # a request not done by then is given up (a hung device, NFS)
 
 Pair = tuple[str, Key]
 
@@ -44,6 +45,9 @@ class DiskCompletions:
     written: list[Pair] = field(default_factory=list)
     read: list[tuple[str, Key, int, int]] = field(default_factory=list)  # ns, key, dram, digest
     failed: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+    # reads given up (stuck): failed, but their DRAM slots may still be written: keep them
+    abandoned: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+    released: list[int] = field(default_factory=list)  # DRAM slots of abandoned reads, ended
 
 
 @dataclass
@@ -53,6 +57,8 @@ class _Request:
     items: list[tuple[str, Key, int, int, int]]  # ns, key, digest, disk slot, dram slot
     nbytes: int
     started: float
+    directory: int
+    deadline: float  # monotonic: given up (stuck) past it
 
 
 class DiskStore:
@@ -67,10 +73,12 @@ class DiskStore:
         pool_addr: int,
         pool_blocks: int,
         name: str = "tkvt-disk",
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         if bytes_per_path < block_len:
             raise ValueError(f"--disk-bytes {bytes_per_path} holds no block of {block_len} bytes")
         self.block_len = block_len
+        self.request_timeout_s = request_timeout_s
         self._dirs: list[DiskDir] = []
         try:
             for p in paths:
@@ -89,12 +97,13 @@ class DiskStore:
         self._busy_disk: set[int] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[_Request] = []
+        self._stuck: list[_Request] = []  # given up, still in flight: their slots kept
         self._failed_at_start = DiskCompletions()  # requests NIXL refused: the next poll's
         self._last_sync = time.monotonic()
         self._counters = dict.fromkeys(
             (
                 "disk_writes", "disk_reads", "disk_write_bytes", "disk_read_bytes",
-                "disk_evictions", "disk_failures", "disk_recover_dropped",
+                "disk_evictions", "disk_failures", "disk_recover_dropped", "disk_stuck",
             ),
             0,
         )  # fmt: skip
@@ -137,8 +146,11 @@ class DiskStore:
 
     def write(self, items: Sequence[tuple[str, Key, int, int]]) -> list[Pair]:
         """Post writes of DRAM slots to disk: ``(namespace, key, digest, dram_slot)``; keys on
-        disk or being written are skipped. Returns the keys evicted from disk for room."""
+        disk or being written are skipped, every key while a request is stuck (``_give_up``).
+        Returns the keys evicted from disk for room."""
         evicted: list[Pair] = []
+        if self._stuck:  # a hung device: evicting for writes it would refuse empties the disk
+            return evicted
         batch: list[tuple[str, Key, int, int, int]] = []
         for ns, key, digest, dram in items:
             pair = (ns, key)
@@ -178,19 +190,26 @@ class DiskStore:
         return True
 
     def poll(self) -> DiskCompletions:
-        """Completed and failed I/O since the last call (non-blocking)."""
+        """Completed and failed I/O since the last call (non-blocking). A request in flight
+        past ``request_timeout_s`` is given up (``_give_up``), its slots kept until it ends."""
         done, self._failed_at_start = self._failed_at_start, DiskCompletions()
-        if not self._requests:
-            self._sync_journals(force=False)
-            return done
+        now = time.monotonic()
         left = []
         for request in self._requests:
             state = self._io.state(request.handle, request.kind)
-            if state == "PROC":
+            if state != "PROC":
+                self._finish(request, state == "DONE", done)
+            elif now >= request.deadline:
+                self._give_up(request, done)
+            else:
                 left.append(request)
-                continue
-            self._finish(request, state == "DONE", done)
         self._requests = left
+        if self._stuck:
+            still = [r for r in self._stuck if self._io.state(r.handle, r.kind) == "PROC"]
+            for request in self._stuck:
+                if request not in still:
+                    self._unstick(request, done)
+            self._stuck = still
         self._sync_journals(force=False)
         return done
 
@@ -214,6 +233,7 @@ class DiskStore:
         return {
             **c,
             "disk_keys": len(self._where),
+            "disk_stuck_in_flight": len(self._stuck),
             "disk_bytes": len(self._where) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
@@ -230,15 +250,16 @@ class DiskStore:
             return
         self._closed = True
         deadline = time.monotonic() + CLOSE_WAIT_S
-        while self._requests and time.monotonic() < deadline:
+        while (self._requests or self._stuck) and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.001)
-        if self._requests:
-            logger.warning("disk: %d requests still in flight at close", len(self._requests))
-        for request in self._requests:
+        left = self._requests + self._stuck
+        if left:
+            logger.warning("disk: %d requests still in flight at close", len(left))
+        for request in left:
             self._io.release(request.handle)
         self._io.close()
-        self._requests = []
+        self._requests, self._stuck = [], []
         self._sync_journals(force=True)
         self._close_files()
 
@@ -268,10 +289,17 @@ class DiskStore:
             for it in items:
                 self._busy_disk.add(it[3])
                 self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
-            request = _Request(None, kind, items, len(items) * self.block_len, time.perf_counter())
-            request.handle, state = self._io.post(
-                kind, f, [it[4] for it in items], [it[3] // n for it in items]
-            )
+            request = _Request(
+                None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
+                time.monotonic() + self.request_timeout_s,
+            )  # fmt: skip
+            if any(r.directory == f for r in self._stuck):  # a hung device: fail at once
+                logger.debug("disk %s refused: %s has a request stuck", kind, self._dirs[f].path)
+                state = "ERR"
+            else:
+                request.handle, state = self._io.post(
+                    kind, f, [it[4] for it in items], [it[3] // n for it in items]
+                )
             if state == "ERR":
                 self._finish(request, False, self._failed_at_start)
             else:
@@ -285,9 +313,7 @@ class DiskStore:
             if slot in self._freed_busy:
                 self._freed_busy.discard(slot)
                 self._free.append(slot)
-            count = self._busy_dram.pop(dram) - 1
-            if count:
-                self._busy_dram[dram] = count
+            self._unbusy_dram(dram)
             pair = (ns, key)
             if request.kind == "write":
                 self._writing.discard(pair)
@@ -311,6 +337,49 @@ class DiskStore:
             self._counters[f"disk_{request.kind}_bytes"] += request.nbytes
         else:
             self._counters["disk_failures"] += len(request.items)
+
+    def _give_up(self, request: _Request, done: DiskCompletions) -> None:
+        """A request past its deadline: its keys fail now, never a late hit. A write's key was
+        never on disk and its DRAM slot (only read) is free; a read's key leaves the disk and
+        its DRAM slot is ``abandoned`` (its bytes may still land). The disk slots stay taken,
+        the disk takes no write and the directory no read, until it ends (``_unstick``)."""
+        logger.warning(
+            "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, its "
+            "keys dropped; no writes, nor reads of that directory, until it ends",
+            request.kind, len(request.items), self._dirs[request.directory].path,
+            self.request_timeout_s,
+        )  # fmt: skip
+        self._stuck.append(request)
+        self._counters["disk_stuck"] += 1
+        self._counters["disk_failures"] += len(request.items)
+        for ns, key, _, slot, dram in request.items:
+            pair = (ns, key)
+            if request.kind == "write":
+                self._writing.discard(pair)
+                self._unbusy_dram(dram)
+                done.failed.append((ns, key, dram))
+                continue
+            if self._where.get(pair, (None,))[0] == slot:
+                del self._where[pair]
+                self._release(slot, pair)
+            done.abandoned.append((ns, key, dram))
+
+    def _unstick(self, request: _Request, done: DiskCompletions) -> None:
+        """A request given up has ended (its bytes are ignored): its slots are free again."""
+        self._io.release(request.handle)
+        for _, _, _, slot, dram in request.items:
+            self._busy_disk.discard(slot)
+            if request.kind == "write" or slot in self._freed_busy:
+                self._freed_busy.discard(slot)
+                self._free.append(slot)
+            if request.kind == "read":
+                self._unbusy_dram(dram)
+                done.released.append(dram)
+
+    def _unbusy_dram(self, dram: int) -> None:
+        count = self._busy_dram.pop(dram) - 1
+        if count:
+            self._busy_dram[dram] = count
 
     def _release(self, slot: int, pair: Pair) -> None:
         self._append(slot, DEL, pair[0], pair[1], 0)

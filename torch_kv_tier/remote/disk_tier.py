@@ -20,7 +20,9 @@ Promotion. A tier that wants a key announced on disk sends ``Promote(keys)``; ea
 would (``SharedCache.take_for``: free slots, else the least recently used keys), and posts one
 read per disk file; reads of several turns overlap. A completed read publishes the key in its
 new slot with the digest its block had when it was stored, as a commit does: a disk that
-returned other bytes fails the reader's check, a miss, never a hit.
+returned other bytes fails the reader's check, a miss, never a hit. A read the disk gave up
+(stuck past ``DiskStore.request_timeout_s``) fails the promotion, and its slot is withheld
+from the pool until the read ends: its bytes may still land there.
 
 Threading: not thread-safe; the server's loop thread calls every method with its state lock
 held, like ``SharedCache``.
@@ -104,6 +106,7 @@ class DiskTier:
         # asked by a session that left since is dropped with its namespace (``SharedCache.leave``)
         self._asked: list[tuple[str, Key, float]] = []
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
+        self._withheld: dict[int, Namespace] = {}  # slots of reads given up, until they end
         self._next_copy = 0.0
         self.counters = dict.fromkeys(
             (
@@ -160,6 +163,16 @@ class DiskTier:
                 cache.unpromoted(*entry)
                 self.counters["disk_promotions_failed"] += 1
             cache.left_disk(name, key)
+        for name, key, slot in done.abandoned:  # its bytes may still land: not reused yet
+            entry = self._promoting.pop((name, key), None)
+            if entry is not None:
+                self._withheld[slot] = entry[0]
+                self.counters["disk_promotions_failed"] += 1
+            cache.left_disk(name, key)
+        for slot in done.released:
+            ns = self._withheld.pop(slot, None)
+            if ns is not None:
+                cache.unpromoted(ns, slot)
 
     def _start_promotions(self, now: float) -> None:
         """Promotions asked: those that find no DRAM slot (every slot granted, or being
