@@ -1,5 +1,5 @@
 """``DiskTransfers``: NIXL POSIX requests between a host's DRAM pool and its block files, for
-``disk_store.DiskStore``.
+``disk_store.DiskStore`` (with the records of its requests and of what they completed).
 
 The pool and every block file are registered once, and their slots prepared once as descriptor
 lists (DRAM slot ``i`` at ``pool_addr + i * block_len``, file slot ``j`` at ``j * block_len``):
@@ -16,13 +16,42 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from torch_kv_tier.keys import Key
 from torch_kv_tier.transport.nixl_agent import descriptors
 
 logger = logging.getLogger(__name__)
 
 _agent_ids = itertools.count()
+
+Pair = tuple[str, Key]
+
+
+@dataclass
+class DiskCompletions:
+    """What ``DiskStore.poll`` reports since its last call."""
+
+    written: list[Pair] = field(default_factory=list)
+    read: list[tuple[str, Key, int, int]] = field(default_factory=list)  # ns, key, dram, digest
+    failed: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+    # reads given up (stuck): failed, but their DRAM slots may still be written: keep them
+    abandoned: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+    released: list[int] = field(default_factory=list)  # DRAM slots of abandoned reads, ended
+
+
+@dataclass
+class Request:
+    """One request a ``DiskStore`` posted, and what it moves."""
+
+    handle: Any  # DiskTransfers.post's
+    kind: str  # "write" or "read"
+    items: list[tuple[str, Key, int, int, int]]  # ns, key, digest, disk slot, dram slot
+    nbytes: int
+    started: float  # perf_counter, for the throughput stats
+    directory: int
+    deadline: float  # monotonic: given up (stuck) past it
 
 
 class DiskTransfers:

@@ -22,12 +22,11 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote.disk_io import DiskTransfers, quietly
+from torch_kv_tier.remote.disk_io import DiskCompletions, DiskTransfers, Pair, Request, quietly
 from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
 from torch_kv_tier.remote.disk_recovery import verified_index
 
@@ -36,29 +35,6 @@ logger = logging.getLogger(__name__)
 FSYNC_PERIOD_S = 1.0
 CLOSE_WAIT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0  # a request not done by then is given up (a hung device, NFS)
-
-Pair = tuple[str, Key]
-
-
-@dataclass
-class DiskCompletions:
-    written: list[Pair] = field(default_factory=list)
-    read: list[tuple[str, Key, int, int]] = field(default_factory=list)  # ns, key, dram, digest
-    failed: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
-    # reads given up (stuck): failed, but their DRAM slots may still be written: keep them
-    abandoned: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
-    released: list[int] = field(default_factory=list)  # DRAM slots of abandoned reads, ended
-
-
-@dataclass
-class _Request:
-    handle: Any
-    kind: str  # "write" or "read"
-    items: list[tuple[str, Key, int, int, int]]  # ns, key, digest, disk slot, dram slot
-    nbytes: int
-    started: float
-    directory: int
-    deadline: float  # monotonic: given up (stuck) past it
 
 
 class DiskStore:
@@ -96,8 +72,8 @@ class DiskStore:
         self._writing: set[Pair] = set()
         self._busy_disk: set[int] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
-        self._requests: list[_Request] = []
-        self._stuck: list[_Request] = []  # given up, still in flight: their slots kept
+        self._requests: list[Request] = []
+        self._stuck: list[Request] = []  # given up, still in flight: their slots kept
         self._failed_at_start = DiskCompletions()  # requests NIXL refused: the next poll's
         self._last_sync = time.monotonic()
         self._counters = dict.fromkeys(
@@ -289,7 +265,7 @@ class DiskStore:
             for it in items:
                 self._busy_disk.add(it[3])
                 self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
-            request = _Request(
+            request = Request(
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
                 time.monotonic() + self.request_timeout_s,
             )  # fmt: skip
@@ -305,7 +281,7 @@ class DiskStore:
             else:
                 self._requests.append(request)
 
-    def _finish(self, request: _Request, ok: bool, done: DiskCompletions) -> None:
+    def _finish(self, request: Request, ok: bool, done: DiskCompletions) -> None:
         self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
         for ns, key, digest, slot, dram in request.items:
@@ -338,7 +314,7 @@ class DiskStore:
         else:
             self._counters["disk_failures"] += len(request.items)
 
-    def _give_up(self, request: _Request, done: DiskCompletions) -> None:
+    def _give_up(self, request: Request, done: DiskCompletions) -> None:
         """A request past its deadline: its keys fail now, never a late hit. A write's key was
         never on disk and its DRAM slot (only read) is free; a read's key leaves the disk and
         its DRAM slot is ``abandoned`` (its bytes may still land). The disk slots stay taken,
@@ -364,7 +340,7 @@ class DiskStore:
                 self._release(slot, pair)
             done.abandoned.append((ns, key, dram))
 
-    def _unstick(self, request: _Request, done: DiskCompletions) -> None:
+    def _unstick(self, request: Request, done: DiskCompletions) -> None:
         """A request given up has ended (its bytes are ignored): its slots are free again."""
         self._io.release(request.handle)
         for _, _, _, slot, dram in request.items:
