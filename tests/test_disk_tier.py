@@ -34,6 +34,7 @@ class FakeDisk:
         self.keys: dict[tuple[str, Any], int] = {}  # (namespace, key) -> digest, LRU order
         self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
         self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
+        self.read_digests: dict[tuple[str, Any], int] = {}  # the copy's, when its read began
         self.fail_reads = False
         self.hang_reads = False  # reads posted now are given up at the next poll...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
@@ -41,6 +42,12 @@ class FakeDisk:
 
     def contains(self, namespace: str, key: Any) -> bool:
         return (namespace, key) in self.keys
+
+    def digest(self, namespace: str, key: Any) -> int | None:
+        return self.keys.get((namespace, key))
+
+    def remove(self, namespace: str, key: Any) -> bool:
+        return self.keys.pop((namespace, key), None) is not None
 
     def keys_of(self, namespace: str) -> list[Any]:
         return [k for (ns, k) in self.keys if ns == namespace]
@@ -73,6 +80,7 @@ class FakeDisk:
                 skipped.append((ns, key))
             else:
                 self.reading[(ns, key)] = slot
+                self.read_digests[(ns, key)] = self.keys[(ns, key)]
         return skipped
 
     def end_stuck(self) -> None:
@@ -87,15 +95,16 @@ class FakeDisk:
             done.written.append((ns, key))
         self.writing = {}
         for (ns, key), slot in self.reading.items():
+            digest = self.read_digests.pop((ns, key))
             if self.hang_reads:
-                del self.keys[(ns, key)]
+                self.keys.pop((ns, key), None)
                 self.stuck[(ns, key)] = slot
                 done.abandoned.append((ns, key, slot))
             elif self.fail_reads:
-                del self.keys[(ns, key)]
+                self.keys.pop((ns, key), None)
                 done.failed.append((ns, key, slot))
             else:
-                done.read.append((ns, key, slot, self.keys[(ns, key)]))
+                done.read.append((ns, key, slot, digest))
         self.reading = {}
         return done
 
@@ -237,6 +246,39 @@ def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends() -
     tier.step(now=6.0)  # the read ended: the slot is free again
     assert cache.namespace_of("s").granted == 0 and cache.free_slots() == free_before + 1
     assert slot in cache.grant("s", 1)
+
+
+@pytest.mark.parametrize("reading", [False, True])
+def test_a_key_stored_again_with_other_bytes_is_never_promoted_old(reading: bool) -> None:
+    """Found by review: key a on disk (digest 1) and stored again with other bytes (digest 2:
+    a tier that did not know it on disk; ``reading``: while its old copy was being read for a
+    promotion, which then kept the new copy) kept its old disk copy; once the new one left
+    DRAM, a was announced on disk again and promoted with the old bytes and their digest, which
+    verify: the old version served as a hit after a newer store, with nothing between saying
+    the key was gone."""
+    cache, disk, tier = _host(num_blocks=4)
+    ns = cache.namespace_of("s")
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)  # all four on disk
+    old = disk.keys[("ns", "a")]
+    _store(cache, ["e"])  # a leaves DRAM for the disk
+    if reading:
+        tier.promote(ns, ["a"], 3.0)
+        tier.step(now=3.0)  # the read of the old copy posted
+    slot = cache.grant("s", 1)
+    cache.commit("s", ["a"], slot, [old + 1])  # a's new bytes
+    tier.step(now=4.0)  # the read (if any) completes: the new copy stays
+    assert cache.digest_of(ns.entries["a"]) == old + 1
+    tier.step(now=4.5)  # no copy in flight
+    _store(cache, ["f", "g", "h", "i"])  # every older key leaves DRAM, then a
+    tier.step(now=5.0)
+    _events(cache)
+    assert "a" not in ns.entries
+    tier.promote(ns, ["a"], 6.0)
+    tier.step(now=6.0)
+    tier.step(now=7.0)
+    assert "a" not in ns.entries or cache.digest_of(ns.entries["a"]) == old + 1
 
 
 def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:

@@ -209,7 +209,9 @@ class SharedCache:
 
         A slot not granted to this session is ignored (it may be held since the session was
         taken for ended). A key already stored keeps its first copy, the slot is free again, and
-        the key is announced again so that the committer's copy of the index learns its slot.
+        the key is announced again so that the committer's copy of the index learns its slot. A
+        key published whose disk copy holds other bytes (or unknown ones: digest 0) loses that
+        copy: once this one left DRAM, the old one would come back.
         """
         entry = self._grants.get(session_id)
         if entry is None:
@@ -217,7 +219,7 @@ class SharedCache:
         ns, granted = entry
         if self.seen is not None:
             self.seen(ns.name, keys)
-        table = self._digests
+        table, disk = self._digests, self.disk
         published = 0
         for key, slot, digest in zip(keys, slots, digests):
             if slot not in granted:
@@ -233,6 +235,10 @@ class SharedCache:
             self._lru[(ns.name, key)] = slot
             ns.stored.append(key)
             published += 1
+            if disk is not None:
+                old = disk.digest(ns.name, key)
+                if old is not None and (old != digest or not digest):
+                    disk.remove(ns.name, key)
         return published
 
     def touch(self, session_id: str, keys: Iterable[Key]) -> None:
