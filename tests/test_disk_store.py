@@ -15,6 +15,7 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, open_store, settle
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote import disk_journal
 from torch_kv_tier.remote.disk_store import DiskError, DiskStore
 
 
@@ -152,6 +153,24 @@ def test_a_directory_made_for_other_blocks_is_refused(
         open_store(disk_pool, [tmp_path / "d"], 64)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
     assert meta == {"format": 1, "block_len": DISK_BLOCK, "slots": 128}
+
+
+def test_a_directory_in_use_is_refused_with_what_to_do(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: two stores on one directory (a second host started on it, or
+    ``--disk`` naming it twice as ``d`` and ``x/../d``) shared its block file and journal,
+    each writing over the other's blocks: keys lost, misses where hits were due."""
+    monkeypatch.setattr(disk_journal, "LOCK_WAIT_S", 0.2)
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
+    try:
+        with pytest.raises(DiskError, match=f"{tmp_path / 'd'} is in use.*stop that host"):
+            open_store(disk_pool, [tmp_path / "d"], 8)
+        with pytest.raises(DiskError, match="is in use"):
+            open_store(disk_pool, [tmp_path / "e", tmp_path / "d" / ".." / "e"], 8)
+    finally:
+        store.close()
+    open_store(disk_pool, [tmp_path / "d"], 8).close()  # free again once closed
 
 
 def test_an_unusable_path_and_a_full_file_system_are_refused(

@@ -3,7 +3,10 @@
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
 directory made for other blocks, or a header that cannot be read, is refused, not
-reinterpreted; written whole or not at all) and ``journal.log``.
+reinterpreted; written whole or not at all) and ``journal.log``. The block file holds an
+exclusive ``flock`` while open: a second ``DiskDir`` on the directory (another host started on
+it, or ``--disk`` naming it twice under two spellings), which would write over the first one's
+blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
@@ -22,6 +25,8 @@ Threading: not thread-safe; owned by one ``DiskStore``.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -40,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 REWRITE_RETRY_MAX_S = 60.0
+LOCK_WAIT_S = 5.0  # a host killed just before (its files closed as it exits)
 PUT, DEL = 1, 0
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
@@ -70,6 +76,7 @@ class DiskDir:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
             self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len)
+            _lock(self.fd, path)
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
                 os.close(_write_durably(path / "meta.json", header))
@@ -247,6 +254,29 @@ def _write_durably(path: Path, data: bytes | bytearray) -> int:
     except OSError as exc:
         logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
     return fd
+
+
+def _lock(fd: int, path: Path) -> None:
+    """Hold ``fd``'s exclusive lock (released as it closes, or as its process dies), waiting at
+    most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do. A file system without locks
+    is used unlocked (logged)."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise DiskError(
+                    f"{path} is in use by another disk tier (a host still running on it, or "
+                    "--disk naming it twice): stop that host, or pass another directory"
+                ) from None
+            time.sleep(0.05)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            logger.warning("disk: %s cannot be locked (%s): used unlocked", path, exc)
+            return
 
 
 def _open_blocks(path: Path, block_len: int) -> tuple[int, bool]:
