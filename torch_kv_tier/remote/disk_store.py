@@ -12,8 +12,9 @@ Recovery (``recover``): the blocks the journals name that still verify (``disk_r
 journals are then rewritten with the live records only.
 
 Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
-error drops the keys of that request from the disk (``poll().failed``), logged, never raised;
-construction raises ``DiskError`` with what to do.
+error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
+does a request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it
+ends). Construction raises ``DiskError`` with what to do.
 """
 
 from __future__ import annotations
@@ -321,9 +322,8 @@ class DiskStore:
         the disk takes no write and the directory no read, until it ends (``_unstick``)."""
         logger.warning(
             "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, its "
-            "keys dropped; no writes, nor reads of that directory, until it ends",
-            request.kind, len(request.items), self._dirs[request.directory].path,
-            self.request_timeout_s,
+            "keys dropped; no writes, nor reads of that directory, until it ends", request.kind,
+            len(request.items), self._dirs[request.directory].path, self.request_timeout_s,
         )  # fmt: skip
         self._stuck.append(request)
         self._counters["disk_stuck"] += 1
