@@ -72,7 +72,10 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     """Found by review: ``remove`` freed the disk slot at once, so a write could take it while
-    a read of it was still in flight."""
+    a read of it was still in flight. Found by the second review: that read still ended as a
+    read, and a promotion published the removed copy (removed because its key was stored again
+    with other bytes): once the new copy left DRAM, the old bytes, which verify, were a hit.
+    It now fails."""
     store = open_store(disk_pool, [tmp_path / "a"], 128)
     try:
         store.recover()
@@ -82,9 +85,7 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
         assert store.remove("ns", b"old")
         store.write([("ns", b"new", digest_of(disk_pool, 1, b"new"), 1)])
         done = settle(store)
-        assert [k for _, k, _, _ in done.read] == [b"old"] and np.array_equal(
-            disk_pool[40], disk_pool[0]
-        )
+        assert done.read == [] and done.failed == [("ns", b"old", 40)]
         assert store._where[("ns", b"new")][0] != slot
         store.write([("ns", b"newer", digest_of(disk_pool, 2, b"newer"), 2)])
         settle(store)

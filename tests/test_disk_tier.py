@@ -34,7 +34,6 @@ class FakeDisk:
         self.keys: dict[tuple[str, Any], int] = {}  # (namespace, key) -> digest, LRU order
         self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
         self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
-        self.read_digests: dict[tuple[str, Any], int] = {}  # the copy's, when its read began
         self.fail_reads = False
         self.hang_reads = False  # reads posted now are given up at the next poll...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
@@ -80,7 +79,6 @@ class FakeDisk:
                 skipped.append((ns, key))
             else:
                 self.reading[(ns, key)] = slot
-                self.read_digests[(ns, key)] = self.keys[(ns, key)]
         return skipped
 
     def end_stuck(self) -> None:
@@ -95,16 +93,15 @@ class FakeDisk:
             done.written.append((ns, key))
         self.writing = {}
         for (ns, key), slot in self.reading.items():
-            digest = self.read_digests.pop((ns, key))
             if self.hang_reads:
                 self.keys.pop((ns, key), None)
                 self.stuck[(ns, key)] = slot
                 done.abandoned.append((ns, key, slot))
-            elif self.fail_reads:
+            elif self.fail_reads or (ns, key) not in self.keys:  # removed meanwhile: old bytes
                 self.keys.pop((ns, key), None)
                 done.failed.append((ns, key, slot))
             else:
-                done.read.append((ns, key, slot, digest))
+                done.read.append((ns, key, slot, self.keys[(ns, key)]))
         self.reading = {}
         return done
 

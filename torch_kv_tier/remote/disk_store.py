@@ -301,9 +301,9 @@ class DiskStore:
                 else:
                     self._free.append(slot)
                     done.failed.append((ns, key, dram))
-            elif ok:
+            elif ok and self._where.get(pair, (None,))[0] == slot:
                 done.read.append((ns, key, dram, digest))
-            else:
+            else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
                 if self._where.get(pair, (None,))[0] == slot:
                     del self._where[pair]
                     self._append(slot, DEL, ns, key, 0)
