@@ -187,16 +187,19 @@ class DiskDir:
         return last
 
     def rewrite(self, live: Iterable[Record]) -> bool:
-        """Replace the journal by ``live`` (``_write_durably``) and append to the new one.
-        Returns False when it cannot be written (a full disk, EIO: logged, never raised): the
-        old journal stays as it was, ``stale`` is set, and ``retry_at`` 1 s later, then twice
-        as late after each failure in a row (at most ``REWRITE_RETRY_MAX_S``)."""
+        """Replace the journal by ``live`` (``_write_durably``, after an ``fdatasync`` of the
+        block file: the new journal names blocks written since the last ``flush``) and append
+        to the new one. Returns False when it cannot be written (a full disk, EIO: logged,
+        never raised): the old journal stays as it was, ``stale`` is set, and ``retry_at`` 1 s
+        later, then twice as late after each failure in a row (at most
+        ``REWRITE_RETRY_MAX_S``)."""
         out = bytearray()
         count = 0
         for record in live:
             out += _frame(record)
             count += 1
         try:
+            os.fdatasync(self.fd)
             fd = _write_durably(self.path / "journal.log", out)
         except OSError as exc:
             logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
