@@ -181,12 +181,12 @@ class DiskStore:
             else:
                 left.append(request)
         self._requests = left
-        if self._stuck:
-            still = [r for r in self._stuck if self._io.state(r.handle, r.kind) == "PROC"]
-            for request in self._stuck:
-                if request not in still:
-                    self._unstick(request, done)
-            self._stuck = still
+        stuck, self._stuck = self._stuck, []
+        for request in stuck:
+            if self._io.state(request.handle, request.kind) == "PROC":
+                self._stuck.append(request)
+            else:
+                self._unstick(request, done)
         self._sync_journals(force=False)
         return done
 
