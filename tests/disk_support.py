@@ -4,7 +4,6 @@ over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -25,15 +24,14 @@ def make_disk_pool() -> np.ndarray:
     return rows
 
 
-def open_store(pool: np.ndarray, dirs: list[Path], slots: int, **options: Any) -> DiskStore:
-    """A store of ``slots`` blocks per directory over ``pool`` (``options``: ``DiskStore``'s)."""
+def open_store(pool: np.ndarray, dirs: list[Path], slots: int) -> DiskStore:
+    """A store of ``slots`` blocks per directory over ``pool``."""
     return DiskStore(
         [str(d) for d in dirs],
         slots * DISK_BLOCK,
         block_len=DISK_BLOCK,
         pool_addr=pool.ctypes.data,
         pool_blocks=len(pool),
-        **options,
     )
 
 

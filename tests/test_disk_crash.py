@@ -358,11 +358,13 @@ def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowh
     stays taken and the disk takes no write until the request ends, so the late write (of
     whatever the DRAM slot then holds) overwrites no other key's block."""
     dirs = [tmp_path / "a", tmp_path / "b"]
-    store = open_store(disk_pool, dirs, 8, request_timeout_s=0.2)
+    store = open_store(disk_pool, dirs, 8)
     try:
         store.recover()
         hung = HungDevice(store, monkeypatch)
+        store.request_timeout_s = 0.2  # this request's deadline only: others get 30 s
         store.write([("ns", b"K", digest_of(disk_pool, 0, b"K"), 0)])  # a's slot 0
+        store.request_timeout_s = 30.0
         assert _poll_until(store, "failed")["failed"] == [("ns", b"K", 0)]
         assert not store.contains("ns", b"K")
         assert store.busy_dram_slots() == set() and store.in_flight() == 0
@@ -399,13 +401,15 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
     given up after ``request_timeout_s``: its key leaves the disk and the read is reported
     ``abandoned``, its DRAM slot kept busy (the read may still write it) until it ends; a read
     of its directory meanwhile fails at once."""
-    store = open_store(disk_pool, [tmp_path / "d"], 8, request_timeout_s=0.2)
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
     try:
         store.recover()
         assert _write(store, disk_pool, b"K", 0).written
         assert _write(store, disk_pool, b"M", 1).written
         hung = HungDevice(store, monkeypatch)
+        store.request_timeout_s = 0.2  # this request's deadline only
         store.read([("ns", b"K", 30)])
+        store.request_timeout_s = 30.0
         got = _poll_until(store, "abandoned")
         assert got["abandoned"] == [("ns", b"K", 30)] and not got["read"] and not got["failed"]
         assert not store.contains("ns", b"K") and store.busy_dram_slots() == {30}
