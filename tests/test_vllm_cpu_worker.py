@@ -133,6 +133,33 @@ def test_group_sizes_that_do_not_match_the_ids_fail_loudly(region: SharedOffload
 
 
 @pytest.mark.parametrize(
+    ("chunk_ids", "engine", "message"),
+    [
+        ([0, 1], GPULoadStoreSpec([9, 10], [2], [0]), "do not match"),
+        ([0], GPULoadStoreSpec([9, 10, 11], [3], [1]), "do not match"),
+        ([0, NUM_CHUNKS], GPULoadStoreSpec([9, 10, 11], [3], [1]), "chunk id"),
+        ([0], GPULoadStoreSpec([9, -1], [2], [0]), "block id"),
+    ],
+    ids=["more-chunks", "fewer-chunks", "chunk-out-of-range", "negative-block"],
+)
+def test_a_load_that_does_not_fit_its_spec_is_refused_before_it_writes_a_block(
+    region: SharedOffloadRegion, chunk_ids: list[int], engine: GPULoadStoreSpec, message: str
+) -> None:
+    caches = kv_caches()
+    worker = CPUKVCopyWorker(caches, BLOCKS_PER_CHUNK, region)
+    region.base_tensor.fill_(7)  # what a wrong copy would put in the engine's blocks
+    before = [t.tensor.clone() for t in caches.tensors]
+    try:
+        with pytest.raises((ValueError, IndexError), match=message):
+            worker.submit_load(1, CPULoadStoreSpec(chunk_ids), engine)
+        for layer, original in enumerate(before):
+            assert torch.equal(caches.tensors[layer].tensor, original), "a block was written"
+        assert worker.get_finished() == []
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(
     ("tensor", "message"),
     [
         (torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.int8, device="meta"), "is on meta"),

@@ -14,6 +14,8 @@ Layouts: the engine side is what vLLM's offloading connector hands every worker,
 cross-layer blocks). Refused with a ``ValueError`` at construction: tensors that are not on the
 CPU, not 2-D ``int8`` rows with unit inner stride (and, in the spec, ``canonical_layout``:
 the parallelism-agnostic page mapping, whose ``CopyRun`` lists this worker does not interpret).
+A job whose ids do not fit its group sizes, the region or the tensors is refused with a
+``ValueError`` before anything is copied.
 
 Threading and ordering: vLLM calls the worker from its model-runner thread only. A job's copy
 runs to completion inside ``submit_store``/``submit_load`` (the CPU has no copy engine to
@@ -146,18 +148,37 @@ class CPUKVCopyWorker(OffloadingWorker):
         if not isinstance(host, BlockIDsLoadStoreSpec):
             raise TypeError(f"CPU KV offload worker expects chunk ids, got {type(host).__name__}")
         start = time.perf_counter()
+        plan = self._plan(job_id, engine, host)  # raises before any byte is copied
+        nbytes = 0
+        for refs, blocks, rows, subs in plan:
+            nbytes += _copy_group(self._kv, self._host, refs, blocks, rows, subs, to_host)
+        self._finished.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
+        return True
+
+    def _plan(
+        self, job_id: int, engine: GPULoadStoreSpec, host: BlockIDsLoadStoreSpec
+    ) -> list[tuple[list[CanonicalKVCacheRef], np.ndarray, np.ndarray, np.ndarray]]:
+        """Per KV cache group with blocks in the job: its refs, engine blocks, and the chunk row
+        and sub-block of each. Raises ``ValueError`` when the ids do not fit the group sizes or
+        the tensors (numpy would wrap a negative id onto another block)."""
         engine_ids = np.asarray(engine.block_ids, dtype=np.int64)
         chunk_ids = np.asarray(host.block_ids, dtype=np.int64)
-        nbytes = 0
+        _check_range(job_id, "chunk id", chunk_ids, len(self._host[0]) if self._host else 0)
+        plan = []
         engine_off = chunk_off = 0
         for refs, size, first in zip(self._refs, engine.group_sizes, engine.block_indices):
             if size == 0:
                 continue
-            rows, subs, n_chunks = _chunk_slots(
+            n_chunks = -(-(first % self._blocks_per_chunk + size) // self._blocks_per_chunk)
+            if chunk_off + n_chunks > len(chunk_ids):
+                break
+            rows, subs = _chunk_slots(
                 chunk_ids[chunk_off:], first % self._blocks_per_chunk, size, self._blocks_per_chunk
             )
             blocks = engine_ids[engine_off : engine_off + size]
-            nbytes += _copy_group(self._kv, self._host, refs, blocks, rows, subs, to_host)
+            bound = min((len(self._kv[ref.tensor_idx]) for ref in refs), default=0)
+            _check_range(job_id, "block id", blocks, bound)
+            plan.append((refs, blocks, rows, subs))
             engine_off += size
             chunk_off += n_chunks
         if engine_off != len(engine_ids) or chunk_off != len(chunk_ids):
@@ -165,19 +186,24 @@ class CPUKVCopyWorker(OffloadingWorker):
                 f"job {job_id}: {len(engine_ids)} engine blocks / {len(chunk_ids)} chunks do not "
                 f"match group sizes {list(engine.group_sizes)}"
             )
-        self._finished.append(TransferResult(job_id, True, nbytes, time.perf_counter() - start))
-        return True
+        return plan
+
+
+def _check_range(job_id: int, what: str, ids: np.ndarray, bound: int) -> None:
+    """Raise ``ValueError`` unless every one of ``ids`` is in ``[0, bound)``."""
+    if len(ids) and (ids.min() < 0 or ids.max() >= bound):
+        raise ValueError(
+            f"job {job_id}: a {what} is outside [0, {bound}) (ids {ids.min()} to {ids.max()})"
+        )
 
 
 def _chunk_slots(
     chunk_ids: np.ndarray, skip: int, count: int, blocks_per_chunk: int
-) -> tuple[np.ndarray, np.ndarray, int]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Row and sub-block index of each of ``count`` blocks laid into ``chunk_ids`` after skipping
-    ``skip`` sub-blocks of the first chunk; and how many chunks that spans."""
+    ``skip`` sub-blocks of the first chunk."""
     slots = np.arange(skip, skip + count, dtype=np.int64)
-    n_chunks = -(-(skip + count) // blocks_per_chunk)
-    rows = chunk_ids[:n_chunks][slots // blocks_per_chunk]
-    return rows, slots % blocks_per_chunk, n_chunks
+    return chunk_ids[slots // blocks_per_chunk], slots % blocks_per_chunk
 
 
 def _copy_group(
