@@ -54,6 +54,7 @@ from torch_kv_tier.integrations.vllm.remote_tier import RemoteHostMetrics, Remot
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig  # noqa: E402
 from torch_kv_tier.integrations.vllm.tier_jobs import TierJobs  # noqa: E402
 from torch_kv_tier.remote.launch import ServerProcess  # noqa: E402
+from torch_kv_tier.transport import nixl as nixl_module  # noqa: E402
 
 CHUNK_BYTES = 4096  # one 4 KiB GPU block per chunk: page aligned, so no padding in the row
 PRIMARY_CHUNKS = 8
@@ -475,6 +476,44 @@ def test_shutdown_during_a_handshake_with_a_silent_host_does_not_wait_for_it(
     finally:
         driver.shutdown(spec)
         silent.close()
+
+
+def test_shutdown_keeps_the_primary_region_mapped_while_nixl_still_holds_it(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``NixlTransport.close`` leaves its release to a peer registration stuck past
+    ``CLOSE_REGISTRATION_WAIT_S`` (NIXL's ``add_remote_agent`` that does not return): until
+    then the agent keeps vLLM's region registered and a cancelled read may still land in it.
+    The tier released its view when the manager's close returned, so vLLM unmapped the region
+    under NIXL; now the view goes once the transport says it released everything."""
+    monkeypatch.setattr(nixl_module, "CLOSE_REGISTRATION_WAIT_S", 0.3)
+    spec, manager = make_manager(server.address, reconnect_interval_s=0)
+    transport: Any = Driver(manager).tier.tier_manager.transport
+    release, entered = threading.Event(), threading.Event()
+
+    def stuck_build(*args: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        raise RuntimeError("add_remote_agent failed")
+
+    monkeypatch.setattr(transport._peers, "build", stuck_build)
+    region = spec._scheduler_mmap
+    try:
+        transport.add_remote_peer_async("stuck", b"metadata", 0, 4, CHUNK_BYTES)
+        assert entered.wait(10)
+        manager.shutdown()
+        assert region.mmap_obj is not None, "vLLM unmapped its region while NIXL holds it"
+    finally:
+        release.set()
+
+    def unmapped() -> bool:
+        try:
+            region.mmap_obj.close()  # a BufferError while the tier still exports it
+        except BufferError:
+            return False
+        return True
+
+    wait_until(unmapped, 10, "the tier released its view once NIXL released the region")
 
 
 def test_bad_config_raises_before_connecting() -> None:

@@ -2,13 +2,15 @@
 with it the NIXL registration) over that region, the remote hosts it joined at startup and the
 membership thread that dials the rest; built together, released in order.
 
-Threading: built and closed on the thread that builds or shuts down the tier (vLLM's); the
-membership thread is its own (``membership``).
+Threading: built and closed on the thread that builds or shuts down the tier (vLLM's), except
+that the view of the primary region may be released later on NIXL's registration thread
+(``close``); the membership thread is its own (``membership``).
 
 Failure model: a host that does not answer at startup is left to the membership thread when
 reconnecting is on; any other startup failure raises ``RuntimeError`` with what to check, after
 everything built so far is released. Closing never leaves NIXL able to write into memory vLLM
-unmapped: when the manager fails to close, the primary region stays mapped.
+unmapped: the primary region stays mapped until the transport released its agent, and for good
+when the manager fails to close.
 """
 
 from __future__ import annotations
@@ -120,8 +122,10 @@ class TierResources:
         that does not answer would hold one for ``connect_timeout_s``, 10 s, past vLLM's 5 s
         shutdown grace), and the membership thread, finding it closed, ends. The view is what
         keeps vLLM's shared memory mapped (the tensor over it does not pin it), so it is
-        released only once nothing can transfer into that memory any more: if closing fails,
-        the region stays mapped rather than let the NIC write into freed memory.
+        released only once nothing can transfer into that memory any more: when the transport
+        reports it released its agent (``on_released``: at once, or later, on NIXL's
+        registration thread, when a registration stuck past the close still holds it); if
+        closing fails, never, rather than let the NIC write into freed memory.
         """
         deadline = time.monotonic() + self._config.close_timeout_s
         manager, self.manager = self.manager, None
@@ -139,8 +143,12 @@ class TierResources:
             if membership is not None:
                 membership.stop(timeout=max(deadline - time.monotonic(), _MIN_CLOSE_S))
         flat, self._flat_view = self._flat_view, None
-        if flat is not None:
+        if flat is None:
+            return
+        if manager is None:
             flat.release()
+        else:  # at once, or later on NIXL's thread when a stuck registration holds the agent
+            manager.transport.on_released(flat.release)
 
 
 def _build_manager(
