@@ -525,6 +525,25 @@ def test_bad_config_raises_before_connecting() -> None:
         make_manager("127.0.0.1:1", slots=0)
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "drain_timeout_s",
+        "close_timeout_s",
+        "connect_timeout_s",
+        "reconnect_interval_s",
+        "promotion_guard_s",
+    ],
+)
+def test_a_timeout_that_is_not_finite_is_refused(key: str) -> None:
+    """JSON's ``Infinity`` (or ``1e999``) was accepted: ``close_timeout_s`` then made shutdown
+    raise ``OverflowError`` from a thread join (the tier kept vLLM's region mapped and never
+    ended its sessions), the others waited without bound."""
+    for value in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f'"{key}" must be a finite'):
+            RemoteHostTierConfig.from_options({"remote": "127.0.0.1:1", key: value})
+
+
 def test_the_jobs_table_does_not_keep_its_tier_alive(no_gc: None) -> None:
     """``TierJobs`` holds its tier's promotion callback weakly: a strong bound method made a
     cycle (tier -> jobs -> method -> tier) that kept the tier, and its NIXL agent, alive until

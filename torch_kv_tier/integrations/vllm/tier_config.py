@@ -9,6 +9,7 @@ nothing from vLLM.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,9 +257,9 @@ def _seconds(
 ) -> float:
     value = options.get(key, default)
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not (value >= 0 if allow_zero else value > 0):
-        expected = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
-        raise ValueError(f'"{key}" must be {expected}, got {value!r}')
+    if not number or not math.isfinite(value) or not (value >= 0 if allow_zero else value > 0):
+        expected = "number of seconds >= 0" if allow_zero else "positive number of seconds"
+        raise ValueError(f'"{key}" must be a finite {expected}, got {value!r}')
     return float(value)
 
 
