@@ -92,17 +92,14 @@ from __future__ import annotations
 
 import collections
 import enum
-import logging
 import math
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from torch_kv_tier.integrations.vllm import tier_sizing
+from torch_kv_tier.integrations.vllm.admission_queue import Arrival, MissedQueue
 from torch_kv_tier.integrations.vllm.admission_stats import AdmissionStats
-
-logger = logging.getLogger(__name__)
 
 # Finished requests whose prompt lengths the prefix estimate remembers.
 _RECENT_REQUESTS = 64
@@ -119,14 +116,6 @@ class _Attempt:
     promised: set[Hashable] = field(default_factory=set)  # every key answered HIT
     held: set[Hashable] = field(default_factory=set)  # promised, read not landed: in the budget
     unsubmitted: set[Hashable] = field(default_factory=set)  # promised this step, not submitted
-
-
-class _Arrival(NamedTuple):
-    """When a request waiting to be scheduled arrived (or was preempted)."""
-
-    step: int
-    at_s: float  # on the admission's clock
-    recomputed: int  # recomputes scheduled before it arrived (``_recomputed``)
 
 
 class Verdict(enum.Enum):
@@ -185,7 +174,7 @@ class PromotionAdmission:
         self._guard_now: float | None = None  # the clock at the guard's first use in this step
         self._recent: collections.deque[int] = collections.deque(maxlen=_RECENT_REQUESTS)
         self._lengths: dict[str, int] = {}  # request -> furthest prompt token seen
-        self._waiting: dict[str, _Arrival] = {}  # requests not yet scheduled
+        self._waiting: dict[str, Arrival] = {}  # requests not yet scheduled
         self._running: set[str] = set()  # scheduled, not finished (nor preempted)
         self._attempts: dict[str, _Attempt] = {}
         self._held = 0
@@ -193,7 +182,7 @@ class PromotionAdmission:
         self._last_recomputes = 0  # recomputes scheduled in the last step
         self._recomputed = 0  # recomputes scheduled since the tier started
         self._loading = 0  # of ``_held``: promised to requests scheduled in the last step
-        self._missed: set[str] = set()  # requests not yet scheduled this tier answered MISS
+        self._missed = MissedQueue()  # requests not yet scheduled this tier answered MISS
 
     @property
     def prefix_chunks(self) -> int:
@@ -284,15 +273,8 @@ class PromotionAdmission:
         in queue order, so a request it asks about after them in the same step is behind
         them)."""
         arrival = self._waiting.get(req_id)
-        queued = sum(
-            1
-            for other in self._missed
-            if other != req_id
-            and (at := self._waiting.get(other)) is not None
-            and (arrival is None or at <= arrival)
-        )
         since = 0 if arrival is None else self._recomputed - arrival.recomputed
-        return max(since, self._last_recomputes) + queued
+        return max(since, self._last_recomputes) + self._missed.ahead_of(req_id, arrival)
 
     def _stores_ahead(self) -> int:
         """The chunks vLLM may store while a promotion admitted now lands and waits for its
@@ -300,8 +282,8 @@ class PromotionAdmission:
         evictable until vLLM hears its cascade finished) and as many again for this step's."""
         return 2 * self._last_recomputes * self.prefix_chunks
 
-    def _arrival(self) -> _Arrival:
-        return _Arrival(self._step, self._clock(), self._recomputed)
+    def _arrival(self) -> Arrival:
+        return Arrival(self._step, self._clock(), self._recomputed)
 
     def recompute(self, req_id: str) -> Verdict:
         """What a lookup of a key the tier does not hold answers for ``req_id``: MISS (it
@@ -310,7 +292,7 @@ class PromotionAdmission:
 
     def _answer(self, req_id: str, verdict: Verdict) -> Verdict:
         if verdict is Verdict.MISS:
-            self._missed.add(req_id)
+            self._missed.add(req_id, self._waiting.get(req_id))
         return verdict
 
     def _guard(self, req_id: str) -> Verdict | None:
@@ -322,7 +304,7 @@ class PromotionAdmission:
         never one behind another that was still held in the same step (the CI engine burst
         test's repeat: requests 1 and 2 held, 6 to 8 released 4 ms later in the same step and
         scheduled first, 1 and 2 then first served after 0.48 and 0.62 s against 0.24 s)."""
-        if req_id in self._attempts or not any(a.held for a in self._attempts.values()):
+        if req_id in self._attempts or self._held <= self._loading:  # no attempt holds a key
             return None  # its own promotion, or none under way (read failed or dropped unread)
         arrival = self._waiting.get(req_id)
         if self._guard_now is None:  # one time for the whole step (docstring)
