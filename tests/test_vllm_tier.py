@@ -538,8 +538,9 @@ def test_bad_config_raises_before_connecting() -> None:
 def test_a_timeout_that_is_not_finite_is_refused(key: str) -> None:
     """JSON's ``Infinity`` (or ``1e999``) was accepted: ``close_timeout_s`` then made shutdown
     raise ``OverflowError`` from a thread join (the tier kept vLLM's region mapped and never
-    ended its sessions), the others waited without bound."""
-    for value in (float("inf"), float("nan")):
+    ended its sessions), the others waited without bound; an integer too large for a float
+    raised ``OverflowError`` instead of naming the key."""
+    for value in (float("inf"), float("nan"), 10**400):
         with pytest.raises(ValueError, match=f'"{key}" must be a finite'):
             RemoteHostTierConfig.from_options({"remote": "127.0.0.1:1", key: value})
 

@@ -8,6 +8,7 @@ nothing from vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -256,11 +257,14 @@ def _seconds(
     options: Mapping[str, Any], key: str, default: float, *, allow_zero: bool = False
 ) -> float:
     value = options.get(key, default)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or not (value >= 0 if allow_zero else value > 0):
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            seconds = float(value)
+    if not math.isfinite(seconds) or not (seconds >= 0 if allow_zero else seconds > 0):
         expected = "number of seconds >= 0" if allow_zero else "positive number of seconds"
         raise ValueError(f'"{key}" must be a finite {expected}, got {value!r}')
-    return float(value)
+    return seconds
 
 
 def _bool(options: Mapping[str, Any], key: str, default: bool) -> bool:
