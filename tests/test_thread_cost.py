@@ -35,3 +35,28 @@ def test_one_tier_run_reads_every_thread(
 
 def test_a_window_of_no_time_is_refused() -> None:
     assert cli.main(["thread-cost", "--seconds", "0"]) == 2
+
+
+def test_each_system_reads_the_threads_of_its_own_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The private rows' ``host`` kinds are the private host's threads, not the idle shared
+    host's: each window samples the host its system moves bytes to."""
+    from torch_kv_tier.benchmarks import shared_bench, thread_cost
+
+    shared, _ = shared_bench.shared_pool(64 << 10, 2, 1)
+    pools = {"shared": shared, "private": 2 * shared}
+    read: list[tuple[str, list[int]]] = []
+    real = thread_cost._window
+
+    def window(workers, n, system, seconds, procs):  # type: ignore[no-untyped-def]
+        for pid in (pid for pid, _, host in procs if host):
+            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            read.append((system, [int(argv[argv.index("--num-blocks") + 1])]))
+        return real(workers, n, system, seconds, procs)
+
+    monkeypatch.setattr(thread_cost, "_window", window)
+    argv = ["thread-cost", "--tiers", "1", "--seconds", "0.5", "--rounds", "1",
+            "--working-set-mib", "2", "--json", str(tmp_path / "t.json")]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert sorted(read) == sorted((system, [pool]) for system, pool in pools.items())

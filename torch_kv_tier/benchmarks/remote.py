@@ -63,11 +63,13 @@ def read_token(path: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Host:
-    """The remote host for one block length: ``address``, or ``problem`` when there is none."""
+    """The remote host for one block length: ``address``, or ``problem`` when there is none;
+    ``pid`` is an embedded host's process (``None`` for ``--remote`` or one that failed)."""
 
     address: str | None
     embedded: bool
     problem: str | None = None
+    pid: int | None = None
 
 
 def _start(block_len: int, num_blocks: int, extra_args: Sequence[str] = ()) -> tuple[Any, Host]:
@@ -80,7 +82,7 @@ def _start(block_len: int, num_blocks: int, extra_args: Sequence[str] = ()) -> t
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, Host(None, True, f"embedded `torch-kv-tier serve` failed to start: {first}")
     logger.info("embedded remote host %s: %d x %d B", server.address, num_blocks, block_len)
-    return server, Host(server.address, True)
+    return server, Host(server.address, True, pid=server.proc.pid)
 
 
 def _stop(server: Any) -> None:

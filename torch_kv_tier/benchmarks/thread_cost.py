@@ -7,15 +7,16 @@ starts a shared host and a private one sized as ``shared-bench`` sizes them, and
 shared pool; ``private``: the same tier on a private lease). Then, per round, for each system
 in turn (alternating the order), every process runs timed bursts of it back to back for
 ``--seconds``. Over that window (from the end of a first burst to the end of the last) every
-thread of the tier processes and of the shared host is read from
+thread of the tier processes and of that system's host is read from
 ``/proc/PID/task/TID/stat`` and ``status``: CPU time and voluntary and involuntary context
 switches. Figures are per GB moved by all processes, per thread kind:
 
 - ``tier``: the tier's own thread (the caller of ``store``/``load``);
 - ``session``: its shared sessions' I/O threads; ``poller``: its transfer poller; ``zmq``:
   ZeroMQ's I/O threads; ``tier other``: any other thread (NIXL's, the redialer);
-- ``host``: the shared host's loop thread; ``host other``: its other threads (ZeroMQ's, NIXL's
-  progress thread, metrics). The private host is a passive one-sided target and is not read.
+- ``host``: the loop thread of the host the system moves bytes to (the shared host in a
+  ``shared`` window, the private one in a ``private`` window); ``host other``: its other
+  threads (ZeroMQ's, NIXL's progress thread, metrics).
 
 Median over ``--rounds`` with min..max; GB/s is the bytes of the window over its span. Then,
 one worker at a time as ``shared-bench`` does (others' stores would evict what it reads back),
@@ -60,6 +61,7 @@ DEFAULTS: dict[str, Any] = {
 _CLOCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 Sample = dict[tuple[str, int], tuple[float, int, int]]  # (kind, tid) -> cpu s, vol, invol
+Proc = tuple[int, dict[int, str], bool]  # pid, its Python threads' names, whether a host
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +90,7 @@ def _kind(pid: int, tid: int, comm: str, names: dict[int, str], host: bool) -> s
     return "zmq" if comm.startswith("ZMQ") else "tier other"
 
 
-def _sample(procs: Iterable[tuple[int, dict[int, str], bool]]) -> Sample:
+def _sample(procs: Iterable[Proc]) -> Sample:
     """Every thread's CPU seconds and context switches: ``(pid, Python thread names, host)``."""
     out: Sample = {}
     for pid, names, host in procs:
@@ -126,25 +128,9 @@ def _per_kind(before: Sample, after: Sample, gb: float) -> dict[str, dict[str, f
     }
 
 
-def _shared_host_pid(pool: int) -> int:
-    """The child ``serve`` process with ``--num-blocks pool`` (the shared host)."""
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                argv = f.read().split("\0")
-        except OSError:
-            continue
-        if ppid == me and "serve" in argv and str(pool) in argv:
-            return int(entry)
-    raise RuntimeError(f"no child `serve --num-blocks {pool}` found")
-
-
-def _window(workers: Workers, n: int, system: str, seconds: float, procs: Any) -> dict[str, Any]:
+def _window(
+    workers: Workers, n: int, system: str, seconds: float, procs: list[Proc]
+) -> dict[str, Any]:
     """Bursts of ``system`` in every worker for ``seconds``; the figures of its middle."""
     workers.ask(n, {"cmd": "burst", "system": system})  # the window starts after one burst
     before, start, moved = _sample(procs), time.perf_counter(), 0
@@ -164,7 +150,8 @@ def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         shared, max_grant = shared_pool(block_len, cfg["working_set_mib"], n)
         with host_group(None, block_len, [shared, 2 * shared], ["--max-grant", str(max_grant)]
                         ) as hosts:  # fmt: skip
-            if any(h.address is None for h in hosts):
+            pids = [h.pid for h in hosts if h.pid is not None]
+            if len(pids) != len(hosts):
                 raise RuntimeError(f"hosts did not start: {[h.problem for h in hosts]}")
             workers = Workers(n)
             try:
@@ -176,13 +163,15 @@ def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
                     "seed": 1, "private_lease": private_lease(shared, n, 1),
                 })  # fmt: skip
                 names = [a["threads"] for a in workers.ask(n, {"cmd": "threads"})]
-                procs = [(p.pid, {int(k): v for k, v in t.items()}, False)
+                tiers = [(p.pid, {int(k): v for k, v in t.items()}, False)
                          for p, t in zip(workers.procs, names, strict=True)]  # fmt: skip
-                procs.append((_shared_host_pid(shared), {}, True))
+                procs = {s: [*tiers, (pid, {}, True)] for s, pid in zip(SYSTEMS, pids, strict=True)}
                 windows: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
                 for r in range(cfg["rounds"]):
                     for system in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
-                        windows[system].append(_window(workers, n, system, cfg["seconds"], procs))
+                        windows[system].append(
+                            _window(workers, n, system, cfg["seconds"], procs[system])
+                        )
                 for i in range(n):  # one at a time: others' stores would evict what it reads back
                     workers.ask(i + 1, {"cmd": "last"}, first=i)
                     [done] = workers.ask(i + 1, {"cmd": "finish"}, first=i)
