@@ -7,6 +7,7 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -286,3 +287,28 @@ def test_promotion_trace_splits_a_request_into_segments_that_add_up() -> None:
     del timeline.events[1:7]  # no promotion step: a recompute's trace
     with pytest.raises(ValueError, match="not a three-step promotion"):
         segments(timeline)
+
+
+def test_engine_ttft_alternates_which_condition_runs_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Odd repeats run ``recompute`` before ``remote`` (neither always gets the warmer engine),
+    and each still starts from a reset of the device cache and the connector's tiers."""
+    log: list[tuple[str, Any]] = []
+
+    class Engine:
+        def reset_prefix_cache(self, reset_connector: bool) -> None:
+            log.append(("reset", reset_connector))
+
+    def ttft(llm: object, prompt: list[int]) -> tuple[float, int]:
+        log.append(("ttft", prompt))
+        return float(len(log)), len(prompt)  # the "seconds" say when it ran
+
+    monkeypatch.setattr(engine_ttft, "_ttft", ttft)
+    rows = engine_ttft.measure(Engine(), prefix_tokens=16, repeats=4, seed=0)
+    at = {(r["repeat"], r["condition"]): r["ttft_s"] for r in rows}
+    firsts = [at[(k, "remote")] < at[(k, "recompute")] for k in range(4)]
+    assert firsts == [True, False, True, False]
+    for k in range(4):  # every sample comes after a reset of the tiers it must not hit
+        for condition, connector in (("remote", True), ("recompute", True), ("cpu_tier", False)):
+            assert log[int(at[(k, condition)]) - 2] == ("reset", connector)

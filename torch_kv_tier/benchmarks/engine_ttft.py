@@ -4,7 +4,8 @@
 ``python -m torch_kv_tier.benchmarks.engine_ttft --out ttft.json --plot ttft.png`` builds the
 tiny Llama (or takes ``--model``), starts a loopback remote host and one engine (vLLM's default
 multiprocess mode, :mod:`torch_kv_tier.integrations.vllm.engine`'s documented config), then
-for each repeat, interleaved:
+for each repeat, interleaved (``remote`` and ``recompute`` swap places every repeat, so that
+neither always runs on the engine the other just warmed):
 
 - ``remote``: a prefix that an earlier request offloaded, after ``reset_prefix_cache`` of the
   device cache and the CPU primary tier, so every prefix chunk comes from the remote host;
@@ -89,11 +90,14 @@ def measure(
     for repeat in range(-1, repeats):  # round -1 warms the engine up and is not reported
         shared = _tokens(rng, prefix_tokens)
         _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))  # offloads the prefix
+        prompts = {
+            "remote": shared + _tokens(rng, SUFFIX_TOKENS),
+            "recompute": _tokens(rng, prefix_tokens + SUFFIX_TOKENS),
+        }
         samples = {}
-        llm.reset_prefix_cache(reset_connector=True)  # drains the cascades first
-        samples["remote"] = _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))
-        llm.reset_prefix_cache(reset_connector=True)
-        samples["recompute"] = _ttft(llm, _tokens(rng, prefix_tokens + SUFFIX_TOKENS))
+        for condition in prompts if repeat % 2 == 0 else reversed(prompts):  # alternated
+            llm.reset_prefix_cache(reset_connector=True)  # drains the cascades first
+            samples[condition] = _ttft(llm, prompts[condition])
         llm.reset_prefix_cache(reset_connector=False)  # device cache only
         samples["cpu_tier"] = _ttft(llm, shared + _tokens(rng, SUFFIX_TOKENS))
         if disk_host is not None:
@@ -117,8 +121,8 @@ def measure(
 
 def summarize(rows: list[dict[str, Any]], prefix_tokens: int) -> dict[str, Any]:
     """Median, min and max TTFT per condition, and how many samples vLLM served their whole
-    prefix from cache (``served``); the recompute/remote ratio of medians and its spread
-    (per-repeat ratios, min..max)."""
+    prefix from cache (``served``); the recompute/remote ratio: the median of the per-repeat
+    ratios (each pairs the two samples of one repeat) and their min..max."""
     by: dict[str, list[float]] = {c: [] for c in CONDITIONS}
     served = dict.fromkeys(CONDITIONS, 0)
     for row in rows:
