@@ -49,3 +49,35 @@ def test_percentiles_are_nearest_rank() -> None:
     assert _pct(values, 100) == 100.0
     assert _pct(values[:10], 99) == 100.0  # 10 samples: p99 is the largest
     assert _pct([7.0], 50) == 7.0
+
+
+def test_rounds_alternate_the_order_of_what_they_compare(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Odd rounds run the fan-out's follower counts and the dict and compact index calls in
+    reverse order, so no one of them always runs on the machine the others just warmed."""
+    from torch_kv_tier.benchmarks import fleet_bench
+
+    order: list[object] = []
+    fanout, calls = fleet_bench._fanout_us, fleet_bench._call_us
+
+    def spy_fanout(followers: int, batches: int) -> tuple[float, float]:
+        order.append(followers)
+        return fanout(followers, batches)
+
+    def spy_calls(n_keys: int, compact: bool, calls_n: int = 2000) -> dict[str, float]:
+        order.append("compact" if compact else "dict")
+        return calls(n_keys, compact, 20)
+
+    monkeypatch.setattr(fleet_bench, "_fanout_us", spy_fanout)
+    monkeypatch.setattr(fleet_bench, "_call_us", spy_calls)
+    argv = ["fleet-bench", "--keys", "2000", "--followers", "1,2", "--hosts", "4",
+            "--rounds", "2", "--batches", "1", "--json", str(tmp_path / "f.json")]  # fmt: skip
+    assert cli.main(argv) == 0
+    fanouts = [x for x in order if isinstance(x, int)]
+    forms = [x for x in order if isinstance(x, str)]
+    assert fanouts == [1, 2, 2, 1]
+    assert forms == ["dict", "compact", "compact", "dict"]
+    assert set(json.loads((tmp_path / "f.json").read_text())["figures"]["call_us"]) == {
+        "dict", "compact"
+    }  # fmt: skip
