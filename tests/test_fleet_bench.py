@@ -56,10 +56,10 @@ def test_rounds_alternate_the_order_of_what_they_compare(
 ) -> None:
     """Odd rounds run the fan-out's follower counts and the dict and compact index calls in
     reverse order, so no one of them always runs on the machine the others just warmed."""
-    from torch_kv_tier.benchmarks import fleet_bench
+    from torch_kv_tier.benchmarks import fleet_figures
 
     order: list[object] = []
-    fanout, calls = fleet_bench._fanout_us, fleet_bench._call_us
+    fanout, calls = fleet_figures.fanout_us, fleet_figures.call_us
 
     def spy_fanout(followers: int, batches: int) -> tuple[float, float]:
         order.append(followers)
@@ -69,8 +69,8 @@ def test_rounds_alternate_the_order_of_what_they_compare(
         order.append("compact" if compact else "dict")
         return calls(n_keys, compact, 20)
 
-    monkeypatch.setattr(fleet_bench, "_fanout_us", spy_fanout)
-    monkeypatch.setattr(fleet_bench, "_call_us", spy_calls)
+    monkeypatch.setattr(fleet_figures, "fanout_us", spy_fanout)
+    monkeypatch.setattr(fleet_figures, "call_us", spy_calls)
     argv = ["fleet-bench", "--keys", "2000", "--followers", "1,2", "--hosts", "4",
             "--rounds", "2", "--batches", "1", "--json", str(tmp_path / "f.json")]  # fmt: skip
     assert cli.main(argv) == 0

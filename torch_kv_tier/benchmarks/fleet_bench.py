@@ -28,39 +28,26 @@ the compact copy (``slot_maps.CompactSlots``), the one a tier uses past 2**20 sl
 - ``moved_over_1_n``: the fraction of keys whose home changes when one of N hosts is added or
   removed, over 1/N, for each N in ``--hosts`` (``keys.Placement``).
 
-Each figure is the median over ``--rounds`` rounds with its min..max; what a round compares
-(the fan-out's follower counts, the dict and compact calls) runs in reverse order every other
-round. The targets are issue
-20's; the table says met or missed. Exit status 0 (a missed target is a figure, not an error);
-2 for bad arguments.
+Each measurement is a function of ``fleet_figures``; this module runs them and reports. Each
+figure is the median over ``--rounds`` rounds with its min..max; what a round compares (the
+fan-out's follower counts, the dict and compact calls) runs in reverse order every other round.
+The targets are issue 20's; the table says met or missed. Exit status 0 (a missed target is a
+figure, not an error); 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import os
 import platform
 import statistics
 import sys
-import threading
-import time
-import tracemalloc
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
-import zmq
-
+from torch_kv_tier.benchmarks import fleet_figures
 from torch_kv_tier.benchmarks.options import list_of, positive, usable_cpus
-from torch_kv_tier.index import BlockIndex
-from torch_kv_tier.keys import Key, Placement
-from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote.leases import Session, SlotPool
-from torch_kv_tier.remote.replica import IndexFollower
-from torch_kv_tier.remote.shared_service import SharedService
 
 TARGETS = {  # figure -> (bound, what it means)
     "follower_bytes_per_key": (16.0, "<= 16 B per key a follower holds"),
@@ -99,39 +86,41 @@ def run(args: argparse.Namespace) -> int:
     rounds = range(opts["rounds"])
     figures: dict[str, Any] = {}
     half, whole = opts["keys"] // 2, opts["keys"]
-    held = [(_follower_bytes(half), _follower_bytes(whole)) for _ in rounds]
+    held = [
+        (fleet_figures.follower_bytes(half), fleet_figures.follower_bytes(whole)) for _ in rounds
+    ]
     slopes = [(b - a) / (whole - half) for a, b in held]
     figures["follower_bytes_per_key"] = _summary(slopes)
     figures["follower_bytes_fixed"] = _summary([b - k * whole for (_, b), k in zip(held, slopes)])
     figures["follower_bytes_over_keys"] = _summary([b / whole for _, b in held])
-    dict_held = [_follower_bytes(whole, compact=False) / whole for _ in rounds]
+    dict_held = [fleet_figures.follower_bytes(whole, compact=False) / whole for _ in rounds]
     figures["dict_follower_bytes_per_key"] = _summary(dict_held)
     figures["join_s_per_million"] = _summary(
-        [_join_s(opts["keys"]) * 1e6 / opts["keys"] for _ in rounds]
+        [fleet_figures.join_s(opts["keys"]) * 1e6 / opts["keys"] for _ in rounds]
     )
     per_f: dict[int, list[float]] = {f: [] for f in opts["followers"]}
     applies: list[float] = []
     for r in rounds:  # interleaved: every F in each round, the order reversed every other
         for f in opts["followers"] if r % 2 == 0 else opts["followers"][::-1]:
-            host_us, apply_us = _fanout_us(f, opts["batches"])
+            host_us, apply_us = fleet_figures.fanout_us(f, opts["batches"])
             per_f[f].append(host_us)
             applies.append(apply_us)
     figures["fanout_us_per_key_per_follower"] = {f: _summary(v) for f, v in per_f.items()}
     figures["fanout_marginal_us"] = _summary(_slopes(per_f))
     figures["apply_us_per_key"] = _summary(applies)
-    lookups, prefixes = _lookup_ns(opts["keys"])
+    lookups, prefixes = fleet_figures.lookup_ns(opts["keys"])
     figures["lookup_ns"] = {"p50": _pct(lookups, 50), "p99": _pct(lookups, 99)}
     figures["prefix_lookup_ns"] = {"p50": _pct(prefixes, 50), "p99": _pct(prefixes, 99)}
     forms = (("dict", False), ("compact", True))
     per_form: dict[str, list[dict[str, float]]] = {form: [] for form, _ in forms}
     for r in rounds:  # interleaved as the fan-out is
         for form, compact in forms if r % 2 == 0 else forms[::-1]:
-            per_form[form].append(_call_us(opts["keys"], compact))
+            per_form[form].append(fleet_figures.call_us(opts["keys"], compact))
     figures["call_us"] = {
         form: {name: statistics.median(c[name] for c in calls) for name in calls[0]}
         for form, calls in per_form.items()
     }
-    movement = {n: _moved_over_1_n(n, opts["keys"]) for n in opts["hosts"]}
+    movement = {n: fleet_figures.moved_over_1_n(n, opts["keys"]) for n in opts["hosts"]}
     figures["moved_over_1_n_by_hosts"] = movement
     figures["moved_over_1_n"] = _summary([max(v) for v in movement.values()])
     result = {
@@ -153,233 +142,6 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
-
-
-# -- figures ------------------------------------------------------------------------------------
-
-
-def _keys(n: int) -> list[bytes]:
-    rnd = os.urandom(32 * n)
-    return [rnd[i : i + 32] for i in range(0, 32 * n, 32)]
-
-
-def _host(n_keys: int, sessions: int = 1, room: int = 0) -> tuple[SharedService, list[Session]]:
-    """A host whose namespace ``"m"`` holds ``n_keys`` keys in a pool of ``n_keys + room``
-    slots (0: full, as a host is once it has run a while), and ``sessions`` joined to it."""
-    service = SharedService(SlotPool(max(n_keys + room, 1)), quota=None, max_granted=8192)
-    members = [_session(f"s{i}") for i in range(sessions)]
-    for session in members:
-        service.join(session)
-    _store(service, members[0], _keys(n_keys))
-    return service, members
-
-
-def _session(sid: str) -> Session:
-    return Session(
-        sid,
-        sid,
-        "fleet-bench",
-        range(0),
-        0.0,
-        0.0,
-        shared=True,
-        namespace="m",
-        identity=sid.encode(),
-    )
-
-
-def _store(service: SharedService, session: Session, keys: list[bytes]) -> None:
-    for start in range(0, len(keys), 4096):
-        batch = keys[start : start + 4096]
-        slots = service.cache.grant(session.session_id, len(batch))
-        service.cache.commit(session.session_id, batch, slots, [hash(k) & 0xFFFF for k in batch])
-
-
-def _follow(service: SharedService, session: Session, index: BlockIndex) -> IndexFollower:
-    """A follower of ``session``'s namespace feeding ``index``, its pages through the real
-    frames; returns once joined."""
-    peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
-
-    def on_change(stored, slots, digests, evicted, reset, sent) -> None:
-        index.apply_host_changes(peer, stored, slots, digests, evicted, reset, sent)
-
-    def request_page(
-        cursor: int, done: Callable[[Future[p.ServerMessage]], None], on_sent: Callable[[], None]
-    ) -> None:
-        on_sent()
-        answer = service.answer(session, p.SnapshotRequest(1, session.session_id, cursor), 0.0)
-        future: Future[p.ServerMessage] = Future()
-        future.set_result(p.decode_server(p.encode(answer)))  # type: ignore[arg-type]
-        done(future)
-
-    follower = IndexFollower(request_page, on_change)
-    follower.start()
-    assert not follower.syncing
-    return follower
-
-
-def _follower_bytes(n_keys: int, compact: bool = True) -> int:
-    service, (session,) = _host(n_keys)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        index = BlockIndex(compact=compact)
-        _follow(service, session, index)
-        gc.collect()  # the snapshot's page futures and frames are garbage, not held
-        held = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    assert index.lookup([next(iter(service.cache.namespaces["m"].entries))]) == 1
-    return held
-
-
-def _join_s(n_keys: int) -> float:
-    service, (session,) = _host(n_keys)
-    index = BlockIndex(compact=True)
-    start = time.perf_counter()
-    _follow(service, session, index)
-    return time.perf_counter() - start
-
-
-def _fanout_us(followers: int, batches: int) -> tuple[float, float]:
-    """Host CPU per key per follower to push ``batches`` Events batches of newly stored keys to
-    ``followers`` DEALER sockets; and the CPU one follower spends decoding and applying them."""
-    service, members = _host(0, followers, room=batches * p.MAX_KEYS_PER_MESSAGE)
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    dealers: list[zmq.Socket[bytes]] = []
-    frames_in: list[bytes] = []
-    drainer = threading.Thread(target=_drain, args=(dealers, batches, frames_in), daemon=True)
-    try:
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        router.setsockopt(zmq.SNDHWM, 0)
-        for session in members:
-            dealer = ctx.socket(zmq.DEALER)
-            dealers.append(dealer)
-            dealer.setsockopt(zmq.IDENTITY, session.identity)
-            dealer.setsockopt(zmq.RCVHWM, 0)
-            dealer.connect(f"tcp://127.0.0.1:{port}")
-            dealer.send(b"hello")  # a ROUTER drops frames for ids it has not heard from yet
-        for _ in members:
-            if not router.poll(10_000):
-                raise TimeoutError("a follower socket did not connect within 10 s")
-            router.recv_multipart()
-        drainer.start()
-        keys = _keys(batches * p.MAX_KEYS_PER_MESSAGE)
-        host_cpu = 0.0
-        for b in range(batches):
-            batch = keys[b * p.MAX_KEYS_PER_MESSAGE : (b + 1) * p.MAX_KEYS_PER_MESSAGE]
-            _store(service, members[0], batch)
-            start = time.thread_time()
-            for sessions, frame in service.events(members):  # as the server's _push_events
-                for session in sessions:
-                    router.send_multipart([session.identity, frame], zmq.NOBLOCK)
-            host_cpu += time.thread_time() - start
-        drainer.join(60)
-        if drainer.is_alive() or len(frames_in) != batches:
-            raise TimeoutError("the followers did not receive every Events frame within 60 s")
-        index = BlockIndex(compact=True)
-        peer = index.add_shared_peer("host", service.cache.pool.num_blocks)
-        start = time.thread_time()
-        for frame in frames_in:
-            ev = p.decode_server(frame)
-            assert isinstance(ev, p.Events)
-            index.apply_host_changes(peer, ev.stored, ev.slots, ev.digests, ev.evicted, False)
-        apply_cpu = time.thread_time() - start
-    finally:
-        if drainer.is_alive():
-            drainer.join(5)
-        for sock in (router, *dealers):
-            sock.close(linger=0)
-        ctx.term()
-    n = batches * p.MAX_KEYS_PER_MESSAGE
-    return host_cpu / (n * followers) * 1e6, apply_cpu / n * 1e6
-
-
-def _drain(dealers: list[zmq.Socket[bytes]], batches: int, frames_in: list[bytes]) -> None:
-    """A follower side of the fan-out: receive every frame (those of the first follower kept
-    for the apply figure); gives up after 10 s without a frame."""
-    want, got = batches * len(dealers), 0
-    poller = zmq.Poller()
-    for dealer in dealers:
-        poller.register(dealer, zmq.POLLIN)
-    while got < want and poller.poll(10_000):
-        for dealer in dealers:
-            while True:
-                try:
-                    frame = dealer.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                got += 1
-                if dealer is dealers[0]:
-                    frames_in.append(frame)
-
-
-def _lookup_ns(n_keys: int, samples: int = 20_000) -> tuple[list[float], list[float]]:
-    """Nanoseconds of ``holder`` of one key, and of ``lookup`` of a stored 64-key prefix."""
-    service, (session,) = _host(n_keys)
-    index = BlockIndex(compact=True)
-    _follow(service, session, index)
-    keys = list(service.cache.namespaces["m"].entries)[:samples]
-    clock, holder, lookup, ones, prefixes = time.perf_counter_ns, index.holder, index.lookup, [], []
-    for key in keys:
-        start = clock()
-        holder(key)
-        ones.append(float(clock() - start))
-    for at in range(0, len(keys) - 64, 64):
-        prefix = keys[at : at + 64]
-        start = clock()
-        lookup(prefix)
-        prefixes.append(float(clock() - start))
-    return ones, prefixes
-
-
-def _call_us(n_keys: int, compact: bool, calls: int = 2000) -> dict[str, float]:
-    """Median µs of the index calls a 16-key shared store and load make, and of one-key
-    ``contains``, on a copy of ``n_keys`` keys held as a dict or compact."""
-    keys: list[Key] = list(_keys(n_keys))
-    index = BlockIndex(compact=compact)
-    peer = index.add_shared_peer("host", n_keys + 16 * calls)
-    for at in range(0, n_keys, p.MAX_KEYS_PER_MESSAGE):
-        batch = keys[at : at + p.MAX_KEYS_PER_MESSAGE]
-        index.apply_host_changes(
-            peer, batch, list(range(at, at + len(batch))), [1] * len(batch), [], False
-        )
-    new: list[Key] = list(_keys(16 * calls))
-    calls_of = {
-        "store_check_16": lambda i: index.none_stored(new[16 * i : 16 * i + 16]),
-        "locate_16": lambda i: index.locate(keys[16 * i : 16 * i + 16], range(16)),
-        "publish_16": lambda i: index.publish(
-            peer,
-            new[16 * i : 16 * i + 16],
-            list(range(n_keys + 16 * i, n_keys + 16 * (i + 1))),
-            [1] * 16,
-        ),
-        "contains_1": lambda i: index.holder(keys[i]),
-    }
-    out = {}
-    for name, call in calls_of.items():
-        times = []
-        for i in range(calls):
-            start = time.perf_counter_ns()
-            call(i)
-            times.append(time.perf_counter_ns() - start)
-        out[name] = statistics.median(times) / 1e3
-    return out
-
-
-def _moved_over_1_n(hosts: int, n_keys: int) -> list[float]:
-    """The fraction of keys whose home changes over the ideal 1/N: one host added to ``hosts``
-    (ideal 1/(N+1)), one of ``hosts`` removed (ideal 1/N)."""
-    names = [f"10.0.{i // 250}.{i % 250}:5600" for i in range(hosts + 1)]
-    keys = _keys(min(n_keys, 100_000))
-    base = Placement(names[:hosts]).homes(keys)
-    out = []
-    for after in (names, names[1:hosts]):
-        homes = Placement(after).homes(keys)
-        moved = sum(a != b for a, b in zip(base, homes)) / len(keys)
-        out.append(moved * max(hosts, len(after)))
-    return out
 
 
 # -- report -------------------------------------------------------------------------------------
