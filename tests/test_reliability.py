@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, TOKEN
 
+from torch_kv_tier.benchmarks.reliability_client_faults import client_death, close_under_load
 from torch_kv_tier.benchmarks.reliability_common import Outcome, random_blocks
 from torch_kv_tier.benchmarks.reliability_concurrency import concurrency
-from torch_kv_tier.benchmarks.reliability_faults import client_death, close_under_load, peer_death
+from torch_kv_tier.benchmarks.reliability_faults import peer_death
 from torch_kv_tier.benchmarks.reliability_soak import soak
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess

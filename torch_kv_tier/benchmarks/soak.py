@@ -115,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 def _scenario(name: str, args: argparse.Namespace) -> Callable[[], Outcome]:
     # imported here so that `stress --help` stays light
     from torch_kv_tier.benchmarks import (
+        reliability_client_faults,
         reliability_concurrency,
         reliability_faults,
         reliability_soak,
@@ -131,14 +132,14 @@ def _scenario(name: str, args: argparse.Namespace) -> Callable[[], Outcome]:
             frozen=True,
             heartbeat_timeout_s=args.heartbeat_timeout,
         ),
-        "client-death": lambda: reliability_faults.client_death(
+        "client-death": lambda: reliability_client_faults.client_death(
             args.client_trials, block_len=bl, lease_timeout_s=args.lease_timeout
         ),
         "soak": lambda: reliability_soak.soak(args.transfers, block_len=bl, tcp=args.soak_tcp),
         "concurrency": lambda: reliability_concurrency.concurrency(
             args.threads, args.calls, block_len=bl, seed=args.seed
         ),
-        "close": lambda: reliability_faults.close_under_load(
+        "close": lambda: reliability_client_faults.close_under_load(
             args.close_transfers, timeout_s=args.close_timeout, block_len=bl
         ),
     }[name]
