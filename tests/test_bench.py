@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from torch_kv_tier.benchmarks import bench, engine_ttft, report, serve_bench
+from torch_kv_tier.benchmarks import bench, engine_ttft, report, report_summary, serve_bench
 from torch_kv_tier.benchmarks.core import Call, Op
 from torch_kv_tier.benchmarks.system_memcpy import Memcpy
 
@@ -150,7 +150,7 @@ def test_a_system_measured_alone_gets_no_ratio_against_itself() -> None:
     ratios = report.ratio_rows(rows)
     assert [(r["system"], r["reference"]) for r in ratios] == [("torch_kv_tier", "nixl_raw")]
     assert ratios[0]["ratio_median"] == pytest.approx(0.5)
-    assert "several remote hosts" not in report.render(rows + ratios)
+    assert "several remote hosts" not in report_summary.render(rows + ratios)
 
 
 class _FakePollTransport:

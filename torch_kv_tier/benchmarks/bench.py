@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torch_kv_tier.benchmarks import report, report_plot, report_verify
+from torch_kv_tier.benchmarks import report, report_plot, report_summary, report_verify
 from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
 from torch_kv_tier.benchmarks.options import (
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     bench.env["loadavg_end"] = os.getloadavg()
     bench.env["seconds"] = round(time.monotonic() - started, 1)
     rows = bench.rows + report.ratio_rows(bench.rows) + _placement_rows()
-    print(report.render(rows))
+    print(report_summary.render(rows))
     verify = report_verify.verify_table(rows)
     if verify:
         print(
