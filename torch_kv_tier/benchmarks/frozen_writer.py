@@ -31,7 +31,8 @@ What must hold (``Outcome.problems`` otherwise):
 
 Legitimate outcomes besides success: B refused (``no free slots``) or its stores failing with
 ``capacity`` while A may still write, and loads reported ``missing``; they are reported as
-figures. Every child process is killed on every exit path.
+figures. Every child process is killed on every exit path. B's part (connect, store, load back,
+recover) is ``frozen_writer_b``.
 """
 
 from __future__ import annotations
@@ -44,37 +45,34 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from torch_kv_tier.benchmarks.frozen_writer_b import (
+    B_FILL,
+    HELD_FIGURE,
+    check_loads,
+    fill_while_frozen,
+    recover,
+)
 from torch_kv_tier.benchmarks.reliability_common import (
     TCP_ENV,
     LineReader,
     Outcome,
     all_stopped,
     kill_process,
-    server_stats,
     stop_process,
     ucx_over_tcp,
     wait_until,
 )
-from torch_kv_tier.keys import Key
-from torch_kv_tier.manager import TierManager, TransferResult
-from torch_kv_tier.remote import HandshakeRejected, ServerProcess
-from torch_kv_tier.results import CAPACITY
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
 
 logger = logging.getLogger(__name__)
 
-RESULT_TIMEOUT_S = 30.0  # one store/load future of B's
 CHILD_START_S = 120.0  # A imports torch and NIXL, connects and stores its warm-up key
 POST_S = 10.0  # A posts its stores and stops itself, while the host is stopped
 SETTLE_S = 60.0  # A's report after SIGCONT (its futures take up to 30 s, its transport 15 s)
-B_FILL, RECOVERY_FILL, A_FILL = 0xBB, 0xCC, 0xAA
 
 
 @dataclass(frozen=True)
@@ -108,13 +106,6 @@ class Setup:
         return args + (["--private"] if self.private else [])
 
 
-def block_of(number: int, fill: int, block_len: int) -> np.ndarray:
-    """The block stored under key ``number``: ``fill`` bytes, the number in the first 8."""
-    row = np.full(block_len, fill, dtype=np.uint8)
-    row[:8] = np.frombuffer(number.to_bytes(8, "little"), dtype=np.uint8)
-    return row
-
-
 def frozen_writer(setup: Setup) -> Outcome:
     """Run the scenario (module docstring); a setup that missed the race is run again, up to
     ``setup.attempts`` times, and the last attempt's outcome is returned."""
@@ -142,7 +133,6 @@ def frozen_writer(setup: Setup) -> Outcome:
     return out
 
 
-HELD_FIGURE = "slots the host held for frozen A"
 # The figures that say a setup hit the race under test (retried otherwise).
 RACE_FIGURES = ("A's stores in flight at the freeze", HELD_FIGURE)
 
@@ -180,14 +170,14 @@ def _trial(setup: Setup, out: Outcome) -> None:
                 grant_batch=setup.num_blocks // 8,
             )
             with tier:
-                stored = _fill_while_frozen(tier, host.address, setup, frozen_at, out)
+                stored = fill_while_frozen(tier, host.address, setup, frozen_at, out)
                 time.sleep(max(0.0, frozen_at + setup.freeze_s - time.monotonic()))
                 os.kill(writer.pid, signal.SIGCONT)
                 settled = _event(lines, "settled", SETTLE_S, out)
                 if settled is not None:
                     _record_settled(settled, out)
-                _check_loads(tier, stored, B_FILL, setup.block_len, out, "after A resumed")
-                _recover(tier, host.address, setup, out)
+                check_loads(tier, stored, B_FILL, setup.block_len, out, "after A resumed")
+                recover(tier, host.address, setup, out)
             assert writer.stdin is not None
             writer.stdin.write("exit\n")
             writer.stdin.flush()
@@ -260,169 +250,4 @@ def _record_settled(settled: dict[str, Any], out: Outcome) -> None:
     out.info("A's writes in flight when it settled", settled["inflight"])
 
 
-def _settle(future: Future[TransferResult], what: str, out: Outcome) -> TransferResult | None:
-    """The future's result within ``RESULT_TIMEOUT_S``; a hang is a problem (``None``)."""
-    try:
-        return future.result(timeout=RESULT_TIMEOUT_S)
-    except FutureTimeout:
-        out.problem(f"{what}: a future did not settle within {RESULT_TIMEOUT_S:.0f} s")
-        return None
-
-
-def _connect(tier: TierManager, address: str, setup: Setup, deadline: float) -> tuple[str, int]:
-    """Connect ``tier`` as A did (private: every slot) retrying ``no free slots`` until
-    ``deadline``; returns (peer id, refusals). Raises ``HandshakeRejected`` for another
-    reason or at the deadline."""
-    refused = 0
-    while True:
-        try:
-            if setup.private:
-                return tier.connect(address, private=True, slots=setup.num_blocks), refused
-            return tier.connect(address), refused
-        except HandshakeRejected as exc:
-            if exc.reason != "no free slots" or time.monotonic() >= deadline:
-                raise
-            refused += 1
-            time.sleep(0.05)
-
-
-def _store_all(
-    tier: TierManager,
-    numbers: list[int],
-    prefix: str,
-    fill: int,
-    deadline: float,
-    out: Outcome,
-) -> tuple[dict[Key, int], Counter[str]]:
-    """Store key ``f"{prefix}{n}"`` for each of ``numbers`` from local block ``i`` (written
-    with ``block_of``), retrying failed keys until ``deadline``; (stored key -> number, every
-    failure reason seen)."""
-    arena = tier.arena.tensor.numpy()
-    for i, n in enumerate(numbers):
-        arena[i] = block_of(n, fill, tier.arena.block_len)
-    todo: dict[Key, tuple[int, int]] = {f"{prefix}{n}": (i, n) for i, n in enumerate(numbers)}
-    stored: dict[Key, int] = {}
-    failures: Counter[str] = Counter()
-    while todo and time.monotonic() < deadline:
-        keys = list(todo)
-        for start in range(0, len(keys), 64):
-            chunk = keys[start : start + 64]
-            result = _settle(tier.store(chunk, [todo[k][0] for k in chunk]), "store", out)
-            if result is None:
-                return stored, failures
-            failures.update(result.failed.values())
-            for key in result.keys:
-                stored[key] = todo.pop(key)[1]
-        if todo:
-            time.sleep(0.1)
-    return stored, failures
-
-
-def _fill_while_frozen(
-    tier: TierManager, address: str, setup: Setup, frozen_at: float, out: Outcome
-) -> dict[Key, int]:
-    """B's part while A is frozen: connect, store ``b_keys`` keys; the keys stored."""
-    deadline = frozen_at + setup.freeze_s - 0.5
-    stored: dict[Key, int] = {}
-    try:
-        _, refused = _connect(tier, address, setup, deadline)
-    except HandshakeRejected as exc:
-        out.info(f"B refused for the whole freeze ({exc.reason})", 1)
-    else:
-        out.info("B's handshakes refused while A was frozen", refused)
-        numbers = list(range(setup.b_keys))
-        stored, failures = _store_all(tier, numbers, "b-", B_FILL, deadline, out)
-        out.info("B's keys stored while A was frozen", len(stored))
-        for reason, count in sorted(failures.items()):
-            out.info(f"B's store failures while A was frozen: {reason}", count)
-        out.info("B's stores refused for capacity while A was frozen", failures[CAPACITY])
-    out.at_least(HELD_FIGURE, _held_for_frozen_a(address, setup, deadline), 1)
-    return stored
-
-
-def _held_for_frozen_a(address: str, setup: Setup, deadline: float) -> int:
-    """The slots the host holds for A's ended session (its ``held_blocks``), once it ended it
-    (by ``deadline``): A's lease reclaimed, or its grants held; 0 if it never did."""
-    stats: dict[str, Any] = {}
-
-    def ended() -> bool:
-        stats.update(server_stats(address, setup.block_len))
-        return int(stats["held_sessions"]) >= 1
-
-    if not wait_until(ended, max(0.0, deadline - time.monotonic()), interval_s=0.05):
-        return 0
-    return int(stats["held_blocks"])
-
-
-def _check_loads(
-    tier: TierManager, stored: dict[Key, int], fill: int, block_len: int, out: Outcome, when: str
-) -> tuple[int, int]:
-    """Load every stored key; a block loaded ``ok`` whose bytes differ from its key's is a
-    problem. Returns (verified, not loaded)."""
-    arena = tier.arena.tensor.numpy()
-    keys = list(stored)
-    verified = wrong = with_a = 0
-    reasons: Counter[str] = Counter()
-    for start in range(0, len(keys), 64):
-        chunk = keys[start : start + 64]
-        arena[: len(chunk)] = 0  # a load that writes nothing cannot pass for a good one
-        result = _settle(tier.load(chunk, range(len(chunk))), f"load {when}", out)
-        if result is None:
-            return verified, len(keys) - verified
-        reasons.update(result.failed.values())
-        loaded = set(result.keys)
-        for i, key in enumerate(chunk):
-            if key not in loaded:
-                continue
-            if np.array_equal(arena[i], block_of(stored[key], fill, block_len)):
-                verified += 1
-            else:
-                wrong += 1
-                with_a += bool((arena[i] == A_FILL).all())
-    out.equals(f"wrong blocks loaded ok {when}", wrong, 0)
-    if wrong:
-        out.problem(f"{wrong} of {len(keys)} blocks loaded ok {when} were wrong ({with_a} A's)")
-    out.info(f"blocks verified {when}", verified)
-    for reason, count in sorted(reasons.items()):
-        out.info(f"loads failed {when}: {reason}", count)
-    return verified, len(keys) - verified
-
-
-def _recover(tier: TierManager, address: str, setup: Setup, out: Outcome) -> None:
-    """After A settled: within ``recover_s``, B gets the whole pool back (private: a lease of
-    every slot) and round-trips fresh keys through it, every one byte-correct."""
-    started = time.monotonic()
-    deadline = started + setup.recover_s
-    want = setup.num_blocks if setup.private else setup.num_blocks // 2
-    attempt = 0
-    refused: HandshakeRejected | None = None
-    while time.monotonic() < deadline:
-        attempt += 1
-        for peer in tier.peers():
-            tier.disconnect(peer)
-        try:
-            peer, _ = _connect(tier, address, setup, deadline)
-        except HandshakeRejected as exc:  # A's release of its held slots may still be on its way
-            refused = exc
-            time.sleep(0.1)
-            continue
-        refused = None
-        if setup.private and tier.stats().peers[peer].capacity < want:
-            time.sleep(0.1)
-            continue
-        numbers = [1_000_000 * attempt + n for n in range(want)]
-        stored, _ = _store_all(tier, numbers, f"r{attempt}-", RECOVERY_FILL, deadline, out)
-        if len(stored) == want:
-            when = f"in recovery attempt {attempt}"
-            _, missed = _check_loads(tier, stored, RECOVERY_FILL, setup.block_len, out, when)
-            if not missed:
-                took = round(time.monotonic() - started, 2)
-                out.at_most("seconds until B used the whole pool again", took, setup.recover_s, "s")
-                return
-    if refused is not None:
-        out.problem(f"after A settled, B stayed refused for {setup.recover_s:.0f} s: {refused}")
-        return
-    out.problem(f"after A settled, B could not use the whole pool within {setup.recover_s:.0f} s")
-
-
-__all__ = ["Setup", "block_of", "frozen_writer"]
+__all__ = ["HELD_FIGURE", "Setup", "frozen_writer"]

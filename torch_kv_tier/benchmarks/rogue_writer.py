@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.frozen_writer import block_of
+from torch_kv_tier.benchmarks.frozen_writer_b import block_of
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
