@@ -312,3 +312,29 @@ def test_engine_ttft_alternates_which_condition_runs_first(
     for k in range(4):  # every sample comes after a reset of the tiers it must not hit
         for condition, connector in (("remote", True), ("recompute", True), ("cpu_tier", False)):
             assert log[int(at[(k, condition)]) - 2] == ("reset", connector)
+
+
+def test_call_cost_alternates_which_system_bursts_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Odd rounds time the bare NIXL burst before the tier's, so neither always runs right
+    after the other warmed the caches and the host."""
+    from torch_kv_tier.benchmarks import call_cost
+
+    order: list[tuple[str, str]] = []
+    tier_burst, raw_burst = call_cost._tier_burst, call_cost._raw_burst
+
+    def tier(t: Any, op: str, keys: list[list[Any]], local: list[int]) -> float:
+        order.append(("tier", op))
+        return tier_burst(t, op, keys, local)
+
+    def raw(r: Any, op: str, local: list[int], remotes: list[list[int]]) -> float:
+        order.append(("raw", op))
+        return raw_burst(r, op, local, remotes)
+
+    monkeypatch.setattr(call_cost, "_tier_burst", tier)
+    monkeypatch.setattr(call_cost, "_raw_burst", raw)
+    assert call_cost.main(["--calls", "4", "--rounds", "2", "--batch", "2"]) == 0
+    reads = [name for name, op in order if op == "read"]
+    assert reads == ["tier", "raw", "raw", "tier", "tier", "raw"]  # rounds 0 (warm-up), 1, 2
+    assert "tier/raw median" in capsys.readouterr().out

@@ -1,8 +1,9 @@
 """What one ``store``/``load`` call costs on top of a bare NIXL loop, and what placement costs.
 
 ``python -m torch_kv_tier.benchmarks.call_cost`` starts one loopback ``torch-kv-tier serve``,
-then alternates, round after round, a burst of synchronous tier calls (``store(...).result()``
-of fresh keys, or ``load(...).result()`` of stored ones) with the same burst of bare NIXL calls
+then alternates, round after round (tier first in even rounds, bare NIXL first in odd ones), a
+burst of synchronous tier calls (``store(...).result()`` of fresh keys, or
+``load(...).result()`` of stored ones) with the same burst of bare NIXL calls
 (``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE) over as many remote
 blocks (one fresh run per call, as the tier walks its lease), Python lists for both.
 It prints, per op, the median over rounds of µs per call for each and the difference, per call
@@ -108,15 +109,17 @@ def main(argv: list[str] | None = None) -> int:
                         ]
                     else:
                         keys = stored
-                    if profiler is not None and rnd:
-                        profiler.enable()
-                    t_tier = _tier_burst(tier, op, keys, local)
-                    if profiler is not None:
-                        profiler.disable()
-                    t_raw = _raw_burst(raw, op, local, remotes)
-                    if rnd:  # round 0 warms both up
-                        rows["tier"].append(t_tier / args.calls * 1e6)
-                        rows["raw"].append(t_raw / args.calls * 1e6)
+                    for name in ("tier", "raw") if rnd % 2 == 0 else ("raw", "tier"):
+                        if name == "raw":
+                            seconds = _raw_burst(raw, op, local, remotes)
+                        else:
+                            if profiler is not None and rnd:
+                                profiler.enable()
+                            seconds = _tier_burst(tier, op, keys, local)
+                            if profiler is not None:
+                                profiler.disable()
+                        if rnd:  # round 0 warms both up
+                            rows[name].append(seconds / args.calls * 1e6)
         finally:
             tier.close()
             raw.close()
