@@ -338,3 +338,22 @@ def test_call_cost_alternates_which_system_bursts_first(
     reads = [name for name, op in order if op == "read"]
     assert reads == ["tier", "raw", "raw", "tier", "tier", "raw"]  # rounds 0 (warm-up), 1, 2
     assert "tier/raw median" in capsys.readouterr().out
+
+
+def test_passive_progress_alternates_the_initiator_it_times_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write rates with and without the initiator's progress thread swap places every
+    round, so neither always runs on the target the other just woke."""
+    from torch_kv_tier.benchmarks import passive_progress
+
+    order: list[bool] = []
+
+    def rate(metadata: bytes, base_addr: int, passive: bool, seconds: float = 1.0) -> float:
+        order.append(passive)
+        return 1.0
+
+    monkeypatch.setattr(passive_progress, "_write_rate", rate)
+    row = passive_progress.measure(None, 0, idle_s=0.05, tries=3, gap_s=0.001)
+    assert order == [True, False, False, True, True, False]
+    assert row["initiator_writes_per_s_with_thread"] == 1.0

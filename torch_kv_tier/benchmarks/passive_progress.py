@@ -11,7 +11,8 @@ host) and per progress-thread delay (ours, ``nixl_agent.PROGRESS_DELAY_US``, and
   client) writes one block to the idle target and polls until done; ``--tries`` tries,
   ``--gap-ms`` apart so the target falls back asleep;
 - what the thread costs an initiator: back-to-back 64-block writes (each polled to done) per
-  second, initiator built with and without ``passive_progress`` (3 interleaved rounds each).
+  second, initiator built with and without ``passive_progress`` (3 interleaved rounds each,
+  which goes first swapping every round).
 
 Run: ``python -m torch_kv_tier.benchmarks.passive_progress [--json out.json]``.
 """
@@ -78,8 +79,8 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
             time.sleep(gap_s)
             latencies.append(_write_once(t, i % NUM_BLOCKS))
         rates: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(3):
-            for passive in (True, False):
+        for r in range(3):
+            for passive in (True, False) if r % 2 == 0 else (False, True):
                 rates[passive].append(_write_rate(metadata, base_addr, passive))
         conn.send(None)
     finally:
