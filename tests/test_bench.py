@@ -357,3 +357,32 @@ def test_passive_progress_alternates_the_initiator_it_times_first(
     row = passive_progress.measure(None, 0, idle_s=0.05, tries=3, gap_s=0.001)
     assert order == [True, False, False, True, True, False]
     assert row["initiator_writes_per_s_with_thread"] == 1.0
+
+
+def test_vllm_cpu_copy_alternates_its_copies_and_pairs_each_jobs_ratio(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every other job runs memcpy first and the worker's store last; each job's worker/memcpy
+    ratio is kept, its median and min..max reported beside the ratio of medians."""
+    pytest.importorskip("vllm")
+    import ctypes
+
+    from torch_kv_tier.benchmarks import vllm_cpu_copy
+    from torch_kv_tier.integrations.vllm.cpu_worker import CPUKVCopyWorker
+
+    order: list[str] = []
+    for name in ("submit_store", "submit_load"):
+        real = getattr(CPUKVCopyWorker, name)
+
+        def spy(self: Any, *args: Any, _real: Any = real, _name: str = name) -> Any:
+            order.append(_name[len("submit_") :])
+            return _real(self, *args)
+
+        monkeypatch.setattr(CPUKVCopyWorker, name, spy)
+    memmove = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda *a: (order.append("memcpy"), memmove(*a))[1])
+    result = vllm_cpu_copy._bench_shape(2, 16384, 4, 3)
+    assert order[:6] == ["store", "load", "memcpy", "memcpy", "load", "store"]
+    for op in ("store", "load"):
+        per_job = result[f"{op}_over_memcpy_per_job"]
+        assert 0 < per_job["min"] <= per_job["median"] <= per_job["max"]

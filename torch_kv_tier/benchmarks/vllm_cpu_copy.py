@@ -6,8 +6,9 @@ own ``SharedOffloadRegion``, in both directions, for two shapes: the tiny test L
 16 KiB pages) and a Llama-3-8B-like cache (32 layers, 8 KV heads x 128, bf16, 32-token blocks:
 128 KiB pages). The reference is one ``memcpy`` (``ctypes.memmove`` between two contiguous
 buffers) of the same total bytes. Block ids are scattered (a random permutation), as a real
-cache's are. Samples are interleaved (worker store, worker load, memcpy) and repeated; the table
-gives the median GB/s, the min..max, and the worker/memcpy ratio of medians. The worker moves
+cache's are. Samples are interleaved (worker store, worker load, memcpy; the reverse order every
+other job) and repeated; the table gives the median GB/s, the min..max, the worker/memcpy ratio
+of medians, and the median (min..max) of each job's ratio, its copies paired. The worker moves
 each byte twice (a gather into a temporary, then a scatter), so about 0.5 is its ceiling. Needs
 vLLM (0.32 or 0.33). Single thread.
 """
@@ -20,12 +21,14 @@ import json
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 SHAPES = {"tiny-llama": (2, 16384), "llama3-8b": (32, 131072)}  # layers, page bytes
+COPIES = ("store", "load", "memcpy")
 
 
 def _bench_shape(layers: int, page: int, blocks: int, repeats: int) -> dict[str, Any]:
@@ -66,25 +69,20 @@ def _bench_shape(layers: int, page: int, blocks: int, repeats: int) -> dict[str,
     gen = torch.Generator().manual_seed(0)
     engine_ids = torch.randperm(num_blocks, generator=gen)[:blocks].tolist()
     chunk_ids = torch.randperm(num_blocks, generator=gen)[:blocks].tolist()
-    samples: dict[str, list[float]] = {"store": [], "load": [], "memcpy": []}
+    engine, chunks = GPULoadStoreSpec(engine_ids, [blocks], [0]), CPULoadStoreSpec(chunk_ids)
+    copies: dict[str, Callable[[int], object]] = {
+        "store": lambda job: worker.submit_store(2 * job, engine, chunks),
+        "load": lambda job: worker.submit_load(2 * job + 1, chunks, engine),
+        "memcpy": lambda job: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in COPIES}
     try:
         for job in range(repeats + 1):  # the first round warms pages and caches up
             times = {}
-            t = time.perf_counter()
-            worker.submit_store(
-                2 * job, GPULoadStoreSpec(engine_ids, [blocks], [0]), CPULoadStoreSpec(chunk_ids)
-            )
-            times["store"] = time.perf_counter() - t
-            t = time.perf_counter()
-            worker.submit_load(
-                2 * job + 1,
-                CPULoadStoreSpec(chunk_ids),
-                GPULoadStoreSpec(engine_ids, [blocks], [0]),
-            )
-            times["load"] = time.perf_counter() - t
-            t = time.perf_counter()
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-            times["memcpy"] = time.perf_counter() - t
+            for name in COPIES if job % 2 == 0 else COPIES[::-1]:
+                t = time.perf_counter()
+                copies[name](job)
+                times[name] = time.perf_counter() - t
             worker.get_finished()
             if job:
                 for name, seconds in times.items():
@@ -103,6 +101,12 @@ def _bench_shape(layers: int, page: int, blocks: int, repeats: int) -> dict[str,
         result[f"{name}_over_memcpy"] = (
             result[name]["median_gbps"] / result["memcpy"]["median_gbps"]
         )
+        ratios = [a / b for a, b in zip(samples[name], samples["memcpy"], strict=True)]
+        result[f"{name}_over_memcpy_per_job"] = {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+        }
     return result
 
 
@@ -122,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("store", "load", "memcpy")
         ]
         print(f"{name:>11} {r['job_bytes'] / 2**20:8.1f} " + " ".join(f"{c:>16}" for c in cells))
+        jobs = [r[f"{op}_over_memcpy_per_job"] for op in ("store", "load")]
         print(
             f"{'':>11} worker/memcpy: store {r['store_over_memcpy']:.2f}, "
-            f"load {r['load_over_memcpy']:.2f}"
+            f"load {r['load_over_memcpy']:.2f}; per job, median (min-max): store "
+            + ", load ".join(f"{j['median']:.2f} ({j['min']:.2f}-{j['max']:.2f})" for j in jobs)
         )
     if args.out:
         meta = {"blocks": args.blocks, "repeats": args.repeats, "threads": torch.get_num_threads()}
