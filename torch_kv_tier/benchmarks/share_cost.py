@@ -12,7 +12,8 @@ over a ``SharedCache``, ``protocol`` frames, ``BlockIndex.apply_host_changes``),
 state: ``--tiers`` sessions of one namespace each take a grant of ``--keys-per-commit`` slots
 (the pool full, so each slot evicts a key) and commit as many fresh 16-byte keys; then the host
 takes its events, encoded once. The events are then replayed, in order, into a follower's copy
-of the index (a dict, and the compact table of ``slot_maps``). Figures are thread CPU time per
+of the index (a dict, and the compact table of ``slot_maps``), round by round, the two copies in
+alternating order. Figures are thread CPU time per
 key (``us_per_key``: per key stored for ``commit`` and ``grant``; per key announced, stored or
 evicted, for ``events`` and the followers), median over ``--rounds`` with IQR and min..max:
 robust to other processes on the machine, unlike throughput.
@@ -127,24 +128,30 @@ def _host_rounds(
     return per_key, announced_all / max(stored_all, 1), frames[:warmup], frames[warmup:]
 
 
-def _follower_rounds(compact: bool, pool: int, warm: Frames, timed: Frames) -> list[float]:
-    """A follower's µs per key announced: decode each frame and apply it, per round."""
-    index = BlockIndex(compact=compact)
-    peer = index.add_shared_peer("host", pool)
+def _follower_rounds(pool: int, warm: Frames, timed: Frames) -> dict[str, list[float]]:
+    """Each follower's µs per key announced (a dict copy and a compact one): decode each frame
+    and apply it, per round, the two in alternating order round by round."""
+    indexes = {f: BlockIndex(compact=f == "compact") for f in FOLLOWERS}
+    peers = {f: index.add_shared_peer("host", pool) for f, index in indexes.items()}
 
-    def apply(frame: bytes) -> int:
+    def apply(follower: str, frame: bytes) -> int:
         e = p.decode_server(frame)
-        index.apply_host_changes(peer, e.stored, e.slots, e.digests, e.evicted, False)  # type: ignore[union-attr]
-        return len(e.stored) + len(e.evicted)  # type: ignore[union-attr]
+        assert isinstance(e, p.Events)
+        indexes[follower].apply_host_changes(
+            peers[follower], e.stored, e.slots, e.digests, e.evicted, False
+        )
+        return len(e.stored) + len(e.evicted)
 
     for frames in warm:
-        for frame in frames:
-            apply(frame)
-    out = []
-    for frames in timed:
-        t0 = time.thread_time()
-        announced = sum(apply(frame) for frame in frames)
-        out.append((time.thread_time() - t0) / max(announced, 1) * 1e6)
+        for follower in FOLLOWERS:
+            for frame in frames:
+                apply(follower, frame)
+    out: dict[str, list[float]] = {f: [] for f in FOLLOWERS}
+    for r, frames in enumerate(timed):
+        for follower in FOLLOWERS if r % 2 == 0 else FOLLOWERS[::-1]:
+            t0 = time.thread_time()
+            announced = sum(apply(follower, frame) for frame in frames)
+            out[follower].append((time.thread_time() - t0) / max(announced, 1) * 1e6)
     return out
 
 
@@ -157,8 +164,7 @@ def measure(cfg: dict[str, Any]) -> list[dict[str, Any]]:
         host, announced, warm, timed = _host_rounds(
             tiers, per_commit, pool, cfg["rounds"], cfg["steps"]
         )
-        cells = {**host, **{f: _follower_rounds(f == "compact", pool, warm, timed)
-                            for f in FOLLOWERS}}  # fmt: skip
+        cells = {**host, **_follower_rounds(pool, warm, timed)}
         us = {name: _spread(values) for name, values in cells.items()}
         host_us = sum(us[c]["median"] for c in ("commit", "grant"))
         host_us += us["events"]["median"] * announced
