@@ -5,10 +5,11 @@
    at most ``MAX_SPILLS_IN_FLIGHT`` in flight) against a raw sequential loop of ``os.pwritev`` /
    ``os.preadv`` of one block per call on an O_DIRECT file in the same directory, over the same
    bytes, and the same loop with 8 MiB per call (the ratio is taken to the better of the two
-   in each round). Rounds alternate the order; each figure is the median over rounds, with the
-   median and min..max of the per-round ratio ours / raw. Both sides use
-   O_DIRECT when the file system allows it (else both are buffered, and reads may come from the
-   page cache: the output says which).
+   in each round). A first round of every side warms them up (NIXL's POSIX backend, the files'
+   first writes) and is not recorded; the timed rounds alternate the order; each figure is the
+   median over rounds, with the median and min..max of the per-round ratio ours / raw. Both
+   sides use O_DIRECT when the file system allows it (else both are buffered, and reads may
+   come from the page cache: the output says which).
 2. **Capacity** (``disk_capacity.capacity``): hit rate over a working set 10x the DRAM pool,
    a host without a disk against one with ``--disk``.
 3. **Restart** (``disk_capacity.restart``): time to ``ready`` on the filled disk, and keys kept
@@ -119,16 +120,17 @@ def throughput(directory: Path, block_len: int, total: int, rounds: int) -> dict
     cells: dict[str, list[float]] = {f"{s}_{k}": [] for s in sides for k in ("w", "r")}
     try:
         store.recover()
-        for rnd in range(rounds):
+        for rnd in range(-1, rounds):  # round -1 warms every path up and is not recorded
             order = sides if rnd % 2 == 0 else sides[::-1]
             for kind in ("write", "read"):
                 for side in order:
                     if side == "ours":
-                        seconds = _ours(store, kind, blocks, rnd)
+                        seconds = _ours(store, kind, blocks, rnd + 1)
                     else:
                         chunk = block_len if side == "raw" else max(block_len, LARGE_CALL)
                         seconds = _raw(fd, pool, kind, chunk)
-                    cells[f"{side}_{kind[0]}"].append(blocks * block_len / seconds / 1e9)
+                    if rnd >= 0:
+                        cells[f"{side}_{kind[0]}"].append(blocks * block_len / seconds / 1e9)
         stats = store.stats()
     finally:
         os.close(fd)
