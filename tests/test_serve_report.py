@@ -107,3 +107,46 @@ def test_the_report_pairs_each_round_of_the_tier_with_the_same_round_recomputed(
     assert f"| {row['tier_p99_ms']:.0f} / {row['recompute_p99_ms']:.0f} (0.33-2.00) |" in table(
         [row]
     )
+
+
+def test_tier_and_recompute_go_first_equally_often_in_every_level(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each level's two rounds run B (tier) before C (recompute) once and after it once, so
+    the speedup B/C is not the order's: three replicas rotated one step a round put B first in
+    both rounds of every third level."""
+    import argparse
+
+    from torch_kv_tier.benchmarks import serve_bench
+
+    class Fake:
+        shutdown_s = 0.0
+
+        def __init__(self, log: Path) -> None:
+            self.role = log.stem
+
+        def stop(self) -> None:
+            pass
+
+        def log_counts(self) -> dict[str, int]:
+            return {}
+
+    ran: list[tuple[int, str]] = []
+
+    def run(args: Any, model: str, replica: Fake, concurrency: int, seed: int, p: Any) -> dict:
+        ran.append((seed, replica.role))
+        return {}
+
+    monkeypatch.setattr(Replica, "start_many", lambda model, specs: [Fake(s[0]) for s in specs])
+    monkeypatch.setattr(serve_bench, "_run", run)
+    monkeypatch.setattr(serve_bench, "_settle", lambda replica: None)
+    args = argparse.Namespace(seed=0, concurrency=[1, 4, 16], repeats=2)
+    kv = {"kv_connector_extra_config": {}}
+    serve_bench._run_replicas(args, "model", kv, tmp_path / "logs", tmp_path / "prompts")
+    seeds = sorted({seed for seed, _ in ran})
+    assert len(seeds) == 7  # the warm-up set and 3 levels x 2 rounds
+    tier_first = [
+        [role for s, role in ran if s == seed and role in ("tier", "recompute")][0] == "tier"
+        for seed in seeds[1:]
+    ]
+    assert [tier_first[i] + tier_first[i + 1] for i in range(0, 6, 2)] == [1, 1, 1]

@@ -22,10 +22,12 @@ no replica's own prefix cache serves one. (Not vLLM's random dataset: its prompt
 consecutive token ids from a random start, so the tiny model's 1024-token vocabulary allows 1024
 of them, and a full run repeated earlier rounds' prompts, most in its last level; README,
 "Prompt sets that do not repeat".)
-B, C and D take each round in turn, rotating which goes first. Before the rounds, each fresh
-replica serves one warm-up set (its first requests: the first transfers, the first forward
-passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand`` driven in this
-process, with ``--ready-check-timeout-sec 0`` (its test request would warm B's prefix cache).
+B, C and D take each round in turn, a round's order reversed in the next (``_turns``), so each
+goes first as often as the others and B before C in one of each level's two rounds. Before the
+rounds, each fresh replica serves one warm-up set (its first requests: the first transfers,
+the first forward passes), reported apart. The client is vLLM's ``BenchmarkServingSubcommand``
+driven in this process, with ``--ready-check-timeout-sec 0`` (its test request would warm B's
+prefix cache).
 Per round it records every request's TTFT, the request throughput and, from the replica's
 ``/metrics``, the remote tier's chunk hits, chunks read (promotion bytes / chunk bytes),
 promotion allocation failures, refused and lost promotions and prompt tokens served by the
@@ -185,8 +187,8 @@ def _run_replicas(
 ) -> dict[str, Any]:
     """A warms the pool with every prompt set and stops; then B (served from the pool), C
     (recompute) and D (CPU offloading only), fresh processes started together, each serve one
-    warm-up set (its first requests, reported apart) and then every level's rounds, rotating
-    which goes first, so all see the same machine load."""
+    warm-up set (its first requests, reported apart) and then every level's rounds in turns
+    (``_turns``), so all see the same machine load."""
     logs.mkdir(parents=True, exist_ok=True)
     rounds = [(c, args.seed + 1 + n) for n, c in enumerate(_schedule(args))]
     warmup = (1, args.seed)  # concurrency, seed
@@ -207,8 +209,8 @@ def _run_replicas(
         for replica in served:
             stack.callback(replica.stop)
         order = list(zip(ROLES[1:], served))
-        for n, (concurrency, seed) in enumerate([warmup, *rounds]):
-            for role, replica in order[n % 3 :] + order[: n % 3]:
+        for n, (concurrency, seed) in enumerate([warmup, *rounds], start=-1):
+            for role, replica in _turns(order, n):
                 runs[role].append(_run(args, model, replica, concurrency, seed, prompts))
     replicas = {"warm": warm, **dict(zip(ROLES[1:], served))}
     return {
@@ -220,6 +222,16 @@ def _run_replicas(
         }
         for role, r in replicas.items()
     }
+
+
+def _turns(replicas: list[Any], n: int) -> list[Any]:
+    """The order ``replicas`` serve round ``n`` in (-1: the warm-up set): each pair of rounds
+    ``2k, 2k + 1`` runs one order and then its reverse, and the order turns one step every pair,
+    so any two replicas go first equally often in each pair (the rounds of one level, at an
+    even ``--repeats``) and each replica takes each place twice in ``2 * len(replicas)``."""
+    step = n // 2 % len(replicas)
+    order = replicas[step:] + replicas[:step]
+    return order[::-1] if n % 2 else order
 
 
 def _schedule(args: argparse.Namespace) -> list[int]:
