@@ -150,3 +150,39 @@ def test_tier_and_recompute_go_first_equally_often_in_every_level(
         for seed in seeds[1:]
     ]
     assert [tier_first[i] + tier_first[i + 1] for i in range(0, 6, 2)] == [1, 1, 1]
+
+
+def test_the_json_load_before_is_read_before_the_replicas_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``conditions.load_before`` is the load average when the run started, not when it ended
+    (it was read after every scenario had run); ``load_after`` is the end's."""
+    import argparse
+    import contextlib
+
+    from torch_kv_tier.benchmarks import serve_bench
+    from torch_kv_tier.remote import launch
+
+    ran: list[bool] = []
+
+    @contextlib.contextmanager
+    def host(**kwargs: Any) -> Any:
+        yield argparse.Namespace(address="127.0.0.1:1")
+
+    def replicas(*args: Any) -> dict[str, Any]:
+        ran.append(True)
+        return {}
+
+    reported: list[dict[str, Any]] = []
+    monkeypatch.setattr(launch.ServerProcess, "start", host)
+    monkeypatch.setattr(serve_bench, "_run_replicas", replicas)
+    monkeypatch.setattr(serve_bench, "_report", lambda result, out, plot: reported.append(result))
+    monkeypatch.setattr(serve_bench.os, "getloadavg", lambda: (9.0,) * 3 if ran else (1.0,) * 3)
+    args = argparse.Namespace(
+        from_json=None, logs=None, model="model", input_len=64, output_len=4, num_prompts=1,
+        concurrency=[1], repeats=1, cpu_mib=["8"], busy=[0], seed=0, out=None, plot=None,
+    )  # fmt: skip
+    serve_bench.run(args)
+    [result] = reported
+    assert result["conditions"]["load_before"] == (1.0,) * 3
+    assert result["conditions"]["load_after"] == (9.0,) * 3

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kv_tier.integrations.vllm import engine, tier_sizing
     from torch_kv_tier.remote.launch import ServerProcess
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         logs = args.logs or work
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             "concurrency": args.concurrency,
             "repeats": args.repeats,
             "machine": f"{platform.machine()}, {usable_cpus()} CPUs",
-            "load_before": os.getloadavg(),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
             "remote": "torch-kv-tier serve on loopback (same machine)",
         },
         "scenarios": scenarios,
