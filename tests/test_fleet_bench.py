@@ -81,3 +81,21 @@ def test_rounds_alternate_the_order_of_what_they_compare(
     assert set(json.loads((tmp_path / "f.json").read_text())["figures"]["call_us"]) == {
         "dict", "compact"
     }  # fmt: skip
+
+
+def test_movement_is_judged_at_the_worst_fleet_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Movement ("a host added or removed moves <= 1.2 x 1/N") must hold at every N: one size past
+    the bound misses the target, whatever the median over fleet sizes."""
+    from torch_kv_tier.benchmarks import fleet_figures
+
+    moved = {4: [1.0, 1.0], 16: [1.5, 1.0], 100: [1.0, 1.0]}
+    monkeypatch.setattr(fleet_figures, "moved_over_1_n", lambda hosts, n_keys: moved[hosts])
+    out = tmp_path / "fleet.json"
+    argv = ["fleet-bench", "--keys", "2000", "--followers", "1", "--hosts", "4,16,100",
+            "--rounds", "1", "--batches", "1", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    target = json.loads(out.read_text())["targets"]["moved_over_1_n"]
+    assert not target["met"] and target["value"] == 1.5
+    assert "MISSED a host added or removed moves" in capsys.readouterr().out

@@ -31,7 +31,8 @@ the compact copy (``slot_maps.CompactSlots``), the one a tier uses past 2**20 sl
 Each measurement is a function of ``fleet_figures``; this module runs them and reports. Each
 figure is the median over ``--rounds`` rounds with its min..max; what a round compares (the
 fan-out's follower counts, the dict and compact calls) runs in reverse order every other round.
-The targets are issue 20's; the table says met or missed. Exit status 0 (a missed target is a
+The targets are issue 20's, judged on the median, but movement on its worst fleet size (it
+must hold at every N); the table says met or missed. Exit status 0 (a missed target is a
 figure, not an error); 2 for bad arguments.
 """
 
@@ -49,11 +50,13 @@ from typing import Any
 from torch_kv_tier.benchmarks import fleet_figures
 from torch_kv_tier.benchmarks.options import list_of, positive, usable_cpus
 
-TARGETS = {  # figure -> (bound, what it means)
-    "follower_bytes_per_key": (16.0, "<= 16 B per key a follower holds"),
-    "join_s_per_million": (1.0, "join <= 1 s per million keys"),
-    "fanout_marginal_us": (0.1, "host fan-out <= 0.1 us per key per follower"),
-    "moved_over_1_n": (1.2, "a host added or removed moves <= 1.2 x 1/N of the keys"),
+# figure -> (bound, the statistic judged, what it means): the median over rounds, but movement
+# must hold at every fleet size, so its worst N is judged
+TARGETS = {
+    "follower_bytes_per_key": (16.0, "median", "<= 16 B per key a follower holds"),
+    "join_s_per_million": (1.0, "median", "join <= 1 s per million keys"),
+    "fanout_marginal_us": (0.1, "median", "host fan-out <= 0.1 us per key per follower"),
+    "moved_over_1_n": (1.2, "max", "a host added or removed moves <= 1.2 x 1/N of the keys"),
 }
 DEFAULTS: dict[str, Any] = {
     "keys": 200_000,
@@ -130,11 +133,13 @@ def run(args: argparse.Namespace) -> int:
         "targets": {
             name: {
                 "bound": bound,
+                "statistic": stat,
+                "value": figures[name][stat],
                 "median": figures[name]["median"],
-                "met": figures[name]["median"] <= bound,
+                "met": figures[name][stat] <= bound,
                 "what": what,
             }
-            for name, (bound, what) in TARGETS.items()
+            for name, (bound, stat, what) in TARGETS.items()
         },
     }
     print(_table(result))
@@ -208,5 +213,6 @@ def _table(result: dict[str, Any]) -> str:
         )
     lines.append("targets:")
     for t in result["targets"].values():
-        lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['median']:.4g}")
+        worst = " (the worst fleet size)" if t["statistic"] == "max" else ""
+        lines.append(f"  {'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['value']:.4g}{worst}")
     return "\n".join(lines)
