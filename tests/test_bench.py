@@ -407,3 +407,40 @@ def test_disk_bench_leaves_the_first_cold_pass_out_of_its_figures(
     for op in ("write", "read"):
         assert len(result[op]["ours_rounds"]) == 2
         assert result[op]["ratio_min"] == result[op]["ratio_max"] == 1.0
+
+
+def test_disk_capacity_counts_only_the_timed_requests_promotions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's ``disk_promotions`` is what its timed requests promoted, beside their hit
+    rate: the warm-up's promotions (its second pass loads every prefix) are left out."""
+    import contextlib
+
+    from torch_kv_tier.benchmarks import disk_capacity
+    from torch_kv_tier.manager import TierManager
+
+    promoted = iter(range(1000, 100000, 1000))  # the host's counter, read after each phase
+    phases: list[str] = []
+
+    @contextlib.contextmanager
+    def serve(pool_blocks: int, block_len: int, disk: Any, disk_bytes: int) -> Any:
+        yield argparse.Namespace(address="127.0.0.1:1")
+
+    def requests(tier: Any, prefixes: int, sequence: list[int], data: Any) -> dict[str, int]:
+        phases.append("warm-up" if len(sequence) == 2 * prefixes else "timed")
+        return {"hits": len(sequence), "misses": 0, "wrong": 0, "blocks_loaded": 0}
+
+    monkeypatch.setattr(disk_capacity, "_serve", serve)
+    monkeypatch.setattr(disk_capacity, "_serve_requests", requests)
+    monkeypatch.setattr(
+        disk_capacity, "server_stats", lambda address, bl: {"disk_promotions": next(promoted)}
+    )
+    monkeypatch.setattr(TierManager, "connect", lambda self, address: "peer")
+    monkeypatch.setattr(TierManager, "peers", lambda self: ["peer"])
+    monkeypatch.setattr(TierManager, "remove_peer", lambda self, peer: None)
+    monkeypatch.chdir(tmp_path)  # its work directory goes under the current one
+    result = disk_capacity.capacity(
+        pool_mib=1, disk_mib=4, block_len=64 << 10, rounds=1, requests=5, seed=0
+    )
+    assert phases == ["warm-up", "timed"] * 2
+    assert [r["disk_promotions"] for r in result["rounds"]] == [1000, 1000]
