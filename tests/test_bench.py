@@ -444,3 +444,20 @@ def test_disk_capacity_counts_only_the_timed_requests_promotions(
     )
     assert phases == ["warm-up", "timed"] * 2
     assert [r["disk_promotions"] for r in result["rounds"]] == [1000, 1000]
+
+
+def test_call_cost_adds_the_median_of_paired_differences(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the tier adds per call is the median of each round's tier - raw, the two bursts of
+    a round paired, as the ratio beside it is: not the difference of two medians taken over
+    different rounds (18 µs here, where no round's difference is above 9 but one of 28)."""
+    from torch_kv_tier.benchmarks import call_cost
+
+    # round 0 warms up; the reads first store what they read (the 1)
+    tier_us, raw_us = iter([5, 10, 20, 30, 1, 5, 10, 20, 30]), iter([5, 1, 19, 2] * 2)
+    monkeypatch.setattr(call_cost, "_tier_burst", lambda *a: next(tier_us) * 1e-6)
+    monkeypatch.setattr(call_cost, "_raw_burst", lambda *a: next(raw_us) * 1e-6)
+    assert call_cost.main(["--calls", "1", "--rounds", "3", "--batch", "2"]) == 0
+    write = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("write"))
+    assert write.split()[1:5] == ["20.0", "2.0", "9.0", "4.50"]

@@ -6,8 +6,9 @@ burst of synchronous tier calls (``store(...).result()`` of fresh keys, or
 ``load(...).result()`` of stored ones) with the same burst of bare NIXL calls
 (``make_prepped_xfer`` + ``transfer`` + ``check_xfer_state`` until DONE) over as many remote
 blocks (one fresh run per call, as the tier walks its lease), Python lists for both.
-It prints, per op, the median over rounds of µs per call for each and the difference, per call
-and per key: the tier's own cost, and the speed ratio tier/raw (raw time / tier time) of each
+It prints, per op, the median over rounds of µs per call for each and the median of each
+round's difference (tier - raw, the round's two bursts paired), per call and per key: the
+tier's own cost, and the speed ratio tier/raw (raw time / tier time) of each
 round as median [min-max], the figure the bench's targets are about. It also times key
 placement (the home peer of 4,096 keys) at 1, 2, 4 and 16 peers. Single-threaded driver; the
 tier's poller runs as in service. Use it to find where per-call time goes (``--profile``
@@ -130,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for op, rows in results.items():
         t, r = statistics.median(rows["tier"]), statistics.median(rows["raw"])
-        ratios = [raw / tier for tier, raw in zip(rows["tier"], rows["raw"])]
+        pairs = list(zip(rows["tier"], rows["raw"], strict=True))  # the two bursts of a round
+        added = statistics.median(tier - raw for tier, raw in pairs)
+        ratios = [raw / tier for tier, raw in pairs]
         spread = f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
-        print(f"{op:6} {t:13.1f} {r:12.1f} {t - r:11.1f} {(t - r) / batch:10.2f}  {spread:>26}")
+        print(f"{op:6} {t:13.1f} {r:12.1f} {added:11.1f} {added / batch:10.2f}  {spread:>26}")
     print(
         "placement us/key: "
         + ", ".join(f"{p} peers {placement_us_per_key(p):.2f}" for p in (1, 2, 4, 16))
