@@ -381,6 +381,8 @@ def test_an_index_snapshot_superseded_by_a_resync_is_ignored() -> None:
     follower = IndexFollower(
         lambda cursor, on_page, on_sent: requests.append((cursor, on_page)),
         lambda stored, slots, digests, evicted, reset, sent: changes.append((stored, reset)),
+        host="host",
+        pool=8,
     )
     follower.start()
     follower.start()  # a resync before the first snapshot's page came
@@ -408,6 +410,8 @@ def test_a_snapshot_carries_the_commits_sent_after_its_request_and_no_others() -
     follower = IndexFollower(
         lambda cursor, on_page, on_sent: requests.append((on_page, on_sent)),
         lambda stored, slots, digests, evicted, reset, sent: changes.append((stored, reset, sent)),
+        host="host",
+        pool=8,
     )
     follower.start()
     follower.on_commits([b"before"], [1], [11])  # queued before the request, sent ahead of it
@@ -745,3 +749,52 @@ def test_an_io_thread_held_past_close_is_logged_with_where_it_is(
             release.set()
         message = next(m for r in caplog.records if "did not stop" in (m := r.getMessage()))
         assert "hold_the_io_thread" in message and "release.wait(30)" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("slots", 64), ("slots", -5), ("digests", -1)],
+    ids=["slot-past-the-pool", "negative-slot", "negative-digest"],
+)
+def test_a_host_announcing_a_key_the_tier_cannot_hold_is_refused_once_not_resynced_forever(
+    field: str, value: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host (a bug, another version) announced a key in a slot outside the pool it told the
+    session of, or with a digest no ``uint64`` holds: the tier's copy failed to apply it and
+    took a new snapshot, which had it too, and so on, hundreds a second for as long as the key
+    stayed (a negative slot was even applied, as a slot counted from the pool's end). The
+    follower leaves such a key out (it misses), says so once, and stays in step."""
+    decode = p.decode_server
+
+    def misannounce(frame: bytes) -> p.ServerMessage:
+        message = decode(frame)
+        if isinstance(message, p.SnapshotPage | p.Events):
+            keys = message.keys if isinstance(message, p.SnapshotPage) else message.stored
+            values = getattr(message, field)
+            setattr(message, field, [value if k == b"bad" else v for k, v in zip(keys, values)])
+        return message
+
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="misannounced") as tier,
+    ):
+        tier.connect(server.address)
+        (host,) = tier._peers.values()
+        follower = host.session._follower
+        assert follower is not None and follower.snapshots == 1
+        monkeypatch.setattr(p, "decode_server", misannounce)
+        before = follower.event_seq
+        fill_random(tier)
+        assert tier.store([b"good", b"bad"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: follower.event_seq > before and not follower.syncing, 10.0)
+        host.session.resync()  # the snapshot has the key too
+        assert wait_for(lambda: follower.snapshots >= 2 and not follower.syncing, 10.0)
+        time.sleep(0.5)
+        assert follower.snapshots == 2 and not follower.syncing
+        assert tier.lookup([b"good"]) == 1 and tier.lookup([b"bad"]) == 0
+        tier.arena.tensor[5:7].zero_()
+        loaded = tier.load([b"good", b"bad"], [5, 6]).result(timeout=RESULT_TIMEOUT_S)
+        assert loaded.failed == {b"bad": "missing"}
+        assert torch.equal(tier.arena.tensor[5], tier.arena.tensor[0])
+        refused = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+        assert len(refused) == 2 and f"{field[:-1]} {value}" in refused[0], refused

@@ -81,7 +81,9 @@ def _follow(service: SharedService, session: Session, index: BlockIndex) -> Inde
         future.set_result(p.decode_server(p.encode(answer)))  # type: ignore[arg-type]
         done(future)
 
-    follower = IndexFollower(request_page, on_change)
+    follower = IndexFollower(
+        request_page, on_change, host="host", pool=service.cache.pool.num_blocks
+    )
     follower.start()
     assert not follower.syncing
     return follower

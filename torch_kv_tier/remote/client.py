@@ -346,7 +346,7 @@ class RemoteSession(SessionIO):
 
             self._call_async(make, on_page)
 
-        follower = IndexFollower(request_page, on_change)
+        follower = IndexFollower(request_page, on_change, host=self.peer_id, pool=self.num_blocks)
 
         def start() -> None:
             self._follower = follower

@@ -16,6 +16,11 @@ owner's to keep (``SessionIO.unsent_commits``). A stale copy only ever costs a m
 checks the bytes it read against the digest, so a slot that was rewritten meanwhile is
 reported missing, never served.
 
+A key announced where this copy cannot hold it (a slot outside the pool the host told the
+session of, other than ``ON_DISK``, or a digest that is no unsigned 64-bit one: a faulty host,
+or one of another version) is left out of the copy, so it misses, and logged once per
+announcement; a new snapshot would only bring it again.
+
 Threading: every method runs on the session's I/O thread (events, snapshot pages and heartbeat
 answers arrive there, and ``RemoteSession.follow`` starts the follower there), so the follower
 needs no lock; ``on_change`` runs on that thread too. Each snapshot is a chain of page requests
@@ -35,6 +40,8 @@ from torch_kv_tier.remote import protocol as p
 
 logger = logging.getLogger(__name__)
 
+_MAX_DIGEST = (1 << 64) - 1
+
 # Batches of this session's commits, each (keys, slots, digests)
 Commits = Sequence[tuple[Sequence[Any], Sequence[int], Sequence[int]]]
 OnChange = Callable[[list[Any], list[int], list[int], list[Any], bool, Commits], None]
@@ -45,9 +52,14 @@ RequestPage = Callable[[int, Callable[[Future[p.ServerMessage]], None], Callable
 class IndexFollower:
     """Follows one shared session's namespace (module docstring)."""
 
-    def __init__(self, request_page: RequestPage, on_change: OnChange) -> None:
+    def __init__(
+        self, request_page: RequestPage, on_change: OnChange, *, host: str, pool: int
+    ) -> None:
+        """``host`` names the host in logs; ``pool`` is its number of slots."""
         self._request_page = request_page
         self._on_change = on_change
+        self._host = host
+        self._pool = pool
         self.event_seq = 0
         self.syncing = False
         self.snapshots = 0  # snapshots completed (1 + resyncs)
@@ -83,7 +95,11 @@ class IndexFollower:
             self.start()
         else:
             self.event_seq = events.event_seq
-            self._on_change(events.stored, events.slots, events.digests, events.evicted, False, ())
+            stored, slots, digests, refused = self._holdable(
+                events.stored, events.slots, events.digests
+            )
+            evicted = [*events.evicted, *refused] if refused else events.evicted
+            self._on_change(stored, slots, digests, evicted, False, ())
 
     def check(self, host_event_seq: int) -> None:
         """A heartbeat answer: the host had pushed batches up to ``host_event_seq``. A batch
@@ -131,13 +147,55 @@ class IndexFollower:
         self.syncing = False
         self.event_seq = page.event_seq
         self.snapshots += 1
-        self._on_change(
+        stored, slots, digests, _ = self._holdable(
             list(itertools.chain.from_iterable(pg.keys for pg in pages)),
             list(itertools.chain.from_iterable(pg.slots for pg in pages)),
             list(itertools.chain.from_iterable(pg.digests for pg in pages)),
-            [],
-            True,
-            sent,
         )
+        self._on_change(stored, slots, digests, [], True, sent)
         for events in buffered:
             self.on_events(events)
+
+    def _holdable(
+        self, keys: list[Any], slots: list[int], digests: list[int]
+    ) -> tuple[list[Any], list[int], list[int], list[Any]]:
+        """The announced ``(keys, slots, digests)`` this copy can hold, and the keys it cannot
+        (module docstring), which are logged. One pass of ``min``/``max`` when all are good."""
+        n, pool = len(keys), self._pool
+        if len(slots) == n == len(digests) and (
+            not n
+            or (
+                min(slots) >= p.ON_DISK
+                and max(slots) < pool
+                and min(digests) >= 0
+                and max(digests) <= _MAX_DIGEST
+            )
+        ):
+            return keys, slots, digests, []
+        good = [
+            i
+            for i, slot, digest in zip(range(n), slots, digests)
+            if p.ON_DISK <= slot < pool and 0 <= digest <= _MAX_DIGEST
+        ]
+        kept = set(good)
+        refused = [key for i, key in enumerate(keys) if i not in kept]
+        first = next((i for i in range(n) if i not in kept), n)
+        if first >= min(len(slots), len(digests)):
+            why = f"{len(slots)} slots and {len(digests)} digests for {n} keys"
+        elif not p.ON_DISK <= slots[first] < pool:
+            why = f"key {keys[first]!r} in slot {slots[first]}, outside its pool of {pool} slots"
+        else:
+            why = f"key {keys[first]!r} with digest {digests[first]}, no unsigned 64-bit one"
+        logger.error(
+            "%s announced %d keys this tier cannot hold (%s): left out of its copy of the "
+            "host's index, so they miss; is the host faulty, or of another version?",
+            self._host,
+            len(refused),
+            why,
+        )
+        return (
+            [keys[i] for i in good],
+            [slots[i] for i in good],
+            [digests[i] for i in good],
+            refused,
+        )
