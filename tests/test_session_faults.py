@@ -17,7 +17,7 @@ from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, 
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import RemoteSession, ServerProcess
 from torch_kv_tier.remote import handshake as handshake_module
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.shared_host import SharedHost
@@ -168,3 +168,47 @@ def test_a_session_closed_from_its_own_answer_callback_still_disconnects() -> No
             assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
             stats = observer.stats()
             assert stats["held_sessions"] == 0 and stats["shared_granted_blocks"] == 0, stats
+
+
+def test_a_release_sent_over_a_join_that_failed_is_told_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``Release`` went out on a session still joining (its host froze before it sent its
+    index), and the join failed: its session ended with its disconnect unanswered, so the host
+    may never have read the ``Release``, but the tier forgot those sessions and the host held
+    their slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="failed-join") as tier,
+    ):
+        held = fake_session(server.address, private=False)
+        granted: Future[Future[p.ServerMessage]] = Future()
+        held.grant(2, granted.set_result)
+        assert isinstance(granted.result(timeout=10).result(), p.Granted)
+        held.close(clean=False)  # as if a write of it could still land: the host holds it
+        follow = RemoteSession.follow
+
+        def freeze_then_follow(session: RemoteSession, on_change: Any) -> None:
+            # (the tier's lock held, the joining host published) the host freezes before it
+            # answers the snapshot; what the session sends from now on stays queued
+            stop_process(server.proc.pid)
+            for i in range(40):
+                session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            tier._ended.give_back(server.address, [held.session_id])
+            tier._send_releases(server.address)  # over the joining session
+            follow(session, on_change)
+
+        monkeypatch.setattr(RemoteSession, "follow", freeze_then_follow)
+        try:
+            with pytest.raises(TimeoutError):
+                tier.connect(server.address, timeout_s=1.0)
+            time.sleep(1.5)  # past the closed socket's linger: its queued frames are dropped
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
+        tier.connect(server.address)
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

@@ -359,9 +359,8 @@ class ConnectedHosts(SessionReleases):
         """End a dropped peer's session (unlocked); dial the host again if it was lost rather
         than removed. The ended sessions it released the host may not have read (its
         connection reset, say) are released again, with the redial."""
-        end_session(session, clean, [])
+        self._end_keeping_releases(session, clean)
         with self._lock:
-            self._ended.give_back(session.address, session.unreleased())
             dial = None if self._closed else self._dials.get(session.peer_id)
             if dial is not None and session.peer_id not in self._peers:
                 self._redialer.start(dial)

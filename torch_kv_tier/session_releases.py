@@ -105,6 +105,14 @@ class SessionReleases:
                     return
                 time.sleep(_RELEASE_TIMEOUT_S / 4)  # counted in RELEASE_BUDGET_S
 
+    def _end_keeping_releases(self, session: Any, clean: bool) -> None:
+        """End ``session`` (unlocked; as ``end_session``) and keep the ended sessions it
+        released that its host may not have read (its disconnect went unanswered:
+        ``RemoteSession.unreleased``), to be told again."""
+        end_session(session, clean, [])
+        with self._lock:
+            self._ended.give_back(session.address, session.unreleased())
+
     def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
         """``close``'s last word to every host (unlocked): each live session carries the
         resolved sessions of its host, then ends (``clean``: none of its writes was cancelled

@@ -85,6 +85,7 @@ class SharedHosts:
             self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
         ) -> None: ...
         def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
+        def _end_keeping_releases(self, session: Any, clean: bool) -> None: ...
         def _flush(self) -> None: ...
         def _ready_if_settled(self, request: Request) -> None: ...
 
@@ -94,8 +95,9 @@ class SharedHosts:
         this tier precedes the snapshot, ``SharedSlots``), then the snapshot (awaited).
 
         On failure (raised) the session is ended, clean unless a store to the host is in flight
-        (stores may go out before the snapshot is in), and the host dropped; the caller's dial
-        stays, so that a redial goes on."""
+        (stores may go out before the snapshot is in), and the host dropped; the ended sessions
+        it released that the host may not have read are kept to be told again; the caller's
+        dial stays, so that a redial goes on."""
         peer_id = session.peer_id
         try:
             self._register(
@@ -139,7 +141,7 @@ class SharedHosts:
                     ended = self._drop_peer(peer_id, lost=session.lost is not None)
             if ended is not None:
                 self._flush()
-                session.close(clean=ended[1])
+                self._end_keeping_releases(session, ended[1])
             raise
 
     def _refill(self, host: SharedHost) -> None:
