@@ -457,6 +457,22 @@ def test_a_release_of_a_session_the_host_still_counts_live_ends_it_clean() -> No
         new.close()
 
 
+def test_more_sessions_to_release_than_a_handshake_carries_are_all_released() -> None:
+    """A handshake carries at most ``MAX_RELEASE`` sessions to release: the rest of a longer
+    list (a host lost and redialled many times) were dropped, and the host held their slots
+    for good. They go out in ``Release`` messages once the session is open."""
+    n = p.MAX_RELEASE + 6
+    with ServerProcess.start(n + 8, BLOCK_LEN) as server:
+        ended = []
+        for _ in range(n):
+            session = fake_session(server.address, slots=1)
+            session.close(clean=False)  # as if a write of it could still land: held
+            ended.append(session.session_id)
+        with fake_session(server.address, slots=8, release=ended) as new:
+            assert wait_for(lambda: new.stats()["held_blocks"] == 0, 10.0), new.stats()
+            assert new.stats()["leased_blocks"] == 8
+
+
 def _hello(address: str) -> tuple[zmq.Socket[bytes], p.Challenge]:
     """A raw control connection to ``address`` that said hello; its challenge."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)

@@ -105,6 +105,7 @@ class RemoteSession(SessionIO):
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         timeout_s: float,
+        release: list[str],
     ) -> None:
         self.address = address
         self.peer_id = accept.host_id or address
@@ -150,6 +151,7 @@ class RemoteSession(SessionIO):
             name=f"tkvt-session-{accept.public_id}",
             daemon=True,
         )
+        self.release(release)  # (queued before the I/O thread starts: it cannot fail)
         self._thread.start()
 
     @classmethod
@@ -175,8 +177,9 @@ class RemoteSession(SessionIO):
         ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the
         server grants one client) that no other client sees. ``release`` names earlier
         sessions of this client whose writes all resolved: the server frees what it held for
-        them. Setting ``cancel`` ends a handshake still waiting for the server's first answer
-        (a tier that closes; see ``handshake``).
+        them (the first ``protocol.MAX_RELEASE`` with the handshake, any more in ``release``
+        messages as the session starts). Setting ``cancel`` ends a handshake still waiting for
+        the server's first answer (a tier that closes; see ``handshake``).
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
         ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost
@@ -199,6 +202,7 @@ class RemoteSession(SessionIO):
             heartbeat_timeout_s=heartbeat_timeout_s,
             timeout_s=timeout_s,
         )
+        release = list(release or ())
         sock, monitor = connect(address)
         try:
             accept = handshake(
@@ -217,7 +221,7 @@ class RemoteSession(SessionIO):
                     slots=slots,
                     client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
                     private=private,
-                    release=list(release or ())[: p.MAX_RELEASE],
+                    release=release[: p.MAX_RELEASE],
                 ),
                 cancel,
                 monitor,
@@ -234,6 +238,7 @@ class RemoteSession(SessionIO):
             heartbeat_interval_s=heartbeat_interval_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
             timeout_s=timeout_s,
+            release=release[p.MAX_RELEASE :],
         )
         logger.info(
             "connected to %s (session %s): %s of %d slots",
