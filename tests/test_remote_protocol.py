@@ -198,6 +198,12 @@ def test_parse_address() -> None:
     for bad in ("127.0.0.1", ":5", "h:0", "h:x", "h:70000"):
         with pytest.raises(ValueError, match="HOST:PORT"):
             parse_address(bad)
+    # a host ZeroMQ refuses: it raised a bare ``ZMQError: Invalid argument`` once dialled
+    for bad in (" 10.0.0.5:5600", "bad host:5600", "h/x:80", "[::1]]:80", "h\n:80"):
+        with pytest.raises(ValueError, match="HOST:PORT.*letters, digits"):
+            parse_address(bad)
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            RemoteSession.open(bad, agent_metadata=b"m", region=p.Region(4096, 8, 64))
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import secrets
 import threading
 import time
@@ -35,6 +36,7 @@ SNDHWM = 1000  # control frames queued to the server before the session counts a
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
+_HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a host name, IPv4 or IPv6 address (with its zone)
 
 
 class HandshakeRejected(Exception):
@@ -65,12 +67,18 @@ class AcceptLost(TimeoutError):
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one."""
+    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one, or when
+    its host has characters no host name or IP address has (ZeroMQ would refuse it)."""
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
+    if not _HOST.fullmatch(host):
+        raise ValueError(
+            f"server address must be HOST:PORT, got {address!r}: a host has only letters, "
+            "digits and '.-_' (an IPv6 address ':' and '%' too, in brackets), no spaces"
+        )
     return host, int(port_text)
 
 
