@@ -6,7 +6,8 @@ background I/O thread owns the ZeroMQ socket: it sends heartbeats, carries reque
 any thread (answers resolve futures on the I/O thread), batches commits and touches into as few
 frames as each wake-up allows, and reports a lost session through ``on_lost``. A shared
 session's pushed ``Events`` go to its ``IndexFollower`` (``follow``). The I/O thread, and how
-any thread hands it work, is ``session_io``.
+any thread hands it work, is ``session_io``; a shared session's requests are
+``shared_requests``.
 
 Delivery: a control message is delivered or the session is lost, loudly. The session is lost
 when the server stops answering heartbeats, says it no longer knows the session, the control
@@ -28,7 +29,6 @@ import traceback
 import types
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -45,8 +45,9 @@ from torch_kv_tier.remote.handshake import (
     parse_address,
 )
 from torch_kv_tier.remote.protocol import Region
-from torch_kv_tier.remote.replica import IndexFollower, OnChange
-from torch_kv_tier.remote.session_io import Request, SessionIO, add_to_batch
+from torch_kv_tier.remote.replica import IndexFollower
+from torch_kv_tier.remote.replies import Request
+from torch_kv_tier.remote.shared_requests import SharedRequests
 
 logger = logging.getLogger(__name__)
 
@@ -64,18 +65,7 @@ def _callback_ref(
     return lambda: callback
 
 
-def _answer_late(
-    on_answer: Callable[[Future[p.ServerMessage]], None], message: p.ServerMessage
-) -> None:
-    """Run ``on_answer`` with a future of ``message``, an answer that came after its request
-    timed out; what it raises is logged, as for the first."""
-    future: Future[p.ServerMessage] = Future()
-    future.set_running_or_notify_cancel()
-    future.add_done_callback(on_answer)
-    future.set_result(message)
-
-
-class RemoteSession(SessionIO):
+class RemoteSession(SharedRequests):
     """A session with a remote ``torch-kv-tier serve`` pool, kept alive by heartbeats.
 
     Attributes (read-only): ``peer_id`` (the server's stable host id, the same for every client
@@ -271,49 +261,6 @@ class RemoteSession(SessionIO):
             if slots_used is not None:
                 self._usage["slots_used"] = slots_used
 
-    # -- shared sessions (thread-safe; answers resolve on the I/O thread) ----------------------
-
-    def grant(
-        self,
-        want: int,
-        on_answer: Callable[[Future[p.ServerMessage]], None],
-        *,
-        with_commits: bool = False,
-    ) -> None:
-        """Ask for up to ``want`` slots only this session may write; ``on_answer`` gets the
-        future of the ``Granted`` answer, on the I/O thread (never on the caller's). An answer
-        that comes after the timeout runs ``on_answer`` again, with a future of it: the host
-        counts those slots granted to this session (against its ``max_granted``) until it
-        commits them, so they must not go unused. ``with_commits``: a top-up that can wait for
-        the next batch of commits (sent with it, without a wake-up of its own, while commits
-        flow)."""
-        self._call_async(
-            lambda seq: p.GrantRequest(seq, self.session_id, want),
-            on_answer,
-            with_commits=with_commits,
-            late=partial(_answer_late, on_answer),
-        )
-
-    def commit(self, keys: list[Any], slots: list[int], digests: list[int]) -> None:
-        """Publish ``keys``, whose writes of bytes with ``digests`` into granted ``slots``
-        completed (no answer; batched with other commits into as few frames as possible)."""
-        # The batch is looked up under the lock, inside ``_enqueue``: the I/O thread swaps in a
-        # new list each time it takes one, and a list taken before the lock could already be
-        # sent (the commit was lost: the host kept the slots granted, the keys never stored).
-        self._enqueue(lambda: self._add_commit((keys, slots, digests)), False)
-
-    def touch(self, keys: list[Any]) -> None:
-        """Report ``keys`` recently used (no answer; sent at most ``session_io.TOUCH_PERIOD_S``
-        later, batched with every other touch of that period)."""
-        self._enqueue(lambda: add_to_batch(self._touches, keys), False)
-
-    def promote(self, keys: list[Any]) -> None:
-        """Ask the host to bring ``keys``, which it announced on its disk, into DRAM slots (no
-        answer: it announces them stored once they are; sent at once)."""
-        for i in range(0, len(keys), p.MAX_KEYS_PER_MESSAGE):
-            chunk = keys[i : i + p.MAX_KEYS_PER_MESSAGE]
-            self._post(partial(p.Promote, session_id=self.session_id, keys=chunk))
-
     def release(self, held: list[str]) -> None:
         """Tell the server that every write of the earlier sessions ``held`` resolved. Until
         this session's disconnect is answered they are ``unreleased``: a control connection
@@ -331,40 +278,6 @@ class RemoteSession(SessionIO):
         a server that read them, or restarted since, ignores them."""
         with self._lock:
             return list(self._released)
-
-    def follow(self, on_change: OnChange) -> None:
-        """Keep ``on_change(stored, slots, digests, evicted, reset, sent)`` informed of the
-        namespace's key set: a snapshot first (``reset=True``, with this session's commits the
-        snapshot cannot have: ``replica``), then every change, on the I/O thread (where the
-        snapshot is started too, so no event is applied before it)."""
-        if not self.shared:
-            raise ValueError(f"{self.peer_id} is a private lease: there is no shared index")
-
-        def request_page(
-            cursor: int,
-            on_page: Callable[[Future[p.ServerMessage]], None],
-            on_sent: Callable[[], None],
-        ) -> None:
-            def make(seq: int) -> p.SnapshotRequest:
-                on_sent()
-                return p.SnapshotRequest(seq, self.session_id, cursor)
-
-            self._call_async(make, on_page)
-
-        follower = IndexFollower(request_page, on_change, host=self.peer_id, pool=self.num_blocks)
-
-        def start() -> None:
-            self._follower = follower
-            follower.start()
-
-        self._enqueue_action(start)
-
-    def resync(self) -> None:
-        """Take a new snapshot of the followed index (thread-safe; for a follower whose copy
-        could not apply a change)."""
-        follower = self._follower
-        if follower is not None:
-            self._enqueue_action(follower.start)
 
     def stats(self) -> dict[str, Any]:
         """The server's stats: leases, occupancy, bytes moved, counters.

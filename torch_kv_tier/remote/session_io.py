@@ -5,10 +5,9 @@ under the session's lock, then one wake-up, skipped when one is pending already)
 Each wake-up (a request queued from any thread, a frame from the server, a heartbeat, request or
 batch deadline) it runs queued actions, sends the commits and touches batched since the last
 send (as few frames as fit, always before the requests made after them), sends queued requests,
-hands answers to their futures and pushed ``Events`` to the follower, and heartbeats. The
-server answers in order: an answer after its request's timeout is dropped (once a later request
-is answered it never comes), but a grant's, whose slots the server counts granted all the same
-(``_call_async``'s ``late``). It ends the session, loudly (``on_lost``), when the server
+hands answers to their futures (``replies``: an answer after its request's timeout is dropped,
+but a grant's, whose slots the server counts granted all the same) and pushed ``Events`` to the
+follower, and heartbeats. It ends the session, loudly (``on_lost``), when the server
 stops answering heartbeats, says it no longer knows the session, the control connection closes
 or is reset (the socket's monitor), or a frame cannot be queued: a control message is delivered
 or the session is lost.
@@ -54,17 +53,9 @@ import zmq
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import SNDHWM, close_sockets, disconnected
 from torch_kv_tier.remote.replica import IndexFollower
+from torch_kv_tier.remote.replies import OnLate, Replies, Request
 
 logger = logging.getLogger(__name__)
-
-# What an answer that came after its request's timeout is handed to (``_call_async``'s ``late``)
-OnLate = Callable[[p.ServerMessage], None]
-# a request made from any thread: build the message for a seq, the future its answer resolves
-# (``None``: a message without an answer), timeout, what a late answer is handed to
-Request = tuple[
-    Callable[[int], p.ClientMessage], "Future[p.ServerMessage] | None", float, OnLate | None
-]
-
 
 TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
 # While commits flow they go out when the host's index events arrive (its period's tick, every
@@ -207,8 +198,7 @@ class SessionIO:
     # -- the I/O thread ---------------------------------------------------------------------
 
     def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-        pending: dict[int, tuple[Future[p.ServerMessage], float, OnLate | None]] = {}
-        late: dict[int, OnLate] = {}  # requests timed out whose answer is still wanted
+        replies = Replies(self.peer_id)
         seqs = itertools.count(3)  # 1 and 2 were the handshake
         poller = zmq.Poller()
         wake = self._wake_r.fileno()
@@ -232,7 +222,7 @@ class SessionIO:
                     deadlines.append(touches_due)
                 if self._commits_watched:
                     deadlines.append(commits_due)
-                deadlines.extend(deadline for _, deadline, _ in pending.values())
+                deadlines.extend(replies.deadlines())
                 # Each wake-up holds the GIL its caller's thread needs (a tier's stores run on
                 # it): only what the poller says is ready is looked at.
                 wait = max(0, math.ceil((min(deadlines) - now) * 1e3))
@@ -257,13 +247,7 @@ class SessionIO:
                         raise _Lost(
                             "the server no longer knows this session (expired, ended or restart)"
                         )
-                    entry = pending.pop(message.seq, None)
-                    if entry is not None:
-                        entry[0].set_result(message)
-                    elif message.seq in late:
-                        late.pop(message.seq)(message)
-                    for seq in [s for s in late if s < message.seq]:
-                        del late[seq]  # answered in order: skipped, never to come
+                    replies.answer(message)
                 now = time.monotonic()
                 # Commits and touches first: a request made after them reaches the server after
                 # them (a grant request must find the slots a commit returned to this session's
@@ -284,18 +268,12 @@ class SessionIO:
                 for make, future, timeout_s, on_late in requests:
                     seq = next(seqs)
                     if future is not None:
-                        pending[seq] = (future, now + timeout_s, on_late)
+                        replies.expect(seq, future, now + timeout_s, on_late)
                     self._send(sock, make(seq))
                 if stopping:  # (a ``Disconnect`` that ``close`` queued on this thread)
                     break
                 now = time.monotonic()
-                for seq in [s for s, (_, deadline, _) in pending.items() if deadline <= now]:
-                    future, _, on_late = pending.pop(seq)
-                    if on_late is not None:
-                        late[seq] = on_late
-                    future.set_exception(
-                        TimeoutError(f"{self.peer_id} did not answer within the timeout")
-                    )
+                replies.expire(now)
                 if now - last_ok > self._hb_timeout_s:
                     raise _Lost(f"no heartbeat answer for {self._hb_timeout_s:.1f} s")
                 if now >= next_hb:
@@ -309,7 +287,7 @@ class SessionIO:
             logger.exception("I/O thread of %s failed", self.peer_id)
             lost = "the session's I/O thread failed"
         finally:
-            self._finish(sock, monitor, pending, lost)
+            self._finish(sock, monitor, replies, lost)
 
     def _take_requests(self) -> list[Request]:
         """Every request queued so far, in order (this thread is their only consumer)."""
@@ -350,7 +328,7 @@ class SessionIO:
         self,
         sock: zmq.Socket[bytes],
         monitor: zmq.Socket[bytes],
-        pending: dict[int, tuple[Future[p.ServerMessage], float, OnLate | None]],
+        replies: Replies,
         lost: str | None,
     ) -> None:
         with self._lock:
@@ -362,8 +340,7 @@ class SessionIO:
             self._wake_w.close()
             riders, self._riders = self._riders, []
         error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
-        for future, _, _ in pending.values():
-            future.set_exception(error)
+        replies.fail(error)
         for _, waiting, _, _ in riders + self._take_requests():
             if waiting is not None:
                 waiting.set_exception(error)
