@@ -23,6 +23,7 @@ from test_index import LateWriteTransport
 from torch_kv_tier import connected_hosts
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
+from torch_kv_tier.connections import Dial
 from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
@@ -30,7 +31,7 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import AcceptLost
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
-from torch_kv_tier.session_releases import RELEASE_THREAD
+from torch_kv_tier.session_releases import _RELEASE_TRIES, RELEASE_THREAD
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transfers import END_THREAD
 from torch_kv_tier.transport import nixl as nixl_module
@@ -524,37 +525,67 @@ def test_a_session_released_before_its_handshake_arrived_never_opens() -> None:
             sock.close(linger=0)
 
 
-def test_a_tier_whose_accept_never_came_releases_that_session_at_its_next_handshake() -> None:
-    """A host that answers hello and then nothing (frozen, or its Accept lost): the tier's
-    connect raises ``AcceptLost`` (a ``TimeoutError``) naming the session the host may have
-    opened, and the tier's next handshake there releases it."""
+@contextlib.contextmanager
+def _host_that_never_accepts(handshakes: int) -> Iterator[tuple[str, list[p.Handshake]]]:
+    """A control port that answers hello and then nothing (a frozen host, or its Accept lost):
+    the ``i``-th hello's nonce is ``i`` repeated. Yields its address and the ``Handshake``s it
+    got, until it got ``handshakes`` of them."""
     router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    handshakes: list[p.Handshake] = []
+    got: list[p.Handshake] = []
 
-    def host() -> None:  # challenges every hello, answers no handshake
-        while len(handshakes) < 2 and router.poll(20_000):
+    def host() -> None:
+        while len(got) < handshakes and router.poll(20_000):
             identity, frame = router.recv_multipart()
             message = p.decode_client(frame)
             if isinstance(message, p.Hello):
-                nonce = bytes([len(handshakes)]) * p.NONCE_BYTES
+                nonce = bytes([len(got)]) * p.NONCE_BYTES
                 challenge = p.Challenge(p.PROTOCOL_VERSION, 1, nonce, b"")
                 router.send_multipart([identity, p.encode(challenge)])
             elif isinstance(message, p.Handshake):
-                handshakes.append(message)
+                got.append(message)
 
     thread = threading.Thread(target=host, daemon=True)
     thread.start()
     try:
-        with TierManager.create(4, BLOCK_LEN, name="lost-accept") as tier:
-            for _ in range(2):
-                with pytest.raises(AcceptLost) as lost:
-                    tier.connect(f"127.0.0.1:{port}", private=True, timeout_s=0.5)
-            thread.join(timeout=10)
-        assert lost.value.session_id == (b"\x01" * p.NONCE_BYTES).hex()
-        assert [h.release for h in handshakes] == [[], [(b"\x00" * p.NONCE_BYTES).hex()]]
+        yield f"127.0.0.1:{port}", got
+        thread.join(timeout=10)
     finally:
         router.close(linger=0)
+
+
+def test_a_tier_whose_accept_never_came_releases_that_session_at_its_next_handshake() -> None:
+    """A host that answers hello and then nothing (frozen, or its Accept lost): the tier's
+    connect raises ``AcceptLost`` (a ``TimeoutError``) naming the session the host may have
+    opened, and the tier's next handshake there releases it."""
+    with (
+        _host_that_never_accepts(2) as (address, handshakes),
+        TierManager.create(4, BLOCK_LEN, name="lost-accept") as tier,
+    ):
+        for _ in range(2):
+            with pytest.raises(AcceptLost) as lost:
+                tier.connect(address, private=True, timeout_s=0.5)
+    assert lost.value.session_id == (b"\x01" * p.NONCE_BYTES).hex()
+    assert [h.release for h in handshakes] == [[], [(b"\x00" * p.NONCE_BYTES).hex()]]
+
+
+def test_a_release_over_a_session_of_its_own_keeps_what_its_tries_may_have_opened() -> None:
+    """A removed host's ended sessions go to it over a session of their own, in a few tries:
+    a try whose Accept never came may have opened a session, which the next try's handshake
+    left out (the host held it for good), and once every try failed the tier forgot them all,
+    though a host that did not answer (frozen a while) still holds them. Each try names what
+    the earlier ones may have opened, and the last one's failure keeps them all, to be named
+    again (the next time a session of that host resolves, a connect there, or ``close``)."""
+    with (
+        _host_that_never_accepts(_RELEASE_TRIES) as (address, handshakes),
+        TierManager.create(4, BLOCK_LEN, name="own-release") as tier,
+    ):
+        tier._release_over_own_session(Dial(address, None, False, None, 0.5, 10.0), ["ended"])
+        opened = [(bytes([i]) * p.NONCE_BYTES).hex() for i in range(_RELEASE_TRIES)]
+        assert [h.release for h in handshakes] == [
+            ["ended", *opened[:i]] for i in range(_RELEASE_TRIES)
+        ]
+        assert tier._ended.resolved[address] == ["ended", *opened]
 
 
 def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_host() -> None:

@@ -84,24 +84,28 @@ class SessionReleases:
     def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
         raises: a host that does not answer keeps holding, which is safe). A slow host gets
-        ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each; one that answers none is
-        down or restarted, and a restarted host holds nothing of them."""
+        ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each, each naming too the
+        session an earlier one may have opened (``AcceptLost``); when none is answered (the
+        host is down, restarted or frozen) they all stay in ``_ended``, to be named again
+        (``_send_releases``, a connect there, ``close``)."""
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         for attempt in range(1, _RELEASE_TRIES + 1):
             try:
                 self._open(quick, held, private=False).close(clean=True)
                 return
-            except Exception as exc:
-                with self._lock:  # ``_open`` handed them back for a later try
-                    self._ended.take(dial.address)
+            except Exception as exc:  # ``_open`` handed them back, with what it may have opened
                 if attempt == _RELEASE_TRIES or self._closed:
                     logger.warning(
-                        "could not tell %s that %d ended sessions resolved (it keeps their "
-                        "slots held): %s",
+                        "could not tell %s that %d ended sessions resolved (it holds their "
+                        "slots until they are named again): %s",
                         dial.address,
                         len(held),
                         exc,
                     )
+                    return
+                with self._lock:
+                    held = self._ended.take(dial.address)
+                if not held:  # another thread took them meanwhile, to carry them itself
                     return
                 time.sleep(_RELEASE_TIMEOUT_S / 4)  # counted in RELEASE_BUDGET_S
 
