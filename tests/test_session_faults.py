@@ -3,9 +3,11 @@ session is never given for nothing, and what the tier tells it is never lost wit
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -212,3 +214,24 @@ def test_a_release_sent_over_a_join_that_failed_is_told_again(
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"
             ]
+
+
+def test_a_session_that_cannot_start_after_its_accept_is_ended_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host accepted, then the session could not start here (no file descriptor left for
+    its wake-up pair, or no thread): ``open`` raised, and the host kept the session and its
+    lease until its lease timeout, then held them as if a write of it could still land."""
+
+    def no_descriptor_left() -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with ServerProcess.start(16, BLOCK_LEN) as server:
+        monkeypatch.setattr(socket, "socketpair", no_descriptor_left)
+        with pytest.raises(OSError, match="Too many open files"):
+            fake_session(server.address, slots=8)
+        monkeypatch.undo()
+        with fake_session(server.address, slots=4) as observer:
+            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
+            stats = observer.stats()
+            assert stats["leased_blocks"] == 4 and stats["held_blocks"] == 0, stats

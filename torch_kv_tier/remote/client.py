@@ -41,6 +41,7 @@ from torch_kv_tier.remote.handshake import (
     close_sockets,
     connect,
     describe,
+    end_unstarted,
     handshake,
     parse_address,
 )
@@ -179,7 +180,9 @@ class RemoteSession(SharedRequests):
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
         ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost``, with the
         id of the session the server may have opened, once the handshake went out),
-        ``ConnectionError`` when the server answers with an error or ``cancel`` was set.
+        ``ConnectionError`` when the server answers with an error or ``cancel`` was set,
+        ``OSError``/``RuntimeError`` when the session cannot start here once accepted (no file
+        descriptor or thread left: the server is told to end it).
         """
         check_session_args(
             address,
@@ -219,17 +222,21 @@ class RemoteSession(SharedRequests):
         except BaseException:
             close_sockets(sock, monitor)
             raise
-        session = cls(
-            address,
-            sock,
-            monitor,
-            accept,
-            on_lost=on_lost,
-            heartbeat_interval_s=heartbeat_interval_s,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            timeout_s=timeout_s,
-            release=release[p.MAX_RELEASE :],
-        )
+        try:
+            session = cls(
+                address,
+                sock,
+                monitor,
+                accept,
+                on_lost=on_lost,
+                heartbeat_interval_s=heartbeat_interval_s,
+                heartbeat_timeout_s=heartbeat_timeout_s,
+                timeout_s=timeout_s,
+                release=release[p.MAX_RELEASE :],
+            )
+        except BaseException:  # (no file descriptor or thread left): no I/O thread owns them
+            end_unstarted(sock, monitor, accept.session_id)
+            raise
         logger.info(
             "connected to %s (session %s): %s of %d slots",
             session.peer_id,

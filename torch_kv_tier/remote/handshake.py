@@ -152,6 +152,14 @@ def close_sockets(
     sock.close(linger=LINGER_MS if linger else 0)
 
 
+def end_unstarted(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], session_id: str) -> None:
+    """End a session the server accepted that could not start here: a clean ``Disconnect``
+    (nothing was written through it), then close what ``connect`` made, letting it go out."""
+    with contextlib.suppress(zmq.ZMQError):
+        sock.send(p.encode(p.Disconnect(3, session_id, clean=True)), zmq.NOBLOCK)
+    close_sockets(sock, monitor, linger=True)
+
+
 def handshake(
     sock: zmq.Socket[bytes],
     address: str,
