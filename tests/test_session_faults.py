@@ -19,7 +19,7 @@ from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, 
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote import RemoteSession, ServerProcess
+from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 from torch_kv_tier.remote import handshake as handshake_module
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.shared_host import SharedHost
@@ -235,3 +235,31 @@ def test_a_session_that_cannot_start_after_its_accept_is_ended_on_the_host(
             assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
             stats = observer.stats()
             assert stats["leased_blocks"] == 4 and stats["held_blocks"] == 0, stats
+
+
+def test_a_tier_paused_past_its_heartbeat_timeout_asks_the_host_before_calling_it_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tier process paused (SIGSTOP, a debugger, a VM migrated) for longer than its heartbeat
+    timeout, shorter than the host's lease timeout, called the host lost as it came back,
+    without asking it: it dropped the host and every key it had there, and dialled it again.
+    The host had answered every heartbeat it was sent; silence counts from a heartbeat."""
+    paused = [0.0]
+
+    class Clock:  # the I/O thread's clock, which a pause moves on at once
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + paused[0]
+
+    monkeypatch.setattr(session_io, "time", Clock)
+    with ServerProcess.start(16, BLOCK_LEN) as server:
+        session = fake_session(server.address, slots=4, heartbeat_timeout_s=3.0)
+        try:
+            time.sleep(0.5)
+            paused[0] = 5.0
+            session._wake()
+            time.sleep(1.5)  # a heartbeat goes out and is answered
+            assert session.lost is None
+            assert len(session.stats()["sessions"]) == 1
+        finally:
+            session.close()

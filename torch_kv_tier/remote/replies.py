@@ -6,12 +6,18 @@ dropped (once a later request is answered it never comes), but for a request mad
 ``late`` handler (a grant, whose slots the server counts granted all the same): that one gets
 it. An answer to a request nobody awaits (unknown, or timed out without a handler) is ignored.
 
+Heartbeats are requests too: the server is silent from the first heartbeat it has not answered
+(``heard_by``), not from its last answer, so a client that was paused itself (SIGSTOP, a
+debugger) asks again before it calls the server silent.
+
 Threading: ``Replies`` belongs to the session's I/O thread (``session_io``); futures resolve
 there, and the callbacks added to them run there.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
@@ -29,10 +35,12 @@ Request = tuple[
 class Replies:
     """The requests sent that await an answer (module docstring)."""
 
-    def __init__(self, peer_id: str) -> None:
+    def __init__(self, peer_id: str, heartbeat_timeout_s: float) -> None:
         self._peer_id = peer_id  # names the server in a timeout's error
+        self._hb_timeout_s = heartbeat_timeout_s
         self._pending: dict[int, tuple[Future[p.ServerMessage], float, OnLate | None]] = {}
         self._late: dict[int, OnLate] = {}  # requests timed out whose answer is still wanted
+        self._asked: deque[tuple[int, float]] = deque()  # heartbeats unanswered: (seq, sent)
 
     def expect(
         self, seq: int, future: Future[p.ServerMessage], deadline: float, on_late: OnLate | None
@@ -40,6 +48,15 @@ class Replies:
         """Request ``seq`` went out: its answer resolves ``future`` unless ``deadline`` (a
         ``time.monotonic()``) passes first; then ``on_late`` gets it, if it still comes."""
         self._pending[seq] = (future, deadline, on_late)
+
+    def heartbeat(self, seq: int, now: float) -> None:
+        """Heartbeat ``seq`` went out at ``now``."""
+        self._asked.append((seq, now))
+
+    def heard_by(self) -> float:
+        """When the server, silent unless it answers the oldest heartbeat it has not answered
+        by then, counts as lost (``math.inf`` while every heartbeat is answered)."""
+        return self._asked[0][1] + self._hb_timeout_s if self._asked else math.inf
 
     def deadlines(self) -> Iterable[float]:
         """The deadline of every request awaiting its answer."""
@@ -49,6 +66,9 @@ class Replies:
         """The server answered request ``message.seq``: resolve its future, or hand the
         message to its late handler; requests before it that are still unanswered never will
         be."""
+        if isinstance(message, p.HeartbeatAck):
+            while self._asked and self._asked[0][0] <= message.seq:
+                self._asked.popleft()
         entry = self._pending.pop(message.seq, None)
         if entry is not None:
             entry[0].set_result(message)

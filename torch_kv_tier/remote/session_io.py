@@ -198,13 +198,13 @@ class SessionIO:
     # -- the I/O thread ---------------------------------------------------------------------
 
     def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
-        replies = Replies(self.peer_id)
+        replies = Replies(self.peer_id, self._hb_timeout_s)
         seqs = itertools.count(3)  # 1 and 2 were the handshake
         poller = zmq.Poller()
         wake = self._wake_r.fileno()
         for readable in (sock, monitor, wake):
             poller.register(readable, zmq.POLLIN)
-        last_ok = next_hb = touches_due = commits_due = time.monotonic()
+        next_hb = touches_due = commits_due = time.monotonic()
         commits_sent = -math.inf  # none yet: the first commit goes out at once
         lost: str | None = None
         try:
@@ -217,7 +217,7 @@ class SessionIO:
                     # While commits flow this thread looks at them by ``commits_due`` on its
                     # own, and a commit needs no wake-up (``RemoteSession.commit``).
                     self._commits_watched = committed or now < commits_sent + COMMIT_QUIET_S
-                deadlines = [next_hb, last_ok + self._hb_timeout_s]
+                deadlines = [next_hb, replies.heard_by()]
                 if touched:
                     deadlines.append(touches_due)
                 if self._commits_watched:
@@ -240,7 +240,6 @@ class SessionIO:
                         ticked = True
                         continue
                     if isinstance(message, p.HeartbeatAck):
-                        last_ok = time.monotonic()
                         if self._follower is not None and message.event_seq >= 0:
                             self._follower.check(message.event_seq)
                     elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
@@ -274,13 +273,14 @@ class SessionIO:
                     break
                 now = time.monotonic()
                 replies.expire(now)
-                if now - last_ok > self._hb_timeout_s:
+                if now > replies.heard_by():
                     raise _Lost(f"no heartbeat answer for {self._hb_timeout_s:.1f} s")
                 if now >= next_hb:
                     next_hb = now + self._interval_s
                     with self._lock:
                         usage = dict(self._usage)
-                    self._send(sock, p.Heartbeat(next(seqs), self.session_id, **usage))
+                    replies.heartbeat(seq := next(seqs), now)
+                    self._send(sock, p.Heartbeat(seq, self.session_id, **usage))
         except _Lost as exc:
             lost = str(exc)
         except Exception:
