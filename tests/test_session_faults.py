@@ -263,3 +263,31 @@ def test_a_tier_paused_past_its_heartbeat_timeout_asks_the_host_before_calling_i
             assert len(session.stats()["sessions"]) == 1
         finally:
             session.close()
+
+
+def test_sessions_resolved_for_a_host_the_tier_does_not_dial_are_kept_for_its_next_connect() -> (
+    None
+):
+    """A session ended with a write in flight at an address the tier neither has a session
+    with nor dials (the first connect there failed while a store to it was in flight), and
+    the write then resolved: the tier took the session to release and, finding nowhere to
+    send it, forgot it; the host held its slots for good, though the user connected there
+    again. It waits for the next handshake there."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="undialled") as tier,
+    ):
+        ended = fake_session(server.address, private=False)
+        granted: Future[Future[p.ServerMessage]] = Future()
+        ended.grant(2, granted.set_result)
+        assert isinstance(granted.result(timeout=10).result(), p.Granted)
+        ended.close(clean=False)  # as if a write of it could still land: the host holds it
+        with tier._lock:  # as the transport reports that write (``transfers``)
+            tier._ended.ended(ended, 1)
+            assert tier._ended.write_resolved(ended)
+            tier._send_releases(server.address)
+        tier.connect(server.address)
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

@@ -56,8 +56,9 @@ class SessionReleases:
 
     def _send_releases(self, address: str) -> None:
         """Tell ``address``'s host which ended sessions resolved: over its live session, else
-        with the redial's handshake, else (nobody dials it any more) over a session of their
-        own."""
+        with the redial's handshake, else (removed: nobody dials it any more) over a session of
+        their own, else (never connected: its first connect failed) with the next connect's
+        handshake there."""
         session = next(
             (p.session for p in self._peers.values() if p.session and p.session.address == address),
             None,
@@ -66,8 +67,8 @@ class SessionReleases:
             dial = next((d for d in self._dials.values() if d.address == address), None)
             if dial is None and not self._closed:
                 dial = self._removed.get(address)
-                held = self._ended.take(address)
-                if dial is not None and held:
+                held = self._ended.take(address) if dial is not None else []
+                if held:
                     threading.Thread(
                         target=self._release_over_own_session,
                         args=(dial, held),
