@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import socket
 import threading
 import time
@@ -165,6 +166,10 @@ def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None
             ({"region": p.Region(4096, 0, 64)}, "num_blocks > 0"),
             ({"agent_metadata": b""}, "agent_metadata is empty"),
             ({"heartbeat_timeout_s": 0}, "heartbeat_timeout_s must be > 0"),
+            # unchecked, they reached ZeroMQ's poll: ``OverflowError`` once the hello was out
+            ({"timeout_s": math.inf}, "timeout_s must be > 0 and at most"),
+            ({"timeout_s": 1e12}, "timeout_s must be > 0 and at most"),
+            ({"heartbeat_timeout_s": math.inf}, "heartbeat_timeout_s must be > 0 and at most"),
             ({"token": ""}, "token is empty"),
         ):
             args = {"agent_metadata": b"m", "region": region, **kwargs}

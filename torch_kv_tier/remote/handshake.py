@@ -36,6 +36,7 @@ SNDHWM = 1000  # control frames queued to the server before the session counts a
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
+MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
 _HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a host name, IPv4 or IPv6 address (with its zone)
 
 
@@ -92,7 +93,7 @@ def check_session_args(
     **timeouts_s: float,
 ) -> None:
     """``RemoteSession.open``'s checks, before any network traffic: ``ValueError`` naming the
-    bad argument."""
+    bad argument (a timeout must be finite: at most ``MAX_WAIT_S``)."""
     problem = region.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -100,8 +101,8 @@ def check_session_args(
     if not agent_metadata:
         raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
     for name, value in timeouts_s.items():
-        if not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0 < value <= MAX_WAIT_S:
+            raise ValueError(f"{name} must be > 0 and at most {MAX_WAIT_S:g} s, got {value}")
 
 
 def check_connect_args(address: str, slots: int | None, private: bool, token: str | None) -> None:
