@@ -5,6 +5,7 @@ connection, a refused grant, and a peer dropped while a store polls it (issue 18
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import subprocess
 import threading
@@ -586,6 +587,53 @@ def test_a_release_over_a_session_of_its_own_keeps_what_its_tries_may_have_opene
             ["ended", *opened[:i]] for i in range(_RELEASE_TRIES)
         ]
         assert tier._ended.resolved[address] == ["ended", *opened]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("lease_timeout_s", 0.0, "lease timeout"),
+        ("lease_timeout_s", math.nan, "lease timeout"),
+        ("lease_stop", 9, "lease"),
+        ("region", Region(0x10000, 0, BLOCK_LEN), "num_blocks > 0"),
+    ],
+    ids=["no-lease-timeout", "nan-lease-timeout", "lease-past-the-region", "empty-region"],
+)
+def test_an_accept_the_client_cannot_use_is_refused_and_the_session_ended_on_the_host(
+    field: str, value: Any, problem: str
+) -> None:
+    """A host (a bug, another version) accepted with a lease timeout of 0 or NaN, which made
+    the session heartbeat in a busy loop (its interval is a third of it), or with a lease or
+    region no session can use: the session opened all the same. ``open`` refuses it, saying
+    what is wrong, and ends the session on the host."""
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    got: list[p.ClientMessage] = []
+
+    def host() -> None:  # accepts every handshake with the bad field
+        while not any(isinstance(m, p.Disconnect) for m in got) and router.poll(10_000):
+            identity, frame = router.recv_multipart()
+            message = p.decode_client(frame)
+            got.append(message)
+            if isinstance(message, p.Hello):
+                challenge = p.Challenge(p.PROTOCOL_VERSION, 1, b"n" * p.NONCE_BYTES, b"")
+                router.send_multipart([identity, p.encode(challenge)])
+            elif isinstance(message, p.Handshake):
+                accept = p.Accept(
+                    2, "sid", "s1", "bad", b"meta", Region(0x10000, 8, BLOCK_LEN), 0, 4, 30.0
+                )
+                setattr(accept, field, value)
+                router.send_multipart([identity, p.encode(accept)])
+
+    thread = threading.Thread(target=host, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ConnectionError, match=f"unusable.*{problem}"):
+            fake_session(f"127.0.0.1:{port}", slots=4, timeout_s=5.0).close()
+        thread.join(timeout=10)
+        assert isinstance(got[-1], p.Disconnect) and got[-1].session_id == "sid", got
+    finally:
+        router.close(linger=0)
 
 
 def test_a_commit_made_while_the_io_thread_takes_the_batch_still_reaches_the_host() -> None:

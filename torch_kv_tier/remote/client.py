@@ -37,6 +37,7 @@ import zmq
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import (
     HandshakeRejected,
+    accept_problem,
     check_session_args,
     close_sockets,
     connect,
@@ -180,7 +181,8 @@ class RemoteSession(SharedRequests):
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
         ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost``, with the
         id of the session the server may have opened, once the handshake went out),
-        ``ConnectionError`` when the server answers with an error or ``cancel`` was set,
+        ``ConnectionError`` when the server answers with an error, accepts with a lease or
+        region no session can use (it is told to end that session) or ``cancel`` was set,
         ``OSError``/``RuntimeError`` when the session cannot start here once accepted (no file
         descriptor or thread left: the server is told to end it).
         """
@@ -222,6 +224,13 @@ class RemoteSession(SharedRequests):
         except BaseException:
             close_sockets(sock, monitor)
             raise
+        problem = accept_problem(accept)
+        if problem is not None:
+            end_unstarted(sock, monitor, accept.session_id)
+            raise ConnectionError(
+                f"the server at {address} sent an unusable accept ({problem}): is it a "
+                "`torch-kv-tier serve` of this version?"
+            )
         try:
             session = cls(
                 address,

@@ -153,6 +153,23 @@ def close_sockets(
     sock.close(linger=LINGER_MS if linger else 0)
 
 
+def accept_problem(accept: p.Accept) -> str | None:
+    """Why a session cannot use ``accept`` (a host with a bug, or of another version), or
+    ``None``: its region, its lease (within the region) and its lease timeout (finite, > 0:
+    the heartbeat interval is a third of it)."""
+    problem = accept.region.problem()
+    if problem is not None:
+        return problem
+    if not 0 <= accept.lease_start <= accept.lease_stop <= accept.region.num_blocks:
+        return (
+            f"lease [{accept.lease_start}, {accept.lease_stop}) outside its "
+            f"{accept.region.num_blocks} slots"
+        )
+    if not 0 < accept.lease_timeout_s < math.inf:
+        return f"lease timeout {accept.lease_timeout_s} s, not a finite number > 0"
+    return None
+
+
 def end_unstarted(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes], session_id: str) -> None:
     """End a session the server accepted that could not start here: a clean ``Disconnect``
     (nothing was written through it), then close what ``connect`` made, letting it go out."""
