@@ -256,6 +256,33 @@ def test_a_watched_file_is_re_read_when_it_changes(tmp_path: Path) -> None:
         source.resolve()
 
 
+def test_a_watched_file_that_is_not_a_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Found by review: a ``file:`` source naming a FIFO blocked its resolve (Membership's
+    thread, or a tier's startup) until some process opened the FIFO for writing, for good if
+    none ever did; a device such as ``/dev/zero`` was read without end."""
+    fifo = tmp_path / "hosts"
+    os.mkfifo(fifo)
+    source = parse_source(f"file:{fifo}")
+    outcome: list[BaseException | list[str]] = []
+
+    def resolve() -> None:
+        try:
+            outcome.append(source.resolve())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    thread.join(timeout=WAIT_S)
+    if thread.is_alive():  # unblock the reader: a writer that opens and closes at once
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(timeout=WAIT_S)
+    assert len(outcome) == 1 and isinstance(outcome[0], SourceError), outcome
+    assert "not a regular file" in str(outcome[0]) and f"file:{fifo}" in str(outcome[0])
+    with pytest.raises(SourceError, match="not a regular file"):
+        parse_source("file:/dev/zero").resolve()
+
+
 def test_first_hosts_warns_and_starts_empty(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

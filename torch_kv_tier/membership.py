@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -188,7 +189,10 @@ class SrvHosts:
 class WatchedFile:
     """``HOST:PORT`` per line of a file (``#`` comments and blank lines ignored), re-read when
     its inode, size or mtime changed. Replace it atomically (write a copy, rename it over), or a
-    resolve may read it half written. Not thread-safe: one resolving thread."""
+    resolve may read it half written. Not thread-safe: one resolving thread.
+
+    Only a regular file is read: anything else (a FIFO, whose read waits for a writer, a device
+    that never ends) fails the resolve with :class:`SourceError` at once."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = Path(path).expanduser()
@@ -197,11 +201,18 @@ class WatchedFile:
 
     def resolve(self) -> list[str]:
         try:
-            st = self._path.stat()
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-            if stamp != self._seen:
-                self._hosts = self._parse(self._path.read_text())
-                self._seen = stamp
+            # Non-blocking open: opening a FIFO to read would wait for a writer.
+            with open(os.open(self._path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+                st = os.fstat(file.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise SourceError(
+                        f"{self}: not a regular file (a FIFO or a device is never read): "
+                        "name a file of HOST:PORT lines"
+                    )
+                stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+                if stamp != self._seen:
+                    self._hosts = self._parse(file.read().decode())
+                    self._seen = stamp
         except (OSError, UnicodeDecodeError) as exc:
             raise SourceError(f"{self}: cannot read it: {exc}") from exc
         return list(self._hosts)
