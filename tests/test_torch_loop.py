@@ -322,6 +322,28 @@ def test_flush_returns_once_the_offload_futures_are_done() -> None:
         results_log.removeHandler(handler)
 
 
+@pytest.mark.parametrize("timeout", [0.5, None])
+def test_close_passes_what_is_left_of_its_timeout_to_the_tier(
+    timeout: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: close(timeout) spent its timeout on the offloads, then closed its tier
+    # with the tier's own default (10 s), which a frozen host's session end can take in full;
+    # close(timeout=1) with a frozen host returned after about 3 s.
+    keys_c, values_c = random_caches(torch.float32, seed=11)
+    off = PagedKVOffloader.create(keys_c, values_c, timeout=2.0)
+    real_close = off.manager.close
+    given: list[float] = []
+
+    def close(timeout: float = 10.0) -> None:
+        given.append(timeout)
+        real_close(timeout)
+
+    monkeypatch.setattr(off.manager, "close", close)
+    off.close(timeout)
+    assert len(given) == 1 and 0 <= given[0] <= (2.0 if timeout is None else timeout), given
+    assert off.manager.closed
+
+
 def test_failed_page_copy_hands_its_arena_slots_back(
     remote: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -316,18 +316,20 @@ class PagedKVOffloader:
         return True
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending offloads (up to ``timeout``, checked as :meth:`flush` checks it),
-        then close an owned tier, even when the wait is interrupted. Idempotent."""
+        """Wait for pending offloads, then close an owned tier (even when the wait is
+        interrupted) with what is left of ``timeout``: the whole close is bounded by it (checked
+        as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). Idempotent."""
         _check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         try:
             if not self.flush(timeout):
                 log.warning("closing with offloads still in flight; they may not be stored")
         finally:
             if self._owns_manager:
-                self.manager.close()
+                self.manager.close(timeout=max(deadline - time.monotonic(), 0.0))
 
     def __enter__(self) -> PagedKVOffloader:
         return self
