@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from torch_kv_tier.integrations.torch_loop.example import run_demo
 from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
+from torch_kv_tier.results import TransferResult
 
 PAGE = 8
 CONFIG = DecoderConfig(vocab_size=128, hidden=64, layers=2, heads=2, ffn=128, max_positions=512)
@@ -364,6 +366,55 @@ def test_failed_page_copy_hands_its_arena_slots_back(
         monkeypatch.setattr(off._pages, "gather", real_gather)
         assert off.offload([0, 1], [b"oom-0", b"oom-1"]).result(timeout=30).ok
         assert off.restore([b"oom-0", b"oom-1"], [5, 6]) == 2
+
+
+def failed_load(keys: list[bytes]) -> Future[TransferResult]:
+    """A tier load's future that failed every one of ``keys``."""
+    future: Future[TransferResult] = Future()
+    failed = dict.fromkeys(keys, "peer lost")
+    future.set_result(TransferResult(ok=False, keys=[], failed=failed, nbytes=0, seconds=0.0))
+    return future
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_restore_whose_page_copy_fails_says_how_many_pages_it_wrote(
+    remote: str, strict: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: a restore in batches whose copy into the cache failed (out of memory for
+    # the loaded pages on the GPU) raised that error alone: the pages of its earlier batches were
+    # already written and the failing batch's partly, and nothing said which.
+    keys_c, values_c = random_caches(torch.float32, seed=12)
+    keys = [f"scatter-{strict}-{i}".encode() for i in range(4)]
+    with PagedKVOffloader.create(
+        keys_c, values_c, remote=remote, arena_blocks=2, strict=strict
+    ) as off:
+        assert off.offload(range(4), keys).result(timeout=30).ok
+        real_scatter = off._pages.scatter
+        calls: list[list[int]] = []
+
+        def second_fails(slots: list[int], pages: list[int]) -> None:
+            calls.append(pages)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            real_scatter(slots, pages)
+
+        monkeypatch.setattr(off._pages, "scatter", second_fails)
+        with pytest.raises(
+            OffloadError, match=r"wrote 2 of 4 .*page_ids\[0:2\].*page_ids\[2:4\]"
+        ) as err:
+            off.restore(keys, [10, 11, 12, 13])
+        assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+        assert off.manager.arena.num_free == 2  # the failing batch's slots came back
+        if strict:  # a short restore says where its pages went too
+            real_load = off.manager.load
+
+            def second_batch_lost(batch: list[bytes], slots: list[int]) -> Future[TransferResult]:
+                return failed_load(batch) if keys[2] in batch else real_load(batch, slots)
+
+            monkeypatch.setattr(off.manager, "load", second_batch_lost)
+            monkeypatch.setattr(off._pages, "scatter", real_scatter)
+            with pytest.raises(OffloadError, match=r"only 2 of 4 .*page_ids\[0:2\]"):
+                off.restore(keys, [10, 11, 12, 13])
 
 
 @pytest.mark.parametrize("built_in_inference_mode", ["caches", "offloader"])

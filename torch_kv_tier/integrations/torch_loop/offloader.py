@@ -282,7 +282,9 @@ class PagedKVOffloader:
         returned count; later pages are untouched. A missing, slow (over ``timeout``) or failed
         remote shortens the prefix, down to 0, instead of raising (``strict`` raises
         ``OffloadError`` when a key that ``lookup`` reported stored fails to load). Raises
-        ``ValueError`` for bad arguments.
+        ``ValueError`` for bad arguments. A failed copy into the cache (out of memory, say)
+        raises ``OffloadError`` in either mode, naming the pages written before it and those
+        it may have partly written.
         """
         keys, pages = self._check_args(keys, page_ids, "restore")
         if len(set(pages)) != len(pages):
@@ -293,12 +295,22 @@ class PagedKVOffloader:
         step = self._blocks.shape[0]
         while restored < wanted:
             chunk = keys[restored : min(wanted, restored + step)]
-            got = self._load_batch(chunk, pages[restored : restored + len(chunk)], deadline)
+            try:
+                got = self._load_batch(chunk, pages[restored : restored + len(chunk)], deadline)
+            except Exception as exc:  # copying into the cache failed part-way
+                raise OffloadError(
+                    f"restore wrote {restored} of {wanted} stored pages (page_ids[0:{restored}]), "
+                    f"then failed copying into page_ids[{restored}:{restored + len(chunk)}], "
+                    f"which may be partly written: {exc!r}"
+                ) from exc
             restored += got
             if got < len(chunk):
                 break
         if self.strict and restored < wanted:
-            raise OffloadError(f"only {restored} of {wanted} stored pages could be restored")
+            raise OffloadError(
+                f"only {restored} of {wanted} stored pages could be restored (into "
+                f"page_ids[0:{restored}]; the later pages are untouched)"
+            )
         return restored
 
     def flush(self, timeout: float | None = None) -> bool:
