@@ -664,6 +664,21 @@ def test_a_lost_host_that_leaves_keeps_no_nixl_agent_loaded() -> None:
         assert list(parked) == []
 
 
+def test_hosts_that_left_are_forgotten_once_their_sessions_are_released() -> None:
+    """A tier following a churning fleet (a new pod, a new address, each time) keeps nothing of
+    the hosts that left once each was told its sessions ended (found by review: how each was
+    dialled stayed in ``_removed`` until the tier closed, one entry per host that ever left)."""
+    with TierManager.create(16, BLOCK_LEN, name="churn") as tier:
+        for _ in range(2):
+            with ServerProcess.start(32, BLOCK_LEN) as server:
+                peer = tier.connect(server.address, timeout_s=5.0)
+                tier.arena.tensor[:1].random_(0, 256)
+                assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
+                tier.disconnect(peer)
+                wait_until(lambda: not tier._removed, f"the tier forgets {server.address}")
+        assert tier.peers() == [] and not tier._ended.resolved
+
+
 def test_two_hosts_with_one_id_are_a_clear_error() -> None:
     """Two host processes that call themselves the same (pods left at the default
     ``--host-id``, the address they listen on: ``0.0.0.0:5600`` in every pod): connecting the

@@ -336,6 +336,39 @@ class _PrivateSession(_SharedSession):
         self.shared, self.lease = False, range(8)
 
 
+def test_a_host_removed_while_it_is_redialled_stays_removed_and_is_then_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The user removes a lost host while the redialer's handshake with it runs: the session
+    that handshake opens ends at once, and then the tier forgets the host (how it was dialled
+    stayed in ``_removed`` for good; forgetting it while the redial ran let the host back)."""
+    tier, _ = _tier()
+    session = _PrivateSession()
+    session.address = "host:1"
+    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    entered, go = threading.Event(), threading.Event()
+
+    def slow_open(self: TierManager, dial: Dial, release: list[str], private: bool) -> Any:
+        entered.set()
+        go.wait(timeout=RESULT_TIMEOUT_S)
+        return session
+
+    monkeypatch.setattr(TierManager, "_open", slow_open)
+    dial = Dial("host:1", None, True, None, 1.0, 1.0)
+    with tier:
+        tier._dials["host-1"] = dial  # the host was connected before, then lost
+        redial = threading.Thread(target=tier._redial, args=(dial,), daemon=True)
+        redial.start()
+        assert entered.wait(timeout=RESULT_TIMEOUT_S)
+        tier.remove_peer("host-1")
+        assert tier._removed == {"host:1": dial}  # the redial in progress still needs it
+        go.set()
+        redial.join(timeout=RESULT_TIMEOUT_S)
+        assert not redial.is_alive() and tier.peers() == [] and session.closed
+        assert wait_for(lambda: not tier._removed, 5.0), tier._removed
+        assert not tier._wants_dial(dial)
+
+
 def test_a_session_lost_right_after_connect_published_it_is_dialled_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

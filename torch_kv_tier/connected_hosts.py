@@ -47,6 +47,7 @@ class ConnectedHosts(SessionReleases):
     _dials: dict[str, Dial]
     _joining: dict[str, threading.Event]  # peer id -> set once its connect in progress ended
     _removed: dict[str, Dial]
+    _redialing: Dial | None
     _ended: EndedSessions
     _redialer: Redialer
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
@@ -275,29 +276,46 @@ class ConnectedHosts(SessionReleases):
             raise
 
     def _redial(self, dial: Dial) -> None:
-        """The redialer's ``dial`` (unlocked): connect a lost host again, unless the user
-        removed it meanwhile (then the new session ends at once, and the releases a failed
-        handshake of this attempt took back still go out)."""
+        """The redialer's ``dial`` (unlocked): connect a lost host again. ``ConnectionError``
+        when it is no longer wanted (removed, connected by another call, the tier closed); a
+        host the user removed meanwhile has its new session ended at once, and the releases it
+        and a failed handshake of this attempt took back still go out. The redialer dials one
+        host at a time: ``_redialing`` names it."""
+        with self._lock:
+            if not self._wants(dial):
+                raise ConnectionError(
+                    f"{dial.address} is no longer to be dialled (removed or connected meanwhile, "
+                    "or the tier closed)"
+                )
+            self._redialing = dial
         try:
             peer_id = self._connect(dial)
         except BaseException:
             with self._lock:
+                self._redialing = None
                 if self._removed.get(dial.address) is dial:
                     self._send_releases(dial.address)
             raise
         with self._lock:
+            self._redialing = None
             removed = self._removed.get(dial.address) is dial
             if removed:
                 self._dials.pop(peer_id, None)
         if removed:
             self.remove_peer(peer_id)
+            with self._lock:
+                self._send_releases(dial.address)
 
     def _wants_dial(self, dial: Dial) -> bool:
         """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
         with self._lock:
-            return not self._closed and any(
-                d is dial and pid not in self._peers for pid, d in self._dials.items()
-            )
+            return self._wants(dial)
+
+    def _wants(self, dial: Dial) -> bool:
+        """``_wants_dial``, under the lock."""
+        return not self._closed and any(
+            d is dial and pid not in self._peers for pid, d in self._dials.items()
+        )
 
     def _register(
         self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int

@@ -80,6 +80,10 @@ class EndedSessions:
         """The resolved sessions of ``address``, to tell its server (now forgotten here)."""
         return self.resolved.pop(address, [])
 
+    def holds(self, address: str) -> bool:
+        """Whether a session of ``address`` is still to be released (resolved or not)."""
+        return address in self.resolved or any(s.address == address for s in self._writes)
+
     @property
     def unresolved(self) -> int:
         return len(self._writes)

@@ -133,6 +133,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, threading.Event] = {}  # peer id -> set when its connect ended
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
+        self._redialing: Dial | None = None  # the redialer's connect in progress (one at a time)
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
         self._closing = threading.Event()

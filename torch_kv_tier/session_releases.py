@@ -48,6 +48,7 @@ class SessionReleases:
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
     _removed: dict[str, Dial]
+    _redialing: Dial | None
     _ended: EndedSessions
 
     if TYPE_CHECKING:  # implemented by ConnectedHosts
@@ -58,7 +59,7 @@ class SessionReleases:
         """Tell ``address``'s host which ended sessions resolved: over its live session, else
         with the redial's handshake, else (removed: nobody dials it any more) over a session of
         their own, else (never connected: its first connect failed) with the next connect's
-        handshake there."""
+        handshake there. A removed host is then forgotten (``_forget_removed``)."""
         session = next(
             (p.session for p in self._peers.values() if p.session and p.session.address == address),
             None,
@@ -75,12 +76,22 @@ class SessionReleases:
                         name=RELEASE_THREAD,
                         daemon=True,
                     ).start()
-            return
-        held = self._ended.take(address)
-        try:
-            session.release(held)
-        except ConnectionError:
-            self._ended.give_back(address, held)
+        else:
+            held = self._ended.take(address)
+            try:
+                session.release(held)
+            except ConnectionError:
+                self._ended.give_back(address, held)
+        self._forget_removed(address)
+
+    def _forget_removed(self, address: str) -> None:
+        """Forget how a removed host at ``address`` was dialled once nothing needs it: no
+        session of it is left to release and no redial of it is in progress (that one checks
+        it, to end a session it opened after the removal). Else a tier following a churning
+        fleet would keep one entry per host that ever left."""
+        dial = self._removed.get(address)
+        if dial is not None and dial is not self._redialing and not self._ended.holds(address):
+            del self._removed[address]
 
     def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
