@@ -8,11 +8,11 @@ head_dim]``, stores it under a caller-chosen key (see
 into any pages of the cache later, in this or another process.
 
 Data path: cache pages -> arena slots (one vectorized gather per layer, :mod:`.page_copy`) ->
-remote host (NIXL), and back; an offload larger than the arena goes in batches, reported as one
-future (:mod:`.offload_results`). The arena is the tier's registered memory: on the cache's
-device (``staging="device"``: a CUDA arena registered as VRAM, GPUDirect where the NIC allows)
-or in host memory (``staging="host"``: pinned when CUDA is present, the cache pages copied
-through it).
+remote host (NIXL), and back; an offload or restore larger than the arena goes in batches
+(:mod:`.arena_batches`), an offload's reported as one future (:mod:`.offload_results`). The
+arena is the tier's registered memory: on the cache's device (``staging="device"``: a CUDA arena
+registered as VRAM, GPUDirect where the NIC allows) or in host memory (``staging="host"``:
+pinned when CUDA is present, the cache pages copied through it).
 
 Failure policy: a missing or failed remote never raises from :meth:`~PagedKVOffloader.offload` or
 :meth:`~PagedKVOffloader.restore` unless ``strict=True``; offloads report failed keys in their
@@ -25,21 +25,15 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Literal
 
 import torch
 
-from torch_kv_tier.integrations.torch_loop.offload_results import (
-    Batch,
-    OffloadError,
-    combine,
-    failed_now,
-)
+from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
+from torch_kv_tier.integrations.torch_loop.offload_results import Batch, OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
@@ -63,9 +57,7 @@ class PagedKVOffloader:
 
     Threading: call :meth:`offload`, :meth:`restore`, :meth:`flush` and :meth:`close` from one
     thread (the generation loop). Store completions run on the tier's background thread and only
-    return arena slots; ``self._slots_freed`` (a condition on ``self._lock``) guards the arena's
-    allocator and the set of pending offloads (the tier's store futures and the futures
-    :meth:`offload` returned).
+    return arena slots and retire pending offloads (:class:`.ArenaBatches` guards both).
     """
 
     def __init__(
@@ -108,9 +100,7 @@ class PagedKVOffloader:
             self.dtype, len(self.key_caches), 2, page_size, heads, head_dim
         )
         self._pages = PageCopier(self.key_caches, self.value_caches, self._blocks)
-        self._lock = threading.Lock()
-        self._slots_freed = threading.Condition(self._lock)
-        self._pending: set[Future[TransferResult]] = set()
+        self._batches = ArenaBatches(manager, self._pages, timeout)
         self._closed = False
 
     @staticmethod
@@ -268,11 +258,9 @@ class PagedKVOffloader:
         batch_keys = list(todo)
         for lo in range(0, len(batch_keys), self._blocks.shape[0]):
             chunk = batch_keys[lo : lo + self._blocks.shape[0]]
-            parts.append((chunk, self._store_batch(chunk, [todo[k] for k in chunk], deadline)))
+            parts.append((chunk, self._batches.store(chunk, [todo[k] for k in chunk], deadline)))
         combined = combine(keys, parts, started, strict=self.strict)
-        with self._lock:  # flush() waits for what the caller holds, not only for the batches
-            self._pending.add(combined)
-        combined.add_done_callback(self._retire)
+        self._batches.track(combined)  # flush() waits for what the caller holds too
         return combined
 
     def restore(self, keys: Sequence[Key], page_ids: Sequence[int]) -> int:
@@ -296,7 +284,7 @@ class PagedKVOffloader:
         while restored < wanted:
             chunk = keys[restored : min(wanted, restored + step)]
             try:
-                got = self._load_batch(chunk, pages[restored : restored + len(chunk)], deadline)
+                got = self._batches.load(chunk, pages[restored : restored + len(chunk)], deadline)
             except Exception as exc:  # copying into the cache failed part-way
                 raise OffloadError(
                     f"restore wrote {restored} of {wanted} stored pages (page_ids[0:{restored}]), "
@@ -318,14 +306,9 @@ class PagedKVOffloader:
         are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
         finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
         _check_wait(timeout)
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._slots_freed.wait(left)
-        return True
+        return self._batches.wait_idle(
+            time.monotonic() + (self.timeout if timeout is None else timeout)
+        )
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending offloads, then close an owned tier (even when the wait is
@@ -379,83 +362,6 @@ class PagedKVOffloader:
                 raise OffloadError(f"tier lookup failed: {exc}") from exc
             log.warning("tier lookup failed, treating as a miss: %s", exc)
             return 0
-
-    def _store_batch(
-        self, keys: list[Key], pages: list[int], deadline: float
-    ) -> Future[TransferResult]:
-        slots = self._acquire(len(keys), deadline)
-        if slots is None:
-            return failed_now(keys, "capacity", "no free arena slots within the timeout")
-        try:
-            self._pages.gather(pages, slots)
-        except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
-            self._release(slots)
-            raise
-        try:
-            future = self.manager.store(keys, slots)
-        except Exception as exc:
-            self._release(slots)
-            return failed_now(keys, str(exc), "tier refused the store")
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(lambda done: self._release(slots, done))
-        return future
-
-    def _load_batch(self, keys: list[Key], pages: list[int], deadline: float) -> int:
-        slots = self._acquire(len(keys), deadline)
-        if slots is None:
-            log.warning("no free arena slots for a restore within the timeout")
-            return 0
-        try:
-            future = self.manager.load(keys, slots)
-        except Exception as exc:
-            self._release(slots)
-            log.warning("tier refused a load, recomputing: %s", exc)
-            return 0
-        try:
-            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            # The tier may still write into these slots: hand them back only once it is done.
-            future.add_done_callback(lambda _: self._release(slots))
-            log.warning("restore timed out after %.1f s, recomputing the rest", self.timeout)
-            return 0
-        except Exception as exc:
-            self._release(slots)
-            log.warning("restore failed, recomputing: %s", exc)
-            return 0
-        loaded = set(result.keys)
-        count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
-        if count < len(keys):
-            log.warning("restore stopped at page %d: %s", count, result.failed.get(keys[count]))
-        try:
-            self._pages.scatter(slots[:count], pages[:count])
-        finally:
-            self._release(slots)
-        return count
-
-    def _acquire(self, n: int, deadline: float) -> list[int] | None:
-        arena = self.manager.arena
-        with self._lock:
-            while arena.num_free < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._slots_freed.wait(left)
-            return arena.allocate(n)
-
-    def _retire(self, offload: Future[TransferResult]) -> None:
-        """Forget a resolved offload's future; wakes :meth:`flush`."""
-        with self._lock:
-            self._pending.discard(offload)
-            self._slots_freed.notify_all()
-
-    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
-        """Return arena slots (and retire the store that used them); wakes waiters."""
-        with self._lock:
-            self.manager.arena.free(slots)
-            if store is not None:
-                self._pending.discard(store)
-            self._slots_freed.notify_all()
 
 
 def _check_wait(timeout: float | None) -> None:

@@ -1,0 +1,144 @@
+"""One batch of pages through the offloader's arena: its slots, its copy, its tier transfer.
+
+:class:`ArenaBatches` lends a batch free arena slots (waiting for them until the caller's
+deadline), packs cache pages into them and hands them to the tier's ``store``, or has the tier
+``load`` into them and unpacks the loaded prefix into cache pages (:mod:`.page_copy`). A slot
+goes back to the arena once nothing can touch it any more: after the copy out for a load, when
+the tier's future resolved for a store (or a load that timed out, which may still land). It
+also counts the offloads still pending, which ``PagedKVOffloader.flush`` waits for.
+
+Threading: ``store``, ``load`` and ``wait_idle`` run on the offloader's caller thread (the
+generation loop); store completions run on the tier's background thread and only return slots
+and retire futures. ``self._changed`` (a condition on ``self._lock``) guards the arena's
+allocator and the set of pending futures (the tier's store futures and the offloads
+``PagedKVOffloader.offload`` returned), and wakes whoever waits for either.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from torch_kv_tier.integrations.torch_loop.offload_results import failed_now
+from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
+from torch_kv_tier.keys import Key
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.results import TransferResult
+
+__all__ = ["ArenaBatches"]
+
+log = logging.getLogger(__name__)
+
+
+class ArenaBatches:
+    """Stores and loads batches of pages through ``manager``'s arena (module docstring); must
+    be the arena's only user. ``timeout`` is the offloader's, named in its log lines."""
+
+    def __init__(self, manager: TierManager, pages: PageCopier, timeout: float) -> None:
+        self._manager = manager
+        self._pages = pages
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._pending: set[Future[TransferResult]] = set()
+
+    def store(self, keys: list[Key], pages: list[int], deadline: float) -> Future[TransferResult]:
+        """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
+        under ``keys``; the pages may change once this returns. The future fails every key
+        with "capacity" when no slots came in time, or with the tier's refusal; a failed copy
+        raises (its slots are back, nothing was sent)."""
+        slots = self._acquire(len(keys), deadline)
+        if slots is None:
+            return failed_now(keys, "capacity", "no free arena slots within the timeout")
+        try:
+            self._pages.gather(pages, slots)
+        except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
+            self._release(slots)
+            raise
+        try:
+            future = self._manager.store(keys, slots)
+        except Exception as exc:
+            self._release(slots)
+            return failed_now(keys, str(exc), "tier refused the store")
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(lambda done: self._release(slots, done))
+        return future
+
+    def load(self, keys: list[Key], pages: list[int], deadline: float) -> int:
+        """Load ``keys`` into free slots and unpack the loaded prefix into ``pages``; returns
+        its length (0 when no slots came by ``deadline``, or the tier refused, failed or did not
+        answer by then). A failed copy into the cache raises; its slots are back."""
+        slots = self._acquire(len(keys), deadline)
+        if slots is None:
+            log.warning("no free arena slots for a restore within the timeout")
+            return 0
+        try:
+            future = self._manager.load(keys, slots)
+        except Exception as exc:
+            self._release(slots)
+            log.warning("tier refused a load, recomputing: %s", exc)
+            return 0
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            # The tier may still write into these slots: hand them back only once it is done.
+            future.add_done_callback(lambda _: self._release(slots))
+            log.warning("restore timed out after %.1f s, recomputing the rest", self._timeout)
+            return 0
+        except Exception as exc:
+            self._release(slots)
+            log.warning("restore failed, recomputing: %s", exc)
+            return 0
+        loaded = set(result.keys)
+        count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
+        if count < len(keys):
+            log.warning("restore stopped at page %d: %s", count, result.failed.get(keys[count]))
+        try:
+            self._pages.scatter(slots[:count], pages[:count])
+        finally:
+            self._release(slots)
+        return count
+
+    def track(self, offload: Future[TransferResult]) -> None:
+        """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
+        with self._lock:
+            self._pending.add(offload)
+        offload.add_done_callback(self._retire)
+
+    def wait_idle(self, deadline: float) -> bool:
+        """Wait until no store or offload is pending; ``False`` if ``deadline`` came first."""
+        with self._lock:
+            while self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def _acquire(self, n: int, deadline: float) -> list[int] | None:
+        arena = self._manager.arena
+        with self._lock:
+            while arena.num_free < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
+            return arena.allocate(n)
+
+    def _retire(self, offload: Future[TransferResult]) -> None:
+        """Forget a resolved offload's future; wakes ``wait_idle``."""
+        with self._lock:
+            self._pending.discard(offload)
+            self._changed.notify_all()
+
+    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
+        """Return arena slots (and retire the store that used them); wakes waiters."""
+        with self._lock:
+            self._manager.arena.free(slots)
+            if store is not None:
+                self._pending.discard(store)
+            self._changed.notify_all()
