@@ -500,6 +500,44 @@ def test_a_runtime_error_of_an_open_tier_is_a_failed_connect() -> None:
         membership.stop(timeout=5)
 
 
+def test_a_failed_disconnect_or_peers_call_of_an_open_tier_is_retried() -> None:
+    """Only a closed tier ends the thread, as the module says (found by review: a
+    ``RuntimeError`` of an open tier's ``disconnect`` or ``peers`` ended it, and any other
+    exception too, so the tier followed its source no more; only a stack on stderr said so)."""
+
+    class FailingTier(FakeTier):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failures = [RuntimeError("NIXL: remove failed"), OSError("peers: EBADF")]
+
+        def disconnect(self, peer_id: str) -> None:
+            with self.lock:
+                failure = self.failures.pop(0) if self.failures else None
+            if failure is not None:
+                raise failure
+            super().disconnect(peer_id)
+
+        def peers(self) -> list[str]:
+            with self.lock:
+                failure = self.failures.pop(0) if len(self.failures) == 1 else None
+            if failure is not None:
+                raise failure
+            return super().peers()
+
+    tier, source = FailingTier(), FakeSource("a:1", "b:2")
+    membership = Membership(tier, source, interval_s=0.02)
+    membership.start()
+    try:
+        wait_until(lambda: tier.peers() == ["host:a:1", "host:b:2"], "both connect")
+        source.hosts = ["b:2"]
+        wait_until(lambda: not tier.failures, "disconnect and peers failed once each")
+        wait_until(lambda: tier.peers() == ["host:b:2"], "a:1 is disconnected at a later round")
+        source.hosts = ["b:2", "c:3"]
+        wait_until(lambda: "host:c:3" in tier.peers(), "the thread still follows its source")
+    finally:
+        membership.stop(timeout=5)
+
+
 def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
     release = threading.Event()
     entered = threading.Event()

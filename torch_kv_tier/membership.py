@@ -13,9 +13,10 @@ called from any thread.
 Failure model: a failed resolve (DNS timeout or SERVFAIL, missing or unreadable file, a bad
 line) keeps the last known set, so a DNS blink never drops every host; an authoritative answer
 (NXDOMAIN, no records, an empty file) is a real set, and empty drops every host. A failed
-connect is retried every round. Both are logged once per outage, and again when they recover.
-Once the tier is closed (its calls raise ``RuntimeError``), the thread ends; a ``RuntimeError``
-of an open tier is a failed call like any other.
+connect is retried every round, as is a failed disconnect of a host that left, and a round that
+failed in another tier call. Each is logged once per outage, and again when it recovers. Once
+the tier is closed (its calls raise ``RuntimeError``), the thread ends; an exception of an open
+tier (``RuntimeError`` too) is a failed call like any other.
 """
 
 from __future__ import annotations
@@ -313,7 +314,9 @@ class Membership:
         self._hosts: dict[str, str | None] = dict(known or {})
         self._lock = threading.Lock()  # guards _hosts; never held while calling the tier
         self._down = {address for address, peer in self._hosts.items() if peer is None}
+        self._leaving: dict[str, str | None] = {}  # gone address -> its peer, to disconnect
         self._resolve_failing = False
+        self._round_failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tkvt-membership", daemon=True)
 
@@ -336,12 +339,26 @@ class Membership:
             return dict(self._hosts)
 
     def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
+        while not self._stop.is_set():
+            try:
                 self._round()
-                self._stop.wait(self._interval_s)
-        except RuntimeError as exc:  # the tier was closed under us
-            logger.info("membership of %s ends: %s", self._source, exc)
+            except Exception as exc:
+                if self._tier.closed:
+                    logger.info("membership of %s ends: %s", self._source, exc)
+                    return
+                if not self._round_failing:
+                    logger.warning(
+                        "a membership round of %s failed; retrying every %.1fs: %r",
+                        self._source,
+                        self._interval_s,
+                        exc,
+                    )
+                self._round_failing = True
+            else:
+                if self._round_failing:
+                    logger.info("membership rounds of %s succeed again", self._source)
+                self._round_failing = False
+            self._stop.wait(self._interval_s)
 
     def _round(self) -> None:
         listed = self._resolve()
@@ -352,13 +369,17 @@ class Membership:
                     del self._hosts[address]
                 for address in listed:
                     self._hosts.setdefault(address, None)
+                    self._leaving.pop(address, None)  # back before its disconnect went through
                 kept = set(self._hosts.values())
-            for address, peer_id in sorted(gone.items()):
+            for address in gone:
                 self._down.discard(address)
+            self._leaving.update(gone)
+            for address, peer_id in sorted(self._leaving.items()):
                 if peer_id is not None and peer_id not in kept:
                     with contextlib.suppress(KeyError):  # the tier had forgotten it already
-                        self._tier.disconnect(peer_id)
+                        self._tier.disconnect(peer_id)  # raises: retried next round
                     logger.info("remote host %s left %s: disconnected", address, self._source)
+                del self._leaving[address]
         live = set(self._tier.peers())
         for address, peer_id in sorted(self.hosts().items()):
             if self._stop.is_set():
