@@ -472,6 +472,13 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
         with pytest.raises(TypeError, match="keys must be"):
             off.offload([1], [1.5])  # type: ignore[list-item]
         assert off.lookup([b"a"]) == 0
+        # lookup checks its keys as restore does, instead of logging a "tier lookup failed"
+        # and answering 0 (a miss) for a key the tier could never hold. (Found by review: these
+        # checks sat after the raising call in a pytest.raises block, so they never ran.)
+        with pytest.raises(TypeError, match="keys must be"):
+            off.lookup([1.5])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="at most 64 bytes"):
+            off.lookup([b"x" * 65])
         with pytest.raises(ValueError, match="timeout"):
             off.flush(float("nan"))
     # A refused close() timeout leaves the offloader open: close() again closes its tier (a
@@ -482,12 +489,6 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     off.close()
     with pytest.raises(RuntimeError, match="closed"):
         off.manager.load([b"a"], [0])
-        # lookup checks its keys as restore does, instead of logging a "tier lookup failed"
-        # and answering 0 (a miss) for a key the tier could never hold.
-        with pytest.raises(TypeError, match="keys must be"):
-            off.lookup([1.5])  # type: ignore[list-item]
-        with pytest.raises(ValueError, match="at most 64 bytes"):
-            off.lookup([b"x" * 65])
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------
