@@ -489,6 +489,10 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     off.close()
     with pytest.raises(RuntimeError, match="closed"):
         off.manager.load([b"a"], [0])
+    # Found by review: lookup on a closed offloader answered 0 (a miss, with a "tier lookup
+    # failed" warning), where offload and restore raise.
+    with pytest.raises(RuntimeError, match="lookup on a closed PagedKVOffloader"):
+        off.lookup([b"a"])
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------

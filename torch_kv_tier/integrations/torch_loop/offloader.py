@@ -230,8 +230,9 @@ class PagedKVOffloader:
         """Number of leading ``keys`` stored in the tier (0 if the tier cannot answer).
 
         ``keys`` are checked as :meth:`restore` checks them: ``TypeError`` for a non-key,
-        ``ValueError`` for a repeat or a key out of the limits.
+        ``ValueError`` for a repeat or a key out of the limits; ``RuntimeError`` once closed.
         """
+        self._check_open("lookup")
         return self._lookup(check_keys(keys))
 
     def offload(self, page_ids: Sequence[int], keys: Sequence[Key]) -> Future[TransferResult]:
@@ -337,8 +338,7 @@ class PagedKVOffloader:
     def _check_args(
         self, keys: Sequence[Key], page_ids: Sequence[int], what: str
     ) -> tuple[list[Key], list[int]]:
-        if self._closed:
-            raise RuntimeError(f"{what} on a closed PagedKVOffloader")
+        self._check_open(what)
         checked = check_keys(keys)  # TypeError for a non-key, ValueError for a repeat
         pages = [operator.index(p) for p in page_ids]
         if len(pages) != len(checked):
@@ -347,6 +347,10 @@ class PagedKVOffloader:
         if bad:
             raise ValueError(f"{what}: page ids {bad[:5]} outside 0..{self.num_pages - 1}")
         return checked, pages
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed PagedKVOffloader")
 
     def _contains(self, key: Key) -> bool:
         try:
