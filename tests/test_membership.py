@@ -561,9 +561,12 @@ def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
     assert tier.calls == [("connect", "a:1")]
 
 
-def test_membership_needs_a_positive_interval() -> None:
-    with pytest.raises(ValueError, match="interval_s"):
-        Membership(FakeTier(), FakeSource(), interval_s=0)
+@pytest.mark.parametrize("interval_s", [0, -1.0, float("nan"), float("inf")])
+def test_membership_needs_a_positive_finite_interval(interval_s: float) -> None:
+    # inf (found by review) was taken: the thread's first wait raised OverflowError, which
+    # ended it after one round.
+    with pytest.raises(ValueError, match="interval_s must be a finite positive"):
+        Membership(FakeTier(), FakeSource(), interval_s=interval_s)
 
 
 # -- a real tier and a real host ---------------------------------------------------------------

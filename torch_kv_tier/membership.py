@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import stat
 import threading
@@ -305,8 +306,10 @@ class Membership:
         connect_kwargs: Mapping[str, Any] | None = None,
         known: Mapping[str, str | None] | None = None,
     ) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s}")
+        if not 0 < interval_s < math.inf:
+            raise ValueError(
+                f"interval_s must be a finite positive number of seconds, got {interval_s}"
+            )
         self._tier = tier
         self._source = source
         self._interval_s = interval_s
