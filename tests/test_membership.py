@@ -569,6 +569,26 @@ def test_membership_needs_a_positive_finite_interval(interval_s: float) -> None:
         Membership(FakeTier(), FakeSource(), interval_s=interval_s)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"timout_s": 5.0}, TypeError, "timout_s"),
+        ({"slots": 8}, ValueError, "private=True"),
+        ({"token": ""}, ValueError, "token is empty"),
+    ],
+)
+def test_connect_kwargs_no_host_could_accept_are_refused_at_once(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """Found by review: they were taken, and every round's connect of every host failed on
+    them, logged as "cannot be connected; retrying" as if the hosts were down."""
+    with (
+        TierManager.create(4, BLOCK_LEN, name="connect-kwargs") as tier,
+        pytest.raises(error, match=match),
+    ):
+        Membership(tier, StaticHosts(["127.0.0.1:5600"]), connect_kwargs=kwargs)
+
+
 # -- a real tier and a real host ---------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ tier (``RuntimeError`` too) is a failed call like any other.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import os
@@ -36,6 +37,7 @@ import dns.exception
 import dns.resolver
 
 from torch_kv_tier.remote.client import parse_address
+from torch_kv_tier.remote.handshake import check_connect_args
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +287,18 @@ def first_hosts(source: HostSource) -> list[str]:
     return hosts
 
 
+def _check_connect_kwargs(tier: Tier, kwargs: dict[str, Any]) -> None:
+    """``TypeError`` for ``kwargs`` that ``tier.connect`` does not take, ``ValueError`` for
+    values no host could accept (``handshake.check_connect_args``)."""
+    try:
+        inspect.signature(tier.connect).bind("host:1", **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"connect_kwargs do not fit {type(tier).__name__}.connect: {exc}") from None
+    check_connect_args(
+        "host:1", kwargs.get("slots"), bool(kwargs.get("private", False)), kwargs.get("token")
+    )
+
+
 class Membership:
     """A daemon thread that keeps ``tier`` connected to what ``source`` resolves to.
 
@@ -295,6 +309,9 @@ class Membership:
     lists, or that never connected, is dialled again. ``known`` are addresses the caller already
     dialled: their peer ids, or ``None`` for a host that did not answer (already logged).
     The tier owns the peers; this object only calls its public methods (module docstring).
+
+    ``connect_kwargs`` that ``tier.connect`` does not take raise ``TypeError``, and values no
+    host could accept (``slots`` without ``private``, an empty ``token``) ``ValueError``, here.
     """
 
     def __init__(
@@ -314,6 +331,7 @@ class Membership:
         self._source = source
         self._interval_s = interval_s
         self._connect_kwargs = dict(connect_kwargs or {})
+        _check_connect_kwargs(tier, self._connect_kwargs)
         self._hosts: dict[str, str | None] = dict(known or {})
         self._lock = threading.Lock()  # guards _hosts; never held while calling the tier
         self._down = {address for address, peer in self._hosts.items() if peer is None}
