@@ -545,6 +545,24 @@ def test_example_command_starts_its_own_remote_host(capsys: pytest.CaptureFixtur
     assert "bit-identical to full recompute (torch.equal, prompt + decode): yes" in out
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prefix-tokens", "4"], "need prefix_tokens >= page_size"),
+        (["--remote", "localhost"], "HOST:PORT"),
+        (["--token-file", "/nonexistent/token"], "/nonexistent/token"),
+    ],
+)
+def test_example_reports_bad_arguments_as_errors(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by review: each raised a traceback (ValueError, FileNotFoundError) instead of
+    # saying what is wrong.
+    assert example_main(["--layers", "2", "--hidden", "64", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_example_refuses_a_cuda_device_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             staging=args.staging,
             repeat=args.repeat,
         )
-    except OffloadError as exc:
+    except (OffloadError, ValueError, OSError) as exc:  # a host, an argument, the token file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_report(result)
