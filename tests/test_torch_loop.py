@@ -493,6 +493,9 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     # failed" warning), where offload and restore raise.
     with pytest.raises(RuntimeError, match="lookup on a closed PagedKVOffloader"):
         off.lookup([b"a"])
+    # connect, likewise, logged "remote host ... unavailable" and answered "" (no peer).
+    with pytest.raises(RuntimeError, match="connect on a closed PagedKVOffloader"):
+        off.connect(remote)
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------

@@ -215,8 +215,9 @@ class PagedKVOffloader:
 
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``). Arguments no
         host could accept (an address not ``HOST:PORT``, ``slots`` without ``private`` or not
-        > 0, an empty ``token``) raise ``ValueError`` instead.
+        > 0, an empty ``token``) raise ``ValueError`` instead; ``RuntimeError`` once closed.
         """
+        self._check_open("connect")
         check_connect_args(address, slots, private, token)
         try:
             return self.manager.connect(address, token=token, private=private, slots=slots)
