@@ -538,6 +538,34 @@ def test_a_failed_disconnect_or_peers_call_of_an_open_tier_is_retried() -> None:
         membership.stop(timeout=5)
 
 
+def test_a_host_whose_disconnect_keeps_failing_holds_up_no_other_host(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One host that left and cannot be disconnected (every try raises) is tried every round,
+    logged once; hosts that come meanwhile are connected, and other hosts that leave are
+    disconnected."""
+
+    class StuckTier(FakeTier):
+        def disconnect(self, peer_id: str) -> None:
+            if peer_id == "host:a:1":
+                raise RuntimeError("NIXL: remove failed")
+            super().disconnect(peer_id)
+
+    tier, source = StuckTier(), FakeSource("a:1", "b:2")
+    membership = Membership(tier, source, interval_s=0.02)
+    membership.start()
+    try:
+        wait_until(lambda: tier.peers() == ["host:a:1", "host:b:2"], "both connect")
+        source.hosts = ["c:3"]
+        wait_until(lambda: "host:c:3" in tier.peers(), "c:3 connects")
+        wait_until(lambda: "host:b:2" not in tier.peers(), "b:2 is disconnected")
+        rounds(source, 3)
+        assert "host:a:1" in tier.peers() and membership.hosts() == {"c:3": "host:c:3"}
+        assert caplog.text.count("cannot be disconnected") == 1
+    finally:
+        membership.stop(timeout=5)
+
+
 def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
     release = threading.Event()
     entered = threading.Event()

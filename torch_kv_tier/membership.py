@@ -390,17 +390,15 @@ class Membership:
                     del self._hosts[address]
                 for address in listed:
                     self._hosts.setdefault(address, None)
-                    self._leaving.pop(address, None)  # back before its disconnect went through
+                    if self._leaving.pop(address, None):  # back before it was disconnected
+                        self._down.discard(address)
                 kept = set(self._hosts.values())
             for address in gone:
                 self._down.discard(address)
             self._leaving.update(gone)
             for address, peer_id in sorted(self._leaving.items()):
-                if peer_id is not None and peer_id not in kept:
-                    with contextlib.suppress(KeyError):  # the tier had forgotten it already
-                        self._tier.disconnect(peer_id)  # raises: retried next round
-                    logger.info("remote host %s left %s: disconnected", address, self._source)
-                del self._leaving[address]
+                if peer_id is None or peer_id in kept or self._disconnect(address, peer_id):
+                    del self._leaving[address]
         live = set(self._tier.peers())
         for address, peer_id in sorted(self.hosts().items()):
             if self._stop.is_set():
@@ -420,6 +418,29 @@ class Membership:
             logger.info("%s resolves again: %d remote host(s)", self._source, len(listed))
         self._resolve_failing = False
         return listed
+
+    def _disconnect(self, address: str, peer_id: str) -> bool:
+        """Disconnect the peer of ``address``, which left; ``False`` when that failed (tried
+        again next round, logged once). A ``RuntimeError`` of a closed tier ends the thread."""
+        try:
+            with contextlib.suppress(KeyError):  # the tier had forgotten it already
+                self._tier.disconnect(peer_id)
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and self._tier.closed:
+                raise
+            if address not in self._down:
+                self._down.add(address)
+                logger.warning(
+                    "remote host %s left %s but cannot be disconnected; retrying every %.1fs: %s",
+                    address,
+                    self._source,
+                    self._interval_s,
+                    exc,
+                )
+            return False
+        self._down.discard(address)
+        logger.info("remote host %s left %s: disconnected", address, self._source)
+        return True
 
     def _dial(self, address: str) -> None:
         """Connect ``address``; a ``RuntimeError`` of a closed tier ends the thread."""
