@@ -13,6 +13,7 @@ from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
 from torch_kv_tier.results import MISSING
+from torch_kv_tier.shared_host import SharedHost
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -128,6 +129,28 @@ def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:
         result = tier.load([b"ghost"], [0]).result(timeout=RESULT_TIMEOUT_S)
         assert result.failed == {b"ghost": MISSING}  # slot 3 does not hold its bytes
         assert tier.lookup([b"ghost"]) == 0 and tier.stats().verify_failed == 1
+
+
+def test_a_key_whose_bytes_failed_their_check_is_not_kept_warm_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load touches the keys it read, to keep them on a full host; one whose bytes failed
+    their check is not touched (found by review: it was, so a bad copy stayed recently used,
+    and since a host keeps a key's first copy, an honest store of it could not replace it)."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(8, BLOCK_LEN, name="touch") as tier,
+    ):
+        peer_id = tier.connect(server.address)
+        host = tier._peers[peer_id]
+        fill_random(tier)
+        assert tier.store([b"good"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        tier._on_host_changes(host, ([b"ghost"], [3], [12345], [], False, ()))  # a bad copy
+        touched: list[object] = []
+        monkeypatch.setattr(SharedHost, "touch", lambda _host, keys: touched.extend(keys))
+        result = tier.load([b"good", b"ghost"], [1, 2]).result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {b"ghost": MISSING}
+        assert touched == [b"good"]
 
 
 @COPIES

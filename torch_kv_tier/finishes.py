@@ -137,15 +137,14 @@ class Finishes:
             op.owner.nbytes += n * self._block_len
             if peer is not None:
                 peer.read += n * self._block_len
-                if isinstance(peer, SharedHost):
-                    peer.touch(op.keys)
+                if isinstance(peer, SharedHost):  # a key whose bytes failed is not kept warm
+                    peer.touch(_without(op.keys, bad))
         self._settle(op, bad, reason)
 
     def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
         """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing"."""
         if bad:
-            rejected = set(bad)
-            op.owner.settle([k for k in op.keys if k not in rejected], reason)
+            op.owner.settle(_without(op.keys, bad), reason)
             op.owner.settle(bad, MISSING)
         else:
             op.owner.settle(op.keys, reason)
@@ -158,3 +157,11 @@ class Finishes:
         if request.pending == 0 and not request.queued:
             request.queued = True
             self._ready.append(request)
+
+
+def _without(keys: list[Key], bad: list[Key]) -> list[Key]:
+    """``keys`` less ``bad`` ones, in order."""
+    if not bad:
+        return keys
+    rejected = set(bad)
+    return [k for k in keys if k not in rejected]
