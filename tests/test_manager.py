@@ -219,6 +219,30 @@ def test_bad_input_raises_before_anything_is_sent(peers: tuple[RemotePeer, Remot
             tier.remove_peer("nobody")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"base_addr": -1}, {"base_addr": 1.5}, {"num_blocks": 0}, {"block_len": BLOCK * 2}],
+    ids=["negative address", "float address", "no blocks", "other block size"],
+)
+def test_readding_a_peer_with_a_bad_region_raises_and_keeps_its_keys(
+    peers: tuple[RemotePeer, RemotePeer], bad: dict[str, object]
+) -> None:
+    """Re-adding a known peer id replaces its registration, but a region that cannot be one
+    raises before the old registration and its keys are dropped (found by review: only the
+    block size was checked first; any other bad argument lost every key stored there)."""
+    with make_tier(64) as tier:
+        metadata, base_addr, num_blocks, block_len = peers[0].peer_args()
+        tier.add_peer("a", metadata, base_addr, num_blocks, block_len)
+        tier.arena.tensor[:2].random_(0, 256)
+        assert tier.store(["k0", "k1"], [0, 1]).result(10).ok
+        region = {"base_addr": base_addr, "num_blocks": num_blocks, "block_len": block_len}
+        with pytest.raises((TypeError, ValueError)):
+            tier.add_peer("a", metadata, **{**region, **bad})  # type: ignore[arg-type]
+        assert tier.peers() == ["a"] and tier.lookup(["k0", "k1"]) == 2
+        assert tier.load(["k0", "k1"], [2, 3]).result(10).ok
+        assert torch.equal(tier.arena.tensor[2:4], tier.arena.tensor[0:2])
+
+
 def test_the_grant_batch_defaults_to_a_reserve_sized_for_the_block() -> None:
     with TierManager.create(4, 64 << 10, name="reserve") as tier:
         assert tier.grant_batch == default_grant_batch(64 << 10) == 1024

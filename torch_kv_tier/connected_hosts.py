@@ -26,7 +26,7 @@ from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.records import Peer
 from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.session_releases import SessionReleases, end_session
-from torch_kv_tier.transport.base import DataTransport
+from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
 
@@ -349,11 +349,9 @@ class ConnectedHosts(SessionReleases):
         session: Any,
     ) -> None:
         """Register a tier-owned region (``add_peer``, or a private lease's) (unlocked)."""
+        # bad input raises before the old registration and its keys are dropped
+        check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
         slots = range(num_blocks) if slots is None else slots
-        if block_len != self.transport.block_len:
-            raise ValueError(
-                f"peer block_len {block_len} != local block_len {self.transport.block_len}"
-            )
         if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
             raise ValueError(
                 f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -323,3 +324,38 @@ class DataTransport(ABC):
         ``close`` releases everything before it returns. ``NixlTransport`` may finish its release
         later (a registration stuck past ``close``), and runs it then, on that thread."""
         callback()
+
+
+# Past this, a block address does not fit the int64 descriptors a transport builds.
+_ADDRESS_LIMIT = 2**63
+
+
+def check_peer_region(
+    peer_id: str, base_addr: int, num_blocks: int, block_len: int, local_len: int, device_id: int
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument unless the peer's region is
+    ``num_blocks`` blocks of ``local_len`` bytes at a non-negative ``base_addr`` that fits
+    the int64 descriptors a transport builds, on a non-negative ``device_id``. Ints only
+    (``bool`` is not one)."""
+    for name, value in (
+        ("base_addr", base_addr),
+        ("num_blocks", num_blocks),
+        ("block_len", block_len),
+        ("device_id", device_id),
+    ):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"peer {peer_id!r} {name} must be an int, got {type(value).__name__}")
+    if block_len != local_len:
+        raise ValueError(
+            f"peer {peer_id!r} block_len {block_len} != local block_len {local_len}: "
+            "both sides must use the same block size"
+        )
+    if num_blocks <= 0:
+        raise ValueError(f"peer {peer_id!r} num_blocks must be > 0, got {num_blocks}")
+    if device_id < 0:
+        raise ValueError(f"peer {peer_id!r} device_id must be >= 0, got {device_id}")
+    if not 0 <= base_addr <= _ADDRESS_LIMIT - num_blocks * block_len:
+        raise ValueError(
+            f"peer {peer_id!r} base_addr {base_addr:#x} with {num_blocks} blocks of {block_len} B "
+            f"is not a region in [0, {_ADDRESS_LIMIT:#x}): pass the address its peer advertised"
+        )

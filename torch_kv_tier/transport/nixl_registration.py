@@ -15,51 +15,18 @@ and never holds it while NIXL loads a remote agent.
 
 from __future__ import annotations
 
-import numbers
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
-from torch_kv_tier.transport.base import BlockRegion
+from torch_kv_tier.transport.base import BlockRegion, check_peer_region
 from torch_kv_tier.transport.faults import PeerHealth
 from torch_kv_tier.transport.nixl_peers import NixlPeers
 from torch_kv_tier.transport.registrar import Registrar
 
 # How long ``add_remote_peer`` waits for a registration (NIXL's local work: milliseconds here).
 REGISTRATION_TIMEOUT_S = 60.0
-# Past this, a block address does not fit the int64 descriptors NIXL is given (``descriptors``).
-_ADDRESS_LIMIT = 2**63
-
-
-def check_peer_region(
-    peer_id: str, base_addr: int, num_blocks: int, block_len: int, local_len: int, device_id: int
-) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the argument unless the peer's region is
-    ``num_blocks`` blocks of ``local_len`` bytes at a non-negative ``base_addr`` that fits
-    NIXL's descriptors, on a non-negative ``device_id``. Ints only (``bool`` is not one)."""
-    for name, value in (
-        ("base_addr", base_addr),
-        ("num_blocks", num_blocks),
-        ("block_len", block_len),
-        ("device_id", device_id),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"peer {peer_id!r} {name} must be an int, got {type(value).__name__}")
-    if block_len != local_len:
-        raise ValueError(
-            f"peer {peer_id!r} block_len {block_len} != local block_len {local_len}: "
-            "both sides must use the same block size"
-        )
-    if num_blocks <= 0:
-        raise ValueError(f"peer {peer_id!r} num_blocks must be > 0, got {num_blocks}")
-    if device_id < 0:
-        raise ValueError(f"peer {peer_id!r} device_id must be >= 0, got {device_id}")
-    if not 0 <= base_addr <= _ADDRESS_LIMIT - num_blocks * block_len:
-        raise ValueError(
-            f"peer {peer_id!r} base_addr {base_addr:#x} with {num_blocks} blocks of {block_len} B "
-            f"is not a region in [0, {_ADDRESS_LIMIT:#x}): pass the address its peer advertised"
-        )
 
 
 class NixlRegistration:
