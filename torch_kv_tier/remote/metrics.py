@@ -154,6 +154,18 @@ def _disk_metrics(stats: Mapping[str, Any], metric: Callable[..., None]) -> None
         [("", stats["disk_failures"])],
     )
     metric(
+        "disk_stuck_total",
+        "counter",
+        "Disk requests given up after their timeout (a hung device).",
+        [("", stats["disk_stuck"])],
+    )
+    metric(
+        "disk_stuck_in_flight",
+        "gauge",
+        "Disk requests given up that have not ended yet (their slots stay out of use).",
+        [("", stats["disk_stuck_in_flight"])],
+    )
+    metric(
         "disk_gbps",
         "gauge",
         "Disk GB/s over the time its requests were in flight.",
