@@ -65,7 +65,10 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
         [("", stats["slots_used"])],
     )
     metric(
-        "sessions", "gauge", "Connected clients holding a lease.", [("", len(stats["sessions"]))]
+        "sessions",
+        "gauge",
+        "Sessions open: private leases and shared joins.",
+        [("", len(stats["sessions"]))],
     )
     metric(
         "session_lease_blocks",
