@@ -15,6 +15,7 @@ import torch
 from remote_support import BLOCK_LEN, wait_for
 from test_index import LateWriteTransport
 
+from torch_kv_tier import session_releases
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.manager import TierManager
@@ -415,3 +416,24 @@ def test_a_redial_whose_new_session_is_lost_at_once_dials_again() -> None:
         assert wait_for(lambda: len(dials) == 2, 10.0), dials
     finally:
         redialer.stop(timeout=5.0)
+
+
+def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close`` ends every host's session side by side within its timeout (found by review:
+    it waited for each in turn with the whole timeout, so N frozen hosts took N times it)."""
+    release = threading.Event()
+    monkeypatch.setattr(
+        session_releases, "end_session", lambda *_args: release.wait(30)
+    )  # a host that does not answer
+    sessions = [type("S", (), {"address": f"h{i}:1"})() for i in range(4)]
+    arena = BlockArena(4, BLOCK_LEN)
+    tier = TierManager(arena, LateWriteTransport(arena.tensor))
+    try:
+        start = time.monotonic()
+        tier._end_sessions([(s, True) for s in sessions], 0.5)
+        assert time.monotonic() - start < 1.5  # 2 s when each waited 0.5 s in turn
+    finally:
+        release.set()
+        tier.close()
