@@ -120,6 +120,18 @@ def _host(num_blocks: int = 8, disk_slots: int = 64, admit: int = 1) -> tuple[An
     return cache, disk, tier
 
 
+def _a_only_on_disk() -> tuple[Any, ...]:
+    """A 4-slot host whose ``a`` left DRAM for its disk (``b`` to ``e`` in DRAM), its events
+    taken."""
+    cache, disk, tier = _host(num_blocks=4)
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)
+    _store(cache, ["e"])  # a leaves DRAM for the disk
+    _events(cache)
+    return cache, disk, tier
+
+
 def _store(cache: SharedCache, keys: list[Any]) -> None:
     slots = cache.grant("s", len(keys))
     assert len(slots) == len(keys)
@@ -203,12 +215,7 @@ def test_a_disk_that_drops_a_key_announces_it_evicted() -> None:
 
 
 def test_a_failed_promotion_frees_its_slot_and_announces_the_key_evicted() -> None:
-    cache, disk, tier = _host(num_blocks=4)
-    _store(cache, ["a", "b", "c", "d"])
-    tier.step(now=1.0)
-    tier.step(now=2.0)
-    _store(cache, ["e"])  # a leaves DRAM for the disk
-    _events(cache)
+    cache, disk, tier = _a_only_on_disk()
     disk.fail_reads = True
     tier.promote(cache.namespace_of("s"), ["a"], 3.0)
     tier.step(now=3.0)
@@ -223,12 +230,7 @@ def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends() -
     """Found by review: a disk read that hung was waited on forever (its promotion never
     failed, its slot stayed granted). A read the disk gives up fails the promotion, but its
     slot, which the read may still write, goes back to the pool only once the read ends."""
-    cache, disk, tier = _host(num_blocks=4)
-    _store(cache, ["a", "b", "c", "d"])
-    tier.step(now=1.0)
-    tier.step(now=2.0)
-    _store(cache, ["e"])  # a leaves DRAM for the disk
-    _events(cache)
+    cache, disk, tier = _a_only_on_disk()
     disk.hang_reads = True
     tier.promote(cache.namespace_of("s"), ["a"], 3.0)
     tier.step(now=3.0)  # a DRAM slot taken, the read posted

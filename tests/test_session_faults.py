@@ -27,6 +27,17 @@ from torch_kv_tier.shared_host import SharedHost
 RESULT_TIMEOUT_S = 20.0
 
 
+def _held_session(address: str) -> RemoteSession:
+    """A shared session at ``address`` granted 2 slots and ended unclean, as if a write of it
+    could still land: the host holds it until it is named resolved."""
+    session = fake_session(address, private=False)
+    granted: Future[Future[p.ServerMessage]] = Future()
+    session.grant(2, granted.set_result)
+    assert isinstance(granted.result(timeout=10).result(), p.Granted)
+    session.close(clean=False)
+    return session
+
+
 def test_a_grant_answered_after_its_timeout_still_brings_its_slots() -> None:
     """A grant request that timed out (a host frozen for longer than the request timeout,
     shorter than the heartbeat timeout) was answered late: the host counted those slots as
@@ -122,11 +133,7 @@ def test_a_release_lost_with_its_session_is_told_again() -> None:
         TierManager.create(16, BLOCK_LEN, name="releases") as tier,
     ):
         peer = tier.connect(server.address)
-        held = fake_session(server.address, private=False)
-        granted: Future[Future[p.ServerMessage]] = Future()
-        held.grant(2, granted.set_result)
-        assert isinstance(granted.result(timeout=10).result(), p.Granted)
-        held.close(clean=False)  # as if a write of it could still land: the host holds it
+        held = _held_session(server.address)
         (host,) = tier._peers.values()
         ports = control_ports(server)
         stop_process(server.proc.pid)
@@ -183,11 +190,7 @@ def test_a_release_sent_over_a_join_that_failed_is_told_again(
         ServerProcess.start(64, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="failed-join") as tier,
     ):
-        held = fake_session(server.address, private=False)
-        granted: Future[Future[p.ServerMessage]] = Future()
-        held.grant(2, granted.set_result)
-        assert isinstance(granted.result(timeout=10).result(), p.Granted)
-        held.close(clean=False)  # as if a write of it could still land: the host holds it
+        held = _held_session(server.address)
         follow = RemoteSession.follow
 
         def freeze_then_follow(session: RemoteSession, on_change: Any) -> None:
@@ -277,11 +280,7 @@ def test_sessions_resolved_for_a_host_the_tier_does_not_dial_are_kept_for_its_ne
         ServerProcess.start(64, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="undialled") as tier,
     ):
-        ended = fake_session(server.address, private=False)
-        granted: Future[Future[p.ServerMessage]] = Future()
-        ended.grant(2, granted.set_result)
-        assert isinstance(granted.result(timeout=10).result(), p.Granted)
-        ended.close(clean=False)  # as if a write of it could still land: the host holds it
+        ended = _held_session(server.address)
         with tier._lock:  # as the transport reports that write (``transfers``)
             tier._ended.ended(ended, 1)
             assert tier._ended.write_resolved(ended)

@@ -212,37 +212,29 @@ class Membership:
             with contextlib.suppress(KeyError):  # the tier had forgotten it already
                 self._tier.disconnect(peer_id)
         except Exception as exc:
-            if isinstance(exc, RuntimeError) and self._tier.closed:
-                raise
-            if address not in self._down:
-                self._down.add(address)
-                logger.warning(
-                    "remote host %s left %s but cannot be disconnected; retrying every %.1fs: %s",
-                    address,
-                    self._source,
-                    self._interval_s,
-                    exc,
-                )
+            self._failed(address, f"left {self._source} but cannot be disconnected", exc)
             return False
         self._down.discard(address)
         logger.info("remote host %s left %s: disconnected", address, self._source)
         return True
+
+    def _failed(self, address: str, what: str, exc: Exception) -> None:
+        """``address`` failed (``what``): logged once until it works again (the round retries
+        it); a closed tier's ``RuntimeError`` is raised again, ending the thread."""
+        if isinstance(exc, RuntimeError) and self._tier.closed:
+            raise exc
+        if address not in self._down:
+            self._down.add(address)
+            logger.warning(
+                "remote host %s %s; retrying every %.1fs: %s", address, what, self._interval_s, exc
+            )
 
     def _dial(self, address: str) -> None:
         """Connect ``address``; a ``RuntimeError`` of a closed tier ends the thread."""
         try:
             peer_id = self._tier.connect(address, **self._connect_kwargs)
         except Exception as exc:
-            if isinstance(exc, RuntimeError) and self._tier.closed:
-                raise
-            if address not in self._down:
-                self._down.add(address)
-                logger.warning(
-                    "remote host %s cannot be connected; retrying every %.1fs: %s",
-                    address,
-                    self._interval_s,
-                    exc,
-                )
+            self._failed(address, "cannot be connected", exc)
             return
         with self._lock:
             self._hosts[address] = peer_id
