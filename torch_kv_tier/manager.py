@@ -199,7 +199,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
 
         Re-adding a known ``peer_id`` drops the old registration and its keys first; slots that
         a write of the old registration may still land on are withheld until it resolves.
-        Raises ``ValueError`` for a bad region, or what NIXL raised when it cannot register it.
+        Raises ``TypeError``/``ValueError`` for a bad region (before anything is dropped), or
+        what NIXL raised when it cannot register it.
         """
         self._add_private(peer_id, agent_metadata, base_addr, num_blocks, block_len, slots, None)
 
