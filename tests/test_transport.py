@@ -27,7 +27,7 @@ from torch_kv_tier.transport import (
     nixl_registration,
 )
 from torch_kv_tier.transport import nixl as nixl_module
-from torch_kv_tier.transport.ucx_env import apply_ucx_policy, ucx_backend_params
+from torch_kv_tier.transport.ucx_env import NO_SPLIT, apply_ucx_policy, ucx_backend_params
 
 BLOCK = 4096
 
@@ -929,24 +929,49 @@ def test_without_nixl_the_transport_is_unavailable_and_says_how_to_install(
     t.close()
 
 
-def test_gpu_hosts_get_a_ucx_backend_without_rc_gda(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, peer: RemotePeer
-) -> None:
+def test_ucx_backend_params_never_split_and_leave_out_rc_gda_on_gpu_hosts(tmp_path: Any) -> None:
     none = tmp_path / "none"
     none.mkdir()
     gpus = tmp_path / "gpus"
     (gpus / "0000:01:00.0").mkdir(parents=True)
-    assert ucx_backend_params(4, procfs=none) is None
-    params = ucx_backend_params(4, procfs=gpus)
-    assert params == {"engine_config": "TLS=^rc_gda", "num_threads": "4"}
-    # This NIXL accepts them: a transport built as on a GPU host still moves bytes.
-    monkeypatch.setattr(nixl_agent, "ucx_backend_params", lambda n: params)
-    t = NixlTransport("gpu-host", random_blocks(4, seed=9))
+    assert ucx_backend_params(4, procfs=none) == {"num_threads": "4", "split_batch_size": NO_SPLIT}
+    assert ucx_backend_params(4, procfs=gpus) == {
+        "num_threads": "4",
+        "split_batch_size": NO_SPLIT,
+        "engine_config": "TLS=^rc_gda",
+    }
+    assert ucx_backend_params(0, procfs=none) == {}  # no worker threads: NIXL never splits
+
+
+@pytest.mark.parametrize("gpu_host", [False, True], ids=["cpu-host", "gpu-host"])
+def test_a_transfer_of_1024_blocks_is_posted_whole_and_round_trips(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, peer: RemotePeer, gpu_host: bool
+) -> None:
+    """NIXL's UCX backend splits a transfer of 1,024 descriptors or more across its worker
+    threads unless told not to (``ucx_env.ucx_backend_params``); the live agent must have taken
+    that setting (and, as on a GPU host, the rc_gda one), and such a transfer still moves bytes."""
+    procfs = tmp_path / "gpus"
+    procfs.mkdir()
+    if gpu_host:
+        (procfs / "0000:01:00.0").mkdir()
+    monkeypatch.setattr(
+        nixl_agent, "ucx_backend_params", lambda n: ucx_backend_params(n, procfs=procfs)
+    )
+    blocks = list(range(1024))
+    t = NixlTransport("whole", random_blocks(1024, seed=9))
     try:
+        options = t._agent.backend_options["UCX"]
+        assert options["split_batch_size"] == NO_SPLIT
+        assert options.get("engine_config") == ("TLS=^rc_gda" if gpu_host else None)
         t.add_remote_peer("p", *peer.peer_args())
-        tid = t.write_blocks("p", [0, 1, 2, 3], [20, 21, 22, 23])
+        tid = t.write_blocks("p", blocks, blocks[::-1])
         assert drain(t, {tid})[0] == {tid}
-        assert torch.equal(peer.get([20, 21, 22, 23]), t.region.owner)
+        assert torch.equal(peer.get(blocks[::-1]), t.region.owner)
+        sent = t.region.owner.clone()
+        t.region.owner.zero_()
+        rid = t.read_blocks("p", blocks, blocks[::-1])
+        assert drain(t, {rid})[0] == {rid}
+        assert torch.equal(t.region.owner, sent)
     finally:
         t.close()
 

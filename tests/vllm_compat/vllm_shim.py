@@ -36,8 +36,9 @@ NOT_APPLICABLE = {
         "and num_threads"
     ),
     "TestNixlAgentConfigSelection::test_ucx_only_creates_backend_without_rc_gda": (
-        "asserts vLLM's exact agent configuration; ours drops rc_gda only on GPU hosts "
-        "(ucx_env.ucx_backend_params, tested in tests/test_transport.py)"
+        "asserts vLLM's exact agent configuration; ours also never lets NIXL split a "
+        "transfer and drops rc_gda only on GPU hosts (ucx_env.ucx_backend_params, tested in "
+        "tests/test_transport.py)"
     ),
     "TestNixlAgentConfigSelection::test_default_backends_is_ucx_only": (
         "asserts vLLM's exact nixl_agent_config(backends=[], capture_telemetry=True) call"

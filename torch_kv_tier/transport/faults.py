@@ -5,11 +5,10 @@ The failure model (vLLM 0.33's, see ``base.py``): a transfer failure is transfer
 raises, or an error naming a dead or unknown remote agent, faults the peer at once. Only a remote
 disconnect proves that a transfer can no longer write; every other raise leaves it in flight,
 because a WRITE was measured upstream to keep landing after its handle raised "not found".
-Not even a disconnect proves it for a transfer NIXL's UCX backend split across its worker
-threads (1,024 descriptors or more): one part's error completes the others while they may
-still run (``nixlUcxChunkBackendReqH::status``). That is a known gap (README, "Local blocks
-stay withheld"): a stray write it leaves is caught by the readers' digest check (on by default),
-a stray read part is not.
+A disconnect would not prove it for a transfer NIXL's UCX backend split across its worker
+threads (1,024 descriptors or more): one part's error completes the others while they may still
+run (``nixlUcxChunkBackendReqH::status``). So the agents never let it split
+(``ucx_env.ucx_backend_params``).
 
 Threading: ``PeerHealth`` has no lock; its owner (``NixlTransport``) calls it under its own.
 Pure Python: nothing here imports NIXL (errors are matched by class name and status text).

@@ -62,7 +62,8 @@ class NixlTransport(NixlRegistration, DataTransport):
         region: 2-D memoryview or contiguous 2-D ``torch.uint8`` tensor (CPU: DRAM, CUDA: VRAM).
         config_fields: model config values hashed into ``config_fingerprint``.
         backends: NIXL backends (default ``["UCX"]``).
-        num_threads: worker threads for multi-threaded backends (UCX).
+        num_threads: worker threads for multi-threaded backends (UCX). The UCX backend never
+            splits a transfer across them (``ucx_env.ucx_backend_params``).
         passive_progress: run NIXL's progress thread (with a delay, see ``nixl_agent``), so the
             transport serves transfers aimed at it with nothing called on it. An initiator that
             is never a target (a tier client) may pass False: it progresses its own transfers

@@ -107,14 +107,13 @@ def make_agent(
     under RW only loading a remote agent's metadata excludes them, not the per-block descriptor
     preparation. NIXL versions without ``sync_mode`` keep their default.
 
-    UCX-only agents on GPU hosts get their UCX backend created explicitly, without the
-    ``rc_gda`` transports (see ``ucx_backend_params``).
+    The UCX backend is created explicitly, with ``ucx_backend_params`` (never split a transfer;
+    no ``rc_gda`` on GPU hosts), after the other ``backends`` NIXL creates from the config.
     """
-    gda_params = ucx_backend_params(num_threads) if backends == ["UCX"] else None
     sync = getattr(sys.modules.get(config_cls.__module__), "nixl_thread_sync_t", None)
     config = config_cls(
         enable_prog_thread=progress_thread,
-        backends=[] if gda_params is not None else backends,
+        backends=[b for b in backends if b != "UCX"],
         num_threads=num_threads,
         **({"sync_mode": sync.NIXL_THREAD_SYNC_RW} if sync is not None else {}),
     )
@@ -123,8 +122,8 @@ def make_agent(
             agent = agent_cls(name, config)
     else:
         agent = agent_cls(name, config)
-    if gda_params is not None:
-        agent.create_backend("UCX", gda_params)
+    if "UCX" in backends:
+        agent.create_backend("UCX", ucx_backend_params(num_threads))
     return agent
 
 

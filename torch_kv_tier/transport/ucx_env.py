@@ -6,7 +6,8 @@ handler, so even a successful run exits 139). Machines with an RDMA device need 
 real one-sided transfers. So: exclude ``ib`` only when no RDMA device exists and the user has not
 set ``UCX_MODULES`` themselves.
 
-On GPU hosts, UCX-only agents also leave out UCX's ``rc_gda`` transports (``ucx_backend_params``).
+The UCX backend itself is created with ``ucx_backend_params``: never split a transfer across its
+worker threads, and on GPU hosts leave out UCX's ``rc_gda`` transports.
 """
 
 from __future__ import annotations
@@ -51,19 +52,30 @@ def has_gpu_device(procfs: Path = _NVIDIA_GPUS) -> bool:
     return _lists_any(procfs)
 
 
-def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str] | None:
-    """Init params for a UCX backend without ``rc_gda``, on GPU hosts; ``None`` elsewhere.
+# Above any transfer's descriptor count: NIXL's UCX backend then never splits one (see below).
+NO_SPLIT = str(2**31 - 1)
 
-    Why, as vLLM 0.33 does for its transport: the tier's transfers are posted by the CPU (from
-    host memory, or from a CUDA arena), never by GPU kernels, but on a GPU host UCX also wires
-    ``rc_gda`` (GPU-initiated RDMA) lanes to every peer, and their connect fails
-    after a delay once a peer stalls or is replaced, leaving that peer unreachable until restart.
-    Without a GPU there are no such lanes, so nothing changes there. ``UCX_TLS`` set by the user
-    still wins over ``engine_config``.
+
+def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str]:
+    """Init params of the UCX backend the tier's agents create.
+
+    - ``num_threads``: NIXL's worker threads, as ``nixl_agent_config(num_threads=...)`` would set.
+    - ``split_batch_size``: ``NO_SPLIT``. With worker threads, NIXL splits a transfer of 1,024
+      descriptors or more across them, and when one part fails it completes the others with the
+      error while their requests still run (``nixlUcxChunkBackendReqH::status``, which only
+      releases them; UCX cannot cancel an RMA). A failed read could then land in blocks its
+      caller already reused, so the tier posts every transfer whole: a failure it reports is
+      over (the fault model in ``faults.py``). Cost: measured in README's transport section.
+    - ``engine_config`` on GPU hosts, as vLLM 0.33 does for its transport: ``TLS=^rc_gda``. The
+      tier's transfers are posted by the CPU (from host memory, or from a CUDA arena), never by
+      GPU kernels, but on a GPU host UCX also wires ``rc_gda`` (GPU-initiated RDMA) lanes to
+      every peer, and their connect fails after a delay once a peer stalls or is replaced,
+      leaving that peer unreachable until restart. ``UCX_TLS`` set by the user still wins.
     """
-    if not has_gpu_device(procfs):
-        return None
-    params = {"engine_config": "TLS=^rc_gda"}
+    params: dict[str, str] = {}
     if num_threads > 0:
         params["num_threads"] = str(num_threads)
+        params["split_batch_size"] = NO_SPLIT
+    if has_gpu_device(procfs):
+        params["engine_config"] = "TLS=^rc_gda"
     return params
