@@ -289,6 +289,47 @@ def test_promotion_trace_splits_a_request_into_segments_that_add_up() -> None:
         segments(timeline)
 
 
+def test_promotion_trace_alternates_which_request_runs_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Odd repeats time the recompute before the promoted request (neither always runs on the
+    engine the other just warmed), each after the settling steps and a reset of vLLM's caches."""
+    import contextlib
+
+    from torch_kv_tier.benchmarks import promotion_trace
+
+    log: list[Any] = []
+    seen: set[tuple[int, ...]] = set()
+
+    class Engine:
+        def reset_prefix_cache(self, reset_connector: bool) -> None:
+            log.append(("reset", reset_connector))
+
+    def ttft(llm: object, prompt: list[int]) -> tuple[float, int]:
+        log.append(prompt)
+        cached = 16 if tuple(prompt[:16]) in seen else 0  # its prefix offloaded before
+        seen.add(tuple(prompt[:16]))
+        return float(len(log)), cached
+
+    monkeypatch.setattr(promotion_trace, "_ttft", ttft)
+    monkeypatch.setattr(promotion_trace, "_instrumented", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(promotion_trace.time, "sleep", lambda s: None)
+    rows = promotion_trace.measure(Engine(), prefix_tokens=16, repeats=4, seed=0)
+    size = 16 + promotion_trace.SUFFIX_TOKENS  # the offload, the promoted and the recompute
+    at = [i for i, entry in enumerate(log) if isinstance(entry, list) and len(entry) == size]
+    assert len(at) == 3 * 5  # repeats -1 (the warm-up) to 3
+    firsts = []
+    for k in range(5):
+        offload, first, second = (log[i] for i in at[3 * k : 3 * k + 3])
+        firsts.append(first[:16] == offload[:16])
+        assert (second[:16] == offload[:16]) != firsts[-1]
+    assert firsts == [False, True, False, True, False]
+    for i in (i for n, i in enumerate(at) if n % 3):  # both timed requests settle, then reset
+        assert log[i - 1] == ("reset", True) and len(log[i - 2]) == 40
+    assert [r["repeat"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["cached"] == 16 and "recompute" in r for r in rows)
+
+
 def test_engine_ttft_alternates_which_condition_runs_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -4,8 +4,9 @@ real vLLM CPU engine with a ``RemoteHostTier`` (one request at a time).
 ``python -m torch_kv_tier.benchmarks.promotion_trace --repeats 15 --out trace.json`` builds the
 tiny Llama (or takes ``--model``), starts a loopback remote host and one engine *in this
 process* (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler, tier and worker on one clock), then
-for each repeat offloads a prefix, empties the device cache and vLLM's CPU tier, and times one
-request served from the remote host, then one that recomputes a fresh prompt of the same length.
+for each repeat offloads a prefix and times one request served from the remote host and one that
+recomputes a fresh prompt of the same length, each after emptying the device cache and vLLM's
+CPU tier; the two swap places every repeat.
 
 A promoted request takes three scheduler steps: the promotion (vLLM looks its prefix up and
 this tier reads it from the host into vLLM's CPU tier), vLLM's load into the KV cache, the
@@ -174,9 +175,18 @@ def segments(timeline: _Timeline) -> dict[str, float]:
     return out
 
 
+def _settle(llm: Any, rng: random.Random) -> None:
+    """Scheduler steps that finish the stores still in flight (nothing else runs one)."""
+    for _ in range(3):
+        time.sleep(0.1)
+        _ttft(llm, _tokens(rng, 40))
+
+
 def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[str, Any]]:
     """One row per repeat: the promoted request's segments and the recompute's total (ms), and
-    their ratio (``speedup``: recompute / promoted)."""
+    their ratio (``speedup``: recompute / promoted). The two swap places every repeat (the
+    promoted request first in even ones), so that neither always runs on the engine the other
+    just warmed; each starts after the same settling steps and reset of vLLM's caches."""
     rng = random.Random(seed)
     timeline = _Timeline()
     rows: list[dict[str, Any]] = []
@@ -184,30 +194,35 @@ def measure(llm: Any, prefix_tokens: int, repeats: int, seed: int) -> list[dict[
         for repeat in range(-1, repeats):  # round -1 warms the engine up
             prefix = _tokens(rng, prefix_tokens)
             _ttft(llm, prefix + _tokens(rng, SUFFIX_TOKENS))
-            for _ in range(3):  # steps that finish the prefix's stores (nothing else runs one)
-                time.sleep(0.1)
-                _ttft(llm, _tokens(rng, 40))
-            llm.reset_prefix_cache(reset_connector=True)
-            timeline.clear()
-            timeline.mark("generate>")
-            _, cached = _ttft(llm, prefix + _tokens(rng, SUFFIX_TOKENS))
-            timeline.mark("generate<")
-            row: dict[str, Any] = {"repeat": repeat, "cached": cached}
-            try:
-                if cached < prefix_tokens:
-                    raise ValueError(f"served {cached} of its {prefix_tokens} prefix tokens")
-                row.update(segments(timeline))
-            except ValueError as err:
-                row["error"] = str(err)
-            llm.reset_prefix_cache(reset_connector=True)
-            row["recompute"] = _ttft(llm, _tokens(rng, prefix_tokens + SUFFIX_TOKENS))[0] * 1e3
+            prompts = {
+                "promoted": prefix + _tokens(rng, SUFFIX_TOKENS),
+                "recompute": _tokens(rng, prefix_tokens + SUFFIX_TOKENS),
+            }
+            row: dict[str, Any] = {"repeat": repeat}
+            for name in prompts if repeat % 2 == 0 else reversed(prompts):  # alternated
+                _settle(llm, rng)
+                llm.reset_prefix_cache(reset_connector=True)
+                timeline.clear()
+                timeline.mark("generate>")
+                seconds, cached = _ttft(llm, prompts[name])
+                timeline.mark("generate<")
+                if name == "recompute":
+                    row["recompute"] = seconds * 1e3
+                    continue
+                row["cached"] = cached
+                try:
+                    if cached < prefix_tokens:
+                        raise ValueError(f"served {cached} of its {prefix_tokens} prefix tokens")
+                    row.update(segments(timeline))
+                except ValueError as err:
+                    row["error"] = str(err)
             if "total" in row:
                 row["speedup"] = row["recompute"] / row["total"]
             if repeat < 0:
                 continue
             if "error" in row:
                 logger.warning(
-                    "repeat %d left out (%d tokens cached): %s", repeat, cached, row["error"]
+                    "repeat %d left out (%d tokens cached): %s", repeat, row["cached"], row["error"]
                 )
             rows.append(row)
     return rows
