@@ -186,14 +186,45 @@ class _FakePollTransport:
 def test_poll_scaling_verifies_every_block_it_wrote() -> None:
     # At 10 in flight the runs write 100 distinct remote blocks (slots 0..99); the read-back
     # once compared the first 10 only, so a wrong block 50 passed as verified.
-    from torch_kv_tier.benchmarks.poll_scaling import _depth
+    from torch_kv_tier.benchmarks.poll_scaling import _REPEATS, _rounds
 
     slots = 100
     arena = torch.zeros(2 * slots, 64, dtype=torch.uint8)
-    good = _depth(_FakePollTransport(arena, slots, corrupt=-1), arena, 10, slots, 0, 7)
+    [good] = _rounds(_FakePollTransport(arena, slots, corrupt=-1), arena, [10], slots, 0, 7)
     assert good["verified"] and good["error"] is None
-    bad = _depth(_FakePollTransport(arena, slots, corrupt=50), arena, 10, slots, 0, 7)
-    assert not bad["verified"] and bad["error"] == "1 of 100 blocks differ"
+    [bad] = _rounds(_FakePollTransport(arena, slots, corrupt=50), arena, [10], slots, 0, 7)
+    assert not bad["verified"]  # each timed run's read-back finds block 50
+    assert bad["error"] == f"{_REPEATS} of {100 * _REPEATS} blocks differ"
+
+
+def test_poll_scaling_alternates_the_order_of_its_depths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round runs each depth once, the order reversed every other round, so a change of
+    load over the measurement does not fall on the deepest runs alone; each timed run's blocks
+    are read back right after it (with its own pattern, as the depths write the same slots)."""
+    from torch_kv_tier.benchmarks import poll_scaling
+
+    order: list[tuple[int, int]] = []
+    steady, read_back = poll_scaling._Steady, poll_scaling._read_back
+
+    def run(transport: Any, depth: int, slots: int, base: int, total: int) -> Any:
+        order.append((depth, total))
+        return steady(transport, depth, slots, base, total)
+
+    def check(*args: Any) -> int:
+        order.append((0, 0))
+        return read_back(*args)
+
+    monkeypatch.setattr(poll_scaling, "_Steady", run)
+    monkeypatch.setattr(poll_scaling, "_read_back", check)
+    slots = 100
+    arena = torch.zeros(2 * slots, 64, dtype=torch.uint8)
+    transport = _FakePollTransport(arena, slots, corrupt=-1)
+    rows = poll_scaling._rounds(transport, arena, [10, 20, 30], slots, 0, 7)
+    assert order[:3] == [(30, 500), (20, 500), (10, 500)]  # the warm-up, excluded
+    timed = order[3:]
+    assert timed[1::2] == [(0, 0)] * 9  # a read-back after every timed run
+    assert [depth for depth, _ in timed[::2]] == [10, 20, 30, 30, 20, 10, 10, 20, 30]
+    assert all(r["verified"] for r in rows)
 
 
 def test_vllm_nixl_driver_yields_the_core_when_nothing_completed(

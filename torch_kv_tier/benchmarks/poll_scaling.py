@@ -5,7 +5,8 @@ a loop calls ``poll()`` and replaces every completed transfer with a new one, un
 ``max(2N, 2000)`` transfers have completed. The figure is the time spent inside ``poll`` divided
 by the transfers it reported: it stays flat when a poll costs in proportion to what it completes,
 and grows with N when every poll rescans every outstanding transfer while few complete. Submit
-cost is reported apart. The written blocks are read back and compared once per depth.
+cost is reported apart. The depths take turns: each round runs every depth once, the order
+reversed every other round, and each run's blocks are read back and compared right after it.
 
 Over UCX shared memory (the loopback default) a write usually completes inside ``transfer()``,
 so "in flight" means submitted and not yet reported; ``--ucx-tls tcp`` keeps them on the wire.
@@ -107,11 +108,8 @@ def measure_poll_scaling(
             _PEER, session.agent_metadata, session.base_addr, session.num_blocks, target.block_len
         )
         base, slots = session.lease.start, min(slots, len(session.lease))
-        for n, depth in enumerate(depths):
-            try:
-                rows.append(row(depth, **_depth(transport, arena, depth, slots, base, 9000 + n)))
-            except TransferFailed as exc:
-                rows.append(row(depth, error=str(exc)))
+        measured = _rounds(transport, arena, depths, slots, base, 9000)
+        rows = [row(depth, **fields) for depth, fields in zip(depths, measured, strict=True)]
     finally:
         transport.close()
         if session is not None:
@@ -119,28 +117,61 @@ def measure_poll_scaling(
     return rows
 
 
-def _depth(
-    transport: Any, arena: Any, depth: int, slots: int, base: int, seed: int
-) -> dict[str, Any]:
-    total = max(2 * depth, 2000)
-    used = np.arange(min(total, slots))  # every slot the runs write (slot ``j % slots``)
-    fill(arena, used, seed)
-    _Steady(transport, depth, slots, base, min(total, 500))  # warm-up, excluded
-    runs = [_Steady(transport, depth, slots, base, total) for _ in range(_REPEATS)]
-    bad = _read_back(transport, arena, used, slots, base, seed)
+class _Depth:
+    """One depth's runs: the slots they write (``used``), their pattern's seed, the timed runs,
+    the blocks read back wrong over them, and the transport's failure if one ended them."""
+
+    def __init__(self, depth: int, slots: int, seed: int) -> None:
+        self.depth, self.seed = depth, seed
+        self.total = max(2 * depth, 2000)
+        self.used = np.arange(min(self.total, slots))  # every slot a run writes (``j % slots``)
+        self.runs: list[_Steady] = []
+        self.bad = 0
+        self.error: str | None = None
+
+
+def _rounds(
+    transport: Any, arena: Any, depths: list[int], slots: int, base: int, seed: int
+) -> list[dict[str, Any]]:
+    """Each depth's figures, in ``depths``' order: a short warm-up of every depth (round -1,
+    excluded), then ``_REPEATS`` rounds with one timed run of each, in reverse order every other
+    round, so that a change of load over the measurement does not fall on the deepest runs
+    alone. Every timed run writes its depth's own pattern, read back and compared right after
+    it. A depth whose transport failed (``TransferFailed``) has only ``error`` and sits out the
+    later rounds."""
+    states = [_Depth(depth, slots, seed + n) for n, depth in enumerate(depths)]
+    for r in range(-1, _REPEATS):
+        for state in states if r % 2 == 0 else states[::-1]:
+            if state.error is not None:
+                continue
+            try:
+                fill(arena, state.used, state.seed)
+                if r < 0:
+                    _Steady(transport, state.depth, slots, base, min(state.total, 500))
+                    continue
+                state.runs.append(_Steady(transport, state.depth, slots, base, state.total))
+                state.bad += _read_back(transport, arena, state.used, slots, base, state.seed)
+            except TransferFailed as exc:
+                state.error = str(exc)
+    return [_figures(s, arena.shape[1]) if s.error is None else {"error": s.error} for s in states]
+
+
+def _figures(state: _Depth, block_len: int) -> dict[str, Any]:
+    """A depth's row fields: medians over its runs, ``verified`` when no block read back wrong."""
+    runs, bad = state.runs, state.bad
     per_poll = [t * 1e6 for r in runs for t in r.polls]
     return {
         "poll_us_per_transfer": statistics.median(sum(r.polls) / r.completed * 1e6 for r in runs),
         "submit_us_per_transfer": statistics.median(r.submit_s / r.completed * 1e6 for r in runs),
         "completed_per_poll": statistics.median(r.completed / len(r.polls) for r in runs),
         "polls": int(statistics.median(len(r.polls) for r in runs)),
-        "transfers": total,
-        "gbps": statistics.median(r.completed * arena.shape[1] / r.elapsed / 1e9 for r in runs),
+        "transfers": state.total,
+        "gbps": statistics.median(r.completed * block_len / r.elapsed / 1e9 for r in runs),
         "blocks_per_s": statistics.median(r.completed / r.elapsed for r in runs),
         "p50_us": float(np.percentile(per_poll, 50)),
         "p99_us": float(np.percentile(per_poll, 99)),
         "verified": bad == 0,
-        "error": None if bad == 0 else f"{bad} of {len(used)} blocks differ",
+        "error": None if bad == 0 else f"{bad} of {len(state.used) * len(runs)} blocks differ",
         "repeats": _REPEATS,
     }
 
