@@ -227,6 +227,19 @@ def test_poll_scaling_alternates_the_order_of_its_depths(monkeypatch: pytest.Mon
     assert all(r["verified"] for r in rows)
 
 
+def test_poll_growth_is_the_median_of_per_round_ratios() -> None:
+    """The 'flat from 10 to 10,000' target pairs the two depths' runs of each round, as the
+    other ratios do: not the ratio of two medians taken from different rounds (2.25 here, a
+    miss, where no round's ratio is above 2.5 and two of three are 1.5)."""
+    base = {"kind": "poll_scaling", "transport": "shm", "verified": True}
+    rows = [
+        {**base, "inflight": 10, "poll_us_per_transfer": 2.0, "poll_us_per_round": [1, 2, 3]},
+        {**base, "inflight": 1000, "poll_us_per_transfer": 4.5, "poll_us_per_round": [1.5, 5, 4.5]},
+    ]
+    [line] = [t for t in report_summary.targets(rows) if "poll cost" in t]
+    assert "(x1.50 [1.50-2.50], median of per-round ratios" in line and line.endswith(": met")
+
+
 def test_vllm_nixl_driver_yields_the_core_when_nothing_completed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

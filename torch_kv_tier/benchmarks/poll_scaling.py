@@ -157,11 +157,14 @@ def _rounds(
 
 
 def _figures(state: _Depth, block_len: int) -> dict[str, Any]:
-    """A depth's row fields: medians over its runs, ``verified`` when no block read back wrong."""
+    """A depth's row fields: medians over its runs (``poll_us_per_round``: each run's, in
+    round order, for ratios paired by round), ``verified`` when no block read back wrong."""
     runs, bad = state.runs, state.bad
     per_poll = [t * 1e6 for r in runs for t in r.polls]
+    per_round = [sum(r.polls) / r.completed * 1e6 for r in runs]
     return {
-        "poll_us_per_transfer": statistics.median(sum(r.polls) / r.completed * 1e6 for r in runs),
+        "poll_us_per_transfer": statistics.median(per_round),
+        "poll_us_per_round": per_round,
         "submit_us_per_transfer": statistics.median(r.submit_s / r.completed * 1e6 for r in runs),
         "completed_per_poll": statistics.median(r.completed / len(r.polls) for r in runs),
         "polls": int(statistics.median(len(r.polls) for r in runs)),
