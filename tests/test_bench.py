@@ -444,6 +444,32 @@ def test_passive_progress_alternates_the_initiator_it_times_first(
     assert row["initiator_writes_per_s_with_thread"] == 1.0
 
 
+def test_passive_progress_alternates_which_delay_it_measures_first(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Our progress delay and NIXL's 0 (the reference) take turns going first, transport by
+    transport, so the reference does not always run on the machine ours just left; the table
+    keeps ours first."""
+    from torch_kv_tier.benchmarks import passive_progress
+    from torch_kv_tier.transport.nixl_agent import PROGRESS_DELAY_US
+
+    order: list[tuple[str | None, int]] = []
+
+    def measure(tls: str | None, delay_us: int, *args: Any) -> dict[str, Any]:
+        order.append((tls, delay_us))
+        return {"ucx_tls": tls or "default", "progress_delay_us": delay_us,
+                "idle_cpu_no_peer": 0.0, "idle_cpu_one_peer": 0.0, "latency_ms_median": 0.0,
+                "latency_ms_p90": 0.0, "initiator_writes_per_s_with_thread": 1.0,
+                "initiator_writes_per_s_without_thread": 1.0}  # fmt: skip
+
+    monkeypatch.setattr(passive_progress, "measure", measure)
+    assert passive_progress.main([]) == 0
+    assert order == [("tcp", PROGRESS_DELAY_US), ("tcp", 0), (None, 0), (None, PROGRESS_DELAY_US)]
+    table = [line.split(" | ")[:2] for line in capsys.readouterr().out.splitlines()[2:]]
+    ours = f"{PROGRESS_DELAY_US / 1e3:g} ms"
+    assert table == [["| tcp", ours], ["| tcp", "0 ms"], ["| default", ours], ["| default", "0 ms"]]
+
+
 def test_vllm_cpu_copy_alternates_its_copies_and_pairs_each_jobs_ratio(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
