@@ -64,8 +64,9 @@ def test_tiny_sweep_writes_verified_rows_json_and_plot(
     measured = [r for r in rows if r["kind"] == "throughput" and not r["skipped"]]
     systems = {r["system"] for r in measured}
     assert systems == {"memcpy", "nixl_raw", "torch_kv_tier"}
-    # 2 ops x 2 patterns per system, every byte moved read back and compared
-    assert len(measured) == 12
+    # 2 ops x 2 patterns per system (the tier once beside each reference), every byte moved read
+    # back and compared
+    assert len(measured) == 16
     for row in measured:
         assert row["verified"] is True and row["error"] is None
         assert row["verified_blocks"] > 0 and row["mismatched_blocks"] == 0
@@ -76,10 +77,13 @@ def test_tiny_sweep_writes_verified_rows_json_and_plot(
     polls = [r for r in rows if r["kind"] == "poll_scaling"]
     assert [r["inflight"] for r in polls] == [10, 100]
     assert all(r["verified"] and r["poll_us_per_transfer"] > 0 for r in polls)
-    # the tier and nixl_raw ran interleaved: per point, the paired ratios and the added cost
+    # the tier ran interleaved with nixl_raw and with memcpy: per point, the paired ratios and
+    # the added cost
     ratios = [r for r in rows if r["kind"] == "ratio"]
-    assert {(r["system"], r["reference"]) for r in ratios} == {("torch_kv_tier", "nixl_raw")}
-    assert len(ratios) == 4
+    assert {r["reference"] for r in ratios if r["system"] == "torch_kv_tier"} == {
+        "nixl_raw", "memcpy"
+    }  # fmt: skip
+    assert len(ratios) == 8
     for r in ratios:
         assert len(r["ratio_repeats"]) == 2
         assert 0 < r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"]
@@ -116,8 +120,30 @@ def test_verify_off_is_opt_in() -> None:
     run = bench.BenchSweep(_args(*TINY), bench.QUICK, "cpu")
     assert "torch_kv_tier_noverify" not in run.systems
     assert [g for g in run.groups() if "torch_kv_tier" in g] == [
-        ["nixl_raw", "torch_kv_tier"], ["vllm_nixl", "torch_kv_tier"]
+        ["memcpy", "torch_kv_tier"], ["nixl_raw", "torch_kv_tier"], ["vllm_nixl", "torch_kv_tier"]
     ]  # fmt: skip
+
+
+def test_the_gpu_target_pairs_the_tier_with_memcpy_repeat_by_repeat() -> None:
+    """memcpy (the GPU target's ceiling) runs in a group with the tier, their repeats
+    interleaved, and ``tier/memcpy >= 0.8`` judges each point by its paired repeats' median:
+    not by a ratio of medians taken from runs apart (0.90 here, met, where the repeats' ratios
+    are 0.2, 0.45 and 0.9)."""
+    run = bench.BenchSweep(_args(*TINY), bench.QUICK, "cpu")
+    assert ["memcpy", "torch_kv_tier"] in run.groups()
+    point = {
+        "kind": "throughput", "transport": "shm", "op": "write", "pattern": "contiguous",
+        "block_len": 65536, "batch": 16, "inflight_requested": 1, "skipped": None, "error": None,
+        "device": "cuda", "verified": True, "group": "memcpy", "p50_us": 1.0, "p99_us": 1.0,
+    }  # fmt: skip
+    rows = [
+        {**point, "system": "memcpy", "gbps": 10.0, "gbps_repeats": [10.0, 20.0, 10.0],
+         "us_per_call_repeats": [1.0, 1.0, 1.0]},
+        {**point, "system": "torch_kv_tier", "gbps": 9.0, "gbps_repeats": [2.0, 9.0, 9.0],
+         "us_per_call_repeats": [1.0, 1.0, 1.0]},
+    ]  # fmt: skip
+    [target] = [t for t in report_summary.targets(rows + report.ratio_rows(rows)) if "memcpy" in t]
+    assert "median 0.45 over 1 points: MISSED at 1 of 1 points" in target
 
 
 def test_ucx_tls_caps_block_sizes_only_for_tcp() -> None:

@@ -47,7 +47,7 @@ GPU_ONLY = {"torch_kv_tier_staged"}
 OPT_IN = {"torch_kv_tier_noverify"}  # run only when named in --systems
 TIER = report.TIER
 TIERS = (TIER, "torch_kv_tier_noverify")  # interleaved with each reference, side by side
-PAIRED = ("nixl_raw", "vllm_nixl")  # references the tier is interleaved with
+PAIRED = ("nixl_raw", "vllm_nixl", "memcpy")  # references the tier is interleaved with
 MULTI_HOST = ("torch_kv_tier_2hosts", "torch_kv_tier_4hosts")
 NO_TRANSPORT = ("memcpy",)
 MAX_GROUP = 3  # systems holding a lease on the first host at once (+1 for vLLM's reader)
@@ -98,8 +98,8 @@ class BenchSweep:
     point is measured on all of them, repeat by repeat in alternating order (A B, B A, ...), so
     that a change of load hits every system of the group alike. Groups pair the tier (and
     ``torch_kv_tier_noverify`` when asked for: the tiers of ``TIERS``, side by side) with each
-    reference it is compared to (``nixl_raw``, ``vllm_nixl``); the multi-host tiers share a group
-    with ``nixl_raw`` at the multi-host points. Other systems run alone.
+    reference it is compared to (``nixl_raw``, ``vllm_nixl``, ``memcpy``); the multi-host tiers
+    share a group with ``nixl_raw`` at the multi-host points. Other systems run alone.
     """
 
     def __init__(self, args: argparse.Namespace, cfg: dict[str, Any], device: str) -> None:

@@ -24,7 +24,7 @@ TIER = "torch_kv_tier"
 NOVERIFY = "torch_kv_tier_noverify"  # the tier with verify=False (``report_verify``)
 MULTI_GROUP = "multi-host"
 # (reference, column label, interleaved with the tier?)
-RATIOS = (("nixl_raw", "raw", True), ("vllm_nixl", "vllm", True), ("memcpy", "memcpy", False))
+RATIOS = (("nixl_raw", "raw"), ("vllm_nixl", "vllm"), ("memcpy", "memcpy"))  # all interleaved
 
 
 def _size(n: int) -> str:
@@ -61,13 +61,6 @@ def _cell(row: Row | None, fmt: str, field: str = "gbps") -> str:
 
 def _ok(row: Row | None) -> bool:
     return bool(row and row.get("gbps") and row.get("verified") and not row.get("error"))
-
-
-def ratio(a: Row | None, b: Row | None) -> float | None:
-    """``a.gbps / b.gbps`` when both are verified numbers."""
-    if a is None or b is None or not (_ok(a) and _ok(b)):
-        return None
-    return float(a["gbps"]) / float(b["gbps"])
 
 
 def _table(header: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
@@ -137,6 +130,7 @@ def ratio_rows(rows: Sequence[Row]) -> list[Row]:
                     "kind": "ratio",
                     "system": name,
                     "reference": ref_name,
+                    "device": row.get("device", "cpu"),
                     "transport": key[0],
                     "op": key[1],
                     "pattern": key[2],
@@ -170,12 +164,12 @@ def _ratio_cell(r: Row | None) -> str:
 
 def throughput_table(rows: Iterable[Row]) -> str:
     """GB/s per system, side by side, with the tier's ratios: median [min-max] of the paired
-    repeats where interleaved, a plain ratio of medians otherwise."""
+    repeats."""
     rows = list(rows)
     systems, groups = _grouped(rows)
     ratios = _ratio_index(rows)
     header = ["tls", "op", "pattern", "block", "batch", "depth", *systems]
-    header += [f"tier/{short}" for _, short, _ in RATIOS]
+    header += [f"tier/{short}" for _, short in RATIOS]
     lines = []
     capped = False
     for key in sorted(groups, key=_sort_key):
@@ -185,12 +179,7 @@ def throughput_table(rows: Iterable[Row]) -> str:
         capped |= fewer
         line = [tls, op, pattern, _size(block_len), str(batch), f"{depth}{'*' if fewer else ''}"]
         line += [_cell(by.get(s), "{:.3f}") for s in systems]
-        for other, _, paired in RATIOS:
-            if paired:
-                line.append(_ratio_cell(ratios.get((TIER, other, *key))))
-            else:
-                r = ratio(by.get(TIER), by.get(other))
-                line.append("-" if r is None else f"{r:.2f}")
+        line += [_ratio_cell(ratios.get((TIER, other, *key))) for other, _ in RATIOS]
         lines.append(line)
     table = _table(header, lines)
     if capped:

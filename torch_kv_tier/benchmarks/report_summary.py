@@ -10,12 +10,10 @@ from torch_kv_tier.benchmarks.report import (
     NOVERIFY,
     TIER,
     Row,
-    _grouped,
     latency_table,
     multi_host_table,
     overhead_table,
     poll_table,
-    ratio,
     skipped,
     throughput_table,
 )
@@ -30,18 +28,6 @@ def _medians(rows: list[Row], reference: str, want: Any) -> list[float]:
         and r["reference"] == reference
         and want(r["op"], r["pattern"], r["block_len"], r["batch"])
     ]
-
-
-def _plain_ratios(rows: list[Row], other: str, want: Any) -> list[float]:
-    _, groups = _grouped(rows)
-    out = []
-    for key, by in groups.items():
-        _, op, pattern, block_len, batch, _ = key
-        if want(op, pattern, block_len, batch):
-            r = ratio(by.get(TIER), by.get(other))
-            if r is not None:
-                out.append(r)
-    return out
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -74,7 +60,7 @@ def targets(rows: list[Row]) -> list[str]:
         ),
         (
             f"{TIER}/memcpy >= 0.80 on a GPU arena (pinned D2H is the ceiling)",
-            _plain_ratios(
+            _medians(
                 [r for r in rows if r.get("device", "cpu").startswith("cuda")],
                 "memcpy",
                 lambda o, p, bl, b: b >= 16,
