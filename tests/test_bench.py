@@ -583,6 +583,41 @@ def test_disk_capacity_counts_only_the_timed_requests_promotions(
     assert [r["disk_promotions"] for r in result["rounds"]] == [1000, 1000]
 
 
+def test_disk_restart_alternates_its_starts_and_pairs_their_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The starts with and without the disk take turns going first, round by round, and the
+    recovery cost is the median of each round's difference: one start each, the bare one
+    always first, measured the load's drift as well (here every start is 0.5 s slower than
+    the one before)."""
+    import contextlib
+
+    from torch_kv_tier.benchmarks import disk_capacity
+    from torch_kv_tier.manager import TierManager
+
+    clock = [0.0]
+    starts: list[tuple[bool, int]] = []
+
+    @contextlib.contextmanager
+    def serve(pool_blocks: int, block_len: int, disk: Any, disk_bytes: int, admit: int = 2) -> Any:
+        starts.append((disk is not None, admit))
+        clock[0] += (5.0 if disk is not None else 1.0) + 0.5 * (len(starts) - 1)
+        yield argparse.Namespace(address="127.0.0.1:1", kill=lambda: None)
+
+    monkeypatch.setattr(disk_capacity, "_serve", serve)
+    fake_time = argparse.Namespace(perf_counter=lambda: clock[0], sleep=lambda s: None)
+    monkeypatch.setattr(disk_capacity, "time", fake_time)
+    monkeypatch.setattr(disk_capacity, "server_stats", lambda address, bl: {"disk_keys": 1000})
+    monkeypatch.setattr(TierManager, "connect", lambda self, address: "peer")
+    monkeypatch.setattr(TierManager, "store", lambda self, keys, blocks: None)
+    result = disk_capacity.restart(tmp_path, pool_mib=1, disk_mib=4, block_len=64 << 10)
+    timed = [with_disk for with_disk, _ in starts[:6]]  # 3 rounds
+    assert timed == [False, True, True, False, False, True]
+    assert starts[-2:] == [(True, 1), (True, 2)]  # the burst cut by SIGKILL, then its recovery
+    assert result["ready_rounds"] == [[5.5, 1.0], [6.0, 2.5], [7.5, 3.0]]
+    assert result["recovery_s_per_million_keys"] == pytest.approx(4.5 / 1000 * 1e6)
+
+
 def test_call_cost_adds_the_median_of_paired_differences(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -215,8 +215,9 @@ def render(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"restart on the filled disk: ready in {rs['ready_s']:.2f} s with "
-            f"{rs['keys_on_disk']} keys ({rs['ready_without_disk_s']:.2f} s without a disk): "
-            f"{rs['recovery_s_per_million_keys']:.1f} s per million keys of "
+            f"{rs['keys_on_disk']} keys ({rs['ready_without_disk_s']:.2f} s without a disk; "
+            f"medians of {len(rs['ready_rounds'])} alternated rounds): the median paired "
+            f"difference is {rs['recovery_s_per_million_keys']:.1f} s per million keys of "
             f"{report['capacity']['block_len'] >> 10} KiB; after a SIGKILL mid-burst: "
             f"{rs['keys_after_kill_restart']} keys recovered ({rs['keys_before_kill']} on disk "
             f"just before the kill), {rs['dropped_at_recovery']} dropped by verification",
