@@ -29,7 +29,7 @@ for staging in device host; do
 done
 step digest 90 $py -m torch_kv_tier digest-cost --device cuda --arena-mib 1024 --rounds 5 \
     --json "$out/digest-cuda.json"
-step bench 180 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
+step bench 240 $py -m torch_kv_tier --log-level WARNING bench --device cuda --no-progress \
     --transports shm --block-sizes 16K,64K,256K,2M --repeats 3 --no-poll-scaling \
     --systems memcpy,nixl_raw,torch_kv_tier,torch_kv_tier_noverify,torch_kv_tier_staged \
     --out "$out/bench-cuda.json" --plot "$out/bench-cuda.png"
