@@ -96,7 +96,6 @@ def measure_poll_scaling(
         return [row(depth, error=f"no remote host: {target.problem}") for depth in depths]
     transport = NixlTransport("bench-poll", arena)
     session: Any = None
-    rows: list[dict[str, Any]] = []
     try:
         try:
             session = open_session(
@@ -109,12 +108,11 @@ def measure_poll_scaling(
         )
         base, slots = session.lease.start, min(slots, len(session.lease))
         measured = _rounds(transport, arena, depths, slots, base, 9000)
-        rows = [row(depth, **fields) for depth, fields in zip(depths, measured, strict=True)]
     finally:
         transport.close()
         if session is not None:
             session.close()
-    return rows
+    return [row(depth, **fields) for depth, fields in zip(depths, measured, strict=True)]
 
 
 class _Depth:
