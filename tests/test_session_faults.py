@@ -20,6 +20,7 @@ from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
+from torch_kv_tier.remote import client as client_module
 from torch_kv_tier.remote import handshake as handshake_module
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.shared_host import SharedHost
@@ -177,6 +178,59 @@ def test_a_session_closed_from_its_own_answer_callback_still_disconnects() -> No
             assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
             stats = observer.stats()
             assert stats["held_sessions"] == 0 and stats["shared_granted_blocks"] == 0, stats
+
+
+def test_a_session_closed_from_its_callback_while_its_host_is_slow_still_ends_clean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``close`` on the I/O thread sent the ``Disconnect`` and closed the socket at once, its
+    answer unawaited: a host slower than that (a loaded machine; here frozen) read the request
+    before it only once the connection had closed, could not route that request's answer, and
+    ended the session as if a write of it could still land: its grants held until a release
+    that never comes."""
+    monkeypatch.setattr(client_module, "_DISCONNECT_TIMEOUT_S", 30.0)  # not this test's subject
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False)
+        closed = threading.Event()
+
+        def close_here(_answer: Future[p.ServerMessage]) -> None:
+            stop_process(server.proc.pid)  # the host is slow from here on
+            session.grant(1, lambda _later: None)  # a request the host reads after this
+            session.close()
+            closed.set()
+
+        session.grant(2, close_here)
+        try:
+            assert closed.wait(10)
+            time.sleep(0.5)  # the session's last frames reach the host's socket meanwhile
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: not session._thread.is_alive(), 10.0), "its I/O thread runs on"
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, 5.0)
+            stats = observer.stats()
+            assert stats["held_sessions"] == 0 and stats["shared_granted_blocks"] == 0, stats
+
+
+def test_a_session_closed_from_its_callback_stops_when_its_host_never_answers() -> None:
+    """The bound of that wait: a closed session whose host does not answer its ``Disconnect``
+    (frozen) stops its I/O thread and closes its connection after the session's timeout; the
+    host then ends the session by its own rules."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False, timeout_s=1.0)
+        closed = threading.Event()
+
+        def close_here(_answer: Future[p.ServerMessage]) -> None:
+            stop_process(server.proc.pid)
+            session.close()
+            closed.set()
+
+        session.grant(2, close_here)
+        try:
+            assert closed.wait(10)
+            assert wait_for(lambda: not session._thread.is_alive(), 5.0), "it waits on"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def test_a_release_sent_over_a_join_that_failed_is_told_again(

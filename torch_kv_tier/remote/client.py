@@ -29,6 +29,7 @@ import traceback
 import types
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -309,9 +310,15 @@ class RemoteSession(SharedRequests):
     def close(self, *, clean: bool = True) -> None:
         """End the session (a disconnect), stop the I/O thread. Pass ``clean=False`` while a
         write to the server may still be in flight: the server then holds the session's slots
-        until ``release``. Idempotent; never raises for a lost server (waits at most ~2 s for
-        its answer). On the I/O thread (a callback) it returns at once: the disconnect goes out
-        as that thread stops, unanswered."""
+        until ``release``. Idempotent; never raises for a lost server.
+
+        The I/O thread closes the connection only once the server answered the disconnect (and
+        so every request before it), or ~2 s passed: a connection closed sooner can make the
+        server drop the disconnect, or end the session as if its writes could still land (it
+        cannot answer a request it reads after the close), holding its slots. Past that bound
+        the server ends the session by its own rules (its lease timeout). ``close`` waits for
+        this; on the I/O thread (a callback) it returns at once and the thread stops when the
+        answer comes."""
         with self._lock:
             if self._closed:
                 return
@@ -320,34 +327,45 @@ class RemoteSession(SharedRequests):
             written, read = self._usage["bytes_written"], self._usage["bytes_read"]
         bye = partial(p.Disconnect, session_id=self.session_id, clean=clean)
         bye = partial(bye, bytes_written=written, bytes_read=read)
-        on_io_thread = threading.current_thread() is self._thread
-        if alive and on_io_thread:  # it cannot wait for its own answer
-            self._enqueue(lambda: self._requests.put((bye, None, 0.0, None)), True)
-        elif alive:
+        timeout_s = min(self._timeout_s, _DISCONNECT_TIMEOUT_S)
+        if alive:
             try:
-                timeout_s = min(self._timeout_s, _DISCONNECT_TIMEOUT_S)
-                reply = self._call(bye, timeout_s, allow_closed=True)
-                if not isinstance(reply, p.DisconnectAck):
-                    logger.warning("disconnect from %s: %s", self.peer_id, describe(reply))
-                else:  # read after every release this session carried
-                    with self._lock:
-                        self._released.clear()
-            except (TimeoutError, ConnectionError) as exc:
-                logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
-        with self._lock:
-            self._stopping = True
-        self._wake()
-        if not on_io_thread:
-            self._thread.join(timeout=self._timeout_s)
+                self._call_async(bye, self._said_bye, timeout_s, allow_closed=True)
+            except ConnectionError:  # lost meanwhile: there is nobody to tell
+                alive = False
+        if not alive:
+            self._stop()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s + self._timeout_s)
             if self._thread.is_alive():
                 frame = sys._current_frames().get(self._thread.ident or -1)
                 logger.error(
                     "I/O thread of %s did not stop within %.1f s; it is at:\n%s",
                     self.peer_id,
-                    self._timeout_s,
+                    timeout_s + self._timeout_s,
                     "".join(traceback.format_stack(frame)) if frame else "(ended meanwhile)",
                 )
         logger.info("closed session %s of %s", self.public_id, self.peer_id)
+
+    def _said_bye(self, answer: Future[p.ServerMessage]) -> None:
+        """(I/O thread.) The disconnect was answered, timed out or failed: stop the thread."""
+        try:
+            reply = answer.result()
+        except (TimeoutError, ConnectionError) as exc:
+            logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
+        else:
+            if not isinstance(reply, p.DisconnectAck):
+                logger.warning("disconnect from %s: %s", self.peer_id, describe(reply))
+            else:  # read after every release this session carried
+                with self._lock:
+                    self._released.clear()
+        self._stop()
+
+    def _stop(self) -> None:
+        """Tell the I/O thread to end once what was queued went out."""
+        with self._lock:
+            self._stopping = True
+        self._wake()
 
     def __enter__(self) -> RemoteSession:
         return self

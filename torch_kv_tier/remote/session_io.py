@@ -269,7 +269,7 @@ class SessionIO:
                     if future is not None:
                         replies.expect(seq, future, now + timeout_s, on_late)
                     self._send(sock, make(seq))
-                if stopping:  # (a ``Disconnect`` that ``close`` queued on this thread)
+                if stopping:  # (``close``: its ``Disconnect`` was answered, or timed out)
                     break
                 now = time.monotonic()
                 replies.expire(now)
