@@ -381,6 +381,21 @@ def test_close_under_load_resolves_every_future_within_its_timeout(
         tier.store(["x"], [0])
 
 
+@pytest.mark.parametrize("timeout", [None, float("nan"), float("inf"), -1.0, "1"])
+def test_a_refused_close_timeout_leaves_the_tier_to_close_again(timeout: object) -> None:
+    """``close`` marked the tier closed before it used its timeout: one it could not use
+    (``None``, nan, inf, a string) raised halfway, with an error that did not name it, and
+    every later ``close()`` returned at once: the poller thread, the transport and the
+    sessions stayed open for good. It is refused now before anything changes."""
+    tier = make_tier(8)
+    with pytest.raises((TypeError, ValueError), match="timeout must be"):
+        tier.close(timeout=timeout)  # type: ignore[arg-type]
+    assert not tier.closed
+    tier.close()
+    tier._thread.join(timeout=10)
+    assert not tier._thread.is_alive()
+
+
 def test_eight_threads_store_and_load_without_loss_or_corruption(
     peers: tuple[RemotePeer, RemotePeer],
 ) -> None:

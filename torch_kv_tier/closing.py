@@ -13,6 +13,7 @@ future's callback on the poller thread, it polls the transfers it waits for itse
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from functools import partial
@@ -60,7 +61,14 @@ class Closing:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
         (their keys fail with "closed"), then end the sessions and close the transport; a load
         cancelled here resolves only after that, when nothing can land in its blocks any more;
-        a handshake on another thread still awaiting a first answer gives up. Idempotent."""
+        a handshake on another thread still awaiting a first answer gives up. Idempotent.
+
+        Raises ``TypeError``/``ValueError`` unless ``timeout`` is a finite number of seconds
+        >= 0, before anything changes (the tier stays open, to be closed again)."""
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+        if not 0 <= timeout < math.inf:  # nan too
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
         self._closing.set()
         with self._lock:
             if self._closed:
