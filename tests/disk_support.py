@@ -32,6 +32,7 @@ def open_store(pool: np.ndarray, dirs: list[Path], slots: int) -> DiskStore:
         block_len=DISK_BLOCK,
         pool_addr=pool.ctypes.data,
         pool_blocks=len(pool),
+        pool_owner=pool,
     )
 
 

@@ -6,18 +6,22 @@ journal records naming them, a key evicted without a record saying so."""
 from __future__ import annotations
 
 import errno
+import gc
+import logging
 import os
 import stat
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_BLOCK, digest_of, open_store, settle
+from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, settle
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote import disk_journal, disk_store
 from torch_kv_tier.remote.disk_journal import PUT, DiskDir
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
 
@@ -422,3 +426,43 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
         assert np.array_equal(disk_pool[30], disk_pool[0])  # what landed late, where it was kept
     finally:
         store.close()
+
+
+def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the second review: a request still in flight ``CLOSE_WAIT_S`` after ``close``
+    began (a hung device) had its NIXL handle released, the pool and files deregistered and
+    closed, and the server then freed the pool: once the device answered, the read wrote into
+    freed memory (a crash, or another object's bytes overwritten), in a handle NIXL had freed.
+    What it uses is now kept until the process exits, and the log says so."""
+    monkeypatch.setattr(disk_store, "CLOSE_WAIT_S", 0.2)
+    pool = make_disk_pool()
+    owner = weakref.ref(pool)
+    store = open_store(pool, [tmp_path / "d"], 8)
+    store.recover()
+    assert _write(store, pool, b"K", 0).written
+    hung = HungDevice(store, monkeypatch)
+    store.read([("ns", b"K", 30)])
+    agent = store._io._agent
+    released: list[Any] = []
+    monkeypatch.setattr(agent, "release_xfer_handle", released.append)
+    monkeypatch.setattr(agent, "deregister_memory", lambda *a, **k: released.append(a))
+    with caplog.at_level(logging.ERROR, logger=disk_store.__name__):
+        store.close()
+    assert released == []
+    assert "1 requests still in flight" in caplog.text and str(tmp_path / "d") in caplog.text
+    monkeypatch.setattr(disk_journal, "LOCK_WAIT_S", 0.1)
+    with pytest.raises(DiskError, match="is in use"):  # its block file still open
+        open_store(make_disk_pool(), [tmp_path / "d"], 8)
+    expected = pool[0].copy()
+    del pool
+    gc.collect()
+    assert owner() is not None  # the pool is not freed under the read
+    (handle,) = hung.held
+    hung.resume()  # the device answers: the read lands late, in the pool kept
+    deadline = time.monotonic() + 10.0
+    while agent.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kept = owner()
+    assert kept is not None and np.array_equal(kept[30], expected)

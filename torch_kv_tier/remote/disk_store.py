@@ -14,7 +14,8 @@ journals are then rewritten with the live records only.
 Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
 does a request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it
-ends). Construction raises ``DiskError`` with what to do.
+ends). Construction raises ``DiskError`` with what to do. ``close`` never frees what a request
+still in flight may touch (``close``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 FSYNC_PERIOD_S = 1.0
 CLOSE_WAIT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0  # a request not done by then is given up (a hung device, NFS)
+# what requests still in flight at close may touch (NIXL agent, files, pool): never freed
+_KEPT: list[tuple[Any, ...]] = []
 
 
 class DiskStore:
@@ -51,11 +54,13 @@ class DiskStore:
         pool_blocks: int,
         name: str = "tkvt-disk",
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        pool_owner: Any = None,
     ) -> None:
         if bytes_per_path < block_len:
             raise ValueError(f"--disk-bytes {bytes_per_path} holds no block of {block_len} bytes")
         self.block_len = block_len
         self.request_timeout_s = request_timeout_s
+        self._pool_owner = pool_owner  # what frees the pool once dropped (``close``)
         self._dirs: list[DiskDir] = []
         try:
             for p in paths:
@@ -222,7 +227,10 @@ class DiskStore:
 
     def close(self) -> None:
         """Wait (at most ``CLOSE_WAIT_S``) for I/O in flight, sync the journals, release every
-        NIXL handle and registration, close the files. Idempotent."""
+        NIXL handle and registration, close the files. Idempotent. A request still in flight
+        then (a hung device) may yet write the pool or read it: its NIXL agent, registrations
+        and files, and ``pool_owner``, are then kept until the process exits (logged), never
+        released under it."""
         if self._closed:
             return
         self._closed = True
@@ -231,13 +239,19 @@ class DiskStore:
             self.poll()
             time.sleep(0.001)
         left = self._requests + self._stuck
-        if left:
-            logger.warning("disk: %d requests still in flight at close", len(left))
-        for request in left:
-            self._io.release(request.handle)
-        self._io.close()
         self._requests, self._stuck = [], []
         self._sync_journals(force=True)
+        if left:
+            logger.error(
+                "disk: %d requests still in flight %.0f s after close (a hung device?): the "
+                "pool, files and NIXL agent they use are kept, not freed, until this process "
+                "exits; restart it once %s answer again", len(left), CLOSE_WAIT_S,
+                sorted({str(self._dirs[r.directory].path) for r in left}),
+            )  # fmt: skip
+            _KEPT.append((self._io, self._dirs, self._pool_owner, left))
+            self._dirs = []
+            return
+        self._io.close()
         self._close_files()
 
     # -- internals ----------------------------------------------------------------------------

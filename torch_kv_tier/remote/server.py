@@ -138,6 +138,7 @@ class Server:
             block_len=config.block_len,
             pool_addr=self.arena.tensor.data_ptr(),
             pool_blocks=config.num_blocks,
+            pool_owner=self.arena.tensor,  # kept if the disk closes with I/O in flight
         )
         try:
             disk = DiskTier(self._control.shared.cache, store, admit_after=config.disk_admit)
