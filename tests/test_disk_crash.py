@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import stat
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -77,6 +78,7 @@ def test_a_journal_write_cut_short_costs_no_other_record(
             _write(store, disk_pool, b"k0", 0).written
             and _write(store, disk_pool, b"k1", 1).written
         )
+        assert store.sync(10.0)
         calls: list[int] = []
 
         def full(fd: int, data: Any) -> int:
@@ -90,10 +92,11 @@ def test_a_journal_write_cut_short_costs_no_other_record(
         real_write = os.write
         monkeypatch.setattr(os, "write", full)
         assert _write(store, disk_pool, b"k2", 2).written  # its record: logged, not raised
+        assert store.sync(10.0)  # the journals' thread: its writes done
         assert len(calls) == 2
         monkeypatch.undo()
         assert _write(store, disk_pool, b"k3", 3).written
-        store._sync_journals(force=True)
+        assert store.sync(10.0)
         kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
         assert {b"k0", b"k1", b"k3"} <= kept
     finally:
@@ -173,11 +176,12 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
         store.recover()
         d = store._dirs[0]
         assert _write(store, disk_pool, b"k", 0).written
+        assert store._journals.wait(5.0)  # a sync of the journals' thread: done
         synced.clear()
         if journal == "appended":
-            store._sync_journals(force=True)
+            assert store.sync(10.0)
         else:
-            store._rewrite_journal(0, d)
+            d.rewrite(store._live_records(0))
         assert d.fd in synced and d.journal in synced
         assert synced.index(d.fd) < synced.index(d.journal)
     finally:
@@ -240,6 +244,7 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
     try:
         before_write = (lambda: monkeypatch.setattr(os, "write", a_full)) if full else None
         _evict_k_for_a_failed_write_then_store_it_in_b(store, disk_pool, monkeypatch, before_write)
+        assert store._journals.wait(5.0)  # the journals' thread: what it set, seen
         assert store._dirs[0].stale == full  # full: K's DEL lost
         if full:
             monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL
@@ -301,9 +306,11 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
         d.append(PUT, 0, "ns", b"k0", 0)  # its flush fails: stale
         for _ in range(200):
             store.poll()
+            assert store._journals.wait(5.0)  # the journals' thread: what it set, seen
         assert d.stale and tries == [False] and d.retry_at > time.monotonic() + 0.5
         d.retry_at = 0.0
         store.poll()
+        assert store._journals.wait(5.0)
         assert tries == [False, False] and d.retry_at > time.monotonic() + 1.5
         monkeypatch.setattr(os, "write", real_write)
     finally:
@@ -466,3 +473,34 @@ def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(
         time.sleep(0.01)
     kept = owner()
     assert kept is not None and np.array_equal(kept[30], expected)
+
+
+def test_a_journal_sync_that_hangs_at_close_leaves_its_files_open(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The journals' thread (``disk_sync``) still in an fsync when ``close`` gave up on it: its
+    files are kept open under it (never closed, their descriptors never reused), and the log
+    says so; ``close`` still returns."""
+    monkeypatch.setattr(disk_store, "CLOSE_WAIT_S", 0.2)
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
+    store.recover()
+    answers = threading.Event()
+    real_fsync = os.fsync
+
+    def hung(fd: int) -> None:
+        answers.wait(30.0)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", hung)
+    try:
+        with caplog.at_level(logging.ERROR, logger=disk_store.__name__):
+            store.close()
+        assert "journals not synced" in caplog.text
+        monkeypatch.setattr(disk_journal, "LOCK_WAIT_S", 0.1)
+        with pytest.raises(DiskError, match="is in use"):  # its block file still open
+            open_store(disk_pool, [tmp_path / "d"], 8)
+    finally:
+        answers.set()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -210,3 +211,49 @@ def test_bad_disk_options_are_refused_before_anything_starts(
     done = _serve_fails(*[str(tmp_path / a) if a == "x" else a for a in args])
     assert done.returncode == 2 and message in done.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_journal_sync_that_hangs_leaves_the_control_plane_answering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the second review: the journals' writes, fsyncs and compactions ran on the
+    host's loop thread, so a device that stopped answering an fsync (a stuck NFS mount, a dying
+    disk) froze the whole host: handshakes, heartbeats and stats went unanswered, and every tier
+    dropped it. They run on a thread of their own now."""
+    from torch_kv_tier.remote import disk_sync
+    from torch_kv_tier.remote.server import Server, ServerConfig
+
+    disk = tmp_path / "disk"
+    hung, answers = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the device stops answering the journal's fsync
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(disk)) and not answers.is_set():
+            hung.set()
+            answers.wait(RESULT_TIMEOUT_S)
+        real_fsync(fd)
+
+    monkeypatch.setattr(disk_sync, "FSYNC_PERIOD_S", 0.01)
+    server = Server(
+        ServerConfig(
+            num_blocks=POOL_BLOCKS,
+            block_len=BLOCK_LEN,
+            disk_paths=(str(disk),),
+            disk_bytes=DISK_BLOCKS * BLOCK_LEN,
+        )
+    )
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    try:
+        monkeypatch.setattr(os, "fsync", fsync)  # once started: its recovery syncs too
+        loop.start()
+        assert hung.wait(10.0)
+        with fake_session(server.address, private=False, timeout_s=5.0) as session:
+            assert session.stats()["disk_keys"] == 0
+        assert hung.is_set() and not answers.is_set()  # still hung while it answered
+    finally:
+        answers.set()
+        stop.set()
+        loop.join(10.0)
+        server.close()
+    assert not loop.is_alive()

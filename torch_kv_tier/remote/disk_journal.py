@@ -9,17 +9,19 @@ it, or ``--disk`` naming it twice under two spellings), which would write over t
 blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
-(``DEL``), each framed by its length and CRC-32. Appends are buffered and written by ``flush``
-(one ``os.write``, more after a short write); ``fsync`` runs at most once per
-``FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses nothing
-written, a power loss the records of the last period, never a block a synced record names). A
-write that fails (a full disk) cuts the journal back to its last whole record and marks it
-``stale``: its owner rewrites it from its index (a crash meanwhile loses the records since,
-nothing else). ``read_records`` reads up to the first torn or corrupt frame (a crash in the
-middle of an append costs that record only); ``rewrite`` replaces the journal by the live
-records whole or not at all (temporary file, fsync, rename, fsync of the directory).
+(``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending``
+and written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once
+per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
+nothing written, a power loss the records of the last period, never a block a synced record names).
+A write that fails (a full disk) cuts the journal back to its last whole record and marks it
+``stale``: its owner rewrites it from its index (a crash meanwhile loses the records since, nothing
+else). ``read_records`` reads up to the first torn or corrupt frame (a crash in the middle of an
+append costs that record only); ``rewrite`` replaces the journal by the live records whole or not
+at all (temporary file, fsync, rename, fsync of the directory).
 
-Threading: not thread-safe; owned by one ``DiskStore``.
+Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`` on its thread,
+``flush`` and ``rewrite`` on its journals' thread (``disk_sync``), never two at once; ``records``,
+``stale`` and ``retry_at``, which they set, are read by the owner while neither runs.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class DiskDir:
         self.path = path
         self.slots = nbytes // block_len
         self.fd = self.journal = -1
-        self.pending = bytearray()  # records appended, not yet written
+        self.pending = bytearray()  # records appended, not yet taken (``take_pending``)
+        self._pending_count = 0
         self.records = 0  # records in the journal file
         self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, at retry_at)
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
@@ -128,34 +131,40 @@ class DiskDir:
 
     def append(self, op: int, slot: int, namespace: str, key: Key, digest: int) -> None:
         self.pending += _frame((op, slot, namespace, key, digest))
-        self.records += 1
+        self._pending_count += 1
 
-    def flush(self, *, sync: bool) -> None:
-        """Write the appended records; with ``sync``, ``fdatasync`` the block file (each block a
-        record names was written before the record was appended), then ``fsync`` the journal.
+    def take_pending(self) -> tuple[bytes, int]:
+        """The records appended since the last call, and their count: for ``flush``."""
+        taken = bytes(self.pending), self._pending_count
+        self.pending, self._pending_count = bytearray(), 0
+        return taken
+
+    def flush(self, data: bytes, count: int, *, sync: bool) -> None:
+        """Write ``count`` records taken (``take_pending``); with ``sync``, ``fdatasync`` the
+        block file (each block a record names was written before the record was appended), then
+        ``fsync`` the journal.
         A write or sync that fails (a full disk, EIO) is logged, never raised: the journal is
         cut back to its last whole record (a torn frame would hide every later one from
         ``read_records``) and marked ``stale``; records are then dropped until ``rewrite``
         writes it afresh."""
         if self.stale:
-            self.pending = bytearray()
             return
         size = -1
         try:
             size = os.lseek(self.journal, 0, os.SEEK_END)
-            view = memoryview(self.pending)
+            view = memoryview(data)
             while view:  # a short write must not leave a torn frame before the next ones
                 view = view[os.write(self.journal, view) :]
             if sync:  # the blocks first: a record synced names a block synced
                 os.fdatasync(self.fd)
                 os.fsync(self.journal)
+            self.records += count
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
             self.stale = True
             if size >= 0:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self.journal, size)
-        self.pending = bytearray()
 
     def read_records(self) -> list[Record]:
         """The journal's records, up to its first torn or corrupt frame."""
@@ -209,13 +218,13 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
-        self.records, self.pending, self.stale, self._retry_s = count, bytearray(), False, 0.0
+        self.records, self.stale, self._retry_s = count, False, 0.0
         return True
 
     def close(self) -> None:
         """Write what is pending, fsync, close both files. Idempotent."""
         if self.journal >= 0:
-            self.flush(sync=True)
+            self.flush(*self.take_pending(), sync=True)
         for fd in (self.fd, self.journal):
             if fd >= 0:
                 os.close(fd)

@@ -9,7 +9,9 @@ Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a ke
 with I/O in flight is never evicted.
 
 Recovery (``recover``): the blocks the journals name that still verify (``disk_recovery``); the
-journals are then rewritten with the live records only.
+journals are then rewritten with the live records only. Afterwards the journals are written,
+synced and compacted on a thread of their own (``disk_sync``): a hung device never stalls the
+loop.
 
 Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
@@ -29,12 +31,12 @@ from typing import Any
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_io import DiskCompletions, DiskTransfers, Pair, Request, quietly
-from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError
+from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError, Record
 from torch_kv_tier.remote.disk_recovery import verified_index
+from torch_kv_tier.remote.disk_sync import JournalSync
 
 logger = logging.getLogger(__name__)
 
-FSYNC_PERIOD_S = 1.0
 CLOSE_WAIT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0  # a request not done by then is given up (a hung device, NFS)
 # what requests still in flight at close may touch (NIXL agent, files, pool): never freed
@@ -81,7 +83,6 @@ class DiskStore:
         self._requests: list[Request] = []
         self._stuck: list[Request] = []  # given up, still in flight: their slots kept
         self._failed_at_start = DiskCompletions()  # requests NIXL refused: the next poll's
-        self._last_sync = time.monotonic()
         self._counters = dict.fromkeys(
             (
                 "disk_writes", "disk_reads", "disk_write_bytes", "disk_read_bytes",
@@ -102,6 +103,7 @@ class DiskStore:
         except BaseException:
             self._close_files()
             raise
+        self._journals = JournalSync(self._dirs, f"{name}-journal")
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -207,7 +209,7 @@ class DiskStore:
         self._fresh = max(taken, default=-1) + 1
         self._free = sorted(set(range(self._fresh)) - taken, reverse=True)
         for f, d in enumerate(self._dirs):
-            self._rewrite_journal(f, d)
+            d.rewrite(self._live_records(f))
         return [(ns, key, digest) for (ns, key), (_, digest) in self._where.items()]
 
     def stats(self) -> dict[str, Any]:
@@ -225,12 +227,21 @@ class DiskStore:
             "disk_direct_io": self.direct_io,
         }
 
+    def sync(self, timeout: float) -> bool:
+        """Write and sync every journal record appended so far, waiting at most ``timeout``
+        seconds; whether done."""
+        deadline = time.monotonic() + timeout
+        if not self._journals.wait(timeout):
+            return False
+        self._sync_journals(force=True)
+        return self._journals.wait(deadline - time.monotonic())
+
     def close(self) -> None:
         """Wait (at most ``CLOSE_WAIT_S``) for I/O in flight, sync the journals, release every
         NIXL handle and registration, close the files. Idempotent. A request still in flight
-        then (a hung device) may yet write the pool or read it: its NIXL agent, registrations
-        and files, and ``pool_owner``, are then kept until the process exits (logged), never
-        released under it."""
+        then (a hung device) may yet write the pool or read it, a journal sync still running
+        may yet use the files: the NIXL agent, registrations and files, and ``pool_owner``,
+        are then kept until the process exits (logged), never released under them."""
         if self._closed:
             return
         self._closed = True
@@ -240,13 +251,14 @@ class DiskStore:
             time.sleep(0.001)
         left = self._requests + self._stuck
         self._requests, self._stuck = [], []
-        self._sync_journals(force=True)
-        if left:
+        synced = self.sync(max(1.0, deadline - time.monotonic()))
+        if not self._journals.close(max(1.0, deadline - time.monotonic())) or left:
             logger.error(
-                "disk: %d requests still in flight %.0f s after close (a hung device?): the "
-                "pool, files and NIXL agent they use are kept, not freed, until this process "
-                "exits; restart it once %s answer again", len(left), CLOSE_WAIT_S,
-                sorted({str(self._dirs[r.directory].path) for r in left}),
+                "disk: %d requests still in flight, journals %s, %.0f s after close (a hung "
+                "device?): the pool, files and NIXL agent they use are kept, not freed, until "
+                "this process exits; restart it once %s answer again", len(left),
+                "synced" if synced else "not synced", CLOSE_WAIT_S,
+                [str(d.path) for d in self._dirs],
             )  # fmt: skip
             _KEPT.append((self._io, self._dirs, self._pool_owner, left))
             self._dirs = []
@@ -380,29 +392,16 @@ class DiskStore:
         self._dirs[slot % n].append(op, slot // n, namespace, key, digest)
 
     def _sync_journals(self, *, force: bool) -> None:
-        """Write the records appended (one ``os.write`` per journal), fsync at most every
-        ``FSYNC_PERIOD_S`` (always with ``force``), compact a journal past 4x its live keys
-        (a stale one, whose write failed: at its ``retry_at``)."""
-        now = time.monotonic()
-        sync = force or now - self._last_sync >= FSYNC_PERIOD_S
-        for f, d in enumerate(self._dirs):
-            compact = d.records > 4 * len(self._where) + 4096
-            if (force or now >= d.retry_at) if d.stale else compact:
-                d.flush(sync=False)
-                self._rewrite_journal(f, d)
-            elif d.pending or sync:
-                d.flush(sync=sync)
-        if sync:
-            self._last_sync = now
+        self._journals.hand_over(len(self._where), self._live_records, force=force)
 
-    def _rewrite_journal(self, f: int, d: DiskDir) -> None:
-        """Replace ``d``'s journal by one ``PUT`` per key it holds."""
+    def _live_records(self, f: int) -> list[Record]:
+        """One ``PUT`` per key directory ``f`` holds (a journal rewritten with them)."""
         n = len(self._dirs)
-        d.rewrite(
+        return [
             (PUT, slot // n, ns, key, digest)
             for (ns, key), (slot, digest) in self._where.items()
             if slot % n == f
-        )
+        ]
 
     def _close_files(self) -> None:
         for d in self._dirs:
