@@ -5,6 +5,7 @@ and closing releases every file."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -200,3 +201,28 @@ def test_closing_releases_every_file(disk_pool: np.ndarray, tmp_path: Path) -> N
         store.close()
         store.close()  # idempotent
     assert open_fds() == before
+
+
+@pytest.mark.parametrize("error", [errno.EOPNOTSUPP, errno.EINVAL])
+def test_a_file_system_without_fallocate_is_used_with_a_sparse_block_file(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """Found by the second review: a file system that cannot allocate in advance (NFSv3, some
+    FUSE mounts: glibc's fallback writes single bytes, which an O_DIRECT file refuses with
+    EINVAL) stopped the host at start, told to "pass a smaller --disk-bytes or free space"
+    with plenty free. The block file is now sized without reserving its space (logged): a disk
+    that fills up later fails copies, a miss."""
+
+    def no_fallocate(fd: int, offset: int, size: int) -> None:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
+    store = open_store(disk_pool, [tmp_path / "d"], 8)
+    try:
+        store.recover()
+        assert (tmp_path / "d" / "blocks.dat").stat().st_size == 8 * DISK_BLOCK
+        _write(store, disk_pool, [("ns", b"k", 0)])
+        store.read([("ns", b"k", 40)])
+        assert len(settle(store).read) == 1 and np.array_equal(disk_pool[40], disk_pool[0])
+    finally:
+        store.close()

@@ -116,11 +116,22 @@ class DiskDir:
         return None
 
     def _allocate(self, size: int) -> None:
+        """Reserve the block file's ``size`` bytes; raises ``DiskError`` where they are not free.
+        A file system that cannot reserve (NFSv3: glibc's fallback writes single bytes, which an
+        O_DIRECT file refuses) gets a sparse file (logged): a write past the free space fails
+        later, a miss."""
         if os.fstat(self.fd).st_size >= size:
             return
         try:
             os.posix_fallocate(self.fd, 0, size)
         except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                logger.warning(
+                    "disk: %s cannot reserve %d bytes in advance (%s): its block file is sparse, "
+                    "and a disk that fills up fails copies to it", self.path, size, exc,
+                )  # fmt: skip
+                os.ftruncate(self.fd, size)
+                return
             st = os.statvfs(self.path)
             raise DiskError(
                 f"{self.path} needs {size} bytes for --disk-bytes, only {st.f_bavail * st.f_frsize}"
