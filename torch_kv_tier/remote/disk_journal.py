@@ -282,7 +282,9 @@ def _write_durably(path: Path, data: bytes | bytearray) -> int:
 def _lock(fd: int, path: Path) -> None:
     """Hold ``fd``'s exclusive lock (released as it closes, or as its process dies), waiting at
     most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do. A file system without locks
-    is used unlocked (logged)."""
+    is used unlocked (logged). On NFS, Linux emulates ``flock`` with POSIX record locks, which
+    hold against other processes and hosts but never within one process: there a directory
+    that one host's ``--disk`` names twice under two spellings is not refused."""
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:
         try:
