@@ -23,6 +23,7 @@ from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, sett
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import disk_journal, disk_store
+from torch_kv_tier.remote.disk_io import DiskTransfers
 from torch_kv_tier.remote.disk_journal import PUT, DiskDir
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
 
@@ -504,3 +505,78 @@ def test_a_journal_sync_that_hangs_at_close_leaves_its_files_open(
             open_store(disk_pool, [tmp_path / "d"], 8)
     finally:
         answers.set()
+
+
+def test_a_disk_request_the_device_cannot_answer_at_once_never_blocks_its_poster(
+    tmp_path: Path,
+) -> None:
+    """Found by the second review: NIXL's POSIX backend ran on Linux AIO, whose ``io_submit``
+    does buffered I/O (tmpfs, a ``--block-len`` not a multiple of 4 KiB, a file system that
+    refuses O_DIRECT) in the caller, and waits there for a device that stopped answering (or a
+    full request queue): the host's loop thread, which posts and polls every disk request,
+    froze with it, and the request timeout never ran. The backend runs on io_uring where the
+    kernel has it, which hands such I/O to its own workers. Stand-in for the device: a FIFO,
+    whose read ends only once it is written."""
+    os.mkfifo(tmp_path / "fifo")
+    fd = os.open(tmp_path / "fifo", os.O_RDWR)
+    pool = make_disk_pool()
+    block = 4096  # a pipe's writes of at most this many bytes land whole: no short read
+    io = DiskTransfers(
+        [(fd, 4)], block_len=block, pool_addr=pool.ctypes.data, pool_blocks=4, name="fifo-test"
+    )
+    posted: list[str] = []
+
+    def post_and_poll() -> None:  # as the host's loop: the thread that posts it polls it
+        handle, state = io.post("read", 0, [0], [0])
+        posted.append(state)
+        deadline = time.monotonic() + 20.0
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.01)
+            state = io.state(handle, "read")
+        posted.append(state)
+        io.release(handle)
+
+    poster = threading.Thread(target=post_and_poll, daemon=True)
+    try:
+        poster.start()
+        deadline = time.monotonic() + 5.0
+        while not posted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        returned = bool(posted)
+        os.write(fd, bytes(range(256)) * (block // 256))  # the read can end now
+        poster.join(25.0)
+        assert returned, "posting a read the device cannot answer at once blocked its caller"
+        assert posted[-1] == "DONE" and bytes(pool[0][:4]) == bytes([0, 1, 2, 3])
+    finally:
+        io.close()
+        os.close(fd)
+
+
+def test_a_kernel_without_io_uring_still_gets_a_disk_tier(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Where io_uring is refused (an old kernel, a container's seccomp profile) the backend
+    falls back to Linux AIO, logged, and blocks round-trip as before."""
+    from nixl._api import nixl_agent
+
+    real = nixl_agent.create_backend
+
+    def no_uring(self: Any, backend: str, params: dict[str, str]) -> Any:
+        if params.get("use_uring"):
+            raise RuntimeError("injected: io_uring_queue_init: Operation not permitted")
+        return real(self, backend, params)
+
+    monkeypatch.setattr(nixl_agent, "create_backend", no_uring)
+    with caplog.at_level(logging.WARNING, logger="torch_kv_tier.remote.disk_io"):
+        store = open_store(disk_pool, [tmp_path / "d"], 8)
+    try:
+        assert "no io_uring" in caplog.text and "Linux AIO instead" in caplog.text
+        store.recover()
+        assert _write(store, disk_pool, b"k", 0).written
+        store.read([("ns", b"k", 40)])
+        assert len(settle(store).read) == 1 and np.array_equal(disk_pool[40], disk_pool[0])
+    finally:
+        store.close()

@@ -5,9 +5,14 @@ The pool and every block file are registered once, and their slots prepared once
 lists (DRAM slot ``i`` at ``pool_addr + i * block_len``, file slot ``j`` at ``j * block_len``):
 a request names slots by index, no byte and no per-block call goes through Python.
 
-Threading and failures: not thread-safe; owned by one ``DiskStore``. A request NIXL refuses to
-start, or reports failed, is logged and answered ``"ERR"``, never raised; construction raises
-what NIXL raised, with everything it had made released.
+Requests run on io_uring where the kernel has it (``_create_backend``): posting or polling one
+hands what would block to kernel workers, never waits for the device.
+
+Threading and failures: not thread-safe; owned by one ``DiskStore``. On io_uring a request still in
+flight when the thread that posted it exits is cancelled (``"ERR"``): post from a thread that
+outlives its requests (the host's loop). A request NIXL refuses to start, or reports failed, is
+logged and answered ``"ERR"``, never raised; construction raises what NIXL raised, with everything
+it had made released.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ class DiskTransfers:
         self._pool_reg: Any = None
         self._file_reg: Any = None
         try:
-            self._agent.create_backend("POSIX", {})
+            _create_backend(self._agent)
             pool = [(pool_addr, pool_blocks * block_len, 0, "")]
             self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
             regs = [(0, slots * block_len, fd, "") for fd, slots in files]
@@ -139,7 +144,24 @@ class DiskTransfers:
         for reg in (self._file_reg, self._pool_reg):
             if reg is not None:
                 quietly(lambda r=reg: agent.deregister_memory(r, backends=["POSIX"]))
-        self._agent = None
+        # the last references to the agent: its backend (an io_uring's descriptor) goes now,
+        # not whenever this object does
+        self._agent = self._dram = self._pool_reg = self._file_reg = None
+        self._files = []
+
+
+def _create_backend(agent: Any) -> None:
+    """NIXL's POSIX backend on io_uring, which hands I/O that would block (buffered I/O, a
+    device that does not answer, a full request queue) to kernel workers; else on its default,
+    Linux AIO, whose ``io_submit`` does that I/O in the caller: the host's loop (logged)."""
+    try:
+        agent.create_backend("POSIX", {"use_uring": "true"})
+    except Exception as exc:  # a kernel, or a container's seccomp profile, without io_uring
+        logger.warning(
+            "disk: no io_uring (%s): Linux AIO instead, which blocks the host's loop while a "
+            "buffered or stuck disk request is submitted", exc,
+        )  # fmt: skip
+        agent.create_backend("POSIX", {})
 
 
 def quietly(action: Any) -> None:
