@@ -7,7 +7,9 @@ import itertools
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -322,6 +324,26 @@ class LateWriteTransport(DataTransport):
         pass
 
 
+@contextmanager
+def late_write_tier(
+    arena: BlockArena, peers: dict[str, int], **settings: Any
+) -> Iterator[tuple[TierManager, LateWriteTransport]]:
+    """A tier over ``arena`` and a ``LateWriteTransport`` of it, with one peer per ``peers``
+    item: its id, and its number of zeroed slots (its agent metadata is its id, encoded).
+    ``settings`` go to ``TierManager``. The tier is closed on exit, a failing test's too."""
+    transport = LateWriteTransport(arena.tensor)
+    tier = TierManager(arena, transport, **settings)
+    try:
+        for peer_id, slots in peers.items():
+            LateWriteTransport.remotes[peer_id.encode()] = torch.zeros(
+                slots, arena.block_len, dtype=torch.uint8
+            )
+            tier.add_peer(peer_id, peer_id.encode(), 0, slots, arena.block_len)
+        yield tier, transport
+    finally:
+        tier.close()
+
+
 def _wait(condition: object, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():  # type: ignore[operator]
@@ -330,13 +352,9 @@ def _wait(condition: object, timeout: float = 10.0) -> None:
 
 
 def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> None:
-    remote = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    LateWriteTransport.remotes[b"host"] = remote
     arena = BlockArena(16, BLOCK)
     arena.tensor.copy_(torch.arange(16, dtype=torch.uint8).unsqueeze(1).expand(16, BLOCK))
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport, events=True) as tier:
-        tier.add_peer("p", b"host", 0, 4, BLOCK)
+    with late_write_tier(arena, {"p": 4}, events=True) as (tier, transport):
         transport.hold = True
         old = tier.store(["a", "b"], [0, 1])  # stays in flight
         transport.fault("p", "state check raised")  # the write may still land
@@ -346,7 +364,7 @@ def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> 
         (late,) = transport.in_flight()
 
         transport.hold = False
-        tier.add_peer("p", b"host", 0, 4, BLOCK)  # the same memory under the same peer id
+        tier.add_peer("p", b"p", 0, 4, BLOCK)  # the same memory under the same peer id
         new = tier.store(["c", "d", "e", "f"], [2, 3, 4, 5]).result(timeout=5)
         assert new.failed == {"e": "capacity", "f": "capacity"}  # 2 slots wait for the write
         transport.land(late)  # the old write lands now, where it was aimed
@@ -367,13 +385,10 @@ def test_a_failed_write_never_hands_its_slot_to_another_key(failed_by: str) -> N
     in flight; a post that fails part-way frees what it sent): its slot used to go back to the
     pool, a private tier without verification stored another key there, the stray write landed
     and that key loaded the first one's bytes as ok."""
-    LateWriteTransport.remotes[b"one"] = torch.zeros(1, BLOCK, dtype=torch.uint8)
     arena = BlockArena(4, BLOCK)
     arena.tensor[0].fill_(0xAA)
     arena.tensor[1].fill_(0xBB)
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport, verify=False) as tier:
-        tier.add_peer("p", b"one", 0, 1, BLOCK)
+    with late_write_tier(arena, {"p": 1}, verify=False) as (tier, transport):
         transport.hold = failed_by == "its report"
         transport.refuse_next = failed_by == "its post"
         first = tier.store(["a"], [0])
@@ -383,7 +398,7 @@ def test_a_failed_write_never_hands_its_slot_to_another_key(failed_by: str) -> N
         assert first.result(timeout=5).failed == {"a": "transfer failed"}
         assert tier.peers() == []
         transport.hold = False
-        tier.add_peer("p", b"one", 0, 1, BLOCK)  # the same memory under the same peer id
+        tier.add_peer("p", b"p", 0, 1, BLOCK)  # the same memory under the same peer id
         assert tier.store(["b"], [1]).result(timeout=5).failed == {"b": "capacity"}
         transport.land(stray)
         assert tier.lookup(["b"]) == 0
@@ -395,17 +410,14 @@ def test_a_failed_write_never_hands_its_slot_to_another_key(failed_by: str) -> N
 def test_a_write_of_a_dropped_registration_reported_failed_stays_fenced() -> None:
     """The transport reported a write of a dropped registration failed: its slot came back to
     the pool as if the write had ended, while part of it may still land."""
-    LateWriteTransport.remotes[b"one"] = torch.zeros(1, BLOCK, dtype=torch.uint8)
     arena = BlockArena(4, BLOCK)
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport) as tier:
-        tier.add_peer("p", b"one", 0, 1, BLOCK)
+    with late_write_tier(arena, {"p": 1}) as (tier, transport):
         transport.hold = True
         assert tier.store(["a"], [0]).done() is False
         transport.fault("p", "state check raised")
         _wait(lambda: tier.peers() == [])  # dropped; its write stays in flight
         (stray,) = transport.in_flight()
-        tier.add_peer("p", b"one", 0, 1, BLOCK)
+        tier.add_peer("p", b"p", 0, 1, BLOCK)
         transport.fail(stray)
         _wait(lambda: tier.stats().inflight == 0)  # reported
         transport.hold = False
@@ -413,13 +425,8 @@ def test_a_write_of_a_dropped_registration_reported_failed_stays_fenced() -> Non
 
 
 def test_a_faulted_peer_is_dropped_with_its_keys() -> None:
-    LateWriteTransport.remotes[b"h1"] = torch.zeros(8, BLOCK, dtype=torch.uint8)
-    LateWriteTransport.remotes[b"h2"] = torch.zeros(8, BLOCK, dtype=torch.uint8)
     arena = BlockArena(32, BLOCK)
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport, events=True) as tier:
-        tier.add_peer("h1", b"h1", 0, 8, BLOCK)
-        tier.add_peer("h2", b"h2", 0, 8, BLOCK)
+    with late_write_tier(arena, {"h1": 8, "h2": 8}, events=True) as (tier, transport):
         keys = [f"k{i}" for i in range(8)]
         assert tier.store(keys, list(range(8))).result(timeout=5).ok
         transport.fault("h1", "repeated transfer failures")
@@ -434,40 +441,32 @@ def test_a_faulted_peer_is_dropped_with_its_keys() -> None:
 
 
 def test_close_does_not_wait_for_a_write_orphaned_by_a_dropped_peer() -> None:
-    LateWriteTransport.remotes[b"stuck"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    arena = BlockArena(8, BLOCK)
-    transport = LateWriteTransport(arena.tensor)
-    tier = TierManager(arena, transport)
-    tier.add_peer("p", b"stuck", 0, 4, BLOCK)
-    transport.hold = True
-    pending = tier.store(["a"], [0])
-    transport.fault("p", "state check raised")
-    assert pending.result(timeout=5).failed == {"a": "peer lost"}
-    closer = threading.Thread(target=tier.close, kwargs={"timeout": 60.0})
-    closer.start()
-    closer.join(timeout=20)  # its future is resolved: close() must not sit out its timeout
-    assert not closer.is_alive()
-    assert transport.in_flight() == []  # the orphaned write was cancelled
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        transport.hold = True
+        pending = tier.store(["a"], [0])
+        transport.fault("p", "state check raised")
+        assert pending.result(timeout=5).failed == {"a": "peer lost"}
+        closer = threading.Thread(target=tier.close, kwargs={"timeout": 60.0})
+        closer.start()
+        closer.join(timeout=20)  # its future is resolved: close() must not sit out its timeout
+        assert not closer.is_alive()
+        assert transport.in_flight() == []  # the orphaned write was cancelled
 
 
 def test_close_from_a_done_callback_still_sees_the_transfers_in_flight_finish() -> None:
     """``close`` called by a future's callback runs on the poller thread and waited for the
     transfers in flight while nobody polled them: it sat out its whole timeout, then failed
     stores that had landed long before with "closed" (and ended their sessions unclean)."""
-    LateWriteTransport.remotes[b"cb"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    arena = BlockArena(8, BLOCK)
-    transport = LateWriteTransport(arena.tensor)
-    tier = TierManager(arena, transport)
-    tier.add_peer("p", b"cb", 0, 4, BLOCK)
-    transport.hold = True
-    first, second = tier.store(["a"], [0]), tier.store(["b"], [1])
-    first_tid, second_tid = transport.in_flight()
-    first.add_done_callback(lambda _: tier.close(timeout=60.0))
-    transport.land(first_tid)  # the poller resolves it: its callback closes the tier
-    _wait(lambda: tier.closed)
-    transport.land(second_tid)
-    assert second.result(timeout=10).ok  # not "closed" once close's 60 s ran out
-    assert first.result(timeout=0).ok
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        transport.hold = True
+        first, second = tier.store(["a"], [0]), tier.store(["b"], [1])
+        first_tid, second_tid = transport.in_flight()
+        first.add_done_callback(lambda _: tier.close(timeout=60.0))
+        transport.land(first_tid)  # the poller resolves it: its callback closes the tier
+        _wait(lambda: tier.closed)
+        transport.land(second_tid)
+        assert second.result(timeout=10).ok  # not "closed" once close's 60 s ran out
+        assert first.result(timeout=0).ok
 
 
 def test_a_store_does_not_raise_when_a_peer_joins_while_it_looks_at_the_peers() -> None:
@@ -475,10 +474,7 @@ def test_a_store_does_not_raise_when_a_peer_joins_while_it_looks_at_the_peers() 
     tier with ``verify=False`` walks it); a peer added or dropped by another thread meanwhile
     (a redial, a lost session) made the store raise "dictionary changed size during
     iteration" (7 of 8,000 stores beside a thread adding and removing peers)."""
-    LateWriteTransport.remotes[b"v"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    arena = BlockArena(8, BLOCK)
-    with TierManager(arena, LateWriteTransport(arena.tensor), verify=False) as tier:
-        tier.add_peer("p", b"v", 0, 4, BLOCK)
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}, verify=False) as (tier, _):
 
         class JoinsMeanwhile:
             """A peer whose ``verifies`` is read as another thread adds a peer."""
@@ -515,11 +511,7 @@ def test_a_future_cannot_be_cancelled_while_its_transfer_is_in_flight() -> None:
     ``asyncio.wrap_future`` does so on its timeout): a load's then reported done while its read
     could still land in its blocks, and resolving it raised ``InvalidStateError``, on the
     poller (which then stopped resolving futures) or in an unrelated caller's call."""
-    LateWriteTransport.remotes[b"cx"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    arena = BlockArena(8, BLOCK)
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport) as tier:
-        tier.add_peer("p", b"cx", 0, 4, BLOCK)
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
         transport.hold = True
         first = tier.store(["a"], [0])
         assert not first.cancel() and not first.done()
@@ -535,10 +527,7 @@ def test_a_future_cannot_be_cancelled_while_its_transfer_is_in_flight() -> None:
 def test_discard_takes_its_keys_from_any_iterable() -> None:
     """``discard`` walked its keys twice (stores in flight, then the index): given a generator,
     the second walk found nothing, and the stored keys silently stayed."""
-    LateWriteTransport.remotes[b"dg"] = torch.zeros(4, BLOCK, dtype=torch.uint8)
-    arena = BlockArena(8, BLOCK)
-    with TierManager(arena, LateWriteTransport(arena.tensor)) as tier:
-        tier.add_peer("p", b"dg", 0, 4, BLOCK)
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, _):
         assert tier.store(["a", "b"], [0, 1]).result(timeout=5).ok
         tier.discard(key for key in ["a", "b"])
         assert tier.lookup(["a"]) == tier.lookup(["b"]) == 0
