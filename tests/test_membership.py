@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -365,15 +366,25 @@ def rounds(source: FakeSource, n: int) -> None:
     wait_until(lambda: source.resolves >= seen + n, f"{n} more rounds")
 
 
+@contextmanager
+def following(
+    tier: Any, source: Any, *, interval_s: float = 0.02, stop_s: float = 5.0, **kwargs: Any
+) -> Iterator[Membership]:
+    """A started ``Membership`` of ``tier`` over ``source`` (``kwargs`` go to it), stopped with
+    ``stop_s`` on exit, a failing test's too."""
+    membership = Membership(tier, source, interval_s=interval_s, **kwargs)
+    membership.start()
+    try:
+        yield membership
+    finally:
+        membership.stop(timeout=stop_s)
+
+
 @pytest.fixture
 def fake() -> Iterator[tuple[FakeTier, FakeSource, Membership]]:
     tier, source = FakeTier(), FakeSource("a:1")
-    membership = Membership(tier, source, interval_s=0.02, connect_kwargs={"timeout_s": 1.0})
-    membership.start()
-    try:
+    with following(tier, source, connect_kwargs={"timeout_s": 1.0}) as membership:
         yield tier, source, membership
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_membership_connects_appearing_and_disconnects_vanishing_hosts(
@@ -427,17 +438,13 @@ def test_a_failed_resolve_drops_nothing_and_is_logged_once(
 def test_a_failed_connect_is_retried_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     tier, source = FakeTier(), FakeSource("a:1")
     tier.down.add("a:1")
-    membership = Membership(tier, source, interval_s=0.02)
-    membership.start()
-    try:
+    with following(tier, source) as membership:
         wait_until(lambda: tier.count(("connect", "a:1")) > 5, "several tries")
         assert membership.hosts() == {"a:1": None}
         assert caplog.text.count("remote host a:1 cannot be connected") == 1
         with tier.lock:
             tier.down.clear()
         wait_until(lambda: membership.hosts() == {"a:1": "host:a:1"}, "a:1 connects")
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_known_hosts_are_not_dialled_again_and_a_shared_peer_stays() -> None:
@@ -445,28 +452,22 @@ def test_known_hosts_are_not_dialled_again_and_a_shared_peer_stays() -> None:
     host (A and AAAA): losing one address keeps the peer."""
     tier, source = FakeTier(), FakeSource("a:1", "a:1/v6")
     tier.live.add("host:a:1")
-    membership = Membership(
-        tier, source, interval_s=0.02, known={"a:1": "host:a:1", "a:1/v6": "host:a:1"}
-    )
-    membership.start()
-    try:
+    known = {"a:1": "host:a:1", "a:1/v6": "host:a:1"}
+    with following(tier, source, known=known) as membership:
         rounds(source, 3)
         assert tier.calls == []
         source.hosts = ["a:1"]
         wait_until(lambda: "a:1/v6" not in membership.hosts(), "the v6 address leaves")
         rounds(source, 3)
         assert tier.calls == [] and tier.peers() == ["host:a:1"]
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_membership_ends_when_the_tier_closes() -> None:
     tier, source = FakeTier(), FakeSource("a:1")
     tier.closed = True
-    membership = Membership(tier, source, interval_s=0.02)
-    membership.start()
-    wait_until(lambda: not membership._thread.is_alive(), "the thread ends")
-    assert source.resolves == 1
+    with following(tier, source) as membership:
+        wait_until(lambda: not membership._thread.is_alive(), "the thread ends")
+        assert source.resolves == 1
 
 
 def test_a_runtime_error_of_an_open_tier_is_a_failed_connect() -> None:
@@ -488,16 +489,12 @@ def test_a_runtime_error_of_an_open_tier_is_a_failed_connect() -> None:
             return super().connect(address, **kwargs)
 
     tier, source = RacingTier(), FakeSource("a:1")
-    membership = Membership(tier, source, interval_s=0.02)
-    membership.start()
-    try:
+    with following(tier, source) as membership:
         wait_until(lambda: membership.hosts() == {"a:1": "host:a:1"}, "a:1 connects")
         with tier.lock:
             tier.closed = True
         source.hosts = ["a:1", "b:2"]
         wait_until(lambda: not membership._thread.is_alive(), "the thread ends once closed")
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_a_failed_disconnect_or_peers_call_of_an_open_tier_is_retried() -> None:
@@ -525,17 +522,13 @@ def test_a_failed_disconnect_or_peers_call_of_an_open_tier_is_retried() -> None:
             return super().peers()
 
     tier, source = FailingTier(), FakeSource("a:1", "b:2")
-    membership = Membership(tier, source, interval_s=0.02)
-    membership.start()
-    try:
+    with following(tier, source):
         wait_until(lambda: tier.peers() == ["host:a:1", "host:b:2"], "both connect")
         source.hosts = ["b:2"]
         wait_until(lambda: not tier.failures, "disconnect and peers failed once each")
         wait_until(lambda: tier.peers() == ["host:b:2"], "a:1 is disconnected at a later round")
         source.hosts = ["b:2", "c:3"]
         wait_until(lambda: "host:c:3" in tier.peers(), "the thread still follows its source")
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_a_host_whose_disconnect_keeps_failing_holds_up_no_other_host(
@@ -552,9 +545,7 @@ def test_a_host_whose_disconnect_keeps_failing_holds_up_no_other_host(
             super().disconnect(peer_id)
 
     tier, source = StuckTier(), FakeSource("a:1", "b:2")
-    membership = Membership(tier, source, interval_s=0.02)
-    membership.start()
-    try:
+    with following(tier, source) as membership:
         wait_until(lambda: tier.peers() == ["host:a:1", "host:b:2"], "both connect")
         source.hosts = ["c:3"]
         wait_until(lambda: "host:c:3" in tier.peers(), "c:3 connects")
@@ -562,8 +553,6 @@ def test_a_host_whose_disconnect_keeps_failing_holds_up_no_other_host(
         rounds(source, 3)
         assert "host:a:1" in tier.peers() and membership.hosts() == {"c:3": "host:c:3"}
         assert caplog.text.count("cannot be disconnected") == 1
-    finally:
-        membership.stop(timeout=5)
 
 
 def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
@@ -577,16 +566,15 @@ def test_stop_waits_for_a_handshake_in_progress_but_is_bounded() -> None:
             return super().connect(address, **kwargs)
 
     tier = SlowTier()
-    membership = Membership(tier, FakeSource("a:1"), interval_s=0.02)
-    membership.start()
-    assert entered.wait(timeout=WAIT_S)
-    start = time.monotonic()
-    membership.stop(timeout=0.2)  # the handshake is still running: gives up after 0.2 s
-    assert 0.15 < time.monotonic() - start < 2.0
-    release.set()
-    membership.stop(timeout=WAIT_S)  # it ends once the handshake does, and dials nothing more
-    assert not membership._thread.is_alive()
-    assert tier.calls == [("connect", "a:1")]
+    with following(tier, FakeSource("a:1")) as membership:
+        assert entered.wait(timeout=WAIT_S)
+        start = time.monotonic()
+        membership.stop(timeout=0.2)  # the handshake is still running: gives up after 0.2 s
+        assert 0.15 < time.monotonic() - start < 2.0
+        release.set()
+        membership.stop(timeout=WAIT_S)  # it ends once the handshake does, dials nothing more
+        assert not membership._thread.is_alive()
+        assert tier.calls == [("connect", "a:1")]
 
 
 @pytest.mark.parametrize("interval_s", [0, -1.0, float("nan"), float("inf")])
@@ -626,29 +614,29 @@ def test_a_real_tier_joins_and_leaves_a_host_named_in_a_watched_file(tmp_path: P
     with (
         ServerProcess.start(64, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="membership") as tier,
+        following(
+            tier,
+            parse_source(f"file:{path}"),
+            interval_s=0.1,
+            stop_s=WAIT_S,
+            connect_kwargs={"timeout_s": 5.0},
+        ) as membership,
     ):
-        membership = Membership(
-            tier, parse_source(f"file:{path}"), interval_s=0.1, connect_kwargs={"timeout_s": 5.0}
+        assert tier.peers() == []
+        write_hosts(path, f"# kv hosts\n{server.address}\n")
+        wait_until(
+            lambda: membership.hosts().get(server.address) is not None,
+            "the tier joins the host",
         )
-        membership.start()
-        try:
-            assert tier.peers() == []
-            write_hosts(path, f"# kv hosts\n{server.address}\n")
-            wait_until(
-                lambda: membership.hosts().get(server.address) is not None,
-                "the tier joins the host",
-            )
-            assert list(membership.hosts().values()) == tier.peers() and len(tier.peers()) == 1
-            tier.arena.tensor[:4].random_(0, 256)
-            keys = [f"block-{i}" for i in range(4)]
-            assert tier.store(keys, range(4)).result(timeout=WAIT_S).ok
-            assert tier.load(keys, range(8, 12)).result(timeout=WAIT_S).ok
-            assert torch.equal(tier.arena.tensor[8:12], tier.arena.tensor[:4])
-            write_hosts(path, f"# {server.address}\n")
-            wait_until(lambda: tier.peers() == [], "the tier drops the host")
-            assert membership.hosts() == {} and tier.lookup(keys) == 0
-        finally:
-            membership.stop(timeout=WAIT_S)
+        assert list(membership.hosts().values()) == tier.peers() and len(tier.peers()) == 1
+        tier.arena.tensor[:4].random_(0, 256)
+        keys = [f"block-{i}" for i in range(4)]
+        assert tier.store(keys, range(4)).result(timeout=WAIT_S).ok
+        assert tier.load(keys, range(8, 12)).result(timeout=WAIT_S).ok
+        assert torch.equal(tier.arena.tensor[8:12], tier.arena.tensor[:4])
+        write_hosts(path, f"# {server.address}\n")
+        wait_until(lambda: tier.peers() == [], "the tier drops the host")
+        assert membership.hosts() == {} and tier.lookup(keys) == 0
 
 
 def session_threads() -> list[str]:
