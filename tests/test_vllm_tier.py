@@ -214,6 +214,20 @@ class Driver:
         assert spec._scheduler_mmap.mmap_obj is None
 
 
+@contextlib.contextmanager
+def driven_manager(
+    remote: Any, *, seed: int = 0, **options: Any
+) -> Iterator[tuple[Any, TieringOffloadingManager, Driver]]:
+    """``make_manager(remote, **options)`` and a ``Driver`` of it (``seed``): the spec, the
+    manager and the driver, shut down on exit (``Driver.shutdown``, a failing test's too)."""
+    spec, manager = make_manager(remote, **options)
+    driver = Driver(manager, seed)
+    try:
+        yield spec, manager, driver
+    finally:
+        driver.shutdown(spec)
+
+
 def keys_for(prefix: str, n: int) -> list[OffloadKey]:
     return [make_offload_key(f"{prefix}-{i}".encode().ljust(32, b"\0"), 0) for i in range(n)]
 
@@ -255,11 +269,9 @@ def hold_with_stores_in_flight(driver: Driver, chunks: int) -> None:
 
 
 def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) -> None:
-    spec, manager = make_manager(
+    with driven_manager(
         server.address, kv_events=True, enable_kv_events=True, unknown_future_key=1
-    )
-    driver = Driver(manager)
-    try:
+    ) as (_, manager, driver):
         keys = offload_then_evict(driver, 4)
         with manager.lock:
             events = [e for e in manager.take_events() if e.ownership == "RemoteHostTier"]
@@ -274,8 +286,6 @@ def test_store_cascade_evict_lookup_promote_round_trip(server: ServerProcess) ->
         label = (server.address,)
         assert data[RemoteHostMetrics.STORED_CHUNKS][label] == 12
         assert data[RemoteHostMetrics.CONNECTED_REMOTES][label] == 1
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> None:
@@ -306,16 +316,14 @@ def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> 
 
 def shared_driver(cleanup: contextlib.ExitStack, remote: str, seed: int) -> Driver:
     """A Driver over a tier in ``remote``'s shared pool, shut down by ``cleanup``."""
-    spec, manager = make_manager(remote, private=False, slots=None)
-    driver = Driver(manager, seed)
-    cleanup.callback(driver.shutdown, spec)
+    _, _, driver = cleanup.enter_context(
+        driven_manager(remote, seed=seed, private=False, slots=None)
+    )
     return driver
 
 
 def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> None:
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = offload_then_evict(driver, 4)
         ctx = driver.arrive("req-c")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * 4
@@ -332,15 +340,11 @@ def test_partial_promotion_reports_successful_keys(server: ServerProcess) -> Non
         assert driver.loaded_bytes(ctx, good) == [driver.written[k] for k in good]
         with manager.lock:
             manager.on_request_finished(ctx)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> None:
     """reset_cache() calls drain_jobs() and then demands every job's result at once."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = keys_for("prefix", PRIMARY_CHUNKS // 2)  # what the tier may promote at once
         driver.store("req-a", keys)  # cascades submitted, not yet collected
         with manager.lock:
@@ -349,16 +353,16 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
                 manager.on_reset_flushed()
         driver.step()  # a later request: nothing prefills any more
         assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
-    finally:
-        driver.shutdown(spec)
 
 
 def test_remote_host_death_mid_promotion_falls_back_to_recompute(
     tcp_server: ServerProcess,
 ) -> None:
-    spec, manager = make_manager(tcp_server.address, kv_events=True, enable_kv_events=True)
-    driver = Driver(manager)
-    try:
+    with driven_manager(tcp_server.address, kv_events=True, enable_kv_events=True) as (
+        _,
+        manager,
+        driver,
+    ):
         keys = offload_then_evict(driver, 4)
         with manager.lock:
             manager.take_events()
@@ -383,8 +387,6 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         # New chunks still go through the primary tier; their cascades fail, nothing hangs.
         driver.store("req-d", keys_for("after", 2))
         driver.run_until_idle(timeout=30.0)
-    finally:
-        driver.shutdown(spec)
 
 
 def wait_until(condition: Any, timeout: float, what: str) -> None:
@@ -396,10 +398,8 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
 
 def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -> None:
     port = tcp_server.address.rpartition(":")[2]
-    spec, manager = make_manager(tcp_server.address, reconnect_interval_s=0.2)
-    driver = Driver(manager)
-    tier = driver.tier.tier_manager
-    try:
+    with driven_manager(tcp_server.address, reconnect_interval_s=0.2) as (spec, _, driver):
+        tier = driver.tier.tier_manager
         before = keys_for("before", 2)
         driver.store("req-a", before)
         driver.run_until_idle()
@@ -419,8 +419,6 @@ def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -
             driver.run_until_idle()
             assert all(tier.contains(k) for k in after)
             driver.shutdown(spec)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
@@ -428,10 +426,8 @@ def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
 ) -> None:
     hosts = tmp_path / "kv-hosts"
     hosts.write_text("# no hosts yet\n")
-    spec, manager = make_manager(f"file:{hosts}", reconnect_interval_s=0.1)
-    driver = Driver(manager)
-    tier = driver.tier.tier_manager
-    try:
+    with driven_manager(f"file:{hosts}", reconnect_interval_s=0.1) as (_, _, driver):
+        tier = driver.tier.tier_manager
         assert tier.peers() == []  # vLLM started without hosts, and said so
         assert "lists no remote host; starting without remote hosts" in caplog.text
         staged = tmp_path / "kv-hosts.tmp"
@@ -445,8 +441,6 @@ def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
         hosts.write_text("")
         wait_until(lambda: not tier.peers(), 20.0, "the tier drops the host left out")
         assert not any(tier.contains(k) for k in keys)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_shutdown_during_a_handshake_with_a_silent_host_does_not_wait_for_it(
@@ -463,19 +457,17 @@ def test_shutdown_during_a_handshake_with_a_silent_host_does_not_wait_for_it(
     silent.listen(8)
     hosts = tmp_path / "kv-hosts"
     hosts.write_text(f"{server.address}\n")
-    spec, manager = make_manager(
-        f"file:{hosts}", reconnect_interval_s=0.1, connect_timeout_s=10, close_timeout_s=2
-    )
-    driver = Driver(manager)
-    try:
+    with (
+        contextlib.closing(silent),
+        driven_manager(
+            f"file:{hosts}", reconnect_interval_s=0.1, connect_timeout_s=10, close_timeout_s=2
+        ) as (spec, _, driver),
+    ):
         staged = tmp_path / "kv-hosts.tmp"
         staged.write_text(f"{server.address}\n127.0.0.1:{silent.getsockname()[1]}\n")
         os.replace(staged, hosts)
         time.sleep(1.0)  # the membership thread is now dialling the silent host (10 s)
         driver.shutdown(spec, timeout=0.8)  # was close_timeout_s / 2 = 1 s and more
-    finally:
-        driver.shutdown(spec)
-        silent.close()
 
 
 def test_shutdown_keeps_the_primary_region_mapped_while_nixl_still_holds_it(
@@ -586,10 +578,8 @@ def test_block_len_mismatch_names_the_server_flag(caplog: pytest.LogCaptureFixtu
 
 def test_touch_reaches_the_remote_hosts_lru(server: ServerProcess) -> None:
     """vLLM's touch() of a chunk keeps it on a full remote host; the untouched oldest goes."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    tier = driver.tier.tier_manager
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
+        tier = driver.tier.tier_manager
         keys = keys_for("lease", TIER_SLOTS)
         for i in range(0, TIER_SLOTS, PRIMARY_CHUNKS):  # fill this tier's whole remote lease
             driver.store(f"fill-{i}", keys[i : i + PRIMARY_CHUNKS])
@@ -604,14 +594,10 @@ def test_touch_reaches_the_remote_hosts_lru(server: ServerProcess) -> None:
         driver.run_until_idle()
         assert tier.contains(keys[0])
         assert not tier.contains(keys[1])
-    finally:
-        driver.shutdown(spec)
 
 
 def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProcess) -> None:
-    spec, manager = make_manager(tcp_server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(tcp_server.address) as (_, manager, driver):
         keys = keys_for("slow", 2)
         ctx = ReqContext(req_id="req-look")
         stop_process(tcp_server.proc.pid)  # the cascade cannot complete...
@@ -627,8 +613,6 @@ def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProce
         driver.run_until_idle()
         with manager.lock:
             assert [driver.tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
@@ -638,10 +622,12 @@ def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
     address = f"127.0.0.1:{port}"
     with pytest.raises(RuntimeError, match="could not connect"):  # reconnecting off: fail fast
         make_manager(address, reconnect_interval_s=0, connect_timeout_s=0.5)
-    spec, manager = make_manager(address, reconnect_interval_s=0.2, connect_timeout_s=0.5)
-    driver = Driver(manager)
-    tier = driver.tier.tier_manager
-    try:
+    with driven_manager(address, reconnect_interval_s=0.2, connect_timeout_s=0.5) as (
+        spec,
+        _,
+        driver,
+    ):
+        tier = driver.tier.tier_manager
         assert tier.peers() == []  # vLLM started without the host
         early = keys_for("early", 2)
         driver.store("req-a", early)  # its cascades fail: there is no host yet
@@ -654,8 +640,6 @@ def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
             driver.run_until_idle()
             assert all(tier.contains(k) for k in late)
             driver.shutdown(spec)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines() -> None:
@@ -692,9 +676,7 @@ def test_a_burst_beyond_the_promotion_budget_waits_then_misses_leading_chunks_fi
     prefill would fill the first one's steps), at most ``promotion_guard_s``, then gets a MISS
     on its first chunk (vLLM recomputes it, no longer waiting); once the first is scheduled the
     budget serves the next."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = offload_then_evict(driver, PRIMARY_CHUNKS)
         first, second = keys[:BUDGET], keys[BUDGET:]
         ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
@@ -716,8 +698,6 @@ def test_a_burst_beyond_the_promotion_budget_waits_then_misses_leading_chunks_fi
         for ctx in (ctx_1, ctx_2, ctx_3):
             with manager.lock:
                 manager.on_request_finished(ctx)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
@@ -727,9 +707,7 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
     CPU tier may promote (4): both recompute (MISS on their first chunk), so neither waits
     three steps for a promotion while the other's prefill fills them. Once one is scheduled
     the last one fits and is promoted, beside that recompute (refused, it would prefill too)."""
-    spec, manager = make_manager(server.address, expected_prefix_tokens=BUDGET * 16)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address, expected_prefix_tokens=BUDGET * 16) as (_, manager, driver):
         keys = offload_then_evict(driver, BUDGET)
         ctx_1, ctx_2 = driver.arrive("req-1"), driver.arrive("req-2")
         assert driver.lookup(ctx_1, keys[:1]) == [LookupResult.MISS]
@@ -742,8 +720,6 @@ def test_a_queue_the_cpu_tier_cannot_take_whole_recomputes_until_it_drains(
         for ctx in (ctx_1, ctx_2):
             with manager.lock:
                 manager.on_request_finished(ctx)
-    finally:
-        driver.shutdown(spec)
 
 
 def land_unheard(driver: Driver, ctx: ReqContext, keys: Sequence[OffloadKey]) -> None:
@@ -761,9 +737,7 @@ def test_a_promotion_heard_of_in_a_store_is_held_before_that_store_allocates(
     the chunks of a promotion it hears of there are already held when it allocates, so a
     store that would need them is refused (vLLM retries it at the next step) and the
     request hits every chunk (before, that store evicted them and the reads were wasted)."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = offload_then_evict(driver, BUDGET)
         ctx = driver.arrive("req-1")
         land_unheard(driver, ctx, keys)
@@ -776,8 +750,6 @@ def test_a_promotion_heard_of_in_a_store_is_held_before_that_store_allocates(
         assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
         with manager.lock:
             manager.on_request_finished(ctx)
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_promoted_chunk_lost_before_use_is_never_read_again(
@@ -788,9 +760,7 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(
     MISS when the request looks it up again: the request recomputes from there, the tier does
     not read the chunk a second time (under load that re-read looped, step after step)."""
     monkeypatch.setattr(PromotionPins, "_primary", lambda self: None)
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = offload_then_evict(driver, BUDGET)
         ctx = driver.arrive("req-1")
         assert driver.promote(ctx, keys) == [LookupResult.HIT] * BUDGET
@@ -805,8 +775,6 @@ def test_a_promoted_chunk_lost_before_use_is_never_read_again(
         with manager.lock:
             manager.on_request_finished(ctx)
         assert driver.promote_request("req-2", keys) == [driver.written[k] for k in keys]
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: ServerProcess) -> None:
@@ -814,22 +782,20 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
     waits: a store that would need its chunks is refused (vLLM retries it at the next step)
     and the request hits every chunk. Its request scheduled (or finished unscheduled),
     the chunks are evictable again; and vLLM can reset its CPU tier with a promotion held."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    writer = ReqContext(req_id="req-writer")
-    probes = itertools.count()
+    with driven_manager(server.address) as (_, manager, driver):
+        writer = ReqContext(req_id="req-writer")
+        probes = itertools.count()
 
-    def can_store(n: int) -> bool:
-        """Whether vLLM's CPU tier takes a store of ``n`` new chunks now (whose GPU copy then
-        fails, so nothing is cascaded or kept)."""
-        keys = keys_for(f"probe-{next(probes)}", n)
-        with manager.lock:
-            out = manager.prepare_store(keys, writer)
-            if out is not None:
-                manager.complete_store(out.keys_to_store, writer, success=False)
-        return out is not None
+        def can_store(n: int) -> bool:
+            """Whether vLLM's CPU tier takes a store of ``n`` new chunks now (whose GPU copy then
+            fails, so nothing is cascaded or kept)."""
+            keys = keys_for(f"probe-{next(probes)}", n)
+            with manager.lock:
+                out = manager.prepare_store(keys, writer)
+                if out is not None:
+                    manager.complete_store(out.keys_to_store, writer, success=False)
+            return out is not None
 
-    try:
         keys = offload_then_evict(driver, BUDGET)
         with manager.lock:
             manager.on_new_request(writer)
@@ -870,8 +836,6 @@ def test_a_landed_promotion_is_held_until_its_request_is_scheduled(server: Serve
         with manager.lock:
             manager.on_request_finished(writer)
         assert driver.promote_request("req-5", keys) == [driver.written[k] for k in keys]
-    finally:
-        driver.shutdown(spec)
 
 
 def held_promotions(driver: Driver) -> int:
@@ -887,9 +851,7 @@ def test_a_request_that_ends_while_its_promotion_flies_keeps_nothing(
     end with its jobs in flight) had the promotion's chunks pinned in vLLM's CPU tier once it
     landed, for a request that would never be scheduled or finish again: they could never be
     evicted. A failed promotion likewise left the request's failed keys behind for good."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, manager, driver):
         keys = offload_then_evict(driver, BUDGET)
         ctx = driver.arrive("req-1")
         assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
@@ -903,8 +865,6 @@ def test_a_request_that_ends_while_its_promotion_flies_keeps_nothing(
         driver.run_until_idle()  # vLLM hears of the promotion now
         assert held_promotions(driver) == 0 and driver.tier._failed_keys == {}
         assert driver.tier._ended == set()
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
@@ -913,9 +873,7 @@ def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
     """With the CPU tier full of chunks vLLM is still writing, a remote hit cannot be allocated:
     vLLM answers MISS, and the tier keeps it a MISS for that request (no read, no deferral),
     and gives the budget back at the end of the step."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, _, driver):
         keys = offload_then_evict(driver, 2)
         hold_with_stores_in_flight(driver, PRIMARY_CHUNKS)  # the whole CPU tier
         ctx = driver.arrive("req-1")
@@ -925,8 +883,6 @@ def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
         assert driver.lookup(ctx, keys[:1]) == [LookupResult.MISS]
         data = driver.metrics()
         assert TieringOffloadingMetrics.READ_BYTES not in data
-    finally:
-        driver.shutdown(spec)
 
 
 def test_a_promotion_the_cpu_tier_can_allocate_only_in_part_is_not_read(
@@ -937,9 +893,7 @@ def test_a_promotion_the_cpu_tier_can_allocate_only_in_part_is_not_read(
     request for the promotion and then recompute the rest; the tier reports the promotion
     failed unread instead, and the request recomputes whole (a MISS from its first chunk) with
     nothing left pending and the budget given back."""
-    spec, manager = make_manager(server.address)
-    driver = Driver(manager)
-    try:
+    with driven_manager(server.address) as (_, _, driver):
         keys = offload_then_evict(driver, 2)
         hold_with_stores_in_flight(driver, PRIMARY_CHUNKS - 1)  # all but one chunk
         ctx = driver.arrive("req-1")
@@ -949,8 +903,6 @@ def test_a_promotion_the_cpu_tier_can_allocate_only_in_part_is_not_read(
         assert driver.tier._admission.held == 0
         assert driver.tier._admission.stats.dropped_partial == 1
         assert TieringOffloadingMetrics.READ_BYTES not in driver.metrics()
-    finally:
-        driver.shutdown(spec)
 
 
 @pytest.mark.parametrize(
@@ -1314,37 +1266,35 @@ def test_a_chunk_on_the_hosts_disk_is_retried_while_promoted_then_a_hit(tmp_path
     RETRY while the host promotes it (never a MISS, never a HIT before it is in DRAM), then the
     promotion delivers the bytes stored."""
     disk = ["--disk", str(tmp_path / "disk"), "--disk-bytes", str(256 * CHUNK_BYTES)]
-    with ServerProcess.start(
-        16, CHUNK_BYTES, extra_args=[*disk, "--disk-admit", "1", "--max-grant", "4"]
-    ) as host:
-        spec, manager = make_manager(host.address, private=False, slots=None)
-        driver = Driver(manager)
-        try:
-            keys = keys_for("deep", 4)
-            driver.store("req-a", keys)
+    with (
+        ServerProcess.start(
+            16, CHUNK_BYTES, extra_args=[*disk, "--disk-admit", "1", "--max-grant", "4"]
+        ) as host,
+        driven_manager(host.address, private=False, slots=None) as (_, _, driver),
+    ):
+        keys = keys_for("deep", 4)
+        driver.store("req-a", keys)
+        driver.run_until_idle()
+        for j in range(6):  # 48 more chunks through a 16-slot pool: deep-* go to disk
+            driver.store(f"fill-{j}", keys_for(f"fill{j}", PRIMARY_CHUNKS))
             driver.run_until_idle()
-            for j in range(6):  # 48 more chunks through a 16-slot pool: deep-* go to disk
-                driver.store(f"fill-{j}", keys_for(f"fill{j}", PRIMARY_CHUNKS))
-                driver.run_until_idle()
-                time.sleep(0.05)  # the host's copies ahead of eviction
-            tier = driver.tier.tier_manager
-            assert wait_for(
-                lambda: not any(map(tier.contains, keys)) and tier.lookup(keys) == len(keys), 10.0
-            ), "the host to announce the chunks on its disk"
-            ctx = driver.arrive("req-c")
-            seen: list[LookupResult] = []
-            deadline = time.monotonic() + 10.0
-            while True:
-                results = driver.lookup(ctx, keys)
-                seen += results
-                if all(r is LookupResult.HIT_PENDING for r in results):
-                    break
-                assert time.monotonic() < deadline, results
-                driver.step()
-                time.sleep(0.01)
-            assert LookupResult.RETRY in seen and LookupResult.MISS not in seen
-            driver.run_until_idle()
-            assert driver.lookup(ctx, keys) == [LookupResult.HIT] * len(keys)
-            assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
-        finally:
-            driver.shutdown(spec)
+            time.sleep(0.05)  # the host's copies ahead of eviction
+        tier = driver.tier.tier_manager
+        assert wait_for(
+            lambda: not any(map(tier.contains, keys)) and tier.lookup(keys) == len(keys), 10.0
+        ), "the host to announce the chunks on its disk"
+        ctx = driver.arrive("req-c")
+        seen: list[LookupResult] = []
+        deadline = time.monotonic() + 10.0
+        while True:
+            results = driver.lookup(ctx, keys)
+            seen += results
+            if all(r is LookupResult.HIT_PENDING for r in results):
+                break
+            assert time.monotonic() < deadline, results
+            driver.step()
+            time.sleep(0.01)
+        assert LookupResult.RETRY in seen and LookupResult.MISS not in seen
+        driver.run_until_idle()
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT] * len(keys)
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
