@@ -20,7 +20,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import torch
-from remote_support import BLOCK_LEN
+from remote_support import BLOCK_LEN, free_port
 
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import (
@@ -687,12 +687,6 @@ def test_two_connects_of_one_host_at_once_both_return_its_peer() -> None:
         assert tier.store(["x", "y"], [0, 1]).result(timeout=WAIT_S).ok
         assert tier.load(["x", "y"], [2, 3]).result(timeout=WAIT_S).ok
         assert torch.equal(tier.arena.tensor[2:4], tier.arena.tensor[:2])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_host_restarted_under_another_id_at_the_same_address_replaces_the_old_one(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from remote_support import free_port
 
 from torch_kv_tier.integrations.torch_loop import (
     OffloadError,
@@ -65,12 +65,6 @@ def random_caches(
 
 def page(caches: list[torch.Tensor], page_id: int) -> torch.Tensor:
     return torch.stack([c[page_id] for c in caches]).cpu()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- prefix keys ------------------------------------------------------------------------------

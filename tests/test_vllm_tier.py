@@ -33,7 +33,7 @@ pytest.importorskip(
     reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
-from remote_support import wait_for  # noqa: E402
+from remote_support import free_port, wait_for  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -616,9 +616,7 @@ def test_lookup_retries_a_chunk_whose_store_is_in_flight(tcp_server: ServerProce
 
 
 def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
-    with socket.socket() as s:  # a port nothing listens on (yet)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there (yet)
     address = f"127.0.0.1:{port}"
     with pytest.raises(RuntimeError, match="could not connect"):  # reconnecting off: fail fast
         make_manager(address, reconnect_interval_s=0, connect_timeout_s=0.5)
