@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +62,8 @@ def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
     next start with a smaller one was refused as "a directory made with another size"."""
     with pytest.raises(DiskError, match="pass a smaller --disk-bytes"):
         open_store(disk_pool, [tmp_path / "d"], 1 << 44)
-    store = open_store(disk_pool, [tmp_path / "d"], 8)  # as the message said
-    store.recover()
-    store.close()
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:  # as the message said
+        store.recover()
 
 
 def test_a_journal_write_cut_short_costs_no_other_record(
@@ -71,8 +71,7 @@ def test_a_journal_write_cut_short_costs_no_other_record(
 ) -> None:
     """A short write then ENOSPC (a full file system) left a torn frame in the middle of the
     journal: every record appended after it, written past it, was ignored by the next start."""
-    store = open_store(disk_pool, [tmp_path / "d"], 8)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         store.recover()
         d = store._dirs[0]
         assert (
@@ -100,8 +99,6 @@ def test_a_journal_write_cut_short_costs_no_other_record(
         assert store.sync(10.0)
         kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
         assert {b"k0", b"k1", b"k3"} <= kept
-    finally:
-        store.close()
 
 
 def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
@@ -241,23 +238,17 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
         return real_write(fd, data)
 
     full = a_journal != "written"
-    store = open_store(disk_pool, dirs, 2)  # global slots 0, 2 in a; 1, 3 in b
-    try:
+    with closing(open_store(disk_pool, dirs, 2)) as store:  # global slots 0, 2 in a; 1, 3 in b
         before_write = (lambda: monkeypatch.setattr(os, "write", a_full)) if full else None
         _evict_k_for_a_failed_write_then_store_it_in_b(store, disk_pool, monkeypatch, before_write)
         assert store._journals.wait(5.0)  # the journals' thread: what it set, seen
         assert store._dirs[0].stale == full  # full: K's DEL lost
         if full:
             monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL
-    finally:
-        store.close()
     monkeypatch.undo()
-    store = open_store(disk_pool, dirs, 2)
-    try:
+    with closing(open_store(disk_pool, dirs, 2)) as store:
         store.recover()
         assert store.digest("ns", b"K") in (None, digest_of(disk_pool, 6, b"K"))
-    finally:
-        store.close()
 
 
 def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
@@ -265,11 +256,11 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
 ) -> None:
     """An EIO reading one block (a bad sector) raised out of ``recover``: the host refused to
     start ("[Errno 5] Input/output error", no path), at every restart."""
-    store = open_store(disk_pool, [tmp_path / "d"], 8)
-    store.recover()
-    assert _write(store, disk_pool, b"k0", 0).written and _write(store, disk_pool, b"k1", 1).written
-    assert store._where[("ns", b"k0")][0] == 0
-    store.close()
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"k0", 0).written
+        assert _write(store, disk_pool, b"k1", 1).written
+        assert store._where[("ns", b"k0")][0] == 0
     real_preadv = os.preadv
 
     def bad_sector(fd: int, buffers: Any, offset: int) -> int:
@@ -278,12 +269,9 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", bad_sector)
-    store = open_store(disk_pool, [tmp_path / "d"], 8)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         assert [k for _, k, _ in store.recover()] == [b"k1"]
         assert store.stats()["disk_recover_dropped"] == 1
-    finally:
-        store.close()
 
 
 def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
@@ -370,8 +358,7 @@ def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowh
     stays taken and the disk takes no write until the request ends, so the late write (of
     whatever the DRAM slot then holds) overwrites no other key's block."""
     dirs = [tmp_path / "a", tmp_path / "b"]
-    store = open_store(disk_pool, dirs, 8)
-    try:
+    with closing(open_store(disk_pool, dirs, 8)) as store:
         store.recover()
         hung = HungDevice(store, monkeypatch)
         store.request_timeout_s = 0.2  # this request's deadline only: others get 30 s
@@ -397,13 +384,8 @@ def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowh
         store.read([("ns", k, 32 + i) for i, k in enumerate(keys)])
         assert len(settle(store).read) == len(keys)
         assert np.array_equal(disk_pool[32:38], disk_pool[1:7])
-    finally:
-        store.close()
-    store = open_store(disk_pool, dirs, 8)
-    try:
+    with closing(open_store(disk_pool, dirs, 8)) as store:
         assert sorted(k for _, k, _ in store.recover()) == keys  # every block verifies
-    finally:
-        store.close()
 
 
 def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until_it_ends(
@@ -413,8 +395,7 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
     given up after ``request_timeout_s``: its key leaves the disk and the read is reported
     ``abandoned``, its DRAM slot kept busy (the read may still write it) until it ends; a read
     of its directory meanwhile fails at once."""
-    store = open_store(disk_pool, [tmp_path / "d"], 8)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         store.recover()
         assert _write(store, disk_pool, b"K", 0).written
         assert _write(store, disk_pool, b"M", 1).written
@@ -432,8 +413,6 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
         assert _poll_until(store, "released")["released"] == [30]
         assert store.busy_dram_slots() == set()
         assert np.array_equal(disk_pool[30], disk_pool[0])  # what landed late, where it was kept
-    finally:
-        store.close()
 
 
 def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,7 @@ def _write(store: DiskStore, disk_pool: np.ndarray, items: list[tuple[str, Key, 
 def test_blocks_round_trip_byte_identical_across_two_directories(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = open_store(disk_pool, [tmp_path / "a", tmp_path / "b"], 128)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "a", tmp_path / "b"], 128)) as store:
         assert store.recover() == []
         keys: list[Key] = [b"bytes-key", "str-key", 7, *[f"k{i}".encode() for i in range(29)]]
         evicted, done = _write(store, disk_pool, [("m1", k, i) for i, k in enumerate(keys)])
@@ -45,15 +45,12 @@ def test_blocks_round_trip_byte_identical_across_two_directories(
         assert all(d == store.digest(ns, k) for ns, k, _, d in done.read)
         assert store.read([("m2", 7, 0)]) == [("m2", 7)]  # another namespace: not on disk
         assert sorted(os.listdir(tmp_path / "a")) == ["blocks.dat", "journal.log", "meta.json"]
-    finally:
-        store.close()
 
 
 def test_the_disk_evicts_its_least_recently_used_never_a_block_in_flight(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = open_store(disk_pool, [tmp_path / "d"], 4)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 4)) as store:
         store.recover()
         _write(store, disk_pool, [("n", f"old{i}", i) for i in range(4)])
         store.read([("n", "old0", 10)])  # in flight: old0 stays, and is the most recent
@@ -65,8 +62,6 @@ def test_the_disk_evicts_its_least_recently_used_never_a_block_in_flight(
         evicted, _ = _write(store, disk_pool, [("n", f"new{i}", 5 + i) for i in range(1, 4)])
         assert sorted(evicted) == [("n", "old0"), ("n", "old2"), ("n", "old3")]
         assert store.stats()["disk_evictions"] == 4 and len(store) == 4
-    finally:
-        store.close()
 
 
 def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
@@ -77,8 +72,7 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
     read, and a promotion published the removed copy (removed because its key was stored again
     with other bytes): once the new copy left DRAM, the old bytes, which verify, were a hit.
     It now fails."""
-    store = open_store(disk_pool, [tmp_path / "a"], 128)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "a"], 128)) as store:
         store.recover()
         _write(store, disk_pool, [("ns", b"old", 0)])
         (slot, _) = store._where[("ns", b"old")]
@@ -91,33 +85,26 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
         store.write([("ns", b"newer", digest_of(disk_pool, 2, b"newer"), 2)])
         settle(store)
         assert store._where[("ns", b"newer")][0] == slot  # free once the read ended
-    finally:
-        store.close()
 
 
 def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
     dirs = [tmp_path / "a", tmp_path / "b"]
-    store = open_store(disk_pool, dirs, 128)
-    store.recover()
     items = [("ns", f"k{i}".encode(), i) for i in range(40)]
-    _write(store, disk_pool, items)
-    store.remove("ns", b"k39")
-    store.close()
-    store = open_store(disk_pool, dirs, 128)
-    try:
+    with closing(open_store(disk_pool, dirs, 128)) as store:
+        store.recover()
+        _write(store, disk_pool, items)
+        store.remove("ns", b"k39")
+    with closing(open_store(disk_pool, dirs, 128)) as store:
         found = store.recover()
         assert sorted(k for _, k, _ in found) == sorted(k for _, k, _ in items[:39])
         assert all(d == digest_of(disk_pool, int(k[1:]), k) for _, k, d in found)  # type: ignore[arg-type]
-    finally:
-        store.close()
     with open(tmp_path / "a" / "blocks.dat", "r+b") as fh:  # k0 lives in a's slot 0
         fh.write(b"\xff" * 100)
     journal = tmp_path / "b" / "journal.log"
     os.truncate(journal, journal.stat().st_size - 3)  # b's last record torn
-    store = open_store(disk_pool, dirs, 128)
-    try:
+    with closing(open_store(disk_pool, dirs, 128)) as store:
         found = store.recover()
         assert len(found) == 37 and b"k0" not in {k for _, k, _ in found}
         assert store.stats()["disk_recover_dropped"] == 1
@@ -125,15 +112,12 @@ def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(
             store, disk_pool, [("ns", b"again", 50)]
         )  # new keys take free slots, never a kept one
         assert len(store) == 38
-    finally:
-        store.close()
 
 
 def test_a_block_file_truncated_while_running_fails_reads_never_crashes(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:
-    store = open_store(disk_pool, [tmp_path / "d"], 128)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 128)) as store:
         store.recover()
         _write(store, disk_pool, [("ns", f"k{i}", i) for i in range(8)])
         os.truncate(tmp_path / "d" / "blocks.dat", 0)
@@ -143,8 +127,6 @@ def test_a_block_file_truncated_while_running_fails_reads_never_crashes(
         for _, key, slot, digest in done.read:  # whatever came back fails its digest
             assert digest_of(disk_pool, slot, key) != digest
         assert len(done.read) + len(done.failed) == 8
-    finally:
-        store.close()
 
 
 def test_a_directory_made_for_other_blocks_is_refused(
@@ -164,14 +146,11 @@ def test_a_directory_in_use_is_refused_with_what_to_do(
     ``--disk`` naming it twice as ``d`` and ``x/../d``) shared its block file and journal,
     each writing over the other's blocks: keys lost, misses where hits were due."""
     monkeypatch.setattr(disk_journal, "LOCK_WAIT_S", 0.2)
-    store = open_store(disk_pool, [tmp_path / "d"], 8)
-    try:
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)):
         with pytest.raises(DiskError, match=f"{tmp_path / 'd'} is in use.*stop that host"):
             open_store(disk_pool, [tmp_path / "d"], 8)
         with pytest.raises(DiskError, match="is in use"):
             open_store(disk_pool, [tmp_path / "e", tmp_path / "d" / ".." / "e"], 8)
-    finally:
-        store.close()
     open_store(disk_pool, [tmp_path / "d"], 8).close()  # free again once closed
 
 
