@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -160,29 +161,26 @@ def test_fingerprint_is_the_reference_algorithm() -> None:
 
 
 def test_properties(local: NixlTransport) -> None:
-    t = NixlTransport("props", torch.zeros(16, 512, dtype=torch.uint8), config_fields={"a": 1})
-    try:
+    with closing(
+        NixlTransport("props", torch.zeros(16, 512, dtype=torch.uint8), config_fields={"a": 1})
+    ) as t:
         assert (t.num_blocks, t.block_len, t.mem_type, t.device_id) == (16, 512, "DRAM", 0)
         assert t.config_fingerprint == config_fingerprint({"a": 1})
         assert t.agent_name.startswith("props-")
         assert isinstance(t.get_agent_metadata(), bytes)
-    finally:
-        t.close()
 
 
 def test_same_local_id_gives_distinct_agents_that_can_talk(peer: RemotePeer) -> None:
-    a = NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))
-    b = NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))
-    try:
+    with (
+        closing(NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))) as a,
+        closing(NixlTransport("same", torch.zeros(8, BLOCK, dtype=torch.uint8))) as b,
+    ):
         assert a.agent_name != b.agent_name
         for t in (a, b):
             t.add_remote_peer("p", *peer.peer_args())
             tid = t.write_blocks("p", [0], [0])
             assert tid is not None
             assert drain(t, {tid})[0] == {tid}
-    finally:
-        a.close()
-        b.close()
 
 
 # -- data path ----------------------------------------------------------------------------------
@@ -191,8 +189,7 @@ def test_same_local_id_gives_distinct_agents_that_can_talk(peer: RemotePeer) -> 
 def test_thousand_block_round_trip_with_random_permutations(peer: RemotePeer) -> None:
     src = random_blocks(1000, seed=1)
     dst = torch.zeros(1000, BLOCK, dtype=torch.uint8)
-    a, b = NixlTransport("writer", src), NixlTransport("reader", dst)
-    try:
+    with closing(NixlTransport("writer", src)) as a, closing(NixlTransport("reader", dst)) as b:
         g = torch.Generator().manual_seed(2)
         local = torch.randperm(1000, generator=g).tolist()
         remote = torch.randperm(1024, generator=g)[:1000].tolist()
@@ -209,9 +206,6 @@ def test_thousand_block_round_trip_with_random_permutations(peer: RemotePeer) ->
         rid = b.read_blocks("p", fresh, remote)
         assert drain(b, {rid}) == ({rid}, set())
         assert torch.equal(dst[fresh], src[local])
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_passive_target_serves_256_block_writes_and_reads_over_tcp(
@@ -220,21 +214,22 @@ def test_a_passive_target_serves_256_block_writes_and_reads_over_tcp(
     """The target process builds a NixlTransport with defaults, hands out its metadata, and
     calls nothing on it again (RemotePeer); over TCP its UCX worker must still be progressed."""
     monkeypatch.setenv("UCX_TLS", "tcp")
-    with RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as target:
-        t = NixlTransport("initiator", random_blocks(256, seed=11), passive_progress=False)
-        try:
-            t.add_remote_peer("target", *target.peer_args())
-            order = torch.randperm(256, generator=torch.Generator().manual_seed(1)).tolist()
-            tid = t.write_blocks("target", list(range(256)), order)
-            assert drain(t, {tid}) == ({tid}, set())
-            assert torch.equal(target.get(order), t.region.owner)
-            fresh = random_blocks(256, seed=12)
-            target.set(list(range(256)), fresh)
-            tid = t.read_blocks("target", order, list(range(256)))
-            assert drain(t, {tid}) == ({tid}, set())
-            assert torch.equal(t.region.owner[order], fresh)
-        finally:
-            t.close()
+    with (
+        RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as target,
+        closing(
+            NixlTransport("initiator", random_blocks(256, seed=11), passive_progress=False)
+        ) as t,
+    ):
+        t.add_remote_peer("target", *target.peer_args())
+        order = torch.randperm(256, generator=torch.Generator().manual_seed(1)).tolist()
+        tid = t.write_blocks("target", list(range(256)), order)
+        assert drain(t, {tid}) == ({tid}, set())
+        assert torch.equal(target.get(order), t.region.owner)
+        fresh = random_blocks(256, seed=12)
+        target.set(list(range(256)), fresh)
+        tid = t.read_blocks("target", order, list(range(256)))
+        assert drain(t, {tid}) == ({tid}, set())
+        assert torch.equal(t.region.owner[order], fresh)
 
 
 def test_poll_for_one_peer_leaves_other_peers_in_flight(
@@ -450,8 +445,7 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
     n, block = 512, 64 * 1024
     with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
         region = torch.randint(0, 256, (n, block), dtype=torch.uint8)
-        t = NixlTransport("remover", region)
-        try:
+        with closing(NixlTransport("remover", region)) as t:
             t.add_remote_peer("v", *victim.peer_args())
             warm = t.write_blocks("v", [0], [0])
             assert drain(t, {warm})[0] == {warm}
@@ -470,8 +464,6 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
             assert drain(t, {tid}, peer_id="v") == ({tid}, set())  # type: ignore[arg-type]
             assert spy.calls["remove_remote_agent"] == 1
             assert torch.equal(victim.get(list(range(n))), region)
-        finally:
-            t.close()
 
 
 def wait_until_stopped(peer: RemotePeer, timeout: float = 10.0) -> None:
@@ -773,30 +765,29 @@ def test_sigkill_of_a_peer_fails_its_in_flight_transfers(
     # Over shared memory a write finishes inside transfer(); over TCP with the peer stopped it
     # stays in flight until the peer dies.
     monkeypatch.setenv("UCX_TLS", "tcp")
-    with RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as victim:
-        t = NixlTransport("survivor", random_blocks(256, seed=3))
-        try:
-            t.add_remote_peer("victim", *victim.peer_args())
-            warm = t.write_blocks("victim", [0], [0])
-            assert drain(t, {warm})[0] == {warm}
-            victim.stop()
-            ids = {
-                t.write_blocks("victim", list(range(i, i + 64)), list(range(i, i + 64)))
-                for i in range(0, 256, 64)
-            }
-            assert None not in ids
-            victim.kill()
-            start = time.monotonic()
-            done, failed = drain(t, ids, timeout=10)  # type: ignore[arg-type]
-            assert failed == ids, "a write to a stopped-then-killed peer cannot have completed"
-            assert time.monotonic() - start < 10
-            t.remove_remote_peer("victim")
-            t.add_remote_peer("other", *peer2.peer_args())
-            tid = t.write_blocks("other", [5], [5])
-            assert drain(t, {tid}) == ({tid}, set())
-            assert torch.equal(peer2.get([5]), t.region.owner[[5]])
-        finally:
-            t.close()
+    with (
+        RemotePeer(256, BLOCK, env={"UCX_TLS": "tcp"}) as victim,
+        closing(NixlTransport("survivor", random_blocks(256, seed=3))) as t,
+    ):
+        t.add_remote_peer("victim", *victim.peer_args())
+        warm = t.write_blocks("victim", [0], [0])
+        assert drain(t, {warm})[0] == {warm}
+        victim.stop()
+        ids = {
+            t.write_blocks("victim", list(range(i, i + 64)), list(range(i, i + 64)))
+            for i in range(0, 256, 64)
+        }
+        assert None not in ids
+        victim.kill()
+        start = time.monotonic()
+        done, failed = drain(t, ids, timeout=10)  # type: ignore[arg-type]
+        assert failed == ids, "a write to a stopped-then-killed peer cannot have completed"
+        assert time.monotonic() - start < 10
+        t.remove_remote_peer("victim")
+        t.add_remote_peer("other", *peer2.peer_args())
+        tid = t.write_blocks("other", [5], [5])
+        assert drain(t, {tid}) == ({tid}, set())
+        assert torch.equal(peer2.get([5]), t.region.owner[[5]])
 
 
 # -- process-level behaviour ---------------------------------------------------------------------
@@ -958,8 +949,7 @@ def test_a_transfer_of_1024_blocks_is_posted_whole_and_round_trips(
         nixl_agent, "ucx_backend_params", lambda n: ucx_backend_params(n, procfs=procfs)
     )
     blocks = list(range(1024))
-    t = NixlTransport("whole", random_blocks(1024, seed=9))
-    try:
+    with closing(NixlTransport("whole", random_blocks(1024, seed=9))) as t:
         options = t._agent.backend_options["UCX"]
         assert options["split_batch_size"] == NO_SPLIT
         assert options.get("engine_config") == ("TLS=^rc_gda" if gpu_host else None)
@@ -972,8 +962,6 @@ def test_a_transfer_of_1024_blocks_is_posted_whole_and_round_trips(
         rid = t.read_blocks("p", blocks, blocks[::-1])
         assert drain(t, {rid})[0] == {rid}
         assert torch.equal(t.region.owner, sent)
-    finally:
-        t.close()
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
@@ -984,8 +972,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @cuda
 def test_vram_region_registers_as_vram_and_round_trips(peer: RemotePeer) -> None:
     src = random_blocks(64, seed=4).cuda()
-    t = NixlTransport("gpu", src)
-    try:
+    with closing(NixlTransport("gpu", src)) as t:
         assert (t.mem_type, t.device_id) == ("VRAM", src.device.index or 0)
         t.add_remote_peer("p", *peer.peer_args())
         tid = t.write_blocks("p", list(range(64)), list(range(64, 128)))
@@ -996,5 +983,3 @@ def test_vram_region_registers_as_vram_and_round_trips(peer: RemotePeer) -> None
         assert drain(t, {rid}) == ({rid}, set())
         torch.cuda.synchronize()
         assert torch.equal(src.cpu(), peer.get(list(range(64, 128))))
-    finally:
-        t.close()
