@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, wait_for
-from test_index import LateWriteTransport
+from test_index import LateWriteTransport, late_write_tier
 
 from torch_kv_tier import connected_hosts
 from torch_kv_tier.arena import BlockArena
@@ -233,13 +233,7 @@ def test_a_grant_that_times_out_is_asked_again_and_never_fails_capacity() -> Non
 def test_a_peer_dropped_while_a_store_polls_it_fails_its_keys_not_the_call() -> None:
     """Regression: ``store`` looked the peers it submitted to up again after polling them, and
     raised ``KeyError(peer_id)`` when the poll had dropped one (seen as ``KeyError('r1')``)."""
-    LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-    LateWriteTransport.remotes[b"r1"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-    arena = BlockArena(16, BLOCK_LEN)
-    transport = LateWriteTransport(arena.tensor)
-    with TierManager(arena, transport) as tier:
-        tier.add_peer("r0", b"r0", 0, 8, BLOCK_LEN)
-        tier.add_peer("r1", b"r1", 0, 8, BLOCK_LEN)
+    with late_write_tier(BlockArena(16, BLOCK_LEN), {"r0": 8, "r1": 8}) as (tier, transport):
         transport.fault("r1", "SIGKILLed")  # the store's own poll of r1 drops it
         keys = [f"k{i}" for i in range(8)]
         result = tier.store(keys, range(8)).result(timeout=RESULT_TIMEOUT_S)  # no KeyError

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 from remote_support import BLOCK_LEN, wait_for
-from test_index import LateWriteTransport
+from test_index import LateWriteTransport, late_write_tier
 
 from torch_kv_tier import session_releases
 from torch_kv_tier.arena import BlockArena
@@ -67,14 +69,15 @@ class _SharedSession:
         return []
 
 
-def _tier(max_inflight: int = 64) -> tuple[TierManager, LateWriteTransport]:
-    """A tier with a private peer ``r0`` whose writes stay in flight until landed."""
+@contextmanager
+def _tier(max_inflight: int = 64) -> Iterator[tuple[TierManager, LateWriteTransport]]:
+    """A tier whose writes stay in flight until landed, and a private peer ``r0``'s memory
+    (8 slots; not added), closed on exit, a failing test's too."""
     LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
     arena = BlockArena(16, BLOCK_LEN)
-    transport = LateWriteTransport(arena.tensor)
-    transport.hold = True
-    tier = TierManager(arena, transport, max_inflight=max_inflight)
-    return tier, transport
+    with late_write_tier(arena, {}, max_inflight=max_inflight) as (tier, transport):
+        transport.hold = True
+        yield tier, transport
 
 
 def _hold_reads(transport: LateWriteTransport) -> list[tuple[int, str]]:
@@ -124,8 +127,7 @@ def test_a_parked_load_resolves_while_another_transfer_stays_in_flight(settled_b
     """A load parked until a host promotes its key from disk settles "missing" (its timeout
     passed, or the host announced the key gone); the poller resolved such a request only when
     nothing else was in flight, so a write held in flight (a frozen host) kept it pending."""
-    tier, transport = _tier()
-    with tier:
+    with _tier() as (tier, transport):
         tier.add_peer("r0", b"r0", 0, 8, BLOCK_LEN)
         tier.store([b"held"], [0])  # stays in flight
         host, session = _add_shared_host(tier, 8)
@@ -148,8 +150,7 @@ def test_a_parked_load_times_out_while_other_loads_keep_parking() -> None:
     """An idle poller looked at the parked loads' deadlines only when its 0.1 s wait ran out,
     and each load that parks wakes it: while loads kept parking more often than that (a host
     that promotes nothing, asked by a busy scheduler), no parked load ever timed out."""
-    tier, _ = _tier()
-    with tier:
+    with _tier() as (tier, _):
         host, _ = _add_shared_host(tier, 8)
         cold = [b"cold%d" % i for i in range(400)]
         with tier._lock:
@@ -195,22 +196,22 @@ def test_a_parked_load_its_host_promotes_while_the_tier_closes_still_resolves() 
     """``close`` failed the loads parked for a promotion only after its wait for the transfers
     in flight; a host announcing their keys meanwhile launched them, behind ``max_inflight``
     into the peer's queue, which ``close`` had already emptied: that load never resolved."""
-    tier, transport = _tier(max_inflight=1)
-    host, _ = _add_shared_host(tier, 8)
-    with tier._lock:
-        tier._apply_host_changes(host, ([b"hot", b"cold"], [5, ON_DISK], [0, 0], [], False, ()))
-    reads = _hold_reads(transport)
-    busy = tier.load([b"hot"], [2])  # the host's one in-flight transfer
-    parked = tier.load([b"cold"], [3])
-    closer = threading.Thread(target=tier.close, kwargs={"timeout": 1.0})
-    closer.start()
-    assert wait_for(lambda: tier.closed, 5.0)
-    tier._on_host_changes(host, ([b"cold"], [6], [0], [], False, ()))  # promoted
-    closer.join(timeout=RESULT_TIMEOUT_S)
-    assert not closer.is_alive()
-    assert busy.result(timeout=RESULT_TIMEOUT_S).failed == {b"hot": "closed"}
-    assert parked.result(timeout=RESULT_TIMEOUT_S).failed == {b"cold": "closed"}
-    assert len(reads) == 1
+    with _tier(max_inflight=1) as (tier, transport):
+        host, _ = _add_shared_host(tier, 8)
+        with tier._lock:
+            tier._apply_host_changes(host, ([b"hot", b"cold"], [5, ON_DISK], [0, 0], [], False, ()))
+        reads = _hold_reads(transport)
+        busy = tier.load([b"hot"], [2])  # the host's one in-flight transfer
+        parked = tier.load([b"cold"], [3])
+        closer = threading.Thread(target=tier.close, kwargs={"timeout": 1.0})
+        closer.start()
+        assert wait_for(lambda: tier.closed, 5.0)
+        tier._on_host_changes(host, ([b"cold"], [6], [0], [], False, ()))  # promoted
+        closer.join(timeout=RESULT_TIMEOUT_S)
+        assert not closer.is_alive()
+        assert busy.result(timeout=RESULT_TIMEOUT_S).failed == {b"hot": "closed"}
+        assert parked.result(timeout=RESULT_TIMEOUT_S).failed == {b"cold": "closed"}
+        assert len(reads) == 1
 
 
 def test_promotions_asked_are_forgotten_without_walking_the_recent_ones() -> None:
@@ -225,8 +226,7 @@ def test_promotions_asked_are_forgotten_without_walking_the_recent_ones() -> Non
             unpacked += 1
             return super().__iter__()
 
-    tier, _ = _tier()
-    with tier:
+    with _tier() as (tier, _):
         host, session = _add_shared_host(tier, 8)
         now = 1000.0
         host.promoting.update((b"old%d" % i, Asked((now - 60.0, now - 60.0))) for i in range(10))
@@ -242,8 +242,7 @@ def test_slots_a_discarded_store_returns_go_to_the_stores_waiting_for_slots() ->
     """A store waited for slots while an earlier store held the tier's whole grant and the host
     granted no more (its cap); every key of the earlier store was discarded, so it committed
     nothing and asked for nothing, and its slots went back unused while the store waited."""
-    tier, transport = _tier()
-    with tier:
+    with _tier() as (tier, transport):
         session = _granted_host(tier, [0, 1, 2, 3])
         first = tier.store([b"a0", b"a1", b"a2", b"a3"], range(4))
         waiting = tier.store([b"b0", b"b1"], [4, 5])
@@ -263,8 +262,7 @@ def test_a_store_the_host_has_no_slots_for_fails_once_only_loads_were_in_flight(
     a write of this tier to the host is in flight (its commit makes room). A load in flight
     counted as such a write: the tier asked for nothing more (its grant came short), the load
     freed nothing, and the store waited until the session ended."""
-    tier, transport = _tier()
-    with tier:
+    with _tier() as (tier, transport):
         host, session = _add_shared_host(tier, 8)
         with tier._lock:
             tier._apply_host_changes(host, ([b"k"], [5], [0], [], False, ()))
@@ -281,8 +279,7 @@ def test_a_store_the_host_has_no_slots_for_fails_once_only_loads_were_in_flight(
 def test_a_failed_write_leaves_its_session_held() -> None:
     """A write that failed may still land part-way, so its session must not end clean: it did,
     and the host handed the slots on while the stray write could still reach them."""
-    tier, transport = _tier()
-    with tier:
+    with _tier() as (tier, transport):
         session = _granted_host(tier, [0, 1, 2, 3])
         store = tier.store([b"a0", b"a1"], [0, 1])
         (tid,) = transport.in_flight()
@@ -300,8 +297,7 @@ def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> N
     """A shared host lost while the tier waits for its index: the join fails with
     ``ConnectionError`` at once (it waited out its whole timeout, then raised ``KeyError``),
     the host is dropped and its session ended clean (no store of it in flight)."""
-    tier, _ = _tier()
-    with tier:
+    with _tier() as (tier, _):
         LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         session = _SharedSession("h", 8)
         threading.Timer(0.2, lambda: setattr(session, "lost", "reset")).start()
@@ -316,13 +312,12 @@ def test_a_redial_whose_join_fails_keeps_the_host_due(monkeypatch: pytest.Monkey
     """A redial whose new session was lost before the host's index came fails, and the host is
     still to be dialled: the failed join used to remove the host as a user's ``remove_peer``
     does, which ended the redialling for good."""
-    tier, _ = _tier()
-    session = _SharedSession("h", 8)
-    session.lost = "reset"  # lost as soon as it joined
-    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-    monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
-    dial = Dial("h:1", None, False, None, 1.0, 1.0)
-    with tier:
+    with _tier() as (tier, _):
+        session = _SharedSession("h", 8)
+        session.lost = "reset"  # lost as soon as it joined
+        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
+        dial = Dial("h:1", None, False, None, 1.0, 1.0)
         tier._dials["h"] = dial  # the host was connected before, then lost
         with pytest.raises(ConnectionError):
             tier._redial(dial)
@@ -343,20 +338,19 @@ def test_a_host_removed_while_it_is_redialled_stays_removed_and_is_then_forgotte
     """The user removes a lost host while the redialer's handshake with it runs: the session
     that handshake opens ends at once, and then the tier forgets the host (how it was dialled
     stayed in ``_removed`` for good; forgetting it while the redial ran let the host back)."""
-    tier, _ = _tier()
-    session = _PrivateSession()
-    session.address = "host:1"
-    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-    entered, go = threading.Event(), threading.Event()
+    with _tier() as (tier, _):
+        session = _PrivateSession()
+        session.address = "host:1"
+        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        entered, go = threading.Event(), threading.Event()
 
-    def slow_open(self: TierManager, dial: Dial, release: list[str], private: bool) -> Any:
-        entered.set()
-        go.wait(timeout=RESULT_TIMEOUT_S)
-        return session
+        def slow_open(self: TierManager, dial: Dial, release: list[str], private: bool) -> Any:
+            entered.set()
+            go.wait(timeout=RESULT_TIMEOUT_S)
+            return session
 
-    monkeypatch.setattr(TierManager, "_open", slow_open)
-    dial = Dial("host:1", None, True, None, 1.0, 1.0)
-    with tier:
+        monkeypatch.setattr(TierManager, "_open", slow_open)
+        dial = Dial("host:1", None, True, None, 1.0, 1.0)
         tier._dials["host-1"] = dial  # the host was connected before, then lost
         redial = threading.Thread(target=tier._redial, args=(dial,), daemon=True)
         redial.start()
@@ -376,21 +370,20 @@ def test_a_session_lost_right_after_connect_published_it_is_dialled_again(
     """The session's I/O thread reported it lost after its peer was published but before
     ``connect`` had recorded how to dial it: the drop found no dial, and the host was never
     dialled again."""
-    tier, _ = _tier()
-    session = _PrivateSession()
-    LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-    monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
-    add_private = TierManager._add_private
+    with _tier() as (tier, _):
+        session = _PrivateSession()
+        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
+        add_private = TierManager._add_private
 
-    def add_then_lose(self: TierManager, *args: Any) -> None:
-        add_private(self, *args)
-        session.lost = "the control connection was reset"  # as the session's I/O thread does
-        self._on_session_lost(session.peer_id)
+        def add_then_lose(self: TierManager, *args: Any) -> None:
+            add_private(self, *args)
+            session.lost = "the control connection was reset"  # as the session's I/O thread does
+            self._on_session_lost(session.peer_id)
 
-    monkeypatch.setattr(TierManager, "_add_private", add_then_lose)
-    dialled: list[Dial] = []
-    monkeypatch.setattr(tier._redialer, "start", dialled.append)
-    with tier:
+        monkeypatch.setattr(TierManager, "_add_private", add_then_lose)
+        dialled: list[Dial] = []
+        monkeypatch.setattr(tier._redialer, "start", dialled.append)
         assert tier.connect("host:1", private=True) == "host-1"
         assert wait_for(lambda: bool(dialled), 5.0), "the lost host is never dialled again"
         assert dialled[0].address == "host:1" and tier.peers() == []
