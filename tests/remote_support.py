@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psutil
@@ -78,6 +78,15 @@ def fill_random(tier: Any) -> torch.Tensor:
     """Random bytes in every block of a tier's arena; returns a copy of them."""
     tier.arena.tensor.copy_(torch.randint(0, 256, tier.arena.tensor.shape, dtype=torch.uint8))
     return tier.arena.tensor.clone()
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``condition`` every 10 ms until it is true; after ``timeout`` s, fail the test with
+    an ``AssertionError`` saying it timed out waiting until ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting until {what}"
+        time.sleep(0.01)
 
 
 def free_port() -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -14,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from remote_support import wait_until
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.digest import block_digest
@@ -344,13 +344,6 @@ def late_write_tier(
         tier.close()
 
 
-def _wait(condition: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.005)
-
-
 def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> None:
     arena = BlockArena(16, BLOCK)
     arena.tensor.copy_(torch.arange(16, dtype=torch.uint8).unsqueeze(1).expand(16, BLOCK))
@@ -371,7 +364,8 @@ def test_a_late_write_of_a_dropped_registration_cannot_corrupt_the_new_one() -> 
         assert tier.load(["c", "d"], [8, 9]).result(timeout=5).ok
         assert torch.equal(arena.tensor[8:10], arena.tensor[2:4])  # not overwritten
 
-        _wait(lambda: tier.stats().inflight == 0)  # reported: its slots return to the pool
+        # reported: its slots return to the pool
+        wait_until(lambda: tier.stats().inflight == 0, "the late write is reported")
         assert tier.store(["e", "f"], [4, 5]).result(timeout=5).ok
         assert tier.load(["c", "d", "e", "f"], [8, 9, 10, 11]).result(timeout=5).ok
         assert torch.equal(arena.tensor[8:12], arena.tensor[2:6])
@@ -415,11 +409,11 @@ def test_a_write_of_a_dropped_registration_reported_failed_stays_fenced() -> Non
         transport.hold = True
         assert tier.store(["a"], [0]).done() is False
         transport.fault("p", "state check raised")
-        _wait(lambda: tier.peers() == [])  # dropped; its write stays in flight
+        wait_until(lambda: tier.peers() == [], "p is dropped")  # its write stays in flight
         (stray,) = transport.in_flight()
         tier.add_peer("p", b"p", 0, 1, BLOCK)
         transport.fail(stray)
-        _wait(lambda: tier.stats().inflight == 0)  # reported
+        wait_until(lambda: tier.stats().inflight == 0, "the failed write is reported")
         transport.hold = False
         assert tier.store(["b"], [1]).result(timeout=5).failed == {"b": "capacity"}
 
@@ -463,7 +457,7 @@ def test_close_from_a_done_callback_still_sees_the_transfers_in_flight_finish() 
         first_tid, second_tid = transport.in_flight()
         first.add_done_callback(lambda _: tier.close(timeout=60.0))
         transport.land(first_tid)  # the poller resolves it: its callback closes the tier
-        _wait(lambda: tier.closed)
+        wait_until(lambda: tier.closed, "the callback closed the tier")
         transport.land(second_tid)
         assert second.result(timeout=10).ok  # not "closed" once close's 60 s ran out
         assert first.result(timeout=0).ok

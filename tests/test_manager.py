@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import wait
 
 import pytest
 import torch
 from remote_peer import RemotePeer
+from remote_support import wait_until
 
 from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
@@ -47,13 +48,6 @@ class Gate:
         if not self.open.is_set():
             return PollResult([], [])
         return self._poll(peer_id)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_thousand_random_blocks_over_two_peers_round_trip(
@@ -193,7 +187,8 @@ def test_readding_a_peer_id_fails_the_old_transfers_only(
         gate.open.set()
         assert old.result(10).failed == {"a": "peer lost", "b": "peer lost"}
         assert tier.peers() == ["p"]  # the new registration survives the old failures
-        wait_until(lambda: tier.stats().inflight == 0)  # the old writes' slots are fenced till then
+        # the old writes' slots are fenced till then
+        wait_until(lambda: tier.stats().inflight == 0, "the old writes are reported")
         assert tier.store(["c", "d", "e", "f"], [2, 3, 4, 5]).result(10).ok  # all 4 slots free
         assert tier.load(["c"], [9]).result(10).ok
 
@@ -360,7 +355,8 @@ def test_remove_peer_fails_its_futures_and_drops_its_keys(
             lambda: (
                 tier.transport.inflight_count() == 0  # type: ignore[attr-defined]
                 and tier.stats().inflight == 0
-            )
+            ),
+            "the cancelled write is reported and forgotten",
         )
 
 

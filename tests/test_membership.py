@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import torch
-from remote_support import BLOCK_LEN, free_port
+from remote_support import BLOCK_LEN, free_port, wait_until
 
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import (
@@ -37,13 +37,6 @@ from torch_kv_tier.membership import (
 from torch_kv_tier.remote import ServerProcess
 
 WAIT_S = 10.0
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting until {what}"
-        time.sleep(0.01)
 
 
 # -- parse_source ------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ pytest.importorskip(
     reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
-from remote_support import free_port, wait_for  # noqa: E402
+from remote_support import free_port, wait_for, wait_until  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -305,8 +305,8 @@ def test_a_chunk_one_tier_stored_is_a_hit_in_another_tier_on_the_same_host() -> 
         # Visible to the second tier once the host pushed the first tier's commit to it.
         wait_until(
             lambda: all(second.tier.tier_manager.contains(k) for k in keys),
-            20.0,
             "the second tier learns the chunks the first stored",
+            20.0,
         )
         assert second.promote_request("req-b", keys) == [first.written[k] for k in keys]
         data = second.metrics()
@@ -389,13 +389,6 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         driver.run_until_idle(timeout=30.0)
 
 
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting until {what}"
-        time.sleep(0.05)
-
-
 def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -> None:
     port = tcp_server.address.rpartition(":")[2]
     with driven_manager(tcp_server.address, reconnect_interval_s=0.2) as (spec, _, driver):
@@ -407,13 +400,13 @@ def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -
         driver.store("req-b", keys_for("during", 2))  # a cascade in flight...
         tcp_server.kill()  # ...fails when the host dies, and the tier drops the host
         driver.run_until_idle()
-        wait_until(lambda: not tier.peers(), 20.0, "the dead host is dropped")
+        wait_until(lambda: not tier.peers(), "the dead host is dropped", 20.0)
         assert not any(tier.contains(k) for k in before)  # its chunks are forgotten
         restart = ServerProcess.start(
             REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--port", port], env={"UCX_TLS": "tcp"}
         )
         with restart:
-            wait_until(lambda: bool(tier.peers()), 20.0, "the tier re-connects")
+            wait_until(lambda: bool(tier.peers()), "the tier re-connects", 20.0)
             after = keys_for("after", 2)
             driver.store("req-c", after)
             driver.run_until_idle()
@@ -433,13 +426,13 @@ def test_a_file_source_adds_and_drops_a_remote_host_without_a_restart(
         staged = tmp_path / "kv-hosts.tmp"
         staged.write_text(f"{server.address}\n")
         os.replace(staged, hosts)
-        wait_until(lambda: bool(tier.peers()), 20.0, "the tier joins the host in the file")
+        wait_until(lambda: bool(tier.peers()), "the tier joins the host in the file", 20.0)
         keys = keys_for("from-file", 2)
         driver.store("req-a", keys)
         driver.run_until_idle()
         assert all(tier.contains(k) for k in keys)
         hosts.write_text("")
-        wait_until(lambda: not tier.peers(), 20.0, "the tier drops the host left out")
+        wait_until(lambda: not tier.peers(), "the tier drops the host left out", 20.0)
         assert not any(tier.contains(k) for k in keys)
 
 
@@ -507,7 +500,7 @@ def test_shutdown_keeps_the_primary_region_mapped_while_nixl_still_holds_it(
             return False
         return True
 
-    wait_until(unmapped, 10, "the tier released its view once NIXL released the region")
+    wait_until(unmapped, "the tier released its view once NIXL released the region", 10)
 
 
 def test_bad_config_raises_before_connecting() -> None:
@@ -632,7 +625,7 @@ def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
         driver.run_until_idle()
         assert not any(tier.contains(k) for k in early)
         with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--port", str(port)]):
-            wait_until(lambda: bool(tier.peers()), 20.0, "the tier connects the late host")
+            wait_until(lambda: bool(tier.peers()), "the tier connects the late host", 20.0)
             late = keys_for("late", 2)
             driver.store("req-b", late)
             driver.run_until_idle()
