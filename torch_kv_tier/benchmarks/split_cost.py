@@ -52,8 +52,8 @@ def _nixl_default_split() -> Iterator[None]:
 
     ours = nixl_agent.ucx_backend_params
 
-    def default_split(num_threads: int) -> dict[str, str]:
-        params = ours(num_threads)
+    def default_split(*args: Any, **kwargs: Any) -> dict[str, str]:
+        params = ours(*args, **kwargs)
         params.pop("split_batch_size", None)
         return params
 
