@@ -271,7 +271,9 @@ def test_grants_come_in_ascending_slots_whatever_order_they_were_freed_or_evicte
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["join", "grant", "commit", "touch", "leave", "release", "promote"]),
+        st.sampled_from(
+            ["join", "grant", "commit", "touch", "leave", "release", "promote", "lease"]
+        ),
         st.integers(0, 2),  # a session
         st.integers(1, 9),  # a count, a key; odd: an unclean leave
     ),
@@ -287,8 +289,9 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
     num_blocks: int, max_granted: int, quota: bool, ops: list[tuple[str, int, int]]
 ) -> None:
     """Odd but legal sequences (duplicate and foreign commits, a session ending twice, releases
-    of sessions that were never held, promotions) never give one slot two owners: a slot is
-    stored, granted to one session or promotion, held for one ended session, or free. Once
+    of sessions that were never held, promotions, private leases drawn beside the cache) never
+    give one slot two owners: a slot is stored, granted to one session or promotion, held for
+    one ended session, leased, or free. Once
     every session ended and was released, nothing is granted or held and only namespaces with
     keys are left."""
     cache = SharedCache(
@@ -297,11 +300,13 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
     granted: dict[str, set[int]] = {}  # live session -> slots it was granted, not committed
     held: dict[str, set[int]] = {}  # ended session -> slots it may still write
     promoting: list[tuple[Namespace, int]] = []
+    leases: list[range] = []  # private leases drawn from the pool beside the cache
 
     def check() -> None:
         owned = [slot for _, _, slot in cache.oldest(num_blocks)]
         owned += [slot for slots in (*granted.values(), *held.values()) for slot in slots]
         owned += [slot for _, slot in promoting]
+        owned += [slot for lease in leases for slot in lease]
         assert len(owned) == len(set(owned)), owned
         assert len(owned) + cache.free_slots() == num_blocks
         assert cache.granted == sum(map(len, granted.values())) + len(promoting)
@@ -334,6 +339,12 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
         elif op == "release":
             cache.release([sid, "never-held"])
             held.pop(sid, None)
+        elif op == "lease":  # a private lease, once the free slots went back; or its end
+            if n % 2 and leases:
+                cache.pool.give_back(leases.pop())
+            else:
+                cache.return_free()
+                leases += [lease] if (lease := cache.pool.take(n)) else []
         else:  # a promotion into a slot taken for the namespace, which lands or fails
             ns = cache.namespace_of(sid)
             if n % 3 == 0 and promoting:
@@ -355,6 +366,9 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
     granted.clear()
     cache.release(list(held))
     held.clear()
+    for lease in leases:
+        cache.pool.give_back(lease)
+    leases.clear()
     cache.take_events(max_keys=3)
     check()
     assert (cache.granted, cache.held, cache.held_sessions) == (0, 0, 0)

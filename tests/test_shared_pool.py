@@ -3,7 +3,9 @@ private leases, stale copies of the host's index and slow reads cost a miss, nev
 
 from __future__ import annotations
 
+import queue
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -115,6 +117,24 @@ def test_private_leases_still_work_next_to_the_shared_pool() -> None:
             assert len(second.lease) == 128 - 64 - stats["shared_granted_blocks"] > 0
             with pytest.raises(HandshakeRejected, match="no free slots"):
                 fake_session(server.address, slots=1)
+
+
+def test_slots_the_shared_pool_freed_serve_a_private_lease() -> None:
+    """A shared session's grant drew every slot from the pool; it ended cleanly, so they were
+    free (``free_blocks`` said so) but stayed with the shared cache: a private lease was refused
+    ``no free slots`` on an empty host. A free slot serves either."""
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "64"]) as server:
+        answers: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+        with fake_session(server.address, private=False) as shared:
+            shared.grant(64, answers.put)
+            granted = answers.get(timeout=RESULT_TIMEOUT_S).result()
+            assert len(granted.slots) == 64
+        assert _stats(server.address)["free_blocks"] == 64
+        with fake_session(server.address, slots=64) as private:
+            assert private.lease == range(64)
+        with fake_session(server.address, private=False) as shared:  # and back to the pool
+            shared.grant(64, answers.put)
+            assert len(answers.get(timeout=RESULT_TIMEOUT_S).result().slots) == 64
 
 
 def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:

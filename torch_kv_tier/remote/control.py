@@ -210,6 +210,8 @@ class ControlPlane:
             return self._reject(
                 hs.seq, name, f"too many sessions (--max-sessions {self.leases.max_sessions})"
             )
+        if hs.private:  # the slots the shared pool freed serve a lease as well
+            self.shared.cache.return_free()
         # Its id is the nonce it answered (single use): a client whose Accept never came
         # knows it, and names it in a later release (``handshake.AcceptLost``).
         session = self.leases.open(

@@ -27,9 +27,10 @@ and none is free, the least recently used key is evicted; a namespace at its quo
 own keys instead, so one tenant cannot take another's share. Every change is logged per
 namespace (``take_events``, batched by ``shared_events``) for the server to push to the sessions.
 
-Slots come from the server's ``SlotPool`` only as grants need them; once drawn they stay with
-the shared cache (reused for shared keys, never returned), so private leases get the slots the
-shared pool has not filled yet.
+Slots come from the server's ``SlotPool`` only as grants need them; a stored slot stays with the
+shared cache (reused for shared keys), and the free ones go back to the pool when a private lease
+asks for slots (``return_free``), so private leases get every slot the shared pool has not
+filled. A slot is free only once nobody may write it (never a granted or held one).
 
 A disk behind the pool (``attach_disk``, see ``disk_tier``): an evicted key whose disk copy is
 complete stays known, *on disk* (announced in slot ``protocol.ON_DISK``) until the disk drops
@@ -40,6 +41,7 @@ like a commit (``promoted``).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -196,6 +198,16 @@ class SharedCache:
 
     def digest_of(self, slot: int) -> int:
         return self._digests[slot]
+
+    def return_free(self) -> int:
+        """Give the free slots back to the pool (a private lease is about to draw from it: a
+        free slot serves either); returns how many. Granted and held slots stay: their writer
+        may still write them."""
+        free, self._free = sorted(self._free), []
+        for _, run in itertools.groupby(enumerate(free), lambda pair: pair[1] - pair[0]):
+            slots = [slot for _, slot in run]
+            self.pool.give_back(range(slots[0], slots[-1] + 1))
+        return len(free)
 
     def free_slots(self) -> int:
         """Slots a grant could take without evicting."""
