@@ -152,6 +152,26 @@ def test_a_commit_with_more_keys_than_slots_or_digests_is_refused_saying_so() ->
     assert service.cache.stored == 1
 
 
+def test_a_namespace_spelled_like_the_empty_ones_stats_label_is_reported_apart() -> None:
+    """The empty fingerprint was reported as ``"(none)"``, so a namespace really called that
+    (any string is a fingerprint) overwrote it in ``stats()``: two pools reported as one."""
+    service = SharedService(SlotPool(8), quota=None, max_granted=4)
+    for sid, namespace, stored in (("s-empty", "", 1), ("s-named", "(none)", 2)):
+        session = Session(sid, sid, "c", range(0), 0.0, 0.0, shared=True, namespace=namespace)
+        service.join(session)
+        granted = service.answer(session, p.GrantRequest(1, sid, stored), 0.0)
+        assert isinstance(granted, p.Granted)
+        keys: list[p.WireKey] = [f"{sid}-{i}" for i in range(stored)]
+        assert (
+            service.answer(session, p.Commit(2, sid, keys, granted.slots, [1] * stored), 0.0)
+            is None
+        )
+    assert service.stats()["namespaces"] == {
+        "": {"stored": 1, "granted": 0},
+        "(none)": {"stored": 2, "granted": 0},
+    }
+
+
 def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -51,7 +51,7 @@ def test_1000_blocks_stored_by_one_tier_load_byte_identical_in_another(compact: 
         assert again.ok and again.nbytes == 0  # stored by someone: nothing is sent again
         stats = _stats(server.address)
         assert stats["shared_stored_blocks"] == 1000
-        assert stats["namespaces"]["(none)"]["stored"] == 1000
+        assert stats["namespaces"][""]["stored"] == 1000  # (no config_fields)
 
 
 def test_a_tier_that_joins_later_sees_what_was_stored_before_it_connected() -> None:

@@ -121,8 +121,10 @@ class SharedService:
             "shared_evictions": cache.evictions,
             "namespace_quota": cache.quota,
             "max_granted": cache.max_granted,
+            # by name as is ("": no fingerprint): any string is a fingerprint, so a label for
+            # the empty one could be some tier's namespace too
             "namespaces": {
-                ns.name or "(none)": {"stored": len(ns.entries), "granted": ns.granted}
+                ns.name: {"stored": len(ns.entries), "granted": ns.granted}
                 for ns in cache.namespaces.values()
             },
             **(self.disk.stats() if self.disk is not None else {}),
