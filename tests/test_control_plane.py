@@ -887,3 +887,49 @@ def test_a_host_announcing_a_key_the_tier_cannot_hold_is_refused_once_not_resync
         assert torch.equal(tier.arena.tensor[5], tier.arena.tensor[0])
         refused = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
         assert len(refused) == 2 and f"{field[:-1]} {value}" in refused[0], refused
+
+
+@pytest.mark.parametrize("bad", [[1, 2], {"a": 1}, 1.5, True, None], ids=repr)
+def test_a_host_announcing_something_that_is_no_key_is_refused_and_the_tier_serves_on(
+    bad: object, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host (a bug, a hostile one that knows the token) announced something that is no key
+    (unhashable, or of a type no tier stores: a float or bool equals an int key) as stored or
+    evicted, in events and snapshots. Applying it raised in the tier's copy, which took a new
+    snapshot, which had it again: resyncs for as long as the host said so. The follower leaves
+    such a "key" out, says so, and stays in step; the keys beside it are served."""
+    decode = p.decode_server
+
+    def misannounce(frame: bytes) -> p.ServerMessage:
+        message = decode(frame)
+        if isinstance(message, p.SnapshotPage):
+            message.keys = [bad if k == b"bad" else k for k in message.keys]
+        elif isinstance(message, p.Events):
+            message.stored = [bad if k == b"bad" else k for k in message.stored]
+            message.evicted = [*message.evicted, bad] if message.stored else message.evicted
+        return message
+
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="no-key") as tier,
+    ):
+        tier.connect(server.address)
+        (host,) = tier._peers.values()
+        follower = host.session._follower
+        assert follower is not None and follower.snapshots == 1
+        monkeypatch.setattr(p, "decode_server", misannounce)
+        before = follower.event_seq
+        fill_random(tier)
+        assert tier.store([b"good", b"bad"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: follower.event_seq > before and not follower.syncing, 10.0)
+        host.session.resync()  # the snapshot has it too
+        assert wait_for(lambda: follower.snapshots >= 2 and not follower.syncing, 10.0)
+        time.sleep(0.5)
+        assert follower.snapshots == 2 and not follower.syncing
+        assert host.session.lost is None and tier.peers() == [host.slots.peer_id]
+        assert tier.lookup([b"good"]) == 1
+        tier.arena.tensor[5].zero_()
+        assert tier.load([b"good"], [5]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(tier.arena.tensor[5], tier.arena.tensor[0])
+        refused = [r.getMessage() for r in caplog.records if "no key" in r.getMessage()]
+        assert refused and all(type(bad).__name__ in m for m in refused), refused

@@ -19,7 +19,10 @@ reported missing, never served.
 A key announced where this copy cannot hold it (a slot outside the pool the host told the
 session of, other than ``ON_DISK``, or a digest that is no unsigned 64-bit one: a faulty host,
 or one of another version) is left out of the copy, so it misses, and logged once per
-announcement; a new snapshot would only bring it again.
+announcement; a new snapshot would only bring it again. So is something announced stored or
+evicted that is no key at all (not bytes, str or int: a list the copy could not even hash, a
+float or bool that would pass for an int key): the copy never holds it, nothing else of the
+announcement is lost.
 
 Threading: every method runs on the session's I/O thread (events, snapshot pages and heartbeat
 answers arrive there, and ``RemoteSession.follow`` starts the follower there), so the follower
@@ -32,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import reprlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -41,6 +45,7 @@ from torch_kv_tier.remote import protocol as p
 logger = logging.getLogger(__name__)
 
 _MAX_DIGEST = (1 << 64) - 1
+_KEY_TYPES = frozenset({bytes, str, int})  # what a wire key decodes to (``protocol.WireKey``)
 
 # Batches of this session's commits, each (keys, slots, digests)
 Commits = Sequence[tuple[Sequence[Any], Sequence[int], Sequence[int]]]
@@ -98,7 +103,8 @@ class IndexFollower:
             stored, slots, digests, refused = self._holdable(
                 events.stored, events.slots, events.digests
             )
-            evicted = [*events.evicted, *refused] if refused else events.evicted
+            evicted = self._keys_only(events.evicted)
+            evicted = [*evicted, *refused] if refused else evicted
             self._on_change(stored, slots, digests, evicted, False, ())
 
     def check(self, host_event_seq: int) -> None:
@@ -160,28 +166,35 @@ class IndexFollower:
         self, keys: list[Any], slots: list[int], digests: list[int]
     ) -> tuple[list[Any], list[int], list[int], list[Any]]:
         """The announced ``(keys, slots, digests)`` this copy can hold, and the keys it cannot
-        (module docstring), which are logged. One pass of ``min``/``max`` when all are good."""
+        (module docstring; not what is no key: the copy never had it), which are logged. One
+        pass of ``min``/``max`` when all are good."""
         n, pool = len(keys), self._pool
-        if len(slots) == n == len(digests) and (
-            not n
-            or (
-                min(slots) >= p.ON_DISK
-                and max(slots) < pool
-                and min(digests) >= 0
-                and max(digests) <= _MAX_DIGEST
+        if (
+            len(slots) == n == len(digests)
+            and _KEY_TYPES.issuperset(set(map(type, keys)))
+            and (
+                not n
+                or (
+                    min(slots) >= p.ON_DISK
+                    and max(slots) < pool
+                    and min(digests) >= 0
+                    and max(digests) <= _MAX_DIGEST
+                )
             )
         ):
             return keys, slots, digests, []
         good = [
             i
-            for i, slot, digest in zip(range(n), slots, digests)
-            if p.ON_DISK <= slot < pool and 0 <= digest <= _MAX_DIGEST
+            for i, key, slot, digest in zip(range(n), keys, slots, digests)
+            if type(key) in _KEY_TYPES and p.ON_DISK <= slot < pool and 0 <= digest <= _MAX_DIGEST
         ]
         kept = set(good)
-        refused = [key for i, key in enumerate(keys) if i not in kept]
+        refused = [key for i, key in enumerate(keys) if i not in kept and type(key) in _KEY_TYPES]
         first = next((i for i in range(n) if i not in kept), n)
         if first >= min(len(slots), len(digests)):
             why = f"{len(slots)} slots and {len(digests)} digests for {n} keys"
+        elif type(keys[first]) not in _KEY_TYPES:
+            why = _no_key(keys[first])
         elif not p.ON_DISK <= slots[first] < pool:
             why = f"key {keys[first]!r} in slot {slots[first]}, outside its pool of {pool} slots"
         else:
@@ -190,7 +203,7 @@ class IndexFollower:
             "%s announced %d keys this tier cannot hold (%s): left out of its copy of the "
             "host's index, so they miss; is the host faulty, or of another version?",
             self._host,
-            len(refused),
+            n - len(good),
             why,
         )
         return (
@@ -199,3 +212,23 @@ class IndexFollower:
             [digests[i] for i in good],
             refused,
         )
+
+    def _keys_only(self, keys: list[Any]) -> list[Any]:
+        """``keys`` (announced evicted) without what is no key, which is logged."""
+        if _KEY_TYPES.issuperset(set(map(type, keys))):
+            return keys
+        good = [key for key in keys if type(key) in _KEY_TYPES]
+        first = next(key for key in keys if type(key) not in _KEY_TYPES)
+        logger.error(
+            "%s announced %d evicted keys this tier cannot hold (%s): ignored; is the host "
+            "faulty, or of another version?",
+            self._host,
+            len(keys) - len(good),
+            _no_key(first),
+        )
+        return good
+
+
+def _no_key(value: object) -> str:
+    """Why ``value``, announced as a key, is none (its repr cut short: a host may send a lot)."""
+    return f"{reprlib.repr(value)}, a {type(value).__name__}, is no key: keys are bytes, str or int"
