@@ -426,6 +426,32 @@ def test_a_snapshot_carries_the_commits_sent_after_its_request_and_no_others() -
     assert changes[-1] == ([b"echoed"], False, ())
 
 
+def test_a_snapshot_page_with_fewer_slots_than_keys_never_shifts_the_next_pages_keys() -> None:
+    """A host (a bug, another version) sent a page with one slot and digest fewer than keys:
+    the pages were joined before their lengths were checked, so every key after it took the
+    slot and digest of the key before it, and a load of that key read its neighbour's bytes,
+    which matched the digest: wrong bytes served as a hit. Each page is checked on its own."""
+    requests: list[Any] = []
+    changes: list[tuple[list[Any], list[int], list[int]]] = []
+    follower = IndexFollower(
+        lambda cursor, on_page, on_sent: requests.append(on_page),
+        lambda stored, slots, digests, evicted, reset, sent: changes.append(
+            (stored, slots, digests)
+        ),
+        host="host",
+        pool=8,
+    )
+    follower.start()
+    for keys, slots, digests, next_cursor in (
+        ([b"a", b"b", b"c"], [1, 2], [11, 12], 3),  # c's slot and digest are missing
+        ([b"d"], [4], [14], -1),
+    ):
+        future: Future[p.ServerMessage] = Future()
+        future.set_result(p.SnapshotPage(0, keys, slots, digests, 7, next_cursor))
+        requests[-1](future)
+    assert changes == [([b"a", b"b", b"d"], [1, 2, 4], [11, 12, 14])]
+
+
 def test_a_fingerprint_longer_than_any_config_is_rejected() -> None:
     with (
         ServerProcess.start(8, BLOCK_LEN) as server,

@@ -153,10 +153,11 @@ class IndexFollower:
         self.syncing = False
         self.event_seq = page.event_seq
         self.snapshots += 1
-        stored, slots, digests, _ = self._holdable(
-            list(itertools.chain.from_iterable(pg.keys for pg in pages)),
-            list(itertools.chain.from_iterable(pg.slots for pg in pages)),
-            list(itertools.chain.from_iterable(pg.digests for pg in pages)),
+        # each page checked on its own: one with a slot too few would shift the next pages'
+        # keys onto their neighbours' slots and digests (wrong bytes that pass the check)
+        held = [self._holdable(pg.keys, pg.slots, pg.digests) for pg in pages]
+        stored, slots, digests = (
+            list(itertools.chain.from_iterable(part[i] for part in held)) for i in range(3)
         )
         self._on_change(stored, slots, digests, [], True, sent)
         for events in buffered:
