@@ -616,16 +616,25 @@ def test_a_release_over_a_session_of_its_own_keeps_what_its_tries_may_have_opene
         ("lease_timeout_s", math.nan, "lease timeout"),
         ("lease_stop", 9, "lease"),
         ("region", Region(0x10000, 0, BLOCK_LEN), "num_blocks > 0"),
+        ("max_granted", -1, "max granted"),
     ],
-    ids=["no-lease-timeout", "nan-lease-timeout", "lease-past-the-region", "empty-region"],
+    ids=[
+        "no-lease-timeout",
+        "nan-lease-timeout",
+        "lease-past-the-region",
+        "empty-region",
+        "negative-max-granted",
+    ],
 )
 def test_an_accept_the_client_cannot_use_is_refused_and_the_session_ended_on_the_host(
     field: str, value: Any, problem: str
 ) -> None:
     """A host (a bug, another version) accepted with a lease timeout of 0 or NaN, which made
     the session heartbeat in a busy loop (its interval is a third of it), or with a lease or
-    region no session can use: the session opened all the same. ``open`` refuses it, saying
-    what is wrong, and ends the session on the host."""
+    region no session can use, or a negative cap on granted slots (a tier's reserve below 0:
+    it was never topped up ahead of the stores, which waited for grants): the session opened
+    all the same. ``open`` refuses it, saying what is wrong, and ends the session on the
+    host."""
     router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     got: list[p.ClientMessage] = []

@@ -155,8 +155,9 @@ def close_sockets(
 
 def accept_problem(accept: p.Accept) -> str | None:
     """Why a session cannot use ``accept`` (a host with a bug, or of another version), or
-    ``None``: its region, its lease (within the region) and its lease timeout (finite, > 0:
-    the heartbeat interval is a third of it)."""
+    ``None``: its region, its lease (within the region), its lease timeout (finite, > 0:
+    the heartbeat interval is a third of it) and its cap on granted slots (>= 0; 0: none
+    announced)."""
     problem = accept.region.problem()
     if problem is not None:
         return problem
@@ -167,6 +168,8 @@ def accept_problem(accept: p.Accept) -> str | None:
         )
     if not 0 < accept.lease_timeout_s < math.inf:
         return f"lease timeout {accept.lease_timeout_s} s, not a finite number > 0"
+    if accept.max_granted < 0:
+        return f"max granted {accept.max_granted} slots, below 0"
     return None
 
 
