@@ -137,6 +137,20 @@ def test_slots_the_shared_pool_freed_serve_a_private_lease() -> None:
             assert len(answers.get(timeout=RESULT_TIMEOUT_S).result().slots) == 64
 
 
+def test_a_private_lease_refused_for_slots_a_shared_session_holds_says_they_are_held() -> None:
+    """Slots held for a shared session that ended with writes in flight were not counted in
+    the refusal: a private lease got a bare ``no free slots`` from a host with no key stored
+    and no session open, nothing saying why or what would free them."""
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=["--max-grant", "64"]) as server:
+        answers: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+        shared = fake_session(server.address, private=False)
+        shared.grant(64, answers.put)
+        assert len(answers.get(timeout=RESULT_TIMEOUT_S).result().slots) == 64
+        shared.close(clean=False)  # its writes may still land: the host holds the slots
+        with pytest.raises(HandshakeRejected, match=r"no free slots \(64 held for clients"):
+            fake_session(server.address, slots=8)
+
+
 def test_a_stale_copy_of_the_index_costs_a_miss_and_is_corrected() -> None:
     with (
         ServerProcess.start(64, BLOCK_LEN) as server,

@@ -218,7 +218,7 @@ class ControlPlane:
             name, hs.slots, now, private=hs.private, session_id=hs.nonce.hex()
         )
         if session is None:
-            held = self.leases.held_blocks
+            held = self.leases.held_blocks + self.shared.cache.held
             return self._reject(
                 hs.seq,
                 name,
