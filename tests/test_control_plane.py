@@ -32,6 +32,7 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import AcceptLost
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
+from torch_kv_tier.results import CAPACITY
 from torch_kv_tier.session_releases import _RELEASE_TRIES, RELEASE_THREAD
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transfers import END_THREAD
@@ -228,6 +229,26 @@ def test_a_grant_that_times_out_is_asked_again_and_never_fails_capacity() -> Non
         tier._on_granted(host, host.commits, 4, timed_out)
         result = waiting.result(timeout=RESULT_TIMEOUT_S)
         assert result.ok, result.failed
+
+
+def test_a_grant_the_host_refuses_with_an_error_is_no_hang_for_the_stores_waiting() -> None:
+    """A host (a bug, a hostile one) answered a grant request with an ``Error`` and kept the
+    session alive: the tier neither asked again nor failed the stores waiting for slots, so
+    they waited for good (an idle tier sent no other request). A refused grant is a grant of
+    no slots: they fail "capacity" when nothing of the tier's could free any, and the host's
+    reason is logged."""
+    with _tier_on_one_shared_host(max_grant=16, grant_batch=4) as (tier, host):
+        with tier._lock:  # as while a grant request is out: no slots, the store waits
+            host.grants.clear()
+            host.refilling = True
+        waiting = tier.store(["a", "b"], range(2))
+        refused: Future[p.ServerMessage] = Future()
+        refused.set_result(p.Error(0, "grants are off"))
+        tier._on_granted(host, host.commits, 4, refused)
+        result = waiting.result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {"a": CAPACITY, "b": CAPACITY}
+        assert host.session.lost is None  # the host stays; a later store asks again
+        assert tier.store(["c"], [2]).result(timeout=RESULT_TIMEOUT_S).ok
 
 
 def test_a_peer_dropped_while_a_store_polls_it_fails_its_keys_not_the_call() -> None:

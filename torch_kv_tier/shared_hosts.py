@@ -18,11 +18,11 @@ Keys a host holds on its disk only (``serve --disk``): a load of them asks the h
 them and parks (``promotions``) until its index events announce them in DRAM, then reads them
 as any load; announced gone, or not promoted within ``promotion_timeout_s``, they are missing.
 
-Failure model: a grant answered with no slots fails the stores waiting for it with "capacity"
-only when nothing this tier does could free its share. A grant that brings no answer (the host
-is silent, or no longer knows the session) says nothing about capacity: the stores wait on, a
-silent host is asked again, and when the session is lost the host is dropped and they fail
-"peer lost".
+Failure model: a grant answered with no slots (or refused with an ``Error``) fails the stores
+waiting for it with "capacity" only when nothing this tier does could free its share. A grant
+that brings no answer (the host is silent, or no longer knows the session) says nothing about
+capacity: the stores wait on, a silent host is asked again, and when the session is lost the
+host is dropped and they fail "peer lost".
 """
 
 from __future__ import annotations
@@ -170,10 +170,15 @@ class SharedHosts:
             answer = future.result()
         except Exception as exc:  # no answer in time, or the session closed
             answer = exc
-        if not isinstance(answer, p.Granted):
+        if isinstance(answer, p.Error):  # a refusal: no slots (``Error(UNKNOWN_SESSION)`` ends
+            # the session before it reaches here, ``session_io``)
+            logger.warning("%s refused a grant: %s", host.slots.peer_id, answer.reason)
+            granted: list[int] = []
+        elif isinstance(answer, p.Granted):
+            granted = answer.slots
+        else:
             self._on_grant_unanswered(host, answer)
             return
-        granted = answer.slots
         with self._lock:
             if self._closed or self._peers.get(host.slots.peer_id) is not host:
                 host.refilling = False
@@ -190,23 +195,17 @@ class SharedHosts:
         resolve(ready)
 
     def _on_grant_unanswered(self, host: SharedHost, answer: object) -> None:
-        """A grant request that brought no slots and no answer about them (I/O thread,
-        unlocked): the host went silent, or answered ``Error`` (it no longer knows the
-        session). That says nothing about capacity, so the stores waiting stay, bounded by
-        the session's fate: a silent host is asked again (a late answer still brings its
-        slots, ``_on_granted``), and a session lost meanwhile (the heartbeat's verdict, or
-        the host's ``Error`` on the next heartbeat) drops the host and fails them "peer
-        lost"."""
-        why = answer.reason if isinstance(answer, p.Error) else repr(answer)
-        logger.warning("grant from %s brought no answer: %s", host.slots.peer_id, why)
+        """A grant request that brought no answer (I/O thread, unlocked): the host went
+        silent, the session ended, or it answered with something else than a grant. That says
+        nothing about capacity, so the stores waiting stay, bounded by the session's fate: a
+        host whose session lives is asked again (a late answer still brings its slots,
+        ``_on_granted``), and a session lost meanwhile (the heartbeat's verdict, or the host's
+        ``Error(UNKNOWN_SESSION)``) drops the host and fails them "peer lost"."""
+        logger.warning("grant from %s brought no answer: %r", host.slots.peer_id, answer)
         with self._lock:
             host.refilling = False
             alive = host.session.lost is None and not self._closed
-            if (
-                alive
-                and self._peers.get(host.slots.peer_id) is host
-                and not isinstance(answer, p.Error)
-            ):
+            if alive and self._peers.get(host.slots.peer_id) is host:
                 self._refill(host)
 
     def _launch_awaiting(self, host: SharedHost) -> bool:
