@@ -534,6 +534,38 @@ def _private_handshake(nonce: bytes) -> bytes:
     )
 
 
+def test_stats_of_more_sessions_than_a_frame_holds_are_cut_short_not_a_lost_session() -> None:
+    """A host with a few thousand sessions (a fleet's every tier joins every host; the sessions
+    list takes ~250 B each) answered ``stats()`` with a frame over ``MAX_FRAME_BYTES``: the
+    asking tier's socket refused it and dropped the connection, so asking for stats lost the
+    session. The host cuts the lists short to fit, and says how much it left out."""
+    n = 4500  # ~1.1 MiB of sessions with names of 128 characters
+    region = Region(0x10000, 8, BLOCK_LEN)
+    extra = ["--max-sessions", str(n + 8), "--lease-timeout", "600"]
+    with ServerProcess.start(64, BLOCK_LEN, extra_args=extra) as server:
+        sock, challenge = _hello(server.address)
+        try:
+            for i in range(n):
+                if i:
+                    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, b"c" * 32)))
+                    assert sock.poll(10_000)
+                    challenge = p.decode_server(sock.recv())  # type: ignore[assignment]
+                name = f"{i:0128d}"
+                hs = p.Handshake(
+                    p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, name
+                )
+                sock.send(p.encode(hs))
+                assert sock.poll(10_000)
+                assert isinstance(p.decode_server(sock.recv()), p.Accept)
+            with fake_session(server.address, private=False) as asking:
+                stats = asking.stats()
+                assert asking.lost is None
+            assert stats["sessions_omitted"] > 0
+            assert len(stats["sessions"]) + stats["sessions_omitted"] == n + 1
+        finally:
+            sock.close(linger=0)
+
+
 def test_a_session_whose_accept_was_never_read_is_released_by_its_id() -> None:
     """An Accept queued but never read (the client's deadline passed first): the client knows
     the session's id all the same (the nonce it answered) and names it in its next handshake's

@@ -297,7 +297,9 @@ class RemoteSession(SharedRequests):
             return list(self._released)
 
     def stats(self) -> dict[str, Any]:
-        """The server's stats: leases, occupancy, bytes moved, counters.
+        """The server's stats: leases, occupancy, bytes moved, counters. A host with more
+        sessions or namespaces than one frame holds cuts their lists short
+        (``sessions_omitted``/``namespaces_omitted`` say by how many).
 
         Raises ``TimeoutError`` when the server does not answer within ``timeout_s`` and
         ``ConnectionError`` when the session is closed or lost.

@@ -283,7 +283,7 @@ class ControlPlane:
         known = self.leases.touch(req.session_id, now) is not None
         if self.config.token and not known:
             return p.Error(req.seq, p.UNKNOWN_SESSION)
-        return p.StatsReply(req.seq, self._server_stats())
+        return _fitting(req.seq, self._server_stats())
 
     def _disconnect(self, session: Session, req: p.Disconnect) -> p.ServerMessage:
         _count_bytes(session, req)
@@ -294,6 +294,25 @@ class ControlPlane:
             why=f"disconnected {'cleanly' if req.clean else 'with writes in flight'}",
         )
         return p.DisconnectAck(req.seq)
+
+
+def _fitting(seq: int, stats: dict[str, Any]) -> p.StatsReply:
+    """``stats`` as a reply that fits one frame (a larger one would cost the asking client its
+    connection): the per-session list, then the per-namespace counts, cut short as needed;
+    ``sessions_omitted``/``namespaces_omitted`` say how many were left out."""
+    stats = {**stats, "sessions_omitted": 0, "namespaces_omitted": 0}
+    size = len(p.encode(p.StatsReply(seq, stats)))
+    for field in ("sessions", "namespaces"):
+        while size > p.MAX_FRAME_BYTES and stats[field]:
+            items = stats[field]
+            kept = min(len(items) - 1, int(len(items) * 0.9 * p.MAX_FRAME_BYTES / size))
+            if isinstance(items, dict):
+                stats[field] = dict(list(items.items())[:kept])
+            else:
+                stats[field] = items[:kept]
+            stats[f"{field}_omitted"] += len(items) - kept
+            size = len(p.encode(p.StatsReply(seq, stats)))
+    return p.StatsReply(seq, stats)
 
 
 def _count_bytes(session: Session, report: p.Heartbeat | p.Disconnect) -> None:
