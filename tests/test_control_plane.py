@@ -473,6 +473,27 @@ def test_a_snapshot_page_with_fewer_slots_than_keys_never_shifts_the_next_pages_
     assert changes == [([b"a", b"b", b"d"], [1, 2, 4], [11, 12, 14])]
 
 
+def test_a_snapshot_page_whose_next_cursor_does_not_advance_ends_the_snapshot() -> None:
+    """A host (a bug, another version) answered a snapshot page with a ``next_cursor`` at or
+    before the one asked for: the follower asked for it again, for ever, holding every page and
+    every event batch that came meanwhile, and its copy never synced. The snapshot is refused,
+    saying why, and no more page is asked for."""
+    requests: list[tuple[int, Any]] = []
+    follower = IndexFollower(
+        lambda cursor, on_page, on_sent: requests.append((cursor, on_page)),
+        lambda *change: None,
+        host="host",
+        pool=8,
+    )
+    follower.start()
+    for next_cursor in (2, 2):  # the second page points back at itself
+        future: Future[p.ServerMessage] = Future()
+        future.set_result(p.SnapshotPage(0, [b"k"], [1], [11], 7, next_cursor))
+        requests[-1][1](future)
+    assert [cursor for cursor, _ in requests] == [0, 2]
+    assert not follower.syncing and follower.snapshots == 0
+
+
 def test_a_fingerprint_longer_than_any_config_is_rejected() -> None:
     with (
         ServerProcess.start(8, BLOCK_LEN) as server,

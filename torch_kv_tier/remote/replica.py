@@ -27,7 +27,9 @@ announcement is lost.
 Threading: every method runs on the session's I/O thread (events, snapshot pages and heartbeat
 answers arrive there, and ``RemoteSession.follow`` starts the follower there), so the follower
 needs no lock; ``on_change`` runs on that thread too. Each snapshot is a chain of page requests
-with its own number: a page of an older chain (superseded by a resync) is ignored.
+with its own number: a page of an older chain (superseded by a resync) is ignored, and a page
+whose next cursor does not advance past the one asked for ends the chain, refused (a faulty
+host would otherwise be asked for ever; a gap in the events then asks for a new snapshot).
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class IndexFollower:
         with contextlib.suppress(ConnectionError):  # the session is over: nothing to follow
             self._request_page(
                 cursor,
-                lambda future: self._on_page(chain, future),
+                lambda future: self._on_page(chain, cursor, future),
                 lambda: self._on_request_sent(chain, cursor),
             )
 
@@ -131,7 +133,7 @@ class IndexFollower:
         if chain == self._chain and cursor == 0:
             self._sent = []  # every commit sent from now on reaches the host after the snapshot
 
-    def _on_page(self, chain: int, future: Future[p.ServerMessage]) -> None:
+    def _on_page(self, chain: int, cursor: int, future: Future[p.ServerMessage]) -> None:
         if chain != self._chain:
             return  # a resync started a newer snapshot
         try:
@@ -140,8 +142,9 @@ class IndexFollower:
             logger.warning("index snapshot failed (%s): retrying", exc)
             self.start()
             return
-        if not isinstance(page, p.SnapshotPage):
-            logger.warning("index snapshot refused: %s", page)
+        if not isinstance(page, p.SnapshotPage) or 0 <= page.next_cursor <= cursor:
+            why = "its pages do not advance" if isinstance(page, p.SnapshotPage) else page
+            logger.warning("index snapshot of %s refused: %s", self._host, why)
             self.syncing, self._sent = False, None
             return
         self._pages.append(page)
