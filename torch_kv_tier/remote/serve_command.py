@@ -1,13 +1,15 @@
 """``torch-kv-tier serve``: parse the options, start a ``server.Server``, print ``ready
 HOST:PORT`` once it listens, and serve until SIGINT or SIGTERM.
 
-Threading: ``run`` blocks the calling thread in ``Server.serve``; signal handlers are installed
-only on the main thread (elsewhere the caller stops the server by other means).
+Threading: ``run`` blocks the calling thread in ``Server.serve``; signal handlers are installed,
+and the objects alive once it listens frozen out of the collector (``gc.freeze``), only on the
+main thread (elsewhere the caller stops the server by other means and owns its process).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -50,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
                 if config.metrics_port is not None
                 else "",
             )
+            if threading.current_thread() is threading.main_thread():  # the process is ours
+                # what exists now (torch's and NIXL's import graph, the server) lives until
+                # exit: no collection while serving, nor the exit's, walks it (~0.3 s of CPU)
+                gc.freeze()
             print(f"ready {server.address}", flush=True)
             server.serve(stop)
             logger.info("stopping: releasing %d leases", len(server.stats()["sessions"]))
