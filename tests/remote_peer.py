@@ -5,9 +5,10 @@ with defaults, and answers ``get``/``set`` of whole blocks over a pipe so tests 
 that really landed there. Nothing else is ever called on that transport: it serves incoming
 transfers passively, as a vLLM-style peer does.
 
-Peers start from a fork server that has imported torch (NIXL's Python API imports it too): a
-fresh process per peer, as with ``spawn``, without paying about 2 s of imports each time. NIXL
-and UCX are loaded in the child, after its environment is set.
+Peers start from a fork server that has imported this module (torch, which NIXL's Python API
+imports too, and the project's transport code, which loads no NIXL at import): a fresh process
+per peer, as with ``spawn``, without paying about 2 s of imports each time. NIXL and UCX are
+loaded in the child, after its environment is set.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch"])
+_CONTEXT.set_forkserver_preload([__name__])
 
 
 class RemotePeer:
