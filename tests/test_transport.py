@@ -935,12 +935,18 @@ def test_ucx_backend_params_never_split_and_leave_out_rc_gda_on_gpu_hosts(tmp_pa
 
 
 @pytest.mark.parametrize("gpu_host", [False, True], ids=["cpu-host", "gpu-host"])
+@pytest.mark.parametrize("num_threads", [None, 4], ids=["default-threads", "4-threads"])
 def test_a_transfer_of_1024_blocks_is_posted_whole_and_round_trips(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, peer: RemotePeer, gpu_host: bool
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    peer: RemotePeer,
+    gpu_host: bool,
+    num_threads: int | None,
 ) -> None:
     """NIXL's UCX backend splits a transfer of 1,024 descriptors or more across its worker
-    threads unless told not to (``ucx_env.ucx_backend_params``); the live agent must have taken
-    that setting (and, as on a GPU host, the rc_gda one), and such a transfer still moves bytes."""
+    threads unless told not to (``ucx_env.ucx_backend_params``). The live agent must have taken
+    that setting when it has worker threads (by default it has none: nothing to split across),
+    and the rc_gda one on a GPU host, and such a transfer still moves bytes."""
     procfs = tmp_path / "gpus"
     procfs.mkdir()
     if gpu_host:
@@ -949,9 +955,13 @@ def test_a_transfer_of_1024_blocks_is_posted_whole_and_round_trips(
         nixl_agent, "ucx_backend_params", lambda n: ucx_backend_params(n, procfs=procfs)
     )
     blocks = list(range(1024))
-    with closing(NixlTransport("whole", random_blocks(1024, seed=9))) as t:
+    threads = {} if num_threads is None else {"num_threads": num_threads}
+    with closing(NixlTransport("whole", random_blocks(1024, seed=9), **threads)) as t:
         options = t._agent.backend_options["UCX"]
-        assert options["split_batch_size"] == NO_SPLIT
+        if num_threads is None:
+            assert "num_threads" not in options and "split_batch_size" not in options
+        else:
+            assert options["split_batch_size"] == NO_SPLIT
         assert options.get("engine_config") == ("TLS=^rc_gda" if gpu_host else None)
         t.add_remote_peer("p", *peer.peer_args())
         tid = t.write_blocks("p", blocks, blocks[::-1])

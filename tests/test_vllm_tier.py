@@ -512,6 +512,17 @@ def test_bad_config_raises_before_connecting() -> None:
         make_manager("127.0.0.1:1", slots=0)
 
 
+def test_num_threads_defaults_to_none_and_refuses_below_0() -> None:
+    """NIXL's worker threads only split transfers, which the tier never lets them do: none by
+    default (``NixlTransport``), 0 accepted, a negative count or a non-integer refused."""
+    config = RemoteHostTierConfig.from_options
+    assert config({"remote": "127.0.0.1:1"}).num_threads == 0
+    assert config({"remote": "127.0.0.1:1", "num_threads": 4}).num_threads == 4
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match='"num_threads" must be an integer >= 0'):
+            config({"remote": "127.0.0.1:1", "num_threads": bad})
+
+
 @pytest.mark.parametrize(
     "key",
     [

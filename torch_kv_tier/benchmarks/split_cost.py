@@ -1,12 +1,14 @@
-"""What posting every transfer whole costs, against NIXL's default split across worker threads.
+"""What posting every transfer whole costs, against NIXL splitting it across worker threads.
 
-The tier creates NIXL's UCX backend with ``split_batch_size`` above any transfer
-(``ucx_env.ucx_backend_params``): by default NIXL splits a transfer of 1,024 descriptors or more
-across its ``num_threads`` workers, and one part's failure completes the others while they still
-run. This measures what that costs. A target process lends a ``NixlTransport`` with defaults;
-this process builds two initiators as tier clients (``passive_progress=False``), one as the tier
-does (whole) and one with NIXL's default (split), and times ``--xfers`` transfers in flight of
-1,024 or more blocks each, write then read, at two block lengths. Which initiator goes first
+With ``num_threads`` workers NIXL's UCX backend splits a transfer of 1,024 descriptors or more
+across them, and one part's failure completes the others while they still run. The tier's
+transport has no worker threads by default, and creates the backend with ``split_batch_size``
+above any transfer when given some (``ucx_env.ucx_backend_params``). This measures what that
+costs. A target process lends a ``NixlTransport`` with defaults; this process builds two
+initiators as tier clients (``passive_progress=False``): the tier's default (whole) and one as
+vLLM's transport configures NIXL, 4 worker threads with NIXL's default split (split). It times
+``--xfers`` transfers in flight of 1,024 or more blocks each, write then read, at two block
+lengths. Which initiator goes first
 swaps every round; the ratio whole/split is taken per round and reported as its median and
 min-max. Each initiator then writes its own pattern, reads it back into a zeroed arena and
 checks every byte.
@@ -32,6 +34,7 @@ import torch
 
 # (block length, blocks per transfer): 1,024 or more, so NIXL's default would split them.
 POINTS = ((16384, 2048), (262144, 1024))
+SPLIT_THREADS = 4  # the reference's worker threads: vLLM's transport's default
 OPS = ("WRITE", "READ")
 
 
@@ -68,8 +71,11 @@ def _initiator(name: str, whole: bool, num_blocks: int, block_len: int, peer: tu
     from torch_kv_tier.transport import NixlTransport
 
     arena = torch.randint(0, 256, (num_blocks, block_len), dtype=torch.uint8)
-    with contextlib.nullcontext() if whole else _nixl_default_split():
+    if whole:
         t = NixlTransport(name, arena, passive_progress=False)
+    else:
+        with _nixl_default_split():
+            t = NixlTransport(name, arena, num_threads=SPLIT_THREADS, passive_progress=False)
     t.add_remote_peer("target", peer[0], peer[1], num_blocks, block_len)
     return t
 
@@ -90,6 +96,14 @@ def _run(t: Any, op: str, num_blocks: int, xfers: int, timeout_s: float = 120.0)
         if time.perf_counter() - start > timeout_s:
             raise TimeoutError(f"{op}: {len(pending)} transfers not done within {timeout_s} s")
     return time.perf_counter() - start
+
+
+def _threads_and_fds() -> dict[str, int]:
+    """This process's threads and open file descriptors (sockets included)."""
+    return {
+        "threads": len(os.listdir(f"/proc/{os.getpid()}/task")),
+        "fds": len(os.listdir(f"/proc/{os.getpid()}/fd")),
+    }
 
 
 def _verifies(t: Any, num_blocks: int) -> bool:
@@ -115,8 +129,15 @@ def measure(tls: str | None, block_len: int, num_blocks: int, rounds: int, xfers
         if not conn.poll(60):
             raise TimeoutError("target did not start within 60 s")
         peer = conn.recv()
+        warm = _initiator("warm", True, num_blocks, block_len, peer)
+        _run(warm, "WRITE", 1, 1)  # what the first agent of a process starts, started
+        warm.close()
+        added: dict[str, dict[str, int]] = {}
         for name in ("whole", "split"):
+            before = _threads_and_fds()
             systems[name] = _initiator(name, name == "whole", num_blocks, block_len, peer)
+            _run(systems[name], "WRITE", 1, 1)  # connected: UCX wires its endpoints up
+            added[name] = {k: n - before[k] for k, n in _threads_and_fds().items()}
         gbytes = xfers * num_blocks * block_len / 1e9
         rates: dict[tuple[str, str], list[float]] = {(s, op): [] for s in systems for op in OPS}
         for r in range(rounds + 1):  # round 0 warms up
@@ -131,10 +152,11 @@ def measure(tls: str | None, block_len: int, num_blocks: int, rounds: int, xfers
             "blocks_per_transfer": num_blocks,
             "xfers_in_flight": xfers,
             "rounds": rounds,
-            "split_batch_size": {
-                name: t._agent.backend_options["UCX"].get("split_batch_size", "NIXL default")
-                for name, t in systems.items()
+            # the live agents' UCX backend options (what each really runs with)
+            "ucx_options": {
+                name: dict(t._agent.backend_options["UCX"]) for name, t in systems.items()
             },
+            "threads_and_fds_added": added,  # by the initiator, connected to one peer
             "verified": all(_verifies(t, num_blocks) for t in systems.values()),
         }
         for op in OPS:
@@ -187,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{op} | {f['whole_gbps_median']:.2f} | {f['split_gbps_median']:.2f} | "
                 f"{f['ratio_median']:.2f} ({f['ratio_min']:.2f}-{f['ratio_max']:.2f}) |"
             )
+    for r in rows:
+        added = r["threads_and_fds_added"]
+        print(
+            f"{r['ucx_tls']}, {r['block_len'] // 1024} KiB: threads and file descriptors an "
+            f"initiator added, connected to one peer: whole {added['whole']}, split "
+            f"{added['split']}"
+        )
     verified = all(r["verified"] for r in rows)
     print(f"every byte verified: {verified}")
     if args.json:

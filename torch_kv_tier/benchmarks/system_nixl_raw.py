@@ -22,7 +22,7 @@ import torch
 from torch_kv_tier.benchmarks.core import Call, Op, Skip, System, TransferFailed
 from torch_kv_tier.benchmarks.remote import Target, open_session
 
-_NUM_THREADS = 4  # NixlTransport's default
+_NUM_THREADS = 0  # NixlTransport's default
 
 
 def _descs(base_addr: int, num_blocks: int, block_len: int, device_id: int) -> np.ndarray:

@@ -62,8 +62,10 @@ class NixlTransport(NixlRegistration, DataTransport):
         region: 2-D memoryview or contiguous 2-D ``torch.uint8`` tensor (CPU: DRAM, CUDA: VRAM).
         config_fields: model config values hashed into ``config_fingerprint``.
         backends: NIXL backends (default ``["UCX"]``).
-        num_threads: worker threads for multi-threaded backends (UCX). The UCX backend never
-            splits a transfer across them (``ucx_env.ucx_backend_params``).
+        num_threads: NIXL's worker threads for multi-threaded backends (UCX); 0 (the default,
+            unlike vLLM's 4): none. NIXL's UCX backend uses them only to split a transfer of
+            1,024 blocks or more, which the tier never lets it do (``ucx_env``), yet each costs
+            a thread, a UCX worker and that worker's connection to every peer.
         passive_progress: run NIXL's progress thread (with a delay, see ``nixl_agent``), so the
             transport serves transfers aimed at it with nothing called on it. An initiator that
             is never a target (a tier client) may pass False: it progresses its own transfers
@@ -80,7 +82,7 @@ class NixlTransport(NixlRegistration, DataTransport):
         region: memoryview | torch.Tensor,
         config_fields: dict[str, Any] | None = None,
         backends: list[str] | None = None,
-        num_threads: int = 4,
+        num_threads: int = 0,
         *,
         passive_progress: bool = True,
     ) -> None:

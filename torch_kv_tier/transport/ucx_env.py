@@ -59,13 +59,15 @@ NO_SPLIT = str(2**31 - 1)
 def ucx_backend_params(num_threads: int, procfs: Path = _NVIDIA_GPUS) -> dict[str, str]:
     """Init params of the UCX backend the tier's agents create.
 
-    - ``num_threads``: NIXL's worker threads, as ``nixl_agent_config(num_threads=...)`` would set.
-    - ``split_batch_size``: ``NO_SPLIT``. With worker threads, NIXL splits a transfer of 1,024
-      descriptors or more across them, and when one part fails it completes the others with the
-      error while their requests still run (``nixlUcxChunkBackendReqH::status``, which only
-      releases them; UCX cannot cancel an RMA). A failed read could then land in blocks its
-      caller already reused, so the tier posts every transfer whole: a failure it reports is
-      over (the fault model in ``faults.py``). Cost: measured in README's transport section.
+    - ``num_threads``: NIXL's worker threads, as ``nixl_agent_config(num_threads=...)`` would set
+      (none by default, ``NixlTransport``).
+    - ``split_batch_size``: ``NO_SPLIT``, with worker threads. With them, NIXL splits a
+      transfer of 1,024 descriptors or more across them, and when one part fails it completes
+      the others with the error while their requests still run
+      (``nixlUcxChunkBackendReqH::status``, which only releases them; UCX cannot cancel an RMA).
+      A failed read could then land in blocks its caller already reused, so the tier posts
+      every transfer whole: a failure it reports is over (the fault model in ``faults.py``).
+      Cost: measured in README's transport section.
     - ``engine_config`` on GPU hosts, as vLLM 0.33 does for its transport: ``TLS=^rc_gda``. The
       tier's transfers are posted by the CPU (from host memory, or from a CUDA arena), never by
       GPU kernels, but on a GPU host UCX also wires ``rc_gda`` (GPU-initiated RDMA) lanes to

@@ -74,7 +74,7 @@ class RemoteHostTierConfig:
             (``default_config_fields``: model, KV dtype, tokens per chunk, parallelism, chunk
             bytes), so engines of the same model share and others never do.
         backends: NIXL backends (``None``: UCX).
-        num_threads: NIXL worker threads for UCX.
+        num_threads: NIXL's UCX worker threads (0: none; see ``NixlTransport``).
         locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
         enable_kv_events: emit vLLM KV events for chunks stored in and dropped from this tier.
         drain_timeout_s: how long ``drain_jobs`` waits for in-flight transfers before raising.
@@ -103,7 +103,7 @@ class RemoteHostTierConfig:
     max_inflight: int = 64
     config_fields: dict[str, Any] | None = None
     backends: tuple[str, ...] | None = None
-    num_threads: int = 4
+    num_threads: int = 0
     locality: str = "REMOTE"
     enable_kv_events: bool = False
     drain_timeout_s: float = 120.0
@@ -153,7 +153,7 @@ class RemoteHostTierConfig:
             max_inflight=_positive_int(options, "max_inflight", cls.max_inflight),
             config_fields=_config_fields(options.get("config_fields")),
             backends=_backends(backends) if backends is not None else None,
-            num_threads=_positive_int(options, "num_threads", cls.num_threads),
+            num_threads=_positive_int(options, "num_threads", cls.num_threads, allow_zero=True),
             locality=_locality(options.get("locality", cls.locality)),
             enable_kv_events=_bool(options, "enable_kv_events", cls.enable_kv_events),
             drain_timeout_s=_seconds(options, "drain_timeout_s", cls.drain_timeout_s),
@@ -240,10 +240,13 @@ def _read_token(path: Any) -> str | None:
     return token
 
 
-def _positive_int(options: Mapping[str, Any], key: str, default: int) -> int:
+def _positive_int(
+    options: Mapping[str, Any], key: str, default: int, *, allow_zero: bool = False
+) -> int:
     value = options.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f'"{key}" must be a positive integer, got {value!r}')
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        kind = "an integer >= 0" if allow_zero else "a positive integer"
+        raise ValueError(f'"{key}" must be {kind}, got {value!r}')
     return value
 
 
