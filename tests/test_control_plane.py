@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -949,6 +949,33 @@ def test_an_io_thread_held_past_close_is_logged_with_where_it_is(
         assert "hold_the_io_thread" in message and "release.wait(30)" in message
 
 
+@contextlib.contextmanager
+def _misannounced(
+    misannounce: Callable[[bytes], p.ServerMessage], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[TierManager, Any]]:
+    """A tier and its host, whose messages reach the tier through ``misannounce`` once the tier
+    joined; the tier has stored ``b"good"`` and ``b"bad"``, and its copy of the index applied
+    the events and a new snapshot announcing them, and settled (no resync after)."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="misannounced") as tier,
+    ):
+        tier.connect(server.address)
+        (host,) = tier._peers.values()
+        follower = host.session._follower
+        assert follower is not None and follower.snapshots == 1
+        monkeypatch.setattr(p, "decode_server", misannounce)
+        before = follower.event_seq
+        fill_random(tier)
+        assert tier.store([b"good", b"bad"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert wait_for(lambda: follower.event_seq > before and not follower.syncing, 10.0)
+        host.session.resync()  # the snapshot has them too
+        assert wait_for(lambda: follower.snapshots >= 2 and not follower.syncing, 10.0)
+        time.sleep(0.5)
+        assert follower.snapshots == 2 and not follower.syncing
+        yield tier, host
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("slots", 64), ("slots", -5), ("digests", -1)],
@@ -972,23 +999,7 @@ def test_a_host_announcing_a_key_the_tier_cannot_hold_is_refused_once_not_resync
             setattr(message, field, [value if k == b"bad" else v for k, v in zip(keys, values)])
         return message
 
-    with (
-        ServerProcess.start(64, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="misannounced") as tier,
-    ):
-        tier.connect(server.address)
-        (host,) = tier._peers.values()
-        follower = host.session._follower
-        assert follower is not None and follower.snapshots == 1
-        monkeypatch.setattr(p, "decode_server", misannounce)
-        before = follower.event_seq
-        fill_random(tier)
-        assert tier.store([b"good", b"bad"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
-        assert wait_for(lambda: follower.event_seq > before and not follower.syncing, 10.0)
-        host.session.resync()  # the snapshot has the key too
-        assert wait_for(lambda: follower.snapshots >= 2 and not follower.syncing, 10.0)
-        time.sleep(0.5)
-        assert follower.snapshots == 2 and not follower.syncing
+    with _misannounced(misannounce, monkeypatch) as (tier, host):
         assert tier.lookup([b"good"]) == 1 and tier.lookup([b"bad"]) == 0
         tier.arena.tensor[5:7].zero_()
         loaded = tier.load([b"good", b"bad"], [5, 6]).result(timeout=RESULT_TIMEOUT_S)
@@ -1018,23 +1029,7 @@ def test_a_host_announcing_something_that_is_no_key_is_refused_and_the_tier_serv
             message.evicted = [*message.evicted, bad] if message.stored else message.evicted
         return message
 
-    with (
-        ServerProcess.start(64, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="no-key") as tier,
-    ):
-        tier.connect(server.address)
-        (host,) = tier._peers.values()
-        follower = host.session._follower
-        assert follower is not None and follower.snapshots == 1
-        monkeypatch.setattr(p, "decode_server", misannounce)
-        before = follower.event_seq
-        fill_random(tier)
-        assert tier.store([b"good", b"bad"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
-        assert wait_for(lambda: follower.event_seq > before and not follower.syncing, 10.0)
-        host.session.resync()  # the snapshot has it too
-        assert wait_for(lambda: follower.snapshots >= 2 and not follower.syncing, 10.0)
-        time.sleep(0.5)
-        assert follower.snapshots == 2 and not follower.syncing
+    with _misannounced(misannounce, monkeypatch) as (tier, host):
         assert host.session.lost is None and tier.peers() == [host.slots.peer_id]
         assert tier.lookup([b"good"]) == 1
         tier.arena.tensor[5].zero_()

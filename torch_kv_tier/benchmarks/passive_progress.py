@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from torch_kv_tier.benchmarks.reliability_common import environment
+
 BLOCK = 4096
 NUM_BLOCKS = 256
 
@@ -58,43 +60,39 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, env, delay_us), daemon=True)
-    proc.start()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    t = None
-    try:
-        if not conn.poll(60):
-            raise TimeoutError("target did not start within 60 s")
-        metadata, base_addr = conn.recv()
-        conn.send(idle_s)
-        idle_alone = conn.recv()
-        t = NixlTransport(
-            "initiator", torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8), passive_progress=False
-        )
-        t.add_remote_peer("target", metadata, base_addr, NUM_BLOCKS, BLOCK)
-        _write_once(t, 0)
-        conn.send(idle_s)
-        idle_peer = conn.recv()
-        latencies = []
-        for i in range(tries):
-            time.sleep(gap_s)
-            latencies.append(_write_once(t, i % NUM_BLOCKS))
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        for r in range(3):
-            for passive in (True, False) if r % 2 == 0 else (False, True):
-                rates[passive].append(_write_rate(metadata, base_addr, passive))
-        conn.send(None)
-    finally:
-        if t is not None:
-            t.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+    with environment(env):  # UCX reads it as agents are created
+        proc.start()
+        t = None
+        try:
+            if not conn.poll(60):
+                raise TimeoutError("target did not start within 60 s")
+            metadata, base_addr = conn.recv()
+            conn.send(idle_s)
+            idle_alone = conn.recv()
+            t = NixlTransport(
+                "initiator",
+                torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8),
+                passive_progress=False,
+            )
+            t.add_remote_peer("target", metadata, base_addr, NUM_BLOCKS, BLOCK)
+            _write_once(t, 0)
+            conn.send(idle_s)
+            idle_peer = conn.recv()
+            latencies = []
+            for i in range(tries):
+                time.sleep(gap_s)
+                latencies.append(_write_once(t, i % NUM_BLOCKS))
+            rates: dict[bool, list[float]] = {True: [], False: []}
+            for r in range(3):
+                for passive in (True, False) if r % 2 == 0 else (False, True):
+                    rates[passive].append(_write_rate(metadata, base_addr, passive))
+            conn.send(None)
+        finally:
+            if t is not None:
+                t.close()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
     qs = statistics.quantiles(latencies, n=10)
     return {
         "ucx_tls": tls or "default",

@@ -100,18 +100,24 @@ class Outcome:
 
 
 @contextlib.contextmanager
-def ucx_over_tcp() -> Iterator[None]:
-    """Set ``UCX_TLS=tcp`` for NIXL agents created inside the block (and for children started
-    inside it); restore the previous value afterwards. UCX reads it when an agent is created."""
-    previous = os.environ.get("UCX_TLS")
-    os.environ.update(TCP_ENV)
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """Set ``env`` for what is created inside the block (UCX reads its variables when an agent
+    is created; children started inside inherit them); restore the previous values after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("UCX_TLS", None)
-        else:
-            os.environ["UCX_TLS"] = previous
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ucx_over_tcp() -> contextlib.AbstractContextManager[None]:
+    """``UCX_TLS=tcp`` for NIXL agents created inside the block (``environment``)."""
+    return environment(TCP_ENV)
 
 
 def random_blocks(num_blocks: int, block_len: int, seed: int) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from torch_kv_tier.benchmarks.reliability_common import environment
+
 # (block length, blocks per transfer): 1,024 or more, so NIXL's default would split them.
 POINTS = ((16384, 2048), (262144, 1024))
 SPLIT_THREADS = 4  # the reference's worker threads: vLLM's transport's default
@@ -121,66 +123,60 @@ def measure(tls: str | None, block_len: int, num_blocks: int, rounds: int, xfers
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child, env, num_blocks, block_len), daemon=True)
-    proc.start()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    systems: dict[str, Any] = {}
-    try:
-        if not conn.poll(60):
-            raise TimeoutError("target did not start within 60 s")
-        peer = conn.recv()
-        warm = _initiator("warm", True, num_blocks, block_len, peer)
-        _run(warm, "WRITE", 1, 1)  # what the first agent of a process starts, started
-        warm.close()
-        added: dict[str, dict[str, int]] = {}
-        for name in ("whole", "split"):
-            before = _threads_and_fds()
-            systems[name] = _initiator(name, name == "whole", num_blocks, block_len, peer)
-            _run(systems[name], "WRITE", 1, 1)  # connected: UCX wires its endpoints up
-            added[name] = {k: n - before[k] for k, n in _threads_and_fds().items()}
-        gbytes = xfers * num_blocks * block_len / 1e9
-        rates: dict[tuple[str, str], list[float]] = {(s, op): [] for s in systems for op in OPS}
-        for r in range(rounds + 1):  # round 0 warms up
-            for name in ("whole", "split") if r % 2 == 0 else ("split", "whole"):
-                for op in OPS:
-                    rate = gbytes / _run(systems[name], op, num_blocks, xfers)
-                    if r > 0:
-                        rates[(name, op)].append(rate)
-        row: dict[str, Any] = {
-            "ucx_tls": tls or "default",
-            "block_len": block_len,
-            "blocks_per_transfer": num_blocks,
-            "xfers_in_flight": xfers,
-            "rounds": rounds,
-            # the live agents' UCX backend options (what each really runs with)
-            "ucx_options": {
-                name: dict(t._agent.backend_options["UCX"]) for name, t in systems.items()
-            },
-            "threads_and_fds_added": added,  # by the initiator, connected to one peer
-            "verified": all(_verifies(t, num_blocks) for t in systems.values()),
-        }
-        for op in OPS:
-            ratios = [w / s for w, s in zip(rates[("whole", op)], rates[("split", op)])]
-            row[op.lower()] = {
-                "whole_gbps_median": statistics.median(rates[("whole", op)]),
-                "split_gbps_median": statistics.median(rates[("split", op)]),
-                "ratio_median": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
+    with environment(env):  # UCX reads it as agents are created
+        proc.start()
+        systems: dict[str, Any] = {}
+        try:
+            if not conn.poll(60):
+                raise TimeoutError("target did not start within 60 s")
+            peer = conn.recv()
+            warm = _initiator("warm", True, num_blocks, block_len, peer)
+            _run(warm, "WRITE", 1, 1)  # what the first agent of a process starts, started
+            warm.close()
+            added: dict[str, dict[str, int]] = {}
+            for name in ("whole", "split"):
+                before = _threads_and_fds()
+                systems[name] = _initiator(name, name == "whole", num_blocks, block_len, peer)
+                _run(systems[name], "WRITE", 1, 1)  # connected: UCX wires its endpoints up
+                added[name] = {k: n - before[k] for k, n in _threads_and_fds().items()}
+            gbytes = xfers * num_blocks * block_len / 1e9
+            rates: dict[tuple[str, str], list[float]] = {(s, op): [] for s in systems for op in OPS}
+            for r in range(rounds + 1):  # round 0 warms up
+                for name in ("whole", "split") if r % 2 == 0 else ("split", "whole"):
+                    for op in OPS:
+                        rate = gbytes / _run(systems[name], op, num_blocks, xfers)
+                        if r > 0:
+                            rates[(name, op)].append(rate)
+            row: dict[str, Any] = {
+                "ucx_tls": tls or "default",
+                "block_len": block_len,
+                "blocks_per_transfer": num_blocks,
+                "xfers_in_flight": xfers,
+                "rounds": rounds,
+                # the live agents' UCX backend options (what each really runs with)
+                "ucx_options": {
+                    name: dict(t._agent.backend_options["UCX"]) for name, t in systems.items()
+                },
+                "threads_and_fds_added": added,  # by the initiator, connected to one peer
+                "verified": all(_verifies(t, num_blocks) for t in systems.values()),
             }
-        conn.send(None)
-        return row
-    finally:
-        for t in systems.values():
-            t.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+            for op in OPS:
+                ratios = [w / s for w, s in zip(rates[("whole", op)], rates[("split", op)])]
+                row[op.lower()] = {
+                    "whole_gbps_median": statistics.median(rates[("whole", op)]),
+                    "split_gbps_median": statistics.median(rates[("split", op)]),
+                    "ratio_median": statistics.median(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                }
+            conn.send(None)
+            return row
+        finally:
+            for t in systems.values():
+                t.close()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
