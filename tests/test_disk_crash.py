@@ -241,7 +241,9 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
     with closing(open_store(disk_pool, dirs, 2)) as store:  # global slots 0, 2 in a; 1, 3 in b
         before_write = (lambda: monkeypatch.setattr(os, "write", a_full)) if full else None
         _evict_k_for_a_failed_write_then_store_it_in_b(store, disk_pool, monkeypatch, before_write)
-        assert store._journals.wait(5.0)  # the journals' thread: what it set, seen
+        # every record appended handed to the journals' thread and done: a poll that found it
+        # busy left K's DEL in memory, handed over at a later poll (wait() alone missed it)
+        assert store.sync(10.0)
         assert store._dirs[0].stale == full  # full: K's DEL lost
         if full:
             monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # SIGKILL
