@@ -8,10 +8,10 @@ costs. A target process lends a ``NixlTransport`` with defaults; this process bu
 initiators as tier clients (``passive_progress=False``): the tier's default (whole) and one as
 vLLM's transport configures NIXL, 4 worker threads with NIXL's default split (split). It times
 ``--xfers`` transfers in flight of 1,024 or more blocks each, write then read, at two block
-lengths. Which initiator goes first
-swaps every round; the ratio whole/split is taken per round and reported as its median and
-min-max. Each initiator then writes its own pattern, reads it back into a zeroed arena and
-checks every byte.
+lengths. Which initiator goes first swaps every round; the ratio whole/split is taken per round
+and reported as its median and min-max. Each initiator then writes its own pattern, reads it
+back into a zeroed arena and checks every byte. The threads and file descriptors each one adds,
+connected, are counted after a first agent started what a process starts once.
 
 Run: ``python -m torch_kv_tier.benchmarks.split_cost [--rounds 30] [--json out.json]``.
 """
@@ -69,10 +69,13 @@ def _nixl_default_split() -> Iterator[None]:
         nixl_agent.ucx_backend_params = ours
 
 
-def _initiator(name: str, whole: bool, num_blocks: int, block_len: int, peer: tuple) -> Any:
+def _initiator(
+    name: str, whole: bool, num_blocks: int, block_len: int, peer: tuple, arena_blocks: int
+) -> Any:
+    """A tier-client transport of ``arena_blocks`` random blocks, the target added as a peer."""
     from torch_kv_tier.transport import NixlTransport
 
-    arena = torch.randint(0, 256, (num_blocks, block_len), dtype=torch.uint8)
+    arena = torch.randint(0, 256, (arena_blocks, block_len), dtype=torch.uint8)
     if whole:
         t = NixlTransport(name, arena, passive_progress=False)
     else:
@@ -130,13 +133,15 @@ def measure(tls: str | None, block_len: int, num_blocks: int, rounds: int, xfers
             if not conn.poll(60):
                 raise TimeoutError("target did not start within 60 s")
             peer = conn.recv()
-            warm = _initiator("warm", True, num_blocks, block_len, peer)
+            warm = _initiator("warm", True, num_blocks, block_len, peer, arena_blocks=1)
             _run(warm, "WRITE", 1, 1)  # what the first agent of a process starts, started
             warm.close()
             added: dict[str, dict[str, int]] = {}
             for name in ("whole", "split"):
                 before = _threads_and_fds()
-                systems[name] = _initiator(name, name == "whole", num_blocks, block_len, peer)
+                systems[name] = _initiator(
+                    name, name == "whole", num_blocks, block_len, peer, num_blocks
+                )
                 _run(systems[name], "WRITE", 1, 1)  # connected: UCX wires its endpoints up
                 added[name] = {k: n - before[k] for k, n in _threads_and_fds().items()}
             gbytes = xfers * num_blocks * block_len / 1e9
