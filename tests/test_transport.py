@@ -466,6 +466,112 @@ def test_removing_a_peer_keeps_its_transfers_in_flight_until_they_land(
             assert torch.equal(victim.get(list(range(n))), region)
 
 
+class FailsAfterPosting(FaultyAgent):
+    """Real agent whose next ``fail_posts`` posts go out yet report ``ERR``: a post that failed
+    part-way, its operations on the wire, as NIXL's UCX backend leaves them."""
+
+    def __init__(self, agent: Any, fail_posts: int) -> None:
+        super().__init__(agent, set())
+        self.fail_posts = fail_posts
+        self.posts: list[tuple[str, list[int], list[int]]] = []
+        self.made: list[Any] = []  # the handles, in order
+
+    def make_prepped_xfer(self, op: str, ldl: Any, local: Any, rdl: Any, remote: Any) -> Any:
+        self.posts.append((op, list(local), list(remote)))
+        self.made.append(self._agent.make_prepped_xfer(op, ldl, local, rdl, remote))
+        return self.made[-1]
+
+    def transfer(self, handle: Any) -> str:
+        state = self._agent.transfer(handle)
+        if self.fail_posts:
+            self.fail_posts -= 1
+            return "ERR"
+        return state
+
+
+def test_a_read_whose_post_failed_part_way_is_reported_only_once_nothing_more_lands(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The read's post reports ERR while its operations are on the wire, held up by a stopped
+    target over TCP. It is reported failed only after a fence read to the same peer completed,
+    so the caller, reusing its blocks then, never sees a late part land in them."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    n, block = 512, 64 * 1024
+    with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
+        victim.set(list(range(n)), torch.full((n, block), 0xAB, dtype=torch.uint8))
+        region = torch.zeros(n, block, dtype=torch.uint8)
+        with closing(NixlTransport("reader", region, passive_progress=False)) as t:
+            t.add_remote_peer("v", *victim.peer_args())
+            warm = t.read_blocks("v", [0], [0])
+            assert drain(t, {warm})[0] == {warm}
+            region.zero_()
+            victim.stop()
+            wait_until_stopped(victim)
+            spy = FailsAfterPosting(t._agent, fail_posts=1)
+            t._agent = spy
+            tid = t.read_blocks("v", list(range(n)), list(range(n)))
+            assert tid is not None, "a post that may have sent part of a read is no refusal"
+            for _ in range(20):
+                assert t.poll("v") == PollResult()  # the fence waits behind the stalled read
+            assert spy.posts[-1] == ("READ", [0], [0]) and len(spy.posts) == 2
+            victim.signal(signal.SIGCONT)
+            assert drain(t, {tid}, peer_id="v") == (set(), {tid})
+            region.zero_()  # the caller reuses the blocks of the failed read
+            barrier = t.write_blocks("v", [1], [1])  # the same endpoint: after anything earlier
+            assert drain(t, {barrier}, peer_id="v")[0] == {barrier}
+            assert int(region.count_nonzero()) == 0
+            assert t.inflight_count() == 0
+
+
+def test_a_read_that_failed_without_a_disconnect_is_reported_once_a_fence_read_completes(
+    local: NixlTransport, peer: RemotePeer
+) -> None:
+    """State ERR, or a state check that raised: the read is reported failed only once a fence
+    (a one-block read of its first pair, same peer) is done. A fence that fails without a
+    disconnect is posted again on the next poll; one that fails with a disconnect proves the
+    read over too. Every handle is released."""
+
+    class nixlRemoteDisconnectError(Exception):  # noqa: N801 (the binding's class name)
+        pass
+
+    local.add_remote_peer("p", *peer.peer_args())
+    spy = FailsAfterPosting(local._agent, fail_posts=0)
+    local._agent = spy
+    err = local.read_blocks("p", [7, 8], [3, 4])
+    raised = local.read_blocks("p", [9], [5])
+    assert err is not None and raised is not None
+    handles = list(spy.made)
+    fences: list[Any] = []  # the second fences (err's, then raised's)
+    real_check, real_transfer = spy._agent.check_xfer_state, spy.transfer
+
+    def check(handle: Any) -> str:
+        if handle is handles[0]:
+            return "ERR"
+        if handle is handles[1]:
+            raise RuntimeError("injected check_xfer_state failure")
+        if fences[1:] and handle is fences[1]:
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        return str(real_check(handle))
+
+    def transfer(handle: Any) -> str:
+        state = real_transfer(handle)
+        if len(spy.made) > 4:
+            fences.append(handle)
+            return "PROC" if len(fences) == 2 else state
+        return state
+
+    spy.check_xfer_state = check  # type: ignore[method-assign]
+    spy.transfer = transfer  # type: ignore[method-assign]
+    spy.fail_posts = 2  # the first fences go out yet report ERR
+    assert local.poll("p").failed == ()
+    assert spy.posts[2:] == [("READ", [7], [3]), ("READ", [9], [5])]
+    assert drain(local, {err, raised}, peer_id="p") == (set(), {err, raised})
+    assert spy.posts[4:] == [("READ", [7], [3]), ("READ", [9], [5])]
+    assert local.inflight_count() == 0
+    assert len(spy.released) == 6  # two reads, their first fences, their second fences
+    assert "check_xfer_state raised" in local.faulted_peers()["p"]
+
+
 def wait_until_stopped(peer: RemotePeer, timeout: float = 10.0) -> None:
     """Wait until the kernel reports the peer process stopped (state T)."""
     deadline = time.monotonic() + timeout

@@ -11,8 +11,9 @@ registration is unusable: one decisive error (a state check that raised, a remot
 unknown remote agent) or repeated transfer failures with no success between. ``poll(peer_id)``
 reports it in ``peer_fault`` until ``remove_remote_peer``; the transport never recovers a peer
 itself. A transfer stays in flight unless the error proves it can no longer write (a remote
-disconnect): a WRITE was measured to keep landing after its handle raised, so failing it early
-would let the caller reuse a destination that is still being written. Submissions and polls
+disconnect, or for a READ a later transfer that proves it over: ``nixl_inflight``'s fence): a
+WRITE was measured to keep landing after its handle raised, so failing it early would let the
+caller reuse a destination that is still being written. Submissions and polls
 report failures through their results and do not raise for them.
 
 Threading: implementations say what they allow (``NixlTransport``: any method from any thread).
@@ -283,7 +284,10 @@ class DataTransport(ABC):
     def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int | None:
-        """Start copying the peer's blocks into local blocks; same contract as ``write_blocks``."""
+        """Start copying the peer's blocks into local blocks; same contract as ``write_blocks``,
+        except that a submission that failed once it may have sent part of the read may return
+        an id instead of ``None``, reported ``failed`` once nothing more of it can land (the NIXL
+        transport fences it: ``nixl_inflight``)."""
 
     @abstractmethod
     def poll(self, peer_id: str | None = None) -> PollResult:

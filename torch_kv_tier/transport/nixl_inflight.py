@@ -8,6 +8,20 @@ released only once its transfer is over, or when the owner asks (``cancel(mode="
 ``release_all``). A post that fails after NIXL created the request with a remote disconnect marks
 the agent unsafe to destroy (``agent_lifetime``).
 
+Fenced reads. A READ that NIXL reports failed without a remote disconnect (its post raised or
+returned ``ERR`` after the request was created, its state is ``ERR``, or its state check raised)
+may still land in its local blocks: NIXL's UCX backend posts one RMA operation per block and, when
+one fails, frees the others without stopping them. So it is not reported failed (nor, for a post,
+refused with ``None``) until a *fence* proved it over: a one-block READ from the same peer into
+the failed read's own first local block (withheld with the others, so no caller's memory), posted
+after the failure. NIXL's UCX backend ends every transfer with a flush of its endpoint, and with no
+split (``ucx_env``) every transfer to a remote agent runs on that agent's one endpoint of the
+shared worker, so the fence reaching ``DONE`` proves that every operation posted to that peer
+before it ended, the failed read's included; a fence failing with a remote disconnect proves it
+too (the endpoint failed, UCX completed all its operations). A fence failing otherwise is posted
+again on the next poll; the read stays in flight meanwhile (its peer was faulted or struck when it
+failed, as before), and ``cancel(mode="immediate")`` or closing still release it.
+
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
 """
@@ -35,8 +49,13 @@ _RUNNING = ("PROC", "PEND", None)  # may still write (``None``: the check raised
 @dataclass(eq=False)
 class _Transfer:
     peer: NixlPeer
-    handle: Any
+    handle: Any  # ``None`` for a read whose post failed (NIXL released the request)
+    op: str
+    local_dlist: Any
+    fence_pair: tuple[int, int]  # (local, remote) block a fence reads: the transfer's first pair
     struck: bool = False  # already counted against its peer (a raising check counts once)
+    fencing: bool = False  # a READ that failed without a disconnect, reported once fenced
+    fence: Any = None  # the fence READ's handle while one is posted
 
 
 class NixlInflight:
@@ -61,27 +80,24 @@ class NixlInflight:
         self, op: str, local_dlist: Any, local: Sequence[int], peer: NixlPeer, remote: Sequence[int]
     ) -> int | None:
         """Post ``op`` ("WRITE" or "READ") between prepared block indices; its id, or ``None``
-        when NIXL refused or raised (logged, and counted against the peer)."""
-        agent = self._peers.agent
-        handle = None
-        try:
-            handle = agent.make_prepped_xfer(op, local_dlist, local, peer.dlist, remote)
-            if agent.transfer(handle) == "ERR":
-                raise RuntimeError("NIXL refused to post the transfer (state ERR)")
-        except Exception as exc:
+        when NIXL refused or raised (logged, and counted against the peer). A READ whose post
+        failed after NIXL created it gets an id all the same: it is reported failed once fenced
+        (module docstring)."""
+        handle, posted = self._start(op, local_dlist, local, peer.dlist, remote)
+        xfer = _Transfer(peer, handle, op, local_dlist, (local[0], remote[0]))
+        if isinstance(posted, Exception):
             logger.warning(
-                "NixlTransport %s: %s to %s failed: %s", self._owner, op, peer.peer_id, exc
+                "NixlTransport %s: %s to %s failed: %s", self._owner, op, peer.peer_id, posted
             )
-            if handle is not None:
-                if agent_lifetime.is_post_disconnect(exc) and not self._kept_until_exit:
-                    # UCX may still hold a request NIXL freed: never destroy this agent.
-                    self._kept_until_exit = True
-                    agent_lifetime.keep_until_exit(agent, self._owner)
-                self._release_handle(-1, handle)
-            self._health.raised(peer.peer_id, exc)
-            return None
+            self._health.raised(peer.peer_id, posted)
+            if handle is None:
+                return None  # nothing was posted
+            self._release_handle(-1, handle)  # NIXL failed the request: it holds nothing of it
+            if op != "READ" or ends_transfer(posted):
+                return None
+            xfer.handle, xfer.struck, xfer.fencing = None, True, True
         tid = next(self._ids)
-        self._transfers[tid] = _Transfer(peer, handle)
+        self._transfers[tid] = xfer
         peer.inflight.add(tid)
         return tid
 
@@ -98,7 +114,7 @@ class NixlInflight:
         for tid, xfer in self._transfers.items():
             if peer_id is not None and xfer.peer.peer_id != peer_id:
                 continue
-            state = self._checked_state(tid, xfer)
+            state = self._state(tid, xfer)
             if state == "DONE":
                 done.append(tid)
                 succeeded.add(xfer.peer)
@@ -123,7 +139,7 @@ class NixlInflight:
         ``"wait"`` checks each transfer's state first: UCX frees a handle even while its WRITE
         still runs, so a ``PROC``/``PEND`` transfer is never released here. A raising check
         faults the peer and keeps the transfer, except after a remote disconnect, which drops
-        it. A release that raises keeps it too.
+        it; a failed READ is kept until fenced. A release that raises keeps it too.
         """
         still: list[int] = []
         for tid in transfer_ids:
@@ -133,12 +149,12 @@ class NixlInflight:
             if mode == "immediate":
                 self._forget(tid, release=True)
                 continue
-            state = self._checked_state(tid, xfer)
-            if state == _GONE:  # the handle may not release any more; nothing more lands
-                self._forget(tid, release=True)
-                continue
+            state = self._state(tid, xfer)
             if state in _RUNNING:
                 still.append(tid)
+                continue
+            if state == _GONE or xfer.fencing:  # nothing more lands; the handle may not release
+                self._forget(tid, release=True)
                 continue
             try:
                 self._peers.agent.release_xfer_handle(xfer.handle)
@@ -153,6 +169,61 @@ class NixlInflight:
         """Release every handle (the transport is closing)."""
         for tid in list(self._transfers):
             self._forget(tid, release=True)
+
+    def _start(
+        self, op: str, local_dlist: Any, local: Sequence[int], dlist: Any, remote: Sequence[int]
+    ) -> tuple[Any, str | Exception]:
+        """Create and post one NIXL transfer: its handle (``None`` when creation failed) and
+        its posted state, or the error. A post that fails with a remote disconnect after the
+        request was created marks the agent unsafe to destroy (``agent_lifetime``)."""
+        agent = self._peers.agent
+        handle = None
+        try:
+            handle = agent.make_prepped_xfer(op, local_dlist, local, dlist, remote)
+            state = str(agent.transfer(handle))
+            if state == "ERR":
+                raise RuntimeError("NIXL refused to post the transfer (state ERR)")
+        except Exception as exc:
+            posted = handle is not None and agent_lifetime.is_post_disconnect(exc)
+            if posted and not self._kept_until_exit:  # UCX may still hold a request NIXL freed
+                self._kept_until_exit = True
+                agent_lifetime.keep_until_exit(agent, self._owner)
+            return handle, exc
+        return handle, state
+
+    def _state(self, tid: int, xfer: _Transfer) -> str | None:
+        """``_checked_state``, except for a READ that failed without a disconnect: running
+        (``None``) until a fence proved it over, then ``"ERR"`` (module docstring)."""
+        if not xfer.fencing:
+            state = self._checked_state(tid, xfer)
+            if xfer.op != "READ" or state in ("DONE", "PROC", "PEND", _GONE):
+                return state
+            xfer.fencing = True
+        return "ERR" if self._fenced(tid, xfer) else None
+
+    def _fenced(self, tid: int, xfer: _Transfer) -> bool:
+        """Whether ``xfer``'s fence proved it over; posts the fence when none runs. A fence that
+        failed without a disconnect may be on the wire too: released, the next one covers it."""
+        outcome: str | Exception
+        if xfer.fence is None:
+            local, remote = xfer.fence_pair
+            xfer.fence, outcome = self._start(
+                "READ", xfer.local_dlist, [local], xfer.peer.dlist, [remote]
+            )
+        else:
+            try:
+                outcome = str(self._peers.agent.check_xfer_state(xfer.fence))
+            except Exception as exc:
+                outcome = exc
+        if outcome in ("PROC", "PEND"):
+            return False
+        if outcome == "DONE" or (isinstance(outcome, Exception) and ends_transfer(outcome)):
+            return True
+        logger.debug("NixlTransport %s: fence of read %d: %s", self._owner, tid, outcome)
+        if xfer.fence is not None:
+            self._release_handle(tid, xfer.fence)
+            xfer.fence = None
+        return False
 
     def _checked_state(self, tid: int, xfer: _Transfer) -> str | None:
         """The transfer's NIXL state; ``None`` when the check raised but it may still write.
@@ -176,10 +247,12 @@ class NixlInflight:
             return _GONE if ends_transfer(exc) else None
 
     def _forget(self, tid: int, *, release: bool) -> None:
-        """Drop a transfer (releasing its handle if asked); free a retired peer it was last of."""
+        """Drop a transfer (releasing its handles if asked); free a retired peer it was last of."""
         xfer = self._transfers.pop(tid)
         if release:
-            self._release_handle(tid, xfer.handle)
+            for handle in (xfer.handle, xfer.fence):
+                if handle is not None:
+                    self._release_handle(tid, handle)
         self._peers.transfer_ended(xfer.peer, tid)
 
     def _release_handle(self, tid: int, handle: Any) -> None:
