@@ -293,6 +293,51 @@ def test_a_failed_write_leaves_its_session_held() -> None:
         assert tier.stats().unreleased_sessions == 1  # never told to the host: its hold ends it
 
 
+def test_a_failed_write_of_a_transport_whose_failures_are_final_ends_its_session_clean() -> None:
+    """The NIXL transport reports a failure only once nothing more of it lands
+    (``failures_are_final``): the session then ends clean, the host frees its slots at once
+    instead of holding them until ``--hold-timeout``."""
+    with _tier() as (tier, transport):
+        transport.failures_are_final = True
+        session = _granted_host(tier, [0, 1, 2, 3])
+        store = tier.store([b"a0", b"a1"], [0, 1])
+        (tid,) = transport.in_flight()
+        transport.fail(tid)
+        assert store.result(timeout=RESULT_TIMEOUT_S).failed == {
+            b"a0": "transfer failed",
+            b"a1": "transfer failed",
+        }
+        assert wait_for(lambda: session.closed == [True], 5.0), session.closed
+        assert tier.stats().unreleased_sessions == 0
+
+
+@pytest.mark.parametrize("dropped_first", [False, True])
+def test_a_slot_whose_write_failed_finally_serves_another_key(dropped_first: bool) -> None:
+    """With final failures, a failed write's slot comes back (it stayed fenced for good, which
+    a transport whose failed writes may still land needs: ``test_index``), whether the write
+    failed in its peer's hands or after the peer was dropped."""
+    arena = BlockArena(4, BLOCK_LEN)
+    arena.tensor[1].fill_(0xBB)
+    with late_write_tier(arena, {"p": 1}) as (tier, transport):
+        transport.failures_are_final = True
+        transport.hold = True
+        first = tier.store(["a"], [0])
+        (tid,) = transport.in_flight()
+        if dropped_first:
+            transport.fault("p", "state check raised")
+            wait_for(lambda: tier.peers() == [], 5.0)
+        transport.fail(tid)
+        assert first.result(timeout=RESULT_TIMEOUT_S).failed
+        assert wait_for(lambda: tier.stats().inflight == 0, 5.0)
+        if not dropped_first:
+            assert wait_for(lambda: tier.peers() == [], 5.0)
+        tier.add_peer("p", b"p", 0, 1, BLOCK_LEN)  # the same memory under the same peer id
+        transport.hold = False
+        assert tier.store(["b"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert tier.load(["b"], [2]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(arena.tensor[2], arena.tensor[1])
+
+
 def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> None:
     """A shared host lost while the tier waits for its index: the join fails with
     ``ConnectionError`` at once (it waited out its whole timeout, then raised ``KeyError``),

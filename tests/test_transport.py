@@ -371,11 +371,12 @@ def test_transfer_ids_are_unique(local: NixlTransport, peer: RemotePeer) -> None
 def test_a_state_check_that_raises_faults_the_peer_and_keeps_the_transfer(
     local: NixlTransport, peer: RemotePeer, peer2: RemotePeer
 ) -> None:
-    # The WRITE may still land after its check raised: it stays in flight, its peer is faulted.
+    # The WRITE may still land after its check raised: it stays in flight until a fence proves
+    # it over (here NIXL refuses the fences too), and its peer is faulted.
     local.add_remote_peer("p", *peer.peer_args())
     local.add_remote_peer("q", *peer2.peer_args())
     tid = local.write_blocks("p", [0], [0])
-    faulty = FaultyAgent(local._agent, {"check_xfer_state"})
+    faulty = FaultyAgent(local._agent, {"check_xfer_state", "transfer"})
     local._agent = faulty
     for _ in range(3):
         result = local.poll("p")
@@ -387,7 +388,7 @@ def test_a_state_check_that_raises_faults_the_peer_and_keeps_the_transfer(
     assert local.poll("q").peer_fault is None and local.poll().peer_fault is None
     assert local.faulted_peers() == {"p": result.peer_fault}
     local._agent = faulty._agent
-    assert drain(local, {tid})[0] == {tid}  # it did complete
+    assert drain(local, {tid})[1] == {tid}  # a fence went out and completed: it is over
     assert local.poll("p").peer_fault is not None  # the fault stays until the peer is removed
     local.remove_remote_peer("p")
     assert local.faulted_peers() == {}
@@ -415,22 +416,23 @@ def test_a_remote_disconnect_fails_the_transfer_and_faults_the_peer(
 def test_repeated_transfer_failures_fault_the_peer_and_a_success_resets_them(
     local: NixlTransport, peer: RemotePeer
 ) -> None:
+    # NIXL refuses to create each failed transfer: nothing was sent, so each is refused (None)
     local.add_remote_peer("p", *peer.peer_args())
-    faulty = FaultyAgent(local._agent, {"transfer"})
+    faulty = FaultyAgent(local._agent, {"make_prepped_xfer"})
     local._agent = faulty
     for _ in range(2):
         assert local.write_blocks("p", [0], [0]) is None
     assert local.poll("p").peer_fault is None
     faulty.fail = set()
     assert drain(local, {local.write_blocks("p", [0], [0])})[1] == set()  # type: ignore[arg-type]
-    faulty.fail = {"transfer"}
+    faulty.fail = {"make_prepped_xfer"}
     for _ in range(2):
         assert local.write_blocks("p", [0], [0]) is None
     assert local.faulted_peers() == {}
     assert local.write_blocks("p", [0], [0]) is None
     assert "3 consecutive transfer failures" in local.faulted_peers()["p"]
     assert local.poll("p").peer_fault == local.faulted_peers()["p"]
-    assert len(faulty.released) == 6  # the five failed posts' handles, and the done one's
+    assert len(faulty.released) == 1  # the done one's: the refused ones had no handle
     assert local.inflight_count() == 0
 
 
@@ -489,37 +491,45 @@ class FailsAfterPosting(FaultyAgent):
         return state
 
 
-def test_a_read_whose_post_failed_part_way_is_reported_only_once_nothing_more_lands(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_transfer_whose_post_failed_part_way_is_reported_only_once_nothing_more_lands(
+    monkeypatch: pytest.MonkeyPatch, op: str
 ) -> None:
-    """The read's post reports ERR while its operations are on the wire, held up by a stopped
-    target over TCP. It is reported failed only after a fence read to the same peer completed,
-    so the caller, reusing its blocks then, never sees a late part land in them."""
+    """The post reports ERR while its operations are on the wire, held up by a stopped target
+    over TCP. It is reported failed only after a fence (its first block pair, same peer)
+    completed, so what the caller does then (reuse a read's blocks, hand a write's slots to
+    another writer) is never overwritten by a late part of it."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     n, block = 512, 64 * 1024
     with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
         victim.set(list(range(n)), torch.full((n, block), 0xAB, dtype=torch.uint8))
-        region = torch.zeros(n, block, dtype=torch.uint8)
-        with closing(NixlTransport("reader", region, passive_progress=False)) as t:
+        region = torch.full((n, block), 0xCD, dtype=torch.uint8)
+        with closing(NixlTransport("poster", region, passive_progress=False)) as t:
             t.add_remote_peer("v", *victim.peer_args())
-            warm = t.read_blocks("v", [0], [0])
+            submit = t.read_blocks if op == "READ" else t.write_blocks
+            warm = submit("v", [0], [0])
             assert drain(t, {warm})[0] == {warm}
-            region.zero_()
             victim.stop()
             wait_until_stopped(victim)
             spy = FailsAfterPosting(t._agent, fail_posts=1)
             t._agent = spy
-            tid = t.read_blocks("v", list(range(n)), list(range(n)))
-            assert tid is not None, "a post that may have sent part of a read is no refusal"
+            tid = submit("v", list(range(n)), list(range(n)))
+            assert tid is not None, "a post that may have sent part of it is no refusal"
             for _ in range(20):
-                assert t.poll("v") == PollResult()  # the fence waits behind the stalled read
-            assert spy.posts[-1] == ("READ", [0], [0]) and len(spy.posts) == 2
+                assert t.poll("v") == PollResult()  # the fence waits behind the stalled post
+            assert spy.posts[-1] == (op, [0], [0]) and len(spy.posts) == 2
             victim.signal(signal.SIGCONT)
             assert drain(t, {tid}, peer_id="v") == (set(), {tid})
-            region.zero_()  # the caller reuses the blocks of the failed read
-            barrier = t.write_blocks("v", [1], [1])  # the same endpoint: after anything earlier
+            # what the caller may do once the failure is reported
+            region.zero_()
+            victim.set(list(range(n)), torch.full((n, block), 0xEE, dtype=torch.uint8))
+            # then anything else on the same endpoint: it ends after whatever was posted before
+            barrier = (t.write_blocks if op == "READ" else t.read_blocks)("v", [1], [1])
             assert drain(t, {barrier}, peer_id="v")[0] == {barrier}
-            assert int(region.count_nonzero()) == 0
+            if op == "READ":
+                assert int(region.count_nonzero()) == 0
+            else:
+                assert bool((victim.get(list(range(n))) == 0xEE).all())
             assert t.inflight_count() == 0
 
 

@@ -8,10 +8,11 @@ calls ``_finish`` when the transport reported an op, or when it is abandoned wit
 Threading: every method runs with the manager's lock held; settled requests wait in ``_ready``
 for ``Transfers._flush`` to resolve their futures unlocked.
 
-Failure model: a store that failed (``TRANSFER_FAILED``) may still land part-way, so its slots
-stay fenced for good and its peer's session unclean (``_lost_write``); any other reason returns
-its slots. A load whose blocks fail their digests settles those keys "missing" and forgets them
-on that slot.
+Failure model: a store that failed (``TRANSFER_FAILED``) may still land part-way unless the
+transport's failures are final (``DataTransport.failures_are_final``: the NIXL transport's are),
+so its slots stay fenced for good and its peer's session unclean (``_lost_write``); any other
+reason, or a final failure, returns its slots. A load whose blocks fail their digests settles
+those keys "missing" and forgets them on that slot.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch_kv_tier.peer_slots import PeerSlots
 from torch_kv_tier.records import Op, Peer, Request
 from torch_kv_tier.results import MISSING, TRANSFER_FAILED, Counters
 from torch_kv_tier.shared_host import SharedHost
+from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class Finishes:
     """Applying finished ops to the index (module docstring)."""
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
+    transport: DataTransport
     _index: BlockIndex
     _digests: BlockDigests
     _peers: dict[str, Peer]
@@ -72,8 +75,8 @@ class Finishes:
                     keys.append(key)
                     slots.append(slot)
                     digests.append(digest)
-        if reason == TRANSFER_FAILED:  # its peer is dropped next, its waiting stores fail
-            self._lost_write(op)
+        if reason == TRANSFER_FAILED and not self.transport.failures_are_final:
+            self._lost_write(op)  # its peer is dropped next, its waiting stores fail
         elif peer is not None:
             if reason is None:
                 self._publish(peer, keys, slots, digests)

@@ -9,7 +9,8 @@ operation, then the requests' keys). A peer that
 fails is dropped by ``_drop_peer``: its stores settle at once, its loads when the transport
 reports them (their blocks may still be written until then), and its writes in flight keep
 their slots fenced and its session unclean. A write that failed keeps them so for good: part of
-it may still land (NIXL reports a failure while other parts are in flight).
+it may still land (NIXL reports a failure while other parts are in flight), unless the
+transport's failures are final (``DataTransport.failures_are_final``: it fences them first).
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -256,15 +257,15 @@ class Transfers(Finishes):
         """The op of a transfer the transport reported, off the in-flight table; ``None`` when
         there is nothing left to do but its aftermath (unknown id, or an op orphaned by its
         peer's drop: a store's slots unfence and its ended session may be released, unless it
-        ``failed``: then part of it may still land; a load's request settles now that nothing
-        lands in its blocks any more)."""
+        ``failed`` and failures are not final: then part of it may still land; a load's request
+        settles now that nothing lands in its blocks any more)."""
         op = self._ops.pop(tid, None)
         if op is None:
             return None
         if op.orphaned:
             if op.kind == "load":
                 self._settle(op, [], PEER_LOST)
-            elif failed:
+            elif failed and not self.transport.failures_are_final:
                 logger.warning(
                     "a write to %s, dropped meanwhile, failed: its slots stay fenced and its "
                     "session is held (part of it may still land)",

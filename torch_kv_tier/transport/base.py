@@ -11,7 +11,7 @@ registration is unusable: one decisive error (a state check that raised, a remot
 unknown remote agent) or repeated transfer failures with no success between. ``poll(peer_id)``
 reports it in ``peer_fault`` until ``remove_remote_peer``; the transport never recovers a peer
 itself. A transfer stays in flight unless the error proves it can no longer write (a remote
-disconnect, or for a READ a later transfer that proves it over: ``nixl_inflight``'s fence): a
+disconnect, or a later transfer that proves it over: ``nixl_inflight``'s fence): a
 WRITE was measured to keep landing after its handle raised, so failing it early would let the
 caller reuse a destination that is still being written. Submissions and polls
 report failures through their results and do not raise for them.
@@ -173,6 +173,11 @@ class DataTransport(ABC):
     cancelled with ``mode="immediate"``.
     """
 
+    failures_are_final: bool = False
+    """Our extension: True when nothing of a transfer lands after the transport refused it
+    (``None``) or reported it ``failed``. Otherwise (vLLM's contract) part of it may still land
+    after that, so a caller keeps the slots a failed write targeted fenced for good."""
+
     def __init__(
         self, region: memoryview | torch.Tensor, config_fields: dict[str, Any] | None = None
     ) -> None:
@@ -277,17 +282,17 @@ class DataTransport(ABC):
         """Start copying local blocks into the peer's blocks; return the transfer id.
 
         Returns ``None`` when the peer is unknown or the submission failed (logged). Raises
-        ``ValueError``/``IndexError`` for bad indices before anything is submitted.
+        ``ValueError``/``IndexError`` for bad indices before anything is submitted. A transport
+        whose ``failures_are_final`` returns an id for a submission that failed once part of it
+        may have been sent, and reports it ``failed`` once nothing more of it can land (the NIXL
+        transport fences it: ``nixl_inflight``).
         """
 
     @abstractmethod
     def read_blocks(
         self, peer_id: str, local_idxs: Sequence[int], remote_idxs: Sequence[int]
     ) -> int | None:
-        """Start copying the peer's blocks into local blocks; same contract as ``write_blocks``,
-        except that a submission that failed once it may have sent part of the read may return
-        an id instead of ``None``, reported ``failed`` once nothing more of it can land (the NIXL
-        transport fences it: ``nixl_inflight``)."""
+        """Start copying the peer's blocks into local blocks; same contract as ``write_blocks``."""
 
     @abstractmethod
     def poll(self, peer_id: str | None = None) -> PollResult:

@@ -3,9 +3,9 @@
 The failure model (vLLM 0.33's, see ``base.py``): a transfer failure is transfer-scoped until
 ``MAX_CONSECUTIVE_FAILURES`` of them hit one peer with no success between; a state check that
 raises, or an error naming a dead or unknown remote agent, faults the peer at once. Only a remote
-disconnect proves that a transfer can no longer write (for a READ, so does a fence read that
-completed after it: ``nixl_inflight``); every other raise leaves it in flight, because a WRITE
-was measured upstream to keep landing after its handle raised "not found".
+disconnect proves that a transfer can no longer write (so does a fence that completed after
+it: ``nixl_inflight``); every other raise leaves it in flight, because a WRITE was measured
+upstream to keep landing after its handle raised "not found".
 A disconnect would not prove it for a transfer NIXL's UCX backend split across its worker
 threads (1,024 descriptors or more): one part's error completes the others while they may still
 run (``nixlUcxChunkBackendReqH::status``). So the agents never let it split

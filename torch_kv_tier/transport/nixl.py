@@ -18,7 +18,9 @@ Failure model (see ``base.py``, ``faults.py`` and ``nixl_inflight``, which owns 
 in flight). A transfer that stays in flight keeps its handle and, after ``remove_remote_peer``,
 keeps its peer's descriptors and remote agent too: they are released when its last transfer
 resolves (or by ``cancel``/``close``), so its state check stays meaningful and a re-added peer
-id never shares a destination that may still be written.
+id never shares a destination that may still be written. Every failure it reports is final
+(``failures_are_final``): a transfer that failed without a disconnect is reported only once a
+fence proved that nothing more of it lands.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class NixlTransport(NixlRegistration, DataTransport):
     and every NIXL-backed method raises ``RuntimeError`` saying why (not installed, or installed
     but failing to load, with the import error) and what to do.
     """
+
+    failures_are_final = True  # a failure is reported once fenced (``nixl_inflight``)
 
     def __init__(
         self,

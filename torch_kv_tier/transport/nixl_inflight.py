@@ -8,19 +8,22 @@ released only once its transfer is over, or when the owner asks (``cancel(mode="
 ``release_all``). A post that fails after NIXL created the request with a remote disconnect marks
 the agent unsafe to destroy (``agent_lifetime``).
 
-Fenced reads. A READ that NIXL reports failed without a remote disconnect (its post raised or
-returned ``ERR`` after the request was created, its state is ``ERR``, or its state check raised)
-may still land in its local blocks: NIXL's UCX backend posts one RMA operation per block and, when
-one fails, frees the others without stopping them. So it is not reported failed (nor, for a post,
-refused with ``None``) until a *fence* proved it over: a one-block READ from the same peer into
-the failed read's own first local block (withheld with the others, so no caller's memory), posted
-after the failure. NIXL's UCX backend ends every transfer with a flush of its endpoint, and with no
-split (``ucx_env``) every transfer to a remote agent runs on that agent's one endpoint of the
-shared worker, so the fence reaching ``DONE`` proves that every operation posted to that peer
-before it ended, the failed read's included; a fence failing with a remote disconnect proves it
-too (the endpoint failed, UCX completed all its operations). A fence failing otherwise is posted
-again on the next poll; the read stays in flight meanwhile (its peer was faulted or struck when it
-failed, as before), and ``cancel(mode="immediate")`` or closing still release it.
+Fenced failures. A transfer that NIXL reports failed without a remote disconnect (its post
+raised or returned ``ERR`` after the request was created, its state is ``ERR``, or its state
+check raised) may still be on the wire: NIXL's UCX backend posts one RMA operation per block and,
+when one fails, frees the others without stopping them; a WRITE was measured to keep landing after
+its check raised. So it is not reported failed (nor, for a post, refused with ``None``) until a
+*fence* proved it over: the same operation on its first block pair only, posted after the failure
+(a READ into its own first local block, withheld like the others; a WRITE of its own first block
+to its own first slot, which its caller keeps fenced until the report). NIXL's UCX backend ends
+every transfer with a flush of its endpoint, and with no split (``ucx_env``) every transfer to a
+remote agent runs on that agent's one endpoint of the shared worker, so the fence reaching
+``DONE`` proves that every operation posted to that peer before it ended, the failed one's
+included; a fence failing with a remote disconnect proves it too (the endpoint failed and UCX
+completed all its operations). A fence failing otherwise is posted again on the next poll; the
+transfer stays in flight meanwhile (its peer was faulted or struck when it failed, as before),
+and ``cancel(mode="immediate")`` or closing still release it. So every failure this transport
+reports is final: nothing of that transfer lands later.
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
@@ -49,13 +52,13 @@ _RUNNING = ("PROC", "PEND", None)  # may still write (``None``: the check raised
 @dataclass(eq=False)
 class _Transfer:
     peer: NixlPeer
-    handle: Any  # ``None`` for a read whose post failed (NIXL released the request)
+    handle: Any  # ``None`` once a failed post's request was released
     op: str
     local_dlist: Any
     fence_pair: tuple[int, int]  # (local, remote) block a fence reads: the transfer's first pair
     struck: bool = False  # already counted against its peer (a raising check counts once)
-    fencing: bool = False  # a READ that failed without a disconnect, reported once fenced
-    fence: Any = None  # the fence READ's handle while one is posted
+    fencing: bool = False  # failed without a disconnect: reported once fenced
+    fence: Any = None  # the fence's handle while one is posted
 
 
 class NixlInflight:
@@ -80,9 +83,9 @@ class NixlInflight:
         self, op: str, local_dlist: Any, local: Sequence[int], peer: NixlPeer, remote: Sequence[int]
     ) -> int | None:
         """Post ``op`` ("WRITE" or "READ") between prepared block indices; its id, or ``None``
-        when NIXL refused or raised (logged, and counted against the peer). A READ whose post
-        failed after NIXL created it gets an id all the same: it is reported failed once fenced
-        (module docstring)."""
+        when NIXL refused or raised (logged, and counted against the peer) before anything could
+        be sent. A post that failed after NIXL created it gets an id all the same: it is
+        reported failed once fenced (module docstring)."""
         handle, posted = self._start(op, local_dlist, local, peer.dlist, remote)
         xfer = _Transfer(peer, handle, op, local_dlist, (local[0], remote[0]))
         if isinstance(posted, Exception):
@@ -93,7 +96,7 @@ class NixlInflight:
             if handle is None:
                 return None  # nothing was posted
             self._release_handle(-1, handle)  # NIXL failed the request: it holds nothing of it
-            if op != "READ" or ends_transfer(posted):
+            if ends_transfer(posted):
                 return None
             xfer.handle, xfer.struck, xfer.fencing = None, True, True
         tid = next(self._ids)
@@ -139,7 +142,7 @@ class NixlInflight:
         ``"wait"`` checks each transfer's state first: UCX frees a handle even while its WRITE
         still runs, so a ``PROC``/``PEND`` transfer is never released here. A raising check
         faults the peer and keeps the transfer, except after a remote disconnect, which drops
-        it; a failed READ is kept until fenced. A release that raises keeps it too.
+        it; a failed transfer is kept until fenced. A release that raises keeps it too.
         """
         still: list[int] = []
         for tid in transfer_ids:
@@ -192,11 +195,11 @@ class NixlInflight:
         return handle, state
 
     def _state(self, tid: int, xfer: _Transfer) -> str | None:
-        """``_checked_state``, except for a READ that failed without a disconnect: running
+        """``_checked_state``, except for a transfer that failed without a disconnect: running
         (``None``) until a fence proved it over, then ``"ERR"`` (module docstring)."""
         if not xfer.fencing:
             state = self._checked_state(tid, xfer)
-            if xfer.op != "READ" or state in ("DONE", "PROC", "PEND", _GONE):
+            if state in ("DONE", "PROC", "PEND", _GONE):
                 return state
             xfer.fencing = True
         return "ERR" if self._fenced(tid, xfer) else None
@@ -208,7 +211,7 @@ class NixlInflight:
         if xfer.fence is None:
             local, remote = xfer.fence_pair
             xfer.fence, outcome = self._start(
-                "READ", xfer.local_dlist, [local], xfer.peer.dlist, [remote]
+                xfer.op, xfer.local_dlist, [local], xfer.peer.dlist, [remote]
             )
         else:
             try:
@@ -219,7 +222,7 @@ class NixlInflight:
             return False
         if outcome == "DONE" or (isinstance(outcome, Exception) and ends_transfer(outcome)):
             return True
-        logger.debug("NixlTransport %s: fence of read %d: %s", self._owner, tid, outcome)
+        logger.debug("NixlTransport %s: fence of transfer %d: %s", self._owner, tid, outcome)
         if xfer.fence is not None:
             self._release_handle(tid, xfer.fence)
             xfer.fence = None
