@@ -6,7 +6,7 @@ slots form one pool: global slot ``g`` is slot ``g // n`` of directory ``g % n``
 allocations alternate between directories. ``write``/``read`` post one NIXL request per
 directory touched (``disk_io.DiskTransfers``: no byte and no per-block call goes through
 Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a key used); a slot
-with I/O in flight is never evicted.
+with I/O in flight is never evicted, nor reused before that I/O ends (``disk_slots``).
 
 Recovery (``recover``): the blocks the journals name that still verify (``disk_recovery``); the
 journals are then rewritten with the live records only. Afterwards the journals are written,
@@ -33,6 +33,7 @@ from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_io import DiskCompletions, DiskTransfers, Pair, Request, quietly
 from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError, Record
 from torch_kv_tier.remote.disk_recovery import verified_index
+from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.disk_sync import JournalSync
 
 logger = logging.getLogger(__name__)
@@ -71,14 +72,10 @@ class DiskStore:
             self._close_files()
             raise
         self.direct_io = all(d.direct for d in self._dirs) and pool_addr % 4096 == 0
-        slots = bytes_per_path // block_len  # in every directory
-        self.capacity = len(self._dirs) * slots
-        self._fresh = 0  # global slots from here on were never used
-        self._free: list[int] = []  # used slots free again
-        self._freed_busy: set[int] = set()  # removed while a read used them: free after it
+        self.capacity = len(self._dirs) * (bytes_per_path // block_len)
+        self._slots = DiskSlots(self.capacity)  # global slots
         self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
         self._writing: set[Pair] = set()
-        self._busy_disk: set[int] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[Request] = []
         self._stuck: list[Request] = []  # given up, still in flight: their slots kept
@@ -170,7 +167,7 @@ class DiskStore:
         entry = self._where.pop((namespace, key), None)
         if entry is None:
             return False
-        self._release(entry[0], (namespace, key))
+        self._drop(entry[0], (namespace, key))
         return True
 
     def poll(self) -> DiskCompletions:
@@ -205,9 +202,7 @@ class DiskStore:
         (journal order). Call once, before any other I/O."""
         self._where, dropped = verified_index(self._dirs, self.block_len)
         self._counters["disk_recover_dropped"] += dropped
-        taken = {slot for slot, _ in self._where.values()}
-        self._fresh = max(taken, default=-1) + 1
-        self._free = sorted(set(range(self._fresh)) - taken, reverse=True)
+        self._slots.reset({slot for slot, _ in self._where.values()})
         for f, d in enumerate(self._dirs):
             d.rewrite(self._live_records(f))
         return [(ns, key, digest) for (ns, key), (_, digest) in self._where.items()]
@@ -269,13 +264,11 @@ class DiskStore:
     # -- internals ----------------------------------------------------------------------------
 
     def _take_slot(self, evicted: list[Pair]) -> int | None:
-        if self._free:
-            return self._free.pop()
-        if self._fresh < self.capacity:
-            self._fresh += 1
-            return self._fresh - 1
+        free = self._slots.take()
+        if free is not None:
+            return free
         for pair, (slot, _) in self._where.items():  # the least recently used not in use
-            if slot not in self._busy_disk:  # its record goes before the slot is rewritten
+            if not self._slots.busy(slot):  # its record goes before the slot is rewritten
                 del self._where[pair]
                 self._append(slot, DEL, pair[0], pair[1], 0)
                 evicted.append(pair)
@@ -290,7 +283,7 @@ class DiskStore:
             by_dir.setdefault(item[3] % n, []).append(item)
         for f, items in by_dir.items():
             for it in items:
-                self._busy_disk.add(it[3])
+                self._slots.start_io(it[3])
                 self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
             request = Request(
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
@@ -312,10 +305,7 @@ class DiskStore:
         self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
         for ns, key, digest, slot, dram in request.items:
-            self._busy_disk.discard(slot)
-            if slot in self._freed_busy:
-                self._freed_busy.discard(slot)
-                self._free.append(slot)
+            self._slots.end_io(slot)
             self._unbusy_dram(dram)
             pair = (ns, key)
             if request.kind == "write":
@@ -325,15 +315,14 @@ class DiskStore:
                     self._append(slot, PUT, ns, key, digest)
                     done.written.append(pair)
                 else:
-                    self._free.append(slot)
+                    self._slots.release(slot)
                     done.failed.append((ns, key, dram))
             elif ok and self._where.get(pair, (None,))[0] == slot:
                 done.read.append((ns, key, dram, digest))
             else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
                 if self._where.get(pair, (None,))[0] == slot:
                     del self._where[pair]
-                    self._append(slot, DEL, ns, key, 0)
-                    self._free.append(slot)
+                    self._drop(slot, pair)
                 done.failed.append((ns, key, dram))
         if ok:
             self._counters[f"disk_{request.kind}s"] += len(request.items)
@@ -363,18 +352,17 @@ class DiskStore:
                 continue
             if self._where.get(pair, (None,))[0] == slot:
                 del self._where[pair]
-                self._release(slot, pair)
+                self._drop(slot, pair)
             done.abandoned.append((ns, key, dram))
 
     def _unstick(self, request: Request, done: DiskCompletions) -> None:
         """A request given up has ended (its bytes are ignored): its slots are free again."""
         self._io.release(request.handle)
         for _, _, _, slot, dram in request.items:
-            self._busy_disk.discard(slot)
-            if request.kind == "write" or slot in self._freed_busy:
-                self._freed_busy.discard(slot)
-                self._free.append(slot)
-            if request.kind == "read":
+            self._slots.end_io(slot)
+            if request.kind == "write":
+                self._slots.release(slot)
+            else:
                 self._unbusy_dram(dram)
                 done.released.append(dram)
 
@@ -383,9 +371,10 @@ class DiskStore:
         if count:
             self._busy_dram[dram] = count
 
-    def _release(self, slot: int, pair: Pair) -> None:
+    def _drop(self, slot: int, pair: Pair) -> None:
+        """A block left the index: its record, and its slot free (once no I/O uses it)."""
         self._append(slot, DEL, pair[0], pair[1], 0)
-        (self._freed_busy.add if slot in self._busy_disk else self._free.append)(slot)
+        self._slots.release(slot)
 
     def _append(self, slot: int, op: int, namespace: str, key: Key, digest: int) -> None:
         n = len(self._dirs)
