@@ -457,6 +457,26 @@ def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(
     assert kept is not None and np.array_equal(kept[30], expected)
 
 
+def test_a_read_that_fails_as_the_store_closes_keeps_its_key_for_a_restart(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the third review: on io_uring the kernel cancels a request whose posting thread
+    exits, so an embedder that runs ``Server.serve`` on a thread and ``close`` on another had
+    the loop's promotion reads still in flight fail as ``close`` collected them, and each failed
+    read dropped its key from the journal: a good block lost to the restart. A read that fails
+    once closing began keeps its key (a restart verifies every block anyway)."""
+    dirs = [tmp_path / "d"]
+    store = open_store(disk_pool, dirs, 8)
+    store.recover()
+    assert _write(store, disk_pool, b"K", 0).written
+    HungDevice(store, monkeypatch)
+    store.read([("ns", b"K", 30)])
+    monkeypatch.setattr(store._io, "state", lambda handle, kind: "ERR")  # cancelled
+    store.close()
+    with closing(open_store(disk_pool, dirs, 8)) as again:
+        assert [key for _, key, _ in again.recover()] == [b"K"]
+
+
 def test_a_journal_sync_that_hangs_at_close_leaves_its_files_open(
     disk_pool: np.ndarray,
     tmp_path: Path,

@@ -13,7 +13,9 @@ journals are then rewritten with the live records only. Afterwards the journals 
 synced and compacted on a thread of their own (``disk_sync``): a hung device never stalls the
 loop.
 
-Threading and failures: not thread-safe; the server's loop thread calls every method. An I/O
+Threading and failures: not thread-safe; the server's loop thread calls every method (``close``
+may run on another once the loop ended: on io_uring, requests the loop still had in flight were
+cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
 does a request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it
 ends). Construction raises ``DiskError`` with what to do. ``close`` never frees what a request
@@ -233,10 +235,12 @@ class DiskStore:
 
     def close(self) -> None:
         """Wait (at most ``CLOSE_WAIT_S``) for I/O in flight, sync the journals, release every
-        NIXL handle and registration, close the files. Idempotent. A request still in flight
-        then (a hung device) may yet write the pool or read it, a journal sync still running
-        may yet use the files: the NIXL agent, registrations and files, and ``pool_owner``,
-        are then kept until the process exits (logged), never released under them."""
+        NIXL handle and registration, close the files. Idempotent. A read failing meanwhile keeps
+        its key (module docstring: its block intact; a restart verifies it). A request still in
+        flight then (a hung device) may yet write the pool or read it, a journal sync still
+        running may yet use the files: the NIXL agent, registrations and files, and
+        ``pool_owner``, are then kept until the process exits (logged), never released under
+        them."""
         if self._closed:
             return
         self._closed = True
@@ -320,7 +324,8 @@ class DiskStore:
             elif ok and self._where.get(pair, (None,))[0] == slot:
                 done.read.append((ns, key, dram, digest))
             else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
-                if self._where.get(pair, (None,))[0] == slot:
+                # one failing at close keeps its key (``close``): its block may be sound
+                if self._where.get(pair, (None,))[0] == slot and not self._closed:
                     del self._where[pair]
                     self._drop(slot, pair)
                 done.failed.append((ns, key, dram))
