@@ -10,6 +10,8 @@ import gc
 import logging
 import os
 import stat
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -475,6 +477,54 @@ def test_a_read_that_fails_as_the_store_closes_keeps_its_key_for_a_restart(
     store.close()
     with closing(open_store(disk_pool, dirs, 8)) as again:
         assert [key for _, key, _ in again.recover()] == [b"K"]
+
+
+_KEPT_AT_EXIT = """
+import sys
+from pathlib import Path
+from disk_support import digest_of, make_disk_pool, open_store, settle
+from torch_kv_tier.remote import disk_store
+
+class Pool:
+    def __init__(self):
+        self.rows = make_disk_pool()
+    def __del__(self):
+        print("pool freed", flush=True)
+
+disk_store.CLOSE_WAIT_S = 0.2
+pool = Pool()
+store = open_store(pool.rows, [Path(sys.argv[1])], 8)
+store._pool_owner = pool
+store.recover()
+store.write([("ns", b"K", digest_of(pool.rows, 0, b"K"), 0)])
+settle(store)
+store.read([("ns", b"K", 3)])
+store._io.state = lambda handle, kind: "PROC"  # the device stops answering
+store.close()
+del pool, store
+print("exiting", flush=True)
+"""
+
+
+def test_what_a_request_in_flight_at_close_uses_outlives_interpreter_shutdown(
+    tmp_path: Path,
+) -> None:
+    """Found by the third review: what ``close`` kept for a request still in flight (the pool
+    it may write, the NIXL agent, the files) sat in a module-level list, which interpreter
+    shutdown clears: the process freed the pool while NIXL still counted the request in flight,
+    before the agent that could cancel it went (a tuple drops its items last first). It is now
+    never released (its reference count raised once more), as ``agent_lifetime`` keeps unsafe
+    agents, and the process still exits cleanly."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _KEPT_AT_EXIT, str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1 requests still in flight" in proc.stderr
+    assert "exiting" in proc.stdout and "pool freed" not in proc.stdout
 
 
 def test_a_journal_sync_that_hangs_at_close_leaves_its_files_open(

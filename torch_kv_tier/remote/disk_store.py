@@ -24,6 +24,7 @@ still in flight may touch (``close``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections import OrderedDict
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 10.0
 REQUEST_TIMEOUT_S = 30.0  # a request not done by then is given up (a hung device, NFS)
-# what requests still in flight at close may touch (NIXL agent, files, pool): never freed
-_KEPT: list[tuple[Any, ...]] = []
 
 
 class DiskStore:
@@ -239,8 +238,7 @@ class DiskStore:
         its key (module docstring: its block intact; a restart verifies it). A request still in
         flight then (a hung device) may yet write the pool or read it, a journal sync still
         running may yet use the files: the NIXL agent, registrations and files, and
-        ``pool_owner``, are then kept until the process exits (logged), never released under
-        them."""
+        ``pool_owner``, are then never released (logged), not even by interpreter shutdown."""
         if self._closed:
             return
         self._closed = True
@@ -259,7 +257,10 @@ class DiskStore:
                 "synced" if synced else "not synced", CLOSE_WAIT_S,
                 [str(d.path) for d in self._dirs],
             )  # fmt: skip
-            _KEPT.append((self._io, self._dirs, self._pool_owner, left))
+            # one reference more, never dropped: not even interpreter shutdown, which clears
+            # module globals, frees them (as ``transport.agent_lifetime`` keeps its agents)
+            kept = (self._io, self._dirs, self._pool_owner, left)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
             self._dirs = []
             return
         self._io.close()
