@@ -63,9 +63,10 @@ class DiskError(OSError):
 class DiskDir:
     """The files of one ``--disk`` directory (module docstring). Raises ``DiskError`` for a
     path that cannot be written, a file system without room for ``nbytes``, or a directory
-    made with another block length or size."""
+    made with another block length or size. ``direct=False`` never opens the block file O_DIRECT
+    (for a pool not page-aligned, whose transfers O_DIRECT refuses)."""
 
-    def __init__(self, path: Path, nbytes: int, block_len: int) -> None:
+    def __init__(self, path: Path, nbytes: int, block_len: int, *, direct: bool = True) -> None:
         self.path = path
         self.slots = nbytes // block_len
         self.fd = self.journal = -1
@@ -78,7 +79,7 @@ class DiskDir:
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
-            self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len)
+            self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len, direct)
             _lock(self.fd, path)
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
@@ -304,11 +305,11 @@ def _lock(fd: int, path: Path) -> None:
             return
 
 
-def _open_blocks(path: Path, block_len: int) -> tuple[int, bool]:
-    """The block file and whether it is O_DIRECT (blocks of whole pages, and a file system that
-    takes it: tmpfs refuses)."""
+def _open_blocks(path: Path, block_len: int, direct: bool) -> tuple[int, bool]:
+    """The block file and whether it is O_DIRECT (``direct`` asked, blocks of whole pages, and a
+    file system that takes it: tmpfs refuses)."""
     flags = os.O_RDWR | os.O_CREAT
-    if block_len % 4096 == 0 and hasattr(os, "O_DIRECT"):
+    if direct and block_len % 4096 == 0 and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT, 0o600), True
         except OSError:

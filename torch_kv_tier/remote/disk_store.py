@@ -66,13 +66,14 @@ class DiskStore:
         self.request_timeout_s = request_timeout_s
         self._pool_owner = pool_owner  # what frees the pool once dropped (``close``)
         self._dirs: list[DiskDir] = []
+        aligned = pool_addr % 4096 == 0  # else O_DIRECT would refuse every transfer
         try:
             for p in paths:
-                self._dirs.append(DiskDir(Path(p), bytes_per_path, block_len))
+                self._dirs.append(DiskDir(Path(p), bytes_per_path, block_len, direct=aligned))
         except BaseException:
             self._close_files()
             raise
-        self.direct_io = all(d.direct for d in self._dirs) and pool_addr % 4096 == 0
+        self.direct_io = all(d.direct for d in self._dirs)
         self.capacity = len(self._dirs) * (bytes_per_path // block_len)
         self._slots = DiskSlots(self.capacity)  # global slots
         self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
