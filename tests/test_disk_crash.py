@@ -278,6 +278,30 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         assert store.stats()["disk_recover_dropped"] == 1
 
 
+def test_a_journal_unreadable_at_recovery_is_refused_with_what_to_do(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the third review: an EIO reading the journal (a bad sector) raised out of
+    ``recover`` as it came (the host said "cannot start: [Errno 5] Input/output error" and the
+    file, nothing of what to do). It is a ``DiskError`` that says."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"k0", 0).written
+    real_read_bytes = Path.read_bytes
+
+    def bad_sector(path: Path) -> bytes:
+        if path.name == "journal.log":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", bad_sector)
+    with (
+        closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store,
+        pytest.raises(DiskError, match="journal.log cannot be read .*: restore it, or move"),
+    ):
+        store.recover()
+
+
 def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

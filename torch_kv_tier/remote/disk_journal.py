@@ -179,8 +179,16 @@ class DiskDir:
                     os.ftruncate(self.journal, size)
 
     def read_records(self) -> list[Record]:
-        """The journal's records, up to its first torn or corrupt frame."""
-        data = (self.path / "journal.log").read_bytes()
+        """The journal's records, up to its first torn or corrupt frame. Raises ``DiskError``
+        saying what to do where it cannot be read (EIO)."""
+        journal = self.path / "journal.log"
+        try:
+            data = journal.read_bytes()
+        except OSError as exc:
+            raise DiskError(
+                f"{journal} cannot be read ({exc.strerror or exc}): restore it, or move it away "
+                f"to start {self.path} afresh (its blocks are then forgotten)"
+            ) from exc
         out: list[Record] = []
         pos = 0
         while pos + _FRAME.size <= len(data):
