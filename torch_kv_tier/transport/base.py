@@ -25,14 +25,17 @@ import ctypes
 import hashlib
 import json
 import numbers
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 CancelMode = Literal["immediate", "wait"]
 MemType = Literal["DRAM", "VRAM"]
@@ -70,10 +73,11 @@ class BlockRegion:
     @classmethod
     def of(cls, region: memoryview | torch.Tensor) -> BlockRegion:
         """Describe ``region``; raise ``TypeError``/``ValueError`` naming what was expected."""
-        if isinstance(region, torch.Tensor):
-            return cls._of_tensor(region)
         if isinstance(region, memoryview):
             return cls._of_memoryview(region)
+        torch = sys.modules.get("torch")  # not imported here: a host's DRAM pool never needs it
+        if torch is not None and isinstance(region, torch.Tensor):
+            return cls._of_tensor(region)
         raise TypeError(
             "block region must be a 2-D memoryview (num_blocks x block_len bytes) or a "
             f"contiguous 2-D torch.uint8 tensor, got {type(region).__name__}"
@@ -81,6 +85,8 @@ class BlockRegion:
 
     @classmethod
     def _of_tensor(cls, tensor: torch.Tensor) -> BlockRegion:
+        import torch
+
         if tensor.dtype != torch.uint8:
             raise TypeError(f"block region tensor must be torch.uint8, got {tensor.dtype}")
         if tensor.dim() != 2:

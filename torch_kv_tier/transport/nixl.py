@@ -31,9 +31,10 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from torch_kv_tier.transport import agent_lifetime
 from torch_kv_tier.transport.base import CancelMode, DataTransport, PollResult, block_indices

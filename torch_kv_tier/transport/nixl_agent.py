@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from torch_kv_tier.transport.nixl_import import import_nixl_api
 from torch_kv_tier.transport.ucx_env import apply_ucx_policy, ucx_backend_params
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def load_nixl() -> tuple[Any, Any] | None:
     try:
         # NIXL binds its console handler to sys.stdout at import time and may log right away.
         with contextlib.redirect_stdout(sys.stderr):
-            from nixl._api import nixl_agent, nixl_agent_config
+            api = import_nixl_api()
     except ImportError as exc:
         _unavailable = _why(exc)
         return None
@@ -84,7 +85,7 @@ def load_nixl() -> tuple[Any, Any] | None:
     nixl_logger.propagate = True
     if "NIXL_LOG_LEVEL" not in os.environ:  # else NIXL's INFO lines pass any handler's level
         nixl_logger.setLevel(logging.NOTSET)
-    _api = nixl_agent, nixl_agent_config
+    _api = api.nixl_agent, api.nixl_agent_config
     return _api
 
 
