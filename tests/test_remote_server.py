@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,8 +21,17 @@ import torch
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from remote_support import BLOCK_LEN, TOKEN, Client, fake_session, free_port, wait_for
+from remote_support import (
+    BLOCK_LEN,
+    TOKEN,
+    Client,
+    fake_session,
+    fill_random,
+    free_port,
+    wait_for,
+)
 
+from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.transport import config_fingerprint
@@ -245,6 +255,84 @@ def test_sigterm_exits_zero_within_5s_releasing_everything() -> None:
     assert server.stderr.rstrip().endswith("stopped")
 
 
+# the host's sitecustomize: at exit it writes whether the host imported torch
+_TORCH_AT_EXIT = """\
+import atexit, os, sys
+
+def _report():
+    with open(os.environ["TKVT_TORCH_IMPORTED"], "w") as out:
+        out.write(str("torch" in sys.modules))
+
+atexit.register(_report)
+"""
+
+
+def test_a_host_never_imports_torch_and_serves_its_pool_disk_and_metrics(tmp_path: Path) -> None:
+    """``serve`` with a DRAM pool starts without importing torch (~1.2 s of CPU per start): the
+    pool is numpy memory, NIXL's backend is chosen without torch, the package imports lazily;
+    its tiers still get their bytes back, and the disk tier and metrics still work."""
+    (tmp_path / "sitecustomize.py").write_text(_TORCH_AT_EXIT)
+    report = tmp_path / "torch_imported"
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    keys = [f"no-torch-{i}".encode() for i in range(16)]
+    with (
+        ServerProcess.start(
+            32,
+            BLOCK_LEN,
+            extra_args=[
+                "--disk", str(tmp_path / "disk"), "--disk-bytes", str(64 * BLOCK_LEN),
+                "--disk-admit", "1", "--metrics-port", "0",
+            ],
+            env={"PYTHONPATH": path, "TKVT_TORCH_IMPORTED": str(report)},
+        ) as server,
+        TierManager.create(16, BLOCK_LEN, name="writer") as writer,
+        TierManager.create(16, BLOCK_LEN, name="reader") as reader,
+    ):  # fmt: skip
+        writer.connect(server.address)
+        reader.connect(server.address)
+        original = fill_random(writer)
+        assert writer.store(keys, range(16)).result(timeout=30).ok
+        assert wait_for(lambda: reader.lookup(keys) == len(keys), timeout_s=10)
+        loaded = reader.load(keys, range(16)).result(timeout=30)
+        assert loaded.ok, loaded.failed
+        assert torch.equal(reader.arena.tensor, original)
+        session = fake_session(server.address, private=False)
+        assert wait_for(lambda: session.stats()["disk_copies"] == len(keys), timeout_s=10)
+        port = session.stats()["metrics_port"]
+        session.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert "torch_kv_tier_server_disk_keys 16\n" in response.read().decode()
+        assert server.stop(timeout=10) == 0, server.stderr
+    assert report.read_text() == "False"  # (absent: its sitecustomize never ran)
+
+
+def test_every_public_name_of_the_lazy_package_resolves() -> None:
+    """The package imports its public names on first use: each of ``__all__`` still resolves."""
+    import torch_kv_tier
+
+    for name in torch_kv_tier.__all__:
+        assert getattr(torch_kv_tier, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'Tier'"):
+        torch_kv_tier.Tier  # noqa: B018
+
+
+def test_nixl_is_loaded_without_torch_from_the_backend_import_nixl_picks() -> None:
+    """``import_nixl_api`` loads the backend wheel ``import nixl`` would, in a fresh process."""
+    api = "sys.modules['nixl._api'].__name__"
+    plain = f"import sys, nixl._api; print({api})"
+    ours = (
+        "import sys; from torch_kv_tier.transport.nixl_import import import_nixl_api; "
+        f"import_nixl_api(); print({api}, 'torch' in sys.modules)"
+    )
+    picked = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split()
+        for code in (plain, ours)
+    ]
+    assert picked[1] == [picked[0][0], "False"]
+
+
 def test_a_killed_clients_lease_is_held_until_released(open_server: ServerProcess) -> None:
     """A client that stops heartbeating may only be frozen, with writes still to land: its lease
     goes to nobody, however long it waits, until the client releases the session."""
@@ -371,7 +459,7 @@ def _metrics(port: int) -> str:
 def test_a_metrics_scrape_during_start_up_gets_the_stats(monkeypatch: pytest.MonkeyPatch) -> None:
     """The metrics port serves from the start; a scrape that comes while the pool is still being
     made waits for it and answers the whole stats, not an error."""
-    from torch_kv_tier.remote.server import Server
+    from torch_kv_tier.remote import server as server_module
     from torch_kv_tier.remote.server_config import ServerConfig
 
     port = free_port()
@@ -384,15 +472,17 @@ def test_a_metrics_scrape_during_start_up_gets_the_stats(monkeypatch: pytest.Mon
             answers.append(exc)
 
     scraper = threading.Thread(target=scrape)
-    make_arena = Server._make_arena
+    make_pool = server_module.make_pool
 
-    def slow_arena(config: ServerConfig) -> Any:
+    def slow_pool(num_blocks: int, block_len: int) -> Any:
         scraper.start()  # the metrics server is up; the control plane is not built yet
         time.sleep(0.3)
-        return make_arena(config)
+        return make_pool(num_blocks, block_len)
 
-    monkeypatch.setattr(Server, "_make_arena", staticmethod(slow_arena))
-    server = Server(ServerConfig(num_blocks=8, block_len=BLOCK_LEN, metrics_port=port))
+    monkeypatch.setattr(server_module, "make_pool", slow_pool)
+    server = server_module.Server(
+        ServerConfig(num_blocks=8, block_len=BLOCK_LEN, metrics_port=port)
+    )
     try:
         scraper.join(timeout=10)
         assert len(answers) == 1 and isinstance(answers[0], str), answers

@@ -42,12 +42,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 64 << 10  # the longest input python-xxhash hashes without releasing the GIL
 STAGING_BYTES = 16 << 20  # a CUDA arena's pinned host staging, per thread: the copy's full speed
@@ -98,6 +100,8 @@ class BlockDigests:
     def _staged(self, idxs: Sequence[int]) -> list[Any]:
         """Rows ``idxs`` of a device arena, copied into this thread's pinned staging buffer
         (valid until this thread's next call)."""
+        import torch  # not at the top: a host's disk tier uses ``block_digest`` alone
+
         buffer = getattr(self._staging, "buffer", None)
         if buffer is None or buffer.shape[0] < len(idxs):
             buffer = torch.empty(

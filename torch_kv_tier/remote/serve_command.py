@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
                 else "",
             )
             if threading.current_thread() is threading.main_thread():  # the process is ours
-                # what exists now (torch's and NIXL's import graph, the server) lives until
-                # exit: no collection while serving, nor the exit's, walks it (~0.3 s of CPU)
+                # what exists now (NIXL's import graph, the server) lives until exit: no
+                # collection while serving, nor the exit's, walks it (~0.3 s of CPU with torch)
                 gc.freeze()
             print(f"ready {server.address}", flush=True)
             server.serve(stop)

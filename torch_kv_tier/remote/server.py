@@ -1,7 +1,8 @@
 """``torch-kv-tier serve``: a remote host whose NIXL-registered DRAM pool is a shared KV cache.
 
-The server owns one ``BlockArena`` registered with a ``NixlTransport``. Clients write and read
-its blocks one-sidedly over NIXL; the server only answers the control plane (``control``:
+The server owns one pool, a page-aligned numpy array (``make_pool``), registered with a
+``NixlTransport``: nothing a host runs imports torch (~1.2 s of CPU per start). Clients write and
+read its blocks one-sidedly over NIXL; the server only answers the control plane (``control``:
 handshakes, heartbeats, stats, disconnects, and for shared sessions grants, commits, touches,
 promotions and the events that keep every client's copy of the index current; see ``protocol`` and
 ``shared_service``), and fences the slots of sessions that may still write. A session is
@@ -36,10 +37,8 @@ import time
 from typing import Any
 
 import numpy as np
-import torch
 import zmq
 
-from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.control import ControlPlane
 from torch_kv_tier.remote.disk_tier import DiskTier
@@ -64,6 +63,22 @@ EVENTS_PERIOD_S = 0.01
 PAGE = 4096
 DISK_POLL_S = 0.0005  # the longest wait for a control message while disk I/O is in flight
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
+
+
+def make_pool(num_blocks: int, block_len: int) -> np.ndarray:
+    """A zeroed, page-aligned ``uint8 [num_blocks, block_len]`` array: the host's pool.
+
+    Page-aligned because a disk tier reads into it with O_DIRECT. Zeroed by writing, so that
+    every page is resident before a client writes into it: a one-sided write into a page this
+    process never touched costs the kernel a remote page fault per page (see ``BlockArena``).
+    Raises ``MemoryError`` when it cannot be allocated.
+    """
+    nbytes = num_blocks * block_len
+    raw = np.empty(nbytes + PAGE, dtype=np.uint8)
+    start = -raw.ctypes.data % PAGE
+    pool = raw[start : start + nbytes].reshape(num_blocks, block_len)
+    pool.fill(0)
+    return pool
 
 
 class Server:
@@ -92,9 +107,9 @@ class Server:
                     self._metrics = MetricsServer(
                         config.host, config.metrics_port, lambda: render_prometheus(self.stats())
                     )
-                self.arena = self._make_arena(config)
+                self.pool = make_pool(config.num_blocks, config.block_len)
                 self.transport = transport = NixlTransport(
-                    "tkvt-server", self.arena.tensor, config.config_fields
+                    "tkvt-server", self.pool.data, config.config_fields
                 )
                 self._control = ControlPlane(
                     config,
@@ -116,18 +131,6 @@ class Server:
             self.close()
             raise
 
-    @staticmethod
-    def _make_arena(config: ServerConfig) -> BlockArena:
-        """The pool; page-aligned when a disk tier is behind it (O_DIRECT needs that)."""
-        if not config.disk_paths:
-            return BlockArena(config.num_blocks, config.block_len)
-        nbytes = config.num_blocks * config.block_len
-        raw = np.empty(nbytes + PAGE, dtype=np.uint8)
-        start = -raw.ctypes.data % PAGE
-        pool = torch.from_numpy(raw[start : start + nbytes])
-        pool.zero_()  # every page faulted in, as ``BlockArena`` does
-        return BlockArena.wrap(pool.view(config.num_blocks, config.block_len))
-
     def _open_disk(self, config: ServerConfig) -> DiskTier:
         """The disk tier, with what its directories held recovered and verified."""
         from torch_kv_tier.remote.disk_store import DiskStore  # NIXL POSIX: only when asked
@@ -136,9 +139,9 @@ class Server:
             config.disk_paths,
             config.disk_bytes,
             block_len=config.block_len,
-            pool_addr=self.arena.tensor.data_ptr(),
+            pool_addr=self.pool.ctypes.data,
             pool_blocks=config.num_blocks,
-            pool_owner=self.arena.tensor,  # kept if the disk closes with I/O in flight
+            pool_owner=self.pool,  # kept if the disk closes with I/O in flight
         )
         try:
             disk = DiskTier(self._control.shared.cache, store, admit_after=config.disk_admit)
