@@ -41,7 +41,9 @@ def import_nixl_api() -> ModuleType:
             meta: Any = importlib.import_module("nixl_meta_utils")
         except ImportError:  # a NIXL without the meta package: nothing detects anything
             return importlib.import_module("nixl._api")
-        detect = meta.detect_cuda_major
+        detect = getattr(meta, "detect_cuda_major", None)
+        if detect is None:  # another NIXL's detection: left to itself
+            return importlib.import_module("nixl._api")
         meta.detect_cuda_major = _no_cuda  # the meta package binds it on import, below
         try:
             return importlib.import_module("nixl._api")
