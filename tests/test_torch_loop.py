@@ -450,10 +450,6 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     ):
         with pytest.raises(ValueError, match=match):
             PagedKVOffloader.create(keys_c, values_c, **kwargs)  # type: ignore[arg-type]
-    # inf raised OverflowError from the first wait; nan made every wait spin until it ended
-    for bad_timeout in (float("inf"), float("nan"), 0.0):
-        with pytest.raises(ValueError, match="timeout"):
-            PagedKVOffloader.create(keys_c, values_c, timeout=bad_timeout)
     with PagedKVOffloader.create(keys_c, values_c, remote=remote) as off:
         with pytest.raises(ValueError, match="page ids"):
             off.offload([0, 1], [b"a"])
@@ -490,6 +486,23 @@ def test_bad_arguments_raise_before_any_transfer(remote: str) -> None:
     # connect, likewise, logged "remote host ... unavailable" and answered "" (no peer).
     with pytest.raises(RuntimeError, match="connect on a closed PagedKVOffloader"):
         off.connect(remote)
+
+
+def test_create_refuses_a_bad_timeout_before_it_builds_a_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # inf raised OverflowError from the first wait; nan made every wait spin until it ended.
+    # Found by review: create() checked its timeout only in __init__, after it had allocated the
+    # arena and started a NIXL agent (then closed them again).
+    keys_c, values_c = random_caches(torch.float32)
+
+    def built(*args: object, **kwargs: object) -> TierManager:
+        raise AssertionError("a tier was built for a call refused anyway")
+
+    monkeypatch.setattr(TierManager, "create", built)
+    for bad_timeout in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="timeout"):
+            PagedKVOffloader.create(keys_c, values_c, timeout=bad_timeout)
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------

@@ -84,8 +84,7 @@ class PagedKVOffloader:
                 f"caches across all layers is {self.block_len} bytes: build the tier with "
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
-        if not 0 < timeout < math.inf:  # nan too: a wait for nan seconds returns at once
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        _check_timeout("timeout", timeout)
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -172,6 +171,7 @@ class PagedKVOffloader:
         and put the dtype and layout in them yourself.
         """
         block_len = cls.block_len_for(key_caches, value_caches)
+        _check_timeout("timeout", timeout)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
         if arena_blocks < 1:
@@ -367,6 +367,13 @@ class PagedKVOffloader:
                 raise OffloadError(f"tier lookup failed: {exc}") from exc
             log.warning("tier lookup failed, treating as a miss: %s", exc)
             return 0
+
+
+def _check_timeout(name: str, seconds: float) -> None:
+    """``ValueError`` unless ``seconds`` is a finite number > 0 (nan too: a wait for nan seconds
+    returns at once)."""
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds}")
 
 
 def _check_wait(timeout: float | None) -> None:
