@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -503,6 +504,28 @@ def test_create_refuses_a_bad_timeout_before_it_builds_a_tier(
     for bad_timeout in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="timeout"):
             PagedKVOffloader.create(keys_c, values_c, timeout=bad_timeout)
+
+
+def test_a_connect_waits_at_most_the_offloaders_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by review: create(timeout=...) did not pass its timeout to the tier's connect, which
+    # waited its own 10 s for a host that does not answer (create(timeout=1) took 10 s).
+    keys_c, values_c = random_caches(torch.float32)
+    given: list[float] = []
+
+    def connect(self: TierManager, address: str, **kwargs: Any) -> str:
+        given.append(kwargs["timeout_s"])
+        raise TimeoutError(f"nothing answered at {address}")
+
+    monkeypatch.setattr(TierManager, "connect", connect)
+    address = f"127.0.0.1:{free_port()}"
+    for kwargs in ({"timeout": 0.5}, {}, {"timeout": 2.0, "connect_timeout": 20.0}):
+        with PagedKVOffloader.create(keys_c, values_c, remote=address, **kwargs) as off:  # type: ignore[arg-type]
+            assert off.connect(address, connect_timeout=0.25) == ""
+    assert given == [0.5, 0.25, 10.0, 0.25, 20.0, 0.25]
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="connect_timeout"):
+            PagedKVOffloader.create(keys_c, values_c, remote=address, connect_timeout=bad)
+    assert len(given) == 6  # refused before it dialled
 
 
 # -- CUDA: both arena placements (skipped without a GPU) ---------------------------------------

@@ -30,6 +30,7 @@ from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 10.0  # how long one handshake waits for a host's answer, by default
 _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 
@@ -70,7 +71,7 @@ class ConnectedHosts(SessionReleases):
         token: str | None = None,
         private: bool = False,
         slots: int | None = None,
-        timeout_s: float = 10.0,
+        timeout_s: float = CONNECT_TIMEOUT_S,
         heartbeat_timeout_s: float = 10.0,
     ) -> str:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with

@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.offload_results import Batch, OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
@@ -151,15 +152,18 @@ class PagedKVOffloader:
         name: str = "torch-loop",
         config_fields: dict[str, object] | None = None,
         timeout: float = 30.0,
+        connect_timeout: float | None = None,
         strict: bool = False,
     ) -> PagedKVOffloader:
         """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
 
         ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
-        (``token``/``private``/``slots`` are passed to each ``connect``). A host that cannot be
-        reached is logged and skipped (restores then return 0) unless ``strict``, which raises;
-        arguments no host could accept raise ``ValueError`` before the tier is built
-        (:meth:`connect`).
+        (``token``/``private``/``slots``/``connect_timeout`` are passed to each
+        :meth:`connect`). A host that cannot be reached is logged and skipped (restores then
+        return 0) unless ``strict``, which raises; arguments no host could accept raise
+        ``ValueError`` before the tier is built (:meth:`connect`). ``timeout`` is the
+        offloader's (``__init__``); it bounds each connect too unless ``connect_timeout`` is
+        given.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
@@ -172,6 +176,8 @@ class PagedKVOffloader:
         """
         block_len = cls.block_len_for(key_caches, value_caches)
         _check_timeout("timeout", timeout)
+        if connect_timeout is not None:
+            _check_timeout("connect_timeout", connect_timeout)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
         if arena_blocks < 1:
@@ -196,7 +202,13 @@ class PagedKVOffloader:
                 strict=strict,
             )
             for address in remotes:
-                offloader.connect(address, token=token, private=private, slots=slots)
+                offloader.connect(
+                    address,
+                    token=token,
+                    private=private,
+                    slots=slots,
+                    connect_timeout=connect_timeout,
+                )
         except BaseException:
             manager.close()
             raise
@@ -209,18 +221,30 @@ class PagedKVOffloader:
         token: str | None = None,
         private: bool = False,
         slots: int | None = None,
+        connect_timeout: float | None = None,
     ) -> str:
         """Connect the tier to a remote host's shared pool (or, ``private``, lease ``slots`` of
         it); returns its peer id, or ``""`` if it failed.
 
+        The handshake waits at most ``connect_timeout`` seconds for the host's answer (so does
+        each later re-dial of it, should the host be lost); ``None``: the offloader's
+        ``timeout``, but at most the tier's default (``CONNECT_TIMEOUT_S``, 10 s), so that a
+        host that is down delays startup no longer than the tier alone would.
+
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``). Arguments no
         host could accept (an address not ``HOST:PORT``, ``slots`` without ``private`` or not
-        > 0, an empty ``token``) raise ``ValueError`` instead; ``RuntimeError`` once closed.
+        > 0, an empty ``token``, a ``connect_timeout`` not a finite number > 0) raise
+        ``ValueError`` instead; ``RuntimeError`` once closed.
         """
         self._check_open("connect")
         check_connect_args(address, slots, private, token)
+        if connect_timeout is None:
+            connect_timeout = min(self.timeout, CONNECT_TIMEOUT_S)
+        _check_timeout("connect_timeout", connect_timeout)
         try:
-            return self.manager.connect(address, token=token, private=private, slots=slots)
+            return self.manager.connect(
+                address, token=token, private=private, slots=slots, timeout_s=connect_timeout
+            )
         except Exception as exc:
             if self.strict:
                 raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
