@@ -18,6 +18,7 @@ import pytest
 from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, free_port, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
+from torch_kv_tier.connections import Dial
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 from torch_kv_tier.remote import client as client_module
@@ -340,6 +341,24 @@ def test_sessions_resolved_for_a_host_the_tier_does_not_dial_are_kept_for_its_ne
             assert tier._ended.write_resolved(ended)
             tier._send_releases(server.address)
         tier.connect(server.address)
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]
+
+
+def test_a_closing_tier_names_the_resolved_sessions_of_a_host_it_has_no_session_with() -> None:
+    """``close`` ends with a handshake of its own to each host it holds resolved sessions of
+    but has no live session with (lost and not dialled again yet, or removed): that handshake
+    started with the tier's closing already set, which cancels every handshake at once, so it
+    never went out, and the host held those sessions' slots for good."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="last-word")
+        with tier._lock:  # as a lost host that is not dialled again yet leaves them
+            tier._dials["lost-host"] = Dial(server.address, None, False, None, 10.0, 10.0)
+            tier._ended.give_back(server.address, [held.session_id])
+        tier.close()
         with fake_session(server.address, private=False) as observer:
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"

@@ -246,9 +246,13 @@ class ConnectedHosts(SessionReleases):
             if peer_id not in self._peers:
                 raise ConnectionError(f"{peer_id}: a connect of it on another thread failed")
 
-    def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any:
+    def _open(
+        self, dial: Dial, release: list[str], *, private: bool, cancellable: bool = True
+    ) -> Any:
         """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told
-        again when nothing answered, with the session the host may have opened meanwhile."""
+        again when nothing answered, with the session the host may have opened meanwhile.
+        ``cancellable``: ``close`` ends it while it awaits the host's first answer (not so
+        ``close``'s own last word, ``_end_sessions``)."""
         from torch_kv_tier.remote.client import RemoteSession
         from torch_kv_tier.remote.handshake import AcceptLost
         from torch_kv_tier.remote.protocol import Region
@@ -267,7 +271,7 @@ class ConnectedHosts(SessionReleases):
                 heartbeat_timeout_s=dial.heartbeat_timeout_s,
                 private=private,
                 release=release,
-                cancel=self._closing,
+                cancel=self._closing if cancellable else None,
             )
         except BaseException as exc:
             if isinstance(exc, AcceptLost):

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial, EndedSessions
@@ -53,7 +54,9 @@ class SessionReleases:
 
     if TYPE_CHECKING:  # implemented by ConnectedHosts
 
-        def _open(self, dial: Dial, release: list[str], *, private: bool) -> Any: ...
+        def _open(
+            self, dial: Dial, release: list[str], *, private: bool, cancellable: bool = True
+        ) -> Any: ...
 
     def _send_releases(self, address: str) -> None:
         """Tell ``address``'s host which ended sessions resolved: over its live session, else
@@ -93,17 +96,20 @@ class SessionReleases:
         if dial is not None and dial is not self._redialing and not self._ended.holds(address):
             del self._removed[address]
 
-    def _release_over_own_session(self, dial: Dial, held: list[str]) -> None:
+    def _release_over_own_session(
+        self, dial: Dial, held: list[str], *, last_word: bool = False
+    ) -> None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
         raises: a host that does not answer keeps holding, which is safe). A slow host gets
         ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each, each naming too the
         session an earlier one may have opened (``AcceptLost``); when none is answered (the
         host is down, restarted or frozen) they all stay in ``_ended``, to be named again
-        (``_send_releases``, a connect there, ``close``)."""
+        (``_send_releases``, a connect there, ``close``). ``last_word``: ``close``'s (one try,
+        which its closing does not cancel)."""
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         for attempt in range(1, _RELEASE_TRIES + 1):
             try:
-                self._open(quick, held, private=False).close(clean=True)
+                self._open(quick, held, private=False, cancellable=not last_word).close(clean=True)
                 return
             except Exception as exc:  # ``_open`` handed them back, with what it may have opened
                 if attempt == _RELEASE_TRIES or self._closed:
@@ -144,7 +150,8 @@ class SessionReleases:
                     (d for d in self._dials.values() if d.address == address), None
                 )
                 if dial is not None:
-                    work.append((self._release_over_own_session, (dial, self._ended.take(address))))
+                    last_word = partial(self._release_over_own_session, last_word=True)
+                    work.append((last_word, (dial, self._ended.take(address))))
         threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in work]
         for thread in threads:
             thread.start()
