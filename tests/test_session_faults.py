@@ -363,3 +363,40 @@ def test_a_closing_tier_names_the_resolved_sessions_of_a_host_it_has_no_session_
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"
             ]
+
+
+def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_carried() -> None:
+    """``add_peer`` under a connected host's id ended that host's session as ``end_session``
+    does, without keeping what it had released: a ``Release`` its host never read (frozen, the
+    disconnect unanswered, the frames dropped with the connection) was forgotten, and the host
+    held those sessions' slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="replaced") as tier,
+    ):
+        held = _held_session(server.address)
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        stop_process(server.proc.pid)
+        try:
+            for i in range(40):  # fill the connection's buffers: what follows stays queued
+                session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+                tier._send_releases(server.address)  # over the live session
+            region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+            adding = threading.Thread(target=tier.add_peer, args=(peer, *region), daemon=True)
+            adding.start()  # ends the session: its disconnect goes unanswered
+            assert wait_for(lambda: not session._thread.is_alive(), 10.0)
+            time.sleep(1.5)  # past the closed socket's linger: its queued frames are dropped
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        adding.join(timeout=RESULT_TIMEOUT_S)
+        assert not adding.is_alive() and tier.peers() == [peer]
+        tier.close()  # names every session it ended
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

@@ -25,7 +25,7 @@ from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.records import Peer
 from torch_kv_tier.remote.handshake import check_connect_args
-from torch_kv_tier.session_releases import SessionReleases, end_session
+from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
@@ -353,7 +353,9 @@ class ConnectedHosts(SessionReleases):
         slots: range | None,
         session: Any,
     ) -> None:
-        """Register a tier-owned region (``add_peer``, or a private lease's) (unlocked)."""
+        """Register a tier-owned region (``add_peer``, or a private lease's) (unlocked). A
+        registration of ``peer_id`` it replaces is dropped first; its session ends as a lost
+        one's does (``_end_keeping_releases``)."""
         # bad input raises before the old registration and its keys are dropped
         check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
         slots = range(num_blocks) if slots is None else slots
@@ -368,7 +370,7 @@ class ConnectedHosts(SessionReleases):
                 old = self._drop_peer(peer_id)
         self._flush()
         if old is not None and old[0] is not None:
-            end_session(old[0], old[1], [])
+            self._end_keeping_releases(*old)
         self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
         with self._lock:
             self._check_open()
