@@ -400,3 +400,34 @@ def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_ca
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"
             ]
+
+
+def test_a_session_closed_while_its_host_is_slow_is_not_called_lost() -> None:
+    """Heartbeats went on after the ``Disconnect``: a host that read them after it (frozen,
+    then resumed) answered each that it no longer knew the session, and a session closed clean
+    called itself lost ("the server no longer knows this session")."""
+    with ServerProcess.start(16, BLOCK_LEN) as server:
+        session = fake_session(server.address, slots=4, heartbeat_interval_s=0.05)
+        sent: list[p.ClientMessage] = []
+        send = session._send
+
+        def record(sock: Any, message: p.ClientMessage) -> None:
+            sent.append(message)
+            send(sock, message)
+
+        session._send = record  # type: ignore[method-assign]  # (the I/O thread's)
+        stop_process(server.proc.pid)
+        try:
+            closing = threading.Thread(target=session.close, daemon=True)
+            closing.start()
+            time.sleep(1.0)  # heartbeats are due meanwhile
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        closing.join(timeout=RESULT_TIMEOUT_S)
+        assert not closing.is_alive()
+        kinds = [type(m).__name__ for m in sent]
+        assert "Heartbeat" not in kinds[kinds.index("Disconnect") :], kinds
+        assert session.lost is None, session.lost
+        with fake_session(server.address, slots=4) as observer:
+            stats = observer.stats()
+            assert stats["held_sessions"] == 0 and len(stats["sessions"]) == 1, stats

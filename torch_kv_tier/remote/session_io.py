@@ -7,10 +7,11 @@ batch deadline) it runs queued actions, sends the commits and touches batched si
 send (as few frames as fit, always before the requests made after them), sends queued requests,
 hands answers to their futures (``replies``: an answer after its request's timeout is dropped,
 but a grant's, whose slots the server counts granted all the same) and pushed ``Events`` to the
-follower, and heartbeats. It ends the session, loudly (``on_lost``), when the server
-stops answering heartbeats, says it no longer knows the session, the control connection closes
-or is reset (the socket's monitor), or a frame cannot be queued: a control message is delivered
-or the session is lost.
+follower, and heartbeats (not once closed: the host ends the session at its ``Disconnect`` and
+would answer a later heartbeat that it no longer knows the session). It ends the session,
+loudly (``on_lost``), when the server stops answering heartbeats, says it no longer knows the
+session, the control connection closes or is reset (the socket's monitor), or a frame cannot
+be queued: a control message is delivered or the session is lost.
 
 Commits and touches (recency) are batched, not sent per call. The first commit after a quiet
 period (``COMMIT_QUIET_S``) wakes the I/O thread and goes out at once. While commits flow they
@@ -212,12 +213,16 @@ class SessionIO:
                 now = time.monotonic()
                 with self._lock:
                     stopping = self._stopping  # then it ends once what was queued went out
+                    # Closed: its ``Disconnect`` is queued, and a heartbeat after it would be
+                    # told the session is unknown (the host ended it) and call it lost.
+                    beating = not self._closed
                     touched = bool(self._touches)
                     committed = bool(self._commits)
                     # While commits flow this thread looks at them by ``commits_due`` on its
                     # own, and a commit needs no wake-up (``RemoteSession.commit``).
                     self._commits_watched = committed or now < commits_sent + COMMIT_QUIET_S
-                deadlines = [next_hb, replies.heard_by()]
+                # (closed: still a bounded wait, the same cadence)
+                deadlines = [next_hb if beating else now + self._interval_s, replies.heard_by()]
                 if touched:
                     deadlines.append(touches_due)
                 if self._commits_watched:
@@ -275,7 +280,7 @@ class SessionIO:
                 replies.expire(now)
                 if now > replies.heard_by():
                     raise _Lost(f"no heartbeat answer for {self._hb_timeout_s:.1f} s")
-                if now >= next_hb:
+                if beating and now >= next_hb:
                     next_hb = now + self._interval_s
                     with self._lock:
                         usage = dict(self._usage)
