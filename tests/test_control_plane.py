@@ -297,9 +297,10 @@ def test_a_slow_registration_does_not_hold_up_lookups() -> None:
             threading.Thread(target=register, daemon=True).start()
             return future
 
-    LateWriteTransport.remotes[b"slow"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
     arena = BlockArena(8, BLOCK_LEN)
-    with TierManager(arena, SlowRegistration(arena.tensor)) as tier:
+    transport = SlowRegistration(arena.tensor)
+    transport.remotes[b"slow"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    with TierManager(arena, transport) as tier:
         adding = threading.Thread(target=tier.add_peer, args=("p", b"slow", 0, 8, BLOCK_LEN))
         adding.start()
         time.sleep(0.1)

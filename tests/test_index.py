@@ -221,10 +221,9 @@ class LateWriteTransport(DataTransport):
     ``land(tid)`` copies them; a peer given to ``fault`` is reported faulted, and a write to it
     stays in flight (vLLM 0.33's model: a failed state check does not prove it stopped)."""
 
-    remotes: dict[bytes, torch.Tensor] = {}
-
     def __init__(self, region: torch.Tensor) -> None:
         super().__init__(region)
+        self.remotes: dict[bytes, torch.Tensor] = {}  # agent metadata -> that peer's memory
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._peers: dict[str, torch.Tensor] = {}
@@ -335,7 +334,7 @@ def late_write_tier(
     tier = TierManager(arena, transport, **settings)
     try:
         for peer_id, slots in peers.items():
-            LateWriteTransport.remotes[peer_id.encode()] = torch.zeros(
+            transport.remotes[peer_id.encode()] = torch.zeros(
                 slots, arena.block_len, dtype=torch.uint8
             )
             tier.add_peer(peer_id, peer_id.encode(), 0, slots, arena.block_len)

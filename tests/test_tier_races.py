@@ -73,9 +73,9 @@ class _SharedSession:
 def _tier(max_inflight: int = 64) -> Iterator[tuple[TierManager, LateWriteTransport]]:
     """A tier whose writes stay in flight until landed, and a private peer ``r0``'s memory
     (8 slots; not added), closed on exit, a failing test's too."""
-    LateWriteTransport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
     arena = BlockArena(16, BLOCK_LEN)
     with late_write_tier(arena, {}, max_inflight=max_inflight) as (tier, transport):
+        transport.remotes[b"r0"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         transport.hold = True
         yield tier, transport
 
@@ -104,7 +104,8 @@ def _report(transport: LateWriteTransport, read: tuple[int, str]) -> None:
 
 def _add_shared_host(tier: TierManager, max_granted: int) -> tuple[SharedHost, _SharedSession]:
     """A shared host ``h`` (8 slots) published as ``_join_shared`` does, without a network."""
-    LateWriteTransport.remotes[b"h"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    assert isinstance(tier.transport, LateWriteTransport)
+    tier.transport.remotes[b"h"] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
     tier.transport.add_remote_peer("h", b"h", 0, 8, BLOCK_LEN)
     session = _SharedSession("h", max_granted)
     with tier._lock:
@@ -342,8 +343,8 @@ def test_a_join_whose_session_is_lost_before_the_index_came_fails_at_once() -> N
     """A shared host lost while the tier waits for its index: the join fails with
     ``ConnectionError`` at once (it waited out its whole timeout, then raised ``KeyError``),
     the host is dropped and its session ended clean (no store of it in flight)."""
-    with _tier() as (tier, _):
-        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+    with _tier() as (tier, transport):
+        transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         session = _SharedSession("h", 8)
         threading.Timer(0.2, lambda: setattr(session, "lost", "reset")).start()
         start = time.monotonic()
@@ -357,10 +358,10 @@ def test_a_redial_whose_join_fails_keeps_the_host_due(monkeypatch: pytest.Monkey
     """A redial whose new session was lost before the host's index came fails, and the host is
     still to be dialled: the failed join used to remove the host as a user's ``remove_peer``
     does, which ended the redialling for good."""
-    with _tier() as (tier, _):
+    with _tier() as (tier, transport):
         session = _SharedSession("h", 8)
         session.lost = "reset"  # lost as soon as it joined
-        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
         dial = Dial("h:1", None, False, None, 1.0, 1.0)
         tier._dials["h"] = dial  # the host was connected before, then lost
@@ -383,10 +384,10 @@ def test_a_host_removed_while_it_is_redialled_stays_removed_and_is_then_forgotte
     """The user removes a lost host while the redialer's handshake with it runs: the session
     that handshake opens ends at once, and then the tier forgets the host (how it was dialled
     stayed in ``_removed`` for good; forgetting it while the redial ran let the host back)."""
-    with _tier() as (tier, _):
+    with _tier() as (tier, transport):
         session = _PrivateSession()
         session.address = "host:1"
-        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         entered, go = threading.Event(), threading.Event()
 
         def slow_open(self: TierManager, dial: Dial, release: list[str], private: bool) -> Any:
@@ -415,9 +416,9 @@ def test_a_session_lost_right_after_connect_published_it_is_dialled_again(
     """The session's I/O thread reported it lost after its peer was published but before
     ``connect`` had recorded how to dial it: the drop found no dial, and the host was never
     dialled again."""
-    with _tier() as (tier, _):
+    with _tier() as (tier, transport):
         session = _PrivateSession()
-        LateWriteTransport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
         monkeypatch.setattr(TierManager, "_open", lambda self, dial, release, private: session)
         add_private = TierManager._add_private
 
