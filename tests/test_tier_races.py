@@ -476,3 +476,39 @@ def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     finally:
         release.set()
         tier.close()
+
+
+class _UnansweredSession(_PrivateSession):
+    """A private session that carried releases (past the handshake's first ``MAX_RELEASE``:
+    ``Release`` messages) and whose disconnect went unanswered: its host may not have read
+    them (``RemoteSession.unreleased``)."""
+
+    def unreleased(self) -> list[str]:
+        return ["sid-a", "sid-b"]
+
+
+@pytest.mark.parametrize(
+    "ended_by", ["a release of its own", "a second connect", "a failed add", "a failed join"]
+)
+def test_a_session_the_tier_ends_unused_keeps_the_releases_it_carried(
+    ended_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session the tier opened and ended at once (only to carry releases to a host it has no
+    session with, a connect of a host connected already, a host it could not register) ended
+    with a bare ``close``: the ended sessions it released that its host never read were
+    forgotten, and the host held their slots for good. They are kept to be named again."""
+    with _tier() as (tier, transport):
+        transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        sessions = [_UnansweredSession(), _UnansweredSession()]
+        monkeypatch.setattr(TierManager, "_open", lambda *_a, **_k: sessions.pop(0))
+        dial = Dial("host-1:1", None, True, None, 1.0, 1.0)
+        if ended_by == "a release of its own":
+            tier._release_over_own_session(dial, ["sid-a", "sid-b"])
+        elif ended_by == "a second connect":
+            assert tier._connect(dial) == tier._connect(dial) == "host-1"
+        else:
+            sessions[0].shared = ended_by == "a failed join"
+            sessions[0].agent_metadata = b"unregistered"  # the transport refuses it
+            with pytest.raises(KeyError):
+                tier._connect(dial)
+        assert tier._ended.resolved == {"host-1:1": ["sid-a", "sid-b"]}, tier._ended.resolved

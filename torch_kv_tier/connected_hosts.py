@@ -149,14 +149,14 @@ class ConnectedHosts(SessionReleases):
             elif joining is None and twin is None:  # (a join does this once it succeeded)
                 self._forget_replaced(peer_id, dial.address)
         if twin is not None:
-            session.close(clean=True)
+            self._end_keeping_releases(session, True)
             raise ValueError(
                 f"the host at {dial.address} calls itself {peer_id!r}, as does the host "
                 f"connected at {twin}, another process: give each host its own --host-id "
                 "(by default it is the address the host listens on)"
             )
         if known:
-            session.close(clean=True)
+            self._end_keeping_releases(session, True)
             if joining is not None:
                 self._await_join(peer_id, joining, dial.timeout_s)
             return str(peer_id)
@@ -180,7 +180,8 @@ class ConnectedHosts(SessionReleases):
                         if peer_id not in self._peers and self._dials.get(peer_id) is dial:
                             del self._dials[peer_id]
                 if not session.shared:  # (a failed join ends its session itself)
-                    session.close(clean=True)  # never published: nothing of it was written
+                    # never published: nothing of it was written
+                    self._end_keeping_releases(session, True)
                 raise
             with self._lock:
                 self._dials[peer_id] = dial

@@ -109,7 +109,8 @@ class SessionReleases:
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         for attempt in range(1, _RELEASE_TRIES + 1):
             try:
-                self._open(quick, held, private=False, cancellable=not last_word).close(clean=True)
+                session = self._open(quick, held, private=False, cancellable=not last_word)
+                self._end_keeping_releases(session, True)
                 return
             except Exception as exc:  # ``_open`` handed them back, with what it may have opened
                 if attempt == _RELEASE_TRIES or self._closed:

@@ -108,7 +108,7 @@ class SharedHosts:
                 session.block_len,
             )
         except BaseException:
-            session.close(clean=True)  # nothing of it was published: nothing written
+            self._end_keeping_releases(session, True)  # nothing of it published: none written
             raise
         synced = threading.Event()
         host = lost = None
