@@ -431,3 +431,26 @@ def test_a_session_closed_while_its_host_is_slow_is_not_called_lost() -> None:
         with fake_session(server.address, slots=4) as observer:
             stats = observer.stats()
             assert stats["held_sessions"] == 0 and len(stats["sessions"]) == 1, stats
+
+
+def test_a_host_disconnected_clean_is_not_sent_a_release_of_that_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``disconnect`` of a healthy host named its session, which the host had just ended clean
+    (it answered the ``Disconnect``), as one to release: every disconnect opened a second
+    session, handshake and all, only to release the first (a thread of its own that, for a host
+    that went silent meanwhile, retried for ``RELEASE_BUDGET_S``)."""
+    told: list[dict[str, list[str]]] = []
+    send_releases = TierManager._send_releases
+
+    def record(self: TierManager, address: str) -> None:
+        told.append({a: list(ids) for a, ids in self._ended.resolved.items()})
+        send_releases(self, address)
+
+    monkeypatch.setattr(TierManager, "_send_releases", record)
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="clean-bye") as tier,
+    ):
+        tier.disconnect(tier.connect(server.address))
+        assert told == [{}], told

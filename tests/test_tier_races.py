@@ -41,6 +41,7 @@ class _SharedSession:
         self.grants: list[Any] = []
         self.promoted: list[Any] = []
         self.closed: list[bool] = []
+        self.ended_clean = False
 
     def grant(self, want: int, on_answer: Any, *, with_commits: bool = False) -> None:
         self.grants.append(on_answer)

@@ -71,6 +71,14 @@ class EndedSessions:
         self.resolved.setdefault(session.address, []).append(session.session_id)
         return True
 
+    def forget(self, session: Any) -> None:
+        """``session``, resolved, ended clean on its host (it said so): nothing to release."""
+        ids = self.resolved.get(session.address, [])
+        if session.session_id in ids:
+            ids.remove(session.session_id)
+            if not ids:
+                del self.resolved[session.address]
+
     def give_back(self, address: str, session_ids: list[str]) -> None:
         """Sessions ``take`` returned that the host may not have heard of: tell it later."""
         if session_ids:

@@ -131,10 +131,13 @@ class SessionReleases:
     def _end_keeping_releases(self, session: Any, clean: bool) -> None:
         """End ``session`` (unlocked; as ``end_session``) and keep the ended sessions it
         released that its host may not have read (its disconnect went unanswered:
-        ``RemoteSession.unreleased``), to be told again."""
+        ``RemoteSession.unreleased``), to be told again. A session its host ended clean
+        (``RemoteSession.ended_clean``) is not released itself: nothing of it is held."""
         end_session(session, clean, [])
         with self._lock:
             self._ended.give_back(session.address, session.unreleased())
+            if session.ended_clean:
+                self._ended.forget(session)
 
     def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
         """``close``'s last word to every host (unlocked): each live session carries the

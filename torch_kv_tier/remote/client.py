@@ -134,6 +134,7 @@ class RemoteSession(SharedRequests):
         self._flush = False  # send the riders (and the commits) at the next wake-up
         self._touches: list[Any] = []
         self._released: list[str] = []  # named in ``release``; read unless ``close`` was acked
+        self._ended_clean = False  # the host answered a clean ``Disconnect``
         self._stopping = False  # tells the I/O thread to exit
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -296,6 +297,13 @@ class RemoteSession(SharedRequests):
         with self._lock:
             return list(self._released)
 
+    @property
+    def ended_clean(self) -> bool:
+        """Whether the host answered this session's clean ``Disconnect``: it ended the session
+        and holds nothing of it (there is nothing to ``release``)."""
+        with self._lock:
+            return self._ended_clean
+
     def stats(self) -> dict[str, Any]:
         """The server's stats: leases, occupancy, bytes moved, counters. A host with more
         sessions or namespaces than one frame holds cuts their lists short
@@ -332,7 +340,8 @@ class RemoteSession(SharedRequests):
         timeout_s = min(self._timeout_s, _DISCONNECT_TIMEOUT_S)
         if alive:
             try:
-                self._call_async(bye, self._said_bye, timeout_s, allow_closed=True)
+                said_bye = partial(self._said_bye, clean)
+                self._call_async(bye, said_bye, timeout_s, allow_closed=True)
             except ConnectionError:  # lost meanwhile: there is nobody to tell
                 alive = False
         if not alive:
@@ -349,8 +358,9 @@ class RemoteSession(SharedRequests):
                 )
         logger.info("closed session %s of %s", self.public_id, self.peer_id)
 
-    def _said_bye(self, answer: Future[p.ServerMessage]) -> None:
-        """(I/O thread.) The disconnect was answered, timed out or failed: stop the thread."""
+    def _said_bye(self, clean: bool, answer: Future[p.ServerMessage]) -> None:
+        """(I/O thread.) The disconnect (``clean`` or not) was answered, timed out or failed:
+        stop the thread."""
         try:
             reply = answer.result()
         except (TimeoutError, ConnectionError) as exc:
@@ -361,6 +371,7 @@ class RemoteSession(SharedRequests):
             else:  # read after every release this session carried
                 with self._lock:
                     self._released.clear()
+                    self._ended_clean = clean
         self._stop()
 
     def _stop(self) -> None:
