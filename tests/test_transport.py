@@ -582,6 +582,32 @@ def test_a_read_that_failed_without_a_disconnect_is_reported_once_a_fence_read_c
     assert "check_xfer_state raised" in local.faulted_peers()["p"]
 
 
+def test_a_fence_that_fails_with_a_disconnect_faults_its_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write whose post failed part-way (a strike, no fault) to a stopped peer; the peer is
+    killed while the fence waits behind it, and the fence fails with a remote disconnect. That
+    names a dead peer: it is faulted at once, as a state check raising it does."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    n, block = 512, 64 * 1024
+    with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
+        region = torch.full((n, block), 0xCD, dtype=torch.uint8)
+        with closing(NixlTransport("poster", region, passive_progress=False)) as t:
+            t.add_remote_peer("v", *victim.peer_args())
+            warm = t.write_blocks("v", [0], [0])
+            assert drain(t, {warm})[0] == {warm}
+            victim.stop()
+            wait_until_stopped(victim)
+            t._agent = FailsAfterPosting(t._agent, fail_posts=1)
+            tid = t.write_blocks("v", list(range(n)), list(range(n)))
+            assert tid is not None and t.poll("v") == PollResult()  # the fence waits
+            assert t.faulted_peers() == {}
+            victim.kill()
+            assert drain(t, {tid}, peer_id="v") == (set(), {tid})
+            assert t.faulted_peers() == {"v": "NIXL_ERR_REMOTE_DISCONNECT"}
+            assert t.poll("v").peer_fault == "NIXL_ERR_REMOTE_DISCONNECT"
+
+
 def wait_until_stopped(peer: RemotePeer, timeout: float = 10.0) -> None:
     """Wait until the kernel reports the peer process stopped (state T)."""
     deadline = time.monotonic() + timeout

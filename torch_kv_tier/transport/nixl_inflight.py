@@ -20,10 +20,11 @@ every transfer with a flush of its endpoint, and with no split (``ucx_env``) eve
 remote agent runs on that agent's one endpoint of the shared worker, so the fence reaching
 ``DONE`` proves that every operation posted to that peer before it ended, the failed one's
 included; a fence failing with a remote disconnect proves it too (the endpoint failed and UCX
-completed all its operations). A fence failing otherwise is posted again on the next poll; the
-transfer stays in flight meanwhile (its peer was faulted or struck when it failed, as before),
-and ``cancel(mode="immediate")`` or closing still release it. So every failure this transport
-reports is final: nothing of that transfer lands later.
+completed all its operations), and faults the peer like any disconnect. A fence failing
+otherwise is posted again on the next poll; the transfer stays in flight meanwhile (its peer
+was faulted or struck when it failed, as before), and ``cancel(mode="immediate")`` or closing
+still release it. So every failure this transport reports is final: nothing of that transfer
+lands later.
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
@@ -206,7 +207,8 @@ class NixlInflight:
 
     def _fenced(self, tid: int, xfer: _Transfer) -> bool:
         """Whether ``xfer``'s fence proved it over; posts the fence when none runs. A fence that
-        failed without a disconnect may be on the wire too: released, the next one covers it."""
+        failed with a disconnect faults the (still published) peer; one that failed otherwise
+        may be on the wire too: released, the next one covers it."""
         outcome: str | Exception
         if xfer.fence is None:
             local, remote = xfer.fence_pair
@@ -220,7 +222,12 @@ class NixlInflight:
                 outcome = exc
         if outcome in ("PROC", "PEND"):
             return False
-        if outcome == "DONE" or (isinstance(outcome, Exception) and ends_transfer(outcome)):
+        if outcome == "DONE":
+            return True
+        if isinstance(outcome, Exception) and ends_transfer(outcome):
+            if self._peers.is_published(xfer.peer):  # a dead peer: faulted at once
+                self._health.raised(xfer.peer.peer_id, outcome)
+            xfer.struck = True  # counted: its report strikes no more
             return True
         logger.debug("NixlTransport %s: fence of transfer %d: %s", self._owner, tid, outcome)
         if xfer.fence is not None:
