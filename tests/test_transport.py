@@ -515,8 +515,10 @@ def test_a_transfer_whose_post_failed_part_way_is_reported_only_once_nothing_mor
             t._agent = spy
             tid = submit("v", list(range(n)), list(range(n)))
             assert tid is not None, "a post that may have sent part of it is no refusal"
-            for _ in range(20):
-                assert t.poll("v") == PollResult()  # the fence waits behind the stalled post
+            for _ in range(20):  # the fence waits behind the stalled post
+                result = t.poll("v")
+                assert result.done == () and result.failed == ()
+            assert result.peer_fault is not None and "failed part-way" in result.peer_fault
             assert spy.posts[-1] == (op, [0], [0]) and len(spy.posts) == 2
             victim.signal(signal.SIGCONT)
             assert drain(t, {tid}, peer_id="v") == (set(), {tid})
@@ -582,12 +584,32 @@ def test_a_read_that_failed_without_a_disconnect_is_reported_once_a_fence_read_c
     assert "check_xfer_state raised" in local.faulted_peers()["p"]
 
 
+def test_fences_that_keep_failing_fault_their_peer(local: NixlTransport, peer: RemotePeer) -> None:
+    """A read NIXL reports ``ERR`` stays withheld while NIXL refuses its fences, and each refused
+    fence strikes the peer: its caller (the tier) drops a peer faulted so, instead of waiting on
+    it for good; the read is reported once a fence went through."""
+    local.add_remote_peer("p", *peer.peer_args())
+    spy = FailsAfterPosting(local._agent, fail_posts=0)
+    local._agent = spy
+    tid = local.read_blocks("p", [2], [6])
+    real_check = spy._agent.check_xfer_state
+    spy.check_xfer_state = (  # type: ignore[method-assign]
+        lambda h: "ERR" if h is spy.made[0] else str(real_check(h))
+    )
+    spy.fail_posts = 3
+    for _ in range(3):
+        assert local.poll("p").failed == ()
+    assert "3 consecutive transfer failures (last: a fence failed" in local.faulted_peers()["p"]
+    assert drain(local, {tid}) == (set(), {tid})  # type: ignore[arg-type]
+    assert spy.posts[1:] == [("READ", [2], [6])] * 4
+
+
 def test_a_fence_that_fails_with_a_disconnect_faults_its_peer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A write whose post failed part-way (a strike, no fault) to a stopped peer; the peer is
-    killed while the fence waits behind it, and the fence fails with a remote disconnect. That
-    names a dead peer: it is faulted at once, as a state check raising it does."""
+    """A write NIXL reports ``ERR`` (a strike, no fault) to a stopped peer; the peer is killed
+    while the fence waits behind it, and the fence fails with a remote disconnect. That names a
+    dead peer: it is faulted at once, as a state check raising it does."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     n, block = 512, 64 * 1024
     with RemotePeer(n, block, env={"UCX_TLS": "tcp"}) as victim:
@@ -598,8 +620,13 @@ def test_a_fence_that_fails_with_a_disconnect_faults_its_peer(
             assert drain(t, {warm})[0] == {warm}
             victim.stop()
             wait_until_stopped(victim)
-            t._agent = FailsAfterPosting(t._agent, fail_posts=1)
+            spy = FailsAfterPosting(t._agent, fail_posts=0)
+            t._agent = spy
             tid = t.write_blocks("v", list(range(n)), list(range(n)))
+            real_check = spy._agent.check_xfer_state
+            spy.check_xfer_state = (  # type: ignore[method-assign]
+                lambda h: "ERR" if h is spy.made[0] else str(real_check(h))
+            )
             assert tid is not None and t.poll("v") == PollResult()  # the fence waits
             assert t.faulted_peers() == {}
             victim.kill()

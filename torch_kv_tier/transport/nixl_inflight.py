@@ -21,9 +21,11 @@ remote agent runs on that agent's one endpoint of the shared worker, so the fenc
 ``DONE`` proves that every operation posted to that peer before it ended, the failed one's
 included; a fence failing with a remote disconnect proves it too (the endpoint failed and UCX
 completed all its operations), and faults the peer like any disconnect. A fence failing
-otherwise is posted again on the next poll; the transfer stays in flight meanwhile (its peer
-was faulted or struck when it failed, as before), and ``cancel(mode="immediate")`` or closing
-still release it. So every failure this transport reports is final: nothing of that transfer
+otherwise strikes the peer and is posted again on the next poll; the transfer stays in flight
+meanwhile, and ``cancel(mode="immediate")`` or closing still release it. Its peer is faulted
+(or struck, for a state ``ERR``) when it failed: a post that failed part-way faults it at once,
+since its caller (the tier drops a peer that refused a post) learns of the failure only once it
+is fenced. So every failure this transport reports is final: nothing of that transfer
 lands later.
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
@@ -93,7 +95,10 @@ class NixlInflight:
             logger.warning(
                 "NixlTransport %s: %s to %s failed: %s", self._owner, op, peer.peer_id, posted
             )
-            self._health.raised(peer.peer_id, posted)
+            if handle is None or ends_transfer(posted):
+                self._health.raised(peer.peer_id, posted)
+            else:  # its caller learns of it only once fenced: a peer not to use meanwhile
+                self._health.fault(peer.peer_id, f"a {op} failed part-way: {posted}")
             if handle is None:
                 return None  # nothing was posted
             self._release_handle(-1, handle)  # NIXL failed the request: it holds nothing of it
@@ -208,7 +213,7 @@ class NixlInflight:
     def _fenced(self, tid: int, xfer: _Transfer) -> bool:
         """Whether ``xfer``'s fence proved it over; posts the fence when none runs. A fence that
         failed with a disconnect faults the (still published) peer; one that failed otherwise
-        may be on the wire too: released, the next one covers it."""
+        strikes it, and may be on the wire too: released, the next one covers it."""
         outcome: str | Exception
         if xfer.fence is None:
             local, remote = xfer.fence_pair
@@ -230,6 +235,8 @@ class NixlInflight:
             xfer.struck = True  # counted: its report strikes no more
             return True
         logger.debug("NixlTransport %s: fence of transfer %d: %s", self._owner, tid, outcome)
+        if self._peers.is_published(xfer.peer):  # one more failure of that peer's
+            self._health.failed(xfer.peer.peer_id, f"a fence failed: {outcome}")
         if xfer.fence is not None:
             self._release_handle(tid, xfer.fence)
             xfer.fence = None
