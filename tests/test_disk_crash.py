@@ -318,7 +318,7 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
         def full(fd: int, data: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(d, "rewrite", lambda live: tries.append(real_rewrite(live)) or True)
+        monkeypatch.setattr(d, "rewrite", lambda *a: tries.append(real_rewrite(*a)) or True)
         monkeypatch.setattr(os, "write", full)
         d.append(PUT, 0, "ns", b"k0", 0)  # its flush fails: stale
         for _ in range(200):

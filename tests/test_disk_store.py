@@ -17,7 +17,7 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, open_store, settle
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_journal
+from torch_kv_tier.remote import disk_journal, disk_sync
 from torch_kv_tier.remote.disk_store import DiskError, DiskStore
 
 
@@ -225,3 +225,96 @@ def test_a_file_system_without_fallocate_is_used_with_a_sparse_block_file(
         assert len(settle(store).read) == 1 and np.array_equal(disk_pool[40], disk_pool[0])
     finally:
         store.close()
+
+
+def _replayed(store: DiskStore) -> set[tuple[int, str, Key, int]]:
+    """What a restart would find in the journals once synced: (global slot, namespace, key,
+    digest)."""
+    assert store.sync(10.0)
+    n = len(store._dirs)
+    return {
+        (j * n + f, ns, key, digest)
+        for f, d in enumerate(store._dirs)
+        for j, (_, ns, key, digest) in d.live().items()
+    }
+
+
+def _indexed(store: DiskStore) -> set[tuple[int, str, Key, int]]:
+    return {(slot, ns, key, digest) for (ns, key), (slot, digest) in store._where.items()}
+
+
+def test_a_compaction_builds_a_bounded_part_of_its_records_per_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the compaction review: a compaction, or the rewrite of a stale journal, built
+    every live record of its directory in one ``poll`` on the host's loop thread (2.2 s per
+    million keys with two directories), so at millions of keys the host answered no handshake
+    nor heartbeat for seconds and every tier dropped it. Each ``poll`` now builds at most
+    ``COMPACT_SLOTS`` slots' records; the journal rewritten still names exactly the index."""
+    block, keys = 512, 200_000
+    raw = np.zeros(64 * block + 4096, dtype=np.uint8)
+    pool = raw[-raw.ctypes.data % 4096 :][: 64 * block].reshape(64, block)
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    store = DiskStore(
+        dirs, keys // 2 * block, block_len=block, pool_addr=pool.ctypes.data, pool_blocks=64
+    )
+    with closing(store):
+        store.recover()
+        for start in range(0, keys, 8192):
+            store.write([("ns", i, i, i % 64) for i in range(start, min(keys, start + 8192))])
+            assert not settle(store).failed
+        assert len(store) == keys and store._journals.wait(10.0)
+        real, built = store._live_records, []  # records built by each call
+
+        def count(*args: Any) -> Any:
+            built.append(len(records := real(*args)))
+            return records
+
+        monkeypatch.setattr(store, "_live_records", count)
+        for d in store._dirs:
+            d.stale, d.retry_at = True, 0.0  # a write failed: rewritten from the index
+        most = polls = 0
+        while any(d.stale for d in store._dirs) and polls < 10_000:
+            built.clear()
+            store.poll()
+            most, polls = max(most, sum(built)), polls + 1
+            assert store._journals.wait(10.0)
+        assert not any(d.stale for d in store._dirs)
+        assert 0 < most <= keys // 16  # not every key of a directory in one loop turn
+        assert _replayed(store) == _indexed(store)
+
+
+def test_keys_changed_while_a_compaction_is_built_are_journaled_as_they_end(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction built one slot per poll: keys written, evicted, read and removed between
+    those polls (slots the build read before and after each change) end in the rewritten
+    journal as in the index, and a restart loads every key's own bytes."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with closing(open_store(disk_pool, dirs, 16)) as store:
+        store.recover()
+        _write(store, disk_pool, [("n", f"k{i}", i) for i in range(30)])
+        assert store._journals.wait(10.0)
+        for d in store._dirs:
+            d.stale, d.retry_at = True, 0.0
+        step = 0
+        while step == 0 or store.compacting():
+            assert step < 40  # 16 slots a directory, one a step
+            monkeypatch.setattr(disk_sync, "COMPACT_SLOTS", 1)
+            store.poll()  # the build one slot further (the first: it begins too)
+            assert store._journals.wait(10.0)
+            monkeypatch.setattr(disk_sync, "COMPACT_SLOTS", 0)  # none while keys change
+            i = 30 + step
+            _write(store, disk_pool, [("n", f"k{i}", i % 60)])  # evicts the LRU once full
+            store.remove("n", f"k{step * 7 % i}")
+            store.read([("n", f"k{i - 3}", 63)])
+            settle(store)
+            step += 1
+        assert store._journals.wait(10.0)
+        assert step == 32 and not any(d.stale for d in store._dirs)
+        assert _replayed(store) == _indexed(store)
+        kept = {(ns, k): digest for (ns, k), (_, digest) in store._where.items()}
+    with closing(open_store(disk_pool, dirs, 16)) as store:
+        found = store.recover()
+        assert {(ns, k): digest for ns, k, digest in found} == kept
+        assert store._counters["disk_recover_dropped"] == 0

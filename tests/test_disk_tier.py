@@ -58,6 +58,9 @@ class FakeDisk:
     def in_flight(self) -> int:
         return int(bool(self.writing or self.reading))
 
+    def compacting(self) -> bool:
+        return False
+
     def write(self, items: list[tuple[str, Any, int, int]]) -> list[tuple[str, Any]]:
         evicted = []
         for ns, key, digest, slot in items:

@@ -35,7 +35,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,21 +215,24 @@ class DiskDir:
                 last.pop(j, None)
         return last
 
-    def rewrite(self, live: Iterable[Record]) -> bool:
-        """Replace the journal by ``live`` (``_write_durably``, after an ``fdatasync`` of the
-        block file: the new journal names blocks written since the last ``flush``) and append
-        to the new one. Returns False when it cannot be written (a full disk, EIO: logged,
-        never raised): the old journal stays as it was, ``stale`` is set, and ``retry_at`` 1 s
-        later, then twice as late after each failure in a row (at most
+    def rewrite(
+        self, live: Iterable[Record], framed: Sequence[bytes] = (), framed_count: int = 0
+    ) -> bool:
+        """Replace the journal by ``live``, then the ``framed_count`` records framed in
+        ``framed`` (``frames``, ``take_pending``), with ``_write_durably``, after an
+        ``fdatasync`` of the block file (the new journal names blocks written since the last
+        ``flush``), and append to the new one. Returns False when it cannot be written (a full
+        disk, EIO: logged, never raised): the old journal stays as it was, ``stale`` is set, and
+        ``retry_at`` 1 s later, then twice as late after each failure in a row (at most
         ``REWRITE_RETRY_MAX_S``)."""
         out = bytearray()
-        count = 0
+        count = framed_count
         for record in live:
             out += _frame(record)
             count += 1
         try:
             os.fdatasync(self.fd)
-            fd = _write_durably(self.path / "journal.log", out)
+            fd = _write_durably(self.path / "journal.log", out, *framed)
         except OSError as exc:
             logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
             self.stale = True  # a full disk: a rewrite builds every record, so back off
@@ -256,19 +259,25 @@ def _frame(record: Record) -> bytes:
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _write_durably(path: Path, data: bytes | bytearray) -> int:
-    """Replace ``path`` by ``data`` whole or not at all, durably: a temporary file written in
-    full and synced, renamed over ``path``, then the directory synced (a rename is an entry of
-    the directory: without that sync a power loss may bring the old file back; its failure is
-    logged). Returns the new file's descriptor, open for appends. Raises ``OSError`` with
-    ``path`` as it was and the temporary file removed."""
+def frames(records: Iterable[Record]) -> bytes:
+    """``records`` framed as the journal holds them (for ``DiskDir.rewrite``)."""
+    return b"".join(map(_frame, records))
+
+
+def _write_durably(path: Path, *data: bytes | bytearray) -> int:
+    """Replace ``path`` by the parts of ``data`` whole or not at all, durably: a temporary file
+    written in full and synced, renamed over ``path``, then the directory synced (a rename is an
+    entry of the directory: without that sync a power loss may bring the old file back; its
+    failure is logged). Returns the new file's descriptor, open for appends. Raises ``OSError``
+    with ``path`` as it was and the temporary file removed."""
     tmp = path.with_suffix(".tmp")
     fd = -1
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        view = memoryview(data)
-        while view:  # a short write is no error: write the rest
-            view = view[os.write(fd, view) :]
+        for part in data:
+            view = memoryview(part)
+            while view:  # a short write is no error: write the rest
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:

@@ -9,9 +9,10 @@ Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a ke
 with I/O in flight is never evicted, nor reused before that I/O ends (``disk_slots``).
 
 Recovery (``recover``): the blocks the journals name that still verify (``disk_recovery``); the
-journals are then rewritten with the live records only. Afterwards the journals are written,
-synced and compacted on a thread of their own (``disk_sync``): a hung device never stalls the
-loop.
+journals are then rewritten with the live records only (LRU order). Afterwards the journals are
+written, synced and compacted on a thread of their own (``disk_sync``): a hung device never stalls
+the loop, nor does a compaction at any number of keys (its records are built a bounded part per
+``poll``, in slot order).
 
 Threading and failures: not thread-safe; the server's loop thread calls every method (``close``
 may run on another once the loop ended: on io_uring, requests the loop still had in flight were
@@ -77,6 +78,7 @@ class DiskStore:
         self.capacity = len(self._dirs) * (bytes_per_path // block_len)
         self._slots = DiskSlots(self.capacity)  # global slots
         self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
+        self._held: list[Pair | None] = [None] * self.capacity  # global slot -> key in ``_where``
         self._writing: set[Pair] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[Request] = []
@@ -124,6 +126,11 @@ class DiskStore:
 
     def in_flight(self) -> int:
         return len(self._requests)
+
+    def compacting(self) -> bool:
+        """Whether a journal's compaction is being built, a bounded part per ``poll``
+        (``disk_sync``): poll often until it is done."""
+        return self._journals.compacting()
 
     # -- I/O ----------------------------------------------------------------------------------
 
@@ -201,12 +208,20 @@ class DiskStore:
     def recover(self) -> list[tuple[str, Key, int]]:
         """Rebuild the index from the journals, keeping the blocks that verify (module
         docstring). Returns ``(namespace, key, digest)`` of each, least recently used first
-        (journal order). Call once, before any other I/O."""
+        (journal order: a compaction's records, in slot order, then those appended since). Call
+        once, before any other I/O."""
         self._where, dropped = verified_index(self._dirs, self.block_len)
         self._counters["disk_recover_dropped"] += dropped
         self._slots.reset({slot for slot, _ in self._where.values()})
-        for f, d in enumerate(self._dirs):
-            d.rewrite(self._live_records(f))
+        n = len(self._dirs)
+        for pair, (slot, _) in self._where.items():
+            self._held[slot] = pair
+        for f, d in enumerate(self._dirs):  # at start, at once: in LRU order
+            d.rewrite(
+                (PUT, slot // n, ns, key, digest)
+                for (ns, key), (slot, digest) in self._where.items()
+                if slot % n == f
+            )
         return [(ns, key, digest) for (ns, key), (_, digest) in self._where.items()]
 
     def stats(self) -> dict[str, Any]:
@@ -276,7 +291,7 @@ class DiskStore:
         for pair, (slot, _) in self._where.items():  # the least recently used not in use
             if not self._slots.busy(slot):  # its record goes before the slot is rewritten
                 del self._where[pair]
-                self._append(slot, DEL, pair[0], pair[1], 0)
+                self._append(slot, DEL, pair, 0)
                 evicted.append(pair)
                 self._counters["disk_evictions"] += 1
                 return slot
@@ -318,7 +333,7 @@ class DiskStore:
                 self._writing.discard(pair)
                 if ok:
                     self._where[pair] = (slot, digest)
-                    self._append(slot, PUT, ns, key, digest)
+                    self._append(slot, PUT, pair, digest)
                     done.written.append(pair)
                 else:
                     self._slots.release(slot)
@@ -380,23 +395,27 @@ class DiskStore:
 
     def _drop(self, slot: int, pair: Pair) -> None:
         """A block left the index: its record, and its slot free (once no I/O uses it)."""
-        self._append(slot, DEL, pair[0], pair[1], 0)
+        self._append(slot, DEL, pair, 0)
         self._slots.release(slot)
 
-    def _append(self, slot: int, op: int, namespace: str, key: Key, digest: int) -> None:
+    def _append(self, slot: int, op: int, pair: Pair, digest: int) -> None:
+        """Journal a change of ``_where`` at ``slot``, and keep ``_held`` in step with it."""
         n = len(self._dirs)
-        self._dirs[slot % n].append(op, slot // n, namespace, key, digest)
+        self._held[slot] = pair if op == PUT else None
+        self._dirs[slot % n].append(op, slot // n, pair[0], pair[1], digest)
 
     def _sync_journals(self, *, force: bool) -> None:
         self._journals.hand_over(len(self._where), self._live_records, force=force)
 
-    def _live_records(self, f: int) -> list[Record]:
-        """One ``PUT`` per key directory ``f`` holds (a journal rewritten with them)."""
-        n = len(self._dirs)
+    def _live_records(self, f: int, start: int = 0, stop: int | None = None) -> list[Record]:
+        """One ``PUT`` per key directory ``f`` holds in its slots ``[start, stop)`` (all by
+        default), in slot order (a journal rewritten with them: ``disk_sync``)."""
+        n, where, held = len(self._dirs), self._where, self._held
+        stop = self._dirs[f].slots if stop is None else stop
         return [
-            (PUT, slot // n, ns, key, digest)
-            for (ns, key), (slot, digest) in self._where.items()
-            if slot % n == f
+            (PUT, j, pair[0], pair[1], where[pair][1])
+            for j in range(start, stop)
+            if (pair := held[j * n + f]) is not None
         ]
 
     def _close_files(self) -> None:

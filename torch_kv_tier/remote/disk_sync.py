@@ -10,9 +10,18 @@ given, batches in the order handed over, so a journal's records keep their order
 the block file before the records naming its blocks (``DiskDir.flush``): the crash consistency of
 running them on the owner's thread.
 
-Threading: ``hand_over``, ``submit``, ``idle``, ``wait`` and ``close`` on the owner's thread;
-jobs on the sync thread. A job that raises is logged, never raised (``DiskDir``'s own failures
-are logged by it)."""
+A compaction (a journal past 4x the live keys, or a stale one) builds its live records, framed,
+on the owner's thread ``COMPACT_SLOTS`` slots per ``hand_over``, never all at once (at millions
+of keys that stalled the host's control plane for seconds), while every record not yet taken
+when it began, or appended since, is still written to the old journal and kept as its *tail*.
+Its new journal is the records built, then that tail: a slot changed after the build read it has
+a later record in the tail, and the last record of a slot wins (``DiskDir.live``), so it
+recovers to the index as it is when the rewrite is handed over, as a compaction built at once
+would. A crash before the rewrite finds the old journal, with every record as before.
+
+Threading: ``hand_over``, ``compacting``, ``submit``, ``idle``, ``wait`` and ``close`` on the
+owner's thread; jobs on the sync thread. A job that raises is logged, never raised (``DiskDir``'s
+own failures are logged by it)."""
 
 from __future__ import annotations
 
@@ -20,13 +29,28 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
-from torch_kv_tier.remote.disk_journal import DiskDir, Record
+from torch_kv_tier.remote.disk_journal import DiskDir, Record, frames
 
 logger = logging.getLogger(__name__)
 
 FSYNC_PERIOD_S = 1.0
+COMPACT_SLOTS = 2048  # slots a compaction builds per ``hand_over`` (a few ms)
+LiveRecords = Callable[[int, int, int], list[Record]]  # directory, slots [start, stop)
+
+
+@dataclass
+class _Compaction:
+    """A compaction being built (module docstring): the records of slots below ``next``, and
+    its tail, ``count`` records in all, framed (``disk_journal.frames``): the journals' thread
+    writes them with no million objects to free while it holds the GIL."""
+
+    next: int = 0
+    built: list[bytes] = field(default_factory=list)
+    tail: list[bytes] = field(default_factory=list)
+    count: int = 0
 
 
 class JournalSync:
@@ -38,32 +62,57 @@ class JournalSync:
         self._cond = threading.Condition()
         self._batch: Sequence[Callable[[], object]] | None = None  # handed over, not done
         self._closing = False
+        self._compactions: dict[int, _Compaction] = {}  # directory -> compaction being built
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def hand_over(
-        self, live_keys: int, live_records: Callable[[int], list[Record]], *, force: bool
-    ) -> None:
-        """Hand the records appended over, unless a batch still runs: written, synced at most
-        every ``FSYNC_PERIOD_S`` (always with ``force``); a journal past 4x the ``live_keys``
-        rewritten with ``live_records(its index)`` (a stale one, whose write failed: at its
-        ``retry_at``, or with ``force``)."""
-        if not self.idle():
+    def hand_over(self, live_keys: int, live_records: LiveRecords, *, force: bool) -> None:
+        """Begin the compactions due, unless a batch still runs: of a journal past 4x the
+        ``live_keys`` (a stale one, whose write failed: at its ``retry_at``, or with ``force``).
+        Build each compaction at most ``COMPACT_SLOTS`` slots further (to its end with
+        ``force``): ``live_records(directory, start, stop)`` gives the live records of its
+        slots ``[start, stop)``. Then, unless a batch still runs, hand the records appended
+        over: written, synced at most every ``FSYNC_PERIOD_S`` (always with ``force``), and
+        each compaction built as the rewrite of its journal."""
+        idle, now = self.idle(), time.monotonic()
+        for f, d in enumerate(self._dirs):  # what a batch sets is read only while none runs
+            due = (force or now >= d.retry_at) if d.stale else d.records > 4 * live_keys + 4096
+            if idle and due and f not in self._compactions:
+                self._compactions[f] = _Compaction()  # its tail: every record not yet taken
+        budget = None if force else COMPACT_SLOTS
+        for f, c in self._compactions.items():
+            stop = self._dirs[f].slots
+            if budget is not None:
+                stop = min(stop, c.next + budget)
+                budget -= stop - c.next
+            records = live_records(f, c.next, stop)
+            c.built.append(frames(records))
+            c.next, c.count = stop, c.count + len(records)
+        if not idle:
             return
-        now = time.monotonic()
         sync = force or now - self._last_sync >= FSYNC_PERIOD_S
         jobs: list[Callable[[], object]] = []
         for f, d in enumerate(self._dirs):
-            compact = d.records > 4 * live_keys + 4096
-            if (force or now >= d.retry_at) if d.stale else compact:
-                jobs += [partial(d.flush, *d.take_pending(), sync=False)]
-                jobs += [partial(d.rewrite, live_records(f))]
-            elif d.pending or sync:
-                jobs.append(partial(d.flush, *d.take_pending(), sync=sync))
+            data, count = d.take_pending()
+            if data or sync:
+                jobs.append(partial(d.flush, data, count, sync=sync))
+            building = self._compactions.get(f)
+            if building is not None:
+                if data:
+                    building.tail.append(data)
+                    building.count += count
+                if building.next >= d.slots:
+                    del self._compactions[f]
+                    parts = building.built + building.tail
+                    jobs.append(partial(d.rewrite, (), parts, building.count))
         if sync:
             self._last_sync = now
         if jobs:
             self.submit(jobs)
+
+    def compacting(self) -> bool:
+        """Whether a compaction is being built (the owner then calls ``hand_over`` often)."""
+        return bool(self._compactions)
 
     def submit(self, jobs: Sequence[Callable[[], object]]) -> bool:
         """Hand ``jobs`` over, unless a batch still runs (then False: nothing handed over)."""

@@ -135,8 +135,9 @@ class DiskTier:
         self._asked.extend((ns.name, key, now) for key in keys)
 
     def busy(self) -> bool:
-        """Whether disk I/O is in flight or promotions wait (the loop then polls often)."""
-        return bool(self._asked) or self.store.in_flight() > 0
+        """Whether disk I/O is in flight, promotions wait or a journal's compaction is being
+        built (the loop then polls often)."""
+        return bool(self._asked) or self.store.in_flight() > 0 or self.store.compacting()
 
     def step(self, now: float) -> None:
         """Collect completed disk I/O, start asked promotions and (at most every
