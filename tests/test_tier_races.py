@@ -278,10 +278,15 @@ def test_a_store_the_host_has_no_slots_for_fails_once_only_loads_were_in_flight(
         assert store.result(timeout=RESULT_TIMEOUT_S).failed == {b"s": "capacity"}
 
 
-def test_a_failed_write_leaves_its_session_held() -> None:
+@pytest.mark.parametrize("final", [False, True], ids=["may-still-land", "final"])
+def test_a_failed_write_holds_its_session_unless_failures_are_final(final: bool) -> None:
     """A write that failed may still land part-way, so its session must not end clean: it did,
-    and the host handed the slots on while the stray write could still reach them."""
+    and the host handed the slots on while the stray write could still reach them. The NIXL
+    transport reports a failure only once nothing more of it lands (``failures_are_final``):
+    then the session ends clean, and the host frees its slots at once instead of holding them
+    until ``--hold-timeout``."""
     with _tier() as (tier, transport):
+        transport.failures_are_final = final
         session = _granted_host(tier, [0, 1, 2, 3])
         store = tier.store([b"a0", b"a1"], [0, 1])
         (tid,) = transport.in_flight()
@@ -290,27 +295,11 @@ def test_a_failed_write_leaves_its_session_held() -> None:
             b"a0": "transfer failed",
             b"a1": "transfer failed",
         }
-        assert wait_for(lambda: session.closed == [False], 5.0), session.closed
-        transport.land(tid)
-        assert tier.stats().unreleased_sessions == 1  # never told to the host: its hold ends it
-
-
-def test_a_failed_write_of_a_transport_whose_failures_are_final_ends_its_session_clean() -> None:
-    """The NIXL transport reports a failure only once nothing more of it lands
-    (``failures_are_final``): the session then ends clean, the host frees its slots at once
-    instead of holding them until ``--hold-timeout``."""
-    with _tier() as (tier, transport):
-        transport.failures_are_final = True
-        session = _granted_host(tier, [0, 1, 2, 3])
-        store = tier.store([b"a0", b"a1"], [0, 1])
-        (tid,) = transport.in_flight()
-        transport.fail(tid)
-        assert store.result(timeout=RESULT_TIMEOUT_S).failed == {
-            b"a0": "transfer failed",
-            b"a1": "transfer failed",
-        }
-        assert wait_for(lambda: session.closed == [True], 5.0), session.closed
-        assert tier.stats().unreleased_sessions == 0
+        assert wait_for(lambda: session.closed == [final], 5.0), session.closed
+        if not final:
+            transport.land(tid)
+        # never told to the host unless final: its hold ends it
+        assert tier.stats().unreleased_sessions == (0 if final else 1)
 
 
 @pytest.mark.parametrize("dropped_first", [False, True])
