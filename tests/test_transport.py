@@ -584,6 +584,22 @@ def test_a_read_that_failed_without_a_disconnect_is_reported_once_a_fence_read_c
     assert "check_xfer_state raised" in local.faulted_peers()["p"]
 
 
+def test_without_fences_a_failure_is_reported_at_once_as_vllm_expects(peer: RemotePeer) -> None:
+    """``fence_failures=False``: vLLM 0.33's semantics (its own suite, in CI, asserts the rest):
+    a post that failed once created is refused with ``None``, a state ERR fails at once, and the
+    transport does not claim its failures final."""
+    with closing(NixlTransport("unfenced", random_blocks(16), fence_failures=False)) as t:
+        assert t.failures_are_final is False
+        t.add_remote_peer("p", *peer.peer_args())
+        spy = FailsAfterPosting(t._agent, fail_posts=1)
+        t._agent = spy
+        assert t.read_blocks("p", [0], [0]) is None
+        tid = t.read_blocks("p", [1], [1])
+        spy.check_xfer_state = lambda h: "ERR"  # type: ignore[method-assign]
+        assert t.poll("p").failed == [tid]
+        assert len(spy.posts) == 2  # no fence
+
+
 def test_fences_that_keep_failing_fault_their_peer(local: NixlTransport, peer: RemotePeer) -> None:
     """A read NIXL reports ``ERR`` stays withheld while NIXL refuses its fences, and each refused
     fence strikes the peer: its caller (the tier) drops a peer faulted so, instead of waiting on

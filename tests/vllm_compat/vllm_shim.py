@@ -6,7 +6,8 @@ and patch NIXL at ``nixl._NixlAgent`` / ``nixl._NixlAgentConfig``; this plugin i
 modules under those names (the real vLLM is never imported) that map onto ours:
 
 - ``data.base``: our ``PollResult``, ``DataTransport`` and ``CancelMode``;
-- ``data.nixl``: ``NixlTransport`` is ``VllmNamedNixlTransport`` below, ``logger`` is our
+- ``data.nixl``: ``NixlTransport`` is ``VllmNamedNixlTransport`` below (ours, built with
+  vLLM's failure semantics: ``fence_failures=False``), ``logger`` is our
   transport's logger, and ``_NixlAgent``/``_NixlAgentConfig`` are the agent classes our
   transport is built with (the real NIXL ones unless a test patches them; ``None`` means
   NIXL is not installed).
@@ -82,7 +83,13 @@ _proxy = _install()
 
 
 class VllmNamedNixlTransport(our_nixl.NixlTransport):
-    """Ours, unchanged, plus read-only views of our tables under the names their tests read."""
+    """Ours with vLLM 0.33's failure semantics (``fence_failures=False``: a failed post refused
+    with ``None``, a state ``ERR`` failed at once, which their tests assert; the tier's default,
+    fenced failures, is tested in tests/test_transport.py), plus read-only views of our tables
+    under the names their tests read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, fence_failures=False, **kwargs)
 
     @staticmethod
     def _nixl_api() -> tuple[Any, Any] | None:

@@ -19,8 +19,8 @@ in flight). A transfer that stays in flight keeps its handle and, after ``remove
 keeps its peer's descriptors and remote agent too: they are released when its last transfer
 resolves (or by ``cancel``/``close``), so its state check stays meaningful and a re-added peer
 id never shares a destination that may still be written. Every failure it reports is final
-(``failures_are_final``): a transfer that failed without a disconnect is reported only once a
-fence proved that nothing more of it lands.
+(``failures_are_final``) unless built with ``fence_failures=False``: a transfer that failed
+without a disconnect is reported only once a fence proved that nothing more of it lands.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class NixlTransport(NixlRegistration, DataTransport):
             unlike vLLM's 4): none. NIXL's UCX backend uses them only to split a transfer of
             1,024 blocks or more, which the tier never lets it do (``ucx_env``), yet each costs
             a thread, a UCX worker and that worker's connection to every peer.
+        fence_failures: report a transfer that failed without a disconnect only once a fence
+            proved that nothing more of it lands (``nixl_inflight``; ``failures_are_final`` is
+            then True). False gives vLLM 0.33's failure semantics exactly (a failed post refused
+            with ``None``, a state ``ERR`` failed at once), which its own test suite asserts.
         passive_progress: run NIXL's progress thread (with a delay, see ``nixl_agent``), so the
             transport serves transfers aimed at it with nothing called on it. An initiator that
             is never a target (a tier client) may pass False: it progresses its own transfers
@@ -79,8 +83,6 @@ class NixlTransport(NixlRegistration, DataTransport):
     but failing to load, with the import error) and what to do.
     """
 
-    failures_are_final = True  # a failure is reported once fenced (``nixl_inflight``)
-
     def __init__(
         self,
         local_id: str,
@@ -89,6 +91,7 @@ class NixlTransport(NixlRegistration, DataTransport):
         backends: list[str] | None = None,
         num_threads: int = 0,
         *,
+        fence_failures: bool = True,
         passive_progress: bool = True,
     ) -> None:
         super().__init__(region, config_fields)
@@ -97,7 +100,8 @@ class NixlTransport(NixlRegistration, DataTransport):
         self._lock = threading.Lock()
         self._peers = NixlPeers(self._name, self.block_len, self._lock)
         self._health = PeerHealth(self._name)
-        self._transfers = NixlInflight(self._name, self._peers, self._health)
+        self._transfers = NixlInflight(self._name, self._peers, self._health, fence=fence_failures)
+        self.failures_are_final = fence_failures
         self._closed = False
         self._registrar = Registrar(f"kv-tier-nixl-reg-{self._name}")
         self._last_registration: Future[None] | None = None  # the registrar runs them in order

@@ -26,7 +26,8 @@ meanwhile, and ``cancel(mode="immediate")`` or closing still release it. Its pee
 (or struck, for a state ``ERR``) when it failed: a post that failed part-way faults it at once,
 since its caller (the tier drops a peer that refused a post) learns of the failure only once it
 is fenced. So every failure this transport reports is final: nothing of that transfer
-lands later.
+lands later. Without fences (``fence=False``: vLLM 0.33's contract exactly, what its own test
+suite asserts) a failure is reported at once and a failed post refused with ``None``.
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
@@ -67,10 +68,13 @@ class _Transfer:
 class NixlInflight:
     """In-flight transfers by id (module docstring); the agent is ``peers.agent``."""
 
-    def __init__(self, owner: str, peers: NixlPeers, health: PeerHealth) -> None:
+    def __init__(
+        self, owner: str, peers: NixlPeers, health: PeerHealth, *, fence: bool = True
+    ) -> None:
         self._owner = owner  # the transport's name, for logs
         self._peers = peers
         self._health = health
+        self._fence = fence  # False: vLLM 0.33's failure semantics, no fences (module docstring)
         self._transfers: dict[int, _Transfer] = {}
         self._ids = itertools.count(1)
         self._kept_until_exit = False  # see agent_lifetime
@@ -95,14 +99,14 @@ class NixlInflight:
             logger.warning(
                 "NixlTransport %s: %s to %s failed: %s", self._owner, op, peer.peer_id, posted
             )
-            if handle is None or ends_transfer(posted):
-                self._health.raised(peer.peer_id, posted)
-            else:  # its caller learns of it only once fenced: a peer not to use meanwhile
+            fenced = self._fence and handle is not None and not ends_transfer(posted)
+            if fenced:  # its caller learns of it only once fenced: a peer not to use meanwhile
                 self._health.fault(peer.peer_id, f"a {op} failed part-way: {posted}")
-            if handle is None:
-                return None  # nothing was posted
-            self._release_handle(-1, handle)  # NIXL failed the request: it holds nothing of it
-            if ends_transfer(posted):
+            else:
+                self._health.raised(peer.peer_id, posted)
+            if handle is not None:  # NIXL failed the request: it holds nothing of it
+                self._release_handle(-1, handle)
+            if not fenced:
                 return None
             xfer.handle, xfer.struck, xfer.fencing = None, True, True
         tid = next(self._ids)
@@ -205,7 +209,7 @@ class NixlInflight:
         (``None``) until a fence proved it over, then ``"ERR"`` (module docstring)."""
         if not xfer.fencing:
             state = self._checked_state(tid, xfer)
-            if state in ("DONE", "PROC", "PEND", _GONE):
+            if not self._fence or state in ("DONE", "PROC", "PEND", _GONE):
                 return state
             xfer.fencing = True
         return "ERR" if self._fenced(tid, xfer) else None
