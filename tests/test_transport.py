@@ -25,6 +25,7 @@ from torch_kv_tier.transport import (
     PollResult,
     config_fingerprint,
     nixl_agent,
+    nixl_inflight,
     nixl_registration,
 )
 from torch_kv_tier.transport import nixl as nixl_module
@@ -600,10 +601,13 @@ def test_without_fences_a_failure_is_reported_at_once_as_vllm_expects(peer: Remo
         assert len(spy.posts) == 2  # no fence
 
 
-def test_fences_that_keep_failing_fault_their_peer(local: NixlTransport, peer: RemotePeer) -> None:
+def test_fences_that_keep_failing_fault_their_peer(
+    local: NixlTransport, peer: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A read NIXL reports ``ERR`` stays withheld while NIXL refuses its fences, and each refused
     fence strikes the peer: its caller (the tier) drops a peer faulted so, instead of waiting on
-    it for good; the read is reported once a fence went through."""
+    it for good; the read is reported once a fence went through. A refused fence is posted
+    again only after ``FENCE_RETRY_S`` (a dead peer's listener refuses a connect per post)."""
     local.add_remote_peer("p", *peer.peer_args())
     spy = FailsAfterPosting(local._agent, fail_posts=0)
     local._agent = spy
@@ -613,7 +617,11 @@ def test_fences_that_keep_failing_fault_their_peer(local: NixlTransport, peer: R
         lambda h: "ERR" if h is spy.made[0] else str(real_check(h))
     )
     spy.fail_posts = 3
-    for _ in range(3):
+    assert local.poll("p").failed == () and len(spy.posts) == 2
+    assert local.poll("p").failed == () and len(spy.posts) == 2  # not before FENCE_RETRY_S[0]
+    monkeypatch.setattr(nixl_inflight, "FENCE_RETRY_S", (0.0, 0.0))
+    time.sleep(0.06)
+    for _ in range(2):
         assert local.poll("p").failed == ()
     assert "3 consecutive transfer failures (last: a fence failed" in local.faulted_peers()["p"]
     assert drain(local, {tid}) == (set(), {tid})  # type: ignore[arg-type]

@@ -21,13 +21,14 @@ remote agent runs on that agent's one endpoint of the shared worker, so the fenc
 ``DONE`` proves that every operation posted to that peer before it ended, the failed one's
 included; a fence failing with a remote disconnect proves it too (the endpoint failed and UCX
 completed all its operations), and faults the peer like any disconnect. A fence failing
-otherwise strikes the peer and is posted again on the next poll; the transfer stays in flight
-meanwhile, and ``cancel(mode="immediate")`` or closing still release it. Its peer is faulted
-(or struck, for a state ``ERR``) when it failed: a post that failed part-way faults it at once,
-since its caller (the tier drops a peer that refused a post) learns of the failure only once it
-is fenced. So every failure this transport reports is final: nothing of that transfer
-lands later. Without fences (``fence=False``: vLLM 0.33's contract exactly, what its own test
-suite asserts) a failure is reported at once and a failed post refused with ``None``.
+otherwise strikes the peer and is posted again by a later poll (``FENCE_RETRY_S``); the
+transfer stays in flight meanwhile, and ``cancel(mode="immediate")`` or closing still release
+it. Its peer is faulted (or struck, for a state ``ERR``) when it failed: a post that failed
+part-way faults it at once, since its caller (the tier drops a peer that refused a post) learns
+of the failure only once it is fenced. So every failure this transport reports is final:
+nothing of that transfer lands later. Without fences (``fence=False``: vLLM 0.33's contract
+exactly, what its own test suite asserts) a failure is reported at once and a failed post
+refused with ``None``.
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,10 @@ from torch_kv_tier.transport.nixl_peers import NixlPeer, NixlPeers
 # The transport's logger: these lines are the transport's (``NixlTransport <name>: ...``).
 logger = logging.getLogger("torch_kv_tier.transport.nixl")
 
+# A fence refused without a disconnect is posted again after this long, doubled at each refusal
+# up to the most: a dead peer's listener refuses one connect() per post (and UCX logs each), for
+# as long as the tier lives. When it is posted again changes only when the transfer ends.
+FENCE_RETRY_S = (0.05, 30.0)
 _GONE = "GONE"  # pseudo-state: the check raised a remote disconnect, the transfer is over
 _RUNNING = ("PROC", "PEND", None)  # may still write (``None``: the check raised, see above)
 
@@ -63,6 +69,8 @@ class _Transfer:
     struck: bool = False  # already counted against its peer (a raising check counts once)
     fencing: bool = False  # failed without a disconnect: reported once fenced
     fence: Any = None  # the fence's handle while one is posted
+    fence_wait: float = 0.0  # after a refused fence: how long until the next (``FENCE_RETRY_S``)
+    fence_due: float = 0.0  # monotonic time of the next fence
 
 
 class NixlInflight:
@@ -217,9 +225,12 @@ class NixlInflight:
     def _fenced(self, tid: int, xfer: _Transfer) -> bool:
         """Whether ``xfer``'s fence proved it over; posts the fence when none runs. A fence that
         failed with a disconnect faults the (still published) peer; one that failed otherwise
-        strikes it, and may be on the wire too: released, the next one covers it."""
+        strikes it, and may be on the wire too: released, the next one (``FENCE_RETRY_S``)
+        covers it."""
         outcome: str | Exception
         if xfer.fence is None:
+            if time.monotonic() < xfer.fence_due:
+                return False
             local, remote = xfer.fence_pair
             xfer.fence, outcome = self._start(
                 xfer.op, xfer.local_dlist, [local], xfer.peer.dlist, [remote]
@@ -244,6 +255,9 @@ class NixlInflight:
         if xfer.fence is not None:
             self._release_handle(tid, xfer.fence)
             xfer.fence = None
+        first, most = FENCE_RETRY_S
+        xfer.fence_wait = min(max(2 * xfer.fence_wait, first), most)
+        xfer.fence_due = time.monotonic() + xfer.fence_wait
         return False
 
     def _checked_state(self, tid: int, xfer: _Transfer) -> str | None:
