@@ -118,6 +118,17 @@ def test_keys_are_checked() -> None:
             check_keys(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         check_keys(["a", "a"])
+    for bad, limit in (  # each kind of call: one key type (no per-key pass), or mixed types
+        ([1, 1 << 64], "64 bits"),
+        ([b"a", b"x" * 65], "at most 64 bytes"),
+        (["a", "é" * 33], "at most 64 bytes"),
+        (["a", b"b", -(1 << 63) - 1], "64 bits"),
+        ([7, b"b", "é" * 33], "at most 64 bytes"),
+    ):
+        with pytest.raises(ValueError, match=limit):
+            check_keys(bad)
+    assert check_keys([(1 << 64) - 1, -(1 << 63)]) == [(1 << 64) - 1, -(1 << 63)]
+    assert check_keys(["é" * 32, b"y" * 64]) == ["é" * 32, b"y" * 64]
 
 
 def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:

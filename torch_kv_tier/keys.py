@@ -73,10 +73,15 @@ def key_problem(key: object) -> str | None:
 def limits_problem(keys: list[Key], types: set[type]) -> str | None:
     """The first key of ``keys`` (all of ``types``, a subset of bytes/str/int) out of the key
     limits, worded by ``key_problem``; ``None`` when every key is within them."""
-    ints: list[int] = [k for k in keys if type(k) is int] if int in types else []
-    sized: list[bytes | str] = (
-        [k for k in keys if type(k) is not int] if len(ints) < len(keys) else []  # type: ignore[misc]
-    )
+    ints: list[int]
+    sized: list[bytes | str]
+    if int not in types:  # the usual: no per-key pass to sort ints from the others
+        ints, sized = [], keys  # type: ignore[assignment]
+    elif len(types) == 1:
+        ints, sized = keys, []  # type: ignore[assignment]
+    else:
+        ints = [k for k in keys if type(k) is int]
+        sized = [k for k in keys if type(k) is not int]  # type: ignore[misc]
     widest = max(map(len, sized)) * (4 if str in types else 1) if sized else 0
     suspect = (ints and (min(ints) < MIN_INT_KEY or max(ints) > MAX_INT_KEY)) or (
         widest > MAX_KEY_BYTES
