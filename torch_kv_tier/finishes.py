@@ -82,7 +82,8 @@ class Finishes:
                 self._publish(peer, keys, slots, digests)
             else:
                 unused = op.remote
-            peer.return_slots(unused)
+            if unused:
+                peer.return_slots(unused)
             if reason is None and unused and isinstance(peer, SharedHost) and peer.awaiting:
                 self._launch_awaiting(peer)  # the slots of discarded keys, as a grant's
         if reason is None:
