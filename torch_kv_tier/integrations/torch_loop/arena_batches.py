@@ -1,17 +1,20 @@
-"""One batch of pages through the offloader's arena: its slots, its copy, its tier transfer.
+"""Batches of pages through the offloader's arena: their slots, their copies, their transfers.
 
-:class:`ArenaBatches` lends a batch free arena slots (waiting for them until the caller's
-deadline), packs cache pages into them and hands them to the tier's ``store``, or has the tier
-``load`` into them and unpacks the loaded prefix into cache pages (:mod:`.page_copy`). A slot
-goes back to the arena once nothing can touch it any more: after the copy out for a load, when
-the tier's future resolved for a store (or a load that timed out, which may still land). It
-also counts the offloads still pending, which ``PagedKVOffloader.flush`` waits for.
+An offload or restore larger than the arena goes in batches of at most the arena's size
+(``store_all``, ``load_prefix``). For each, :class:`ArenaBatches` lends a batch free arena slots
+(waiting for them until the caller's deadline), packs cache pages into them and hands them to the
+tier's ``store``, or has the tier ``load`` into them and unpacks the loaded prefix into cache
+pages (:mod:`.page_copy`). A slot goes back to the arena once nothing can touch it any more:
+after the copy out for a load, when the tier's future resolved for a store (or a load that timed
+out, which may still land). It also counts the offloads still pending, which
+``PagedKVOffloader.flush`` waits for.
 
-Threading: ``store``, ``load`` and ``wait_idle`` run on the offloader's caller thread (the
-generation loop); store completions run on the tier's background thread and only return slots
-and retire futures. ``self._changed`` (a condition on ``self._lock``) guards the arena's
-allocator and the set of pending futures (the tier's store futures and the offloads
-``PagedKVOffloader.offload`` returned), and wakes whoever waits for either.
+Threading: ``store_all``, ``load_prefix`` (and ``store``/``load``, of one batch) and
+``wait_idle`` run on the offloader's caller thread (the generation loop); store completions run
+on the tier's background thread and only return slots and retire futures. ``self._changed`` (a
+condition on ``self._lock``) guards the arena's allocator and the set of pending futures (the
+tier's store futures and the offloads ``PagedKVOffloader.offload`` returned), and wakes whoever
+waits for either.
 """
 
 from __future__ import annotations
@@ -22,7 +25,11 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from torch_kv_tier.integrations.torch_loop.offload_results import failed_now
+from torch_kv_tier.integrations.torch_loop.offload_results import (
+    Batch,
+    OffloadError,
+    failed_now,
+)
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key
 from torch_kv_tier.manager import TierManager
@@ -44,6 +51,34 @@ class ArenaBatches:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
+
+    def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
+        """:meth:`store` ``todo`` (key: page, in order) in batches of at most the arena's size;
+        each batch's keys and future, for :func:`.offload_results.combine`."""
+        keys, size = list(todo), self._manager.arena.num_blocks
+        batches = (keys[lo : lo + size] for lo in range(0, len(keys), size))
+        return [(chunk, self.store(chunk, [todo[k] for k in chunk], deadline)) for chunk in batches]
+
+    def load_prefix(self, keys: list[Key], pages: list[int], deadline: float) -> int:
+        """:meth:`load` ``keys`` into ``pages`` in batches of at most the arena's size until one
+        comes back short; how many leading pages came back. A failed copy into the cache raises
+        ``OffloadError`` naming the pages written before it and those it may have partly
+        written."""
+        restored, size = 0, self._manager.arena.num_blocks
+        while restored < len(keys):
+            chunk = keys[restored : restored + size]
+            try:
+                got = self.load(chunk, pages[restored : restored + len(chunk)], deadline)
+            except Exception as exc:  # copying into the cache failed part-way
+                raise OffloadError(
+                    f"restore wrote {restored} of {len(keys)} stored pages (page_ids[0:{restored}]"
+                    f"), then failed copying into page_ids[{restored}:{restored + len(chunk)}], "
+                    f"which may be partly written: {exc!r}"
+                ) from exc
+            restored += got
+            if got < len(chunk):
+                break
+        return restored
 
     def store(self, keys: list[Key], pages: list[int], deadline: float) -> Future[TransferResult]:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them

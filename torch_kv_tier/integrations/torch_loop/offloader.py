@@ -34,7 +34,7 @@ import torch
 
 from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
-from torch_kv_tier.integrations.torch_loop.offload_results import Batch, OffloadError, combine
+from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
@@ -280,12 +280,9 @@ class PagedKVOffloader:
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         todo = {key: page for key, page in zip(keys, pages, strict=True) if not self._contains(key)}
-        parts: list[Batch] = []
-        batch_keys = list(todo)
-        for lo in range(0, len(batch_keys), self._blocks.shape[0]):
-            chunk = batch_keys[lo : lo + self._blocks.shape[0]]
-            parts.append((chunk, self._batches.store(chunk, [todo[k] for k in chunk], deadline)))
-        combined = combine(keys, parts, started, strict=self.strict)
+        combined = combine(
+            keys, self._batches.store_all(todo, deadline), started, strict=self.strict
+        )
         self._batches.track(combined)  # flush() waits for what the caller holds too
         return combined
 
@@ -304,22 +301,9 @@ class PagedKVOffloader:
         if len(set(pages)) != len(pages):
             raise ValueError("restore page_ids must be distinct: two blocks cannot share a page")
         wanted = self._lookup(keys)
-        deadline = time.monotonic() + self.timeout
-        restored = 0
-        step = self._blocks.shape[0]
-        while restored < wanted:
-            chunk = keys[restored : min(wanted, restored + step)]
-            try:
-                got = self._batches.load(chunk, pages[restored : restored + len(chunk)], deadline)
-            except Exception as exc:  # copying into the cache failed part-way
-                raise OffloadError(
-                    f"restore wrote {restored} of {wanted} stored pages (page_ids[0:{restored}]), "
-                    f"then failed copying into page_ids[{restored}:{restored + len(chunk)}], "
-                    f"which may be partly written: {exc!r}"
-                ) from exc
-            restored += got
-            if got < len(chunk):
-                break
+        restored = self._batches.load_prefix(
+            keys[:wanted], pages[:wanted], time.monotonic() + self.timeout
+        )
         if self.strict and restored < wanted:
             raise OffloadError(
                 f"only {restored} of {wanted} stored pages could be restored (into "
