@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import weakref
@@ -33,7 +34,7 @@ pytest.importorskip(
     reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
-from remote_support import free_port, wait_for, wait_until  # noqa: E402
+from remote_support import control_ports, free_port, wait_for, wait_until  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -387,6 +388,45 @@ def test_remote_host_death_mid_promotion_falls_back_to_recompute(
         # New chunks still go through the primary tier; their cascades fail, nothing hangs.
         driver.store("req-d", keys_for("after", 2))
         driver.run_until_idle(timeout=30.0)
+
+
+def test_a_read_still_on_the_wire_from_a_dropped_host_lands_in_no_chunk_vllm_reused(
+    tcp_server: ServerProcess,
+) -> None:
+    """The host freezes with a promotion's read in flight and its control connection is reset
+    (a NAT, a load balancer): the tier drops the host at once, but the read stays on the wire
+    and lands when the host resumes. Until the transport reported it, the promotion stays
+    pending, so vLLM keeps its chunks: reported failed at the drop, vLLM would give them to
+    the next stores, and the late read would overwrite their bytes in vLLM's CPU tier."""
+    with driven_manager(tcp_server.address, reconnect_interval_s=0) as (_, manager, driver):
+        keys = offload_then_evict(driver, BUDGET)
+        ctx = driver.arrive("req-c")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
+        later = keys_for("later", PRIMARY_CHUNKS - BUDGET)  # all the CPU tier has left
+        stop_process(tcp_server.proc.pid)
+        try:
+            driver.step()  # the promotion's read is submitted, and stays on the wire
+            for port in control_ports(tcp_server):
+                subprocess.run(
+                    ["ss", "-K", "src", f"127.0.0.1:{port}"], check=True, capture_output=True
+                )
+            tier = driver.tier.tier_manager
+            wait_until(lambda: not tier.peers(), "the tier drops the reset host", 20.0)
+            driver.step()
+            with manager.lock:
+                assert manager.has_pending_work()  # the read may still land
+            driver.store("req-later", later)  # takes chunks a reported promotion would free
+        finally:
+            os.kill(tcp_server.proc.pid, signal.SIGCONT)
+        driver.run_until_idle(timeout=30.0)  # the read lands and is reported
+        promoted = driver.lookup(ctx, keys)
+        hits = [k for k, r in zip(keys, promoted, strict=True) if r is LookupResult.HIT]
+        assert driver.loaded_bytes(ctx, hits) == [driver.written[k] for k in hits]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+        reader = driver.arrive("req-reader")
+        assert driver.lookup(reader, later) == [LookupResult.HIT] * len(later)
+        assert driver.loaded_bytes(reader, later) == [driver.written[k] for k in later]
 
 
 def test_tier_reconnects_to_a_restarted_remote_host(tcp_server: ServerProcess) -> None:
