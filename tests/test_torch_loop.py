@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from remote_support import free_port
+from remote_support import free_port, wait_for
 
+from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.integrations.torch_loop import (
     OffloadError,
     PagedKVOffloader,
@@ -263,6 +264,38 @@ def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
             assert torch.equal(page(keys_c, 8 + i), expected[i])
         late = off.offload([4], [b"after-death"]).result(timeout=30)  # does not raise either
         assert late.keys == [] or late.ok
+
+
+def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Over UCX's TCP transport a read from a stopped host stays on the wire: the restore gives
+    # up after its timeout (0 pages, the cache untouched), but the read may still land in its
+    # arena slots, so no later offload or restore may use them until the tier reported it.
+    # Once the host resumes, the slots come back and the same restore is whole and exact.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    keys_c, values_c = random_caches(torch.float32, seed=13)
+    keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"frozen-restore")
+    with (
+        ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=server.address, arena_blocks=4, timeout=1.0
+        ) as off,
+    ):
+        assert off.offload(range(4), keys).result(timeout=30).ok
+        expected, untouched = [page(keys_c, p) for p in range(4)], page(keys_c, 8)
+        stop_process(server.proc.pid)
+        try:
+            assert off.restore(keys, [8, 9, 10, 11]) == 0
+            assert torch.equal(page(keys_c, 8), untouched)
+            assert off.manager.arena.num_free == 0  # the read may still land there
+            late = off.offload([4], [b"while-frozen"]).result(timeout=30)
+            assert late.failed == {b"while-frozen": "capacity"}
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)
+        assert off.restore(keys, [8, 9, 10, 11]) == 4
+        assert all(torch.equal(page(keys_c, 8 + i), expected[i]) for i in range(4))
 
 
 def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:
