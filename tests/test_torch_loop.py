@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -245,6 +246,28 @@ def test_missing_remote_falls_back_to_recompute(remote: str) -> None:
     half_k, half_v = [k[:, :4] for k in keys_c], [v[:, :4] for v in values_c]  # other block_len
     with pytest.raises(OffloadError, match=remote):
         PagedKVOffloader.create(half_k, half_v, remote=remote, strict=True)
+
+
+def test_a_host_down_at_create_joins_once_it_is_up() -> None:
+    # Found by review: a host that did not answer at create() was never dialled again (the tier
+    # re-dials only hosts once connected), so every offload failed and every restore was 0 for
+    # the offloader's life. Now it is dialled every reconnect_interval_s until it joins.
+    keys_c, values_c = random_caches(torch.float32, seed=14)
+    port = free_port()  # nobody listens here yet
+    address = f"127.0.0.1:{port}"
+    with PagedKVOffloader.create(
+        keys_c, values_c, remote=address, timeout=5, connect_timeout=0.5, reconnect_interval_s=0.2
+    ) as off:
+        assert off.manager.peers() == []
+        with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
+            assert wait_for(lambda: off.manager.peers() != [], 20.0)
+            assert off.offload([0, 1], [b"late-0", b"late-1"]).result(timeout=30).ok
+            assert off.restore([b"late-0", b"late-1"], [5, 6]) == 2
+            assert torch.equal(page(keys_c, 5), page(keys_c, 0))
+    threads = [t.name for t in threading.enumerate() if t.name == "tkvt-membership"]
+    assert threads == []  # close stopped the dialling
+    with pytest.raises(ValueError, match="reconnect_interval_s"):
+        PagedKVOffloader.create(keys_c, values_c, reconnect_interval_s=-1)
 
 
 def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
@@ -552,6 +575,7 @@ def test_a_connect_waits_at_most_the_offloaders_timeout(monkeypatch: pytest.Monk
     monkeypatch.setattr(TierManager, "connect", connect)
     address = f"127.0.0.1:{free_port()}"
     for kwargs in ({"timeout": 0.5}, {}, {"timeout": 2.0, "connect_timeout": 20.0}):
+        kwargs["reconnect_interval_s"] = 0  # no dialling in the background: only these connects
         with PagedKVOffloader.create(keys_c, values_c, remote=address, **kwargs) as off:  # type: ignore[arg-type]
             assert off.connect(address, connect_timeout=0.25) == ""
     assert given == [0.5, 0.25, 10.0, 0.25, 20.0, 0.25]

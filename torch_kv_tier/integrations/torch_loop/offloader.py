@@ -28,12 +28,13 @@ import operator
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
+from torch_kv_tier.integrations.torch_loop.host_dials import HostDials
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
@@ -70,13 +71,15 @@ class PagedKVOffloader:
         owns_manager: bool = False,
         timeout: float = 30.0,
         strict: bool = False,
+        reconnect_interval_s: float = 5.0,
     ) -> None:
         """Wrap ``manager``, whose arena's ``block_len`` must equal :meth:`block_len_for`.
 
         ``timeout`` bounds each call's waits in all (a restore's loads, an offload's waits for
-        free arena slots, a flush): a finite number of seconds > 0. Raises ``ValueError`` if the
-        caches disagree in shape, dtype or device, do not match the arena's block length, or for
-        another ``timeout``.
+        free arena slots, a flush): a finite number of seconds > 0. A host that does not answer
+        :meth:`connect` is dialled again every ``reconnect_interval_s`` (0: never) until it
+        joins. Raises ``ValueError`` if the caches disagree in shape, dtype or device, do not
+        match the arena's block length, or for another ``timeout`` or a negative interval.
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -86,6 +89,7 @@ class PagedKVOffloader:
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
         _check_timeout("timeout", timeout)
+        dials = HostDials(manager, reconnect_interval_s)  # ValueError for a bad interval
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -101,6 +105,7 @@ class PagedKVOffloader:
         )
         self._pages = PageCopier(self.key_caches, self.value_caches, self._blocks)
         self._batches = ArenaBatches(manager, self._pages, timeout)
+        self._dials = dials
         self._closed = False
 
     @staticmethod
@@ -154,16 +159,17 @@ class PagedKVOffloader:
         timeout: float = 30.0,
         connect_timeout: float | None = None,
         strict: bool = False,
+        reconnect_interval_s: float = 5.0,
     ) -> PagedKVOffloader:
         """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
 
         ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
         (``token``/``private``/``slots``/``connect_timeout`` are passed to each
-        :meth:`connect`). A host that cannot be reached is logged and skipped (restores then
-        return 0) unless ``strict``, which raises; arguments no host could accept raise
-        ``ValueError`` before the tier is built (:meth:`connect`). ``timeout`` is the
-        offloader's (``__init__``); it bounds each connect too unless ``connect_timeout`` is
-        given.
+        :meth:`connect`). A host that cannot be reached is logged and skipped (its pages are
+        recomputed; one that does not answer is dialled again until it joins) unless ``strict``,
+        which raises; arguments no host could accept raise ``ValueError`` before the tier is
+        built (:meth:`connect`). ``timeout`` and ``reconnect_interval_s`` are the offloader's
+        (``__init__``); ``timeout`` bounds each connect too unless ``connect_timeout`` is given.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
@@ -200,6 +206,7 @@ class PagedKVOffloader:
                 owns_manager=True,
                 timeout=timeout,
                 strict=strict,
+                reconnect_interval_s=reconnect_interval_s,
             )
             for address in remotes:
                 offloader.connect(
@@ -231,24 +238,26 @@ class PagedKVOffloader:
         ``timeout``, but at most the tier's default (``CONNECT_TIMEOUT_S``, 10 s), so that a
         host that is down delays startup no longer than the tier alone would.
 
-        Failure is logged and swallowed unless ``strict`` (then ``OffloadError``). Arguments no
-        host could accept (an address not ``HOST:PORT``, ``slots`` without ``private`` or not
-        > 0, an empty ``token``, a ``connect_timeout`` not a finite number > 0) raise
-        ``ValueError`` instead; ``RuntimeError`` once closed.
+        Failure is logged and swallowed unless ``strict`` (then ``OffloadError``); a host that
+        does not answer (down, or not started yet) is then dialled again in the background
+        every ``reconnect_interval_s`` until it joins (and whenever the tier loses it after).
+        Arguments no host could accept (an address not ``HOST:PORT``, ``slots`` without
+        ``private`` or not > 0, an empty ``token``, a ``connect_timeout`` not a finite number
+        > 0) raise ``ValueError`` instead; ``RuntimeError`` once closed.
         """
         self._check_open("connect")
         check_connect_args(address, slots, private, token)
         if connect_timeout is None:
             connect_timeout = min(self.timeout, CONNECT_TIMEOUT_S)
         _check_timeout("connect_timeout", connect_timeout)
+        kwargs: dict[str, Any] = dict(token=token, private=private, slots=slots)
+        kwargs["timeout_s"] = connect_timeout
         try:
-            return self.manager.connect(
-                address, token=token, private=private, slots=slots, timeout_s=connect_timeout
-            )
+            return self.manager.connect(address, **kwargs)
         except Exception as exc:
             if self.strict:
                 raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
-            log.warning("remote host %s unavailable, KV pages will be recomputed: %s", address, exc)
+            self._dials.unavailable(address, kwargs, exc)  # logged; dialled again if silent
             return ""
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -333,8 +342,9 @@ class PagedKVOffloader:
             if not self.flush(timeout):
                 log.warning("closing with offloads still in flight; they may not be stored")
         finally:
-            if self._owns_manager:
+            if self._owns_manager:  # first: closing the tier ends a handshake under way
                 self.manager.close(timeout=max(deadline - time.monotonic(), 0.0))
+            self._dials.stop(deadline)
 
     def __enter__(self) -> PagedKVOffloader:
         return self
