@@ -34,7 +34,7 @@ from torch_kv_tier.membership import (
     make_resolver,
     parse_source,
 )
-from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 
 WAIT_S = 10.0
 
@@ -766,3 +766,33 @@ def test_two_hosts_with_one_id_are_a_clear_error() -> None:
         tier.arena.tensor[:1].random_(0, 256)
         assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
         assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
+
+
+def test_a_host_restarted_before_the_tier_noticed_is_not_called_a_host_id_mistake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that restarted at its address (same ``--host-id``) before the tier noticed (its
+    machine died without a reset reaching the tier, which learns it at the next heartbeat):
+    a connect there was refused telling the user to give each host its own ``--host-id``, a
+    configuration that is right. The error says what happened: the tier drops the old session
+    within its heartbeat timeout and dials the host again by itself."""
+    open_ = RemoteSession.open.__func__  # type: ignore[attr-defined]
+
+    def quiet_open(cls: type[RemoteSession], *args: Any, **kwargs: Any) -> RemoteSession:
+        return open_(cls, *args, **{**kwargs, "heartbeat_interval_s": 60.0})
+
+    # the old connection's end is not seen, and no heartbeat asks the new host meanwhile
+    monkeypatch.setattr(RemoteSession, "open", classmethod(quiet_open))
+    monkeypatch.setattr(session_io, "disconnected", lambda _monitor: False)
+    args = ["--port", str(free_port()), "--host-id", "pod-0"]
+    with TierManager.create(16, BLOCK_LEN, name="unnoticed") as tier:
+        first = ServerProcess.start(32, BLOCK_LEN, extra_args=args)
+        try:
+            assert tier.connect(first.address, timeout_s=5.0) == "pod-0"
+        finally:
+            first.kill()
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second:
+            with pytest.raises(ValueError, match="restarted") as refused:
+                tier.connect(second.address, timeout_s=5.0)
+            assert "--host-id" not in str(refused.value), refused.value
+            assert "heartbeat timeout" in str(refused.value), refused.value

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.connections import Dial, EndedSessions, Redialer, twin_problem
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.records import Peer
@@ -80,7 +80,8 @@ class ConnectedHosts(SessionReleases):
         Connecting a host that is connected already returns its id (also at another address
         of it); so does a connect of a host another thread is connecting meanwhile, once that
         one succeeded. Another host process with the id of a connected one raises
-        ``ValueError`` naming both addresses (hosts need distinct ``--host-id``).
+        ``ValueError`` naming both addresses (hosts need distinct ``--host-id``; at the same
+        address it says the host restarted and this tier has not noticed yet).
 
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
@@ -150,11 +151,7 @@ class ConnectedHosts(SessionReleases):
                 self._forget_replaced(peer_id, dial.address)
         if twin is not None:
             self._end_keeping_releases(session, True)
-            raise ValueError(
-                f"the host at {dial.address} calls itself {peer_id!r}, as does the host "
-                f"connected at {twin}, another process: give each host its own --host-id "
-                "(by default it is the address the host listens on)"
-            )
+            raise ValueError(twin_problem(dial.address, peer_id, twin))
         if known:
             self._end_keeping_releases(session, True)
             if joining is not None:
