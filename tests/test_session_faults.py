@@ -454,3 +454,33 @@ def test_a_host_disconnected_clean_is_not_sent_a_release_of_that_session(
     ):
         tier.disconnect(tier.connect(server.address))
         assert told == [{}], told
+
+
+def test_releases_close_makes_over_a_session_lost_meanwhile_still_reach_the_host() -> None:
+    """``close`` names the resolved sessions of each host over its live session; one lost just
+    then (its connection reset as ``close`` began) refused them, and they were dropped with a
+    log line: the host held their slots for good. They go over a session of their own."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="lost-at-close")
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        end_sessions = tier._end_sessions
+
+        def reset() -> None:
+            raise session_io._Lost("the control connection was closed or reset")
+
+        def lost_first(ending: list[tuple[Any, bool]], timeout_s: float) -> None:
+            session._enqueue_action(reset)  # the I/O thread ends the session as a reset does
+            assert wait_for(lambda: session.lost is not None, 5.0)
+            end_sessions(ending, timeout_s)
+
+        tier._end_sessions = lost_first  # type: ignore[method-assign]
+        with tier._lock:  # the tier learnt that every write of ``held`` resolved
+            tier._ended.give_back(server.address, [held.session_id])
+        tier.close()
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

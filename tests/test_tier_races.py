@@ -454,9 +454,9 @@ def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     it waited for each in turn with the whole timeout, so N frozen hosts took N times it)."""
     release = threading.Event()
     monkeypatch.setattr(
-        session_releases, "end_session", lambda *_args: release.wait(30)
+        session_releases, "end_session", lambda *_args: release.wait(30) and []
     )  # a host that does not answer
-    sessions = [type("S", (), {"address": f"h{i}:1"})() for i in range(4)]
+    sessions = [type("S", (), {"address": f"h{i}:1", "ended_clean": False})() for i in range(4)]
     arena = BlockArena(4, BLOCK_LEN)
     tier = TierManager(arena, LateWriteTransport(arena.tensor))
     try:

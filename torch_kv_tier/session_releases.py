@@ -87,6 +87,12 @@ class SessionReleases:
                 self._ended.give_back(address, held)
         self._forget_removed(address)
 
+    def _dial(self, address: str) -> Dial | None:
+        """How the host at ``address`` was dialled (removed, or connected), if it was."""
+        return self._removed.get(address) or next(
+            (d for d in self._dials.values() if d.address == address), None
+        )
+
     def _forget_removed(self, address: str) -> None:
         """Forget how a removed host at ``address`` was dialled once nothing needs it: no
         session of it is left to release and no redial of it is in progress (that one checks
@@ -133,11 +139,22 @@ class SessionReleases:
         released that its host may not have read (its disconnect went unanswered:
         ``RemoteSession.unreleased``), to be told again. A session its host ended clean
         (``RemoteSession.ended_clean``) is not released itself: nothing of it is held."""
-        end_session(session, clean, [])
+        unread = end_session(session, clean, [])
         with self._lock:
-            self._ended.give_back(session.address, session.unreleased())
+            self._ended.give_back(session.address, unread)
             if session.ended_clean:
                 self._ended.forget(session)
+
+    def _last_word(self, session: Any, clean: bool, held: list[str], dial: Dial | None) -> None:
+        """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
+        its host may not have read (the session lost meanwhile, its disconnect unanswered) goes
+        over a session of its own (``dial``'s): no later session would carry it."""
+        unread = end_session(session, clean, held)
+        if unread and dial is not None:
+            self._release_over_own_session(dial, unread, last_word=True)
+        elif unread:
+            with self._lock:
+                self._ended.give_back(session.address, unread)
 
     def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
         """``close``'s last word to every host (unlocked): each live session carries the
@@ -147,12 +164,11 @@ class SessionReleases:
         the session itself after its lease timeout."""
         with self._lock:
             work: list[tuple[Any, tuple[Any, ...]]] = [
-                (end_session, (s, clean, self._ended.take(s.address))) for s, clean in ending
+                (self._last_word, (s, clean, self._ended.take(s.address), self._dial(s.address)))
+                for s, clean in ending
             ]
             for address in list(self._ended.resolved):
-                dial = self._removed.get(address) or next(
-                    (d for d in self._dials.values() if d.address == address), None
-                )
+                dial = self._dial(address)
                 if dial is not None:
                     last_word = partial(self._release_over_own_session, last_word=True)
                     work.append((last_word, (dial, self._ended.take(address))))
@@ -164,12 +180,17 @@ class SessionReleases:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
-def end_session(session: Any, clean: bool, held: list[str]) -> None:
+def end_session(session: Any, clean: bool, held: list[str]) -> list[str]:
     """Tell a host which ended sessions resolved, then end ``session`` (clean: no write of it
-    in flight). Never raises: a host that does not answer ends the session itself."""
+    in flight); return the ended sessions it released that the host may not have read (the
+    session refused them, was lost, or its disconnect went unanswered: ``unreleased``), to
+    be named again. Never raises: a host that does not answer ends the session itself."""
+    refused: list[str] = []
     if held:
         try:
             session.release(held)
-        except ConnectionError:
+        except ConnectionError:  # (some may have gone out: ``unreleased`` names those)
             logger.info("%s: could not release %d ended sessions", session.peer_id, len(held))
+            refused = held
     session.close(clean=clean)
+    return list(dict.fromkeys([*session.unreleased(), *refused]))
