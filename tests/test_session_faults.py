@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, free_port, wait_for
 
+from torch_kv_tier import session_releases
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.connections import Dial
 from torch_kv_tier.manager import TierManager
@@ -480,6 +481,34 @@ def test_releases_close_makes_over_a_session_lost_meanwhile_still_reach_the_host
         with tier._lock:  # the tier learnt that every write of ``held`` resolved
             tier._ended.give_back(server.address, [held.session_id])
         tier.close()
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]
+
+
+def test_a_release_under_way_as_the_tier_closes_is_still_told() -> None:
+    """A removed host's resolved sessions go over a session of their own, on a thread; a
+    ``close`` while that handshake awaited the host (frozen) cancelled it, and the thread gave
+    them back after ``close`` had looked for what to name: nobody named them, and the host
+    held their slots for good. The thread makes ``close``'s last word itself."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="closed-mid-release")
+        peer = tier.connect(server.address)
+        stop_process(server.proc.pid)
+        try:
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+            tier.remove_peer(peer)  # its handshake awaits the frozen host
+            assert any(t.name == session_releases.RELEASE_THREAD for t in threading.enumerate())
+            closing = threading.Thread(target=tier.close, daemon=True)
+            closing.start()
+            time.sleep(0.5)  # the handshake sees ``close`` (it looks every CANCEL_POLL_S)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)  # in time for ``close``'s last word
+        closing.join(timeout=RESULT_TIMEOUT_S)
+        assert not closing.is_alive()
         with fake_session(server.address, private=False) as observer:
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"

@@ -50,6 +50,8 @@ class EndedSessions:
     def __init__(self) -> None:
         self._writes: dict[Any, int] = {}  # ended session -> its writes still in flight
         self.resolved: dict[str, list[str]] = {}  # address -> session ids to release
+        # address -> release threads carrying sessions they took there (``session_releases``)
+        self.carrying: dict[str, int] = {}
 
     def ended(self, session: Any, writes_in_flight: int) -> None:
         """``session`` ended with ``writes_in_flight`` writes the transport still holds."""
@@ -89,8 +91,21 @@ class EndedSessions:
         return self.resolved.pop(address, [])
 
     def holds(self, address: str) -> bool:
-        """Whether a session of ``address`` is still to be released (resolved or not)."""
-        return address in self.resolved or any(s.address == address for s in self._writes)
+        """Whether a session of ``address`` is still to be released (resolved or not, or
+        being carried there)."""
+        return (
+            address in self.resolved
+            or address in self.carrying
+            or any(s.address == address for s in self._writes)
+        )
+
+    def carry(self, address: str, delta: int) -> None:
+        """A release thread starts (``delta`` 1) or stops (-1) carrying sessions to ``address``."""
+        left = self.carrying.get(address, 0) + delta
+        if left:
+            self.carrying[address] = left
+        else:
+            del self.carrying[address]
 
     @property
     def unresolved(self) -> int:

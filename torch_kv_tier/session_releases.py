@@ -45,6 +45,7 @@ class SessionReleases:
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     _lock: DeferringLock
+    _cond: threading.Condition  # on ``_lock``
     _closed: bool
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
@@ -73,11 +74,9 @@ class SessionReleases:
                 dial = self._removed.get(address)
                 held = self._ended.take(address) if dial is not None else []
                 if held:
+                    self._ended.carry(address, 1)
                     threading.Thread(
-                        target=self._release_over_own_session,
-                        args=(dial, held),
-                        name=RELEASE_THREAD,
-                        daemon=True,
+                        target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
                     ).start()
         else:
             held = self._ended.take(address)
@@ -102,6 +101,19 @@ class SessionReleases:
         if dial is not None and dial is not self._redialing and not self._ended.holds(address):
             del self._removed[address]
 
+    def _carry(self, dial: Dial, held: list[str]) -> None:
+        """A ``RELEASE_THREAD`` (unlocked): ``_release_over_own_session``, counted in
+        ``_ended.carrying`` until it ends (its removed host is remembered meanwhile), so that
+        ``close`` waits for what its closing made it hand back before it looks for what to
+        name."""
+        try:
+            self._release_over_own_session(dial, held)
+        finally:
+            with self._lock:
+                self._ended.carry(dial.address, -1)
+                self._forget_removed(dial.address)
+                self._cond.notify_all()
+
     def _release_over_own_session(
         self, dial: Dial, held: list[str], *, last_word: bool = False
     ) -> None:
@@ -111,7 +123,7 @@ class SessionReleases:
         session an earlier one may have opened (``AcceptLost``); when none is answered (the
         host is down, restarted or frozen) they all stay in ``_ended``, to be named again
         (``_send_releases``, a connect there, ``close``). ``last_word``: ``close``'s (one try,
-        which its closing does not cancel)."""
+        which its closing does not cancel; one it cancelled leaves them to ``close``)."""
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         for attempt in range(1, _RELEASE_TRIES + 1):
             try:
@@ -119,6 +131,8 @@ class SessionReleases:
                 self._end_keeping_releases(session, True)
                 return
             except Exception as exc:  # ``_open`` handed them back, with what it may have opened
+                if self._closed and not last_word:  # ``close`` names them (``_carry``)
+                    return
                 if attempt == _RELEASE_TRIES or self._closed:
                     logger.warning(
                         "could not tell %s that %d ended sessions resolved (it holds their "
@@ -160,9 +174,13 @@ class SessionReleases:
         """``close``'s last word to every host (unlocked): each live session carries the
         resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
         in flight); a host with resolved sessions and no live one gets a session of its own.
-        Side by side, within ``timeout_s`` (at least 0.1 s); a host that does not answer ends
+        Side by side, within ``timeout_s`` (at least 0.1 s), once the release threads
+        ``close`` cancelled handed back what they carried; a host that does not answer ends
         the session itself after its lease timeout."""
+        deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         with self._lock:
+            while self._ended.carrying and time.monotonic() < deadline:
+                self._cond.wait(timeout=deadline - time.monotonic())
             work: list[tuple[Any, tuple[Any, ...]]] = [
                 (self._last_word, (s, clean, self._ended.take(s.address), self._dial(s.address)))
                 for s, clean in ending
@@ -175,7 +193,6 @@ class SessionReleases:
         threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in work]
         for thread in threads:
             thread.start()
-        deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
