@@ -22,6 +22,7 @@ import pytest
 import torch
 from remote_support import BLOCK_LEN, free_port, wait_until
 
+from torch_kv_tier import connections
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import (
     DnsHosts,
@@ -796,3 +797,62 @@ def test_a_host_restarted_before_the_tier_noticed_is_not_called_a_host_id_mistak
                 tier.connect(second.address, timeout_s=5.0)
             assert "--host-id" not in str(refused.value), refused.value
             assert "heartbeat timeout" in str(refused.value), refused.value
+
+
+def test_a_connected_host_add_peer_replaced_is_not_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``add_peer`` under the id of a connected host (lost and due for a redial) replaced its
+    registration but left how it was dialled: once the user's registration failed in turn, the
+    redial connected the old host again in its place, and the entry stayed for good."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 2.0)  # the redial is due meanwhile
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="replaced") as tier,
+    ):
+        peer = tier.connect(server.address, timeout_s=5.0)
+        session = tier._peers[peer].session
+        assert session is not None
+        region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer, "failed a transfer")
+        wait_until(lambda: bool(tier._redialer._due), "the host is due for a redial")
+        tier.add_peer(peer, *region)
+        assert peer not in tier._dials
+        with tier._lock:  # the user's registration fails in turn
+            tier._lose_peer(peer, "failed a transfer")
+        wait_until(lambda: not tier._redialer._due, "the redialer lets go of the host")
+        assert tier.peers() == [], "the old host was dialled again in the user's place"
+
+
+def test_a_redial_under_way_as_add_peer_replaces_its_host_leaves_the_users_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other order: ``add_peer`` replaced the host while a redial of it awaited the host's
+    answer. The redial must end its own session, not remove the user's registration."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="replaced-mid-redial") as tier,
+    ):
+        peer = tier.connect(server.address, timeout_s=5.0)
+        session = tier._peers[peer].session
+        assert session is not None
+        region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+        entered, go = threading.Event(), threading.Event()
+        open_ = tier._open
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "tkvt-redial":
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            return open_(*args, **kwargs)
+
+        tier._open = held_open  # type: ignore[method-assign]
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer, "failed a transfer")
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        tier.add_peer(peer, *region)
+        go.set()
+        wait_until(lambda: not tier._redialer._due, "the redialer lets go of the host")
+        assert tier.peers() == [peer] and tier._peers[peer].session is None

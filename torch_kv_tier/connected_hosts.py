@@ -304,8 +304,11 @@ class ConnectedHosts(SessionReleases):
             removed = self._removed.get(dial.address) is dial
             if removed:
                 self._dials.pop(peer_id, None)
-        if removed:
+            peer = self._peers.get(peer_id)  # (an ``add_peer`` that replaced it stays)
+            published = removed and peer is not None and peer.session is not None
+        if published:
             self.remove_peer(peer_id)
+        if removed:
             with self._lock:
                 self._send_releases(dial.address)
 
@@ -351,9 +354,11 @@ class ConnectedHosts(SessionReleases):
         slots: range | None,
         session: Any,
     ) -> None:
-        """Register a tier-owned region (``add_peer``, or a private lease's) (unlocked). A
-        registration of ``peer_id`` it replaces is dropped first; its session ends as a lost
-        one's does (``_end_keeping_releases``)."""
+        """Register a tier-owned region (``add_peer``, or a private lease's ``session``)
+        (unlocked). A registration of ``peer_id`` it replaces is dropped first; its session
+        ends as a lost one's does (``_end_keeping_releases``). ``add_peer`` over a connected
+        host (or one lost and dialled again) stops dialling it, as ``remove_peer`` does; its
+        ended sessions are still released."""
         # bad input raises before the old registration and its keys are dropped
         check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
         slots = range(num_blocks) if slots is None else slots
@@ -364,11 +369,17 @@ class ConnectedHosts(SessionReleases):
         old = None
         with self._lock:
             self._check_open()
+            dial = None if session is not None else self._dials.pop(peer_id, None)
+            if dial is not None:
+                self._removed[dial.address] = dial
             if peer_id in self._peers:
                 old = self._drop_peer(peer_id)
         self._flush()
         if old is not None and old[0] is not None:
             self._end_keeping_releases(*old)
+        if dial is not None:
+            with self._lock:
+                self._send_releases(dial.address)
         self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
         with self._lock:
             self._check_open()
