@@ -312,7 +312,8 @@ class RemoteSession(SharedRequests):
         Raises ``TimeoutError`` when the server does not answer within ``timeout_s`` and
         ``ConnectionError`` when the session is closed or lost.
         """
-        reply = self._call(lambda seq: p.StatsRequest(seq, self.session_id), self._timeout_s)
+        asked = self._call_async(lambda seq: p.StatsRequest(seq, self.session_id))
+        reply = asked.result(timeout=self._timeout_s + 5.0)  # the I/O thread times it out
         if isinstance(reply, p.StatsReply):
             return reply.stats
         raise ConnectionError(f"{self.peer_id} refused stats: {describe(reply)}")

@@ -101,16 +101,6 @@ class SessionIO:
 
     # -- requests from any thread -----------------------------------------------------------
 
-    def _call(
-        self,
-        make: Callable[[int], p.ClientMessage],
-        timeout_s: float,
-        *,
-        allow_closed: bool = False,
-    ) -> p.ServerMessage:
-        future = self._call_async(make, timeout_s=timeout_s, allow_closed=allow_closed)
-        return future.result(timeout=timeout_s + 5.0)  # the I/O thread enforces timeout_s
-
     def _call_async(
         self,
         make: Callable[[int], p.ClientMessage],
@@ -311,13 +301,7 @@ class SessionIO:
         if not commits:
             return False
         keys, slots, digests = (list(chain.from_iterable(part)) for part in zip(*commits))
-        step = p.MAX_KEYS_PER_MESSAGE
-        for i in range(0, len(keys), step):
-            chunk = slice(i, i + step)
-            self._send(
-                sock,
-                p.Commit(next(seqs), self.session_id, keys[chunk], slots[chunk], digests[chunk]),
-            )
+        self._send_chunked(sock, seqs, p.Commit, keys, slots, digests)
         if self._follower is not None:
             self._follower.on_commits(keys, slots, digests)
         return True
@@ -326,10 +310,20 @@ class SessionIO:
         """The keys touched since the last time, each once, in as few frames as fit."""
         with self._lock:
             touches, self._touches = self._touches, []
-        touches = list(dict.fromkeys(touches))
+        self._send_chunked(sock, seqs, p.Touch, list(dict.fromkeys(touches)))
+
+    def _send_chunked(
+        self,
+        sock: zmq.Socket[bytes],
+        seqs: itertools.count[int],
+        make: Callable[..., p.ClientMessage],
+        *columns: list[Any],
+    ) -> None:
+        """``make(seq, session_id, *columns)`` in as few frames as fit (``MAX_KEYS_PER_MESSAGE``
+        rows each)."""
         step = p.MAX_KEYS_PER_MESSAGE
-        for i in range(0, len(touches), step):
-            self._send(sock, p.Touch(next(seqs), self.session_id, touches[i : i + step]))
+        for i in range(0, len(columns[0]), step):
+            self._send(sock, make(next(seqs), self.session_id, *(c[i : i + step] for c in columns)))
 
     def _finish(
         self,
