@@ -513,3 +513,36 @@ def test_a_release_under_way_as_the_tier_closes_is_still_told() -> None:
             assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
                 "held_sessions"
             ]
+
+
+def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost session's end hands back the releases it carried that its host may not have
+    read; when the user removed the host meanwhile (a fleet dropping a host as it dies), the
+    removal had already released and forgotten it: they were kept for an address nobody
+    dials, not even ``close``, and the host held those sessions' slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="removed-while-ending") as tier,
+    ):
+        held = _held_session(server.address)
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        ending, end = threading.Event(), session_releases.end_session
+
+        def slow_end(*args: Any) -> list[str]:
+            ending.wait(timeout=RESULT_TIMEOUT_S)
+            return end(*args)
+
+        monkeypatch.setattr(session_releases, "end_session", slow_end)
+        with tier._lock:  # as a failed transfer does: the session ends on a thread of its own
+            tier._lose_peer(peer, "failed a transfer")
+        tier.remove_peer(peer)
+        ending.set()
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
+                "held_sessions"
+            ]

@@ -473,6 +473,13 @@ class _UnansweredSession(_PrivateSession):
     ``Release`` messages) and whose disconnect went unanswered: its host may not have read
     them (``RemoteSession.unreleased``)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: list[list[str]] = []
+
+    def release(self, held: list[str]) -> None:
+        self.told.append(held)
+
     def unreleased(self) -> list[str]:
         return ["sid-a", "sid-b"]
 
@@ -501,4 +508,8 @@ def test_a_session_the_tier_ends_unused_keeps_the_releases_it_carried(
             sessions[0].agent_metadata = b"unregistered"  # the transport refuses it
             with pytest.raises(KeyError):
                 tier._connect(dial)
-        assert tier._ended.resolved == {"host-1:1": ["sid-a", "sid-b"]}, tier._ended.resolved
+        if ended_by == "a second connect":  # told at once, over the host's live session
+            assert sessions == [] and not tier._ended.resolved, tier._ended.resolved
+            assert tier._peers["host-1"].session.told == [["sid-a", "sid-b"]]  # type: ignore[union-attr]
+        else:
+            assert tier._ended.resolved == {"host-1:1": ["sid-a", "sid-b"]}, tier._ended.resolved

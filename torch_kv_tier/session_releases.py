@@ -152,12 +152,21 @@ class SessionReleases:
         """End ``session`` (unlocked; as ``end_session``) and keep the ended sessions it
         released that its host may not have read (its disconnect went unanswered:
         ``RemoteSession.unreleased``), to be told again. A session its host ended clean
-        (``RemoteSession.ended_clean``) is not released itself: nothing of it is held."""
+        (``RemoteSession.ended_clean``) is not released itself: nothing of it is held. They
+        go out at once unless a redial will carry them (``_send_releases``); a host removed
+        and forgotten meanwhile is remembered again for it."""
+        address = session.address
+        with self._lock:
+            dial = self._dial(address)
         unread = end_session(session, clean, [])
         with self._lock:
-            self._ended.give_back(session.address, unread)
+            self._ended.give_back(address, unread)
             if session.ended_clean:
                 self._ended.forget(session)
+            if unread and not self._closed:
+                if dial is not None and self._dial(address) is None:
+                    self._removed[address] = dial
+                self._send_releases(address)
 
     def _last_word(self, session: Any, clean: bool, held: list[str], dial: Dial | None) -> None:
         """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
