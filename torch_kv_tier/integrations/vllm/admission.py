@@ -46,10 +46,10 @@ applies only while:
   until their cascade to this tier finished); once landed they are held until their request
   runs (``promotion_pin``), so a store that finds no other room is refused and retried a step
   later. So the CPU tier (``primary_chunks``) must hold the promises held, the prefix, and a
-  prefix per recompute of the last step twice over (README, "Held until scheduled"). A request
-  promoted because the queue fits and is known is not checked: unchecked, none lost a chunk in
-  serve-bench at concurrency 4 and 16 with an 8 MiB tier, and checked, the tier served fewer
-  prompt tokens (README, "Under load").
+  prefix per recompute of the last step twice over (docs/vllm-under-load.md, "Held until
+  scheduled"). A request promoted because the queue fits and is known is not checked:
+  unchecked, none lost a chunk in serve-bench at concurrency 4 and 16 with an 8 MiB tier, and
+  checked, the tier served fewer prompt tokens (README, "Under load").
 
 Otherwise the request recomputes at once (MISS), as without the tier (the guard below aside).
 Its chunks are then promoted:
@@ -82,7 +82,7 @@ Reported failed, the request recomputes whole from the next step.
 A MISS ends vLLM's prefix scan, so a refused request is served the leading chunks it has and
 recomputes the rest at once; promises are made in lookup order, i.e. the leading chunks of a
 prefix first. A request's promises are forgotten when it is scheduled, preempted or finished.
-The README's vLLM section gives the measurements behind each rule.
+docs/vllm-under-load.md gives the measurements behind each rule.
 
 Threading: none of its own; every method is called under vLLM's manager lock (see
 :mod:`torch_kv_tier.integrations.vllm.remote_tier`), so no two run at once.
