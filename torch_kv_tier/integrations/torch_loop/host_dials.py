@@ -7,9 +7,9 @@ arguments of the connect that failed; once the host answers it joins the tier, a
 its pages from then on. Like a vLLM tier's membership, the thread keeps dialling the host
 whenever the tier has lost it, until it is stopped.
 
-Threading: ``unavailable`` and ``stop`` run on the offloader's caller thread; the dialling runs on one
-daemon thread per address. Ownership: the tier is the offloader's; this object owns only its
-threads, which end at ``stop`` (within its timeout), or at their next dial once the tier is
+Threading: ``unavailable`` and ``stop`` run on the offloader's caller thread; the dialling runs
+on one daemon thread per address. Ownership: the tier is the offloader's; this object owns only
+its threads, which end at ``stop`` (within its timeout), or at their next dial once the tier is
 closed.
 """
 
