@@ -296,13 +296,15 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
     # up after its timeout (0 pages, the cache untouched), but the read may still land in its
     # arena slots, so no later offload or restore may use them until the tier reported it.
     # Once the host resumes, the slots come back and the same restore is whole and exact.
+    # Meanwhile calls that need those slots fail at once: before, each waited a whole timeout
+    # for slots that could not come back (the loop stalled once per call while the host froze).
     monkeypatch.setenv("UCX_TLS", "tcp")
     keys_c, values_c = random_caches(torch.float32, seed=13)
     keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"frozen-restore")
     with (
         ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server,
         PagedKVOffloader.create(
-            keys_c, values_c, remote=server.address, arena_blocks=4, timeout=1.0
+            keys_c, values_c, remote=server.address, arena_blocks=4, timeout=3.0
         ) as off,
     ):
         assert off.offload(range(4), keys).result(timeout=30).ok
@@ -312,8 +314,11 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
             assert off.restore(keys, [8, 9, 10, 11]) == 0
             assert torch.equal(page(keys_c, 8), untouched)
             assert off.manager.arena.num_free == 0  # the read may still land there
+            started = time.monotonic()
             late = off.offload([4], [b"while-frozen"]).result(timeout=30)
             assert late.failed == {b"while-frozen": "capacity"}
+            assert off.restore(keys[:1], [12]) == 0
+            assert time.monotonic() - started < 2.0  # not a timeout (3 s) each
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)

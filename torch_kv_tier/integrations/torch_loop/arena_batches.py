@@ -51,6 +51,7 @@ class ArenaBatches:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
+        self._stuck = 0  # slots of restores that timed out, held until their reads end
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the arena's size;
@@ -87,7 +88,7 @@ class ArenaBatches:
         raises (its slots are back, nothing was sent)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
-            return failed_now(keys, "capacity", "no free arena slots within the timeout")
+            return failed_now(keys, "capacity", self._no_slots())
         try:
             self._pages.gather(pages, slots)
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
@@ -109,7 +110,7 @@ class ArenaBatches:
         answer by then). A failed copy into the cache raises; its slots are back."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
-            log.warning("no free arena slots for a restore within the timeout")
+            log.warning("%s for a restore", self._no_slots())
             return 0
         try:
             future = self._manager.load(keys, slots)
@@ -121,7 +122,9 @@ class ArenaBatches:
             result = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             # The tier may still write into these slots: hand them back only once it is done.
-            future.add_done_callback(lambda _: self._release(slots))
+            with self._lock:
+                self._stuck += len(slots)
+            future.add_done_callback(lambda _: self._release(slots, stuck=True))
             log.warning("restore timed out after %.1f s, recomputing the rest", self._timeout)
             return 0
         except Exception as exc:
@@ -155,14 +158,23 @@ class ArenaBatches:
         return True
 
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
+        """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
+        while restores that timed out hold too many for ``n`` ever to be free (a frozen host
+        would otherwise cost the loop a whole timeout per call for as long as it is frozen)."""
         arena = self._manager.arena
         with self._lock:
             while arena.num_free < n:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or n > arena.num_blocks - self._stuck:
                     return None
                 self._changed.wait(left)
             return arena.allocate(n)
+
+    def _no_slots(self) -> str:
+        with self._lock:
+            stuck = self._stuck
+        held = f" ({stuck} held by restores that timed out, until their reads end)" if stuck else ""
+        return f"no free arena slots within the timeout{held}"
 
     def _retire(self, offload: Future[TransferResult]) -> None:
         """Forget a resolved offload's future; wakes ``wait_idle``."""
@@ -170,10 +182,14 @@ class ArenaBatches:
             self._pending.discard(offload)
             self._changed.notify_all()
 
-    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
-        """Return arena slots (and retire the store that used them); wakes waiters."""
+    def _release(
+        self, slots: list[int], store: Future[TransferResult] | None = None, stuck: bool = False
+    ) -> None:
+        """Return arena slots (and retire the store that used them; ``stuck``: a timed-out
+        restore's); wakes waiters."""
         with self._lock:
             self._manager.arena.free(slots)
+            self._stuck -= len(slots) if stuck else 0
             if store is not None:
                 self._pending.discard(store)
             self._changed.notify_all()
