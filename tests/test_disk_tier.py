@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.remote import shared_snapshot
 from torch_kv_tier.remote.disk_tier import DiskTier, SeenCounts
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.remote.shared_cache import SharedCache
+from torch_kv_tier.remote.slot_owners import SlotOwners
 
 
 @dataclass
@@ -32,6 +37,8 @@ class FakeDisk:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.keys: dict[tuple[str, Any], int] = {}  # (namespace, key) -> digest, LRU order
+        self.owners = SlotOwners(capacity)  # the slot of each key in ``keys``
+        self._slot: dict[tuple[str, Any], int] = {}
         self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
         self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
         self.fail_reads = False
@@ -46,10 +53,16 @@ class FakeDisk:
         return self.keys.get((namespace, key))
 
     def remove(self, namespace: str, key: Any) -> bool:
-        return self.keys.pop((namespace, key), None) is not None
+        return self._forget((namespace, key))
 
-    def keys_of(self, namespace: str) -> list[Any]:
-        return [k for (ns, k) in self.keys if ns == namespace]
+    def slot_owners(self) -> SlotOwners:
+        return self.owners
+
+    def _forget(self, pair: tuple[str, Any]) -> bool:
+        if self.keys.pop(pair, None) is None:
+            return False
+        self.owners.clear(self._slot.pop(pair))
+        return True
 
     def busy_dram_slots(self) -> set[int]:
         busy = {s for _, s in self.writing.values()} | set(self.reading.values())
@@ -70,7 +83,7 @@ class FakeDisk:
                 if not self.keys:  # every slot has a write in flight
                     continue
                 victim = next(iter(self.keys))
-                del self.keys[victim]
+                self._forget(victim)
                 evicted.append(victim)
             self.writing[(ns, key)] = (digest, slot)
         return evicted
@@ -93,15 +106,18 @@ class FakeDisk:
         self.ended = []
         for (ns, key), (digest, _) in self.writing.items():
             self.keys[(ns, key)] = digest
+            taken = set(self._slot.values())
+            self._slot[(ns, key)] = slot = next(s for s in range(self.capacity) if s not in taken)
+            self.owners.record([slot], [(ns, key)])
             done.written.append((ns, key))
         self.writing = {}
         for (ns, key), slot in self.reading.items():
             if self.hang_reads:
-                self.keys.pop((ns, key), None)
+                self._forget((ns, key))
                 self.stuck[(ns, key)] = slot
                 done.abandoned.append((ns, key, slot))
             elif self.fail_reads or (ns, key) not in self.keys:  # removed meanwhile: old bytes
-                self.keys.pop((ns, key), None)
+                self._forget((ns, key))
                 done.failed.append((ns, key, slot))
             else:
                 done.read.append((ns, key, slot, self.keys[(ns, key)]))
@@ -403,3 +419,83 @@ def test_a_tiers_copy_counts_keys_on_disk_and_forgets_them_when_promoted(compact
     assert index.lookup([b"a", b"b", b"c"]) == 2
     index.apply_host_changes(peer, [b"a"], [ON_DISK], [0], [], False)  # a left DRAM
     assert index.holder(b"a") is None and index.disk_holder(b"a") is peer
+
+
+_JOIN_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "touch", "step", "promote", "other", "events"]),
+        st.integers(0, 11),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JOIN_OPS, _JOIN_OPS)
+@example(  # stored again into a slot the walk had not reached: not found twice
+    [("store", 2), ("store", 0), ("step", 0), ("step", 0)],
+    [("store", 8), ("events", 1), ("store", 1)],
+)
+@example(  # copied to the disk again after the walk began: not found twice
+    [],
+    [("store", 0), ("store", 2), ("step", 0), ("step", 0), ("store", 2), ("events", 1)]
+    + [("store", 11), ("step", 0), ("step", 0), ("store", 2), ("store", 1)],
+)
+def test_a_joining_tiers_copy_is_the_hosts_index_whatever_changed_while_its_pages_were_walked(
+    before: list[tuple[str, int]], during: list[tuple[str, int]]
+) -> None:
+    """A snapshot is walked a slot per page here (``shared_snapshot``), with stores, evictions,
+    copies to disk, the disk's evictions, promotions and other namespaces' stores between its
+    pages: its pages name no key twice, and with the events numbered after it applied as a
+    tier applies them (``replica``), the copy is exactly the host's index, slots and digests."""
+    cache, disk, tier = _host(num_blocks=6, disk_slots=8)
+    cache.join("t", "ns")  # the tier that joins
+    cache.join("o", "other")
+    batches: list[Any] = []
+    clock = iter(range(1, 1000))
+
+    def change(op: str, n: int) -> None:
+        if op in ("store", "other"):
+            sid = "s" if op == "store" else "o"
+            keys = [f"k{(n + i) % 12}" for i in range(1 + n % 3)]
+            slots = cache.grant(sid, len(keys))
+            cache.commit(sid, keys[: len(slots)], slots, [next(clock) for _ in slots])
+        elif op == "touch":
+            cache.touch("s", [f"k{n}"])
+        elif op == "step":
+            tier.step(now=float(next(clock)))
+        elif op == "promote":
+            tier.promote(cache.namespace_of("s"), [f"k{n}"], float(next(clock)))
+        else:
+            batches.extend(cache.take_events(max_keys=3))
+
+    for op, n in before:
+        change(op, n)
+    with (
+        mock.patch.object(shared_snapshot, "CHUNK", 1),
+        mock.patch.object(shared_snapshot, "SCAN_SLOTS", 1),
+        mock.patch.object(shared_snapshot, "MAX_WALK", 1),
+    ):
+        snap = cache.begin_snapshot("t")
+        pages = []
+        for op, n in during:
+            if op == "events" and n % 2 and not snap.done:  # a page asked instead
+                pages.append(cache.snapshot_part(snap))
+            else:
+                change(op, n)
+        while not snap.done:
+            pages.append(cache.snapshot_part(snap))
+    batches.extend(cache.take_events(max_keys=3))
+
+    found = [key for keys, _, _ in pages for key in keys]
+    assert len(found) == len(set(found)), found
+    copy = {k: (s, d) for page in pages for k, s, d in zip(*page)}
+    for ns, seq, stored, slots, digests, evicted in batches:
+        if ns.name == "ns" and seq > snap.event_seq:
+            for key in evicted:
+                copy.pop(key, None)
+            copy.update({k: (s, d) for k, s, d in zip(stored, slots, digests)})
+    entries = cache.namespace_of("t").entries
+    host = {k: (s, cache.digest_of(s)) for k, s in entries.items()}
+    host.update({k: (ON_DISK, 0) for name, k in disk.keys if name == "ns" and k not in entries})
+    assert copy == host

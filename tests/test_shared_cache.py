@@ -8,9 +8,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from torch_kv_tier.remote.leases import SlotPool
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_events import Namespace
+from torch_kv_tier.remote.shared_service import SharedService
+from torch_kv_tier.remote.shared_snapshot import SCAN_SLOTS
 
 
 def _cache(num_blocks: int = 8, **kwargs: object) -> SharedCache:
@@ -373,3 +376,34 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
     check()
     assert (cache.granted, cache.held, cache.held_sessions) == (0, 0, 0)
     assert all(ns.entries and not ns.sessions for ns in cache.namespaces.values())
+
+
+def test_a_snapshots_pages_are_walked_as_they_are_asked_not_copied_whole_at_the_first() -> None:
+    """Found by review: the first page of a join's snapshot copied every key of its namespace,
+    those on disk included, on the host's loop: 0.5 s at 1 M keys on disk, 1.8 s at 4 M, while
+    every other tier's commits, grants and heartbeats waited. Each page now walks a bounded
+    part of the host's slots (``shared_snapshot``): a key evicted after the first page is not
+    in a later one (its event tells the tier), and a cursor no snapshot is at is refused."""
+    n = 3 * SCAN_SLOTS
+    service = SharedService(SlotPool(n), quota=None, max_granted=4096)
+    session = Session("t", "t", "test", range(0), 0.0, 0.0, shared=True, namespace="m")
+    service.join(session)
+    keys = [b"k%d" % i for i in range(n)]
+    for start in range(0, n, 4096):
+        slots = service.cache.grant("t", 4096)
+        service.cache.commit("t", keys[start : start + 4096], slots, [1] * 4096)
+    first = service.answer(session, p.SnapshotRequest(1, "t", 0), 0.0)
+    assert isinstance(first, p.SnapshotPage) and first.next_cursor > 0
+    assert keys[-1] not in first.keys  # in the last slot
+    service.cache.touch("t", keys[:-1])
+    assert service.cache.grant("t", 1) == [n - 1]  # keys[-1] evicted
+    later: list[object] = []
+    cursor = first.next_cursor
+    while cursor >= 0:
+        page = service.answer(session, p.SnapshotRequest(2, "t", cursor), 0.0)
+        assert isinstance(page, p.SnapshotPage) and page.event_seq == first.event_seq
+        later += page.keys
+        cursor = page.next_cursor
+    assert keys[-1] not in later and len(first.keys) + len(later) == n - 1
+    refused = service.answer(session, p.SnapshotRequest(3, "t", 5), 0.0)
+    assert isinstance(refused, p.Error) and "cursor 0" in refused.reason

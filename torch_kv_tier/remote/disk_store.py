@@ -39,6 +39,7 @@ from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError, Reco
 from torch_kv_tier.remote.disk_recovery import verified_index
 from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.disk_sync import JournalSync
+from torch_kv_tier.remote.slot_owners import SlotOwners
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class DiskStore:
         self.capacity = len(self._dirs) * (bytes_per_path // block_len)
         self._slots = DiskSlots(self.capacity)  # global slots
         self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
-        self._held: list[Pair | None] = [None] * self.capacity  # global slot -> key in ``_where``
+        self._held = SlotOwners(self.capacity)  # global slot -> its key in ``_where``
         self._writing: set[Pair] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[Request] = []
@@ -118,8 +119,9 @@ class DiskStore:
         entry = self._where.get((namespace, key))
         return None if entry is None else entry[1]
 
-    def keys_of(self, namespace: str) -> list[Key]:
-        return [k for ns, k in self._where if ns == namespace]
+    def slot_owners(self) -> SlotOwners:
+        """The key of each global slot (``_where`` by slot), with its write stamp."""
+        return self._held
 
     def busy_dram_slots(self) -> set[int]:
         return set(self._busy_dram)
@@ -214,8 +216,7 @@ class DiskStore:
         self._counters["disk_recover_dropped"] += dropped
         self._slots.reset({slot for slot, _ in self._where.values()})
         n = len(self._dirs)
-        for pair, (slot, _) in self._where.items():
-            self._held[slot] = pair
+        self._held.record([slot for slot, _ in self._where.values()], list(self._where))
         for f, d in enumerate(self._dirs):  # at start, at once: in LRU order
             d.rewrite(
                 (PUT, slot // n, ns, key, digest)
@@ -401,7 +402,10 @@ class DiskStore:
     def _append(self, slot: int, op: int, pair: Pair, digest: int) -> None:
         """Journal a change of ``_where`` at ``slot``, and keep ``_held`` in step with it."""
         n = len(self._dirs)
-        self._held[slot] = pair if op == PUT else None
+        if op == PUT:
+            self._held.record([slot], [pair])
+        else:
+            self._held.clear(slot)
         self._dirs[slot % n].append(op, slot // n, pair[0], pair[1], digest)
 
     def _sync_journals(self, *, force: bool) -> None:
@@ -410,7 +414,7 @@ class DiskStore:
     def _live_records(self, f: int, start: int = 0, stop: int | None = None) -> list[Record]:
         """One ``PUT`` per key directory ``f`` holds in its slots ``[start, stop)`` (all by
         default), in slot order (a journal rewritten with them: ``disk_sync``)."""
-        n, where, held = len(self._dirs), self._where, self._held
+        n, where, held = len(self._dirs), self._where, self._held.pairs
         stop = self._dirs[f].slots if stop is None else stop
         return [
             (PUT, j, pair[0], pair[1], where[pair][1])

@@ -47,10 +47,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import shared_events
+from torch_kv_tier.remote import shared_events, shared_snapshot
 from torch_kv_tier.remote.leases import SlotPool
-from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.remote.shared_events import DiskSide, EventBatch, Namespace
+from torch_kv_tier.remote.shared_snapshot import Page, Snapshot
+from torch_kv_tier.remote.slot_owners import SlotOwners
 
 
 class SharedCache:
@@ -79,6 +80,7 @@ class SharedCache:
         self._free: list[int] = []
         self._digests = [0] * pool.num_blocks  # slot -> digest of the key stored there
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
+        self._owners = SlotOwners(pool.num_blocks)  # slot -> its stored key (for snapshots)
         self._grants: dict[str, tuple[Namespace, set[int]]] = {}  # session -> its granted slots
         self._held: dict[str, tuple[list[int], float]] = {}  # ended session -> (slots, since)
         self.disk: DiskSide | None = None
@@ -172,7 +174,9 @@ class SharedCache:
             return False
         ns.entries[key] = slot
         self._digests[slot] = digest
-        self._lru[(ns.name, key)] = slot
+        pair = (ns.name, key)
+        self._lru[pair] = slot
+        self._owners.record([slot], [pair])
         ns.stored.append(key)
         return True
 
@@ -232,7 +236,8 @@ class SharedCache:
         if self.seen is not None:
             self.seen(ns.name, keys)
         table, disk = self._digests, self.disk
-        published = 0
+        published: list[int] = []
+        pairs: list[tuple[str, Key]] = []
         for key, slot, digest in zip(keys, slots, digests):
             if slot not in granted:
                 continue
@@ -244,14 +249,17 @@ class SharedCache:
                 continue
             ns.entries[key] = slot
             table[slot] = digest
-            self._lru[(ns.name, key)] = slot
+            pair = (ns.name, key)
+            self._lru[pair] = slot
             ns.stored.append(key)
-            published += 1
+            published.append(slot)
+            pairs.append(pair)
             if disk is not None:
                 old = disk.digest(ns.name, key)
                 if old is not None and (old != digest or not digest):
                     disk.remove(ns.name, key)
-        return published
+        self._owners.record(published, pairs)
+        return len(published)
 
     def touch(self, session_id: str, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` most recently used (unknown keys are ignored)."""
@@ -267,21 +275,27 @@ class SharedCache:
 
     # -- observation --------------------------------------------------------------------------
 
+    def begin_snapshot(self, session_id: str) -> Snapshot:
+        """A snapshot of the session's namespace, walked a part at a time (``snapshot_part``):
+        its ``event_seq`` is the event sequence number it is current for (``shared_snapshot``:
+        the events numbered after it bring every change made while it is walked)."""
+        return shared_snapshot.begin(self._grants[session_id][0], self._owners, self.disk)
+
+    def snapshot_part(self, snap: Snapshot) -> Page:
+        """The stored keys, their slots and digests, in the next slots ``snap`` walks, a bounded
+        part (``shared_snapshot.walk``; ``snap.done`` after the last part)."""
+        return shared_snapshot.walk(snap, self._owners, self._digests, self.disk)
+
     def snapshot(self, session_id: str) -> tuple[list[Key], list[int], list[int], int]:
-        """Every stored key of the session's namespace, its slot and digest, and the event
-        sequence number the snapshot is current for (events with a higher one come after)."""
-        ns, _ = self._grants[session_id]
-        # In the dict's own order, not the LRU's: a snapshot has no order, and walking an
-        # OrderedDict's links costs ten times as much (~110 ns per key).
-        keys, slots = list(dict.keys(ns.entries)), list(dict.values(ns.entries))
-        digests = list(map(self._digests.__getitem__, slots))
-        if self.disk is not None:
-            entries = ns.entries
-            disk_only = [k for k in self.disk.keys_of(ns.name) if k not in entries]
-            keys += disk_only
-            slots += [ON_DISK] * len(disk_only)
-            digests += [0] * len(disk_only)
-        return keys, slots, digests, ns.event_seq
+        """A whole snapshot at once: every stored key of the session's namespace, its slot and
+        digest, and the event sequence number it is current for."""
+        snap = self.begin_snapshot(session_id)
+        pages: list[Page] = []
+        while not snap.done:
+            pages.append(self.snapshot_part(snap))
+        keys = [key for page in pages for key in page[0]]
+        slots = [slot for page in pages for slot in page[1]]
+        return keys, slots, [d for page in pages for d in page[2]], snap.event_seq
 
     def namespace_of(self, session_id: str) -> Namespace:
         return self._grants[session_id][0]
@@ -352,8 +366,9 @@ class SharedCache:
         busy = self.disk.busy_dram_slots() if self.disk is not None else None
         if busy:
             victims = _oldest_not_in(lru.items(), busy, n)
-            for pair, _ in victims:
+            for pair, slot in victims:
                 del lru[pair]
+                self._owners.clear(slot)
             for (name, key), _ in victims:
                 del namespaces[name].entries[key]
                 namespaces[name].evicted.append(key)
@@ -362,6 +377,7 @@ class SharedCache:
         slots = []
         for _ in range(min(n, len(lru))):
             (name, key), slot = lru.popitem(last=False)
+            self._owners.clear(slot)
             ns = namespaces[name]
             del ns.entries[key]
             ns.evicted.append(key)
@@ -375,9 +391,10 @@ class SharedCache:
         entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
         busy = self.disk.busy_dram_slots() if self.disk is not None else None
         victims = _oldest_not_in(entries.items(), busy or set(), n)
-        for key, _ in victims:
+        for key, slot in victims:
             del entries[key]
             del lru[(name, key)]
+            self._owners.clear(slot)
             evicted.append(key)
         self.evictions += len(victims)
         return [slot for _, slot in victims]

@@ -15,10 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.protocol import ON_DISK
+
+if TYPE_CHECKING:
+    from torch_kv_tier.remote.slot_owners import SlotOwners
 
 EventBatch = tuple["Namespace", int, list[Key], list[int], list[int], list[Key]]
 
@@ -49,7 +52,7 @@ class DiskSide(Protocol):
     def digest(self, namespace: str, key: Key) -> int | None: ...
     def remove(self, namespace: str, key: Key) -> bool: ...
     def busy_dram_slots(self) -> set[int]: ...
-    def keys_of(self, namespace: str) -> list[Key]: ...
+    def slot_owners(self) -> SlotOwners: ...
 
 
 def take_events(

@@ -16,12 +16,11 @@ from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.disk_tier import DiskTier
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
+from torch_kv_tier.remote.shared_snapshot import Snapshot
 
 SharedMessage = p.GrantRequest | p.Commit | p.Touch | p.Promote | p.SnapshotRequest
 SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.Touch, p.Promote, p.SnapshotRequest)
 MAX_GRANT = 4096  # slots one grant may ask for
-
-_Snapshot = tuple[list[Any], list[int], list[int], int]
 
 
 class SharedService:
@@ -29,7 +28,7 @@ class SharedService:
 
     def __init__(self, pool: SlotPool, *, quota: int | None, max_granted: int | None) -> None:
         self.cache = SharedCache(pool, quota=quota, max_granted=max_granted)
-        self._snapshots: dict[str, _Snapshot] = {}  # session -> keys, slots, digests, event seq
+        self._snapshots: dict[str, Snapshot] = {}  # session -> its snapshot being walked
         self.disk: DiskTier | None = None  # the server's disk tier, if any
 
     def join(self, session: Session) -> None:
@@ -80,20 +79,23 @@ class SharedService:
             return p.Granted(message.seq, cache.grant(sid, want) if want else [])
         return self._snapshot_page(sid, message)
 
-    def _snapshot_page(self, sid: str, request: p.SnapshotRequest) -> p.SnapshotPage:
-        if request.cursor <= 0 or sid not in self._snapshots:
-            self._snapshots[sid] = self.cache.snapshot(sid)
-            start = 0
-        else:
-            start = request.cursor
-        keys, slots, digests, event_seq = self._snapshots[sid]
-        stop: int | None = start + p.MAX_KEYS_PER_MESSAGE
-        if stop is not None and stop >= len(keys):
+    def _snapshot_page(self, sid: str, request: p.SnapshotRequest) -> p.ServerMessage:
+        """The page of the session's snapshot at ``request.cursor`` (0: a new snapshot), each a
+        bounded part of the host's slots (``shared_snapshot``); the cursor is the slots walked."""
+        snap = self._snapshots.get(sid)
+        if request.cursor <= 0:
+            snap = self._snapshots[sid] = self.cache.begin_snapshot(sid)
+        elif snap is None or request.cursor != snap.walked:
+            return p.Error(
+                request.seq,
+                f"no snapshot of this session is at cursor {request.cursor}: ask for a new one "
+                "(cursor 0)",
+            )
+        keys, slots, digests = self.cache.snapshot_part(snap)
+        if snap.done:
             del self._snapshots[sid]
-            stop = None
-        page = slice(start, stop)
         return p.SnapshotPage(
-            request.seq, keys[page], slots[page], digests[page], event_seq, stop or -1
+            request.seq, keys, slots, digests, snap.event_seq, -1 if snap.done else snap.walked
         )
 
     def events(self, sessions: list[Session]) -> list[tuple[list[Session], bytes]]:

@@ -1,0 +1,50 @@
+"""``SlotOwners``: which key each slot of a pool (the DRAM one, or a disk's) holds, and a stamp of
+when it was written there, for snapshots walked a part at a time (``shared_snapshot``).
+
+Stamps count writes: each ``record`` is stamped one higher than the last, so a slot whose stamp
+is at most the count read when a walk began holds what it held then (or nothing).
+
+Threading: not thread-safe; its owner's thread (the server's loop, under its state lock) calls
+every method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from torch_kv_tier.keys import Key
+
+Pair = tuple[str, Key]  # namespace, key
+
+
+class SlotOwners:
+    """The key of each of ``num_slots`` slots (``None``: none), and its write stamp."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.pairs: list[Pair | None] = [None] * num_slots
+        self.stamps = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
+        self.count = 0  # writes recorded: the stamp of the last one
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def record(self, slots: Sequence[int], pairs: Sequence[Pair]) -> None:
+        """``pairs`` were just written into ``slots``: one stamp for all of them."""
+        if not slots:
+            return
+        self.count += 1
+        for slot, pair in zip(slots, pairs):
+            self.pairs[slot] = pair
+        self.stamps[np.fromiter(slots, np.intp, len(slots))] = self.count
+
+    def clear(self, slot: int) -> None:
+        """``slot`` holds no key any more."""
+        self.pairs[slot] = None
+
+    def written_by(self, start: int, stop: int, stamp: int) -> list[int]:
+        """The slots of ``[start, stop)`` last written at or before write ``stamp`` (their key
+        may be gone since: ``pairs``)."""
+        part = self.stamps[start:stop]
+        return (np.flatnonzero((part != 0) & (part <= stamp)) + start).tolist()
