@@ -181,7 +181,7 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
         if journal == "appended":
             assert store.sync(10.0)
         else:
-            d.rewrite(store._live_records(0))
+            d.rewrite(store._index.live_records(0))
         assert d.fd in synced and d.journal in synced
         assert synced.index(d.fd) < synced.index(d.journal)
     finally:
@@ -205,7 +205,7 @@ def _evict_k_for_a_failed_write_then_store_it_in_b(
     assert _write(store, disk_pool, b"K", 0).written  # old content, a's slot 0
     for i, key in enumerate([b"x1", b"x2", b"x3"]):
         assert _write(store, disk_pool, key, 1 + i).written
-    assert store._where[("ns", b"K")][0] == 0
+    assert store._index.where[("ns", b"K")][0] == 0
     real_transfer = store._io._agent.transfer
 
     def refused(handle: Any) -> str:
@@ -219,7 +219,7 @@ def _evict_k_for_a_failed_write_then_store_it_in_b(
     monkeypatch.setattr(store._io._agent, "transfer", real_transfer)
     store.remove("ns", b"x1")  # b's slot 0 free
     assert _write(store, disk_pool, b"K", 6).written  # K stored again: new content, in b
-    assert store._where[("ns", b"K")][0] == 1
+    assert store._index.where[("ns", b"K")][0] == 1
 
 
 @pytest.mark.parametrize("a_journal", ["written", "full, then a crash"])
@@ -264,7 +264,7 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         store.recover()
         assert _write(store, disk_pool, b"k0", 0).written
         assert _write(store, disk_pool, b"k1", 1).written
-        assert store._where[("ns", b"k0")][0] == 0
+        assert store._index.where[("ns", b"k0")][0] == 0
     real_preadv = os.preadv
 
     def bad_sector(fd: int, buffers: Any, offset: int) -> int:

@@ -95,16 +95,16 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
     with closing(open_store(disk_pool, [tmp_path / "a"], 128)) as store:
         store.recover()
         _write(store, disk_pool, [("ns", b"old", 0)])
-        (slot, _) = store._where[("ns", b"old")]
+        (slot, _) = store._index.where[("ns", b"old")]
         assert store.read([("ns", b"old", 40)]) == []  # in flight until polled
         assert store.remove("ns", b"old")
         store.write([("ns", b"new", digest_of(disk_pool, 1, b"new"), 1)])
         done = settle(store)
         assert done.read == [] and done.failed == [("ns", b"old", 40)]
-        assert store._where[("ns", b"new")][0] != slot
+        assert store._index.where[("ns", b"new")][0] != slot
         store.write([("ns", b"newer", digest_of(disk_pool, 2, b"newer"), 2)])
         settle(store)
-        assert store._where[("ns", b"newer")][0] == slot  # free once the read ended
+        assert store._index.where[("ns", b"newer")][0] == slot  # free once the read ended
 
 
 def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(
@@ -240,7 +240,7 @@ def _replayed(store: DiskStore) -> set[tuple[int, str, Key, int]]:
 
 
 def _indexed(store: DiskStore) -> set[tuple[int, str, Key, int]]:
-    return {(slot, ns, key, digest) for (ns, key), (slot, digest) in store._where.items()}
+    return {(slot, ns, key, digest) for (ns, key), (slot, digest) in store._index.where.items()}
 
 
 def test_a_compaction_builds_a_bounded_part_of_its_records_per_poll(
@@ -264,13 +264,13 @@ def test_a_compaction_builds_a_bounded_part_of_its_records_per_poll(
             store.write([("ns", i, i, i % 64) for i in range(start, min(keys, start + 8192))])
             assert not settle(store).failed
         assert len(store) == keys and store._journals.wait(10.0)
-        real, built = store._live_records, []  # records built by each call
+        real, built = store._index.live_records, []  # records built by each call
 
         def count(*args: Any) -> Any:
             built.append(len(records := real(*args)))
             return records
 
-        monkeypatch.setattr(store, "_live_records", count)
+        monkeypatch.setattr(store._index, "live_records", count)
         for d in store._dirs:
             d.stale, d.retry_at = True, 0.0  # a write failed: rewritten from the index
         most = polls = 0
@@ -313,7 +313,7 @@ def test_keys_changed_while_a_compaction_is_built_are_journaled_as_they_end(
         assert store._journals.wait(10.0)
         assert step == 32 and not any(d.stale for d in store._dirs)
         assert _replayed(store) == _indexed(store)
-        kept = {(ns, k): digest for (ns, k), (_, digest) in store._where.items()}
+        kept = {(ns, k): digest for (ns, k), (_, digest) in store._index.where.items()}
     with closing(open_store(disk_pool, dirs, 16)) as store:
         found = store.recover()
         assert {(ns, k): digest for ns, k, digest in found} == kept

@@ -5,8 +5,9 @@ Each ``--disk`` directory is a ``disk_journal.DiskDir`` (block file, header, jou
 slots form one pool: global slot ``g`` is slot ``g // n`` of directory ``g % n``, so consecutive
 allocations alternate between directories. ``write``/``read`` post one NIXL request per
 directory touched (``disk_io.DiskTransfers``: no byte and no per-block call goes through
-Python), ``poll`` collects them. The disk keeps its own LRU (``read`` marks a key used); a slot
-with I/O in flight is never evicted, nor reused before that I/O ends (``disk_slots``).
+Python), ``poll`` collects them. Which keys are where, the LRU (``read`` marks a key used), the
+free slots and the journal records of each change are the ``disk_index.DiskIndex``'s: a slot
+with I/O in flight is never evicted, nor reused before that I/O ends.
 
 Recovery (``recover``): the blocks the journals name that still verify (``disk_recovery``); the
 journals are then rewritten with the live records only (LRU order). Afterwards the journals are
@@ -28,16 +29,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.disk_index import DiskIndex
 from torch_kv_tier.remote.disk_io import DiskCompletions, DiskTransfers, Pair, Request, quietly
-from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, DiskError, Record
-from torch_kv_tier.remote.disk_recovery import verified_index
-from torch_kv_tier.remote.disk_slots import DiskSlots
+from torch_kv_tier.remote.disk_journal import DiskDir, DiskError
 from torch_kv_tier.remote.disk_sync import JournalSync
 from torch_kv_tier.remote.slot_owners import SlotOwners
 
@@ -77,9 +76,7 @@ class DiskStore:
             raise
         self.direct_io = all(d.direct for d in self._dirs)
         self.capacity = len(self._dirs) * (bytes_per_path // block_len)
-        self._slots = DiskSlots(self.capacity)  # global slots
-        self._where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
-        self._held = SlotOwners(self.capacity)  # global slot -> its key in ``_where``
+        self._index = DiskIndex(self._dirs, self.capacity)
         self._writing: set[Pair] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[Request] = []
@@ -110,18 +107,18 @@ class DiskStore:
     # -- queries ------------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._index)
 
     def contains(self, namespace: str, key: Key) -> bool:
-        return (namespace, key) in self._where
+        return (namespace, key) in self._index.where
 
     def digest(self, namespace: str, key: Key) -> int | None:
-        entry = self._where.get((namespace, key))
+        entry = self._index.where.get((namespace, key))
         return None if entry is None else entry[1]
 
     def slot_owners(self) -> SlotOwners:
-        """The key of each global slot (``_where`` by slot), with its write stamp."""
-        return self._held
+        """The key of each global slot, with its write stamp."""
+        return self._index.owners
 
     def busy_dram_slots(self) -> set[int]:
         return set(self._busy_dram)
@@ -146,13 +143,14 @@ class DiskStore:
         batch: list[tuple[str, Key, int, int, int]] = []
         for ns, key, digest, dram in items:
             pair = (ns, key)
-            if pair in self._where or pair in self._writing:
+            if pair in self._index.where or pair in self._writing:
                 continue
-            slot = self._take_slot(evicted)
+            slot = self._index.take_slot(evicted)
             if slot is None:
                 break
             self._writing.add(pair)
             batch.append((ns, key, digest, slot, dram))
+        self._counters["disk_evictions"] += len(evicted)
         if batch:
             self._post("write", batch)
         return evicted
@@ -163,11 +161,10 @@ class DiskStore:
         skipped: list[Pair] = []
         batch: list[tuple[str, Key, int, int, int]] = []
         for ns, key, dram in items:
-            entry = self._where.get((ns, key))
+            entry = self._index.used((ns, key))
             if entry is None:
                 skipped.append((ns, key))
                 continue
-            self._where.move_to_end((ns, key))
             batch.append((ns, key, entry[1], entry[0], dram))
         if batch:
             self._post("read", batch)
@@ -175,11 +172,7 @@ class DiskStore:
 
     def remove(self, namespace: str, key: Key) -> bool:
         """Forget a disk copy (its slot is free once no read uses it)."""
-        entry = self._where.pop((namespace, key), None)
-        if entry is None:
-            return False
-        self._drop(entry[0], (namespace, key))
-        return True
+        return self._index.remove((namespace, key))
 
     def poll(self) -> DiskCompletions:
         """Completed and failed I/O since the last call (non-blocking). A request in flight
@@ -212,26 +205,16 @@ class DiskStore:
         docstring). Returns ``(namespace, key, digest)`` of each, least recently used first
         (journal order: a compaction's records, in slot order, then those appended since). Call
         once, before any other I/O."""
-        self._where, dropped = verified_index(self._dirs, self.block_len)
-        self._counters["disk_recover_dropped"] += dropped
-        self._slots.reset({slot for slot, _ in self._where.values()})
-        n = len(self._dirs)
-        self._held.record([slot for slot, _ in self._where.values()], list(self._where))
-        for f, d in enumerate(self._dirs):  # at start, at once: in LRU order
-            d.rewrite(
-                (PUT, slot // n, ns, key, digest)
-                for (ns, key), (slot, digest) in self._where.items()
-                if slot % n == f
-            )
-        return [(ns, key, digest) for (ns, key), (_, digest) in self._where.items()]
+        self._counters["disk_recover_dropped"] += self._index.recover(self.block_len)
+        return [(ns, key, digest) for (ns, key), (_, digest) in self._index.where.items()]
 
     def stats(self) -> dict[str, Any]:
         c = self._counters
         return {
             **c,
-            "disk_keys": len(self._where),
+            "disk_keys": len(self._index),
             "disk_stuck_in_flight": len(self._stuck),
-            "disk_bytes": len(self._where) * self.block_len,
+            "disk_bytes": len(self._index) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
                 f"disk_{kind}_gbps": c[f"disk_{kind}_bytes"] / busy / 1e9 if busy else 0.0
@@ -285,19 +268,6 @@ class DiskStore:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _take_slot(self, evicted: list[Pair]) -> int | None:
-        free = self._slots.take()
-        if free is not None:
-            return free
-        for pair, (slot, _) in self._where.items():  # the least recently used not in use
-            if not self._slots.busy(slot):  # its record goes before the slot is rewritten
-                del self._where[pair]
-                self._append(slot, DEL, pair, 0)
-                evicted.append(pair)
-                self._counters["disk_evictions"] += 1
-                return slot
-        return None
-
     def _post(self, kind: str, batch: list[tuple[str, Key, int, int, int]]) -> None:
         n = len(self._dirs)
         by_dir: dict[int, list[tuple[str, Key, int, int, int]]] = {}
@@ -305,7 +275,7 @@ class DiskStore:
             by_dir.setdefault(item[3] % n, []).append(item)
         for f, items in by_dir.items():
             for it in items:
-                self._slots.start_io(it[3])
+                self._index.slots.start_io(it[3])
                 self._busy_dram[it[4]] = self._busy_dram.get(it[4], 0) + 1
             request = Request(
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
@@ -326,26 +296,25 @@ class DiskStore:
     def _finish(self, request: Request, ok: bool, done: DiskCompletions) -> None:
         self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
+        index = self._index
         for ns, key, digest, slot, dram in request.items:
-            self._slots.end_io(slot)
+            index.slots.end_io(slot)
             self._unbusy_dram(dram)
             pair = (ns, key)
             if request.kind == "write":
                 self._writing.discard(pair)
                 if ok:
-                    self._where[pair] = (slot, digest)
-                    self._append(slot, PUT, pair, digest)
+                    index.put(pair, slot, digest)
                     done.written.append(pair)
                 else:
-                    self._slots.release(slot)
+                    index.slots.release(slot)
                     done.failed.append((ns, key, dram))
-            elif ok and self._where.get(pair, (None,))[0] == slot:
+            elif ok and index.at(pair, slot):
                 done.read.append((ns, key, dram, digest))
             else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
                 # one failing at close keeps its key (``close``): its block may be sound
-                if self._where.get(pair, (None,))[0] == slot and not self._closed:
-                    del self._where[pair]
-                    self._drop(slot, pair)
+                if index.at(pair, slot) and not self._closed:
+                    index.remove(pair)
                 done.failed.append((ns, key, dram))
         if ok:
             self._counters[f"disk_{request.kind}s"] += len(request.items)
@@ -373,18 +342,17 @@ class DiskStore:
                 self._unbusy_dram(dram)
                 done.failed.append((ns, key, dram))
                 continue
-            if self._where.get(pair, (None,))[0] == slot:
-                del self._where[pair]
-                self._drop(slot, pair)
+            if self._index.at(pair, slot):
+                self._index.remove(pair)
             done.abandoned.append((ns, key, dram))
 
     def _unstick(self, request: Request, done: DiskCompletions) -> None:
         """A request given up has ended (its bytes are ignored): its slots are free again."""
         self._io.release(request.handle)
         for _, _, _, slot, dram in request.items:
-            self._slots.end_io(slot)
+            self._index.slots.end_io(slot)
             if request.kind == "write":
-                self._slots.release(slot)
+                self._index.slots.release(slot)
             else:
                 self._unbusy_dram(dram)
                 done.released.append(dram)
@@ -394,33 +362,8 @@ class DiskStore:
         if count:
             self._busy_dram[dram] = count
 
-    def _drop(self, slot: int, pair: Pair) -> None:
-        """A block left the index: its record, and its slot free (once no I/O uses it)."""
-        self._append(slot, DEL, pair, 0)
-        self._slots.release(slot)
-
-    def _append(self, slot: int, op: int, pair: Pair, digest: int) -> None:
-        """Journal a change of ``_where`` at ``slot``, and keep ``_held`` in step with it."""
-        n = len(self._dirs)
-        if op == PUT:
-            self._held.record([slot], [pair])
-        else:
-            self._held.clear(slot)
-        self._dirs[slot % n].append(op, slot // n, pair[0], pair[1], digest)
-
     def _sync_journals(self, *, force: bool) -> None:
-        self._journals.hand_over(len(self._where), self._live_records, force=force)
-
-    def _live_records(self, f: int, start: int = 0, stop: int | None = None) -> list[Record]:
-        """One ``PUT`` per key directory ``f`` holds in its slots ``[start, stop)`` (all by
-        default), in slot order (a journal rewritten with them: ``disk_sync``)."""
-        n, where, held = len(self._dirs), self._where, self._held.pairs
-        stop = self._dirs[f].slots if stop is None else stop
-        return [
-            (PUT, j, pair[0], pair[1], where[pair][1])
-            for j in range(start, stop)
-            if (pair := held[j * n + f]) is not None
-        ]
+        self._journals.hand_over(len(self._index), self._index.live_records, force=force)
 
     def _close_files(self) -> None:
         for d in self._dirs:
