@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import shared_snapshot
-from torch_kv_tier.remote.disk_tier import DiskTier, SeenCounts
+from torch_kv_tier.remote.disk_tier import (
+    COPY_IDLE_PERIOD_S,
+    COPY_PERIOD_S,
+    DiskTier,
+    SeenCounts,
+)
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.remote.shared_cache import SharedCache
@@ -499,3 +504,36 @@ def test_a_joining_tiers_copy_is_the_hosts_index_whatever_changed_while_its_page
     host = {k: (s, cache.digest_of(s)) for k, s in entries.items()}
     host.update({k: (ON_DISK, 0) for name, k in disk.keys if name == "ns" and k not in entries})
     assert copy == host
+
+
+def test_a_look_for_copies_that_found_none_is_repeated_once_the_window_moved_not_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: with the pool full and its least recently used keys on disk already or
+    not admitted (seen once: most keys, with the default ``--disk-admit 2``), every step looked
+    over the whole window again (8192 keys at the default grant size: 3 ms) every
+    ``COPY_PERIOD_S`` (2 ms), so a busy host's loop spent most of its time there. A look that
+    found nothing is now repeated once as many keys as half the window were evicted or used
+    (new keys in it), or after ``COPY_IDLE_PERIOD_S`` (a key there seen again)."""
+    cache, disk, tier = _host(num_blocks=64, disk_slots=1024, admit=2)
+    _store(cache, [f"k{i}" for i in range(64)])  # seen once each: none admitted
+    looks: list[int] = []
+    real = cache.oldest
+    monkeypatch.setattr(cache, "oldest", lambda n: looks.append(n) or real(n))
+    now = 1.0
+    for _ in range(10):
+        tier.step(now=now)
+        now += COPY_PERIOD_S
+    assert len(looks) == 1
+    tier.step(now=1.0 + COPY_IDLE_PERIOD_S)
+    assert len(looks) == 2
+    window, now = looks[0], 1.0 + COPY_IDLE_PERIOD_S
+    _store(cache, [f"n{i}" for i in range(window // 4)])  # as many evicted, and seen
+    tier.step(now=now + COPY_PERIOD_S)
+    assert len(looks) == 3
+    cache.touch("s", [f"x{i}" for i in range(window // 4)])  # a quarter of the window seen...
+    tier.step(now=now + 2 * COPY_PERIOD_S)
+    assert len(looks) == 3
+    cache.touch("s", [f"y{i}" for i in range(window // 4)])  # ...and another quarter
+    tier.step(now=now + 3 * COPY_PERIOD_S)
+    assert len(looks) == 4 and not disk.writing
