@@ -5,6 +5,7 @@ index (``SharedSlots``) holding keys announced on disk."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -18,6 +19,7 @@ from torch_kv_tier.remote import shared_snapshot
 from torch_kv_tier.remote.disk_tier import (
     COPY_IDLE_PERIOD_S,
     COPY_PERIOD_S,
+    PROMOTE_BACKOFF_S,
     DiskTier,
     SeenCounts,
 )
@@ -313,7 +315,7 @@ def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:
     assert len(granted) == 4
     tier.promote(cache.namespace_of("s"), ["a"], 3.0)
     tier.step(now=3.0)
-    assert tier.busy() and not disk.reading  # waiting for a slot
+    assert tier.retry_in(3.0) < math.inf and not disk.reading  # waiting for a slot
     cache.commit("s", ["e", "f", "g", "h"], granted, [1, 2, 3, 4])  # evictable again
     tier.step(now=4.0)
     tier.step(now=4.1)
@@ -323,7 +325,7 @@ def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:
     cache.grant("s", 4)  # all granted again
     tier.step(now=5.0)
     tier.step(now=11.0)  # given up after PROMOTE_RETRY_S
-    assert not tier.busy() and tier.stats()["disk_promotions_without_slot"] == 1
+    assert tier.retry_in(11.0) == math.inf and tier.stats()["disk_promotions_without_slot"] == 1
 
 
 def _a_namespace_only_on_disk() -> tuple[Any, ...]:
@@ -537,3 +539,29 @@ def test_a_look_for_copies_that_found_none_is_repeated_once_the_window_moved_not
     cache.touch("s", [f"y{i}" for i in range(window // 4)])  # ...and another quarter
     tier.step(now=now + 3 * COPY_PERIOD_S)
     assert len(looks) == 4 and not disk.writing
+
+
+def test_a_promotion_waiting_for_a_slot_is_retried_once_one_may_be_free_not_every_step() -> None:
+    """A promotion that found no DRAM slot was tried again at every step, each time O(keys
+    asked), and kept the loop polling every ``DISK_POLL_S`` for 5 s: a host burning its loop
+    (every tier's control plane). It is tried again once a slot may have come free (here a
+    commit), else after ``PROMOTE_BACKOFF_S``, and the loop may sleep meanwhile."""
+    cache, disk, tier = _host(num_blocks=4)
+    ns = cache.namespace_of("s")
+    _store(cache, ["a", "b", "c", "d"])
+    tier.step(now=1.0)
+    tier.step(now=2.0)  # all four on disk
+    granted = cache.grant("s", 4)  # every slot granted, uncommitted: nothing to evict
+    tier.promote(ns, ["a"], 3.0)
+    with mock.patch.object(cache, "take_for", wraps=cache.take_for) as take:
+        for i in range(80):  # 40 ms of a loop polling every 0.5 ms, nothing freed
+            tier.step(now=3.0 + i * 0.0005)
+        assert take.call_count == 1 and not tier.busy()  # the loop may sleep...
+        assert 0 < tier.retry_in(3.04) <= PROMOTE_BACKOFF_S  # ...until the backoff's end
+        tier.step(now=3.0 + PROMOTE_BACKOFF_S)
+        assert take.call_count == 2 and not disk.reading  # the backoff: still no slot
+        cache.commit("s", ["e", "f", "g", "h"], granted, [1, 2, 3, 4])  # evictable again
+        tier.step(now=3.06)  # at once, not at the backoff's end
+        assert take.call_count == 3 and disk.reading
+    tier.step(now=3.07)
+    assert _events(cache)[0]["a"] >= 0 and tier.retry_in(3.07) == math.inf

@@ -20,7 +20,10 @@ Promotion. A tier that wants a key announced on disk sends ``Promote(keys)``; ea
 would (``SharedCache.take_for``: free slots, else the least recently used keys), and posts one
 read per disk file; reads of several turns overlap. A completed read publishes the key in its
 new slot with the digest its block had when it was stored, as a commit does: a disk that
-returned other bytes fails the reader's check, a miss, never a hit. A read the disk gave up
+returned other bytes fails the reader's check, a miss, never a hit. A promotion that finds no
+DRAM slot (its namespace at its quota, every slot granted, held or being copied) waits: it is
+tried again once a slot may have come free (``_slot_mark``) or after ``PROMOTE_BACKOFF_S``,
+not at every turn, for at most ``PROMOTE_RETRY_S``. A read the disk gave up
 (stuck past ``DiskStore.request_timeout_s``) fails the promotion, and its slot is withheld
 from the pool until the read ends: its bytes may still land there.
 
@@ -31,6 +34,7 @@ held, like ``SharedCache``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +55,8 @@ MAX_SPILLS_IN_FLIGHT = 4  # copy requests in flight at once
 MIN_SPILL_WINDOW = 256  # least recently used keys the copies run ahead over, at least
 COPY_SHARE = 8  # at most 1/8 of the pool's slots is being copied at once...
 MIN_COPY_BUDGET = 16  # ...or this many
-PROMOTE_RETRY_S = 5.0  # a promotion that finds no DRAM slot is tried again this long
+PROMOTE_RETRY_S = 5.0  # a promotion that finds no DRAM slot is tried again this long...
+PROMOTE_BACKOFF_S = 0.05  # ...once a slot may have come free (``_slot_mark``), or this often
 COPY_PERIOD_S = 0.002  # the copies ahead of eviction are looked for at most this often
 COPY_IDLE_PERIOD_S = 0.05  # ...and after a look that found none, this often (``_copy_due``)
 
@@ -106,6 +111,8 @@ class DiskTier:
         # promotions to start: (namespace name, key, when first asked); by name, so that one
         # asked by a session that left since is dropped with its namespace (``SharedCache.leave``)
         self._asked: list[tuple[str, Key, float]] = []
+        self._waiting: list[tuple[str, Key, float]] = []  # asked ones that found no DRAM slot
+        self._retry: tuple[float, tuple[int, ...]] = (0.0, ())  # (backoff's end, _slot_mark())
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
         self._withheld: dict[int, Namespace] = {}  # slots of reads given up, until they end
         self._next_copy = 0.0
@@ -139,14 +146,25 @@ class DiskTier:
         self._asked.extend((ns.name, key, now) for key in keys)
 
     def busy(self) -> bool:
-        """Whether disk I/O is in flight, promotions wait or a journal's compaction is being
-        built (the loop then polls often)."""
+        """Whether disk I/O is in flight, promotions were asked or a journal's compaction is
+        being built (the loop then polls often). Promotions waiting for a DRAM slot are not
+        (``retry_in``)."""
         return bool(self._asked) or self.store.in_flight() > 0 or self.store.compacting()
 
+    def retry_in(self, now: float) -> float:
+        """Seconds until promotions waiting for a DRAM slot are tried again at the latest
+        (``math.inf`` if none wait): the loop steps by then. A step after a change that may
+        have freed a slot (a commit, a release, an eviction...) tries them at once."""
+        return max(0.0, self._retry[0] - now) if self._waiting else math.inf
+
     def step(self, now: float) -> None:
-        """Collect completed disk I/O, start asked promotions and (at most every
+        """Collect completed disk I/O, start asked promotions (and those waiting for a slot,
+        once one may have come free or after ``PROMOTE_BACKOFF_S``) and (at most every
         ``COPY_PERIOD_S``, see ``_copy_due``) the copies ahead of eviction."""
         self._collect()
+        if self._waiting and (now >= self._retry[0] or self._slot_mark() != self._retry[1]):
+            self._asked += self._waiting
+            self._waiting = []
         if self._asked:
             self._start_promotions(now)
         due = now >= self._next_copy and self._copy_due(now)
@@ -166,6 +184,13 @@ class DiskTier:
             return True
         until, moves = self._idle
         return now >= until or self._moves() - moves >= self._window() // 2
+
+    def _slot_mark(self) -> tuple[int, ...]:
+        """Changes since which a promotion may find a DRAM slot it did not find before: slots
+        freed or filled by the cache (a filled one may be evicted), keys evicted (a namespace
+        at its quota), slots back in the pool, copies completed (their slots evictable)."""
+        cache = self.cache
+        return (cache.slot_changes, cache.evictions, cache.pool.free, self.counters["disk_copies"])
 
     def _moves(self) -> int:
         """Keys evicted, committed or touched so far (each may move a key into the window)."""
@@ -203,7 +228,7 @@ class DiskTier:
 
     def _start_promotions(self, now: float) -> None:
         """Promotions asked: those that find no DRAM slot (every slot granted, or being
-        copied) are tried again at the next step, for at most ``PROMOTE_RETRY_S``; those of a
+        copied) wait to be tried again (``step``), for at most ``PROMOTE_RETRY_S``; those of a
         namespace forgotten meanwhile (no session left) are dropped."""
         asked, self._asked = self._asked, []
         store, promoting, namespaces = self.store, self._promoting, self.cache.namespaces
@@ -227,9 +252,10 @@ class DiskTier:
             for key in keys[len(slots) :]:
                 since = wanted[(name, key)][1]
                 if now - since < PROMOTE_RETRY_S:
-                    self._asked.append((name, key, since))
+                    self._waiting.append((name, key, since))
                 else:
                     self.counters["disk_promotions_without_slot"] += 1
+        self._retry = (now + PROMOTE_BACKOFF_S, self._slot_mark())
         if items:
             for name, key in store.read(items):  # dropped by the disk meanwhile
                 ns, slot = promoting.pop((name, key))

@@ -188,9 +188,12 @@ class Server:
             wait_s = IDLE_POLL_S
             with self._lock:
                 if self._disk is not None:
-                    self._disk.step(time.monotonic())
+                    now = time.monotonic()
+                    self._disk.step(now)
                     if self._disk.busy():
                         wait_s = DISK_POLL_S
+                    else:  # promotions waiting for a DRAM slot are tried again by then
+                        wait_s = min(wait_s, self._disk.retry_in(now))
                 if self._control.shared.cache.has_events():
                     wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
             if poller.poll(math.ceil(wait_s * 1e3)):

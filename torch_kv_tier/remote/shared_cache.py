@@ -77,6 +77,9 @@ class SharedCache:
         )
         self.namespaces: dict[str, Namespace] = {}
         self.evictions = 0
+        # slots freed, or filled (evictable), by a commit, a promotion, a release...: a waiting
+        # promotion may find one now (``disk_tier``)
+        self.slot_changes = 0
         self._free: list[int] = []
         self._digests = [0] * pool.num_blocks  # slot -> digest of the key stored there
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
@@ -169,6 +172,7 @@ class SharedCache:
         """A promotion brought ``key`` into ``slot`` (taken with ``take_for``): publish it, as a
         commit does. A key stored meanwhile keeps that copy; the slot is free again."""
         ns.granted -= 1
+        self.slot_changes += 1
         if key in ns.entries:
             self._free.append(slot)
             return False
@@ -183,6 +187,7 @@ class SharedCache:
     def unpromoted(self, ns: Namespace, slot: int) -> None:
         """A promotion into ``slot`` failed: the slot is free again."""
         ns.granted -= 1
+        self.slot_changes += 1
         self._free.append(slot)
 
     def left_disk(self, namespace: str, key: Key) -> None:
@@ -243,6 +248,7 @@ class SharedCache:
                 continue
             granted.discard(slot)
             ns.granted -= 1
+            self.slot_changes += 1
             if key in ns.entries:
                 self._free.append(slot)
                 ns.stored.append(key)
@@ -342,6 +348,7 @@ class SharedCache:
 
     def _free_again(self, slots: Iterable[int]) -> None:
         """Return ``slots`` to the free list, the lowest last: taken first, in ascending runs."""
+        self.slot_changes += 1
         self._free.extend(sorted(slots, reverse=True))
 
     def _take_free(self, n: int) -> list[int]:
