@@ -565,3 +565,16 @@ def test_a_promotion_waiting_for_a_slot_is_retried_once_one_may_be_free_not_ever
         assert take.call_count == 3 and disk.reading
     tier.step(now=3.07)
     assert _events(cache)[0]["a"] >= 0 and tier.retry_in(3.07) == math.inf
+
+
+def test_slot_owners_pick_a_namespaces_slots_written_before_a_stamp_and_holding_it_now() -> None:
+    owners = SlotOwners(6)
+    owners.record([0, 1, 2], [("a", "k0"), ("b", "k1"), ("a", "k2")])
+    stamp = owners.count
+    owners.clear(2)
+    owners.record([2, 3], [("b", "k3"), ("a", "k4")])  # after the stamp: not walked
+    owners.clear(1)
+    assert owners.held_by(0, 6, stamp, "a") == ([0], 2)
+    assert owners.held_by(0, 6, stamp, "b") == ([], 2)
+    assert owners.held_by(1, 6, owners.count, "a") == ([3], 3)
+    assert owners.held_by(0, 6, owners.count, "never recorded") == ([], 4)

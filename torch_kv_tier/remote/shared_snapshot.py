@@ -25,6 +25,7 @@ Threading: as ``SharedCache``, which owns the slots walked.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,25 +90,24 @@ def walk(snap: Snapshot, dram: SlotOwners, digests: list[int], disk: DiskSide | 
         if start < n_disk:
             assert on_disk is not None
             stop = snap.walked = min(limit, start + CHUNK, n_disk)
-            written = on_disk.written_by(start, stop, snap.disk_stamp)
-            pairs = on_disk.pairs
-            held = _of(pairs, name, written)
-            found = [k for s in held if (k := pairs[s][1]) not in entries]  # type: ignore[index]
+            held, written = on_disk.held_by(start, stop, snap.disk_stamp, name)
+            found = [k for k in _keys(on_disk.pairs, held) if k not in entries]
             keys += found
             slots += [ON_DISK] * len(found)
             found_digests += [0] * len(found)
         else:
             stop = snap.walked = min(limit, start + CHUNK)
-            written = dram.written_by(start - n_disk, stop - n_disk, snap.dram_stamp)
-            pairs = dram.pairs
-            held = _of(pairs, name, written)
-            keys += [pairs[s][1] for s in held]  # type: ignore[index]
+            held, written = dram.held_by(start - n_disk, stop - n_disk, snap.dram_stamp, name)
+            keys += _keys(dram.pairs, held)
             slots += held
             found_digests += map(digests.__getitem__, held)
-        looked += len(written)
+        looked += written
     return keys, slots, found_digests
 
 
-def _of(pairs: list[Pair | None], name: str, slots: list[int]) -> list[int]:
-    """Those of ``slots`` holding a key of namespace ``name`` (``pairs``: their keys)."""
-    return [s for s in slots if (pair := pairs[s]) is not None and pair[0] == name]
+def _keys(pairs: list[Pair | None], slots: list[int]) -> map[Key]:
+    """The keys of ``pairs`` in ``slots`` (each holding one), without a Python call per key."""
+    return map(_second, map(pairs.__getitem__, slots))  # type: ignore[arg-type]
+
+
+_second = operator.itemgetter(1)

@@ -26,6 +26,10 @@ class SlotOwners:
         self.pairs: list[Pair | None] = [None] * num_slots
         self.stamps = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
         self.count = 0  # writes recorded: the stamp of the last one
+        # the namespace of each slot's key, by number (0: none), so that a walk picks a
+        # namespace's slots in numpy (``held_by``); one number per namespace name ever recorded
+        self.spaces = np.zeros(num_slots, dtype=np.uint32)
+        self._ids: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -37,14 +41,28 @@ class SlotOwners:
         self.count += 1
         for slot, pair in zip(slots, pairs):
             self.pairs[slot] = pair
-        self.stamps[np.fromiter(slots, np.intp, len(slots))] = self.count
+        at = np.fromiter(slots, np.intp, len(slots))
+        self.stamps[at] = self.count
+        ids = self._ids
+        self.spaces[at] = np.fromiter(
+            (ids.get(name) or ids.setdefault(name, len(ids) + 1) for name, _ in pairs),
+            np.uint32,
+            len(slots),
+        )
 
     def clear(self, slot: int) -> None:
         """``slot`` holds no key any more."""
         self.pairs[slot] = None
+        self.spaces[slot] = 0
 
-    def written_by(self, start: int, stop: int, stamp: int) -> list[int]:
-        """The slots of ``[start, stop)`` last written at or before write ``stamp`` (their key
-        may be gone since: ``pairs``)."""
+    def held_by(self, start: int, stop: int, stamp: int, name: str) -> tuple[list[int], int]:
+        """The slots of ``[start, stop)`` last written at or before write ``stamp`` that hold a
+        key of namespace ``name`` now, and how many slots of ``[start, stop)`` were written by
+        then (their key, of any namespace, may be gone since)."""
         part = self.stamps[start:stop]
-        return (np.flatnonzero((part != 0) & (part <= stamp)) + start).tolist()
+        written = (part != 0) & (part <= stamp)
+        ns_id = self._ids.get(name)
+        if ns_id is None:
+            return [], int(np.count_nonzero(written))
+        held = np.flatnonzero(written & (self.spaces[start:stop] == ns_id)) + start
+        return held.tolist(), int(np.count_nonzero(written))
