@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import pytest
@@ -542,4 +543,35 @@ def test_a_session_whose_accept_cannot_be_queued_ends_clean() -> None:
         assert stats["handshakes_accepted"] == 1 and stats["sessions"] == []
         assert (stats["leased_blocks"], stats["held_blocks"], stats["free_blocks"]) == (0, 0, 32)
     finally:
+        server.close()
+
+
+def test_a_serving_hosts_index_is_out_of_the_garbage_collectors_reach() -> None:
+    """Found by review: a full collection traversed the host's index, millions of keys, in
+    the loop: 0.23 s per million keys in DRAM and on disk (1 s at 4 M), every tier's control
+    plane stalled meanwhile. The loop freezes the index's containers when it starts and a
+    namespace's entries once it is made, so a collection no longer walks them."""
+    import gc
+
+    from torch_kv_tier.remote.server import Server
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    def tracked(obj: object) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    server = Server(ServerConfig(num_blocks=32, block_len=BLOCK_LEN))
+    try:
+        cache = server._control.shared.cache
+        stop = mock.Mock(spec=threading.Event)
+        stop.is_set.side_effect = [False, True]  # one turn of the loop
+        server.serve(stop)
+        assert not tracked(cache._lru) and not tracked(cache._owners.pairs)
+        cache.join("s", "ns")  # as a handshake does
+        entries = cache.namespace_of("s").entries
+        entries[b"k"] = 0
+        assert tracked(entries)
+        server._freeze_index()  # the loop's next turn
+        assert not tracked(entries)
+    finally:
+        gc.unfreeze()
         server.close()

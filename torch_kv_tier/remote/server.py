@@ -30,6 +30,7 @@ consistent ``stats()`` snapshot.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import threading
@@ -98,6 +99,7 @@ class Server:
         self._metrics: MetricsServer | None = None
         self._socket: zmq.Socket[bytes] | None = None
         self._disk: DiskTier | None = None
+        self._frozen_at = -1  # namespaces made when the loop last froze the index
         try:  # the cheap steps that fail on a busy port first, then the pool
             with self._lock:  # a metrics scrape meanwhile waits for the stats to exist
                 self._socket = self._bind(config.host, config.port)
@@ -185,6 +187,7 @@ class Server:
         poller.register(self._socket, zmq.POLLIN)
         next_expiry = next_push = 0.0
         while not stop.is_set():
+            self._freeze_index()
             wait_s = IDLE_POLL_S
             with self._lock:
                 if self._disk is not None:
@@ -204,6 +207,22 @@ class Server:
             if now >= next_expiry:
                 next_expiry = now + EXPIRY_PERIOD_S
                 self._expire(now)
+
+    def _freeze_index(self) -> None:
+        """Keep the host's index out of the garbage collector's walks: at the loop's start (the
+        pool's containers, the disk's filled by its recovery, the process's code) and once a
+        namespace was made (its entries), what is alive is collected and then frozen
+        (``gc.freeze``). A full collection traversed them, stalling the loop 0.23 to 0.26 s with a
+        million keys in DRAM and as many on disk, 0.84 to 1.04 s with 4 M of each; with them
+        frozen, none. Freezing at the start only left each namespace's entries walked, by full
+        collections made more frequent (the frozen no longer count towards their threshold).
+        Frozen objects are still freed when unreferenced; only a reference cycle among them is
+        never collected."""
+        made = self._control.shared.cache.namespaces_made
+        if made != self._frozen_at:
+            self._frozen_at = made
+            gc.collect()
+            gc.freeze()
 
     def _drain(self) -> None:
         assert self._socket is not None

@@ -80,6 +80,7 @@ class SharedCache:
         # slots freed, or filled (evictable), by a commit, a promotion, a release...: a waiting
         # promotion may find one now (``disk_tier``)
         self.slot_changes = 0
+        self.namespaces_made = 0  # namespaces made so far (the server freezes their entries)
         self._free: list[int] = []
         self._digests = [0] * pool.num_blocks  # slot -> digest of the key stored there
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
@@ -100,6 +101,7 @@ class SharedCache:
         ns = self.namespaces.get(namespace)
         if ns is None:
             ns = self.namespaces[namespace] = Namespace(namespace)
+            self.namespaces_made += 1
         ns.sessions += 1
         self._grants[session_id] = (ns, set())
 
