@@ -558,11 +558,15 @@ def test_a_promotion_waiting_for_a_slot_is_retried_once_one_may_be_free_not_ever
             tier.step(now=3.0 + i * 0.0005)
         assert take.call_count == 1 and not tier.busy()  # the loop may sleep...
         assert 0 < tier.retry_in(3.04) <= PROMOTE_BACKOFF_S  # ...until the backoff's end
+        tier.promote(ns, ["a"], 3.045)  # asked again (a tier asks every second): tried...
+        tier.step(now=3.045)
+        assert take.call_count == 2 and len(tier._waiting) == 1  # ...and waiting once
+        assert tier.retry_in(3.045) == pytest.approx(3.0 + PROMOTE_BACKOFF_S - 3.045)
         tier.step(now=3.0 + PROMOTE_BACKOFF_S)
-        assert take.call_count == 2 and not disk.reading  # the backoff: still no slot
+        assert take.call_count == 3 and not disk.reading  # the backoff: still no slot
         cache.commit("s", ["e", "f", "g", "h"], granted, [1, 2, 3, 4])  # evictable again
         tier.step(now=3.06)  # at once, not at the backoff's end
-        assert take.call_count == 3 and disk.reading
+        assert take.call_count == 4 and disk.reading
     tier.step(now=3.07)
     assert _events(cache)[0]["a"] >= 0 and tier.retry_in(3.07) == math.inf
 

@@ -111,7 +111,8 @@ class DiskTier:
         # promotions to start: (namespace name, key, when first asked); by name, so that one
         # asked by a session that left since is dropped with its namespace (``SharedCache.leave``)
         self._asked: list[tuple[str, Key, float]] = []
-        self._waiting: list[tuple[str, Key, float]] = []  # asked ones that found no DRAM slot
+        # asked ones that found no DRAM slot: (namespace name, key) -> when first asked
+        self._waiting: dict[tuple[str, Key], float] = {}
         self._retry: tuple[float, tuple[int, ...]] = (0.0, ())  # (backoff's end, _slot_mark())
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
         self._withheld: dict[int, Namespace] = {}  # slots of reads given up, until they end
@@ -163,8 +164,8 @@ class DiskTier:
         ``COPY_PERIOD_S``, see ``_copy_due``) the copies ahead of eviction."""
         self._collect()
         if self._waiting and (now >= self._retry[0] or self._slot_mark() != self._retry[1]):
-            self._asked += self._waiting
-            self._waiting = []
+            self._asked += [(name, key, since) for (name, key), since in self._waiting.items()]
+            self._waiting.clear()
         if self._asked:
             self._start_promotions(now)
         due = now >= self._next_copy and self._copy_due(now)
@@ -231,6 +232,7 @@ class DiskTier:
         copied) wait to be tried again (``step``), for at most ``PROMOTE_RETRY_S``; those of a
         namespace forgotten meanwhile (no session left) are dropped."""
         asked, self._asked = self._asked, []
+        tried_all = not self._waiting  # else only new asks: the waiting ones keep their backoff
         store, promoting, namespaces = self.store, self._promoting, self.cache.namespaces
         wanted: dict[tuple[str, Key], tuple[Namespace, float]] = {}
         for name, key, since in asked:
@@ -252,10 +254,11 @@ class DiskTier:
             for key in keys[len(slots) :]:
                 since = wanted[(name, key)][1]
                 if now - since < PROMOTE_RETRY_S:
-                    self._waiting.append((name, key, since))
+                    self._waiting.setdefault((name, key), since)
                 else:
                     self.counters["disk_promotions_without_slot"] += 1
-        self._retry = (now + PROMOTE_BACKOFF_S, self._slot_mark())
+        if tried_all:
+            self._retry = (now + PROMOTE_BACKOFF_S, self._slot_mark())
         if items:
             for name, key in store.read(items):  # dropped by the disk meanwhile
                 ns, slot = promoting.pop((name, key))
