@@ -257,3 +257,91 @@ def test_a_journal_sync_that_hangs_leaves_the_control_plane_answering(
         loop.join(10.0)
         server.close()
     assert not loop.is_alive()
+
+
+def _copy(tier: TierManager, keys: list[bytes]) -> dict[bytes, tuple[int, int] | str]:
+    """The tier's copy of a shared host's index for ``keys``: DRAM slot and digest, or on disk."""
+    copy: dict[bytes, tuple[int, int] | str] = {}
+    with tier._lock:
+        index = tier._index
+        for key in keys:
+            holder = index.holder(key)
+            if holder is not None:
+                (slot,), (digest,) = holder.find([key])  # type: ignore[union-attr]
+                copy[key] = (slot, digest)
+            elif index.disk_holder(key) is not None:
+                copy[key] = "disk"
+    return copy
+
+
+def test_a_tier_joining_while_keys_are_stored_evicted_and_promoted_ends_with_the_hosts_index(
+    tmp_path: Path,
+) -> None:
+    """A tier joins a host with a disk while another stores, evicts (to disk) and promotes at
+    full speed, its snapshot walked one slot per page so that every page races the changes:
+    once they stop, its copy is exactly that of a tier that joined after (the host's index),
+    and every load it makes is a hit with the stored bytes or a miss."""
+    from unittest import mock
+
+    from torch_kv_tier.remote import shared_snapshot
+    from torch_kv_tier.remote.server import Server
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    config = ServerConfig(
+        num_blocks=POOL_BLOCKS, block_len=BLOCK_LEN, max_grant=8, disk_admit=1,
+        disk_paths=(str(tmp_path / "disk"),), disk_bytes=128 * BLOCK_LEN,
+    )  # fmt: skip
+    keys = [f"doc-{i}".encode() for i in range(192)]
+    stop, churned = threading.Event(), threading.Event()
+    with (
+        mock.patch.object(shared_snapshot, "CHUNK", 1),
+        mock.patch.object(shared_snapshot, "SCAN_SLOTS", 1),
+        mock.patch.object(shared_snapshot, "MAX_WALK", 1),
+    ):
+        server = Server(config)
+        serving = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+        serving.start()
+        try:
+            with (
+                TierManager.create(384, BLOCK_LEN, name="writer") as writer,
+                TierManager.create(192, BLOCK_LEN, name="joiner") as joiner,
+            ):
+                writer.connect(server.address)
+                original = fill_random(writer)[:192]  # blocks 192..: loads land there
+                rng = torch.Generator().manual_seed(7)
+
+                def churn() -> None:
+                    while not churned.is_set():
+                        picked = torch.randperm(192, generator=rng)[:8].tolist()
+                        batch = [keys[i] for i in picked]
+                        if torch.rand(1, generator=rng).item() < 0.5:
+                            writer.store(batch, picked).result(timeout=RESULT_TIMEOUT_S)
+                        else:  # promotions of what is on disk
+                            into = [192 + i for i in picked]
+                            writer.load(batch, into).result(timeout=RESULT_TIMEOUT_S)
+
+                churner = threading.Thread(target=churn, daemon=True)
+                churner.start()
+                time.sleep(0.5)
+                joiner.connect(server.address)
+                time.sleep(0.5)
+                churned.set()
+                churner.join(timeout=RESULT_TIMEOUT_S)
+                assert not churner.is_alive()
+                time.sleep(1.0)  # the host's copies to disk and its events settle
+                with TierManager.create(192, BLOCK_LEN, name="late") as late:
+                    late.connect(server.address)
+                    expected = _copy(late, keys)
+                    assert wait_for(lambda: _copy(joiner, keys) == expected, 10.0), sorted(
+                        set(_copy(joiner, keys).items()) ^ set(expected.items())
+                    )
+                held = [k for k in keys if k in expected]
+                at = [keys.index(k) for k in held]
+                loaded = joiner.load(held, at).result(timeout=RESULT_TIMEOUT_S)
+                got = [at[i] for i, k in enumerate(held) if k not in loaded.failed]
+                assert set(loaded.failed.values()) <= {MISSING}, loaded.failed
+                assert torch.equal(joiner.arena.tensor[got], original[got])
+        finally:
+            stop.set()
+            serving.join(timeout=10)
+            server.close()
