@@ -31,6 +31,7 @@ from torch_kv_tier.integrations.torch_loop import (
 from torch_kv_tier.integrations.torch_loop import keys as keys_module
 from torch_kv_tier.integrations.torch_loop.example import main as example_main
 from torch_kv_tier.integrations.torch_loop.example import run_demo
+from torch_kv_tier.integrations.torch_loop.host_dials import DIAL_THREAD
 from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
@@ -251,7 +252,8 @@ def test_missing_remote_falls_back_to_recompute(remote: str) -> None:
 def test_a_host_down_at_create_joins_once_it_is_up() -> None:
     # Found by review: a host that did not answer at create() was never dialled again (the tier
     # re-dials only hosts once connected), so every offload failed and every restore was 0 for
-    # the offloader's life. Now it is dialled every reconnect_interval_s until it joins.
+    # the offloader's life. Now it is dialled every reconnect_interval_s until it joins, and once
+    # joined the tier dials it again when it restarts.
     keys_c, values_c = random_caches(torch.float32, seed=14)
     port = free_port()  # nobody listens here yet
     address = f"127.0.0.1:{port}"
@@ -264,10 +266,37 @@ def test_a_host_down_at_create_joins_once_it_is_up() -> None:
             assert off.offload([0, 1], [b"late-0", b"late-1"]).result(timeout=30).ok
             assert off.restore([b"late-0", b"late-1"], [5, 6]) == 2
             assert torch.equal(page(keys_c, 5), page(keys_c, 0))
-    threads = [t.name for t in threading.enumerate() if t.name == "tkvt-membership"]
+        assert wait_for(lambda: off.manager.peers() == [], 20.0)
+        with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
+            assert wait_for(lambda: off.manager.peers() != [], 30.0)  # the tier dials it again
+    threads = [t.name for t in threading.enumerate() if t.name == DIAL_THREAD]
     assert threads == []  # close stopped the dialling
     with pytest.raises(ValueError, match="reconnect_interval_s"):
         PagedKVOffloader.create(keys_c, values_c, reconnect_interval_s=-1)
+
+
+def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> None:
+    # Found by review: a host down at create() was dialled by a membership thread for the
+    # offloader's life, which connected it again within reconnect_interval_s of the user's
+    # off.manager.disconnect (a host connected at create stays disconnected). Once it joined,
+    # it is now the tier's to dial again when lost, as one connected at create is.
+    keys_c, values_c = random_caches(torch.float32, seed=15)
+    port = free_port()  # nobody listens here yet
+    address = f"127.0.0.1:{port}"
+    with (
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=address, timeout=5, connect_timeout=0.5,
+            reconnect_interval_s=0.1,
+        ) as off,
+        ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]),
+    ):  # fmt: skip
+        assert wait_for(lambda: off.manager.peers() != [], 20.0)
+        assert wait_for(lambda: DIAL_THREAD not in {t.name for t in threading.enumerate()}, 20.0)
+        (peer,) = off.manager.peers()
+        off.manager.disconnect(peer)
+        time.sleep(1.0)  # ten dialling intervals
+        assert off.manager.peers() == []
+        assert off.restore([b"gone-0"], [3]) == 0
 
 
 def test_remote_dying_mid_generation_falls_back_without_raising() -> None:

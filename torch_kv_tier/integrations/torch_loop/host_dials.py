@@ -2,29 +2,30 @@
 
 A host that does not answer a connect (down, or not started yet) would otherwise never be
 dialled again: the tier re-dials only hosts it once connected. :class:`HostDials` gives each such
-address a :class:`~torch_kv_tier.membership.Membership` thread over just that address, with the
-arguments of the connect that failed; once the host answers it joins the tier, and restores find
-its pages from then on. Like a vLLM tier's membership, the thread keeps dialling the host
-whenever the tier has lost it, until it is stopped.
+address a daemon thread that connects it every ``interval_s``, with the arguments of the connect
+that failed, until it joins; restores find its pages from then on. The thread then ends: the
+host is the tier's like one connected at once (dialled again by the tier should it be lost, not
+after ``disconnect``). A failed dial is logged once per kind of failure.
 
 Threading: ``unavailable`` and ``stop`` run on the offloader's caller thread; the dialling runs
 on one daemon thread per address. Ownership: the tier is the offloader's; this object owns only
-its threads, which end at ``stop`` (within its timeout), or at their next dial once the tier is
-closed.
+its threads, which end once their host joined, at ``stop`` (within its timeout), or at their
+next dial once the tier is closed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Any
 
-from torch_kv_tier.host_sources import StaticHosts
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.membership import Membership
 
 logger = logging.getLogger(__name__)
+
+DIAL_THREAD = "tkvt-host-dial"
 
 
 class HostDials:
@@ -40,7 +41,8 @@ class HostDials:
             )
         self._manager = manager
         self.interval_s = interval_s
-        self._dials: dict[str, Membership] = {}
+        self._stop = threading.Event()
+        self._dials: dict[str, threading.Thread] = {}
 
     def unavailable(self, address: str, connect_kwargs: dict[str, Any], exc: Exception) -> None:
         """Log that ``address`` failed to connect with ``exc``; one that did not answer (a
@@ -53,20 +55,41 @@ class HostDials:
             f" until it joins (dialled every {self.interval_s}s)" if later else "",
             exc,
         )
-        if later and address not in self._dials:
-            dial = Membership(
-                self._manager,
-                StaticHosts([address]),
-                interval_s=self.interval_s,
-                connect_kwargs=connect_kwargs,
-                known={address: None},
+        dial = self._dials.get(address)
+        if later and (dial is None or not dial.is_alive()):
+            self._dials[address] = dial = threading.Thread(
+                target=self._dial, args=(address, connect_kwargs), name=DIAL_THREAD, daemon=True
             )
-            self._dials[address] = dial
             dial.start()
 
     def stop(self, deadline: float) -> None:
         """Stop every dialler, waiting for each until the ``time.monotonic()`` ``deadline`` (a
         handshake under way lasts up to its ``timeout_s``, less once the tier is closed)."""
+        self._stop.set()
         for dial in self._dials.values():
-            dial.stop(max(deadline - time.monotonic(), 0.0))
+            dial.join(max(deadline - time.monotonic(), 0.0))
+            if dial.is_alive():
+                logger.warning("a dialler of a remote host did not stop in time")
         self._dials.clear()
+
+    def _dial(self, address: str, connect_kwargs: dict[str, Any]) -> None:
+        """Connect ``address`` every ``interval_s`` until it joins, ``stop``, or the tier is
+        closed (module docstring)."""
+        failures: set[type[Exception]] = {TimeoutError}  # logged by ``unavailable``
+        while not self._stop.wait(self.interval_s):
+            try:
+                peer_id = self._manager.connect(address, **connect_kwargs)
+            except Exception as exc:
+                if self._manager.closed:
+                    return
+                if type(exc) not in failures:
+                    failures.add(type(exc))
+                    logger.warning(
+                        "remote host %s cannot be connected; retrying every %ss: %s",
+                        address,
+                        self.interval_s,
+                        exc,
+                    )
+                continue
+            logger.info("remote host %s joined (peer %s)", address, peer_id)
+            return
