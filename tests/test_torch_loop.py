@@ -299,6 +299,35 @@ def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> 
         assert off.restore([b"gone-0"], [3]) == 0
 
 
+def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: only a host that did not answer at all (TimeoutError) was dialled again;
+    # one whose session was lost while joining (its control connection reset mid-snapshot, or it
+    # died answering: ConnectionError "lost before it sent its index", seen with ss -K) was
+    # never dialled again, and the offloader ran without it for its whole life.
+    keys_c, values_c = random_caches(torch.float32, seed=16)
+    real_connect = TierManager.connect
+    failed: list[str] = []
+
+    def lost_once(self: TierManager, address: str, **kwargs: Any) -> str:
+        if not failed:
+            failed.append(address)
+            raise ConnectionError(f"{address} was lost before it sent its index")
+        return real_connect(self, address, **kwargs)
+
+    monkeypatch.setattr(TierManager, "connect", lost_once)
+    with (
+        ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1") as server,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=server.address, timeout=5, reconnect_interval_s=0.1
+        ) as off,
+    ):
+        assert failed == [server.address]
+        assert wait_for(lambda: off.manager.peers() != [], 20.0)
+        assert off.offload([0], [b"rejoined"]).result(timeout=30).ok
+
+
 def test_remote_dying_mid_generation_falls_back_without_raising() -> None:
     keys_c, values_c = random_caches(torch.float32, seed=4)
     keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"dies")

@@ -1,11 +1,14 @@
 """Hosts the offloader could not reach yet, dialled again in the background until they join.
 
-A host that does not answer a connect (down, or not started yet) would otherwise never be
+A host that does not answer a connect (down, or not started yet), or whose session is lost
+while it joins (its control connection reset, or it died answering), would otherwise never be
 dialled again: the tier re-dials only hosts it once connected. :class:`HostDials` gives each such
 address a daemon thread that connects it every ``interval_s``, with the arguments of the connect
 that failed, until it joins; restores find its pages from then on. The thread then ends: the
 host is the tier's like one connected at once (dialled again by the tier should it be lost, not
-after ``disconnect``). A failed dial is logged once per kind of failure.
+after ``disconnect``). A failed dial is logged once per kind of failure. A host that answers the
+offloader's connect and refuses (``HandshakeRejected``: a token, block length or fingerprint
+of another tier) is not dialled.
 
 Threading: ``unavailable`` and ``stop`` run on the offloader's caller thread; the dialling runs
 on one daemon thread per address. Ownership: the tier is the offloader's; this object owns only
@@ -46,9 +49,10 @@ class HostDials:
 
     def unavailable(self, address: str, connect_kwargs: dict[str, Any], exc: Exception) -> None:
         """Log that ``address`` failed to connect with ``exc``; one that did not answer (a
-        ``TimeoutError``: down, or not started yet) is dialled every ``interval_s`` with
-        ``connect_kwargs`` (``TierManager.connect``'s) from now on, unless it is already."""
-        later = isinstance(exc, TimeoutError) and self.interval_s > 0
+        ``TimeoutError``: down, or not started yet) or was lost while joining (a
+        ``ConnectionError``) is dialled every ``interval_s`` with ``connect_kwargs``
+        (``TierManager.connect``'s) from now on, unless it is already."""
+        later = isinstance(exc, TimeoutError | ConnectionError) and self.interval_s > 0
         logger.warning(
             "remote host %s unavailable, KV pages will be recomputed%s: %s",
             address,
@@ -58,7 +62,10 @@ class HostDials:
         dial = self._dials.get(address)
         if later and (dial is None or not dial.is_alive()):
             self._dials[address] = dial = threading.Thread(
-                target=self._dial, args=(address, connect_kwargs), name=DIAL_THREAD, daemon=True
+                target=self._dial,
+                args=(address, connect_kwargs, type(exc)),
+                name=DIAL_THREAD,
+                daemon=True,
             )
             dial.start()
 
@@ -72,10 +79,10 @@ class HostDials:
                 logger.warning("a dialler of a remote host did not stop in time")
         self._dials.clear()
 
-    def _dial(self, address: str, connect_kwargs: dict[str, Any]) -> None:
+    def _dial(self, address: str, connect_kwargs: dict[str, Any], logged: type[Exception]) -> None:
         """Connect ``address`` every ``interval_s`` until it joins, ``stop``, or the tier is
-        closed (module docstring)."""
-        failures: set[type[Exception]] = {TimeoutError}  # logged by ``unavailable``
+        closed (module docstring); a failure of a kind other than ``logged`` is logged once."""
+        failures: set[type[Exception]] = {logged}
         while not self._stop.wait(self.interval_s):
             try:
                 peer_id = self._manager.connect(address, **connect_kwargs)

@@ -239,8 +239,9 @@ class PagedKVOffloader:
         host that is down delays startup no longer than the tier alone would.
 
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``); a host that
-        does not answer (down, or not started yet) is then dialled again in the background
-        every ``reconnect_interval_s`` until it joins (and whenever the tier loses it after).
+        does not answer (down, or not started yet) or is lost while joining is then dialled
+        again in the background every ``reconnect_interval_s`` until it joins (and whenever the
+        tier loses it after).
         Arguments no host could accept (an address not ``HOST:PORT``, ``slots`` without
         ``private`` or not > 0, an empty ``token``, a ``connect_timeout`` not a finite number
         > 0) raise ``ValueError`` instead; ``RuntimeError`` once closed.
