@@ -856,3 +856,28 @@ def test_a_redial_under_way_as_add_peer_replaces_its_host_leaves_the_users_regio
         go.set()
         wait_until(lambda: not tier._redialer._due, "the redialer lets go of the host")
         assert tier.peers() == [peer] and tier._peers[peer].session is None
+
+
+def test_a_host_disconnected_as_its_connect_ends_is_not_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a connect registered how its host was dialled again once the join
+    was over, after the host was published: a ``disconnect`` on another thread in between
+    (the host in ``peers()`` already) was undone, and the redialer connected the host again
+    in the background (seen with the torch-loop offloader's dialler and a user's disconnect)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="disconnected-as-joined") as tier,
+    ):
+        join = tier._join_shared
+
+        def join_then_disconnect(session: Any, timeout_s: float) -> None:
+            join(session, timeout_s)
+            tier.disconnect(session.peer_id)  # as another thread does once it sees the host
+
+        monkeypatch.setattr(tier, "_join_shared", join_then_disconnect)
+        peer = tier.connect(server.address, timeout_s=5.0)
+        assert peer not in tier._dials
+        time.sleep(1.0)  # ten times the first redial's delay
+        assert tier.peers() == [], "the disconnected host was dialled again"

@@ -181,7 +181,8 @@ class ConnectedHosts(SessionReleases):
                     self._end_keeping_releases(session, True)
                 raise
             with self._lock:
-                self._dials[peer_id] = dial
+                if peer_id in self._dials:  # else removed once published: not dialled again
+                    self._dials[peer_id] = dial
                 self._forget_replaced(peer_id, dial.address)
         finally:
             with self._lock:
