@@ -564,7 +564,7 @@ def test_a_serving_hosts_index_is_out_of_the_garbage_collectors_reach() -> None:
         cache = server._control.shared.cache
         stop = mock.Mock(spec=threading.Event)
         stop.is_set.side_effect = [False, True]  # one turn of the loop
-        server.serve(stop)
+        server.serve(stop, freeze_index=True)  # as `torch-kv-tier serve` does
         assert not tracked(cache._lru) and not tracked(cache._owners.pairs)
         cache.join("s", "ns")  # as a handshake does
         entries = cache.namespace_of("s").entries

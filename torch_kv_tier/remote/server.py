@@ -180,14 +180,18 @@ class Server:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def serve(self, stop: threading.Event) -> None:
-        """Answer clients and expire leases until ``stop`` is set (wakes every ``IDLE_POLL_S``)."""
+    def serve(self, stop: threading.Event, *, freeze_index: bool = False) -> None:
+        """Answer clients and expire leases until ``stop`` is set (wakes every ``IDLE_POLL_S``).
+        ``freeze_index`` (for a process that is the host alone, as ``torch-kv-tier serve``'s:
+        it freezes every object of the process) keeps the index out of the garbage
+        collector's walks (``_freeze_index``)."""
         assert self._socket is not None
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         next_expiry = next_push = 0.0
         while not stop.is_set():
-            self._freeze_index()
+            if freeze_index:
+                self._freeze_index()
             wait_s = IDLE_POLL_S
             with self._lock:
                 if self._disk is not None:
@@ -217,7 +221,8 @@ class Server:
         frozen, none. Freezing at the start only left each namespace's entries walked, by full
         collections made more frequent (the frozen no longer count towards their threshold).
         Frozen objects are still freed when unreferenced; only a reference cycle among them is
-        never collected."""
+        never collected. ``gc.freeze`` applies to the whole process: only ``serve``'s
+        ``freeze_index`` asks for it, never a host embedded in another program."""
         made = self._control.shared.cache.namespaces_made
         if made != self._frozen_at:
             self._frozen_at = made
