@@ -105,3 +105,50 @@ def control_ports(server: Any) -> set[int]:
         for c in psutil.Process().net_connections(kind="tcp")
         if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
     }
+
+
+class SilentHosts:
+    """``n`` listening sockets on ``host`` that accept TCP connections (the kernel does) and
+    never answer: hosts that are up but never answer a handshake. Close with ``close``."""
+
+    def __init__(self, n: int, host: str = "127.0.0.1") -> None:
+        self._listeners = []
+        for _ in range(n):
+            listener = socket.socket()
+            listener.bind((host, 0))
+            listener.listen(8)
+            self._listeners.append(listener)
+        self.addresses = [f"{host}:{s.getsockname()[1]}" for s in self._listeners]
+        self._accepted: list[socket.socket] = []
+
+    def dialled_side_by_side(self, within: float, first_timeout: float = 60.0) -> bool:
+        """Whether, once one host has a connection (in ``first_timeout`` s), every other one has
+        one within ``within`` s, and none of them was closed yet: dialled side by side, not each
+        once the one before it gave up (``within`` below the handshake's timeout)."""
+        deadline = time.monotonic() + first_timeout
+        for listener in self._listeners:
+            listener.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                self._accepted.append(listener.accept()[0])
+            except TimeoutError:
+                return False
+            if len(self._accepted) == 1:
+                deadline = time.monotonic() + within
+        return all(_still_open(conn) for conn in self._accepted)
+
+    def close(self) -> None:
+        for s in [*self._accepted, *self._listeners]:
+            s.close()
+
+
+def _still_open(conn: socket.socket) -> bool:
+    """Whether the peer has not closed ``conn`` (what it sent is read and dropped)."""
+    conn.setblocking(False)
+    try:
+        while conn.recv(4096):
+            pass
+    except BlockingIOError:
+        return True
+    except ConnectionError:
+        return False
+    return False

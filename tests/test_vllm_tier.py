@@ -34,7 +34,13 @@ pytest.importorskip(
     reason="vLLM 0.33.0 is not installed (see requirements/vllm-0.33-cpu.txt)",
 )
 
-from remote_support import control_ports, free_port, wait_for, wait_until  # noqa: E402
+from remote_support import (  # noqa: E402
+    SilentHosts,
+    control_ports,
+    free_port,
+    wait_for,
+    wait_until,
+)
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -682,6 +688,41 @@ def test_a_remote_host_down_at_startup_is_connected_when_it_comes_up() -> None:
             driver.run_until_idle()
             assert all(tier.contains(k) for k in late)
             driver.shutdown(spec)
+
+
+def test_hosts_that_do_not_answer_at_startup_are_dialled_side_by_side() -> None:
+    """Found by review: startup connected its remote hosts one after another, so N hosts that
+    do not answer held vLLM's startup for N x ``connect_timeout_s`` (4 hosts down: 40 s by
+    default). They are dialled side by side now: about one ``connect_timeout_s`` in all."""
+    silent = SilentHosts(4)
+    with contextlib.closing(silent), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        built = pool.submit(
+            make_manager, silent.addresses, reconnect_interval_s=60, connect_timeout_s=5
+        )
+        dialled = silent.dialled_side_by_side(within=4.0)
+        spec, manager = built.result(timeout=60)
+        driver = Driver(manager)
+        assert driver.tier.tier_manager.peers() == []  # vLLM started without them
+        driver.shutdown(spec)
+    assert dialled, "each host was dialled only once the one before it gave up"
+
+
+def test_startup_fails_for_the_first_listed_host_that_cannot_be_used() -> None:
+    """Hosts dialled side by side fail startup as when dialled in turn: for the first host of
+    the source (a static list is sorted) that failed, with what to check; a host that refuses
+    fails it at once, ending the handshakes still waiting for a silent host, and no connect is
+    left running after."""
+    silent = SilentHosts(2, host="127.0.0.2")  # listed after 127.0.0.1's hosts
+    with contextlib.closing(silent):
+        first = min(silent.addresses)
+        with pytest.raises(RuntimeError, match=f"could not connect to remote host {first}"):
+            make_manager(silent.addresses, reconnect_interval_s=0, connect_timeout_s=0.5)
+        with (
+            ServerProcess.start(REMOTE_BLOCKS, 2 * CHUNK_BYTES) as refusing,
+            pytest.raises(RuntimeError, match=f"(?s)host {refusing.address}: .*--block-len"),
+        ):  # a silent host would be left to the membership thread; one that refuses fails startup
+            make_manager([*silent.addresses, refusing.address], connect_timeout_s=60)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tkvt-connect")]
 
 
 def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines() -> None:

@@ -4,13 +4,15 @@ membership thread that dials the rest; built together, released in order.
 
 Threading: built and closed on the thread that builds or shuts down the tier (vLLM's), except
 that the view of the primary region may be released later on NIXL's registration thread
-(``close``); the membership thread is its own (``membership``).
+(``close``); the membership thread is its own (``membership``). The startup connects run side
+by side, one thread per host (``parallel_connects``), joined before the constructor returns (a
+failed startup waits ``close_timeout_s`` at most for them, after closing the manager).
 
-Failure model: a host that does not answer at startup is left to the membership thread when
-reconnecting is on; any other startup failure raises ``RuntimeError`` with what to check, after
-everything built so far is released. Closing never leaves NIXL able to write into memory vLLM
-unmapped: the primary region stays mapped until the transport released its agent, and for good
-when the manager fails to close.
+Failure model: a host that does not answer at startup (about one ``connect_timeout_s``, however
+many do not) is left to the membership thread when reconnecting is on; any other startup failure
+raises ``RuntimeError`` with what to check, after everything built so far is released. Closing
+never leaves NIXL able to write into memory vLLM unmapped: the primary region stays mapped until
+the transport released its agent, and for good when the manager fails to close.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch_kv_tier.integrations.vllm.tier_config import (
 )
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership, first_hosts
+from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.transport import NixlTransport
 
 if TYPE_CHECKING:
@@ -62,9 +65,13 @@ class TierResources:
         self._flat_view, region = adopt_primary_view(primary_kv_view)
         self.manager: TierManager | None = None
         self._membership: Membership | None = None
+        connects: ParallelConnects | None = None
         try:
             self.manager = _build_manager(region, spec, config, agent_name, events)
-            peers = {address: self._connect(address) for address in first_hosts(config.source)}
+            connects = ParallelConnects(
+                self.manager, first_hosts(config.source), config.connect_kwargs()
+            )
+            peers = {address: self._joined(address, got) for address, got in connects.outcomes()}
             if config.reconnect_interval_s > 0:
                 self._membership = Membership(
                     self.manager,
@@ -75,33 +82,33 @@ class TierResources:
                 )
                 self._membership.start()
         except BaseException:
-            self.close()
+            self.close()  # first: closing the manager ends the handshakes still under way
             raise
+        finally:
+            if connects is not None:
+                connects.join(timeout=config.close_timeout_s)
 
-    def _connect(self, address: str) -> str | None:
-        """Join ``address`` at startup; its peer id.
+    def _joined(self, address: str, outcome: str | Exception) -> str | None:
+        """The peer id of ``address``, joined at startup (``outcome``: its connect's peer id or
+        exception; the hosts are dialled side by side, and judged in the order listed).
 
         A host that does not answer (down, or not started yet) is left to the membership thread
         when there is one: vLLM starts without it and gains it when it comes up (``None``).
         Any other failure, and a silent host when reconnecting is off, raises with what the
         user should check (a host that answers but refuses is misconfigured, not down).
         """
-        assert self.manager is not None
-        try:
-            return self.manager.connect(address, **self._config.connect_kwargs())
-        except TimeoutError as exc:
-            if self._config.reconnect_interval_s <= 0:
-                raise self._startup_error(address, exc) from exc
-            logger.warning(
-                "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
-                "without it and dialling it every %.1fs",
-                address,
-                exc,
-                self._config.reconnect_interval_s,
-            )
-            return None
-        except Exception as exc:
-            raise self._startup_error(address, exc) from exc
+        if isinstance(outcome, str):
+            return outcome
+        if not isinstance(outcome, TimeoutError) or self._config.reconnect_interval_s <= 0:
+            raise self._startup_error(address, outcome) from outcome
+        logger.warning(
+            "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
+            "without it and dialling it every %.1fs",
+            address,
+            outcome,
+            self._config.reconnect_interval_s,
+        )
+        return None
 
     def _startup_error(self, address: str, exc: Exception) -> RuntimeError:
         """What a user must check when ``address`` cannot be used at startup."""
