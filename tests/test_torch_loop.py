@@ -6,6 +6,7 @@ CUDA tests skip cleanly without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -14,12 +15,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import torch
-from remote_support import free_port, wait_for
+from remote_support import SilentHosts, free_port, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.integrations.torch_loop import (
@@ -326,6 +327,29 @@ def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
         assert failed == [server.address]
         assert wait_for(lambda: off.manager.peers() != [], 20.0)
         assert off.offload([0], [b"rejoined"]).result(timeout=30).ok
+
+
+def test_hosts_that_do_not_answer_at_create_are_dialled_side_by_side() -> None:
+    # Found by review: create() connected its hosts one after another, so N hosts that do not
+    # answer held it for N x connect_timeout (4 hosts down: 40 s at the default 10 s); they are
+    # dialled side by side now. strict still raises for the first host listed that failed, and
+    # no connect is left running after.
+    keys_c, values_c = random_caches(torch.float32, seed=15)
+    silent = SilentHosts(4)
+    with contextlib.closing(silent), ThreadPoolExecutor(1) as pool:
+        kwargs: dict[str, Any] = dict(remote=silent.addresses, reconnect_interval_s=0)
+        created = pool.submit(
+            PagedKVOffloader.create, keys_c, values_c, connect_timeout=5, **kwargs
+        )
+        dialled = silent.dialled_side_by_side(within=4.0)
+        with created.result(timeout=60) as off:
+            assert off.manager.peers() == []
+        assert dialled, "each host was dialled only once the one before it gave up"
+        last = silent.addresses[-1]
+        with pytest.raises(OffloadError, match=f"cannot connect to remote host {last}"):
+            kwargs["remote"] = [last, *silent.addresses[:-1]]
+            PagedKVOffloader.create(keys_c, values_c, connect_timeout=0.5, strict=True, **kwargs)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("tkvt-connect")]
 
 
 def test_remote_dying_mid_generation_falls_back_without_raising() -> None:

@@ -10,6 +10,8 @@ after ``disconnect``). A failed dial is logged once per kind of failure. A host 
 offloader's connect and refuses (``HandshakeRejected``: a token, block length or fingerprint
 of another tier) is not dialled.
 
+A failed connect of a ``strict`` offloader raises instead (``unavailable``).
+
 Threading: ``unavailable`` and ``stop`` run on the offloader's caller thread; the dialling runs
 on one daemon thread per address. Ownership: the tier is the offloader's; this object owns only
 its threads, which end once their host joined, at ``stop`` (within its timeout), or at their
@@ -24,6 +26,7 @@ import threading
 import time
 from typing import Any
 
+from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 from torch_kv_tier.manager import TierManager
 
 logger = logging.getLogger(__name__)
@@ -47,11 +50,15 @@ class HostDials:
         self._stop = threading.Event()
         self._dials: dict[str, threading.Thread] = {}
 
-    def unavailable(self, address: str, connect_kwargs: dict[str, Any], exc: Exception) -> None:
-        """Log that ``address`` failed to connect with ``exc``; one that did not answer (a
-        ``TimeoutError``: down, or not started yet) or was lost while joining (a
-        ``ConnectionError``) is dialled every ``interval_s`` with ``connect_kwargs``
-        (``TierManager.connect``'s) from now on, unless it is already."""
+    def unavailable(
+        self, address: str, connect_kwargs: dict[str, Any], exc: Exception, *, strict: bool
+    ) -> None:
+        """``address`` failed to connect with ``exc``: ``strict``, raise ``OffloadError`` naming
+        it; else log it, and dial one that did not answer (a ``TimeoutError``: down, or not
+        started yet) or was lost while joining (a ``ConnectionError``) every ``interval_s``
+        with ``connect_kwargs`` (``TierManager.connect``'s) from now on, unless it is already."""
+        if strict:
+            raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
         later = isinstance(exc, TimeoutError | ConnectionError) and self.interval_s > 0
         logger.warning(
             "remote host %s unavailable, KV pages will be recomputed%s: %s",

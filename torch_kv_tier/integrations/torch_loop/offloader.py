@@ -23,22 +23,26 @@ always raise ``ValueError`` before any memory or network is touched.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_dials import HostDials
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
+from torch_kv_tier.integrations.torch_loop.offloader_args import (
+    check_timeout,
+    check_wait,
+    connect_kwargs,
+)
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.results import TransferResult
 
@@ -88,7 +92,7 @@ class PagedKVOffloader:
                 f"caches across all layers is {self.block_len} bytes: build the tier with "
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
-        _check_timeout("timeout", timeout)
+        check_timeout("timeout", timeout)
         dials = HostDials(manager, reconnect_interval_s)  # ValueError for a bad interval
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
@@ -164,12 +168,14 @@ class PagedKVOffloader:
         """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
 
         ``remote`` is one ``HOST:PORT`` of a ``torch-kv-tier serve`` host or a list of them
-        (``token``/``private``/``slots``/``connect_timeout`` are passed to each
-        :meth:`connect`). A host that cannot be reached is logged and skipped (its pages are
-        recomputed; one that does not answer is dialled again until it joins) unless ``strict``,
-        which raises; arguments no host could accept raise ``ValueError`` before the tier is
-        built (:meth:`connect`). ``timeout`` and ``reconnect_interval_s`` are the offloader's
-        (``__init__``); ``timeout`` bounds each connect too unless ``connect_timeout`` is given.
+        (``token``/``private``/``slots``/``connect_timeout`` apply to each, as in
+        :meth:`connect`), all dialled side by side: hosts that do not answer delay ``create`` by
+        one ``connect_timeout`` in all. A host that cannot be reached is logged and skipped (its
+        pages are recomputed; one that does not answer is dialled again until it joins) unless
+        ``strict``, which raises for the first one listed; arguments no host could accept raise
+        ``ValueError`` before the tier is built (:meth:`connect`). ``timeout`` and
+        ``reconnect_interval_s`` are the offloader's (``__init__``); ``timeout`` bounds each
+        connect too unless ``connect_timeout`` is given.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches.
@@ -181,9 +187,8 @@ class PagedKVOffloader:
         and put the dtype and layout in them yourself.
         """
         block_len = cls.block_len_for(key_caches, value_caches)
-        _check_timeout("timeout", timeout)
-        if connect_timeout is not None:
-            _check_timeout("connect_timeout", connect_timeout)
+        check_timeout("timeout", timeout)
+        kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
         if arena_blocks < 1:
@@ -198,6 +203,7 @@ class PagedKVOffloader:
         manager = TierManager.create(
             arena_blocks, block_len, device=device, config_fields=fields, name=name
         )
+        connects = None
         try:
             offloader = cls(
                 key_caches,
@@ -208,17 +214,16 @@ class PagedKVOffloader:
                 strict=strict,
                 reconnect_interval_s=reconnect_interval_s,
             )
-            for address in remotes:
-                offloader.connect(
-                    address,
-                    token=token,
-                    private=private,
-                    slots=slots,
-                    connect_timeout=connect_timeout,
-                )
+            connects = ParallelConnects(manager, remotes, kwargs)
+            for address, outcome in connects.outcomes():
+                if isinstance(outcome, Exception):
+                    offloader._dials.unavailable(address, kwargs, outcome, strict=strict)
         except BaseException:
-            manager.close()
+            manager.close()  # first: closing the tier ends the handshakes still under way
             raise
+        finally:
+            if connects is not None:
+                connects.join(timeout)
         return offloader
 
     def connect(
@@ -248,17 +253,13 @@ class PagedKVOffloader:
         """
         self._check_open("connect")
         check_connect_args(address, slots, private, token)
-        if connect_timeout is None:
-            connect_timeout = min(self.timeout, CONNECT_TIMEOUT_S)
-        _check_timeout("connect_timeout", connect_timeout)
-        kwargs: dict[str, Any] = dict(token=token, private=private, slots=slots)
-        kwargs["timeout_s"] = connect_timeout
+        kwargs = connect_kwargs(
+            self.timeout, connect_timeout, token=token, private=private, slots=slots
+        )
         try:
             return self.manager.connect(address, **kwargs)
         except Exception as exc:
-            if self.strict:
-                raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
-            self._dials.unavailable(address, kwargs, exc)  # logged; dialled again if silent
+            self._dials.unavailable(address, kwargs, exc, strict=self.strict)
             return ""
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -325,7 +326,7 @@ class PagedKVOffloader:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
         are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
         finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
-        _check_wait(timeout)
+        check_wait(timeout)
         return self._batches.wait_idle(
             time.monotonic() + (self.timeout if timeout is None else timeout)
         )
@@ -334,7 +335,7 @@ class PagedKVOffloader:
         """Wait for pending offloads, then close an owned tier (even when the wait is
         interrupted) with what is left of ``timeout``: the whole close is bounded by it (checked
         as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). Idempotent."""
-        _check_wait(timeout)  # before anything: a refused call leaves the offloader open
+        check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
         self._closed = True
@@ -386,16 +387,3 @@ class PagedKVOffloader:
                 raise OffloadError(f"tier lookup failed: {exc}") from exc
             log.warning("tier lookup failed, treating as a miss: %s", exc)
             return 0
-
-
-def _check_timeout(name: str, seconds: float) -> None:
-    """``ValueError`` unless ``seconds`` is a finite number > 0 (nan too: a wait for nan seconds
-    returns at once)."""
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds}")
-
-
-def _check_wait(timeout: float | None) -> None:
-    """``ValueError`` unless ``timeout`` is ``None`` or a finite number of seconds >= 0."""
-    if timeout is not None and not 0 <= timeout < math.inf:
-        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
