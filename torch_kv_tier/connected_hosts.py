@@ -1,12 +1,12 @@
 """The tier's half of the ``torch-kv-tier serve`` control plane: sessions with connected hosts
-and dialling a lost host again (see ``connections``).
+(see ``connections``).
 
 ``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``) and
 holds its public ``connect``/``disconnect``: a session opens in ``_connect``, a private lease
-registers through ``_add_private`` and a shared pool through ``SharedHosts._join_shared``; a
-session that is lost drops its peer (``_on_session_lost``) and, once ended, is dialled again
-(``_close_session``); ``close`` ends every session (``_end_sessions``). Telling hosts which
-ended sessions resolved (fencing, client half) is its base ``session_releases.SessionReleases``.
+registers through ``_add_private`` and a shared pool through ``SharedHosts._join_shared``;
+``close`` ends every session (``_end_sessions``). A lost session, and dialling its host again,
+is its base ``lost_hosts.LostHosts``; telling hosts which ended sessions resolved (fencing,
+client half) is that one's base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes and NIXL
 registrations never run under it.
@@ -20,12 +20,12 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import Dial, EndedSessions, Redialer, twin_problem
+from torch_kv_tier.connections import Dial, EndedSessions, twin_problem
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
+from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer
 from torch_kv_tier.remote.handshake import check_connect_args
-from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 
 
-class ConnectedHosts(SessionReleases):
+class ConnectedHosts(LostHosts):
     """Connected-host behaviour of ``TierManager`` (module docstring)."""
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
@@ -48,19 +48,14 @@ class ConnectedHosts(SessionReleases):
     _dials: dict[str, Dial]
     _joining: dict[str, threading.Event]  # peer id -> set once its connect in progress ended
     _removed: dict[str, Dial]
-    _redialing: Dial | None
     _ended: EndedSessions
-    _redialer: Redialer
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
 
     if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
 
         def _check_open(self) -> None: ...
         def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
-        def _lose_peer(self, peer_id: str, why: str) -> None: ...
-        def _flush(self) -> None: ...
         def _join_shared(self, session: Any, timeout_s: float) -> None: ...
-        def remove_peer(self, peer_id: str) -> None: ...
 
     # -- public: connected hosts ---------------------------------------------------------------
 
@@ -279,51 +274,6 @@ class ConnectedHosts(SessionReleases):
                 self._ended.give_back(dial.address, release)
             raise
 
-    def _redial(self, dial: Dial) -> None:
-        """The redialer's ``dial`` (unlocked): connect a lost host again. ``ConnectionError``
-        when it is no longer wanted (removed, connected by another call, the tier closed); a
-        host the user removed meanwhile has its new session ended at once, and the releases it
-        and a failed handshake of this attempt took back still go out. The redialer dials one
-        host at a time: ``_redialing`` names it."""
-        with self._lock:
-            if not self._wants(dial):
-                raise ConnectionError(
-                    f"{dial.address} is no longer to be dialled (removed or connected meanwhile, "
-                    "or the tier closed)"
-                )
-            self._redialing = dial
-        try:
-            peer_id = self._connect(dial)
-        except BaseException:
-            with self._lock:
-                self._redialing = None
-                if self._removed.get(dial.address) is dial:
-                    self._send_releases(dial.address)
-            raise
-        with self._lock:
-            self._redialing = None
-            removed = self._removed.get(dial.address) is dial
-            if removed:
-                self._dials.pop(peer_id, None)
-            peer = self._peers.get(peer_id)  # (an ``add_peer`` that replaced it stays)
-            published = removed and peer is not None and peer.session is not None
-        if published:
-            self.remove_peer(peer_id)
-        if removed:
-            with self._lock:
-                self._send_releases(dial.address)
-
-    def _wants_dial(self, dial: Dial) -> bool:
-        """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
-        with self._lock:
-            return self._wants(dial)
-
-    def _wants(self, dial: Dial) -> bool:
-        """``_wants_dial``, under the lock."""
-        return not self._closed and any(
-            d is dial and pid not in self._peers for pid, d in self._dials.items()
-        )
-
     def _register(
         self, peer_id: str, agent_metadata: bytes, base_addr: int, num_blocks: int, block_len: int
     ) -> None:
@@ -387,23 +337,3 @@ class ConnectedHosts(SessionReleases):
             self._peers[peer_id] = Peer(
                 self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
             )
-
-    def _close_session(self, session: Any, clean: bool) -> None:
-        """End a dropped peer's session (unlocked); dial the host again if it was lost rather
-        than removed. The ended sessions it released the host may not have read (its
-        connection reset, say) are released again, with the redial."""
-        self._end_keeping_releases(session, clean)
-        with self._lock:
-            dial = None if self._closed else self._dials.get(session.peer_id)
-            if dial is not None and session.peer_id not in self._peers:
-                self._redialer.start(dial)
-
-    def _on_session_lost(self, peer_id: str) -> None:
-        """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
-        current session is alive (a newer one) stays."""
-        with self._lock:
-            peer = self._peers.get(peer_id)
-            if self._closed or peer is None or peer.session is None or not peer.session.lost:
-                return
-            self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
-        self._flush()

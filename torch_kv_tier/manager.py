@@ -5,8 +5,9 @@ placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, 
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
 the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its base
 ``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts),
-``connected_hosts`` (``connect``, ``disconnect`` and the sessions: redial; its base
-``session_releases``) and ``closing`` (``close``: cancel, end the sessions, settle the loads).
+``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
+lost session, the redial; and that one's base ``session_releases``) and ``closing``
+(``close``: cancel, end the sessions, settle the loads).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:

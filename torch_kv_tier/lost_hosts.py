@@ -1,0 +1,97 @@
+"""The tier's half of losing a connected host and dialling it again (see ``connections``).
+
+``LostHosts`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``): a session
+that is lost drops its peer (``_on_session_lost``); once ended, a host lost rather than removed
+is dialled again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial``
+until the host answers or is no longer wanted (``_wants_dial``). Telling hosts which ended
+sessions resolved (fencing, client half) is its base ``session_releases.SessionReleases``.
+
+Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
+under it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch_kv_tier.connections import Dial, Redialer
+from torch_kv_tier.session_releases import SessionReleases
+
+
+class LostHosts(SessionReleases):
+    """Lost hosts and their redials, for ``TierManager`` (module docstring)."""
+
+    # The manager's state this part uses (set by ``TierManager.__init__``).
+    _redialer: Redialer
+
+    if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
+
+        def _connect(self, dial: Dial) -> str: ...
+        def _lose_peer(self, peer_id: str, why: str) -> None: ...
+        def _flush(self) -> None: ...
+        def remove_peer(self, peer_id: str) -> None: ...
+
+    def _close_session(self, session: Any, clean: bool) -> None:
+        """End a dropped peer's session (unlocked); dial the host again if it was lost rather
+        than removed. The ended sessions it released the host may not have read (its
+        connection reset, say) are released again, with the redial."""
+        self._end_keeping_releases(session, clean)
+        with self._lock:
+            dial = None if self._closed else self._dials.get(session.peer_id)
+            if dial is not None and session.peer_id not in self._peers:
+                self._redialer.start(dial)
+
+    def _on_session_lost(self, peer_id: str) -> None:
+        """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
+        current session is alive (a newer one) stays."""
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            if self._closed or peer is None or peer.session is None or not peer.session.lost:
+                return
+            self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
+        self._flush()
+
+    def _redial(self, dial: Dial) -> None:
+        """The redialer's ``dial`` (unlocked): connect a lost host again. ``ConnectionError``
+        when it is no longer wanted (removed, connected by another call, the tier closed); a
+        host the user removed meanwhile has its new session ended at once, and the releases it
+        and a failed handshake of this attempt took back still go out. The redialer dials one
+        host at a time: ``_redialing`` names it."""
+        with self._lock:
+            if not self._wants(dial):
+                raise ConnectionError(
+                    f"{dial.address} is no longer to be dialled (removed or connected meanwhile, "
+                    "or the tier closed)"
+                )
+            self._redialing = dial
+        try:
+            peer_id = self._connect(dial)
+        except BaseException:
+            with self._lock:
+                self._redialing = None
+                if self._removed.get(dial.address) is dial:
+                    self._send_releases(dial.address)
+            raise
+        with self._lock:
+            self._redialing = None
+            removed = self._removed.get(dial.address) is dial
+            if removed:
+                self._dials.pop(peer_id, None)
+            peer = self._peers.get(peer_id)  # (an ``add_peer`` that replaced it stays)
+            published = removed and peer is not None and peer.session is not None
+        if published:
+            self.remove_peer(peer_id)
+        if removed:
+            with self._lock:
+                self._send_releases(dial.address)
+
+    def _wants_dial(self, dial: Dial) -> bool:
+        """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
+        with self._lock:
+            return self._wants(dial)
+
+    def _wants(self, dial: Dial) -> bool:
+        """``_wants_dial``, under the lock."""
+        return not self._closed and any(
+            d is dial and pid not in self._peers for pid, d in self._dials.items()
+        )
