@@ -3,6 +3,7 @@ SRV, through a real stub DNS server on 127.0.0.1) or a watched file, with no res
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -20,7 +21,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import torch
-from remote_support import BLOCK_LEN, free_port, wait_until
+from remote_support import BLOCK_LEN, SilentHosts, free_port, wait_until
 
 from torch_kv_tier import connections
 from torch_kv_tier.manager import TierManager
@@ -395,7 +396,7 @@ def test_membership_connects_appearing_and_disconnects_vanishing_hosts(
     rounds(source, 5)  # more rounds change nothing
     assert tier.count(("connect", "a:1")) == 1 and tier.count(("connect", "b:2")) == 1
     assert tier.count(("disconnect", "host:a:1")) == 1
-    assert tier.callers == {"tkvt-membership"}  # never the caller's thread
+    assert tier.callers == {"tkvt-connect-a:1", "tkvt-connect-b:2"}  # never the caller's thread
 
 
 def test_membership_redials_a_peer_the_tier_dropped(
@@ -631,6 +632,19 @@ def test_a_real_tier_joins_and_leaves_a_host_named_in_a_watched_file(tmp_path: P
         write_hosts(path, f"# {server.address}\n")
         wait_until(lambda: tier.peers() == [], "the tier drops the host")
         assert membership.hosts() == {} and tier.lookup(keys) == 0
+
+
+def test_a_round_dials_the_hosts_that_do_not_answer_side_by_side() -> None:
+    """Found by review: a round dialled its hosts one after another, so N hosts that do not
+    answer made each round last N x the handshake timeout, and a host added to the source (or
+    one that came back) waited behind them; they are dialled side by side now."""
+    silent = SilentHosts(3)
+    with (
+        contextlib.closing(silent),
+        TierManager.create(4, BLOCK_LEN, name="side-by-side") as tier,
+        following(tier, StaticHosts(silent.addresses), connect_kwargs={"timeout_s": 5.0}),
+    ):
+        assert silent.dialled_side_by_side(within=4.0), "each host waited for the one before"
 
 
 def session_threads() -> list[str]:

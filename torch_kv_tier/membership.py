@@ -7,8 +7,9 @@ disconnects hosts that disappeared, and dials again a listed host whose peer the
 The source names are importable from here too.
 
 Threading: sources are resolved on the calling thread (``host_sources``). After ``start``,
-``Membership`` calls the tier only from its own daemon thread; ``hosts`` and ``stop`` may be
-called from any thread.
+``Membership`` calls the tier only from its own daemon thread, but for a round's dials: those
+run side by side, one thread per host (``parallel_connects``), and the round waits for them.
+``hosts`` and ``stop`` may be called from any thread.
 
 Failure model: a failed resolve (DNS timeout or SERVFAIL, missing or unreadable file, a bad
 line) keeps the last known set, so a DNS blink never drops every host; an authoritative answer
@@ -42,6 +43,7 @@ from torch_kv_tier.host_sources import (
     parse_source,
     source_scheme,
 )
+from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.handshake import check_connect_args
 
 __all__ = [
@@ -61,6 +63,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_CLOSED_DIALS_S = 1.0  # how long a round the tier's close ended waits for its other dials
 
 
 class Tier(Protocol):
@@ -92,9 +96,11 @@ class Membership:
     new address is connected with ``tier.connect(address, **connect_kwargs)``, each vanished
     one disconnected (unless another listed address reached the same peer, e.g. a dual-stack
     host's A and AAAA address), and each listed address whose peer ``tier.peers()`` no longer
-    lists, or that never connected, is dialled again. ``known`` are addresses the caller already
-    dialled: their peer ids, or ``None`` for a host that did not answer (already logged).
-    The tier owns the peers; this object only calls its public methods (module docstring).
+    lists, or that never connected, is dialled again; a round dials its hosts side by side, so
+    hosts that do not answer hold it up one handshake timeout in all. ``known`` are addresses
+    the caller already dialled: their peer ids, or ``None`` for a host that did not answer
+    (already logged). The tier owns the peers; this object only calls its public methods
+    (module docstring).
 
     ``connect_kwargs`` that ``tier.connect`` does not take raise ``TypeError``, and values no
     host could accept (``slots`` without ``private``, an empty ``token``) ``ValueError``, here.
@@ -186,11 +192,15 @@ class Membership:
                 if peer_id is None or peer_id in kept or self._disconnect(address, peer_id):
                     del self._leaving[address]
         live = set(self._tier.peers())
-        for address, peer_id in sorted(self.hosts().items()):
-            if self._stop.is_set():
-                return
-            if peer_id is None or peer_id not in live:
-                self._dial(address)
+        due = [a for a, peer_id in sorted(self.hosts().items()) if peer_id not in live]
+        if self._stop.is_set() or not due:
+            return
+        dials = ParallelConnects(self._tier, due, self._connect_kwargs)  # one timeout in all
+        try:
+            for address, outcome in dials.outcomes():
+                self._dialled(address, outcome)
+        finally:  # (the rest end at once when the tier closed)
+            dials.join(timeout=_CLOSED_DIALS_S)
 
     def _resolve(self) -> set[str] | None:
         try:
@@ -229,12 +239,11 @@ class Membership:
                 "remote host %s %s; retrying every %.1fs: %s", address, what, self._interval_s, exc
             )
 
-    def _dial(self, address: str) -> None:
-        """Connect ``address``; a ``RuntimeError`` of a closed tier ends the thread."""
-        try:
-            peer_id = self._tier.connect(address, **self._connect_kwargs)
-        except Exception as exc:
-            self._failed(address, "cannot be connected", exc)
+    def _dialled(self, address: str, peer_id: str | Exception) -> None:
+        """``address`` was dialled: its peer id, or what its connect raised (a ``RuntimeError``
+        of a closed tier ends the thread)."""
+        if isinstance(peer_id, Exception):
+            self._failed(address, "cannot be connected", peer_id)
             return
         with self._lock:
             self._hosts[address] = peer_id

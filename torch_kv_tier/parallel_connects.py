@@ -1,6 +1,6 @@
-"""A tier's first connects to several remote hosts, made side by side: hosts that do not answer
-cost one handshake timeout in all, not one each (a tier's startup with 4 hosts down waited
-4 x ``connect_timeout``).
+"""A tier's connects to several remote hosts, made side by side: hosts that do not answer cost
+one handshake timeout in all, not one each (a tier's startup with 4 hosts down waited
+4 x ``connect_timeout``; so did each membership round).
 
 Threading: :class:`ParallelConnects` starts one daemon thread per address, each calling
 ``tier.connect`` once (``TierManager.connect`` is thread-safe); ``outcomes`` and ``join`` run on
@@ -15,9 +15,10 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.membership import Tier
+if TYPE_CHECKING:
+    from torch_kv_tier.membership import Tier
 
 logger = logging.getLogger(__name__)
 
