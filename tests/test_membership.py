@@ -36,6 +36,7 @@ from torch_kv_tier.membership import (
     make_resolver,
     parse_source,
 )
+from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 
 WAIT_S = 10.0
@@ -645,6 +646,40 @@ def test_a_round_dials_the_hosts_that_do_not_answer_side_by_side() -> None:
         following(tier, StaticHosts(silent.addresses), connect_kwargs={"timeout_s": 5.0}),
     ):
         assert silent.dialled_side_by_side(within=4.0), "each host waited for the one before"
+
+
+def test_hosts_dialled_side_by_side_join_the_tier_one_at_a_time() -> None:
+    """Found by review, once hosts were dialled side by side: their joins overlapped, and a
+    shared host's snapshot takes the tier's CPU (seconds at millions of keys), so each join
+    lasted as long as all of them together, past its timeout (every round again). The
+    handshakes still overlap; the joins after them take turns."""
+    lock = threading.Lock()
+    inside: list[int] = [0, 0]  # joins under way, the most at once
+
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as a,
+        ServerProcess.start(64, BLOCK_LEN) as b,
+        TierManager.create(16, BLOCK_LEN, name="join-turns") as tier,
+    ):
+        register = tier._register
+
+        def counted_register(*args: Any) -> None:
+            with lock:
+                inside[0] += 1
+                inside[1] = max(inside)
+            try:
+                time.sleep(1.0)  # a long join: the other host's handshake ends meanwhile
+                register(*args)
+            finally:
+                with lock:
+                    inside[0] -= 1
+
+        tier._register = counted_register  # type: ignore[method-assign]
+        connects = ParallelConnects(tier, [a.address, b.address], {"timeout_s": 5.0})
+        joined = dict(connects.outcomes())
+        connects.join(timeout=WAIT_S)
+        assert sorted(joined.values()) == sorted(tier.peers()) and len(tier.peers()) == 2
+        assert inside[1] == 1
 
 
 def session_threads() -> list[str]:

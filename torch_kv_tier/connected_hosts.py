@@ -50,6 +50,7 @@ class ConnectedHosts(LostHosts):
     _removed: dict[str, Dial]
     _ended: EndedSessions
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
+    _join_turn: threading.Lock  # held by the connect whose host joins (one at a time)
 
     if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
 
@@ -80,12 +81,12 @@ class ConnectedHosts(LostHosts):
 
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
-        the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s``. When
-        the session is lost (the server stops answering heartbeats for ``heartbeat_timeout_s``,
-        forgets the session, or the control connection is reset) the peer is dropped as lost
-        and dialled again in the background until it answers or ``disconnect`` is called; a
-        host with another id answering at its address (restarted under another
-        ``--host-id``) joins in its place.
+        the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s`` (or other
+        hosts' joins, which go one at a time, hold it up that long). When the session is lost
+        (the server stops answering heartbeats for ``heartbeat_timeout_s``, forgets the session,
+        or the control connection is reset) the peer is dropped as lost and dialled again in
+        the background until it answers or ``disconnect`` is called; a host with another id
+        answering at its address (restarted under another ``--host-id``) joins in its place.
         """
         check_connect_args(address, slots, private, token)
         if not private and not self.verify:
@@ -154,26 +155,12 @@ class ConnectedHosts(LostHosts):
             return str(peer_id)
         try:
             try:
-                if session.shared:
-                    self._join_shared(session, dial.timeout_s)
-                else:
-                    self._add_private(
-                        peer_id,
-                        session.agent_metadata,
-                        session.base_addr,
-                        session.num_blocks,
-                        session.block_len,
-                        session.lease,
-                        session,
-                    )
+                self._join(session, dial.timeout_s)
             except BaseException:
                 if first_dial:
                     with self._lock:
                         if peer_id not in self._peers and self._dials.get(peer_id) is dial:
                             del self._dials[peer_id]
-                if not session.shared:  # (a failed join ends its session itself)
-                    # never published: nothing of it was written
-                    self._end_keeping_releases(session, True)
                 raise
             with self._lock:
                 if peer_id in self._dials:  # else removed once published: not dialled again
@@ -187,6 +174,33 @@ class ConnectedHosts(LostHosts):
         if session.lost is not None:  # lost before it was published: nobody dropped it
             self._on_session_lost(peer_id)
         return str(peer_id)
+
+    def _join(self, session: Any, timeout_s: float) -> None:
+        """Register the host of a new ``session`` (unlocked; its session ended on failure), one
+        host at a time: a shared host's snapshot takes the tier's CPU (seconds at millions of
+        keys), so joins side by side would each last as long as all of them, past their
+        timeouts. Waits its turn up to ``timeout_s`` (``TimeoutError``; ``RuntimeError`` once
+        the tier is closing)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._join_turn.acquire(timeout=_JOIN_WAIT_POLL_S):
+            if self._closing.is_set() or time.monotonic() >= deadline:
+                self._end_keeping_releases(session, True)  # never published: none written
+                if self._closing.is_set():
+                    raise RuntimeError("TierManager is closed")
+                raise TimeoutError(
+                    f"{session.peer_id}: other hosts' joins went on past {timeout_s} s"
+                )
+        try:
+            if session.shared:  # (a failed join ends its session itself)
+                self._join_shared(session, timeout_s)
+                return
+            try:
+                self._add_private(session.peer_id, *_region(session), session.lease, session)
+            except BaseException:
+                self._end_keeping_releases(session, True)  # never published: none written
+                raise
+        finally:
+            self._join_turn.release()
 
     def _twin(self, peer_id: str, session: Any) -> str | None:
         """The address of the connected host ``peer_id`` when it is another process than the
@@ -337,3 +351,8 @@ class ConnectedHosts(LostHosts):
             self._peers[peer_id] = Peer(
                 self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
             )
+
+
+def _region(session: Any) -> tuple[bytes, int, int, int]:
+    """A session's host region: its agent metadata, base address, blocks and block length."""
+    return session.agent_metadata, session.base_addr, session.num_blocks, session.block_len

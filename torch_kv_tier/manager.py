@@ -138,6 +138,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
         self._closing = threading.Event()
+        self._join_turn = threading.Lock()
         self._counters = Counters(_LATENCY_WINDOW)
         self._usage_due = 0.0  # perf_counter time of the next usage report to the sessions
         self._poller_idle = False

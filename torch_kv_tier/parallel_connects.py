@@ -1,6 +1,7 @@
 """A tier's connects to several remote hosts, made side by side: hosts that do not answer cost
 one handshake timeout in all, not one each (a tier's startup with 4 hosts down waited
-4 x ``connect_timeout``; so did each membership round).
+4 x ``connect_timeout``; so did each membership round). Only the handshakes overlap: the
+tier's joins after them go one at a time (``ConnectedHosts._join``).
 
 Threading: :class:`ParallelConnects` starts one daemon thread per address, each calling
 ``tier.connect`` once (``TierManager.connect`` is thread-safe); ``outcomes`` and ``join`` run on
