@@ -7,7 +7,8 @@ redial), with a ``Release`` on a live session of that host, or, when the tier ha
 with it any more (removed, or closing), with a short session of its own opened only to carry
 them (``RELEASE_THREAD``).
 
-``SessionReleases`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``).
+``SessionReleases`` is a part of ``TierManager`` (the base class of ``LostHosts``, itself the
+base of ``ConnectedHosts``).
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
 under it. Failure model: a host that does not answer keeps holding the sessions, which is safe;
