@@ -848,6 +848,20 @@ def test_a_host_restarted_before_the_tier_noticed_is_not_called_a_host_id_mistak
             assert "heartbeat timeout" in str(refused.value), refused.value
 
 
+@contextmanager
+def _connected_tier(name: str) -> Iterator[tuple[TierManager, str, tuple[Any, ...]]]:
+    """A tier connected to a host of its own: the tier, the host's peer id, and ``add_peer``'s
+    arguments for 8 of the host's slots (a region the user registers under that id)."""
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name=name) as tier,
+    ):
+        peer = tier.connect(server.address, timeout_s=5.0)
+        session = tier._peers[peer].session
+        assert session is not None
+        yield tier, peer, (session.agent_metadata, session.base_addr, 8, session.block_len)
+
+
 def test_a_connected_host_add_peer_replaced_is_not_dialled_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -855,14 +869,7 @@ def test_a_connected_host_add_peer_replaced_is_not_dialled_again(
     registration but left how it was dialled: once the user's registration failed in turn, the
     redial connected the old host again in its place, and the entry stayed for good."""
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 2.0)  # the redial is due meanwhile
-    with (
-        ServerProcess.start(32, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="replaced") as tier,
-    ):
-        peer = tier.connect(server.address, timeout_s=5.0)
-        session = tier._peers[peer].session
-        assert session is not None
-        region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+    with _connected_tier("replaced") as (tier, peer, region):
         with tier._lock:  # as a failed transfer does: the host is dialled again
             tier._lose_peer(peer, "failed a transfer")
         wait_until(lambda: bool(tier._redialer._due), "the host is due for a redial")
@@ -880,14 +887,7 @@ def test_a_redial_under_way_as_add_peer_replaces_its_host_leaves_the_users_regio
     """The other order: ``add_peer`` replaced the host while a redial of it awaited the host's
     answer. The redial must end its own session, not remove the user's registration."""
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
-    with (
-        ServerProcess.start(32, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="replaced-mid-redial") as tier,
-    ):
-        peer = tier.connect(server.address, timeout_s=5.0)
-        session = tier._peers[peer].session
-        assert session is not None
-        region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+    with _connected_tier("replaced-mid-redial") as (tier, peer, region):
         entered, go = threading.Event(), threading.Event()
         open_ = tier._open
 

@@ -11,7 +11,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -39,6 +41,30 @@ def _held_session(address: str) -> RemoteSession:
     assert isinstance(granted.result(timeout=10).result(), p.Granted)
     session.close(clean=False)
     return session
+
+
+@contextmanager
+def _connected_beside_a_held_session(
+    name: str,
+) -> Iterator[tuple[ServerProcess, TierManager, RemoteSession, str, RemoteSession]]:
+    """A host holding one ended session (``_held_session``) and a tier connected to it: the
+    host, the tier, the held session, the host's peer id and the tier's session."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name=name) as tier,
+    ):
+        held = _held_session(server.address)
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        yield server, tier, held, peer, session
+
+
+def _assert_nothing_held(address: str) -> None:
+    """The host at ``address`` holds no ended session's slots (within 10 s)."""
+    with fake_session(address, private=False) as observer:
+        held = wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0)
+        assert held, observer.stats()["held_sessions"]
 
 
 def test_a_grant_answered_after_its_timeout_still_brings_its_slots() -> None:
@@ -156,10 +182,7 @@ def test_a_release_lost_with_its_session_is_told_again() -> None:
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: tier.peers() == [peer], 15.0), "the tier never came back"
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_session_closed_from_its_own_answer_callback_still_disconnects() -> None:
@@ -269,10 +292,7 @@ def test_a_release_sent_over_a_join_that_failed_is_told_again(
             os.kill(server.proc.pid, signal.SIGCONT)
         monkeypatch.undo()
         tier.connect(server.address)
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_session_that_cannot_start_after_its_accept_is_ended_on_the_host(
@@ -342,10 +362,7 @@ def test_sessions_resolved_for_a_host_the_tier_does_not_dial_are_kept_for_its_ne
             assert tier._ended.write_resolved(ended)
             tier._send_releases(server.address)
         tier.connect(server.address)
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_closing_tier_names_the_resolved_sessions_of_a_host_it_has_no_session_with() -> None:
@@ -360,10 +377,7 @@ def test_a_closing_tier_names_the_resolved_sessions_of_a_host_it_has_no_session_
             tier._dials["lost-host"] = Dial(server.address, None, False, None, 10.0, 10.0)
             tier._ended.give_back(server.address, [held.session_id])
         tier.close()
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_carried() -> None:
@@ -371,14 +385,7 @@ def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_ca
     does, without keeping what it had released: a ``Release`` its host never read (frozen, the
     disconnect unanswered, the frames dropped with the connection) was forgotten, and the host
     held those sessions' slots for good."""
-    with (
-        ServerProcess.start(64, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="replaced") as tier,
-    ):
-        held = _held_session(server.address)
-        peer = tier.connect(server.address)
-        session = tier._peers[peer].session
-        assert session is not None
+    with _connected_beside_a_held_session("replaced") as (server, tier, held, peer, session):
         stop_process(server.proc.pid)
         try:
             for i in range(40):  # fill the connection's buffers: what follows stays queued
@@ -397,10 +404,7 @@ def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_ca
         adding.join(timeout=RESULT_TIMEOUT_S)
         assert not adding.is_alive() and tier.peers() == [peer]
         tier.close()  # names every session it ended
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_session_closed_while_its_host_is_slow_is_not_called_lost() -> None:
@@ -481,10 +485,7 @@ def test_releases_close_makes_over_a_session_lost_meanwhile_still_reach_the_host
         with tier._lock:  # the tier learnt that every write of ``held`` resolved
             tier._ended.give_back(server.address, [held.session_id])
         tier.close()
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_a_release_under_way_as_the_tier_closes_is_still_told() -> None:
@@ -509,10 +510,7 @@ def test_a_release_under_way_as_the_tier_closes_is_still_told() -> None:
             os.kill(server.proc.pid, signal.SIGCONT)  # in time for ``close``'s last word
         closing.join(timeout=RESULT_TIMEOUT_S)
         assert not closing.is_alive()
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
 
 
 def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_out(
@@ -522,14 +520,8 @@ def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_
     read; when the user removed the host meanwhile (a fleet dropping a host as it dies), the
     removal had already released and forgotten it: they were kept for an address nobody
     dials, not even ``close``, and the host held those sessions' slots for good."""
-    with (
-        ServerProcess.start(64, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="removed-while-ending") as tier,
-    ):
-        held = _held_session(server.address)
-        peer = tier.connect(server.address)
-        session = tier._peers[peer].session
-        assert session is not None
+    with _connected_beside_a_held_session("removed-while-ending") as setup:
+        server, tier, held, peer, session = setup
         session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
         ending, end = threading.Event(), session_releases.end_session
 
@@ -542,7 +534,4 @@ def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_
             tier._lose_peer(peer, "failed a transfer")
         tier.remove_peer(peer)
         ending.set()
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0), observer.stats()[
-                "held_sessions"
-            ]
+        _assert_nothing_held(server.address)
