@@ -2,8 +2,9 @@
 HOST:PORT`` once it listens, and serve until SIGINT or SIGTERM.
 
 Threading: ``run`` blocks the calling thread in ``Server.serve``; signal handlers are installed,
-and the objects alive once it listens frozen out of the collector (``gc.freeze``), only on the
-main thread (elsewhere the caller stops the server by other means and owns its process).
+and the host's index frozen out of the collector (``Server.serve``'s ``freeze_index``: at the
+loop's start and once a namespace is made), only on the main thread (elsewhere the caller stops
+the server by other means and owns its process).
 """
 
 from __future__ import annotations
