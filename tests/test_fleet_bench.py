@@ -39,6 +39,27 @@ def test_a_fleet_of_one_host_is_refused() -> None:
     assert cli.main(["fleet-bench", "--hosts", "1"]) == 2
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["--keys", "64"], ["--keys", "1"], ["--followers", "1,1"], ["--hosts", "4,4"]],
+    ids=["keys-64", "keys-1", "followers-twice", "hosts-twice"],
+)
+def test_options_it_cannot_measure_are_refused_before_it_runs(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Too few keys for a join of half of them and a 64-key prefix lookup (a traceback once
+    the run was over, or at its first join), and a follower or host count named twice (a
+    round of two samples), are refused with exit status 2 and the reason, before any figure."""
+    from torch_kv_tier.benchmarks import fleet_figures
+
+    def no_figure(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a figure was measured")
+
+    monkeypatch.setattr(fleet_figures, "follower_bytes", no_figure)
+    assert cli.main(["fleet-bench", "--rounds", "1", "--batches", "1", *argv]) == 2
+    assert "fleet-bench: need" in capsys.readouterr().err
+
+
 def test_percentiles_are_nearest_rank() -> None:
     """p99 of 100 samples is the 99th smallest, not the largest; p50 of 100 is the 50th."""
     from torch_kv_tier.benchmarks.fleet_bench import _pct

@@ -88,8 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     opts = {k: (getattr(args, k, None) or v) for k, v in DEFAULTS.items()}
-    if min(opts["followers"]) < 1 or min(opts["hosts"]) < 2:
-        print("fleet-bench: need --followers >= 1 and --hosts >= 2", file=sys.stderr)
+    problem = _refused(opts)
+    if problem:
+        print(f"fleet-bench: need {problem}", file=sys.stderr)
         return 2
     rounds = range(opts["rounds"] + 1)  # round 0 is the cold one
     figures: dict[str, Any] = {}
@@ -154,6 +155,17 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return 0
+
+
+def _refused(opts: dict[str, Any]) -> str:
+    """What ``opts`` lacks for every figure to be measured, or ``""``."""
+    if opts["keys"] <= fleet_figures.PREFIX_KEYS:
+        return f"--keys > {fleet_figures.PREFIX_KEYS} (the prefix lookup times stored prefixes)"
+    if min(opts["followers"]) < 1 or min(opts["hosts"]) < 2:
+        return "--followers >= 1 and --hosts >= 2"
+    if any(len(set(counts)) < len(counts) for counts in (opts["followers"], opts["hosts"])):
+        return "each follower count and host count once"
+    return ""
 
 
 # -- report -------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.shared_service import SharedService
 
+PREFIX_KEYS = 64  # the keys of a prefix ``lookup_ns`` times
+
 
 def _keys(n: int) -> list[bytes]:
     rnd = os.urandom(32 * n)
@@ -190,7 +192,8 @@ def _drain(dealers: list[zmq.Socket[bytes]], batches: int, frames_in: list[bytes
 
 
 def lookup_ns(n_keys: int, samples: int = 20_000) -> tuple[list[float], list[float]]:
-    """Nanoseconds of ``holder`` of one key, and of ``lookup`` of a stored 64-key prefix."""
+    """Nanoseconds of ``holder`` of one key, and of ``lookup`` of a stored ``PREFIX_KEYS``-key
+    prefix (``n_keys`` > ``PREFIX_KEYS``, or there is none)."""
     service, (session,) = _host(n_keys)
     index = BlockIndex(compact=True)
     _follow(service, session, index)
@@ -200,8 +203,8 @@ def lookup_ns(n_keys: int, samples: int = 20_000) -> tuple[list[float], list[flo
         start = clock()
         holder(key)
         ones.append(float(clock() - start))
-    for at in range(0, len(keys) - 64, 64):
-        prefix = keys[at : at + 64]
+    for at in range(0, len(keys) - PREFIX_KEYS, PREFIX_KEYS):
+        prefix = keys[at : at + PREFIX_KEYS]
         start = clock()
         lookup(prefix)
         prefixes.append(float(clock() - start))
