@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,3 +140,32 @@ def test_the_cold_round_is_reported_apart_from_the_measured_spread(
     join = json.loads(out.read_text())["figures"]["join_s_per_million"]
     assert join == pytest.approx({"median": 2.0, "min": 1.0, "max": 3.0, "cold": 9.0})
     assert "join per million keys        2.00 (1.00..3.00; cold 9.00) s" in capsys.readouterr().out
+
+
+def test_index_calls_time_stored_keys_whatever_keys_a_host_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``call_us`` makes 2000 calls of each kind on a host of ``--keys`` keys: with fewer keys
+    than calls, every locate still asks 16 stored keys and every contains a stored one (not an
+    empty call, nor an IndexError once the run was nearly over)."""
+    from torch_kv_tier.benchmarks import fleet_figures
+    from torch_kv_tier.index import BlockIndex
+
+    located: list[int] = []
+    found: list[bool] = []
+    locate, holder = BlockIndex.locate, BlockIndex.holder
+
+    def spy_locate(self: BlockIndex, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        located.append(len(keys))
+        return locate(self, keys, *args, **kwargs)
+
+    def spy_holder(self: BlockIndex, key: Any) -> Any:
+        peer = holder(self, key)
+        found.append(peer is not None)
+        return peer
+
+    monkeypatch.setattr(BlockIndex, "locate", spy_locate)
+    monkeypatch.setattr(BlockIndex, "holder", spy_holder)
+    figures = fleet_figures.call_us(100, compact=True, calls=50)
+    assert all(us > 0 for us in figures.values())
+    assert located == [16] * 50 and found == [True] * 50

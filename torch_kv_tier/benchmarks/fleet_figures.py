@@ -213,7 +213,8 @@ def lookup_ns(n_keys: int, samples: int = 20_000) -> tuple[list[float], list[flo
 
 def call_us(n_keys: int, compact: bool, calls: int = 2000) -> dict[str, float]:
     """Median µs of the index calls a 16-key shared store and load make, and of one-key
-    ``contains``, on a copy of ``n_keys`` keys held as a dict or compact."""
+    ``contains``, on a copy of ``n_keys`` (>= 16) keys held as a dict or compact. Loads and
+    ``contains`` ask stored keys, from the first again once ``calls`` outrun them."""
     keys: list[Key] = list(_keys(n_keys))
     index = BlockIndex(compact=compact)
     peer = index.add_shared_peer("host", n_keys + 16 * calls)
@@ -223,16 +224,19 @@ def call_us(n_keys: int, compact: bool, calls: int = 2000) -> dict[str, float]:
             peer, batch, list(range(at, at + len(batch))), [1] * len(batch), [], False
         )
     new: list[Key] = list(_keys(16 * calls))
+    loads = n_keys // 16  # the distinct 16-key loads of stored keys
     calls_of = {
         "store_check_16": lambda i: index.none_stored(new[16 * i : 16 * i + 16]),
-        "locate_16": lambda i: index.locate(keys[16 * i : 16 * i + 16], range(16)),
+        "locate_16": lambda i: index.locate(
+            keys[16 * (i % loads) : 16 * (i % loads + 1)], range(16)
+        ),
         "publish_16": lambda i: index.publish(
             peer,
             new[16 * i : 16 * i + 16],
             list(range(n_keys + 16 * i, n_keys + 16 * (i + 1))),
             [1] * 16,
         ),
-        "contains_1": lambda i: index.holder(keys[i]),
+        "contains_1": lambda i: index.holder(keys[i % n_keys]),
     }
     out = {}
     for name, call in calls_of.items():
