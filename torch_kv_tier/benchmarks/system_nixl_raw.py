@@ -2,10 +2,15 @@
 
 One registration of the local arena, descriptor lists prepared once for both sides, then per
 call ``make_prepped_xfer`` + ``transfer`` on pre-built int32 index arrays, and a busy loop of
-``check_xfer_state`` over the outstanding handles. The agent is configured as the tier's transport
-configures its own (no progress thread, UCX, 4 threads), against the same remote host, with the
-remote slots laid out as the tier lays them out (contiguous runs): whatever the tier adds on top
-is its own overhead.
+``check_xfer_state`` over the outstanding handles, against the same remote host, with the remote
+slots laid out as the tier lays them out (contiguous runs): whatever the tier adds on top is its
+own overhead.
+
+The agent is configured as the tier's transport configures its own (UCX, no progress thread, no
+worker threads), except for NIXL's sync mode: this loop is one thread, so it keeps NIXL's
+default (NONE, NIXL's locks compiled away), as a user of bare NIXL would. The tier runs RW
+because its poller thread and its callers share one agent; those locks are part of what the
+tier adds, so the floor leaves them out on purpose.
 """
 
 from __future__ import annotations
