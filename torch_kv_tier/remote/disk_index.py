@@ -79,8 +79,9 @@ class DiskIndex:
         (``disk_recovery``), and rewrite each journal with its live records only (LRU order);
         returns how many keys were dropped. Call once, before any other I/O."""
         self.where, dropped = verified_index(self._dirs, block_len)
-        self.slots.reset({slot for slot, _ in self.where.values()})
-        self.owners.record([slot for slot, _ in self.where.values()], list(self.where))
+        held = [slot for slot, _ in self.where.values()]
+        self.slots.reset(held)
+        self.owners.record(held, list(self.where))
         n = len(self._dirs)
         for f, d in enumerate(self._dirs):  # at start, at once: in LRU order
             d.rewrite(

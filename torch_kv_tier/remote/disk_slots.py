@@ -11,7 +11,9 @@ Threading: not thread-safe; its ``DiskStore``'s thread calls every method.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Sequence
+
+import numpy as np
 
 
 class DiskSlots:
@@ -24,11 +26,15 @@ class DiskSlots:
         self._released_busy: set[int] = set()  # free once their I/O ends
         self._busy: set[int] = set()  # I/O in flight
 
-    def reset(self, held: Collection[int]) -> None:
-        """Start from the slots ``held`` (what recovery found): every other slot below the
-        highest one is free again, lowest first."""
-        self._fresh = max(held, default=-1) + 1
-        self._free = sorted(set(range(self._fresh)) - set(held), reverse=True)
+    def reset(self, held: Sequence[int]) -> None:
+        """Start from the slots ``held`` (what recovery found, each below ``capacity``): every
+        other slot below the highest one is free again, lowest first. In numpy: a per-slot
+        Python set took most of a second per 4 M slots of a restart."""
+        at = np.fromiter(held, np.intp, len(held))
+        self._fresh = int(at.max()) + 1 if len(at) else 0
+        free = np.ones(self._fresh, dtype=bool)
+        free[at] = False
+        self._free = np.flatnonzero(free)[::-1].tolist()
 
     def take(self) -> int | None:
         """A free slot, now held; None when every slot is held (the owner evicts)."""
