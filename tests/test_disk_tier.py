@@ -49,6 +49,8 @@ class FakeDisk:
         self.writing: dict[tuple[str, Any], tuple[int, int]] = {}  # -> (digest, dram slot)
         self.reading: dict[tuple[str, Any], int] = {}  # -> dram slot
         self.fail_reads = False
+        self.fail_writes = False
+        self.hold_writes = False  # writes posted stay in flight across polls
         self.hang_reads = False  # reads posted now are given up at the next poll...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
         self.ended: list[int] = []
@@ -111,13 +113,16 @@ class FakeDisk:
     def poll(self) -> Completions:
         done = Completions(released=self.ended)
         self.ended = []
-        for (ns, key), (digest, _) in self.writing.items():
+        writes, self.writing = ({}, self.writing) if self.hold_writes else (self.writing, {})
+        for (ns, key), (digest, dram) in writes.items():
+            if self.fail_writes:
+                done.failed.append((ns, key, dram))
+                continue
             self.keys[(ns, key)] = digest
             taken = set(self._slot.values())
             self._slot[(ns, key)] = slot = next(s for s in range(self.capacity) if s not in taken)
             self.owners.record([slot], [(ns, key)])
             done.written.append((ns, key))
-        self.writing = {}
         for (ns, key), slot in self.reading.items():
             if self.hang_reads:
                 self._forget((ns, key))
@@ -569,6 +574,30 @@ def test_a_promotion_waiting_for_a_slot_is_retried_once_one_may_be_free_not_ever
         assert take.call_count == 4 and disk.reading
     tier.step(now=3.07)
     assert _events(cache)[0]["a"] >= 0 and tier.retry_in(3.07) == math.inf
+
+
+def test_a_failed_copy_wakes_a_promotion_waiting_for_its_slot_at_once() -> None:
+    """A promotion that found no DRAM slot because the only evictable one was being copied was
+    woken by a completed copy, not by a failed one: it waited for ``PROMOTE_BACKOFF_S``. A
+    failed copy frees its slot for eviction just as well: the next step promotes into it, with
+    the promoted key's bytes, and the key whose copy failed is evicted, not announced on disk."""
+    cache, disk, tier = _a_only_on_disk()  # a on disk; b, c, d (on disk too) and e in DRAM
+    ns = cache.namespace_of("s")
+    cache.grant("s", 3)  # evicts b, c, d: e is the only key in DRAM, and not on disk
+    disk.hold_writes = True
+    tier.step(now=3.0)
+    assert disk.writing.keys() == {("ns", "e")}  # e is being copied: not evictable
+    tier.promote(ns, ["a"], 3.0)
+    tier.step(now=3.0)
+    assert tier.retry_in(3.0) < math.inf and not disk.reading  # waiting for a slot
+    disk.hold_writes, disk.fail_writes = False, True
+    tier.step(now=3.001)  # the copy fails: e's slot is evictable, a is read into it at once
+    assert disk.reading.keys() == {("ns", "a")}
+    tier.step(now=3.002)
+    stored, evicted = _events(cache)
+    assert "e" in evicted and not disk.contains("ns", "e")
+    assert stored["a"] == ns.entries["a"] and cache.digest_of(stored["a"]) == disk.digest("ns", "a")
+    assert tier.retry_in(3.002) == math.inf and cache.granted == 3  # no slot left behind
 
 
 def test_slot_owners_pick_a_namespaces_slots_written_before_a_stamp_and_holding_it_now() -> None:

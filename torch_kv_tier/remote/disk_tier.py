@@ -119,6 +119,7 @@ class DiskTier:
         self._next_copy = 0.0
         self._idle: tuple[float, int] | None = None  # a look found none: (until, _moves() then)
         self._sightings = 0  # keys committed or touched so far
+        self._copies_failed = 0  # (``disk_copies``: those done)
         self.counters = dict.fromkeys(
             (
                 "disk_promotions",
@@ -189,9 +190,10 @@ class DiskTier:
     def _slot_mark(self) -> tuple[int, ...]:
         """Changes since which a promotion may find a DRAM slot it did not find before: slots
         freed or filled by the cache (a filled one may be evicted), keys evicted (a namespace
-        at its quota), slots back in the pool, copies completed (their slots evictable)."""
-        cache = self.cache
-        return (cache.slot_changes, cache.evictions, cache.pool.free, self.counters["disk_copies"])
+        at its quota), slots back in the pool, copies ended, done or failed (their slots
+        evictable)."""
+        cache, copies = self.cache, self.counters["disk_copies"] + self._copies_failed
+        return (cache.slot_changes, cache.evictions, cache.pool.free, copies)
 
     def _moves(self) -> int:
         """Keys evicted, committed or touched so far (each may move a key into the window)."""
@@ -215,6 +217,8 @@ class DiskTier:
             if entry is not None:
                 cache.unpromoted(*entry)
                 self.counters["disk_promotions_failed"] += 1
+            else:  # a copy's: its DRAM slot is evictable again (``_slot_mark``)
+                self._copies_failed += 1
             cache.left_disk(name, key)
         for name, key, slot in done.abandoned:  # its bytes may still land: not reused yet
             entry = self._promoting.pop((name, key), None)
