@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -606,12 +607,18 @@ def test_without_fences_a_failure_is_reported_at_once_as_vllm_expects(peer: Remo
 
 
 def test_fences_that_keep_failing_fault_their_peer(
-    local: NixlTransport, peer: RemotePeer, monkeypatch: pytest.MonkeyPatch
+    local: NixlTransport,
+    peer: RemotePeer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A read NIXL reports ``ERR`` stays withheld while NIXL refuses its fences, and each refused
     fence strikes the peer: its caller (the tier) drops a peer faulted so, instead of waiting on
     it for good; the read is reported once a fence went through. A refused fence is posted
-    again only after ``FENCE_RETRY_S`` (a dead peer's listener refuses a connect per post)."""
+    again only after ``FENCE_RETRY_S`` (a dead peer's listener refuses a connect per post). The
+    refusals were logged at debug level only: a user saw nothing of a peer whose fences never
+    go through (retried every 30 s for good). The first is a warning, the end one line."""
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.transport.nixl")
     local.add_remote_peer("p", *peer.peer_args())
     spy = FailsAfterPosting(local._agent, fail_posts=0)
     local._agent = spy
@@ -630,6 +637,10 @@ def test_fences_that_keep_failing_fault_their_peer(
     assert "3 consecutive transfer failures (last: a fence failed" in local.faulted_peers()["p"]
     assert drain(local, {tid}) == (set(), {tid})  # type: ignore[arg-type]
     assert spy.posts[1:] == [("READ", [2], [6])] * 4
+    fences = [r for r in caplog.records if "NixlTransport" in r.msg and "fence" in r.msg]
+    assert [r.levelno for r in fences] == [logging.WARNING, logging.INFO]
+    assert "NIXL refused a fence to p" in fences[0].getMessage()
+    assert "went through after 3 refused" in fences[1].getMessage()
 
 
 def test_a_fence_that_fails_with_a_disconnect_faults_its_peer(

@@ -23,7 +23,11 @@ included; a fence failing with a remote disconnect proves it too (the endpoint f
 completed all its operations), and faults the peer like any disconnect. A fence failing
 otherwise strikes the peer and is posted again by a later poll (``FENCE_RETRY_S``); the
 transfer stays in flight meanwhile, and ``cancel(mode="immediate")`` or closing still release
-it. Its peer is faulted (or struck, for a state ``ERR``) when it failed: a post that failed
+it. Never given up: a transfer reported failed has its blocks reused and its slots handed on by
+its caller, where a write still landing would overwrite them; the peer's strikes fault it, and
+its caller drops it. A peer's first refused fence since one went through is logged as a
+warning, the others at debug level, and one line says when one goes through again. A fenced
+transfer's peer is faulted (or struck, for a state ``ERR``) when it failed: a post that failed
 part-way faults it at once, since its caller (the tier drops a peer that refused a post) learns
 of the failure only once it is fenced. So every failure this transport reports is final:
 nothing of that transfer lands later. Without fences (``fence=False``: vLLM 0.33's contract
@@ -86,6 +90,8 @@ class NixlInflight:
         self._transfers: dict[int, _Transfer] = {}
         self._ids = itertools.count(1)
         self._kept_until_exit = False  # see agent_lifetime
+        # peers whose fences NIXL refused since one last went through: how many (logged once)
+        self._refused: dict[NixlPeer, int] = {}
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -242,14 +248,19 @@ class NixlInflight:
                 outcome = exc
         if outcome in ("PROC", "PEND"):
             return False
-        if outcome == "DONE":
+        if outcome == "DONE" or isinstance(outcome, Exception) and ends_transfer(outcome):
+            refused = self._refused.pop(xfer.peer, 0)
+            if refused:
+                logger.info(
+                    "NixlTransport %s: a fence to %s went through after %d refused: its "
+                    "failed transfers are reported", self._owner, xfer.peer.peer_id, refused,
+                )  # fmt: skip
+            if isinstance(outcome, Exception):  # a disconnect
+                if self._peers.is_published(xfer.peer):  # a dead peer: faulted at once
+                    self._health.raised(xfer.peer.peer_id, outcome)
+                xfer.struck = True  # counted: its report strikes no more
             return True
-        if isinstance(outcome, Exception) and ends_transfer(outcome):
-            if self._peers.is_published(xfer.peer):  # a dead peer: faulted at once
-                self._health.raised(xfer.peer.peer_id, outcome)
-            xfer.struck = True  # counted: its report strikes no more
-            return True
-        logger.debug("NixlTransport %s: fence of transfer %d: %s", self._owner, tid, outcome)
+        self._log_refused(tid, xfer, outcome)
         if self._peers.is_published(xfer.peer):  # one more failure of that peer's
             self._health.failed(xfer.peer.peer_id, f"a fence failed: {outcome}")
         if xfer.fence is not None:
@@ -259,6 +270,22 @@ class NixlInflight:
         xfer.fence_wait = min(max(2 * xfer.fence_wait, first), most)
         xfer.fence_due = time.monotonic() + xfer.fence_wait
         return False
+
+    def _log_refused(self, tid: int, xfer: _Transfer, outcome: str | Exception) -> None:
+        """A fence refused without a disconnect: a warning at a peer's first refusal since one
+        went through (a peer that never takes one is retried for as long as the transport
+        lives), the others at debug level."""
+        n = self._refused[xfer.peer] = self._refused.get(xfer.peer, 0) + 1
+        if n > 1:
+            logger.debug("NixlTransport %s: fence of transfer %d: %s", self._owner, tid, outcome)
+            return
+        logger.warning(
+            "NixlTransport %s: NIXL refused a fence to %s (%s): the failed transfers to it stay "
+            "in flight, reported only once a fence goes through (a failed %s may still land), "
+            "fenced again up to every %.0f s until then or until the transport closes; further "
+            "refusals are logged at debug level", self._owner, xfer.peer.peer_id, outcome,
+            xfer.op, FENCE_RETRY_S[1],
+        )  # fmt: skip
 
     def _checked_state(self, tid: int, xfer: _Transfer) -> str | None:
         """The transfer's NIXL state; ``None`` when the check raised but it may still write.
@@ -284,6 +311,8 @@ class NixlInflight:
     def _forget(self, tid: int, *, release: bool) -> None:
         """Drop a transfer (releasing its handles if asked); free a retired peer it was last of."""
         xfer = self._transfers.pop(tid)
+        if len(xfer.peer.inflight) <= 1:  # its last transfer: no fence of that peer is left
+            self._refused.pop(xfer.peer, None)
         if release:
             for handle in (xfer.handle, xfer.fence):
                 if handle is not None:
