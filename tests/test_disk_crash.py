@@ -255,6 +255,39 @@ def test_a_key_evicted_for_a_write_that_failed_does_not_come_back_stale(
         assert store.digest("ns", b"K") in (None, digest_of(disk_pool, 6, b"K"))
 
 
+@pytest.mark.parametrize("end", ["a clean stop", "a crash"])
+def test_a_key_removed_while_its_journal_cannot_be_written_does_not_come_back(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """Key K's copy removed (as a commit of K with other bytes does) while the journal's file
+    system is full: its ``DEL`` was dropped with the stale journal, which still named K, so the
+    next start served K's old bytes, which verify, as a hit, after a crash or even a clean stop
+    (its last rewrite failed too). A journal that drops a record is now emptied: the next start
+    finds none of that directory's keys (misses) unless a rewrite succeeded meanwhile."""
+    path = tmp_path / "d"
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(path)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    with closing(open_store(disk_pool, [path], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"K", 0).written
+        assert _write(store, disk_pool, b"other", 1).written
+        assert store.sync(10.0)
+        monkeypatch.setattr(os, "write", full)
+        assert store.remove("ns", b"K")
+        assert store.sync(10.0) and store._dirs[0].stale  # its DEL: not written
+        if end == "a crash":
+            monkeypatch.setattr(store, "_sync_journals", lambda force: None)
+    monkeypatch.undo()
+    with closing(open_store(disk_pool, [path], 8)) as store:
+        store.recover()
+        assert not store.contains("ns", b"K")
+
+
 def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

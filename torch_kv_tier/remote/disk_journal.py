@@ -13,11 +13,14 @@ Journal: one record per completed write (``PUT``: slot, namespace, key, digest) 
 and written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once
 per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
 nothing written, a power loss the records of the last period, never a block a synced record names).
-A write that fails (a full disk) cuts the journal back to its last whole record and marks it
-``stale``: its owner rewrites it from its index (a crash meanwhile loses the records since, nothing
-else). ``read_records`` reads up to the first torn or corrupt frame (a crash in the middle of an
-append costs that record only); ``rewrite`` replaces the journal by the live records whole or not
-at all (temporary file, fsync, rename, fsync of the directory).
+A write that fails (a full disk) marks the journal ``stale``: its owner rewrites it from its index,
+and records are dropped meanwhile. A journal that dropped a record is emptied (``_dropped``): the
+record may be the ``DEL`` of a block still intact, whose key stored since with other bytes would
+come back, old bytes that verify, at the next start; so a restart before the rewrite finds none of
+that directory's blocks (misses), never a removed one. ``read_records`` reads up to the first
+torn or corrupt frame (a crash in the middle of an append costs that record only); ``rewrite``
+replaces the journal by the live records whole or not at all (temporary file, fsync, rename,
+fsync of the directory).
 
 Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`` on its thread,
 ``flush`` and ``rewrite`` on its journals' thread (``disk_sync``), never two at once; ``records``,
@@ -76,6 +79,7 @@ class DiskDir:
         self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, at retry_at)
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
         self._retry_s = 0.0  # doubles with each failed rewrite, up to REWRITE_RETRY_MAX_S
+        self._emptied = False  # stale, and emptied (or tried to) since (``_dropped``)
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
@@ -156,16 +160,15 @@ class DiskDir:
         block file (each block a record names was written before the record was appended), then
         ``fsync`` the journal.
         A write or sync that fails (a full disk, EIO) is logged, never raised: the journal is
-        cut back to its last whole record (a torn frame would hide every later one from
-        ``read_records``) and marked ``stale``; records are then dropped until ``rewrite``
+        marked ``stale`` and emptied (``_dropped``); records are then dropped until ``rewrite``
         writes it afresh."""
         if self.stale:
+            if data:
+                self._dropped()
             return
-        size = -1
         try:
-            size = os.lseek(self.journal, 0, os.SEEK_END)
             view = memoryview(data)
-            while view:  # a short write must not leave a torn frame before the next ones
+            while view:  # a short write is no error: write the rest
                 view = view[os.write(self.journal, view) :]
             if sync:  # the blocks first: a record synced names a block synced
                 os.fdatasync(self.fd)
@@ -174,9 +177,28 @@ class DiskDir:
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
             self.stale = True
-            if size >= 0:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self.journal, size)
+            self._dropped()
+
+    def _dropped(self) -> None:
+        """Records were dropped (module docstring): empty the journal, once until it is
+        rewritten (a failure to is logged once, never raised)."""
+        if self._emptied:
+            return
+        self._emptied = True
+        try:
+            os.ftruncate(self.journal, 0)
+            os.fsync(self.journal)
+        except OSError as exc:
+            logger.error(
+                "disk: journal of %s lost a record and cannot be emptied (%s): a restart before "
+                "it is rewritten may bring back blocks removed since", self.path, exc,
+            )  # fmt: skip
+            return
+        self.records = 0
+        logger.warning(
+            "disk: journal of %s emptied (a record could not be written): a restart before it "
+            "is rewritten finds none of its blocks", self.path,
+        )  # fmt: skip
 
     def read_records(self) -> list[Record]:
         """The journal's records, up to its first torn or corrupt frame. Raises ``DiskError``
@@ -241,7 +263,7 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
-        self.records, self.stale, self._retry_s = count, False, 0.0
+        self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
         return True
 
     def close(self) -> None:
