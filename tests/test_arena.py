@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 
 import psutil
@@ -129,6 +130,32 @@ def test_keys_are_checked() -> None:
             check_keys(bad)
     assert check_keys([(1 << 64) - 1, -(1 << 63)]) == [(1 << 64) - 1, -(1 << 63)]
     assert check_keys(["é" * 32, b"y" * 64]) == ["é" * 32, b"y" * 64]
+
+
+def test_key_subclasses_are_checked_and_taken_as_their_plain_value() -> None:
+    # A str subclass was measured in characters (a 64-character key of 4-byte characters, 256
+    # bytes, passed the 64-byte limit) and an IntEnum key raised "TypeError: object of type ...
+    # has no len()". Each is now taken as the plain bytes, str or int it is; a bool is refused.
+    class Name(str):
+        pass
+
+    class Raw(bytes):
+        pass
+
+    class Layer(enum.IntEnum):
+        FIRST = 1
+
+    with pytest.raises(ValueError, match="at most 64 bytes"):
+        check_keys([Name("é" * 64)])
+    with pytest.raises(ValueError, match="at most 64 bytes"):
+        check_keys([b"a", Raw(b"x" * 65)])
+    checked = check_keys([Layer.FIRST, Name("é"), Raw(b"r"), 2])
+    assert checked == [1, "é", b"r", 2]
+    assert [type(k) for k in checked] == [int, str, bytes, int]
+    with pytest.raises(ValueError, match="appears twice"):
+        check_keys([Layer.FIRST, 1])
+    with pytest.raises(TypeError, match="bool"):
+        check_keys([1, False])
 
 
 def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:

@@ -29,9 +29,11 @@ _MASK64 = (1 << 64) - 1
 
 
 def check_keys(keys: Sequence[Key]) -> list[Key]:
-    """Return ``keys`` as a list; ``TypeError`` for a non-key, ``ValueError`` for a repeat, a
-    key out of the limits (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or more than
-    ``MAX_KEYS_PER_CALL`` keys. Per call: C-level passes, per-key Python only to word an error.
+    """Return ``keys`` as a list; ``TypeError`` for a non-key (a bool too), ``ValueError`` for
+    a repeat, a key out of the limits (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or
+    more than ``MAX_KEYS_PER_CALL`` keys. A key of a subclass of bytes, str or int (an
+    ``IntEnum``, say) is checked and returned as its plain value. Per call: C-level passes for
+    keys of exactly these types, per-key Python only for subclasses or to word an error.
     """
     out = list(keys)
     if len(out) > MAX_KEYS_PER_CALL:
@@ -40,17 +42,26 @@ def check_keys(keys: Sequence[Key]) -> list[Key]:
         )
     types = set(map(type, out))
     if not _KEY_TYPES.issuperset(types):
-        for key in out:
-            if isinstance(key, bool) or not isinstance(key, (bytes, str, int)):
-                raise TypeError(
-                    f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}"
-                )
+        out = [_plain(key) for key in out]
+        types = set(map(type, out))
     problem = limits_problem(out, types)
     if problem is not None:
         raise ValueError(problem)
     if len(set(out)) != len(out):
         raise ValueError("a key appears twice in one call; pass each key once")
     return out
+
+
+def _plain(key: object) -> Key:
+    """``key`` as the plain bytes, str or int its type derives from (measured and hashed as
+    one); ``TypeError`` for a bool or a non-key."""
+    if isinstance(key, bytes):
+        return bytes(memoryview(key))
+    if isinstance(key, str):
+        return str.__str__(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return int.__index__(key)
+    raise TypeError(f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}")
 
 
 def key_problem(key: object) -> str | None:
