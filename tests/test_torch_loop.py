@@ -410,6 +410,65 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
         assert all(torch.equal(page(keys_c, 8 + i), expected[i]) for i in range(4))
 
 
+def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_working(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two hosts, one frozen past every timeout: its reads stay on the wire (UCX over TCP) and
+    # keep their arena slots until it resumes. A restore from it held a whole batch (here the
+    # whole arena) and every later offload and restore failed with "capacity", the healthy
+    # host's too, for as long as the host stayed frozen. Now one host's reads take at most half
+    # the arena, and a restore stops before a key of a host whose reads are overdue.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    keys_c, values_c = random_caches(torch.float32, seed=14)
+    keys = [f"two-hosts-{i}".encode() for i in range(NUM_PAGES)]
+    env = {"UCX_TLS": "tcp"}
+    with (
+        ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env=env) as healthy,
+        ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env=env) as frozen,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=healthy.address, arena_blocks=4, timeout=3.0
+        ) as off,
+    ):
+        (healthy_id,) = off.manager.peers()
+        frozen_id = off.connect(frozen.address)
+        assert frozen_id and off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
+        stored = {k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(keys)}
+
+        def restored_exactly(restored: list[bytes], dst: list[int]) -> bool:
+            got = {k: (page(keys_c, p), page(values_c, p)) for k, p in zip(restored, dst)}
+            return all(all(map(torch.equal, got[k], stored[k])) for k in restored)
+
+        holders = off.manager.holders(keys)
+        on_frozen = [k for k, h in zip(keys, holders) if h == frozen_id]
+        on_healthy = [k for k, h in zip(keys, holders) if h == healthy_id]
+        assert len(on_frozen) >= 4 and len(on_healthy) >= 2
+        stop_process(frozen.proc.pid)
+        try:
+            assert off.restore(on_frozen[:4], [20, 21, 22, 23]) == 0
+            assert off.manager.arena.num_free == 2  # the frozen host's read holds half
+            mixed = [*on_healthy[:2], on_frozen[0]]  # stops before the overdue host, no slot
+            assert off.restore(mixed, [20, 21, 22]) == 2 and restored_exactly(mixed[:2], [20, 21])
+            assert off.manager.arena.num_free == 2
+            # Once its session is lost, every page goes to the healthy host, through 2 slots.
+            assert wait_for(lambda: off.manager.peers() == [healthy_id], 30.0)
+            fresh = [f"while-frozen-{i}".encode() for i in range(6)]
+            stored.update({k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(fresh)})
+            assert off.offload(range(6), fresh).result(timeout=30).ok
+            assert off.restore(fresh, [12, 13, 14, 15, 16, 17]) == 6
+            assert restored_exactly(fresh, [12, 13, 14, 15, 16, 17])
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
+        assert wait_for(lambda: len(off.manager.peers()) == 2, 30.0)  # it joined again
+        again = [f"after-thaw-{i}".encode() for i in range(16)]
+        stored.update({k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(again)})
+        assert off.offload(range(16), again).result(timeout=30).ok
+        assert frozen_id in off.manager.holders(again)  # its reads are no longer overdue:
+        assert off.restore(again, list(range(8, 24))) == 16
+        assert restored_exactly(again, list(range(8, 24)))
+        assert off.manager.arena.num_free == 4
+
+
 def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:
     # A frozen host grants no slots: a store waits (holding its arena slot) until the session is
     # lost (10 s). An offload of many batches then fails the rest once its one timeout ran out;

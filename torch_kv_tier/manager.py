@@ -297,6 +297,11 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         with self._lock:
             return self._index.holder(key) is not None
 
+    def holders(self, keys: Sequence[Key]) -> list[str | None]:
+        """The peer id each of ``keys`` is read from now (``None``: in no peer's memory)."""
+        with self._lock:
+            return [None if p is None else p.peer_id for p in self._index.holders(keys)]
+
     def prefetch(self, keys: Sequence[Key]) -> int:
         """Ask the hosts holding any of ``keys`` on their disk to bring them into DRAM (no
         wait); returns how many of ``keys`` are on a disk with their promotion awaited (a key

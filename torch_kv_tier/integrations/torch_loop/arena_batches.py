@@ -9,6 +9,13 @@ after the copy out for a load, when the tier's future resolved for a store (or a
 out, which may still land). It also counts the offloads still pending, which
 ``PagedKVOffloader.flush`` waits for.
 
+A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
+may be never. So a restore batch reads from each host separately, and a restore stops before
+the first key of a host whose reads timed out until they end (``_overdue``). With more than one
+host, a batch reads at most half the arena (rounded down, at least one slot) from one host (the
+cost: a longer prefix on one host goes in more round trips): one frozen host holds at most that
+many slots, and the other hosts' offloads and restores keep the rest.
+
 Threading: ``store_all``, ``load_prefix`` (and ``store``/``load``, of one batch) and
 ``wait_idle`` run on the offloader's caller thread (the generation loop); store completions run
 on the tier's background thread and only return slots and retire futures. ``self._changed`` (a
@@ -19,11 +26,12 @@ waits for either.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections import Counter
+from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.offload_results import (
     Batch,
@@ -52,24 +60,32 @@ class ArenaBatches:
         self._changed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
         self._stuck = 0  # slots of restores that timed out, held until their reads end
+        self._overdue: Counter[str | None] = Counter()  # those slots by host (peer id)
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
-        """:meth:`store` ``todo`` (key: page, in order) in batches of at most the arena's size;
-        each batch's keys and future, for :func:`.offload_results.combine`."""
-        keys, size = list(todo), self._manager.arena.num_blocks
-        batches = (keys[lo : lo + size] for lo in range(0, len(keys), size))
-        return [(chunk, self.store(chunk, [todo[k] for k in chunk], deadline)) for chunk in batches]
+        """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that
+        restores which timed out leave; each batch's keys and future, for
+        :func:`.offload_results.combine`."""
+        keys, batches, lo = list(todo), [], 0
+        while lo < len(keys):
+            chunk = keys[lo : lo + (self._room() or len(keys))]  # none left: all fail at once
+            batches.append((chunk, self.store(chunk, [todo[k] for k in chunk], deadline)))
+            lo += len(chunk)
+        return batches
 
     def load_prefix(self, keys: list[Key], pages: list[int], deadline: float) -> int:
-        """:meth:`load` ``keys`` into ``pages`` in batches of at most the arena's size until one
-        comes back short; how many leading pages came back. A failed copy into the cache raises
+        """:meth:`load` ``keys`` into ``pages`` in batches (module docstring) until one comes
+        back short; how many leading pages came back. A failed copy into the cache raises
         ``OffloadError`` naming the pages written before it and those it may have partly
         written."""
-        restored, size = 0, self._manager.arena.num_blocks
+        restored = 0
         while restored < len(keys):
-            chunk = keys[restored : restored + size]
+            holders = self._batch(keys[restored : restored + max(1, self._room())])
+            chunk = keys[restored : restored + len(holders)]
+            if not chunk:  # its next key is on a host whose reads are overdue
+                break
             try:
-                got = self.load(chunk, pages[restored : restored + len(chunk)], deadline)
+                got = self.load(chunk, holders, pages[restored : restored + len(chunk)], deadline)
             except Exception as exc:  # copying into the cache failed part-way
                 raise OffloadError(
                     f"restore wrote {restored} of {len(keys)} stored pages (page_ids[0:{restored}]"
@@ -104,41 +120,56 @@ class ArenaBatches:
         future.add_done_callback(lambda done: self._release(slots, done))
         return future
 
-    def load(self, keys: list[Key], pages: list[int], deadline: float) -> int:
-        """Load ``keys`` into free slots and unpack the loaded prefix into ``pages``; returns
-        its length (0 when no slots came by ``deadline``, or the tier refused, failed or did not
-        answer by then). A failed copy into the cache raises; its slots are back."""
+    def load(
+        self, keys: list[Key], holders: list[str | None], pages: list[int], deadline: float
+    ) -> int:
+        """Load ``keys`` (read from ``holders``, one load per host) into free slots and unpack
+        the loaded prefix into ``pages``; returns its length (0 when no slots came by
+        ``deadline``). A host that refused, failed or did not answer by then ends the prefix
+        at its first key; the slots of a read still under way are held until it ends. A failed
+        copy into the cache raises; its slots are back."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             log.warning("%s for a restore", self._no_slots())
             return 0
+        futures: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
+        loaded: set[Key] = set()
+        failed: dict[Key, str] = {}
         try:
-            future = self._manager.load(keys, slots)
-        except Exception as exc:
-            self._release(slots)
+            for host, (host_keys, host_slots) in _by_host(keys, holders, slots).items():
+                futures[self._manager.load(host_keys, host_slots)] = host, host_slots
+        except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
             log.warning("tier refused a load, recomputing: %s", exc)
-            return 0
-        try:
-            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            # The tier may still write into these slots: hand them back only once it is done.
+        done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        for future in late:  # the tier may still write into these slots
+            host, held = futures[future]
             with self._lock:
-                self._stuck += len(slots)
-            future.add_done_callback(lambda _: self._release(slots, stuck=True))
-            log.warning("restore timed out after %.1f s, recomputing the rest", self._timeout)
-            return 0
-        except Exception as exc:
-            self._release(slots)
-            log.warning("restore failed, recomputing: %s", exc)
-            return 0
-        loaded = set(result.keys)
+                self._stuck += len(held)
+                self._overdue[host] += len(held)
+            future.add_done_callback(functools.partial(self._read_ended, host, held))
+            log.warning(
+                "restore from %s timed out after %.1f s, recomputing the rest; its reads hold "
+                "%d arena slots until they end",
+                host,
+                self._timeout,
+                len(held),
+            )
+        for future in done:
+            try:
+                result = future.result()
+            except Exception as exc:
+                log.warning("restore failed, recomputing: %s", exc)
+                continue
+            loaded.update(result.keys)
+            failed.update(result.failed)
         count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
-        if count < len(keys):
-            log.warning("restore stopped at page %d: %s", count, result.failed.get(keys[count]))
+        if count < len(keys) and keys[count] in failed:
+            log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
+        in_use = {slot for future in late for slot in futures[future][1]}
         try:
             self._pages.scatter(slots[:count], pages[:count])
         finally:
-            self._release(slots)
+            self._release([slot for slot in slots if slot not in in_use])
         return count
 
     def track(self, offload: Future[TransferResult]) -> None:
@@ -157,6 +188,26 @@ class ArenaBatches:
                 self._changed.wait(left)
         return True
 
+    def _batch(self, keys: list[Key]) -> list[str | None]:
+        """The host of each leading key of ``keys`` the next restore batch reads: up to the
+        first key of a host whose reads are overdue, or (with several hosts) one past half the
+        arena on one host."""
+        holders = self._manager.holders(keys)
+        size = self._manager.arena.num_blocks
+        per_host = max(1, size // 2) if len(self._manager.peers()) > 1 else size
+        with self._lock:
+            overdue = set(self._overdue)
+        if not overdue and len(holders) <= per_host:  # the usual: nothing to cut, no per-key pass
+            return holders
+        counts: Counter[str | None] = Counter()
+        for i, host in enumerate(holders):
+            counts[host] += 1
+            if host in overdue or counts[host] > per_host:
+                if host in overdue:
+                    log.info("restore stops at a key of %s, whose reads are overdue", host)
+                return holders[:i]
+        return holders
+
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
         """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
         while restores that timed out hold too many for ``n`` ever to be free (a frozen host
@@ -170,6 +221,11 @@ class ArenaBatches:
                 self._changed.wait(left)
             return arena.allocate(n)
 
+    def _room(self) -> int:
+        """How many slots a batch may take: those restores that timed out do not hold."""
+        with self._lock:
+            return self._manager.arena.num_blocks - self._stuck
+
     def _no_slots(self) -> str:
         with self._lock:
             stuck = self._stuck
@@ -182,14 +238,33 @@ class ArenaBatches:
             self._pending.discard(offload)
             self._changed.notify_all()
 
-    def _release(
-        self, slots: list[int], store: Future[TransferResult] | None = None, stuck: bool = False
-    ) -> None:
-        """Return arena slots (and retire the store that used them; ``stuck``: a timed-out
-        restore's); wakes waiters."""
+    def _read_ended(self, host: str | None, slots: list[int], _: object) -> None:
+        """A timed-out restore's read from ``host`` into ``slots`` ended: they are free again."""
+        with self._lock:
+            self._stuck -= len(slots)
+            self._overdue[host] -= len(slots)
+            if not self._overdue[host]:
+                del self._overdue[host]
+        self._release(slots)
+
+    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
+        """Return arena slots (and retire the store that used them); wakes waiters."""
         with self._lock:
             self._manager.arena.free(slots)
-            self._stuck -= len(slots) if stuck else 0
             if store is not None:
                 self._pending.discard(store)
             self._changed.notify_all()
+
+
+def _by_host(
+    keys: list[Key], holders: list[str | None], slots: list[int]
+) -> dict[str | None, tuple[list[Key], list[int]]]:
+    """``keys`` and their ``slots`` by the host each key is read from (``holders``)."""
+    if len(set(holders)) == 1:  # the usual: one host, no per-key pass
+        return {holders[0]: (keys, slots)}
+    reads: dict[str | None, tuple[list[Key], list[int]]] = {}
+    for key, host, slot in zip(keys, holders, slots, strict=True):
+        host_keys, host_slots = reads.setdefault(host, ([], []))
+        host_keys.append(key)
+        host_slots.append(slot)
+    return reads
