@@ -158,6 +158,15 @@ def test_key_subclasses_are_checked_and_taken_as_their_plain_value() -> None:
         check_keys([1, False])
 
 
+def test_str_keys_that_utf8_cannot_encode_are_refused_clearly() -> None:
+    # A str key with a lone surrogate passed check_keys when short (it failed later, inside the
+    # tier, with "'utf-8' codec can't encode character", once its page was in the arena) and
+    # raised that bare codec error when longer than 16 characters.
+    for bad in (["\ud800"], ["a", "\udfff" * 20], [b"b", 7, "x\ud800"]):
+        with pytest.raises(ValueError, match="UTF-8 .*pass bytes"):
+            check_keys(bad)
+
+
 def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:
     keys = [f"key-{i}" for i in range(3000)]
     before = {k: home_peer(k, ["a", "b", "c"]) for k in keys}

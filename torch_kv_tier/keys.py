@@ -71,7 +71,10 @@ def key_problem(key: object) -> str | None:
             return None
         return f"int keys must be in [-2**63, 2**64 - 1] (64 bits), got {key}"
     if isinstance(key, bytes | str):
-        size = len(key) if isinstance(key, bytes) else len(key.encode())
+        try:
+            size = len(key) if isinstance(key, bytes) else len(key.encode())
+        except UnicodeEncodeError:
+            return f"str keys must be text UTF-8 can encode, got {key!r}: pass bytes instead"
         if size <= MAX_KEY_BYTES:
             return None
         return (
@@ -94,8 +97,10 @@ def limits_problem(keys: list[Key], types: set[type]) -> str | None:
         ints = [k for k in keys if type(k) is int]
         sized = [k for k in keys if type(k) is not int]  # type: ignore[misc]
     widest = max(map(len, sized)) * (4 if str in types else 1) if sized else 0
-    suspect = (ints and (min(ints) < MIN_INT_KEY or max(ints) > MAX_INT_KEY)) or (
-        widest > MAX_KEY_BYTES
+    suspect = (
+        (ints and (min(ints) < MIN_INT_KEY or max(ints) > MAX_INT_KEY))
+        or widest > MAX_KEY_BYTES
+        or (str in types and not _encodable(sized, with_bytes=bytes in types))
     )
     if suspect:
         for key in keys:
@@ -103,6 +108,17 @@ def limits_problem(keys: list[Key], types: set[type]) -> str | None:
             if problem is not None:
                 return problem
     return None
+
+
+def _encodable(sized: list[bytes | str], *, with_bytes: bool) -> bool:
+    """Whether UTF-8 encodes every str key of ``sized`` (no lone surrogate): one C-level pass
+    unless bytes keys are among them."""
+    texts = [k for k in sized if type(k) is str] if with_bytes else sized
+    try:
+        "".join(texts).encode()  # type: ignore[arg-type]
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def key_hash(key: Key) -> int:
