@@ -167,6 +167,15 @@ def test_str_keys_that_utf8_cannot_encode_are_refused_clearly() -> None:
             check_keys(bad)
 
 
+def test_one_bare_key_in_place_of_a_list_of_keys_is_refused() -> None:
+    # check_keys(b"abc") took the bytes as the int keys 97, 98, 99 and check_keys("abc") as
+    # three one-character keys: an offload of that many pages stored them under those keys,
+    # and a restore of one key looked up others.
+    for bare in (b"abc", "abc", bytearray(b"abc"), memoryview(b"abc")):
+        with pytest.raises(TypeError, match=r"a sequence of keys.*\[key\]"):
+            check_keys(bare)  # type: ignore[arg-type]
+
+
 def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:
     keys = [f"key-{i}" for i in range(3000)]
     before = {k: home_peer(k, ["a", "b", "c"]) for k in keys}

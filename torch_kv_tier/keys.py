@@ -29,12 +29,17 @@ _MASK64 = (1 << 64) - 1
 
 
 def check_keys(keys: Sequence[Key]) -> list[Key]:
-    """Return ``keys`` as a list; ``TypeError`` for a non-key (a bool too), ``ValueError`` for
-    a repeat, a key out of the limits (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or
-    more than ``MAX_KEYS_PER_CALL`` keys. A key of a subclass of bytes, str or int (an
-    ``IntEnum``, say) is checked and returned as its plain value. Per call: C-level passes for
-    keys of exactly these types, per-key Python only for subclasses or to word an error.
+    """Return ``keys`` as a list; ``TypeError`` for a non-key (a bool too) or one bytes or str
+    key in place of a sequence of keys, ``ValueError`` for a repeat, a key out of the limits
+    (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or more than ``MAX_KEYS_PER_CALL``
+    keys. A key of a subclass of bytes, str or int (an ``IntEnum``, say) is checked and
+    returned as its plain value. Per call: C-level passes for keys of exactly these types,
+    per-key Python only for subclasses or to word an error.
     """
+    if isinstance(keys, bytes | str | bytearray | memoryview):
+        raise TypeError(
+            f"keys must be a sequence of keys, got one {type(keys).__name__}: pass [key]"
+        )
     out = list(keys)
     if len(out) > MAX_KEYS_PER_CALL:
         raise ValueError(
