@@ -429,6 +429,9 @@ def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_w
             keys_c, values_c, remote=healthy.address, arena_blocks=4, timeout=3.0
         ) as off,
     ):
+        # create's connect of it failed once here under load ("UCX endpoint create failed:
+        # Connection refused"); the offloader then dials it again: wait for that join
+        assert wait_for(lambda: len(off.manager.peers()) == 1, 30.0)
         (healthy_id,) = off.manager.peers()
         frozen_id = off.connect(frozen.address)
         assert frozen_id and off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
