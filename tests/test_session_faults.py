@@ -535,3 +535,32 @@ def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_
         tier.remove_peer(peer)
         ending.set()
         _assert_nothing_held(server.address)
+
+
+def test_releases_a_session_ended_on_its_own_thread_hands_back_during_close_still_go_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session ended on a thread of its own (a failed transfer dropped its host) hands back
+    the releases it carried that its host may not have read (a frozen host leaves its
+    disconnect unanswered ~2 s). ``close`` meanwhile named what it found and returned; they
+    came back after it and nobody named them: the host held those sessions' slots for good.
+    ``close`` waits for such an end, and one that ends after ``close`` names them itself."""
+    with _connected_beside_a_held_session("closed-mid-end") as setup:
+        server, tier, held, peer, session = setup
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        ending, end = threading.Event(), session_releases.end_session
+
+        def slow_end(*args: Any) -> list[str]:  # as a frozen host's unanswered disconnect
+            ending.wait(timeout=RESULT_TIMEOUT_S)
+            return end(*args)
+
+        monkeypatch.setattr(session_releases, "end_session", slow_end)
+        with tier._lock:  # as a failed transfer does: the session ends on a thread of its own
+            tier._lose_peer(peer, "failed a transfer")
+        closing = threading.Thread(target=tier.close, daemon=True)
+        closing.start()
+        wait_for(lambda: not closing.is_alive(), 1.0)  # (returns at once, unfixed)
+        ending.set()
+        closing.join(timeout=RESULT_TIMEOUT_S)
+        assert not closing.is_alive()
+        _assert_nothing_held(server.address)

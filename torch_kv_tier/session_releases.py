@@ -155,30 +155,47 @@ class SessionReleases:
         ``RemoteSession.unreleased``), to be told again. A session its host ended clean
         (``RemoteSession.ended_clean``) is not released itself: nothing of it is held. They
         go out at once unless a redial will carry them (``_send_releases``); a host removed
-        and forgotten meanwhile is remembered again for it."""
+        and forgotten meanwhile is remembered again for it. Counted in ``_ended.carrying``
+        meanwhile: ``close`` waits for what it hands back (up to ~2 s for a frozen host);
+        once the tier is closed it names them itself, as ``close``'s last word does."""
         address = session.address
         with self._lock:
             dial = self._dial(address)
-        unread = end_session(session, clean, [])
-        with self._lock:
-            self._ended.give_back(address, unread)
-            if session.ended_clean:
-                self._ended.forget(session)
-            if unread and not self._closed:
-                if dial is not None and self._dial(address) is None:
-                    self._removed[address] = dial
-                self._send_releases(address)
+            self._ended.carry(address, 1)
+        try:
+            unread = end_session(session, clean, [])
+            with self._lock:
+                closed = self._closed
+                if session.ended_clean:
+                    self._ended.forget(session)
+                if not closed:
+                    self._ended.give_back(address, unread)
+                if unread and not closed:
+                    if dial is not None and self._dial(address) is None:
+                        self._removed[address] = dial
+                    self._send_releases(address)
+            if closed:  # ``close`` may have looked for what to name already
+                self._last_word_of(address, unread, dial)
+        finally:
+            with self._lock:
+                self._ended.carry(address, -1)
+                self._forget_removed(address)
+                self._cond.notify_all()
 
     def _last_word(self, session: Any, clean: bool, held: list[str], dial: Dial | None) -> None:
         """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
         its host may not have read (the session lost meanwhile, its disconnect unanswered) goes
         over a session of its own (``dial``'s): no later session would carry it."""
-        unread = end_session(session, clean, held)
+        self._last_word_of(session.address, end_session(session, clean, held), dial)
+
+    def _last_word_of(self, address: str, unread: list[str], dial: Dial | None) -> None:
+        """A closed tier's last word to ``address`` (unlocked): ``unread`` over a session of
+        its own (``dial``'s; one try), else kept in ``_ended``."""
         if unread and dial is not None:
             self._release_over_own_session(dial, unread, last_word=True)
         elif unread:
             with self._lock:
-                self._ended.give_back(session.address, unread)
+                self._ended.give_back(address, unread)
 
     def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
         """``close``'s last word to every host (unlocked): each live session carries the
