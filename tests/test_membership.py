@@ -732,6 +732,39 @@ def test_two_connects_of_one_host_at_once_both_return_its_peer() -> None:
         assert torch.equal(tier.arena.tensor[2:4], tier.arena.tensor[:2])
 
 
+def test_a_connect_waiting_for_a_failed_join_at_another_address_says_what_failed() -> None:
+    """Two addresses of one host (dual-stack, or a name and its IP) dialled side by side: the
+    one whose handshake ended second waits for the other's join. When that join failed, it
+    raised "a connect of it on another thread failed": no word of which connect, nor why."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="dual-stack") as tier,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        first, second = f"127.0.0.1:{port}", f"localhost:{port}"
+        waiting = threading.Event()
+        await_join = tier._await_join
+
+        def noted_await_join(*args: Any) -> None:
+            waiting.set()
+            await_join(*args)
+
+        def failing_register(*args: Any) -> None:
+            assert waiting.wait(timeout=WAIT_S), "the other connect never waited"
+            raise RuntimeError("registration failed (a test)")
+
+        tier._await_join = noted_await_join  # type: ignore[method-assign]
+        tier._register = failing_register  # type: ignore[method-assign]
+        joining = ParallelConnects(tier, [first], {"timeout_s": 5.0})
+        wait_until(lambda: tier._joining, "the first connect joins")
+        with pytest.raises(ConnectionError) as failed:
+            tier.connect(second, timeout_s=5.0)
+        ((_, outcome),) = joining.outcomes()
+        assert isinstance(outcome, RuntimeError) and tier.peers() == [], outcome
+        assert f"at {first} on another thread failed" in str(failed.value), failed.value
+        assert "registration failed (a test)" in str(failed.value), failed.value
+
+
 def test_a_host_restarted_under_another_id_at_the_same_address_replaces_the_old_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -46,7 +46,7 @@ class ConnectedHosts(LostHosts):
     _index: BlockIndex
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
-    _joining: dict[str, threading.Event]  # peer id -> set once its connect in progress ended
+    _joining: dict[str, Joining]  # peer id -> its connect in progress
     _removed: dict[str, Dial]
     _ended: EndedSessions
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
@@ -142,7 +142,7 @@ class ConnectedHosts(LostHosts):
             if first_dial:
                 self._dials[peer_id] = dial
             if not known:  # another connect of the host waits for this one
-                joined = self._joining[peer_id] = threading.Event()
+                joined = self._joining[peer_id] = Joining(dial.address)
             elif joining is None and twin is None:  # (a join does this once it succeeded)
                 self._forget_replaced(peer_id, dial.address)
         if twin is not None:
@@ -156,7 +156,8 @@ class ConnectedHosts(LostHosts):
         try:
             try:
                 self._join(session, dial.timeout_s)
-            except BaseException:
+            except BaseException as exc:
+                joined.failure = exc  # what a connect of it waiting for this one reports
                 if first_dial:
                     with self._lock:
                         if peer_id not in self._peers and self._dials.get(peer_id) is dial:
@@ -237,22 +238,26 @@ class ConnectedHosts(LostHosts):
         except Exception:
             logger.exception("removing peer %s from the transport failed", peer_id)
 
-    def _await_join(self, peer_id: str, joined: threading.Event, timeout_s: float) -> None:
+    def _await_join(self, peer_id: str, joined: Joining, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
-        when it goes on past ``timeout_s``, ``ConnectionError`` when it failed, ``RuntimeError``
-        when the tier closed meanwhile."""
+        when it goes on past ``timeout_s``, ``ConnectionError`` when it failed (saying at which
+        address and why), ``RuntimeError`` when the tier closed meanwhile."""
+        other = f"a connect of it at {joined.address} on another thread"
         deadline = time.monotonic() + timeout_s
         while not joined.wait(min(_JOIN_WAIT_POLL_S, max(deadline - time.monotonic(), 0))):
             if self._closing.is_set():
                 break
             if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{peer_id}: a connect of it on another thread did not end within {timeout_s} s"
-                )
+                raise TimeoutError(f"{peer_id}: {other} did not end within {timeout_s} s")
         with self._lock:
             self._check_open()
-            if peer_id not in self._peers:
-                raise ConnectionError(f"{peer_id}: a connect of it on another thread failed")
+            if peer_id in self._peers:
+                return
+        if joined.failure is None:
+            raise ConnectionError(f"{peer_id}: {other} joined it, but it was lost or removed since")
+        raise ConnectionError(
+            f"{peer_id}: {other} failed: {type(joined.failure).__name__}: {joined.failure}"
+        ) from joined.failure
 
     def _open(
         self, dial: Dial, release: list[str], *, private: bool, cancellable: bool = True
@@ -351,6 +356,16 @@ class ConnectedHosts(LostHosts):
             self._peers[peer_id] = Peer(
                 self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
             )
+
+
+class Joining(threading.Event):
+    """A connect of a host in progress, set once it ended: the address it dialled and, once it
+    failed, why (what the connects of that host that waited for it report)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__()
+        self.address = address
+        self.failure: BaseException | None = None
 
 
 def _region(session: Any) -> tuple[bytes, int, int, int]:

@@ -45,7 +45,7 @@ from typing import Any
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.closing import Closing
-from torch_kv_tier.connected_hosts import ConnectedHosts
+from torch_kv_tier.connected_hosts import ConnectedHosts, Joining
 from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
@@ -132,7 +132,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
-        self._joining: dict[str, threading.Event] = {}  # peer id -> set when its connect ended
+        self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._redialing: Dial | None = None  # the redialer's connect in progress (one at a time)
         self._ended = EndedSessions()
