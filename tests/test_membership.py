@@ -686,6 +686,38 @@ def session_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("tkvt-session"))
 
 
+def test_a_connect_that_waited_past_its_timeout_for_another_hosts_join_says_so() -> None:
+    """Joins take turns (a shared host's snapshot takes the tier's CPU): a user's connect made
+    while the redialer or a membership round joins a very large host waits for that join, up
+    to its ``timeout_s``. The host it dialled had answered, yet its ``TimeoutError`` said only
+    "other hosts' joins went on": not which host, nor that its own host was fine."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as big,
+        ServerProcess.start(64, BLOCK_LEN) as small,
+        TierManager.create(16, BLOCK_LEN, name="join-turn-wait") as tier,
+    ):
+        done = threading.Event()
+        register = tier._register
+
+        def slow_register(*args: Any) -> None:
+            if args[0] == big.address:  # (its peer id: the address it listens on)
+                done.wait(timeout=WAIT_S)  # a very large host's join
+            register(*args)
+
+        tier._register = slow_register  # type: ignore[method-assign]
+        joining = ParallelConnects(tier, [big.address], {"timeout_s": WAIT_S})
+        wait_until(lambda: big.address in tier._joining, "the large host joins")
+        try:
+            with pytest.raises(TimeoutError) as waited:
+                tier.connect(small.address, timeout_s=0.5)
+        finally:
+            done.set()
+        assert dict(joining.outcomes()) == {big.address: big.address}
+        message = str(waited.value)
+        assert f"{small.address} answered" in message and big.address in message, message
+        assert tier.connect(small.address) == small.address  # its session was ended
+
+
 def test_two_connects_of_one_host_at_once_both_return_its_peer() -> None:
     """Membership's thread and the tier's redialer (or a user) may dial one host at the same
     time: both get its peer id, and one session stays (found by review: one of them failed with

@@ -180,16 +180,22 @@ class ConnectedHosts(LostHosts):
         """Register the host of a new ``session`` (unlocked; its session ended on failure), one
         host at a time: a shared host's snapshot takes the tier's CPU (seconds at millions of
         keys), so joins side by side would each last as long as all of them, past their
-        timeouts. Waits its turn up to ``timeout_s`` (``TimeoutError``; ``RuntimeError`` once
-        the tier is closing)."""
+        timeouts. A connect of another host (a user's, while the redialer joins a large host)
+        waits too: both would take as long. Waits its turn up to ``timeout_s`` (``TimeoutError``
+        naming the hosts joining meanwhile; ``RuntimeError`` once the tier is closing)."""
         deadline = time.monotonic() + timeout_s
         while not self._join_turn.acquire(timeout=_JOIN_WAIT_POLL_S):
             if self._closing.is_set() or time.monotonic() >= deadline:
+                with self._lock:
+                    others = sorted(set(self._joining) - {session.peer_id})
                 self._end_keeping_releases(session, True)  # never published: none written
                 if self._closing.is_set():
                     raise RuntimeError("TierManager is closed")
                 raise TimeoutError(
-                    f"{session.peer_id}: other hosts' joins went on past {timeout_s} s"
+                    f"{session.peer_id} answered, but its join waited {timeout_s} s for its turn "
+                    f"behind the joins of {', '.join(others) or 'other hosts'} (a tier's joins "
+                    "take turns: a shared host's index takes its CPU); connect it again, or "
+                    "with a larger timeout_s"
                 )
         try:
             if session.shared:  # (a failed join ends its session itself)
