@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -23,7 +24,7 @@ import pytest
 import torch
 from remote_support import BLOCK_LEN, SilentHosts, free_port, wait_until
 
-from torch_kv_tier import connections
+from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import (
     DnsHosts,
@@ -646,6 +647,57 @@ def test_a_round_dials_the_hosts_that_do_not_answer_side_by_side() -> None:
         following(tier, StaticHosts(silent.addresses), connect_kwargs={"timeout_s": 5.0}),
     ):
         assert silent.dialled_side_by_side(within=4.0), "each host waited for the one before"
+
+
+def test_many_hosts_are_dialled_side_by_side_on_a_few_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a startup or a round made one thread per host, with no cap (200 hosts,
+    200 threads and their handshakes' sockets). Past ``MAX_CONNECTS`` hosts one thread greets
+    them all at once and only those that answer get a connect: the hosts that do not answer
+    still cost one timeout in all, not one per ``MAX_CONNECTS`` of them."""
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 2)
+    silent = SilentHosts(6)
+    peak = [0]
+    done = threading.Event()
+
+    def count_threads() -> None:
+        while not done.wait(0.01):
+            names = [t.name for t in threading.enumerate()]
+            peak[0] = max(peak[0], sum(n.startswith("tkvt-connect") for n in names))
+
+    with (
+        contextlib.closing(silent),
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(4, BLOCK_LEN, name="many-hosts") as tier,
+    ):
+        counter = threading.Thread(target=count_threads, daemon=True)
+        counter.start()
+        addresses = [*silent.addresses, server.address]
+        connects = ParallelConnects(tier, addresses, {"timeout_s": 3.0})
+        try:
+            assert silent.dialled_side_by_side(within=2.0), "each few hosts waited for others"
+            outcomes = dict(connects.outcomes())
+            connects.join(timeout=WAIT_S)
+        finally:
+            done.set()
+            counter.join(timeout=WAIT_S)
+        assert outcomes.pop(server.address) == server.address == tier.peers()[0]
+        assert all(isinstance(o, TimeoutError) for o in outcomes.values()), outcomes
+        assert peak[0] <= 3, f"{peak[0]} connect threads at once (2 connects and the greeter)"
+
+
+@pytest.mark.parametrize("timeout_s", [-1.0, math.nan, "5"])
+def test_many_hosts_dialled_with_a_bad_timeout_each_say_so(
+    monkeypatch: pytest.MonkeyPatch, timeout_s: Any
+) -> None:
+    """Past ``MAX_CONNECTS`` hosts the greeting uses the connects' ``timeout_s``: one that is
+    no timeout must not make every host "not answer"; each connect says what is wrong."""
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 1)
+    tier = FakeTier()
+    connects = ParallelConnects(tier, ["a:1", "b:2"], {"timeout_s": timeout_s})
+    assert dict(connects.outcomes()) == {"a:1": "host:a:1", "b:2": "host:b:2"}
+    connects.join(timeout=WAIT_S)
 
 
 def test_hosts_dialled_side_by_side_join_the_tier_one_at_a_time() -> None:

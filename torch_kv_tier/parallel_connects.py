@@ -3,25 +3,48 @@ one handshake timeout in all, not one each (a tier's startup with 4 hosts down w
 4 x ``connect_timeout``; so did each membership round). Only the handshakes overlap: the
 tier's joins after them go one at a time (``ConnectedHosts._join``).
 
-Threading: :class:`ParallelConnects` starts one daemon thread per address, each calling
-``tier.connect`` once (``TierManager.connect`` is thread-safe); ``outcomes`` and ``join`` run on
-the caller's thread. Ownership: the tier is the caller's; this object owns only its threads. A
-caller that gives up before every connect ended closes the tier (which ends the handshakes still
-awaiting an answer), then calls ``join``.
+At most ``MAX_CONNECTS`` connects run at once, each on a thread of its own (200 hosts made 200
+threads, each with its handshake's sockets, at every startup or membership round). Why 16:
+joins take turns anyway, so more connects at once only overlap handshakes, which take
+milliseconds for a host that answers; the threads that matter are those waiting out a host that
+does not answer. So with more hosts than that, one more thread first greets them all at once
+(a ``Hello`` on a socket of its own to each, up to the handshake's ``timeout_s``): only the
+hosts that answer get a connect, and those that do not fail with ``TimeoutError`` without one.
+Hosts that do not answer still cost one timeout in all; the trade-off is one more round trip
+for each host that does, and a host that freezes between its answer and its handshake holds a
+connect's thread for its timeout (one of 16).
+
+Threading: :class:`ParallelConnects` starts its threads (at most ``MAX_CONNECTS`` connects, and
+the greeter), each ``tier.connect`` call is made once (``TierManager.connect`` is thread-safe);
+``outcomes`` and ``join`` run on the caller's thread. Ownership: the tier is the caller's; this
+object owns only its threads and the greeter's sockets. A caller that gives up before every
+connect ended closes the tier (which ends the handshakes still awaiting an answer, and the
+greeting), then calls ``join``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import queue
+import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake import CANCEL_POLL_S, MAX_WAIT_S, dealer
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
 
 logger = logging.getLogger(__name__)
+
+MAX_CONNECTS = 16  # connects running at once (module docstring)
 
 
 class ParallelConnects:
@@ -30,32 +53,77 @@ class ParallelConnects:
     def __init__(
         self, tier: Tier, addresses: Sequence[str], connect_kwargs: Mapping[str, Any]
     ) -> None:
-        self._outcomes: dict[int, str | BaseException] = {}
-        self._threads = [
-            threading.Thread(
-                target=self._connect,
-                args=(i, tier, address, connect_kwargs),
-                name=f"tkvt-connect-{address}",
-                daemon=True,
-            )
-            for i, address in enumerate(addresses)
-        ]
+        self._tier = tier
+        self._kwargs = connect_kwargs
         self._addresses = list(addresses)
+        self._outcomes: dict[int, str | BaseException] = {}
+        self._ended = [threading.Event() for _ in self._addresses]
+        self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        workers = min(MAX_CONNECTS, len(self._addresses))
+        self._threads = [
+            threading.Thread(target=self._work, name=f"tkvt-connect-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        if len(self._addresses) > workers:
+            greeter = threading.Thread(
+                target=self._greet, args=(workers,), name="tkvt-connect-greet", daemon=True
+            )
+            self._threads.append(greeter)
+        else:
+            self._hand_out(range(len(self._addresses)), workers)
         for thread in self._threads:
             thread.start()
 
-    def _connect(self, i: int, tier: Tier, address: str, kwargs: Mapping[str, Any]) -> None:
+    def _hand_out(self, indices: Iterable[int], workers: int) -> None:
+        """Queue the connects of ``indices``, then one end for each of ``workers``."""
+        for i in indices:
+            self._todo.put(i)
+        for _ in range(workers):
+            self._todo.put(None)
+
+    def _work(self) -> None:
+        """A connect's thread: the connects queued, one after another, until its end."""
+        while (i := self._todo.get()) is not None:
+            threading.current_thread().name = f"tkvt-connect-{self._addresses[i]}"
+            try:
+                self._outcomes[i] = self._tier.connect(self._addresses[i], **self._kwargs)
+            except BaseException as exc:
+                self._outcomes[i] = exc
+            self._ended[i].set()
+
+    def _greet(self, workers: int) -> None:
+        """The greeter's thread: a connect for each host that answers a ``Hello`` (as it
+        answers), ``TimeoutError`` for each that does not within the handshake's timeout. One
+        it could not greet (a bad address, no socket left) gets its connect all the same, as
+        does every host when ``timeout_s`` is no timeout (each connect says why)."""
+        timeout_s = self._kwargs.get("timeout_s", CONNECT_TIMEOUT_S)
+        waiting = set(range(len(self._addresses)))
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+            timeout_s = math.nan
         try:
-            self._outcomes[i] = tier.connect(address, **kwargs)
-        except BaseException as exc:
-            self._outcomes[i] = exc
+            if not 0 < timeout_s <= MAX_WAIT_S:  # (nan too)
+                return
+            for i in answering(self._addresses, timeout_s, lambda: self._tier.closed):
+                waiting.discard(i)
+                self._todo.put(i)
+            if not self._tier.closed:  # (closed: each connect fails at once, saying so)
+                for i in sorted(waiting):
+                    self._outcomes[i] = TimeoutError(
+                        f"no answer from a torch-kv-tier server at {self._addresses[i]} within "
+                        f"{timeout_s} s: is `torch-kv-tier serve` running there, and is the "
+                        "address reachable from this host?"
+                    )
+                    self._ended[i].set()
+                waiting.clear()
+        finally:
+            self._hand_out(sorted(waiting), workers)
 
     def outcomes(self) -> Iterator[tuple[str, str | Exception]]:
         """Each address, in the order given, with its peer id or the exception its connect
         raised; each waits for its connect to end, as long as the connect's own timeouts let it
         (the handshake's ``timeout_s``). An exception that is not an ``Exception`` is raised."""
-        for i, (address, thread) in enumerate(zip(self._addresses, self._threads, strict=True)):
-            thread.join()
+        for i, address in enumerate(self._addresses):
+            self._ended[i].wait()
             outcome = self._outcomes[i]
             if not isinstance(outcome, str | Exception):
                 raise outcome
@@ -65,10 +133,48 @@ class ParallelConnects:
         """Wait up to ``timeout`` s in all for every connect to end; one still running then is
         logged and left to end on its own (its daemon thread)."""
         deadline = time.monotonic() + timeout
-        for address, thread in zip(self._addresses, self._threads, strict=True):
+        for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
-            if thread.is_alive():
+        for address, ended in zip(self._addresses, self._ended, strict=True):
+            if not ended.is_set():
                 logger.warning("a connect of %s did not end within %.1fs", address, timeout)
 
 
-__all__ = ["ParallelConnects"]
+def answering(
+    addresses: Sequence[str], timeout_s: float, closed: Callable[[], bool]
+) -> Iterator[int]:
+    """The index of each of ``addresses`` whose host answers a ``Hello`` within ``timeout_s``
+    (any answer: a refusal is its connect's to report), as it answers, or that could not be
+    greeted (its connect says why); stops early once ``closed()``. Every socket it made is
+    closed when it returns."""
+    sockets: dict[zmq.Socket[bytes], int] = {}
+    poller = zmq.Poller()
+    try:
+        for i, address in enumerate(addresses):
+            try:
+                sock, endpoint = dealer(address)
+            except (ValueError, zmq.ZMQError):
+                yield i
+                continue
+            try:
+                sock.connect(endpoint)
+                hello = p.Hello(p.PROTOCOL_VERSION, 1, secrets.token_bytes(p.NONCE_BYTES))
+                sock.send(p.encode(hello), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                yield i
+                continue
+            sockets[sock] = i
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while sockets and (left := deadline - time.monotonic()) > 0 and not closed():
+            for sock, _ in poller.poll(math.ceil(min(left, CANCEL_POLL_S) * 1e3)):
+                poller.unregister(sock)
+                sock.close(linger=0)
+                yield sockets.pop(sock)
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+
+
+__all__ = ["MAX_CONNECTS", "ParallelConnects"]

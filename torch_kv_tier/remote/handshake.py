@@ -117,9 +117,10 @@ def check_connect_args(address: str, slots: int | None, private: bool, token: st
         raise ValueError("token is empty: pass None for a server without a token")
 
 
-def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-    """A DEALER socket connecting to ``address`` and its monitor (disconnect events), made
-    before the connection so that no event is missed. The caller closes both."""
+def dealer(address: str) -> tuple[zmq.Socket[bytes], str]:
+    """A DEALER socket for the server at ``address``, not connected yet, and the endpoint to
+    connect it to. The caller closes it. Raises ``ValueError`` for a bad address,
+    ``zmq.ZMQError`` when no socket can be made (no file descriptor left)."""
     host, port = parse_address(address)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -128,8 +129,15 @@ def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"
+    return sock, f"tcp://{host}:{port}"
+
+
+def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    """A DEALER socket connecting to ``address`` and its monitor (disconnect events), made
+    before the connection so that no event is missed. The caller closes both."""
+    sock, endpoint = dealer(address)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(f"tcp://{host}:{port}")
+    sock.connect(endpoint)
     return sock, monitor
 
 
