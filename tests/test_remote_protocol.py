@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch_kv_tier.remote import handshake
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession, parse_address
 from torch_kv_tier.remote.leases import LeaseTable, Session, SlotPool
@@ -229,6 +230,23 @@ def test_parse_address() -> None:
             parse_address(bad)
         with pytest.raises(ValueError, match="HOST:PORT"):
             RemoteSession.open(bad, agent_metadata=b"m", region=p.Region(4096, 8, 64))
+
+
+def test_a_host_zeromq_refuses_for_its_first_character_is_a_value_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ZeroMQ refuses a host name that does not start with a letter or a digit
+    (an IPv6 address: or ':'); such an address passed ``parse_address`` (and ``connect``'s
+    checks) and each dial raised a bare ``ZMQError: Invalid argument``, every membership round
+    again."""
+    for bad in ("-:5600", "-a:5600", ".a:5600", "_:5600", "%1:5600", "[-]:5600", "[%1]:80"):
+        with pytest.raises(ValueError, match="HOST:PORT.*starts with"):
+            parse_address(bad)
+    assert parse_address("[::1%lo]:80") == ("::1%lo", 80) and parse_address("a-.b:1")
+    # one ZeroMQ refuses all the same is a ValueError too (its sockets closed)
+    monkeypatch.setattr(handshake, "parse_address", lambda address: ("-", 5600))
+    with pytest.raises(ValueError, match="ZeroMQ refused"):
+        handshake.connect("-:5600")
 
 
 def _args(*argv: str) -> argparse.Namespace:

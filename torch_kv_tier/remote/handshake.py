@@ -37,7 +37,8 @@ CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
-_HOST = re.compile(r"[A-Za-z0-9._%:-]+")  # a host name, IPv4 or IPv6 address (with its zone)
+# a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
+_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
 
 class HandshakeRejected(Exception):
@@ -78,7 +79,8 @@ def parse_address(address: str) -> tuple[str, int]:
     if not _HOST.fullmatch(host):
         raise ValueError(
             f"server address must be HOST:PORT, got {address!r}: a host has only letters, "
-            "digits and '.-_' (an IPv6 address ':' and '%' too, in brackets), no spaces"
+            "digits and '.-_' (an IPv6 address ':' and '%' too, in brackets), no spaces, and "
+            "starts with a letter or a digit"
         )
     return host, int(port_text)
 
@@ -137,7 +139,11 @@ def connect(address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
     before the connection so that no event is missed. The caller closes both."""
     sock, endpoint = dealer(address)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    sock.connect(endpoint)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        close_sockets(sock, monitor)
+        raise ValueError(f"server address {address!r}: ZeroMQ refused it ({exc})") from None
     return sock, monitor
 
 
