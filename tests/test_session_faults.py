@@ -205,6 +205,32 @@ def test_a_session_closed_from_its_own_answer_callback_still_disconnects() -> No
             assert stats["held_sessions"] == 0 and stats["shared_granted_blocks"] == 0, stats
 
 
+def test_stats_asked_from_an_answer_callback_fails_at_once_and_the_session_lives() -> None:
+    """``stats`` waits for its answer, which only the session's I/O thread receives: asked from
+    an answer callback (on that thread) it blocked the thread until its own timeout, with no
+    heartbeat meanwhile (past the heartbeat timeout the session was lost), then raised
+    ``TimeoutError``. It raises ``RuntimeError`` at once, saying to ask from another thread."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        session = fake_session(server.address, private=False, timeout_s=1.0)
+        raised: Future[BaseException | None] = Future()
+
+        def stats_here(_answer: Future[p.ServerMessage]) -> None:
+            try:
+                session.stats()
+            except BaseException as exc:
+                raised.set_result(exc)
+            else:
+                raised.set_result(None)
+
+        try:
+            session.grant(2, stats_here)
+            error = raised.result(timeout=RESULT_TIMEOUT_S)
+            assert isinstance(error, RuntimeError) and "another thread" in str(error), error
+            assert session.lost is None and session.stats()["sessions"]
+        finally:
+            session.close()
+
+
 def test_a_session_closed_from_its_callback_while_its_host_is_slow_still_ends_clean(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

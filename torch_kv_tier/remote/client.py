@@ -309,9 +309,15 @@ class RemoteSession(SharedRequests):
         sessions or namespaces than one frame holds cuts their lists short
         (``sessions_omitted``/``namespaces_omitted`` say by how many).
 
-        Raises ``TimeoutError`` when the server does not answer within ``timeout_s`` and
-        ``ConnectionError`` when the session is closed or lost.
+        Raises ``TimeoutError`` when the server does not answer within ``timeout_s``,
+        ``ConnectionError`` when the session is closed or lost, and ``RuntimeError`` on the
+        session's I/O thread (a callback: the answer would come on the thread it blocks).
         """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"stats() of {self.peer_id} waits for an answer that the session's I/O thread "
+                "receives: call it from another thread, not from a callback"
+            )
         asked = self._call_async(lambda seq: p.StatsRequest(seq, self.session_id))
         reply = asked.result(timeout=self._timeout_s + 5.0)  # the I/O thread times it out
         if isinstance(reply, p.StatsReply):
