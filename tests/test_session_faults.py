@@ -590,3 +590,37 @@ def test_releases_a_session_ended_on_its_own_thread_hands_back_during_close_stil
         closing.join(timeout=RESULT_TIMEOUT_S)
         assert not closing.is_alive()
         _assert_nothing_held(server.address)
+
+
+def test_a_tier_closed_while_a_host_sends_its_index_ends_that_connect_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # close ends a joining host's session clean, so the join's wait for the host's index saw
+    # no loss and waited out its whole timeout_s, then blamed the host ("did not send its
+    # index"). It now stops at close and says the tier is closed.
+    from torch_kv_tier import shared_hosts
+
+    class NoIndex(shared_hosts._HostChanges):
+        def __call__(self, *args: Any) -> None:  # the host's snapshot never completes here
+            pass
+
+    monkeypatch.setattr(shared_hosts, "_HostChanges", NoIndex)
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        tier = TierManager.create(num_blocks=8, block_len=BLOCK_LEN)
+        outcome: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                tier.connect(server.address, timeout_s=60.0)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=join)
+        thread.start()
+        try:
+            assert wait_for(lambda: len(tier.peers()) == 1 or bool(outcome), 30.0)
+        finally:
+            tier.close()
+        thread.join(timeout=10.0)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome

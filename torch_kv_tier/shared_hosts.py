@@ -132,6 +132,7 @@ class SharedHosts:
             while not synced.wait(min(_JOIN_POLL_S, max(deadline - time.monotonic(), 0))):
                 if session.lost is not None:
                     raise ConnectionError(f"{peer_id} was lost before it sent its index")
+                self._check_open()  # closed meanwhile (its session ended clean, not lost)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:
