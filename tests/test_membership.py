@@ -22,7 +22,7 @@ import dns.rdatatype
 import dns.rrset
 import pytest
 import torch
-from remote_support import BLOCK_LEN, SilentHosts, free_port, wait_until
+from remote_support import BLOCK_LEN, SilentHosts, fill_random, free_port, wait_until
 
 from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.manager import TierManager
@@ -39,6 +39,7 @@ from torch_kv_tier.membership import (
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
+from torch_kv_tier.remote.handshake import HandshakeRejected
 
 WAIT_S = 10.0
 
@@ -1047,3 +1048,119 @@ def test_a_host_disconnected_as_its_connect_ends_is_not_dialled_again(
         assert peer not in tier._dials
         time.sleep(1.0)  # ten times the first redial's delay
         assert tier.peers() == [], "the disconnected host was dialled again"
+
+
+# -- hosts down at their connect (redial_if_down) ---------------------------------------------
+
+
+def _redial_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == connections.REDIAL_THREAD]
+
+
+def test_a_host_down_at_its_connect_joins_once_it_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``connect(..., redial_if_down=True)`` of a host that is not up yet raises, and dials it
+    in the background with the tier's redialer until it joins (the torch loop's own dialler,
+    one thread per such host, was a twin of it); its stores and loads work after, and
+    ``close`` ends the redialer's thread."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()  # nobody listens here yet
+    address = f"127.0.0.1:{port}"
+    with TierManager.create(16, BLOCK_LEN, name="down-at-connect") as tier:
+        with pytest.raises(TimeoutError) as down:
+            tier.connect(address, timeout_s=0.5, redial_if_down=True)
+        assert any("cancel_dial" in note for note in getattr(down.value, "__notes__", []))
+        assert tier.peers() == []
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
+            wait_until(lambda: tier.peers() != [], "the host joins", timeout=30.0)
+            data = fill_random(tier)
+            assert tier.store([b"late-0", b"late-1"], [0, 1]).result(timeout=WAIT_S).ok
+            tier.arena.tensor[2:4].zero_()
+            assert tier.load([b"late-0", b"late-1"], [2, 3]).result(timeout=WAIT_S).ok
+            assert torch.equal(tier.arena.tensor[2:4], data[0:2])
+            assert not tier._pending
+    assert _redial_threads() == []
+
+
+def test_a_pending_dial_cancelled_by_its_address_never_connects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The user does not know the peer id of a host that never joined: ``disconnect`` of its
+    address (or ``cancel_dial``) stops dialling it; a later call says nothing is dialled."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with TierManager.create(16, BLOCK_LEN, name="cancelled-dial") as tier:
+        for cancel in (tier.disconnect, tier.cancel_dial):
+            with pytest.raises(TimeoutError):
+                tier.connect(address, timeout_s=0.5, redial_if_down=True)
+            assert tier._redialer._due
+            cancel(address)
+            assert tier.cancel_dial(address) is False
+            with pytest.raises(KeyError):
+                tier.disconnect(address)
+            wait_until(lambda: not tier._redialer._due, "the redialer lets go of the address")
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
+            time.sleep(1.0)  # ten times the first redial's delay
+            assert tier.peers() == [], "a cancelled dial connected its host"
+    assert _redial_threads() == []
+
+
+def test_a_dial_cancelled_while_its_handshake_is_under_way_leaves_no_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dial cancelled as the redialer's handshake with the host (up by then) awaits its
+    answer: the host it connects is removed at once, and is not dialled again."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with (
+        TierManager.create(16, BLOCK_LEN, name="cancelled-mid-dial") as tier,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
+    ):
+        entered, go = threading.Event(), threading.Event()
+        open_ = tier._open
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == connections.REDIAL_THREAD:
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            return open_(*args, **kwargs)
+
+        real_connect = tier._connect
+        failed: list[str] = []
+
+        def down_once(dial: Any) -> str:
+            if not failed:  # the first connect finds the host down
+                failed.append(dial.address)
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_once)
+        monkeypatch.setattr(tier, "_open", held_open)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        assert tier.cancel_dial(address)
+        go.set()
+        wait_until(lambda: not tier._redialer._due, "the redialer lets go of the address")
+        wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
+        time.sleep(1.0)  # ten times the first redial's delay
+        assert tier.peers() == [] and not tier._dials and not tier._pending
+
+
+def test_a_refused_connect_is_not_dialled_again(tmp_path: Path) -> None:
+    """A host that answers and refuses (another token here) is misconfigured, not down: the
+    option does not dial it again, nor does it dial again after ``close`` a host still down."""
+    token = tmp_path / "token"
+    token.write_text("the-right-token\n")
+    with (
+        ServerProcess.start(32, BLOCK_LEN, token_file=str(token)) as server,
+        TierManager.create(16, BLOCK_LEN, name="refused") as tier,
+    ):
+        with pytest.raises(HandshakeRejected):
+            tier.connect(server.address, token="wrong", timeout_s=5.0, redial_if_down=True)
+        assert not tier._pending and not tier._redialer._due and _redial_threads() == []
+        with pytest.raises(TimeoutError):
+            tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.5, redial_if_down=True)
+        assert _redial_threads() != []
+    assert _redial_threads() == []

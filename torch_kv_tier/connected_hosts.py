@@ -48,6 +48,7 @@ class ConnectedHosts(LostHosts):
     _dials: dict[str, Dial]
     _joining: dict[str, Joining]  # peer id -> its connect in progress
     _removed: dict[str, Dial]
+    _pending: dict[str, Dial]
     _ended: EndedSessions
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
     _join_turn: threading.Lock  # held by the connect whose host joins (one at a time)
@@ -69,6 +70,7 @@ class ConnectedHosts(LostHosts):
         slots: int | None = None,
         timeout_s: float = CONNECT_TIMEOUT_S,
         heartbeat_timeout_s: float = 10.0,
+        redial_if_down: bool = False,
     ) -> str:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
@@ -87,6 +89,15 @@ class ConnectedHosts(LostHosts):
         or the control connection is reset) the peer is dropped as lost and dialled again in
         the background until it answers or ``disconnect`` is called; a host with another id
         answering at its address (restarted under another ``--host-id``) joins in its place.
+
+        ``redial_if_down``: a host that does not answer (``TimeoutError``: down, or not started
+        yet) or is lost while it joins (``ConnectionError``) is then dialled again in the
+        background, as a lost host is (backoff from ``REDIAL_FIRST_S`` doubling to
+        ``REDIAL_MAX_S``), until it joins, ``cancel_dial(address)`` (or ``disconnect(address)``)
+        or ``close``; once joined it is a connected host like any other (``peers()`` lists it).
+        The error is raised all the same (with a note saying so): the host is not connected
+        when this returns, and its peer id is not known yet. A refusal (``HandshakeRejected``),
+        a bad argument or a closed tier is never dialled again.
         """
         check_connect_args(address, slots, private, token)
         if not private and not self.verify:
@@ -94,10 +105,17 @@ class ConnectedHosts(LostHosts):
                 "a shared pool needs verify=True: its loads read unpinned slots and rely on "
                 "digests to turn a slot rewritten meanwhile into a miss"
             )
-        return self._connect(Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s))
+        dial = Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
+        try:
+            return self._connect(dial)
+        except (TimeoutError, ConnectionError) as exc:
+            if redial_if_down:
+                self._dial_later(dial, exc)
+            raise
 
     def disconnect(self, peer_id: str) -> None:
-        """End a connected host's session and forget it (as ``remove_peer``)."""
+        """End a connected host's session and forget it (as ``remove_peer``); given the address
+        of a host ``connect(..., redial_if_down=True)`` still dials, stop dialling it."""
         self.remove_peer(peer_id)
 
     # -- internals ----------------------------------------------------------------------------
@@ -114,6 +132,8 @@ class ConnectedHosts(LostHosts):
                 if dial is not None:  # lost and being dialled again: that stops
                     self._remove_from_transport(peer_id)
                     self._send_releases(dial.address)
+                    return
+                if self._cancel_pending(peer_id):  # an address dialled since its connect
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
             session, clean = self._drop_peer(peer_id)
@@ -221,7 +241,9 @@ class ConnectedHosts(LostHosts):
     def _forget_replaced(self, peer_id: str, address: str) -> None:
         """``address`` answered as ``peer_id``: a host this tier lost that was dialled there
         under another id (restarted with another ``--host-id``, a new pod on a reused IP) is
-        gone, and is not dialled again (its ended sessions are still released there)."""
+        gone, and is not dialled again (its ended sessions are still released there); nor is
+        the address as a host down at its connect (``redial_if_down``)."""
+        self._pending.pop(address, None)
         replaced = [
             pid
             for pid, d in self._dials.items()

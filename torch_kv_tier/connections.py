@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 REDIAL_FIRST_S = 0.5
 REDIAL_MAX_S = 10.0
+REDIAL_THREAD = "tkvt-redial"  # the redialer's thread
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class Redialer:
     to ``REDIAL_MAX_S``).
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
-    whether the host is still to be connected (not removed by the user, tier open). Both are
+    whether the host is still to be connected (not removed by the user, tier open). A failure
+    of a kind new for its host is logged as a warning, repeats of it at info. Both are
     bound methods of the tier, held weakly: the tier owns the redialer, and a strong reference
     would be a cycle keeping the tier (and its NIXL agent) alive until the garbage collector
     runs; once the tier is gone, redialling stops.
@@ -130,6 +132,7 @@ class Redialer:
         self._stop = threading.Event()
         self._lock = threading.Condition()
         self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
+        self._failures: dict[Dial, set[type[BaseException]]] = {}  # kinds logged as warnings
         self._thread: threading.Thread | None = None
 
     def arm(self) -> None:
@@ -137,16 +140,18 @@ class Redialer:
         that the thread runs from then until the tier closes, whether or not it loses a host."""
         with self._lock:
             if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name="tkvt-redial", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)
                 self._thread.start()
 
-    def start(self, spec: Dial) -> None:
-        """Dial ``spec`` again until it answers."""
+    def start(self, spec: Dial, failed: type[BaseException] | None = None) -> None:
+        """Dial ``spec`` again until it answers; ``failed``: the kind of failure its caller
+        logged already (not logged as a warning again)."""
         self.arm()
         with self._lock:
             if self._stop.is_set() or spec in self._due:
                 return
             self._due[spec] = (time.monotonic() + REDIAL_FIRST_S, REDIAL_FIRST_S)
+            self._failures[spec] = set() if failed is None else {failed}
             self._lock.notify()
 
     def stop(self, timeout: float) -> None:
@@ -187,14 +192,23 @@ class Redialer:
             with self._lock:
                 backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
                 self._due[spec] = (time.monotonic() + backoff, backoff)
-            logger.info(
-                "re-dialling %s failed (next try in %.1f s): %s", spec.address, backoff, exc
+                kinds = self._failures.setdefault(spec, set())
+                new = type(exc) not in kinds
+                kinds.add(type(exc))
+            logger.log(
+                logging.WARNING if new else logging.INFO,
+                "re-dialling %s failed (next try in %.1f s, up to every %g s): %s",
+                spec.address,
+                backoff,
+                REDIAL_MAX_S,
+                exc,
             )
             return
         finally:
             del wanted, dial
         with self._lock:
             self._due.pop(spec, None)
+            self._failures.pop(spec, None)
 
 
 def twin_problem(address: str, peer_id: str, twin: str) -> str:

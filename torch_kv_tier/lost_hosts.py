@@ -3,8 +3,10 @@
 ``LostHosts`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``): a session
 that is lost drops its peer (``_on_session_lost``); once ended, a host lost rather than removed
 is dialled again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial``
-until the host answers or is no longer wanted (``_wants_dial``). Telling hosts which ended
-sessions resolved (fencing, client half) is its base ``session_releases.SessionReleases``.
+until the host answers or is no longer wanted (``_wants_dial``). So is a host down at its
+first connect with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). Telling hosts
+which ended sessions resolved (fencing, client half) is its base
+``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
 under it.
@@ -12,10 +14,14 @@ under it.
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.session_releases import SessionReleases
+
+logger = logging.getLogger(__name__)
 
 
 class LostHosts(SessionReleases):
@@ -23,6 +29,8 @@ class LostHosts(SessionReleases):
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     _redialer: Redialer
+    _pending: dict[str, Dial]  # address -> how to dial a host down at its connect
+    _closing: threading.Event  # set when ``close`` starts
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
 
@@ -85,6 +93,45 @@ class LostHosts(SessionReleases):
             with self._lock:
                 self._send_releases(dial.address)
 
+    def cancel_dial(self, address: str) -> bool:
+        """Stop dialling ``address``, a host ``connect(..., redial_if_down=True)`` left to join
+        in the background; ``False`` when none is dialled there (it joined meanwhile: it is a
+        peer now, ``disconnect`` it by its peer id; or the tier is closed). A handshake with it
+        under way ends its session once it returns; the ended sessions the host may hold are
+        still released. Any thread."""
+        with self._lock:
+            return self._cancel_pending(address)
+
+    def _cancel_pending(self, address: str) -> bool:
+        """``cancel_dial``, under the lock: the dial is remembered as removed, so that a redial
+        of it under way ends what it connects (``_redial``)."""
+        dial = None if self._closed else self._pending.pop(address, None)
+        if dial is None:
+            return False
+        self._removed[address] = dial
+        self._send_releases(address)
+        logger.info("no longer dialling %s", address)
+        return True
+
+    def _dial_later(self, dial: Dial, exc: Exception) -> None:
+        """``connect(..., redial_if_down=True)`` of ``dial``'s host failed with ``exc``
+        (unlocked): dial it in the background, as a lost host, until it joins (module
+        docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, or the
+        host is connected meanwhile (by another call)."""
+        with self._lock:
+            if self._closing.is_set() or any(
+                p.session is not None and p.session.address == dial.address
+                for p in self._peers.values()
+            ):
+                return
+            if self._pending.get(dial.address) != dial:  # (an equal one is the redialer's)
+                self._pending[dial.address] = dial
+            self._redialer.start(self._pending[dial.address], type(exc))
+        exc.add_note(
+            f"{dial.address} is dialled again in the background until it joins "
+            f"(redial_if_down); cancel_dial({dial.address!r}) stops that"
+        )
+
     def _wants_dial(self, dial: Dial) -> bool:
         """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
         with self._lock:
@@ -92,6 +139,7 @@ class LostHosts(SessionReleases):
 
     def _wants(self, dial: Dial) -> bool:
         """``_wants_dial``, under the lock."""
-        return not self._closed and any(
-            d is dial and pid not in self._peers for pid, d in self._dials.items()
+        return not self._closed and (
+            self._pending.get(dial.address) == dial
+            or any(d is dial and pid not in self._peers for pid, d in self._dials.items())
         )

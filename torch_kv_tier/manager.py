@@ -134,6 +134,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
+        self._pending: dict[str, Dial] = {}  # address -> how to dial a host down at its connect
         self._redialing: Dial | None = None  # the redialer's connect in progress (one at a time)
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
@@ -208,9 +209,11 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
 
     def remove_peer(self, peer_id: str) -> None:
         """Forget a peer: its pending futures fail with "peer lost", its keys are dropped; a
-        connected host is not dialled again.
+        connected host is not dialled again. Given the address of a host that
+        ``connect(..., redial_if_down=True)`` still dials (it never joined: it has no peer id
+        yet), that dial stops (``cancel_dial``).
 
-        Raises ``KeyError`` for an unknown peer.
+        Raises ``KeyError`` for an unknown peer (and no such dial).
         """
         self._remove(peer_id)
 
