@@ -22,7 +22,9 @@ import pytest
 import torch
 from remote_support import SilentHosts, free_port, wait_for
 
+from torch_kv_tier import connections
 from torch_kv_tier.benchmarks.reliability_common import stop_process
+from torch_kv_tier.connections import REDIAL_THREAD
 from torch_kv_tier.integrations.torch_loop import (
     OffloadError,
     PagedKVOffloader,
@@ -32,7 +34,6 @@ from torch_kv_tier.integrations.torch_loop import (
 from torch_kv_tier.integrations.torch_loop import keys as keys_module
 from torch_kv_tier.integrations.torch_loop.example import main as example_main
 from torch_kv_tier.integrations.torch_loop.example import run_demo
-from torch_kv_tier.integrations.torch_loop.host_dials import DIAL_THREAD
 from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
@@ -46,7 +47,7 @@ LAYERS, HEADS, HEAD_BYTES, NUM_PAGES = 2, 2, 128, 24
 BLOCK_LEN = LAYERS * 2 * PAGE * HEADS * HEAD_BYTES
 assert CONFIG.layers * 2 * PAGE * CONFIG.hidden * 4 == BLOCK_LEN  # the float32 decoder's pages
 
-DIALLING_THREADS = (DIAL_THREAD, "tkvt-connect")  # a HostDials', a connect's
+DIALLING_THREADS = (REDIAL_THREAD, "tkvt-connect")  # the tier's redialer, a connect's
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -255,8 +256,8 @@ def test_missing_remote_falls_back_to_recompute(remote: str) -> None:
 def test_a_host_down_at_create_joins_once_it_is_up() -> None:
     # Found by review: a host that did not answer at create() was never dialled again (the tier
     # re-dials only hosts once connected), so every offload failed and every restore was 0 for
-    # the offloader's life. Now it is dialled every reconnect_interval_s until it joins, and once
-    # joined the tier dials it again when it restarts.
+    # the offloader's life. Now the tier dials it until it joins (connect's redial_if_down), and
+    # once joined dials it again when it restarts.
     keys_c, values_c = random_caches(torch.float32, seed=14)
     port = free_port()  # nobody listens here yet
     address = f"127.0.0.1:{port}"
@@ -294,12 +295,45 @@ def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> 
         ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]),
     ):  # fmt: skip
         assert wait_for(lambda: off.manager.peers() != [], 20.0)
-        assert wait_for(lambda: DIAL_THREAD not in {t.name for t in threading.enumerate()}, 20.0)
         (peer,) = off.manager.peers()
         off.manager.disconnect(peer)
         time.sleep(1.0)  # ten dialling intervals
         assert off.manager.peers() == []
         assert off.restore([b"gone-0"], [3]) == 0
+
+
+def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: an offloader over the user's tier (not its own) stopped dialling a host
+    # that was down at its connect at close, but a handshake under way then went on past the
+    # close and joined the host into the user's tier for good. Now the tier dials it, and the
+    # offloader's close cancels the dial: what the handshake connects is removed at once.
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    keys_c, values_c = random_caches(torch.float32, seed=17)
+    port = free_port()  # nobody listens here yet
+    address = f"127.0.0.1:{port}"
+    block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
+    with TierManager.create(8, block_len, name="users-tier") as tier:
+        entered, go = threading.Event(), threading.Event()
+        open_ = tier._open
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            session = open_(*args, **kwargs)
+            if threading.current_thread() is not threading.main_thread():  # a dialler's
+                entered.set()  # the host answered: its join waits
+                go.wait(timeout=30)
+            return session
+
+        monkeypatch.setattr(tier, "_open", held_open)
+        off = PagedKVOffloader(keys_c, values_c, tier, timeout=5, reconnect_interval_s=0.1)
+        assert off.connect(address, connect_timeout=0.5) == ""
+        with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
+            assert entered.wait(timeout=30), "the host was not dialled"
+            off.close(timeout=0.5)
+            go.set()
+            time.sleep(1.0)  # ten times the first redial's delay
+            assert tier.peers() == [], "the closed offloader's dial joined the host"
 
 
 def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
@@ -310,16 +344,16 @@ def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
     # died answering: ConnectionError "lost before it sent its index", seen with ss -K) was
     # never dialled again, and the offloader ran without it for its whole life.
     keys_c, values_c = random_caches(torch.float32, seed=16)
-    real_connect = TierManager.connect
+    real_connect = TierManager._connect
     failed: list[str] = []
 
-    def lost_once(self: TierManager, address: str, **kwargs: Any) -> str:
+    def lost_once(self: TierManager, dial: Any) -> str:
         if not failed:
-            failed.append(address)
-            raise ConnectionError(f"{address} was lost before it sent its index")
-        return real_connect(self, address, **kwargs)
+            failed.append(dial.address)
+            raise ConnectionError(f"{dial.address} was lost before it sent its index")
+        return real_connect(self, dial)
 
-    monkeypatch.setattr(TierManager, "connect", lost_once)
+    monkeypatch.setattr(TierManager, "_connect", lost_once)
     with (
         ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1") as server,
         PagedKVOffloader.create(

@@ -32,12 +32,13 @@ from typing import Literal
 import torch
 
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
-from torch_kv_tier.integrations.torch_loop.host_dials import HostDials
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.offloader_args import (
+    check_reconnect_interval,
     check_timeout,
     check_wait,
     connect_kwargs,
+    unavailable,
 )
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
@@ -81,9 +82,11 @@ class PagedKVOffloader:
 
         ``timeout`` bounds each call's waits in all (a restore's loads, an offload's waits for
         free arena slots, a flush): a finite number of seconds > 0. A host that does not answer
-        :meth:`connect` is dialled again every ``reconnect_interval_s`` (0: never) until it
-        joins. Raises ``ValueError`` if the caches disagree in shape, dtype or device, do not
-        match the arena's block length, or for another ``timeout`` or a negative interval.
+        :meth:`connect` is dialled again by the tier until it joins (``TierManager.connect``'s
+        ``redial_if_down``, every 0.5 s doubling to 10 s) unless ``strict`` or
+        ``reconnect_interval_s`` is 0; any other value of it only turns that on. Raises
+        ``ValueError`` if the caches disagree in shape, dtype or device, do not match the
+        arena's block length, or for another ``timeout`` or a negative interval.
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -93,7 +96,7 @@ class PagedKVOffloader:
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
         check_timeout("timeout", timeout)
-        dials = HostDials(manager, reconnect_interval_s)  # ValueError for a bad interval
+        check_reconnect_interval(reconnect_interval_s)
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -109,7 +112,8 @@ class PagedKVOffloader:
         )
         self._pages = PageCopier(self.key_caches, self.value_caches, self._blocks)
         self._batches = ArenaBatches(manager, self._pages, timeout)
-        self._dials = dials
+        self._redial = reconnect_interval_s > 0 and not strict  # connect's redial_if_down
+        self._dialled: set[str] = set()  # addresses the tier dials for this offloader
         self._closed = False
 
     @staticmethod
@@ -188,6 +192,7 @@ class PagedKVOffloader:
         """
         block_len = cls.block_len_for(key_caches, value_caches)
         check_timeout("timeout", timeout)
+        check_reconnect_interval(reconnect_interval_s)
         kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
@@ -214,10 +219,11 @@ class PagedKVOffloader:
                 strict=strict,
                 reconnect_interval_s=reconnect_interval_s,
             )
+            kwargs["redial_if_down"] = offloader._redial
             connects = ParallelConnects(manager, remotes, kwargs)
             for address, outcome in connects.outcomes():
                 if isinstance(outcome, Exception):
-                    offloader._dials.unavailable(address, kwargs, outcome, strict=strict)
+                    offloader._unavailable(address, outcome)
         except BaseException:
             manager.close()  # first: closing the tier ends the handshakes still under way
             raise
@@ -245,8 +251,8 @@ class PagedKVOffloader:
 
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``); a host that
         does not answer (down, or not started yet) or is lost while joining is then dialled
-        again in the background every ``reconnect_interval_s`` until it joins (and whenever the
-        tier loses it after).
+        again in the background by the tier until it joins (and whenever the tier loses it
+        after), unless ``reconnect_interval_s`` is 0, until :meth:`close`.
         Arguments no host could accept (an address not ``HOST:PORT``, ``slots`` without
         ``private`` or not > 0, an empty ``token``, a ``connect_timeout`` not a finite number
         > 0) raise ``ValueError`` instead; ``RuntimeError`` once closed.
@@ -254,12 +260,17 @@ class PagedKVOffloader:
         self._check_open("connect")
         check_connect_args(address, slots, private, token)
         kwargs = connect_kwargs(
-            self.timeout, connect_timeout, token=token, private=private, slots=slots
+            self.timeout,
+            connect_timeout,
+            token=token,
+            private=private,
+            slots=slots,
+            redial_if_down=self._redial,
         )
         try:
             return self.manager.connect(address, **kwargs)
         except Exception as exc:
-            self._dials.unavailable(address, kwargs, exc, strict=self.strict)
+            self._unavailable(address, exc)
             return ""
 
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -346,9 +357,10 @@ class PagedKVOffloader:
             if not self.flush(timeout):
                 log.warning("closing with offloads still in flight; they may not be stored")
         finally:
-            if self._owns_manager:  # first: closing the tier ends a handshake under way
+            if self._owns_manager:  # closing the tier ends its dials, and a handshake under way
                 self.manager.close(timeout=max(deadline - time.monotonic(), 0.0))
-            self._dials.stop(deadline)
+            for address in self._dialled:  # the user's tier: it stops what it dials for us
+                self.manager.cancel_dial(address)
 
     def __enter__(self) -> PagedKVOffloader:
         return self
@@ -370,6 +382,12 @@ class PagedKVOffloader:
         if bad:
             raise ValueError(f"{what}: page ids {bad[:5]} outside 0..{self.num_pages - 1}")
         return checked, pages
+
+    def _unavailable(self, address: str, exc: Exception) -> None:
+        """``address`` failed to connect (``offloader_args.unavailable``); one the tier dials
+        for this offloader is remembered, for ``close`` to stop."""
+        if unavailable(address, exc, strict=self.strict, redialled=self._redial):
+            self._dialled.add(address)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -1,17 +1,29 @@
-"""The checks of ``PagedKVOffloader``'s timeouts, and the keyword arguments of its connects.
+"""The checks of ``PagedKVOffloader``'s timeouts, the keyword arguments of its connects, and
+what a failed connect of it does (``unavailable``).
 
-Each raises ``ValueError`` naming a bad argument, before the offloader touches memory or the
-network; none has state (any thread).
+Each check raises ``ValueError`` naming a bad argument, before the offloader touches memory or
+the network; none has state (any thread).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
+from torch_kv_tier.connections import REDIAL_MAX_S
+from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 
-__all__ = ["check_timeout", "check_wait", "connect_kwargs"]
+__all__ = [
+    "check_reconnect_interval",
+    "check_timeout",
+    "check_wait",
+    "connect_kwargs",
+    "unavailable",
+]
+
+logger = logging.getLogger(__name__)
 
 
 def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any) -> dict[str, Any]:
@@ -22,6 +34,35 @@ def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any)
         connect_timeout = min(timeout, CONNECT_TIMEOUT_S)
     check_timeout("connect_timeout", connect_timeout)
     return {**kwargs, "timeout_s": connect_timeout}
+
+
+def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) -> bool:
+    """``address`` failed to connect with ``exc`` (its connect had ``redial_if_down``
+    when ``redialled``): ``strict``, raise ``OffloadError`` naming it; else log it once and
+    return whether the tier dials it in the background now (it did not answer, or was lost
+    while joining)."""
+    if strict:
+        raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
+    later = redialled and isinstance(exc, TimeoutError | ConnectionError)
+    logger.warning(
+        "remote host %s unavailable, KV pages will be recomputed%s: %s",
+        address,
+        f" until it joins (the tier dials it again, up to every {REDIAL_MAX_S:g} s)"
+        if later
+        else "",
+        exc,
+    )
+    return later
+
+
+def check_reconnect_interval(seconds: float) -> None:
+    """``ValueError`` unless ``seconds`` is a finite number >= 0 (0: never dial a host that is
+    down at its connect)."""
+    if not 0 <= seconds < math.inf:
+        raise ValueError(
+            "reconnect_interval_s must be a finite number of seconds >= 0 (0: never), "
+            f"got {seconds}"
+        )
 
 
 def check_timeout(name: str, seconds: float) -> None:
