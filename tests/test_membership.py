@@ -1164,3 +1164,36 @@ def test_a_refused_connect_is_not_dialled_again(tmp_path: Path) -> None:
             tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.5, redial_if_down=True)
         assert _redial_threads() != []
     assert _redial_threads() == []
+
+
+def test_add_peer_as_a_redial_joins_its_host_leaves_the_users_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``add_peer`` under the id of a lost host once the redial's handshake succeeded, before
+    its join (past the check that the id is unknown): the join must not publish the host over
+    the user's registration (the transport refuses a second registration of the id, so the
+    join fails), nor may the redial, finding the host removed by ``add_peer``, remove the
+    user's region."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with _connected_tier("replaced-mid-join") as (tier, peer, region):
+        entered, go = threading.Event(), threading.Event()
+        join = tier._join
+
+        def held_join(session: Any, timeout_s: float) -> None:
+            if threading.current_thread().name == connections.REDIAL_THREAD:
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            join(session, timeout_s)
+
+        monkeypatch.setattr(tier, "_join", held_join)
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer, "failed a transfer")
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        added = threading.Thread(target=tier.add_peer, args=(peer, *region))
+        added.start()
+        time.sleep(0.2)  # add_peer runs (or waits for the join's turn)
+        go.set()
+        added.join(timeout=WAIT_S)
+        assert not added.is_alive()
+        wait_until(lambda: not tier._redialer._due, "the redialer lets go of the host")
+        assert tier.peers() == [peer] and tier._peers[peer].session is None
