@@ -1197,3 +1197,25 @@ def test_add_peer_as_a_redial_joins_its_host_leaves_the_users_region(
         assert not added.is_alive()
         wait_until(lambda: not tier._redialer._due, "the redialer lets go of the host")
         assert tier.peers() == [peer] and tier._peers[peer].session is None
+
+
+def test_a_lost_host_down_at_another_connect_is_dialled_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``connect(..., redial_if_down=True)`` of the address of a lost host, which the tier
+    dials already, adds no second dial of it (each would open its own session with the host
+    once it is back)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # due, not dialled meanwhile
+    with _connected_tier("lost-and-down") as (tier, peer, _):
+        address = tier._dials[peer].address
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer, "failed a transfer")
+        wait_until(lambda: bool(tier._redialer._due), "the host is due for a redial")
+
+        def down(dial: Any) -> str:
+            raise TimeoutError(f"nothing answered at {dial.address}")
+
+        monkeypatch.setattr(tier, "_connect", down)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert not tier._pending and len(tier._redialer._due) == 1

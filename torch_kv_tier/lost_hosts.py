@@ -116,12 +116,11 @@ class LostHosts(SessionReleases):
     def _dial_later(self, dial: Dial, exc: Exception) -> None:
         """``connect(..., redial_if_down=True)`` of ``dial``'s host failed with ``exc``
         (unlocked): dial it in the background, as a lost host, until it joins (module
-        docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, or the
-        host is connected meanwhile (by another call)."""
+        docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, nor for an
+        address the tier dials already as a connected host's (joined meanwhile, or lost)."""
         with self._lock:
             if self._closing.is_set() or any(
-                p.session is not None and p.session.address == dial.address
-                for p in self._peers.values()
+                d.address == dial.address for d in self._dials.values()
             ):
                 return
             if self._pending.get(dial.address) != dial:  # (an equal one is the redialer's)
