@@ -1219,3 +1219,29 @@ def test_a_lost_host_down_at_another_connect_is_dialled_once(
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=5.0, redial_if_down=True)
         assert not tier._pending and len(tier._redialer._due) == 1
+
+
+def test_hosts_down_at_their_connect_are_redialled_side_by_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the redialer dialled its hosts one after another, each try of a host
+    that does not answer holding it for the handshake's ``timeout_s``: with hosts down at
+    their connect (``redial_if_down``) or lost, a host that was back joined only once every
+    other one's try gave up (the torch loop's own dialler had one thread per host). They are
+    dialled side by side now, and ``close`` still ends every dial."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    silent = SilentHosts(3)
+    with contextlib.closing(silent), TierManager.create(16, BLOCK_LEN, name="side-by-side") as tier:
+        real_connect = tier._connect
+
+        def down_on_the_callers_thread(dial: Any) -> str:
+            if threading.current_thread() is threading.main_thread():
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        for address in silent.addresses:
+            with pytest.raises(TimeoutError):
+                tier.connect(address, timeout_s=3.0, redial_if_down=True)
+        assert silent.dialled_side_by_side(within=1.5), "each host waited for the one before"
+    assert _redial_threads() == []

@@ -116,7 +116,8 @@ class EndedSessions:
 class Redialer:
     """Dials lost hosts again in the background (module docstring): one thread (started by
     ``arm``) for all lost hosts, each dialled with its own backoff (``REDIAL_FIRST_S`` doubling
-    to ``REDIAL_MAX_S``).
+    to ``REDIAL_MAX_S``). Each try runs on a thread of its own (named ``REDIAL_THREAD`` too),
+    so that hosts are dialled side by side: a host that does not answer holds up no other.
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). A failure
@@ -133,6 +134,7 @@ class Redialer:
         self._lock = threading.Condition()
         self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
         self._failures: dict[Dial, set[type[BaseException]]] = {}  # kinds logged as warnings
+        self._trying: dict[Dial, threading.Thread] = {}  # host -> the thread of its try
         self._thread: threading.Thread | None = None
 
     def arm(self) -> None:
@@ -155,27 +157,43 @@ class Redialer:
             self._lock.notify()
 
     def stop(self, timeout: float) -> None:
-        """Stop redialling; wait up to ``timeout`` s for a handshake in progress."""
+        """Stop redialling; wait up to ``timeout`` s in all for the handshakes in progress."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         with self._lock:
             self._lock.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=timeout)
+            threads = [self._thread, *self._trying.values()]
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 now = time.monotonic()
-                due = [spec for spec, (at, _) in self._due.items() if at <= now]
+                idle = {s: at for s, (at, _) in self._due.items() if s not in self._trying}
+                due = [spec for spec, at in idle.items() if at <= now]
                 if not due:
-                    wake = min((at for at, _ in self._due.values()), default=now + 1.0)
+                    wake = min(idle.values(), default=now + 1.0)
                     self._lock.wait(timeout=max(wake - now, 0.01))
                     continue
-            for spec in due:
-                if self._stop.is_set():
+                if self._stop.is_set():  # (``stop`` joins the tries it finds under the lock)
                     return
+                for spec in due:
+                    self._trying[spec] = thread = threading.Thread(
+                        target=self._try_once, args=(spec,), name=REDIAL_THREAD, daemon=True
+                    )
+                    thread.start()
+
+    def _try_once(self, spec: Dial) -> None:
+        """A try's thread: ``_try``, then ``spec`` may be tried again."""
+        try:
+            if not self._stop.is_set():
                 self._try(spec)
+        finally:
+            with self._lock:
+                del self._trying[spec]
+                self._lock.notify()
 
     def _try(self, spec: Dial) -> None:
         wanted, dial = self._wanted(), self._dial()

@@ -63,25 +63,25 @@ class LostHosts(SessionReleases):
         """The redialer's ``dial`` (unlocked): connect a lost host again. ``ConnectionError``
         when it is no longer wanted (removed, connected by another call, the tier closed); a
         host the user removed meanwhile has its new session ended at once, and the releases it
-        and a failed handshake of this attempt took back still go out. The redialer dials one
-        host at a time: ``_redialing`` names it."""
+        and a failed handshake of this attempt took back still go out. ``_redialing`` lists the
+        hosts the redialer is dialling (side by side)."""
         with self._lock:
             if not self._wants(dial):
                 raise ConnectionError(
                     f"{dial.address} is no longer to be dialled (removed or connected meanwhile, "
                     "or the tier closed)"
                 )
-            self._redialing = dial
+            self._redialing.append(dial)
         try:
             peer_id = self._connect(dial)
         except BaseException:
             with self._lock:
-                self._redialing = None
+                self._redialing.remove(dial)
                 if self._removed.get(dial.address) is dial:
                     self._send_releases(dial.address)
             raise
         with self._lock:
-            self._redialing = None
+            self._redialing.remove(dial)
             removed = self._removed.get(dial.address) is dial
             if removed:
                 self._dials.pop(peer_id, None)

@@ -135,7 +135,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._pending: dict[str, Dial] = {}  # address -> how to dial a host down at its connect
-        self._redialing: Dial | None = None  # the redialer's connect in progress (one at a time)
+        self._redialing: list[Dial] = []  # the redialer's connects in progress
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
         self._closing = threading.Event()

@@ -51,7 +51,7 @@ class SessionReleases:
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
     _removed: dict[str, Dial]
-    _redialing: Dial | None
+    _redialing: list[Dial]  # the redialer's connects in progress
     _ended: EndedSessions
 
     if TYPE_CHECKING:  # implemented by ConnectedHosts
@@ -99,7 +99,8 @@ class SessionReleases:
         it, to end a session it opened after the removal). Else a tier following a churning
         fleet would keep one entry per host that ever left."""
         dial = self._removed.get(address)
-        if dial is not None and dial is not self._redialing and not self._ended.holds(address):
+        redialing = any(d is dial for d in self._redialing)
+        if dial is not None and not redialing and not self._ended.holds(address):
             del self._removed[address]
 
     def _carry(self, dial: Dial, held: list[str]) -> None:
