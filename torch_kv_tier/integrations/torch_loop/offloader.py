@@ -347,7 +347,9 @@ class PagedKVOffloader:
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending offloads, then close an owned tier (even when the wait is
         interrupted) with what is left of ``timeout``: the whole close is bounded by it (checked
-        as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). Idempotent."""
+        as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). A tier it does not
+        own stops dialling the hosts this offloader's connects left to it (``cancel_dial``;
+        those that joined stay). Idempotent."""
         check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
