@@ -34,6 +34,7 @@ import torch
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.offloader_args import (
+    check_caches,
     check_reconnect_interval,
     check_timeout,
     check_wait,
@@ -125,29 +126,7 @@ class PagedKVOffloader:
         Raises ``ValueError`` unless the caches are equally many, all 4-D
         ``[num_pages, page_size, heads, head_dim]`` of one shape, floating dtype and device.
         """
-        caches = list(key_caches) + list(value_caches)
-        if not key_caches or len(key_caches) != len(value_caches):
-            raise ValueError(
-                f"need one key and one value cache per layer, got {len(key_caches)} key and "
-                f"{len(value_caches)} value caches"
-            )
-        first = caches[0]
-        for cache in caches:
-            if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
-                raise ValueError(
-                    "each cache must be a 4-D tensor [num_pages, page_size, heads, "
-                    f"head_dim], got {getattr(cache, 'shape', type(cache))}"
-                )
-            if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
-                raise ValueError(
-                    "all caches must share shape, dtype and device: "
-                    f"{tuple(cache.shape)} {cache.dtype} {cache.device} != "
-                    f"{tuple(first.shape)} {first.dtype} {first.device}"
-                )
-        if not first.dtype.is_floating_point:
-            raise ValueError(f"caches must have a floating dtype, got {first.dtype}")
-        if first.numel() == 0:
-            raise ValueError(f"caches must not be empty, got shape {tuple(first.shape)}")
+        first = check_caches(key_caches, value_caches)
         return len(key_caches) * 2 * first[0].numel() * first.element_size()
 
     @classmethod

@@ -1,5 +1,5 @@
-"""The checks of ``PagedKVOffloader``'s timeouts, the keyword arguments of its connects, and
-what a failed connect of it does (``unavailable``).
+"""The checks of ``PagedKVOffloader``'s caches and timeouts, the keyword arguments of its
+connects, and what a failed connect of it does (``unavailable``).
 
 Each check raises ``ValueError`` naming a bad argument, before the offloader touches memory or
 the network; none has state (any thread).
@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
 from torch_kv_tier.connections import REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 
 __all__ = [
+    "check_caches",
     "check_reconnect_interval",
     "check_timeout",
     "check_wait",
@@ -76,3 +80,35 @@ def check_wait(timeout: float | None) -> None:
     """``ValueError`` unless ``timeout`` is ``None`` or a finite number of seconds >= 0."""
     if timeout is not None and not 0 <= timeout < math.inf:
         raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+
+
+def check_caches(
+    key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """The first cache, once ``ValueError`` did not say otherwise: the caches are equally many,
+    all 4-D ``[num_pages, page_size, heads, head_dim]`` of one shape, floating dtype and device,
+    and not empty."""
+    caches = list(key_caches) + list(value_caches)
+    if not key_caches or len(key_caches) != len(value_caches):
+        raise ValueError(
+            f"need one key and one value cache per layer, got {len(key_caches)} key and "
+            f"{len(value_caches)} value caches"
+        )
+    first = caches[0]
+    for cache in caches:
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+            raise ValueError(
+                "each cache must be a 4-D tensor [num_pages, page_size, heads, "
+                f"head_dim], got {getattr(cache, 'shape', type(cache))}"
+            )
+        if (cache.shape, cache.dtype, cache.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(
+                "all caches must share shape, dtype and device: "
+                f"{tuple(cache.shape)} {cache.dtype} {cache.device} != "
+                f"{tuple(first.shape)} {first.dtype} {first.device}"
+            )
+    if not first.dtype.is_floating_point:
+        raise ValueError(f"caches must have a floating dtype, got {first.dtype}")
+    if first.numel() == 0:
+        raise ValueError(f"caches must not be empty, got shape {tuple(first.shape)}")
+    return first
