@@ -457,3 +457,19 @@ def test_sigkill_of_one_peer_fails_its_futures_and_the_other_keeps_serving(
         result = tier.load(on_good, [256 + i for i in range(len(on_good))]).result(10)
         assert result.ok
         assert torch.equal(tier.arena.tensor[256 : 256 + len(on_good)], tier.arena.tensor[idx])
+
+
+def test_one_key_in_place_of_a_list_is_refused_by_every_call_taking_keys(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    # store and load refused a bare key, but discard("ab") forgot the stored keys "a" and "b"
+    # and kept "ab"; lookup, holders, touch and prefetch answered for "a" and "b" likewise.
+    with make_tier(64) as tier:
+        tier.add_peer("a", *peers[0].peer_args())
+        assert tier.store(["a", "b", "ab"], [0, 1, 2]).result(10).ok
+        for call in (tier.discard, tier.lookup, tier.holders, tier.touch, tier.prefetch):
+            for bare in ("ab", b"ab"):
+                with pytest.raises(TypeError, match=r"a sequence of keys.*\[key\]"):
+                    call(bare)  # type: ignore[arg-type]
+        assert all(map(tier.contains, ["a", "b", "ab"]))
+        assert tier.lookup(["ab"]) == 1 and tier.holders(["ab", "a"]) == ["a", "a"]

@@ -36,11 +36,7 @@ def check_keys(keys: Sequence[Key]) -> list[Key]:
     returned as its plain value. Per call: C-level passes for keys of exactly these types,
     per-key Python only for subclasses or to word an error.
     """
-    if isinstance(keys, bytes | str | bytearray | memoryview):
-        raise TypeError(
-            f"keys must be a sequence of keys, got one {type(keys).__name__}: pass [key]"
-        )
-    out = list(keys)
+    out = list(not_one_key(keys))
     if len(out) > MAX_KEYS_PER_CALL:
         raise ValueError(
             f"{len(out)} keys in one call; at most {MAX_KEYS_PER_CALL}: split the call"
@@ -55,6 +51,16 @@ def check_keys(keys: Sequence[Key]) -> list[Key]:
     if len(set(out)) != len(out):
         raise ValueError("a key appears twice in one call; pass each key once")
     return out
+
+
+def not_one_key(keys: Iterable[Key]) -> Iterable[Key]:
+    """``keys``, unless it is one bytes or str key (or bytes-like) passed in place of keys:
+    ``TypeError`` then (iterated, it would name the one-character or int keys it holds)."""
+    if isinstance(keys, bytes | str | bytearray | memoryview):
+        raise TypeError(
+            f"keys must be a sequence of keys, got one {type(keys).__name__}: pass [key]"
+        )
+    return keys
 
 
 def _plain(key: object) -> Key:
