@@ -29,6 +29,7 @@ from torch_kv_tier.integrations.torch_loop import (
     OffloadError,
     PagedKVOffloader,
     Staging,
+    arena_batches,
     prefix_keys,
 )
 from torch_kv_tier.integrations.torch_loop import keys as keys_module
@@ -651,6 +652,35 @@ def test_a_restore_whose_page_copy_fails_says_how_many_pages_it_wrote(
             monkeypatch.setattr(off._pages, "scatter", real_scatter)
             with pytest.raises(OffloadError, match=r"only 2 of 4 .*page_ids\[0:2\]"):
                 off.restore(keys, [10, 11, 12, 13])
+
+
+def test_a_restore_interrupted_while_its_reads_are_under_way_leaks_no_arena_slot(
+    remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) while a restore waited for its reads left its
+    # arena slots allocated for good (no path handed them back), so in a notebook that went on
+    # with the offloader every later offload and restore waited its timeout and failed. Now each
+    # read keeps its slots until it ends (it may still land there), then they come back.
+    keys_c, values_c = random_caches(torch.float32, seed=18)
+    keys = [f"interrupted-{i}".encode() for i in range(2)]
+    with PagedKVOffloader.create(keys_c, values_c, remote=remote, arena_blocks=3) as off:
+        assert off.offload([0, 1], keys).result(timeout=30).ok
+        read: Future[TransferResult] = Future()  # a read under way, ended below
+        monkeypatch.setattr(off.manager, "load", lambda batch, slots: read)
+
+        def ctrl_c(*args: Any, **kwargs: Any) -> Any:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(arena_batches, "wait", ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            off.restore(keys, [10, 11])
+        assert off.manager.arena.num_free == 1  # the read may still land in its 2 slots
+        read.set_result(TransferResult(ok=True, keys=keys, failed={}, nbytes=0, seconds=0.0))
+        assert off.manager.arena.num_free == 3
+        monkeypatch.undo()
+        assert off.restore(keys, [10, 11]) == 2
+        assert torch.equal(page(keys_c, 10), page(keys_c, 0))
+        assert off.manager.arena.num_free == 3
 
 
 @pytest.mark.parametrize("built_in_inference_mode", ["caches", "offloader"])

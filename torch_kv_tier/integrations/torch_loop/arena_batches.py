@@ -6,8 +6,8 @@ An offload or restore larger than the arena goes in batches of at most the arena
 tier's ``store``, or has the tier ``load`` into them and unpacks the loaded prefix into cache
 pages (:mod:`.page_copy`). A slot goes back to the arena once nothing can touch it any more:
 after the copy out for a load, when the tier's future resolved for a store (or a load that timed
-out, which may still land). It also counts the offloads still pending, which
-``PagedKVOffloader.flush`` waits for.
+out or whose wait was interrupted, which may still land). It also counts the offloads still
+pending, which ``PagedKVOffloader.flush`` waits for.
 
 A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
 may be never. So a restore batch reads from each host separately, and a restore stops before
@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.offload_results import (
@@ -126,8 +127,9 @@ class ArenaBatches:
         """Load ``keys`` (read from ``holders``, one load per host) into free slots and unpack
         the loaded prefix into ``pages``; returns its length (0 when no slots came by
         ``deadline``). A host that refused, failed or did not answer by then ends the prefix
-        at its first key; the slots of a read still under way are held until it ends. A failed
-        copy into the cache raises; its slots are back."""
+        at its first key; the slots of a read still under way are held until it ends (also when
+        the wait for it is interrupted, a ``KeyboardInterrupt`` raised on). A failed copy into
+        the cache raises; its slots are back."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             log.warning("%s for a restore", self._no_slots())
@@ -140,20 +142,15 @@ class ArenaBatches:
                 futures[self._manager.load(host_keys, host_slots)] = host, host_slots
         except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
             log.warning("tier refused a load, recomputing: %s", exc)
-        done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
-        for future in late:  # the tier may still write into these slots
-            host, held = futures[future]
-            with self._lock:
-                self._stuck += len(held)
-                self._overdue[host] += len(held)
-            future.add_done_callback(functools.partial(self._read_ended, host, held))
-            log.warning(
-                "restore from %s timed out after %.1f s, recomputing the rest; its reads hold "
-                "%d arena slots until they end",
-                host,
-                self._timeout,
-                len(held),
-            )
+        try:
+            done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+        except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
+            in_use = self._hold(futures, [f for f in futures if not f.done()], "was interrupted")
+            self._release([slot for slot in slots if slot not in in_use])
+            raise
+        in_use = self._hold(
+            futures, late, f"timed out after {self._timeout:.1f} s, recomputing the rest"
+        )
         for future in done:
             try:
                 result = future.result()
@@ -165,7 +162,6 @@ class ArenaBatches:
         count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
         if count < len(keys) and keys[count] in failed:
             log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
-        in_use = {slot for future in late for slot in futures[future][1]}
         try:
             self._pages.scatter(slots[:count], pages[:count])
         finally:
@@ -187,6 +183,31 @@ class ArenaBatches:
                     return False
                 self._changed.wait(left)
         return True
+
+    def _hold(
+        self,
+        reads: dict[Future[TransferResult], tuple[str | None, list[int]]],
+        unended: Iterable[Future[TransferResult]],
+        why: str,
+    ) -> set[int]:
+        """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
+        ends, as overdue (``_read_ended``; at once for one that ended meanwhile); returns those
+        slots. ``why``: how the restore ended before them, for the log."""
+        held: set[int] = set()
+        for future in unended:  # the tier may still write into these slots
+            host, slots = reads[future]
+            with self._lock:
+                self._stuck += len(slots)
+                self._overdue[host] += len(slots)
+            held.update(slots)
+            future.add_done_callback(functools.partial(self._read_ended, host, slots))
+            log.warning(
+                "restore from %s %s; its reads hold %d arena slots until they end",
+                host,
+                why,
+                len(slots),
+            )
+        return held
 
     def _batch(self, keys: list[Key]) -> list[str | None]:
         """The host of each leading key of ``keys`` the next restore batch reads: up to the
