@@ -130,6 +130,35 @@ def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
         d.close()
 
 
+def test_a_journal_emptied_for_a_dropped_record_says_when_a_restart_finds_its_blocks_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A journal emptied because a record could not be written logs that a restart before its
+    rewrite finds none of its blocks; the rewrite that ended that said nothing, so an operator
+    could not tell when a restart was safe again. It now logs a line naming the directory."""
+    d = DiskDir(tmp_path / "d", 8 * DISK_BLOCK, DISK_BLOCK)
+    try:
+        live = _records(3)
+        assert d.rewrite(live)
+
+        def full(fd: int, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with caplog.at_level(logging.INFO, logger=disk_journal.__name__):
+            monkeypatch.setattr(os, "write", full)
+            d.append(PUT, 3, "ns", b"key-3", 3)
+            d.flush(*d.take_pending(), sync=True)
+            monkeypatch.undo()
+            assert d.stale and d.read_records() == [] and "emptied" in caplog.text
+            caplog.clear()
+            assert d.rewrite(live)  # no longer stale: no line
+            assert d.rewrite(live) and d.read_records() == live
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert str(tmp_path / "d") in line and "a restart finds its blocks again" in line
+    finally:
+        d.close()
+
+
 def test_a_compaction_syncs_the_directory_after_its_rename(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -197,7 +197,7 @@ class DiskDir:
         self.records = 0
         logger.warning(
             "disk: journal of %s emptied (a record could not be written): a restart before it "
-            "is rewritten finds none of its blocks", self.path,
+            "is rewritten (a line says when) finds none of its blocks", self.path,
         )  # fmt: skip
 
     def read_records(self) -> list[Record]:
@@ -243,10 +243,10 @@ class DiskDir:
         """Replace the journal by ``live``, then the ``framed_count`` records framed in
         ``framed`` (``frames``, ``take_pending``), with ``_write_durably``, after an
         ``fdatasync`` of the block file (the new journal names blocks written since the last
-        ``flush``), and append to the new one. Returns False when it cannot be written (a full
-        disk, EIO: logged, never raised): the old journal stays as it was, ``stale`` is set, and
-        ``retry_at`` 1 s later, then twice as late after each failure in a row (at most
-        ``REWRITE_RETRY_MAX_S``)."""
+        ``flush``), and append to the new one (logged where it had been emptied). Returns False
+        when it cannot be written (a full disk, EIO: logged, never raised): the old journal
+        stays as it was, ``stale`` is set, and ``retry_at`` 1 s later, then twice as late after
+        each failure in a row (at most ``REWRITE_RETRY_MAX_S``)."""
         out = bytearray()
         count = framed_count
         for record in live:
@@ -263,6 +263,11 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
+        if self._emptied:
+            logger.info(
+                "disk: journal of %s rewritten (%d records): a restart finds its blocks again",
+                self.path, count,
+            )  # fmt: skip
         self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
         return True
 
