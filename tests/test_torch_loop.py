@@ -683,6 +683,42 @@ def test_a_restore_interrupted_while_its_reads_are_under_way_leaks_no_arena_slot
         assert off.manager.arena.num_free == 3
 
 
+def test_a_restore_out_of_time_starts_no_read_it_cannot_wait_for(
+    remote: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: a restore in batches whose earlier batches used up its timeout still
+    # started the next batch's reads and waited 0 s for them. Here (loopback) they finished
+    # during their submission and the restore went on past its timeout; over a network they
+    # were given up: their slots held as a timed-out read's, the healthy host logged "timed
+    # out" and counted overdue, so the next restore stopped at its keys (0 pages) until those
+    # reads ended. Now a restore out of time starts no read.
+    keys_c, values_c = random_caches(torch.float32, seed=19)
+    keys = [f"out-of-time-{i}".encode() for i in range(4)]
+    with PagedKVOffloader.create(
+        keys_c, values_c, remote=remote, arena_blocks=2, timeout=1.0
+    ) as off:
+        assert off.offload(range(4), keys).result(timeout=30).ok
+        real_load, real_scatter = off.manager.load, off._pages.scatter
+        loads: list[list[bytes]] = []
+
+        def counted(batch: list[bytes], slots: list[int]) -> Future[TransferResult]:
+            loads.append(batch)
+            return real_load(batch, slots)
+
+        def slow_copy(slots: list[int], pages: list[int]) -> None:
+            time.sleep(1.2)  # past the restore's timeout
+            real_scatter(slots, pages)
+
+        monkeypatch.setattr(off.manager, "load", counted)
+        monkeypatch.setattr(off._pages, "scatter", slow_copy)
+        assert off.restore(keys, [10, 11, 12, 13]) == 2
+        assert loads == [keys[:2]]  # no read started once the time was up
+        assert off.manager.arena.num_free == 2
+        monkeypatch.setattr(off._pages, "scatter", real_scatter)
+        assert off.restore(keys[2:], [12, 13]) == 2
+        assert torch.equal(page(keys_c, 13), page(keys_c, 3))
+
+
 @pytest.mark.parametrize("built_in_inference_mode", ["caches", "offloader"])
 def test_offload_restore_work_outside_the_inference_mode_things_were_built_in(
     remote: str, built_in_inference_mode: str

@@ -125,11 +125,15 @@ class ArenaBatches:
         self, keys: list[Key], holders: list[str | None], pages: list[int], deadline: float
     ) -> int:
         """Load ``keys`` (read from ``holders``, one load per host) into free slots and unpack
-        the loaded prefix into ``pages``; returns its length (0 when no slots came by
-        ``deadline``). A host that refused, failed or did not answer by then ends the prefix
+        the loaded prefix into ``pages``; returns its length (0 when ``deadline`` has passed:
+        no read is started that could not be waited for, or no slots came by then). A host
+        that refused, failed or did not answer by then ends the prefix
         at its first key; the slots of a read still under way are held until it ends (also when
         the wait for it is interrupted, a ``KeyboardInterrupt`` raised on). A failed copy into
         the cache raises; its slots are back."""
+        if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
+            log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
+            return 0
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             log.warning("%s for a restore", self._no_slots())
