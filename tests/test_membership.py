@@ -1245,3 +1245,25 @@ def test_hosts_down_at_their_connect_are_redialled_side_by_side(
                 tier.connect(address, timeout_s=3.0, redial_if_down=True)
         assert silent.dialled_side_by_side(within=1.5), "each host waited for the one before"
     assert _redial_threads() == []
+
+
+def test_a_host_disconnected_while_due_then_connected_again_is_dialled_when_lost_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost host the user disconnects while it is due for a redial, then connects again with
+    the same arguments (a membership source that drops and re-lists it), then loses again: it
+    must be dialled again. The redialer keyed its hosts by equal ``Dial`` values, so the new
+    loss found the old, unwanted dial still due, added nothing, and that one was dropped at its
+    try: the host was never dialled again."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # the old dial stays due meanwhile
+    with _connected_tier("reconnected") as (tier, peer, _):
+        address = tier._dials[peer].address
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer, "failed a transfer")
+        wait_until(lambda: bool(tier._redialer._due), "the host is due for a redial")
+        tier.disconnect(peer)
+        assert tier.connect(address, timeout_s=5.0) == peer  # the arguments of its first connect
+        monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+        with tier._lock:
+            tier._lose_peer(peer, "failed a transfer")
+        wait_until(lambda: tier.peers() == [peer], "the host lost again is dialled again")

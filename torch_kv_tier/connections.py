@@ -33,9 +33,11 @@ REDIAL_MAX_S = 10.0
 REDIAL_THREAD = "tkvt-redial"  # the redialer's thread
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Dial:
-    """``TierManager.connect``'s arguments for one host."""
+    """``TierManager.connect``'s arguments for one host. Compared (and hashed) by identity:
+    each is one connect's, and an equal one of a later connect is another dial (the
+    ``Redialer`` keys its hosts by it; a dial the user stopped must not stand for a new one)."""
 
     address: str
     token: str | None

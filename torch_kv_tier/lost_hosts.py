@@ -123,9 +123,8 @@ class LostHosts(SessionReleases):
                 d.address == dial.address for d in self._dials.values()
             ):
                 return
-            if self._pending.get(dial.address) != dial:  # (an equal one is the redialer's)
-                self._pending[dial.address] = dial
-            self._redialer.start(self._pending[dial.address], type(exc))
+            self._pending[dial.address] = dial  # (one pending before is not wanted any more)
+            self._redialer.start(dial, type(exc))
         exc.add_note(
             f"{dial.address} is dialled again in the background until it joins "
             f"(redial_if_down); cancel_dial({dial.address!r}) stops that"
@@ -139,6 +138,6 @@ class LostHosts(SessionReleases):
     def _wants(self, dial: Dial) -> bool:
         """``_wants_dial``, under the lock."""
         return not self._closed and (
-            self._pending.get(dial.address) == dial
+            self._pending.get(dial.address) is dial
             or any(d is dial and pid not in self._peers for pid, d in self._dials.items())
         )
