@@ -1267,3 +1267,47 @@ def test_a_host_disconnected_while_due_then_connected_again_is_dialled_when_lost
         with tier._lock:
             tier._lose_peer(peer, "failed a transfer")
         wait_until(lambda: tier.peers() == [peer], "the host lost again is dialled again")
+
+
+def test_a_pending_dial_disconnected_while_its_host_registers_is_not_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``disconnect(address)`` of a host ``redial_if_down`` dials, while the redialer's join
+    of it registers its region (a host's id is the address it listens on, by default, so the
+    address is its peer id by then): the disconnect supersedes the registration, and the host
+    must not be dialled again. It was: the disconnect stopped the host's dial as a lost one's
+    but left the pending dial wanted, so the next try connected the host for good."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with (
+        TierManager.create(16, BLOCK_LEN, name="disconnected-mid-join") as tier,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
+    ):
+        transport: Any = tier.transport
+        entered, go = threading.Event(), threading.Event()
+        register = transport.add_remote_peer_async
+
+        def held_register(*args: Any, **kwargs: Any) -> Any:
+            if not entered.is_set():  # the first registration waits behind a busy registrar
+                transport._registrar.submit(lambda: go.wait(timeout=WAIT_S))
+                entered.set()
+            return register(*args, **kwargs)
+
+        real_connect = tier._connect
+
+        def down_on_the_callers_thread(dial: Any) -> str:
+            if threading.current_thread() is threading.main_thread():
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        monkeypatch.setattr(transport, "add_remote_peer_async", held_register)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        tier.disconnect(address)
+        go.set()
+        wait_until(lambda: not tier._redialer._due, "the redialer lets go of the address")
+        time.sleep(1.0)  # ten times the first redial's delay
+        assert tier.peers() == [] and not tier._dials and not tier._pending

@@ -125,9 +125,7 @@ class ConnectedHosts(LostHosts):
         it is in flight, and stop dialling it; its ended sessions are still released."""
         with self._lock:
             self._check_open()
-            dial = self._dials.pop(peer_id, None)
-            if dial is not None:  # its ended sessions are still to be released
-                self._removed[dial.address] = dial
+            dial = self._stop_dialling(peer_id)
             if peer_id not in self._peers:
                 if dial is not None:  # lost and being dialled again: that stops
                     self._remove_from_transport(peer_id)
@@ -143,6 +141,18 @@ class ConnectedHosts(LostHosts):
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
+
+    def _stop_dialling(self, peer_id: str) -> Dial | None:
+        """The user removed or replaced ``peer_id``: it is not dialled again (nor is the address
+        of a host down at its connect whose join it is: ``redial_if_down``); how it was dialled
+        is remembered as removed, for its ended sessions, still to be released. ``None`` when
+        it was not a connected host."""
+        dial = self._dials.pop(peer_id, None)
+        if dial is not None:
+            self._removed[dial.address] = dial
+            if self._pending.get(dial.address) is dial:
+                del self._pending[dial.address]
+        return dial
 
     def _connect(self, dial: Dial) -> str:
         """Open a session with ``dial``'s host (telling it the ended sessions it may release)
@@ -367,9 +377,7 @@ class ConnectedHosts(LostHosts):
         old = None
         with self._lock:
             self._check_open()
-            dial = None if session is not None else self._dials.pop(peer_id, None)
-            if dial is not None:
-                self._removed[dial.address] = dial
+            dial = None if session is not None else self._stop_dialling(peer_id)
             if peer_id in self._peers:
                 old = self._drop_peer(peer_id)
         self._flush()
