@@ -22,7 +22,7 @@ import pytest
 import torch
 from remote_support import SilentHosts, free_port, wait_for
 
-from torch_kv_tier import connections
+from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.connections import REDIAL_THREAD
 from torch_kv_tier.integrations.torch_loop import (
@@ -278,6 +278,29 @@ def test_a_host_down_at_create_joins_once_it_is_up() -> None:
     assert dialling == []  # close stopped the dialling
     with pytest.raises(ValueError, match="reconnect_interval_s"):
         PagedKVOffloader.create(keys_c, values_c, reconnect_interval_s=-1)
+
+
+def test_hosts_down_at_create_past_the_connects_at_once_join_once_they_are_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: past MAX_CONNECTS hosts, create() greets them all first, and a host that
+    # did not answer the greeting got a TimeoutError without a connect, so without connect's
+    # redial_if_down: the offloader logged that the tier dials it until it joins, and nothing
+    # ever dialled it.
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 1)  # 2 hosts: greeted first
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    keys_c, values_c = random_caches(torch.float32, seed=16)
+    ports = [free_port(), free_port()]  # nobody listens here yet
+    remotes = [f"127.0.0.1:{port}" for port in ports]
+    with PagedKVOffloader.create(
+        keys_c, values_c, remote=remotes, timeout=5, connect_timeout=0.5
+    ) as off:
+        assert off.manager.peers() == []
+        extra_args = ["--port", str(ports[1])]
+        with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=extra_args):
+            assert wait_for(lambda: off.manager.peers() == [remotes[1]], 20.0)
+    dialling = [t.name for t in threading.enumerate() if t.name.startswith(DIALLING_THREADS)]
+    assert dialling == []  # close stopped the dialling
 
 
 def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> None:

@@ -20,17 +20,15 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import Dial, EndedSessions, twin_problem
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, EndedSessions, twin_problem
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer
-from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0  # how long one handshake waits for a host's answer, by default
 _REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 
@@ -99,13 +97,7 @@ class ConnectedHosts(LostHosts):
         when this returns, and its peer id is not known yet. A refusal (``HandshakeRejected``),
         a bad argument or a closed tier is never dialled again.
         """
-        check_connect_args(address, slots, private, token)
-        if not private and not self.verify:
-            raise ValueError(
-                "a shared pool needs verify=True: its loads read unpinned slots and rely on "
-                "digests to turn a slot rewritten meanwhile into a miss"
-            )
-        dial = Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
+        dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
         try:
             return self._connect(dial)
         except (TimeoutError, ConnectionError) as exc:

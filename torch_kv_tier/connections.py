@@ -28,6 +28,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+CONNECT_TIMEOUT_S = 10.0  # how long one handshake waits for a host's answer, by default
 REDIAL_FIRST_S = 0.5
 REDIAL_MAX_S = 10.0
 REDIAL_THREAD = "tkvt-redial"  # the redialer's thread

@@ -18,7 +18,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import Dial, Redialer
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Redialer
+from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.session_releases import SessionReleases
 
 logger = logging.getLogger(__name__)
@@ -28,12 +29,14 @@ class LostHosts(SessionReleases):
     """Lost hosts and their redials, for ``TierManager`` (module docstring)."""
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
+    verify: bool
     _redialer: Redialer
     _pending: dict[str, Dial]  # address -> how to dial a host down at its connect
     _closing: threading.Event  # set when ``close`` starts
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
 
+        def _check_open(self) -> None: ...
         def _connect(self, dial: Dial) -> str: ...
         def _lose_peer(self, peer_id: str, why: str) -> None: ...
         def _flush(self) -> None: ...
@@ -92,6 +95,45 @@ class LostHosts(SessionReleases):
         if removed:
             with self._lock:
                 self._send_releases(dial.address)
+
+    def dial_later(
+        self,
+        address: str,
+        why: Exception,
+        *,
+        token: str | None = None,
+        private: bool = False,
+        slots: int | None = None,
+        timeout_s: float = CONNECT_TIMEOUT_S,
+        heartbeat_timeout_s: float = 10.0,
+    ) -> None:
+        """Dial the host at ``address`` in the background until it joins, as
+        ``connect(..., redial_if_down=True)`` does once the host did not answer, without a
+        handshake now: for a caller that saw it not answer (``why``, which gets the same note;
+        ``parallel_connects``' greeting). The keyword arguments are ``connect``'s, checked as
+        it checks them (``ValueError``); ``RuntimeError`` once the tier is closed. Any thread."""
+        dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
+        with self._lock:
+            self._check_open()
+        self._dial_later(dial, why)
+
+    def _new_dial(
+        self,
+        address: str,
+        token: str | None,
+        private: bool,
+        slots: int | None,
+        timeout_s: float,
+        heartbeat_timeout_s: float,
+    ) -> Dial:
+        """How to dial ``address`` (``connect``'s arguments), once they are checked."""
+        check_connect_args(address, slots, private, token)
+        if not private and not self.verify:
+            raise ValueError(
+                "a shared pool needs verify=True: its loads read unpinned slots and rely on "
+                "digests to turn a slot rewritten meanwhile into a miss"
+            )
+        return Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
 
     def cancel_dial(self, address: str) -> bool:
         """Stop dialling ``address``, a host ``connect(..., redial_if_down=True)`` left to join

@@ -9,7 +9,8 @@ joins take turns anyway, so more connects at once only overlap handshakes, which
 milliseconds for a host that answers; the threads that matter are those waiting out a host that
 does not answer. So with more hosts than that, one more thread first greets them all at once
 (a ``Hello`` on a socket of its own to each, up to the handshake's ``timeout_s``): only the
-hosts that answer get a connect, and those that do not fail with ``TimeoutError`` without one.
+hosts that answer get a connect, and those that do not fail with ``TimeoutError`` without one
+(with the connects' ``redial_if_down``, the tier dials them in the background all the same).
 Hosts that do not answer still cost one timeout in all; the trade-off is one more round trip
 for each host that does, and a host that freezes between its answer and its handshake holds a
 connect's thread for its timeout (one of 16).
@@ -108,15 +109,27 @@ class ParallelConnects:
                 self._todo.put(i)
             if not self._tier.closed:  # (closed: each connect fails at once, saying so)
                 for i in sorted(waiting):
-                    self._outcomes[i] = TimeoutError(
-                        f"no answer from a torch-kv-tier server at {self._addresses[i]} within "
-                        f"{timeout_s} s: is `torch-kv-tier serve` running there, and is the "
-                        "address reachable from this host?"
-                    )
+                    self._outcomes[i] = self._silent(self._addresses[i], timeout_s)
                     self._ended[i].set()
                 waiting.clear()
         finally:
             self._hand_out(sorted(waiting), workers)
+
+    def _silent(self, address: str, timeout_s: float) -> Exception:
+        """What the connect of ``address``, which did not answer the greeting, fails with
+        (``TimeoutError``, as its handshake's); with ``redial_if_down``, the tier dials it in
+        the background all the same (``dial_later``), as that connect would have."""
+        exc = TimeoutError(
+            f"no answer from a torch-kv-tier server at {address} within {timeout_s} s: is "
+            "`torch-kv-tier serve` running there, and is the address reachable from this host?"
+        )
+        if self._kwargs.get("redial_if_down"):
+            kwargs = {k: v for k, v in self._kwargs.items() if k != "redial_if_down"}
+            try:
+                self._tier.dial_later(address, exc, **kwargs)
+            except Exception as refused:  # (the tier closed meanwhile)
+                return refused
+        return exc
 
     def outcomes(self) -> Iterator[tuple[str, str | Exception]]:
         """Each address, in the order given, with its peer id or the exception its connect
