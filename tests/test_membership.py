@@ -1311,3 +1311,49 @@ def test_a_pending_dial_disconnected_while_its_host_registers_is_not_dialled_aga
         wait_until(lambda: not tier._redialer._due, "the redialer lets go of the address")
         time.sleep(1.0)  # ten times the first redial's delay
         assert tier.peers() == [] and not tier._dials and not tier._pending
+
+
+def test_a_dial_cancelled_after_a_second_connect_of_its_address_leaves_no_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second ``connect(..., redial_if_down=True)`` of an address while the redialer's
+    handshake of the first one's dial is under way, then ``cancel_dial``: the host that
+    handshake connects must be removed, as for a single connect. The second connect's dial
+    replaced the first as the address's pending dial, so the cancel stopped only the second,
+    and the first's joined the host for good."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with (
+        TierManager.create(16, BLOCK_LEN, name="cancelled-after-two") as tier,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
+    ):
+        entered, go = threading.Event(), threading.Event()
+        open_ = tier._open
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == connections.REDIAL_THREAD:
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            return open_(*args, **kwargs)
+
+        real_connect = tier._connect
+
+        def down_on_the_callers_thread(dial: Any) -> str:
+            if threading.current_thread() is threading.main_thread():
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        monkeypatch.setattr(tier, "_open", held_open)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # a second dial waits
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert tier.cancel_dial(address)
+        go.set()
+        wait_until(lambda: not tier._redialing, "the redial under way ends")
+        wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
+        assert not tier._dials and not tier._pending

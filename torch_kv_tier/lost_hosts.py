@@ -159,14 +159,15 @@ class LostHosts(SessionReleases):
         """``connect(..., redial_if_down=True)`` of ``dial``'s host failed with ``exc``
         (unlocked): dial it in the background, as a lost host, until it joins (module
         docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, nor for an
-        address the tier dials already as a connected host's (joined meanwhile, or lost)."""
+        address the tier dials already as a connected host's (joined meanwhile, or lost) or
+        for an earlier such connect (its dial stands: ``cancel_dial`` stops the one there is)."""
         with self._lock:
             if self._closing.is_set() or any(
                 d.address == dial.address for d in self._dials.values()
             ):
                 return
-            self._pending[dial.address] = dial  # (one pending before is not wanted any more)
-            self._redialer.start(dial, type(exc))
+            pending = self._pending.setdefault(dial.address, dial)  # an earlier one stands
+            self._redialer.start(pending, type(exc))
         exc.add_note(
             f"{dial.address} is dialled again in the background until it joins "
             f"(redial_if_down); cancel_dial({dial.address!r}) stops that"
