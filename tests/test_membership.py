@@ -1357,3 +1357,22 @@ def test_a_dial_cancelled_after_a_second_connect_of_its_address_leaves_no_peer(
         wait_until(lambda: not tier._redialing, "the redial under way ends")
         wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
         assert not tier._dials and not tier._pending
+
+
+def test_closing_a_tier_while_it_redials_a_host_warns_of_no_next_try(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close`` ends the redialer's handshake under way with a host that does not answer:
+    that try's end was logged as a warning that redialling it failed, with the "next try"
+    that never comes, at every shutdown of a tier with a host down."""
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.connections")
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    silent = SilentHosts(1)
+    with contextlib.closing(silent), TierManager.create(4, BLOCK_LEN, name="closing") as tier:
+        with pytest.raises(TimeoutError):
+            tier.connect(silent.addresses[0], timeout_s=0.5, redial_if_down=True)
+        wait_until(lambda: bool(tier._redialer._trying), "the redialer dials the host")
+        caplog.clear()
+        tier.close()
+    warned = [r.message for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warned if "next try" in m], warned

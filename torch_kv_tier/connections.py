@@ -124,7 +124,8 @@ class Redialer:
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). A failure
-    of a kind new for its host is logged as a warning, repeats of it at info. Both are
+    of a kind new for its host is logged as a warning, repeats of it at info (one of a host no
+    longer wanted meanwhile, or ended by ``stop``, at debug: no next try). Both are
     bound methods of the tier, held weakly: the tier owns the redialer, and a strong reference
     would be a cycle keeping the tier (and its NIXL agent) alive until the garbage collector
     runs; once the tier is gone, redialling stops.
@@ -210,26 +211,33 @@ class Redialer:
                 if wanted(spec):  # lost again before the dial returned: its drop found it due
                     raise ConnectionError("the new session was lost at once")
         except Exception as exc:
-            with self._lock:
-                backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
-                self._due[spec] = (time.monotonic() + backoff, backoff)
-                kinds = self._failures.setdefault(spec, set())
-                new = type(exc) not in kinds
-                kinds.add(type(exc))
-            logger.log(
-                logging.WARNING if new else logging.INFO,
-                "re-dialling %s failed (next try in %.1f s, up to every %g s): %s",
-                spec.address,
-                backoff,
-                REDIAL_MAX_S,
-                exc,
-            )
-            return
+            if self._stop.is_set() or not wanted(spec):  # closed or stopped meanwhile: no next
+                logger.debug("re-dialling %s ended, no longer wanted: %s", spec.address, exc)
+            else:
+                self._again(spec, exc)
+                return
         finally:
             del wanted, dial
         with self._lock:
             self._due.pop(spec, None)
             self._failures.pop(spec, None)
+
+    def _again(self, spec: Dial, exc: Exception) -> None:
+        """A try of ``spec`` failed with ``exc``: the next one is due after its backoff."""
+        with self._lock:
+            backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
+            self._due[spec] = (time.monotonic() + backoff, backoff)
+            kinds = self._failures.setdefault(spec, set())
+            new = type(exc) not in kinds
+            kinds.add(type(exc))
+        logger.log(
+            logging.WARNING if new else logging.INFO,
+            "re-dialling %s failed (next try in %.1f s, up to every %g s): %s",
+            spec.address,
+            backoff,
+            REDIAL_MAX_S,
+            exc,
+        )
 
 
 def twin_problem(address: str, peer_id: str, twin: str) -> str:
