@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from remote_support import BLOCK_LEN, control_ports, fake_session, fill_random, free_port, wait_for
 
-from torch_kv_tier import session_releases
+from torch_kv_tier import connections, session_releases
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.connections import Dial
 from torch_kv_tier.manager import TierManager
@@ -624,3 +624,31 @@ def test_a_tier_closed_while_a_host_sends_its_index_ends_that_connect_at_once(
         thread.join(timeout=10.0)
         assert not thread.is_alive()
         assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
+
+
+def test_a_session_a_host_down_at_its_connect_may_have_opened_is_named_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that answered a ``connect(..., redial_if_down=True)`` and then nothing (its
+    Accept lost, or frozen) may have opened a session, which it holds for good until it is
+    named: ``close``, while the tier still dials the host, must name it in its last word (it
+    looked only at connected and removed hosts, so a host never joined was not told)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # no redial meanwhile
+    opened = "ab" * p.NONCE_BYTES
+    told: list[list[str]] = []
+
+    def accept_lost_then_down(cls: Any, address: str, **kwargs: Any) -> Any:
+        told.append(list(kwargs["release"]))
+        if len(told) == 1:
+            raise handshake_module.AcceptLost(address, opened)
+        raise TimeoutError(f"nothing answered at {address}")
+
+    monkeypatch.setattr(RemoteSession, "open", classmethod(accept_lost_then_down))
+    address = f"127.0.0.1:{free_port()}"
+    tier = TierManager.create(16, BLOCK_LEN, name="accept-lost-pending")
+    try:
+        with pytest.raises(TimeoutError):
+            tier.connect(address, private=True, timeout_s=0.5, redial_if_down=True)
+    finally:
+        tier.close()
+    assert told == [[], [opened]], told

@@ -31,7 +31,6 @@ class LostHosts(SessionReleases):
     # The manager's state this part uses (set by ``TierManager.__init__``).
     verify: bool
     _redialer: Redialer
-    _pending: dict[str, Dial]  # address -> how to dial a host down at its connect
     _closing: threading.Event  # set when ``close`` starts
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts

@@ -51,6 +51,7 @@ class SessionReleases:
     _peers: dict[str, Peer]
     _dials: dict[str, Dial]
     _removed: dict[str, Dial]
+    _pending: dict[str, Dial]  # address -> how to dial a host down at its connect
     _redialing: list[Dial]  # the redialer's connects in progress
     _ended: EndedSessions
 
@@ -88,9 +89,12 @@ class SessionReleases:
         self._forget_removed(address)
 
     def _dial(self, address: str) -> Dial | None:
-        """How the host at ``address`` was dialled (removed, or connected), if it was."""
-        return self._removed.get(address) or next(
-            (d for d in self._dials.values() if d.address == address), None
+        """How the host at ``address`` was dialled (removed, or connected) or is dialled (down
+        at its connect: a handshake of it may have opened a session there), if it was."""
+        return (
+            self._removed.get(address)
+            or next((d for d in self._dials.values() if d.address == address), None)
+            or self._pending.get(address)
         )
 
     def _forget_removed(self, address: str) -> None:
