@@ -1376,3 +1376,61 @@ def test_closing_a_tier_while_it_redials_a_host_warns_of_no_next_try(
         tier.close()
     warned = [r.message for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [m for m in warned if "next try" in m], warned
+
+
+def test_a_dial_at_another_address_of_a_host_joining_meanwhile_ends_once_it_joined(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host down at a ``connect(..., redial_if_down=True)`` of one of its addresses (a name)
+    answers the redial while a connect of another of its addresses joins it: once that join
+    succeeded, the host is connected and the dial is done. It stayed pending: the redial was
+    called failed ("the new session was lost at once", a warning) and dialled the host again."""
+    caplog.set_level(logging.INFO, logger="torch_kv_tier.connections")
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="two-addresses") as tier,
+    ):
+        port = server.address.rsplit(":", 1)[1]
+        name, ip = f"localhost:{port}", f"127.0.0.1:{port}"
+        joining, go_redial, awaiting, go_join = (threading.Event() for _ in range(4))
+        open_, join, await_join = tier._open, tier._join, tier._await_join
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == connections.REDIAL_THREAD:
+                go_redial.wait(timeout=WAIT_S)
+            return open_(*args, **kwargs)
+
+        def held_join(session: Any, timeout_s: float) -> None:
+            if threading.current_thread().name == "joiner":
+                joining.set()
+                go_join.wait(timeout=WAIT_S)
+            join(session, timeout_s)
+
+        def noted_await_join(*args: Any) -> None:
+            awaiting.set()
+            await_join(*args)
+
+        real_connect = tier._connect
+
+        def down_on_the_callers_thread(dial: Any) -> str:
+            if threading.current_thread() is threading.main_thread():
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        monkeypatch.setattr(tier, "_open", held_open)
+        monkeypatch.setattr(tier, "_join", held_join)
+        monkeypatch.setattr(tier, "_await_join", noted_await_join)
+        with pytest.raises(TimeoutError):
+            tier.connect(name, timeout_s=5.0, redial_if_down=True)
+        joiner = threading.Thread(target=tier.connect, args=(ip,), name="joiner", daemon=True)
+        joiner.start()
+        assert joining.wait(timeout=WAIT_S), "the other address never joined"
+        go_redial.set()
+        assert awaiting.wait(timeout=WAIT_S), "the redial never waited for the join"
+        go_join.set()
+        joiner.join(timeout=WAIT_S)
+        wait_until(lambda: not tier._redialing and not tier._redialer._trying, "the redial ends")
+        assert tier.peers() == [server.address] and not tier._pending
+        assert "lost at once" not in caplog.text, caplog.text

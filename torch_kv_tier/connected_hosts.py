@@ -172,8 +172,10 @@ class ConnectedHosts(LostHosts):
             raise ValueError(twin_problem(dial.address, peer_id, twin))
         if known:
             self._end_keeping_releases(session, True)
-            if joining is not None:
+            if joining is not None:  # at another address, maybe: this one answered as it too
                 self._await_join(peer_id, joining, dial.timeout_s)
+                with self._lock:
+                    self._forget_replaced(peer_id, dial.address)
             return str(peer_id)
         try:
             try:
