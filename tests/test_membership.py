@@ -1434,3 +1434,49 @@ def test_a_dial_at_another_address_of_a_host_joining_meanwhile_ends_once_it_join
         wait_until(lambda: not tier._redialing and not tier._redialer._trying, "the redial ends")
         assert tier.peers() == [server.address] and not tier._pending
         assert "lost at once" not in caplog.text, caplog.text
+
+
+def test_a_dial_asked_again_after_a_cancel_outlives_the_cancelled_ones_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cancel_dial`` while the redialer's handshake with the host is under way, then a new
+    ``connect(..., redial_if_down=True)`` of the address: the host the cancelled dial connects
+    is removed, and the new request still stands. The cancelled dial's join forgot every
+    pending dial of its address, so the new one was dropped unseen: the host was never
+    dialled again."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with (
+        TierManager.create(16, BLOCK_LEN, name="asked-again") as tier,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
+    ):
+        entered, go = threading.Event(), threading.Event()
+        open_ = tier._open
+
+        def held_open(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == connections.REDIAL_THREAD:
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            return open_(*args, **kwargs)
+
+        real_connect = tier._connect
+
+        def down_on_the_callers_thread(dial: Any) -> str:
+            if threading.current_thread() is threading.main_thread():
+                raise TimeoutError(f"nothing answered at {dial.address}")
+            return real_connect(dial)
+
+        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        monkeypatch.setattr(tier, "_open", held_open)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        assert entered.wait(timeout=WAIT_S), "no redial"
+        assert tier.cancel_dial(address)
+        monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # the new dial waits
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=5.0, redial_if_down=True)
+        go.set()
+        wait_until(lambda: not tier._redialing, "the cancelled dial's redial ends")
+        wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
+        assert address in tier._pending, "the new request was dropped"

@@ -166,7 +166,7 @@ class ConnectedHosts(LostHosts):
             if not known:  # another connect of the host waits for this one
                 joined = self._joining[peer_id] = Joining(dial.address)
             elif joining is None and twin is None:  # (a join does this once it succeeded)
-                self._forget_replaced(peer_id, dial.address)
+                self._forget_replaced(peer_id, dial)
         if twin is not None:
             self._end_keeping_releases(session, True)
             raise ValueError(twin_problem(dial.address, peer_id, twin))
@@ -175,7 +175,7 @@ class ConnectedHosts(LostHosts):
             if joining is not None:  # at another address, maybe: this one answered as it too
                 self._await_join(peer_id, joining, dial.timeout_s)
                 with self._lock:
-                    self._forget_replaced(peer_id, dial.address)
+                    self._forget_replaced(peer_id, dial)
             return str(peer_id)
         try:
             try:
@@ -190,7 +190,7 @@ class ConnectedHosts(LostHosts):
             with self._lock:
                 if peer_id in self._dials:  # else removed once published: not dialled again
                     self._dials[peer_id] = dial
-                self._forget_replaced(peer_id, dial.address)
+                self._forget_replaced(peer_id, dial)
         finally:
             with self._lock:
                 del self._joining[peer_id]
@@ -242,12 +242,15 @@ class ConnectedHosts(LostHosts):
             return None
         return str(other.address)
 
-    def _forget_replaced(self, peer_id: str, address: str) -> None:
-        """``address`` answered as ``peer_id``: a host this tier lost that was dialled there
-        under another id (restarted with another ``--host-id``, a new pod on a reused IP) is
-        gone, and is not dialled again (its ended sessions are still released there); nor is
-        the address as a host down at its connect (``redial_if_down``)."""
-        self._pending.pop(address, None)
+    def _forget_replaced(self, peer_id: str, dial: Dial) -> None:
+        """``dial``'s address answered as ``peer_id``: a host this tier lost that was dialled
+        there under another id (restarted with another ``--host-id``, a new pod on a reused IP)
+        is gone, and is not dialled again (its ended sessions are still released there); nor
+        is the address as a host down at its connect (``redial_if_down``), unless ``dial`` was
+        cancelled meanwhile (its host is then removed, and a dial asked since stands)."""
+        address = dial.address
+        if self._removed.get(address) is not dial:
+            self._pending.pop(address, None)
         replaced = [
             pid
             for pid, d in self._dials.items()
