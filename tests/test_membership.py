@@ -1105,6 +1105,37 @@ def test_a_pending_dial_cancelled_by_its_address_never_connects(
     assert _redial_threads() == []
 
 
+def _down_for_the_caller(monkeypatch: pytest.MonkeyPatch, tier: TierManager) -> None:
+    """``tier``'s connects on the main thread find their host down (``TimeoutError``); the
+    redialer's threads reach it."""
+    real_connect = tier._connect
+
+    def down_on_the_callers_thread(dial: Any) -> str:
+        if threading.current_thread() is threading.main_thread():
+            raise TimeoutError(f"nothing answered at {dial.address}")
+        return real_connect(dial)
+
+    monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+
+
+def _redial_handshakes_held(
+    monkeypatch: pytest.MonkeyPatch, tier: TierManager
+) -> tuple[threading.Event, threading.Event]:
+    """``(entered, go)``: the redialer's handshakes of ``tier`` set ``entered``, then wait
+    for ``go`` (bounded) before they open their session."""
+    entered, go = threading.Event(), threading.Event()
+    open_ = tier._open
+
+    def held_open(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == connections.REDIAL_THREAD:
+            entered.set()
+            go.wait(timeout=WAIT_S)
+        return open_(*args, **kwargs)
+
+    monkeypatch.setattr(tier, "_open", held_open)
+    return entered, go
+
+
 def test_a_dial_cancelled_while_its_handshake_is_under_way_leaves_no_peer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1117,15 +1148,7 @@ def test_a_dial_cancelled_while_its_handshake_is_under_way_leaves_no_peer(
         TierManager.create(16, BLOCK_LEN, name="cancelled-mid-dial") as tier,
         ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
     ):
-        entered, go = threading.Event(), threading.Event()
-        open_ = tier._open
-
-        def held_open(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread().name == connections.REDIAL_THREAD:
-                entered.set()
-                go.wait(timeout=WAIT_S)
-            return open_(*args, **kwargs)
-
+        entered, go = _redial_handshakes_held(monkeypatch, tier)
         real_connect = tier._connect
         failed: list[str] = []
 
@@ -1136,7 +1159,6 @@ def test_a_dial_cancelled_while_its_handshake_is_under_way_leaves_no_peer(
             return real_connect(dial)
 
         monkeypatch.setattr(tier, "_connect", down_once)
-        monkeypatch.setattr(tier, "_open", held_open)
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=5.0, redial_if_down=True)
         assert entered.wait(timeout=WAIT_S), "no redial"
@@ -1232,14 +1254,7 @@ def test_hosts_down_at_their_connect_are_redialled_side_by_side(
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
     silent = SilentHosts(3)
     with contextlib.closing(silent), TierManager.create(16, BLOCK_LEN, name="side-by-side") as tier:
-        real_connect = tier._connect
-
-        def down_on_the_callers_thread(dial: Any) -> str:
-            if threading.current_thread() is threading.main_thread():
-                raise TimeoutError(f"nothing answered at {dial.address}")
-            return real_connect(dial)
-
-        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        _down_for_the_caller(monkeypatch, tier)
         for address in silent.addresses:
             with pytest.raises(TimeoutError):
                 tier.connect(address, timeout_s=3.0, redial_if_down=True)
@@ -1294,14 +1309,7 @@ def test_a_pending_dial_disconnected_while_its_host_registers_is_not_dialled_aga
                 entered.set()
             return register(*args, **kwargs)
 
-        real_connect = tier._connect
-
-        def down_on_the_callers_thread(dial: Any) -> str:
-            if threading.current_thread() is threading.main_thread():
-                raise TimeoutError(f"nothing answered at {dial.address}")
-            return real_connect(dial)
-
-        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
+        _down_for_the_caller(monkeypatch, tier)
         monkeypatch.setattr(transport, "add_remote_peer_async", held_register)
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=5.0, redial_if_down=True)
@@ -1313,50 +1321,44 @@ def test_a_pending_dial_disconnected_while_its_host_registers_is_not_dialled_aga
         assert tier.peers() == [] and not tier._dials and not tier._pending
 
 
-def test_a_dial_cancelled_after_a_second_connect_of_its_address_leaves_no_peer(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("cancel_first", [False, True], ids=["connect-cancel", "cancel-connect"])
+def test_a_second_connect_and_a_cancel_during_a_redials_handshake_keep_the_last_word(
+    monkeypatch: pytest.MonkeyPatch, cancel_first: bool
 ) -> None:
-    """A second ``connect(..., redial_if_down=True)`` of an address while the redialer's
-    handshake of the first one's dial is under way, then ``cancel_dial``: the host that
-    handshake connects must be removed, as for a single connect. The second connect's dial
-    replaced the first as the address's pending dial, so the cancel stopped only the second,
-    and the first's joined the host for good."""
+    """While the redialer's handshake of a ``connect(..., redial_if_down=True)``'s dial is
+    under way, a second such connect of the address and a ``cancel_dial``, in either order:
+    the host that handshake connects is removed (the dial was cancelled), and a request made
+    after the cancel still stands. Found by review: a second connect's dial replaced the first
+    as the address's pending dial, so the cancel stopped only the second and the first's
+    joined the host for good; and the cancelled dial's join forgot every pending dial of its
+    address, so a request made after the cancel was dropped unseen."""
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
     port = free_port()
     address = f"127.0.0.1:{port}"
     with (
-        TierManager.create(16, BLOCK_LEN, name="cancelled-after-two") as tier,
+        TierManager.create(16, BLOCK_LEN, name="second-connect") as tier,
         ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
     ):
-        entered, go = threading.Event(), threading.Event()
-        open_ = tier._open
-
-        def held_open(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread().name == connections.REDIAL_THREAD:
-                entered.set()
-                go.wait(timeout=WAIT_S)
-            return open_(*args, **kwargs)
-
-        real_connect = tier._connect
-
-        def down_on_the_callers_thread(dial: Any) -> str:
-            if threading.current_thread() is threading.main_thread():
-                raise TimeoutError(f"nothing answered at {dial.address}")
-            return real_connect(dial)
-
-        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
-        monkeypatch.setattr(tier, "_open", held_open)
+        entered, go = _redial_handshakes_held(monkeypatch, tier)
+        _down_for_the_caller(monkeypatch, tier)
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=5.0, redial_if_down=True)
         assert entered.wait(timeout=WAIT_S), "no redial"
+        if cancel_first:
+            assert tier.cancel_dial(address)
         monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # a second dial waits
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=5.0, redial_if_down=True)
-        assert tier.cancel_dial(address)
+        if not cancel_first:
+            assert tier.cancel_dial(address)
         go.set()
         wait_until(lambda: not tier._redialing, "the redial under way ends")
         wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
-        assert not tier._dials and not tier._pending
+        assert not tier._dials
+        if cancel_first:
+            assert address in tier._pending, "the request made after the cancel was dropped"
+        else:
+            assert not tier._pending, "the cancel left a dial of the address"
 
 
 def test_closing_a_tier_while_it_redials_a_host_warns_of_no_next_try(
@@ -1411,15 +1413,7 @@ def test_a_dial_at_another_address_of_a_host_joining_meanwhile_ends_once_it_join
             awaiting.set()
             await_join(*args)
 
-        real_connect = tier._connect
-
-        def down_on_the_callers_thread(dial: Any) -> str:
-            if threading.current_thread() is threading.main_thread():
-                raise TimeoutError(f"nothing answered at {dial.address}")
-            return real_connect(dial)
-
-        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
-        monkeypatch.setattr(tier, "_open", held_open)
+        _down_for_the_caller(monkeypatch, tier)
         monkeypatch.setattr(tier, "_join", held_join)
         monkeypatch.setattr(tier, "_await_join", noted_await_join)
         with pytest.raises(TimeoutError):
@@ -1434,49 +1428,3 @@ def test_a_dial_at_another_address_of_a_host_joining_meanwhile_ends_once_it_join
         wait_until(lambda: not tier._redialing and not tier._redialer._trying, "the redial ends")
         assert tier.peers() == [server.address] and not tier._pending
         assert "lost at once" not in caplog.text, caplog.text
-
-
-def test_a_dial_asked_again_after_a_cancel_outlives_the_cancelled_ones_handshake(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``cancel_dial`` while the redialer's handshake with the host is under way, then a new
-    ``connect(..., redial_if_down=True)`` of the address: the host the cancelled dial connects
-    is removed, and the new request still stands. The cancelled dial's join forgot every
-    pending dial of its address, so the new one was dropped unseen: the host was never
-    dialled again."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    with (
-        TierManager.create(16, BLOCK_LEN, name="asked-again") as tier,
-        ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]),
-    ):
-        entered, go = threading.Event(), threading.Event()
-        open_ = tier._open
-
-        def held_open(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread().name == connections.REDIAL_THREAD:
-                entered.set()
-                go.wait(timeout=WAIT_S)
-            return open_(*args, **kwargs)
-
-        real_connect = tier._connect
-
-        def down_on_the_callers_thread(dial: Any) -> str:
-            if threading.current_thread() is threading.main_thread():
-                raise TimeoutError(f"nothing answered at {dial.address}")
-            return real_connect(dial)
-
-        monkeypatch.setattr(tier, "_connect", down_on_the_callers_thread)
-        monkeypatch.setattr(tier, "_open", held_open)
-        with pytest.raises(TimeoutError):
-            tier.connect(address, timeout_s=5.0, redial_if_down=True)
-        assert entered.wait(timeout=WAIT_S), "no redial"
-        assert tier.cancel_dial(address)
-        monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # the new dial waits
-        with pytest.raises(TimeoutError):
-            tier.connect(address, timeout_s=5.0, redial_if_down=True)
-        go.set()
-        wait_until(lambda: not tier._redialing, "the cancelled dial's redial ends")
-        wait_until(lambda: tier.peers() == [], "the host the cancelled dial connected is removed")
-        assert address in tier._pending, "the new request was dropped"
