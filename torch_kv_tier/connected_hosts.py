@@ -134,18 +134,6 @@ class ConnectedHosts(LostHosts):
             with self._lock:
                 self._send_releases(dial.address)
 
-    def _stop_dialling(self, peer_id: str) -> Dial | None:
-        """The user removed or replaced ``peer_id``: it is not dialled again (nor is the address
-        of a host down at its connect whose join it is: ``redial_if_down``); how it was dialled
-        is remembered as removed, for its ended sessions, still to be released. ``None`` when
-        it was not a connected host."""
-        dial = self._dials.pop(peer_id, None)
-        if dial is not None:
-            self._removed[dial.address] = dial
-            if self._pending.get(dial.address) is dial:
-                del self._pending[dial.address]
-        return dial
-
     def _connect(self, dial: Dial) -> str:
         """Open a session with ``dial``'s host (telling it the ended sessions it may release)
         and register it; returns its peer id (unlocked)."""
@@ -241,37 +229,6 @@ class ConnectedHosts(LostHosts):
         if other is None or other.agent_metadata == session.agent_metadata:
             return None
         return str(other.address)
-
-    def _forget_replaced(self, peer_id: str, dial: Dial) -> None:
-        """``dial``'s address answered as ``peer_id``: a host this tier lost that was dialled
-        there under another id (restarted with another ``--host-id``, a new pod on a reused IP)
-        is gone, and is not dialled again (its ended sessions are still released there); nor
-        is the address as a host down at its connect (``redial_if_down``), unless ``dial`` was
-        cancelled meanwhile (its host is then removed, and a dial asked since stands)."""
-        address = dial.address
-        if self._removed.get(address) is not dial:
-            self._pending.pop(address, None)
-        replaced = [
-            pid
-            for pid, d in self._dials.items()
-            if d.address == address
-            and pid != peer_id
-            and pid not in self._peers
-            and pid not in self._joining
-        ]
-        for pid in replaced:
-            del self._dials[pid]
-            self._remove_from_transport(pid)
-            logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
-
-    def _remove_from_transport(self, peer_id: str) -> None:
-        """The transport lets go of ``peer_id`` (logged, never raised: a closed transport holds
-        nothing): a lost peer that is not dialled again (its NIXL agent was parked for a
-        redial), or a registration abandoned while it runs (superseded: it never publishes)."""
-        try:
-            self.transport.remove_remote_peer(peer_id)
-        except Exception:
-            logger.exception("removing peer %s from the transport failed", peer_id)
 
     def _await_join(self, peer_id: str, joined: Joining, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``

@@ -4,9 +4,10 @@
 that is lost drops its peer (``_on_session_lost``); once ended, a host lost rather than removed
 is dialled again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial``
 until the host answers or is no longer wanted (``_wants_dial``). So is a host down at its
-first connect with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). Telling hosts
-which ended sessions resolved (fencing, client half) is its base
-``session_releases.SessionReleases``.
+first connect with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). A dial also
+stops when the user removes its host (``_stop_dialling``) or its address answers under another
+id (``_forget_replaced``). Telling hosts which ended sessions resolved (fencing, client half) is
+its base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
 under it.
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Redialer
 from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.session_releases import SessionReleases
+from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,9 @@ class LostHosts(SessionReleases):
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
     verify: bool
+    transport: DataTransport
     _redialer: Redialer
+    _joining: Mapping[str, threading.Event]  # peer id -> set once its connect in progress ended
     _closing: threading.Event  # set when ``close`` starts
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
@@ -171,6 +176,49 @@ class LostHosts(SessionReleases):
             f"{dial.address} is dialled again in the background until it joins "
             f"(redial_if_down); cancel_dial({dial.address!r}) stops that"
         )
+
+    def _stop_dialling(self, peer_id: str) -> Dial | None:
+        """The user removed or replaced ``peer_id``: it is not dialled again (nor is the address
+        of a host down at its connect whose join it is: ``redial_if_down``); how it was dialled
+        is remembered as removed, for its ended sessions, still to be released. ``None`` when
+        it was not a connected host."""
+        dial = self._dials.pop(peer_id, None)
+        if dial is not None:
+            self._removed[dial.address] = dial
+            if self._pending.get(dial.address) is dial:
+                del self._pending[dial.address]
+        return dial
+
+    def _forget_replaced(self, peer_id: str, dial: Dial) -> None:
+        """``dial``'s address answered as ``peer_id``: a host this tier lost that was dialled
+        there under another id (restarted with another ``--host-id``, a new pod on a reused IP)
+        is gone, and is not dialled again (its ended sessions are still released there); nor
+        is the address as a host down at its connect (``redial_if_down``), unless ``dial`` was
+        cancelled meanwhile (its host is then removed, and a dial asked since stands)."""
+        address = dial.address
+        if self._removed.get(address) is not dial:
+            self._pending.pop(address, None)
+        replaced = [
+            pid
+            for pid, d in self._dials.items()
+            if d.address == address
+            and pid != peer_id
+            and pid not in self._peers
+            and pid not in self._joining
+        ]
+        for pid in replaced:
+            del self._dials[pid]
+            self._remove_from_transport(pid)
+            logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
+
+    def _remove_from_transport(self, peer_id: str) -> None:
+        """The transport lets go of ``peer_id`` (logged, never raised: a closed transport holds
+        nothing): a lost peer that is not dialled again (its NIXL agent was parked for a
+        redial), or a registration abandoned while it runs (superseded: it never publishes)."""
+        try:
+            self.transport.remove_remote_peer(peer_id)
+        except Exception:
+            logger.exception("removing peer %s from the transport failed", peer_id)
 
     def _wants_dial(self, dial: Dial) -> bool:
         """Whether the redialer should go on dialling ``dial`` (lost, not removed)."""
