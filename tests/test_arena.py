@@ -172,7 +172,7 @@ def test_one_bare_key_in_place_of_a_list_of_keys_is_refused() -> None:
     # three one-character keys: an offload of that many pages stored them under those keys,
     # and a restore of one key looked up others.
     for bare in (b"abc", "abc", bytearray(b"abc"), memoryview(b"abc")):
-        with pytest.raises(TypeError, match=r"a sequence of keys.*\[key\]"):
+        with pytest.raises(TypeError, match=r"a sequence of keys.*\[(key|bytes\(\w+\))\]"):
             check_keys(bare)  # type: ignore[arg-type]
 
 

@@ -29,14 +29,14 @@ _MASK64 = (1 << 64) - 1
 
 
 def check_keys(keys: Sequence[Key]) -> list[Key]:
-    """Return ``keys`` as a list; ``TypeError`` for a non-key (a bool too) or one bytes or str
-    key in place of a sequence of keys, ``ValueError`` for a repeat, a key out of the limits
-    (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or more than ``MAX_KEYS_PER_CALL``
-    keys. A key of a subclass of bytes, str or int (an ``IntEnum``, say) is checked and
-    returned as its plain value. Per call: C-level passes for keys of exactly these types,
-    per-key Python only for subclasses or to word an error.
+    """Return ``keys`` as a list; ``TypeError`` for a non-key (a bool too), one key or a set in
+    place of a sequence of keys (``_not_one_key``), ``ValueError`` for a repeat, a key out of
+    the limits (``MAX_KEY_BYTES``, ``MIN_INT_KEY``..``MAX_INT_KEY``) or more than
+    ``MAX_KEYS_PER_CALL`` keys. A key of a subclass of bytes, str or int (an ``IntEnum``, say)
+    is checked and returned as its plain value. Per call: C-level passes for keys of exactly
+    these types, per-key Python only for subclasses or to word an error.
     """
-    out = list(not_one_key(keys))
+    out = list(_not_one_key(keys, ordered=True))
     if len(out) > MAX_KEYS_PER_CALL:
         raise ValueError(
             f"{len(out)} keys in one call; at most {MAX_KEYS_PER_CALL}: split the call"
@@ -53,14 +53,47 @@ def check_keys(keys: Sequence[Key]) -> list[Key]:
     return out
 
 
-def not_one_key(keys: Iterable[Key]) -> Iterable[Key]:
-    """``keys``, unless it is one bytes or str key (or bytes-like) passed in place of keys:
-    ``TypeError`` then (iterated, it would name the one-character or int keys it holds)."""
-    if isinstance(keys, bytes | str | bytearray | memoryview):
+def plain_keys(keys: Iterable[Key], *, ordered: bool) -> Sequence[Key]:
+    """``keys`` as a sequence of plain bytes, str or int keys, for a call that only looks them
+    up (``lookup``, ``holders``, ``touch``...): ``TypeError`` as ``check_keys`` words it for one
+    key or (when ``ordered``: the call answers per position) a set in place of keys, and for a
+    bool or another non-key (which would otherwise match the int key it equals). The limits and
+    repeats are not checked: a key out of them is simply not stored. Per call: one C-level pass
+    over the keys' types when each is exactly bytes, str or int.
+    """
+    keys = _not_one_key(keys, ordered=ordered)
+    if not isinstance(keys, Sequence):  # a generator, say: walked more than once
+        keys = list(keys)
+    if _KEY_TYPES.issuperset(map(type, keys)):
+        return keys
+    return [_plain(key) for key in keys]
+
+
+def plain_key(key: object) -> Key:
+    """``key`` as the plain bytes, str or int it is; ``TypeError`` as ``check_keys`` words it
+    for a bool or a non-key."""
+    return key if type(key) in _KEY_TYPES else _plain(key)  # type: ignore[return-value]
+
+
+def _not_one_key(keys: Iterable[Key], *, ordered: bool) -> Iterable[Key]:
+    """``keys``, unless it is one key or a buffer passed in place of keys (iterated, it would
+    name the one-character or int keys it holds), or, when ``ordered``, a set (its order is
+    arbitrary, so what a call answers or pairs per position would be too): ``TypeError`` then,
+    saying what to pass instead."""
+    if isinstance(keys, bytes | str):
+        advice = "pass [key]"
+    elif isinstance(keys, bytearray):
+        advice = "pass [bytes(key)]"
+    elif isinstance(keys, memoryview):
+        advice = "pass [bytes(view)] for one key, or view.tolist() for its items as int keys"
+    elif ordered and isinstance(keys, set | frozenset):
         raise TypeError(
-            f"keys must be a sequence of keys, got one {type(keys).__name__}: pass [key]"
+            f"keys must be a sequence of keys, got a {type(keys).__name__}, whose order is "
+            "arbitrary: pass a list, in the order the call answers or pairs them with blocks"
         )
-    return keys
+    else:
+        return keys
+    raise TypeError(f"keys must be a sequence of keys, got one {type(keys).__name__}: {advice}")
 
 
 def _plain(key: object) -> Key:
@@ -72,7 +105,10 @@ def _plain(key: object) -> Key:
         return str.__str__(key)
     if isinstance(key, int) and not isinstance(key, bool):
         return int.__index__(key)
-    raise TypeError(f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}")
+    advice = ""
+    if hasattr(type(key), "__index__") and not isinstance(key, bool):  # numpy's ints, say
+        advice = ": pass Python ints (a numpy array's .tolist() gives them)"
+    raise TypeError(f"keys must be bytes, str or int, got {type(key).__name__}: {key!r}{advice}")
 
 
 def key_problem(key: object) -> str | None:

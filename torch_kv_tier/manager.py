@@ -50,7 +50,7 @@ from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
-from torch_kv_tier.keys import Key, check_keys, not_one_key
+from torch_kv_tier.keys import Key, check_keys, plain_key, plain_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
 from torch_kv_tier.results import (
@@ -292,19 +292,21 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
     def lookup(self, keys: Sequence[Key]) -> int:
         """How many leading ``keys`` are stored (the prefix a scheduler can load), counting
         keys a host holds on its disk (``load`` promotes them first). Like every call taking
-        keys, raises ``TypeError`` for one bytes or str key passed in place of them."""
-        not_one_key(keys)
+        keys, raises ``TypeError`` for one key passed in place of them or a bool, as ``store``
+        does (``keys.plain_keys``)."""
+        keys = plain_keys(keys, ordered=True)
         with self._lock:
             return self._index.lookup(keys)
 
     def contains(self, key: Key) -> bool:
         """Whether ``key`` is stored in a peer's memory (ready to read at once)."""
+        key = plain_key(key)
         with self._lock:
             return self._index.holder(key) is not None
 
     def holders(self, keys: Sequence[Key]) -> list[str | None]:
         """The peer id each of ``keys`` is read from now (``None``: in no peer's memory)."""
-        not_one_key(keys)
+        keys = plain_keys(keys, ordered=True)
         with self._lock:
             return [None if p is None else p.peer_id for p in self._index.holders(keys)]
 
@@ -312,7 +314,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
         """Ask the hosts holding any of ``keys`` on their disk to bring them into DRAM (no
         wait); returns how many of ``keys`` are on a disk with their promotion awaited (a key
         the host did not promote within ``promotion_timeout_s`` is not counted)."""
-        not_one_key(keys)
+        keys = plain_keys(keys, ordered=False)
         with self._lock:
             if not self._index.has_disk_keys():
                 return 0
@@ -321,13 +323,13 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
     def touch(self, keys: Iterable[Key]) -> None:
         """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
         are ignored)."""
-        not_one_key(keys)
+        keys = plain_keys(keys, ordered=False)
         with self._lock:
             self._touch_shared(self._index.touch(keys))
 
     def discard(self, keys: Iterable[Key]) -> None:
         """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
-        keys = list(not_one_key(keys))  # walked twice
+        keys = plain_keys(keys, ordered=False)  # a sequence: walked twice
         with self._lock:
             for key in keys:
                 op = self._storing.pop(key, None)  # a later store of key starts afresh
