@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from torch_kv_tier.benchmarks import bench, engine_ttft, report, report_summary, serve_bench
 from torch_kv_tier.benchmarks.core import Call, Op
 from torch_kv_tier.benchmarks.system_memcpy import Memcpy
+from torch_kv_tier.benchmarks.system_nixl_raw import BareNixl
 
 REQUIRED = {
     "system", "op", "device", "pattern", "block_len", "batch", "inflight",
@@ -633,3 +635,61 @@ def test_call_cost_adds_the_median_of_paired_differences(
     assert call_cost.main(["--calls", "1", "--rounds", "3", "--batch", "2"]) == 0
     write = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("write"))
     assert write.split()[1:5] == ["20.0", "2.0", "9.0", "4.50"]
+
+
+def _refuse(*args: object, **kwargs: object) -> Any:
+    raise RuntimeError("NIXL_ERR_BACKEND")
+
+
+class _Agent:
+    """A ``nixl_agent`` stand-in that records what is released (its refusing step, set per
+    instance, holds no reference to the agent: only the ``BareNixl`` under test may)."""
+
+    def __init__(self, name: str, config: object) -> None:
+        self.released: list[str] = []
+
+    def register_memory(self, *args: object, **kwargs: object) -> str:
+        return "registration"
+
+    def prep_xfer_dlist(self, *args: object, **kwargs: object) -> str:
+        return "descriptors"
+
+    def deregister_memory(self, reg: str) -> None:
+        self.released.append(reg)
+
+    def release_dlist_handle(self, handle: str) -> None:
+        self.released.append(handle)
+
+
+@pytest.mark.parametrize(
+    ("refused", "released"),
+    [("register_memory", []), ("prep_xfer_dlist", ["registration"])],
+)
+def test_bare_nixl_releases_its_agent_and_registration_when_a_step_is_refused(
+    monkeypatch: pytest.MonkeyPatch, refused: str, released: list[str]
+) -> None:
+    """A refused registration left nixl_raw's agent alive (with the registration, when its
+    descriptor list was refused) for as long as anything held the error."""
+    api = pytest.importorskip("nixl._api")
+    agents: list[_Agent] = []
+
+    def make(name: str, config: object) -> _Agent:
+        agent = _Agent(name, config)
+        setattr(agent, refused, _refuse)
+        agents.append(agent)
+        return agent
+
+    monkeypatch.setattr(api, "nixl_agent", make)
+    with pytest.raises(RuntimeError, match="NIXL_ERR_BACKEND") as error:
+        BareNixl("test", torch.zeros(4, 64, dtype=torch.uint8), None)  # type: ignore[arg-type]
+    (agent,) = agents
+    assert agent.released == released
+    gone = weakref.ref(agent)
+    del agent, agents[:]
+    assert gone() is None, "the agent outlived the failed BareNixl"
+    assert error.value.args == ("NIXL_ERR_BACKEND",)
+
+
+def test_bare_nixl_refuses_an_arena_of_another_shape_before_it_makes_an_agent() -> None:
+    with pytest.raises(ValueError, match="blocks, block_len"):
+        BareNixl("test", torch.zeros(256, dtype=torch.uint8), None)  # type: ignore[arg-type]

@@ -56,14 +56,24 @@ class BareNixl:
     """
 
     def __init__(self, name: str, arena: torch.Tensor, target: Target) -> None:
+        """Register ``arena`` (a 2-D ``[blocks, block_len]`` tensor) and open a session with
+        ``target``'s host. On any failure, what was made (the agent, its registration, descriptor
+        lists, the session) is released before the error propagates."""
         from torch_kv_tier.transport.ucx_env import apply_ucx_policy
 
+        if arena.dim() != 2:
+            raise ValueError(f"arena must be [blocks, block_len], got shape {tuple(arena.shape)}")
         apply_ucx_policy()
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as exc:
             raise Skip(f"nixl not importable ({exc}); pip install nixl") from exc
         self.arena = arena
+        self._reg: Any = None
+        self._local: Any = None
+        self._session: Any = None
+        self._remote: Any = None
+        self._peer = ""
         self._agent: Any = nixl_agent(
             f"{name}-{uuid.uuid4().hex[:12]}",
             nixl_agent_config(enable_prog_thread=False, num_threads=_NUM_THREADS),
@@ -72,16 +82,15 @@ class BareNixl:
         device_id = (arena.device.index or 0) if arena.is_cuda else 0
         num_blocks, block_len = arena.shape
         base = arena.data_ptr()
-        self._reg = self._agent.register_memory(
-            [(base, arena.numel(), device_id, "")], mem_type=mem_type
-        )
-        self._local = self._agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _descs(base, num_blocks, block_len, device_id), mem_type=mem_type
-        )
-        self._session: Any = None
-        self._remote: Any = None
-        self._peer = ""
         try:
+            self._reg = self._agent.register_memory(
+                [(base, arena.numel(), device_id, "")], mem_type=mem_type
+            )
+            self._local = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                _descs(base, num_blocks, block_len, device_id),
+                mem_type=mem_type,
+            )
             self._session = open_session(
                 target, bytes(self._agent.get_agent_metadata()), base, num_blocks, mem_type
             )
@@ -132,15 +141,17 @@ class BareNixl:
                 return
 
     def close(self) -> None:
-        """Release handles, registration and the session (each step even if another fails)."""
+        """Release handles, registration and the session (each step even if another fails),
+        then the agent: every handle references it, so all are dropped and the agent goes now,
+        on this thread, not later by the collector. Safe on a part-built instance."""
         if self._agent is None:
             return
         agent, self._agent = self._agent, None
         steps = [
             lambda: self._remote is not None and agent.release_dlist_handle(self._remote),
             lambda: self._peer and agent.remove_remote_agent(self._peer),
-            lambda: agent.release_dlist_handle(self._local),
-            lambda: agent.deregister_memory(self._reg),
+            lambda: self._local is not None and agent.release_dlist_handle(self._local),
+            lambda: self._reg is not None and agent.deregister_memory(self._reg),
             lambda: self._session is not None and self._session.close(),
         ]
         for step in steps:
@@ -148,6 +159,7 @@ class BareNixl:
                 step()
             except Exception:  # teardown goes on; the process exits soon after
                 continue
+        self._remote = self._local = self._reg = None
 
 
 class NixlRaw(System):
