@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from torch_kv_tier import cli
 from torch_kv_tier.benchmarks import bench, engine_ttft, report, report_summary, serve_bench
 from torch_kv_tier.benchmarks.core import Call, Op
 from torch_kv_tier.benchmarks.system_memcpy import Memcpy
@@ -693,3 +695,76 @@ def test_bare_nixl_releases_its_agent_and_registration_when_a_step_is_refused(
 def test_bare_nixl_refuses_an_arena_of_another_shape_before_it_makes_an_agent() -> None:
     with pytest.raises(ValueError, match="blocks, block_len"):
         BareNixl("test", torch.zeros(256, dtype=torch.uint8), None)  # type: ignore[arg-type]
+
+
+def _python_m(module: str) -> Callable[[list[str]], int]:
+    main: Callable[[list[str]], int] = importlib.import_module(
+        f"torch_kv_tier.benchmarks.{module}"
+    ).main
+    return main
+
+
+def _command(name: str) -> Callable[[list[str]], int]:
+    return lambda argv: cli.main([name, *argv])
+
+
+# every command that writes its figures to a file it is given
+WRITERS = {
+    **{name: (_command(name), "--json") for name in (
+        "shared-stress", "chaos", "shared-bench", "digest-cost", "share-cost", "thread-cost",
+        "fleet-bench", "disk-bench",
+    )},
+    **{name: (_command(name), "--out") for name in ("bench", "stress", "serve-bench")},
+    **{name: (_python_m(name), "--json") for name in ("passive_progress", "split_cost")},
+    **{name: (_python_m(name), "--out") for name in (
+        "promotion_trace", "engine_ttft", "vllm_cpu_copy",
+    )},
+}  # fmt: skip
+
+
+class _Parsed(Exception):
+    """Raised once the arguments parsed: the command would run now."""
+
+
+@pytest.fixture
+def parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        parse(self, *args, **kwargs)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+@pytest.mark.usefixtures("parse_only")
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --json (or --out) path in a missing or unwritable directory failed only once the
+    whole run was over, its figures lost."""
+    main, option = WRITERS[name]
+    (tmp_path / "file").write_text("")
+    for bad, said in [(tmp_path / "file" / "x.json", "cannot create"), (tmp_path, "directory")]:
+        with pytest.raises(SystemExit) as exited:
+            main([option, str(bad)])
+        assert exited.value.code == 2
+        assert said in capsys.readouterr().err
+    with pytest.raises(_Parsed):  # a missing directory is made, as mkdir -p would
+        main([option, str(tmp_path / "new" / "x.json")])
+    assert (tmp_path / "new").is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any directory")
+@pytest.mark.usefixtures("parse_only")
+def test_an_output_file_in_a_read_only_directory_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["chaos", "--json", str(tmp_path / "x.json")])
+    finally:
+        tmp_path.chmod(0o700)
+    assert exited.value.code == 2 and "permission denied" in capsys.readouterr().err

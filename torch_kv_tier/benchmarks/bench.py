@@ -25,6 +25,7 @@ from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
 from torch_kv_tier.benchmarks.options import (
     list_of,
+    output_file,
     plot_file,
     positive,
     quiet_nixl,
@@ -137,7 +138,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ucx-tls",
         help="measure one transport: set UCX_TLS to this for the run and the embedded servers",
     )
-    parser.add_argument("--out", help="write the result rows to this JSON file")
+    parser.add_argument("--out", type=output_file, help="write the result rows to this JSON file")
     parser.add_argument("--plot", type=plot_file, help="draw GB/s against block size to this PNG")
     parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

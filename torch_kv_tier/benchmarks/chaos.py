@@ -44,6 +44,7 @@ from typing import Any
 import psutil
 
 from torch_kv_tier.benchmarks import chaos_worker as cw
+from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import Outcome, ucx_over_tcp
 from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER, FDS_PER_DEAD_PEER_TCP
 
@@ -348,7 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", type=int, default=512, help="key space (default 512)")
     parser.add_argument("--pause", type=float, default=0.005, help="s between a tier's calls")
     parser.add_argument("--seed", type=int, default=0, help="fault schedule seed")
-    parser.add_argument("--json", type=Path, help="write the figures as JSON to this file")
+    parser.add_argument("--json", type=output_file, help="write the figures as JSON to this file")
     parser.add_argument(
         "--tcp",
         action="store_true",

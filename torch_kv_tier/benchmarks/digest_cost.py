@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import xxhash
 
-from torch_kv_tier.benchmarks.options import list_of, positive, size, usable_cpus
+from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, usable_cpus
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.keys import Key
 
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:n]: a CUDA arena's digests"
     )
-    parser.add_argument("--json", help="write every figure to this JSON file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
 
 
 class _Cell:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks.disk_capacity import capacity, restart
-from torch_kv_tier.benchmarks.options import positive, size, usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, positive, size, usable_cpus
 from torch_kv_tier.remote.disk_store import DiskStore
 from torch_kv_tier.remote.disk_tier import MAX_SPILLS_IN_FLIGHT, SPILL_BATCH
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-capacity", action="store_true", help="throughput only (skip parts 2 and 3)"
     )
-    parser.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
 
 
 def _aligned(nbytes: int) -> np.ndarray:

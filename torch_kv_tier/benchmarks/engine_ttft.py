@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import plot_file, usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, plot_file, usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1984, help="shared prefix length")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write JSON (rows and summary) here")
+    parser.add_argument("--out", type=output_file, help="write JSON (rows and summary) here")
     parser.add_argument("--plot", type=plot_file, help="write a PNG here (needs matplotlib)")
     parser.add_argument(
         "--disk", action="store_true", help="give the host a disk tier; adds remote_disk"

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_kv_tier.benchmarks import fleet_figures
-from torch_kv_tier.benchmarks.options import list_of, positive, usable_cpus
+from torch_kv_tier.benchmarks.options import list_of, output_file, positive, usable_cpus
 
 # figure -> (bound, the statistic judged, what it means): the median over rounds, but movement
 # must hold at every fleet size, so its worst N is judged
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batches", type=positive, help="Events batches of 8192 keys per fan-out round (16)"
     )
-    parser.add_argument("--json", help="write the results here as JSON")
+    parser.add_argument("--json", type=output_file, help="write the results here as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

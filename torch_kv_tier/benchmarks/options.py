@@ -1,6 +1,6 @@
 """What every benchmark command shares: argument types for its options (sizes such as ``64K``,
-comma-separated lists, positive counts), quieting NIXL's own logging, and the number of CPUs a
-report states.
+comma-separated lists, positive counts, the files it writes), quieting NIXL's own logging, and
+the number of CPUs a report states.
 
 Each type raises ``argparse.ArgumentTypeError`` with what to type instead, so a bad option is
 refused before anything starts.
@@ -65,15 +65,40 @@ def positive(text: str) -> int:
     return value
 
 
+def output_file(text: str) -> Path:
+    """A file a command writes at the end of its run (``--json``, ``--out``, ``--plot``),
+    checked now rather than after the run: its directory is created when missing (as
+    ``mkdir -p``), and ``ArgumentTypeError`` says what to do when it cannot be, when the
+    directory or an existing file there is not writable, or when the path names a directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text} is a directory: name a file in it (e.g. {path / 'results.json'})"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(
+            f"cannot create the directory of {text} ({exc.strerror}): pick a path in a "
+            "writable directory"
+        ) from None
+    writable = os.access(path.parent, os.W_OK | os.X_OK)
+    if not writable or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(
+            f"{text} cannot be written (permission denied): pick a path in a writable directory"
+        )
+    return path
+
+
 def plot_file(text: str) -> Path:
-    """A PNG path for ``--plot``, refused at once when matplotlib is not installed (rather than
-    after the whole run, when the figures are drawn)."""
+    """A PNG path for ``--plot`` (an ``output_file``), refused at once when matplotlib is not
+    installed (rather than after the whole run, when the figures are drawn)."""
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
             "(or leave --plot out; the JSON has every figure)"
         )
-    return Path(text)
+    return output_file(text)
 
 
 def quiet_nixl() -> None:

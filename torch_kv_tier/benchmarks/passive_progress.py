@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import environment
 
 BLOCK = 4096
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle window (default 5 s)")
     parser.add_argument("--tries", type=int, default=100, help="latency tries (default 100)")
     parser.add_argument("--gap-ms", type=float, default=20.0, help="between tries (default 20)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     delays = (PROGRESS_DELAY_US, 0)
     rows = []

@@ -46,6 +46,7 @@ from torch_kv_tier.benchmarks.engine_ttft import (
     _ttft,
     run_conditions,
 )
+from torch_kv_tier.benchmarks.options import output_file
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1984)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write JSON (rows and summary) here")
+    parser.add_argument("--out", type=output_file, help="write JSON (rows and summary) here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

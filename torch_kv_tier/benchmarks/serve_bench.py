@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks import serve_report
-from torch_kv_tier.benchmarks.options import plot_file, usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, plot_file, usable_cpus
 from torch_kv_tier.benchmarks.serve_replicas import (
     Replica,
     busy_neighbour,
@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--busy", type=int, nargs="+", default=[0], help="busy neighbour processes per scenario"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the JSON here")
+    parser.add_argument("--out", type=output_file, help="write the JSON here")
     parser.add_argument("--plot", type=plot_file, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")
     parser.add_argument(

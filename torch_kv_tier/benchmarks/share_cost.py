@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import list_of, positive, size
+from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size
 from torch_kv_tier.benchmarks.shared_bench import _environment, _spread
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import protocol as p
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-slots", type=positive, help="the host's pool (default 16384)")
     parser.add_argument("--rounds", type=positive, help="rounds per figure (default 7)")
     parser.add_argument("--steps", type=positive, help="commits per session and round (100)")
-    parser.add_argument("--json", help="write every figure to this JSON file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
 
 
 def _timed(clock: dict[str, float], name: str, fn: Callable[..., Any], *args: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
-from torch_kv_tier.benchmarks.options import list_of, positive, size, usable_cpus
+from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, usable_cpus
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
 from torch_kv_tier.benchmarks.workers import Workers
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: connect()'s 10 s; 3 s with --quick)",
     )
     parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
-    parser.add_argument("--json", help="write every figure to this JSON file")
+    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

@@ -63,10 +63,9 @@ import random
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
@@ -288,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tiers hold the host's index compact (16 B per key; default: a dict at this size)",
     )
-    parser.add_argument("--json", type=Path, help="write the report as JSON to this file")
+    parser.add_argument("--json", type=output_file, help="write the report as JSON to this file")
 
 
 def run(args: argparse.Namespace) -> int:

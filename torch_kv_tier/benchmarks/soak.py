@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from torch_kv_tier.benchmarks.options import usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--close-timeout", type=float, default=1.0, help="close(timeout) in s")
     parser.add_argument("--block-len", type=int, default=4096, help="bytes per block")
-    parser.add_argument("--out", type=Path, help="write every figure as JSON to this file")
+    parser.add_argument("--out", type=output_file, help="write every figure as JSON to this file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import environment
 
 # (block length, blocks per transfer): 1,024 or more, so NIXL's default would split them.
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds (default 30)")
     parser.add_argument("--xfers", type=int, default=4, help="transfers in flight (default 4)")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.xfers < 1:
         parser.error("--rounds and --xfers must be at least 1")

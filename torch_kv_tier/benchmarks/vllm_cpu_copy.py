@@ -22,10 +22,11 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from torch_kv_tier.benchmarks.options import output_file
 
 SHAPES = {"tiny-llama": (2, 16384), "llama3-8b": (32, 131072)}  # layers, page bytes
 COPIES = ("store", "load", "memcpy")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=64, help="KV blocks per job")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=Path, help="write JSON here")
+    parser.add_argument("--out", type=output_file, help="write JSON here")
     args = parser.parse_args(argv)
     results = []
     print(f"{'shape':>11} {'job MiB':>8} {'store GB/s':>16} {'load GB/s':>16} {'memcpy GB/s':>16}")
