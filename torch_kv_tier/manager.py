@@ -6,7 +6,8 @@ peer), ``shared_host`` (one shared host's grants, waiting stores and commits), `
 the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its base
 ``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts),
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
-lost session, the redial; and that one's base ``session_releases``) and ``closing``
+lost session, the redial; and that one's base ``session_releases``), ``key_queries``
+(``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``) and ``closing``
 (``close``: cancel, end the sessions, settle the loads).
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,7 +51,8 @@ from torch_kv_tier.connections import Dial, EndedSessions, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
-from torch_kv_tier.keys import Key, check_keys, plain_key, plain_keys
+from torch_kv_tier.key_queries import KeyQueries
+from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
 from torch_kv_tier.results import (
@@ -73,7 +75,7 @@ _LATENCY_WINDOW = 4096
 PROMOTION_TIMEOUT_S = 5.0  # a load of a key on a host's disk waits this long for its promotion
 
 
-class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
+class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
     """Keeps KV blocks under logical keys on remote peers and brings them back.
 
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
@@ -288,54 +290,6 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts):
             ready = self._after_submit(request, peer_ids)
         resolve(ready)
         return request.future
-
-    def lookup(self, keys: Sequence[Key]) -> int:
-        """How many leading ``keys`` are stored (the prefix a scheduler can load), counting
-        keys a host holds on its disk (``load`` promotes them first). Like every call taking
-        keys, raises ``TypeError`` for one key passed in place of them or a bool, as ``store``
-        does (``keys.plain_keys``)."""
-        keys = plain_keys(keys, ordered=True)
-        with self._lock:
-            return self._index.lookup(keys)
-
-    def contains(self, key: Key) -> bool:
-        """Whether ``key`` is stored in a peer's memory (ready to read at once)."""
-        key = plain_key(key)
-        with self._lock:
-            return self._index.holder(key) is not None
-
-    def holders(self, keys: Sequence[Key]) -> list[str | None]:
-        """The peer id each of ``keys`` is read from now (``None``: in no peer's memory)."""
-        keys = plain_keys(keys, ordered=True)
-        with self._lock:
-            return [None if p is None else p.peer_id for p in self._index.holders(keys)]
-
-    def prefetch(self, keys: Sequence[Key]) -> int:
-        """Ask the hosts holding any of ``keys`` on their disk to bring them into DRAM (no
-        wait); returns how many of ``keys`` are on a disk with their promotion awaited (a key
-        the host did not promote within ``promotion_timeout_s`` is not counted)."""
-        keys = plain_keys(keys, ordered=False)
-        with self._lock:
-            if not self._index.has_disk_keys():
-                return 0
-            return sum(map(len, self._promote(list(keys)).values()))
-
-    def touch(self, keys: Iterable[Key]) -> None:
-        """Mark stored ``keys`` as recently used, so a full peer evicts them last (unknown keys
-        are ignored)."""
-        keys = plain_keys(keys, ordered=False)
-        with self._lock:
-            self._touch_shared(self._index.touch(keys))
-
-    def discard(self, keys: Iterable[Key]) -> None:
-        """Forget ``keys`` (unknown ones are ignored); a store in flight will not publish them."""
-        keys = plain_keys(keys, ordered=False)  # a sequence: walked twice
-        with self._lock:
-            for key in keys:
-                op = self._storing.pop(key, None)  # a later store of key starts afresh
-                if op is not None:
-                    op.discarded.add(key)
-            self._index.discard(keys)
 
     # -- observation --------------------------------------------------------------------------
 
