@@ -61,9 +61,10 @@ def plain_keys(keys: Iterable[Key], *, ordered: bool) -> Sequence[Key]:
     repeats are not checked: a key out of them is simply not stored. Per call: one C-level pass
     over the keys' types when each is exactly bytes, str or int.
     """
-    keys = _not_one_key(keys, ordered=ordered)
-    if not isinstance(keys, Sequence):  # a generator, say: walked more than once
-        keys = list(keys)
+    if type(keys) is not list and type(keys) is not tuple:  # the usual: no more to check
+        keys = _not_one_key(keys, ordered=ordered)
+        if not isinstance(keys, Sequence):  # a generator, say: walked more than once
+            keys = list(keys)
     if _KEY_TYPES.issuperset(map(type, keys)):
         return keys
     return [_plain(key) for key in keys]
