@@ -468,6 +468,50 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
         assert all(torch.equal(page(keys_c, 8 + i), expected[i]) for i in range(4))
 
 
+@contextlib.contextmanager
+def tcp_hosts(
+    monkeypatch: pytest.MonkeyPatch, count: int, seed: int
+) -> Iterator[tuple[PagedKVOffloader, list[ServerProcess], list[str]]]:
+    """``count`` hosts over UCX's TCP transport (a stopped host's reads stay on the wire) and an
+    offloader (4 arena slots, 3 s timeout) joined to all: it, the hosts and their peer ids."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    keys_c, values_c = random_caches(torch.float32, seed=seed)
+    with contextlib.ExitStack() as stack:
+        hosts = [
+            stack.enter_context(
+                ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"})
+            )
+            for _ in range(count)
+        ]
+        off = stack.enter_context(
+            PagedKVOffloader.create(
+                keys_c, values_c, remote=hosts[0].address, arena_blocks=4, timeout=3.0
+            )
+        )
+        # create's connect of it can fail (UCX "Connection refused" to an address the host
+        # advertised: another process's test veth, gone since) and is then dialled again
+        assert wait_for(lambda: len(off.manager.peers()) == 1, 30.0)
+        ids = [*off.manager.peers(), *(off.connect(host.address) for host in hosts[1:])]
+        assert all(ids)
+        yield off, hosts, ids
+
+
+def stored_pages(off: PagedKVOffloader, keys: list[bytes]) -> dict[bytes, list[torch.Tensor]]:
+    """Each of ``keys`` with the key and value pages ``off`` offloads under it from pages 0.."""
+    return {k: [page(off.key_caches, i), page(off.value_caches, i)] for i, k in enumerate(keys)}
+
+
+def restored_exactly(
+    off: PagedKVOffloader,
+    stored: dict[bytes, list[torch.Tensor]],
+    keys: list[bytes],
+    dst: list[int],
+) -> bool:
+    """Whether pages ``dst`` of ``off``'s caches hold what was ``stored`` under ``keys``."""
+    got = {k: [page(off.key_caches, p), page(off.value_caches, p)] for k, p in zip(keys, dst)}
+    return all(all(map(torch.equal, got[k], stored[k])) for k in keys)
+
+
 def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_working(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -476,29 +520,10 @@ def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_w
     # whole arena) and every later offload and restore failed with "capacity", the healthy
     # host's too, for as long as the host stayed frozen. Now one host's reads take at most half
     # the arena, and a restore stops before a key of a host whose reads are overdue.
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    keys_c, values_c = random_caches(torch.float32, seed=14)
     keys = [f"two-hosts-{i}".encode() for i in range(NUM_PAGES)]
-    env = {"UCX_TLS": "tcp"}
-    with (
-        ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env=env) as healthy,
-        ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env=env) as frozen,
-        PagedKVOffloader.create(
-            keys_c, values_c, remote=healthy.address, arena_blocks=4, timeout=3.0
-        ) as off,
-    ):
-        # create's connect of it can fail (UCX "Connection refused" to an address the host
-        # advertised: another process's test veth, gone since) and is then dialled again
-        assert wait_for(lambda: len(off.manager.peers()) == 1, 30.0)
-        (healthy_id,) = off.manager.peers()
-        frozen_id = off.connect(frozen.address)
-        assert frozen_id and off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
-        stored = {k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(keys)}
-
-        def restored_exactly(restored: list[bytes], dst: list[int]) -> bool:
-            got = {k: (page(keys_c, p), page(values_c, p)) for k, p in zip(restored, dst)}
-            return all(all(map(torch.equal, got[k], stored[k])) for k in restored)
-
+    with tcp_hosts(monkeypatch, 2, seed=14) as (off, (_, frozen), (healthy_id, frozen_id)):
+        assert off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
+        stored = stored_pages(off, keys)
         holders = off.manager.holders(keys)
         on_frozen = [k for k, h in zip(keys, holders) if h == frozen_id]
         on_healthy = [k for k, h in zip(keys, holders) if h == healthy_id]
@@ -508,26 +533,55 @@ def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_w
             assert off.restore(on_frozen[:4], [20, 21, 22, 23]) == 0
             assert off.manager.arena.num_free == 2  # the frozen host's read holds half
             mixed = [*on_healthy[:2], on_frozen[0]]  # stops before the overdue host, no slot
-            assert off.restore(mixed, [20, 21, 22]) == 2 and restored_exactly(mixed[:2], [20, 21])
+            assert off.restore(mixed, [20, 21, 22]) == 2
+            assert restored_exactly(off, stored, mixed[:2], [20, 21])
             assert off.manager.arena.num_free == 2
             # Once its session is lost, every page goes to the healthy host, through 2 slots.
             assert wait_for(lambda: off.manager.peers() == [healthy_id], 30.0)
             fresh = [f"while-frozen-{i}".encode() for i in range(6)]
-            stored.update({k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(fresh)})
+            stored.update(stored_pages(off, fresh))
             assert off.offload(range(6), fresh).result(timeout=30).ok
             assert off.restore(fresh, [12, 13, 14, 15, 16, 17]) == 6
-            assert restored_exactly(fresh, [12, 13, 14, 15, 16, 17])
+            assert restored_exactly(off, stored, fresh, [12, 13, 14, 15, 16, 17])
         finally:
             os.kill(frozen.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
         assert wait_for(lambda: len(off.manager.peers()) == 2, 30.0)  # it joined again
         again = [f"after-thaw-{i}".encode() for i in range(16)]
-        stored.update({k: (page(keys_c, i), page(values_c, i)) for i, k in enumerate(again)})
+        stored.update(stored_pages(off, again))
         assert off.offload(range(16), again).result(timeout=30).ok
         assert frozen_id in off.manager.holders(again)  # its reads are no longer overdue:
         assert off.restore(again, list(range(8, 24))) == 16
-        assert restored_exactly(again, list(range(8, 24)))
+        assert restored_exactly(off, stored, again, list(range(8, 24)))
         assert off.manager.arena.num_free == 4
+
+
+def test_two_frozen_hosts_leave_the_healthy_host_arena_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each frozen host's reads held half the whole arena: two frozen hosts held all of it, and
+    # the healthy host's restores and offloads failed ("capacity") while they stayed frozen.
+    # Now a host's batch takes at most half the slots that overdue reads leave: the first
+    # frozen host holds 2 of 4 slots, the second 1, and the healthy host keeps working.
+    keys = [f"three-hosts-{i}".encode() for i in range(NUM_PAGES)]
+    with tcp_hosts(monkeypatch, 3, seed=15) as (off, hosts, ids):
+        assert off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
+        stored = stored_pages(off, keys)
+        holders = off.manager.holders(keys)
+        on = [[k for k, h in zip(keys, holders) if h == peer] for peer in ids]
+        assert all(len(held) >= 2 for held in on)
+        for host in hosts[1:]:
+            stop_process(host.proc.pid)
+        try:
+            assert off.restore(on[1][:2], [20, 21]) == 0
+            assert off.restore(on[2][:2], [22, 23]) == 0
+            assert off.manager.arena.num_free == 1  # 2 held by the first, 1 by the second
+            assert off.restore(on[0][:2], [20, 21]) == 2  # in two batches of one slot
+            assert restored_exactly(off, stored, on[0][:2], [20, 21])
+        finally:
+            for host in hosts[1:]:
+                os.kill(host.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
 
 
 def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:

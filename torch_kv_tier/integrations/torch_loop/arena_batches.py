@@ -12,9 +12,13 @@ pending, which ``PagedKVOffloader.flush`` waits for.
 A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
 may be never. So a restore batch reads from each host separately, and a restore stops before
 the first key of a host whose reads timed out until they end (``_overdue``). With more than one
-host, a batch reads at most half the arena (rounded down, at least one slot) from one host (the
-cost: a longer prefix on one host goes in more round trips): one frozen host holds at most that
-many slots, and the other hosts' offloads and restores keep the rest.
+host, a batch reads from one host at most half the slots that overdue reads leave (rounded
+down, at least one; the cost: a longer prefix on one host goes in more round trips). So the
+first frozen host holds at most half the arena, a second one half the rest, and so on: ``k``
+frozen hosts leave the other hosts' offloads and restores at least ``arena >> k`` slots (none
+once that is 0: a batch always takes one slot, so that small arenas work). Half the free slots
+would make the cap depend on the stores in flight at the time; ``arena / (hosts + 1)`` would
+cut every batch to a third of the arena with two hosts, frozen or not.
 
 Threading: ``store_all``, ``load_prefix`` (and ``store``/``load``, of one batch) and
 ``wait_idle`` run on the offloader's caller thread (the generation loop); store completions run
@@ -216,12 +220,13 @@ class ArenaBatches:
     def _batch(self, keys: list[Key]) -> list[str | None]:
         """The host of each leading key of ``keys`` the next restore batch reads: up to the
         first key of a host whose reads are overdue, or (with several hosts) one past half the
-        arena on one host."""
+        slots that overdue reads leave (at least one) on one host."""
         holders = self._manager.holders(keys)
-        size = self._manager.arena.num_blocks
-        per_host = max(1, size // 2) if len(self._manager.peers()) > 1 else size
+        several = len(self._manager.peers()) > 1
         with self._lock:
             overdue = set(self._overdue)
+            room = self._manager.arena.num_blocks - self._stuck
+        per_host = max(1, room // 2 if several else room)
         if not overdue and len(holders) <= per_host:  # the usual: nothing to cut, no per-key pass
             return holders
         counts: Counter[str | None] = Counter()

@@ -295,10 +295,10 @@ class PagedKVOffloader:
         remote shortens the prefix, down to 0, instead of raising (``strict`` raises
         ``OffloadError`` when a key that ``lookup`` reported stored fails to load); a host
         whose reads timed out is not read from again until they end (its keys end the prefix
-        at once), and with several hosts holds at most half the arena (at least one slot)
-        meanwhile. Raises ``ValueError`` for bad arguments. A failed copy into the cache (out
-        of memory, say) raises ``OffloadError`` in either mode, naming the pages written before
-        it and those it may have partly written.
+        at once), and with several hosts holds meanwhile at most half the arena slots that
+        other such hosts leave (at least one slot). Raises ``ValueError`` for bad arguments.
+        A failed copy into the cache (out of memory, say) raises ``OffloadError`` in either
+        mode, naming the pages written before it and those it may have partly written.
         """
         keys, pages = self._check_args(keys, page_ids, "restore")
         if len(set(pages)) != len(pages):
