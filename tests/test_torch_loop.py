@@ -16,11 +16,12 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from remote_support import SilentHosts, free_port, wait_for
+from remote_support import SilentHosts, fake_session, free_port, wait_for
 
 from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.benchmarks.reliability_common import stop_process
@@ -582,6 +583,32 @@ def test_two_frozen_hosts_leave_the_healthy_host_arena_slots(
             for host in hosts[1:]:
                 os.kill(host.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
+
+
+def test_a_restore_counts_the_keys_on_a_hosts_disk_as_that_hosts(tmp_path: Path) -> None:
+    # A key a host holds on its disk only is promoted there and read from it, but the tier
+    # named no holder for it: a restore's per-host cap and its overdue hosts counted all disk
+    # keys, of every host, as one host's (a frozen host's could take a second share of the
+    # arena; its overdue reads stopped the restore at every other host's disk keys).
+    keys_c, values_c = random_caches(torch.float32, seed=16)
+    keys = [f"on-disk-{i}".encode() for i in range(NUM_PAGES)]
+    disk = ["--disk", str(tmp_path), "--disk-bytes", str(64 * BLOCK_LEN), "--disk-admit", "1"]
+    with (
+        ServerProcess.start(8, BLOCK_LEN, host="127.0.0.1", extra_args=disk) as server,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=server.address, arena_blocks=8, timeout=10.0
+        ) as off,
+    ):
+        assert wait_for(lambda: len(off.manager.peers()) == 1, 30.0)
+        for i in range(0, NUM_PAGES, 8):  # each batch copied to disk before the next evicts it
+            assert off.offload(range(i, i + 8), keys[i : i + 8]).result(timeout=30).ok
+            with fake_session(server.address, block_len=BLOCK_LEN, private=False) as session:
+                assert wait_for(lambda: session.stats()["disk_copies"] >= i + 8, 10.0)  # noqa: B023
+        assert off.lookup(keys) == NUM_PAGES
+        assert not all(map(off.manager.contains, keys))  # some are on its disk only
+        assert off.manager.holders(keys) == off.manager.peers() * NUM_PAGES
+        assert off.restore(keys[:8], list(range(16, 24))) == 8
+        assert all(torch.equal(page(keys_c, 16 + i), page(keys_c, i)) for i in range(8))
 
 
 def test_offload_waits_for_arena_slots_at_most_timeout_in_all() -> None:

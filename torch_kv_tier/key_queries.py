@@ -52,10 +52,17 @@ class KeyQueries:
             return self._index.holder(key) is not None
 
     def holders(self, keys: Sequence[Key]) -> list[str | None]:
-        """The peer id each of ``keys`` is read from now (``None``: in no peer's memory)."""
+        """The peer id each of ``keys`` is read from now: the peer holding it in memory, else
+        the host holding it on its disk only (``load`` promotes it there first); ``None``: in
+        neither."""
         keys = plain_keys(keys, ordered=True)
         with self._lock:
-            return [None if p is None else p.peer_id for p in self._index.holders(keys)]
+            ids = [None if p is None else p.peer_id for p in self._index.holders(keys)]
+            if None in ids and self._index.has_disk_keys():
+                for host, positions in self._index.on_disk(keys).items():
+                    for i in positions:
+                        ids[i] = ids[i] or host.peer_id
+            return ids
 
     def prefetch(self, keys: Iterable[Key]) -> int:
         """Ask the hosts holding any of ``keys`` on their disk to bring them into DRAM (no
