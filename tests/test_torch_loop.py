@@ -36,7 +36,9 @@ from torch_kv_tier.integrations.torch_loop import (
 from torch_kv_tier.integrations.torch_loop import keys as keys_module
 from torch_kv_tier.integrations.torch_loop.example import main as example_main
 from torch_kv_tier.integrations.torch_loop.example import run_demo
+from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
 from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
+from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.results import TransferResult
@@ -459,7 +461,7 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
             assert off.manager.arena.num_free == 0  # the read may still land there
             started = time.monotonic()
             late = off.offload([4], [b"while-frozen"]).result(timeout=30)
-            assert late.failed == {b"while-frozen": "capacity"}
+            assert late.failed == {b"while-frozen": OVERDUE}
             assert off.restore(keys[:1], [12]) == 0
             assert time.monotonic() - started < 2.0  # not a timeout (3 s) each
         finally:
@@ -582,6 +584,41 @@ def test_two_frozen_hosts_leave_the_healthy_host_arena_slots(
         finally:
             for host in hosts[1:]:
                 os.kill(host.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
+
+
+def test_offloads_to_a_frozen_host_leave_the_healthy_hosts_arena_slots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A store to a frozen host waits for its grant until its session is lost (10 s), and so
+    # did the arena slots of its whole batch, the healthy host's pages too: for those 10 s
+    # every offload and restore waited a whole timeout for slots, then failed ("capacity").
+    # Now a batch stores to each host separately, the stores under way to one host hold at
+    # most half the arena, and the keys of a host whose stores are past their timeout fail at
+    # once ("host overdue"). An offload of more than half the arena to the frozen host waits
+    # (here once) for the host's share until that timeout.
+    with tcp_hosts(monkeypatch, 2, seed=17) as (off, (_, frozen), (healthy_id, frozen_id)):
+        peers = off.manager.peers()
+        keys = [f"store-while-frozen-{i}".encode() for i in range(64)]
+        to_healthy = [k for k in keys if home_peer(k, peers) == healthy_id]
+        to_frozen = [k for k in keys if home_peer(k, peers) == frozen_id]
+        stored = stored_pages(off, to_healthy[:4])
+        assert off.offload(range(4), to_healthy[:4]).result(timeout=30).ok
+        stop_process(frozen.proc.pid)
+        try:
+            mixed = [to_frozen[0], to_frozen[1], to_healthy[4], to_frozen[2]]
+            stuck = off.offload(range(4, 8), mixed)  # the third for the frozen host waits
+            assert wait_for(lambda: off.manager.arena.num_free == 2, 10.0)  # 2 frozen host's
+            assert off.offload(range(8, 10), to_healthy[5:7]).result(timeout=30).ok
+            assert off.restore(to_healthy[:4], [20, 21, 22, 23]) == 4
+            assert restored_exactly(off, stored, to_healthy[:4], [20, 21, 22, 23])
+            late = off.offload([10, 11], [to_frozen[3], to_healthy[7]]).result(timeout=30)
+            assert late.keys == [to_healthy[7]] and late.failed == {to_frozen[3]: OVERDUE}
+            assert off.manager.arena.num_free == 2 and not stuck.done()
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        done = stuck.result(timeout=30)
+        assert to_healthy[4] in done.keys and done.failed.get(to_frozen[2]) == OVERDUE
         assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)  # no slot leaked
 
 

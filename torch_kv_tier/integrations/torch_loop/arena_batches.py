@@ -10,15 +10,10 @@ out or whose wait was interrupted, which may still land). It also counts the off
 pending, which ``PagedKVOffloader.flush`` waits for.
 
 A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
-may be never. So a restore batch reads from each host separately, and a restore stops before
-the first key of a host whose reads timed out until they end (``_overdue``). With more than one
-host, a batch reads from one host at most half the slots that overdue reads leave (rounded
-down, at least one; the cost: a longer prefix on one host goes in more round trips). So the
-first frozen host holds at most half the arena, a second one half the rest, and so on: ``k``
-frozen hosts leave the other hosts' offloads and restores at least ``arena >> k`` slots (none
-once that is 0: a batch always takes one slot, so that small arenas work). Half the free slots
-would make the cap depend on the stores in flight at the time; ``arena / (hosts + 1)`` would
-cut every batch to a third of the arena with two hosts, frozen or not.
+may be never, and those of its stores until its session is lost. So a batch reads from, and
+stores to, each host separately (its slots of one host come back when that host's transfer
+ended), takes at most a share of the arena from one host, and skips hosts that hold slots past
+their timeout (:mod:`.host_shares`).
 
 Threading: ``store_all``, ``load_prefix`` (and ``store``/``load``, of one batch) and
 ``wait_idle`` run on the offloader's caller thread (the generation loop); store completions run
@@ -34,17 +29,17 @@ import functools
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from concurrent.futures import Future, wait
 
+from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE, HostShares, fitting
 from torch_kv_tier.integrations.torch_loop.offload_results import (
     Batch,
     OffloadError,
     failed_now,
 )
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
-from torch_kv_tier.keys import Key
+from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import TransferResult
 
@@ -64,18 +59,38 @@ class ArenaBatches:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
-        self._stuck = 0  # slots of restores that timed out, held until their reads end
-        self._overdue: Counter[str | None] = Counter()  # those slots by host (peer id)
+        self._shares = HostShares(manager.arena.num_blocks)  # hosts past their timeout
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that
-        restores which timed out leave; each batch's keys and future, for
-        :func:`.offload_results.combine`."""
-        keys, batches, lo = list(todo), [], 0
-        while lo < len(keys):
-            chunk = keys[lo : lo + (self._room() or len(keys))]  # none left: all fail at once
-            batches.append((chunk, self.store(chunk, [todo[k] for k in chunk], deadline)))
-            lo += len(chunk)
+        overdue hosts leave, each taking at most its share from one host; the keys of an
+        overdue host fail at once (:data:`.host_shares.OVERDUE`). Each part's keys and future,
+        for :func:`.offload_results.combine`."""
+        keys, batches = list(todo), []
+        peers = self._manager.peers()
+        several = len(peers) > 1
+        if several:
+            homes = [home_peer(k, peers) for k in keys]
+        else:  # the usual: one host (or none), no per-key pass
+            homes = [peers[0] if peers else None] * len(keys)
+        while keys:
+            with self._lock:
+                held = self._shares.overdue()
+            if held and held.keys() & set(homes):  # no slot for a host that may not give it back
+                batches.append(_fail_hosts(keys, homes, held, OVERDUE))
+                keys, homes = _others(keys, homes, held)
+                continue
+            n = self._store_batch(homes, several, deadline)
+            if not n:  # out of time, its first key's host's share still held by its stores
+                with self._lock:
+                    late = homes[0] in self._shares.overdue()
+                batches.append(
+                    _fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity")
+                )
+                keys, homes = _others(keys, homes, {homes[0]})
+                continue
+            batches.extend(self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline))
+            keys, homes = keys[n:], homes[n:]
         return batches
 
     def load_prefix(self, keys: list[Key], pages: list[int], deadline: float) -> int:
@@ -102,28 +117,37 @@ class ArenaBatches:
                 break
         return restored
 
-    def store(self, keys: list[Key], pages: list[int], deadline: float) -> Future[TransferResult]:
+    def store(
+        self, keys: list[Key], pages: list[int], homes: list[str | None], deadline: float
+    ) -> list[Batch]:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
-        under ``keys``; the pages may change once this returns. The future fails every key
-        with "capacity" when no slots came in time, or with the tier's refusal; a failed copy
-        raises (its slots are back, nothing was sent)."""
+        under ``keys``, one store per host (``homes``: each key's), whose slots come back when
+        it resolved (overdue once ``deadline`` passed); the pages may change once this returns.
+        Each store's keys and future, which fails every key with "capacity" when no slots came
+        in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
+        was sent)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
-            return failed_now(keys, "capacity", self._no_slots())
+            return [(keys, failed_now(keys, "capacity", self._no_slots()))]
         try:
             self._pages.gather(pages, slots)
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
             self._release(slots)
             raise
-        try:
-            future = self._manager.store(keys, slots)
-        except Exception as exc:
-            self._release(slots)
-            return failed_now(keys, str(exc), "tier refused the store")
-        with self._lock:
-            self._pending.add(future)
-        future.add_done_callback(lambda done: self._release(slots, done))
-        return future
+        stores: list[Batch] = []
+        for host, (host_keys, host_slots) in _by_host(keys, homes, slots).items():
+            try:
+                future = self._manager.store(host_keys, host_slots)
+            except Exception as exc:
+                self._release(host_slots)
+                stores.append((host_keys, failed_now(host_keys, str(exc), "tier refused a store")))
+                continue
+            with self._lock:
+                self._pending.add(future)
+                self._shares.store_started(future, host, len(host_slots), deadline)
+            future.add_done_callback(functools.partial(self._release, host_slots))
+            stores.append((host_keys, future))
+        return stores
 
     def load(
         self, keys: list[Key], holders: list[str | None], pages: list[int], deadline: float
@@ -205,8 +229,7 @@ class ArenaBatches:
         for future in unended:  # the tier may still write into these slots
             host, slots = reads[future]
             with self._lock:
-                self._stuck += len(slots)
-                self._overdue[host] += len(slots)
+                self._shares.read_overdue(host, len(slots))
             held.update(slots)
             future.add_done_callback(functools.partial(self._read_ended, host, slots))
             log.warning(
@@ -219,24 +242,36 @@ class ArenaBatches:
 
     def _batch(self, keys: list[Key]) -> list[str | None]:
         """The host of each leading key of ``keys`` the next restore batch reads: up to the
-        first key of a host whose reads are overdue, or (with several hosts) one past half the
-        slots that overdue reads leave (at least one) on one host."""
+        first key of an overdue host, or one past a host's share (:mod:`.host_shares`)."""
         holders = self._manager.holders(keys)
         several = len(self._manager.peers()) > 1
         with self._lock:
-            overdue = set(self._overdue)
-            room = self._manager.arena.num_blocks - self._stuck
-        per_host = max(1, room // 2 if several else room)
-        if not overdue and len(holders) <= per_host:  # the usual: nothing to cut, no per-key pass
+            held = self._shares.overdue()
+            per_host = self._shares.per_host(held, several)
+        if not held and len(holders) <= per_host:  # the usual: nothing to cut, no per-key pass
             return holders
-        counts: Counter[str | None] = Counter()
-        for i, host in enumerate(holders):
-            counts[host] += 1
-            if host in overdue or counts[host] > per_host:
-                if host in overdue:
-                    log.info("restore stops at a key of %s, whose reads are overdue", host)
-                return holders[:i]
-        return holders
+        n = fitting(holders, per_host, held)
+        if n < len(holders) and holders[n] in held:
+            log.info("restore stops at a key of %s, whose transfers are overdue", holders[n])
+        return holders[:n]
+
+    def _store_batch(self, homes: list[str | None], several: bool, deadline: float) -> int:
+        """How many of the keys whose hosts are ``homes`` the next store batch takes: those the
+        slots of overdue hosts leave room for, with ``several`` hosts each host's share less its
+        stores under way, waiting (until ``deadline``) while the first key's host has none left
+        (0: it had none by then); all of them once no room is left (they fail at once)."""
+        with self._lock:
+            while True:
+                held = self._shares.overdue()
+                room = self._shares.room(held)
+                if not several or not room:
+                    return min(room, len(homes)) or len(homes)
+                per_host = self._shares.per_host(held, several)
+                n = fitting(homes[:room], per_host, (), self._shares.storing())
+                left = deadline - time.monotonic()
+                if n or left <= 0:
+                    return n
+                self._changed.wait(left)
 
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
         """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
@@ -246,20 +281,22 @@ class ArenaBatches:
         with self._lock:
             while arena.num_free < n:
                 left = deadline - time.monotonic()
-                if left <= 0 or n > arena.num_blocks - self._stuck:
+                if left <= 0 or n > self._shares.room(self._shares.overdue()):
                     return None
                 self._changed.wait(left)
             return arena.allocate(n)
 
     def _room(self) -> int:
-        """How many slots a batch may take: those restores that timed out do not hold."""
+        """How many slots a batch may take: those overdue hosts do not hold."""
         with self._lock:
-            return self._manager.arena.num_blocks - self._stuck
+            return self._shares.room(self._shares.overdue())
 
     def _no_slots(self) -> str:
         with self._lock:
-            stuck = self._stuck
-        held = f" ({stuck} held by restores that timed out, until their reads end)" if stuck else ""
+            stuck = self._shares.overdue().total()
+        held = (
+            f" ({stuck} held by hosts past the timeout, until their transfers end)" if stuck else ""
+        )
         return f"no free arena slots within the timeout{held}"
 
     def _retire(self, offload: Future[TransferResult]) -> None:
@@ -271,10 +308,7 @@ class ArenaBatches:
     def _read_ended(self, host: str | None, slots: list[int], _: object) -> None:
         """A timed-out restore's read from ``host`` into ``slots`` ended: they are free again."""
         with self._lock:
-            self._stuck -= len(slots)
-            self._overdue[host] -= len(slots)
-            if not self._overdue[host]:
-                del self._overdue[host]
+            self._shares.read_ended(host, len(slots))
         self._release(slots)
 
     def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
@@ -283,7 +317,25 @@ class ArenaBatches:
             self._manager.arena.free(slots)
             if store is not None:
                 self._pending.discard(store)
+                self._shares.store_ended(store)
             self._changed.notify_all()
+
+
+def _fail_hosts(
+    keys: list[Key], homes: list[str | None], hosts: Container[str | None], reason: str
+) -> Batch:
+    """The ``keys`` whose ``homes`` are among ``hosts``, failed at once with ``reason``."""
+    failed = [k for k, home in zip(keys, homes) if home in hosts]
+    named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
+    return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
+
+
+def _others(
+    keys: list[Key], homes: list[str | None], hosts: Container[str | None]
+) -> tuple[list[Key], list[str | None]]:
+    """The ``keys`` (and their ``homes``) whose homes are not among ``hosts``."""
+    kept = [(k, home) for k, home in zip(keys, homes) if home not in hosts]
+    return [k for k, _ in kept], [home for _, home in kept]
 
 
 def _by_host(

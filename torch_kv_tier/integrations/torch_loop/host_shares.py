@@ -1,0 +1,106 @@
+"""Which hosts hold the offloader's arena slots past its timeout, and each host's share of a batch.
+
+A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until
+it resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen
+host: until its session is lost, about 10 s). A host with either past its call's deadline is
+*overdue*: a restore stops before its first key and an offload fails its keys at once
+(:data:`OVERDUE`) until they end, so that it takes no more slots, and the slots it holds are out
+of the *room* that batches are sized to. With more than one host, a batch takes from one host at
+most half the room (rounded down, at least one; the cost: a longer run of keys on one host goes
+in more round trips). So the first frozen host holds at most half the arena, a second one half
+the rest, and so on (an offload's batches do not wait for each other's stores, so a host's
+stores under way count against its share, and a batch whose first key's host has no share left
+waits for them): ``k`` frozen hosts leave the other hosts' offloads and restores at least
+``arena >> k`` slots (none once that is 0: a batch always takes one slot, so that small arenas
+work). Half the free slots would make the cap depend on the stores in flight at the time;
+``arena / (hosts + 1)`` would cut every batch to a third of the arena with two hosts, frozen or
+not.
+
+Threading: :class:`HostShares` is not locked; its owner (``ArenaBatches``) calls it under its
+own lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Container, Sequence
+from concurrent.futures import Future
+
+from torch_kv_tier.results import TransferResult
+
+__all__ = ["OVERDUE", "HostShares", "fitting"]
+
+OVERDUE = "host overdue"  # offload of a key whose host's reads or stores are past their timeout
+
+
+class HostShares:
+    """The arena slots of ``size`` that overdue hosts hold (module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._reads: Counter[str | None] = Counter()  # slots of reads that timed out, by host
+        # each store under way: its host, slots and offload's deadline
+        self._stores: dict[Future[TransferResult], tuple[str | None, int, float]] = {}
+
+    def read_overdue(self, host: str | None, slots: int) -> None:
+        """A read of ``slots`` slots from ``host`` timed out; it holds them until it ends."""
+        self._reads[host] += slots
+
+    def read_ended(self, host: str | None, slots: int) -> None:
+        """A read that :meth:`read_overdue` counted ended."""
+        self._reads[host] -= slots
+        if not self._reads[host]:
+            del self._reads[host]
+
+    def store_started(
+        self, store: Future[TransferResult], host: str | None, slots: int, deadline: float
+    ) -> None:
+        """``store`` to ``host`` holds ``slots`` slots; overdue once ``deadline`` passed."""
+        self._stores[store] = host, slots, deadline
+
+    def store_ended(self, store: Future[TransferResult]) -> None:
+        """``store`` (of :meth:`store_started`) resolved; unknown ones are ignored."""
+        self._stores.pop(store, None)
+
+    def overdue(self) -> Counter[str | None]:
+        """The slots overdue reads and stores hold now, by host."""
+        held = Counter(self._reads)
+        now = time.monotonic()
+        for host, slots, deadline in self._stores.values():
+            if deadline <= now:
+                held[host] += slots
+        return held
+
+    def storing(self) -> Counter[str | None]:
+        """The slots stores under way hold now, by host."""
+        held: Counter[str | None] = Counter()
+        for host, slots, _ in self._stores.values():
+            held[host] += slots
+        return held
+
+    def room(self, held: Counter[str | None]) -> int:
+        """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""
+        return self.size - held.total()
+
+    def per_host(self, held: Counter[str | None], several: bool) -> int:
+        """The most slots a batch takes from one host, given ``held``; ``several``: whether the
+        tier has more than one host."""
+        room = self.room(held)
+        return max(1, room // 2 if several else room)
+
+
+def fitting(
+    holders: Sequence[str | None],
+    per_host: int,
+    stop: Container[str | None],
+    used: Counter[str | None] | None = None,
+) -> int:
+    """How many leading ``holders`` (one host per key) a batch takes: up to the first one in
+    ``stop``, or one past ``per_host`` of one host, counting the slots it ``used`` already."""
+    counts: Counter[str | None] = Counter(used)
+    for i, host in enumerate(holders):
+        counts[host] += 1
+        if host in stop or counts[host] > per_host:
+            return i
+    return len(holders)
