@@ -559,13 +559,15 @@ def test_a_frozen_host_holds_at_most_half_the_arena_and_the_healthy_host_keeps_w
         assert off.manager.arena.num_free == 4
 
 
+@pytest.mark.parametrize("first", ["restore", "offload"])
 def test_two_frozen_hosts_leave_the_healthy_host_arena_slots(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, first: str
 ) -> None:
     # Each frozen host's reads held half the whole arena: two frozen hosts held all of it, and
     # the healthy host's restores and offloads failed ("capacity") while they stayed frozen.
-    # Now a host's batch takes at most half the slots that overdue reads leave: the first
-    # frozen host holds 2 of 4 slots, the second 1, and the healthy host keeps working.
+    # Now a host's batch takes at most half the slots that overdue hosts and other hosts'
+    # stores under way leave: the first frozen host holds 2 of 4 slots (a restore's that timed
+    # out, or an offload's waiting for the host), the second 1, and the healthy host works.
     keys = [f"three-hosts-{i}".encode() for i in range(NUM_PAGES)]
     with tcp_hosts(monkeypatch, 3, seed=15) as (off, hosts, ids):
         assert off.offload(range(NUM_PAGES), keys).result(timeout=30).ok
@@ -573,14 +575,20 @@ def test_two_frozen_hosts_leave_the_healthy_host_arena_slots(
         holders = off.manager.holders(keys)
         on = [[k for k, h in zip(keys, holders) if h == peer] for peer in ids]
         assert all(len(held) >= 2 for held in on)
+        fresh = [f"three-hosts-fresh-{i}".encode() for i in range(64)]
+        to = [[k for k in fresh if home_peer(k, ids) == peer] for peer in ids]
         for host in hosts[1:]:
             stop_process(host.proc.pid)
         try:
-            assert off.restore(on[1][:2], [20, 21]) == 0
+            if first == "restore":
+                assert off.restore(on[1][:2], [20, 21]) == 0
+            else:
+                assert not off.offload([20, 21], to[1][:2]).done()
             assert off.restore(on[2][:2], [22, 23]) == 0
             assert off.manager.arena.num_free == 1  # 2 held by the first, 1 by the second
             assert off.restore(on[0][:2], [20, 21]) == 2  # in two batches of one slot
             assert restored_exactly(off, stored, on[0][:2], [20, 21])
+            assert off.offload([6], to[0][:1]).result(timeout=30).ok
         finally:
             for host in hosts[1:]:
                 os.kill(host.proc.pid, signal.SIGCONT)

@@ -81,7 +81,7 @@ class ArenaBatches:
                 keys, homes = _others(keys, homes, held)
                 continue
             n = self._store_batch(homes, several, deadline)
-            if not n:  # out of time, its first key's host's share still held by its stores
+            if not n:  # its first key's host is overdue, or its share was still held in time
                 with self._lock:
                     late = homes[0] in self._shares.overdue()
                 batches.append(
@@ -246,11 +246,14 @@ class ArenaBatches:
         holders = self._manager.holders(keys)
         several = len(self._manager.peers()) > 1
         with self._lock:
-            held = self._shares.overdue()
-            per_host = self._shares.per_host(held, several)
-        if not held and len(holders) <= per_host:  # the usual: nothing to cut, no per-key pass
-            return holders
-        n = fitting(holders, per_host, held)
+            held, storing = self._shares.overdue(), self._shares.storing()
+
+        def share(host: str | None) -> int:
+            return self._shares.share(host, held, storing, several)
+
+        if not held and (not several or not storing and len(holders) <= share(None)):
+            return holders  # the usual: nothing to cut (one host: the batch fits), no per-key pass
+        n = fitting(holders, share, held)
         if n < len(holders) and holders[n] in held:
             log.info("restore stops at a key of %s, whose transfers are overdue", holders[n])
         return holders[:n]
@@ -258,18 +261,20 @@ class ArenaBatches:
     def _store_batch(self, homes: list[str | None], several: bool, deadline: float) -> int:
         """How many of the keys whose hosts are ``homes`` the next store batch takes: those the
         slots of overdue hosts leave room for, with ``several`` hosts each host's share less its
-        stores under way, waiting (until ``deadline``) while the first key's host has none left
-        (0: it had none by then); all of them once no room is left (they fail at once)."""
+        stores under way, up to the first key of an overdue host, waiting (until ``deadline``)
+        while the first key's host has no share left (0: it is overdue, or had none by then);
+        all of them once no room is left (they fail at once)."""
         with self._lock:
             while True:
                 held = self._shares.overdue()
                 room = self._shares.room(held)
                 if not several or not room:
                     return min(room, len(homes)) or len(homes)
-                per_host = self._shares.per_host(held, several)
-                n = fitting(homes[:room], per_host, (), self._shares.storing())
+                storing = self._shares.storing()
+                share = functools.partial(self._shares.store_share, held=held, storing=storing)
+                n = fitting(homes[:room], share, held)
                 left = deadline - time.monotonic()
-                if n or left <= 0:
+                if n or left <= 0 or homes[0] in held:
                     return n
                 self._changed.wait(left)
 

@@ -1,20 +1,19 @@
 """Which hosts hold the offloader's arena slots past its timeout, and each host's share of a batch.
 
-A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until
-it resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen
-host: until its session is lost, about 10 s). A host with either past its call's deadline is
-*overdue*: a restore stops before its first key and an offload fails its keys at once
-(:data:`OVERDUE`) until they end, so that it takes no more slots, and the slots it holds are out
-of the *room* that batches are sized to. With more than one host, a batch takes from one host at
-most half the room (rounded down, at least one; the cost: a longer run of keys on one host goes
-in more round trips). So the first frozen host holds at most half the arena, a second one half
-the rest, and so on (an offload's batches do not wait for each other's stores, so a host's
-stores under way count against its share, and a batch whose first key's host has no share left
-waits for them): ``k`` frozen hosts leave the other hosts' offloads and restores at least
-``arena >> k`` slots (none once that is 0: a batch always takes one slot, so that small arenas
-work). Half the free slots would make the cap depend on the stores in flight at the time;
-``arena / (hosts + 1)`` would cut every batch to a third of the arena with two hosts, frozen or
-not.
+A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until it
+resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen host:
+until its session is lost, about 10 s). A host with either past its call's deadline is *overdue*: a
+restore stops before its first key and an offload fails its keys at once (:data:`OVERDUE`) until
+they end, so that it takes no more slots, and the slots it holds are out of the *room* that batches
+are sized to. With more than one host, a batch takes from one host at most half the room (rounded
+down, at least one; the cost: a longer run of keys on one host goes in more round trips). Stores
+under way to other hosts are out of a host's room too, and its own count against its share (an
+offload's batches do not wait for each other's stores; one whose first key's host has no share left
+waits for them). So the first frozen host holds at most half the arena, a second one half the rest,
+and so on: ``k`` frozen hosts leave the other hosts' offloads and restores at least ``arena >> k``
+slots (none once that is 0: a batch always takes one slot, so that small arenas work). Other hosts'
+stores make a share smaller while they are under way (a healthy host's end at once); ``arena /
+(hosts + 1)`` would cut every batch to a third of the arena with two hosts, frozen or not.
 
 Threading: :class:`HostShares` is not locked; its owner (``ArenaBatches``) calls it under its
 own lock.
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Future
 
 from torch_kv_tier.results import TransferResult
@@ -73,34 +72,52 @@ class HostShares:
         return held
 
     def storing(self) -> Counter[str | None]:
-        """The slots stores under way hold now, by host."""
+        """The slots stores under way, not yet overdue, hold now, by host."""
         held: Counter[str | None] = Counter()
-        for host, slots, _ in self._stores.values():
-            held[host] += slots
+        now = time.monotonic()
+        for host, slots, deadline in self._stores.values():
+            if deadline > now:
+                held[host] += slots
         return held
 
     def room(self, held: Counter[str | None]) -> int:
         """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""
         return self.size - held.total()
 
-    def per_host(self, held: Counter[str | None], several: bool) -> int:
-        """The most slots a batch takes from one host, given ``held``; ``several``: whether the
-        tier has more than one host."""
-        room = self.room(held)
+    def share(
+        self,
+        host: str | None,
+        held: Counter[str | None],
+        storing: Counter[str | None],
+        several: bool,
+    ) -> int:
+        """The most slots a batch takes from ``host``: those that overdue hosts (``held``) and
+        other hosts' stores under way (``storing``) leave, halved if there are ``several``
+        hosts, at least one."""
+        room = self.room(held) - storing.total() + storing[host]
         return max(1, room // 2 if several else room)
+
+    def store_share(
+        self, host: str | None, held: Counter[str | None], storing: Counter[str | None]
+    ) -> int:
+        """What :meth:`share` (of several hosts) leaves to ``host``'s next stores: less its
+        stores under way."""
+        return self.share(host, held, storing, True) - storing[host]
 
 
 def fitting(
-    holders: Sequence[str | None],
-    per_host: int,
-    stop: Container[str | None],
-    used: Counter[str | None] | None = None,
+    holders: Sequence[str | None], share: Callable[[str | None], int], stop: Container[str | None]
 ) -> int:
     """How many leading ``holders`` (one host per key) a batch takes: up to the first one in
-    ``stop``, or one past ``per_host`` of one host, counting the slots it ``used`` already."""
-    counts: Counter[str | None] = Counter(used)
+    ``stop``, or one past ``share(host)`` of one host."""
+    counts: Counter[str | None] = Counter()
+    limits: dict[str | None, int] = {}
     for i, host in enumerate(holders):
         counts[host] += 1
-        if host in stop or counts[host] > per_host:
+        if host in stop:
+            return i
+        if host not in limits:
+            limits[host] = share(host)
+        if counts[host] > limits[host]:
             return i
     return len(holders)
