@@ -14,6 +14,7 @@ import torch
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.transport import NixlTransport, agent_lifetime
+from torch_kv_tier.transport import nixl as nixl_module
 
 BLOCK_LEN = 4096
 LOOP = Path(__file__).with_name("gc_user_loop.py")
@@ -26,6 +27,33 @@ def test_close_destroys_the_agent_at_once(no_gc: None) -> None:
     native = weakref.ref(transport._agent.agent)
     transport.close()
     assert agent() is None and native() is None  # the transport object itself still exists
+
+
+@pytest.mark.parametrize("refused", ["register_memory", "prep_xfer_dlist"])
+def test_a_region_nixl_refuses_leaves_no_agent_behind(
+    no_gc: None, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    """A region NIXL refused left the transport's agent (with the registration, when the
+    descriptor list was refused) alive for as long as anything held the error."""
+    made: list[weakref.ref[object]] = []
+    real_make_agent = nixl_module.make_agent
+
+    def make_agent(*args: object, **kwargs: object) -> object:
+        agent = real_make_agent(*args, **kwargs)
+        setattr(agent, refused, _refuse)  # holds no reference to the agent
+        made.append(weakref.ref(agent))
+        made.append(weakref.ref(agent.agent))
+        return agent
+
+    monkeypatch.setattr(nixl_module, "make_agent", make_agent)
+    with pytest.raises(RuntimeError, match="NIXL_ERR_BACKEND") as error:
+        NixlTransport("refused", torch.zeros((8, BLOCK_LEN), dtype=torch.uint8))
+    assert made and all(agent() is None for agent in made), "the agent outlived the failure"
+    assert error.value.args == ("NIXL_ERR_BACKEND",)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("NIXL_ERR_BACKEND")
 
 
 def test_closed_manager_is_freed_without_the_collector(no_gc: None) -> None:

@@ -121,15 +121,21 @@ class NixlTransport(NixlRegistration, DataTransport):
             num_threads,
             progress_thread=passive_progress,
         )
-        r = self.region
-        self._reg = agent.register_memory(
-            [(r.base_addr, r.nbytes, r.device_id, "")], mem_type=r.mem_type
-        )
-        xfer_descs = agent.get_xfer_descs(
-            descriptors(r.base_addr, r.num_blocks, r.block_len, r.device_id), mem_type=r.mem_type
-        )
-        self._local_dlist = agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs)
         self._agent = agent
+        del agent  # (a raised error's frame would hold it)
+        r = self.region
+        try:
+            self._reg = self._agent.register_memory(
+                [(r.base_addr, r.nbytes, r.device_id, "")], mem_type=r.mem_type
+            )
+            xfer_descs = self._agent.get_xfer_descs(
+                descriptors(r.base_addr, r.num_blocks, r.block_len, r.device_id),
+                mem_type=r.mem_type,
+            )
+            self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", xfer_descs)
+        except BaseException:  # NIXL refused the region: release what it took, agent included
+            self.close()
+            raise
         logger.info(
             "NixlTransport %s: registered %d x %d B (%s, device %d)",
             self._name,
@@ -268,12 +274,14 @@ class NixlTransport(NixlRegistration, DataTransport):
         """Release what the agent holds, then the agent (the caller holds ``_lock``)."""
         self._transfers.release_all()
         self._peers.remove_all()
-        for what, step in (
-            ("local descriptor list", lambda: self._agent.release_dlist_handle(self._local_dlist)),
-            ("memory registration", lambda: self._agent.deregister_memory(self._reg)),
+        for what, handle, step in (
+            ("local descriptor list", self._local_dlist, self._agent.release_dlist_handle),
+            ("memory registration", self._reg, self._agent.deregister_memory),
         ):
+            if handle is None:  # (a start that NIXL refused made none)
+                continue
             try:
-                step()
+                step(handle)
             except Exception as exc:
                 logger.warning("NixlTransport %s: releasing %s failed: %s", self._name, what, exc)
         # Every handle wrapper references the agent, released or not: drop them all, so the
