@@ -96,13 +96,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def control_ports(server: Any) -> set[int]:
-    """This process's local ports of its established control connections to ``server`` (a
-    ``ServerProcess``), to reset one with ``ss -K``."""
+def control_ports(server: Any, process: psutil.Process | None = None) -> set[int]:
+    """The local ports of the established control connections of ``process`` (default: this
+    one) to ``server`` (a ``ServerProcess``), to reset one with ``ss -K``."""
     port = int(server.address.rsplit(":", 1)[1])
     return {
         c.laddr.port
-        for c in psutil.Process().net_connections(kind="tcp")
+        for c in (process or psutil.Process()).net_connections(kind="tcp")
         if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
     }
 

@@ -17,6 +17,7 @@ from typing import Any
 from unittest import mock
 
 import msgspec
+import psutil
 import pytest
 import torch
 import zmq
@@ -26,15 +27,18 @@ from remote_support import (
     BLOCK_LEN,
     TOKEN,
     Client,
+    control_ports,
     fake_session,
     fill_random,
     free_port,
     wait_for,
 )
 
+from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, ServerProcess
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.server import Server
 from torch_kv_tier.transport import config_fingerprint
 
 CONFIG = {"model": "tiny-llama", "dtype": "bfloat16"}
@@ -334,31 +338,41 @@ def test_nixl_is_loaded_without_torch_from_the_backend_import_nixl_picks() -> No
     assert picked[1] == [picked[0][0], "False"]
 
 
-def test_a_killed_clients_lease_is_held_until_released(open_server: ServerProcess) -> None:
-    """A client that stops heartbeating may only be frozen, with writes still to land: its lease
-    goes to nobody, however long it waits, until the client releases the session."""
-    child_code = (
+def _session_child(address: str, *, private: bool) -> tuple[subprocess.Popen[str], str]:
+    """A client process with a session at ``address`` (``private``: a lease of every slot), and
+    the line it printed once connected: its lease's size and its session's id."""
+    code = (
         "import sys, time\n"
         "from torch_kv_tier.remote import Region, RemoteSession\n"
         "s = RemoteSession.open(\n"
-        "    sys.argv[1], agent_metadata=b'x', region=Region(4096, 8, 4096), private=True\n"
+        f"    sys.argv[1], agent_metadata=b'x', region=Region(4096, 8, 4096), private={private}\n"
         ")\n"
         "print(len(s.lease), s.session_id, flush=True)\n"
         "time.sleep(60)\n"
     )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, address], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    ready = select.poll()  # not select(): the test process may hold fds past FD_SETSIZE
+    ready.register(child.stdout, select.POLLIN)
+    if not ready.poll(60_000):
+        child.kill()
+        child.wait(timeout=10)
+        raise AssertionError("the client never connected")
+    return child, child.stdout.readline()
+
+
+def test_a_killed_clients_lease_is_held_until_released(open_server: ServerProcess) -> None:
+    """A client that stops heartbeating may only be frozen, with writes still to land: its lease
+    goes to nobody, however long it waits, until the client releases the session."""
     addr = open_server.address
     probe = fake_session(addr, slots=1)
     reclaimed_before = probe.stats()["leases_reclaimed"]
     probe.close()
-    child = subprocess.Popen(
-        [sys.executable, "-c", child_code, addr], stdout=subprocess.PIPE, text=True
-    )
+    child, line = _session_child(addr, private=True)
     try:
-        assert child.stdout is not None
-        ready = select.poll()  # not select(): the test process may hold fds past FD_SETSIZE
-        ready.register(child.stdout, select.POLLIN)
-        assert ready.poll(60_000), "the client never connected"
-        size, session_id = child.stdout.readline().split()
+        size, session_id = line.split()
         assert size == "32"  # the whole pool
     finally:
         child.kill()
@@ -376,6 +390,47 @@ def test_a_killed_clients_lease_is_held_until_released(open_server: ServerProces
     assert session.lease == range(32)
     session.close()
     watcher.close()
+
+
+def _host_holds(server: ServerProcess, peer_port: int) -> bool:
+    """Whether the host holds an established control connection from a peer's local port."""
+    return any(
+        c.raddr and c.raddr.port == peer_port and c.status == psutil.CONN_ESTABLISHED
+        for c in psutil.Process(server.proc.pid).net_connections(kind="tcp")
+    )
+
+
+def test_a_frozen_clients_connection_is_closed_and_an_idle_ones_kept(
+    open_server: ServerProcess,
+) -> None:
+    """A client frozen (or whose machine vanished) held its connection, a descriptor and its
+    buffers on the host for good, long after its session expired; now the host closes a
+    connection silent for two lease timeouts after a ZeroMQ ping. A client whose program is
+    idle still answers the pings (its ZeroMQ I/O thread does) and keeps its connection."""
+    addr = open_server.address
+    before = control_ports(open_server)
+    idle = zmq.Context.instance().socket(zmq.DEALER)
+    idle.connect(f"tcp://{addr}")
+    idle.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, b"n" * 16)))
+    assert idle.poll(10_000) and isinstance(p.decode_server(idle.recv()), p.Challenge)
+    (idle_port,) = control_ports(open_server) - before
+    child, _ = _session_child(addr, private=False)
+    try:
+        (child_port,) = control_ports(open_server, psutil.Process(child.pid))
+        assert _host_holds(open_server, child_port)
+        stop_process(child.pid)
+        assert wait_for(lambda: not _host_holds(open_server, child_port), timeout_s=20)
+        assert _host_holds(open_server, idle_port)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        idle.close(linger=0)
+
+
+def test_a_lease_timeout_of_years_still_binds_its_port() -> None:
+    """The host pings silent connections every lease timeout: one longer than ZeroMQ's option
+    holds is capped, not an ``OverflowError`` at start."""
+    Server._bind("127.0.0.1", 0, 1e8).close(linger=0)
 
 
 def test_client_notices_a_dead_frozen_or_restarted_server() -> None:

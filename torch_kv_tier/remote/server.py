@@ -64,6 +64,7 @@ EVENTS_PERIOD_S = 0.01
 PAGE = 4096
 DISK_POLL_S = 0.0005  # the longest wait for a control message while disk I/O is in flight
 MAX_BATCH = 256  # control messages handled between two lease-expiry checks
+MAX_PING_MS = (2**31 - 1) // 2  # ZeroMQ's ping period and timeout are C ints of ms
 # ``zmq.POLLIN`` is an enum member: ``&`` with it runs Python's enum code (~1 us a check)
 _POLLIN = int(zmq.POLLIN)
 
@@ -102,7 +103,7 @@ class Server:
         self._frozen_at = -1  # namespaces made when the loop last froze the index
         try:  # the cheap steps that fail on a busy port first, then the pool
             with self._lock:  # a metrics scrape meanwhile waits for the stats to exist
-                self._socket = self._bind(config.host, config.port)
+                self._socket = self._bind(config.host, config.port, config.lease_timeout_s)
                 endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
                 self.port = int(endpoint.rsplit(":", 1)[1])
                 self.address = format_address(config.host, self.port)
@@ -162,9 +163,18 @@ class Server:
         return self.transport.agent_name
 
     @staticmethod
-    def _bind(host: str, port: int) -> zmq.Socket[bytes]:
+    def _bind(host: str, port: int, lease_timeout_s: float) -> zmq.Socket[bytes]:
+        """The ROUTER socket, listening. It pings every connection silent for a lease timeout
+        and closes one that then sends nothing (not even the answer to the ping, which a
+        client's ZeroMQ I/O thread gives while its program is idle) for two more: a client
+        frozen, or whose machine vanished, held a descriptor and buffers here for good. Its
+        sessions expired by then; one that resumes finds its connection reset, and connects
+        again."""
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        silent_ms = min(max(1, math.ceil(lease_timeout_s * 1e3)), MAX_PING_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, silent_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2 * silent_ms)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # larger frames: peer disconnected
         sock.setsockopt(zmq.SNDTIMEO, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable frame raises, not vanishes
