@@ -14,6 +14,7 @@ from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_events import Namespace
 from torch_kv_tier.remote.shared_service import SharedService
 from torch_kv_tier.remote.shared_snapshot import SCAN_SLOTS
+from torch_kv_tier.remote.slot_owners import FORGET_AFTER
 
 
 def _cache(num_blocks: int = 8, **kwargs: object) -> SharedCache:
@@ -407,3 +408,23 @@ def test_a_snapshots_pages_are_walked_as_they_are_asked_not_copied_whole_at_the_
     assert keys[-1] not in later and len(first.keys) + len(later) == n - 1
     refused = service.answer(session, p.SnapshotRequest(3, "t", 5), 0.0)
     assert isinstance(refused, p.Error) and "cursor 0" in refused.reason
+
+
+def test_a_host_whose_namespaces_come_and_go_remembers_only_the_ones_its_slots_hold() -> None:
+    """Every namespace name ever stored kept a number (what snapshots pick slots by): a host
+    whose tenants' namespaces came and went grew without bound. The names no slot holds are
+    forgotten now, and snapshots still find the keys of every namespace stored."""
+    cache = _cache(num_blocks=16)
+    kept = _store(cache, "a", [b"kept"])
+    tenants = 3 * FORGET_AFTER
+    for i in range(tenants):
+        cache.join(f"tenant-{i}", f"fingerprint-{i}")
+        _store(cache, f"tenant-{i}", [b"k"])
+        cache.leave(f"tenant-{i}", 0.0, clean=True)
+        cache.touch("a", [b"kept"])  # the oldest is another tenant's key: evicted
+    assert len(cache._owners._ids) <= 2 * FORGET_AFTER  # (the names known, by number)
+    assert _found(cache, "b", [b"kept"]) == kept
+    cache.join("late", f"fingerprint-{tenants - 1}")
+    assert _found(cache, "late", [b"k"]) != [-1]
+    cache.join("early", "fingerprint-0")
+    assert _found(cache, "early", [b"k"]) == [-1]  # evicted long ago

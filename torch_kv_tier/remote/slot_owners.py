@@ -17,6 +17,7 @@ import numpy as np
 from torch_kv_tier.keys import Key
 
 Pair = tuple[str, Key]  # namespace, key
+FORGET_AFTER = 1024  # namespace names recorded before those no slot holds are forgotten
 
 
 class SlotOwners:
@@ -27,9 +28,11 @@ class SlotOwners:
         self.stamps = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
         self.count = 0  # writes recorded: the stamp of the last one
         # the namespace of each slot's key, by number (0: none), so that a walk picks a
-        # namespace's slots in numpy (``held_by``); one number per namespace name ever recorded
+        # namespace's slots in numpy (``held_by``); one number per namespace name recorded
+        # since the names no slot holds were last forgotten (``_forget_unheld``)
         self.spaces = np.zeros(num_slots, dtype=np.uint32)
         self._ids: dict[str, int] = {}
+        self._forget_at = FORGET_AFTER  # names known beyond which the unheld are forgotten
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -49,6 +52,21 @@ class SlotOwners:
             np.uint32,
             len(slots),
         )
+        if len(ids) > self._forget_at:
+            self._forget_unheld()
+
+    def _forget_unheld(self) -> None:
+        """Number the namespaces whose keys slots hold 1 to n, and forget the other names: a
+        number kept for every name ever recorded grew without bound on a host whose tenants'
+        namespaces came and went. One pass over the slots in numpy, once per ``FORGET_AFTER``
+        names recorded at least."""
+        held = np.bincount(self.spaces, minlength=len(self._ids) + 1) > 0
+        held[0] = False
+        renumber = np.zeros(len(held), dtype=np.uint32)
+        renumber[held] = np.arange(1, np.count_nonzero(held) + 1, dtype=np.uint32)
+        np.take(renumber, self.spaces, out=self.spaces)
+        self._ids = {name: int(renumber[i]) for name, i in self._ids.items() if held[i]}
+        self._forget_at = max(FORGET_AFTER, 2 * len(self._ids))
 
     def clear(self, slot: int) -> None:
         """``slot`` holds no key any more."""
