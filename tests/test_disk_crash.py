@@ -484,7 +484,8 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
     """A disk read that hung was waited on forever (the promotion never failed). It is now
     given up after ``request_timeout_s``: its key leaves the disk and the read is reported
     ``abandoned``, its DRAM slot kept busy (the read may still write it) until it ends; a read
-    of its directory meanwhile fails at once."""
+    of its directory meanwhile fails at once. Found by the disk review: that refused read also
+    dropped its key, intact on disk, for good; it now keeps it, read once the directory answers."""
     with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         store.recover()
         assert _write(store, disk_pool, b"K", 0).written
@@ -497,12 +498,16 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
         assert got["abandoned"] == [("ns", b"K", 30)] and not got["read"] and not got["failed"]
         assert not store.contains("ns", b"K") and store.busy_dram_slots() == {30}
         store.read([("ns", b"M", 31)])  # the directory is stuck: refused, never posted
-        assert store.poll().failed == [("ns", b"M", 31)] and not store.contains("ns", b"M")
+        assert store.poll().failed == [("ns", b"M", 31)] and store.contains("ns", b"M")
         assert store.busy_dram_slots() == {30} and len(hung.held) == 1
         hung.resume()
         assert _poll_until(store, "released")["released"] == [30]
         assert store.busy_dram_slots() == set()
         assert np.array_equal(disk_pool[30], disk_pool[0])  # what landed late, where it was kept
+        hung.hangs = False
+        assert store.read([("ns", b"M", 31)]) == []  # the directory answers: M is read
+        assert [(k, d) for _, k, d, _ in settle(store).read] == [(b"M", 31)]
+        assert np.array_equal(disk_pool[31], disk_pool[1])
 
 
 def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(

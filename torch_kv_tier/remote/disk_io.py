@@ -40,7 +40,8 @@ class DiskCompletions:
 
     written: list[Pair] = field(default_factory=list)
     read: list[tuple[str, Key, int, int]] = field(default_factory=list)  # ns, key, dram, digest
-    failed: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
+    # ns, key, dram slot; a read's key left the disk unless still ``contains``ed (``_finish``)
+    failed: list[tuple[str, Key, int]] = field(default_factory=list)
     # reads given up (stuck): failed, but their DRAM slots may still be written: keep them
     abandoned: list[tuple[str, Key, int]] = field(default_factory=list)  # ns, key, dram slot
     released: list[int] = field(default_factory=list)  # DRAM slots of abandoned reads, ended

@@ -20,8 +20,9 @@ may run on another once the loop ended: on io_uring, requests the loop still had
 cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O
 error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
 does a request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it
-ends). Construction raises ``DiskError`` with what to do. ``close`` never frees what a request
-still in flight may touch (``close``).
+ends). A read of a directory with a request given up fails at once but keeps its keys
+(``_finish``). Construction raises ``DiskError`` with what to do. ``close`` never frees what a
+request still in flight may touch (``close``).
 """
 
 from __future__ import annotations
@@ -281,7 +282,8 @@ class DiskStore:
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
                 time.monotonic() + self.request_timeout_s,
             )  # fmt: skip
-            if any(r.directory == f for r in self._stuck):  # a hung device: fail at once
+            refused = any(r.directory == f for r in self._stuck)  # a hung device: fail at once
+            if refused:
                 logger.debug("disk %s refused: %s has a request stuck", kind, self._dirs[f].path)
                 state = "ERR"
             else:
@@ -289,11 +291,17 @@ class DiskStore:
                     kind, f, [it[4] for it in items], [it[3] // n for it in items]
                 )
             if state == "ERR":
-                self._finish(request, False, self._failed_at_start)
+                self._finish(request, False, self._failed_at_start, refused=refused)
             else:
                 self._requests.append(request)
 
-    def _finish(self, request: Request, ok: bool, done: DiskCompletions) -> None:
+    def _finish(
+        self, request: Request, ok: bool, done: DiskCompletions, *, refused: bool = False
+    ) -> None:
+        """A request ended (``ok``: done), or was ``refused`` (never posted: its directory has
+        a request stuck). A read that failed drops its keys from the disk; one refused, or
+        failing at ``close``, keeps them: no byte of their blocks moved (a stuck request holds
+        its own slots, never theirs), so they are read once the directory answers again."""
         self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
         index = self._index
@@ -312,8 +320,7 @@ class DiskStore:
             elif ok and index.at(pair, slot):
                 done.read.append((ns, key, dram, digest))
             else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
-                # one failing at close keeps its key (``close``): its block may be sound
-                if index.at(pair, slot) and not self._closed:
+                if index.at(pair, slot) and not (refused or self._closed):
                     index.remove(pair)
                 done.failed.append((ns, key, dram))
         if ok:
