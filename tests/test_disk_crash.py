@@ -380,7 +380,9 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
         def full(fd: int, data: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(d, "rewrite", lambda *a: tries.append(real_rewrite(*a)) or True)
+        monkeypatch.setattr(
+            d, "rewrite", lambda *a, **kw: tries.append(real_rewrite(*a, **kw)) or True
+        )
         monkeypatch.setattr(os, "write", full)
         d.append(PUT, 0, "ns", b"k0", 0)  # its flush fails: stale
         for _ in range(200):
@@ -395,6 +397,49 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
     finally:
         store.close()  # tries once more, and succeeds
     assert tries == [False, False, True] and not d.stale
+
+
+def test_a_compaction_refused_for_want_of_space_keeps_the_journal_a_restart_recovers(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the disk review: a compaction whose temporary journal did not fit (a nearly full
+    disk) marked the journal stale, so the next record, which the old journal still took, was
+    dropped and the journal emptied: a restart found none of its blocks until a compaction fit,
+    up to ``REWRITE_RETRY_MAX_S`` apart. The old journal, whole, is now appended to as before,
+    and the compaction tried again later (logged)."""
+    path = tmp_path / "d"
+    real_write = os.write
+
+    def no_room_for_a_new_journal(fd: int, data: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path / "journal.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    with closing(open_store(disk_pool, [path], 8)) as store:
+        store.recover()
+        d = store._dirs[0]
+        assert _write(store, disk_pool, b"k0", 0).written
+        for _ in range(5000):  # records of a slot never written: the journal is due a compaction
+            d.append(disk_journal.DEL, 7, "ns", b"gone", 0)
+        assert store.sync(10.0) and d.records > 4 * len(store) + 4096
+        monkeypatch.setattr(os, "write", no_room_for_a_new_journal)
+        with caplog.at_level(logging.WARNING, logger=disk_journal.__name__):
+            store.poll()  # the compaction is built and handed over: its journal.tmp refused
+            assert store._journals.wait(10.0) and "not compacted" in caplog.text
+        assert not d.stale and d.retry_at > 0.0  # tried again later, not at every poll
+        assert _write(store, disk_pool, b"k1", 1).written  # journaled in the old journal
+        assert store.sync(10.0) and not d.stale
+        kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
+        assert {b"k0", b"k1"} <= kept
+        monkeypatch.undo()  # room again: the compaction, tried again at retry_at, fits
+        d.retry_at = 0.0
+        store.poll()
+        assert store._journals.wait(10.0) and d.records == 2
+    with closing(open_store(disk_pool, [path], 8)) as store:
+        assert sorted(k for _, k, _ in store.recover()) == [b"k0", b"k1"]
 
 
 class HungDevice:

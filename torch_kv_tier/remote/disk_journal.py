@@ -14,13 +14,14 @@ and written by ``flush`` (one ``os.write``, more after a short write); ``fsync``
 per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
 nothing written, a power loss the records of the last period, never a block a synced record names).
 A write that fails (a full disk) marks the journal ``stale``: its owner rewrites it from its index,
-and records are dropped meanwhile. A journal that dropped a record is emptied (``_dropped``): the
-record may be the ``DEL`` of a block still intact, whose key stored since with other bytes would
-come back, old bytes that verify, at the next start; so a restart before the rewrite finds none of
-that directory's blocks (misses), never a removed one. ``read_records`` reads up to the first
-torn or corrupt frame (a crash in the middle of an append costs that record only); ``rewrite``
-replaces the journal by the live records whole or not at all (temporary file, fsync, rename,
-fsync of the directory).
+and records are dropped meanwhile (a compaction that fails does not: the journal it would have
+replaced is whole, and appended to as before). A journal that dropped a record is emptied
+(``_dropped``): the record may be the ``DEL`` of a block still intact, whose key stored since with
+other bytes would come back, old bytes that verify, at the next start; so a restart before the
+rewrite finds none of that directory's blocks (misses), never a removed one. ``read_records``
+reads up to the first torn or corrupt frame (a crash in the middle of an append costs that
+record only); ``rewrite`` replaces the journal by the live records whole or not at all
+(temporary file, fsync, rename, fsync of the directory).
 
 Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`` on its thread,
 ``flush`` and ``rewrite`` on its journals' thread (``disk_sync``), never two at once; ``records``,
@@ -238,15 +239,22 @@ class DiskDir:
         return last
 
     def rewrite(
-        self, live: Iterable[Record], framed: Sequence[bytes] = (), framed_count: int = 0
+        self,
+        live: Iterable[Record],
+        framed: Sequence[bytes] = (),
+        framed_count: int = 0,
+        *,
+        compaction: bool = False,
     ) -> bool:
         """Replace the journal by ``live``, then the ``framed_count`` records framed in
         ``framed`` (``frames``, ``take_pending``), with ``_write_durably``, after an
         ``fdatasync`` of the block file (the new journal names blocks written since the last
         ``flush``), and append to the new one (logged where it had been emptied). Returns False
         when it cannot be written (a full disk, EIO: logged, never raised): the old journal
-        stays as it was, ``stale`` is set, and ``retry_at`` 1 s later, then twice as late after
-        each failure in a row (at most ``REWRITE_RETRY_MAX_S``)."""
+        stays as it was, and ``retry_at`` is 1 s later, then twice as late after each failure
+        in a row (at most ``REWRITE_RETRY_MAX_S``). ``stale`` is then set, unless this is a
+        ``compaction`` of a journal not stale: that journal, whole (each record written
+        before the compaction was), is appended to as before."""
         out = bytearray()
         count = framed_count
         for record in live:
@@ -256,10 +264,18 @@ class DiskDir:
             os.fdatasync(self.fd)
             fd = _write_durably(self.path / "journal.log", out, *framed)
         except OSError as exc:
-            logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
-            self.stale = True  # a full disk: a rewrite builds every record, so back off
+            # a full disk: a rewrite builds every record, so back off
             self._retry_s = min(REWRITE_RETRY_MAX_S, max(1.0, 2 * self._retry_s))
             self.retry_at = time.monotonic() + self._retry_s
+            if compaction and not self.stale:
+                logger.warning(
+                    "disk: journal of %s not compacted (%s): appended to as before, compacted "
+                    "again in %.0f s; free space on its file system", self.path, exc,
+                    self._retry_s,
+                )  # fmt: skip
+                return False
+            logger.warning("disk: journal of %s not rewritten: %s", self.path, exc)
+            self.stale = True
             return False
         os.close(self.journal)
         self.journal = fd

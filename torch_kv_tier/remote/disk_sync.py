@@ -68,7 +68,8 @@ class JournalSync:
 
     def hand_over(self, live_keys: int, live_records: LiveRecords, *, force: bool) -> None:
         """Begin the compactions due, unless a batch still runs: of a journal past 4x the
-        ``live_keys`` (a stale one, whose write failed: at its ``retry_at``, or with ``force``).
+        ``live_keys`` (after its ``retry_at``, where one failed), or a stale one, whose write
+        failed (at its ``retry_at``, or with ``force``).
         Build each compaction at most ``COMPACT_SLOTS`` slots further (to its end with
         ``force``): ``live_records(directory, start, stop)`` gives the live records of its
         slots ``[start, stop)``. Then, unless a batch still runs, hand the records appended
@@ -76,7 +77,10 @@ class JournalSync:
         each compaction built as the rewrite of its journal."""
         idle, now = self.idle(), time.monotonic()
         for f, d in enumerate(self._dirs):  # what a batch sets is read only while none runs
-            due = (force or now >= d.retry_at) if d.stale else d.records > 4 * live_keys + 4096
+            if d.stale:
+                due = force or now >= d.retry_at
+            else:  # a compaction that failed (``DiskDir.rewrite``) is tried again at retry_at
+                due = d.records > 4 * live_keys + 4096 and now >= d.retry_at
             if idle and due and f not in self._compactions:
                 self._compactions[f] = _Compaction()  # its tail: every record not yet taken
         budget = None if force else COMPACT_SLOTS
@@ -104,7 +108,7 @@ class JournalSync:
                 if building.next >= d.slots:
                     del self._compactions[f]
                     parts = building.built + building.tail
-                    jobs.append(partial(d.rewrite, (), parts, building.count))
+                    jobs.append(partial(d.rewrite, (), parts, building.count, compaction=True))
         if sync:
             self._last_sync = now
         if jobs:
