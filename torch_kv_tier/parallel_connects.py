@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -37,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
-from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote.handshake import CANCEL_POLL_S, MAX_WAIT_S, dealer
+from torch_kv_tier.remote.handshake import CANCEL_POLL_S, MAX_WAIT_S, dealer, say_hello
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
@@ -171,8 +169,7 @@ def answering(
                 continue
             try:
                 sock.connect(endpoint)
-                hello = p.Hello(p.PROTOCOL_VERSION, 1, secrets.token_bytes(p.NONCE_BYTES))
-                sock.send(p.encode(hello), zmq.NOBLOCK)
+                say_hello(sock, zmq.NOBLOCK)
             except zmq.ZMQError:
                 sock.close(linger=0)
                 yield i

@@ -227,6 +227,15 @@ def handshake(
         greetings += 1
 
 
+def say_hello(sock: zmq.Socket[bytes], flags: int = 0) -> bytes:
+    """Send a handshake's first frame, a ``Hello`` with a fresh nonce, on ``sock``; return the
+    nonce (the client's half of the proofs). ``flags``: ``zmq.NOBLOCK`` raises ``zmq.Again``
+    rather than waiting for room to send."""
+    client_nonce = secrets.token_bytes(p.NONCE_BYTES)
+    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)), flags)
+    return client_nonce
+
+
 def _greet(
     sock: zmq.Socket[bytes],
     address: str,
@@ -236,8 +245,7 @@ def _greet(
     cancel: threading.Event | None,
 ) -> p.Accept:
     """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``)."""
-    client_nonce = secrets.token_bytes(p.NONCE_BYTES)
-    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)))
+    client_nonce = say_hello(sock)
     challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)
     if challenge.version != p.PROTOCOL_VERSION:
         raise HandshakeRejected(
