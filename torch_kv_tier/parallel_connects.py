@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S
 from torch_kv_tier.remote.handshake import CANCEL_POLL_S, MAX_WAIT_S, dealer, say_hello
 
 if TYPE_CHECKING:

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from torch_kv_tier.connected_hosts import CONNECT_TIMEOUT_S
-from torch_kv_tier.connections import REDIAL_MAX_S
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 
 __all__ = [
