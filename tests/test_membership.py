@@ -1428,3 +1428,43 @@ def test_a_dial_at_another_address_of_a_host_joining_meanwhile_ends_once_it_join
         wait_until(lambda: not tier._redialing and not tier._redialer._trying, "the redial ends")
         assert tier.peers() == [server.address] and not tier._pending
         assert "lost at once" not in caplog.text, caplog.text
+
+
+def test_a_redial_if_down_connect_that_waited_out_another_join_of_its_host_dials_it_once_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``connect(..., redial_if_down=True)`` of a host another thread is joining meanwhile
+    times out waiting for that join, and is told the host is dialled in the background. It was
+    not: the other join's dial of the address stood for it, and that join's failure forgot it,
+    so once it failed nobody dialled the host. Now the address is dialled until it joins."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="waited-out-join") as tier,
+    ):
+        joining, go = threading.Event(), threading.Event()
+        join = tier._join
+
+        def failing_join(session: Any, timeout_s: float) -> None:
+            if threading.current_thread().name == "joiner":
+                joining.set()
+                go.wait(timeout=WAIT_S)
+                tier._end_keeping_releases(session, True)
+                raise RuntimeError("registration failed (a test)")
+            join(session, timeout_s)
+
+        monkeypatch.setattr(tier, "_join", failing_join)
+        joiner = threading.Thread(
+            target=lambda: pytest.raises(RuntimeError, tier.connect, server.address),
+            name="joiner",
+            daemon=True,
+        )
+        joiner.start()
+        assert joining.wait(timeout=WAIT_S), "the other connect never joined"
+        with pytest.raises(TimeoutError) as waited:
+            tier.connect(server.address, timeout_s=0.3, redial_if_down=True)
+        assert any("cancel_dial" in n for n in getattr(waited.value, "__notes__", []))
+        go.set()
+        joiner.join(timeout=WAIT_S)
+        assert tier.peers() == [], "the other connect's join did not fail"
+        wait_until(lambda: tier.peers() == [server.address], "the host is dialled and joins")

@@ -20,7 +20,13 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, EndedSessions, twin_problem
+from torch_kv_tier.connections import (
+    CONNECT_TIMEOUT_S,
+    Dial,
+    EndedSessions,
+    Joining,
+    twin_problem,
+)
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
@@ -152,7 +158,7 @@ class ConnectedHosts(LostHosts):
             if first_dial:
                 self._dials[peer_id] = dial
             if not known:  # another connect of the host waits for this one
-                joined = self._joining[peer_id] = Joining(dial.address)
+                joined = self._joining[peer_id] = Joining(dial.address, first_dial)
             elif joining is None and twin is None:  # (a join does this once it succeeded)
                 self._forget_replaced(peer_id, dial)
         if twin is not None:
@@ -346,16 +352,6 @@ class ConnectedHosts(LostHosts):
             self._peers[peer_id] = Peer(
                 self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
             )
-
-
-class Joining(threading.Event):
-    """A connect of a host in progress, set once it ended: the address it dialled and, once it
-    failed, why (what the connects of that host that waited for it report)."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__()
-        self.address = address
-        self.failure: BaseException | None = None
 
 
 def _region(session: Any) -> tuple[bytes, int, int, int]:

@@ -48,6 +48,19 @@ class Dial:
     heartbeat_timeout_s: float
 
 
+class Joining(threading.Event):
+    """A connect of a host in progress, set once it ended: the address it dialled, whether its
+    dial is the host's first (``first``: forgotten if the join fails, so it stands for no later
+    redial) and, once it failed, why (what the connects of that host that waited for it
+    report)."""
+
+    def __init__(self, address: str, first: bool) -> None:
+        super().__init__()
+        self.address = address
+        self.first = first
+        self.failure: BaseException | None = None
+
+
 class EndedSessions:
     """Sessions that ended with writes possibly in flight, until their server is told."""
 

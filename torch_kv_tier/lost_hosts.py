@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Redialer
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
 from torch_kv_tier.remote.handshake import check_connect_args
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport
@@ -35,7 +35,7 @@ class LostHosts(SessionReleases):
     verify: bool
     transport: DataTransport
     _redialer: Redialer
-    _joining: Mapping[str, threading.Event]  # peer id -> set once its connect in progress ended
+    _joining: Mapping[str, Joining]  # peer id -> its connect in progress
     _closing: threading.Event  # set when ``close`` starts
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
@@ -164,10 +164,15 @@ class LostHosts(SessionReleases):
         (unlocked): dial it in the background, as a lost host, until it joins (module
         docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, nor for an
         address the tier dials already as a connected host's (joined meanwhile, or lost) or
-        for an earlier such connect (its dial stands: ``cancel_dial`` stops the one there is)."""
+        for an earlier such connect (its dial stands: ``cancel_dial`` stops the one there is).
+        A host's first join under way (another thread's connect, which ``exc`` may have
+        waited out) stands for no dial: its dial is forgotten if it fails, and its success
+        ends this one (``_forget_replaced``)."""
         with self._lock:
             if self._closing.is_set() or any(
-                d.address == dial.address for d in self._dials.values()
+                d.address == dial.address
+                and not (pid in self._joining and self._joining[pid].first)
+                for pid, d in self._dials.items()
             ):
                 return
             pending = self._pending.setdefault(dial.address, dial)  # an earlier one stands

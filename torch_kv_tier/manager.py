@@ -46,8 +46,8 @@ from typing import Any
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.closing import Closing
-from torch_kv_tier.connected_hosts import ConnectedHosts, Joining
-from torch_kv_tier.connections import Dial, EndedSessions, Redialer
+from torch_kv_tier.connected_hosts import ConnectedHosts
+from torch_kv_tier.connections import Dial, EndedSessions, Joining, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.index import BlockIndex
