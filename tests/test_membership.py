@@ -1468,3 +1468,40 @@ def test_a_redial_if_down_connect_that_waited_out_another_join_of_its_host_dials
         joiner.join(timeout=WAIT_S)
         assert tier.peers() == [], "the other connect's join did not fail"
         wait_until(lambda: tier.peers() == [server.address], "the host is dialled and joins")
+
+
+def test_many_lost_hosts_are_redialled_on_a_few_threads_and_one_back_joins_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: each host due for a redial got a try thread of its own, so hosts lost
+    at once (200 in a rack's power cut) made as many threads, each handshaking. Past
+    ``MAX_CONNECTS`` due hosts, the redialer greets them all on one thread and tries those
+    that answer: threads stay few, and a host that is back waits for no silent host's
+    timeout (queued behind 60 silent hosts, 4 at a time, it would wait 15 s a round)."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 4)
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    monkeypatch.setattr(connections, "REDIAL_MAX_S", 0.5)
+    port = free_port()
+    back = f"127.0.0.1:{port}"
+    closed = [f"127.0.0.1:{free_port()}" for _ in range(60)]  # nothing listens: never answer
+    peak = [0]
+    done = threading.Event()
+
+    def count_threads() -> None:
+        while not done.wait(0.01):
+            peak[0] = max(peak[0], len(_redial_threads()))
+
+    counter = threading.Thread(target=count_threads, daemon=True)
+    counter.start()
+    try:
+        with TierManager.create(16, BLOCK_LEN, name="many-lost") as tier:
+            for address in [*closed, back]:
+                tier.dial_later(address, TimeoutError("down (a test)"), timeout_s=1.0)
+            with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
+                wait_until(lambda: tier.peers() != [], "the host back joins", timeout=8.0)
+                assert tier.peers() == [back]
+    finally:
+        done.set()
+        counter.join(timeout=WAIT_S)
+    assert peak[0] <= 4 + 2, f"{peak[0]} redial threads at once (4 tries, greeter, its loop)"
+    assert _redial_threads() == []

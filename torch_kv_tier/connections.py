@@ -12,8 +12,9 @@ still in flight; once the transport reported the last one, the session is *resol
 goes to the server with the next session's handshake or with a ``Release`` on a live session.
 
 Threading: ``EndedSessions`` is plain state the manager mutates under its lock. ``Redialer``
-runs one daemon thread for all lost hosts, from the tier's first connected host until it closes;
-it calls back into the manager without holding anything.
+runs one daemon thread for all lost hosts, from the tier's first connected host until it closes,
+and at most ``MAX_CONNECTS`` tries (and one greeting) at once, each on a thread of its own; they
+call back into the manager without holding anything.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from torch_kv_tier.remote.handshake import answering, no_answer
+
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10.0  # how long one handshake waits for a host's answer, by default
 REDIAL_FIRST_S = 0.5
 REDIAL_MAX_S = 10.0
-REDIAL_THREAD = "tkvt-redial"  # the redialer's thread
+REDIAL_THREAD = "tkvt-redial"  # the redialer's threads
+MAX_CONNECTS = 16  # handshakes a tier's connects (``parallel_connects``) or redials run at once
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,6 +139,13 @@ class Redialer:
     to ``REDIAL_MAX_S``). Each try runs on a thread of its own (named ``REDIAL_THREAD`` too),
     so that hosts are dialled side by side: a host that does not answer holds up no other.
 
+    At most ``MAX_CONNECTS`` tries run at once (200 hosts lost at once made 200 threads, each
+    handshaking). When more hosts are due than tries may start, one more thread first greets
+    them all at once (``handshake.answering``, up to their longest ``timeout_s``): those that
+    answer are tried first, as tries end; those that do not fail that round with
+    ``TimeoutError`` (their next try after their backoff) and hold no try. So a host that is
+    back waits for no silent host's timeout, at most for one greeting's.
+
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). A failure
     of a kind new for its host is logged as a warning, repeats of it at info (one of a host no
@@ -152,6 +163,9 @@ class Redialer:
         self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
         self._failures: dict[Dial, set[type[BaseException]]] = {}  # kinds logged as warnings
         self._trying: dict[Dial, threading.Thread] = {}  # host -> the thread of its try
+        self._greeting: set[Dial] = set()  # hosts the greeter awaits the answer of
+        self._answered: list[Dial] = []  # hosts that answered it, to be tried first
+        self._greeter: threading.Thread | None = None
         self._thread: threading.Thread | None = None
 
     def arm(self) -> None:
@@ -174,12 +188,13 @@ class Redialer:
             self._lock.notify()
 
     def stop(self, timeout: float) -> None:
-        """Stop redialling; wait up to ``timeout`` s in all for the handshakes in progress."""
+        """Stop redialling; wait up to ``timeout`` s in all for the handshakes in progress (and
+        the greeting)."""
         deadline = time.monotonic() + timeout
         self._stop.set()
         with self._lock:
             self._lock.notify()
-            threads = [self._thread, *self._trying.values()]
+            threads = [self._thread, self._greeter, *self._trying.values()]
         for thread in threads:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=max(deadline - time.monotonic(), 0.0))
@@ -188,19 +203,58 @@ class Redialer:
         while not self._stop.is_set():
             with self._lock:
                 now = time.monotonic()
-                idle = {s: at for s, (at, _) in self._due.items() if s not in self._trying}
+                busy = self._trying.keys() | self._greeting | set(self._answered)
+                idle = {s: at for s, (at, _) in self._due.items() if s not in busy}
                 due = [spec for spec, at in idle.items() if at <= now]
-                if not due:
-                    wake = min(idle.values(), default=now + 1.0)
-                    self._lock.wait(timeout=max(wake - now, 0.01))
-                    continue
-                if self._stop.is_set():  # (``stop`` joins the tries it finds under the lock)
+                free = max(MAX_CONNECTS - len(self._trying), 0)
+                if self._stop.is_set():  # (``stop`` joins the threads it finds under the lock)
                     return
-                for spec in due:
+                ready, self._answered = self._answered[:free], self._answered[free:]
+                if len(due) <= free - len(ready):
+                    ready += due
+                elif self._greeter is None:
+                    self._greeting.update(due)
+                    self._greeter = threading.Thread(
+                        target=self._greet, args=(due,), name=REDIAL_THREAD, daemon=True
+                    )
+                    self._greeter.start()
+                for spec in ready:
                     self._trying[spec] = thread = threading.Thread(
                         target=self._try_once, args=(spec,), name=REDIAL_THREAD, daemon=True
                     )
                     thread.start()
+                if not ready:  # (woken by a new host, an answer, or a try or greeting ended)
+                    wake = min((at for at in idle.values() if at > now), default=now + 1.0)
+                    self._lock.wait(timeout=max(wake - now, 0.01))
+
+    def _greet(self, specs: list[Dial]) -> None:
+        """The greeter's thread: each of ``specs`` that answers a ``Hello`` is tried next, as
+        it answers; each that does not fails this round (``TimeoutError``), its next try due
+        after its backoff before it is let go (else ``_run`` would take it for due still)."""
+        timeout_s = max(spec.timeout_s for spec in specs)
+        failed: Exception | None = None
+        try:
+            try:
+                for i in answering([s.address for s in specs], timeout_s, self._stop.is_set):
+                    with self._lock:
+                        self._greeting.discard(specs[i])
+                        self._answered.append(specs[i])
+                        self._lock.notify()
+            except Exception as exc:  # (no socket left, say): each host left fails this round
+                failed = exc
+            with self._lock:
+                silent = [spec for spec in specs if spec in self._greeting]
+            wanted = self._wanted()
+            for spec in silent:
+                why = failed or no_answer(spec.address, timeout_s)
+                if wanted is None or not self._again_unless_unwanted(spec, why, wanted):
+                    self._forget(spec)
+            del wanted
+        finally:
+            with self._lock:
+                self._greeting.difference_update(specs)
+                self._greeter = None
+                self._lock.notify()
 
     def _try_once(self, spec: Dial) -> None:
         """A try's thread: ``_try``, then ``spec`` may be tried again."""
@@ -224,19 +278,26 @@ class Redialer:
                 if wanted(spec):  # lost again before the dial returned: its drop found it due
                     raise ConnectionError("the new session was lost at once")
         except Exception as exc:
-            if self._stop.is_set() or not wanted(spec):  # closed or stopped meanwhile: no next
-                logger.debug("re-dialling %s ended, no longer wanted: %s", spec.address, exc)
-            else:
-                self._again(spec, exc)
+            if self._again_unless_unwanted(spec, exc, wanted):
                 return
         finally:
             del wanted, dial
+        self._forget(spec)
+
+    def _forget(self, spec: Dial) -> None:
+        """``spec`` joined, or is no longer wanted: no next try."""
         with self._lock:
             self._due.pop(spec, None)
             self._failures.pop(spec, None)
 
-    def _again(self, spec: Dial, exc: Exception) -> None:
-        """A try of ``spec`` failed with ``exc``: the next one is due after its backoff."""
+    def _again_unless_unwanted(
+        self, spec: Dial, exc: Exception, wanted: Callable[[Dial], bool]
+    ) -> bool:
+        """A try of ``spec`` failed with ``exc``: ``True`` when its next try is due after its
+        backoff, ``False`` when there is none (stopped, or no longer wanted meanwhile)."""
+        if self._stop.is_set() or not wanted(spec):
+            logger.debug("re-dialling %s ended, no longer wanted: %s", spec.address, exc)
+            return False
         with self._lock:
             backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
             self._due[spec] = (time.monotonic() + backoff, backoff)
@@ -251,6 +312,7 @@ class Redialer:
             REDIAL_MAX_S,
             exc,
         )
+        return True
 
 
 def twin_problem(address: str, peer_id: str, twin: str) -> str:

@@ -30,20 +30,16 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
-from torch_kv_tier.connections import CONNECT_TIMEOUT_S
-from torch_kv_tier.remote.handshake import CANCEL_POLL_S, MAX_WAIT_S, dealer, say_hello
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
+from torch_kv_tier.remote.handshake import MAX_WAIT_S, answering, no_answer
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
 
 logger = logging.getLogger(__name__)
-
-MAX_CONNECTS = 16  # connects running at once (module docstring)
 
 
 class ParallelConnects:
@@ -117,10 +113,7 @@ class ParallelConnects:
         """What the connect of ``address``, which did not answer the greeting, fails with
         (``TimeoutError``, as its handshake's); with ``redial_if_down``, the tier dials it in
         the background all the same (``dial_later``), as that connect would have."""
-        exc = TimeoutError(
-            f"no answer from a torch-kv-tier server at {address} within {timeout_s} s: is "
-            "`torch-kv-tier serve` running there, and is the address reachable from this host?"
-        )
+        exc = no_answer(address, timeout_s)
         if self._kwargs.get("redial_if_down"):
             kwargs = {k: v for k, v in self._kwargs.items() if k != "redial_if_down"}
             try:
@@ -151,40 +144,4 @@ class ParallelConnects:
                 logger.warning("a connect of %s did not end within %.1fs", address, timeout)
 
 
-def answering(
-    addresses: Sequence[str], timeout_s: float, closed: Callable[[], bool]
-) -> Iterator[int]:
-    """The index of each of ``addresses`` whose host answers a ``Hello`` within ``timeout_s``
-    (any answer: a refusal is its connect's to report), as it answers, or that could not be
-    greeted (its connect says why); stops early once ``closed()``. Every socket it made is
-    closed when it returns."""
-    sockets: dict[zmq.Socket[bytes], int] = {}
-    poller = zmq.Poller()
-    try:
-        for i, address in enumerate(addresses):
-            try:
-                sock, endpoint = dealer(address)
-            except (ValueError, zmq.ZMQError):
-                yield i
-                continue
-            try:
-                sock.connect(endpoint)
-                say_hello(sock, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                yield i
-                continue
-            sockets[sock] = i
-            poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while sockets and (left := deadline - time.monotonic()) > 0 and not closed():
-            for sock, _ in poller.poll(math.ceil(min(left, CANCEL_POLL_S) * 1e3)):
-                poller.unregister(sock)
-                sock.close(linger=0)
-                yield sockets.pop(sock)
-    finally:
-        for sock in sockets:
-            sock.close(linger=0)
-
-
-__all__ = ["MAX_CONNECTS", "ParallelConnects"]
+__all__ = ["ParallelConnects"]

@@ -23,6 +23,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -269,6 +270,52 @@ def _greet(
     return accept
 
 
+def answering(
+    addresses: Sequence[str], timeout_s: float, closed: Callable[[], bool]
+) -> Iterator[int]:
+    """The index of each of ``addresses`` whose host answers a ``Hello`` within ``timeout_s``
+    (any answer: a refusal is its handshake's to report), as it answers, or that could not be
+    greeted (its handshake says why); stops early once ``closed()``. Every socket it made is
+    closed when it returns."""
+    sockets: dict[zmq.Socket[bytes], int] = {}
+    poller = zmq.Poller()
+    try:
+        for i, address in enumerate(addresses):
+            try:
+                sock, endpoint = dealer(address)
+            except (ValueError, zmq.ZMQError):
+                yield i
+                continue
+            try:
+                sock.connect(endpoint)
+                say_hello(sock, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                yield i
+                continue
+            sockets[sock] = i
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while sockets and (left := deadline - time.monotonic()) > 0 and not closed():
+            for sock, _ in poller.poll(math.ceil(min(left, CANCEL_POLL_S) * 1e3)):
+                poller.unregister(sock)
+                sock.close(linger=0)
+                yield sockets.pop(sock)
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+
+
+def no_answer(address: str, timeout_s: float | None = None) -> TimeoutError:
+    """The error of a host at ``address`` that did not answer (a handshake, or ``answering``'s
+    greeting within ``timeout_s``), saying what to check."""
+    within = "" if timeout_s is None else f" within {timeout_s} s"
+    return TimeoutError(
+        f"no answer from a torch-kv-tier server at {address}{within}: is `torch-kv-tier serve` "
+        "running there, and is the address reachable from this host?"
+    )
+
+
 def describe(message: p.ServerMessage) -> str:
     """A server answer that was not the one expected, in words."""
     if isinstance(message, p.Error | p.Reject):
@@ -310,10 +357,7 @@ def _expect(
     if reply is None and cancel is not None and cancel.is_set():
         raise ConnectionError(f"handshake with {address} cancelled: the tier is closing")
     if reply is None:
-        raise TimeoutError(
-            f"no answer from a torch-kv-tier server at {address}: is `torch-kv-tier serve` "
-            "running there, and is the address reachable from this host?"
-        )
+        raise no_answer(address)
     if isinstance(reply, p.Reject):
         raise HandshakeRejected(address, reply.reason)
     if not isinstance(reply, kind):
