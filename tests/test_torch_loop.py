@@ -363,6 +363,34 @@ def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
             assert tier.peers() == [], "the closed offloader's dial joined the host"
 
 
+@pytest.mark.parametrize("users_first", [True, False], ids=["user-offloader", "offloader-user"])
+def test_an_offloaders_close_leaves_the_users_own_dial_of_an_address(
+    monkeypatch: pytest.MonkeyPatch, users_first: bool
+) -> None:
+    # Found by review: an offloader over the user's tier cancelled at close every address its
+    # connects left to the tier's dialler (cancel_dial(address)), but the tier keeps one dial
+    # per address: a host the user had connected with redial_if_down too (before the
+    # offloader's connect, or after it) was no longer dialled, and never joined. The close
+    # withdraws only the offloader's own request now.
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    keys_c, values_c = random_caches(torch.float32, seed=18)
+    port = free_port()  # nobody listens here yet
+    address = f"127.0.0.1:{port}"
+    block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
+    with TierManager.create(8, block_len, name="users-own-dial") as tier:
+        off = PagedKVOffloader(keys_c, values_c, tier, timeout=5, reconnect_interval_s=0.1)
+        connects = [
+            lambda: pytest.raises(TimeoutError, tier.connect, address, timeout_s=0.5,
+                                  redial_if_down=True),
+            lambda: off.connect(address, connect_timeout=0.5),
+        ]  # fmt: skip
+        for connect in connects if users_first else connects[::-1]:
+            connect()
+        off.close(timeout=0.5)
+        with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
+            assert wait_for(lambda: tier.peers() != [], 20.0), "the user's dial was cancelled"
+
+
 def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

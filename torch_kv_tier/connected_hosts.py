@@ -75,6 +75,7 @@ class ConnectedHosts(LostHosts):
         timeout_s: float = CONNECT_TIMEOUT_S,
         heartbeat_timeout_s: float = 10.0,
         redial_if_down: bool = False,
+        dial_owner: object = None,
     ) -> str:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
@@ -101,14 +102,16 @@ class ConnectedHosts(LostHosts):
         or ``close``; once joined it is a connected host like any other (``peers()`` lists it).
         The error is raised all the same (with a note saying so): the host is not connected
         when this returns, and its peer id is not known yet. A refusal (``HandshakeRejected``),
-        a bad argument or a closed tier is never dialled again.
+        a bad argument or a closed tier is never dialled again. ``dial_owner``: who asks
+        (any object, e.g. a library's over the user's tier), so that ``cancel_dial(address,
+        dial_owner)`` withdraws its request alone: one dial serves every request of an address.
         """
         dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
         try:
             return self._connect(dial)
         except (TimeoutError, ConnectionError) as exc:
             if redial_if_down:
-                self._dial_later(dial, exc)
+                self._dial_later(dial, exc, dial_owner)
             raise
 
     def disconnect(self, peer_id: str) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch_kv_tier.remote.handshake import answering, no_answer
@@ -50,6 +50,9 @@ class Dial:
     slots: int | None
     timeout_s: float
     heartbeat_timeout_s: float
+    # who asked for it, as a host down at its connect (``redial_if_down``'s ``dial_owner``;
+    # ``None``: a caller who named none): ``cancel_dial`` with an owner withdraws only its own
+    askers: set[object] = field(default_factory=set)
 
 
 class Joining(threading.Event):

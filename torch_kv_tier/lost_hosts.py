@@ -110,6 +110,7 @@ class LostHosts(SessionReleases):
         slots: int | None = None,
         timeout_s: float = CONNECT_TIMEOUT_S,
         heartbeat_timeout_s: float = 10.0,
+        dial_owner: object = None,
     ) -> None:
         """Dial the host at ``address`` in the background until it joins, as
         ``connect(..., redial_if_down=True)`` does once the host did not answer, without a
@@ -119,7 +120,7 @@ class LostHosts(SessionReleases):
         dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
         with self._lock:
             self._check_open()
-        self._dial_later(dial, why)
+        self._dial_later(dial, why, dial_owner)
 
     def _new_dial(
         self,
@@ -139,32 +140,39 @@ class LostHosts(SessionReleases):
             )
         return Dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
 
-    def cancel_dial(self, address: str) -> bool:
+    def cancel_dial(self, address: str, dial_owner: object = None) -> bool:
         """Stop dialling ``address``, a host ``connect(..., redial_if_down=True)`` left to join
         in the background; ``False`` when none is dialled there (it joined meanwhile: it is a
         peer now, ``disconnect`` it by its peer id; or the tier is closed). A handshake with it
         under way ends its session once it returns; the ended sessions the host may hold are
-        still released. Any thread."""
+        still released. ``dial_owner`` (that of the connects that asked, e.g. a library's over
+        the user's tier): withdraw only its request, ``False`` when it made none; the address
+        is still dialled while another caller's request stands. Any thread."""
         with self._lock:
-            return self._cancel_pending(address)
+            return self._cancel_pending(address, dial_owner)
 
-    def _cancel_pending(self, address: str) -> bool:
+    def _cancel_pending(self, address: str, owner: object = None) -> bool:
         """``cancel_dial``, under the lock: the dial is remembered as removed, so that a redial
         of it under way ends what it connects (``_redial``)."""
-        dial = None if self._closed else self._pending.pop(address, None)
-        if dial is None:
+        dial = None if self._closed else self._pending.get(address)
+        if dial is None or (owner is not None and owner not in dial.askers):
             return False
+        dial.askers.discard(owner)
+        if owner is not None and dial.askers:
+            return True  # another caller's request stands
+        del self._pending[address]
         self._removed[address] = dial
         self._send_releases(address)
         logger.info("no longer dialling %s", address)
         return True
 
-    def _dial_later(self, dial: Dial, exc: Exception) -> None:
-        """``connect(..., redial_if_down=True)`` of ``dial``'s host failed with ``exc``
-        (unlocked): dial it in the background, as a lost host, until it joins (module
-        docstring); ``exc`` gets a note saying so. Nothing once the tier is closed, nor for an
-        address the tier dials already as a connected host's (joined meanwhile, or lost) or
-        for an earlier such connect (its dial stands: ``cancel_dial`` stops the one there is).
+    def _dial_later(self, dial: Dial, exc: Exception, owner: object) -> None:
+        """``connect(..., redial_if_down=True, dial_owner=owner)`` of ``dial``'s host failed
+        with ``exc`` (unlocked): dial it in the background, as a lost host, until it joins
+        (module docstring); ``exc`` gets a note saying so. Nothing once the tier is closed,
+        nor for an address the tier dials already as a connected host's (joined meanwhile, or
+        lost); an earlier such connect's dial stands, ``owner`` added to who asked for it
+        (``cancel_dial`` stops the one there is).
         A host's first join under way (another thread's connect, which ``exc`` may have
         waited out) stands for no dial: its dial is forgotten if it fails, and its success
         ends this one (``_forget_replaced``)."""
@@ -176,6 +184,7 @@ class LostHosts(SessionReleases):
             ):
                 return
             pending = self._pending.setdefault(dial.address, dial)  # an earlier one stands
+            pending.askers.add(owner)
             self._redialer.start(pending, type(exc))
         exc.add_note(
             f"{dial.address} is dialled again in the background until it joins "

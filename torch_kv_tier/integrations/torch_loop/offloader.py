@@ -115,6 +115,7 @@ class PagedKVOffloader:
         self._batches = ArenaBatches(manager, self._pages, timeout)
         self._redial = reconnect_interval_s > 0 and not strict  # connect's redial_if_down
         self._dialled: set[str] = set()  # addresses the tier dials for this offloader
+        self._dial_owner = object()  # its requests of those dials (``cancel_dial``)
         self._closed = False
 
     @staticmethod
@@ -245,6 +246,7 @@ class PagedKVOffloader:
             private=private,
             slots=slots,
             redial_if_down=self._redial,
+            dial_owner=self._dial_owner,
         )
         try:
             return self.manager.connect(address, **kwargs)
@@ -332,8 +334,9 @@ class PagedKVOffloader:
         """Wait for pending offloads, then close an owned tier (even when the wait is
         interrupted) with what is left of ``timeout``: the whole close is bounded by it (checked
         as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). A tier it does not
-        own stops dialling the hosts this offloader's connects left to it (``cancel_dial``;
-        those that joined stay). Idempotent."""
+        own stops dialling the hosts this offloader's connects left to it (``cancel_dial`` of
+        its own requests: one the user asked for too is still dialled; those that joined stay).
+        Idempotent."""
         check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
@@ -346,7 +349,7 @@ class PagedKVOffloader:
             if self._owns_manager:  # closing the tier ends its dials, and a handshake under way
                 self.manager.close(timeout=max(deadline - time.monotonic(), 0.0))
             for address in self._dialled:  # the user's tier: it stops what it dials for us
-                self.manager.cancel_dial(address)
+                self.manager.cancel_dial(address, self._dial_owner)
 
     def __enter__(self) -> PagedKVOffloader:
         return self
