@@ -329,6 +329,23 @@ def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> 
         assert off.restore([b"gone-0"], [3]) == 0
 
 
+@contextlib.contextmanager
+def _offloader_over_users_tier(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> Iterator[tuple[TierManager, PagedKVOffloader, int]]:
+    """A user's tier (redials from 0.1 s), an offloader over it, and a port nobody listens on
+    yet, for the host down at their connects."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    keys_c, values_c = random_caches(torch.float32, seed=17)
+    block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
+    with TierManager.create(8, block_len, name=name) as tier:
+        yield (
+            tier,
+            PagedKVOffloader(keys_c, values_c, tier, timeout=5, reconnect_interval_s=0.1),
+            free_port(),
+        )
+
+
 def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -336,12 +353,8 @@ def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
     # that was down at its connect at close, but a handshake under way then went on past the
     # close and joined the host into the user's tier for good. Now the tier dials it, and the
     # offloader's close cancels the dial: what the handshake connects is removed at once.
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
-    keys_c, values_c = random_caches(torch.float32, seed=17)
-    port = free_port()  # nobody listens here yet
-    address = f"127.0.0.1:{port}"
-    block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
-    with TierManager.create(8, block_len, name="users-tier") as tier:
+    with _offloader_over_users_tier(monkeypatch, "users-tier") as (tier, off, port):
+        address = f"127.0.0.1:{port}"
         entered, go = threading.Event(), threading.Event()
         open_ = tier._open
 
@@ -353,7 +366,6 @@ def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
             return session
 
         monkeypatch.setattr(tier, "_open", held_open)
-        off = PagedKVOffloader(keys_c, values_c, tier, timeout=5, reconnect_interval_s=0.1)
         assert off.connect(address, connect_timeout=0.5) == ""
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
             assert entered.wait(timeout=30), "the host was not dialled"
@@ -372,13 +384,8 @@ def test_an_offloaders_close_leaves_the_users_own_dial_of_an_address(
     # per address: a host the user had connected with redial_if_down too (before the
     # offloader's connect, or after it) was no longer dialled, and never joined. The close
     # withdraws only the offloader's own request now.
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
-    keys_c, values_c = random_caches(torch.float32, seed=18)
-    port = free_port()  # nobody listens here yet
-    address = f"127.0.0.1:{port}"
-    block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
-    with TierManager.create(8, block_len, name="users-own-dial") as tier:
-        off = PagedKVOffloader(keys_c, values_c, tier, timeout=5, reconnect_interval_s=0.1)
+    with _offloader_over_users_tier(monkeypatch, "users-own-dial") as (tier, off, port):
+        address = f"127.0.0.1:{port}"
         connects = [
             lambda: pytest.raises(TimeoutError, tier.connect, address, timeout_s=0.5,
                                   redial_if_down=True),
