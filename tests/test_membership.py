@@ -1505,3 +1505,19 @@ def test_many_lost_hosts_are_redialled_on_a_few_threads_and_one_back_joins_at_on
         counter.join(timeout=WAIT_S)
     assert peak[0] <= 4 + 2, f"{peak[0]} redial threads at once (4 tries, greeter, its loop)"
     assert _redial_threads() == []
+
+
+def test_a_dial_cancelled_during_its_handshake_with_a_silent_host_ends_its_try_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cancel_dial`` (or ``disconnect``) of a host the redialer was handshaking with, which
+    does not answer: the try went on for the handshake's whole ``timeout_s``, a thread and its
+    sockets (and one of the redialer's few tries) held for nothing. It gives up at once now."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    silent = SilentHosts(1)
+    (address,) = silent.addresses
+    with contextlib.closing(silent), TierManager.create(4, BLOCK_LEN, name="cancel-try") as tier:
+        tier.dial_later(address, TimeoutError("down (a test)"), timeout_s=60.0)
+        assert silent.dialled_side_by_side(within=1.0), "the redialer never dialled the host"
+        assert tier.cancel_dial(address)
+        wait_until(lambda: not tier._redialer._trying, "the try ends (its timeout is 60 s)")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connections import (
     CONNECT_TIMEOUT_S,
     Dial,
+    EitherSet,
     EndedSessions,
     Joining,
     twin_problem,
@@ -265,8 +266,9 @@ class ConnectedHosts(LostHosts):
     ) -> Any:
         """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told
         again when nothing answered, with the session the host may have opened meanwhile.
-        ``cancellable``: ``close`` ends it while it awaits the host's first answer (not so
-        ``close``'s own last word, ``_end_sessions``)."""
+        ``cancellable``: ``close``, or the dial's stop (``cancel_dial``, ``disconnect``), ends
+        it while it awaits the host's first answer (not so ``close``'s own last word,
+        ``_end_sessions``)."""
         from torch_kv_tier.remote.client import RemoteSession
         from torch_kv_tier.remote.handshake import AcceptLost
         from torch_kv_tier.remote.protocol import Region
@@ -285,7 +287,7 @@ class ConnectedHosts(LostHosts):
                 heartbeat_timeout_s=dial.heartbeat_timeout_s,
                 private=private,
                 release=release,
-                cancel=self._closing if cancellable else None,
+                cancel=EitherSet(self._closing, dial.stopped) if cancellable else None,
             )
         except BaseException as exc:
             if isinstance(exc, AcceptLost):

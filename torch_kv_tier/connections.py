@@ -52,7 +52,23 @@ class Dial:
     heartbeat_timeout_s: float
     # who asked for it, as a host down at its connect (``redial_if_down``'s ``dial_owner``;
     # ``None``: a caller who named none): ``cancel_dial`` with an owner withdraws only its own
-    askers: set[object] = field(default_factory=set)
+    askers: set[object] = field(default_factory=set, init=False)
+    # set once the tier no longer dials it (cancelled, or its host removed): a handshake of it
+    # still awaiting the host's first answer gives up (``EitherSet``). Neither is copied by
+    # ``dataclasses.replace`` (a removed host's releases go out over a copy of its dial).
+    stopped: threading.Event = field(default_factory=threading.Event, init=False)
+
+
+@dataclass(frozen=True)
+class EitherSet:
+    """A handshake's ``cancel`` (``handshake.Cancel``): set once either event is (the tier
+    closing, or the dial stopped)."""
+
+    first: threading.Event
+    second: threading.Event
+
+    def is_set(self) -> bool:
+        return self.first.is_set() or self.second.is_set()
 
 
 class Joining(threading.Event):

@@ -162,6 +162,7 @@ class LostHosts(SessionReleases):
             return True  # another caller's request stands
         del self._pending[address]
         self._removed[address] = dial
+        dial.stopped.set()
         self._send_releases(address)
         logger.info("no longer dialling %s", address)
         return True
@@ -199,6 +200,7 @@ class LostHosts(SessionReleases):
         dial = self._dials.pop(peer_id, None)
         if dial is not None:
             self._removed[dial.address] = dial
+            dial.stopped.set()
             if self._pending.get(dial.address) is dial:
                 del self._pending[dial.address]
         return dial

@@ -37,6 +37,7 @@ import zmq
 
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import (
+    Cancel,
     HandshakeRejected,
     accept_problem,
     check_session_args,
@@ -165,7 +166,7 @@ class RemoteSession(SharedRequests):
         client_name: str | None = None,
         private: bool = False,
         release: list[str] | None = None,
-        cancel: threading.Event | None = None,
+        cancel: Cancel | None = None,
     ) -> RemoteSession:
         """Handshake with the server at ``address`` (``HOST:PORT``): a shared session, or with
         ``private=True`` a lease of up to ``slots`` of its slots (``None``: as many as the

@@ -21,10 +21,9 @@ import logging
 import math
 import re
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -40,6 +39,13 @@ GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as sta
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
 # a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
 _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
+
+
+class Cancel(Protocol):
+    """What a handshake looks at while it awaits its first answer: it gives up once set (a
+    ``threading.Event``, or anything with its ``is_set``)."""
+
+    def is_set(self) -> bool: ...
 
 
 class HandshakeRejected(Exception):
@@ -202,7 +208,7 @@ def handshake(
     deadline: float,
     token: str | None,
     request: p.Handshake,
-    cancel: threading.Event | None = None,
+    cancel: Cancel | None = None,
     monitor: zmq.Socket[bytes] | None = None,
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
@@ -243,7 +249,7 @@ def _greet(
     deadline: float,
     token: str | None,
     request: p.Handshake,
-    cancel: threading.Event | None,
+    cancel: Cancel | None,
 ) -> p.Accept:
     """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``)."""
     client_nonce = say_hello(sock)
@@ -324,7 +330,7 @@ def describe(message: p.ServerMessage) -> str:
 
 
 def _await_reply(
-    sock: zmq.Socket[bytes], seq: int, deadline: float, cancel: threading.Event | None
+    sock: zmq.Socket[bytes], seq: int, deadline: float, cancel: Cancel | None
 ) -> p.ServerMessage | None:
     """The reply to request ``seq``, or ``None`` at ``deadline`` or once ``cancel`` is set;
     other frames are skipped."""
@@ -351,11 +357,13 @@ def _expect(
     seq: int,
     deadline: float,
     kind: type[Any],
-    cancel: threading.Event | None,
+    cancel: Cancel | None,
 ) -> Any:
     reply = _await_reply(sock, seq, deadline, cancel)
     if reply is None and cancel is not None and cancel.is_set():
-        raise ConnectionError(f"handshake with {address} cancelled: the tier is closing")
+        raise ConnectionError(
+            f"handshake with {address} cancelled: the tier is closing, or no longer dials it"
+        )
     if reply is None:
         raise no_answer(address)
     if isinstance(reply, p.Reject):
