@@ -1521,3 +1521,14 @@ def test_a_dial_cancelled_during_its_handshake_with_a_silent_host_ends_its_try_a
         assert silent.dialled_side_by_side(within=1.0), "the redialer never dialled the host"
         assert tier.cancel_dial(address)
         wait_until(lambda: not tier._redialer._trying, "the try ends (its timeout is 60 s)")
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, math.nan, -1.0])
+def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> None:
+    """``dial_later`` took any ``timeout_s``: the redialer then tried the host for good, each
+    try failing with ``ValueError`` (and a greeting of hosts past its cap waits within the
+    longest of their timeouts: an infinite one held every other host). It says so at once."""
+    with TierManager.create(4, BLOCK_LEN, name="dial-later-timeout") as tier:
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), timeout_s=timeout_s)
+        assert tier.cancel_dial("127.0.0.1:1") is False

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
-from torch_kv_tier.remote.handshake import check_connect_args
+from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport
 
@@ -131,8 +131,10 @@ class LostHosts(SessionReleases):
         timeout_s: float,
         heartbeat_timeout_s: float,
     ) -> Dial:
-        """How to dial ``address`` (``connect``'s arguments), once they are checked."""
+        """How to dial ``address`` (``connect``'s arguments), once they are checked (every
+        dial's handshake, and the redialer's greeting, waits within its timeouts)."""
         check_connect_args(address, slots, private, token)
+        check_timeouts(timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
         if not private and not self.verify:
             raise ValueError(
                 "a shared pool needs verify=True: its loads read unpinned slots and rely on "

@@ -109,6 +109,12 @@ def check_session_args(
     check_connect_args(address, slots, private, token)
     if not agent_metadata:
         raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
+    check_timeouts(**timeouts_s)
+
+
+def check_timeouts(**timeouts_s: float) -> None:
+    """``ValueError`` naming the first of ``timeouts_s`` that is no timeout: each must be
+    finite, > 0 and at most ``MAX_WAIT_S``."""
     for name, value in timeouts_s.items():
         if not 0 < value <= MAX_WAIT_S:
             raise ValueError(f"{name} must be > 0 and at most {MAX_WAIT_S:g} s, got {value}")
