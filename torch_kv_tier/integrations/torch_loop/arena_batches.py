@@ -273,10 +273,8 @@ class ArenaBatches:
                 storing = self._shares.storing()
                 share = functools.partial(self._shares.store_share, held=held, storing=storing)
                 n = fitting(homes[:room], share, held)
-                left = deadline - time.monotonic()
-                if n or left <= 0 or homes[0] in held:
+                if n or homes[0] in held or not self._wait(deadline):
                     return n
-                self._changed.wait(left)
 
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
         """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
@@ -285,11 +283,19 @@ class ArenaBatches:
         arena = self._manager.arena
         with self._lock:
             while arena.num_free < n:
-                left = deadline - time.monotonic()
-                if left <= 0 or n > self._shares.room(self._shares.overdue()):
+                if n > self._shares.room(self._shares.overdue()) or not self._wait(deadline):
                     return None
-                self._changed.wait(left)
             return arena.allocate(n)
+
+    def _wait(self, deadline: float) -> bool:
+        """Under the lock: wait until something changed (slots came back, a store or read
+        ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
+        once) once it has passed."""
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        self._changed.wait(min(deadline, self._shares.next_due()) - now)
+        return True
 
     def _room(self) -> int:
         """How many slots a batch may take: those overdue hosts do not hold."""

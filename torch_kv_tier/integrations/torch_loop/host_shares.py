@@ -21,6 +21,7 @@ own lock.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
@@ -79,6 +80,13 @@ class HostShares:
             if deadline > now:
                 held[host] += slots
         return held
+
+    def next_due(self) -> float:
+        """When the next store under way that is not overdue yet turns overdue (``time.monotonic``
+        time; ``inf``: none will): a wait for a share or slots must wake then, as the host's
+        share and the room change without anything ending."""
+        now = time.monotonic()
+        return min((d for _, _, d in self._stores.values() if d > now), default=math.inf)
 
     def room(self, held: Counter[str | None]) -> int:
         """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""

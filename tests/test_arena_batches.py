@@ -1,0 +1,106 @@
+"""The torch loop's arena batches against a scripted tier: when a host is overdue, and for how
+long an offload waits for slots. No host runs: the tier's store futures resolve when a test says
+(a frozen host's never do until then), so each test takes well under a second."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
+from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
+from torch_kv_tier.keys import Key, home_peer
+from torch_kv_tier.results import TransferResult
+
+WAIT_S = 60.0  # the deadline of an offload that must not wait for it
+
+
+def stored(keys: list[Key]) -> TransferResult:
+    return TransferResult(ok=True, keys=list(keys), failed={}, nbytes=0, seconds=0.0)
+
+
+class ScriptedTier:
+    """The calls ``ArenaBatches`` makes of a ``TierManager``: stores stay under way until the
+    test resolves them (``stores``); loads find every key."""
+
+    def __init__(self, slots: int, peers: list[str]) -> None:
+        self.arena = BlockArena(slots, 64)
+        self._peers = peers
+        self.stores: list[tuple[list[Key], Future[TransferResult]]] = []
+
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def holders(self, keys: list[Key]) -> list[str | None]:
+        return [home_peer(k, self._peers) for k in keys]
+
+    def store(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        future: Future[TransferResult] = Future()
+        self.stores.append((list(keys), future))
+        return future
+
+    def load(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        future: Future[TransferResult] = Future()
+        future.set_result(stored(keys))
+        return future
+
+    def end_stores(self) -> None:
+        for keys, future in self.stores:
+            if not future.done():
+                future.set_result(stored(keys))
+
+
+class NoCopies:
+    def gather(self, pages: list[int], slots: list[int]) -> None:
+        pass
+
+    def scatter(self, slots: list[int], pages: list[int]) -> None:
+        pass
+
+
+def batches(tier: ScriptedTier, timeout: float) -> ArenaBatches:
+    return ArenaBatches(tier, NoCopies(), timeout)  # type: ignore[arg-type]
+
+
+def keys_on(host: str, peers: list[str], count: int) -> list[Key]:
+    """``count`` keys whose home among ``peers`` is ``host``."""
+    return [k for k in (f"key-{i}".encode() for i in range(200)) if home_peer(k, peers) == host][
+        :count
+    ]
+
+
+def failures(parts: list[tuple[list[Key], Future[TransferResult]]]) -> dict[Key, str]:
+    return {k: r for _, part in parts if part.done() for k, r in part.result().failed.items()}
+
+
+@pytest.mark.parametrize(("peers", "held"), [(["a"], 2), (["a", "b"], 1)])
+def test_an_offload_waiting_on_a_frozen_hosts_slots_ends_once_its_store_is_overdue(
+    peers: list[str], held: int
+) -> None:
+    # Found by review: an offload that waited for the slots (one host) or the share (several)
+    # that a frozen host's store held woke only at its own deadline, though that store turned
+    # overdue at its timeout: the generation loop stalled up to a whole timeout more, here
+    # WAIT_S, before the page failed. The wait now ends when the store turns overdue.
+    tier = ScriptedTier(2, peers)
+    arena = batches(tier, timeout=0.3)  # a store is overdue 0.3 s into it
+    *first, second = keys_on("a", peers, held + 1)  # 'a' holds the arena (one host) or its share
+    arena.store_all({k: i for i, k in enumerate(first)}, time.monotonic() + 0.3)
+    assert tier.arena.num_free == 2 - held  # 'a' froze: its store does not end
+    parts: list[tuple[list[Key], Future[TransferResult]]] = []
+    waiting = threading.Thread(
+        target=lambda: parts.extend(arena.store_all({second: 5}, time.monotonic() + WAIT_S)),
+        daemon=True,
+    )
+    waiting.start()
+    try:
+        waiting.join(timeout=10.0)
+        assert not waiting.is_alive(), "the offload waited past the frozen host's timeout"
+        assert failures(parts)[second] in (OVERDUE, "capacity")
+    finally:
+        tier.end_stores()  # 'a' resumes: a waiter still there wakes, every slot comes back
+        waiting.join(timeout=10.0)
+    assert tier.arena.num_free == 2
