@@ -104,3 +104,19 @@ def test_an_offload_waiting_on_a_frozen_hosts_slots_ends_once_its_store_is_overd
         tier.end_stores()  # 'a' resumes: a waiter still there wakes, every slot comes back
         waiting.join(timeout=10.0)
     assert tier.arena.num_free == 2
+
+
+def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable() -> None:
+    # Found by review: a store was overdue from its offload's deadline on, however late in
+    # the offload it started (a slow copy into the arena, or the last batch of a long
+    # offload): the only host, healthy, was "overdue" until that store ended, so the next
+    # offload failed every page ("host overdue") and the next restore read nothing. A store is
+    # overdue once it has been under way for the timeout.
+    tier = ScriptedTier(4, ["a"])
+    arena = batches(tier, timeout=WAIT_S)
+    arena.store_all({b"late": 0}, time.monotonic())  # its deadline passed as it started
+    assert not tier.stores[0][1].done()  # under way on a healthy host
+    assert failures(arena.store_all({b"next": 1}, time.monotonic() + WAIT_S)) == {}
+    assert arena.load_prefix([b"late-restore"], [2], time.monotonic() + WAIT_S) == 1
+    tier.end_stores()
+    assert tier.arena.num_free == 4

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 class ArenaBatches:
     """Stores and loads batches of pages through ``manager``'s arena (module docstring); must
-    be the arena's only user. ``timeout`` is the offloader's, named in its log lines."""
+    be the arena's only user. ``timeout`` is the offloader's: how long a store may be under
+    way before its host is overdue; named in the log lines."""
 
     def __init__(self, manager: TierManager, pages: PageCopier, timeout: float) -> None:
         self._manager = manager
@@ -122,7 +123,8 @@ class ArenaBatches:
     ) -> list[Batch]:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
         under ``keys``, one store per host (``homes``: each key's), whose slots come back when
-        it resolved (overdue once ``deadline`` passed); the pages may change once this returns.
+        it resolved (overdue once under way for the timeout: however late in its offload it
+        started, a healthy host's store is not); the pages may change once this returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent)."""
@@ -135,6 +137,7 @@ class ArenaBatches:
             self._release(slots)
             raise
         stores: list[Batch] = []
+        due = time.monotonic() + self._timeout
         for host, (host_keys, host_slots) in _by_host(keys, homes, slots).items():
             try:
                 future = self._manager.store(host_keys, host_slots)
@@ -144,7 +147,7 @@ class ArenaBatches:
                 continue
             with self._lock:
                 self._pending.add(future)
-                self._shares.store_started(future, host, len(host_slots), deadline)
+                self._shares.store_started(future, host, len(host_slots), due)
             future.add_done_callback(functools.partial(self._release, host_slots))
             stores.append((host_keys, future))
         return stores

@@ -2,9 +2,11 @@
 
 A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until it
 resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen host:
-until its session is lost, about 10 s). A host with either past its call's deadline is *overdue*: a
-restore stops before its first key and an offload fails its keys at once (:data:`OVERDUE`) until
-they end, so that it takes no more slots, and the slots it holds are out of the *room* that batches
+until its session is lost, about 10 s). A host with a read past its restore's deadline, or a
+store under way for longer than the offloader's timeout (not its offload's deadline, which a
+healthy host's store begun late in a long offload would pass), is *overdue*: a restore stops
+before its first key and an offload fails its keys at once (:data:`OVERDUE`) until they end, so
+that it takes no more slots, and the slots it holds are out of the *room* that batches
 are sized to. With more than one host, a batch takes from one host at most half the room (rounded
 down, at least one; the cost: a longer run of keys on one host goes in more round trips). Stores
 under way to other hosts are out of a host's room too, and its own count against its share (an
