@@ -120,3 +120,30 @@ def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable()
     assert arena.load_prefix([b"late-restore"], [2], time.monotonic() + WAIT_S) == 1
     tier.end_stores()
     assert tier.arena.num_free == 4
+
+
+class CtrlCBeforeItsCallback(Future[TransferResult]):
+    """A store's future as the caller sees it when Ctrl-C lands as it adds its callback."""
+
+    def add_done_callback(self, fn: object) -> None:
+        raise KeyboardInterrupt
+
+
+def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) between the tier's store and its callback
+    # left a record of the store that nothing ended: once its timeout passed (here at once),
+    # its host was overdue for good (every later offload to it failed "host overdue", every
+    # restore stopped at its keys) and flush() waited for it until its timeout, each time.
+    # The callback is added first; only the interrupted store's slot is lost.
+    tier = ScriptedTier(4, ["a"])
+    interrupted = CtrlCBeforeItsCallback()
+    tier.store = lambda keys, slots: interrupted  # type: ignore[method-assign]
+    arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    del tier.store  # the scripted store again
+    assert failures(arena.store_all({b"after": 1}, time.monotonic() + WAIT_S)) == {}
+    tier.end_stores()
+    assert arena.wait_idle(time.monotonic() + WAIT_S)
+    assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
+    assert tier.arena.num_free == 3  # all but the interrupted store's slot

@@ -145,10 +145,14 @@ class ArenaBatches:
                 self._release(host_slots)
                 stores.append((host_keys, failed_now(host_keys, str(exc), "tier refused a store")))
                 continue
-            with self._lock:
-                self._pending.add(future)
-                self._shares.store_started(future, host, len(host_slots), due)
+            # The callback first: a Ctrl-C before it is added loses the slots, but no record of
+            # the store is left that nothing ends (its host overdue, ``wait_idle`` waiting, for
+            # good). One run at once (or waiting for the lock) sees the future done: no record.
             future.add_done_callback(functools.partial(self._release, host_slots))
+            with self._lock:
+                if not future.done():
+                    self._pending.add(future)
+                    self._shares.store_started(future, host, len(host_slots), due)
             stores.append((host_keys, future))
         return stores
 
