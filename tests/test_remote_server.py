@@ -427,6 +427,46 @@ def test_a_frozen_clients_connection_is_closed_and_an_idle_ones_kept(
         idle.close(linger=0)
 
 
+def test_sessions_whose_heartbeats_queued_while_the_host_stalled_survive_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the host review: a host whose loop stalled past its lease timeout (frozen,
+    busy) read, once it resumed, one batch of control messages and then checked the leases:
+    the sessions whose heartbeats were still queued (a host with more sessions than
+    ``MAX_BATCH``) were ended, their clients alive. A session's silence now counts only while
+    the host listens. ``MAX_BATCH`` of 1 stands in for a host with more than 256 sessions."""
+    from torch_kv_tier.remote import server as server_module
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    monkeypatch.setattr(server_module, "MAX_BATCH", 1)
+    server = Server(ServerConfig(num_blocks=32, block_len=BLOCK_LEN, lease_timeout_s=1.0))
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve, args=(stop,))
+    loop.start()
+    lost: list[str] = []
+    sessions = [
+        fake_session(server.address, private=False, heartbeat_timeout_s=60, on_lost=lost.append)
+        for _ in range(4)
+    ]
+    try:
+        with server._lock:  # the loop stalls: the clients' heartbeats queue up
+            time.sleep(2.5)
+        resumed = time.monotonic()
+
+        def settled() -> bool:  # sessions ended, or every one heard from since
+            now, live = time.monotonic(), server.stats()["sessions"]
+            return len(live) < 4 or all(now - s["idle_s"] > resumed + 0.1 for s in live)
+
+        assert wait_for(settled, timeout_s=10)
+        assert len(server.stats()["sessions"]) == 4 and not lost
+    finally:
+        for session in sessions:
+            session.close()
+        stop.set()
+        loop.join(timeout=10)
+        server.close()
+
+
 def test_a_lease_timeout_of_years_still_binds_its_port() -> None:
     """The host pings silent connections every lease timeout: one longer than ZeroMQ's option
     holds is capped, not an ``OverflowError`` at start."""

@@ -176,6 +176,14 @@ class LeaseTable:
             self._retire(session, now, clean=clean)
         return session
 
+    def pause(self, seconds: float, now: float) -> None:
+        """The host read no control message for ``seconds`` before ``now`` (its loop stalled:
+        frozen, or busy): a session's silence counts only while the host listens, so its last
+        sign of life moves that much later (at most to ``now``). Its heartbeats of that time
+        are still queued, and may be read only after the next ``expire``."""
+        for session in self.sessions.values():
+            session.last_seen = min(session.last_seen + seconds, now)
+
     def expire(self, now: float) -> list[Session]:
         """End every session silent for longer than the lease timeout (their leases are held);
         return them."""

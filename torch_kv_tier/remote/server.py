@@ -199,6 +199,7 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         next_expiry = next_push = 0.0
+        turn = time.monotonic()  # when the loop last read its socket (or found it empty)
         while not stop.is_set():
             if freeze_index:
                 self._freeze_index()
@@ -213,14 +214,34 @@ class Server:
                         wait_s = min(wait_s, self._disk.retry_in(now))
                 if self._control.shared.cache.has_events():
                     wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
+            polled = time.monotonic()
             if poller.poll(math.ceil(wait_s * 1e3)):
                 self._drain()
             now = time.monotonic()
+            self._count_stall(now - turn - min(wait_s, now - polled), now)
+            turn = now
             if now >= next_push and self._push_events():
                 next_push = now + EVENTS_PERIOD_S
             if now >= next_expiry:
                 next_expiry = now + EXPIRY_PERIOD_S
                 self._expire(now)
+
+    def _count_stall(self, away_s: float, now: float) -> None:
+        """The loop read no control message for ``away_s`` seconds before ``now`` (frozen,
+        say by SIGSTOP, its lock held, or busy). Past a client's heartbeat period (a third of
+        the lease timeout) the sessions are not charged for it: their heartbeats of that time
+        were queued, more than one batch (``MAX_BATCH``) of them once a host has that many
+        sessions, and the expiry check after the first batch ended the sessions whose
+        heartbeats were still queued."""
+        lease_s = self.config.lease_timeout_s
+        if away_s > lease_s / 3:
+            logger.log(
+                logging.WARNING if away_s > lease_s else logging.DEBUG,
+                "the host read no control message for %.1f s (frozen, or busy): its sessions "
+                "are not charged for that silence", away_s,
+            )  # fmt: skip
+            with self._lock:
+                self._control.leases.pause(away_s, now)
 
     def _freeze_index(self) -> None:
         """Keep the host's index out of the garbage collector's walks: at the loop's start (the
