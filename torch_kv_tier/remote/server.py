@@ -164,9 +164,10 @@ class Server:
 
     @staticmethod
     def _bind(host: str, port: int, lease_timeout_s: float) -> zmq.Socket[bytes]:
-        """The ROUTER socket, listening. It pings every connection silent for a lease timeout
-        and closes one that then sends nothing (not even the answer to the ping, which a
-        client's ZeroMQ I/O thread gives while its program is idle) for two more: a client
+        """The ROUTER socket, listening. It pings every connection once per lease timeout
+        (ZeroMQ's heartbeat) and closes one that sends nothing after a ping (not even its
+        answer, which a client's ZeroMQ I/O thread gives while its program is idle or busy)
+        for two lease timeouts: a client
         frozen, or whose machine vanished, held a descriptor and buffers here for good. Its
         sessions expired by then; one that resumes finds its connection reset, and connects
         again."""
