@@ -17,7 +17,7 @@ import torch
 from remote_support import BLOCK_LEN, wait_for
 from test_index import LateWriteTransport, late_write_tier
 
-from torch_kv_tier import session_releases
+from torch_kv_tier import connections, session_releases
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.manager import TierManager
@@ -443,6 +443,40 @@ def test_a_redial_whose_new_session_is_lost_at_once_dials_again() -> None:
     redialer.start(spec)
     try:
         assert wait_for(lambda: len(dials) == 2, 10.0), dials
+    finally:
+        redialer.stop(timeout=5.0)
+
+
+def test_a_host_lost_again_as_its_redial_ends_is_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a redial joined its host, the redialer saw it joined (not wanted any
+    more), and the new session was lost before the redialer forgot the host. The drop found
+    the host still due and added nothing, then the redialer forgot it: the host was never
+    dialled again. A host lost as its redial ends is dialled again."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.05)
+    spec = Dial("host:1", None, False, None, 1.0, 1.0)
+    dials: list[Dial] = []
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        joined = False
+
+        def dial(self, dial: Dial) -> None:
+            dials.append(dial)
+            self.joined = True
+
+        def wanted(self, dial: Dial) -> bool:
+            wanted = not self.joined
+            if len(dials) == 1 and self.joined:  # the first new session is lost right after
+                self.joined = False
+                redialer.start(spec)  # what the drop does (``_close_session``)
+            return wanted
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    redialer.start(spec)
+    try:
+        assert wait_for(lambda: len(dials) == 2, 10.0), "the host lost again is never dialled"
     finally:
         redialer.stop(timeout=5.0)
 

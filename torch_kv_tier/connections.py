@@ -182,6 +182,9 @@ class Redialer:
         self._due: dict[Dial, tuple[float, float]] = {}  # lost host -> (next try, backoff)
         self._failures: dict[Dial, set[type[BaseException]]] = {}  # kinds logged as warnings
         self._trying: dict[Dial, threading.Thread] = {}  # host -> the thread of its try
+        # hosts being tried that were lost again meanwhile (``start``): their try, which may
+        # have seen them joined, must not forget them
+        self._lost_again: set[Dial] = set()
         self._greeting: set[Dial] = set()  # hosts the greeter awaits the answer of
         self._answered: list[Dial] = []  # hosts that answered it, to be tried first
         self._greeter: threading.Thread | None = None
@@ -200,7 +203,11 @@ class Redialer:
         logged already (not logged as a warning again)."""
         self.arm()
         with self._lock:
-            if self._stop.is_set() or spec in self._due:
+            if self._stop.is_set():
+                return
+            if spec in self._due:
+                if spec in self._trying:
+                    self._lost_again.add(spec)
                 return
             self._due[spec] = (time.monotonic() + REDIAL_FIRST_S, REDIAL_FIRST_S)
             self._failures[spec] = set() if failed is None else {failed}
@@ -283,6 +290,7 @@ class Redialer:
         finally:
             with self._lock:
                 del self._trying[spec]
+                self._lost_again.discard(spec)
                 self._lock.notify()
 
     def _try(self, spec: Dial) -> None:
@@ -304,8 +312,14 @@ class Redialer:
         self._forget(spec)
 
     def _forget(self, spec: Dial) -> None:
-        """``spec`` joined, or is no longer wanted: no next try."""
+        """``spec`` joined, or is no longer wanted: no next try, unless it was lost again
+        since its try saw it joined (``start`` found it due still): dialled anew then."""
         with self._lock:
+            if spec in self._lost_again:
+                self._lost_again.discard(spec)
+                self._due[spec] = (time.monotonic() + REDIAL_FIRST_S, REDIAL_FIRST_S)
+                self._failures[spec] = set()
+                return
             self._due.pop(spec, None)
             self._failures.pop(spec, None)
 
