@@ -481,6 +481,50 @@ def test_a_host_lost_again_as_its_redial_ends_is_dialled_again(
         redialer.stop(timeout=5.0)
 
 
+def test_a_redial_thread_that_cannot_start_is_tried_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a process at its thread limit (``RuntimeError: can't start new
+    thread``) killed the redialer's thread, so no lost host was ever dialled again, and left a
+    thread that never started among the tries, so ``close`` raised joining it. The try (or
+    the greeting) is put off to its next round, and ``stop`` ends as it does."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.05)
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 1)
+    monkeypatch.setattr(connections, "answering", lambda addresses, *_: range(len(addresses)))
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_unless_refused(thread: threading.Thread) -> None:
+        kind = getattr(getattr(thread, "_target", None), "__name__", "")
+        if kind in ("_try_once", "_greet") and kind not in refused:
+            refused.append(kind)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_unless_refused)
+    specs = [Dial(f"host:{i}", None, False, None, 1.0, 1.0) for i in (1, 2)]
+    dials: list[Dial] = []
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            dials.append(dial)
+
+        def wanted(self, dial: Dial) -> bool:
+            return dial not in dials
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    redialer.start(specs[0])
+    try:
+        assert wait_for(lambda: dials == specs[:1], 10.0), "the host is never dialled"
+        redialer.start(specs[1])
+        redialer.start(Dial("host:3", None, False, None, 1.0, 1.0))  # 2 due, 1 try: a greeting
+        assert wait_for(lambda: len(dials) == 3, 10.0), "hosts past the cap are never dialled"
+        assert refused == ["_try_once", "_greet"]
+    finally:
+        redialer.stop(timeout=5.0)
+
+
 def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -239,19 +239,38 @@ class Redialer:
                 if len(due) <= free - len(ready):
                     ready += due
                 elif self._greeter is None:
-                    self._greeting.update(due)
-                    self._greeter = threading.Thread(
+                    greeter = threading.Thread(
                         target=self._greet, args=(due,), name=REDIAL_THREAD, daemon=True
                     )
-                    self._greeter.start()
+                    if self._started(greeter, due):
+                        self._greeter = greeter
+                        self._greeting.update(due)
                 for spec in ready:
-                    self._trying[spec] = thread = threading.Thread(
+                    thread = threading.Thread(
                         target=self._try_once, args=(spec,), name=REDIAL_THREAD, daemon=True
                     )
-                    thread.start()
+                    if self._started(thread, [spec]):
+                        self._trying[spec] = thread
                 if not ready:  # (woken by a new host, an answer, or a try or greeting ended)
                     wake = min((at for at in idle.values() if at > now), default=now + 1.0)
                     self._lock.wait(timeout=max(wake - now, 0.01))
+
+    def _started(self, thread: threading.Thread, specs: list[Dial]) -> bool:
+        """Start ``thread``, the try or greeting of ``specs`` (under the lock); a process at
+        its thread limit (``RuntimeError``) puts them off to their next round instead."""
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            backoff = max(self._back_off(spec) for spec in specs)
+            hosts = specs[0].address if len(specs) == 1 else f"{len(specs)} hosts"
+            logger.warning(
+                "could not start a thread to re-dial %s (next try in up to %.1f s): %s",
+                hosts,
+                backoff,
+                exc,
+            )
+            return False
+        return True
 
     def _greet(self, specs: list[Dial]) -> None:
         """The greeter's thread: each of ``specs`` that answers a ``Hello`` is tried next, as
@@ -332,8 +351,7 @@ class Redialer:
             logger.debug("re-dialling %s ended, no longer wanted: %s", spec.address, exc)
             return False
         with self._lock:
-            backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
-            self._due[spec] = (time.monotonic() + backoff, backoff)
+            backoff = self._back_off(spec)
             kinds = self._failures.setdefault(spec, set())
             new = type(exc) not in kinds
             kinds.add(type(exc))
@@ -346,6 +364,13 @@ class Redialer:
             exc,
         )
         return True
+
+    def _back_off(self, spec: Dial) -> float:
+        """A round of ``spec`` failed (under the lock): its next is due after its backoff,
+        doubled (up to ``REDIAL_MAX_S``), which this returns."""
+        backoff = min(self._due[spec][1] * 2, REDIAL_MAX_S)
+        self._due[spec] = (time.monotonic() + backoff, backoff)
+        return backoff
 
 
 def twin_problem(address: str, peer_id: str, twin: str) -> str:
