@@ -1532,3 +1532,28 @@ def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> No
         with pytest.raises(ValueError, match="timeout_s must be > 0"):
             tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), timeout_s=timeout_s)
         assert tier.cancel_dial("127.0.0.1:1") is False
+
+
+def test_an_unhashable_dial_owner_is_refused_before_anything_is_dialled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``connect(..., redial_if_down=True, dial_owner={...})`` waited out
+    its handshake, then raised ``TypeError: unhashable type`` and left the address pending with
+    nobody to dial it or to cancel it by owner. A ``dial_owner`` a dial cannot keep is refused
+    first, saying what to pass, by ``connect``, ``dial_later`` and ``cancel_dial``."""
+    with TierManager.create(4, BLOCK_LEN, name="unhashable-owner") as tier:
+        opened: list[object] = []
+
+        def down(dial: Any, *_args: Any, **_kwargs: Any) -> None:
+            opened.append(dial)
+            raise TimeoutError("down (a test)")
+
+        monkeypatch.setattr(tier, "_open", down)
+        address = "127.0.0.1:1"
+        with pytest.raises(TypeError, match=r"dial_owner must be hashable.*object\(\)"):
+            tier.connect(address, redial_if_down=True, dial_owner={"library": 1})
+        with pytest.raises(TypeError, match="dial_owner must be hashable"):
+            tier.dial_later(address, TimeoutError("down (a test)"), dial_owner=[])
+        with pytest.raises(TypeError, match="dial_owner must be hashable"):
+            tier.cancel_dial(address, [])
+        assert opened == [] and not tier._pending

@@ -107,7 +107,9 @@ class ConnectedHosts(LostHosts):
         (any object, e.g. a library's over the user's tier), so that ``cancel_dial(address,
         dial_owner)`` withdraws its request alone: one dial serves every request of an address.
         """
-        dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
+        dial = self._new_dial(
+            address, token, private, slots, timeout_s, heartbeat_timeout_s, dial_owner
+        )
         try:
             return self._connect(dial)
         except (TimeoutError, ConnectionError) as exc:

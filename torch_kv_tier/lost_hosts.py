@@ -117,7 +117,9 @@ class LostHosts(SessionReleases):
         handshake now: for a caller that saw it not answer (``why``, which gets the same note;
         ``parallel_connects``' greeting). The keyword arguments are ``connect``'s, checked as
         it checks them (``ValueError``); ``RuntimeError`` once the tier is closed. Any thread."""
-        dial = self._new_dial(address, token, private, slots, timeout_s, heartbeat_timeout_s)
+        dial = self._new_dial(
+            address, token, private, slots, timeout_s, heartbeat_timeout_s, dial_owner
+        )
         with self._lock:
             self._check_open()
         self._dial_later(dial, why, dial_owner)
@@ -130,10 +132,13 @@ class LostHosts(SessionReleases):
         slots: int | None,
         timeout_s: float,
         heartbeat_timeout_s: float,
+        owner: object,
     ) -> Dial:
         """How to dial ``address`` (``connect``'s arguments), once they are checked (every
-        dial's handshake, and the redialer's greeting, waits within its timeouts)."""
+        dial's handshake, and the redialer's greeting, waits within its timeouts; ``owner``
+        is a ``dial_owner``, kept if the host is down)."""
         check_connect_args(address, slots, private, token)
+        check_dial_owner(owner)
         check_timeouts(timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
         if not private and not self.verify:
             raise ValueError(
@@ -150,6 +155,7 @@ class LostHosts(SessionReleases):
         still released. ``dial_owner`` (that of the connects that asked, e.g. a library's over
         the user's tier): withdraw only its request, ``False`` when it made none; the address
         is still dialled while another caller's request stands. Any thread."""
+        check_dial_owner(dial_owner)
         with self._lock:
             return self._cancel_pending(address, dial_owner)
 
@@ -249,3 +255,15 @@ class LostHosts(SessionReleases):
             self._pending.get(dial.address) is dial
             or any(d is dial and pid not in self._peers for pid, d in self._dials.items())
         )
+
+
+def check_dial_owner(owner: object) -> None:
+    """``TypeError`` unless ``owner`` can be a ``dial_owner``: a dial keeps its owners in a
+    set (an owner is told apart by ``==``), so it must be hashable."""
+    try:
+        hash(owner)
+    except TypeError:
+        raise TypeError(
+            f"dial_owner must be hashable (a dial keeps who asked for it in a set), got a "
+            f"{type(owner).__name__}: pass a token of your own, e.g. object()"
+        ) from None
