@@ -486,9 +486,11 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
 ) -> None:
     """Found by review: a process at its thread limit (``RuntimeError: can't start new
     thread``) killed the redialer's thread, so no lost host was ever dialled again, and left a
-    thread that never started among the tries, so ``close`` raised joining it. The try (or
-    the greeting) is put off to its next round, and ``stop`` ends as it does."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.05)
+    thread that never started among the tries, so ``close`` raised joining it (so did one of
+    the redialer's own thread, which ``start`` then raised to the drop of a lost host). The
+    try (or the greeting) is put off to its next round, the redialer's thread started by the
+    next ``start``, and ``stop`` ends as it does."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)  # every host due at once
     monkeypatch.setattr(connections, "MAX_CONNECTS", 1)
     monkeypatch.setattr(connections, "answering", lambda addresses, *_: range(len(addresses)))
     start = threading.Thread.start
@@ -496,13 +498,13 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
 
     def start_unless_refused(thread: threading.Thread) -> None:
         kind = getattr(getattr(thread, "_target", None), "__name__", "")
-        if kind in ("_try_once", "_greet") and kind not in refused:
+        if kind in ("_run", "_try_once", "_greet") and kind not in refused:
             refused.append(kind)
             raise RuntimeError("can't start new thread")
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start_unless_refused)
-    specs = [Dial(f"host:{i}", None, False, None, 1.0, 1.0) for i in (1, 2)]
+    specs = [Dial(f"host:{i}", None, False, None, 1.0, 1.0) for i in (1, 2, 3)]
     dials: list[Dial] = []
 
     class _Tier:  # the redialer holds its tier's methods weakly
@@ -514,13 +516,12 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
 
     owner = _Tier()
     redialer = Redialer(owner.dial, owner.wanted)
-    redialer.start(specs[0])
     try:
-        assert wait_for(lambda: dials == specs[:1], 10.0), "the host is never dialled"
-        redialer.start(specs[1])
-        redialer.start(Dial("host:3", None, False, None, 1.0, 1.0))  # 2 due, 1 try: a greeting
-        assert wait_for(lambda: len(dials) == 3, 10.0), "hosts past the cap are never dialled"
-        assert refused == ["_try_once", "_greet"]
+        with redialer._lock:  # 3 hosts due, 1 try: a greeting, then the tries of those answering
+            for spec in specs:
+                redialer.start(spec)
+        assert wait_for(lambda: len(dials) == 3, 10.0), f"hosts never dialled: {dials}"
+        assert refused == ["_run", "_greet", "_try_once"]
     finally:
         redialer.stop(timeout=5.0)
 

@@ -192,11 +192,18 @@ class Redialer:
 
     def arm(self) -> None:
         """Start the thread (idempotent). The tier arms it when it connects its first host, so
-        that the thread runs from then until the tier closes, whether or not it loses a host."""
+        that the thread runs from then until the tier closes, whether or not it loses a host.
+        One that cannot start (the process at its thread limit) is logged; the next ``arm``
+        or ``start`` starts it (the hosts due meanwhile wait for it)."""
         with self._lock:
             if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError as exc:
+                    logger.warning("could not start the thread re-dialling lost hosts: %s", exc)
+                    return
+                self._thread = thread
 
     def start(self, spec: Dial, failed: type[BaseException] | None = None) -> None:
         """Dial ``spec`` again until it answers; ``failed``: the kind of failure its caller
