@@ -4,12 +4,14 @@ SRV, through a real stub DNS server on 127.0.0.1) or a watched file, with no res
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -1557,3 +1559,22 @@ def test_an_unhashable_dial_owner_is_refused_before_anything_is_dialled(
         with pytest.raises(TypeError, match="dial_owner must be hashable"):
             tier.cancel_dial(address, [])
         assert opened == [] and not tier._pending
+
+
+def test_a_dial_owner_is_let_go_once_its_host_joined(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the dial of a host down at its connect kept its ``dial_owner`` (a
+    library's own object, say) for as long as the host stayed connected, long after nobody
+    could withdraw the request. A dial lets its owners go once its host joined."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    owner = type("Library", (), {})()
+    owner_gone = weakref.ref(owner)
+    with TierManager.create(16, BLOCK_LEN, name="owner-let-go") as tier:
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=0.3, redial_if_down=True, dial_owner=owner)
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
+            wait_until(lambda: tier.peers() == [address], "the host joins")
+            del owner
+            gc.collect()
+            assert owner_gone() is None, "the joined host's dial still holds its owner"

@@ -104,8 +104,10 @@ class ConnectedHosts(LostHosts):
         The error is raised all the same (with a note saying so): the host is not connected
         when this returns, and its peer id is not known yet. A refusal (``HandshakeRejected``),
         a bad argument or a closed tier is never dialled again. ``dial_owner``: who asks
-        (any object, e.g. a library's over the user's tier), so that ``cancel_dial(address,
-        dial_owner)`` withdraws its request alone: one dial serves every request of an address.
+        (any hashable object, told apart by ``==``, e.g. an ``object()`` of a library's over
+        the user's tier; ``TypeError`` before anything is dialled otherwise), so that
+        ``cancel_dial(address, dial_owner)`` withdraws its request alone: one dial serves every
+        request of an address, and holds its owners until the address joins or is cancelled.
         """
         dial = self._new_dial(
             address, token, private, slots, timeout_s, heartbeat_timeout_s, dial_owner

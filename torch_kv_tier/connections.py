@@ -51,7 +51,8 @@ class Dial:
     timeout_s: float
     heartbeat_timeout_s: float
     # who asked for it, as a host down at its connect (``redial_if_down``'s ``dial_owner``;
-    # ``None``: a caller who named none): ``cancel_dial`` with an owner withdraws only its own
+    # ``None``: a caller who named none): ``cancel_dial`` with an owner withdraws only its own;
+    # emptied once the address joined (``_forget_replaced``), so that no owner is held after
     askers: set[object] = field(default_factory=set, init=False)
     # set once the tier no longer dials it (cancelled, or its host removed): a handshake of it
     # still awaiting the host's first answer gives up (``EitherSet``). Neither is copied by

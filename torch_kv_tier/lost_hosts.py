@@ -220,8 +220,9 @@ class LostHosts(SessionReleases):
         is the address as a host down at its connect (``redial_if_down``), unless ``dial`` was
         cancelled meanwhile (its host is then removed, and a dial asked since stands)."""
         address = dial.address
-        if self._removed.get(address) is not dial:
-            self._pending.pop(address, None)
+        pending = None if self._removed.get(address) is dial else self._pending.pop(address, None)
+        if pending is not None:
+            pending.askers.clear()  # nobody can withdraw a request of it now: owners let go
         replaced = [
             pid
             for pid, d in self._dials.items()
