@@ -271,12 +271,8 @@ class Redialer:
         except RuntimeError as exc:
             backoff = max(self._back_off(spec) for spec in specs)
             hosts = specs[0].address if len(specs) == 1 else f"{len(specs)} hosts"
-            logger.warning(
-                "could not start a thread to re-dial %s (next try in up to %.1f s): %s",
-                hosts,
-                backoff,
-                exc,
-            )
+            msg = "could not start a thread to re-dial %s (next try in up to %.1f s): %s"
+            logger.warning(msg, hosts, backoff, exc)
             return False
         return True
 
