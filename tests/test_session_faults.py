@@ -464,6 +464,35 @@ def test_a_session_closed_while_its_host_is_slow_is_not_called_lost() -> None:
             assert stats["held_sessions"] == 0 and len(stats["sessions"]) == 1, stats
 
 
+def test_a_session_closed_as_its_heartbeat_falls_due_sends_none_after_its_disconnect() -> None:
+    """The I/O thread read whether to beat before it waited: a ``close`` that woke it as a
+    heartbeat fell due (another thread's, more likely on a loaded machine, or a callback's on
+    it) had its ``Disconnect`` sent, then the heartbeat, which the host answered that it no
+    longer knew the session: a session closed clean called itself lost."""
+    with (
+        ServerProcess.start(16, BLOCK_LEN) as server,
+        fake_session(server.address, slots=4, heartbeat_interval_s=0.05) as session,
+    ):
+        sent: list[p.ClientMessage] = []
+        send = session._send
+
+        def record(sock: Any, message: p.ClientMessage) -> None:
+            sent.append(message)
+            send(sock, message)
+
+        def close_once_a_heartbeat_is_due() -> None:  # (the I/O thread, within a wake-up)
+            time.sleep(session._interval_s)  # the next heartbeat's deadline passes
+            session.close()  # (on the I/O thread: queues the Disconnect, returns at once)
+
+        session._send = record  # type: ignore[method-assign]  # (the I/O thread's)
+        session._enqueue_action(close_once_a_heartbeat_is_due)
+        session._thread.join(timeout=RESULT_TIMEOUT_S)
+        assert not session._thread.is_alive()
+        kinds = [type(m).__name__ for m in sent]
+        assert "Heartbeat" not in kinds[kinds.index("Disconnect") :], kinds
+        assert session.ended_clean and session.lost is None, session.lost
+
+
 def test_a_host_disconnected_clean_is_not_sent_a_release_of_that_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

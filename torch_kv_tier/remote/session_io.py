@@ -205,9 +205,7 @@ class SessionIO:
                 now = time.monotonic()
                 with self._lock:
                     stopping = self._stopping  # then it ends once what was queued went out
-                    # Closed: its ``Disconnect`` is queued, and a heartbeat after it would be
-                    # told the session is unknown (the host ended it) and call it lost.
-                    beating = not self._closed
+                    beating = not self._closed  # (for this wait; read again before a beat)
                     touched = bool(self._touches)
                     committed = bool(self._commits)
                     # While commits flow this thread looks at them by ``commits_due`` on its
@@ -253,6 +251,11 @@ class SessionIO:
                 requests = self._take_requests()
                 with self._lock:  # the flag: after the wake-up ``send_batched`` made, or before
                     flush, self._flush = self._flush, False
+                    # Closed: no heartbeat may follow its ``Disconnect`` (the host, which ended
+                    # the session, would say it is unknown: lost). Read after the take: ``close``
+                    # sets ``_closed`` before it queues the ``Disconnect``, so one taken above,
+                    # or sent before, is seen here.
+                    beating = not self._closed
                     send = bool(requests) or now >= commits_due or ticked or flush
                     if send:  # made before the commits taken next: sent after them
                         requests[:0], self._riders = self._riders, []
