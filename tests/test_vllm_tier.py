@@ -37,6 +37,7 @@ pytest.importorskip(
 from remote_support import (  # noqa: E402
     SilentHosts,
     control_ports,
+    fake_session,
     free_port,
     wait_for,
     wait_until,
@@ -1358,10 +1359,15 @@ def test_a_chunk_on_the_hosts_disk_is_retried_while_promoted_then_a_hit(tmp_path
         keys = keys_for("deep", 4)
         driver.store("req-a", keys)
         driver.run_until_idle()
+        # The host copies ahead of eviction when its loop gets to it: a chunk evicted before
+        # its copy is gone, disk and all. Only deep-* must be copied before the fills.
+        with fake_session(host.address, block_len=CHUNK_BYTES, private=False) as observer:
+            wait_until(
+                lambda: observer.stats()["disk_copies"] >= len(keys), "the host's copies to disk"
+            )
         for j in range(6):  # 48 more chunks through a 16-slot pool: deep-* go to disk
             driver.store(f"fill-{j}", keys_for(f"fill{j}", PRIMARY_CHUNKS))
             driver.run_until_idle()
-            time.sleep(0.05)  # the host's copies ahead of eviction
         tier = driver.tier.tier_manager
         assert wait_for(
             lambda: not any(map(tier.contains, keys)) and tier.lookup(keys) == len(keys), 10.0
