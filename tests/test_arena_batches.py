@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+import types
+from collections import Counter
 from concurrent.futures import Future
 
 import pytest
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.integrations.torch_loop import arena_batches, host_shares
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
 from torch_kv_tier.keys import Key, home_peer
@@ -147,3 +150,47 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     assert arena.wait_idle(time.monotonic() + WAIT_S)
     assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
     assert tier.arena.num_free == 3  # all but the interrupted store's slot
+
+
+def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_looks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: a store that turned overdue between the offload's look at the hosts
+    # (still due later) and its wait (``next_due`` read the clock again: nothing due any more)
+    # was missed: the offload slept until its own deadline, as before 342a442. A thread
+    # preempted there (the GIL, a busy CPU) is all it takes; the clock jumps past the store's
+    # timeout there, as it would. The wait now wakes for every store not overdue when it
+    # looked.
+    clock = types.SimpleNamespace(skew=0.0, jump=0.0)
+    fake_time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + clock.skew)
+    monkeypatch.setattr(arena_batches, "time", fake_time)
+    monkeypatch.setattr(host_shares, "time", fake_time)
+    overdue = host_shares.HostShares.overdue
+
+    def overdue_then_preempted(shares: host_shares.HostShares) -> Counter[str | None]:
+        held = overdue(shares)
+        clock.skew, clock.jump = clock.skew + clock.jump, 0.0
+        return held
+
+    monkeypatch.setattr(host_shares.HostShares, "overdue", overdue_then_preempted)
+    tier = ScriptedTier(2, ["a"])
+    arena = batches(tier, timeout=10.0)
+    arena.store_all({b"first": 0, b"second": 1}, fake_time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 0  # 'a' froze: its store holds the whole arena
+    clock.jump = 11.0  # past the store's timeout, right after the next look
+    parts: list[tuple[list[Key], Future[TransferResult]]] = []
+    waiting = threading.Thread(
+        target=lambda: parts.extend(
+            arena.store([b"third"], [2], ["a"], fake_time.monotonic() + WAIT_S)
+        ),
+        daemon=True,
+    )
+    waiting.start()
+    try:
+        waiting.join(timeout=10.0)
+        assert not waiting.is_alive(), "the offload waited past the frozen host's timeout"
+        assert failures(parts) == {b"third": "capacity"}
+    finally:
+        tier.end_stores()
+        waiting.join(timeout=10.0)
+    assert tier.arena.num_free == 2

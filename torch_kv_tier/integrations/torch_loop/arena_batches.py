@@ -273,6 +273,7 @@ class ArenaBatches:
         all of them once no room is left (they fail at once)."""
         with self._lock:
             while True:
+                seen = time.monotonic()
                 held = self._shares.overdue()
                 room = self._shares.room(held)
                 if not several or not room:
@@ -280,7 +281,7 @@ class ArenaBatches:
                 storing = self._shares.storing()
                 share = functools.partial(self._shares.store_share, held=held, storing=storing)
                 n = fitting(homes[:room], share, held)
-                if n or homes[0] in held or not self._wait(deadline):
+                if n or homes[0] in held or not self._wait(deadline, seen):
                     return n
 
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
@@ -290,18 +291,21 @@ class ArenaBatches:
         arena = self._manager.arena
         with self._lock:
             while arena.num_free < n:
-                if n > self._shares.room(self._shares.overdue()) or not self._wait(deadline):
+                seen = time.monotonic()
+                held = self._shares.overdue()
+                if n > self._shares.room(held) or not self._wait(deadline, seen):
                     return None
             return arena.allocate(n)
 
-    def _wait(self, deadline: float) -> bool:
+    def _wait(self, deadline: float, seen: float) -> bool:
         """Under the lock: wait until something changed (slots came back, a store or read
         ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
-        once) once it has passed."""
+        once) once it has passed. ``seen``: when the caller read the overdue hosts (before
+        it did), so that a store that turned overdue since ends the wait at once."""
         now = time.monotonic()
         if now >= deadline:
             return False
-        self._changed.wait(min(deadline, self._shares.next_due()) - now)
+        self._changed.wait(min(deadline, self._shares.next_due(seen)) - now)
         return True
 
     def _room(self) -> int:

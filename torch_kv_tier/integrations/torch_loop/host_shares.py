@@ -83,12 +83,12 @@ class HostShares:
                 held[host] += slots
         return held
 
-    def next_due(self) -> float:
-        """When the next store under way that is not overdue yet turns overdue (``time.monotonic``
-        time; ``inf``: none will): a wait for a share or slots must wake then, as the host's
-        share and the room change without anything ending."""
-        now = time.monotonic()
-        return min((d for _, _, d in self._stores.values() if d > now), default=math.inf)
+    def next_due(self, seen: float) -> float:
+        """When the first store under way that was not overdue at ``seen`` (``time.monotonic``
+        time, when the caller read :meth:`overdue`) turns overdue (``inf``: none will; in the
+        past: one did since): a wait for a share or slots must wake then, as the host's share
+        and the room change without anything ending."""
+        return min((d for _, _, d in self._stores.values() if d > seen), default=math.inf)
 
     def room(self, held: Counter[str | None]) -> int:
         """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""
