@@ -467,6 +467,60 @@ def test_sessions_whose_heartbeats_queued_while_the_host_stalled_survive_it(
         server.close()
 
 
+def test_a_dead_clients_session_expires_while_the_host_is_busy_but_keeps_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the host review: a host answering slowly (3 ms a message) in long batches that
+    read its socket empty counted each whole batch as a stall (``read no control message``),
+    so a dead client's session was charged almost none of its silence: with disk I/O in
+    flight (the loop's 0.5 ms poll) it lived on 24 s past a 1 s lease timeout. A batch that
+    reads every queued message is the host listening."""
+    from torch_kv_tier.remote import server as server_module
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    monkeypatch.setattr(server_module, "IDLE_POLL_S", server_module.DISK_POLL_S)
+    server = Server(ServerConfig(num_blocks=32, block_len=BLOCK_LEN, lease_timeout_s=1.0))
+    answer = server._control.answer
+
+    def slow_answer(*args: Any) -> Any:
+        time.sleep(0.003)
+        return answer(*args)
+
+    monkeypatch.setattr(server._control, "answer", slow_answer)
+    stop, done = threading.Event(), threading.Event()
+    loop = threading.Thread(target=server.serve, args=(stop,))
+    loop.start()
+    opened: list[Any] = []
+
+    def bursts(busy: Any) -> None:  # ~0.4 s of answers each; the host then reads all of it
+        while not done.is_set():
+            asked = [
+                busy._call_async(lambda seq: p.StatsRequest(seq, busy.session_id))
+                for _ in range(120)
+            ]
+            for future in asked:
+                future.result(timeout=30)
+            done.wait(0.02)
+
+    load = threading.Thread(target=lambda: bursts(opened[0]))
+    try:
+        opened.append(fake_session(server.address, slots=4, heartbeat_timeout_s=60))
+        opened.append(dead := fake_session(server.address, slots=4, heartbeat_timeout_s=60))
+        dead._interval_s = 1e6  # its client went silent after its first heartbeat
+        load.start()
+        assert wait_for(lambda: len(server.stats()["sessions"]) < 2, timeout_s=6)
+        assert [s["public_id"] for s in server.stats()["sessions"]] == [opened[0].public_id]
+    finally:
+        done.set()
+        if load.is_alive():
+            load.join(timeout=30)
+        for session in opened:
+            session.close()
+        stop.set()
+        loop.join(timeout=10)
+        server.close()
+
+
 def test_a_lease_timeout_of_years_still_binds_its_port() -> None:
     """The host pings silent connections every lease timeout: one longer than ZeroMQ's option
     holds is capped, not an ``OverflowError`` at start."""

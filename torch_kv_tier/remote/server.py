@@ -216,10 +216,13 @@ class Server:
                 if self._control.shared.cache.has_events():
                     wait_s = min(wait_s, max(0.0, next_push - time.monotonic()))
             polled = time.monotonic()
-            if poller.poll(math.ceil(wait_s * 1e3)):
-                self._drain()
-            now = time.monotonic()
-            self._count_stall(now - turn - min(wait_s, now - polled), now)
+            ready = poller.poll(math.ceil(wait_s * 1e3))
+            now = time.monotonic()  # the poll's time past ``wait_s`` is no listening either
+            away_s = polled - turn + max(0.0, now - polled - wait_s)
+            if ready:  # ``now``: its last read (a stall after it counts at the next turn)
+                missed_s, now = self._drain()
+                away_s += missed_s
+            self._count_stall(away_s, now)
             turn = now
             if now >= next_push and self._push_events():
                 next_push = now + EVENTS_PERIOD_S
@@ -261,13 +264,27 @@ class Server:
             gc.collect()
             gc.freeze()
 
-    def _drain(self) -> None:
+    def _drain(self) -> tuple[float, float]:
+        """Read and answer up to ``MAX_BATCH`` control messages. Returns the seconds of it the
+        host did not listen, and when it last read. Not listening: all of it when messages were
+        left (heartbeats may be queued behind them), else only its gaps between two reads longer
+        than a client's heartbeat period (frozen, or its lock held, mid-batch). A drain that
+        read its socket empty, however long it took, read every heartbeat queued meanwhile:
+        dead clients' sessions are charged for it."""
         assert self._socket is not None
+        long_s = self.config.lease_timeout_s / 3
+        started = last = time.monotonic()
+        missed = 0.0
         for _ in range(MAX_BATCH):
             # checked with ``ZMQ_EVENTS``: a ``recv`` that finds nothing raises ``zmq.Again``,
             # an exception per wake-up
-            if not int(self._socket.get(zmq.EVENTS)) & _POLLIN:
-                return
+            ready = int(self._socket.get(zmq.EVENTS)) & _POLLIN
+            read_at = time.monotonic()  # after the check: a stall before it is counted
+            if read_at - last > long_s:
+                missed += read_at - last
+            last = read_at
+            if not ready:
+                return missed, read_at
             frames = self._socket.recv_multipart(zmq.NOBLOCK)
             identity, body = frames[0], frames[1:]
             with self._lock:
@@ -275,6 +292,8 @@ class Server:
                 session = self._control.session_of(identity)
             if reply is not None:
                 self._send(identity, p.encode(reply), session, opens=isinstance(reply, p.Accept))
+        read_at = time.monotonic()
+        return read_at - started, read_at
 
     def _push_events(self) -> bool:
         """Tell every shared session what its namespace's index gained and lost (each frame
