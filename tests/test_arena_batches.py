@@ -167,8 +167,10 @@ def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_
     monkeypatch.setattr(host_shares, "time", fake_time)
     overdue = host_shares.HostShares.overdue
 
-    def overdue_then_preempted(shares: host_shares.HostShares) -> Counter[str | None]:
-        held = overdue(shares)
+    def overdue_then_preempted(
+        shares: host_shares.HostShares, now: float | None = None
+    ) -> Counter[str | None]:
+        held = overdue(shares, now)
         clock.skew, clock.jump = clock.skew + clock.jump, 0.0
         return held
 

@@ -253,7 +253,8 @@ class ArenaBatches:
         holders = self._manager.holders(keys)
         several = len(self._manager.peers()) > 1
         with self._lock:
-            held, storing = self._shares.overdue(), self._shares.storing()
+            now = time.monotonic()
+            held, storing = self._shares.overdue(now), self._shares.storing(now)
 
         def share(host: str | None) -> int:
             return self._shares.share(host, held, storing, several)
@@ -274,11 +275,11 @@ class ArenaBatches:
         with self._lock:
             while True:
                 seen = time.monotonic()
-                held = self._shares.overdue()
+                held = self._shares.overdue(seen)
                 room = self._shares.room(held)
                 if not several or not room:
                     return min(room, len(homes)) or len(homes)
-                storing = self._shares.storing()
+                storing = self._shares.storing(seen)
                 share = functools.partial(self._shares.store_share, held=held, storing=storing)
                 n = fitting(homes[:room], share, held)
                 if n or homes[0] in held or not self._wait(deadline, seen):
@@ -292,7 +293,7 @@ class ArenaBatches:
         with self._lock:
             while arena.num_free < n:
                 seen = time.monotonic()
-                held = self._shares.overdue()
+                held = self._shares.overdue(seen)
                 if n > self._shares.room(held) or not self._wait(deadline, seen):
                     return None
             return arena.allocate(n)
@@ -300,8 +301,8 @@ class ArenaBatches:
     def _wait(self, deadline: float, seen: float) -> bool:
         """Under the lock: wait until something changed (slots came back, a store or read
         ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
-        once) once it has passed. ``seen``: when the caller read the overdue hosts (before
-        it did), so that a store that turned overdue since ends the wait at once."""
+        once) once it has passed. ``seen``: the time the caller asked the overdue hosts for,
+        so that a store that turned overdue since ends the wait at once."""
         now = time.monotonic()
         if now >= deadline:
             return False

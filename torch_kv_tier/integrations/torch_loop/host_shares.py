@@ -65,27 +65,28 @@ class HostShares:
         """``store`` (of :meth:`store_started`) resolved; unknown ones are ignored."""
         self._stores.pop(store, None)
 
-    def overdue(self) -> Counter[str | None]:
-        """The slots overdue reads and stores hold now, by host."""
+    def overdue(self, now: float | None = None) -> Counter[str | None]:
+        """The slots overdue reads and stores hold at ``now`` (``time.monotonic`` time; ``None``:
+        now), by host."""
         held = Counter(self._reads)
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         for host, slots, deadline in self._stores.values():
             if deadline <= now:
                 held[host] += slots
         return held
 
-    def storing(self) -> Counter[str | None]:
-        """The slots stores under way, not yet overdue, hold now, by host."""
+    def storing(self, now: float) -> Counter[str | None]:
+        """The slots stores under way, not yet overdue at ``now`` (the time :meth:`overdue` was
+        asked for: each store is in one of the two), hold, by host."""
         held: Counter[str | None] = Counter()
-        now = time.monotonic()
         for host, slots, deadline in self._stores.values():
             if deadline > now:
                 held[host] += slots
         return held
 
     def next_due(self, seen: float) -> float:
-        """When the first store under way that was not overdue at ``seen`` (``time.monotonic``
-        time, when the caller read :meth:`overdue`) turns overdue (``inf``: none will; in the
+        """When the first store under way that was not overdue at ``seen`` (the time the caller
+        asked :meth:`overdue` for) turns overdue (``inf``: none will; in the
         past: one did since): a wait for a share or slots must wake then, as the host's share
         and the room change without anything ending."""
         return min((d for _, _, d in self._stores.values() if d > seen), default=math.inf)
