@@ -363,6 +363,19 @@ def test_reset_cache_drains_cascades_then_promotes(server: ServerProcess) -> Non
         assert driver.promote_request("req-c", keys) == [driver.written[k] for k in keys]
 
 
+def test_a_shut_down_tier_has_nothing_pending_and_reports_nothing(server: ServerProcess) -> None:
+    """Found by review: results a drain had queued (or a rejected job's) survived ``shutdown``:
+    the shut-down tier still said it had pending work, and reported jobs of a tier that no
+    longer exists."""
+    with driven_manager(server.address) as (_, manager, driver):
+        driver.store("req-a", keys_for("prefix", 2))  # cascades submitted, not yet collected
+        with manager.lock:
+            driver.tier.drain_jobs()  # their results wait to be reported
+            driver.tier.shutdown()
+            assert not driver.tier.has_pending_work()
+            assert list(driver.tier.get_finished_jobs()) == []
+
+
 def test_remote_host_death_mid_promotion_falls_back_to_recompute(
     tcp_server: ServerProcess,
 ) -> None:

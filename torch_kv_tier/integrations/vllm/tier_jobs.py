@@ -149,8 +149,10 @@ class TierJobs:
                 self._collect(job_id)
 
     def clear(self) -> None:
-        """Forget every job (the tier is shutting down)."""
+        """Forget every job and every result not yet reported (the tier is shutting down):
+        nothing is pending, and ``finished`` reports nothing from then on."""
         self._jobs.clear()
+        self._ready.clear()
         self.storing.clear()
 
     def _collect(self, job_id: int) -> None:
