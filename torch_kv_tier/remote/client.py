@@ -5,9 +5,9 @@ disconnect; for a shared session also grants, commits, touches and the index eve
 background I/O thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from
 any thread (answers resolve futures on the I/O thread), batches commits and touches into as few
 frames as each wake-up allows, and reports a lost session through ``on_lost``. A shared
-session's pushed ``Events`` go to its ``IndexFollower`` (``follow``). The I/O thread, and how
-any thread hands it work, is ``session_io``; a shared session's requests are
-``shared_requests``.
+session's pushed ``Events`` go to its ``IndexFollower`` (``follow``). The I/O thread is
+``session_io``, how any thread hands it work ``session_handoff``; a shared session's requests
+are ``shared_requests``.
 
 Delivery: a control message is delivered or the session is lost, loudly. The session is lost
 when the server stops answering heartbeats, says it no longer knows the session, the control

@@ -12,8 +12,8 @@ replaced by the snapshot alone would hide them meanwhile (a load would miss a ke
 just reported stored). Recording starts when that request is sent, not when the snapshot is
 decided, so a commit made before the decision but sent after the request is kept too, and none
 the snapshot already has is; the commits not sent yet when the snapshot is applied are the
-owner's to keep (``SessionIO.unsent_commits``). A stale copy only ever costs a miss: a load
-checks the bytes it read against the digest, so a slot that was rewritten meanwhile is
+owner's to keep (``SessionHandoff.unsent_commits``). A stale copy only ever costs a miss: a
+load checks the bytes it read against the digest, so a slot that was rewritten meanwhile is
 reported missing, never served.
 
 A key announced where this copy cannot hold it (a slot outside the pool the host told the

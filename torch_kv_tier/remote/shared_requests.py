@@ -1,9 +1,9 @@
 """A shared session's requests: grants, commits, touches, promotions, and following the host's
 index (``replica``).
 
-``SharedRequests`` is a part of ``RemoteSession`` (its base class, over ``SessionIO``, which
-carries the requests to the I/O thread). Every method may be called from any thread; answers
-resolve, and ``on_answer``/``on_change`` run, on the session's I/O thread.
+``SharedRequests`` is a part of ``RemoteSession`` (its base class, over ``SessionIO``, whose
+``SessionHandoff`` carries the requests to the I/O thread). Every method may be called from any
+thread; answers resolve, and ``on_answer``/``on_change`` run, on the session's I/O thread.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.replica import IndexFollower, OnChange
 from torch_kv_tier.remote.replies import answer_late
-from torch_kv_tier.remote.session_io import SessionIO, add_to_batch
+from torch_kv_tier.remote.session_handoff import add_to_batch
+from torch_kv_tier.remote.session_io import SessionIO
 
 
 class SharedRequests(SessionIO):
