@@ -118,7 +118,6 @@ class RemoteHostTier(SecondaryTierManager):
         self._pins = PromotionPins(offloading_spec)
         self._jobs = TierJobs(self._promotion_finished)
         self._failed_keys: dict[str, set[OffloadKey]] = {}
-        self._ended: set[str] = set()  # finished requests whose promotions were still pending
         self._events: list[OffloadingEvent] = []
         self._metrics = TierMetrics(config.remote)
         rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
@@ -232,8 +231,7 @@ class RemoteHostTier(SecondaryTierManager):
         self._failed_keys.pop(req_id, None)
         self._admission.finish(req_id)
         self._pins.release([req_id])
-        if self._jobs.promoting(req_id):
-            self._ended.add(req_id)
+        self._jobs.end_request(req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -314,12 +312,8 @@ class RemoteHostTier(SecondaryTierManager):
     ) -> None:
         """A promotion finished: what landed is to be held in vLLM's CPU tier until its
         request is scheduled (``promotion_pin``); what failed is a MISS for the rest of the
-        request, and out of the budget. A request that ended meanwhile keeps nothing."""
-        req_id = req_context.req_id
-        if req_id in self._ended:
-            if not self._jobs.promoting(req_id):
-                self._ended.discard(req_id)
-            return
+        request, and out of the budget. (A request that ended meanwhile is not told:
+        ``TierJobs.end_request``.)"""
         if landed:
             self._pins.landed(req_context, landed)
         if failed:

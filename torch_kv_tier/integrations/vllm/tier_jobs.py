@@ -12,9 +12,10 @@ Failure model: a job the tier manager rejects, or whose future fails, is reporte
 promotion that fails for some of its keys is reported with the keys that did land. Every
 finished promotion also goes to ``on_promotion`` with the keys that landed and those that failed
 (the tier holds the first in vLLM's CPU tier until their request is scheduled, and answers MISS
-for the second from then on), before vLLM hears of it. It is held weakly: it is the owning
-tier's bound method, and a strong reference would be a cycle that keeps the tier, and its NIXL
-agent, alive until the garbage collector runs.
+for the second from then on), before vLLM hears of it; unless its request ended meanwhile
+(``end_request``): vLLM may give a later request the same id, and that one must not inherit the
+result. It is held weakly: it is the owning tier's bound method, and a strong reference would
+be a cycle that keeps the tier, and its NIXL agent, alive until the garbage collector runs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ StartTransfer = Callable[
 OnPromotion = Callable[[ReqContext, Sequence[OffloadKey], Collection[OffloadKey]], None]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Job:
     """A submitted vLLM job: what ``finished`` needs to report it."""
 
@@ -53,6 +54,7 @@ class _Job:
     is_promotion: bool
     req_context: ReqContext
     future: concurrent.futures.Future[TransferResult]
+    ended: bool = False  # its request ended: its result goes to vLLM only, not to on_promotion
 
 
 class TierJobs:
@@ -99,9 +101,13 @@ class TierJobs:
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
 
-    def promoting(self, req_id: str) -> bool:
-        """Whether a promotion of request ``req_id`` is in flight or not yet collected."""
-        return any(j.is_promotion and j.req_context.req_id == req_id for j in self._jobs.values())
+    def end_request(self, req_id: str) -> None:
+        """Request ``req_id`` ended: its jobs still in flight (or not yet collected) are
+        reported to vLLM as usual, but their promotions no longer go to ``on_promotion``. A
+        later request vLLM gives the same id is another request, with none of their results."""
+        for job in self._jobs.values():
+            if job.req_context.req_id == req_id:
+                job.ended = True
 
     def fail(self, job: TransferJob) -> None:
         """Report ``job`` failed, unstarted, at the next ``finished`` (a promotion's keys go to
@@ -165,39 +171,10 @@ class TierJobs:
             for key in job.keys:
                 if self.storing[key] <= 0:
                     del self.storing[key]
-        try:
-            result = job.future.result(timeout=0)
-        except Exception as exc:  # the tier manager failed the future itself
-            logger.warning("RemoteHostTier: job %d failed: %s", job_id, exc)
-            self._ready.append(JobResult(job_id, False))
-            self._promoted(job.req_context, job.is_promotion, (), job.keys)
-            return
-        if result.ok:
-            self._promoted(job.req_context, job.is_promotion, job.keys, ())
-            self._ready.append(
-                JobResult(job_id, True, transfer_time=result.seconds, transfer_bytes=result.nbytes)
-            )
-            return
-        logger.warning(
-            "RemoteHostTier: %s job %d failed for %d of %d chunk(s): %s",
-            "promotion" if job.is_promotion else "store",
-            job_id,
-            len(result.failed),
-            len(job.keys),
-            _summarize(result.failed),
-        )
-        succeeded = tuple(key for key in job.keys if key not in result.failed)
-        failed = [key for key in job.keys if key in result.failed]
-        self._promoted(job.req_context, job.is_promotion, succeeded, failed)
-        self._ready.append(
-            JobResult(
-                job_id,
-                False,
-                successful_keys=succeeded if job.is_promotion and succeeded else None,
-                transfer_time=result.seconds,
-                transfer_bytes=result.nbytes,
-            )
-        )
+        result, landed, failed = _result(job_id, job)
+        if not job.ended:
+            self._promoted(job.req_context, job.is_promotion, landed, failed)
+        self._ready.append(result)
 
     def _promoted(
         self,
@@ -210,6 +187,44 @@ class TierJobs:
             on_promotion = self._on_promotion()
             if on_promotion is not None:
                 on_promotion(req_context, landed, failed)
+
+
+def _result(
+    job_id: int, job: _Job
+) -> tuple[JobResult, tuple[OffloadKey, ...], Collection[OffloadKey]]:
+    """The finished ``job``'s ``JobResult``, the keys that landed and those that failed."""
+    try:
+        result = job.future.result(timeout=0)
+    except Exception as exc:  # the tier manager failed the future itself
+        logger.warning("RemoteHostTier: job %d failed: %s", job_id, exc)
+        return JobResult(job_id, False), (), job.keys
+    if result.ok:
+        return (
+            JobResult(job_id, True, transfer_time=result.seconds, transfer_bytes=result.nbytes),
+            job.keys,
+            (),
+        )
+    logger.warning(
+        "RemoteHostTier: %s job %d failed for %d of %d chunk(s): %s",
+        "promotion" if job.is_promotion else "store",
+        job_id,
+        len(result.failed),
+        len(job.keys),
+        _summarize(result.failed),
+    )
+    succeeded = tuple(key for key in job.keys if key not in result.failed)
+    failed = [key for key in job.keys if key in result.failed]
+    return (
+        JobResult(
+            job_id,
+            False,
+            successful_keys=succeeded if job.is_promotion and succeeded else None,
+            transfer_time=result.seconds,
+            transfer_bytes=result.nbytes,
+        ),
+        succeeded,
+        failed,
+    )
 
 
 def _summarize(failed: dict[Any, str]) -> str:
