@@ -1016,6 +1016,32 @@ def test_a_request_id_vllm_reuses_inherits_nothing_of_the_ended_request(
         assert held_promotions(driver) == 0
 
 
+def test_a_read_not_yet_reported_keeps_its_chunks_through_a_drain_that_times_out(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A promotion whose read the transport has not reported (a frozen host the heartbeat has
+    not dropped yet) may still land in its chunks, so it is never reported before: vLLM's
+    ``reset_cache`` raises ``TimeoutError`` after ``drain_timeout_s`` and nothing is reported
+    meanwhile (vLLM keeps the chunks); once the read lands, the job is reported."""
+    with driven_manager(server.address, drain_timeout_s=0.2) as (_, manager, driver):
+        keys = offload_then_evict(driver, BUDGET)
+        reads = HeldReads(driver.tier, monkeypatch)
+        ctx = driver.arrive("req-1")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * BUDGET
+        driver.step()  # the promotion is submitted; its read is held back
+        with manager.lock, pytest.raises(TimeoutError, match="drain_timeout_s"):
+            manager.reset_cache()
+        driver.step()  # vLLM polls the tier: nothing is reported
+        with manager.lock:
+            assert manager.has_pending_work()
+        reads.release()
+        driver.run_until_idle()
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT] * BUDGET
+        assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
+        with manager.lock:
+            manager.on_request_finished(ctx)
+
+
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(
     server: ServerProcess,
 ) -> None:
