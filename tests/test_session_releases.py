@@ -1,0 +1,356 @@
+"""Releases (``session_releases``): a tier names to each host the ended sessions whose writes
+all resolved, so that the host frees their slots. What the tier tells a host is never lost with
+a session: a release over a session lost, reset, replaced, removed, ended on a thread of its own
+or never joined, or one under way as the tier closes, is told again (over the next session there
+or in ``close``'s last word), and a session ended clean is not released at all. The host holds
+no ended session's slots for good. A session's own faults are ``test_session_faults``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from remote_support import BLOCK_LEN, control_ports, fake_session, free_port, wait_for
+
+from torch_kv_tier import connections, session_releases
+from torch_kv_tier.benchmarks.reliability_common import stop_process
+from torch_kv_tier.connections import Dial
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
+from torch_kv_tier.remote import handshake as handshake_module
+from torch_kv_tier.remote import protocol as p
+
+RESULT_TIMEOUT_S = 20.0
+
+
+def _held_session(address: str) -> RemoteSession:
+    """A shared session at ``address`` granted 2 slots and ended unclean, as if a write of it
+    could still land: the host holds it until it is named resolved."""
+    session = fake_session(address, private=False)
+    granted: Future[Future[p.ServerMessage]] = Future()
+    session.grant(2, granted.set_result)
+    assert isinstance(granted.result(timeout=10).result(), p.Granted)
+    session.close(clean=False)
+    return session
+
+
+@contextmanager
+def _connected_beside_a_held_session(
+    name: str,
+) -> Iterator[tuple[ServerProcess, TierManager, RemoteSession, str, RemoteSession]]:
+    """A host holding one ended session (``_held_session``) and a tier connected to it: the
+    host, the tier, the held session, the host's peer id and the tier's session."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name=name) as tier,
+    ):
+        held = _held_session(server.address)
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        yield server, tier, held, peer, session
+
+
+def _assert_nothing_held(address: str) -> None:
+    """The host at ``address`` holds no ended session's slots (within 10 s)."""
+    with fake_session(address, private=False) as observer:
+        held = wait_for(lambda: observer.stats()["held_sessions"] == 0, 10.0)
+        assert held, observer.stats()["held_sessions"]
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs iproute2's ss to reset a connection")
+def test_a_release_lost_with_its_session_is_told_again() -> None:
+    """A ``Release`` (ended sessions whose writes all resolved) went out on a session whose
+    control connection was then reset before the host read it (a frozen host, a NAT): the
+    tier had forgotten those sessions, and the host held their slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="releases") as tier,
+    ):
+        peer = tier.connect(server.address)
+        held = _held_session(server.address)
+        (host,) = tier._peers.values()
+        ports = control_ports(server)
+        stop_process(server.proc.pid)
+        try:
+            for i in range(40):  # fill the connection's buffers: what follows stays queued
+                host.session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+                tier._send_releases(server.address)
+            time.sleep(0.2)
+            for port in ports:  # as a NAT does
+                subprocess.run(
+                    ["ss", "-K", "src", f"127.0.0.1:{port}"], check=True, capture_output=True
+                )
+            assert wait_for(lambda: host.session.lost is not None, 5.0)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: tier.peers() == [peer], 15.0), "the tier never came back"
+        _assert_nothing_held(server.address)
+
+
+def test_a_release_sent_over_a_join_that_failed_is_told_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``Release`` went out on a session still joining (its host froze before it sent its
+    index), and the join failed: its session ended with its disconnect unanswered, so the host
+    may never have read the ``Release``, but the tier forgot those sessions and the host held
+    their slots for good."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="failed-join") as tier,
+    ):
+        held = _held_session(server.address)
+        follow = RemoteSession.follow
+
+        def freeze_then_follow(session: RemoteSession, on_change: Any) -> None:
+            # (the tier's lock held, the joining host published) the host freezes before it
+            # answers the snapshot; what the session sends from now on stays queued
+            stop_process(server.proc.pid)
+            for i in range(40):
+                session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            tier._ended.give_back(server.address, [held.session_id])
+            tier._send_releases(server.address)  # over the joining session
+            follow(session, on_change)
+
+        monkeypatch.setattr(RemoteSession, "follow", freeze_then_follow)
+        try:
+            with pytest.raises(TimeoutError):
+                tier.connect(server.address, timeout_s=1.0)
+            time.sleep(1.5)  # past the closed socket's linger: its queued frames are dropped
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        monkeypatch.undo()
+        tier.connect(server.address)
+        _assert_nothing_held(server.address)
+
+
+def test_sessions_resolved_for_a_host_the_tier_does_not_dial_are_kept_for_its_next_connect() -> (
+    None
+):
+    """A session ended with a write in flight at an address the tier neither has a session
+    with nor dials (the first connect there failed while a store to it was in flight), and
+    the write then resolved: the tier took the session to release and, finding nowhere to
+    send it, forgot it; the host held its slots for good, though the user connected there
+    again. It waits for the next handshake there."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="undialled") as tier,
+    ):
+        ended = _held_session(server.address)
+        with tier._lock:  # as the transport reports that write (``transfers``)
+            tier._ended.ended(ended, 1)
+            assert tier._ended.write_resolved(ended)
+            tier._send_releases(server.address)
+        tier.connect(server.address)
+        _assert_nothing_held(server.address)
+
+
+def test_a_closing_tier_names_the_resolved_sessions_of_a_host_it_has_no_session_with() -> None:
+    """``close`` ends with a handshake of its own to each host it holds resolved sessions of
+    but has no live session with (lost and not dialled again yet, or removed): that handshake
+    started with the tier's closing already set, which cancels every handshake at once, so it
+    never went out, and the host held those sessions' slots for good."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="last-word")
+        with tier._lock:  # as a lost host that is not dialled again yet leaves them
+            tier._dials["lost-host"] = Dial(server.address, None, False, None, 10.0, 10.0)
+            tier._ended.give_back(server.address, [held.session_id])
+        tier.close()
+        _assert_nothing_held(server.address)
+
+
+def test_a_connected_host_replaced_by_add_peer_keeps_the_releases_its_session_carried() -> None:
+    """``add_peer`` under a connected host's id ended that host's session as ``end_session``
+    does, without keeping what it had released: a ``Release`` its host never read (frozen, the
+    disconnect unanswered, the frames dropped with the connection) was forgotten, and the host
+    held those sessions' slots for good."""
+    with _connected_beside_a_held_session("replaced") as (server, tier, held, peer, session):
+        stop_process(server.proc.pid)
+        try:
+            for i in range(40):  # fill the connection's buffers: what follows stays queued
+                session.touch([b"%06d-" % i + b"k" * 50 + b"%06d" % j for j in range(8192)])
+            time.sleep(0.5)
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+                tier._send_releases(server.address)  # over the live session
+            region = (session.agent_metadata, session.base_addr, 8, session.block_len)
+            adding = threading.Thread(target=tier.add_peer, args=(peer, *region), daemon=True)
+            adding.start()  # ends the session: its disconnect goes unanswered
+            assert wait_for(lambda: not session._thread.is_alive(), 10.0)
+            time.sleep(1.5)  # past the closed socket's linger: its queued frames are dropped
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        adding.join(timeout=RESULT_TIMEOUT_S)
+        assert not adding.is_alive() and tier.peers() == [peer]
+        tier.close()  # names every session it ended
+        _assert_nothing_held(server.address)
+
+
+def test_a_host_disconnected_clean_is_not_sent_a_release_of_that_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``disconnect`` of a healthy host named its session, which the host had just ended clean
+    (it answered the ``Disconnect``), as one to release: every disconnect opened a second
+    session, handshake and all, only to release the first (a thread of its own that, for a host
+    that went silent meanwhile, retried for ``RELEASE_BUDGET_S``)."""
+    told: list[dict[str, list[str]]] = []
+    send_releases = TierManager._send_releases
+
+    def record(self: TierManager, address: str) -> None:
+        told.append({a: list(ids) for a, ids in self._ended.resolved.items()})
+        send_releases(self, address)
+
+    monkeypatch.setattr(TierManager, "_send_releases", record)
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="clean-bye") as tier,
+    ):
+        tier.disconnect(tier.connect(server.address))
+        assert told == [{}], told
+
+
+def test_releases_close_makes_over_a_session_lost_meanwhile_still_reach_the_host() -> None:
+    """``close`` names the resolved sessions of each host over its live session; one lost just
+    then (its connection reset as ``close`` began) refused them, and they were dropped with a
+    log line: the host held their slots for good. They go over a session of their own."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="lost-at-close")
+        peer = tier.connect(server.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        end_sessions = tier._end_sessions
+
+        def reset() -> None:
+            raise session_io._Lost("the control connection was closed or reset")
+
+        def lost_first(ending: list[tuple[Any, bool]], timeout_s: float) -> None:
+            session._enqueue_action(reset)  # the I/O thread ends the session as a reset does
+            assert wait_for(lambda: session.lost is not None, 5.0)
+            end_sessions(ending, timeout_s)
+
+        tier._end_sessions = lost_first  # type: ignore[method-assign]
+        with tier._lock:  # the tier learnt that every write of ``held`` resolved
+            tier._ended.give_back(server.address, [held.session_id])
+        tier.close()
+        _assert_nothing_held(server.address)
+
+
+def test_a_release_under_way_as_the_tier_closes_is_still_told() -> None:
+    """A removed host's resolved sessions go over a session of their own, on a thread; a
+    ``close`` while that handshake awaited the host (frozen) cancelled it, and the thread gave
+    them back after ``close`` had looked for what to name: nobody named them, and the host
+    held their slots for good. The thread makes ``close``'s last word itself."""
+    with ServerProcess.start(64, BLOCK_LEN) as server:
+        held = _held_session(server.address)
+        tier = TierManager.create(16, BLOCK_LEN, name="closed-mid-release")
+        peer = tier.connect(server.address)
+        stop_process(server.proc.pid)
+        try:
+            with tier._lock:  # the tier learnt that every write of ``held`` resolved
+                tier._ended.give_back(server.address, [held.session_id])
+            tier.remove_peer(peer)  # its handshake awaits the frozen host
+            assert any(t.name == session_releases.RELEASE_THREAD for t in threading.enumerate())
+            closing = threading.Thread(target=tier.close, daemon=True)
+            closing.start()
+            time.sleep(0.5)  # the handshake sees ``close`` (it looks every CANCEL_POLL_S)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)  # in time for ``close``'s last word
+        closing.join(timeout=RESULT_TIMEOUT_S)
+        assert not closing.is_alive()
+        _assert_nothing_held(server.address)
+
+
+def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost session's end hands back the releases it carried that its host may not have
+    read; when the user removed the host meanwhile (a fleet dropping a host as it dies), the
+    removal had already released and forgotten it: they were kept for an address nobody
+    dials, not even ``close``, and the host held those sessions' slots for good."""
+    with _connected_beside_a_held_session("removed-while-ending") as setup:
+        server, tier, held, peer, session = setup
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        ending, end = threading.Event(), session_releases.end_session
+
+        def slow_end(*args: Any) -> list[str]:
+            ending.wait(timeout=RESULT_TIMEOUT_S)
+            return end(*args)
+
+        monkeypatch.setattr(session_releases, "end_session", slow_end)
+        with tier._lock:  # as a failed transfer does: the session ends on a thread of its own
+            tier._lose_peer(peer, "failed a transfer")
+        tier.remove_peer(peer)
+        ending.set()
+        _assert_nothing_held(server.address)
+
+
+def test_releases_a_session_ended_on_its_own_thread_hands_back_during_close_still_go_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session ended on a thread of its own (a failed transfer dropped its host) hands back
+    the releases it carried that its host may not have read (a frozen host leaves its
+    disconnect unanswered ~2 s). ``close`` meanwhile named what it found and returned; they
+    came back after it and nobody named them: the host held those sessions' slots for good.
+    ``close`` waits for such an end, and one that ends after ``close`` names them itself."""
+    with _connected_beside_a_held_session("closed-mid-end") as setup:
+        server, tier, held, peer, session = setup
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        ending, end = threading.Event(), session_releases.end_session
+
+        def slow_end(*args: Any) -> list[str]:  # as a frozen host's unanswered disconnect
+            ending.wait(timeout=RESULT_TIMEOUT_S)
+            return end(*args)
+
+        monkeypatch.setattr(session_releases, "end_session", slow_end)
+        with tier._lock:  # as a failed transfer does: the session ends on a thread of its own
+            tier._lose_peer(peer, "failed a transfer")
+        closing = threading.Thread(target=tier.close, daemon=True)
+        closing.start()
+        wait_for(lambda: not closing.is_alive(), 1.0)  # (returns at once, unfixed)
+        ending.set()
+        closing.join(timeout=RESULT_TIMEOUT_S)
+        assert not closing.is_alive()
+        _assert_nothing_held(server.address)
+
+
+def test_a_session_a_host_down_at_its_connect_may_have_opened_is_named_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that answered a ``connect(..., redial_if_down=True)`` and then nothing (its
+    Accept lost, or frozen) may have opened a session, which it holds for good until it is
+    named: ``close``, while the tier still dials the host, must name it in its last word (it
+    looked only at connected and removed hosts, so a host never joined was not told)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 30.0)  # no redial meanwhile
+    opened = "ab" * p.NONCE_BYTES
+    told: list[list[str]] = []
+
+    def accept_lost_then_down(cls: Any, address: str, **kwargs: Any) -> Any:
+        told.append(list(kwargs["release"]))
+        if len(told) == 1:
+            raise handshake_module.AcceptLost(address, opened)
+        raise TimeoutError(f"nothing answered at {address}")
+
+    monkeypatch.setattr(RemoteSession, "open", classmethod(accept_lost_then_down))
+    address = f"127.0.0.1:{free_port()}"
+    tier = TierManager.create(16, BLOCK_LEN, name="accept-lost-pending")
+    try:
+        with pytest.raises(TimeoutError):
+            tier.connect(address, private=True, timeout_s=0.5, redial_if_down=True)
+    finally:
+        tier.close()
+    assert told == [[], [opened]], told
