@@ -546,6 +546,25 @@ def test_a_look_for_copies_that_found_none_is_repeated_once_the_window_moved_not
     assert len(looks) == 4 and not disk.writing
 
 
+def test_a_pool_smaller_than_the_copy_window_copies_every_key_it_evicts() -> None:
+    """Found by the host review: over a pool of fewer slots than ``MIN_SPILL_WINDOW`` (256), a
+    look for copies that found none waited for 128 keys moved (half the window), four times
+    this 32-slot pool, or ``COPY_IDLE_PERIOD_S``: the keys stored meanwhile were evicted with
+    no copy (72 of 128). The window is now at most the pool."""
+    cache = SharedCache(SlotPool(32), max_granted=8)
+    disk = FakeDisk(1024)
+    tier = DiskTier(cache, disk, admit_after=1)  # type: ignore[arg-type]
+    cache.join("s", "ns")
+    now, lost = 1.0, []
+    for i in range(0, 160, 8):  # a grant's worth at a time, the loop stepping between
+        _store(cache, [f"k{j}" for j in range(i, i + 8)])
+        for _ in range(3):
+            tier.step(now=now)
+            now += COPY_PERIOD_S
+        lost += _events(cache)[1]
+    assert lost == [] and len(disk.keys) == 160
+
+
 def test_a_promotion_waiting_for_a_slot_is_retried_once_one_may_be_free_not_every_step() -> None:
     """A promotion that found no DRAM slot was tried again at every step, each time O(keys
     asked), and kept the loop polling every ``DISK_POLL_S`` for 5 s: a host burning its loop
