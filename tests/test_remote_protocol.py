@@ -126,15 +126,15 @@ def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_fre
     assert table.touch(a.session_id, now=4.0) is a
     assert table.expire(now=5.5) == [b]
     assert table.reclaimed == 1 and table.touch(b.session_id, now=6.0) is None
-    assert table.held_blocks == 4 and table.leased == 8  # b may still write: held, no timer
+    assert table.held.blocks == 4 and table.leased == 8  # b may still write: held, no timer
     c = table.open("c", None, now=100.0)
     assert c is not None and len(c.lease) == 2 and not set(c.lease) & set(b.lease)
     assert table.open("d", None, now=100.0) is None  # no free slot (and at max_sessions)
-    assert table.release([b.session_id]) == 4 and table.held_blocks == 0
+    assert table.release([b.session_id]) == 4 and table.held.blocks == 0
     a.bytes_written = 7
     assert table.close(a.session_id, 101.0, clean=True) is a
     assert table.close(a.session_id, 101.0, clean=True) is None
-    assert table.close(c.session_id, 101.0, clean=False) is c and table.held_blocks == 2
+    assert table.close(c.session_id, 101.0, clean=False) is c and table.held.blocks == 2
     assert table.leased == 2 and table.retired_bytes_written == 7
 
 

@@ -118,15 +118,15 @@ def test_an_unclean_sessions_grants_are_held_until_released_and_a_clean_ones_fre
     cache = _cache(num_blocks=2)
     lost = cache.grant("a", 1)
     cache.leave("a", 0.0, clean=False)  # it may still write there: held, with no timer
-    assert (cache.held, cache.held_sessions) == (1, 1)
+    assert (cache.held.blocks, len(cache.held)) == (1, 1)
     clean = cache.grant("b", 1)
     assert clean != lost
     cache.leave("b", 0.0, clean=True)
     cache.join("d", "model-x")
     assert cache.grant("d", 2) == clean  # the held slot is nobody's, however long it waits
     assert cache.release(["not-a-session"]) == 0
-    assert cache.held_since(0.0) == [] and cache.held_since(0.5) == ["a"]  # a hold timeout's view
-    assert cache.release(["a"]) == 1 and cache.held == 0
+    assert cache.held.since(0.0) == [] and cache.held.since(0.5) == ["a"]  # a hold timeout's view
+    assert cache.release(["a"]) == 1 and cache.held.blocks == 0
     assert cache.grant("d", 1) == lost
 
 
@@ -314,7 +314,7 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
         assert len(owned) == len(set(owned)), owned
         assert len(owned) + cache.free_slots() == num_blocks
         assert cache.granted == sum(map(len, granted.values())) + len(promoting)
-        assert cache.held == sum(map(len, held.values()))
+        assert cache.held.blocks == sum(map(len, held.values()))
 
     for op, who, n in ops:
         sid = f"s{who}"
@@ -375,7 +375,7 @@ def test_every_slot_has_one_owner_and_everything_ended_leaves_nothing_granted_or
     leases.clear()
     cache.take_events(max_keys=3)
     check()
-    assert (cache.granted, cache.held, cache.held_sessions) == (0, 0, 0)
+    assert (cache.granted, cache.held.blocks, len(cache.held)) == (0, 0, 0)
     assert all(ns.entries and not ns.sessions for ns in cache.namespaces.values())
 
 

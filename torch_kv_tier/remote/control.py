@@ -118,7 +118,7 @@ class ControlPlane:
         ended sessions never released within ``--hold-timeout``."""
         hold = self.config.hold_timeout_s
         if hold is not None:
-            late = self.leases.held_since(now - hold) + self.shared.cache.held_since(now - hold)
+            late = self.leases.held.since(now - hold) + self.shared.cache.held.since(now - hold)
             if late:
                 logger.warning(
                     "%d ended sessions never released their slots in %.0f s "
@@ -148,7 +148,7 @@ class ControlPlane:
         leased = sum(len(s.lease) for s in sessions)
         shared = self.shared.stats()
         in_use = leased + shared["shared_stored_blocks"] + shared["shared_granted_blocks"]
-        held = table.held_blocks + shared["shared_held_blocks"]
+        held = table.held.blocks + shared["shared_held_blocks"]
         num_blocks = self.config.num_blocks
         return {
             "free_blocks": num_blocks - in_use - held,
@@ -218,7 +218,7 @@ class ControlPlane:
             name, hs.slots, now, private=hs.private, session_id=hs.nonce.hex()
         )
         if session is None:
-            held = self.leases.held_blocks + self.shared.cache.held
+            held = self.leases.held.blocks + self.shared.cache.held.blocks
             return self._reject(
                 hs.seq,
                 name,

@@ -12,6 +12,8 @@ import itertools
 import secrets
 from dataclasses import dataclass
 
+from torch_kv_tier.remote.held_slots import HeldSlots
+
 
 class SlotPool:
     """Free slots of ``[0, num_blocks)`` as sorted, disjoint, coalesced ``[start, stop)`` runs."""
@@ -100,8 +102,9 @@ class LeaseTable:
     (or the largest free run, if smaller). At most ``max_sessions`` sessions are open at once.
 
     Fencing: a private lease whose session ends without a clean disconnect (expired, or closed
-    with writes in flight) is *held*: its client may still write it, so it goes back to the
-    pool only when that client releases the session (``release``), never on a timer.
+    with writes in flight) is *held* (``held``: ``held_slots``): its client may still write it,
+    so it goes back to the pool only when that client releases the session (``release``), never
+    on a timer of its own.
     """
 
     def __init__(
@@ -123,7 +126,7 @@ class LeaseTable:
         self.max_lease = cap
         self.max_sessions = max_sessions
         self.sessions: dict[str, Session] = {}
-        self.held: dict[str, tuple[range, float]] = {}  # ended session -> (its lease, since)
+        self.held: HeldSlots[range] = HeldSlots()  # ended sessions' leases
         self.reclaimed = 0  # leases taken back after a missed heartbeat deadline
         self.retired_bytes_written = 0  # reported by sessions that have ended
         self.retired_bytes_read = 0
@@ -197,32 +200,18 @@ class LeaseTable:
     def release(self, session_ids: list[str]) -> int:
         """Ended sessions whose client reported every write resolved: their held leases go
         back to the pool (unknown ids are ignored). Returns the number of slots freed."""
-        freed = 0
-        for sid in session_ids:
-            held = self.held.pop(sid, None)
-            if held is not None:
-                self.pool.give_back(held[0])
-                freed += len(held[0])
-        return freed
-
-    def held_since(self, before: float) -> list[str]:
-        """Ended sessions held since before ``before`` (for an operator's hold timeout)."""
-        return [sid for sid, (_, since) in self.held.items() if since < before]
+        return self.held.release(session_ids, self.pool.give_back)
 
     @property
     def leased(self) -> int:
         """Slots currently leased."""
         return self.pool.num_blocks - self.pool.free
 
-    @property
-    def held_blocks(self) -> int:
-        return sum(len(lease) for lease, _ in self.held.values())
-
     def _retire(self, session: Session, now: float, *, clean: bool) -> None:
         if session.lease:
             if clean:
                 self.pool.give_back(session.lease)
             else:
-                self.held[session.session_id] = (session.lease, now)
+                self.held.hold(session.session_id, session.lease, now)
         self.retired_bytes_written += session.bytes_written
         self.retired_bytes_read += session.bytes_read

@@ -10,11 +10,8 @@ never see each other's blocks. A slot is in exactly one state:
 - *free*: drawn from the pool, not yet handed out;
 - *granted* to one session: only that session may write it, nothing is published there;
 - *stored*: holds a committed key of one namespace, with the digest of its bytes;
-- *held*: granted to a session that ended without a clean disconnect. Its client may still
-  write there (a writer that froze, a write still in flight), so nobody else gets the slot
-  until that client releases the session (``release``), which it does once its transport
-  reported every write of the session resolved. No timer frees a held slot: a hold is bounded
-  by the session's grant (``max_granted``), not by a guess at how long a freeze lasts.
+- *held*: granted to a session that ended without a clean disconnect, whose client may still
+  write there: nobody else gets it until that client releases the session (``held_slots``).
 
 A store is ``grant`` (a private batch of slots, ahead of time), a one-sided write by the client,
 then ``commit`` with the bytes' digests: the key becomes visible, most recently used. A load is
@@ -48,6 +45,7 @@ from typing import Any
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import shared_events, shared_snapshot
+from torch_kv_tier.remote.held_slots import HeldSlots
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.shared_events import DiskSide, EventBatch, Namespace
 from torch_kv_tier.remote.shared_snapshot import Page, Snapshot
@@ -86,7 +84,7 @@ class SharedCache:
         self._lru: OrderedDict[tuple[str, Key], int] = OrderedDict()  # every stored key
         self._owners = SlotOwners(pool.num_blocks)  # slot -> its stored key (for snapshots)
         self._grants: dict[str, tuple[Namespace, set[int]]] = {}  # session -> its granted slots
-        self._held: dict[str, tuple[list[int], float]] = {}  # ended session -> (slots, since)
+        self.held: HeldSlots[list[int]] = HeldSlots()  # ended sessions' uncommitted grants
         self.disk: DiskSide | None = None
         self.seen: Callable[[str, Sequence[Key]], None] | None = None  # commits and touches
 
@@ -119,24 +117,14 @@ class SharedCache:
             if clean:
                 self._free_again(granted)
             else:
-                self._held[session_id] = (list(granted), now)
+                self.held.hold(session_id, list(granted), now)
         self._forget_if_unused(ns)
 
     def release(self, session_ids: Iterable[str]) -> int:
         """Ended sessions whose client reported every write resolved: their held slots are free
         again. Unknown ids are ignored (only the client knows a session's id). Returns the
         number of slots freed."""
-        freed = 0
-        for sid in session_ids:
-            held = self._held.pop(sid, None)
-            if held is not None:
-                self._free_again(held[0])
-                freed += len(held[0])
-        return freed
-
-    def held_since(self, before: float) -> list[str]:
-        """Ended sessions held since before ``before`` (for an operator's hold timeout)."""
-        return [sid for sid, (_, since) in self._held.items() if since < before]
+        return self.held.release(session_ids, self._free_again)
 
     # -- stores -------------------------------------------------------------------------------
 
@@ -331,14 +319,6 @@ class SharedCache:
     def granted(self) -> int:
         """Slots granted and not committed yet: to sessions, and to promotions in flight."""
         return sum(ns.granted for ns in self.namespaces.values())
-
-    @property
-    def held(self) -> int:
-        return sum(len(slots) for slots, _ in self._held.values())
-
-    @property
-    def held_sessions(self) -> int:
-        return len(self._held)
 
     # -- internals ----------------------------------------------------------------------------
 

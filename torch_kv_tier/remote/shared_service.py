@@ -118,8 +118,8 @@ class SharedService:
         return {
             "shared_stored_blocks": cache.stored,
             "shared_granted_blocks": cache.granted,
-            "shared_held_blocks": cache.held,
-            "shared_held_sessions": cache.held_sessions,
+            "shared_held_blocks": cache.held.blocks,
+            "shared_held_sessions": len(cache.held),
             "shared_evictions": cache.evictions,
             "namespace_quota": cache.quota,
             "max_granted": cache.max_granted,
