@@ -467,6 +467,41 @@ def test_sessions_whose_heartbeats_queued_while_the_host_stalled_survive_it(
         server.close()
 
 
+def test_held_slots_keep_their_hold_timeout_across_a_host_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the host review: a host stalled (frozen, busy) past ``--hold-timeout`` freed the
+    slots of ended sessions whose client may still write them the moment it resumed, though it
+    had read none of their releases, and a write in flight to a frozen host lands only once it
+    resumes. As a session's silence, a hold's time now counts only while the host listens."""
+    from torch_kv_tier.remote.server_config import ServerConfig
+
+    config = ServerConfig(
+        num_blocks=32, block_len=BLOCK_LEN, lease_timeout_s=1.0, hold_timeout_s=1.5
+    )
+    server = Server(config)
+    expiries: list[float] = []  # the times the loop checked the holds at (its lock held)
+    expire = server._control.expire
+    monkeypatch.setattr(server._control, "expire", lambda now: expiries.append(now) or expire(now))
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve, args=(stop,))
+    loop.start()
+    try:
+        session = fake_session(server.address, slots=4, heartbeat_timeout_s=60)
+        session.close(clean=False)  # a write may be in flight: its lease is held
+        assert wait_for(lambda: server.stats()["held_blocks"] == 4, timeout_s=10)
+        with server._lock:  # the host stalls past the hold timeout
+            time.sleep(2.0)
+        resumed = time.monotonic()
+        assert wait_for(lambda: any(t > resumed for t in expiries), timeout_s=10)
+        assert server.stats()["held_blocks"] == 4  # the stall did not count against the hold
+        assert wait_for(lambda: server.stats()["held_blocks"] == 0, timeout_s=10)  # then it does
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+        server.close()
+
+
 def test_a_dead_clients_session_expires_while_the_host_is_busy_but_keeps_up(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

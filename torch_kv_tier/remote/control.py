@@ -9,7 +9,8 @@ the frames, and registers the pool the slots name.
 Fencing: a session that ends without a clean disconnect (no heartbeat for ``--lease-timeout``,
 a disconnect with writes in flight, or a frame the server could not queue for it) may still
 write its slots, so its lease or uncommitted grants are held until its client releases the
-session (``Release``, or the ``release`` list of its next handshake), or ``--hold-timeout``.
+session (``Release``, or the ``release`` list of its next handshake), or ``--hold-timeout`` of
+the host listening passes (``pause``: a host's own stall counts against no session or hold).
 
 Threading: not thread-safe. The server calls every method under its state lock, from its loop
 thread (``stats`` also from the metrics thread, under the same lock).
@@ -112,6 +113,13 @@ class ControlPlane:
             why,
             "its slots are free" if clean else "its slots are held until its client releases them",
         )
+
+    def pause(self, seconds: float, now: float) -> None:
+        """The host read no control message for ``seconds`` before ``now`` (its loop stalled):
+        neither the sessions' silence nor the held slots' hold time counts that stall."""
+        self.leases.pause(seconds, now)
+        self.leases.held.pause(seconds, now)
+        self.shared.cache.held.pause(seconds, now)
 
     def expire(self, now: float) -> None:
         """End the sessions that missed their heartbeats (held), and give back the slots of

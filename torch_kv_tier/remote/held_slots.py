@@ -5,8 +5,11 @@ disconnect with writes in flight, a frame the host could not queue for it) may s
 slots: a write in flight, or a writer frozen mid-write. Those slots are *held*: nobody else gets
 them until the session's client releases it (``release``), which it does once its transport
 reported every write of the session resolved, or the operator's ``--hold-timeout`` passes
-(``since``). A private session holds its lease (``LeaseTable``), a shared one its uncommitted
-grants (``SharedCache``): a hold is bounded by those, not by a guess at how long a freeze lasts.
+(``since``) while the host listens (``pause``): a host that stalled read none of the releases,
+nor the heartbeats that tell a client its session ended, and a write in flight to it may land
+only once it resumes. A private session holds its lease (``LeaseTable``), a shared one its
+uncommitted grants (``SharedCache``): a hold is bounded by those, not by a guess at how long a
+freeze lasts.
 
 Pure bookkeeping (no I/O, no clock of its own: callers pass ``now``). Not thread-safe: the
 server guards each one with its state lock, as the table or cache that keeps it.
@@ -46,6 +49,13 @@ class HeldSlots(Generic[Slots]):
     def since(self, before: float) -> list[str]:
         """Ended sessions held since before ``before`` (for an operator's hold timeout)."""
         return [sid for sid, (_, since) in self._held.items() if since < before]
+
+    def pause(self, seconds: float, now: float) -> None:
+        """The host read no control message for ``seconds`` before ``now`` (its loop stalled):
+        every hold's time starts that much later (at most at ``now``), as a session's silence
+        does (``LeaseTable.pause``)."""
+        for sid, (slots, since) in self._held.items():
+            self._held[sid] = (slots, min(since + seconds, now))
 
     def __len__(self) -> int:
         """Ended sessions holding slots."""

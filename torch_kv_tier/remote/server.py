@@ -236,16 +236,18 @@ class Server:
         the lease timeout) the sessions are not charged for it: their heartbeats of that time
         were queued, more than one batch (``MAX_BATCH``) of them once a host has that many
         sessions, and the expiry check after the first batch ended the sessions whose
-        heartbeats were still queued."""
+        heartbeats were still queued. Nor are the held slots' ``--hold-timeout``: their
+        clients' releases were queued too, and a write to a frozen host may land only once it
+        resumes."""
         lease_s = self.config.lease_timeout_s
         if away_s > lease_s / 3:
             logger.log(
                 logging.WARNING if away_s > lease_s else logging.DEBUG,
                 "the host read no control message for %.1f s (frozen, or busy): its sessions "
-                "are not charged for that silence", away_s,
+                "and held slots are not charged for that silence", away_s,
             )  # fmt: skip
             with self._lock:
-                self._control.leases.pause(away_s, now)
+                self._control.pause(away_s, now)
 
     def _freeze_index(self) -> None:
         """Keep the host's index out of the garbage collector's walks: at the loop's start (the
