@@ -323,6 +323,7 @@ def test_prometheus_text_escapes_client_names() -> None:
         "held_blocks": 3,
         "held_sessions": 1,
         "shared_evictions": 7,
+        "commit_slots_refused": 4,
         "slots_used": 1,
         "sessions": [{"public_id": "s1", "client_name": 'evil"\n', "lease": [0, 2]}],
         "handshakes_accepted": 1,
@@ -338,6 +339,7 @@ def test_prometheus_text_escapes_client_names() -> None:
     assert 'torch_kv_tier_server_blocks{state="held"} 3\n' in text
     assert "torch_kv_tier_server_held_sessions 1\n" in text
     assert "torch_kv_tier_server_shared_evictions_total 7\n" in text
+    assert "torch_kv_tier_server_commit_slots_refused_total 4\n" in text
     assert 'torch_kv_tier_server_handshakes_total{result="rejected"} 3\n' in text
     assert 'client="evil\\"\\n"} 2\n' in text
     for line in text.splitlines():

@@ -428,3 +428,32 @@ def test_a_host_whose_namespaces_come_and_go_remembers_only_the_ones_its_slots_h
     assert _found(cache, "late", [b"k"]) != [-1]
     cache.join("early", "fingerprint-0")
     assert _found(cache, "early", [b"k"]) == [-1]  # evicted long ago
+
+
+def test_a_commit_of_slots_not_granted_is_counted_and_logged_once_per_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the host review: a commit naming slots its session was not granted (never, or
+    committed already: a client's bug) was ignored without a trace. A commit has no answer to
+    carry an error; the host now counts every such slot (``commit_slots_refused``) and logs a
+    warning once per session, however often it does it, and a session that commits what it
+    was granted adds to neither."""
+    service = SharedService(SlotPool(16), quota=None, max_granted=8)
+    good, bad = (
+        Session(sid, f"s{i}", sid, range(0), 0.0, 0.0, shared=True, namespace="m")
+        for i, sid in enumerate(("good", "bad"))
+    )
+    service.join(good)
+    service.join(bad)
+    caplog.set_level("WARNING", logger="torch_kv_tier.remote.shared_service")
+    mine = service.cache.grant("good", 2)
+    assert service.answer(good, p.Commit(1, "good", [b"g0", b"g1"], mine, [1, 2]), 0.0) is None
+    assert service.stats()["commit_slots_refused"] == 0 and not caplog.records
+    theirs = service.cache.grant("bad", 1)
+    service.answer(bad, p.Commit(2, "bad", [b"x", b"y"], [*theirs, mine[0]], [3, 4]), 0.0)
+    for seq in range(3, 13):  # it keeps doing it: counted, not logged again
+        service.answer(bad, p.Commit(seq, "bad", [b"z"], [mine[1]], [5]), 0.0)
+    assert service.stats()["commit_slots_refused"] == 11
+    assert [r.getMessage().split(" committed")[0] for r in caplog.records] == ["session s1 (bad)"]
+    assert "1 slots it was not granted" in caplog.records[0].getMessage()
+    assert service.cache.snapshot("good")[0] == [b"g0", b"g1", b"x"]  # its own slot published

@@ -59,6 +59,12 @@ def render_prometheus(stats: Mapping[str, Any]) -> str:
         [("", stats["shared_evictions"])],
     )
     metric(
+        "commit_slots_refused_total",
+        "counter",
+        "Slots shared sessions committed without holding their grant: ignored (a client bug).",
+        [("", stats["commit_slots_refused"])],
+    )
+    metric(
         "slots_used",
         "gauge",
         "Leased slots holding data, as reported by clients.",

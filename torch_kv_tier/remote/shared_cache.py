@@ -75,6 +75,7 @@ class SharedCache:
         )
         self.namespaces: dict[str, Namespace] = {}
         self.evictions = 0
+        self.refused = 0  # slots committed by a session they were not granted to (ignored)
         # slots freed, or filled (evictable), by a commit, a promotion, a release...: a waiting
         # promotion may find one now (``disk_tier``)
         self.slot_changes = 0
@@ -218,11 +219,12 @@ class SharedCache:
         """Publish ``keys``, written into granted ``slots`` with bytes of ``digests``; returns
         how many were published.
 
-        A slot not granted to this session is ignored (it may be held since the session was
-        taken for ended). A key already stored keeps its first copy, the slot is free again, and
-        the key is announced again so that the committer's copy of the index learns its slot. A
-        key published whose disk copy holds other bytes (or unknown ones: digest 0) loses that
-        copy: once this one left DRAM, the old one would come back.
+        A slot not granted to this session is ignored and counted in ``refused`` (a client's
+        bug: its key stays unpublished, the slot whoever's it is). A key already stored keeps
+        its first copy, the slot is free again, and the key is announced again so that the
+        committer's copy of the index learns its slot. A key published whose disk copy holds
+        other bytes (or unknown ones: digest 0) loses that copy: once this one left DRAM, the old
+        one would come back.
         """
         entry = self._grants.get(session_id)
         if entry is None:
@@ -235,6 +237,7 @@ class SharedCache:
         pairs: list[tuple[str, Key]] = []
         for key, slot, digest in zip(keys, slots, digests):
             if slot not in granted:
+                self.refused += 1
                 continue
             granted.discard(slot)
             ns.granted -= 1

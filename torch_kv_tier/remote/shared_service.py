@@ -10,6 +10,7 @@ Threading: as ``SharedCache``: the server calls it under its state lock, from it
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch_kv_tier.remote import protocol as p
@@ -17,6 +18,8 @@ from torch_kv_tier.remote.disk_tier import DiskTier
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_snapshot import Snapshot
+
+logger = logging.getLogger(__name__)
 
 SharedMessage = p.GrantRequest | p.Commit | p.Touch | p.Promote | p.SnapshotRequest
 SHARED_MESSAGES = (p.GrantRequest, p.Commit, p.Touch, p.Promote, p.SnapshotRequest)
@@ -29,6 +32,7 @@ class SharedService:
     def __init__(self, pool: SlotPool, *, quota: int | None, max_granted: int | None) -> None:
         self.cache = SharedCache(pool, quota=quota, max_granted=max_granted)
         self._snapshots: dict[str, Snapshot] = {}  # session -> its snapshot being walked
+        self._refusers: set[str] = set()  # sessions told (logged) of slots they cannot commit
         self.disk: DiskTier | None = None  # the server's disk tier, if any
 
     def join(self, session: Session) -> None:
@@ -36,6 +40,7 @@ class SharedService:
 
     def leave(self, session: Session, now: float, *, clean: bool) -> None:
         self._snapshots.pop(session.session_id, None)
+        self._refusers.discard(session.session_id)
         self.cache.leave(session.session_id, now, clean=clean)
 
     def event_seq(self, session: Session) -> int:
@@ -65,7 +70,10 @@ class SharedService:
                     f"a commit needs one slot and one digest per key, got {n_keys} keys, "
                     f"{n_slots} slots and {n_digests} digests",
                 )
+            refused = cache.refused
             cache.commit(sid, message.keys, message.slots, message.digests)
+            if cache.refused > refused:
+                self._refused(session, cache.refused - refused)
             return None
         if isinstance(message, p.Touch):
             cache.touch(sid, message.keys)
@@ -78,6 +86,22 @@ class SharedService:
             want = min(max(message.want, 0), MAX_GRANT)
             return p.Granted(message.seq, cache.grant(sid, want) if want else [])
         return self._snapshot_page(sid, message)
+
+    def _refused(self, session: Session, slots: int) -> None:
+        """``session`` committed ``slots`` slots it holds no grant of: logged once per session
+        (a commit has no answer to carry an error, and a client that keeps doing it must not
+        flood the log); every one is counted (``commit_slots_refused``)."""
+        if session.session_id in self._refusers:
+            return
+        self._refusers.add(session.session_id)
+        logger.warning(
+            "session %s (%s) committed %d slots it was not granted (never, or committed "
+            "already): their keys were not published. A client bug: is it a torch_kv_tier of "
+            "another version? Logged once per session; stats' commit_slots_refused counts all",
+            session.public_id,
+            session.client_name,
+            slots,
+        )
 
     def _snapshot_page(self, sid: str, request: p.SnapshotRequest) -> p.ServerMessage:
         """The page of the session's snapshot at ``request.cursor`` (0: a new snapshot), each a
@@ -121,6 +145,7 @@ class SharedService:
             "shared_held_blocks": cache.held.blocks,
             "shared_held_sessions": len(cache.held),
             "shared_evictions": cache.evictions,
+            "commit_slots_refused": cache.refused,
             "namespace_quota": cache.quota,
             "max_granted": cache.max_granted,
             # by name as is ("": no fingerprint): any string is a fingerprint, so a label for
