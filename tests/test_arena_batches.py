@@ -43,6 +43,10 @@ class ScriptedTier:
 
     def store(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
         future: Future[TransferResult] = Future()
+        under_way = next((f for ks, f in self.stores if not f.done() and ks == keys), None)
+        if under_way is not None:  # keys in flight join their store, as TierManager's do
+            under_way.add_done_callback(lambda _: future.set_result(stored(keys)))
+            return future
         self.stores.append((list(keys), future))
         return future
 
@@ -150,6 +154,34 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     assert arena.wait_idle(time.monotonic() + WAIT_S)
     assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
     assert tier.arena.num_free == 3  # all but the interrupted store's slot
+
+
+def test_an_offload_interrupted_inside_the_tiers_store_gets_its_slots_back() -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) inside the tier's store, before it returned
+    # its future, lost the batch's arena slots for good, the other host's (never sent) too:
+    # nothing returned them. Now the slots of the other host come back at once, and the
+    # interrupted store is made again (its keys join the transfer under way), so its slots
+    # come back once that ended, and not before (the tier may still be reading them).
+    peers = ["a", "b"]
+    tier = ScriptedTier(4, peers)
+    scripted_store = tier.store
+
+    def interrupted(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        del tier.store  # the scripted store again from now on
+        scripted_store(keys, slots)  # the tier sent them...
+        raise KeyboardInterrupt  # ...and Ctrl-C landed before it returned
+
+    tier.store = interrupted  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    todo = {keys_on("a", peers, 1)[0]: 0, keys_on("b", peers, 1)[0]: 1}
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all(todo, time.monotonic() + WAIT_S)
+    assert len(tier.stores) == 1  # b's key was never sent
+    assert tier.arena.num_free == 3  # b's slot is back; a's store may still read its slot
+    assert not arena.wait_idle(time.monotonic() + 0.05)  # flush() waits for it
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+    assert arena.wait_idle(time.monotonic() + WAIT_S)
 
 
 def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_looks(

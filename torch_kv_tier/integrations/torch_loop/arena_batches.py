@@ -127,7 +127,8 @@ class ArenaBatches:
         started, a healthy host's store is not); the pages may change once this returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
-        was sent)."""
+        was sent), and so does a ``KeyboardInterrupt`` in the tier's store (the slots of what it
+        may have sent come back once that ended, the others at once)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             return [(keys, failed_now(keys, "capacity", self._no_slots()))]
@@ -138,23 +139,55 @@ class ArenaBatches:
             raise
         stores: list[Batch] = []
         due = time.monotonic() + self._timeout
-        for host, (host_keys, host_slots) in _by_host(keys, homes, slots).items():
+        parts = list(_by_host(keys, homes, slots).items())
+        for i, (host, (host_keys, host_slots)) in enumerate(parts):
             try:
                 future = self._manager.store(host_keys, host_slots)
             except Exception as exc:
                 self._release(host_slots)
                 stores.append((host_keys, failed_now(host_keys, str(exc), "tier refused a store")))
                 continue
-            # The callback first: a Ctrl-C before it is added loses the slots, but no record of
-            # the store is left that nothing ends (its host overdue, ``wait_idle`` waiting, for
-            # good). One run at once (or waiting for the lock) sees the future done: no record.
-            future.add_done_callback(functools.partial(self._release, host_slots))
-            with self._lock:
-                if not future.done():
-                    self._pending.add(future)
-                    self._shares.store_started(future, host, len(host_slots), due)
+            except BaseException:  # Ctrl-C inside the tier's call: it may have sent some keys
+                self._release([slot for _, (_, unsent) in parts[i + 1 :] for slot in unsent])
+                self._rejoin(host, host_keys, host_slots, due)
+                raise
+            self._started(future, host, host_slots, due)
             stores.append((host_keys, future))
         return stores
+
+    def _started(
+        self, future: Future[TransferResult], host: str | None, slots: list[int], due: float
+    ) -> None:
+        """Hand ``slots`` back once the store ``future`` to ``host`` resolved; until then it
+        is pending, and overdue from ``due`` on."""
+        # The callback first: a Ctrl-C before it is added loses the slots, but no record of
+        # the store is left that nothing ends (its host overdue, ``wait_idle`` waiting, for
+        # good). One run at once (or waiting for the lock) sees the future done: no record.
+        future.add_done_callback(functools.partial(self._release, slots))
+        with self._lock:
+            if not future.done():
+                self._pending.add(future)
+                self._shares.store_started(future, host, len(slots), due)
+
+    def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
+        """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
+        future: it may have sent any of them. The same store again returns a future that
+        resolves once no transfer reads the slots (``TierManager.store``: a stored key succeeds
+        at once, one in flight joins its store, the others are sent now), and the slots come
+        back then. If the tier refuses it (closed), they stay out of the arena: whether a
+        transfer still reads them cannot be told (logged). A second interrupt here loses them
+        too."""
+        try:
+            future = self._manager.store(keys, slots)
+        except Exception as exc:
+            log.warning(
+                "an interrupted store to %s keeps its %d arena slots for good: %s",
+                host,
+                len(slots),
+                exc,
+            )
+            return
+        self._started(future, host, slots, due)
 
     def load(
         self, keys: list[Key], holders: list[str | None], pages: list[int], deadline: float
