@@ -129,6 +129,31 @@ def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable()
     assert tier.arena.num_free == 4
 
 
+def test_a_read_begun_just_before_its_restores_deadline_leaves_its_host_usable() -> None:
+    # Found by review: a read still under way at its restore's deadline made its host
+    # "overdue" however late in the restore it began, so a healthy host, a read begun just
+    # before the deadline, failed the next offload's every page ("host overdue") until that
+    # read ended. A read is overdue once under way for the timeout, as a store is.
+    tier = ScriptedTier(4, ["a"])
+    reads: list[tuple[list[Key], Future[TransferResult]]] = []
+
+    def slow_load(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        reads.append((list(keys), Future()))
+        return reads[-1][1]
+
+    tier.load = slow_load  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    assert arena.load_prefix([b"late"], [0], time.monotonic() + 0.1) == 0
+    assert len(reads) == 1  # begun before the deadline, under way after it
+    del tier.load  # the scripted load again: every key found at once
+    assert failures(arena.store_all({b"next": 1}, time.monotonic() + WAIT_S)) == {}
+    assert arena.load_prefix([b"again"], [2], time.monotonic() + WAIT_S) == 1
+    for keys, read in reads:
+        read.set_result(stored(keys))
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+
+
 class CtrlCBeforeItsCallback(Future[TransferResult]):
     """A store's future as the caller sees it when Ctrl-C lands as it adds its callback."""
 

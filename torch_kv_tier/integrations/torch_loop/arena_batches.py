@@ -81,7 +81,7 @@ class ArenaBatches:
                 batches.append(_fail_hosts(keys, homes, held, OVERDUE))
                 keys, homes = _others(keys, homes, held)
                 continue
-            n = self._store_batch(homes, several, deadline)
+            n = self._batch_size(homes, several, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
                 with self._lock:
                     late = homes[0] in self._shares.overdue()
@@ -101,10 +101,12 @@ class ArenaBatches:
         written."""
         restored = 0
         while restored < len(keys):
-            holders = self._batch(keys[restored : restored + max(1, self._room())])
-            chunk = keys[restored : restored + len(holders)]
-            if not chunk:  # its next key is on a host whose reads are overdue
+            holders = self._manager.holders(keys[restored : restored + max(1, self._room())])
+            n = self._batch_size(holders, len(self._manager.peers()) > 1, deadline)
+            if not n:
+                log.info("restore stops at a key of %s, whose transfers hold its share", holders[0])
                 break
+            chunk, holders = keys[restored : restored + n], holders[:n]
             try:
                 got = self.load(chunk, holders, pages[restored : restored + len(chunk)], deadline)
             except Exception as exc:  # copying into the cache failed part-way
@@ -167,7 +169,7 @@ class ArenaBatches:
         with self._lock:
             if not future.done():
                 self._pending.add(future)
-                self._shares.store_started(future, host, len(slots), due)
+                self._shares.started(future, host, len(slots), due)
 
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
         """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
@@ -207,6 +209,7 @@ class ArenaBatches:
             log.warning("%s for a restore", self._no_slots())
             return 0
         futures: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
+        due = time.monotonic() + self._timeout  # when a read still under way is overdue
         loaded: set[Key] = set()
         failed: dict[Key, str] = {}
         try:
@@ -217,12 +220,11 @@ class ArenaBatches:
         try:
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
-            in_use = self._hold(futures, [f for f in futures if not f.done()], "was interrupted")
+            unended = [f for f in futures if not f.done()]
+            in_use = self._hold(futures, unended, due, "was interrupted")
             self._release([slot for slot in slots if slot not in in_use])
             raise
-        in_use = self._hold(
-            futures, late, f"timed out after {self._timeout:.1f} s, recomputing the rest"
-        )
+        in_use = self._hold(futures, late, due, "timed out, recomputing the rest")
         for future in done:
             try:
                 result = future.result()
@@ -260,18 +262,20 @@ class ArenaBatches:
         self,
         reads: dict[Future[TransferResult], tuple[str | None, list[int]]],
         unended: Iterable[Future[TransferResult]],
+        due: float,
         why: str,
     ) -> set[int]:
         """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
-        ends, as overdue (``_read_ended``; at once for one that ended meanwhile); returns those
-        slots. ``why``: how the restore ended before them, for the log."""
+        ends (``_read_ended``; at once for one that ended meanwhile), under way until ``due``,
+        overdue from then on; returns those slots. ``why``: how the restore ended before them,
+        for the log."""
         held: set[int] = set()
         for future in unended:  # the tier may still write into these slots
             host, slots = reads[future]
             with self._lock:
-                self._shares.read_overdue(host, len(slots))
+                self._shares.started(future, host, len(slots), due)
             held.update(slots)
-            future.add_done_callback(functools.partial(self._read_ended, host, slots))
+            future.add_done_callback(functools.partial(self._read_ended, slots))
             log.warning(
                 "restore from %s %s; its reads hold %d arena slots until they end",
                 host,
@@ -280,41 +284,30 @@ class ArenaBatches:
             )
         return held
 
-    def _batch(self, keys: list[Key]) -> list[str | None]:
-        """The host of each leading key of ``keys`` the next restore batch reads: up to the
-        first key of an overdue host, or one past a host's share (:mod:`.host_shares`)."""
-        holders = self._manager.holders(keys)
-        several = len(self._manager.peers()) > 1
-        with self._lock:
-            now = time.monotonic()
-            held, storing = self._shares.overdue(now), self._shares.storing(now)
-
-        def share(host: str | None) -> int:
-            return self._shares.share(host, held, storing, several)
-
-        if not held and (not several or not storing and len(holders) <= share(None)):
-            return holders  # the usual: nothing to cut (one host: the batch fits), no per-key pass
-        n = fitting(holders, share, held)
-        if n < len(holders) and holders[n] in held:
-            log.info("restore stops at a key of %s, whose transfers are overdue", holders[n])
-        return holders[:n]
-
-    def _store_batch(self, homes: list[str | None], several: bool, deadline: float) -> int:
-        """How many of the keys whose hosts are ``homes`` the next store batch takes: those the
-        slots of overdue hosts leave room for, with ``several`` hosts each host's share less its
-        stores under way, up to the first key of an overdue host, waiting (until ``deadline``)
-        while the first key's host has no share left (0: it is overdue, or had none by then);
-        all of them once no room is left (they fail at once)."""
+    def _batch_size(self, homes: list[str | None], several: bool, deadline: float) -> int:
+        """How many of the keys whose hosts are ``homes`` the next store or restore batch
+        takes: those the slots of overdue hosts leave room for, each host's share less its
+        transfers under way (with ``several`` hosts, half what others leave), up to the first
+        key of an overdue host, waiting (until ``deadline``) while the first key's host has no
+        share left (0: it is overdue, or had none by then); all of them once no room is left
+        (they fail at once)."""
         with self._lock:
             while True:
                 seen = time.monotonic()
                 held = self._shares.overdue(seen)
                 room = self._shares.room(held)
-                if not several or not room:
-                    return min(room, len(homes)) or len(homes)
-                storing = self._shares.storing(seen)
-                share = functools.partial(self._shares.store_share, held=held, storing=storing)
-                n = fitting(homes[:room], share, held)
+                if not room:
+                    return len(homes)
+                share = functools.partial(
+                    self._shares.free_share,
+                    held=held,
+                    under_way=self._shares.under_way(seen),
+                    several=several,
+                )
+                if several:
+                    n = fitting(homes[:room], share, held)
+                else:  # the usual: one host (or none), no per-key pass
+                    n = 0 if homes[0] in held else max(0, min(len(homes), share(homes[0])))
                 if n or homes[0] in held or not self._wait(deadline, seen):
                     return n
 
@@ -361,10 +354,10 @@ class ArenaBatches:
             self._pending.discard(offload)
             self._changed.notify_all()
 
-    def _read_ended(self, host: str | None, slots: list[int], _: object) -> None:
-        """A timed-out restore's read from ``host`` into ``slots`` ended: they are free again."""
+    def _read_ended(self, slots: list[int], read: Future[TransferResult]) -> None:
+        """A timed-out restore's ``read`` into ``slots`` ended: they are free again."""
         with self._lock:
-            self._shares.read_ended(host, len(slots))
+            self._shares.ended(read)
         self._release(slots)
 
     def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
@@ -373,7 +366,7 @@ class ArenaBatches:
             self._manager.arena.free(slots)
             if store is not None:
                 self._pending.discard(store)
-                self._shares.store_ended(store)
+                self._shares.ended(store)
             self._changed.notify_all()
 
 

@@ -2,20 +2,20 @@
 
 A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until it
 resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen host:
-until its session is lost, about 10 s). A host with a read past its restore's deadline, or a
-store under way for longer than the offloader's timeout (not its offload's deadline, which a
-healthy host's store begun late in a long offload would pass), is *overdue*: a restore stops
-before its first key and an offload fails its keys at once (:data:`OVERDUE`) until they end, so
-that it takes no more slots, and the slots it holds are out of the *room* that batches
-are sized to. With more than one host, a batch takes from one host at most half the room (rounded
-down, at least one; the cost: a longer run of keys on one host goes in more round trips). Stores
-under way to other hosts are out of a host's room too, and its own count against its share (an
-offload's batches do not wait for each other's stores; one whose first key's host has no share left
-waits for them). So the first frozen host holds at most half the arena, a second one half the rest,
-and so on: ``k`` frozen hosts leave the other hosts' offloads and restores at least ``arena >> k``
-slots (none once that is 0: a batch always takes one slot, so that small arenas work). Other hosts'
-stores make a share smaller while they are under way (a healthy host's end at once); ``arena /
-(hosts + 1)`` would cut every batch to a third of the arena with two hosts, frozen or not.
+until its session is lost, about 10 s). A host with a read or store under way for longer than the
+offloader's timeout (not its restore's or offload's deadline, which a healthy host's transfer
+begun late in a long call would pass) is *overdue*: a restore stops before its first key and an
+offload fails its keys at once (:data:`OVERDUE`) until they end, so that it takes no more slots,
+and the slots it holds are out of the *room* that batches are sized to. With more than one host,
+a batch takes from one host at most half the room (rounded down, at least one; the cost: a
+longer run of keys on one host goes in more round trips). Transfers under way with other hosts
+are out of a host's room too, and its own count against its share (an offload's batches do not
+wait for each other's stores; a batch whose first key's host has no share left waits for them).
+So the first frozen host holds at most half the arena, a second one half the rest, and so on:
+``k`` frozen hosts leave the other hosts' offloads and restores at least ``arena >> k`` slots
+(none once that is 0: a batch always takes one slot, so that small arenas work). Other hosts'
+transfers make a share smaller while they are under way (a healthy host's end at once); ``arena
+/ (hosts + 1)`` would cut every batch to a third of the arena with two hosts, frozen or not.
 
 Threading: :class:`HostShares` is not locked; its owner (``ArenaBatches``) calls it under its
 own lock.
@@ -33,63 +33,54 @@ from torch_kv_tier.results import TransferResult
 
 __all__ = ["OVERDUE", "HostShares", "fitting"]
 
-OVERDUE = "host overdue"  # offload of a key whose host's reads or stores are past their timeout
+OVERDUE = "host overdue"  # offload of a key whose host's transfers are past the timeout
 
 
 class HostShares:
-    """The arena slots of ``size`` that overdue hosts hold (module docstring)."""
+    """The arena slots of ``size`` that transfers under way hold, and which are overdue
+    (module docstring)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._reads: Counter[str | None] = Counter()  # slots of reads that timed out, by host
-        # each store under way: its host, slots and offload's deadline
-        self._stores: dict[Future[TransferResult], tuple[str | None, int, float]] = {}
+        # each transfer under way: its host, slots and when it is overdue
+        self._transfers: dict[Future[TransferResult], tuple[str | None, int, float]] = {}
 
-    def read_overdue(self, host: str | None, slots: int) -> None:
-        """A read of ``slots`` slots from ``host`` timed out; it holds them until it ends."""
-        self._reads[host] += slots
-
-    def read_ended(self, host: str | None, slots: int) -> None:
-        """A read that :meth:`read_overdue` counted ended."""
-        self._reads[host] -= slots
-        if not self._reads[host]:
-            del self._reads[host]
-
-    def store_started(
-        self, store: Future[TransferResult], host: str | None, slots: int, deadline: float
+    def started(
+        self, transfer: Future[TransferResult], host: str | None, slots: int, due: float
     ) -> None:
-        """``store`` to ``host`` holds ``slots`` slots; overdue once ``deadline`` passed."""
-        self._stores[store] = host, slots, deadline
+        """``transfer`` (a store, or a read its restore stopped waiting for) to or from
+        ``host`` holds ``slots`` slots; overdue once ``due`` (``time.monotonic`` time) passed."""
+        self._transfers[transfer] = host, slots, due
 
-    def store_ended(self, store: Future[TransferResult]) -> None:
-        """``store`` (of :meth:`store_started`) resolved; unknown ones are ignored."""
-        self._stores.pop(store, None)
+    def ended(self, transfer: Future[TransferResult]) -> None:
+        """``transfer`` (of :meth:`started`) resolved; unknown ones are ignored."""
+        self._transfers.pop(transfer, None)
 
     def overdue(self, now: float | None = None) -> Counter[str | None]:
-        """The slots overdue reads and stores hold at ``now`` (``time.monotonic`` time; ``None``:
+        """The slots overdue transfers hold at ``now`` (``time.monotonic`` time; ``None``:
         now), by host."""
-        held = Counter(self._reads)
+        held: Counter[str | None] = Counter()
         now = time.monotonic() if now is None else now
-        for host, slots, deadline in self._stores.values():
-            if deadline <= now:
+        for host, slots, due in self._transfers.values():
+            if due <= now:
                 held[host] += slots
         return held
 
-    def storing(self, now: float) -> Counter[str | None]:
-        """The slots stores under way, not yet overdue at ``now`` (the time :meth:`overdue` was
-        asked for: each store is in one of the two), hold, by host."""
+    def under_way(self, now: float) -> Counter[str | None]:
+        """The slots transfers under way, not yet overdue at ``now`` (the time :meth:`overdue`
+        was asked for: each transfer is in one of the two), hold, by host."""
         held: Counter[str | None] = Counter()
-        for host, slots, deadline in self._stores.values():
-            if deadline > now:
+        for host, slots, due in self._transfers.values():
+            if due > now:
                 held[host] += slots
         return held
 
     def next_due(self, seen: float) -> float:
-        """When the first store under way that was not overdue at ``seen`` (the time the caller
-        asked :meth:`overdue` for) turns overdue (``inf``: none will; in the
-        past: one did since): a wait for a share or slots must wake then, as the host's share
-        and the room change without anything ending."""
-        return min((d for _, _, d in self._stores.values() if d > seen), default=math.inf)
+        """When the first transfer under way that was not overdue at ``seen`` (the time the
+        caller asked :meth:`overdue` for) turns overdue (``inf``: none will; in the past: one
+        did since): a wait for a share or slots must wake then, as the host's share and the
+        room change without anything ending."""
+        return min((d for _, _, d in self._transfers.values() if d > seen), default=math.inf)
 
     def room(self, held: Counter[str | None]) -> int:
         """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""
@@ -99,21 +90,25 @@ class HostShares:
         self,
         host: str | None,
         held: Counter[str | None],
-        storing: Counter[str | None],
+        under_way: Counter[str | None],
         several: bool,
     ) -> int:
         """The most slots a batch takes from ``host``: those that overdue hosts (``held``) and
-        other hosts' stores under way (``storing``) leave, halved if there are ``several``
-        hosts, at least one."""
-        room = self.room(held) - storing.total() + storing[host]
+        other hosts' transfers under way (``under_way``) leave, halved if there are
+        ``several`` hosts, at least one."""
+        room = self.room(held) - under_way.total() + under_way[host]
         return max(1, room // 2 if several else room)
 
-    def store_share(
-        self, host: str | None, held: Counter[str | None], storing: Counter[str | None]
+    def free_share(
+        self,
+        host: str | None,
+        held: Counter[str | None],
+        under_way: Counter[str | None],
+        several: bool,
     ) -> int:
-        """What :meth:`share` (of several hosts) leaves to ``host``'s next stores: less its
-        stores under way."""
-        return self.share(host, held, storing, True) - storing[host]
+        """What :meth:`share` leaves to ``host``'s next transfers: less its transfers under
+        way."""
+        return self.share(host, held, under_way, several) - under_way[host]
 
 
 def fitting(
