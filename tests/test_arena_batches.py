@@ -27,12 +27,14 @@ def stored(keys: list[Key]) -> TransferResult:
 
 
 class ScriptedTier:
-    """The calls ``ArenaBatches`` makes of a ``TierManager``: stores stay under way until the
-    test resolves them (``stores``); loads find every key."""
+    """The calls ``ArenaBatches`` makes of a ``TierManager``: stores with a key on a
+    ``frozen`` host (``None``: any) stay under way until the test resolves them (``stores``);
+    loads find every key."""
 
-    def __init__(self, slots: int, peers: list[str]) -> None:
+    def __init__(self, slots: int, peers: list[str], frozen: set[str] | None = None) -> None:
         self.arena = BlockArena(slots, 64)
         self._peers = peers
+        self._frozen = frozen
         self.stores: list[tuple[list[Key], Future[TransferResult]]] = []
 
     def peers(self) -> list[str]:
@@ -48,6 +50,8 @@ class ScriptedTier:
             under_way.add_done_callback(lambda _: future.set_result(stored(keys)))
             return future
         self.stores.append((list(keys), future))
+        if self._frozen is not None and self._frozen.isdisjoint(self.holders(keys)):
+            future.set_result(stored(keys))
         return future
 
     def load(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
@@ -209,6 +213,39 @@ def test_an_offload_interrupted_inside_the_tiers_store_gets_its_slots_back() -> 
     assert arena.wait_idle(time.monotonic() + WAIT_S)
 
 
+class JoinAsItCopies(NoCopies):
+    """Page copies during which host ``b`` joins the tier (the tier's redial)."""
+
+    def __init__(self, peers: list[str]) -> None:
+        self._peers = peers
+
+    def gather(self, pages: list[int], slots: list[int]) -> None:
+        if "b" not in self._peers:
+            self._peers.append("b")
+
+
+def test_a_host_that_joins_as_an_offload_runs_takes_at_most_its_share() -> None:
+    # Found by review: an offload looked at the hosts once, before its waits for slots and
+    # its copies; a host that joined meanwhile (the tier's redial) got the pages it now wins
+    # in a batch sized for the hosts before, here the whole arena for one host, all counted
+    # as that host's. Frozen, the new host held the whole arena until its session was lost,
+    # and the healthy host's next pages waited, then failed. The hosts are looked at again
+    # once the slots came and the pages were copied, and the batch is sized again if they
+    # changed.
+    peers = ["a"]
+    tier = ScriptedTier(4, peers, frozen={"b"})
+    arena = ArenaBatches(tier, JoinAsItCopies(peers), 10.0)  # type: ignore[arg-type]
+    both = ["a", "b"]
+    todo = {k: i for i, k in enumerate([*keys_on("a", both, 2), *keys_on("b", both, 2)])}
+    parts = arena.store_all(todo, time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 2  # b's 2 pages hold half the arena, a's came back
+    assert failures(parts) == {}
+    (later,) = keys_on("a", both, 3)[2:]
+    assert failures(arena.store_all({later: 5}, time.monotonic() + 1.0)) == {}
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+
+
 def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_looks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -240,7 +277,7 @@ def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_
     parts: list[tuple[list[Key], Future[TransferResult]]] = []
     waiting = threading.Thread(
         target=lambda: parts.extend(
-            arena.store([b"third"], [2], ["a"], fake_time.monotonic() + WAIT_S)
+            arena.store([b"third"], [2], ["a"], fake_time.monotonic() + WAIT_S, ["a"]) or []
         ),
         daemon=True,
     )

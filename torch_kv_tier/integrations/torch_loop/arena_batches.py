@@ -65,23 +65,21 @@ class ArenaBatches:
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that
         overdue hosts leave, each taking at most its share from one host; the keys of an
-        overdue host fail at once (:data:`.host_shares.OVERDUE`). Each part's keys and future,
+        overdue host fail at once (:data:`.host_shares.OVERDUE`). The hosts are looked at for
+        each batch (a host may join or leave as an offload waits). Each part's keys and future,
         for :func:`.offload_results.combine`."""
         keys, batches = list(todo), []
-        peers = self._manager.peers()
-        several = len(peers) > 1
-        if several:
-            homes = [home_peer(k, peers) for k in keys]
-        else:  # the usual: one host (or none), no per-key pass
-            homes = [peers[0] if peers else None] * len(keys)
+        peers: list[str] | None = None
         while keys:
+            if peers != (looked := self._manager.peers()):  # at first, or the hosts changed
+                peers, homes = looked, _homes(keys, looked)
             with self._lock:
                 held = self._shares.overdue()
             if held and held.keys() & set(homes):  # no slot for a host that may not give it back
                 batches.append(_fail_hosts(keys, homes, held, OVERDUE))
                 keys, homes = _others(keys, homes, held)
                 continue
-            n = self._batch_size(homes, several, deadline)
+            n = self._batch_size(homes, len(peers) > 1, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
                 with self._lock:
                     late = homes[0] in self._shares.overdue()
@@ -90,7 +88,10 @@ class ArenaBatches:
                 )
                 keys, homes = _others(keys, homes, {homes[0]})
                 continue
-            batches.extend(self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline))
+            stores = self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline, peers)
+            if stores is None:  # the hosts changed as it waited for slots: sized again
+                continue
+            batches.extend(stores)
             keys, homes = keys[n:], homes[n:]
         return batches
 
@@ -121,10 +122,17 @@ class ArenaBatches:
         return restored
 
     def store(
-        self, keys: list[Key], pages: list[int], homes: list[str | None], deadline: float
-    ) -> list[Batch]:
+        self,
+        keys: list[Key],
+        pages: list[int],
+        homes: list[str | None],
+        deadline: float,
+        peers: list[str],
+    ) -> list[Batch] | None:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
-        under ``keys``, one store per host (``homes``: each key's), whose slots come back when
+        under ``keys``, one store per host (``homes``: each key's among ``peers``; ``None``,
+        nothing sent and the slots back, if the tier's hosts are others once the slots came
+        and the pages were copied: the batch was sized for them), whose slots come back when
         it resolved (overdue once under way for the timeout: however late in its offload it
         started, a healthy host's store is not); the pages may change once this returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
@@ -139,6 +147,9 @@ class ArenaBatches:
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
             self._release(slots)
             raise
+        if self._manager.peers() != peers:
+            self._release(slots)
+            return None
         stores: list[Batch] = []
         due = time.monotonic() + self._timeout
         parts = list(_by_host(keys, homes, slots).items())
@@ -377,6 +388,13 @@ def _fail_hosts(
     failed = [k for k, home in zip(keys, homes) if home in hosts]
     named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
     return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
+
+
+def _homes(keys: list[Key], peers: list[str]) -> list[str | None]:
+    """Each of ``keys``'s home among ``peers`` (``None``: there are none)."""
+    if len(peers) > 1:
+        return [home_peer(k, peers) for k in keys]
+    return [peers[0] if peers else None] * len(keys)  # the usual: one host, no per-key pass
 
 
 def _others(
