@@ -32,14 +32,21 @@ import time
 from collections.abc import Container, Iterable
 from concurrent.futures import Future, wait
 
-from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE, HostShares, fitting
+from torch_kv_tier.integrations.torch_loop.host_shares import (
+    OVERDUE,
+    HostShares,
+    by_host,
+    fitting,
+    homes_among,
+    keys_without,
+)
 from torch_kv_tier.integrations.torch_loop.offload_results import (
     Batch,
     OffloadError,
     failed_now,
 )
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
-from torch_kv_tier.keys import Key, home_peer
+from torch_kv_tier.keys import Key
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import TransferResult
 
@@ -72,12 +79,12 @@ class ArenaBatches:
         peers: list[str] | None = None
         while keys:
             if peers != (looked := self._manager.peers()):  # at first, or the hosts changed
-                peers, homes = looked, _homes(keys, looked)
+                peers, homes = looked, homes_among(keys, looked)
             with self._lock:
                 held = self._shares.overdue()
             if held and held.keys() & set(homes):  # no slot for a host that may not give it back
                 batches.append(_fail_hosts(keys, homes, held, OVERDUE))
-                keys, homes = _others(keys, homes, held)
+                keys, homes = keys_without(keys, homes, held)
                 continue
             n = self._batch_size(homes, len(peers) > 1, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
@@ -86,7 +93,7 @@ class ArenaBatches:
                 batches.append(
                     _fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity")
                 )
-                keys, homes = _others(keys, homes, {homes[0]})
+                keys, homes = keys_without(keys, homes, {homes[0]})
                 continue
             stores = self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline, peers)
             if stores is None:  # the hosts changed as it waited for slots: sized again
@@ -152,7 +159,7 @@ class ArenaBatches:
             return None
         stores: list[Batch] = []
         due = time.monotonic() + self._timeout
-        parts = list(_by_host(keys, homes, slots).items())
+        parts = list(by_host(keys, homes, slots).items())
         for i, (host, (host_keys, host_slots)) in enumerate(parts):
             try:
                 future = self._manager.store(host_keys, host_slots)
@@ -224,7 +231,7 @@ class ArenaBatches:
         loaded: set[Key] = set()
         failed: dict[Key, str] = {}
         try:
-            for host, (host_keys, host_slots) in _by_host(keys, holders, slots).items():
+            for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
                 futures[self._manager.load(host_keys, host_slots)] = host, host_slots
         except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
             log.warning("tier refused a load, recomputing: %s", exc)
@@ -388,32 +395,3 @@ def _fail_hosts(
     failed = [k for k, home in zip(keys, homes) if home in hosts]
     named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
     return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
-
-
-def _homes(keys: list[Key], peers: list[str]) -> list[str | None]:
-    """Each of ``keys``'s home among ``peers`` (``None``: there are none)."""
-    if len(peers) > 1:
-        return [home_peer(k, peers) for k in keys]
-    return [peers[0] if peers else None] * len(keys)  # the usual: one host, no per-key pass
-
-
-def _others(
-    keys: list[Key], homes: list[str | None], hosts: Container[str | None]
-) -> tuple[list[Key], list[str | None]]:
-    """The ``keys`` (and their ``homes``) whose homes are not among ``hosts``."""
-    kept = [(k, home) for k, home in zip(keys, homes) if home not in hosts]
-    return [k for k, _ in kept], [home for _, home in kept]
-
-
-def _by_host(
-    keys: list[Key], holders: list[str | None], slots: list[int]
-) -> dict[str | None, tuple[list[Key], list[int]]]:
-    """``keys`` and their ``slots`` by the host each key is read from (``holders``)."""
-    if len(set(holders)) == 1:  # the usual: one host, no per-key pass
-        return {holders[0]: (keys, slots)}
-    reads: dict[str | None, tuple[list[Key], list[int]]] = {}
-    for key, host, slot in zip(keys, holders, slots, strict=True):
-        host_keys, host_slots = reads.setdefault(host, ([], []))
-        host_keys.append(key)
-        host_slots.append(slot)
-    return reads

@@ -1,4 +1,5 @@
-"""Which hosts hold the offloader's arena slots past its timeout, and each host's share of a batch.
+"""Which hosts hold the offloader's arena slots past its timeout, each host's share of a batch,
+and a batch's keys by host.
 
 A read that timed out keeps its arena slots until it ends (a host frozen past the timeout: until it
 resumes, which may be never); a store keeps its slots until the tier resolves it (a frozen host:
@@ -29,9 +30,10 @@ from collections import Counter
 from collections.abc import Callable, Container, Sequence
 from concurrent.futures import Future
 
+from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.results import TransferResult
 
-__all__ = ["OVERDUE", "HostShares", "fitting"]
+__all__ = ["OVERDUE", "HostShares", "by_host", "fitting", "homes_among", "keys_without"]
 
 OVERDUE = "host overdue"  # offload of a key whose host's transfers are past the timeout
 
@@ -127,3 +129,32 @@ def fitting(
         if counts[host] > limits[host]:
             return i
     return len(holders)
+
+
+def homes_among(keys: list[Key], peers: list[str]) -> list[str | None]:
+    """Each of ``keys``'s home among ``peers`` (``None``: there are none)."""
+    if len(peers) > 1:
+        return [home_peer(k, peers) for k in keys]
+    return [peers[0] if peers else None] * len(keys)  # the usual: one host, no per-key pass
+
+
+def keys_without(
+    keys: list[Key], homes: list[str | None], hosts: Container[str | None]
+) -> tuple[list[Key], list[str | None]]:
+    """The ``keys`` (and their ``homes``) whose homes are not among ``hosts``."""
+    kept = [(k, home) for k, home in zip(keys, homes) if home not in hosts]
+    return [k for k, _ in kept], [home for _, home in kept]
+
+
+def by_host(
+    keys: list[Key], holders: list[str | None], slots: list[int]
+) -> dict[str | None, tuple[list[Key], list[int]]]:
+    """``keys`` and their ``slots`` by the host each key is read from (``holders``)."""
+    if len(set(holders)) == 1:  # the usual: one host, no per-key pass
+        return {holders[0]: (keys, slots)}
+    reads: dict[str | None, tuple[list[Key], list[int]]] = {}
+    for key, host, slot in zip(keys, holders, slots, strict=True):
+        host_keys, host_slots = reads.setdefault(host, ([], []))
+        host_keys.append(key)
+        host_slots.append(slot)
+    return reads
