@@ -317,7 +317,7 @@ class ArenaBatches:
                 if not room:
                     return len(homes)
                 share = functools.partial(
-                    self._shares.free_share,
+                    self._shares.share,
                     held=held,
                     under_way=self._shares.under_way(seen),
                     several=several,

@@ -95,22 +95,12 @@ class HostShares:
         under_way: Counter[str | None],
         several: bool,
     ) -> int:
-        """The most slots a batch takes from ``host``: those that overdue hosts (``held``) and
-        other hosts' transfers under way (``under_way``) leave, halved if there are
-        ``several`` hosts, at least one."""
+        """The slots a batch may still take from ``host``: those that overdue hosts (``held``)
+        and other hosts' transfers under way (``under_way``) leave, halved if there are
+        ``several`` hosts, at least one, less ``host``'s own transfers under way (none left
+        when that is not above 0)."""
         room = self.room(held) - under_way.total() + under_way[host]
-        return max(1, room // 2 if several else room)
-
-    def free_share(
-        self,
-        host: str | None,
-        held: Counter[str | None],
-        under_way: Counter[str | None],
-        several: bool,
-    ) -> int:
-        """What :meth:`share` leaves to ``host``'s next transfers: less its transfers under
-        way."""
-        return self.share(host, held, under_way, several) - under_way[host]
+        return max(1, room // 2 if several else room) - under_way[host]
 
 
 def fitting(
