@@ -246,6 +246,26 @@ def test_a_host_that_joins_as_an_offload_runs_takes_at_most_its_share() -> None:
     assert tier.arena.num_free == 4
 
 
+def test_an_offload_whose_hosts_change_at_every_look_ends_at_its_deadline() -> None:
+    # An offload sizes a batch again when the hosts changed as it waited for slots; hosts that
+    # change at every look (a host joining and leaving again and again) must not keep it
+    # going past its deadline: then the batch is stored as sized.
+    looks = iter(range(10**9))
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    tier.peers = lambda: ["a", "b"][: 1 + next(looks) % 2]  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    parts: list[tuple[list[Key], Future[TransferResult]]] = []
+    offload = threading.Thread(
+        target=lambda: parts.extend(arena.store_all({b"k": 0}, time.monotonic() + 0.2)),
+        daemon=True,
+    )
+    offload.start()
+    offload.join(timeout=10.0)
+    assert not offload.is_alive(), "the offload went on past its deadline"
+    assert failures(parts) == {}
+    assert tier.arena.num_free == 4
+
+
 def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_looks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

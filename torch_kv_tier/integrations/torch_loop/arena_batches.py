@@ -139,9 +139,10 @@ class ArenaBatches:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
         under ``keys``, one store per host (``homes``: each key's among ``peers``; ``None``,
         nothing sent and the slots back, if the tier's hosts are others once the slots came
-        and the pages were copied: the batch was sized for them), whose slots come back when
-        it resolved (overdue once under way for the timeout: however late in its offload it
-        started, a healthy host's store is not); the pages may change once this returns.
+        and the pages were copied, before ``deadline``: the batch was sized for them), whose
+        slots come back when it resolved (overdue once under way for the timeout: however late
+        in its offload it started, a healthy host's store is not); the pages may change once
+        this returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), and so does a ``KeyboardInterrupt`` in the tier's store (the slots of what it
@@ -154,7 +155,7 @@ class ArenaBatches:
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
             self._release(slots)
             raise
-        if self._manager.peers() != peers:
+        if self._manager.peers() != peers and time.monotonic() < deadline:
             self._release(slots)
             return None
         stores: list[Batch] = []
