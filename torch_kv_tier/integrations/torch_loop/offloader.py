@@ -280,8 +280,9 @@ class PagedKVOffloader:
         all: pages that find no free slot by then fail with "capacity" at once. With several
         hosts, the stores under way to one host hold at most half the arena (at least one
         slot; less while other hosts hold slots past the timeout), and the pages of a host
-        whose stores or reads are past the timeout fail at once with "host overdue" until
-        they end, so that a frozen host cannot take the slots the other hosts' pages need.
+        with a store or read under way for longer than ``timeout`` fail at once with "host
+        overdue" until it ends, so that a frozen host cannot take the slots the other hosts'
+        pages need. A host that joins or leaves meanwhile takes effect from the next batch.
         """
         keys, pages = self._check_args(keys, page_ids, "offload")
         started = time.perf_counter()
@@ -300,10 +301,10 @@ class PagedKVOffloader:
         returned count; later pages are untouched. A missing, slow (over ``timeout``) or failed
         remote shortens the prefix, down to 0, instead of raising (``strict`` raises
         ``OffloadError`` when a key that ``lookup`` reported stored fails to load); a host
-        whose reads timed out is not read from again until they end (its keys end the prefix
-        at once; so are those of a host whose stores are past the timeout), and with several
-        hosts holds meanwhile at most half the arena slots that other such hosts leave (at
-        least one slot). Raises ``ValueError`` for bad arguments.
+        with a read or store under way for longer than ``timeout`` is not read from again
+        until it ends (its keys end the prefix at once), and with several hosts holds
+        meanwhile at most half the arena slots that other such hosts leave (at least one
+        slot). Raises ``ValueError`` for bad arguments.
         A failed copy into the cache (out of memory, say) raises ``OffloadError`` in either
         mode, naming the pages written before it and those it may have partly written.
         """
