@@ -591,6 +591,8 @@ def test_membership_needs_a_positive_finite_interval(interval_s: float) -> None:
         ({"timout_s": 5.0}, TypeError, "timout_s"),
         ({"slots": 8}, ValueError, "private=True"),
         ({"token": ""}, ValueError, "token is empty"),
+        ({"timeout_s": "5"}, TypeError, r"timeout_s must be a number of seconds.*'5'"),
+        ({"heartbeat_timeout_s": 0.0}, ValueError, "heartbeat_timeout_s must be > 0"),
     ],
 )
 def test_connect_kwargs_no_host_could_accept_are_refused_at_once(
@@ -1534,6 +1536,26 @@ def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> No
         with pytest.raises(ValueError, match="timeout_s must be > 0"):
             tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), timeout_s=timeout_s)
         assert tier.cancel_dial("127.0.0.1:1") is False
+
+
+@pytest.mark.parametrize("name", ["timeout_s", "heartbeat_timeout_s"])
+@pytest.mark.parametrize("value", ["5", None, True])
+def test_a_timeout_that_is_no_number_is_refused_before_anything_is_dialled(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: object
+) -> None:
+    """Found by review: ``connect``/``dial_later`` with ``timeout_s="5"`` (read from a config
+    file, say) raised ``TypeError: '<' not supported between instances of 'int' and 'str'``,
+    naming no argument, and ``timeout_s=True`` dialled with a 1 s timeout (``dial_later``
+    took it silently). Each is refused first, naming the argument and what to pass."""
+    with TierManager.create(4, BLOCK_LEN, name="timeout-type") as tier:
+        opened: list[object] = []
+        monkeypatch.setattr(tier, "_open", lambda dial, *_args, **_kw: opened.append(dial))
+        match = rf"{name} must be a number of seconds.*got {value!r}.*pass e\.g\. {name}=10\.0"
+        with pytest.raises(TypeError, match=match):
+            tier.connect("127.0.0.1:1", redial_if_down=True, **{name: value})
+        with pytest.raises(TypeError, match=match):
+            tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), **{name: value})
+        assert opened == [] and not tier._pending
 
 
 def test_an_unhashable_dial_owner_is_refused_before_anything_is_dialled(

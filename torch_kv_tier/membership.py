@@ -44,7 +44,7 @@ from torch_kv_tier.host_sources import (
     source_scheme,
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.handshake import check_connect_args
+from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts
 
 __all__ = [
     "SOURCE_FORMS",
@@ -79,8 +79,9 @@ class Tier(Protocol):
 
 
 def _check_connect_kwargs(tier: Tier, kwargs: dict[str, Any]) -> None:
-    """``TypeError`` for ``kwargs`` that ``tier.connect`` does not take, ``ValueError`` for
-    values no host could accept (``handshake.check_connect_args``)."""
+    """``TypeError`` for ``kwargs`` that ``tier.connect`` does not take (or a timeout that is
+    no number), ``ValueError`` for values no host could accept (``handshake.check_connect_args``
+    and ``check_timeouts``)."""
     try:
         inspect.signature(tier.connect).bind("host:1", **kwargs)
     except TypeError as exc:
@@ -88,6 +89,7 @@ def _check_connect_kwargs(tier: Tier, kwargs: dict[str, Any]) -> None:
     check_connect_args(
         "host:1", kwargs.get("slots"), bool(kwargs.get("private", False)), kwargs.get("token")
     )
+    check_timeouts(**{k: v for k, v in kwargs.items() if k in ("timeout_s", "heartbeat_timeout_s")})
 
 
 class Membership:
