@@ -26,7 +26,6 @@ from torch_kv_tier.connections import (
     EitherSet,
     EndedSessions,
     Joining,
-    twin_problem,
 )
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
@@ -366,3 +365,24 @@ class ConnectedHosts(LostHosts):
 def _region(session: Any) -> tuple[bytes, int, int, int]:
     """A session's host region: its agent metadata, base address, blocks and block length."""
     return session.agent_metadata, session.base_addr, session.num_blocks, session.block_len
+
+
+def twin_problem(address: str, peer_id: str, twin: str) -> str:
+    """Why a connect of ``address`` reached another process than the host ``peer_id``
+    connected at ``twin``: at the same address it restarted, which the tier has not noticed
+    yet; elsewhere it may also be two hosts with one ``--host-id``."""
+    noticed = (
+        "this tier drops the old session within its heartbeat timeout (connect's "
+        f"heartbeat_timeout_s) and dials {twin} again by itself"
+    )
+    if twin == address:
+        return (
+            f"the host {peer_id!r} at {address} restarted (another process answers there) and "
+            f"this tier has not noticed yet: {noticed}; connect again after that"
+        )
+    return (
+        f"the host at {address} calls itself {peer_id!r}, as does the host connected at "
+        f"{twin}, another process: give each host its own --host-id (by default it is the "
+        f"address the host listens on); or, if the host at {twin} restarted and answers here "
+        f"now, {noticed}"
+    )
