@@ -5,6 +5,7 @@ and hosts that must be dialled again whenever their session is lost."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from remote_support import BLOCK_LEN, wait_for
+import zmq
+from remote_support import BLOCK_LEN, free_port, wait_for
 from test_index import LateWriteTransport, late_write_tier
 
 from torch_kv_tier import connections, session_releases
@@ -24,10 +26,13 @@ from torch_kv_tier.manager import TierManager
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Request
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.greeting import Greeting
 from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.shared_host import MAX_PROMOTING, SharedHost
 
 RESULT_TIMEOUT_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class _SharedSession:
@@ -492,7 +497,7 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
     next ``start``, and ``stop`` ends as it does."""
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)  # every host due at once
     monkeypatch.setattr(connections, "MAX_CONNECTS", 1)
-    monkeypatch.setattr(connections, "answering", lambda addresses, *_: range(len(addresses)))
+    monkeypatch.setattr(Greeting, "add", lambda *_: False)  # each host then tried, as answering
     start = threading.Thread.start
     refused: list[str] = []
 
@@ -592,3 +597,74 @@ def test_a_session_the_tier_ends_unused_keeps_the_releases_it_carried(
             assert tier._peers["host-1"].session.told == [["sid-a", "sid-b"]]  # type: ignore[union-attr]
         else:
             assert tier._ended.resolved == {"host-1:1": ["sid-a", "sid-b"]}, tier._ended.resolved
+
+
+class _AnsweringHost:
+    """A ZeroMQ ROUTER on 127.0.0.1 that answers every frame it gets (any answer is one, for a
+    greeting): a host that is back. Close with ``close``."""
+
+    def __init__(self) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"127.0.0.1:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._answer, daemon=True)
+        self._thread.start()
+
+    def _answer(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(10, zmq.POLLIN):
+                self._sock.send_multipart(self._sock.recv_multipart())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=RESULT_TIMEOUT_S)
+        self._sock.close()
+
+
+def test_a_host_due_while_silent_hosts_are_greeted_is_greeted_and_tried_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: more hosts falling due than tries may start while a greeting ran (a
+    second rack lost, say) waited for that whole greeting to end, up to its longest timeout, a
+    host among them that is back too: they were greeted only in the next round. They join the
+    greeting under way now, each answer tried at once, while the silent hosts greeted before
+    them still await their own timeout."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 4)
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)  # each host due once lost
+    timeout_s = 30.0  # (the greeting's: each silent host's wait, unless stopped)
+    silent = [
+        Dial(f"127.0.0.1:{free_port()}", None, False, None, timeout_s, 1.0) for _ in range(48)
+    ]
+    back = _AnsweringHost()
+    spec = Dial(back.address, None, False, None, timeout_s, 1.0)
+    greeted_at_dial: list[bool] = []
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            if dial is spec:
+                with redialer._lock:
+                    greeted_at_dial.append(set(silent[:40]) <= redialer._greeting)
+            raise ConnectionError("not a host (a test)")
+
+        def wanted(self, dial: Dial) -> bool:
+            return dial is not spec or not greeted_at_dial
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    try:
+        with redialer._lock:  # 40 silent hosts lost at once: greeted
+            for lost in silent[:40]:
+                redialer.start(lost)
+        assert wait_for(lambda: set(silent[:40]) <= redialer._greeting, RESULT_TIMEOUT_S)
+        began = time.monotonic()
+        with redialer._lock:  # 9 more lost, more than tries may start: one of them is back
+            for lost in [*silent[40:], spec]:
+                redialer.start(lost)
+        assert wait_for(lambda: bool(greeted_at_dial), RESULT_TIMEOUT_S), "never tried"
+        logger.info("the host back was tried %.3f s after it fell due", time.monotonic() - began)
+        assert greeted_at_dial == [True], "tried only once the silent hosts' greeting ended"
+    finally:
+        redialer.stop(timeout=5.0)
+        back.close()

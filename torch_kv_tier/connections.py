@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch_kv_tier.remote.handshake import answering, no_answer
+from torch_kv_tier.remote.greeting import Greeting
+from torch_kv_tier.remote.handshake import CANCEL_POLL_S, no_answer
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +161,11 @@ class Redialer:
     so that hosts are dialled side by side: a host that does not answer holds up no other.
 
     At most ``MAX_CONNECTS`` tries run at once (200 hosts lost at once made 200 threads, each
-    handshaking). When more hosts are due than tries may start, one more thread first greets
-    them all at once (``handshake.answering``, up to their longest ``timeout_s``): those that
-    answer are tried first, as tries end; those that do not fail that round with
-    ``TimeoutError`` (their next try after their backoff) and hold no try. So a host that is
-    back waits for no silent host's timeout, at most for one greeting's.
+    handshaking). When more hosts are due than tries may start, one more thread greets them
+    (``greeting.Greeting``, each within its ``timeout_s``), and those falling due while it
+    runs join it: those that answer are tried first, as tries end; those that do not fail
+    that round with ``TimeoutError`` (their next try after their backoff) and hold no try. So
+    a host that is back waits for no other host's timeout.
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). A failure
@@ -186,7 +187,8 @@ class Redialer:
         # hosts being tried that were lost again meanwhile (``start``): their try, which may
         # have seen them joined, must not forget them
         self._lost_again: set[Dial] = set()
-        self._greeting: set[Dial] = set()  # hosts the greeter awaits the answer of
+        self._greeting: set[Dial] = set()  # hosts handed to the greeter, not answered yet
+        self._to_greet: list[Dial] = []  # those of them it has not greeted yet
         self._answered: list[Dial] = []  # hosts that answered it, to be tried first
         self._greeter: threading.Thread | None = None
         self._thread: threading.Thread | None = None
@@ -246,13 +248,8 @@ class Redialer:
                 ready, self._answered = self._answered[:free], self._answered[free:]
                 if len(due) <= free - len(ready):
                     ready += due
-                elif self._greeter is None:
-                    greeter = threading.Thread(
-                        target=self._greet, args=(due,), name=REDIAL_THREAD, daemon=True
-                    )
-                    if self._started(greeter, due):
-                        self._greeter = greeter
-                        self._greeting.update(due)
+                else:
+                    self._hand_to_greeter(due)
                 for spec in ready:
                     thread = threading.Thread(
                         target=self._try_once, args=(spec,), name=REDIAL_THREAD, daemon=True
@@ -276,34 +273,70 @@ class Redialer:
             return False
         return True
 
-    def _greet(self, specs: list[Dial]) -> None:
-        """The greeter's thread: each of ``specs`` that answers a ``Hello`` is tried next, as
-        it answers; each that does not fails this round (``TimeoutError``), its next try due
-        after its backoff before it is let go (else ``_run`` would take it for due still)."""
-        timeout_s = max(spec.timeout_s for spec in specs)
-        failed: Exception | None = None
+    def _hand_to_greeter(self, due: list[Dial]) -> None:
+        """Have ``due`` greeted (under the lock): by the greeter running, else a new one."""
+        if self._greeter is None:
+            greeter = threading.Thread(target=self._greet, name=REDIAL_THREAD, daemon=True)
+            if not self._started(greeter, due):
+                return
+            self._greeter = greeter
+        self._greeting.update(due)
+        self._to_greet += due
+
+    def _greet(self) -> None:
+        """The greeter's thread: greets the hosts handed to it as they come (``Greeting``),
+        each within its own ``timeout_s``, until it awaits none. Each that answers is tried
+        next, as it answers; each that does not fails its round (``TimeoutError``)."""
+        greeting: Greeting[Dial] = Greeting()
         try:
-            try:
-                for i in answering([s.address for s in specs], timeout_s, self._stop.is_set):
-                    with self._lock:
-                        self._greeting.discard(specs[i])
-                        self._answered.append(specs[i])
-                        self._lock.notify()
-            except Exception as exc:  # (no socket left, say): each host left fails this round
-                failed = exc
-            with self._lock:
-                silent = [spec for spec in specs if spec in self._greeting]
-            wanted = self._wanted()
-            for spec in silent:
-                why = failed or no_answer(spec.address, timeout_s)
-                if wanted is None or not self._again_unless_unwanted(spec, why, wanted):
-                    self._forget(spec)
-            del wanted
+            while self._take_greetings(greeting):
+                heard, silent = greeting.wait(CANCEL_POLL_S)
+                self._answer(heard)
+                for spec in silent:
+                    self._fail_round(spec, no_answer(spec.address, spec.timeout_s))
         finally:
             with self._lock:
+                if self._greeter is threading.current_thread():  # (ended by an exception)
+                    self._greeter_ends(greeting.keys())
+            greeting.close()
+
+    def _take_greetings(self, greeting: Greeting[Dial]) -> bool:
+        """Greet the hosts handed to the greeter since it last looked; ``False`` (the greeter
+        ends) once it awaits none, or the redialer stopped. One that cannot be greeted (a bad
+        address, no socket left) is tried all the same: its handshake says why."""
+        with self._lock:
+            new, self._to_greet = self._to_greet, []
+            if self._stop.is_set() or not (new or greeting):
+                self._greeter_ends([*new, *greeting.keys()])
+                return False
+        self._answer([spec for spec in new if not greeting.add(spec, spec.address, spec.timeout_s)])
+        return True
+
+    def _greeter_ends(self, awaited: list[Dial]) -> None:
+        """The greeter's thread ends (under the lock); ``awaited``, and the hosts handed to it
+        that it did not take yet, are not greeted any more (due, unless stopped)."""
+        self._greeting.difference_update([*awaited, *self._to_greet])
+        self._to_greet = []
+        self._greeter = None
+        self._lock.notify()
+
+    def _answer(self, specs: list[Dial]) -> None:
+        """``specs`` answered their greeting: tried next."""
+        if specs:
+            with self._lock:
                 self._greeting.difference_update(specs)
-                self._greeter = None
+                self._answered += specs
                 self._lock.notify()
+
+    def _fail_round(self, spec: Dial, why: Exception) -> None:
+        """``spec`` did not answer its greeting (``why``): its next try is due after its
+        backoff (or it is forgotten, no longer wanted), before it is let go (else ``_run``
+        would take it for due still)."""
+        wanted = self._wanted()
+        if wanted is None or not self._again_unless_unwanted(spec, why, wanted):
+            self._forget(spec)
+        with self._lock:
+            self._greeting.discard(spec)
 
     def _try_once(self, spec: Dial) -> None:
         """A try's thread: ``_try``, then ``spec`` may be tried again."""

@@ -34,7 +34,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
-from torch_kv_tier.remote.handshake import MAX_WAIT_S, answering, no_answer
+from torch_kv_tier.remote.greeting import answering
+from torch_kv_tier.remote.handshake import MAX_WAIT_S, no_answer
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier

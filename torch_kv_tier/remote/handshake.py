@@ -23,7 +23,6 @@ import numbers
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import zmq
@@ -287,42 +286,6 @@ def _greet(
         sock.send(p.encode(p.Disconnect(3, accept.session_id, clean=True)))
         raise HandshakeRejected(address, "server did not prove it knows the token")
     return accept
-
-
-def answering(
-    addresses: Sequence[str], timeout_s: float, closed: Callable[[], bool]
-) -> Iterator[int]:
-    """The index of each of ``addresses`` whose host answers a ``Hello`` within ``timeout_s``
-    (any answer: a refusal is its handshake's to report), as it answers, or that could not be
-    greeted (its handshake says why); stops early once ``closed()``. Every socket it made is
-    closed when it returns."""
-    sockets: dict[zmq.Socket[bytes], int] = {}
-    poller = zmq.Poller()
-    try:
-        for i, address in enumerate(addresses):
-            try:
-                sock, endpoint = dealer(address)
-            except (ValueError, zmq.ZMQError):
-                yield i
-                continue
-            try:
-                sock.connect(endpoint)
-                say_hello(sock, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                yield i
-                continue
-            sockets[sock] = i
-            poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while sockets and (left := deadline - time.monotonic()) > 0 and not closed():
-            for sock, _ in poller.poll(math.ceil(min(left, CANCEL_POLL_S) * 1e3)):
-                poller.unregister(sock)
-                sock.close(linger=0)
-                yield sockets.pop(sock)
-    finally:
-        for sock in sockets:
-            sock.close(linger=0)
 
 
 def no_answer(address: str, timeout_s: float | None = None) -> TimeoutError:
