@@ -531,6 +531,40 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
         redialer.stop(timeout=5.0)
 
 
+def test_a_redialer_whose_thread_could_not_start_is_started_by_the_poller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a redialer whose thread could not start (the process at its thread
+    limit) at the tier's first connect, nor at the loss of a host, was started only by the next
+    connect or loss: the lost host was not dialled again until then, however long that took.
+    The tier's poller starts it (it looks about once a second)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
+    with _tier() as (tier, _):
+        dialled = threading.Event()
+
+        def down(self: TierManager, dial: Dial, release: list[str], private: bool) -> Any:
+            dialled.set()
+            raise TimeoutError("down (a test)")
+
+        monkeypatch.setattr(TierManager, "_open", down)
+        start, refused = threading.Thread.start, []
+
+        def refuse_twice(thread: threading.Thread) -> None:
+            if getattr(thread, "_target", None) == tier._redialer._run and len(refused) < 2:
+                refused.append(thread)
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse_twice)
+        tier._redialer.arm()  # as the host's connect does: refused
+        dial = Dial("h:1", None, False, None, 1.0, 1.0)
+        with tier._lock:
+            tier._dials["h"] = dial  # the host was connected, then lost
+            tier._redialer.start(dial)  # as its loss does: refused again
+        assert len(refused) == 2
+        assert dialled.wait(RESULT_TIMEOUT_S), "the lost host is not dialled again"
+
+
 def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -197,7 +197,7 @@ class Redialer:
         """Start the thread (idempotent). The tier arms it when it connects its first host, so
         that the thread runs from then until the tier closes, whether or not it loses a host.
         One that cannot start (the process at its thread limit) is logged; the next ``arm``
-        or ``start`` starts it (the hosts due meanwhile wait for it)."""
+        (the tier's poller arms it about once a second) or ``start`` starts it."""
         with self._lock:
             if self._thread is None and not self._stop.is_set():
                 thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)

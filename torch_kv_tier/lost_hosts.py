@@ -66,6 +66,14 @@ class LostHosts(SessionReleases):
             self._lose_peer(peer_id, f"lost its session ({peer.session.lost})")
         self._flush()
 
+    def _rearm_redialer(self) -> None:
+        """The poller's look while it reports usage (about once a second): a redialer whose
+        thread could not start (the process at its thread limit) is started once there is a
+        host to dial (connected, lost, or down at its connect), not only by the next connect
+        or loss."""
+        if self._dials or self._pending:
+            self._redialer.arm()
+
     def _redial(self, dial: Dial) -> None:
         """The redialer's ``dial`` (unlocked): connect a lost host again. ``ConnectionError``
         when it is no longer wanted (removed, connected by another call, the tier closed); a

@@ -82,6 +82,7 @@ class Transfers(Finishes):
         def _send_releases(self, address: str) -> None: ...
         def _close_session(self, session: Any, clean: bool) -> None: ...
         def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
+        def _rearm_redialer(self) -> None: ...
 
     # -- background thread --------------------------------------------------------------------
 
@@ -103,10 +104,12 @@ class Transfers(Finishes):
                     self._fail_parked(self._promotions.take_expired(time.monotonic()), MISSING)
                 while not self._ops and not self._stopping and not self._ready:
                     self._poller_idle = True
-                    # idle: report the last bytes moved; look at promotions' deadlines after
-                    # every wake-up (each load that parks wakes it)
+                    # idle: report the last bytes moved (and start a redialer that could not
+                    # start); look at promotions' deadlines after every wake-up (each load
+                    # that parks wakes it)
                     if not self._cond.wait(timeout=0.1 if self._promotions else 1.0):
                         self._report_usage(time.perf_counter())
+                        self._rearm_redialer()
                     if self._promotions:
                         now = time.monotonic()
                         self._fail_parked(self._promotions.take_expired(now), MISSING)
@@ -252,6 +255,7 @@ class Transfers(Finishes):
                 self._submit(peer.queue.popleft())
         if now >= self._usage_due:
             self._report_usage(now)
+            self._rearm_redialer()
 
     def _take(self, tid: int, now: float, freed: list[Peer], *, failed: bool) -> Op | None:
         """The op of a transfer the transport reported, off the in-flight table; ``None`` when
