@@ -1527,6 +1527,27 @@ def test_a_dial_cancelled_during_its_handshake_with_a_silent_host_ends_its_try_a
         wait_until(lambda: not tier._redialer._trying, "the try ends (its timeout is 60 s)")
 
 
+def test_a_dial_cancelled_while_it_is_greeted_is_let_go_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``cancel_dial`` of hosts the redialer was greeting (more were due than
+    it may try at once) left them greeted until their ``timeout_s`` (up to 1e6 s), each with
+    its socket, and the greeter's thread running for them. They are let go at once, and the
+    greeter ends with nobody left to greet."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 0)  # no try free: each host greeted
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
+    down = [f"127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens: never answer
+    with TierManager.create(4, BLOCK_LEN, name="cancel-greeted") as tier:
+        redialer = tier._redialer
+        for address in down:
+            tier.dial_later(address, TimeoutError("down (a test)"), timeout_s=600.0)
+        wait_until(lambda: len(redialer._greeting) == 2, "both hosts are greeted")
+        for address in down:
+            assert tier.cancel_dial(address)
+        wait_until(lambda: not redialer._greeting and not redialer._due, "the hosts let go")
+        wait_until(lambda: redialer._greeter is None, "the greeter ends")
+
+
 @pytest.mark.parametrize("timeout_s", [math.inf, math.nan, -1.0])
 def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> None:
     """``dial_later`` took any ``timeout_s``: the redialer then tried the host for good, each

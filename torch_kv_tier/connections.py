@@ -286,7 +286,8 @@ class Redialer:
     def _greet(self) -> None:
         """The greeter's thread: greets the hosts handed to it as they come (``Greeting``),
         each within its own ``timeout_s``, until it awaits none. Each that answers is tried
-        next, as it answers; each that does not fails its round (``TimeoutError``)."""
+        next, as it answers; each that does not fails its round (``TimeoutError``); each the
+        user stopped dialling (``Dial.stopped``) is let go at once."""
         greeting: Greeting[Dial] = Greeting()
         try:
             while self._take_greetings(greeting):
@@ -294,6 +295,8 @@ class Redialer:
                 self._answer(heard)
                 for spec in silent:
                     self._fail_round(spec, no_answer(spec.address, spec.timeout_s))
+                for spec in greeting.drop(lambda spec: spec.stopped.is_set()):
+                    self._fail_round(spec, ConnectionError("cancelled while it was greeted"))
         finally:
             with self._lock:
                 if self._greeter is threading.current_thread():  # (ended by an exception)
@@ -322,7 +325,7 @@ class Redialer:
 
     def _answer(self, specs: list[Dial]) -> None:
         """``specs`` answered their greeting: tried next."""
-        if specs:
+        if specs:  # (else no wake-up of ``_run``: the greeter looks 20 times a second)
             with self._lock:
                 self._greeting.difference_update(specs)
                 self._answered += specs

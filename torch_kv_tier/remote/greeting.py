@@ -76,6 +76,10 @@ class Greeting(Generic[K]):
         late = [sock for sock, (_, deadline) in self._greeted.items() if deadline <= now]
         return answered, [self._let_go(sock) for sock in late]
 
+    def drop(self, gone: Callable[[K], bool]) -> list[K]:
+        """Stop awaiting the hosts whose key is ``gone``; returns their keys."""
+        return [self._let_go(s) for s, (key, _) in list(self._greeted.items()) if gone(key)]
+
     def close(self) -> None:
         """Close the sockets of the hosts still awaited (idempotent)."""
         for sock in self._greeted:
