@@ -532,12 +532,14 @@ def test_a_redial_thread_that_cannot_start_is_tried_again_later(
 
 
 def test_a_redialer_whose_thread_could_not_start_is_started_by_the_poller(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found by review: a redialer whose thread could not start (the process at its thread
     limit) at the tier's first connect, nor at the loss of a host, was started only by the next
     connect or loss: the lost host was not dialled again until then, however long that took.
-    The tier's poller starts it (it looks about once a second)."""
+    The tier's poller starts it (it looks about once a second), warning once, not at each
+    look."""
+    caplog.set_level(logging.DEBUG, logger=connections.__name__)
     monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
     with _tier() as (tier, _):
         dialled = threading.Event()
@@ -563,6 +565,8 @@ def test_a_redialer_whose_thread_could_not_start_is_started_by_the_poller(
             tier._redialer.start(dial)  # as its loss does: refused again
         assert len(refused) == 2
         assert dialled.wait(RESULT_TIMEOUT_S), "the lost host is not dialled again"
+    warned = [r for r in caplog.records if "could not start the thread re-dial" in r.message]
+    assert [r.levelno for r in warned] == [logging.WARNING, logging.DEBUG]
 
 
 def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(

@@ -192,19 +192,24 @@ class Redialer:
         self._answered: list[Dial] = []  # hosts that answered it, to be tried first
         self._greeter: threading.Thread | None = None
         self._thread: threading.Thread | None = None
+        self._unarmed = False  # whether the thread could not start (logged as a warning)
 
     def arm(self) -> None:
         """Start the thread (idempotent). The tier arms it when it connects its first host, so
         that the thread runs from then until the tier closes, whether or not it loses a host.
-        One that cannot start (the process at its thread limit) is logged; the next ``arm``
-        (the tier's poller arms it about once a second) or ``start`` starts it."""
+        One that cannot start (the process at its thread limit) is logged (a warning once,
+        then at debug); the next ``arm`` (the tier's poller arms it about once a second) or
+        ``start`` starts it."""
         with self._lock:
             if self._thread is None and not self._stop.is_set():
                 thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:
-                    logger.warning("could not start the thread re-dialling lost hosts: %s", exc)
+                    level = logging.DEBUG if self._unarmed else logging.WARNING
+                    self._unarmed = True
+                    msg = "could not start the thread re-dialling lost hosts (tried again): %s"
+                    logger.log(level, msg, exc)
                     return
                 self._thread = thread
 
