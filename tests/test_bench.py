@@ -474,6 +474,73 @@ def test_passive_progress_alternates_the_initiator_it_times_first(
     assert row["initiator_writes_per_s_with_thread"] == 1.0
 
 
+@pytest.mark.timeout(60)
+def test_passive_progress_gives_up_on_a_target_that_stops_answering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A target that never answers a command (stuck, frozen) fails the run with a
+    ``TimeoutError`` saying what it did not send, instead of hanging the benchmark."""
+    from torch_kv_tier.benchmarks import passive_progress
+
+    spawn = passive_progress.mp.get_context("spawn")
+
+    class Deaf:  # the parent's end of the pipe; the target never gets its idle command
+        def __init__(self, conn: Any) -> None:
+            self._conn = conn
+
+        def send(self, obj: Any) -> None:
+            if obj is None:  # the end of the run still reaches it: it exits at once
+                self._conn.send(obj)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._conn, name)
+
+    class Context:
+        Process = spawn.Process
+
+        @staticmethod
+        def Pipe() -> tuple[Any, Any]:  # noqa: N802 (multiprocessing's name)
+            conn, child = spawn.Pipe()
+            return Deaf(conn), child
+
+    monkeypatch.setattr(passive_progress.mp, "get_context", lambda method: Context)
+    monkeypatch.setattr(passive_progress, "ANSWER_MARGIN_S", 0.5, raising=False)
+    with pytest.raises(TimeoutError, match="did not send its idle CPU, no peer within 0.55 s"):
+        passive_progress.measure(None, 0, idle_s=0.05, tries=1, gap_s=0.001)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("outcome", ["failed", "refused"])
+def test_passive_progress_write_rate_fails_on_a_write_that_fails(
+    monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    """A write the transport refuses or fails ends the write-rate measurement with an error,
+    instead of polling forever for a completion that never comes."""
+    import torch_kv_tier.transport as transport
+    from torch_kv_tier.benchmarks import passive_progress
+    from torch_kv_tier.transport.base import PollResult
+
+    class Failing:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def add_remote_peer(self, *args: Any) -> None:
+            pass
+
+        def write_blocks(self, *args: Any) -> int | None:
+            return 7 if outcome == "failed" else None
+
+        def poll(self) -> PollResult:
+            return PollResult(failed=[7])
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(transport, "NixlTransport", Failing)
+    with pytest.raises(RuntimeError, match=f"{'a write' if outcome == 'failed' else 'refused'}"):
+        passive_progress._write_rate(b"", 0, passive=True, seconds=0.1)
+
+
 def test_passive_progress_alternates_which_delay_it_measures_first(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ Run: ``python -m torch_kv_tier.benchmarks.passive_progress [--json out.json]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -37,6 +38,9 @@ from torch_kv_tier.benchmarks.reliability_common import environment
 
 BLOCK = 4096
 NUM_BLOCKS = 256
+START_TIMEOUT_S = 60.0  # the target's spawn, imports and NIXL agent, until its metadata
+ANSWER_MARGIN_S = 30.0  # an idle-CPU answer's wait beyond the window it measures
+WRITE_TIMEOUT_S = 10.0  # one write, posted to done
 
 
 def _target(conn: Connection, env: dict[str, str], delay_us: int) -> None:
@@ -63,32 +67,32 @@ def measure(tls: str | None, delay_us: int, idle_s: float, tries: int, gap_s: fl
     proc = ctx.Process(target=_target, args=(child, env, delay_us), daemon=True)
     with environment(env):  # UCX reads it as agents are created
         proc.start()
+        child.close()  # the target's end: its exit ends this one's wait at once
         t = None
         try:
-            if not conn.poll(60):
-                raise TimeoutError("target did not start within 60 s")
-            metadata, base_addr = conn.recv()
+            metadata, base_addr = _answer(conn, START_TIMEOUT_S, "its agent metadata")
             conn.send(idle_s)
-            idle_alone = conn.recv()
+            idle_alone = _answer(conn, idle_s + ANSWER_MARGIN_S, "its idle CPU, no peer")
             t = NixlTransport(
                 "initiator",
                 torch.ones(NUM_BLOCKS, BLOCK, dtype=torch.uint8),
                 passive_progress=False,
             )
             t.add_remote_peer("target", metadata, base_addr, NUM_BLOCKS, BLOCK)
-            _write_once(t, 0)
+            _write(t, [0])
             conn.send(idle_s)
-            idle_peer = conn.recv()
+            idle_peer = _answer(conn, idle_s + ANSWER_MARGIN_S, "its idle CPU, one peer")
             latencies = []
             for i in range(tries):
                 time.sleep(gap_s)
-                latencies.append(_write_once(t, i % NUM_BLOCKS))
+                latencies.append(_write(t, [i % NUM_BLOCKS]))
             rates: dict[bool, list[float]] = {True: [], False: []}
             for r in range(3):
                 for passive in (True, False) if r % 2 == 0 else (False, True):
                     rates[passive].append(_write_rate(metadata, base_addr, passive))
-            conn.send(None)
         finally:
+            with contextlib.suppress(OSError):  # (it exited) a target that still reads ends
+                conn.send(None)
             if t is not None:
                 t.close()
             proc.join(timeout=10)
@@ -120,22 +124,45 @@ def _write_rate(metadata: bytes, base_addr: int, passive: bool, seconds: float =
         blocks = list(range(64))
         n, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            tid = t.write_blocks("target", blocks, blocks)
-            while tid not in t.poll().done:
-                pass
+            _write(t, blocks)
             n += 1
         return n / (time.perf_counter() - start)
     finally:
         t.close()
 
 
-def _write_once(t: Any, block: int, timeout_s: float = 10.0) -> float:
+def _answer(conn: Connection, timeout_s: float, what: str) -> Any:
+    """The target's next message, waited for at most ``timeout_s``. Raises ``TimeoutError``
+    (a frozen or stuck target) or ``RuntimeError`` (it exited), naming ``what`` was awaited."""
+    try:
+        if conn.poll(timeout_s):
+            return conn.recv()
+    except EOFError:
+        raise RuntimeError(
+            f"the target exited before sending {what}: see its output above"
+        ) from None
+    raise TimeoutError(
+        f"the target did not send {what} within {timeout_s:g} s (frozen or stuck: see its "
+        "output above); run the benchmark again"
+    )
+
+
+def _write(t: Any, blocks: list[int], timeout_s: float = WRITE_TIMEOUT_S) -> float:
+    """Seconds to write ``blocks`` to the same blocks of the target, polled to done. Raises
+    ``RuntimeError`` when the transport refuses or fails the write, ``TimeoutError`` when it is
+    not done within ``timeout_s``."""
     start = time.perf_counter()
-    tid = t.write_blocks("target", [block], [block])
-    while tid not in t.poll().done:
+    tid = t.write_blocks("target", blocks, blocks)
+    if tid is None:
+        raise RuntimeError("the initiator refused a write to the target: see the log above")
+    while True:
+        result = t.poll()
+        if tid in result.failed:
+            raise RuntimeError("a write to the target failed: see the log above")
+        if tid in result.done:
+            return time.perf_counter() - start
         if time.perf_counter() - start > timeout_s:
             raise TimeoutError(f"write not done within {timeout_s} s: the target does not serve")
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
