@@ -317,7 +317,7 @@ def test_a_registration_that_outlives_the_tiers_wait_is_abandoned(
     """``add_peer`` gave up on a slow NIXL registration with a bare ``TimeoutError`` and left it
     running: it published the peer in the transport later, a registration the tier never knew
     (its remote agent and descriptors held until close). Now the registration is abandoned."""
-    monkeypatch.setattr(connected_hosts, "_REGISTER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connected_hosts, "REGISTER_TIMEOUT_S", 0.5)
     with TierManager.create(8, BLOCK_LEN, name="abandon") as tier:
         transport: Any = tier.transport
         agent = transport._agent

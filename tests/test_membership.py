@@ -705,6 +705,42 @@ def test_many_hosts_dialled_with_a_bad_timeout_each_say_so(
     connects.join(timeout=WAIT_S)
 
 
+@pytest.mark.parametrize("threads", [2, 1])
+def test_a_connect_stuck_past_its_own_timeouts_ends_its_wait_with_timeout_error(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """Found by the waits audit: ``outcomes`` waited for each connect with no bound of its own,
+    so a connect whose thread was stuck (a NIXL call that never returns, past every timeout of
+    the connect's own) stopped a tier's startup, or every membership round, for good. It now
+    yields ``TimeoutError`` for it, and for a connect waiting behind it on the only thread;
+    the other hosts' outcomes are as before."""
+    monkeypatch.setattr(parallel_connects, "longest_connect_s", lambda _timeout_s: 0.5)
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", threads)
+    # past MAX_CONNECTS hosts are greeted first: here every one answers at once
+    monkeypatch.setattr(parallel_connects, "answering", lambda addresses, *_: range(len(addresses)))
+    release = threading.Event()
+
+    class StuckTier(FakeTier):
+        def connect(self, address: str, **kwargs: Any) -> str:
+            if address == "stuck:1":
+                release.wait(WAIT_S)
+            return super().connect(address, **kwargs)
+
+    tier = StuckTier()
+    connects = ParallelConnects(tier, ["stuck:1", "b:2"], {"timeout_s": 1.0})
+    try:
+        outcomes = dict(connects.outcomes())
+    finally:
+        release.set()
+        connects.join(timeout=WAIT_S)
+    assert isinstance(outcomes["stuck:1"], TimeoutError), outcomes
+    assert "stuck" in str(outcomes["stuck:1"])
+    if threads == 2:
+        assert outcomes["b:2"] == "host:b:2"
+    else:  # b:2 waited behind the stuck connect on the one thread
+        assert isinstance(outcomes["b:2"], TimeoutError), outcomes
+
+
 def test_hosts_dialled_side_by_side_join_the_tier_one_at_a_time() -> None:
     """Found by review, once hosts were dialled side by side: their joins overlapped, and a
     shared host's snapshot takes the tier's CPU (seconds at millions of keys), so each join

@@ -35,7 +35,7 @@ from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
 
-_REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
+REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 
 
@@ -317,19 +317,19 @@ class ConnectedHosts(LostHosts):
         """Register a peer's region with the transport (unlocked: seconds for a big region,
         while lookups and transfers go on).
 
-        Raises ``TimeoutError`` when it has not finished within ``_REGISTER_TIMEOUT_S``: it is
+        Raises ``TimeoutError`` when it has not finished within ``REGISTER_TIMEOUT_S``: it is
         then abandoned (removed from the transport, which supersedes it), so that it never
         publishes a peer this tier does not know."""
         future = self.transport.add_remote_peer_async(
             peer_id, agent_metadata, base_addr, num_blocks, block_len
         )
         try:
-            future.result(timeout=_REGISTER_TIMEOUT_S)
+            future.result(timeout=REGISTER_TIMEOUT_S)
         except FutureTimeout:
             self._remove_from_transport(peer_id)
             raise TimeoutError(
                 f"registering {peer_id}'s region with the transport did not finish within "
-                f"{_REGISTER_TIMEOUT_S:g} s; it was abandoned"
+                f"{REGISTER_TIMEOUT_S:g} s; it was abandoned"
             ) from None
 
     def _add_private(

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from torch_kv_tier.connected_hosts import REGISTER_TIMEOUT_S
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
 from torch_kv_tier.remote.greeting import answering
 from torch_kv_tier.remote.handshake import MAX_WAIT_S, no_answer
@@ -41,6 +42,21 @@ if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
 
 logger = logging.getLogger(__name__)
+
+_LOOK_S = 0.5  # how often ``outcomes`` looks whether a connect under way is past its bound
+_MARGIN_S = 30.0  # on top of a connect's own timeouts, before it is called stuck
+
+
+def longest_connect_s(timeout_s: Any) -> float:
+    """How long one ``tier.connect`` may last by its own timeouts: its handshake, its wait for
+    its join's turn and a shared host's snapshot (``timeout_s`` each), a private host's NIXL
+    registration (``REGISTER_TIMEOUT_S``), and a margin. Past that its thread is stuck (a NIXL
+    call that never returns)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        timeout_s = CONNECT_TIMEOUT_S  # (such a connect raises at once)
+    if not 0 < timeout_s <= MAX_WAIT_S:
+        timeout_s = MAX_WAIT_S if timeout_s > 0 else CONNECT_TIMEOUT_S
+    return 3 * timeout_s + REGISTER_TIMEOUT_S + _MARGIN_S
 
 
 class ParallelConnects:
@@ -54,8 +70,10 @@ class ParallelConnects:
         self._addresses = list(addresses)
         self._outcomes: dict[int, str | BaseException] = {}
         self._ended = [threading.Event() for _ in self._addresses]
+        self._started: dict[int, float] = {}  # when each connect under way began
+        self._longest_s = longest_connect_s(connect_kwargs.get("timeout_s", CONNECT_TIMEOUT_S))
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        workers = min(MAX_CONNECTS, len(self._addresses))
+        workers = self._workers = min(MAX_CONNECTS, len(self._addresses))
         self._threads = [
             threading.Thread(target=self._work, name=f"tkvt-connect-{i}", daemon=True)
             for i in range(workers)
@@ -81,6 +99,7 @@ class ParallelConnects:
         """A connect's thread: the connects queued, one after another, until its end."""
         while (i := self._todo.get()) is not None:
             threading.current_thread().name = f"tkvt-connect-{self._addresses[i]}"
+            self._started[i] = time.monotonic()
             try:
                 self._outcomes[i] = self._tier.connect(self._addresses[i], **self._kwargs)
             except BaseException as exc:
@@ -126,13 +145,41 @@ class ParallelConnects:
     def outcomes(self) -> Iterator[tuple[str, str | Exception]]:
         """Each address, in the order given, with its peer id or the exception its connect
         raised; each waits for its connect to end, as long as the connect's own timeouts let it
-        (the handshake's ``timeout_s``). An exception that is not an ``Exception`` is raised."""
+        (``longest_connect_s``): one still under way after that is stuck (a NIXL call that never
+        returned) and yields ``TimeoutError``, its thread left to end on its own (``join`` logs
+        it). An exception that is not an ``Exception`` is raised."""
         for i, address in enumerate(self._addresses):
-            self._ended[i].wait()
-            outcome = self._outcomes[i]
+            outcome = self._wait(i)
+            if outcome is None:
+                yield (
+                    address,
+                    TimeoutError(
+                        f"the connect of {address} did not end within {self._longest_s:g} s, past "
+                        "its own timeouts: its thread is stuck (a NIXL call that never returned?); "
+                        "the tier goes on without it: restart the process if it never joins"
+                    ),
+                )
+                continue
             if not isinstance(outcome, str | Exception):
                 raise outcome
             yield address, outcome
+
+    def _wait(self, i: int) -> str | BaseException | None:
+        """Connect ``i``'s outcome once it ended; ``None`` once it has been under way for longer
+        than its own timeouts allow, or, not begun, once every connect thread is stuck so."""
+        while not self._ended[i].wait(_LOOK_S):
+            late = time.monotonic() - self._longest_s
+            started = self._started.get(i)
+            if started is not None:
+                if started < late:
+                    return None
+            elif self._workers <= sum(
+                1
+                for j, t in list(self._started.items())
+                if t < late and not self._ended[j].is_set()
+            ):
+                return None
+        return self._outcomes[i]
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` s in all for every connect to end; one still running then is
