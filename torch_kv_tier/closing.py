@@ -1,6 +1,7 @@
 """Closing a tier: ``close`` stops accepting work, waits (bounded) for the transfers in flight,
-cancels the rest, ends the sessions and closes the transport; the loads it cancelled settle only
-once the transport can no longer write into their blocks.
+cancels the rest, ends the sessions and closes the transport; the loads it cancelled, and those
+whose failed read might still land (``Transfers._strand``), settle only once the transport can no
+longer write into their blocks.
 
 ``Closing`` is a part of ``TierManager`` (its first base class, beside ``Transfers``,
 ``SharedHosts`` and ``ConnectedHosts``).
@@ -23,7 +24,7 @@ from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
-from torch_kv_tier.results import CLOSED, PEER_LOST
+from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
 from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Closing:
     _redialer: Redialer
     _peers: dict[str, Peer]
     _ops: dict[int, Op]
+    _stray_reads: list[Op]
     _promotions: Promotions
 
     if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
@@ -88,12 +90,16 @@ class Closing:
         self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
-        """``close``'s last step (unlocked): the loads it cancelled settle, now that the
-        transport can no longer write into their blocks."""
+        """``close``'s last step (unlocked): the loads it cancelled, and those whose failed
+        read might still land (``Transfers._strand``), settle, now that the transport can no
+        longer write into their blocks."""
         with self._lock:
             for op in cancelled:
                 if op.kind == "load":
                     self._finish(op, PEER_LOST if op.orphaned else CLOSED)
+            strays, self._stray_reads = self._stray_reads, []
+            for op in strays:
+                self._finish(op, PEER_LOST if op.orphaned else TRANSFER_FAILED)
         self._flush()
 
     def _cancel_all(self, deadline: float) -> list[Op]:

@@ -33,7 +33,9 @@ land: its remote slots stay out of every pool of that peer id here, and its sess
 unclean, so the host holds the session's slots until this tier tells it
 (``connections.EndedSessions``) that the transport reported the last such write. A write that
 failed may land part-way later: its slots and session stay so for good (the host's hold ends
-it).
+it). Likewise a read that failed on a transport whose failures are not final
+(``DataTransport.failures_are_final`` False) may land part-way later: its load resolves only
+when the tier closes, so its blocks are never handed back to a caller meanwhile.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._promotions = Promotions()  # loads waiting for keys on a host's disk
         self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
+        self._stray_reads: list[Op] = []  # failed loads that may still land: settled at close
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
@@ -269,7 +272,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
         A key that is not stored, or whose bytes fail their digest, fails with "missing"; the
         others still load. The future resolves once the transport can no longer write into
-        ``local_idxs``.
+        ``local_idxs``: for a read that failed on a transport whose failures are not final
+        (``DataTransport.failures_are_final`` False), only when the tier closes.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)

@@ -10,7 +10,8 @@ fails is dropped by ``_drop_peer``: its stores settle at once, its loads when th
 reports them (their blocks may still be written until then), and its writes in flight keep
 their slots fenced and its session unclean. A write that failed keeps them so for good: part of
 it may still land (NIXL reports a failure while other parts are in flight), unless the
-transport's failures are final (``DataTransport.failures_are_final``: it fences them first).
+transport's failures are final (``DataTransport.failures_are_final``: it fences them first);
+a read that failed so keeps its load unresolved until the tier closes (``_strand``).
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -66,6 +67,7 @@ class Transfers(Finishes):
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
     _ops: dict[int, Op]
+    _stray_reads: list[Op]
     _ready: list[Request]
     _promotions: Promotions
     _ended: EndedSessions
@@ -219,7 +221,10 @@ class Transfers(Finishes):
             tid = None
         if tid is None:
             self._counters.transfers_failed += 1
-            self._finish(op, TRANSFER_FAILED)
+            if op.kind == "load" and not self.transport.failures_are_final:
+                self._strand(op)  # refused, yet part of it may have been sent
+            else:
+                self._finish(op, TRANSFER_FAILED)
             self._lose_peer(op.peer_id, "refused a transfer")
             return
         op.submitted = time.perf_counter()
@@ -243,7 +248,10 @@ class Transfers(Finishes):
                 continue
             self._counters.transfers_failed += 1
             alive = self._peers.get(op.peer_id) is op.peer
-            self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
+            if op.kind == "load" and not self.transport.failures_are_final:
+                self._strand(op)
+            else:
+                self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
             if alive:
                 lost[op.peer_id] = "failed a transfer"
         for peer_id, cause in faults.items():
@@ -262,12 +270,15 @@ class Transfers(Finishes):
         there is nothing left to do but its aftermath (unknown id, or an op orphaned by its
         peer's drop: a store's slots unfence and its ended session may be released, unless it
         ``failed`` and failures are not final: then part of it may still land; a load's request
-        settles now that nothing lands in its blocks any more)."""
+        settles now that nothing lands in its blocks any more, unless it ``failed`` and
+        failures are not final: ``_strand``)."""
         op = self._ops.pop(tid, None)
         if op is None:
             return None
         if op.orphaned:
-            if op.kind == "load":
+            if op.kind == "load" and failed and not self.transport.failures_are_final:
+                self._strand(op)
+            elif op.kind == "load":
                 self._settle(op, [], PEER_LOST)
             elif failed and not self.transport.failures_are_final:
                 logger.warning(
@@ -284,6 +295,20 @@ class Transfers(Finishes):
         freed.append(op.peer)
         self._counters.latencies_us.append((now - op.submitted) * 1e6)
         return op
+
+    def _strand(self, op: Op) -> None:
+        """A load whose read failed (or was refused) on a transport whose failures are not
+        final: part of it may still land in its blocks, whenever, and nothing will say when it
+        can no longer. Its keys settle only once the transport is released (``close``), so that
+        its caller never reuses those blocks for another load whose verified bytes a stray
+        read would overwrite; its peer is dropped by the caller."""
+        logger.warning(
+            "a read of %d blocks from %s failed and may still land (the transport's failures "
+            "are not final): its load resolves when the tier closes",
+            len(op.keys),
+            op.peer_id,
+        )
+        self._stray_reads.append(op)
 
     def _report_usage(self, now: float) -> None:
         """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
