@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_kv_tier import key_table
+from torch_kv_tier import digest, key_table, keys, slot_maps
+from torch_kv_tier.digest import block_digest
+from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_table import KeyTable
-from torch_kv_tier.keys import key_fingerprint, key_fingerprints
+from torch_kv_tier.keys import Key, key_fingerprint, key_fingerprints
 
 CAPACITY = 1000  # 10 slot bits: fingerprints keep their high 54 bits
 HIGH = ~((1 << 10) - 1) & ((1 << 64) - 1)
@@ -116,3 +120,33 @@ def test_fingerprint_bits_as_the_docs_state(capacity: int, fingerprint_bits: int
     table = KeyTable(capacity)
     assert 64 - bin(table._mask_int).count("1") == fingerprint_bits
     assert table._mask_int > capacity - 1  # the last slot is not the tombstone
+
+
+def test_keys_whose_digest_seeds_agree_are_two_entries_of_a_compact_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a compact copy keyed its table by the digests' own seeds, so two keys
+    whose seeds agree (odds 2**-64 a pair, so keys stored / 2**64 for any key looked up) were
+    one entry: a load of a key never stored read the other's slot and its bytes passed the
+    check, seeded alike (wrong bytes reported ok). Here the seeds of ``asked`` and ``stored``
+    are made to agree; the copy still tells them apart, so ``asked`` is a miss."""
+    stored, asked = b"stored".ljust(32, b"\0"), b"asked".ljust(32, b"\0")
+    seed = key_fingerprint  # the digests' seed (family 0), made to collide for ``asked``
+
+    def colliding(key: Key, family: int = 0) -> int:
+        return seed(stored if key == asked and family == 0 else key, family)
+
+    def colliding_all(keys: Sequence[Key], family: int = 0) -> np.ndarray:
+        return np.array([colliding(k, family) for k in keys], dtype=np.uint64)
+
+    for module in (keys, digest, slot_maps):
+        monkeypatch.setattr(module, "key_fingerprint", colliding, raising=False)
+        monkeypatch.setattr(module, "key_fingerprints", colliding_all, raising=False)
+    block = bytes(range(64))
+    assert block_digest(block, asked) == block_digest(block, stored)  # it would verify
+    index = BlockIndex(compact=True)
+    host = index.add_shared_peer("h", 8)
+    index.apply_host_changes(host, [stored], [3], [block_digest(block, stored)], [], True)
+    index.publish(host, [b"own"], [4], [block_digest(block, b"own")])  # one not yet echoed
+    assert index.lookup([stored]) == 1 and index.lookup([asked]) == 0
+    assert index.locate([asked], [0]) == ({}, [asked])

@@ -3,7 +3,8 @@
 A tier follows the key set of every shared host it uses, so lookups answer with no round trip.
 Held as Python objects that cost ~150 B per key (issue 20): a follower of a 1 TiB host of
 64 KiB blocks would carry GBs. Here a key is one ``uint64`` entry and no Python object: the top
-``64 - slot_bits`` bits of its fingerprint (``keys.key_fingerprints``) over the slot number in
+``64 - slot_bits`` bits of its fingerprint (``keys.key_fingerprints``, of the family
+``slot_maps.TABLE_FAMILY``) over the slot number in
 the low ``slot_bits`` bits, where ``slot_bits`` is what the host's pool needs with all ones to
 spare (a tombstone): 25 bits for 2**24 slots, which leaves a 39-bit fingerprint.
 
@@ -18,9 +19,9 @@ hold at most ``1/32`` more entries than live keys, tombstones included.
 No keys are kept, so two keys whose fingerprints agree are one group: a lookup of either
 answers the slot of the first, and removing either removes both. Neither costs wrong bytes: a
 load checks the bytes it read against the slot's digest, seeded with the key it asked for
-(``digest``), so a read of the other key's slot is a miss. At 16 M keys and 39-bit fingerprints
-that is about 250 colliding pairs, and a lookup of an absent key answers "stored" with odds of
-1 in 32,000.
+(``digest``) by a fingerprint of another family, so a read of the other key's slot is a miss.
+At 16 M keys and 39-bit fingerprints that is about 250 colliding pairs, and a lookup of an
+absent key answers "stored" with odds of 1 in 32,000.
 
 Threading: none; the owner serialises every call (``index.BlockIndex``, under the tier's lock).
 """

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import zlib
 from collections.abc import Collection, Iterable, Sequence
+from itertools import repeat
 from typing import Union, cast
 
 import numpy as np
@@ -178,23 +179,29 @@ def key_hash(key: Key) -> int:
     return zlib.crc32((key & _MASK64).to_bytes(8, "little"), key >> 64 & 0xFFFFFFFF)
 
 
-def key_fingerprints(keys: Sequence[Key]) -> np.ndarray:
+def key_fingerprints(keys: Sequence[Key], family: int = 0) -> np.ndarray:
     """A stable 64-bit fingerprint of each key (``uint64``): xxh3-64 of its bytes, seeded by its
     type, so ``b"a"``, ``"a"`` and an int never share one by construction. The same in every
-    process. One C-level pass for the usual all-``bytes`` keys (vLLM's block hashes)."""
+    process. One C-level pass for the usual all-``bytes`` keys (vLLM's block hashes).
+
+    ``family`` (a multiple of 4) picks fingerprints independent of the default ones (family 0,
+    the seeds of the block digests, ``digest``): a table keyed by another family does not
+    conflate two keys whose digest seeds agree (``slot_maps.CompactSlots``)."""
     n = len(keys)
     if set(map(type, keys)) <= {bytes}:
-        return np.fromiter(map(_xxh3, cast("Sequence[bytes]", keys)), np.uint64, n)
-    return np.fromiter(map(key_fingerprint, keys), np.uint64, n)
+        return np.fromiter(
+            map(_xxh3, cast("Sequence[bytes]", keys), repeat(family, n)), np.uint64, n
+        )
+    return np.fromiter(map(key_fingerprint, keys, repeat(family, n)), np.uint64, n)
 
 
-def key_fingerprint(key: Key) -> int:
+def key_fingerprint(key: Key, family: int = 0) -> int:
     """``key_fingerprints`` of one key."""
     if isinstance(key, bytes):
-        return _xxh3(key)
+        return _xxh3(key, family)
     if isinstance(key, str):
-        return _xxh3(key.encode(), 1)
-    return _xxh3((key & _MASK64).to_bytes(8, "little"), 2 + (key >> 64 & 1))
+        return _xxh3(key.encode(), family + 1)
+    return _xxh3((key & _MASK64).to_bytes(8, "little"), family + 2 + (key >> 64 & 1))
 
 
 _xxh3 = xxhash.xxh3_64_intdigest

@@ -13,7 +13,11 @@ Two implementations of one interface, chosen per host by ``index.BlockIndex``:
 A lookup of either may answer a slot whose key changed meanwhile (a stale copy) and
 ``CompactSlots`` may answer the slot of a key with the same fingerprint: both cost a miss,
 never wrong bytes, because a load checks the bytes it read against the slot's digest seeded with
-the key it asked for (``digest``).
+the key it asked for (``digest``). ``CompactSlots`` keys its table by fingerprints of another
+family (``TABLE_FAMILY``) than the digests' seeds: with the same family, two keys whose seeds
+agree would be one entry there, and a load of either would read the other's bytes and pass its
+check (odds of a stored key's seed for any key looked up: keys stored / 2**64, rather than
+about 2**-128 with two independent families).
 
 Threading: none; the owner (``BlockIndex``, under the tier's lock) serialises every call.
 """
@@ -29,6 +33,13 @@ import numpy as np
 from torch_kv_tier.key_table import KeyTable
 from torch_kv_tier.keys import Key, key_fingerprint, key_fingerprints
 from torch_kv_tier.remote.protocol import ON_DISK
+
+TABLE_FAMILY = 4  # ``CompactSlots``' fingerprints: independent of the digests' seeds (family 0)
+
+
+def _fingerprints(keys: Sequence[Key]) -> np.ndarray:
+    """The keys' fingerprints in ``CompactSlots``' table (``TABLE_FAMILY``)."""
+    return key_fingerprints(keys, TABLE_FAMILY)
 
 
 def drain(iterator: Iterable[object]) -> None:
@@ -109,28 +120,28 @@ class CompactSlots:
             self._kept.update(keys)
         if len(self._pending) > self.MAX_PENDING:
             pending, self._pending = self._pending, {}
-            fingerprints = key_fingerprints(list(pending))
+            fingerprints = _fingerprints(list(pending))
             self._table.insert(fingerprints, np.fromiter(pending.values(), np.int64))
 
     def learn(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
         """The host stores ``keys`` in ``slots``."""
         if keys:
             self._settle(keys)
-            self._table.insert(key_fingerprints(keys), np.fromiter(slots, np.int64, len(slots)))
+            self._table.insert(_fingerprints(keys), np.fromiter(slots, np.int64, len(slots)))
             if self._kept is not None:
                 self._kept.update(keys)
 
     def forget(self, keys: Sequence[Key]) -> None:
         if keys:
             self._settle(keys)
-            self._table.remove(key_fingerprints(keys))
+            self._table.remove(_fingerprints(keys))
             if self._kept is not None:
                 self._kept.difference_update(keys)
 
     def reset(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
         """``keys`` are all the host stores (this tier's commits since it took them stay)."""
         self._settle(keys)
-        self._table.reset(key_fingerprints(keys), np.fromiter(slots, np.int64, len(slots)))
+        self._table.reset(_fingerprints(keys), np.fromiter(slots, np.int64, len(slots)))
         if self._kept is not None:
             self._kept = set(keys).union(self._pending)
 
@@ -144,7 +155,7 @@ class CompactSlots:
         pending = self._pending
         if not keys or not len(self._table):
             return [pending.get(k, -1) for k in keys]
-        slots = self._table.slots(key_fingerprints(keys)).tolist()
+        slots = self._table.slots(_fingerprints(keys)).tolist()
         if pending and not pending.keys().isdisjoint(keys):
             slots = [pending.get(k, s) for k, s in zip(keys, slots)]
         return slots
@@ -153,13 +164,13 @@ class CompactSlots:
         pending = self._pending
         if not keys or not len(self._table):
             return [k in pending for k in keys]
-        held = self._table.contains(key_fingerprints(keys)).tolist()
+        held = self._table.contains(_fingerprints(keys)).tolist()
         if pending and not pending.keys().isdisjoint(keys):
             held = [h or k in pending for k, h in zip(keys, held)]
         return held
 
     def contains_one(self, key: Key) -> bool:
-        return key in self._pending or self._table.contains_one(key_fingerprint(key))
+        return key in self._pending or self._table.contains_one(key_fingerprint(key, TABLE_FAMILY))
 
     def holds_any(self, keys: Sequence[Key]) -> bool:
         return any(self.contains(keys))
