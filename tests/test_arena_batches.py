@@ -185,6 +185,27 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     assert tier.arena.num_free == 3  # all but the interrupted store's slot
 
 
+def test_after_a_ctrl_c_lost_a_slot_a_full_arena_offload_and_restore_still_work() -> None:
+    # Found by review: a slot that nothing hands back (Ctrl-C as a store's callback was added,
+    # or a second one inside the tier's store again) stayed in the room batches are sized to:
+    # every later offload or restore of an arena's worth of pages (here 4) waited for it until
+    # its deadline, then failed every page ("capacity") or restored none, for good. The room is
+    # now the free slots and those of transfers under way: batches of 3, nothing waits.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    tier.store = lambda keys, slots: CtrlCBeforeItsCallback()  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    del tier.store  # the scripted store again
+    assert tier.arena.num_free == 3  # the lost slot
+    keys = [f"after-{i}".encode() for i in range(4)]
+    deadline = time.monotonic() + 5.0  # before: both waited until it, then failed
+    assert failures(arena.store_all({k: i for i, k in enumerate(keys)}, deadline)) == {}
+    assert arena.load_prefix(keys, [4, 5, 6, 7], deadline) == 4
+    assert arena.wait_idle(time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 3
+
+
 def test_an_offload_interrupted_inside_the_tiers_store_gets_its_slots_back() -> None:
     # Found by review: Ctrl-C (KeyboardInterrupt) inside the tier's store, before it returned
     # its future, lost the batch's arena slots for good, the other host's (never sent) too:
@@ -279,16 +300,14 @@ def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_
     fake_time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + clock.skew)
     monkeypatch.setattr(arena_batches, "time", fake_time)
     monkeypatch.setattr(host_shares, "time", fake_time)
-    overdue = host_shares.HostShares.overdue
+    under_way = host_shares.HostShares.under_way  # how a wait for slots looks at the hosts
 
-    def overdue_then_preempted(
-        shares: host_shares.HostShares, now: float | None = None
-    ) -> Counter[str | None]:
-        held = overdue(shares, now)
+    def under_way_then_preempted(shares: host_shares.HostShares, now: float) -> Counter[str | None]:
+        held = under_way(shares, now)
         clock.skew, clock.jump = clock.skew + clock.jump, 0.0
         return held
 
-    monkeypatch.setattr(host_shares.HostShares, "overdue", overdue_then_preempted)
+    monkeypatch.setattr(host_shares.HostShares, "under_way", under_way_then_preempted)
     tier = ScriptedTier(2, ["a"])
     arena = batches(tier, timeout=10.0)
     arena.store_all({b"first": 0, b"second": 1}, fake_time.monotonic() + WAIT_S)

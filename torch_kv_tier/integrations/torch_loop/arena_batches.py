@@ -67,7 +67,7 @@ class ArenaBatches:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._pending: set[Future[TransferResult]] = set()
-        self._shares = HostShares(manager.arena.num_blocks)  # hosts past their timeout
+        self._shares = HostShares()  # the transfers under way, and which are past the timeout
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that
@@ -181,14 +181,20 @@ class ArenaBatches:
     ) -> None:
         """Hand ``slots`` back once the store ``future`` to ``host`` resolved; until then it
         is pending, and overdue from ``due`` on."""
-        # The callback first: a Ctrl-C before it is added loses the slots, but no record of
-        # the store is left that nothing ends (its host overdue, ``wait_idle`` waiting, for
-        # good). One run at once (or waiting for the lock) sees the future done: no record.
-        future.add_done_callback(functools.partial(self._release, slots))
-        with self._lock:
-            if not future.done():
+        # The record first, so that the slots are in the room until the callback returns
+        # them (a future resolved meanwhile: at once, record and all). A Ctrl-C before the
+        # callback is added drops the record (none is left that nothing ends: its host
+        # overdue, ``wait_idle`` waiting, for good) and loses the slots, out of the room.
+        try:
+            with self._lock:
                 self._pending.add(future)
                 self._shares.started(future, host, len(slots), due)
+            future.add_done_callback(functools.partial(self._release, slots))
+        except BaseException:
+            with self._lock:
+                self._pending.discard(future)
+                self._shares.ended(future)
+            raise
 
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
         """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
@@ -285,7 +291,7 @@ class ArenaBatches:
         why: str,
     ) -> set[int]:
         """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
-        ends (``_read_ended``; at once for one that ended meanwhile), under way until ``due``,
+        ends (at once for one that ended meanwhile), under way until ``due``,
         overdue from then on; returns those slots. ``why``: how the restore ended before them,
         for the log."""
         held: set[int] = set()
@@ -294,7 +300,7 @@ class ArenaBatches:
             with self._lock:
                 self._shares.started(future, host, len(slots), due)
             held.update(slots)
-            future.add_done_callback(functools.partial(self._read_ended, slots))
+            future.add_done_callback(functools.partial(self._release, slots))
             log.warning(
                 "restore from %s %s; its reads hold %d arena slots until they end",
                 host,
@@ -313,15 +319,12 @@ class ArenaBatches:
         with self._lock:
             while True:
                 seen = time.monotonic()
-                held = self._shares.overdue(seen)
-                room = self._shares.room(held)
+                held, under_way = self._shares.overdue(seen), self._shares.under_way(seen)
+                room = self._shares.room(self._manager.arena.num_free, under_way)
                 if not room:
                     return len(homes)
                 share = functools.partial(
-                    self._shares.share,
-                    held=held,
-                    under_way=self._shares.under_way(seen),
-                    several=several,
+                    self._shares.share, room=room, under_way=under_way, several=several
                 )
                 if several:
                     n = fitting(homes[:room], share, held)
@@ -338,8 +341,8 @@ class ArenaBatches:
         with self._lock:
             while arena.num_free < n:
                 seen = time.monotonic()
-                held = self._shares.overdue(seen)
-                if n > self._shares.room(held) or not self._wait(deadline, seen):
+                room = self._shares.room(arena.num_free, self._shares.under_way(seen))
+                if n > room or not self._wait(deadline, seen):
                     return None
             return arena.allocate(n)
 
@@ -355,9 +358,10 @@ class ArenaBatches:
         return True
 
     def _room(self) -> int:
-        """How many slots a batch may take: those overdue hosts do not hold."""
+        """How many slots a batch may take (``HostShares.room``)."""
         with self._lock:
-            return self._shares.room(self._shares.overdue())
+            free = self._manager.arena.num_free
+            return self._shares.room(free, self._shares.under_way(time.monotonic()))
 
     def _no_slots(self) -> str:
         with self._lock:
@@ -373,19 +377,14 @@ class ArenaBatches:
             self._pending.discard(offload)
             self._changed.notify_all()
 
-    def _read_ended(self, slots: list[int], read: Future[TransferResult]) -> None:
-        """A timed-out restore's ``read`` into ``slots`` ended: they are free again."""
-        with self._lock:
-            self._shares.ended(read)
-        self._release(slots)
-
-    def _release(self, slots: list[int], store: Future[TransferResult] | None = None) -> None:
-        """Return arena slots (and retire the store that used them); wakes waiters."""
+    def _release(self, slots: list[int], transfer: Future[TransferResult] | None = None) -> None:
+        """Return arena slots (and retire the store or read that used them, at once: the
+        slots are never out of the room meanwhile); wakes waiters."""
         with self._lock:
             self._manager.arena.free(slots)
-            if store is not None:
-                self._pending.discard(store)
-                self._shares.ended(store)
+            if transfer is not None:
+                self._pending.discard(transfer)
+                self._shares.ended(transfer)
             self._changed.notify_all()
 
 

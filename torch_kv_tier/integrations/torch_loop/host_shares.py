@@ -7,11 +7,13 @@ until its session is lost, about 10 s). A host with a read or store under way fo
 offloader's timeout (not its restore's or offload's deadline, which a healthy host's transfer
 begun late in a long call would pass) is *overdue*: a restore stops before its first key and an
 offload fails its keys at once (:data:`OVERDUE`) until they end, so that it takes no more slots,
-and the slots it holds are out of the *room* that batches are sized to. With more than one host,
-a batch takes from one host at most half the room (rounded down, at least one; the cost: a
-longer run of keys on one host goes in more round trips). Transfers under way with other hosts
-are out of a host's room too, and its own count against its share (an offload's batches do not
-wait for each other's stores; a batch whose first key's host has no share left waits for them).
+and the slots it holds are out of the *room* that batches are sized to (the free slots and
+those of transfers under way: a slot that nothing will hand back is out of it too). With more
+than one host, a batch takes from one host at most half the room (rounded down, at least one;
+the cost: a longer run of keys on one host goes in more round trips). Transfers under way with
+other hosts are out of a host's room too, and its own count against its share (an offload's
+batches do not wait for each other's stores; a batch whose first key's host has no share left
+waits for them).
 So the first frozen host holds at most half the arena, a second one half the rest, and so on:
 ``k`` frozen hosts leave the other hosts' offloads and restores at least ``arena >> k`` slots
 (none once that is 0: a batch always takes one slot, so that small arenas work). Other hosts'
@@ -42,8 +44,7 @@ class HostShares:
     """The arena slots of ``size`` that transfers under way hold, and which are overdue
     (module docstring)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self) -> None:
         # each transfer under way: its host, slots and when it is overdue
         self._transfers: dict[Future[TransferResult], tuple[str | None, int, float]] = {}
 
@@ -84,22 +85,25 @@ class HostShares:
         room change without anything ending."""
         return min((d for _, _, d in self._transfers.values() if d > seen), default=math.inf)
 
-    def room(self, held: Counter[str | None]) -> int:
-        """The slots that the overdue hosts of ``held`` (from :meth:`overdue`) leave."""
-        return self.size - held.total()
+    def room(self, free: int, under_way: Counter[str | None]) -> int:
+        """The slots a batch can count on: the arena's ``free`` ones and those its transfers
+        ``under_way`` (from :meth:`under_way`) hold, which come back once they end; not those
+        of overdue transfers, nor slots that nothing will hand back (a store whose callback a
+        Ctrl-C kept from being added), which a batch would wait for in vain."""
+        return free + under_way.total()
 
     def share(
         self,
         host: str | None,
-        held: Counter[str | None],
+        room: int,
         under_way: Counter[str | None],
         several: bool,
     ) -> int:
-        """The slots a batch may still take from ``host``: those that overdue hosts (``held``)
-        and other hosts' transfers under way (``under_way``) leave, halved if there are
+        """The slots a batch may still take from ``host``: those of ``room`` (:meth:`room`)
+        that other hosts' transfers under way (``under_way``) leave, halved if there are
         ``several`` hosts, at least one, less ``host``'s own transfers under way (none left
         when that is not above 0)."""
-        room = self.room(held) - under_way.total() + under_way[host]
+        room = room - under_way.total() + under_way[host]
         return max(1, room // 2 if several else room) - under_way[host]
 
 
