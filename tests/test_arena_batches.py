@@ -234,6 +234,33 @@ def test_an_offload_interrupted_inside_the_tiers_store_gets_its_slots_back() -> 
     assert arena.wait_idle(time.monotonic() + WAIT_S)
 
 
+def test_a_restore_interrupted_inside_the_tiers_load_gets_the_other_hosts_slots_back() -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) inside the tier's load, before it returned its
+    # future, lost the whole batch's arena slots for good: those of the hosts whose reads had
+    # begun (held by nothing, so never back once the reads ended) and of those not asked yet.
+    # Now the reads begun are held until they end, as when the wait for them is interrupted;
+    # only the interrupted load's slots stay out (the tier may have begun that read).
+    peers = ["a", "b", "c"]
+    tier = ScriptedTier(6, peers)
+    reads: list[tuple[list[Key], Future[TransferResult]]] = []
+
+    def load(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        if reads:
+            raise KeyboardInterrupt  # in the second host's load
+        reads.append((list(keys), Future()))  # the first host's read stays under way
+        return reads[-1][1]
+
+    tier.load = load  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    keys = [keys_on(host, peers, 1)[0] for host in peers]
+    with pytest.raises(KeyboardInterrupt):
+        arena.load_prefix(keys, [0, 1, 2], time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 4  # the third host's slot is back; the first's read holds one
+    (read_keys, read), *_ = reads
+    read.set_result(stored(read_keys))
+    assert tier.arena.num_free == 5  # all but the interrupted load's slot
+
+
 class JoinAsItCopies(NoCopies):
     """Page copies during which host ``b`` joins the tier (the tier's redial)."""
 

@@ -208,10 +208,7 @@ class ArenaBatches:
             future = self._manager.store(keys, slots)
         except Exception as exc:
             log.warning(
-                "an interrupted store to %s keeps its %d arena slots for good: %s",
-                host,
-                len(slots),
-                exc,
+                "an interrupted store to %s keeps %d arena slots: %s", host, len(slots), exc
             )
             return
         self._started(future, host, slots, due)
@@ -224,8 +221,9 @@ class ArenaBatches:
         no read is started that could not be waited for, or no slots came by then). A host
         that refused, failed or did not answer by then ends the prefix
         at its first key; the slots of a read still under way are held until it ends (also when
-        the wait for it is interrupted, a ``KeyboardInterrupt`` raised on). A failed copy into
-        the cache raises; its slots are back."""
+        the wait for it is interrupted, a ``KeyboardInterrupt`` raised on; one inside the tier's
+        load keeps that load's slots for good, out of the room, and frees the other hosts'
+        unsent ones). A failed copy into the cache raises; its slots are back."""
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
@@ -237,16 +235,22 @@ class ArenaBatches:
         due = time.monotonic() + self._timeout  # when a read still under way is overdue
         loaded: set[Key] = set()
         failed: dict[Key, str] = {}
+        unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
         try:
-            for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
-                futures[self._manager.load(host_keys, host_slots)] = host, host_slots
-        except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
-            log.warning("tier refused a load, recomputing: %s", exc)
-        try:
+            try:
+                for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
+                    unsure = host_slots
+                    futures[self._manager.load(host_keys, host_slots)] = host, host_slots
+                    unsure = []
+            except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
+                unsure = []
+                log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
             unended = [f for f in futures if not f.done()]
-            in_use = self._hold(futures, unended, due, "was interrupted")
+            in_use = self._hold(futures, unended, due, "was interrupted").union(unsure)
+            if unsure:  # nothing will say when a read it may have begun ended
+                log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
             self._release([slot for slot in slots if slot not in in_use])
             raise
         in_use = self._hold(futures, late, due, "timed out, recomputing the rest")
