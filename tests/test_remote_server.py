@@ -467,17 +467,21 @@ def test_sessions_whose_heartbeats_queued_while_the_host_stalled_survive_it(
         server.close()
 
 
+@pytest.mark.parametrize("lease_s", [1.0, 30.0], ids=["short-lease", "default-lease"])
 def test_held_slots_keep_their_hold_timeout_across_a_host_stall(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, lease_s: float
 ) -> None:
     """Found by the host review: a host stalled (frozen, busy) past ``--hold-timeout`` freed the
     slots of ended sessions whose client may still write them the moment it resumed, though it
     had read none of their releases, and a write in flight to a frozen host lands only once it
-    resumes. As a session's silence, a hold's time now counts only while the host listens."""
+    resumes. As a session's silence, a hold's time now counts only while the host listens.
+    Found by the review of that fix: a stall was told from a busy turn only past a heartbeat
+    period (a third of the lease timeout, 10 s by default), so a 2 s stall still freed a hold
+    of 1.5 s under the default lease timeout."""
     from torch_kv_tier.remote.server_config import ServerConfig
 
     config = ServerConfig(
-        num_blocks=32, block_len=BLOCK_LEN, lease_timeout_s=1.0, hold_timeout_s=1.5
+        num_blocks=32, block_len=BLOCK_LEN, lease_timeout_s=lease_s, hold_timeout_s=1.5
     )
     server = Server(config)
     expiries: list[float] = []  # the times the loop checked the holds at (its lock held)

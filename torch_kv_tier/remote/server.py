@@ -238,9 +238,9 @@ class Server:
         sessions, and the expiry check after the first batch ended the sessions whose
         heartbeats were still queued. Nor are the held slots' ``--hold-timeout``: their
         clients' releases were queued too, and a write to a frozen host may land only once it
-        resumes."""
+        resumes (``_stall_s``: a shorter hold timeout shortens what counts as a stall)."""
         lease_s = self.config.lease_timeout_s
-        if away_s > lease_s / 3:
+        if away_s > self._stall_s():
             logger.log(
                 logging.WARNING if away_s > lease_s else logging.DEBUG,
                 "the host read no control message for %.1f s (frozen, or busy): its sessions "
@@ -248,6 +248,14 @@ class Server:
             )  # fmt: skip
             with self._lock:
                 self._control.pause(away_s, now)
+
+    def _stall_s(self) -> float:
+        """The silence past which the loop stalled: a client's heartbeat period (a third of the
+        lease timeout), or a third of a shorter ``--hold-timeout``. Past a heartbeat period
+        only (10 s by default), a 2 s stall freed the slots of a 1.5 s hold the moment the host
+        resumed."""
+        lease_s, hold_s = self.config.lease_timeout_s, self.config.hold_timeout_s
+        return min(lease_s, hold_s or lease_s) / 3
 
     def _freeze_index(self) -> None:
         """Keep the host's index out of the garbage collector's walks: at the loop's start (the
@@ -270,11 +278,11 @@ class Server:
         """Read and answer up to ``MAX_BATCH`` control messages. Returns the seconds of it the
         host did not listen, and when it last read. Not listening: all of it when messages were
         left (heartbeats may be queued behind them), else only its gaps between two reads longer
-        than a client's heartbeat period (frozen, or its lock held, mid-batch). A drain that
-        read its socket empty, however long it took, read every heartbeat queued meanwhile:
-        dead clients' sessions are charged for it."""
+        than ``_stall_s`` (frozen, or its lock held, mid-batch). A drain that read its socket
+        empty, however long it took, read every heartbeat queued meanwhile: dead clients'
+        sessions are charged for it."""
         assert self._socket is not None
-        long_s = self.config.lease_timeout_s / 3
+        long_s = self._stall_s()
         started = last = time.monotonic()
         missed = 0.0
         for _ in range(MAX_BATCH):
