@@ -706,3 +706,39 @@ def test_a_host_due_while_silent_hosts_are_greeted_is_greeted_and_tried_at_once(
     finally:
         redialer.stop(timeout=5.0)
         back.close()
+
+
+def test_a_host_silent_at_its_greeting_is_tried_after_its_backoff_while_others_are_greeted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a host that did not answer its greeting, while the greeter went on
+    awaiting others, had its next try set after its backoff, but the redialer's thread was not
+    woken and slept until the next try it knew of (another lost host's, up to
+    ``REDIAL_MAX_S`` away): the host waited for that. The greeter wakes it."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 1)  # 2 hosts due at once: greeted
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.05)
+    quick = Dial(f"127.0.0.1:{free_port()}", None, False, None, 0.3, 1.0)  # silent, 0.3 s
+    slow = Dial(f"127.0.0.1:{free_port()}", None, False, None, 30.0, 1.0)  # silent, 30 s
+    tried = threading.Event()
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            if dial is quick:
+                tried.set()
+            raise ConnectionError("not a host (a test)")
+
+        def wanted(self, dial: Dial) -> bool:
+            return True
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    try:
+        with redialer._lock:
+            redialer.start(quick)
+            redialer.start(slow)
+        assert wait_for(lambda: {quick, slow} <= redialer._greeting, RESULT_TIMEOUT_S)
+        monkeypatch.setattr(connections, "REDIAL_FIRST_S", 60.0)
+        redialer.start(Dial(f"127.0.0.1:{free_port()}", None, False, None, 1.0, 1.0))  # in 60 s
+        assert tried.wait(RESULT_TIMEOUT_S), "the silent host waited for another host's try"
+    finally:
+        redialer.stop(timeout=5.0)

@@ -327,12 +327,13 @@ class Redialer:
     def _fail_round(self, spec: Dial, why: Exception) -> None:
         """``spec`` did not answer its greeting (``why``): its next try is due after its
         backoff (or it is forgotten, no longer wanted), before it is let go (else ``_run``
-        would take it for due still)."""
+        would take it for due still), and ``_run`` is woken to look at its next try."""
         wanted = self._wanted()
         if wanted is None or not self._again_unless_unwanted(spec, why, wanted):
             self._forget(spec)
         with self._lock:
             self._greeting.discard(spec)
+            self._lock.notify()
 
     def _try_once(self, spec: Dial) -> None:
         """A try's thread: ``_try``, then ``spec`` may be tried again."""
