@@ -742,3 +742,52 @@ def test_a_host_silent_at_its_greeting_is_tried_after_its_backoff_while_others_a
         assert tried.wait(RESULT_TIMEOUT_S), "the silent host waited for another host's try"
     finally:
         redialer.stop(timeout=5.0)
+
+
+def test_stop_waits_for_a_greeter_that_saw_it_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a greeter that saw ``stop`` before ``stop`` looked for the threads to
+    join had let go of itself already: it was still closing its sockets (one for each host it
+    awaited) after ``stop`` (and the tier's ``close``) returned. ``stop`` joins it."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 1)  # 2 hosts due at once: greeted
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
+    close, take = Greeting.close, Redialer._take_greetings
+    saw_stop = threading.Event()
+
+    def slow_close(greeting: Greeting[Dial]) -> None:  # (as one of many sockets)
+        time.sleep(0.5)
+        close(greeting)
+
+    def take_greetings(redialer: Redialer, greeting: Greeting[Dial]) -> bool:
+        more = take(redialer, greeting)
+        if not more:
+            saw_stop.set()
+        return more
+
+    class _Stop(threading.Event):
+        def set(self) -> None:  # ``stop``'s thread is paused while the greeter sees it
+            super().set()
+            saw_stop.wait(RESULT_TIMEOUT_S)
+
+    monkeypatch.setattr(Greeting, "close", slow_close)
+    monkeypatch.setattr(Redialer, "_take_greetings", take_greetings)
+    silent = [Dial(f"127.0.0.1:{free_port()}", None, False, None, 30.0, 1.0) for _ in range(2)]
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            raise ConnectionError("not a host (a test)")
+
+        def wanted(self, dial: Dial) -> bool:
+            return True
+
+    owner = _Tier()
+    redialer = Redialer(owner.dial, owner.wanted)
+    redialer._stop = _Stop()
+    with redialer._lock:
+        for spec in silent:
+            redialer.start(spec)
+    assert wait_for(lambda: set(silent) <= redialer._greeting, RESULT_TIMEOUT_S)
+    greeter = redialer._greeter
+    assert greeter is not None
+    redialer.stop(timeout=RESULT_TIMEOUT_S)
+    assert saw_stop.is_set()
+    assert not greeter.is_alive(), "the greeter outlived stop"

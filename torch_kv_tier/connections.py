@@ -290,20 +290,23 @@ class Redialer:
                     self._fail_round(spec, no_answer(spec.address, spec.timeout_s))
                 for spec in greeting.drop(lambda spec: spec.stopped.is_set()):
                     self._fail_round(spec, ConnectionError("cancelled while it was greeted"))
-        finally:
-            with self._lock:
-                if self._greeter is threading.current_thread():  # (ended by an exception)
-                    self._greeter_ends(greeting.keys())
+        finally:  # (stopped, or an exception: its sockets closed before ``stop``'s join ends)
+            awaited = greeting.keys()
             greeting.close()
+            with self._lock:
+                if self._greeter is threading.current_thread():
+                    self._greeter_ends(awaited)
 
     def _take_greetings(self, greeting: Greeting[Dial]) -> bool:
         """Greet the hosts handed to the greeter since it last looked; ``False`` (the greeter
         ends) once it awaits none, or the redialer stopped. One that cannot be greeted (a bad
         address, no socket left) is tried all the same: its handshake says why."""
         with self._lock:
+            if self._stop.is_set():
+                return False
             new, self._to_greet = self._to_greet, []
-            if self._stop.is_set() or not (new or greeting):
-                self._greeter_ends([*new, *greeting.keys()])
+            if not (new or greeting):
+                self._greeter_ends([])
                 return False
         self._answer([spec for spec in new if not greeting.add(spec, spec.address, spec.timeout_s)])
         return True
