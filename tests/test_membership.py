@@ -8,12 +8,14 @@ import gc
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import dns.message
 import dns.rcode
 import dns.rdatatype
 import dns.rrset
+import numpy as np
 import pytest
 import torch
 from remote_support import BLOCK_LEN, SilentHosts, fill_random, free_port, wait_until
@@ -41,7 +44,7 @@ from torch_kv_tier.membership import (
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
-from torch_kv_tier.remote.handshake import HandshakeRejected
+from torch_kv_tier.remote.handshake import HandshakeRejected, check_timeouts
 
 WAIT_S = 10.0
 
@@ -1596,23 +1599,32 @@ def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> No
 
 
 @pytest.mark.parametrize("name", ["timeout_s", "heartbeat_timeout_s"])
-@pytest.mark.parametrize("value", ["5", None, True])
+@pytest.mark.parametrize("value", ["5", None, True, np.float32(5.0), Fraction(5)])
 def test_a_timeout_that_is_no_number_is_refused_before_anything_is_dialled(
     monkeypatch: pytest.MonkeyPatch, name: str, value: object
 ) -> None:
     """Found by review: ``connect``/``dial_later`` with ``timeout_s="5"`` (read from a config
     file, say) raised ``TypeError: '<' not supported between instances of 'int' and 'str'``,
     naming no argument, and ``timeout_s=True`` dialled with a 1 s timeout (``dial_later``
-    took it silently). Each is refused first, naming the argument and what to pass."""
+    took it silently). Each is refused first, naming the argument and what to pass. So is a
+    number Python's own waits do not take (a ``numpy.float32``, a ``Fraction``): the host
+    connected, and its ``disconnect`` raised ``TypeError`` from deep in ``threading``."""
     with TierManager.create(4, BLOCK_LEN, name="timeout-type") as tier:
         opened: list[object] = []
         monkeypatch.setattr(tier, "_open", lambda dial, *_args, **_kw: opened.append(dial))
-        match = rf"{name} must be a number of seconds.*got {value!r}.*pass e\.g\. {name}=10\.0"
+        got = re.escape(repr(value))
+        match = rf"{name} must be a number of seconds.*got {got}.*pass e\.g\. {name}=10\.0"
         with pytest.raises(TypeError, match=match):
             tier.connect("127.0.0.1:1", redial_if_down=True, **{name: value})
         with pytest.raises(TypeError, match=match):
             tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), **{name: value})
         assert opened == [] and not tier._pending
+
+
+def test_a_timeout_python_waits_take_is_taken() -> None:
+    """A numpy ``int64`` or ``float64`` (a ``float``) timeout is taken, as Python's waits take
+    it: only the numbers they refuse are."""
+    check_timeouts(timeout_s=np.float64(5.0), heartbeat_timeout_s=np.int64(5))
 
 
 def test_an_unhashable_dial_owner_is_refused_before_anything_is_dialled(

@@ -113,14 +113,15 @@ def check_session_args(
 
 
 def check_timeouts(**timeouts_s: float) -> None:
-    """``TypeError`` naming the first of ``timeouts_s`` that is no number (a ``str`` or a
-    ``bool``, say), ``ValueError`` the first that is no timeout: each must be finite, > 0 and
-    at most ``MAX_WAIT_S``."""
+    """``TypeError`` naming the first of ``timeouts_s`` that is no int or float (a ``str``, a
+    ``bool``, or a number Python's own waits refuse: a ``numpy.float32``, a ``Fraction``),
+    ``ValueError`` the first that is no timeout: each must be finite, > 0 and at most
+    ``MAX_WAIT_S``."""
     for name, value in timeouts_s.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, bool) or not isinstance(value, float | numbers.Integral):
             raise TypeError(
                 f"{name} must be a number of seconds (an int or a float), got {value!r} "
-                f"(a {type(value).__name__}): pass e.g. {name}=10.0"
+                f"(a {type(value).__name__}): pass e.g. {name}=10.0, or float() of it"
             )
         if not 0 < value <= MAX_WAIT_S:
             raise ValueError(f"{name} must be > 0 and at most {MAX_WAIT_S:g} s, got {value}")
