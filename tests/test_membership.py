@@ -744,6 +744,23 @@ def test_a_connect_stuck_past_its_own_timeouts_ends_its_wait_with_timeout_error(
         assert isinstance(outcomes["b:2"], TimeoutError), outcomes
 
 
+def test_many_hosts_dialled_with_a_numpy_int_timeout_are_greeted_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: past ``MAX_CONNECTS`` hosts, a ``timeout_s`` the connects take that is
+    no ``int`` or ``float`` (a numpy ``int64``) was taken for no timeout: no greeting, so each
+    host that does not answer held a connect's thread for its timeout, 16 at a time. The
+    greeting takes what the connects take."""
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 1)
+    tier = FakeTier()
+    silent = [f"127.0.0.1:{free_port()}" for _ in range(2)]  # nobody listens there
+    connects = ParallelConnects(tier, silent, {"timeout_s": np.int64(1)})
+    outcomes = dict(connects.outcomes())
+    connects.join(timeout=WAIT_S)
+    assert all(isinstance(o, TimeoutError) for o in outcomes.values()), outcomes
+    assert tier.calls == [], "hosts that did not answer the greeting were connected"
+
+
 def test_hosts_dialled_side_by_side_join_the_tier_one_at_a_time() -> None:
     """Found by review, once hosts were dialled side by side: their joins overlapped, and a
     shared host's snapshot takes the tier's CPU (seconds at millions of keys), so each join

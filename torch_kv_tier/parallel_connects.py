@@ -26,7 +26,6 @@ greeting), then calls ``join``.
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connected_hosts import REGISTER_TIMEOUT_S
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
 from torch_kv_tier.remote.greeting import answering
-from torch_kv_tier.remote.handshake import MAX_WAIT_S, no_answer
+from torch_kv_tier.remote.handshake import check_timeouts, no_answer
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
@@ -52,11 +51,9 @@ def longest_connect_s(timeout_s: Any) -> float:
     its join's turn and a shared host's snapshot (``timeout_s`` each), a private host's NIXL
     registration (``REGISTER_TIMEOUT_S``), and a margin. Past that its thread is stuck (a NIXL
     call that never returns)."""
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+    if not _is_timeout(timeout_s):
         timeout_s = CONNECT_TIMEOUT_S  # (such a connect raises at once)
-    if not 0 < timeout_s <= MAX_WAIT_S:
-        timeout_s = MAX_WAIT_S if timeout_s > 0 else CONNECT_TIMEOUT_S
-    return 3 * timeout_s + REGISTER_TIMEOUT_S + _MARGIN_S
+    return 3 * float(timeout_s) + REGISTER_TIMEOUT_S + _MARGIN_S
 
 
 class ParallelConnects:
@@ -113,10 +110,8 @@ class ParallelConnects:
         does every host when ``timeout_s`` is no timeout (each connect says why)."""
         timeout_s = self._kwargs.get("timeout_s", CONNECT_TIMEOUT_S)
         waiting = set(range(len(self._addresses)))
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-            timeout_s = math.nan
         try:
-            if not 0 < timeout_s <= MAX_WAIT_S:  # (nan too)
+            if not _is_timeout(timeout_s):
                 return
             for i in answering(self._addresses, timeout_s, lambda: self._tier.closed):
                 waiting.discard(i)
@@ -190,6 +185,15 @@ class ParallelConnects:
         for address, ended in zip(self._addresses, self._ended, strict=True):
             if not ended.is_set():
                 logger.warning("a connect of %s did not end within %.1fs", address, timeout)
+
+
+def _is_timeout(timeout_s: Any) -> bool:
+    """Whether the connects take ``timeout_s`` (``handshake.check_timeouts``)."""
+    try:
+        check_timeouts(timeout_s=timeout_s)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 __all__ = ["ParallelConnects"]
