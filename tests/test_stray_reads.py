@@ -50,11 +50,14 @@ class StrayReadTransport(LateWriteTransport):
         with self._lock:
             self._failed[tid] = self.reads[tid][0]
 
-    def land_read(self, tid: int) -> None:
-        """The bytes read ``tid`` had on the wire arrive."""
+    def land_read(self, tid: int, *, report_done: bool = False) -> None:
+        """The bytes read ``tid`` had on the wire arrive (``report_done``: and it is reported
+        done)."""
         with self._lock:
-            _, local, sent = self.reads.pop(tid)
+            peer_id, local, sent = self.reads.pop(tid)
             self.region.owner[local] = sent
+            if report_done:
+                self._done[tid] = peer_id
 
 
 @contextmanager
@@ -107,3 +110,41 @@ def test_a_read_that_may_still_land_keeps_its_load_unresolved_until_the_tier_clo
         assert stray.result(timeout=RESULT_TIMEOUT_S).failed == {
             "a": "peer lost" if how == "orphaned" else "transfer failed"
         }
+
+
+def test_a_stranded_read_is_counted_and_its_split_load_settles_each_key_once_at_close() -> None:
+    """Found by review: a stranded read showed nowhere (``stats().inflight`` 0, its load's
+    future pending until close, nothing saying why); ``stats().stranded_reads`` counts it.
+    A load split over two peers, one of its keys missing, whose read from one peer is
+    stranded: the other peer's key loads, and at close every key is settled once (the
+    stranded one "transfer failed", the missing one "missing")."""
+    arena = BlockArena(8, BLOCK_LEN)
+    transport = StrayReadTransport(arena.tensor)
+    for peer in (b"p", b"q"):
+        transport.remotes[peer] = torch.zeros(4, BLOCK_LEN, dtype=torch.uint8)
+    tier = TierManager(arena, transport)
+    try:
+        tier.add_peer("p", b"p", 0, 4, BLOCK_LEN)
+        arena.tensor[0].fill_(0xAA)
+        assert tier.store(["a"], [0]).result(timeout=RESULT_TIMEOUT_S).ok  # p's only
+        tier.add_peer("q", b"q", 0, 4, BLOCK_LEN)
+        others = ["c", "d", "e"]
+        arena.tensor[1:4].fill_(0xCC)
+        assert tier.store(others, [1, 2, 3]).result(timeout=RESULT_TIMEOUT_S).ok
+        on_q = [k for k, holder in zip(others, tier.holders(others)) if holder == "q"]
+        assert on_q, "no key homed on q"
+        transport.hold_reads = True
+        load = tier.load(["a", on_q[0], "z"], [4, 5, 6])
+        assert wait_for(lambda: len(transport.reads) == 2, RESULT_TIMEOUT_S)
+        tid_of = {local[0]: tid for tid, (_, local, _) in transport.reads.items()}
+        transport.fail_read(tid_of[4])
+        transport.land_read(tid_of[5], report_done=True)
+        assert wait_for(lambda: tier.stats().inflight == 0, RESULT_TIMEOUT_S)
+        assert tier.stats().stranded_reads == 1 and not load.done()
+        assert torch.equal(arena.tensor[5], arena.tensor[1])
+    finally:
+        tier.close()
+    result = load.result(timeout=RESULT_TIMEOUT_S)
+    assert result.keys == [on_q[0]]
+    assert result.failed == {"a": "transfer failed", "z": "missing"}
+    assert tier.stats().stranded_reads == 0

@@ -307,6 +307,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 keys=self._index.key_count,
                 events_dropped=self._index.events_dropped,
                 unreleased_sessions=self._ended.unresolved,
+                stranded_reads=len(self._stray_reads),
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()

@@ -68,6 +68,7 @@ class TierStats:
     verify_failed: int = 0  # blocks read whose bytes did not match their key's digest: "missing"
     unreleased_sessions: int = 0  # ended sessions whose writes the transport still holds
     peers_dropped: int = 0  # peer registrations dropped (failed, lost, removed or replaced)
+    stranded_reads: int = 0  # failed reads that may still land: their loads resolve at close
     peers: dict[str, PeerStats] = field(default_factory=dict)
 
 

@@ -301,7 +301,8 @@ class Transfers(Finishes):
         final: part of it may still land in its blocks, whenever, and nothing will say when it
         can no longer. Its keys settle only once the transport is released (``close``), so that
         its caller never reuses those blocks for another load whose verified bytes a stray
-        read would overwrite; its peer is dropped by the caller."""
+        read would overwrite (counted in ``stats().stranded_reads`` meanwhile); its peer is
+        dropped by the caller."""
         logger.warning(
             "a read of %d blocks from %s failed and may still land (the transport's failures "
             "are not final): its load resolves when the tier closes",
