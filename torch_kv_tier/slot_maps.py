@@ -139,11 +139,13 @@ class CompactSlots:
                 self._kept.difference_update(keys)
 
     def reset(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
-        """``keys`` are all the host stores (this tier's commits since it took them stay)."""
-        self._settle(keys)
+        """``keys`` are all the host stores: this tier's commits not echoed yet go too (the
+        host read those sent before the snapshot first; ``SharedSlots.reset`` publishes again
+        those it cannot have)."""
+        self._pending = {}
         self._table.reset(_fingerprints(keys), np.fromiter(slots, np.int64, len(slots)))
         if self._kept is not None:
-            self._kept = set(keys).union(self._pending)
+            self._kept = set(keys)
 
     def _settle(self, keys: Sequence[Key]) -> None:
         """The host's word on ``keys`` replaces this tier's own."""
