@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, TOKEN
 
+from torch_kv_tier import session_releases
 from torch_kv_tier.benchmarks.reliability_client_faults import client_death, close_under_load
 from torch_kv_tier.benchmarks.reliability_common import Outcome, random_blocks
 from torch_kv_tier.benchmarks.reliability_concurrency import concurrency
@@ -48,12 +49,23 @@ def report(outcome: Outcome) -> str:
 # -- 1. peer death, 2. client death, 3. soak, 5. concurrency -----------------------------------
 
 
-def test_sigkilled_host_fails_in_flight_futures_and_the_survivor_keeps_every_byte() -> None:
+@pytest.fixture
+def quick_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each handshake that tells a host its ended sessions resolved times out after 0.5 s, not
+    2 s. The peer-death scenario waits after each trial for the release to the host it killed
+    to give up (every try, ``RELEASE_BUDGET_S``: 9.5 s) before it counts threads and fds, and
+    ``close`` tries once more: the host is dead, so the same tries fail the same way, sooner."""
+    monkeypatch.setattr(session_releases, "_RELEASE_TIMEOUT_S", 0.5)
+
+
+def test_sigkilled_host_fails_in_flight_futures_and_the_survivor_keeps_every_byte(
+    quick_releases: None,
+) -> None:
     outcome = peer_death(2, keys=64)
     assert outcome.ok, report(outcome)
 
 
-def test_frozen_host_is_dropped_by_the_heartbeat_and_nothing_hangs() -> None:
+def test_frozen_host_is_dropped_by_the_heartbeat_and_nothing_hangs(quick_releases: None) -> None:
     outcome = peer_death(1, keys=64, frozen=True, heartbeat_timeout_s=2.0)
     assert outcome.ok, report(outcome)
     assert outcome.figure("slowest future after the fault").value > 1_000  # ms: the heartbeat
