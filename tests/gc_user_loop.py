@@ -15,8 +15,9 @@ import sys
 
 import torch
 
+from torch_kv_tier import session_releases
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader, prefix_keys
-from torch_kv_tier.remote import session_io
+from torch_kv_tier.remote import client, session_io
 from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.transport import agent_lifetime
 
@@ -25,6 +26,11 @@ from torch_kv_tier.transport import agent_lifetime
 # tier does when the host dies between its last check and the post. So the sessions here learn
 # of the death by heartbeats only.
 session_io.disconnected = lambda monitor: False
+# Closing the offloader then waits on the dead host twice: its disconnect, and a release of the
+# ended session over a session of its own (2 s each, 4 s of each cycle's 6). The host is dead:
+# the same calls fail the same way after 0.5 s.
+client._DISCONNECT_TIMEOUT_S = 0.5
+session_releases._RELEASE_TIMEOUT_S = 0.5
 
 # 8 KiB pages: a 4-page restore is a multi-fragment CMA read, the case that leaked a request
 LAYERS, PAGES, PAGE, HEADS, HEAD_DIM = 2, 24, 8, 2, 32
