@@ -48,7 +48,12 @@ def _serve(conn: Connection, num_blocks: int, block_len: int, env: dict[str, str
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload([__name__])
+# What this module imports, not the module itself: the fork server cannot import ``remote_peer``
+# (Python 3.11's ignores the sys.path it is handed, and tests/ is not on its own) and skips a
+# preload it cannot import without a word, so every peer imported torch itself.
+_CONTEXT.set_forkserver_preload(
+    ["torch", "torch_kv_tier.benchmarks.reliability_common", "torch_kv_tier.transport"]
+)
 
 
 class RemotePeer:

@@ -16,6 +16,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from remote_peer import RemotePeer
@@ -183,6 +184,15 @@ def test_same_local_id_gives_distinct_agents_that_can_talk(peer: RemotePeer) -> 
             tid = t.write_blocks("p", [0], [0])
             assert tid is not None
             assert drain(t, {tid})[0] == {tid}
+
+
+def test_peers_fork_from_a_server_that_has_torch_loaded(peer: RemotePeer) -> None:
+    """A peer's process does not import torch (seconds each, for the ~40 peers of this file):
+    the fork server it comes from did once. It had silently skipped its preload (``remote_peer``,
+    which it cannot import), so each peer imported torch itself."""
+    server = psutil.Process(peer.process.pid).parent()
+    assert server is not None and "forkserver" in " ".join(server.cmdline())
+    assert any("libtorch" in m.path for m in server.memory_maps()), "torch is not preloaded"
 
 
 # -- data path ----------------------------------------------------------------------------------
