@@ -189,7 +189,7 @@ def test_keys_copied_ahead_leave_dram_as_on_disk_and_come_back_promoted() -> Non
     stored, evicted = _events(cache)
     assert stored["k0"] == stored["k1"] == ON_DISK and evicted == []
     assert stored["n0"] >= 0
-    snapshot_keys, snapshot_slots, _, _ = cache.snapshot("s")
+    snapshot_keys, snapshot_slots, _, _ = shared_snapshot.whole(cache, "s")
     assert dict(zip(snapshot_keys, snapshot_slots))["k0"] == ON_DISK
     tier.promote(cache.namespace_of("s"), ["k0", "absent"], 3.0)
     tier.step(now=3.0)  # a DRAM slot taken (k2 evicted: on disk too), the read posted

@@ -9,6 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote import shared_snapshot
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_events import Namespace
@@ -36,7 +37,7 @@ def _store(cache: SharedCache, session: str, keys: list[object]) -> list[int]:
 
 def _found(cache: SharedCache, session: str, keys: list[object]) -> list[int]:
     """Each key's slot in the session's snapshot, -1 when it is not stored."""
-    stored, slots, _, _ = cache.snapshot(session)
+    stored, slots, _, _ = shared_snapshot.whole(cache, session)
     where = dict(zip(stored, slots))
     return [where.get(k, -1) for k in keys]  # type: ignore[call-overload]
 
@@ -46,7 +47,7 @@ def test_a_key_committed_by_one_session_is_found_by_another_of_its_namespace_onl
     slots = _store(cache, "a", [b"k1", b"k2"])
     assert _found(cache, "b", [b"k2", b"k1", b"nope"]) == [slots[1], slots[0], -1]
     assert _found(cache, "c", [b"k1"]) == [-1]  # another model never sees the block
-    keys, _, digests, _ = cache.snapshot("b")
+    keys, _, digests, _ = shared_snapshot.whole(cache, "b")
     assert dict(zip(keys, digests)) == {b"k1": hash(b"k1") & 0xFFFF, b"k2": hash(b"k2") & 0xFFFF}
 
 
@@ -149,7 +150,7 @@ def test_events_report_final_states_with_slots_and_digests_in_numbered_batches()
         (2, [], [], [], [b"k0"]),
         (3, [b"k2"], slot, [5], []),
     ]
-    keys, _, _, event_seq = cache.snapshot("b")
+    keys, _, _, event_seq = shared_snapshot.whole(cache, "b")
     assert sorted(keys) == [b"k1", b"k2"] and event_seq == 3  # type: ignore[type-var]
 
 
@@ -456,4 +457,5 @@ def test_a_commit_of_slots_not_granted_is_counted_and_logged_once_per_session(
     assert service.stats()["commit_slots_refused"] == 11
     assert [r.getMessage().split(" committed")[0] for r in caplog.records] == ["session s1 (bad)"]
     assert "1 slots it was not granted" in caplog.records[0].getMessage()
-    assert service.cache.snapshot("good")[0] == [b"g0", b"g1", b"x"]  # its own slot published
+    published = shared_snapshot.whole(service.cache, "good")[0]
+    assert published == [b"g0", b"g1", b"x"]  # its own slot published

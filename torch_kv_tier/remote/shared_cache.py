@@ -285,17 +285,6 @@ class SharedCache:
         part (``shared_snapshot.walk``; ``snap.done`` after the last part)."""
         return shared_snapshot.walk(snap, self._owners, self._digests, self.disk)
 
-    def snapshot(self, session_id: str) -> tuple[list[Key], list[int], list[int], int]:
-        """A whole snapshot at once: every stored key of the session's namespace, its slot and
-        digest, and the event sequence number it is current for."""
-        snap = self.begin_snapshot(session_id)
-        pages: list[Page] = []
-        while not snap.done:
-            pages.append(self.snapshot_part(snap))
-        keys = [key for page in pages for key in page[0]]
-        slots = [slot for page in pages for slot in page[1]]
-        return keys, slots, [d for page in pages for d in page[2]], snap.event_seq
-
     def namespace_of(self, session_id: str) -> Namespace:
         return self._grants[session_id][0]
 

@@ -34,6 +34,7 @@ from torch_kv_tier.remote.protocol import ON_DISK
 from torch_kv_tier.remote.shared_events import Namespace
 
 if TYPE_CHECKING:
+    from torch_kv_tier.remote.shared_cache import SharedCache
     from torch_kv_tier.remote.shared_events import DiskSide
     from torch_kv_tier.remote.slot_owners import Pair, SlotOwners
 
@@ -103,6 +104,19 @@ def walk(snap: Snapshot, dram: SlotOwners, digests: list[int], disk: DiskSide | 
             found_digests += map(digests.__getitem__, held)
         looked += written
     return keys, slots, found_digests
+
+
+def whole(cache: SharedCache, session_id: str) -> tuple[list[Key], list[int], list[int], int]:
+    """A whole snapshot at once: every stored key of the session's namespace, its slot and
+    digest, and the event sequence number it is current for (for tests: a host walks one page
+    per ask, ``walk``)."""
+    snap = cache.begin_snapshot(session_id)
+    pages: list[Page] = []
+    while not snap.done:
+        pages.append(cache.snapshot_part(snap))
+    keys = [key for page in pages for key in page[0]]
+    slots = [slot for page in pages for slot in page[1]]
+    return keys, slots, [d for page in pages for d in page[2]], snap.event_seq
 
 
 def _keys(pairs: list[Pair | None], slots: list[int]) -> map[Key]:
