@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connections import (
     CONNECT_TIMEOUT_S,
     Dial,
-    EndedSessions,
     Joining,
 )
 from torch_kv_tier.deferring_lock import DeferringLock
+from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer

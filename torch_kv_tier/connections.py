@@ -1,20 +1,13 @@
-"""How a tier keeps its connected hosts: dial again what it lost, and release what it ended.
+"""How a tier keeps its connected hosts: how each was dialled, and dial again what it lost.
 
 ``Dial`` remembers how a host was connected (``TierManager.connect``'s arguments), so that a
 host the tier dropped (heartbeats stopped, a transfer failed, the control connection was reset)
 is connected again by a ``Redialer`` thread, with backoff, until it answers or the tier closes.
 A user's ``disconnect``/``remove_peer`` ends that.
 
-``EndedSessions`` is the client half of fencing. A session that ended while writes of it were
-in flight (or ended without a clean disconnect at all) is held by its server: the server gives
-its slots to nobody until the client releases it. The tier counts each ended session's writes
-still in flight; once the transport reported the last one, the session is *resolved*, and its id
-goes to the server with the next session's handshake or with a ``Release`` on a live session.
-
-Threading: ``EndedSessions`` is plain state the manager mutates under its lock. ``Redialer``
-runs one daemon thread for all lost hosts, from the tier's first connected host until it closes,
-and at most ``MAX_CONNECTS`` tries (and one greeting) at once, each on a thread of its own; they
-call back into the manager without holding anything.
+Threading: ``Redialer`` runs one daemon thread for all lost hosts, from the tier's first
+connected host until it closes, and at most ``MAX_CONNECTS`` tries (and one greeting) at once,
+each on a thread of its own; they call back into the manager without holding anything.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch_kv_tier.remote.greeting import Greeting
 from torch_kv_tier.remote.handshake import CANCEL_POLL_S, no_answer
@@ -72,74 +64,6 @@ class Joining(threading.Event):
         self.address = address
         self.first = first
         self.failure: BaseException | None = None
-
-
-class EndedSessions:
-    """Sessions that ended with writes possibly in flight, until their server is told."""
-
-    def __init__(self) -> None:
-        self._writes: dict[Any, int] = {}  # ended session -> its writes still in flight
-        self.resolved: dict[str, list[str]] = {}  # address -> session ids to release
-        # address -> release threads carrying sessions they took there (``session_releases``)
-        self.carrying: dict[str, int] = {}
-
-    def ended(self, session: Any, writes_in_flight: int) -> None:
-        """``session`` ended with ``writes_in_flight`` writes the transport still holds."""
-        if writes_in_flight:
-            self._writes[session] = writes_in_flight
-        else:
-            self.resolved.setdefault(session.address, []).append(session.session_id)
-
-    def write_resolved(self, session: Any) -> bool:
-        """The transport reported a write of an ended ``session``; ``True`` when it was the
-        last one (the session is resolved)."""
-        left = self._writes.get(session)
-        if left is None:
-            return False
-        if left > 1:
-            self._writes[session] = left - 1
-            return False
-        del self._writes[session]
-        self.resolved.setdefault(session.address, []).append(session.session_id)
-        return True
-
-    def forget(self, session: Any) -> None:
-        """``session``, resolved, ended clean on its host (it said so): nothing to release."""
-        ids = self.resolved.get(session.address, [])
-        if session.session_id in ids:
-            ids.remove(session.session_id)
-            if not ids:
-                del self.resolved[session.address]
-
-    def give_back(self, address: str, session_ids: list[str]) -> None:
-        """Sessions ``take`` returned that the host may not have heard of: tell it later."""
-        if session_ids:
-            self.resolved.setdefault(address, []).extend(session_ids)
-
-    def take(self, address: str) -> list[str]:
-        """The resolved sessions of ``address``, to tell its server (now forgotten here)."""
-        return self.resolved.pop(address, [])
-
-    def holds(self, address: str) -> bool:
-        """Whether a session of ``address`` is still to be released (resolved or not, or
-        being carried there)."""
-        return (
-            address in self.resolved
-            or address in self.carrying
-            or any(s.address == address for s in self._writes)
-        )
-
-    def carry(self, address: str, delta: int) -> None:
-        """A release thread starts (``delta`` 1) or stops (-1) carrying sessions to ``address``."""
-        left = self.carrying.get(address, 0) + delta
-        if left:
-            self.carrying[address] = left
-        else:
-            del self.carrying[address]
-
-    @property
-    def unresolved(self) -> int:
-        return len(self._writes)
 
 
 class Redialer:

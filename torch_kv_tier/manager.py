@@ -31,7 +31,7 @@ the background). A dropped peer's stores resolve at once ("peer lost"), its load
 transport reports them. A write the transport still holds after its peer was dropped may yet
 land: its remote slots stay out of every pool of that peer id here, and its session counts as
 unclean, so the host holds the session's slots until this tier tells it
-(``connections.EndedSessions``) that the transport reported the last such write. A write that
+(``ended_sessions.EndedSessions``) that the transport reported the last such write. A write that
 failed may land part-way later: its slots and session stay so for good (the host's hold ends
 it). Likewise a read that failed on a transport whose failures are not final
 (``DataTransport.failures_are_final`` False) may land part-way later: its load resolves only
@@ -49,9 +49,10 @@ from typing import Any
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.closing import Closing
 from torch_kv_tier.connected_hosts import ConnectedHosts
-from torch_kv_tier.connections import Dial, EndedSessions, Joining, Redialer
+from torch_kv_tier.connections import Dial, Joining, Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
+from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys

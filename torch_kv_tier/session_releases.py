@@ -2,7 +2,7 @@
 
 A session that ended with writes in flight, or without a clean disconnect, is held by its host
 until this tier names it as resolved, i.e. once the transport reported its last write
-(``connections.EndedSessions`` counts them). The names go to the host with the next handshake (a
+(``ended_sessions.EndedSessions`` counts them). The names go to the host with the next handshake (a
 redial), with a ``Release`` on a live session of that host, or, when the tier has no session
 with it any more (removed, or closing), with a short session of its own opened only to carry
 them (``RELEASE_THREAD``).
@@ -24,8 +24,9 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import Dial, EndedSessions
+from torch_kv_tier.connections import Dial
 from torch_kv_tier.deferring_lock import DeferringLock
+from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.records import Peer
 
 logger = logging.getLogger(__name__)

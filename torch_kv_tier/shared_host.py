@@ -16,7 +16,7 @@ under the same lock.
 
 Failure model: a session that ends (or is lost) ends this object's life with it; the tier then
 fails what waits here (``take_awaiting``), and the host holds what the session may still write
-until the tier releases it (``connections.EndedSessions``).
+until the tier releases it (``ended_sessions.EndedSessions``).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import EndedSessions
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.digest import BlockDigests
+from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.finishes import Finishes
 from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key
