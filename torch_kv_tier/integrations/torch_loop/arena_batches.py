@@ -29,7 +29,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.host_shares import (
@@ -43,6 +43,7 @@ from torch_kv_tier.integrations.torch_loop.host_shares import (
 from torch_kv_tier.integrations.torch_loop.offload_results import (
     Batch,
     OffloadError,
+    fail_hosts,
     failed_now,
 )
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
@@ -83,16 +84,14 @@ class ArenaBatches:
             with self._lock:
                 held = self._shares.overdue()
             if held and held.keys() & set(homes):  # no slot for a host that may not give it back
-                batches.append(_fail_hosts(keys, homes, held, OVERDUE))
+                batches.append(fail_hosts(keys, homes, held, OVERDUE))
                 keys, homes = keys_without(keys, homes, held)
                 continue
             n = self._batch_size(homes, len(peers) > 1, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
                 with self._lock:
                     late = homes[0] in self._shares.overdue()
-                batches.append(
-                    _fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity")
-                )
+                batches.append(fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity"))
                 keys, homes = keys_without(keys, homes, {homes[0]})
                 continue
             stores = self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline, peers)
@@ -390,12 +389,3 @@ class ArenaBatches:
                 self._pending.discard(transfer)
                 self._shares.ended(transfer)
             self._changed.notify_all()
-
-
-def _fail_hosts(
-    keys: list[Key], homes: list[str | None], hosts: Container[str | None], reason: str
-) -> Batch:
-    """The ``keys`` whose ``homes`` are among ``hosts``, failed at once with ``reason``."""
-    failed = [k for k, home in zip(keys, homes) if home in hosts]
-    named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
-    return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")

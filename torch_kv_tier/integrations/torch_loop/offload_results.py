@@ -4,7 +4,9 @@ An offload larger than the arena goes to the tier in batches, each with its own 
 :func:`combine` resolves one future once every batch has, reporting every requested key in call
 order: stored (``keys``) or failed with the tier's reason (``failed``). Non-strict, that future
 never raises; strict, it raises :class:`OffloadError` when any key failed. It is running from the
-start, so ``cancel()`` returns ``False``: the batches are already with the tier.
+start, so ``cancel()`` returns ``False``: the batches are already with the tier. A batch that
+the tier never took (no arena slots, an overdue host, the tier's refusal) is a future failed at
+once (:func:`failed_now`, :func:`fail_hosts`).
 
 Threading: a batch future's callback runs on whichever thread resolves it (the tier's poller,
 or the caller when the tier settled it at once); the last one to finish builds the result, so
@@ -16,12 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Container
 from concurrent.futures import Future
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 
-__all__ = ["OffloadError", "combine", "failed_now"]
+__all__ = ["OffloadError", "combine", "fail_hosts", "failed_now"]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,15 @@ def failed_now(keys: list[Key], reason: str, what: str) -> Future[TransferResult
     failed = dict.fromkeys(keys, reason)
     future.set_result(TransferResult(ok=False, keys=[], failed=failed, nbytes=0, seconds=0.0))
     return future
+
+
+def fail_hosts(
+    keys: list[Key], homes: list[str | None], hosts: Container[str | None], reason: str
+) -> Batch:
+    """The ``keys`` whose ``homes`` are among ``hosts``, failed at once with ``reason``."""
+    failed = [k for k, home in zip(keys, homes) if home in hosts]
+    named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
+    return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
 
 
 def _reasons(failed: dict[Key, str]) -> dict[str, int]:
