@@ -1,6 +1,6 @@
 """Closing a tier: ``close`` stops accepting work, waits (bounded) for the transfers in flight,
 cancels the rest, ends the sessions and closes the transport; the loads it cancelled, and those
-whose failed read might still land (``Transfers._strand``), settle only once the transport can no
+whose failed read might still land (``Transfers._stranded``), settle only once the transport can no
 longer write into their blocks.
 
 ``Closing`` is a part of ``TierManager`` (its first base class, beside ``Transfers``,
@@ -91,7 +91,7 @@ class Closing:
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
         """``close``'s last step (unlocked): the loads it cancelled, and those whose failed
-        read might still land (``Transfers._strand``), settle, now that the transport can no
+        read might still land (``Transfers._stranded``), settle, now that the transport can no
         longer write into their blocks."""
         with self._lock:
             for op in cancelled:

@@ -11,7 +11,7 @@ reports them (their blocks may still be written until then), and its writes in f
 their slots fenced and its session unclean. A write that failed keeps them so for good: part of
 it may still land (NIXL reports a failure while other parts are in flight), unless the
 transport's failures are final (``DataTransport.failures_are_final``: it fences them first);
-a read that failed so keeps its load unresolved until the tier closes (``_strand``).
+a read that failed so keeps its load unresolved until the tier closes (``_stranded``).
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -221,9 +221,7 @@ class Transfers(Finishes):
             tid = None
         if tid is None:
             self._counters.transfers_failed += 1
-            if op.kind == "load" and not self.transport.failures_are_final:
-                self._strand(op)  # refused, yet part of it may have been sent
-            else:
+            if not self._stranded(op):  # (refused, yet part of a read may have been sent)
                 self._finish(op, TRANSFER_FAILED)
             self._lose_peer(op.peer_id, "refused a transfer")
             return
@@ -248,9 +246,7 @@ class Transfers(Finishes):
                 continue
             self._counters.transfers_failed += 1
             alive = self._peers.get(op.peer_id) is op.peer
-            if op.kind == "load" and not self.transport.failures_are_final:
-                self._strand(op)
-            else:
+            if not self._stranded(op):
                 self._finish(op, TRANSFER_FAILED if alive else PEER_LOST)
             if alive:
                 lost[op.peer_id] = "failed a transfer"
@@ -271,15 +267,14 @@ class Transfers(Finishes):
         peer's drop: a store's slots unfence and its ended session may be released, unless it
         ``failed`` and failures are not final: then part of it may still land; a load's request
         settles now that nothing lands in its blocks any more, unless it ``failed`` and
-        failures are not final: ``_strand``)."""
+        failures are not final: ``_stranded``)."""
         op = self._ops.pop(tid, None)
         if op is None:
             return None
         if op.orphaned:
-            if op.kind == "load" and failed and not self.transport.failures_are_final:
-                self._strand(op)
-            elif op.kind == "load":
-                self._settle(op, [], PEER_LOST)
+            if op.kind == "load":
+                if not (failed and self._stranded(op)):
+                    self._settle(op, [], PEER_LOST)
             elif failed and not self.transport.failures_are_final:
                 logger.warning(
                     "a write to %s, dropped meanwhile, failed: its slots stay fenced and its "
@@ -296,13 +291,16 @@ class Transfers(Finishes):
         self._counters.latencies_us.append((now - op.submitted) * 1e6)
         return op
 
-    def _strand(self, op: Op) -> None:
-        """A load whose read failed (or was refused) on a transport whose failures are not
-        final: part of it may still land in its blocks, whenever, and nothing will say when it
-        can no longer. Its keys settle only once the transport is released (``close``), so that
-        its caller never reuses those blocks for another load whose verified bytes a stray
-        read would overwrite (counted in ``stats().stranded_reads`` meanwhile); its peer is
-        dropped by the caller."""
+    def _stranded(self, op: Op) -> bool:
+        """Whether ``op``, which failed (or was refused), is a load stranded: on a transport
+        whose failures are not final, part of its read may still land in its blocks, whenever,
+        and nothing will say when it can no longer. Its keys settle only once the transport is
+        released (``close``), so that its caller never reuses those blocks for another load
+        whose verified bytes a stray read would overwrite (counted in
+        ``stats().stranded_reads`` meanwhile); its peer is dropped by the caller. ``False``
+        (the caller settles it): a store, or failures that are final."""
+        if op.kind != "load" or self.transport.failures_are_final:
+            return False
         logger.warning(
             "a read of %d blocks from %s failed and may still land (the transport's failures "
             "are not final): its load resolves when the tier closes",
@@ -310,6 +308,7 @@ class Transfers(Finishes):
             op.peer_id,
         )
         self._stray_reads.append(op)
+        return True
 
     def _report_usage(self, now: float) -> None:
         """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
