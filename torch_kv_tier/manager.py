@@ -244,10 +244,13 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
-        digests = self._digests.of(local, keys) if self._digest_stores() else [0] * len(keys)
+        digested = self._digest_stores()
+        digests = self._digests.of(local, keys) if digested else [0] * len(keys)
         request = Request(keys)
         with self._lock:
             self._check_open()
+            if not digested and self._digest_stores():  # a shared host joined meanwhile
+                digests = self._digests.of(local, keys)
             index = self._index
             new_keys, new_local, new_digests, stored = split_new(
                 index, self._storing, request, keys, local, digests
@@ -350,8 +353,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
     def _digest_stores(self) -> bool:
         """Whether stores compute digests: to verify private loads, or for any shared host
-        (read without the lock, from a copy of the table another thread may change: a host
-        joining meanwhile only costs that call's digests)."""
+        (``store`` asks without the lock, from a copy of the table another thread may change,
+        and asks again under it when the answer was no: a host that joined meanwhile gets real
+        digests, never 0, which every tier would read as a mismatch)."""
         return self.verify or any(p.verifies for p in list(self._peers.values()))
 
 
