@@ -148,3 +148,31 @@ def test_a_stranded_read_is_counted_and_its_split_load_settles_each_key_once_at_
     assert result.keys == [on_q[0]]
     assert result.failed == {"a": "transfer failed", "z": "missing"}
     assert tier.stats().stranded_reads == 0
+
+
+def test_a_load_into_a_block_a_stranded_read_may_still_write_is_refused() -> None:
+    """Found by review: each stranded read stayed in ``stats().stranded_reads`` until close,
+    and nothing stopped a caller from loading again into its blocks, so a peer that stranded
+    read after read into the same blocks grew that list without bound, and the stray bytes
+    could land over a later load's verified ones. A load into a withheld block now raises
+    ``ValueError`` before anything is read: every stranded read withholds blocks of its own, so
+    there are never more of them than arena blocks. Other blocks load as before."""
+    with _tier() as (tier, transport, arena):
+        arena.tensor[0].fill_(0xAA)
+        arena.tensor[1].fill_(0xBB)
+        assert tier.store(["a", "b"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
+        transport.hold_reads = True
+        stray = tier.load(["a"], [2])
+        assert transport.read_posted.wait(RESULT_TIMEOUT_S)
+        (tid,) = transport.reads
+        transport.fail_read(tid)
+        assert wait_for(lambda: tier.stats().stranded_reads == 1 and not tier.peers(), 5.0)
+        transport.hold_reads = False
+        tier.add_peer("p", b"p", 0, 4, BLOCK_LEN)  # the peer comes back (a flapping peer)
+        assert tier.store(["a", "b"], [0, 1]).result(timeout=RESULT_TIMEOUT_S).ok
+        for keys, blocks in ((["a"], [2]), (["b", "a"], [3, 2])):
+            with pytest.raises(ValueError, match=r"local blocks \[2\] .*stranded_reads"):
+                tier.load(keys, blocks)
+        assert tier.load(["b"], [3]).result(timeout=RESULT_TIMEOUT_S).ok
+        assert torch.equal(arena.tensor[3], arena.tensor[1])
+        assert tier.stats().stranded_reads == 1 and not stray.done()

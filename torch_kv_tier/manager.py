@@ -277,13 +277,15 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         A key that is not stored, or whose bytes fail their digest, fails with "missing"; the
         others still load. The future resolves once the transport can no longer write into
         ``local_idxs``: for a read that failed on a transport whose failures are not final
-        (``DataTransport.failures_are_final`` False), only when the tier closes.
+        (``DataTransport.failures_are_final`` False), only when the tier closes; until then a
+        load into any of that read's blocks raises ``ValueError`` (its stray bytes may land).
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
         request = Request(keys)
         with self._lock:
             self._check_open()
+            self._refuse_withheld(local)
             groups, missing = self._index.locate(keys, local)
             if missing and self._index.has_disk_keys():
                 missing = self._park_on_disk(request, keys, local, missing)

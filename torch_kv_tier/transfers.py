@@ -11,7 +11,8 @@ reports them (their blocks may still be written until then), and its writes in f
 their slots fenced and its session unclean. A write that failed keeps them so for good: part of
 it may still land (NIXL reports a failure while other parts are in flight), unless the
 transport's failures are final (``DataTransport.failures_are_final``: it fences them first);
-a read that failed so keeps its load unresolved until the tier closes (``_stranded``).
+a read that failed so keeps its load unresolved until the tier closes (``_stranded``), and its
+blocks refused to other loads meanwhile (``_refuse_withheld``).
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -296,8 +297,9 @@ class Transfers(Finishes):
         whose failures are not final, part of its read may still land in its blocks, whenever,
         and nothing will say when it can no longer. Its keys settle only once the transport is
         released (``close``), so that its caller never reuses those blocks for another load
-        whose verified bytes a stray read would overwrite (counted in
-        ``stats().stranded_reads`` meanwhile); its peer is dropped by the caller. ``False``
+        whose verified bytes a stray read would overwrite (a load into them raises meanwhile,
+        ``_refuse_withheld``; counted in ``stats().stranded_reads``); its peer is dropped by the
+        caller. ``False``
         (the caller settles it): a store, or failures that are final."""
         if op.kind != "load" or self.transport.failures_are_final:
             return False
@@ -309,6 +311,21 @@ class Transfers(Finishes):
         )
         self._stray_reads.append(op)
         return True
+
+    def _refuse_withheld(self, local: list[int]) -> None:
+        """Raise ``ValueError`` when a load would read into a local block that a stranded read
+        (``_stranded``) may still write: its stray bytes could land over the new load's
+        verified ones. So every stranded read withholds blocks of its own, and there are never
+        more of them than local blocks (``_stray_reads`` is bounded)."""
+        if not self._stray_reads:
+            return
+        withheld = sorted({i for op in self._stray_reads for i in op.local}.intersection(local))
+        if withheld:
+            raise ValueError(
+                f"local blocks {withheld[:8]} are still the target of a read that failed and "
+                "may still land (stats().stranded_reads; the transport's failures are not "
+                "final): load into other blocks, these are released when the tier closes"
+            )
 
     def _report_usage(self, now: float) -> None:
         """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
