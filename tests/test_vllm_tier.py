@@ -1016,6 +1016,37 @@ def test_a_request_id_vllm_reuses_inherits_nothing_of_the_ended_request(
         assert held_promotions(driver) == 0
 
 
+@pytest.mark.parametrize("how", ["scheduled", "preempted"])
+def test_a_promotion_in_flight_when_its_request_is_scheduled_or_preempted_pins_nothing(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Found by review: vLLM schedules a request whose promotion is still in flight when an
+    earlier chunk of its prefix answered MISS (it recomputes from there), and may then preempt
+    it; either way that attempt is over (admission gave its promises back), yet the promotion's
+    chunks, once landed, were pinned in vLLM's CPU tier, outside the budget, until the request
+    finished (a resumed request is never among a step's new ones): through its whole decode.
+    Now such a promotion's result goes to vLLM only, as an ended request's does."""
+    with driven_manager(server.address) as (_, manager, driver):
+        keys = offload_then_evict(driver, BUDGET)
+        reads = HeldReads(driver.tier, monkeypatch)
+        ctx = driver.arrive("req-1")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
+        driver.step()  # the promotion is submitted; its read is held back
+        ids = ["req-1"]
+        with manager.lock:
+            manager.on_schedule_end(
+                ScheduleEndContext(new_req_ids=ids, preempted_req_ids=())
+                if how == "scheduled"
+                else ScheduleEndContext(new_req_ids=(), preempted_req_ids=ids)
+            )
+        reads.release()
+        driver.run_until_idle()
+        assert held_promotions(driver) == 0
+        assert driver.tier._admission.held == 0 and driver.tier._failed_keys == {}
+        with manager.lock:
+            manager.on_request_finished(ctx)
+
+
 def test_a_read_not_yet_reported_keeps_its_chunks_through_a_drain_that_times_out(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -231,13 +231,15 @@ class RemoteHostTier(SecondaryTierManager):
         self._failed_keys.pop(req_id, None)
         self._admission.finish(req_id)
         self._pins.release([req_id])
-        self._jobs.end_request(req_id)
+        self._jobs.end_attempts((req_id,))
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         """Tell admission which requests this step scheduled or preempted (and so which
         promotions vLLM could not allocate); release the promotions held for those requests
-        (``promotion_pin``)."""
+        (``promotion_pin``), and keep any of their promotions still in flight from pinning
+        (``TierJobs.end_attempts``: those requests recomputed, or wait again afresh)."""
+        self._jobs.end_attempts({*context.new_req_ids, *context.preempted_req_ids})
         self._admission.end_step(context.new_req_ids, context.preempted_req_ids)
         self._pins.end_step(context.new_req_ids, context.preempted_req_ids)
 
@@ -313,7 +315,7 @@ class RemoteHostTier(SecondaryTierManager):
         """A promotion finished: what landed is to be held in vLLM's CPU tier until its
         request is scheduled (``promotion_pin``); what failed is a MISS for the rest of the
         request, and out of the budget. (A request that ended meanwhile is not told:
-        ``TierJobs.end_request``.)"""
+        ``TierJobs.end_attempts``.)"""
         if landed:
             self._pins.landed(req_context, landed)
         if failed:

@@ -12,10 +12,13 @@ Failure model: a job the tier manager rejects, or whose future fails, is reporte
 promotion that fails for some of its keys is reported with the keys that did land. Every
 finished promotion also goes to ``on_promotion`` with the keys that landed and those that failed
 (the tier holds the first in vLLM's CPU tier until their request is scheduled, and answers MISS
-for the second from then on), before vLLM hears of it; unless its request ended meanwhile
-(``end_request``): vLLM may give a later request the same id, and that one must not inherit the
-result. It is held weakly: it is the owning tier's bound method, and a strong reference would
-be a cycle that keeps the tier, and its NIXL agent, alive until the garbage collector runs.
+for the second from then on), before vLLM hears of it; unless its attempt ended meanwhile
+(``end_attempts``): its request ended (vLLM may give a later request the same id, and that one
+must not inherit the result), or was scheduled or preempted while it flew (it recomputed those
+chunks, or waits again with a fresh attempt: pinned, they would stay so until it finished).
+``on_promotion`` is held weakly: it is the owning tier's bound method, and a strong reference
+would be a cycle that keeps the tier, and its NIXL agent, alive until the garbage collector
+runs.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class _Job:
     is_promotion: bool
     req_context: ReqContext
     future: concurrent.futures.Future[TransferResult]
-    ended: bool = False  # its request ended: its result goes to vLLM only, not to on_promotion
+    ended: bool = False  # its attempt ended: its result goes to vLLM only, not to on_promotion
 
 
 class TierJobs:
@@ -101,12 +104,16 @@ class TierJobs:
         job_id = job.job_id
         future.add_done_callback(lambda _f: self._completions.put(job_id))
 
-    def end_request(self, req_id: str) -> None:
-        """Request ``req_id`` ended: its jobs still in flight (or not yet collected) are
-        reported to vLLM as usual, but their promotions no longer go to ``on_promotion``. A
-        later request vLLM gives the same id is another request, with none of their results."""
+    def end_attempts(self, req_ids: Collection[str]) -> None:
+        """The attempts of ``req_ids`` ended (each request ended, or was scheduled or preempted):
+        their jobs still in flight (or not yet collected) are reported to vLLM as usual, but
+        their promotions no longer go to ``on_promotion`` (module docstring). A later request
+        vLLM gives the same id, or the same request's next attempt, gets none of their
+        results."""
+        if not req_ids:
+            return
         for job in self._jobs.values():
-            if job.req_context.req_id == req_id:
+            if job.req_context.req_id in req_ids:
                 job.ended = True
 
     def fail(self, job: TransferJob) -> None:
