@@ -551,9 +551,11 @@ def _hello(address: str) -> tuple[zmq.Socket[bytes], p.Challenge]:
 
 def _private_handshake(nonce: bytes) -> bytes:
     region = Region(0x10000, 8, BLOCK_LEN)
-    return p.encode(
-        p.Handshake(p.PROTOCOL_VERSION, 2, nonce, b"", b"x", region, "", None, private=True)
-    )
+    hs = p.Handshake(
+        p.PROTOCOL_VERSION, 2, nonce, b"", b"x", region, "", None, private=True,
+        client_nonce=b"c" * 32,
+    )  # fmt: skip
+    return p.encode(hs)
 
 
 def test_stats_of_more_sessions_than_a_frame_holds_are_cut_short_not_a_lost_session() -> None:
@@ -574,8 +576,9 @@ def test_stats_of_more_sessions_than_a_frame_holds_are_cut_short_not_a_lost_sess
                     challenge = p.decode_server(sock.recv())  # type: ignore[assignment]
                 name = f"{i:0128d}"
                 hs = p.Handshake(
-                    p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, name
-                )
+                    p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, name,
+                    client_nonce=b"c" * 32,
+                )  # fmt: skip
                 sock.send(p.encode(hs))
                 assert sock.poll(10_000)
                 assert isinstance(p.decode_server(sock.recv()), p.Accept)

@@ -723,8 +723,9 @@ def test_a_session_whose_accept_cannot_be_queued_ends_clean() -> None:
         assert isinstance(challenge, p.Challenge)
         region = p.Region(0x10000, 8, BLOCK_LEN)
         handshake = p.Handshake(
-            p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, private=True
-        )
+            p.PROTOCOL_VERSION, 2, challenge.nonce, b"", b"x", region, "", None, private=True,
+            client_nonce=b"c" * 32,
+        )  # fmt: skip
         sock.frames.append([b"peer", p.encode(handshake)])
         server._drain()
         stats = server.stats()

@@ -89,7 +89,7 @@ class ControlPlane:
         if isinstance(message, SHARED_MESSAGES):
             return self.shared.answer(session, message, now)
         if isinstance(message, p.Release):
-            self._release(message.held[: p.MAX_RELEASE])
+            self._release(message.held[: p.MAX_RELEASE], now)
             return None
         return self._disconnect(session, message)
 
@@ -134,7 +134,7 @@ class ControlPlane:
                     len(late),
                     hold,
                 )
-                self._release(late)
+                self._release(late, now)
         for session in self.leases.expire(now):
             if session.shared:
                 self.shared.leave(session, now, clean=False)
@@ -213,7 +213,7 @@ class ControlPlane:
             self._gate.check(identity, hs, now)
         except Refused as exc:
             return self._reject(hs.seq, name, str(exc))
-        self._release(hs.release[: p.MAX_RELEASE])
+        self._release(hs.release[: p.MAX_RELEASE], now)
         if len(self.leases.sessions) >= self.leases.max_sessions:
             return self._reject(
                 hs.seq, name, f"too many sessions (--max-sessions {self.leases.max_sessions})"
@@ -270,7 +270,7 @@ class ControlPlane:
         session.slots_used = min(max(hb.slots_used, 0), len(session.lease))
         return p.HeartbeatAck(hb.seq, self.shared.event_seq(session) if session.shared else -1)
 
-    def _release(self, session_ids: list[str]) -> None:
+    def _release(self, session_ids: list[str], now: float) -> None:
         """Earlier sessions whose client reported every write resolved: free what they held.
         A session this server still counts live (its client gave it up while this server was
         frozen or slow, before it expired here) ends now, clean: nothing of it is in flight.
@@ -278,7 +278,7 @@ class ControlPlane:
         nonce its handshake answers is revoked."""
         if not session_ids:
             return
-        self._gate.revoke(session_ids)
+        self._gate.revoke(session_ids, now)
         for sid in session_ids:
             session = self.leases.sessions.get(sid)
             if session is not None:

@@ -272,6 +272,7 @@ def _greet(
             address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
         )
     request.nonce = challenge.nonce
+    request.client_nonce = client_nonce
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
     sock.send(p.encode(request))

@@ -9,7 +9,8 @@ Conversation:
 
 1. ``Hello(version, client_nonce)`` -> ``Challenge(version, nonce, server_proof)``, or
    ``Reject`` when the protocol versions differ.
-2. ``Handshake(nonce, proof, agent_metadata, region, fingerprint, slots, private)`` ->
+2. ``Handshake(nonce, client_nonce, proof, agent_metadata, region, fingerprint, slots,
+   private)`` (the client nonce of its ``Hello`` again: the server keeps nothing per hello) ->
    ``Accept`` with the server's NIXL metadata, its whole region and its stable ``host_id`` (what
    every tier places keys by), or ``Reject(reason)``. A private session gets a lease
    (``lease_start``/``lease_stop``) that it manages alone; a shared session (the default) gets
@@ -61,7 +62,7 @@ import msgspec
 
 from torch_kv_tier.keys import limits_problem
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 1 << 20  # the largest frame either side accepts; NIXL metadata is ~1 KiB
 NONCE_BYTES = 32
 ON_DISK = -1  # the slot of a key a shared host holds only on its disk (``Promote`` it)
@@ -124,6 +125,7 @@ class Handshake(msgspec.Struct, tag="handshake"):
     client_name: str = ""
     private: bool = False
     release: list[str] = []  # earlier sessions of this client whose writes all resolved
+    client_nonce: bytes = b""  # its ``Hello``'s, which the server's ``nonce`` was made for
 
 
 class Accept(msgspec.Struct, tag="accept"):

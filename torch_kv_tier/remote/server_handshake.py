@@ -1,39 +1,49 @@
 """The server's half of the authenticated handshake (``handshake`` is the client's): the nonces a
 ``Hello`` is answered with, and every check a ``Handshake`` must pass before a session opens.
 
-``Gate.hello`` answers a ``Hello`` with a ``Challenge``: a fresh nonce for that connection, and
-the server's proof over both nonces when the server has a token. ``Gate.check`` takes the nonce
-back (each is answered once, within ``CHALLENGE_TTL_S``) and checks the client's proof, its
-region, block size, config fingerprint and arguments. What the server does with a session that
-passed (a lease, a namespace) is the server's.
+``Gate.hello`` answers a ``Hello`` with a ``Challenge``: a nonce for that connection, and the
+server's proof over both nonces when the server has a token. The gate keeps nothing per hello:
+the nonce carries its expiry, a random part and a MAC under a secret of this process over the
+connection's identity, the client's nonce (the ``Handshake`` carries it back), the expiry and
+the random part. ``Gate.check`` recomputes that MAC, so a flood of hellos (from any number of
+connections) costs no memory and pushes out no other client's pending handshake. A nonce opens
+at most one session, within ``CHALLENGE_TTL_S``: the first ``Handshake`` whose proof passes uses
+it up (whatever the later checks say) and the gate remembers it until it would have expired
+anyway; one refused for its proof uses nothing, so a flood of bad proofs fills nothing either.
+``check`` then checks the client's region, block size, config fingerprint and arguments. What
+the server does with a session that passed (a lease, a namespace) is the server's.
 
 Failures: ``Refused`` carries the reason the client is told in a ``Reject``; a ``Hello`` that is
-malformed raises ``protocol.BadFrame``. At most ``MAX_PENDING_CHALLENGES`` nonces wait at once
-(the oldest are forgotten), so a flood of hellos costs bounded memory.
+malformed raises ``protocol.BadFrame``. At most ``MAX_ANSWERED`` nonces are remembered as used
+(those of the last ``CHALLENGE_TTL_S``: only clients that know the token, or any local one of a
+server without a token, add to them); past that, handshakes are refused until they expire.
 
 Threading: none of its own; the server calls it under its state lock, from its loop thread.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import secrets
-from dataclasses import dataclass
+import struct
+from collections import deque
 
 from torch_kv_tier.remote import protocol as p
 
+logger = logging.getLogger(__name__)
+
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
-MAX_PENDING_CHALLENGES = 1024  # oldest nonces are forgotten beyond this
+MAX_ANSWERED = 65536  # used nonces remembered at most (~10 MiB): ~2,000 handshakes a second
+_EXPIRY = struct.Struct(">d")  # a nonce: its expiry (the server's clock), random bytes, its MAC
+_RANDOM_BYTES = 8
+_MAC_BYTES = p.NONCE_BYTES - _EXPIRY.size - _RANDOM_BYTES
+_LENGTH = struct.Struct(">H")  # before each variable-length part the MAC covers
 
 
 class Refused(Exception):
     """A hello or handshake the server refuses; the message is what the client is told."""
-
-
-@dataclass
-class _Challenge:
-    nonce: bytes
-    client_nonce: bytes
-    expires: float
 
 
 class Gate:
@@ -44,37 +54,41 @@ class Gate:
         self._token = token
         self._block_len = block_len
         self._fingerprint = fingerprint
-        self._challenges: dict[bytes, _Challenge] = {}  # connection identity -> its nonce
+        self._secret = secrets.token_bytes(32)  # this process's: a restart makes nonces stale
+        self._answered: set[bytes] = set()  # nonces used up (or revoked), until they expire
+        self._forget: deque[tuple[float, bytes]] = deque()  # (when, nonce), in order of when
 
     def hello(self, identity: bytes, hello: p.Hello, now: float) -> p.Challenge:
-        """A nonce for the connection ``identity`` (replacing one it was given before)."""
+        """A nonce for the connection ``identity`` and the client nonce of ``hello``, to be
+        answered by ``now + CHALLENGE_TTL_S``."""
         if hello.version != p.PROTOCOL_VERSION:
             raise Refused(f"protocol version {hello.version} != {p.PROTOCOL_VERSION}")
         if not 16 <= len(hello.client_nonce) <= 64:
             raise p.BadFrame(f"client nonce must be 16..64 bytes, got {len(hello.client_nonce)}")
-        nonce = secrets.token_bytes(p.NONCE_BYTES)
-        challenges = self._challenges
-        challenges.pop(identity, None)
-        challenges[identity] = _Challenge(nonce, hello.client_nonce, now + CHALLENGE_TTL_S)
-        while len(challenges) > MAX_PENDING_CHALLENGES:
-            del challenges[next(iter(challenges))]
+        body = _EXPIRY.pack(now + CHALLENGE_TTL_S) + secrets.token_bytes(_RANDOM_BYTES)
+        nonce = body + self._mac(identity, hello.client_nonce, body)
         token = self._token
         proof = p.server_proof(token, nonce, hello.client_nonce) if token else b""
         return p.Challenge(p.PROTOCOL_VERSION, hello.seq, nonce, proof)
 
     def check(self, identity: bytes, hs: p.Handshake, now: float) -> None:
-        """Raise ``Refused`` unless ``hs`` answers the nonce ``identity`` was given and its
-        client may open a session here. The nonce is used up either way."""
-        challenge = self._challenges.pop(identity, None)
+        """Raise ``Refused`` unless ``hs`` answers, in time and for the first time, a nonce
+        ``identity`` was given, and its client may open a session here. The nonce is used up
+        once the proof passed, whatever the later checks say."""
         if hs.version != p.PROTOCOL_VERSION:
             raise Refused(f"protocol version {hs.version} != {p.PROTOCOL_VERSION}")
-        if challenge is None or challenge.expires < now or challenge.nonce != hs.nonce:
+        nonce = hs.nonce
+        if not self._issued(identity, hs.client_nonce, nonce, now) or nonce in self._answered:
             raise Refused(p.STALE_NONCE)
         token = self._token
-        if token and not p.proof_matches(
-            p.client_proof(token, challenge.nonce, challenge.client_nonce), hs.proof
-        ):
+        if token and not p.proof_matches(p.client_proof(token, nonce, hs.client_nonce), hs.proof):
             raise Refused("bad token")
+        if len(self._answered) >= MAX_ANSWERED:
+            raise Refused(
+                f"more than {MAX_ANSWERED} handshakes in the last {CHALLENGE_TTL_S:g} s: "
+                "try again later"
+            )
+        self._use(nonce, now)
         problem = hs.region.problem()
         if problem is not None:
             raise Refused(problem)
@@ -90,19 +104,49 @@ class Gate:
         if not hs.agent_metadata:
             raise Refused("agent metadata is empty")
 
-    def revoke(self, session_ids: list[str]) -> None:
-        """Forget the nonces of these (would-be) sessions: a session's id is the nonce its
-        handshake answered, in hex, so a ``Handshake`` still on its way with one is refused."""
-        ids = set(session_ids)
-        challenges = self._challenges
-        for identity in [i for i, c in challenges.items() if c.nonce.hex() in ids]:
-            del challenges[identity]
+    def revoke(self, session_ids: list[str], now: float) -> None:
+        """Use up the nonces of these (would-be) sessions: a session's id is the nonce its
+        handshake answered, in hex, so a ``Handshake`` still on its way with one is refused.
+        Ids that are no nonce still to be answered are ignored."""
+        for session_id in session_ids:
+            try:
+                nonce = bytes.fromhex(session_id)
+            except ValueError:
+                continue
+            if len(nonce) != p.NONCE_BYTES or nonce in self._answered:
+                continue
+            if not now <= _EXPIRY.unpack_from(nonce)[0] <= now + CHALLENGE_TTL_S:
+                continue  # expired, or no nonce of this process: nothing can answer it
+            if len(self._answered) >= MAX_ANSWERED:
+                logger.warning("%d nonces in use: not revoking %s", MAX_ANSWERED, session_id)
+                continue
+            self._use(nonce, now)
 
     def expire(self, now: float) -> None:
-        """Forget the nonces not answered in time."""
-        challenges = self._challenges
-        for identity in [i for i, c in challenges.items() if c.expires < now]:
-            del challenges[identity]
+        """Forget the used nonces that expired (no handshake can answer them any more)."""
+        forget = self._forget
+        while forget and forget[0][0] < now:
+            self._answered.discard(forget.popleft()[1])
+
+    def _use(self, nonce: bytes, now: float) -> None:
+        # kept until ``now + CHALLENGE_TTL_S``, past its expiry: ``_forget`` stays in order
+        self._answered.add(nonce)
+        self._forget.append((now + CHALLENGE_TTL_S, nonce))
+
+    def _issued(self, identity: bytes, client_nonce: bytes, nonce: bytes, now: float) -> bool:
+        """Whether this process gave ``nonce`` to ``identity`` for ``client_nonce``, and it has
+        not expired by ``now``."""
+        if len(nonce) != p.NONCE_BYTES or not 16 <= len(client_nonce) <= 64:
+            return False
+        if _EXPIRY.unpack_from(nonce)[0] < now:
+            return False
+        body = nonce[:-_MAC_BYTES]
+        return hmac.compare_digest(nonce[-_MAC_BYTES:], self._mac(identity, client_nonce, body))
+
+    def _mac(self, identity: bytes, client_nonce: bytes, body: bytes) -> bytes:
+        parts = (_LENGTH.pack(len(identity)), identity, _LENGTH.pack(len(client_nonce)))
+        message = b"".join((*parts, client_nonce, body))
+        return hmac.new(self._secret, message, hashlib.sha256).digest()[:_MAC_BYTES]
 
 
-__all__ = ["CHALLENGE_TTL_S", "MAX_PENDING_CHALLENGES", "Gate", "Refused"]
+__all__ = ["CHALLENGE_TTL_S", "MAX_ANSWERED", "Gate", "Refused"]

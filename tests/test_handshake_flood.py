@@ -1,0 +1,121 @@
+"""A flood of hellos from an unauthenticated peer must not keep a tier from joining a host: the
+host's gate kept each connection's nonce in a table of 1,024, the oldest forgotten, so 1,024
+hellos from new connections between a tier's ``Hello`` and its ``Handshake`` (a round trip)
+pushed out that tier's nonce, and its handshake was refused as stale, again and again."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import zmq
+from remote_support import BLOCK_LEN, TOKEN
+
+from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.server_handshake import CHALLENGE_TTL_S, Gate, Refused
+
+FLOOD = 4096  # hellos, each from a connection of its own: four times the old table
+REGION = p.Region(0x10000, 8, BLOCK_LEN)
+
+
+def _hello(seq: int = 1) -> tuple[p.Hello, bytes]:
+    client_nonce = os.urandom(32)
+    return p.Hello(p.PROTOCOL_VERSION, seq, client_nonce), client_nonce
+
+
+def _handshake(challenge: p.Challenge, client_nonce: bytes, token: str | None) -> p.Handshake:
+    proof = p.client_proof(token, challenge.nonce, client_nonce) if token else b""
+    return p.Handshake(
+        p.PROTOCOL_VERSION, 2, challenge.nonce, proof, b"meta", REGION, "", None,
+        client_nonce=client_nonce,
+    )  # fmt: skip
+
+
+def _gate_challenge(gate: Gate, identity: bytes, now: float) -> p.Handshake:
+    hello, client_nonce = _hello()
+    return _handshake(gate.hello(identity, hello, now), client_nonce, TOKEN)
+
+
+def test_a_flood_of_hellos_between_a_hello_and_its_handshake_is_no_refusal() -> None:
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    handshake = _gate_challenge(gate, b"tier", 0.0)
+    for i in range(FLOOD):
+        gate.hello(i.to_bytes(5, "big"), _hello()[0], 0.1)
+    gate.expire(0.2)
+    gate.check(b"tier", handshake, 0.3)  # (refused as stale, unfixed)
+
+
+def test_a_nonce_opens_one_session_for_its_own_connection_within_its_time() -> None:
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    handshake = _gate_challenge(gate, b"tier", 0.0)
+    with pytest.raises(Refused, match="stale"):  # another connection that captured it
+        gate.check(b"thief", handshake, 1.0)
+    gate.check(b"tier", handshake, 1.0)
+    with pytest.raises(Refused, match="stale"):  # replayed, even on its own connection
+        gate.check(b"tier", handshake, 2.0)
+    late = _gate_challenge(gate, b"tier", 0.0)
+    with pytest.raises(Refused, match="stale"):
+        gate.check(b"tier", late, CHALLENGE_TTL_S + 0.1)
+
+
+def test_a_bad_proof_uses_nothing_and_a_revoked_nonce_opens_nothing() -> None:
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    handshake = _gate_challenge(gate, b"tier", 0.0)
+    forged = _handshake(p.Challenge(p.PROTOCOL_VERSION, 1, handshake.nonce, b""), b"x" * 32, None)
+    with pytest.raises(Refused, match="stale"):  # another client nonce: not what it was made for
+        gate.check(b"tier", forged, 1.0)
+    guessed = _handshake(
+        p.Challenge(p.PROTOCOL_VERSION, 1, handshake.nonce, b""), handshake.client_nonce, "guess"
+    )
+    with pytest.raises(Refused, match="bad token"):
+        gate.check(b"tier", guessed, 1.0)
+    revoked = _gate_challenge(gate, b"tier", 0.0)
+    gate.revoke([revoked.nonce.hex(), "not hex", "ab" * 40], 1.0)
+    with pytest.raises(Refused, match="stale"):  # its client gave up waiting: never opens
+        gate.check(b"tier", revoked, 1.5)
+    gate.check(b"tier", handshake, 2.0)  # the real one, after a guess and a forgery
+
+
+def _challenged(sock: zmq.Socket[bytes]) -> p.Challenge:
+    assert sock.poll(10_000), "no challenge within 10 s"
+    challenge = p.decode_server(sock.recv())
+    assert isinstance(challenge, p.Challenge), challenge
+    return challenge
+
+
+def test_a_tier_joins_a_serving_host_after_a_flood_of_hellos(tmp_path: os.PathLike[str]) -> None:
+    """The host answered every flooding hello (from 1,280 connections) between the tier's hello
+    and its handshake: the tier is accepted, and its handshake replayed is refused."""
+    token = os.path.join(tmp_path, "token")
+    with open(token, "w", encoding="utf-8") as f:
+        f.write(TOKEN)
+    os.chmod(token, 0o600)
+    context = zmq.Context()
+    try:
+        with ServerProcess.start(16, BLOCK_LEN, token_file=token) as server:
+            endpoint = f"tcp://{server.address}"
+            tier = context.socket(zmq.DEALER)
+            tier.connect(endpoint)
+            hello, client_nonce = _hello()
+            tier.send(p.encode(hello))
+            handshake = p.encode(_handshake(_challenged(tier), client_nonce, TOKEN))
+            for _ in range(2):
+                flooders = [context.socket(zmq.DEALER) for _ in range(640)]
+                for sock in flooders:
+                    sock.connect(endpoint)
+                    sock.send(p.encode(_hello()[0]))
+                for sock in flooders:
+                    _challenged(sock)
+                    sock.close(linger=0)
+            tier.send(handshake)
+            assert tier.poll(10_000)
+            accept = p.decode_server(tier.recv())
+            assert isinstance(accept, p.Accept), accept  # (a Reject: stale nonce, unfixed)
+            tier.send(handshake)
+            assert tier.poll(10_000)
+            replayed = p.decode_server(tier.recv())
+            assert isinstance(replayed, p.Reject) and replayed.reason == p.STALE_NONCE
+            tier.close(linger=0)
+    finally:
+        context.destroy(linger=0)
