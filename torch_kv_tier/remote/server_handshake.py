@@ -23,7 +23,6 @@ Threading: none of its own; the server calls it under its state lock, from its l
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import secrets
@@ -146,7 +145,7 @@ class Gate:
     def _mac(self, identity: bytes, client_nonce: bytes, body: bytes) -> bytes:
         parts = (_LENGTH.pack(len(identity)), identity, _LENGTH.pack(len(client_nonce)))
         message = b"".join((*parts, client_nonce, body))
-        return hmac.new(self._secret, message, hashlib.sha256).digest()[:_MAC_BYTES]
+        return hmac.digest(self._secret, message, "sha256")[:_MAC_BYTES]
 
 
 __all__ = ["CHALLENGE_TTL_S", "MAX_ANSWERED", "Gate", "Refused"]
