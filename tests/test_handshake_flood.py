@@ -11,7 +11,7 @@ import pytest
 import zmq
 from remote_support import BLOCK_LEN, TOKEN
 
-from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import ServerProcess, server_handshake
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.server_handshake import CHALLENGE_TTL_S, Gate, Refused
 
@@ -119,3 +119,29 @@ def test_a_tier_joins_a_serving_host_after_a_flood_of_hellos(tmp_path: os.PathLi
             tier.close(linger=0)
     finally:
         context.destroy(linger=0)
+
+
+def test_the_nonces_remembered_are_bounded_and_only_those_whose_proof_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``MAX_ANSWERED`` used nonces in the last ``CHALLENGE_TTL_S``, handshakes are refused
+    (never is an older one forgotten early: it could be replayed), and neither bad proofs nor
+    revocations past it add to them."""
+    monkeypatch.setattr(server_handshake, "MAX_ANSWERED", 2)
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    for _ in range(100):  # a wrong token: each uses nothing
+        bad = _gate_challenge(gate, b"flood", 0.0)
+        bad.proof = b"x" * 32
+        with pytest.raises(Refused, match="bad token"):
+            gate.check(b"flood", bad, 0.5)
+    first, second, third = (_gate_challenge(gate, b"tier", 0.0) for _ in range(3))
+    gate.check(b"tier", first, 1.0)
+    gate.check(b"tier", second, 1.0)
+    gate.revoke([third.nonce.hex()], 1.0)  # no room: not remembered (a warning says so)
+    with pytest.raises(Refused, match="try again later"):
+        gate.check(b"tier", third, 1.0)
+    with pytest.raises(Refused, match="stale"):  # still remembered, for as long as it is valid
+        gate.check(b"tier", first, 2.0)
+    gate.expire(1.0 + CHALLENGE_TTL_S + 0.1)  # the used ones expired, and are forgotten
+    late = _gate_challenge(gate, b"tier", 31.0)
+    gate.check(b"tier", late, 31.5)
