@@ -145,3 +145,17 @@ def test_the_nonces_remembered_are_bounded_and_only_those_whose_proof_passed(
     gate.expire(1.0 + CHALLENGE_TTL_S + 0.1)  # the used ones expired, and are forgotten
     late = _gate_challenge(gate, b"tier", 31.0)
     gate.check(b"tier", late, 31.5)
+
+
+def test_a_nonce_does_not_tell_the_hosts_uptime() -> None:
+    """A nonce carries its expiry, which was the host's monotonic clock plus 30 s: anyone who
+    said hello learnt how long the host had been up. It is now moved by a random offset of the
+    process, and still checked against the host's clock."""
+    now = 1234.5
+    nonces = [Gate(TOKEN, BLOCK_LEN, "").hello(b"id", _hello()[0], now).nonce for _ in range(4)]
+    expiries = {server_handshake._EXPIRY.unpack_from(n)[0] for n in nonces}
+    assert now + CHALLENGE_TTL_S not in expiries and len(expiries) == 4
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    gate.check(b"id", _gate_challenge(gate, b"id", now), now + CHALLENGE_TTL_S - 0.01)
+    with pytest.raises(Refused):
+        gate.check(b"id", _gate_challenge(gate, b"id", now), now + CHALLENGE_TTL_S + 0.01)

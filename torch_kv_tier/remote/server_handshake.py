@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_ANSWERED = 65536  # used nonces remembered at most (~10 MiB): ~2,000 handshakes a second
-_EXPIRY = struct.Struct(">d")  # a nonce: its expiry (the server's clock), random bytes, its MAC
+_EXPIRY = struct.Struct(">d")  # a nonce: its expiry (``_expiry``), random bytes, its MAC
 _RANDOM_BYTES = 8
 _MAC_BYTES = p.NONCE_BYTES - _EXPIRY.size - _RANDOM_BYTES
 _LENGTH = struct.Struct(">H")  # before each variable-length part the MAC covers
@@ -54,6 +54,8 @@ class Gate:
         self._block_len = block_len
         self._fingerprint = fingerprint
         self._secret = secrets.token_bytes(32)  # this process's: a restart makes nonces stale
+        # a nonce's expiry is on the server's clock moved by this (its uptime is nobody's business)
+        self._clock_offset = float(secrets.randbelow(1 << 40))
         self._answered: set[bytes] = set()  # nonces used up (or revoked), until they expire
         self._forget: deque[tuple[float, bytes]] = deque()  # (when, nonce), in order of when
 
@@ -64,7 +66,8 @@ class Gate:
             raise Refused(f"protocol version {hello.version} != {p.PROTOCOL_VERSION}")
         if not 16 <= len(hello.client_nonce) <= 64:
             raise p.BadFrame(f"client nonce must be 16..64 bytes, got {len(hello.client_nonce)}")
-        body = _EXPIRY.pack(now + CHALLENGE_TTL_S) + secrets.token_bytes(_RANDOM_BYTES)
+        expiry = now + CHALLENGE_TTL_S + self._clock_offset
+        body = _EXPIRY.pack(expiry) + secrets.token_bytes(_RANDOM_BYTES)
         nonce = body + self._mac(identity, hello.client_nonce, body)
         token = self._token
         proof = p.server_proof(token, nonce, hello.client_nonce) if token else b""
@@ -114,7 +117,7 @@ class Gate:
                 continue
             if len(nonce) != p.NONCE_BYTES or nonce in self._answered:
                 continue
-            if not now <= _EXPIRY.unpack_from(nonce)[0] <= now + CHALLENGE_TTL_S:
+            if not now <= self._expiry(nonce) <= now + CHALLENGE_TTL_S:
                 continue  # expired, or no nonce of this process: nothing can answer it
             if len(self._answered) >= MAX_ANSWERED:
                 logger.warning("%d nonces in use: not revoking %s", MAX_ANSWERED, session_id)
@@ -137,10 +140,14 @@ class Gate:
         not expired by ``now``."""
         if len(nonce) != p.NONCE_BYTES or not 16 <= len(client_nonce) <= 64:
             return False
-        if _EXPIRY.unpack_from(nonce)[0] < now:
+        if self._expiry(nonce) < now:
             return False
         body = nonce[:-_MAC_BYTES]
         return hmac.compare_digest(nonce[-_MAC_BYTES:], self._mac(identity, client_nonce, body))
+
+    def _expiry(self, nonce: bytes) -> float:
+        """When ``nonce`` expires, on the server's clock."""
+        return float(_EXPIRY.unpack_from(nonce)[0]) - self._clock_offset
 
     def _mac(self, identity: bytes, client_nonce: bytes, body: bytes) -> bytes:
         parts = (_LENGTH.pack(len(identity)), identity, _LENGTH.pack(len(client_nonce)))
