@@ -78,6 +78,7 @@ class ArenaBatches:
         for :func:`.offload_results.combine`."""
         keys, batches = list(todo), []
         peers: list[str] | None = None
+        resized = False  # the next batch was sized again for hosts that changed: not twice
         while keys:
             if peers != (looked := self._manager.peers()):  # at first, or the hosts changed
                 peers, homes = looked, homes_among(keys, looked)
@@ -94,11 +95,13 @@ class ArenaBatches:
                 batches.append(fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity"))
                 keys, homes = keys_without(keys, homes, {homes[0]})
                 continue
-            stores = self.store(keys[:n], [todo[k] for k in keys[:n]], homes[:n], deadline, peers)
+            pages = [todo[k] for k in keys[:n]]
+            stores = self.store(keys[:n], pages, homes[:n], deadline, peers, resize=not resized)
             if stores is None:  # the hosts changed as it waited for slots: sized again
+                resized = True
                 continue
             batches.extend(stores)
-            keys, homes = keys[n:], homes[n:]
+            keys, homes, resized = keys[n:], homes[n:], False
         return batches
 
     def load_prefix(self, keys: list[Key], pages: list[int], deadline: float) -> int:
@@ -134,14 +137,19 @@ class ArenaBatches:
         homes: list[str | None],
         deadline: float,
         peers: list[str],
+        *,
+        resize: bool = True,
     ) -> list[Batch] | None:
         """Pack ``pages`` into free slots (waiting until ``deadline`` for them) and store them
-        under ``keys``, one store per host (``homes``: each key's among ``peers``; ``None``,
-        nothing sent and the slots back, if the tier's hosts are others once the slots came
-        and the pages were copied, before ``deadline``: the batch was sized for them), whose
-        slots come back when it resolved (overdue once under way for the timeout: however late
-        in its offload it started, a healthy host's store is not); the pages may change once
-        this returns.
+        under ``keys``, one store per host (``homes``: each key's among ``peers``). If the
+        tier's hosts are others once the slots came and the pages were copied: ``None``,
+        nothing sent and the slots back, when ``resize`` and before ``deadline`` (the batch
+        was sized for them); else the batch is stored as sized (a batch is sized again at most
+        once, so hosts that change at every look cost one copy more, not a spin until the
+        deadline). A store's slots come
+        back when it resolved (overdue once under way for the timeout: however late in its
+        offload it started, a healthy host's store is not); the pages may change once this
+        returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), and so does a ``KeyboardInterrupt`` in the tier's store (the slots of what it
@@ -154,7 +162,7 @@ class ArenaBatches:
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
             self._release(slots)
             raise
-        if self._manager.peers() != peers and time.monotonic() < deadline:
+        if self._manager.peers() != peers and resize and time.monotonic() < deadline:
             self._release(slots)
             return None
         stores: list[Batch] = []
