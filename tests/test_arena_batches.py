@@ -321,6 +321,26 @@ def test_an_offload_whose_hosts_change_at_every_look_settles_at_once() -> None:
     assert tier.arena.num_free == 4
 
 
+def test_a_batch_stored_after_the_hosts_changed_counts_as_the_hosts_it_went_to() -> None:
+    # Found by review: a batch whose hosts changed once its slots came was stored as sized
+    # past its deadline (and, since the fix above, after it was sized again once) with each
+    # key counted as its home's among the hosts before: the pages a joining host now wins were
+    # counted as the old host's. The joining host froze, and the healthy old host was
+    # "overdue": its next pages failed ("host overdue") until the frozen host's session was
+    # lost. Each key now counts as its home's among the hosts at the store.
+    looks = iter(range(10**9))
+    both = ["a", "b"]
+    tier = ScriptedTier(4, both, frozen={"b"})
+    tier.peers = lambda: both[: 1 if next(looks) == 0 else 2]  # type: ignore[method-assign]
+    arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
+    (on_b, later_on_b), (on_a, later_on_a) = keys_on("b", both, 2), keys_on("a", both, 2)
+    assert failures(arena.store_all({on_b: 0, on_a: 1}, time.monotonic())) == {}
+    later = {later_on_a: 2, later_on_b: 3}  # b's store is under way, past the timeout
+    assert failures(arena.store_all(later, time.monotonic() + WAIT_S)) == {later_on_b: OVERDUE}
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+
+
 def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_looks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -144,9 +144,9 @@ class ArenaBatches:
         under ``keys``, one store per host (``homes``: each key's among ``peers``). If the
         tier's hosts are others once the slots came and the pages were copied: ``None``,
         nothing sent and the slots back, when ``resize`` and before ``deadline`` (the batch
-        was sized for them); else the batch is stored as sized (a batch is sized again at most
-        once, so hosts that change at every look cost one copy more, not a spin until the
-        deadline). A store's slots come
+        was sized for them); else the batch is stored as sized, each key counted as its home's
+        among the hosts now (a batch is sized again at most once, so hosts that change at
+        every look cost one copy more, not a spin until the deadline). A store's slots come
         back when it resolved (overdue once under way for the timeout: however late in its
         offload it started, a healthy host's store is not); the pages may change once this
         returns.
@@ -162,9 +162,11 @@ class ArenaBatches:
         except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
             self._release(slots)
             raise
-        if self._manager.peers() != peers and resize and time.monotonic() < deadline:
-            self._release(slots)
-            return None
+        if (now := self._manager.peers()) != peers:
+            if resize and time.monotonic() < deadline:
+                self._release(slots)
+                return None
+            homes = homes_among(keys, now)  # as the tier places them now
         stores: list[Batch] = []
         due = time.monotonic() + self._timeout
         parts = list(by_host(keys, homes, slots).items())
