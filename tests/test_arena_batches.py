@@ -261,6 +261,70 @@ def test_a_restore_interrupted_inside_the_tiers_load_gets_the_other_hosts_slots_
     assert tier.arena.num_free == 5  # all but the interrupted load's slot
 
 
+@pytest.mark.parametrize(("where", "free"), [("started", 3), ("log", 4)])
+def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
+    monkeypatch: pytest.MonkeyPatch, where: str, free: int
+) -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) as a restore held the slots of a read past
+    # its deadline: between the read's record and its callback ("started"), the record was
+    # never ended, its host "overdue" for good (every later offload to it failed "host
+    # overdue", every restore stopped at its keys); anywhere in that step ("log"), the slots
+    # of the other hosts' reads, done, never came back. Now the record goes with the
+    # interrupt (only the read's own slot is lost: nothing says when it ends), and the other
+    # slots come back.
+    peers = ["a", "b"]
+    tier = ScriptedTier(4, peers, frozen=set())
+    late: list[tuple[list[Key], Future[TransferResult]]] = []
+    on_b = keys_on("b", peers, 1)
+
+    def load(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        read: Future[TransferResult] = Future()
+        if keys == on_b:
+            read.set_result(stored(keys))  # b answers at once
+        else:
+            late.append((list(keys), read))  # a's read stays under way
+        return read
+
+    def interrupt_started(shares: host_shares.HostShares, *args: object) -> None:
+        real_started(shares, *args)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    def interrupt_log(message: str, *args: object) -> None:
+        if message.startswith("restore from"):
+            raise KeyboardInterrupt
+
+    tier.load = load  # type: ignore[method-assign]
+    real_started = host_shares.HostShares.started
+    if where == "started":
+        monkeypatch.setattr(host_shares.HostShares, "started", interrupt_started)
+    else:
+        monkeypatch.setattr(arena_batches.log, "warning", interrupt_log)
+    arena = batches(tier, timeout=0.0)  # a read is overdue as soon as it is held
+    with pytest.raises(KeyboardInterrupt):
+        arena.load_prefix([keys_on("a", peers, 1)[0], *on_b], [0, 1], time.monotonic() + 0.05)
+    monkeypatch.undo()
+    for keys, read in late:
+        read.set_result(stored(keys))  # a answers: its read ended
+    del tier.load
+    (later_on_a,) = keys_on("a", peers, 2)[1:]
+    assert failures(arena.store_all({later_on_a: 2}, time.monotonic() + WAIT_S)) == {}
+    assert arena.load_prefix([later_on_a], [3], time.monotonic() + WAIT_S) == 1
+    assert tier.arena.num_free == free
+
+
+def test_a_flush_after_an_offload_interrupted_as_it_was_tracked_does_not_wait() -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) between counting an offload as pending and
+    # adding its callback left it pending for good: every later flush() waited its whole
+    # timeout and returned False, and close() logged that offloads were still in flight.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    arena = batches(tier, timeout=WAIT_S)
+    offload = CtrlCBeforeItsCallback()
+    with pytest.raises(KeyboardInterrupt):
+        arena.track(offload)
+    offload.set_result(stored([]))
+    assert arena.wait_idle(time.monotonic() + 1.0)
+
+
 class JoinAsItCopies(NoCopies):
     """Page copies during which host ``b`` joins the tier (the tier's redial)."""
 

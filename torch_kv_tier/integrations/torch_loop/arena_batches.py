@@ -29,7 +29,6 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
 from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.host_shares import (
@@ -186,17 +185,25 @@ class ArenaBatches:
         return stores
 
     def _started(
-        self, future: Future[TransferResult], host: str | None, slots: list[int], due: float
+        self,
+        future: Future[TransferResult],
+        host: str | None,
+        slots: list[int],
+        due: float,
+        *,
+        store: bool = True,
     ) -> None:
-        """Hand ``slots`` back once the store ``future`` to ``host`` resolved; until then it
-        is pending, and overdue from ``due`` on."""
+        """Hand ``slots`` back once ``future`` (a store to ``host``; not ``store``: a read
+        from it) resolved; until then it is under way (a store also pending), overdue from
+        ``due`` on."""
         # The record first, so that the slots are in the room until the callback returns
         # them (a future resolved meanwhile: at once, record and all). A Ctrl-C before the
         # callback is added drops the record (none is left that nothing ends: its host
         # overdue, ``wait_idle`` waiting, for good) and loses the slots, out of the room.
         try:
             with self._lock:
-                self._pending.add(future)
+                if store:
+                    self._pending.add(future)
                 self._shares.started(future, host, len(slots), due)
             future.add_done_callback(functools.partial(self._release, slots))
         except BaseException:
@@ -256,35 +263,43 @@ class ArenaBatches:
                 log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
-            unended = [f for f in futures if not f.done()]
-            in_use = self._hold(futures, unended, due, "was interrupted").union(unsure)
-            if unsure:  # nothing will say when a read it may have begun ended
-                log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
-            self._release([slot for slot in slots if slot not in in_use])
-            raise
-        in_use = self._hold(futures, late, due, "timed out, recomputing the rest")
-        for future in done:
+            in_use = set(unsure)  # nothing will say when a read it may have begun ended
             try:
-                result = future.result()
-            except Exception as exc:
-                log.warning("restore failed, recomputing: %s", exc)
-                continue
-            loaded.update(result.keys)
-            failed.update(result.failed)
-        count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
-        if count < len(keys) and keys[count] in failed:
-            log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
+                unended = [f for f in futures if not f.done()]
+                self._hold(futures, unended, due, "was interrupted", in_use)
+            finally:
+                if unsure:
+                    log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
+                self._release([slot for slot in slots if slot not in in_use])
+            raise
+        in_use = set()
         try:
+            self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use)
+            for future in done:
+                try:
+                    result = future.result()
+                except Exception as exc:
+                    log.warning("restore failed, recomputing: %s", exc)
+                    continue
+                loaded.update(result.keys)
+                failed.update(result.failed)
+            count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
+            if count < len(keys) and keys[count] in failed:
+                log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
             self._pages.scatter(slots[:count], pages[:count])
-        finally:
+        finally:  # a Ctrl-C too: the others' slots come back, the held reads' when they end
             self._release([slot for slot in slots if slot not in in_use])
         return count
 
     def track(self, offload: Future[TransferResult]) -> None:
         """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
-        with self._lock:
-            self._pending.add(offload)
-        offload.add_done_callback(self._retire)
+        try:  # a Ctrl-C before the callback was added: no pending offload that nothing ends
+            with self._lock:
+                self._pending.add(offload)
+            offload.add_done_callback(self._retire)
+        except BaseException:
+            self._retire(offload)
+            raise
 
     def wait_idle(self, deadline: float) -> bool:
         """Wait until no store or offload is pending; ``False`` if ``deadline`` came first."""
@@ -299,28 +314,27 @@ class ArenaBatches:
     def _hold(
         self,
         reads: dict[Future[TransferResult], tuple[str | None, list[int]]],
-        unended: Iterable[Future[TransferResult]],
+        unended: list[Future[TransferResult]],
         due: float,
         why: str,
-    ) -> set[int]:
+        in_use: set[int],
+    ) -> None:
         """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
-        ends (at once for one that ended meanwhile), under way until ``due``,
-        overdue from then on; returns those slots. ``why``: how the restore ended before them,
-        for the log."""
-        held: set[int] = set()
+        ends (at once for one that ended meanwhile), under way until ``due``, overdue from then
+        on; ``why``: how the restore ended before them, for the log. Adds those slots to
+        ``in_use`` first, so that a caller interrupted here (Ctrl-C) frees none of them: a read
+        whose callback was not added keeps its slots for good, and leaves no record that
+        nothing ends (``_started``)."""
+        in_use.update(slot for future in unended for slot in reads[future][1])
         for future in unended:  # the tier may still write into these slots
             host, slots = reads[future]
-            with self._lock:
-                self._shares.started(future, host, len(slots), due)
-            held.update(slots)
-            future.add_done_callback(functools.partial(self._release, slots))
+            self._started(future, host, slots, due, store=False)
             log.warning(
                 "restore from %s %s; its reads hold %d arena slots until they end",
                 host,
                 why,
                 len(slots),
             )
-        return held
 
     def _batch_size(self, homes: list[str | None], several: bool, deadline: float) -> int:
         """How many of the keys whose hosts are ``homes`` the next store or restore batch
