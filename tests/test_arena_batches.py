@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import pytest
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.integrations.torch_loop import arena_batches, host_shares
+from torch_kv_tier.integrations.torch_loop import arena_batches, arena_slots, host_shares
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
 from torch_kv_tier.keys import Key, home_peer
@@ -298,7 +298,7 @@ def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
     if where == "started":
         monkeypatch.setattr(host_shares.HostShares, "started", interrupt_started)
     else:
-        monkeypatch.setattr(arena_batches.log, "warning", interrupt_log)
+        monkeypatch.setattr(arena_slots.log, "warning", interrupt_log)
     arena = batches(tier, timeout=0.0)  # a read is overdue as soon as it is held
     with pytest.raises(KeyboardInterrupt):
         arena.load_prefix([keys_on("a", peers, 1)[0], *on_b], [0, 1], time.monotonic() + 0.05)
@@ -417,6 +417,7 @@ def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_
     clock = types.SimpleNamespace(skew=0.0, jump=0.0)
     fake_time = types.SimpleNamespace(monotonic=lambda: time.monotonic() + clock.skew)
     monkeypatch.setattr(arena_batches, "time", fake_time)
+    monkeypatch.setattr(arena_slots, "time", fake_time)
     monkeypatch.setattr(host_shares, "time", fake_time)
     under_way = host_shares.HostShares.under_way  # how a wait for slots looks at the hosts
 

@@ -4,10 +4,8 @@ An offload or restore larger than the arena goes in batches of at most the arena
 (``store_all``, ``load_prefix``). For each, :class:`ArenaBatches` lends a batch free arena slots
 (waiting for them until the caller's deadline), packs cache pages into them and hands them to the
 tier's ``store``, or has the tier ``load`` into them and unpacks the loaded prefix into cache
-pages (:mod:`.page_copy`). A slot goes back to the arena once nothing can touch it any more:
-after the copy out for a load, when the tier's future resolved for a store (or a load that timed
-out or whose wait was interrupted, which may still land). It also counts the offloads still
-pending, which ``PagedKVOffloader.flush`` waits for.
+pages (:mod:`.page_copy`). Its base :class:`.arena_slots.ArenaSlots` lends the slots, sizes the
+batches and takes the slots back once nothing can touch them any more.
 
 A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
 may be never, and those of its stores until its session is lost. So a batch reads from, and
@@ -17,25 +15,20 @@ their timeout (:mod:`.host_shares`).
 
 Threading: ``store_all``, ``load_prefix`` (and ``store``/``load``, of one batch) and
 ``wait_idle`` run on the offloader's caller thread (the generation loop); store completions run
-on the tier's background thread and only return slots and retire futures. ``self._changed`` (a
-condition on ``self._lock``) guards the arena's allocator and the set of pending futures (the
-tier's store futures and the offloads ``PagedKVOffloader.offload`` returned), and wakes whoever
-waits for either.
+on the tier's background thread and only return slots and retire futures (``ArenaSlots``, whose
+lock guards the slots and the records of transfers under way).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
 from concurrent.futures import Future, wait
 
+from torch_kv_tier.integrations.torch_loop.arena_slots import ArenaSlots
 from torch_kv_tier.integrations.torch_loop.host_shares import (
     OVERDUE,
-    HostShares,
     by_host,
-    fitting,
     homes_among,
     keys_without,
 )
@@ -45,9 +38,7 @@ from torch_kv_tier.integrations.torch_loop.offload_results import (
     fail_hosts,
     failed_now,
 )
-from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key
-from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["ArenaBatches"]
@@ -55,19 +46,9 @@ __all__ = ["ArenaBatches"]
 log = logging.getLogger(__name__)
 
 
-class ArenaBatches:
+class ArenaBatches(ArenaSlots):
     """Stores and loads batches of pages through ``manager``'s arena (module docstring); must
-    be the arena's only user. ``timeout`` is the offloader's: how long a store may be under
-    way before its host is overdue; named in the log lines."""
-
-    def __init__(self, manager: TierManager, pages: PageCopier, timeout: float) -> None:
-        self._manager = manager
-        self._pages = pages
-        self._timeout = timeout
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._pending: set[Future[TransferResult]] = set()
-        self._shares = HostShares()  # the transfers under way, and which are past the timeout
+    be the arena's only user. Built as :class:`.arena_slots.ArenaSlots` is."""
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that
@@ -184,34 +165,6 @@ class ArenaBatches:
             stores.append((host_keys, future))
         return stores
 
-    def _started(
-        self,
-        future: Future[TransferResult],
-        host: str | None,
-        slots: list[int],
-        due: float,
-        *,
-        store: bool = True,
-    ) -> None:
-        """Hand ``slots`` back once ``future`` (a store to ``host``; not ``store``: a read
-        from it) resolved; until then it is under way (a store also pending), overdue from
-        ``due`` on."""
-        # The record first, so that the slots are in the room until the callback returns
-        # them (a future resolved meanwhile: at once, record and all). A Ctrl-C before the
-        # callback is added drops the record (none is left that nothing ends: its host
-        # overdue, ``wait_idle`` waiting, for good) and loses the slots, out of the room.
-        try:
-            with self._lock:
-                if store:
-                    self._pending.add(future)
-                self._shares.started(future, host, len(slots), due)
-            future.add_done_callback(functools.partial(self._release, slots))
-        except BaseException:
-            with self._lock:
-                self._pending.discard(future)
-                self._shares.ended(future)
-            raise
-
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
         """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
         future: it may have sent any of them. The same store again returns a future that
@@ -290,126 +243,3 @@ class ArenaBatches:
         finally:  # a Ctrl-C too: the others' slots come back, the held reads' when they end
             self._release([slot for slot in slots if slot not in in_use])
         return count
-
-    def track(self, offload: Future[TransferResult]) -> None:
-        """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
-        try:  # a Ctrl-C before the callback was added: no pending offload that nothing ends
-            with self._lock:
-                self._pending.add(offload)
-            offload.add_done_callback(self._retire)
-        except BaseException:
-            self._retire(offload)
-            raise
-
-    def wait_idle(self, deadline: float) -> bool:
-        """Wait until no store or offload is pending; ``False`` if ``deadline`` came first."""
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-        return True
-
-    def _hold(
-        self,
-        reads: dict[Future[TransferResult], tuple[str | None, list[int]]],
-        unended: list[Future[TransferResult]],
-        due: float,
-        why: str,
-        in_use: set[int],
-    ) -> None:
-        """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
-        ends (at once for one that ended meanwhile), under way until ``due``, overdue from then
-        on; ``why``: how the restore ended before them, for the log. Adds those slots to
-        ``in_use`` first, so that a caller interrupted here (Ctrl-C) frees none of them: a read
-        whose callback was not added keeps its slots for good, and leaves no record that
-        nothing ends (``_started``)."""
-        in_use.update(slot for future in unended for slot in reads[future][1])
-        for future in unended:  # the tier may still write into these slots
-            host, slots = reads[future]
-            self._started(future, host, slots, due, store=False)
-            log.warning(
-                "restore from %s %s; its reads hold %d arena slots until they end",
-                host,
-                why,
-                len(slots),
-            )
-
-    def _batch_size(self, homes: list[str | None], several: bool, deadline: float) -> int:
-        """How many of the keys whose hosts are ``homes`` the next store or restore batch
-        takes: those the slots of overdue hosts leave room for, each host's share less its
-        transfers under way (with ``several`` hosts, half what others leave), up to the first
-        key of an overdue host, waiting (until ``deadline``) while the first key's host has no
-        share left (0: it is overdue, or had none by then); all of them once no room is left
-        (they fail at once)."""
-        with self._lock:
-            while True:
-                seen = time.monotonic()
-                held, under_way = self._shares.overdue(seen), self._shares.under_way(seen)
-                room = self._shares.room(self._manager.arena.num_free, under_way)
-                if not room:
-                    return len(homes)
-                share = functools.partial(
-                    self._shares.share, room=room, under_way=under_way, several=several
-                )
-                if several:
-                    n = fitting(homes[:room], share, held)
-                else:  # the usual: one host (or none), no per-key pass
-                    n = 0 if homes[0] in held else max(0, min(len(homes), share(homes[0])))
-                if n or homes[0] in held or not self._wait(deadline, seen):
-                    return n
-
-    def _acquire(self, n: int, deadline: float) -> list[int] | None:
-        """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
-        while restores that timed out hold too many for ``n`` ever to be free (a frozen host
-        would otherwise cost the loop a whole timeout per call for as long as it is frozen)."""
-        arena = self._manager.arena
-        with self._lock:
-            while arena.num_free < n:
-                seen = time.monotonic()
-                room = self._shares.room(arena.num_free, self._shares.under_way(seen))
-                if n > room or not self._wait(deadline, seen):
-                    return None
-            return arena.allocate(n)
-
-    def _wait(self, deadline: float, seen: float) -> bool:
-        """Under the lock: wait until something changed (slots came back, a store or read
-        ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
-        once) once it has passed. ``seen``: the time the caller asked the overdue hosts for,
-        so that a store that turned overdue since ends the wait at once."""
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        self._changed.wait(min(deadline, self._shares.next_due(seen)) - now)
-        return True
-
-    def _room(self) -> int:
-        """How many slots a batch may take (``HostShares.room``)."""
-        with self._lock:
-            free = self._manager.arena.num_free
-            return self._shares.room(free, self._shares.under_way(time.monotonic()))
-
-    def _no_slots(self) -> str:
-        with self._lock:
-            stuck = self._shares.overdue().total()
-        held = (
-            f" ({stuck} held by hosts past the timeout, until their transfers end)" if stuck else ""
-        )
-        return f"no free arena slots within the timeout{held}"
-
-    def _retire(self, offload: Future[TransferResult]) -> None:
-        """Forget a resolved offload's future; wakes ``wait_idle``."""
-        with self._lock:
-            self._pending.discard(offload)
-            self._changed.notify_all()
-
-    def _release(self, slots: list[int], transfer: Future[TransferResult] | None = None) -> None:
-        """Return arena slots (and retire the store or read that used them, at once: the
-        slots are never out of the room meanwhile); wakes waiters."""
-        with self._lock:
-            self._manager.arena.free(slots)
-            if transfer is not None:
-                self._pending.discard(transfer)
-                self._shares.ended(transfer)
-            self._changed.notify_all()
