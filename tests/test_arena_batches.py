@@ -325,6 +325,34 @@ def test_a_flush_after_an_offload_interrupted_as_it_was_tracked_does_not_wait() 
     assert arena.wait_idle(time.monotonic() + 1.0)
 
 
+def test_a_store_whose_slots_come_back_as_ctrl_c_lands_leaves_its_host_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: a store's callback runs on whichever thread resolves its future, the
+    # generation loop's too (the tier polls there as it submits); Ctrl-C (KeyboardInterrupt)
+    # as that callback returned the slots, before it ended the store's record, left the record
+    # for good: its host "overdue" (every later offload to it failed "host overdue", every
+    # restore stopped at its keys) and flush() waiting its whole timeout, each time. The
+    # record now goes first; only the store's slot is lost.
+    tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
+    arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
+    arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    free = tier.arena.free
+
+    def interrupted(slots: list[int]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tier.arena, "free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tier.end_stores()  # the callback runs here, on the caller's thread
+    monkeypatch.setattr(tier.arena, "free", free)
+    tier._frozen = set()  # the host answers at once from now on
+    assert failures(arena.store_all({b"after": 1}, time.monotonic() + WAIT_S)) == {}
+    assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
+    assert arena.wait_idle(time.monotonic() + 1.0)
+    assert tier.arena.num_free == 3  # all but the interrupted store's slot
+
+
 class JoinAsItCopies(NoCopies):
     """Page copies during which host ``b`` joins the tier (the tier's redial)."""
 

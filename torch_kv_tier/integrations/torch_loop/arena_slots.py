@@ -190,10 +190,12 @@ class ArenaSlots:
 
     def _release(self, slots: list[int], transfer: Future[TransferResult] | None = None) -> None:
         """Return arena slots (and retire the store or read that used them, at once: the
-        slots are never out of the room meanwhile); wakes waiters."""
+        slots are never out of the room meanwhile); wakes waiters. The record goes first: a
+        Ctrl-C as a callback runs on the caller's thread loses the slots, never leaves a record
+        that nothing ends (its host overdue, ``wait_idle`` waiting, for good)."""
         with self._lock:
-            self._manager.arena.free(slots)
             if transfer is not None:
                 self._pending.discard(transfer)
                 self._shares.ended(transfer)
             self._changed.notify_all()
+            self._manager.arena.free(slots)
