@@ -594,6 +594,7 @@ def test_membership_needs_a_positive_finite_interval(interval_s: float) -> None:
         ({"timout_s": 5.0}, TypeError, "timout_s"),
         ({"slots": 8}, ValueError, "private=True"),
         ({"token": ""}, ValueError, "token is empty"),
+        ({"token": " s3cret"}, ValueError, "surrounding whitespace"),
         ({"timeout_s": "5"}, TypeError, r"timeout_s must be a number of seconds.*'5'"),
         ({"heartbeat_timeout_s": 0.0}, ValueError, "heartbeat_timeout_s must be > 0"),
     ],

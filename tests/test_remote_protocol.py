@@ -192,6 +192,9 @@ def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None
             ({"timeout_s": 1e12}, "timeout_s must be > 0 and at most"),
             ({"heartbeat_timeout_s": math.inf}, "heartbeat_timeout_s must be > 0 and at most"),
             ({"token": ""}, "token is empty"),
+            # a token file read with its newline never matched the host's (stripped) token:
+            # "bad token" after a round trip, naming no cause
+            ({"token": "s3cret\n"}, "surrounding whitespace.*token.strip"),
         ):
             args = {"agent_metadata": b"m", "region": region, **kwargs}
             with pytest.raises(ValueError, match=match):

@@ -51,7 +51,7 @@ class Cancel(Protocol):
 class HandshakeRejected(Exception):
     """The server refused the handshake; ``reason`` is its exact explanation, e.g.
     ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
-    ``"no free slots"`` or ``"protocol version 3 != 2"``."""
+    ``"no free slots"`` or ``"protocol version 5 != 4"``."""
 
     def __init__(self, address: str, reason: str) -> None:
         super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
@@ -137,6 +137,11 @@ def check_connect_args(address: str, slots: int | None, private: bool, token: st
         raise ValueError("slots= sizes a private lease: pass private=True with it")
     if token == "":
         raise ValueError("token is empty: pass None for a server without a token")
+    if token is not None and token != token.strip():
+        raise ValueError(
+            "token has surrounding whitespace (a token file's newline?), which no host's "
+            "token has (it strips its --token-file): pass token.strip()"
+        )
 
 
 def dealer(address: str) -> tuple[zmq.Socket[bytes], str]:
