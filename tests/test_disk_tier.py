@@ -70,7 +70,7 @@ class FakeDisk:
     def _forget(self, pair: tuple[str, Any]) -> bool:
         if self.keys.pop(pair, None) is None:
             return False
-        self.owners.clear(self._slot.pop(pair))
+        self.owners.clear([self._slot.pop(pair)])
         return True
 
     def busy_dram_slots(self) -> set[int]:
@@ -623,9 +623,9 @@ def test_slot_owners_pick_a_namespaces_slots_written_before_a_stamp_and_holding_
     owners = SlotOwners(6)
     owners.record([0, 1, 2], [("a", "k0"), ("b", "k1"), ("a", "k2")])
     stamp = owners.count
-    owners.clear(2)
+    owners.clear([2])
     owners.record([2, 3], [("b", "k3"), ("a", "k4")])  # after the stamp: not walked
-    owners.clear(1)
+    owners.clear([1])
     assert owners.held_by(0, 6, stamp, "a") == ([0], 2)
     assert owners.held_by(0, 6, stamp, "b") == ([], 2)
     assert owners.held_by(1, 6, owners.count, "a") == ([3], 3)

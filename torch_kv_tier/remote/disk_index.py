@@ -108,5 +108,5 @@ class DiskIndex:
         if op == PUT:
             self.owners.record([slot], [pair])
         else:
-            self.owners.clear(slot)
+            self.owners.clear([slot])
         self._dirs[slot % n].append(op, slot // n, pair[0], pair[1], digest)

@@ -347,22 +347,23 @@ class SharedCache:
         busy = self.disk.busy_dram_slots() if self.disk is not None else None
         if busy:
             victims = _oldest_not_in(lru.items(), busy, n)
-            for pair, slot in victims:
+            for pair, _ in victims:
                 del lru[pair]
-                self._owners.clear(slot)
             for (name, key), _ in victims:
                 del namespaces[name].entries[key]
                 namespaces[name].evicted.append(key)
             self.evictions += len(victims)
-            return [slot for _, slot in victims]
+            slots = [slot for _, slot in victims]
+            self._owners.clear(slots)
+            return slots
         slots = []
         for _ in range(min(n, len(lru))):
             (name, key), slot = lru.popitem(last=False)
-            self._owners.clear(slot)
             ns = namespaces[name]
             del ns.entries[key]
             ns.evicted.append(key)
             slots.append(slot)
+        self._owners.clear(slots)
         self.evictions += len(slots)
         return slots
 
@@ -372,13 +373,14 @@ class SharedCache:
         entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
         busy = self.disk.busy_dram_slots() if self.disk is not None else None
         victims = _oldest_not_in(entries.items(), busy or set(), n)
-        for key, slot in victims:
+        for key, _ in victims:
             del entries[key]
             del lru[(name, key)]
-            self._owners.clear(slot)
             evicted.append(key)
         self.evictions += len(victims)
-        return [slot for _, slot in victims]
+        slots = [slot for _, slot in victims]
+        self._owners.clear(slots)
+        return slots
 
 
 def _oldest_not_in(

@@ -28,10 +28,13 @@ class SlotOwners:
         self.stamps = np.zeros(num_slots, dtype=np.uint64)  # 0: never written
         self.count = 0  # writes recorded: the stamp of the last one
         # the namespace of each slot's key, by number (0: none), so that a walk picks a
-        # namespace's slots in numpy (``held_by``); one number per namespace name recorded
-        # since the names no slot holds were last forgotten (``_forget_unheld``)
+        # namespace's slots in numpy (``held_by``); one number per namespace name some slot
+        # held since the names none holds were last forgotten (``_forget_unheld``), with how
+        # many slots hold it (``_held``), and the numbers of forgotten names, to reuse
         self.spaces = np.zeros(num_slots, dtype=np.uint32)
         self._ids: dict[str, int] = {}
+        self._held = np.zeros(FORGET_AFTER + 1, dtype=np.int64)  # number -> slots holding it
+        self._unused: list[int] = []  # numbers of forgotten names
         self._forget_at = FORGET_AFTER  # names known beyond which the unheld are forgotten
 
     def __len__(self) -> int:
@@ -46,32 +49,46 @@ class SlotOwners:
             self.pairs[slot] = pair
         at = np.fromiter(slots, np.intp, len(slots))
         self.stamps[at] = self.count
-        ids = self._ids
-        self.spaces[at] = np.fromiter(
-            (ids.get(name) or ids.setdefault(name, len(ids) + 1) for name, _ in pairs),
-            np.uint32,
-            len(slots),
-        )
-        if len(ids) > self._forget_at:
+        np.subtract.at(self._held, self.spaces[at], 1)  # overwritten keys (number 0: none)
+        new = np.fromiter(map(self._number, (name for name, _ in pairs)), np.uint32, len(slots))
+        self.spaces[at] = new
+        np.add.at(self._held, new, 1)  # (number 0's count means nothing)
+        if len(self._ids) > self._forget_at:
             self._forget_unheld()
 
+    def _number(self, name: str) -> int:
+        """The number of namespace ``name``: its own, else a forgotten name's, else a new one."""
+        ids = self._ids
+        number = ids.get(name)
+        if number is None:
+            number = ids[name] = self._unused.pop() if self._unused else len(ids) + 1
+            if number >= len(self._held):
+                self._held = np.concatenate((self._held, np.zeros_like(self._held)))
+        return number
+
     def _forget_unheld(self) -> None:
-        """Number the namespaces whose keys slots hold 1 to n, and forget the other names: a
-        number kept for every name ever recorded grew without bound on a host whose tenants'
-        namespaces came and went. One pass over the slots in numpy, once per ``FORGET_AFTER``
-        names recorded at least."""
-        held = np.bincount(self.spaces, minlength=len(self._ids) + 1) > 0
-        held[0] = False
-        renumber = np.zeros(len(held), dtype=np.uint32)
-        renumber[held] = np.arange(1, np.count_nonzero(held) + 1, dtype=np.uint32)
-        np.take(renumber, self.spaces, out=self.spaces)
-        self._ids = {name: int(renumber[i]) for name, i in self._ids.items() if held[i]}
+        """Forget the namespace names no slot holds, their numbers reused by the next new
+        names: a number kept for every name ever recorded grew without bound on a host whose
+        tenants' namespaces came and went. A pass over the names known (each one's count of
+        slots holding it is kept up to date), once per ``FORGET_AFTER`` names recorded at least:
+        a pass over the slots instead (renumbering them) stalled the host's loop 30 to 160 ms
+        at 4 M slots."""
+        held = self._held
+        gone = [name for name, number in self._ids.items() if not held[number]]
+        for name in gone:
+            self._unused.append(self._ids.pop(name))
         self._forget_at = max(FORGET_AFTER, 2 * len(self._ids))
 
-    def clear(self, slot: int) -> None:
-        """``slot`` holds no key any more."""
-        self.pairs[slot] = None
-        self.spaces[slot] = 0
+    def clear(self, slots: Sequence[int]) -> None:
+        """``slots`` hold no key any more."""
+        if not slots:
+            return
+        pairs = self.pairs
+        for slot in slots:
+            pairs[slot] = None
+        at = np.fromiter(slots, np.intp, len(slots))
+        np.subtract.at(self._held, self.spaces[at], 1)
+        self.spaces[at] = 0
 
     def held_by(self, start: int, stop: int, stamp: int, name: str) -> tuple[list[int], int]:
         """The slots of ``[start, stop)`` last written at or before write ``stamp`` that hold a
