@@ -20,6 +20,7 @@ from torch_kv_tier.remote.client import RemoteSession, parse_address
 from torch_kv_tier.remote.leases import LeaseTable, Session, SlotPool
 from torch_kv_tier.remote.metrics import MetricsServer, render_prometheus
 from torch_kv_tier.remote.server_config import ServerConfig, add_arguments, is_loopback
+from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_service import SharedService
 
 
@@ -114,6 +115,77 @@ def test_slot_pool_leases_stay_disjoint(ops: list[tuple[bool, int]]) -> None:
         else:
             pool.give_back(held.pop(n % len(held)))
         assert pool.free + sum(map(len, held)) == 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 2**16)), max_size=60))
+def test_slot_pool_takes_back_scattered_slots_as_the_free_runs_they_make(
+    ops: list[tuple[bool, int, int]],
+) -> None:
+    """Slots given back in any order, one by one or scattered in one call (a shared pool's
+    free slots, for a private lease), are free again once each, coalesced with their
+    neighbours, and every lease drawn after is made of free slots only."""
+    pool = SlotPool(64)
+    taken: set[int] = set()
+    for take, n, pick in ops:
+        if take or not taken:
+            lease = pool.take(n)
+            if lease is None:
+                assert pool.free == 0
+                continue
+            assert 0 < len(lease) <= n and taken.isdisjoint(lease)
+            taken.update(lease)
+        else:
+            back = [slot for i, slot in enumerate(sorted(taken)) if pick >> (i % 16) & 1]
+            pool.give_back_slots(back[::-1])
+            taken.difference_update(back)
+        assert pool.free + len(taken) == 64
+    free = set(range(64)) - taken
+    whole = pool.take(64)  # the runs are coalesced: the longest one
+    longest = max(_runs(sorted(free)), key=len, default=None)
+    assert whole == longest
+
+
+def _runs(slots: list[int]) -> list[range]:
+    runs: list[range] = []
+    for slot in slots:
+        if runs and runs[-1].stop == slot:
+            runs[-1] = range(runs[-1].start, slot + 1)
+        else:
+            runs.append(range(slot, slot + 1))
+    return runs
+
+
+def test_scattered_slots_given_back_with_one_already_free_are_refused_and_the_pool_unchanged() -> (
+    None
+):
+    """A shared pool's free slots went back to the pool run by run: one found free already
+    (a bookkeeping bug) raised after the runs before it were freed, so the pool and the shared
+    cache disagreed on those. The slots are checked first: none is freed."""
+    pool = SlotPool(16)
+    assert pool.take(16) == range(16)
+    pool.give_back(range(9, 10))
+    with pytest.raises(ValueError, match="returned twice"):
+        pool.give_back_slots([1, 2, 5, 9, 12])
+    assert pool.free == 1 and pool.take(16) == range(9, 10)
+    with pytest.raises(ValueError, match="outside"):
+        pool.give_back_slots([3, 16])
+    with pytest.raises(ValueError, match="returned twice"):
+        pool.give_back_slots([3, 3])
+    assert pool.free == 0
+    pool.give_back_slots([7, 3, 12, 4, 9, 8])
+    assert pool.take(1) == range(12, 13)  # best fit: the shortest run that holds it
+    assert pool.take(5) == range(7, 10)  # none holds 5: the longest
+    assert pool.take(5) == range(3, 5) and pool.take(1) is None
+    # the shared pool's free slots, for a private lease
+    cache = SharedCache(SlotPool(16), max_granted=8)
+    cache.join("a", "model")
+    assert cache.grant("a", 8) == list(range(8))
+    cache.leave("a", 0.0, clean=True)
+    cache._free.append(12)  # free in the pool already
+    with pytest.raises(ValueError, match="returned twice"):
+        cache.return_free()
+    assert cache.pool.free == 8
 
 
 def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_frees_it() -> None:

@@ -7,49 +7,61 @@ Not thread-safe: the server guards a ``LeaseTable`` with its state lock.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from torch_kv_tier.remote.held_slots import HeldSlots
 
 
 class SlotPool:
-    """Free slots of ``[0, num_blocks)`` as sorted, disjoint, coalesced ``[start, stop)`` runs."""
+    """Free slots of ``[0, num_blocks)`` as sorted, disjoint, coalesced ``[start, stop)`` runs.
+
+    The runs are numpy arrays, each operation one numpy pass over them: a pool fragmented into
+    hundreds of thousands of runs (a shared pool's scattered free slots, given back for a
+    private lease) cost the host's loop 0.1 s of Python per draw and 20 ms per ``free``.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._runs: list[tuple[int, int]] = [(0, num_blocks)]
+        self._starts = np.array([0], dtype=np.int64)
+        self._stops = np.array([num_blocks], dtype=np.int64)
+        self._free = num_blocks
 
     @property
     def free(self) -> int:
         """Number of free slots."""
-        return sum(stop - start for start, stop in self._runs)
+        return self._free
 
     def take(self, want: int) -> range | None:
         """Lease up to ``want`` slots as one range; ``None`` when nothing is free.
 
         Best fit: the smallest free run that holds ``want`` slots, else the largest run (a
-        partial grant).
+        partial grant); the first such run on a tie.
         """
         if want <= 0:
             raise ValueError(f"want must be > 0, got {want}")
-        if not self._runs:
+        if not self._free:
             return None
-        fitting = [i for i, (a, b) in enumerate(self._runs) if b - a >= want]
-        if fitting:
-            i = min(fitting, key=lambda j: self._runs[j][1] - self._runs[j][0])
+        lengths = self._stops - self._starts
+        fitting = lengths >= want
+        if fitting.any():
+            i = int(np.argmin(np.where(fitting, lengths, self.num_blocks + 1)))
         else:
-            i = max(range(len(self._runs)), key=lambda j: self._runs[j][1] - self._runs[j][0])
-        start, stop = self._runs[i]
-        grant = min(want, stop - start)
-        if grant == stop - start:
-            del self._runs[i]
+            i = int(np.argmax(lengths))
+        start, length = int(self._starts[i]), int(lengths[i])
+        grant = min(want, length)
+        if grant == length:
+            self._starts = np.delete(self._starts, i)
+            self._stops = np.delete(self._stops, i)
         else:
-            self._runs[i] = (start + grant, stop)
+            self._starts[i] += grant
+        self._free -= grant
         return range(start, start + grant)
 
     def give_back(self, lease: range) -> None:
@@ -57,19 +69,35 @@ class SlotPool:
         start, stop = lease.start, lease.stop
         if not 0 <= start < stop <= self.num_blocks:
             raise ValueError(f"lease {lease} is outside [0, {self.num_blocks})")
-        i = bisect.bisect_left(self._runs, (start, stop))
-        if (i > 0 and self._runs[i - 1][1] > start) or (
-            i < len(self._runs) and self._runs[i][0] < stop
-        ):
-            raise ValueError(f"lease {lease} overlaps free slots: returned twice?")
-        if i > 0 and self._runs[i - 1][1] == start:
-            start = self._runs[i - 1][0]
-            i -= 1
-            del self._runs[i]
-        if i < len(self._runs) and self._runs[i][0] == stop:
-            stop = self._runs[i][1]
-            del self._runs[i]
-        self._runs.insert(i, (start, stop))
+        self._merge(np.array([start]), np.array([stop]), f"lease {lease}")
+
+    def give_back_slots(self, slots: Sequence[int]) -> None:
+        """Return taken ``slots``, in any order, in one pass; raise ``ValueError`` (the pool
+        unchanged) if any is outside the pool, free, or named twice."""
+        at = np.sort(np.fromiter(slots, np.int64, len(slots)))
+        if not len(at):
+            return
+        if at[0] < 0 or at[-1] >= self.num_blocks:
+            raise ValueError(
+                f"slots {int(at[0])} to {int(at[-1])} reach outside [0, {self.num_blocks})"
+            )
+        breaks = np.flatnonzero(np.diff(at) != 1) + 1
+        starts = at[np.concatenate(([0], breaks))]
+        stops = at[np.concatenate((breaks - 1, [len(at) - 1]))] + 1
+        self._merge(starts, stops, f"{len(at)} slots")
+
+    def _merge(self, starts: np.ndarray, stops: np.ndarray, what: str) -> None:
+        """Add the sorted, taken runs ``[starts, stops)``, coalescing adjacent runs; the pool
+        is unchanged when one overlaps another or a free one."""
+        at = np.searchsorted(self._starts, starts)
+        all_starts = np.insert(self._starts, at, starts)
+        all_stops = np.insert(self._stops, at, stops)
+        if np.any(all_starts[1:] < all_stops[:-1]):
+            raise ValueError(f"{what} overlaps free slots: returned twice?")
+        apart = all_starts[1:] != all_stops[:-1]
+        self._starts = all_starts[np.concatenate(([True], apart))]
+        self._stops = all_stops[np.concatenate((apart, [True]))]
+        self._free += int((stops - starts).sum())
 
 
 @dataclass

@@ -38,7 +38,6 @@ like a commit (``promoted``).
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -203,10 +202,9 @@ class SharedCache:
         """Give the free slots back to the pool (a private lease is about to draw from it: a
         free slot serves either); returns how many. Granted and held slots stay: their writer
         may still write them."""
-        free, self._free = sorted(self._free), []
-        for _, run in itertools.groupby(enumerate(free), lambda pair: pair[1] - pair[0]):
-            slots = [slot for _, slot in run]
-            self.pool.give_back(range(slots[0], slots[-1] + 1))
+        free = self._free
+        self.pool.give_back_slots(free)
+        self._free = []
         return len(free)
 
     def free_slots(self) -> int:
