@@ -4,13 +4,15 @@ eviction, namespace quotas, held grants of sessions that ended uncleanly and the
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote import shared_snapshot
+from torch_kv_tier.remote import shared_events, shared_snapshot
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_events import Namespace
@@ -479,6 +481,27 @@ def test_a_namespace_some_slot_holds_is_never_forgotten_and_a_reused_number_name
     stored = {owners.pairs[s] for s in range(4)} - {None}
     counts = {n: sum(1 for pair in stored if pair[0] == n) for n in owners._ids}
     assert {n: int(owners._held[i]) for n, i in owners._ids.items()} == counts
+
+
+class _Untouchable(Namespace):
+    """A namespace a push must leave alone: nothing of it changed."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if getattr(self, "sealed", False):
+            raise AssertionError(f"a push rewrote {name} of a namespace that did not change")
+        super().__setattr__(name, value)
+
+
+def test_a_push_makes_no_pass_over_the_namespaces_that_did_not_change() -> None:
+    """Every push (each 10 ms while a tier stores) rebuilt the event lists of every namespace
+    the host knows: 11 ms of the loop per push with 10,000 namespaces holding keys. Only the
+    namespaces that changed are gone through now; they get their batch as before."""
+    quiet = _Untouchable("quiet", OrderedDict({b"q": 0}))
+    quiet.sealed = True  # type: ignore[attr-defined]
+    busy = Namespace("busy", OrderedDict({b"k": 1}), stored=[b"k"], evicted=[b"gone"])
+    batches = shared_events.take_events([quiet, busy], [0, 7], None, max_keys=100)
+    assert batches == [(busy, 1, [b"k"], [1], [7], [b"gone"])]
+    assert quiet.event_seq == 0 and (busy.stored, busy.evicted) == ([], [])
 
 
 def test_a_commit_of_slots_not_granted_is_counted_and_logged_once_per_session(

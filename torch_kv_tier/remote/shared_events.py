@@ -64,6 +64,8 @@ def take_events(
     slot and its digest in ``digests`` now, on disk: slot ``ON_DISK``, or evicted)."""
     batches: list[EventBatch] = []
     for ns in namespaces:
+        if not ns.stored and not ns.evicted:  # most, on a host of many namespaces: no pass
+            continue
         entries = ns.entries
         stored = [k for k in dict.fromkeys(ns.stored) if k in entries]
         evicted = [k for k in dict.fromkeys(ns.evicted) if k not in entries]
