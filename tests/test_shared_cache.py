@@ -478,8 +478,8 @@ def test_a_namespace_some_slot_holds_is_never_forgotten_and_a_reused_number_name
     assert _found(cache, "c", [b"p"]) == [-1]
     cache.join("early", "passing-0")
     assert _found(cache, "early", [b"p"]) == [-1]  # evicted long ago, its number reused
-    stored = {owners.pairs[s] for s in range(4)} - {None}
-    counts = {n: sum(1 for pair in stored if pair[0] == n) for n in owners._ids}
+    names = [pair[0] for pair in owners.pairs if pair is not None]
+    counts = {n: names.count(n) for n in owners._ids}
     assert {n: int(owners._held[i]) for n, i in owners._ids.items()} == counts
 
 
@@ -497,7 +497,7 @@ def test_a_push_makes_no_pass_over_the_namespaces_that_did_not_change() -> None:
     the host knows: 11 ms of the loop per push with 10,000 namespaces holding keys. Only the
     namespaces that changed are gone through now; they get their batch as before."""
     quiet = _Untouchable("quiet", OrderedDict({b"q": 0}))
-    quiet.sealed = True  # type: ignore[attr-defined]
+    quiet.sealed = True
     busy = Namespace("busy", OrderedDict({b"k": 1}), stored=[b"k"], evicted=[b"gone"])
     batches = shared_events.take_events([quiet, busy], [0, 7], None, max_keys=100)
     assert batches == [(busy, 1, [b"k"], [1], [7], [b"gone"])]
