@@ -50,7 +50,9 @@ class SlotOwners:
         at = np.fromiter(slots, np.intp, len(slots))
         self.stamps[at] = self.count
         np.subtract.at(self._held, self.spaces[at], 1)  # overwritten keys (number 0: none)
-        new = np.fromiter(map(self._number, (name for name, _ in pairs)), np.uint32, len(slots))
+        names = [name for name, _ in pairs]  # (a commit's are one namespace's)
+        numbers = {name: self._number(name) for name in dict.fromkeys(names)}
+        new = np.fromiter(map(numbers.__getitem__, names), np.uint32, len(slots))
         self.spaces[at] = new
         np.add.at(self._held, new, 1)  # (number 0's count means nothing)
         if len(self._ids) > self._forget_at:
