@@ -340,6 +340,46 @@ def test_a_block_unreadable_at_recovery_costs_its_key_not_the_start(
         assert store.stats()["disk_recover_dropped"] == 1
 
 
+def test_a_restart_says_which_directory_lost_how_many_blocks(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A byte flipped or ``blocks.dat`` truncated between runs cost those keys (misses) and
+    said nothing: the only line was "N blocks recovered and verified", however many were lost."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with closing(open_store(disk_pool, dirs, 8)) as store:
+        store.recover()
+        for i in range(4):  # round-robin: k0, k2 in a; k1, k3 in b
+            assert _write(store, disk_pool, f"k{i}".encode(), i).written
+    with open(dirs[0] / "blocks.dat", "r+b") as blocks:  # k0's first byte
+        first = blocks.read(1)
+        blocks.seek(0)
+        blocks.write(bytes([first[0] ^ 1]))
+    with closing(open_store(disk_pool, dirs, 8)) as store, caplog.at_level(logging.WARNING):
+        assert sorted(k for _, k, _ in store.recover()) == [b"k1", b"k2", b"k3"]
+    said = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(said) == 1 and f"1 of the 2 blocks the journal of {dirs[0]} names" in said[0]
+
+
+def test_a_journal_deleted_between_runs_is_said_to_forget_its_blocks(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``journal.log`` deleted between runs forgot every block of its directory silently."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"k0", 0).written
+    (tmp_path / "d" / "journal.log").unlink()
+    with caplog.at_level(logging.WARNING):
+        with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+            assert store.recover() == []
+        with closing(open_store(disk_pool, [tmp_path / "fresh"], 8)) as store:  # not a new one
+            store.recover()
+    said = [r.getMessage() for r in caplog.records if "no journal.log" in r.getMessage()]
+    assert said == [
+        f"disk: {tmp_path / 'd'} has no journal.log (deleted or moved away): the "
+        "blocks it held are forgotten, misses; restore it before starting to keep them"
+    ]
+
+
 def test_a_journal_unreadable_at_recovery_is_refused_with_what_to_do(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

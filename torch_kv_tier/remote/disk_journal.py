@@ -3,7 +3,8 @@
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
 directory made for other blocks, or a header that cannot be read, is refused, not
-reinterpreted; written whole or not at all) and ``journal.log``. The block file holds an
+reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a directory
+with a header is logged: its blocks are forgotten). The block file holds an
 exclusive ``flock`` while open: a second ``DiskDir`` on the directory (another host started on
 it, or ``--disk`` naming it twice under two spellings), which would write over the first one's
 blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
@@ -89,7 +90,13 @@ class DiskDir:
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
                 os.close(_write_durably(path / "meta.json", header))
-            self.journal = os.open(path / "journal.log", os.O_RDWR | os.O_CREAT | os.O_APPEND)
+            journal = path / "journal.log"
+            if header is None and not journal.exists():  # a directory used before
+                logger.warning(
+                    "disk: %s has no journal.log (deleted or moved away): the blocks it held are "
+                    "forgotten, misses; restore it before starting to keep them", path,
+                )  # fmt: skip
+            self.journal = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except BaseException as exc:
             self.close()
             if isinstance(exc, OSError) and not isinstance(exc, DiskError):

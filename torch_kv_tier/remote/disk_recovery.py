@@ -5,7 +5,8 @@ block is read and checked against its digest (xxh3-64 seeded with its key, as
 ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record torn
 at the journal's tail, a block unreadable (EIO) cost those keys, nothing else; so does a key
 found in two directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is
-unknown).
+unknown). Each directory's losses are logged (a warning saying how many of its blocks), as is a
+journal found missing (``disk_journal``): a restart says what it dropped.
 
 Threading: runs on the caller's thread, before any other I/O on the directories.
 """
@@ -39,7 +40,9 @@ def verified_index(
     found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
     try:
         for f, d in enumerate(dirs):
-            for j, (order, ns, key, digest) in d.live().items():
+            live = d.live()
+            kept = len(found)
+            for j, (order, ns, key, digest) in live.items():
                 try:
                     got = os.preadv(d.fd, [row], j * block_len)
                 except OSError as exc:  # a bad sector costs its key, not the start
@@ -47,8 +50,14 @@ def verified_index(
                     got = -1
                 if got == block_len and block_digest(row, key) == digest:
                     found.append((order, j * n + f, ns, key, digest))
-                else:
-                    dropped += 1
+            lost = len(live) - (len(found) - kept)
+            if lost:
+                logger.warning(
+                    "disk: %d of the %d blocks the journal of %s names dropped: they no longer "
+                    "hold their keys' bytes (a write cut by a crash, blocks.dat truncated, "
+                    "corrupted or replaced); those keys are misses", lost, len(live), d.path,
+                )  # fmt: skip
+            dropped += lost
     finally:
         row.close()
     found.sort(key=lambda entry: entry[0])  # orders of two directories: roughly
@@ -56,10 +65,16 @@ def verified_index(
     for _, slot, ns, key, _ in found:
         homes.setdefault((ns, key), set()).add(slot % n)
     index: OrderedDict[Pair, tuple[int, int]] = OrderedDict()
+    twice = 0
     for _, slot, ns, key, digest in found:
         if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
-            dropped += 1
+            twice += 1
             continue
         index.pop((ns, key), None)  # two slots of one journal: the later one stays
         index[(ns, key)] = (slot, digest)
-    return index, dropped
+    if twice:
+        logger.warning(
+            "disk: %d blocks dropped: their keys are in two directories (a removal's record "
+            "lost), and which copy is the newer is unknown; those keys are misses", twice,
+        )  # fmt: skip
+    return index, dropped + twice
