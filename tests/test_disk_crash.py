@@ -9,6 +9,7 @@ import errno
 import gc
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -378,6 +379,28 @@ def test_a_journal_deleted_between_runs_is_said_to_forget_its_blocks(
         f"disk: {tmp_path / 'd'} has no journal.log (deleted or moved away): the "
         "blocks it held are forgotten, misses; restore it before starting to keep them"
     ]
+
+
+def test_a_directory_removed_under_a_running_store_is_said_once(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rm -r`` of a disk directory under a running host said nothing (at most, after
+    thousands of records, "not compacted"): it went on writing deleted files, and a restart
+    found none of their blocks."""
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "removed or replaced" in r.getMessage()]
+
+    with caplog.at_level(logging.ERROR), closing(open_store(disk_pool, [tmp_path / "d"], 8)) as s:
+        s.recover()
+        assert _write(s, disk_pool, b"k0", 0).written
+        assert s.sync(5.0) and not said()
+        shutil.rmtree(tmp_path / "d")
+        assert _write(s, disk_pool, b"k1", 1).written  # to the deleted file
+        assert s.sync(5.0)
+        assert _write(s, disk_pool, b"k2", 2).written
+        assert s.sync(5.0)
+    assert len(said()) == 1 and str(tmp_path / "d") in said()[0]
 
 
 def test_a_journal_unreadable_at_recovery_is_refused_with_what_to_do(

@@ -4,7 +4,8 @@ Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full
 O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
 directory made for other blocks, or a header that cannot be read, is refused, not
 reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a directory
-with a header is logged: its blocks are forgotten). The block file holds an
+with a header is logged: its blocks are forgotten). A ``blocks.dat`` removed or replaced under
+a running host is logged once, at a journal sync (``_check_in_place``). The block file holds an
 exclusive ``flock`` while open: a second ``DiskDir`` on the directory (another host started on
 it, or ``--disk`` naming it twice under two spellings), which would write over the first one's
 blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
@@ -82,11 +83,15 @@ class DiskDir:
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
         self._retry_s = 0.0  # doubles with each failed rewrite, up to REWRITE_RETRY_MAX_S
         self._emptied = False  # stale, and emptied (or tried to) since (``_dropped``)
+        self._identity = (-1, -1)  # blocks.dat's device and inode as opened
+        self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
             self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len, direct)
             _lock(self.fd, path)
+            st = os.fstat(self.fd)
+            self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
                 os.close(_write_durably(path / "meta.json", header))
@@ -181,11 +186,34 @@ class DiskDir:
             if sync:  # the blocks first: a record synced names a block synced
                 os.fdatasync(self.fd)
                 os.fsync(self.journal)
+                self._check_in_place()
             self.records += count
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
             self.stale = True
             self._dropped()
+
+    def _check_in_place(self) -> None:
+        """Say once (an error) that ``blocks.dat`` is no longer the file at its path (the
+        directory removed or replaced under the host): its blocks are still served from the
+        file open, but a restart, which opens the path, finds none of them."""
+        if self._moved:
+            return
+        try:
+            st = os.stat(self.path / "blocks.dat")
+        except FileNotFoundError:
+            st = None
+        except OSError:  # EACCES, EIO...: not a sign that it moved
+            return
+        if st is not None and (st.st_dev, st.st_ino) == self._identity:
+            return
+        self._moved = True
+        logger.error(
+            "disk: %s/blocks.dat was removed or replaced under this host: the blocks it held are "
+            "served from the deleted file (its space is freed when the host stops), but a restart "
+            "finds none of them; restore the directory, or restart the host to start it afresh",
+            self.path,
+        )  # fmt: skip
 
     def _dropped(self) -> None:
         """Records were dropped (module docstring): empty the journal, once until it is
