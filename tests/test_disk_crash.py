@@ -46,10 +46,15 @@ def _records(n: int) -> list[Any]:
     return [(PUT, i, "ns", f"key-{i}".encode(), i) for i in range(n)]
 
 
-@pytest.mark.parametrize("text", ["", '{"format": 1, "block_', "[]", "null"])
+@pytest.mark.parametrize(
+    "text",
+    ["", '{"format": 1, "block_', "[]", "null", '{"format": 1, "block_len": 16384, "slotr": 8}'],
+)
 def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, text: str) -> None:
     """A SIGKILL while ``meta.json`` was written left it empty or cut: the start raised a
-    ``JSONDecodeError`` (or ``AttributeError``), a traceback instead of exit 1 with a message."""
+    ``JSONDecodeError`` (or ``AttributeError``), a traceback instead of exit 1 with a message.
+    A bit flipped in a field's name was refused as "holds None blocks of None bytes": pass the
+    options it was made with (which were the ones passed)."""
     d = tmp_path / "d"
     d.mkdir()
     (d / "meta.json").write_text(text)

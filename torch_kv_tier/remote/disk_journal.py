@@ -2,13 +2,13 @@
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
-directory made for other blocks, or a header that cannot be read, is refused, not
-reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a directory
-with a header is logged: its blocks are forgotten). A ``blocks.dat`` removed or replaced under
-a running host is logged once, at a journal sync (``_check_in_place``). The block file holds an
-exclusive ``flock`` while open: a second ``DiskDir`` on the directory (another host started on
-it, or ``--disk`` naming it twice under two spellings), which would write over the first one's
-blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
+directory made for other blocks, or a header that cannot be read or names other fields, is
+refused, not reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a
+directory with a header is logged: its blocks are forgotten). A ``blocks.dat`` removed or
+replaced under a running host is logged once, at a journal sync (``_check_in_place``). The
+block file holds an exclusive ``flock`` while open: a second ``DiskDir`` on the directory
+(another host started on it, or ``--disk`` naming it twice under two spellings), which would
+write over the first one's blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending``
@@ -118,9 +118,9 @@ class DiskDir:
             return json.dumps(want).encode()
         try:
             have = json.loads(meta.read_bytes())
-            if not isinstance(have, dict):
+            if not isinstance(have, dict) or have.keys() != want.keys():
                 raise ValueError(f"{have!r} is no header")
-        except ValueError as exc:  # JSON or UTF-8 damage
+        except ValueError as exc:  # JSON or UTF-8 damage, or a field's name
             raise DiskError(
                 f"{meta} cannot be read ({exc}): restore it, or remove it to start {self.path} "
                 "afresh (its blocks are kept only where they verify), or pass an empty directory"
