@@ -408,6 +408,38 @@ def test_a_directory_removed_under_a_running_store_is_said_once(
     assert len(said()) == 1 and str(tmp_path / "d") in said()[0]
 
 
+def test_writes_failing_on_and_on_are_logged_once_until_one_is_done(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A file system gone read-only under a host (an ext4 error) failed every copy, and each
+    request logged "disk write failed: NIXL_ERR_BACKEND": 66 lines in 10 s, for as long as it
+    ran, none saying what to check."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 16)) as store:
+        store.recover()
+        agent = store._io._agent
+        real_transfer = agent.transfer
+
+        def backend_error(handle: Any) -> str:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+
+        with caplog.at_level(logging.INFO, logger="torch_kv_tier.remote.disk_io"):
+            monkeypatch.setattr(agent, "transfer", backend_error)
+            for i in range(4):
+                assert _write(store, disk_pool, f"f{i}".encode(), i).failed
+            monkeypatch.setattr(agent, "transfer", real_transfer)
+            assert _write(store, disk_pool, b"ok", 5).written
+            monkeypatch.setattr(agent, "transfer", backend_error)
+            assert _write(store, disk_pool, b"f9", 6).failed
+            monkeypatch.setattr(agent, "transfer", real_transfer)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(said) == 3, said
+    assert "NIXL_ERR_BACKEND" in said[0] and "check the file system" in said[0]
+    assert said[1] == "disk writes succeed again" and "NIXL_ERR_BACKEND" in said[2]
+
+
 def test_a_journal_unreadable_at_recovery_is_refused_with_what_to_do(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,8 +11,8 @@ hands what would block to kernel workers, never waits for the device.
 Threading and failures: not thread-safe; owned by one ``DiskStore``. On io_uring a request still in
 flight when the thread that posted it exits is cancelled (``"ERR"``): post from a thread that
 outlives its requests (the host's loop). A request NIXL refuses to start, or reports failed, is
-logged and answered ``"ERR"``, never raised; construction raises what NIXL raised, with everything
-it had made released.
+logged (once until one of its kind is done) and answered ``"ERR"``, never raised; construction
+raises what NIXL raised, with everything it had made released.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class DiskTransfers:
         self._files: list[Any] = []
         self._pool_reg: Any = None
         self._file_reg: Any = None
+        self._failing: set[str] = set()  # kinds whose last request failed (``_failed``)
         try:
             _create_backend(self._agent)
             pool = [(pool_addr, pool_blocks * block_len, 0, "")]
@@ -117,17 +118,35 @@ class DiskTransfers:
             )
             state = self._agent.transfer(handle)
         except Exception as exc:
-            logger.warning("disk %s of %d blocks could not start: %s", kind, len(dram), exc)
+            self._failed(kind, f"a {kind} of {len(dram)} blocks could not start: {exc}")
             state = "ERR"
         return handle, state
 
     def state(self, handle: Any, kind: str) -> str:
-        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"`` (logged)."""
+        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"`` (logged, ``_failed``)."""
         try:
-            return str(self._agent.check_xfer_state(handle))
+            state = str(self._agent.check_xfer_state(handle))
         except Exception as exc:  # NIXL raises on a failed request
-            logger.warning("disk %s failed: %s", kind, exc)
+            self._failed(kind, f"a {kind} failed: {exc}")
             return "ERR"
+        if state == "DONE" and kind in self._failing:
+            self._failing.discard(kind)
+            logger.info("disk %ss succeed again", kind)
+        return state
+
+    def _failed(self, kind: str, what: str) -> None:
+        """Log a failed request: a warning for the first since one of its ``kind`` was done,
+        at debug level after it (a read-only or dead file system fails every request: one
+        line, not one per request)."""
+        if kind in self._failing:
+            logger.debug("disk: %s", what)
+            return
+        self._failing.add(kind)
+        logger.warning(
+            "disk: %s; each %s failing costs its blocks a miss (logged again once a %s is done): "
+            "check the file system of the --disk directories (read-only, full, failing?)",
+            what, kind, kind,
+        )  # fmt: skip
 
     def release(self, handle: Any) -> None:
         """Release a request's handle (a failure is logged at debug level)."""
