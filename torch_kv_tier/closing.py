@@ -63,7 +63,7 @@ class Closing:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
         (their keys fail with "closed"), then end the sessions and close the transport; a load
         cancelled here resolves only after that, when nothing can land in its blocks any more;
-        a handshake on another thread still awaiting a first answer gives up. Idempotent.
+        a handshake on another thread still awaiting an answer gives up. Idempotent.
 
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a finite number of seconds
         >= 0, before anything changes (the tier stays open, to be closed again)."""

@@ -282,10 +282,10 @@ class ConnectedHosts(LostHosts):
         """A handshake with ``dial``'s host (unlocked); ``release`` goes back to be told
         again when nothing answered, with the session the host may have opened meanwhile.
         ``cancellable``: ``close``, or the dial's stop (``cancel_dial``, ``disconnect``), ends
-        it while it awaits the host's first answer (not so ``close``'s own last word,
+        it while it awaits the host's answers (not so ``close``'s own last word,
         ``_end_sessions``)."""
         from torch_kv_tier.remote.client import RemoteSession
-        from torch_kv_tier.remote.handshake import AcceptLost
+        from torch_kv_tier.remote.handshake import AcceptAbandoned, AcceptLost
         from torch_kv_tier.remote.protocol import Region
 
         t = self.transport
@@ -305,7 +305,7 @@ class ConnectedHosts(LostHosts):
                 cancel=EitherSet(self._closing, dial.stopped) if cancellable else None,
             )
         except BaseException as exc:
-            if isinstance(exc, AcceptLost):
+            if isinstance(exc, AcceptLost | AcceptAbandoned):
                 release = [*release, exc.session_id]
             with self._lock:  # the host may not have heard them: tell it next time
                 self._ended.give_back(dial.address, release)

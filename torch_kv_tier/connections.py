@@ -48,7 +48,7 @@ class Dial:
     # emptied once the address joined (``_forget_replaced``), so that no owner is held after
     askers: set[object] = field(default_factory=set, init=False)
     # set once the tier no longer dials it (cancelled, or its host removed): a handshake of it
-    # still awaiting the host's first answer gives up (``EitherSet``). Neither is copied by
+    # still awaiting the host's answer gives up (``EitherSet``). Neither is copied by
     # ``dataclasses.replace`` (a removed host's releases go out over a copy of its dial).
     stopped: threading.Event = field(default_factory=threading.Event, init=False)
 
@@ -142,15 +142,24 @@ class Redialer:
 
     def stop(self, timeout: float) -> None:
         """Stop redialling; wait up to ``timeout`` s in all for the handshakes in progress (and
-        the greeting)."""
+        the greeting), which give up within ``CANCEL_POLL_S`` once their tier is closing (the
+        handshake's ``cancel``); a thread still running then is logged as a warning."""
         deadline = time.monotonic() + timeout
         self._stop.set()
         with self._lock:
             self._lock.notify()
             threads = [self._thread, self._greeter, *self._trying.values()]
-        for thread in threads:
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        others = [t for t in threads if t is not None and t is not threading.current_thread()]
+        for thread in others:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        running = sum(thread.is_alive() for thread in others)
+        if running:
+            logger.warning(
+                "%d thread(s) re-dialling lost hosts still running %.1f s after the tier closed "
+                "(a host's join, a NIXL registration, may take long): left to end by themselves",
+                running,
+                timeout,
+            )
 
     def _run(self) -> None:
         while not self._stop.is_set():

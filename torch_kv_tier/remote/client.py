@@ -37,6 +37,7 @@ import zmq
 
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.handshake import (
+    AcceptAbandoned,
     Cancel,
     HandshakeRejected,
     accept_problem,
@@ -174,7 +175,7 @@ class RemoteSession(SharedRequests):
         sessions of this client whose writes all resolved: the server frees what it held for
         them (the first ``protocol.MAX_RELEASE`` with the handshake, any more in ``release``
         messages as the session starts). Setting ``cancel`` ends a handshake still waiting for
-        the server's first answer (a tier that closes; see ``handshake``).
+        the server's answer (a tier that closes; see ``handshake``).
 
         A heartbeat goes out every ``heartbeat_interval_s`` (at most a third of
         ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost
@@ -185,7 +186,9 @@ class RemoteSession(SharedRequests):
         ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost``, with the
         id of the session the server may have opened, once the handshake went out),
         ``ConnectionError`` when the server answers with an error, accepts with a lease or
-        region no session can use (it is told to end that session) or ``cancel`` was set,
+        region no session can use (it is told to end that session) or ``cancel`` was set
+        (``AcceptAbandoned``, with the id of the session the server may have opened, once the
+        handshake went out),
         ``OSError``/``RuntimeError`` when the session cannot start here once accepted (no file
         descriptor or thread left: the server is told to end it).
         """
@@ -224,8 +227,8 @@ class RemoteSession(SharedRequests):
                 cancel,
                 monitor,
             )
-        except BaseException:
-            close_sockets(sock, monitor)
+        except BaseException as exc:  # an abandoned accept's ``Disconnect`` still goes out
+            close_sockets(sock, monitor, linger=isinstance(exc, AcceptAbandoned))
             raise
         problem = accept_problem(accept)
         if problem is not None:

@@ -6,12 +6,15 @@
 thread exists (``check_session_args`` first refuses bad arguments). See
 ``protocol`` for the conversation and the proofs. A handshake waits for the server's first
 answer until its deadline, or until its ``cancel`` event is set (looked at every
-``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. The
-``Accept`` is always awaited to the deadline: once the ``Handshake`` is sent the server may have
-opened the session. Without it by then, the handshake raises ``AcceptLost`` with the session's
-id (the server names a session by the nonce it answered), which the client names in its next
-handshake's ``release`` to that server: the server then ends the session, clean (nothing was
-written through it), or refuses the ``Handshake`` if it has not arrived yet.
+``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. Once the
+``Handshake`` is sent the server may have opened the session (the server names a session by the
+nonce it answered). Without an ``Accept`` by the deadline, the handshake raises ``AcceptLost``
+with the session's id, which the client names in its next handshake's ``release`` to that
+server: the server then ends the session, clean (nothing was written through it), or refuses
+the ``Handshake`` if it has not arrived yet. A ``cancel`` set while the ``Accept`` is awaited
+abandons it at once (``AcceptAbandoned``, with the same id to release): a clean ``Disconnect``
+of the session follows the ``Handshake`` on the same connection, for the server to end the
+session as soon as it opened it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
 
 class Cancel(Protocol):
-    """What a handshake looks at while it awaits its first answer: it gives up once set (a
+    """What a handshake looks at while it awaits an answer: it gives up once set (a
     ``threading.Event``, or anything with its ``is_set``)."""
 
     def is_set(self) -> bool: ...
@@ -73,6 +76,26 @@ class AcceptLost(TimeoutError):
         )
         self.address = address
         self.session_id = session_id
+
+
+class AcceptAbandoned(ConnectionError):
+    """The handshake's ``cancel`` was set while it awaited the ``Accept`` (the tier closing, or
+    no longer dialling the host): the server may have opened session ``session_id``. A clean
+    ``Disconnect`` of it was queued behind the ``Handshake`` (close the socket with
+    ``close_sockets(..., linger=True)`` for it to go out); name ``session_id`` in ``release``
+    of the next handshake there too, in case it did not."""
+
+    def __init__(self, address: str, session_id: str) -> None:
+        super().__init__(
+            f"handshake with {address} cancelled while it awaited the server's accept: the tier "
+            f"is closing, or no longer dials it ({session_id[:8]}... is to be released there)"
+        )
+        self.address = address
+        self.session_id = session_id
+
+
+class _Cancelled(ConnectionError):
+    """A handshake's ``cancel`` was set while it awaited an answer."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -231,8 +254,8 @@ def handshake(
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected``,
     ``TimeoutError`` (nothing answered by ``deadline``; ``AcceptLost`` once the ``Handshake``
-    went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set
-    before its first answer).
+    went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set:
+    ``AcceptAbandoned`` once the ``Handshake`` went out).
 
     A ``Handshake`` refused for its nonce (``protocol.STALE_NONCE``: it reached a server
     restarted since its ``Hello``, or the same one over a connection that was reset and came
@@ -281,10 +304,15 @@ def _greet(
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
     sock.send(p.encode(request))
+    session_id = challenge.nonce.hex()  # the session the server may open (module docstring)
     try:
-        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, None)  # module docstring
+        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel)
+    except _Cancelled:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send(p.encode(p.Disconnect(3, session_id, clean=True)), zmq.NOBLOCK)
+        raise AcceptAbandoned(address, session_id) from None
     except TimeoutError:
-        raise AcceptLost(address, challenge.nonce.hex()) from None
+        raise AcceptLost(address, session_id) from None
     # checked last so that a wrong token gets the server's "bad token"; an honest server that
     # accepted our proof knows the token, so a mismatch here means an impostor (or no token)
     if token is not None and not p.proof_matches(
@@ -344,7 +372,7 @@ def _expect(
 ) -> Any:
     reply = _await_reply(sock, seq, deadline, cancel)
     if reply is None and cancel is not None and cancel.is_set():
-        raise ConnectionError(
+        raise _Cancelled(
             f"handshake with {address} cancelled: the tier is closing, or no longer dials it"
         )
     if reply is None:

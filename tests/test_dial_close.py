@@ -1,0 +1,126 @@
+"""Dials that must not outlive ``TierManager.close``, nor a host no longer wanted: handshakes,
+greetings and their threads and sockets, against hosts in this process that answer part of a
+handshake and then go silent."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import zmq
+from remote_support import BLOCK_LEN, wait_for
+from test_index import LateWriteTransport
+
+from torch_kv_tier import connections
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.connections import REDIAL_THREAD, Dial
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import protocol as p
+
+RESULT_TIMEOUT_S = 10.0
+DIAL_TIMEOUT_S = 60.0  # a handshake's own wait: far past every wait of these tests
+
+
+class _MuteAtAccept:
+    """A ZeroMQ ROUTER on 127.0.0.1 that answers each ``Hello`` with a ``Challenge`` and then
+    says nothing: a host that froze (or died) after it got the ``Handshake``. ``heard`` lists
+    the client messages it got; ``handshaken`` is set at the first ``Handshake``."""
+
+    def __init__(self) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = f"127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.heard: list[p.ClientMessage] = []
+        self.handshaken = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(10, zmq.POLLIN):
+                continue
+            identity, frame = self._sock.recv_multipart()
+            message = p.decode_client(frame)
+            self.heard.append(message)
+            if isinstance(message, p.Hello):
+                nonce = secrets.token_bytes(p.NONCE_BYTES)
+                challenge = p.Challenge(p.PROTOCOL_VERSION, message.seq, nonce, b"")
+                self._sock.send_multipart([identity, p.encode(challenge)])
+            elif isinstance(message, p.Handshake):
+                self.handshaken.set()
+
+    def disconnected(self) -> list[str]:
+        """The ids of the sessions the client ended with a clean ``Disconnect``."""
+        return [m.session_id for m in self.heard if isinstance(m, p.Disconnect) and m.clean]
+
+    def handshakes(self) -> list[str]:
+        """The ids of the sessions the handshakes it got would have opened."""
+        return [m.nonce.hex() for m in self.heard if isinstance(m, p.Handshake)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=RESULT_TIMEOUT_S)
+        self._sock.close()
+
+
+@contextmanager
+def _tier_and_host() -> Iterator[tuple[TierManager, _MuteAtAccept]]:
+    """A tier (its transport in this process) and a host mute at the accept, closed on exit."""
+    arena = BlockArena(4, BLOCK_LEN)
+    tier = TierManager(arena, LateWriteTransport(arena.tensor))
+    host = _MuteAtAccept()
+    try:
+        yield tier, host
+    finally:
+        tier.close(timeout=1.0)
+        host.close()
+
+
+def _redialling(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The redial threads running that were not running ``before``."""
+    return [t for t in set(threading.enumerate()) - before if t.name == REDIAL_THREAD]
+
+
+@pytest.mark.parametrize("dialled_by", ["the redialer", "a connect on another thread"])
+def test_close_abandons_a_handshake_awaiting_its_accept(
+    dialled_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a handshake awaiting the host's ``Accept`` (the ``Handshake`` sent)
+    ignored the tier's close and waited out its whole ``timeout_s``: ``close`` returned with a
+    redial thread still running, which could then register what it learnt on a closed tier.
+    ``close`` abandons it: its thread ends within ``close``, and the host is told to end the
+    session it may have opened (a clean ``Disconnect``)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
+    before = set(threading.enumerate())
+    with _tier_and_host() as (tier, host):
+        dial = Dial(host.address, None, True, None, DIAL_TIMEOUT_S, 10.0)
+        raised: list[BaseException] = []
+        if dialled_by == "the redialer":
+            with tier._lock:  # the host was connected, then lost
+                tier._dials["h"] = dial
+                tier._redialer.start(dial)
+            dialling = None
+        else:
+
+            def connect() -> None:
+                try:
+                    tier.connect(host.address, private=True, timeout_s=DIAL_TIMEOUT_S)
+                except BaseException as exc:
+                    raised.append(exc)
+
+            dialling = threading.Thread(target=connect, daemon=True)
+            dialling.start()
+        assert host.handshaken.wait(RESULT_TIMEOUT_S), "the handshake never went out"
+        tier.close(timeout=2.0)
+        assert _redialling(before) == [], "a redial outlived close"
+        if dialling is not None:
+            dialling.join(timeout=2.0)
+            assert not dialling.is_alive(), "a connect outlived close by its timeout_s"
+            assert isinstance(raised[0], ConnectionError), raised
+        assert tier.peers() == []
+        abandoned = host.handshakes()[0]  # (close's last word to the host is another one)
+        assert wait_for(lambda: abandoned in host.disconnected(), RESULT_TIMEOUT_S), host.heard
