@@ -14,7 +14,6 @@ future's callback on the poller thread, it polls the transfers it waits for itse
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from functools import partial
@@ -24,6 +23,7 @@ from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
+from torch_kv_tier.remote.handshake import seconds
 from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
 from torch_kv_tier.transport.base import DataTransport
 
@@ -65,12 +65,10 @@ class Closing:
         cancelled here resolves only after that, when nothing can land in its blocks any more;
         a handshake on another thread still awaiting an answer gives up. Idempotent.
 
-        Raises ``TypeError``/``ValueError`` unless ``timeout`` is a finite number of seconds
-        >= 0, before anything changes (the tier stays open, to be closed again)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-        if not 0 <= timeout < math.inf:  # nan too
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+        Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
+        (``handshake.seconds``), before anything changes (the tier stays open, to be closed
+        again)."""
+        timeout = seconds("timeout", timeout, zero=True)
         self._closing.set()
         with self._lock:
             if self._closed:

@@ -58,6 +58,7 @@ from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
+from torch_kv_tier.remote.handshake import seconds
 from torch_kv_tier.results import (
     MISSING,
     NO_PEERS,
@@ -118,8 +119,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 "over arena.tensor"
             )
         self.grant_batch = _checked_settings(max_inflight, grant_batch, transport.block_len)
-        if not max_poll_interval_s >= 0:  # (NaN too) the poller sleeps up to this long
-            raise ValueError(f"max_poll_interval_s must be >= 0, got {max_poll_interval_s}")
+        # the poller sleeps up to this long
+        max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
         self.verify = verify
         self.arena = arena
         self.transport = transport

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -44,7 +43,7 @@ from torch_kv_tier.host_sources import (
     source_scheme,
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts
+from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts, seconds
 
 __all__ = [
     "SOURCE_FORMS",
@@ -118,13 +117,9 @@ class Membership:
         connect_kwargs: Mapping[str, Any] | None = None,
         known: Mapping[str, str | None] | None = None,
     ) -> None:
-        if not 0 < interval_s < math.inf:
-            raise ValueError(
-                f"interval_s must be a finite positive number of seconds, got {interval_s}"
-            )
+        self._interval_s = seconds("interval_s", interval_s)
         self._tier = tier
         self._source = source
-        self._interval_s = interval_s
         self._connect_kwargs = dict(connect_kwargs or {})
         _check_connect_kwargs(tier, self._connect_kwargs)
         self._hosts: dict[str, str | None] = dict(known or {})
@@ -142,7 +137,9 @@ class Membership:
 
     def stop(self, timeout: float) -> None:
         """Stop the thread; wait up to ``timeout`` s for it (a handshake in progress may take
-        up to its ``timeout_s``). The tier keeps its peers. Idempotent."""
+        up to its ``timeout_s``). The tier keeps its peers. Idempotent. ``TypeError``/
+        ``ValueError`` for a ``timeout`` that is no number of seconds >= 0 (``seconds``)."""
+        timeout = seconds("timeout", timeout, zero=True)
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=timeout)

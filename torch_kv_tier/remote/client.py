@@ -203,6 +203,9 @@ class RemoteSession(SharedRequests):
             heartbeat_timeout_s=heartbeat_timeout_s,
             timeout_s=timeout_s,
         )
+        # as the floats every wait takes (a numpy.float32 reaches none)
+        timeout_s, heartbeat_timeout_s = float(timeout_s), float(heartbeat_timeout_s)
+        heartbeat_interval_s = float(heartbeat_interval_s)
         release = list(release or ())
         sock, monitor = connect(address)
         try:

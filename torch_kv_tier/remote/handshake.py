@@ -136,18 +136,30 @@ def check_session_args(
 
 
 def check_timeouts(**timeouts_s: float) -> None:
-    """``TypeError`` naming the first of ``timeouts_s`` that is no int or float (a ``str``, a
-    ``bool``, or a number Python's own waits refuse: a ``numpy.float32``, a ``Fraction``),
-    ``ValueError`` the first that is no timeout: each must be finite, > 0 and at most
-    ``MAX_WAIT_S``."""
+    """``seconds`` of each of ``timeouts_s`` (each > 0): raises for the first that is none."""
     for name, value in timeouts_s.items():
-        if isinstance(value, bool) or not isinstance(value, float | numbers.Integral):
-            raise TypeError(
-                f"{name} must be a number of seconds (an int or a float), got {value!r} "
-                f"(a {type(value).__name__}): pass e.g. {name}=10.0, or float() of it"
-            )
-        if not 0 < value <= MAX_WAIT_S:
-            raise ValueError(f"{name} must be > 0 and at most {MAX_WAIT_S:g} s, got {value}")
+        seconds(name, value)
+
+
+def seconds(name: str, value: object, *, zero: bool = False) -> float:
+    """``value``, parameter ``name``'s number of seconds, as the ``float`` every wait takes (a
+    ``numpy.float32`` reaches none: Python's waits refuse it). ``TypeError`` unless it is an int
+    or a float, numpy's too (not a ``bool``, a ``str``, a ``Fraction`` or a ``Decimal``);
+    ``ValueError`` unless it is finite, > 0 (``zero``: >= 0) and at most ``MAX_WAIT_S``."""
+    floating = isinstance(value, numbers.Real) and not isinstance(value, numbers.Rational)
+    if isinstance(value, bool) or not (floating or isinstance(value, numbers.Integral)):
+        raise TypeError(
+            f"{name} must be a number of seconds (an int or a float), got {value!r} "
+            f"(a {type(value).__name__}): pass e.g. {name}=10.0, or float() of it"
+        )
+    try:
+        as_float = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int past any float
+        as_float = math.inf
+    if not (as_float >= 0 if zero else as_float > 0) or not as_float <= MAX_WAIT_S:  # nan too
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"{name} must be {bound} and at most {MAX_WAIT_S:g} s, got {value}")
+    return as_float
 
 
 def check_connect_args(address: str, slots: int | None, private: bool, token: str | None) -> None:

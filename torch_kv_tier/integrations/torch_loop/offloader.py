@@ -96,8 +96,8 @@ class PagedKVOffloader:
                 f"caches across all layers is {self.block_len} bytes: build the tier with "
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
-        check_timeout("timeout", timeout)
-        check_reconnect_interval(reconnect_interval_s)
+        timeout = check_timeout("timeout", timeout)
+        reconnect_interval_s = check_reconnect_interval(reconnect_interval_s)
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -171,8 +171,8 @@ class PagedKVOffloader:
         and put the dtype and layout in them yourself.
         """
         block_len = cls.block_len_for(key_caches, value_caches)
-        check_timeout("timeout", timeout)
-        check_reconnect_interval(reconnect_interval_s)
+        timeout = check_timeout("timeout", timeout)
+        reconnect_interval_s = check_reconnect_interval(reconnect_interval_s)
         kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
@@ -326,7 +326,7 @@ class PagedKVOffloader:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
         are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
         finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
-        check_wait(timeout)
+        timeout = check_wait(timeout)
         return self._batches.wait_idle(
             time.monotonic() + (self.timeout if timeout is None else timeout)
         )
@@ -338,7 +338,7 @@ class PagedKVOffloader:
         own stops dialling the hosts this offloader's connects left to it (``cancel_dial`` of
         its own requests: one the user asked for too is still dialled; those that joined stay).
         Idempotent."""
-        check_wait(timeout)  # before anything: a refused call leaves the offloader open
+        timeout = check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
         self._closed = True

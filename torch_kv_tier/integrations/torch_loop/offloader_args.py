@@ -8,7 +8,6 @@ the network; none has state (any thread).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
+from torch_kv_tier.remote.handshake import seconds
 
 __all__ = [
     "check_caches",
@@ -35,8 +35,7 @@ def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any)
     ``ValueError`` unless a finite number > 0)."""
     if connect_timeout is None:
         connect_timeout = min(timeout, CONNECT_TIMEOUT_S)
-    check_timeout("connect_timeout", connect_timeout)
-    return {**kwargs, "timeout_s": connect_timeout}
+    return {**kwargs, "timeout_s": check_timeout("connect_timeout", connect_timeout)}
 
 
 def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) -> bool:
@@ -58,27 +57,22 @@ def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) 
     return later
 
 
-def check_reconnect_interval(seconds: float) -> None:
-    """``ValueError`` unless ``seconds`` is a finite number >= 0 (0: never dial a host that is
-    down at its connect)."""
-    if not 0 <= seconds < math.inf:
-        raise ValueError(
-            "reconnect_interval_s must be a finite number of seconds >= 0 (0: never), "
-            f"got {seconds}"
-        )
+def check_reconnect_interval(interval_s: float) -> float:
+    """``interval_s`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
+    >= 0 (``handshake.seconds``; 0: never dial a host that is down at its connect)."""
+    return seconds("reconnect_interval_s", interval_s, zero=True)
 
 
-def check_timeout(name: str, seconds: float) -> None:
-    """``ValueError`` unless ``seconds`` is a finite number > 0 (nan too: a wait for nan seconds
-    returns at once)."""
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds}")
+def check_timeout(name: str, timeout: float) -> float:
+    """``timeout`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
+    > 0 (``handshake.seconds``; nan too: a wait for nan seconds returns at once)."""
+    return seconds(name, timeout)
 
 
-def check_wait(timeout: float | None) -> None:
-    """``ValueError`` unless ``timeout`` is ``None`` or a finite number of seconds >= 0."""
-    if timeout is not None and not 0 <= timeout < math.inf:
-        raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
+def check_wait(timeout: float | None) -> float | None:
+    """``timeout`` as a float (``None`` stays): ``TypeError``/``ValueError`` unless it is
+    ``None`` or a number of seconds >= 0 (``handshake.seconds``)."""
+    return None if timeout is None else seconds("timeout", timeout, zero=True)
 
 
 def check_caches(
