@@ -10,9 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 import zmq
-from remote_support import BLOCK_LEN, wait_for
+from remote_support import BLOCK_LEN, SilentHosts, wait_for
 from test_index import LateWriteTransport
+from test_tier_races import _PrivateSession
 
 from torch_kv_tier import connections
 from torch_kv_tier.arena import BlockArena
@@ -124,3 +126,38 @@ def test_close_abandons_a_handshake_awaiting_its_accept(
         assert tier.peers() == []
         abandoned = host.handshakes()[0]  # (close's last word to the host is another one)
         assert wait_for(lambda: abandoned in host.disconnected(), RESULT_TIMEOUT_S), host.heard
+
+
+@pytest.mark.parametrize("replaced_by", ["another id at its address", "a connect of its id"])
+def test_a_lost_host_greeted_as_another_dial_joins_in_its_place_is_let_go_at_once(
+    replaced_by: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a lost host the redialer greeted (a host frozen, or killed, since) that
+    the tier stopped dialling for another reason than a cancel (its address answered under
+    another id, or a connect of its id joined with a dial of its own) stayed greeted, its
+    socket open, until its ``timeout_s``. It is let go at once, as a cancelled one is."""
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 0)  # every host due is greeted
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.0)
+    silent = SilentHosts(1)
+    with _tier_and_host() as (tier, _):
+        redialer = tier._redialer
+        old = Dial(silent.addresses[0], None, True, None, DIAL_TIMEOUT_S, 10.0)
+        with tier._lock:  # connected, then lost
+            tier._dials["host-1"] = old
+            redialer.start(old)
+        assert wait_for(lambda: old in redialer._greeting, RESULT_TIMEOUT_S), "never greeted"
+        new = Dial(old.address, None, True, None, DIAL_TIMEOUT_S, 10.0)
+        if replaced_by == "another id at its address":
+            with tier._lock:
+                tier._dials["host-2"] = new
+                tier._forget_replaced("host-2", new)
+        else:
+            assert isinstance(tier.transport, LateWriteTransport)
+            tier.transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+            monkeypatch.setattr(TierManager, "_open", lambda *_a, **_k: _PrivateSession())
+            assert tier._connect(new) == "host-1"
+        assert wait_for(lambda: old not in redialer._greeting, RESULT_TIMEOUT_S), (
+            f"greeted on, up to its timeout_s ({DIAL_TIMEOUT_S} s)"
+        )
+        assert not new.stopped.is_set()
+    silent.close()

@@ -202,7 +202,8 @@ class ConnectedHosts(LostHosts):
                 raise
             with self._lock:
                 if peer_id in self._dials:  # else removed once published: not dialled again
-                    self._dials[peer_id] = dial
+                    self._dials[peer_id], replaced = dial, self._dials[peer_id]
+                    self._let_go(replaced)  # (a redial of it under way gives up)
                 self._forget_replaced(peer_id, dial)
         finally:
             with self._lock:

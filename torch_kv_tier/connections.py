@@ -47,7 +47,8 @@ class Dial:
     # ``None``: a caller who named none): ``cancel_dial`` with an owner withdraws only its own;
     # emptied once the address joined (``_forget_replaced``), so that no owner is held after
     askers: set[object] = field(default_factory=set, init=False)
-    # set once the tier no longer dials it (cancelled, or its host removed): a handshake of it
+    # set once the tier no longer dials it (cancelled, its host removed, or its address
+    # answered another dial: ``LostHosts._let_go``): a handshake or greeting of it
     # still awaiting the host's answer gives up (``EitherSet``). Neither is copied by
     # ``dataclasses.replace`` (a removed host's releases go out over a copy of its dial).
     stopped: threading.Event = field(default_factory=threading.Event, init=False)
@@ -76,8 +77,9 @@ class Redialer:
     handshaking). When more hosts are due than tries may start, one more thread greets them
     (``greeting.Greeting``, each within its ``timeout_s``), and those falling due while it
     runs join it: those that answer are tried first, as tries end; those that do not fail
-    that round with ``TimeoutError`` (their next try after their backoff) and hold no try. So
-    a host that is back waits for no other host's timeout.
+    that round with ``TimeoutError`` (their next try after their backoff) and hold no try;
+    those the tier no longer dials (``Dial.stopped``) are let go at once. So a host that is
+    back waits for no other host's timeout.
 
     ``dial(spec)`` connects one host (blocking; raises on failure); ``wanted(spec)`` says
     whether the host is still to be connected (not removed by the user, tier open). A failure
@@ -213,7 +215,7 @@ class Redialer:
         """The greeter's thread: greets the hosts handed to it as they come (``Greeting``),
         each within its own ``timeout_s``, until it awaits none. Each that answers is tried
         next, as it answers; each that does not fails its round (``TimeoutError``); each the
-        user stopped dialling (``Dial.stopped``) is let go at once."""
+        tier stopped dialling (``Dial.stopped``) is let go at once."""
         greeting: Greeting[Dial] = Greeting()
         try:
             while self._take_greetings(greeting):

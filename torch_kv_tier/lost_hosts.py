@@ -232,6 +232,7 @@ class LostHosts(SessionReleases):
         pending = None if self._removed.get(address) is dial else self._pending.pop(address, None)
         if pending is not None:
             pending.askers.clear()  # nobody can withdraw a request of it now: owners let go
+            self._let_go(pending)
         replaced = [
             pid
             for pid, d in self._dials.items()
@@ -241,9 +242,17 @@ class LostHosts(SessionReleases):
             and pid not in self._joining
         ]
         for pid in replaced:
-            del self._dials[pid]
+            stale = self._dials.pop(pid)
+            self._let_go(stale)
             self._remove_from_transport(pid)
             logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
+
+    def _let_go(self, dial: Dial) -> None:
+        """``dial`` was dropped from what the tier dials (its address answered another dial):
+        its handshake or greeting under way gives up at once (``Dial.stopped``), as a
+        cancelled one's does, unless it still stands for a host or an address."""
+        if dial not in self._dials.values() and self._pending.get(dial.address) is not dial:
+            dial.stopped.set()
 
     def _remove_from_transport(self, peer_id: str) -> None:
         """The transport lets go of ``peer_id`` (logged, never raised: a closed transport holds
