@@ -11,14 +11,17 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.host_sources import make_resolver
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership, StaticHosts
+from torch_kv_tier.remote import ServerProcess
 
 NOT_SECONDS = [True, "5", None, Fraction(5), math.nan, math.inf, -1.0, 1e12, np.float32(-1)]
 NUMPY = [np.int64(2), np.int32(2), np.float32(2.0), np.float64(2.0)]
@@ -62,6 +65,7 @@ CALLS: dict[str, tuple[str, Callable[[TierManager, Any], object]]] = {
     ),
     "PagedKVOffloader.flush": ("timeout", lambda tier, v: _offloader(tier).flush(v)),
     "PagedKVOffloader.close": ("timeout", lambda tier, v: _offloader(tier).close(v)),
+    "make_resolver": ("lifetime_s", lambda _, v: make_resolver("127.0.0.1", lifetime_s=v)),
 }
 
 
@@ -97,3 +101,23 @@ def test_a_numpy_number_of_seconds_is_taken(call: str, value: object) -> None:
     ``threading``. Each is taken, as the float it is."""
     with _tier() as tier:
         CALLS[call][1](tier, value)
+
+
+@pytest.mark.parametrize("value", NOT_SECONDS, ids=repr)
+def test_a_server_started_with_no_number_of_seconds_is_refused_before_it_starts(
+    value: object,
+) -> None:
+    """Found by review: ``ServerProcess.start(timeout_s=math.inf)`` (or a ``numpy.float32``)
+    started the server, then its wait for ``ready`` raised (``OverflowError``, ``TypeError``)
+    and left that process running, nobody to stop it. Refused before it starts."""
+    children = psutil.Process().children()
+    with pytest.raises((TypeError, ValueError), match="^timeout_s must be"):
+        ServerProcess.start(8, BLOCK_LEN, timeout_s=value)  # type: ignore[arg-type]
+    assert psutil.Process().children() == children
+
+
+def test_a_server_started_with_a_numpy_timeout_is_ready_and_stops() -> None:
+    """A ``numpy.float32`` timeout (as the float it is) starts and stops a server."""
+    with ServerProcess.start(8, BLOCK_LEN, timeout_s=np.float32(60.0)) as server:  # type: ignore[arg-type]
+        assert server.proc.poll() is None
+    assert server.stop(np.float32(5.0)) is not None  # type: ignore[arg-type]

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any
 
+from torch_kv_tier.remote.handshake import seconds
+
 _STDERR_LINES_KEPT = 200
 
 
@@ -50,8 +52,10 @@ class ServerProcess:
         ``env`` entries are added to this process's environment; ``prefix`` is a command the
         server runs under (it must exec it), e.g. ``["ip", "netns", "exec", "ns1"]``. Raises
         ``RuntimeError`` with the server's stderr when it exits first, ``TimeoutError`` (after
-        killing it) when it is not ready within ``timeout_s``.
+        killing it) when it is not ready within ``timeout_s``; ``TypeError``/``ValueError`` for
+        a ``timeout_s`` that is no number of seconds (``handshake.seconds``), before it starts.
         """
+        timeout_s = seconds("timeout_s", timeout_s)
         cmd = [
             *prefix, sys.executable, "-m", "torch_kv_tier", "serve",
             "--num-blocks", str(num_blocks), "--block-len", str(block_len), "--host", host,
@@ -98,7 +102,10 @@ class ServerProcess:
         return self._stderr.text()
 
     def stop(self, timeout: float = 5.0) -> int:
-        """SIGTERM, wait up to ``timeout`` s (then SIGKILL); return the exit code."""
+        """SIGTERM, wait up to ``timeout`` s (then SIGKILL); return the exit code.
+        ``TypeError``/``ValueError`` for a ``timeout`` that is no number of seconds >= 0, before
+        the signal."""
+        timeout = seconds("timeout", timeout, zero=True)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
