@@ -161,3 +161,21 @@ def test_a_lost_host_greeted_as_another_dial_joins_in_its_place_is_let_go_at_onc
         )
         assert not new.stopped.is_set()
     silent.close()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_join_whose_handshake_ends_after_close_registers_nothing(shared: bool) -> None:
+    """Found by review: a redial whose handshake returned once ``close`` began registered a
+    shared host's region with the transport (a NIXL registration, seconds for a big pool)
+    before it found the tier closed. Nothing it learnt after close is registered now: it
+    ends the session, clean, and raises ``RuntimeError``."""
+    with _tier_and_host() as (tier, _):
+        assert isinstance(tier.transport, LateWriteTransport)
+        tier.transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
+        session = _PrivateSession()
+        session.shared = shared
+        tier.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            tier._join(session, 1.0)
+        assert tier.transport._peers == {}, "registered after close"
+        assert session.closed == [True]

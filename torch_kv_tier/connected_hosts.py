@@ -220,7 +220,8 @@ class ConnectedHosts(LostHosts):
         keys), so joins side by side would each last as long as all of them, past their
         timeouts. A connect of another host (a user's, while the redialer joins a large host)
         waits too: both would take as long. Waits its turn up to ``timeout_s`` (``TimeoutError``
-        naming the hosts joining meanwhile; ``RuntimeError`` once the tier is closing)."""
+        naming the hosts joining meanwhile; ``RuntimeError``, nothing registered, once the tier
+        is closing)."""
         deadline = time.monotonic() + timeout_s
         while not self._join_turn.acquire(timeout=_JOIN_WAIT_POLL_S):
             if self._closing.is_set() or time.monotonic() >= deadline:
@@ -236,6 +237,9 @@ class ConnectedHosts(LostHosts):
                     "with a larger timeout_s"
                 )
         try:
+            if self._closing.is_set():  # its handshake ended as close began: register nothing
+                self._end_keeping_releases(session, True)  # never published: none written
+                raise RuntimeError("TierManager is closed")
             if session.shared:  # (a failed join ends its session itself)
                 self._join_shared(session, timeout_s)
                 return
