@@ -87,7 +87,8 @@ class PagedKVOffloader:
         ``redial_if_down``, every 0.5 s doubling to 10 s) unless ``strict`` or
         ``reconnect_interval_s`` is 0; any other value of it only turns that on. Raises
         ``ValueError`` if the caches disagree in shape, dtype or device, do not match the
-        arena's block length, or for another ``timeout`` or a negative interval.
+        arena's block length, or for another ``timeout`` or a negative interval (``TypeError``
+        for one that is no int or float, numpy's too: ``handshake.seconds``).
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -324,8 +325,8 @@ class PagedKVOffloader:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
-        are done); ``False`` if ``timeout`` ran out. ``ValueError`` unless ``timeout`` is a
-        finite number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
+        are done); ``False`` if ``timeout`` ran out. ``TypeError``/``ValueError`` unless
+        ``timeout`` is a number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
         timeout = check_wait(timeout)
         return self._batches.wait_idle(
             time.monotonic() + (self.timeout if timeout is None else timeout)
