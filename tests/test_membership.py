@@ -1008,12 +1008,15 @@ def test_a_host_restarted_before_the_tier_noticed_is_not_called_a_host_id_mistak
     open_ = RemoteSession.open.__func__  # type: ignore[attr-defined]
 
     def quiet_open(cls: type[RemoteSession], *args: Any, **kwargs: Any) -> RemoteSession:
-        return open_(cls, *args, **{**kwargs, "heartbeat_interval_s": 60.0})
+        quiet = {"heartbeat_interval_s": 600.0, "heartbeat_timeout_s": 1800.0}
+        return open_(cls, *args, **{**kwargs, **quiet})
 
-    # the old connection's end is not seen, and no heartbeat asks the new host meanwhile
+    # the old connection's end is not seen, and no heartbeat asks the new host meanwhile (found
+    # under load: a heartbeat is sent at least every third of the heartbeat and lease timeouts,
+    # 3.3 s by default, and one that reached the new host before the connect ended the session)
     monkeypatch.setattr(RemoteSession, "open", classmethod(quiet_open))
     monkeypatch.setattr(session_io, "disconnected", lambda _monitor: False)
-    args = ["--port", str(free_port()), "--host-id", "pod-0"]
+    args = ["--port", str(free_port()), "--host-id", "pod-0", "--lease-timeout", "1800"]
     with TierManager.create(16, BLOCK_LEN, name="unnoticed") as tier:
         first = ServerProcess.start(32, BLOCK_LEN, extra_args=args)
         try:
