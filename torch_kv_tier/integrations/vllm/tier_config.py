@@ -8,9 +8,7 @@ nothing from vLLM.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 
 from torch_kv_tier.membership import HostSource, StaticHosts, parse_source, source_scheme
 from torch_kv_tier.remote.client import parse_address
+from torch_kv_tier.remote.handshake import seconds
 
 logger = logging.getLogger(__name__)
 
@@ -259,15 +258,11 @@ def _optional_positive_int(options: Mapping[str, Any], key: str) -> int | None:
 def _seconds(
     options: Mapping[str, Any], key: str, default: float, *, allow_zero: bool = False
 ) -> float:
-    value = options.get(key, default)
-    seconds = math.nan
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        with contextlib.suppress(OverflowError):  # an int too large for a float
-            seconds = float(value)
-    if not math.isfinite(seconds) or not (seconds >= 0 if allow_zero else seconds > 0):
-        expected = "number of seconds >= 0" if allow_zero else "positive number of seconds"
-        raise ValueError(f'"{key}" must be a finite {expected}, got {value!r}')
-    return seconds
+    """``handshake.seconds`` of ``key``'s value, every problem a ``ValueError`` naming it."""
+    try:
+        return seconds(f'"{key}"', options.get(key, default), zero=allow_zero)
+    except TypeError as exc:  # (a str, a bool...): a config's errors are all ValueErrors
+        raise ValueError(str(exc)) from None
 
 
 def _bool(options: Mapping[str, Any], key: str, default: bool) -> bool:
