@@ -186,7 +186,7 @@ def test_an_unwritable_disk_path_is_refused_with_its_name(tmp_path: Path) -> Non
     blocker.write_text("not a directory")
     done = _serve_fails("--disk", str(blocker / "sub"), "--disk-bytes", "1M")
     assert done.returncode == 1 and "ready" not in done.stdout
-    assert str(blocker / "sub") in done.stderr
+    assert str(blocker / "sub") in done.stderr and "its parent must exist" in done.stderr
 
 
 def test_a_disk_too_small_for_disk_bytes_is_refused_with_the_free_space(tmp_path: Path) -> None:
@@ -199,6 +199,7 @@ def test_a_disk_too_small_for_disk_bytes_is_refused_with_the_free_space(tmp_path
     "args, message",
     [
         (["--disk-bytes", "1G"], "--disk-bytes needs --disk"),
+        (["--disk", "x"], "--disk needs --disk-bytes"),  # was "at least one block ..., got 0"
         (["--disk", "x", "--disk-bytes", "100"], "at least one block"),
         (["--disk", "x", "--disk-bytes", "1 lot"], "not a byte count"),
         (["--disk", "x", "--disk", "x", "--disk-bytes", "1M"], "twice"),

@@ -106,7 +106,10 @@ class DiskDir:
             self.close()
             if isinstance(exc, OSError) and not isinstance(exc, DiskError):
                 why = exc.strerror or str(exc)
-                raise DiskError(f"cannot use {path} for the disk tier: {why}") from exc
+                raise DiskError(
+                    f"cannot use {path} for the disk tier: {why}: pass --disk a directory this "
+                    "host can create (its parent must exist) or one it made, and can write"
+                ) from exc
             raise
 
     def _check_header(self, block_len: int) -> bytes | None:

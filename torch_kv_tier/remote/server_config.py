@@ -72,6 +72,11 @@ class ServerConfig:
             raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
         if self.host_id is not None and not 0 < len(self.host_id) <= 128:
             raise ValueError(f"--host-id must be 1 to 128 characters, got {self.host_id!r}")
+        if self.disk_paths and not self.disk_bytes:
+            raise ValueError(
+                "--disk needs --disk-bytes N: the bytes of blocks each directory holds "
+                "(e.g. 64G, 512MiB)"
+            )
         if self.disk_paths and self.disk_bytes < self.block_len:
             raise ValueError(
                 f"--disk-bytes must hold at least one block of --block-len {self.block_len} "
