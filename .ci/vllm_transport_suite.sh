@@ -3,6 +3,7 @@
 # The vllm-0.33.0 sdist comes from the package index through pip's own index machinery (so pip's
 # configuration applies: index URL, proxy, certificates) and is cached, hash-checked, in .cache/.
 # `pip download --no-binary` cannot be used: it builds vLLM's metadata. No vLLM code is committed.
+# `--fetch-only`: fetch and unpack the test, run nothing (.ci/run fetches it beside lint).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,6 +48,7 @@ with tarfile.open(sdist) as tar:
     member = tar.getmember(f"vllm-{version}/{test}")
     (cache / Path(test).name).write_bytes(tar.extractfile(member).read())
 PY
+if [ "${1:-}" = --fetch-only ]; then exit 0; fi
 
 PYTHONPATH="$PWD:$PWD/tests/vllm_compat${PYTHONPATH:+:$PYTHONPATH}" \
   python -m pytest -q -rs -p vllm_shim -p no:cacheprovider "$CACHE/$(basename "$TEST")"
