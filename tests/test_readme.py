@@ -50,6 +50,8 @@ def test_the_quick_start_states_every_setup_and_test_command_ci_runs() -> None:
         for command in line.split("&&"):
             command = " ".join(command.strip(" ()").split())
             command = re.sub(r"\bpip install -q ", "pip install ", command)
+            if command.endswith("&"):  # a head start on what a later stage's script does too
+                continue
             if re.match(r"(python3? -m|pip |\. |ruff |mypy |\.ci/)", command):
                 wanted.add(command)
     assert "python -m pytest -q" in wanted, "the parse of .ci/run found no test command"
