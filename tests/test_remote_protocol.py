@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -186,6 +187,21 @@ def test_scattered_slots_given_back_with_one_already_free_are_refused_and_the_po
     with pytest.raises(ValueError, match="returned twice"):
         cache.return_free()
     assert cache.pool.free == 8
+
+
+def test_a_slot_pool_asked_for_a_numpy_count_keeps_python_ints_and_a_float_changes_nothing() -> (
+    None
+):
+    """``take(numpy.int64(3))`` left ``free`` a numpy.int64, which the host's stats frame
+    cannot encode (msgspec: unsupported type); ``take(2.5)`` moved the run by 2, made ``free``
+    7.5, then raised. A count is taken as an integer before anything changes."""
+    pool = SlotPool(10)
+    lease = pool.take(np.int64(3))  # type: ignore[arg-type]
+    assert lease == range(3) and type(pool.free) is int
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode({"free": pool.free})) == {"free": 7}
+    with pytest.raises(TypeError, match="integer"):
+        pool.take(2.5)  # type: ignore[arg-type]
+    assert pool.free == 7 and pool.take(10) == range(3, 10)
 
 
 def test_lease_table_expiry_holds_the_lease_until_released_and_a_clean_close_frees_it() -> None:

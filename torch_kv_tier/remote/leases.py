@@ -8,6 +8,7 @@ Not thread-safe: the server guards a ``LeaseTable`` with its state lock.
 from __future__ import annotations
 
 import itertools
+import operator
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class SlotPool:
         """Lease up to ``want`` slots as one range; ``None`` when nothing is free.
 
         Best fit: the smallest free run that holds ``want`` slots, else the largest run (a
-        partial grant); the first such run on a tie.
+        partial grant); the first such run on a tie. ``want`` is an integer (a numpy one is
+        taken as a Python ``int``, so the pool's counts and ranges stay Python ints).
         """
+        want = operator.index(want)
         if want <= 0:
             raise ValueError(f"want must be > 0, got {want}")
         if not self._free:
