@@ -189,6 +189,64 @@ def test_scattered_slots_given_back_with_one_already_free_are_refused_and_the_po
     assert cache.pool.free == 8
 
 
+_POOL_OPS: st.SearchStrategy[tuple[str, int, int, list[int]]] = st.one_of(
+    st.tuples(st.just("take"), st.integers(-1, 60), st.just(0), st.just([])),
+    st.tuples(st.just("give_back"), st.integers(-2, 50), st.integers(0, 50), st.just([])),
+    st.tuples(
+        st.just("give_back_slots"),
+        st.just(0),
+        st.just(0),
+        st.lists(st.integers(-2, 49), max_size=10),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_POOL_OPS, max_size=60))
+def test_a_slot_pool_draws_as_documented_whatever_was_given_back_and_how(
+    ops: list[tuple[str, int, int, list[int]]],
+) -> None:
+    """Against a set of free slots: each draw is the documented best fit among the coalesced
+    free runs (the shortest that holds it, else the longest; the first on a tie), ``free`` is
+    their sum, and a give-back that is refused (outside, free already, named twice) changes
+    nothing, whether a range or scattered slots in one call."""
+    pool = SlotPool(48)
+    free = set(range(48))
+    for op, a, b, scattered in ops:
+        if op == "take":
+            if a <= 0:
+                with pytest.raises(ValueError, match="want must be > 0"):
+                    pool.take(a)
+                continue
+            runs = _runs(sorted(free))
+            fitting = [run for run in runs if len(run) >= a]
+            best = min(fitting, key=len) if fitting else max(runs, key=len, default=None)
+            lease = pool.take(a)
+            assert lease == (best and best[:a])
+            free.difference_update(lease or ())
+            continue
+        back = list(range(a, b)) if op == "give_back" else scattered
+        refused = bool(back) and (
+            min(back) < 0
+            or max(back) >= 48
+            or len(set(back)) < len(back)
+            or not free.isdisjoint(back)
+        )
+        refused |= op == "give_back" and not back  # an empty lease is no lease
+        try:
+            if op == "give_back":
+                pool.give_back(range(a, b))
+            else:
+                pool.give_back_slots(back)
+        except ValueError:
+            assert refused
+        else:
+            assert not refused
+            free.update(back)
+        assert pool.free == len(free)
+    assert pool.take(48) == max(_runs(sorted(free)), key=len, default=None)
+
+
 def test_a_slot_pool_asked_for_a_numpy_count_keeps_python_ints_and_a_float_changes_nothing() -> (
     None
 ):

@@ -5,6 +5,7 @@ eviction, namespace quotas, held grants of sessions that ended uncleanly and the
 from __future__ import annotations
 
 from collections import OrderedDict
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote import shared_events, shared_snapshot
+from torch_kv_tier.remote import shared_events, shared_snapshot, slot_owners
 from torch_kv_tier.remote.leases import Session, SlotPool
 from torch_kv_tier.remote.shared_cache import SharedCache
 from torch_kv_tier.remote.shared_events import Namespace
@@ -451,6 +452,48 @@ def test_forgetting_departed_namespaces_makes_no_pass_over_the_slots(
         owners.record([i], [(f"tenant-{i}", b"k")])
         owners.clear([i])
     assert len(owners._ids) <= FORGET_AFTER + 1
+
+
+_OWNER_OPS: st.SearchStrategy[tuple[str, list[int], list[int]]] = st.one_of(
+    st.tuples(  # keys of namespaces (by number) written into distinct slots, over what they held
+        st.just("record"),
+        st.lists(st.integers(0, 11), max_size=4, unique=True),
+        st.lists(st.integers(0, 9), min_size=4, max_size=4),
+    ),
+    st.tuples(st.just("clear"), st.lists(st.integers(0, 11), max_size=4, unique=True), st.just([])),
+    st.tuples(st.just("begin"), st.just([]), st.just([])),  # a walk begins: its stamp
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_OWNER_OPS, max_size=60))
+def test_a_walk_lists_the_slots_its_namespace_held_when_it_began_across_reused_numbers(
+    ops: list[tuple[str, list[int], list[int]]],
+) -> None:
+    """Against a plain map of slots to keys: after every write, overwrite, clear and walk
+    begun, with names forgotten and their numbers reused after every 2 names (1024 on a host),
+    ``held_by`` lists for each namespace exactly the slots written by the walk's stamp that
+    hold its key now: never another namespace's, never an evicted key, none missing."""
+    with mock.patch.object(slot_owners, "FORGET_AFTER", 2):
+        owners = SlotOwners(12)
+        now: dict[int, tuple[str, int]] = {}  # slot -> (namespace, stamp of its write)
+        stamp = 0
+        for op, slots, numbers in ops:
+            names = [f"ns{n}" for n in numbers[: len(slots)]]
+            if op == "record":
+                owners.record(slots, [(name, b"k") for name in names])
+                now.update((slot, (name, owners.count)) for slot, name in zip(slots, names))
+            elif op == "clear":
+                owners.clear(slots)
+                for slot in slots:
+                    now.pop(slot, None)
+            else:
+                stamp = owners.count
+            for name in map("ns{}".format, range(10)):
+                held, _ = owners.held_by(0, 12, stamp, name)
+                assert held == sorted(
+                    s for s, (ns, at) in now.items() if ns == name and at <= stamp
+                )
 
 
 def test_a_namespace_some_slot_holds_is_never_forgotten_and_a_reused_number_names_one() -> None:
