@@ -325,6 +325,52 @@ def test_a_flush_after_an_offload_interrupted_as_it_was_tracked_does_not_wait() 
     assert arena.wait_idle(time.monotonic() + 1.0)
 
 
+def test_an_offload_interrupted_as_it_asks_for_the_hosts_gets_its_slots_back() -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C between the batch's
+    # slots coming and its first store (here as it waits for the tier's lock to see its
+    # hosts) lost all of them for good, though nothing was sent: an offload of the whole
+    # arena left none, and every later offload failed "capacity", every restore loaded none.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    looks = iter([["a"], None])
+
+    def peers() -> list[str]:
+        hosts = next(looks, ["a"])
+        if hosts is None:  # the batch's second look, after the copy: Ctrl-C lands
+            raise KeyboardInterrupt
+        return hosts
+
+    tier.peers = peers  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    keys = [f"k-{i}".encode() for i in range(4)]
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all({k: i for i, k in enumerate(keys)}, time.monotonic() + WAIT_S)
+    assert tier.stores == [] and tier.arena.num_free == 4  # before: 0
+    assert (
+        failures(arena.store_all({k: i for i, k in enumerate(keys)}, time.monotonic() + 5.0)) == {}
+    )
+
+
+def test_a_restore_interrupted_before_its_first_read_gets_its_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C between the batch's
+    # slots coming and its first read (here as it reads the clock for the reads' timeout)
+    # lost all of them for good.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    arena = batches(tier, timeout=WAIT_S)
+    clock = iter([True, False])  # the restore's deadline check, then the reads' timeout
+
+    def monotonic() -> float:
+        if not next(clock, True):
+            raise KeyboardInterrupt
+        return time.monotonic()
+
+    monkeypatch.setattr(arena_batches, "time", types.SimpleNamespace(monotonic=monotonic))
+    with pytest.raises(KeyboardInterrupt):
+        arena.load([b"k"], ["a"], [0], time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 4  # before: 3
+
+
 def test_a_store_whose_slots_come_back_as_ctrl_c_lands_leaves_its_host_usable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

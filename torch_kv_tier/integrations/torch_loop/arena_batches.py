@@ -132,24 +132,27 @@ class ArenaBatches(ArenaSlots):
         returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
-        was sent), and so does a ``KeyboardInterrupt`` in the tier's store (the slots of what it
-        may have sent come back once that ended, the others at once)."""
+        was sent), as does a ``KeyboardInterrupt`` before the first store, and one in the
+        tier's store (the slots of what it may have sent come back once that ended, the others
+        at once)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             return [(keys, failed_now(keys, "capacity", self._no_slots()))]
-        try:
-            self._pages.gather(pages, slots)
-        except BaseException:  # e.g. out of memory for the packed pages: nothing was sent
+        try:  # nothing is sent until the loop below: anything that raises first frees them
+            self._pages.gather(pages, slots)  # (e.g. out of memory for the packed pages)
+            now = self._manager.peers()  # (Ctrl-C as it waits for the tier's lock)
+            again = now != peers and resize and time.monotonic() < deadline
+            if now != peers and not again:
+                homes = homes_among(keys, now)  # as the tier places them now
+            due = time.monotonic() + self._timeout
+            parts = [] if again else list(by_host(keys, homes, slots).items())
+        except BaseException:
             self._release(slots)
             raise
-        if (now := self._manager.peers()) != peers:
-            if resize and time.monotonic() < deadline:
-                self._release(slots)
-                return None
-            homes = homes_among(keys, now)  # as the tier places them now
+        if again:  # sized for other hosts
+            self._release(slots)
+            return None
         stores: list[Batch] = []
-        due = time.monotonic() + self._timeout
-        parts = list(by_host(keys, homes, slots).items())
         for i, (host, (host_keys, host_slots)) in enumerate(parts):
             try:
                 future = self._manager.store(host_keys, host_slots)
@@ -196,16 +199,17 @@ class ArenaBatches(ArenaSlots):
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
+        futures: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
+        loaded: set[Key] = set()
+        failed: dict[Key, str] = {}
+        unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
+        due = 0.0  # (set once the slots came; no read starts before)
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             log.warning("%s for a restore", self._no_slots())
             return 0
-        futures: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
-        due = time.monotonic() + self._timeout  # when a read still under way is overdue
-        loaded: set[Key] = set()
-        failed: dict[Key, str] = {}
-        unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
-        try:
+        try:  # from here on, a Ctrl-C frees every slot no read may still write
+            due = time.monotonic() + self._timeout  # when a read still under way is overdue
             try:
                 for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
                     unsure = host_slots
