@@ -145,7 +145,7 @@ class LostHosts(SessionReleases):
         """How to dial ``address`` (``connect``'s arguments), once they are checked (every
         dial's handshake, and the redialer's greeting, waits within its timeouts; ``owner``
         is a ``dial_owner``, kept if the host is down)."""
-        check_connect_args(address, slots, private, token)
+        slots = check_connect_args(address, slots, private, token)
         check_dial_owner(owner)
         timeout_s = seconds("timeout_s", timeout_s)
         heartbeat_timeout_s = seconds("heartbeat_timeout_s", heartbeat_timeout_s)

@@ -192,7 +192,7 @@ class RemoteSession(SharedRequests):
         ``OSError``/``RuntimeError`` when the session cannot start here once accepted (no file
         descriptor or thread left: the server is told to end it).
         """
-        check_session_args(
+        slots = check_session_args(
             address,
             region,
             agent_metadata,

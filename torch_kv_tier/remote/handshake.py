@@ -40,6 +40,7 @@ CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
+MAX_COUNT = 2**63 - 1  # the largest count the protocol carries (msgpack takes no more)
 # a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
 _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
@@ -123,16 +124,18 @@ def check_session_args(
     private: bool,
     token: str | None,
     **timeouts_s: float,
-) -> None:
-    """``RemoteSession.open``'s checks, before any network traffic: ``ValueError`` naming the
-    bad argument (a timeout must be finite: at most ``MAX_WAIT_S``)."""
+) -> int | None:
+    """``RemoteSession.open``'s checks, before any network traffic: ``TypeError``/
+    ``ValueError`` naming the bad argument (a timeout must be finite: at most ``MAX_WAIT_S``).
+    Returns ``slots`` as the ``int`` to send (``check_connect_args``)."""
     problem = region.problem()
     if problem is not None:
         raise ValueError(problem)
-    check_connect_args(address, slots, private, token)
+    slots = check_connect_args(address, slots, private, token)
     if not agent_metadata:
         raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
     check_timeouts(**timeouts_s)
+    return slots
 
 
 def check_timeouts(**timeouts_s: float) -> None:
@@ -162,14 +165,31 @@ def seconds(name: str, value: object, *, zero: bool = False) -> float:
     return as_float
 
 
-def check_connect_args(address: str, slots: int | None, private: bool, token: str | None) -> None:
+def count(name: str, value: object) -> int:
+    """``value``, parameter ``name``'s count, as the ``int`` the protocol carries (it cannot
+    encode a ``numpy.int64``). ``TypeError`` unless it is an int, numpy's too (not a ``bool``,
+    a ``float`` or a ``str``); ``ValueError`` unless it is > 0 and at most ``MAX_COUNT``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a whole number (an int), got {value!r} (a "
+            f"{type(value).__name__}): pass e.g. {name}=64, or int() of it"
+        )
+    if not 1 <= int(value) <= MAX_COUNT:
+        raise ValueError(f"{name} must be > 0 and at most {MAX_COUNT}, got {value}")
+    return int(value)
+
+
+def check_connect_args(
+    address: str, slots: int | None, private: bool, token: str | None
+) -> int | None:
     """Connection arguments no host could accept (what a tier's ``connect`` checks before it
-    dials): ``ValueError`` naming the bad one."""
+    dials): ``TypeError``/``ValueError`` naming the bad one. Returns ``slots`` as an ``int``
+    (``count``), the value to send."""
     parse_address(address)
-    if slots is not None and slots <= 0:
-        raise ValueError(f"slots must be > 0 (or None for the server's default), got {slots}")
-    if slots is not None and not private:
-        raise ValueError("slots= sizes a private lease: pass private=True with it")
+    if slots is not None:
+        slots = count("slots", slots)
+        if not private:
+            raise ValueError("slots= sizes a private lease: pass private=True with it")
     if token == "":
         raise ValueError("token is empty: pass None for a server without a token")
     if token is not None and token != token.strip():
@@ -177,6 +197,7 @@ def check_connect_args(address: str, slots: int | None, private: bool, token: st
             "token has surrounding whitespace (a token file's newline?), which no host's "
             "token has (it strips its --token-file): pass token.strip()"
         )
+    return slots
 
 
 def dealer(address: str) -> tuple[zmq.Socket[bytes], str]:

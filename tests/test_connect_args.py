@@ -1,0 +1,78 @@
+"""A connect's counts and tokens as users pass them: a private lease's ``slots`` is a whole
+number (numpy's taken, as the int the protocol carries) or refused naming it before anything
+is dialled; a token read from a file with its newline (by the readers this library has)
+joins a host, inner spaces and all; a server started with a bad argument leaves nothing
+running."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from remote_support import BLOCK_LEN
+from test_index import LateWriteTransport
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.benchmarks.remote import read_token
+from torch_kv_tier.integrations.vllm.tier_config import _read_token
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+
+NOT_COUNTS = [True, 4.5, math.nan, "4", np.float64(4.0), 0, -1, 2**70]
+
+
+@pytest.mark.parametrize("slots", NOT_COUNTS, ids=repr)
+def test_slots_that_are_no_count_are_refused_before_dialling(slots: object) -> None:
+    """Found by review: ``connect(private=True, slots=True)`` (or ``4.5``, NaN) was sent to
+    the host, which never answered it: the connect raised ``AcceptLost`` after its whole
+    ``timeout_s``; ``slots=2**70`` raised ``OverflowError`` from the encoder after the socket
+    was made. Each is refused naming ``slots`` before anything is dialled (the address is a
+    closed port: a dial would wait out ``timeout_s`` and raise ``TimeoutError``)."""
+    arena = BlockArena(4, BLOCK_LEN)
+    with TierManager(arena, LateWriteTransport(arena.tensor)) as tier:
+        with pytest.raises((TypeError, ValueError), match="^slots must be"):
+            tier.connect("127.0.0.1:1", private=True, slots=slots, timeout_s=5)  # type: ignore[arg-type]
+        assert tier.peers() == []
+
+
+def test_numpy_slots_and_a_token_file_with_its_newline_join_a_host(tmp_path: Path) -> None:
+    """Found by review: ``slots=numpy.int64(4)`` raised ``TypeError`` (numpy.int64 cannot be
+    encoded) once the handshake was under way. It leases 4 slots. The host's token has inner
+    spaces and its file a newline: the readers of the vLLM config's ``token_file`` and of the
+    benchmarks' ``--token-file`` give the token the host has, which joins it."""
+    token_file = tmp_path / "token"
+    token_file.write_text("a shared  secret\n")
+    token_file.chmod(0o600)
+    token = _read_token(str(token_file))
+    assert token == read_token(str(token_file)) == "a shared  secret"
+    with (
+        ServerProcess.start(16, BLOCK_LEN, token_file=str(token_file)) as server,
+        TierManager.create(8, BLOCK_LEN, name="numpy-slots") as tier,
+    ):
+        peer = tier.connect(server.address, token=token, private=True, slots=np.int64(4))  # type: ignore[arg-type]
+        assert tier.stats().peers[peer].capacity == 4
+        with pytest.raises(ValueError, match="surrounding whitespace"):
+            tier.connect(server.address, token=token_file.read_text())
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "extra_args", "says"),
+    [
+        (-1, (), "must be > 0"),
+        (4.5, (), "invalid int value"),
+        (16, ("--bogus",), "unrecognized arguments"),
+        (16, ("--max-lease", "0"), "--max-lease"),
+    ],
+)
+def test_a_server_started_with_a_bad_argument_leaves_nothing_running(
+    num_blocks: object, extra_args: tuple[str, ...], says: str
+) -> None:
+    """A bad argument to ``ServerProcess.start`` raises ``RuntimeError`` with the server's
+    complaint and leaves no process behind (found right by review; kept so)."""
+    children = psutil.Process().children()
+    with pytest.raises(RuntimeError, match=says):
+        ServerProcess.start(num_blocks, BLOCK_LEN, extra_args=extra_args)  # type: ignore[arg-type]
+    assert psutil.Process().children() == children
