@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -38,11 +39,24 @@ def test_slots_that_are_no_count_are_refused_before_dialling(slots: object) -> N
         assert tier.peers() == []
 
 
-def test_numpy_slots_and_a_token_file_with_its_newline_join_a_host(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["max_inflight", "grant_batch"])
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+def test_a_tier_built_with_no_count_is_refused_naming_it(name: str, value: Any) -> None:
+    """Found by review: ``TierManager(max_inflight=True)``, ``max_inflight=4.5`` or
+    ``grant_batch=4.5`` were taken, a string failed in a comparison naming nothing. Each is
+    refused naming the parameter, before the tier starts."""
+    arena = BlockArena(4, BLOCK_LEN)
+    with pytest.raises((TypeError, ValueError), match=f"^{name} must be"):
+        TierManager(arena, LateWriteTransport(arena.tensor), **{name: value})
+
+
+def test_numpy_counts_and_a_token_file_with_its_newline_join_a_host(tmp_path: Path) -> None:
     """Found by review: ``slots=numpy.int64(4)`` raised ``TypeError`` (numpy.int64 cannot be
-    encoded) once the handshake was under way. It leases 4 slots. The host's token has inner
-    spaces and its file a newline: the readers of the vLLM config's ``token_file`` and of the
-    benchmarks' ``--token-file`` give the token the host has, which joins it."""
+    encoded) once the handshake was under way; a tier built with ``grant_batch=numpy.int64(8)``
+    lost its shared host at its first grant request (the session's I/O thread failed encoding
+    it) and its store failed. The lease has 4 slots; the store is stored. The host's token has
+    inner spaces and its file a newline: the readers of the vLLM config's ``token_file`` and of
+    the benchmarks' ``--token-file`` give the token the host has, which joins it."""
     token_file = tmp_path / "token"
     token_file.write_text("a shared  secret\n")
     token_file.chmod(0o600)
@@ -51,11 +65,15 @@ def test_numpy_slots_and_a_token_file_with_its_newline_join_a_host(tmp_path: Pat
     with (
         ServerProcess.start(16, BLOCK_LEN, token_file=str(token_file)) as server,
         TierManager.create(8, BLOCK_LEN, name="numpy-slots") as tier,
+        TierManager.create(16, BLOCK_LEN, name="numpy-grants", grant_batch=np.int64(8)) as shared,  # type: ignore[arg-type]
     ):
         peer = tier.connect(server.address, token=token, private=True, slots=np.int64(4))  # type: ignore[arg-type]
         assert tier.stats().peers[peer].capacity == 4
         with pytest.raises(ValueError, match="surrounding whitespace"):
             tier.connect(server.address, token=token_file.read_text())
+        shared.connect(server.address, token=token)
+        stored = shared.store(list(range(12)), list(range(12))).result(timeout=30)
+        assert stored.ok, stored.failed
 
 
 @pytest.mark.parametrize(

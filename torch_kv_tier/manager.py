@@ -58,7 +58,7 @@ from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.handshake import count, seconds
 from torch_kv_tier.results import (
     MISSING,
     NO_PEERS,
@@ -118,7 +118,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 f"region {transport.num_blocks} x {transport.block_len}: build the transport "
                 "over arena.tensor"
             )
-        self.grant_batch = _checked_settings(max_inflight, grant_batch, transport.block_len)
+        max_inflight, self.grant_batch = _checked_settings(
+            max_inflight, grant_batch, transport.block_len
+        )
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
         self.verify = verify
@@ -362,16 +364,19 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         return self.verify or any(p.verifies for p in list(self._peers.values()))
 
 
-def _checked_settings(max_inflight: int, grant_batch: int | None, block_len: int) -> int:
-    """The grant batch a tier of blocks of ``block_len`` bytes uses (``None``: the default);
-    ``ValueError`` for a ``max_inflight`` or ``grant_batch`` out of range."""
-    if max_inflight <= 0:
-        raise ValueError(f"max_inflight must be > 0, got {max_inflight}")
+def _checked_settings(
+    max_inflight: int, grant_batch: int | None, block_len: int
+) -> tuple[int, int]:
+    """``max_inflight`` and the grant batch a tier of blocks of ``block_len`` bytes uses
+    (``None``: the default), as ints (``handshake.count``: numpy's taken; a grant request
+    carries the batch to the host); ``TypeError``/``ValueError`` naming one out of range."""
+    max_inflight = count("max_inflight", max_inflight)
     if grant_batch is None:
         grant_batch = default_grant_batch(block_len)
-    if not 0 < grant_batch <= MAX_GRANT:
+    grant_batch = count("grant_batch", grant_batch)
+    if grant_batch > MAX_GRANT:
         raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
-    return grant_batch
+    return max_inflight, grant_batch
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
