@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
+from torch_kv_tier.remote.handshake import count
 from torch_kv_tier.slots import SlotPool
 from torch_kv_tier.transport.base import BlockRegion
 
@@ -31,6 +32,9 @@ class BlockArena:
     where that is impossible. ``device="cuda[:n]"`` gives device memory, which a
     ``NixlTransport`` registers as VRAM.
 
+    ``num_blocks``/``block_len`` that are no whole number > 0 (numpy's ints taken) raise
+    ``TypeError``/``ValueError`` naming them before anything is allocated (``handshake.count``).
+
     Threading: ``allocate``/``free`` are guarded by an internal lock; the tensor itself is the
     caller's to synchronise.
     """
@@ -42,10 +46,7 @@ class BlockArena:
         device: str | torch.device = "cpu",
         pin_memory: bool | None = None,
     ) -> None:
-        if num_blocks <= 0 or block_len <= 0:
-            raise ValueError(
-                f"num_blocks and block_len must be > 0, got {num_blocks} x {block_len}"
-            )
+        num_blocks, block_len = count("num_blocks", num_blocks), count("block_len", block_len)
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():

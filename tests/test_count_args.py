@@ -1,8 +1,8 @@
-"""A connect's counts and tokens as users pass them: a private lease's ``slots`` is a whole
-number (numpy's taken, as the int the protocol carries) or refused naming it before anything
-is dialled; a token read from a file with its newline (by the readers this library has)
-joins a host, inner spaces and all; a server started with a bad argument leaves nothing
-running."""
+"""Counts and tokens as users pass them: a tier's sizes and a private lease's ``slots`` are
+whole numbers (numpy's taken, as the int the protocol carries) or refused naming the parameter
+before anything is allocated or dialled (``handshake.count``); a token read from a file with
+its newline (by the readers this library has) joins a host, inner spaces and all; a server
+started with a bad argument leaves nothing running."""
 
 from __future__ import annotations
 
@@ -37,6 +37,24 @@ def test_slots_that_are_no_count_are_refused_before_dialling(slots: object) -> N
         with pytest.raises((TypeError, ValueError), match="^slots must be"):
             tier.connect("127.0.0.1:1", private=True, slots=slots, timeout_s=5)  # type: ignore[arg-type]
         assert tier.peers() == []
+
+
+@pytest.mark.parametrize("name", ["num_blocks", "block_len"])
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+def test_an_arena_of_no_count_is_refused_naming_it(name: str, value: Any) -> None:
+    """Found by review: ``BlockArena(16.0, ...)`` (or ``True``) raised torch's ``TypeError``
+    "empty() takes 1 positional argument but 2 were given", naming nothing, and
+    ``block_len=True`` made an arena of 1-byte blocks. Each is refused naming the parameter."""
+    sizes = {"num_blocks": 4, "block_len": BLOCK_LEN, name: value}
+    with pytest.raises((TypeError, ValueError), match=f"^{name} must be"):
+        BlockArena(**sizes)
+
+
+def test_an_arena_of_numpy_ints_is_made() -> None:
+    """numpy's ints are taken, as the ints they are."""
+    arena = BlockArena(np.int32(4), np.int64(BLOCK_LEN))  # type: ignore[arg-type]
+    assert arena.tensor.shape == (4, BLOCK_LEN)
+    assert (type(arena.num_blocks), type(arena.block_len)) == (int, int)
 
 
 @pytest.mark.parametrize("name", ["max_inflight", "grant_batch"])
