@@ -68,6 +68,18 @@ def test_a_tier_built_with_no_count_is_refused_naming_it(name: str, value: Any) 
         TierManager(arena, LateWriteTransport(arena.tensor), **{name: value})
 
 
+@pytest.mark.parametrize("token", [b"secret", 5], ids=repr)
+def test_a_token_that_is_no_str_is_refused_before_dialling(token: Any) -> None:
+    """Found by review: ``connect(token=b"secret")`` was dialled (a closed port: it waited out
+    ``timeout_s``), ``token=5`` raised ``AttributeError: 'int' object has no attribute
+    'strip'``. Both are a ``TypeError`` naming ``token`` before anything is dialled."""
+    arena = BlockArena(4, BLOCK_LEN)
+    with TierManager(arena, LateWriteTransport(arena.tensor)) as tier:
+        with pytest.raises(TypeError, match="^token must be a str"):
+            tier.connect("127.0.0.1:1", token=token, timeout_s=5)
+        assert tier.peers() == []
+
+
 def test_numpy_counts_and_a_token_file_with_its_newline_join_a_host(tmp_path: Path) -> None:
     """Found by review: ``slots=numpy.int64(4)`` raised ``TypeError`` (numpy.int64 cannot be
     encoded) once the handshake was under way; a tier built with ``grant_batch=numpy.int64(8)``

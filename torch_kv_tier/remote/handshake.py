@@ -190,6 +190,11 @@ def check_connect_args(
         slots = count("slots", slots)
         if not private:
             raise ValueError("slots= sizes a private lease: pass private=True with it")
+    if token is not None and not isinstance(token, str):
+        raise TypeError(
+            f"token must be a str (the host's token, stripped), got a {type(token).__name__}: "
+            "pass e.g. Path(token_file).read_text().strip()"
+        )
     if token == "":
         raise ValueError("token is empty: pass None for a server without a token")
     if token is not None and token != token.strip():
