@@ -1,6 +1,6 @@
 """Counts and tokens as users pass them: a tier's sizes and a private lease's ``slots`` are
 whole numbers (numpy's taken, as the int the protocol carries) or refused naming the parameter
-before anything is allocated or dialled (``handshake.count``); a token read from a file with
+before anything is allocated or dialled (``quantities.count``); a token read from a file with
 its newline (by the readers this library has) joins a host, inner spaces and all; a server
 started with a bad argument leaves nothing running."""
 

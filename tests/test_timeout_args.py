@@ -1,5 +1,5 @@
 """Every public call that takes a timeout or a duration takes a numpy int or float (as the
-float every wait takes), and refuses what is no number of seconds (``handshake.seconds``)
+float every wait takes), and refuses what is no number of seconds (``quantities.seconds``)
 with an error naming the parameter, before anything happens."""
 
 from __future__ import annotations

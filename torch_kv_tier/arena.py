@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_kv_tier.remote.handshake import count
+from torch_kv_tier.remote.quantities import count
 from torch_kv_tier.slots import SlotPool
 from torch_kv_tier.transport.base import BlockRegion
 
@@ -33,7 +33,7 @@ class BlockArena:
     ``NixlTransport`` registers as VRAM.
 
     ``num_blocks``/``block_len`` that are no whole number > 0 (numpy's ints taken) raise
-    ``TypeError``/``ValueError`` naming them before anything is allocated (``handshake.count``).
+    ``TypeError``/``ValueError`` naming them before anything is allocated (``quantities.count``).
 
     Threading: ``allocate``/``free`` are guarded by an internal lock; the tensor itself is the
     caller's to synchronise.

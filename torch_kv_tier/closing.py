@@ -23,7 +23,7 @@ from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
 from torch_kv_tier.transport.base import DataTransport
 
@@ -66,7 +66,7 @@ class Closing:
         a handshake on another thread still awaiting an answer gives up. Idempotent.
 
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
-        (``handshake.seconds``), before anything changes (the tier stays open, to be closed
+        (``quantities.seconds``), before anything changes (the tier stays open, to be closed
         again)."""
         timeout = seconds("timeout", timeout, zero=True)
         self._closing.set()

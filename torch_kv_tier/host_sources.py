@@ -27,7 +27,7 @@ import dns.exception
 import dns.resolver
 
 from torch_kv_tier.remote.client import parse_address
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.quantities import seconds
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def make_resolver(
 ) -> dns.resolver.Resolver:
     """A resolver that asks only ``nameserver`` (an IP address) on ``port``, each resolve of
     a source (all its queries) bounded by ``lifetime_s``, with no cache. ``TypeError``/
-    ``ValueError`` for a ``lifetime_s`` that is no number of seconds (``handshake.seconds``)."""
+    ``ValueError`` for a ``lifetime_s`` that is no number of seconds (``quantities.seconds``)."""
     lifetime_s = seconds("lifetime_s", lifetime_s)
     resolver = dns.resolver.Resolver(configure=False)
     resolver.nameservers = [nameserver]

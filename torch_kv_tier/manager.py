@@ -58,7 +58,7 @@ from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
-from torch_kv_tier.remote.handshake import count, seconds
+from torch_kv_tier.remote.quantities import count, seconds
 from torch_kv_tier.results import (
     MISSING,
     NO_PEERS,
@@ -368,7 +368,7 @@ def _checked_settings(
     max_inflight: int, grant_batch: int | None, block_len: int
 ) -> tuple[int, int]:
     """``max_inflight`` and the grant batch a tier of blocks of ``block_len`` bytes uses
-    (``None``: the default), as ints (``handshake.count``: numpy's taken; a grant request
+    (``None``: the default), as ints (``quantities.count``: numpy's taken; a grant request
     carries the batch to the host); ``TypeError``/``ValueError`` naming one out of range."""
     max_inflight = count("max_inflight", max_inflight)
     if grant_batch is None:

@@ -43,7 +43,8 @@ from torch_kv_tier.host_sources import (
     source_scheme,
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts, seconds
+from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts
+from torch_kv_tier.remote.quantities import seconds
 
 __all__ = [
     "SOURCE_FORMS",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import numbers
 import re
 import secrets
 import time
@@ -32,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.quantities import count, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,6 @@ SNDHWM = 1000  # control frames queued to the server before the session counts a
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
-MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
-MAX_COUNT = 2**63 - 1  # the largest count the protocol carries (msgpack takes no more)
 # a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
 _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
@@ -126,8 +124,9 @@ def check_session_args(
     **timeouts_s: float,
 ) -> int | None:
     """``RemoteSession.open``'s checks, before any network traffic: ``TypeError``/
-    ``ValueError`` naming the bad argument (a timeout must be finite: at most ``MAX_WAIT_S``).
-    Returns ``slots`` as the ``int`` to send (``check_connect_args``)."""
+    ``ValueError`` naming the bad argument (a timeout must be finite: at most
+    ``quantities.MAX_WAIT_S``). Returns ``slots`` as the ``int`` to send
+    (``check_connect_args``)."""
     problem = region.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -142,41 +141,6 @@ def check_timeouts(**timeouts_s: float) -> None:
     """``seconds`` of each of ``timeouts_s`` (each > 0): raises for the first that is none."""
     for name, value in timeouts_s.items():
         seconds(name, value)
-
-
-def seconds(name: str, value: object, *, zero: bool = False) -> float:
-    """``value``, parameter ``name``'s number of seconds, as the ``float`` every wait takes (a
-    ``numpy.float32`` reaches none: Python's waits refuse it). ``TypeError`` unless it is an int
-    or a float, numpy's too (not a ``bool``, a ``str``, a ``Fraction`` or a ``Decimal``);
-    ``ValueError`` unless it is finite, > 0 (``zero``: >= 0) and at most ``MAX_WAIT_S``."""
-    floating = isinstance(value, numbers.Real) and not isinstance(value, numbers.Rational)
-    if isinstance(value, bool) or not (floating or isinstance(value, numbers.Integral)):
-        raise TypeError(
-            f"{name} must be a number of seconds (an int or a float), got {value!r} "
-            f"(a {type(value).__name__}): pass e.g. {name}=10.0, or float() of it"
-        )
-    try:
-        as_float = float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an int past any float
-        as_float = math.inf
-    if not (as_float >= 0 if zero else as_float > 0) or not as_float <= MAX_WAIT_S:  # nan too
-        bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"{name} must be {bound} and at most {MAX_WAIT_S:g} s, got {value}")
-    return as_float
-
-
-def count(name: str, value: object) -> int:
-    """``value``, parameter ``name``'s count, as the ``int`` the protocol carries (it cannot
-    encode a ``numpy.int64``). ``TypeError`` unless it is an int, numpy's too (not a ``bool``,
-    a ``float`` or a ``str``); ``ValueError`` unless it is > 0 and at most ``MAX_COUNT``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a whole number (an int), got {value!r} (a "
-            f"{type(value).__name__}): pass e.g. {name}=64, or int() of it"
-        )
-    if not 1 <= int(value) <= MAX_COUNT:
-        raise ValueError(f"{name} must be > 0 and at most {MAX_COUNT}, got {value}")
-    return int(value)
 
 
 def check_connect_args(

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any
 
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.quantities import seconds
 
 _STDERR_LINES_KEPT = 200
 
@@ -53,7 +53,7 @@ class ServerProcess:
         server runs under (it must exec it), e.g. ``["ip", "netns", "exec", "ns1"]``. Raises
         ``RuntimeError`` with the server's stderr when it exits first, ``TimeoutError`` (after
         killing it) when it is not ready within ``timeout_s``; ``TypeError``/``ValueError`` for
-        a ``timeout_s`` that is no number of seconds (``handshake.seconds``), before it starts.
+        a ``timeout_s`` that is no number of seconds (``quantities.seconds``), before it starts.
         """
         timeout_s = seconds("timeout_s", timeout_s)
         cmd = [

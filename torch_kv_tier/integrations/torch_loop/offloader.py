@@ -88,7 +88,7 @@ class PagedKVOffloader:
         ``reconnect_interval_s`` is 0; any other value of it only turns that on. Raises
         ``ValueError`` if the caches disagree in shape, dtype or device, do not match the
         arena's block length, or for another ``timeout`` or a negative interval (``TypeError``
-        for one that is no int or float, numpy's too: ``handshake.seconds``).
+        for one that is no int or float, numpy's too: ``quantities.seconds``).
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:

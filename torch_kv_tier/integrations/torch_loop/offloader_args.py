@@ -15,7 +15,7 @@ import torch
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.quantities import seconds
 
 __all__ = [
     "check_caches",
@@ -59,19 +59,19 @@ def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) 
 
 def check_reconnect_interval(interval_s: float) -> float:
     """``interval_s`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
-    >= 0 (``handshake.seconds``; 0: never dial a host that is down at its connect)."""
+    >= 0 (``quantities.seconds``; 0: never dial a host that is down at its connect)."""
     return seconds("reconnect_interval_s", interval_s, zero=True)
 
 
 def check_timeout(name: str, timeout: float) -> float:
     """``timeout`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
-    > 0 (``handshake.seconds``; nan too: a wait for nan seconds returns at once)."""
+    > 0 (``quantities.seconds``; nan too: a wait for nan seconds returns at once)."""
     return seconds(name, timeout)
 
 
 def check_wait(timeout: float | None) -> float | None:
     """``timeout`` as a float (``None`` stays): ``TypeError``/``ValueError`` unless it is
-    ``None`` or a number of seconds >= 0 (``handshake.seconds``)."""
+    ``None`` or a number of seconds >= 0 (``quantities.seconds``)."""
     return None if timeout is None else seconds("timeout", timeout, zero=True)
 
 

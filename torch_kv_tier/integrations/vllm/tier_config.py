@@ -16,7 +16,7 @@ from typing import Any
 
 from torch_kv_tier.membership import HostSource, StaticHosts, parse_source, source_scheme
 from torch_kv_tier.remote.client import parse_address
-from torch_kv_tier.remote.handshake import seconds
+from torch_kv_tier.remote.quantities import seconds
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def _optional_positive_int(options: Mapping[str, Any], key: str) -> int | None:
 def _seconds(
     options: Mapping[str, Any], key: str, default: float, *, allow_zero: bool = False
 ) -> float:
-    """``handshake.seconds`` of ``key``'s value, every problem a ``ValueError`` naming it."""
+    """``quantities.seconds`` of ``key``'s value, every problem a ``ValueError`` naming it."""
     try:
         return seconds(f'"{key}"', options.get(key, default), zero=allow_zero)
     except TypeError as exc:  # (a str, a bool...): a config's errors are all ValueErrors
