@@ -113,13 +113,17 @@ def test_numpy_counts_and_a_token_file_with_its_newline_join_a_host(tmp_path: Pa
         (4.5, (), "invalid int value"),
         (16, ("--bogus",), "unrecognized arguments"),
         (16, ("--max-lease", "0"), "--max-lease"),
+        (2**70, (), "no machine holds such a pool"),
     ],
 )
 def test_a_server_started_with_a_bad_argument_leaves_nothing_running(
     num_blocks: object, extra_args: tuple[str, ...], says: str
 ) -> None:
     """A bad argument to ``ServerProcess.start`` raises ``RuntimeError`` with the server's
-    complaint and leaves no process behind (found right by review; kept so)."""
+    complaint and leaves no process behind (found right by review; kept so). Found by review:
+    ``--num-blocks 2**70`` printed numpy's traceback, "Maximum allowed dimension exceeded"
+    (a pool that fits no machine but numpy's array is "cannot start: Unable to allocate");
+    it is now refused as the other bad options are, naming them."""
     children = psutil.Process().children()
     with pytest.raises(RuntimeError, match=says):
         ServerProcess.start(num_blocks, BLOCK_LEN, extra_args=extra_args)  # type: ignore[arg-type]

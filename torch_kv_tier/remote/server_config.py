@@ -20,6 +20,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+MAX_POOL_BYTES = 2**62  # more than any machine holds (numpy refuses a pool past 2**63 bytes)
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -48,6 +50,12 @@ class ServerConfig:
             raise ValueError(
                 f"--num-blocks and --block-len must be > 0, got {self.num_blocks} and "
                 f"{self.block_len}"
+            )
+        if self.num_blocks * self.block_len > MAX_POOL_BYTES:
+            raise ValueError(
+                f"--num-blocks x --block-len is {self.num_blocks * self.block_len} bytes, more "
+                f"than {MAX_POOL_BYTES} (no machine holds such a pool): pass a --num-blocks "
+                "that fits this host's memory"
             )
         # not ``<= 0``: nan passes that, and a session silent for nan seconds never expires
         if not 0 < self.lease_timeout_s < math.inf:
