@@ -13,11 +13,13 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+import torch
 from remote_support import BLOCK_LEN
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.remote import read_token
+from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
 from torch_kv_tier.integrations.vllm.tier_config import _read_token
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -55,6 +57,17 @@ def test_an_arena_of_numpy_ints_is_made() -> None:
     arena = BlockArena(np.int32(4), np.int64(BLOCK_LEN))  # type: ignore[arg-type]
     assert arena.tensor.shape == (4, BLOCK_LEN)
     assert (type(arena.num_blocks), type(arena.block_len)) == (int, int)
+
+
+@pytest.mark.parametrize("value", NOT_COUNTS, ids=repr)
+def test_an_offloader_of_no_count_of_arena_blocks_is_refused_naming_it(value: Any) -> None:
+    """Found by review: ``PagedKVOffloader.create(..., arena_blocks=4.5)`` got past its check
+    to fail in torch naming nothing, ``"4"`` in a comparison. Refused naming ``arena_blocks``,
+    before a tier is made."""
+    keys = [torch.zeros(4, 4, 2, 64) for _ in range(2)]
+    values = [torch.zeros(4, 4, 2, 64) for _ in range(2)]
+    with pytest.raises((TypeError, ValueError), match="^arena_blocks must be"):
+        PagedKVOffloader.create(keys, values, arena_blocks=value)
 
 
 @pytest.mark.parametrize("name", ["max_inflight", "grant_batch"])

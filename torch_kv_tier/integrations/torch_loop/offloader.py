@@ -46,6 +46,7 @@ from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.handshake import check_connect_args
+from torch_kv_tier.remote.quantities import count
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -163,7 +164,8 @@ class PagedKVOffloader:
         connect too unless ``connect_timeout`` is given.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
-        pages are in flight at once; larger offloads and restores proceed in batches.
+        pages are in flight at once; larger offloads and restores proceed in batches (a whole
+        number > 0, numpy's taken; ``TypeError``/``ValueError`` naming it otherwise).
 
         ``config_fields`` are hashed into the tier's config fingerprint, which a shared host
         partitions its pool by (and a host started with ``--config-fields`` checks). Unset, they
@@ -177,8 +179,7 @@ class PagedKVOffloader:
         kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')
-        if arena_blocks < 1:
-            raise ValueError(f"arena_blocks must be >= 1, got {arena_blocks}")
+        arena_blocks = count("arena_blocks", arena_blocks)
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
         for address in remotes:
             check_connect_args(address, slots, private, token)
