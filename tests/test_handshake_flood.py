@@ -6,12 +6,13 @@ pushed out that tier's nonce, and its handshake was refused as stale, again and 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import zmq
 from remote_support import BLOCK_LEN, TOKEN
 
-from torch_kv_tier.remote import ServerProcess, server_handshake
+from torch_kv_tier.remote import ServerProcess, handshake, server_handshake
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.server_handshake import CHALLENGE_TTL_S, Gate, Refused
 
@@ -77,9 +78,13 @@ def test_a_bad_proof_uses_nothing_and_a_revoked_nonce_opens_nothing() -> None:
     gate.check(b"tier", handshake, 2.0)  # the real one, after a guess and a forgery
 
 
+def _received(sock: zmq.Socket[bytes]) -> bytes:
+    assert sock.poll(10_000), "no answer within 10 s"
+    return sock.recv()
+
+
 def _challenged(sock: zmq.Socket[bytes]) -> p.Challenge:
-    assert sock.poll(10_000), "no challenge within 10 s"
-    challenge = p.decode_server(sock.recv())
+    challenge = p.decode_server(_received(sock))
     assert isinstance(challenge, p.Challenge), challenge
     return challenge
 
@@ -125,26 +130,61 @@ def test_the_nonces_remembered_are_bounded_and_only_those_whose_proof_passed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Past ``MAX_ANSWERED`` used nonces in the last ``CHALLENGE_TTL_S``, handshakes are refused
-    (never is an older one forgotten early: it could be replayed), and neither bad proofs nor
-    revocations past it add to them."""
+    (never is an older one forgotten early: it could be replayed); bad proofs add nothing, and
+    revocations are bounded apart (``MAX_REVOKED``: past it they are dropped)."""
     monkeypatch.setattr(server_handshake, "MAX_ANSWERED", 2)
+    monkeypatch.setattr(server_handshake, "MAX_REVOKED", 1)
     gate = Gate(TOKEN, BLOCK_LEN, "")
     for _ in range(100):  # a wrong token: each uses nothing
         bad = _gate_challenge(gate, b"flood", 0.0)
         bad.proof = b"x" * 32
         with pytest.raises(Refused, match="bad token"):
             gate.check(b"flood", bad, 0.5)
-    first, second, third = (_gate_challenge(gate, b"tier", 0.0) for _ in range(3))
+    first, second, third, fourth = (_gate_challenge(gate, b"tier", 0.0) for _ in range(4))
     gate.check(b"tier", first, 1.0)
     gate.check(b"tier", second, 1.0)
-    gate.revoke([third.nonce.hex()], 1.0)  # no room: not remembered (a warning says so)
     with pytest.raises(Refused, match="try again later"):
+        gate.check(b"tier", third, 1.0)
+    gate.revoke([third.nonce.hex(), fourth.nonce.hex()], 1.0)  # room for one (a warning)
+    with pytest.raises(Refused, match="stale"):
         gate.check(b"tier", third, 1.0)
     with pytest.raises(Refused, match="stale"):  # still remembered, for as long as it is valid
         gate.check(b"tier", first, 2.0)
     gate.expire(1.0 + CHALLENGE_TTL_S + 0.1)  # the used ones expired, and are forgotten
     late = _gate_challenge(gate, b"tier", 31.0)
     gate.check(b"tier", late, 31.5)
+
+
+def test_made_up_session_ids_in_releases_refuse_no_tier(tmp_path: os.PathLike[str]) -> None:
+    """A release names session ids that no MAC can check, and a nonce shows where the host's
+    expiries lie: one authenticated client named 65,920 made-up ids in 1,030 ``Release``
+    frames (0.2 s), they filled the host's used nonces, and every tier's handshake was refused
+    ("try again later") for 30 s, again and again. Revoked nonces are now bounded apart."""
+    token = os.path.join(tmp_path, "token")
+    with open(token, "w", encoding="utf-8") as f:
+        f.write(TOKEN)
+    os.chmod(token, 0o600)
+    request = _handshake(p.Challenge(p.PROTOCOL_VERSION, 1, b"", b""), b"", None)
+    with ServerProcess.start(64, BLOCK_LEN, token_file=token) as server:
+        sock, monitor = handshake.connect(server.address)
+        try:
+            deadline = time.monotonic() + 10
+            accept = handshake.handshake(sock, server.address, deadline, TOKEN, request)
+            seen = bytes.fromhex(accept.session_id)  # its first 8 bytes: an expiry of the host's
+            for _ in range(server_handshake.MAX_REVOKED // p.MAX_RELEASE + 6):
+                made_up = [(seen[:8] + os.urandom(24)).hex() for _ in range(p.MAX_RELEASE)]
+                sock.send(p.encode(p.Release(5, accept.session_id, made_up)))
+            sock.send(p.encode(p.Heartbeat(7, accept.session_id)))
+            while not isinstance(p.decode_server(_received(sock)), p.HeartbeatAck):
+                pass  # (every Release before it was read)
+            tier, tier_monitor = handshake.connect(server.address)
+            try:  # (HandshakeRejected "... try again later", unfixed)
+                deadline = time.monotonic() + 10
+                handshake.handshake(tier, server.address, deadline, TOKEN, request)
+            finally:
+                handshake.close_sockets(tier, tier_monitor)
+        finally:
+            handshake.close_sockets(sock, monitor)
 
 
 def test_a_nonce_does_not_tell_the_hosts_uptime() -> None:

@@ -16,7 +16,10 @@ the server does with a session that passed (a lease, a namespace) is the server'
 Failures: ``Refused`` carries the reason the client is told in a ``Reject``; a ``Hello`` that is
 malformed raises ``protocol.BadFrame``. At most ``MAX_ANSWERED`` nonces are remembered as used
 (those of the last ``CHALLENGE_TTL_S``: only clients that know the token, or any local one of a
-server without a token, add to them); past that, handshakes are refused until they expire.
+server without a token, add to them); past that, handshakes are refused until they expire. The
+nonces revoked (named in a ``release`` before their ``Handshake`` came) are remembered apart, at
+most ``MAX_REVOKED``: a release names ids no MAC can check, so a client could name made-up ones
+by the thousand; past that, revocations are dropped (logged), and no handshake is refused.
 
 Threading: none of its own; the server calls it under its state lock, from its loop thread.
 """
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 CHALLENGE_TTL_S = 30.0  # a nonce must be answered within this time
 MAX_ANSWERED = 65536  # used nonces remembered at most (~10 MiB): ~2,000 handshakes a second
+MAX_REVOKED = 65536  # revoked nonces remembered at most (~10 MiB), apart from the used ones
 _EXPIRY = struct.Struct(">d")  # a nonce: its expiry (``_expiry``), random bytes, its MAC
 _RANDOM_BYTES = 8
 _MAC_BYTES = p.NONCE_BYTES - _EXPIRY.size - _RANDOM_BYTES
@@ -56,7 +60,8 @@ class Gate:
         self._secret = secrets.token_bytes(32)  # this process's: a restart makes nonces stale
         # a nonce's expiry is on the server's clock moved by this (its uptime is nobody's business)
         self._clock_offset = float(secrets.randbelow(1 << 40))
-        self._answered: set[bytes] = set()  # nonces used up (or revoked), until they expire
+        self._answered: set[bytes] = set()  # nonces used up by a handshake, until they expire
+        self._revoked: set[bytes] = set()  # nonces revoked before any handshake used them
         self._forget: deque[tuple[float, bytes]] = deque()  # (when, nonce), in order of when
 
     def hello(self, identity: bytes, hello: p.Hello, now: float) -> p.Challenge:
@@ -80,7 +85,7 @@ class Gate:
         if hs.version != p.PROTOCOL_VERSION:
             raise Refused(f"protocol version {hs.version} != {p.PROTOCOL_VERSION}")
         nonce = hs.nonce
-        if not self._issued(identity, hs.client_nonce, nonce, now) or nonce in self._answered:
+        if not self._issued(identity, hs.client_nonce, nonce, now) or self._known(nonce):
             raise Refused(p.STALE_NONCE)
         token = self._token
         if token and not p.proof_matches(p.client_proof(token, nonce, hs.client_nonce), hs.proof):
@@ -90,7 +95,7 @@ class Gate:
                 f"more than {MAX_ANSWERED} handshakes in the last {CHALLENGE_TTL_S:g} s: "
                 "try again later"
             )
-        self._use(nonce, now)
+        self._use(self._answered, nonce, now)
         problem = hs.region.problem()
         if problem is not None:
             raise Refused(problem)
@@ -115,24 +120,30 @@ class Gate:
                 nonce = bytes.fromhex(session_id)
             except ValueError:
                 continue
-            if len(nonce) != p.NONCE_BYTES or nonce in self._answered:
+            if len(nonce) != p.NONCE_BYTES or self._known(nonce):
                 continue
             if not now <= self._expiry(nonce) <= now + CHALLENGE_TTL_S:
                 continue  # expired, or no nonce of this process: nothing can answer it
-            if len(self._answered) >= MAX_ANSWERED:
-                logger.warning("%d nonces in use: not revoking %s", MAX_ANSWERED, session_id)
+            if len(self._revoked) >= MAX_REVOKED:
+                logger.warning("%d nonces revoked: not revoking %s", MAX_REVOKED, session_id)
                 continue
-            self._use(nonce, now)
+            self._use(self._revoked, nonce, now)
 
     def expire(self, now: float) -> None:
-        """Forget the used nonces that expired (no handshake can answer them any more)."""
+        """Forget the used and revoked nonces that expired (no handshake can answer them)."""
         forget = self._forget
         while forget and forget[0][0] < now:
-            self._answered.discard(forget.popleft()[1])
+            nonce = forget.popleft()[1]
+            self._answered.discard(nonce)
+            self._revoked.discard(nonce)
 
-    def _use(self, nonce: bytes, now: float) -> None:
+    def _known(self, nonce: bytes) -> bool:
+        """Whether ``nonce`` was used up or revoked (and has not expired since)."""
+        return nonce in self._answered or nonce in self._revoked
+
+    def _use(self, nonces: set[bytes], nonce: bytes, now: float) -> None:
         # kept until ``now + CHALLENGE_TTL_S``, past its expiry: ``_forget`` stays in order
-        self._answered.add(nonce)
+        nonces.add(nonce)
         self._forget.append((now + CHALLENGE_TTL_S, nonce))
 
     def _issued(self, identity: bytes, client_nonce: bytes, nonce: bytes, now: float) -> bool:
@@ -155,4 +166,4 @@ class Gate:
         return hmac.digest(self._secret, message, "sha256")[:_MAC_BYTES]
 
 
-__all__ = ["CHALLENGE_TTL_S", "MAX_ANSWERED", "Gate", "Refused"]
+__all__ = ["CHALLENGE_TTL_S", "MAX_ANSWERED", "MAX_REVOKED", "Gate", "Refused"]
