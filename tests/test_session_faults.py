@@ -354,3 +354,24 @@ def test_a_tier_closed_while_a_host_sends_its_index_ends_that_connect_at_once(
         thread.join(timeout=10.0)
         assert not thread.is_alive()
         assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
+
+
+def test_a_handshake_the_host_cannot_decode_is_rejected_at_once_with_its_reason() -> None:
+    """A ``Handshake`` the host cannot decode (a version skew or a bug: here a field of the
+    wrong type) is answered with the host's ``Error`` of seq 0, the one answer a frame it could
+    not read gets: the client raised ``AcceptLost`` at its deadline instead, as if no answer
+    came, and a tier would release a session that never opened."""
+    with ServerProcess.start(32, BLOCK_LEN) as server:
+        sock, monitor = handshake_module.connect(server.address)
+        try:
+            request = p.Handshake(
+                p.PROTOCOL_VERSION, 2, b"", b"", b"x", p.Region(0x10000, 8, BLOCK_LEN), "",
+                None, client_name=5,  # type: ignore[arg-type]
+            )  # fmt: skip
+            deadline = time.monotonic() + 5.0
+            with pytest.raises(handshake_module.HandshakeRejected) as rejected:
+                handshake_module.handshake(sock, server.address, deadline, None, request)
+        finally:
+            handshake_module.close_sockets(sock, monitor)
+    assert rejected.value.reason.startswith("malformed frame"), rejected.value.reason
+    assert "client_name" in rejected.value.reason

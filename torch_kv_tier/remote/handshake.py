@@ -53,7 +53,8 @@ class Cancel(Protocol):
 class HandshakeRejected(Exception):
     """The server refused the handshake; ``reason`` is its exact explanation, e.g.
     ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
-    ``"no free slots"`` or ``"protocol version 5 != 4"``."""
+    ``"no free slots"``, ``"protocol version 5 != 4"`` or ``"malformed frame: ..."`` (it could
+    not decode the request: a version skew or a bug)."""
 
     def __init__(self, address: str, reason: str) -> None:
         super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
@@ -254,7 +255,9 @@ def handshake(
     cancel: Cancel | None = None,
     monitor: zmq.Socket[bytes] | None = None,
 ) -> p.Accept:
-    """Authenticate both ways and open a session; raises ``HandshakeRejected``,
+    """Authenticate both ways and open a session; raises ``HandshakeRejected`` (also when
+    the server could not decode the ``Hello`` or ``Handshake``: a version skew or a bug, which
+    no retry of the same request mends; no session was opened),
     ``TimeoutError`` (nothing answered by ``deadline``; ``AcceptLost`` once the ``Handshake``
     went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set:
     ``AcceptAbandoned`` once the ``Handshake`` went out).
@@ -346,7 +349,8 @@ def _await_reply(
     sock: zmq.Socket[bytes], seq: int, deadline: float, cancel: Cancel | None
 ) -> p.ServerMessage | None:
     """The reply to request ``seq``, or ``None`` at ``deadline`` or once ``cancel`` is set;
-    other frames are skipped."""
+    other frames are skipped. An ``Error`` with seq 0 is the server's answer to a frame it
+    could not decode: during a handshake the one request outstanding, so it is the reply."""
     while (left := deadline - time.monotonic()) > 0:
         if cancel is not None:
             if cancel.is_set():
@@ -359,7 +363,7 @@ def _await_reply(
         except (zmq.Again, p.BadFrame) as exc:
             logger.debug("skipping control frame: %s", exc)
             continue
-        if message.seq == seq:
+        if message.seq == seq or (isinstance(message, p.Error) and message.seq == 0):
             return message
     return None
 
@@ -379,7 +383,7 @@ def _expect(
         )
     if reply is None:
         raise no_answer(address)
-    if isinstance(reply, p.Reject):
+    if isinstance(reply, p.Reject) or (isinstance(reply, p.Error) and reply.seq == 0):
         raise HandshakeRejected(address, reply.reason)
     if not isinstance(reply, kind):
         raise ConnectionError(f"server at {address} answered the handshake: {describe(reply)}")
