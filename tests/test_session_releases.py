@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from remote_support import BLOCK_LEN, control_ports, fake_session, free_port, wait_for
+from remote_support import BLOCK_LEN, SilentHosts, control_ports, fake_session, free_port, wait_for
 
 from torch_kv_tier import connections, session_releases
 from torch_kv_tier.benchmarks.reliability_common import stop_process
@@ -354,3 +354,31 @@ def test_a_session_a_host_down_at_its_connect_may_have_opened_is_named_at_close(
     finally:
         tier.close()
     assert told == [[], [opened]], told
+
+
+def test_close_says_once_for_all_hosts_what_it_could_not_release(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``close``'s last word to hosts it knew with ended sessions to name, none of which
+    answers (dead, or restarted elsewhere): one warning with their count, not one per host
+    (40 lines for a tier that followed 40 host restarts); each host's reason at debug."""
+    silent = SilentHosts(3)
+    tier = TierManager.create(16, BLOCK_LEN, name="last-words")
+    try:
+        with tier._lock:
+            for i, address in enumerate(silent.addresses):
+                tier._removed[address] = Dial(address, None, False, None, 0.3, 10.0)
+                tier._ended.give_back(address, [f"ended-{i}"])
+        with caplog.at_level("DEBUG", logger=session_releases.__name__):
+            tier.close(timeout=5.0)
+    finally:
+        tier.close()
+        silent.close()
+    records = [r for r in caplog.records if r.name == session_releases.__name__]
+    warnings = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "could not tell 3 host(s)" in warnings[0] and "3 ended sessions" in warnings[0]
+    details = [r.getMessage() for r in records if r.levelname == "DEBUG"]
+    assert sorted(d.split()[3] for d in details if "could not tell" in d) == sorted(
+        silent.addresses
+    )

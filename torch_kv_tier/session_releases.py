@@ -123,24 +123,28 @@ class SessionReleases:
 
     def _release_over_own_session(
         self, dial: Dial, held: list[str], *, last_word: bool = False
-    ) -> None:
+    ) -> Unreleased | None:
         """Carry ``held`` to a host this tier no longer has a session with (unlocked; never
         raises: a host that does not answer keeps holding, which is safe). A slow host gets
         ``_RELEASE_TRIES`` handshakes of ``_RELEASE_TIMEOUT_S`` each, each naming too the
         session an earlier one may have opened (``AcceptLost``); when none is answered (the
         host is down, restarted or frozen) they all stay in ``_ended``, to be named again
         (``_send_releases``, a connect there, ``close``). ``last_word``: ``close``'s (one try,
-        which its closing does not cancel; one it cancelled leaves them to ``close``)."""
+        which its closing does not cancel; one it cancelled leaves them to ``close``), whose
+        failure is returned for ``close`` to report with its other hosts' (``LastWords``);
+        any other is logged here."""
         quick = dataclasses.replace(dial, timeout_s=min(dial.timeout_s, _RELEASE_TIMEOUT_S))
         for attempt in range(1, _RELEASE_TRIES + 1):
             try:
                 session = self._open(quick, held, private=False, cancellable=not last_word)
                 self._end_keeping_releases(session, True)
-                return
+                return None
             except Exception as exc:  # ``_open`` handed them back, with what it may have opened
                 if self._closed and not last_word:  # ``close`` names them (``_carry``)
-                    return
-                if attempt == _RELEASE_TRIES or self._closed:
+                    return None
+                if last_word:
+                    return Unreleased(dial.address, len(held), exc)
+                if attempt == _RELEASE_TRIES:
                     logger.warning(
                         "could not tell %s that %d ended sessions resolved (it holds their "
                         "slots until they are named again): %s",
@@ -148,12 +152,13 @@ class SessionReleases:
                         len(held),
                         exc,
                     )
-                    return
+                    return None
                 with self._lock:
                     held = self._ended.take(dial.address)
                 if not held:  # another thread took them meanwhile, to carry them itself
-                    return
+                    return None
                 time.sleep(_RELEASE_TIMEOUT_S / 4)  # counted in RELEASE_BUDGET_S
+        return None
 
     def _end_keeping_releases(self, session: Any, clean: bool) -> None:
         """End ``session`` (unlocked; as ``end_session``) and keep the ended sessions it
@@ -181,27 +186,36 @@ class SessionReleases:
                         self._removed[address] = dial
                     self._send_releases(address)
             if closed:  # ``close`` may have looked for what to name already
-                self._last_word_of(address, unread, dial)
+                failure = self._last_word_of(address, unread, dial)
+                if failure is not None:
+                    _warn([failure])
         finally:
             with self._lock:
                 self._ended.carry(address, -1)
                 self._forget_removed(address)
                 self._cond.notify_all()
 
-    def _last_word(self, session: Any, clean: bool, held: list[str], dial: Dial | None) -> None:
+    def _last_word(
+        self, session: Any, clean: bool, held: list[str], dial: Dial | None
+    ) -> Unreleased | None:
         """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
         its host may not have read (the session lost meanwhile, its disconnect unanswered) goes
-        over a session of its own (``dial``'s): no later session would carry it."""
-        self._last_word_of(session.address, end_session(session, clean, held), dial)
+        over a session of its own (``dial``'s): no later session would carry it. Returns what
+        could not be told (``_last_word_of``)."""
+        return self._last_word_of(session.address, end_session(session, clean, held), dial)
 
-    def _last_word_of(self, address: str, unread: list[str], dial: Dial | None) -> None:
+    def _last_word_of(
+        self, address: str, unread: list[str], dial: Dial | None
+    ) -> Unreleased | None:
         """A closed tier's last word to ``address`` (unlocked): ``unread`` over a session of
-        its own (``dial``'s; one try), else kept in ``_ended``."""
+        its own (``dial``'s; one try), else kept in ``_ended``. Returns the failure of that
+        session, for the caller to report (``LastWords``)."""
         if unread and dial is not None:
-            self._release_over_own_session(dial, unread, last_word=True)
-        elif unread:
+            return self._release_over_own_session(dial, unread, last_word=True)
+        if unread:
             with self._lock:
                 self._ended.give_back(address, unread)
+        return None
 
     def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
         """``close``'s last word to every host (unlocked): each live session carries the
@@ -223,11 +237,75 @@ class SessionReleases:
                 if dial is not None:
                     last_word = partial(self._release_over_own_session, last_word=True)
                     work.append((last_word, (dial, self._ended.take(address))))
-        threads = [threading.Thread(target=f, args=a, daemon=True) for f, a in work]
+        words = LastWords()
+        threads = [
+            threading.Thread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
+            for w in work
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        words.report()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unreleased:
+    """Ended sessions ``close``'s last word could not name to the host at ``address``."""
+
+    address: str
+    sessions: int
+    why: Exception
+
+    def detail(self) -> tuple[str, int, Exception]:
+        return self.address, self.sessions, self.why
+
+
+class LastWords:
+    """What ``close``'s last words to its hosts could not tell them, said in one warning for
+    all (a tier that followed a churning fleet knew many dead hosts), each host's detail at
+    debug: ``add`` from any thread, ``report`` once they were awaited; one added after that
+    (a last word that outlived ``close``'s wait) is reported on its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures: list[Unreleased] = []
+        self._reported = False
+
+    def add(self, failure: Unreleased | None) -> None:
+        """A last word ended; ``failure``: what it could not tell (``None``: all was told)."""
+        if failure is None:
+            return
+        with self._lock:
+            if not self._reported:
+                self._failures.append(failure)
+                return
+        _warn([failure])
+
+    def report(self) -> None:
+        """Say what the last words added so far could not tell (nothing when all was told)."""
+        with self._lock:
+            self._reported = True
+            failures, self._failures = self._failures, []
+        if failures:
+            _warn(failures)
+
+
+def _warn(failures: list[Unreleased]) -> None:
+    """One warning for ``failures``; each host's reason at debug."""
+    for f in failures:
+        logger.debug("could not tell %s that %d ended sessions resolved: %s", *f.detail())
+    hosts = sorted({f.address for f in failures})
+    shown = ", ".join(hosts[:3]) + (f" and {len(hosts) - 3} more" if len(hosts) > 3 else "")
+    logger.warning(
+        "could not tell %d host(s) (%s) that %d ended sessions resolved as the tier closed: "
+        "each keeps those sessions' slots until its --hold-timeout, if it has one (a host "
+        "restarted since holds none). First reason (each host's at debug): %s",
+        len(hosts),
+        shown,
+        sum(f.sessions for f in failures),
+        failures[0].why,
+    )
 
 
 def end_session(session: Any, clean: bool, held: list[str]) -> list[str]:
