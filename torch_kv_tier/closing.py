@@ -65,6 +65,13 @@ class Closing:
         cancelled here resolves only after that, when nothing can land in its blocks any more;
         a handshake on another thread still awaiting an answer gives up. Idempotent.
 
+        ``timeout`` bounds ``close``'s own waits, not its last word to each host (ending the
+        session, naming the ended sessions that resolved): one a host has not answered by then
+        goes on in a daemon thread, each of its steps within ~2 s (the disconnect's answer, a
+        release session's handshake), so that a host slow to answer still frees what it would
+        free, rather than hold it until its ``--hold-timeout`` (default: never). What none of
+        them could tell is logged once, as a warning (``session_releases.LastWords``).
+
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
         (``quantities.seconds``), before anything changes (the tier stays open, to be closed
         again)."""

@@ -221,9 +221,11 @@ class SessionReleases:
         """``close``'s last word to every host (unlocked): each live session carries the
         resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
         in flight); a host with resolved sessions and no live one gets a session of its own.
-        Side by side, within ``timeout_s`` (at least 0.1 s), once the release threads
-        ``close`` cancelled handed back what they carried; a host that does not answer ends
-        the session itself after its lease timeout."""
+        Side by side, awaited up to ``timeout_s`` (at least 0.1 s), once the release threads
+        ``close`` cancelled handed back what they carried; one still running then goes on by
+        itself (each of its steps within ~2 s; not cut short, see ``close``), and reports
+        what it could not tell when it ends. A host that does not answer ends the session
+        itself after its lease timeout."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         with self._lock:
             while self._ended.carrying and time.monotonic() < deadline:
