@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_journal, disk_sync
+from torch_kv_tier.remote import disk_files, disk_sync
 from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.disk_store import DiskError, DiskStore
 
@@ -168,7 +168,7 @@ def test_a_directory_in_use_is_refused_with_what_to_do(
     """Found by review: two stores on one directory (a second host started on it, or
     ``--disk`` naming it twice as ``d`` and ``x/../d``) shared its block file and journal,
     each writing over the other's blocks: keys lost, misses where hits were due."""
-    monkeypatch.setattr(disk_journal, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(disk_files, "LOCK_WAIT_S", 0.2)
     with closing(open_store(disk_pool, [tmp_path / "d"], 8)):
         with pytest.raises(DiskError, match=f"{tmp_path / 'd'} is in use.*stop that host"):
             open_store(disk_pool, [tmp_path / "d"], 8)

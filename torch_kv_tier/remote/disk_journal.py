@@ -6,9 +6,10 @@ directory made for other blocks, or a header that cannot be read or names other 
 refused, not reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a
 directory with a header is logged: its blocks are forgotten). A ``blocks.dat`` removed or
 replaced under a running host is logged once, at a journal sync (``_check_in_place``). The
-block file holds an exclusive ``flock`` while open: a second ``DiskDir`` on the directory
-(another host started on it, or ``--disk`` naming it twice under two spellings), which would
-write over the first one's blocks and journal, waits ``LOCK_WAIT_S`` for it, then is refused.
+block file holds an exclusive ``flock`` while open (``disk_files``): a second ``DiskDir`` on the
+directory (another host started on it, or ``--disk`` naming it twice under two spellings), which
+would write over the first one's blocks and journal, waits ``LOCK_WAIT_S`` for it, then is
+refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending``
@@ -32,9 +33,7 @@ Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -48,22 +47,18 @@ from typing import Any
 import msgspec
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.disk_files import DiskError, lock, open_blocks, write_durably
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
 REWRITE_RETRY_MAX_S = 60.0
-LOCK_WAIT_S = 5.0  # a host killed just before (its files closed as it exits)
 PUT, DEL = 1, 0
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
 _decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
 
 Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
-
-
-class DiskError(OSError):
-    """A disk directory that cannot be used; the message says what to do."""
 
 
 class DiskDir:
@@ -88,13 +83,13 @@ class DiskDir:
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
-            self.fd, self.direct = _open_blocks(path / "blocks.dat", block_len, direct)
-            _lock(self.fd, path)
+            self.fd, self.direct = open_blocks(path / "blocks.dat", block_len, direct)
+            lock(self.fd, path)
             st = os.fstat(self.fd)
             self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
             self._allocate(self.slots * block_len)
             if header is not None:  # only once the blocks fit: a size refused is not kept
-                os.close(_write_durably(path / "meta.json", header))
+                os.close(write_durably(path / "meta.json", header))
             journal = path / "journal.log"
             if header is None and not journal.exists():  # a directory used before
                 logger.warning(
@@ -285,7 +280,7 @@ class DiskDir:
         compaction: bool = False,
     ) -> bool:
         """Replace the journal by ``live``, then the ``framed_count`` records framed in
-        ``framed`` (``frames``, ``take_pending``), with ``_write_durably``, after an
+        ``framed`` (``frames``, ``take_pending``), with ``disk_files.write_durably``, after an
         ``fdatasync`` of the block file (the new journal names blocks written since the last
         ``flush``), and append to the new one (logged where it had been emptied). Returns False
         when it cannot be written (a full disk, EIO: logged, never raised): the old journal
@@ -300,7 +295,7 @@ class DiskDir:
             count += 1
         try:
             os.fdatasync(self.fd)
-            fd = _write_durably(self.path / "journal.log", out, *framed)
+            fd = write_durably(self.path / "journal.log", out, *framed)
         except OSError as exc:
             # a full disk: a rewrite builds every record, so back off
             self._retry_s = min(REWRITE_RETRY_MAX_S, max(1.0, 2 * self._retry_s))
@@ -343,73 +338,3 @@ def _frame(record: Record) -> bytes:
 def frames(records: Iterable[Record]) -> bytes:
     """``records`` framed as the journal holds them (for ``DiskDir.rewrite``)."""
     return b"".join(map(_frame, records))
-
-
-def _write_durably(path: Path, *data: bytes | bytearray) -> int:
-    """Replace ``path`` by the parts of ``data`` whole or not at all, durably: a temporary file
-    written in full and synced, renamed over ``path``, then the directory synced (a rename is an
-    entry of the directory: without that sync a power loss may bring the old file back; its
-    failure is logged). Returns the new file's descriptor, open for appends. Raises ``OSError``
-    with ``path`` as it was and the temporary file removed."""
-    tmp = path.with_suffix(".tmp")
-    fd = -1
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        for part in data:
-            view = memoryview(part)
-            while view:  # a short write is no error: write the rest
-                view = view[os.write(fd, view) :]
-        os.fsync(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    try:
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except OSError as exc:
-        logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
-    return fd
-
-
-def _lock(fd: int, path: Path) -> None:
-    """Hold ``fd``'s exclusive lock (released as it closes, or as its process dies), waiting at
-    most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do. A file system without locks
-    is used unlocked (logged). On NFS, Linux emulates ``flock`` with POSIX record locks, which
-    hold against other processes and hosts but never within one process: there a directory
-    that one host's ``--disk`` names twice under two spellings is not refused."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise DiskError(
-                    f"{path} is in use by another disk tier (a host still running on it, or "
-                    "--disk naming it twice): stop that host, or pass another directory"
-                ) from None
-            time.sleep(0.05)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            logger.warning("disk: %s cannot be locked (%s): used unlocked", path, exc)
-            return
-
-
-def _open_blocks(path: Path, block_len: int, direct: bool) -> tuple[int, bool]:
-    """The block file and whether it is O_DIRECT (``direct`` asked, blocks of whole pages, and a
-    file system that takes it: tmpfs refuses)."""
-    flags = os.O_RDWR | os.O_CREAT
-    if direct and block_len % 4096 == 0 and hasattr(os, "O_DIRECT"):
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o600), True
-        except OSError:
-            pass
-    return os.open(path, flags, 0o600), False

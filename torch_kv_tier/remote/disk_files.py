@@ -1,0 +1,93 @@
+"""The files of one ``--disk`` directory as the operating system sees them (``disk_journal``'s):
+a file replaced whole or not at all, durably (``write_durably``); the block file opened O_DIRECT
+where it can be (``open_blocks``); its exclusive lock, so that no two hosts use one directory
+(``lock``). Pure functions of their arguments; ``DiskError`` is what a directory that cannot be
+used raises, saying what to do."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOCK_WAIT_S = 5.0  # a host killed just before (its files closed as it exits)
+
+
+class DiskError(OSError):
+    """A disk directory that cannot be used; the message says what to do."""
+
+
+def write_durably(path: Path, *data: bytes | bytearray) -> int:
+    """Replace ``path`` by the parts of ``data`` whole or not at all, durably: a temporary file
+    written in full and synced, renamed over ``path``, then the directory synced (a rename is an
+    entry of the directory: without that sync a power loss may bring the old file back; its
+    failure is logged). Returns the new file's descriptor, open for appends. Raises ``OSError``
+    with ``path`` as it was and the temporary file removed."""
+    tmp = path.with_suffix(".tmp")
+    fd = -1
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        for part in data:
+            view = memoryview(part)
+            while view:  # a short write is no error: write the rest
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    try:
+        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError as exc:
+        logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
+    return fd
+
+
+def lock(fd: int, path: Path) -> None:
+    """Hold ``fd``'s exclusive lock (released as it closes, or as its process dies), waiting at
+    most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do. A file system without locks
+    is used unlocked (logged). On NFS, Linux emulates ``flock`` with POSIX record locks, which
+    hold against other processes and hosts but never within one process: there a directory
+    that one host's ``--disk`` names twice under two spellings is not refused."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise DiskError(
+                    f"{path} is in use by another disk tier (a host still running on it, or "
+                    "--disk naming it twice): stop that host, or pass another directory"
+                ) from None
+            time.sleep(0.05)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            logger.warning("disk: %s cannot be locked (%s): used unlocked", path, exc)
+            return
+
+
+def open_blocks(path: Path, block_len: int, direct: bool) -> tuple[int, bool]:
+    """The block file and whether it is O_DIRECT (``direct`` asked, blocks of whole pages, and a
+    file system that takes it: tmpfs refuses)."""
+    flags = os.O_RDWR | os.O_CREAT
+    if direct and block_len % 4096 == 0 and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError:
+            pass
+    return os.open(path, flags, 0o600), False
