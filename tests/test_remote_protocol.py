@@ -327,7 +327,7 @@ def test_open_without_a_server_times_out_and_bad_arguments_raise_first() -> None
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="no answer"):
             RemoteSession.open(address, agent_metadata=b"m", region=region, timeout_s=0.3)
-        assert time.monotonic() - t0 < 5.0  # its 0.3 s, not the 10 s default (a loaded machine)
+        assert time.monotonic() - t0 < 2.0
         for kwargs, match in (
             ({"slots": 0}, "slots must be > 0"),
             ({"region": p.Region(4096, 0, 64)}, "num_blocks > 0"),
@@ -364,7 +364,7 @@ def test_a_handshake_with_a_silent_host_gives_up_when_cancelled() -> None:
                 address, agent_metadata=b"m", region=p.Region(4096, 8, 64), timeout_s=10.0,
                 cancel=cancel,
             )  # fmt: skip
-        assert 0.3 <= time.monotonic() - t0 < 5.0  # not its 10 s timeout (a loaded machine)
+        assert 0.3 <= time.monotonic() - t0 < 1.5
 
 
 def test_parse_address() -> None:
@@ -507,13 +507,13 @@ def test_idle_connections_to_the_metrics_port_do_not_hold_up_a_scrape() -> None:
         t0 = time.monotonic()
         with urllib.request.urlopen(url, timeout=3) as response:
             assert response.read() == b"torch_kv_tier_server_up 1\n"
-        assert time.monotonic() - t0 < 4.0  # not behind an idle peer's 5 s (a loaded machine)
+        assert time.monotonic() - t0 < 1.0
     finally:
         for conn in idle:
             conn.close()
         t0 = time.monotonic()
         metrics.close()
-        assert time.monotonic() - t0 < 4.0  # not an idle peer's 5 s (a loaded machine)
+        assert time.monotonic() - t0 < 2.0
 
 
 def test_a_busy_metrics_port_is_named_in_the_error() -> None:
