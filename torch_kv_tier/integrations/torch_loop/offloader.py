@@ -35,8 +35,6 @@ from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.offloader_args import (
     check_caches,
-    check_reconnect_interval,
-    check_timeout,
     check_wait,
     connect_kwargs,
     unavailable,
@@ -46,7 +44,7 @@ from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.handshake import check_connect_args
-from torch_kv_tier.remote.quantities import count
+from torch_kv_tier.remote.quantities import count, seconds
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -98,8 +96,8 @@ class PagedKVOffloader:
                 f"caches across all layers is {self.block_len} bytes: build the tier with "
                 "PagedKVOffloader.block_len_for(keys, values)"
             )
-        timeout = check_timeout("timeout", timeout)
-        reconnect_interval_s = check_reconnect_interval(reconnect_interval_s)
+        timeout = seconds("timeout", timeout)
+        reconnect_interval_s = seconds("reconnect_interval_s", reconnect_interval_s, zero=True)
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -174,8 +172,8 @@ class PagedKVOffloader:
         and put the dtype and layout in them yourself.
         """
         block_len = cls.block_len_for(key_caches, value_caches)
-        timeout = check_timeout("timeout", timeout)
-        reconnect_interval_s = check_reconnect_interval(reconnect_interval_s)
+        timeout = seconds("timeout", timeout)
+        reconnect_interval_s = seconds("reconnect_interval_s", reconnect_interval_s, zero=True)
         kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
         if staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {staging!r}')

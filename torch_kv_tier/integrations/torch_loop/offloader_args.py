@@ -19,8 +19,6 @@ from torch_kv_tier.remote.quantities import seconds
 
 __all__ = [
     "check_caches",
-    "check_reconnect_interval",
-    "check_timeout",
     "check_wait",
     "connect_kwargs",
     "unavailable",
@@ -35,7 +33,7 @@ def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any)
     ``ValueError`` unless a finite number > 0)."""
     if connect_timeout is None:
         connect_timeout = min(timeout, CONNECT_TIMEOUT_S)
-    return {**kwargs, "timeout_s": check_timeout("connect_timeout", connect_timeout)}
+    return {**kwargs, "timeout_s": seconds("connect_timeout", connect_timeout)}
 
 
 def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) -> bool:
@@ -55,18 +53,6 @@ def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) 
         exc,
     )
     return later
-
-
-def check_reconnect_interval(interval_s: float) -> float:
-    """``interval_s`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
-    >= 0 (``quantities.seconds``; 0: never dial a host that is down at its connect)."""
-    return seconds("reconnect_interval_s", interval_s, zero=True)
-
-
-def check_timeout(name: str, timeout: float) -> float:
-    """``timeout`` as a float: ``TypeError``/``ValueError`` unless it is a number of seconds
-    > 0 (``quantities.seconds``; nan too: a wait for nan seconds returns at once)."""
-    return seconds(name, timeout)
 
 
 def check_wait(timeout: float | None) -> float | None:
