@@ -444,6 +444,39 @@ def test_writes_failing_on_and_on_are_logged_once_until_one_is_done(
     assert said[1] == "disk writes succeed again" and "NIXL_ERR_BACKEND" in said[2]
 
 
+def test_a_failing_disk_evicts_no_key_it_holds_for_writes_until_one_is_done(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: every write to a failing disk (EIO, read-only) evicted a key it held to
+    make room, and freed the slot as it failed; a look for copies larger than the last one
+    evicted more: good keys, readable, lost for copies that could never be written. While the
+    last write failed, writes now take free slots only; one done ends that."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"k0", 0).written
+        keys = [f"k{i}".encode() for i in range(1, 8)]
+        store.write([("ns", k, digest_of(disk_pool, i, k), i) for i, k in enumerate(keys, 1)])
+        assert len(settle(store).written) == 7 and len(store) == 8  # the disk is full
+        agent = store._io._agent
+        real_transfer = agent.transfer
+
+        def eio(handle: Any) -> str:
+            raise RuntimeError("injected: EIO")
+
+        monkeypatch.setattr(agent, "transfer", eio)
+        assert _write(store, disk_pool, b"n0", 8).failed  # not known to fail: k0 evicted
+        assert store.stats()["disk_writes_failing"] == 1 and len(store) == 7
+        items = [(f"n{i}".encode(), 8 + i) for i in range(1, 5)]
+        assert store.write([("ns", k, digest_of(disk_pool, s, k), s) for k, s in items]) == []
+        assert len(store.poll().failed) == 1  # into k0's slot alone
+        assert len(store) == 7 and store.stats()["disk_evictions"] == 1
+        monkeypatch.setattr(agent, "transfer", real_transfer)
+        assert _write(store, disk_pool, b"n1", 9).written  # into the free slot
+        assert store.stats()["disk_writes_failing"] == 0
+        assert store.write([("ns", b"n2", digest_of(disk_pool, 10, b"n2"), 10)]) == [("ns", b"k1")]
+        assert settle(store).written == [("ns", b"n2")]
+
+
 def test_a_journal_unreadable_at_recovery_is_refused_with_what_to_do(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

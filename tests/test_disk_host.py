@@ -88,6 +88,7 @@ def test_blocks_evicted_from_dram_are_promoted_from_disk_byte_identical(tmp_path
         assert 'torch_kv_tier_server_disk_blocks_total{op="written"} 160\n' in metrics
         assert "torch_kv_tier_server_disk_stuck_total 0\n" in metrics
         assert "torch_kv_tier_server_disk_stuck_in_flight 0\n" in metrics
+        assert "torch_kv_tier_server_disk_writes_failing 0\n" in metrics
 
 
 def test_a_host_restarted_on_its_disk_serves_what_it_held(tmp_path: Path) -> None:

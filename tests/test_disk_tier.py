@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import shared_snapshot
 from torch_kv_tier.remote.disk_tier import (
+    COPY_BACKOFF_MAX_S,
+    COPY_BACKOFF_S,
     COPY_IDLE_PERIOD_S,
     COPY_PERIOD_S,
     PROMOTE_BACKOFF_S,
@@ -617,6 +619,38 @@ def test_a_failed_copy_wakes_a_promotion_waiting_for_its_slot_at_once() -> None:
     assert "e" in evicted and not disk.contains("ns", "e")
     assert stored["a"] == ns.entries["a"] and cache.digest_of(stored["a"]) == disk.digest("ns", "a")
     assert tier.retry_in(3.002) == math.inf and cache.granted == 3  # no slot left behind
+
+
+def test_copies_to_a_failing_disk_back_off_bounded_and_resume_once_one_is_done() -> None:
+    """Found by review: a disk whose every write failed (EIO, full) was written again at every
+    look for copies (every ``COPY_PERIOD_S``: 3200 blocks failed in 200 loop turns where 80 do
+    now). Copies that all failed are now looked for again after a backoff that doubles up to
+    ``COPY_BACKOFF_MAX_S``; a copy done ends it."""
+    cache, disk, tier = _host()
+    _store(cache, [f"k{i}" for i in range(8)])
+    disk.fail_writes = True
+    with mock.patch.object(disk, "write", wraps=disk.write) as write:
+        now, backoff = 1.0, COPY_BACKOFF_S
+        tier.step(now)  # copies posted...
+        for _ in range(12):
+            failed = now + 0.001
+            tier.step(failed)  # ...and failed: backed off
+            posted = write.call_count
+            for t in range(1, 10):  # every loop turn until the backoff ends: no copy
+                tier.step(failed + backoff * t / 10)
+            assert write.call_count == posted
+            now = failed + backoff
+            tier.step(now)  # the backoff's end: copies posted again
+            assert write.call_count == posted + 1
+            assert tier.stats()["disk_keys"] == 0
+            backoff = min(COPY_BACKOFF_MAX_S, 2 * backoff)
+        assert backoff == COPY_BACKOFF_MAX_S  # bounded
+        disk.fail_writes = False
+        tier.step(now + 0.001)  # copies done: the backoff ends
+        assert len(disk.keys) == 8
+        _store(cache, ["n0"])  # k0 leaves DRAM, on disk
+        tier.step(now + 0.002)  # the next look is not backed off
+        assert write.call_count == posted + 2
 
 
 def test_slot_owners_pick_a_namespaces_slots_written_before_a_stamp_and_holding_it_now() -> None:

@@ -60,11 +60,12 @@ class DiskIndex:
         self.slots.release(entry[0])
         return True
 
-    def take_slot(self, evicted: list[Pair]) -> int | None:
-        """A free slot, now held, else that of the least recently used key with no I/O in
-        flight, evicted (added to ``evicted``); ``None``: every slot has I/O in flight."""
+    def take_slot(self, evicted: list[Pair], *, evict: bool = True) -> int | None:
+        """A free slot, now held, else (with ``evict``) that of the least recently used key
+        with no I/O in flight, evicted (added to ``evicted``); ``None``: none free and (with
+        ``evict``) every slot has I/O in flight."""
         free = self.slots.take()
-        if free is not None:
+        if free is not None or not evict:
             return free
         for pair, (slot, _) in self.where.items():
             if not self.slots.busy(slot):  # its record goes before the slot is rewritten

@@ -30,6 +30,8 @@ from torch_kv_tier.transport.nixl_agent import descriptors
 logger = logging.getLogger(__name__)
 
 _agent_ids = itertools.count()
+# what the store does while requests of a kind fail (``DiskStore.write``, ``DiskTier``)
+_WHILE_FAILING = {"write": ", copies back off and evict no block on disk until one is done"}
 
 Pair = tuple[str, Key]
 
@@ -143,9 +145,9 @@ class DiskTransfers:
             return
         self._failing.add(kind)
         logger.warning(
-            "disk: %s; each %s failing costs its blocks a miss (logged again once a %s is done): "
+            "disk: %s; each %s failing costs its blocks a miss%s (logged again once a %s is done): "
             "check the file system of the --disk directories (read-only, full, failing?)",
-            what, kind, kind,
+            what, kind, _WHILE_FAILING.get(kind, ""), kind,
         )  # fmt: skip
 
     def release(self, handle: Any) -> None:

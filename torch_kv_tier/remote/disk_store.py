@@ -15,14 +15,15 @@ written, synced and compacted on a thread of their own (``disk_sync``): a hung d
 the loop, nor does a compaction at any number of keys (its records are built a bounded part per
 ``poll``, in slot order).
 
-Threading and failures: not thread-safe; the server's loop thread calls every method (``close``
-may run on another once the loop ended: on io_uring, requests the loop still had in flight were
-cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O
-error drops the keys of that request from the disk (``poll().failed``), logged, never raised; so
-does a request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it
-ends). A read of a directory with a request given up fails at once but keeps its keys
-(``_finish``). Construction raises ``DiskError`` with what to do. ``close`` never frees what a
-request still in flight may touch (``close``).
+Threading and failures: not thread-safe; the server's loop thread calls every method (``close`` may
+run on another once the loop ended: on io_uring, requests the loop still had in flight were
+cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O error
+drops the keys of that request from the disk (``poll().failed``), logged, never raised; so does a
+request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it ends).
+While the last write request failed (``writes_failing``), writes evict no key: a failing disk costs
+the copies it cannot make, not the blocks it holds. A read of a directory with a request given up
+fails at once but keeps its keys (``_finish``). Construction raises ``DiskError`` with what to do.
+``close`` never frees what a request still in flight may touch (``close``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class DiskStore:
             0,
         )  # fmt: skip
         self._busy_s = {"write": 0.0, "read": 0.0}
+        # the last write request that ended failed (a full or failing file system): writes then
+        # evict nothing (``write``) until one is done
+        self.writes_failing = False
         self._closed = False
         try:
             self._io = DiskTransfers(
@@ -137,7 +141,8 @@ class DiskStore:
     def write(self, items: Sequence[tuple[str, Key, int, int]]) -> list[Pair]:
         """Post writes of DRAM slots to disk: ``(namespace, key, digest, dram_slot)``; keys on
         disk or being written are skipped, every key while a request is stuck (``_give_up``).
-        Returns the keys evicted from disk for room."""
+        Returns the keys evicted from disk for room; none while writes fail (``writes_failing``:
+        only free slots are written, so that a failing disk costs no key it holds)."""
         evicted: list[Pair] = []
         if self._stuck:  # a hung device: evicting for writes it would refuse empties the disk
             return evicted
@@ -146,7 +151,7 @@ class DiskStore:
             pair = (ns, key)
             if pair in self._index.where or pair in self._writing:
                 continue
-            slot = self._index.take_slot(evicted)
+            slot = self._index.take_slot(evicted, evict=not self.writes_failing)
             if slot is None:
                 break
             self._writing.add(pair)
@@ -215,6 +220,7 @@ class DiskStore:
             **c,
             "disk_keys": len(self._index),
             "disk_stuck_in_flight": len(self._stuck),
+            "disk_writes_failing": int(self.writes_failing),
             "disk_bytes": len(self._index) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
@@ -323,6 +329,8 @@ class DiskStore:
                 if index.at(pair, slot) and not (refused or self._closed):
                     index.remove(pair)
                 done.failed.append((ns, key, dram))
+        if request.kind == "write" and not (refused or self._closed):
+            self.writes_failing = not ok
         if ok:
             self._counters[f"disk_{request.kind}s"] += len(request.items)
             self._counters[f"disk_{request.kind}_bytes"] += request.nbytes

@@ -7,7 +7,9 @@ eviction usually finds the copy complete: the key is then announced *on disk* (s
 ``protocol.ON_DISK``) and its slot is reused at once. A slot being copied is not evicted (the
 next least recently used key is). A key evicted with no copy is gone, as without a disk. Every write
 goes from the pool's DRAM slot to the file through NIXL's POSIX backend (``DiskStore``): no byte
-crosses Python.
+crosses Python. A disk whose writes fail (full, read-only, EIO) costs nothing it holds: the
+copies back off (``_back_off_copies``: bounded, ended by a copy done) and the store evicts no key
+for a write while the last one failed (``DiskStore.write``; stat ``disk_writes_failing``).
 
 Admission: a key is copied only once it was *seen* ``admit_after`` times (a commit, a second
 commit of the same key by another engine, a load's recency report), counted in ``SeenCounts``,
@@ -59,6 +61,8 @@ PROMOTE_RETRY_S = 5.0  # a promotion that finds no DRAM slot is tried again this
 PROMOTE_BACKOFF_S = 0.05  # ...once a slot may have come free (``_slot_mark``), or this often
 COPY_PERIOD_S = 0.002  # the copies ahead of eviction are looked for at most this often
 COPY_IDLE_PERIOD_S = 0.05  # ...and after a look that found none, this often (``_copy_due``)
+COPY_BACKOFF_S = 0.1  # copies that all failed are looked for again after this long...
+COPY_BACKOFF_MAX_S = 10.0  # ...twice as long after each such poll in a row, at most this
 
 
 class SeenCounts:
@@ -120,6 +124,7 @@ class DiskTier:
         self._idle: tuple[float, int] | None = None  # a look found none: (until, _moves() then)
         self._sightings = 0  # keys committed or touched so far
         self._copies_failed = 0  # (``disk_copies``: those done)
+        self._copy_backoff = (0.0, 0.0)  # copies failing: (no look before, seconds backed off)
         self.counters = dict.fromkeys(
             (
                 "disk_promotions",
@@ -163,13 +168,13 @@ class DiskTier:
         """Collect completed disk I/O, start asked promotions (and those waiting for a slot,
         once one may have come free or after ``PROMOTE_BACKOFF_S``) and (at most every
         ``COPY_PERIOD_S``, see ``_copy_due``) the copies ahead of eviction."""
-        self._collect()
+        self._collect(now)
         if self._waiting and (now >= self._retry[0] or self._slot_mark() != self._retry[1]):
             self._asked += [(name, key, since) for (name, key), since in self._waiting.items()]
             self._waiting.clear()
         if self._asked:
             self._start_promotions(now)
-        due = now >= self._next_copy and self._copy_due(now)
+        due = now >= max(self._next_copy, self._copy_backoff[0]) and self._copy_due(now)
         if due and self.store.in_flight() < MAX_SPILLS_IN_FLIGHT:
             self._next_copy = now + COPY_PERIOD_S
             found_none = self._copy_ahead()
@@ -206,10 +211,11 @@ class DiskTier:
         keys stored meanwhile were evicted with no copy (72 of 128 in ``test_disk_tier``)."""
         return min(self.cache.pool.num_blocks, max(MIN_SPILL_WINDOW, 2 * self.cache.max_granted))
 
-    def _collect(self) -> None:
+    def _collect(self, now: float) -> None:
         done = self.store.poll()
         cache = self.cache
         self.counters["disk_copies"] += len(done.written)
+        copies_failed = self._copies_failed
         for name, key, slot, digest in done.read:
             entry = self._promoting.pop((name, key), None)
             if entry is not None:
@@ -233,6 +239,18 @@ class DiskTier:
             ns = self._withheld.pop(slot, None)
             if ns is not None:
                 cache.unpromoted(ns, slot)
+        if done.written:
+            self._copy_backoff = (0.0, 0.0)
+        elif self._copies_failed > copies_failed:
+            self._back_off_copies(now)
+
+    def _back_off_copies(self, now: float) -> None:
+        """Copies failed and none was done (a full or failing file system): look for copies
+        again only after ``COPY_BACKOFF_S``, twice as long after each such poll in a row, at most
+        ``COPY_BACKOFF_MAX_S`` (each look posts writes that fail; the store evicts no key for
+        them meanwhile, ``DiskStore.write``). A copy done ends the backoff."""
+        seconds = min(COPY_BACKOFF_MAX_S, max(COPY_BACKOFF_S, 2 * self._copy_backoff[1]))
+        self._copy_backoff = (now + seconds, seconds)
 
     def _start_promotions(self, now: float) -> None:
         """Promotions asked: those that find no DRAM slot (every slot granted, or being

@@ -175,6 +175,13 @@ def _disk_metrics(stats: Mapping[str, Any], metric: Callable[..., None]) -> None
         [("", stats["disk_stuck_in_flight"])],
     )
     metric(
+        "disk_writes_failing",
+        "gauge",
+        "1 while the disk's last write failed (full, read-only, EIO): copies back off and evict "
+        "no key on disk until one is done.",
+        [("", stats["disk_writes_failing"])],
+    )
+    metric(
         "disk_gbps",
         "gauge",
         "Disk GB/s over the time its requests were in flight.",
