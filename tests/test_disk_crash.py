@@ -62,6 +62,28 @@ def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, te
         DiskDir(d, 8 * DISK_BLOCK, DISK_BLOCK)
 
 
+@pytest.mark.parametrize("flip", [('"format": 1', '"format": 0'), ('"slots": 8', '"slots": 9')])
+def test_a_header_value_flipped_says_it_is_damaged_and_removing_it_keeps_the_blocks(
+    disk_pool: np.ndarray, tmp_path: Path, flip: tuple[str, str]
+) -> None:
+    """Found by review: a byte flipped in ``meta.json``'s values (24 of its 368 one-bit flips,
+    the other 344 are no JSON or no header) was refused as "holds 8 blocks of 16384 bytes, not 8
+    of 16384: pass the --block-len and --disk-bytes it was made with", which the operator had.
+    No flip served a key or crashed: recovery checks every block against its digest. The
+    message now says the header may be damaged, and what to do; doing it keeps the blocks."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        assert _write(store, disk_pool, b"k", 3).written
+    meta = d / "meta.json"
+    meta.write_text(meta.read_text().replace(*flip))
+    with pytest.raises(DiskError, match=f"{meta} is damaged: restore it, or remove it"):
+        open_store(disk_pool, [d], 8)
+    meta.unlink()
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == [("ns", b"k", digest_of(disk_pool, 3, b"k"))]
+
+
 def test_a_start_refused_for_want_of_space_leaves_the_directory_usable(
     disk_pool: np.ndarray, tmp_path: Path
 ) -> None:

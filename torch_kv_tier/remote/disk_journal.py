@@ -1,15 +1,16 @@
 """One directory of a host's disk tier: its block file, header and journal (``disk_store``).
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
-O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a
-directory made for other blocks, or a header that cannot be read or names other fields, is
-refused, not reinterpreted; written whole or not at all) and ``journal.log`` (one missing from a
-directory with a header is logged: its blocks are forgotten). A ``blocks.dat`` removed or
-replaced under a running host is logged once, at a journal sync (``_check_in_place``). The
-block file holds an exclusive ``flock`` while open (``disk_files``): a second ``DiskDir`` on the
-directory (another host started on it, or ``--disk`` naming it twice under two spellings), which
-would write over the first one's blocks and journal, waits ``LOCK_WAIT_S`` for it, then is
-refused.
+O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a directory
+made for other blocks, or a header that cannot be read or names other fields, is refused, not
+reinterpreted, the message saying it may be damaged: a value's damage reads as other blocks, and
+needs no checksum, as recovery verifies every block whatever the header says; written whole or not
+at all) and ``journal.log`` (one missing from a directory with a header is logged: its blocks are
+forgotten). A ``blocks.dat`` removed or replaced under a running host is logged once, at a journal
+sync (``_check_in_place``). The block file holds an exclusive ``flock`` while open (``disk_files``):
+a second ``DiskDir`` on the directory (another host started on it, or ``--disk`` naming it twice
+under two spellings), which would write over the first one's blocks and journal, waits
+``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending``
@@ -120,16 +121,30 @@ class DiskDir:
                 raise ValueError(f"{have!r} is no header")
         except ValueError as exc:  # JSON or UTF-8 damage, or a field's name
             raise DiskError(
-                f"{meta} cannot be read ({exc}): restore it, or remove it to start {self.path} "
-                "afresh (its blocks are kept only where they verify), or pass an empty directory"
+                f"{meta} cannot be read ({exc}): {self._damaged(meta)}, or pass an empty directory"
             ) from exc
-        if have != want:
+        if have["format"] != FORMAT:
             raise DiskError(
-                f"{self.path} holds {have.get('slots')} blocks of {have.get('block_len')} bytes, "
+                f"{meta} names format {have['format']!r}, not {FORMAT}: use the torch-kv-tier "
+                f"that made it, or pass an empty directory; if this one made it, "
+                f"{self._damaged(meta)}"
+            )
+        if have != want:  # a field's value damaged reads the same: say both
+            raise DiskError(
+                f"{self.path} holds {have['slots']!r} blocks of {have['block_len']!r} bytes, "
                 f"not {self.slots} of {block_len}: pass the --block-len and --disk-bytes it was "
-                "made with, or an empty directory"
+                "made with, or an empty directory; if those are the ones passed, "
+                f"{self._damaged(meta)}"
             )
         return None
+
+    def _damaged(self, meta: Path) -> str:
+        """What to do with a damaged header. Removing it is safe: recovery checks each block
+        against its digest whatever the header says (other blocks are misses, never served)."""
+        return (
+            f"{meta} is damaged: restore it, or remove it to start {self.path} afresh (its "
+            "blocks are kept only where they verify)"
+        )
 
     def _allocate(self, size: int) -> None:
         """Reserve the block file's ``size`` bytes; raises ``DiskError`` where they are not free.
