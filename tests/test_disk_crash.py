@@ -26,9 +26,10 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, settle
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_files, disk_journal, disk_store
+from torch_kv_tier.remote import disk_files, disk_frames, disk_journal, disk_store
+from torch_kv_tier.remote.disk_frames import DEL, PUT
 from torch_kv_tier.remote.disk_io import DiskTransfers
-from torch_kv_tier.remote.disk_journal import PUT, DiskDir
+from torch_kv_tier.remote.disk_journal import DiskDir
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStore
 
 
@@ -129,6 +130,102 @@ def test_a_journal_write_cut_short_costs_no_other_record(
         assert store.sync(10.0)
         kept = {key for _, _, _, key, _ in d.read_records()}  # what a crash now would find
         assert {b"k0", b"k1", b"k3"} <= kept
+
+
+def _journal_of_four_keys(disk_pool: np.ndarray, d: Path, *, remove_k: bool) -> Path:
+    """A directory whose journal holds ``PUT`` records of K, X, Y and Z (blocks of DRAM slots 0
+    to 3), then, with ``remove_k``, K's ``DEL`` (K committed again with other bytes)."""
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        for i, key in enumerate([b"K", b"X", b"Y", b"Z"]):
+            assert _write(store, disk_pool, key, i).written
+        assert not remove_k or store.remove("ns", b"K")
+    return d / "journal.log"
+
+
+def _frame_starts(journal: Path) -> list[int]:
+    """The byte where each frame of ``journal`` starts (a whole journal)."""
+    data, starts = journal.read_bytes(), [0]
+    while starts[-1] < len(data):
+        length = int.from_bytes(data[starts[-1] : starts[-1] + 4], "little")
+        starts.append(starts[-1] + 8 + length)
+    return starts[:-1]
+
+
+@pytest.mark.parametrize("cut", ["in its payload", "in its header"])
+def test_a_journal_cut_at_its_tail_says_how_many_records_it_kept_and_that_nothing_is_to_do(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture, cut: str
+) -> None:
+    """Found by review: a journal cut by a crash said "torn at byte 78: rest ignored", not what
+    it cost; one cut in its last frame's header said nothing. Now: the record cut, the records
+    kept, and that there is nothing to do."""
+    journal = _journal_of_four_keys(disk_pool, tmp_path / "d", remove_k=False)
+    z_at = _frame_starts(journal)[-1]  # Z's frame, the last: 5 bytes of it kept, or 3 cut
+    kept = 5 if cut == "in its header" else journal.stat().st_size - z_at - 3
+    os.truncate(journal, z_at + kept)
+    with (
+        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store,
+    ):
+        assert sorted(k for _, k, _ in store.recover()) == [b"K", b"X", b"Y"]
+    said = [r.getMessage() for r in caplog.records if r.name == disk_journal.__name__]
+    assert said == [
+        f"disk: journal of {tmp_path / 'd'} cut at byte {z_at} of {z_at + kept} (a crash in the "
+        "middle of an append): the record cut is lost (which key it named cannot be known: a "
+        "miss if it stored one), the 3 before it are kept; nothing to do"
+    ]
+
+
+@pytest.mark.parametrize("damage", ["a byte flipped", "a page lost (zeros)"])
+def test_a_journal_damaged_in_the_middle_serves_no_key_it_may_have_removed_and_says_the_cost(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """Found by review: a journal damaged in X's record (of K, X, Y, Z, then K's removal, as a
+    commit of K with other bytes does) was read up to the damage only: K came back with the
+    bytes it no longer names, which verify, and Y and Z were dropped unsaid ("torn at byte 26:
+    rest ignored", 0 dropped). The lost record may be such a removal: now no record of the
+    journal is used, and the message says what that cost and what to check."""
+    d = tmp_path / "d"
+    journal = _journal_of_four_keys(disk_pool, d, remove_k=True)
+    x_at, y_at = _frame_starts(journal)[1:3]
+    data = bytearray(journal.read_bytes())
+    if damage == "a byte flipped":
+        data[x_at + 10] ^= 0x40
+    else:
+        data[x_at:y_at] = bytes(y_at - x_at)
+    journal.write_bytes(data)
+    with (
+        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [d], 8)) as store,
+    ):
+        assert store.recover() == []
+        assert store.stats()["disk_recover_dropped"] == 2  # Y and Z
+    said = [r.getMessage() for r in caplog.records if r.name == disk_journal.__name__]
+    assert said == [
+        f"disk: journal of {d} damaged at byte {x_at} of {len(data)}: 1 records before it and 3 "
+        "after it still read, but the record lost may have removed a key whose old block still "
+        "verifies, so none is used: the 2 keys they name, and the lost record's, are misses (this "
+        f"start rewrites the journal); if this recurs, check the device of {d} (bad sectors, a "
+        "failing disk)"
+    ]
+    with closing(open_store(disk_pool, [d], 8)) as store:  # rewritten: read whole, empty
+        assert store.recover() == []
+    assert journal.read_bytes() == b""
+
+
+def test_records_past_damage_are_found_within_a_bounded_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What tells damage from a crash's cut (``disk_frames.parse``): frames that read past a bad
+    one, found across unreadable bytes (zeros cost nothing) up to ``RESYNC_BYTES`` of them; past
+    that, the rest counts as unsearched (damage), never as a cut with nothing after it."""
+    first, last = (PUT, 0, "ns", b"k0", 1), (DEL, 0, "ns", b"k0", 0)
+    junk = bytes(range(1, 65)) + bytes(4096)  # not zero, then a page of zeros
+    parsed = disk_frames.parse(disk_frames.frames([first]) + junk + disk_frames.frames([last]))
+    assert parsed.records == [first] and parsed.after == [last] and parsed.searched_all
+    monkeypatch.setattr(disk_frames, "RESYNC_BYTES", 32)
+    parsed = disk_frames.parse(disk_frames.frames([first]) + junk + disk_frames.frames([last]))
+    assert parsed.bad_at == len(disk_frames.frames([first])) and not parsed.searched_all
 
 
 def test_a_compaction_cut_short_or_refused_keeps_every_live_record(
@@ -582,7 +679,7 @@ def test_a_compaction_refused_for_want_of_space_keeps_the_journal_a_restart_reco
         d = store._dirs[0]
         assert _write(store, disk_pool, b"k0", 0).written
         for _ in range(5000):  # records of a slot never written: the journal is due a compaction
-            d.append(disk_journal.DEL, 7, "ns", b"gone", 0)
+            d.append(DEL, 7, "ns", b"gone", 0)
         assert store.sync(10.0) and d.records > 4 * len(store) + 4096
         monkeypatch.setattr(os, "write", no_room_for_a_new_journal)
         with caplog.at_level(logging.WARNING, logger=disk_journal.__name__):

@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from torch_kv_tier.remote.disk_frames import DEL, PUT, Record
 from torch_kv_tier.remote.disk_io import Pair
-from torch_kv_tier.remote.disk_journal import DEL, PUT, DiskDir, Record
+from torch_kv_tier.remote.disk_journal import DiskDir
 from torch_kv_tier.remote.disk_recovery import verified_index
 from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.slot_owners import SlotOwners

@@ -13,19 +13,20 @@ under two spellings), which would write over the first one's blocks and journal,
 ``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
-(``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending``
-and written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once
-per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
+(``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending`` and
+written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once per
+``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
 nothing written, a power loss the records of the last period, never a block a synced record names).
 A write that fails (a full disk) marks the journal ``stale``: its owner rewrites it from its index,
 and records are dropped meanwhile (a compaction that fails does not: the journal it would have
 replaced is whole, and appended to as before). A journal that dropped a record is emptied
 (``_dropped``): the record may be the ``DEL`` of a block still intact, whose key stored since with
 other bytes would come back, old bytes that verify, at the next start; so a restart before the
-rewrite finds none of that directory's blocks (misses), never a removed one. ``read_records``
-reads up to the first torn or corrupt frame (a crash in the middle of an append costs that
-record only); ``rewrite`` replaces the journal by the live records whole or not at all
-(temporary file, fsync, rename, fsync of the directory).
+rewrite finds none of that directory's blocks (misses), never a removed one. ``read_records`` reads
+up to the first frame that does not read (``disk_frames``): a crash in the middle of an append costs
+that record only; damage with records past it (a bad sector) costs every record, for the same
+reason, and is logged with the keys it cost. ``rewrite`` replaces the journal by the live records
+whole or not at all (temporary file, fsync, rename, fsync of the directory).
 
 Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`` on its thread,
 ``flush`` and ``rewrite`` on its journals' thread (``disk_sync``), never two at once; ``records``,
@@ -38,28 +39,18 @@ import errno
 import json
 import logging
 import os
-import struct
 import time
-import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import msgspec
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_files import DiskError, lock, open_blocks, write_durably
+from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, parse
 
 logger = logging.getLogger(__name__)
 
 FORMAT = 1
 REWRITE_RETRY_MAX_S = 60.0
-PUT, DEL = 1, 0
-_FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
-_encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
-_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
-
-Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
 
 
 class DiskDir:
@@ -81,6 +72,7 @@ class DiskDir:
         self._emptied = False  # stale, and emptied (or tried to) since (``_dropped``)
         self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
+        self.dropped = 0  # keys a damaged journal cost (``read_records``)
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
@@ -172,7 +164,7 @@ class DiskDir:
     # -- journal --------------------------------------------------------------------------
 
     def append(self, op: int, slot: int, namespace: str, key: Key, digest: int) -> None:
-        self.pending += _frame((op, slot, namespace, key, digest))
+        self.pending += frame((op, slot, namespace, key, digest))
         self._pending_count += 1
 
     def take_pending(self) -> tuple[bytes, int]:
@@ -250,8 +242,11 @@ class DiskDir:
         )  # fmt: skip
 
     def read_records(self) -> list[Record]:
-        """The journal's records, up to its first torn or corrupt frame. Raises ``DiskError``
-        saying what to do where it cannot be read (EIO)."""
+        """The journal's records, up to its first frame that does not read: a tail cut by a
+        crash costs that record; damage with records that still read past it costs every
+        record (``_damaged_journal``). Either is logged, saying how many records and keys it
+        cost; ``dropped`` counts the keys. Raises ``DiskError`` saying what to do where the
+        file cannot be read (EIO)."""
         journal = self.path / "journal.log"
         try:
             data = journal.read_bytes()
@@ -260,26 +255,46 @@ class DiskDir:
                 f"{journal} cannot be read ({exc.strerror or exc}): restore it, or move it away "
                 f"to start {self.path} afresh (its blocks are then forgotten)"
             ) from exc
-        out: list[Record] = []
-        pos = 0
-        while pos + _FRAME.size <= len(data):
-            length, crc = _FRAME.unpack_from(data, pos)
-            payload = data[pos + _FRAME.size : pos + _FRAME.size + length]
-            try:
-                if len(payload) < length or zlib.crc32(payload) != crc:
-                    raise ValueError("torn")
-                out.append(_decoder.decode(payload))
-            except (msgspec.DecodeError, ValueError):
-                logger.warning("disk: journal of %s torn at byte %d: rest ignored", self.path, pos)
-                break
-            pos += _FRAME.size + length
-        return out
+        parsed = parse(data)
+        if parsed.bad_at is None:
+            return parsed.records
+        if parsed.after or not parsed.searched_all:
+            return self._damaged_journal(parsed, len(data))
+        logger.warning(
+            "disk: journal of %s cut at byte %d of %d (a crash in the middle of an append): the "
+            "record cut is lost (which key it named cannot be known: a miss if it stored one), "
+            "the %d before it are kept; nothing to do",
+            self.path, parsed.bad_at, len(data), len(parsed.records),
+        )  # fmt: skip
+        return parsed.records
+
+    def _damaged_journal(self, parsed: Parsed, size: int) -> list[Record]:
+        """A frame that does not read with records past it: damage (a bad sector, a page lost
+        to a power loss), not a crash's cut. No record is used: the one lost may be the ``DEL``
+        of a key whose old block still verifies (module docstring: ``_dropped``), and replaying
+        the others would bring that key back with bytes it no longer names. Logged with the
+        keys it costs (``dropped``), as a restart rewrites the journal from what it kept."""
+        self.dropped = len(self._live(parsed.records + parsed.after))
+        logger.error(
+            "disk: journal of %s damaged at byte %d of %d: %d records before it and %d after it "
+            "still read%s, but the record lost may have removed a key whose old block still "
+            "verifies, so none is used: the %d keys they name, and the lost record's, are "
+            "misses (this start rewrites the journal); if this recurs, check the device of %s "
+            "(bad sectors, a failing disk)",
+            self.path, parsed.bad_at, size, len(parsed.records), len(parsed.after),
+            "" if parsed.searched_all else " (more may: the rest was not searched)",
+            self.dropped, self.path,
+        )  # fmt: skip
+        return []
 
     def live(self) -> dict[int, tuple[int, str, Key, int]]:
         """Slot -> (position in the journal, namespace, key, digest) of each slot whose last
         record is a ``PUT`` (the last record of a slot wins)."""
+        return self._live(self.read_records())
+
+    def _live(self, records: list[Record]) -> dict[int, tuple[int, str, Key, int]]:
         last: dict[int, tuple[int, str, Key, int]] = {}
-        for order, (op, j, ns, key, digest) in enumerate(self.read_records()):
+        for order, (op, j, ns, key, digest) in enumerate(records):
             if op == PUT and 0 <= j < self.slots:
                 last[j] = (order, ns, key, digest)
             else:
@@ -306,7 +321,7 @@ class DiskDir:
         out = bytearray()
         count = framed_count
         for record in live:
-            out += _frame(record)
+            out += frame(record)
             count += 1
         try:
             os.fdatasync(self.fd)
@@ -343,13 +358,3 @@ class DiskDir:
             if fd >= 0:
                 os.close(fd)
         self.fd = self.journal = -1
-
-
-def _frame(record: Record) -> bytes:
-    payload = _encoder.encode(record)
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def frames(records: Iterable[Record]) -> bytes:
-    """``records`` framed as the journal holds them (for ``DiskDir.rewrite``)."""
-    return b"".join(map(_frame, records))

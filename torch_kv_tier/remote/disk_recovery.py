@@ -2,8 +2,9 @@
 
 The journal of each directory is replayed (the last record of a slot wins), every surviving
 block is read and checked against its digest (xxh3-64 seeded with its key, as
-``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record torn
-at the journal's tail, a block unreadable (EIO) cost those keys, nothing else; so does a key
+``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record cut
+at the journal's tail, a block unreadable (EIO) cost those keys, nothing else (a journal damaged
+in the middle costs every key it names: ``DiskDir.read_records``); so does a key
 found in two directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is
 unknown). Each directory's losses are logged (a warning saying how many of its blocks), as is a
 journal found missing (``disk_journal``): a restart says what it dropped.
@@ -41,6 +42,7 @@ def verified_index(
     try:
         for f, d in enumerate(dirs):
             live = d.live()
+            dropped += d.dropped  # a journal damaged: every key it named (``read_records``)
             kept = len(found)
             for j, (order, ns, key, digest) in live.items():
                 try:

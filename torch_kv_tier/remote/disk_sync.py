@@ -32,7 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
-from torch_kv_tier.remote.disk_journal import DiskDir, Record, frames
+from torch_kv_tier.remote.disk_frames import Record, frames
+from torch_kv_tier.remote.disk_journal import DiskDir
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ LiveRecords = Callable[[int, int, int], list[Record]]  # directory, slots [start
 @dataclass
 class _Compaction:
     """A compaction being built (module docstring): the records of slots below ``next``, and
-    its tail, ``count`` records in all, framed (``disk_journal.frames``): the journals' thread
+    its tail, ``count`` records in all, framed (``disk_frames.frames``): the journals' thread
     writes them with no million objects to free while it holds the GIL."""
 
     next: int = 0

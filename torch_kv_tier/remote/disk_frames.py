@@ -1,0 +1,98 @@
+"""The records of a disk directory's journal (``disk_journal``) as bytes: each framed by its
+payload's length and CRC-32 (``frame``), read back up to the first frame that does not read
+(``parse``), with what lies past that frame: a crash that cut an append leaves nothing readable
+after it; damage in the middle (a bad sector, a lost page) leaves records that still read, found
+again by a bounded scan.
+
+Pure functions of their arguments, no I/O; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from torch_kv_tier.keys import Key
+
+PUT, DEL = 1, 0
+RESYNC_BYTES = 64 << 10  # unreadable bytes past a bad frame searched for frames, at most
+_FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
+_ZEROS = bytes(_FRAME.size)
+_NOT_ZERO = re.compile(rb"[^\x00]")
+_encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
+_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
+
+Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
+
+
+@dataclass
+class Parsed:
+    """A journal's bytes read (``parse``)."""
+
+    records: list[Record]  # up to the first frame that does not read
+    bad_at: int | None = None  # that frame's byte; None: every byte read
+    after: list[Record] = field(default_factory=list)  # frames past it that read
+    searched_all: bool = True  # False: more than RESYNC_BYTES unreadable, the rest not searched
+
+
+def frame(record: Record) -> bytes:
+    payload = _encoder.encode(record)
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def frames(records: Iterable[Record]) -> bytes:
+    """``records`` framed as the journal holds them (for ``DiskDir.rewrite``)."""
+    return b"".join(map(frame, records))
+
+
+def parse(data: bytes) -> Parsed:
+    """The records of ``data`` up to the first frame that does not read (cut short, its CRC
+    wrong, or no record), and, past that one, the frames that read (searched over at most
+    ``RESYNC_BYTES`` of unreadable bytes; runs of zeros, as a lost page reads, cost nothing)."""
+    records: list[Record] = []
+    pos = _read_run(data, 0, records)
+    if pos == len(data):
+        return Parsed(records)
+    parsed = Parsed(records, bad_at=pos)
+    budget = RESYNC_BYTES
+    pos += 1
+    while pos + _FRAME.size <= len(data):
+        if data.startswith(_ZEROS, pos):  # no frame: skip to the last 8 bytes before non-zero
+            found = _NOT_ZERO.search(data, pos)
+            pos = max(pos + 1, (found.start() if found else len(data)) - _FRAME.size + 1)
+            continue
+        end = _read_run(data, pos, parsed.after)
+        if end > pos:
+            pos = end
+            continue
+        budget -= 1
+        if not budget:
+            parsed.searched_all = False
+            break
+        pos += 1
+    return parsed
+
+
+def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
+    """Append to ``out`` the records of the frames that read from ``pos`` on; returns the byte
+    after the last one (``pos`` if none read)."""
+    while pos + _FRAME.size <= len(data):
+        length, crc = _FRAME.unpack_from(data, pos)
+        end = pos + _FRAME.size + length
+        if end > len(data):  # (checked first: a resync's garbage length would copy the rest)
+            break
+        payload = data[pos + _FRAME.size : end]
+        if zlib.crc32(payload) != crc:
+            break
+        try:
+            out.append(_decoder.decode(payload))
+        except (msgspec.DecodeError, ValueError):
+            break
+        pos = end
+    return pos
