@@ -8,6 +8,7 @@ Not thread-safe: the server guards a ``LeaseTable`` with its state lock.
 from __future__ import annotations
 
 import itertools
+import numbers
 import operator
 import secrets
 from collections.abc import Sequence
@@ -75,11 +76,22 @@ class SlotPool:
         self._merge(np.array([start]), np.array([stop]), f"lease {lease}")
 
     def give_back_slots(self, slots: Sequence[int]) -> None:
-        """Return taken ``slots``, in any order, in one pass; raise ``ValueError`` (the pool
-        unchanged) if any is outside the pool, free, or named twice."""
-        at = np.sort(np.fromiter(slots, np.int64, len(slots)))
-        if not len(at):
+        """Return taken ``slots``, in any order, in one pass. Raises, the pool unchanged,
+        ``TypeError`` unless every slot is an int (numpy's too; not a bool, a float or a str:
+        ``1.7`` was taken as slot 1), and ``ValueError`` if any is outside the pool, free, or
+        named twice."""
+        if not len(slots):
             return
+        if not all(map(_is_int, set(map(type, slots)))):  # C passes, as ``bad_keys``'s
+            odd = next(s for s in slots if not _is_int(type(s)))
+            raise TypeError(
+                f"slots must be ints (numpy's too), got {odd!r} (a {type(odd).__name__}): "
+                "pass int() of each"
+            )
+        try:
+            at = np.sort(np.fromiter(slots, np.int64, len(slots)))
+        except OverflowError:  # an int past 64 bits: no slot of any pool
+            raise ValueError(f"slots reach outside [0, {self.num_blocks})") from None
         if at[0] < 0 or at[-1] >= self.num_blocks:
             raise ValueError(
                 f"slots {int(at[0])} to {int(at[-1])} reach outside [0, {self.num_blocks})"
@@ -101,6 +113,11 @@ class SlotPool:
         self._starts = all_starts[np.concatenate(([True], apart))]
         self._stops = all_stops[np.concatenate((apart, [True]))]
         self._free += int((stops - starts).sum())
+
+
+def _is_int(kind: type) -> bool:
+    """Whether ``kind`` is an integer type (numpy's too), ``bool`` not."""
+    return issubclass(kind, numbers.Integral) and kind is not bool
 
 
 @dataclass

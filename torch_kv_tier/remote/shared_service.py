@@ -70,6 +70,10 @@ class SharedService:
                     f"a commit needs one slot and one digest per key, got {n_keys} keys, "
                     f"{n_slots} slots and {n_digests} digests",
                 )
+            # no such slot was granted: the whole commit is refused, as a bad digest's is
+            num_blocks = cache.pool.num_blocks
+            if message.slots and not 0 <= min(message.slots) <= max(message.slots) < num_blocks:
+                return p.Error(message.seq, f"slots must be in [0, {num_blocks}) on this host")
             refused = cache.refused
             cache.commit(sid, message.keys, message.slots, message.digests)
             if cache.refused > refused:
@@ -83,7 +87,9 @@ class SharedService:
                 self.disk.promote(cache.namespace_of(sid), message.keys, now)
             return None
         if isinstance(message, p.GrantRequest):
-            want = min(max(message.want, 0), MAX_GRANT)
+            if message.want < 0:
+                return p.Error(message.seq, f"want must be >= 0 slots, got {message.want}")
+            want = min(message.want, MAX_GRANT)
             return p.Granted(message.seq, cache.grant(sid, want) if want else [])
         return self._snapshot_page(sid, message)
 

@@ -1,0 +1,62 @@
+"""What a host is given, by its operator or by a client's frame, is checked before it touches
+anything: slot numbers that are no ints, slots no grant could name, a negative grant, and
+``serve``'s durations and counts (``quantities``), each refused naming the problem."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.leases import Session, SlotPool
+from torch_kv_tier.remote.shared_service import SharedService
+
+
+@pytest.mark.parametrize("bad", [1.7, "1", True, None, np.float64(1.0)], ids=repr)
+def test_slots_given_back_that_are_no_ints_are_refused_and_the_pool_unchanged(
+    bad: object,
+) -> None:
+    """``give_back_slots([1.7])`` freed slot 1 (numpy truncated it), ``["1"]`` too; ``True``
+    freed slot 1. Refused, naming the value, before the pool changes; numpy's ints are taken."""
+    pool = SlotPool(4)
+    assert pool.take(4) == range(4)
+    with pytest.raises(TypeError, match=r"^slots must be ints .* got "):
+        pool.give_back_slots([3, bad])  # type: ignore[list-item]
+    assert pool.free == 0
+    with pytest.raises(ValueError, match="outside"):
+        pool.give_back_slots([2**64])  # no slot of any pool: not an OverflowError
+    pool.give_back_slots([np.int64(1), np.uint32(2), 3])  # type: ignore[list-item]
+    assert pool.free == 3 and pool.take(3) == range(1, 4)
+
+
+def _shared_session(service: SharedService) -> tuple[Session, list[int]]:
+    session = Session("sid", "s1", "rogue", range(0), 0.0, 0.0, shared=True, namespace="m")
+    service.join(session)
+    granted = service.answer(session, p.GrantRequest(1, "sid", 2), 0.0)
+    assert isinstance(granted, p.Granted) and len(granted.slots) == 2
+    return session, granted.slots
+
+
+@pytest.mark.parametrize("bad", [-1, 8, 2**64 - 1], ids=repr)
+def test_a_commit_naming_a_slot_outside_the_pool_is_answered_and_stores_nothing(bad: int) -> None:
+    """Such a commit published its other keys and dropped that one without a word (counted as
+    a refused slot, as a slot of another session's is): it is refused whole with an ``Error``
+    naming the host's range, and the session still holds its grants."""
+    service = SharedService(SlotPool(8), quota=None, max_granted=4)
+    session, slots = _shared_session(service)
+    commit = p.Commit(2, "sid", [b"good", b"bad"], [slots[0], bad], [1, 2])
+    reply = service.answer(session, commit, 0.0)
+    assert isinstance(reply, p.Error) and reply.reason == "slots must be in [0, 8) on this host"
+    cache = service.cache
+    assert (cache.stored, cache.granted, cache.refused) == (0, 2, 0)
+    assert service.answer(session, p.Commit(3, "sid", [b"good"], slots[:1], [1]), 0.0) is None
+    assert cache.stored == 1
+
+
+def test_a_grant_for_fewer_than_no_slots_is_answered_with_an_error() -> None:
+    """``GrantRequest(want=-5)`` was granted nothing, as if the host had no slot to give."""
+    service = SharedService(SlotPool(8), quota=None, max_granted=4)
+    session, _ = _shared_session(service)
+    reply = service.answer(session, p.GrantRequest(2, "sid", -5), 0.0)
+    assert isinstance(reply, p.Error) and reply.reason == "want must be >= 0 slots, got -5"
+    assert service.cache.granted == 2
