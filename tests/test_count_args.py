@@ -126,7 +126,9 @@ def test_numpy_counts_and_a_token_file_with_its_newline_join_a_host(tmp_path: Pa
         (4.5, (), "invalid int value"),
         (16, ("--bogus",), "unrecognized arguments"),
         (16, ("--max-lease", "0"), "--max-lease"),
-        (2**70, (), "no machine holds such a pool"),
+        (2**61, (), "no machine holds such a pool"),  # (x BLOCK_LEN past 2**62 bytes)
+        (2**70, (), "--num-blocks must be > 0 and at most"),  # past what the wire carries
+        (16, ("--lease-timeout", "1e300"), "--lease-timeout must be > 0 and at most"),
     ],
 )
 def test_a_server_started_with_a_bad_argument_leaves_nothing_running(

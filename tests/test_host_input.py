@@ -4,11 +4,18 @@ anything: slot numbers that are no ints, slots no grant could name, a negative g
 
 from __future__ import annotations
 
+import argparse
+import threading
+
 import numpy as np
 import pytest
+from remote_support import BLOCK_LEN
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.client import RemoteSession
 from torch_kv_tier.remote.leases import Session, SlotPool
+from torch_kv_tier.remote.server import Server
+from torch_kv_tier.remote.server_config import ServerConfig, add_arguments
 from torch_kv_tier.remote.shared_service import SharedService
 
 
@@ -60,3 +67,73 @@ def test_a_grant_for_fewer_than_no_slots_is_answered_with_an_error() -> None:
     reply = service.answer(session, p.GrantRequest(2, "sid", -5), 0.0)
     assert isinstance(reply, p.Error) and reply.reason == "want must be >= 0 slots, got -5"
     assert service.cache.granted == 2
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--num-blocks", "8", "--block-len", "64", *argv])
+
+
+@pytest.mark.parametrize("option", ["--lease-timeout", "--hold-timeout"])
+@pytest.mark.parametrize("bad", ["1e300", "1e7", "0", "-1", "nan", "inf"])
+def test_serve_refuses_a_duration_no_wait_takes_naming_the_option(option: str, bad: str) -> None:
+    """``--lease-timeout 1e300`` (or ``--hold-timeout``) was taken: the bound every other
+    timeout has (``quantities.MAX_WAIT_S``) applies, and the error says what to pass."""
+    with pytest.raises(ValueError, match=rf"^{option} must be > 0 and at most 1e\+06 s, got"):
+        ServerConfig.from_args(_args(f"{option}={bad}"))
+
+
+@pytest.mark.parametrize(
+    "option", ["--max-sessions", "--disk-admit", "--max-lease", "--max-grant", "--num-blocks"]
+)
+def test_serve_refuses_a_count_past_what_the_wire_carries_naming_the_option(option: str) -> None:
+    """``--max-sessions 10**30`` was taken; ``--disk-admit 0`` and the rest already refused."""
+    for bad in (str(2**64), "0", "-3"):
+        with pytest.raises(ValueError, match=rf"^{option} must be"):
+            ServerConfig.from_args(_args(f"{option}={bad}"))
+
+
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("lease_timeout_s", "30"),
+        ("hold_timeout_s", True),
+        ("num_blocks", 8.0),
+        ("block_len", True),
+        ("max_sessions", "4"),
+    ],
+)
+def test_a_config_given_no_number_is_a_type_error_naming_the_option(
+    field: str, bad: object
+) -> None:
+    """``ServerConfig(num_blocks=True)`` failed at start with ``an integer is required``, and
+    ``lease_timeout_s="30"`` in a comparison, naming nothing."""
+    with pytest.raises(TypeError, match=r"^--[a-z-]+ must be"):
+        ServerConfig(**{"num_blocks": 8, "block_len": BLOCK_LEN, field: bad})  # type: ignore[arg-type]
+
+
+def test_a_host_configured_with_numpy_numbers_answers_a_handshake() -> None:
+    """``ServerConfig(lease_timeout_s=numpy.float32(30))`` started, and its loop died at the
+    first ``Accept`` (msgspec cannot encode a ``numpy.float32``): the client got no answer
+    (``AcceptLost``), nor did any other. Numbers are stored as the ``float``/``int`` they are."""
+    config = ServerConfig(
+        num_blocks=np.int64(16),  # type: ignore[arg-type]
+        block_len=np.int32(BLOCK_LEN),  # type: ignore[arg-type]
+        lease_timeout_s=np.float32(30.0),  # type: ignore[arg-type]
+        hold_timeout_s=np.float32(60.0),  # type: ignore[arg-type]
+    )
+    assert (type(config.num_blocks), type(config.lease_timeout_s)) == (int, float)
+    server = Server(config)
+    stop = threading.Event()
+    loop = threading.Thread(target=server.serve, args=(stop,))
+    loop.start()
+    try:
+        region = p.Region(4096, 8, BLOCK_LEN)
+        session = RemoteSession.open(server.address, agent_metadata=b"m", region=region)
+        assert session.num_blocks == 16
+        session.close()
+    finally:
+        stop.set()
+        loop.join()
+        server.close()

@@ -18,6 +18,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from torch_kv_tier.remote.quantities import count, seconds
+
 logger = logging.getLogger(__name__)
 
 MAX_POOL_BYTES = 2**62  # more than any machine holds (numpy refuses a pool past 2**63 bytes)
@@ -46,22 +48,12 @@ class ServerConfig:
     disk_admit: int = 2  # sightings before a block is copied to disk (``--disk-admit``)
 
     def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.block_len <= 0:
-            raise ValueError(
-                f"--num-blocks and --block-len must be > 0, got {self.num_blocks} and "
-                f"{self.block_len}"
-            )
+        self._check_quantities()
         if self.num_blocks * self.block_len > MAX_POOL_BYTES:
             raise ValueError(
                 f"--num-blocks x --block-len is {self.num_blocks * self.block_len} bytes, more "
                 f"than {MAX_POOL_BYTES} (no machine holds such a pool): pass a --num-blocks "
                 "that fits this host's memory"
-            )
-        # not ``<= 0``: nan passes that, and a session silent for nan seconds never expires
-        if not 0 < self.lease_timeout_s < math.inf:
-            raise ValueError(
-                f"--lease-timeout must be a finite number of seconds > 0, got "
-                f"{self.lease_timeout_s}"
             )
         if self.max_lease is not None and not 0 < self.max_lease <= self.num_blocks:
             raise ValueError(f"--max-lease must be in [1, --num-blocks], got {self.max_lease}")
@@ -71,13 +63,6 @@ class ServerConfig:
             )
         if self.max_grant is not None and not 0 < self.max_grant <= self.num_blocks:
             raise ValueError(f"--max-grant must be in [1, --num-blocks], got {self.max_grant}")
-        if self.hold_timeout_s is not None and not 0 < self.hold_timeout_s < math.inf:
-            raise ValueError(
-                f"--hold-timeout must be a finite number of seconds > 0 (leave it out: held "
-                f"until released), got {self.hold_timeout_s}"
-            )
-        if self.max_sessions <= 0:
-            raise ValueError(f"--max-sessions must be > 0, got {self.max_sessions}")
         if self.host_id is not None and not 0 < len(self.host_id) <= 128:
             raise ValueError(f"--host-id must be 1 to 128 characters, got {self.host_id!r}")
         if self.disk_paths and not self.disk_bytes:
@@ -94,8 +79,6 @@ class ServerConfig:
             raise ValueError("--disk-bytes needs --disk PATH (a directory for the blocks)")
         if len(set(self.disk_paths)) != len(self.disk_paths):
             raise ValueError(f"--disk names a directory twice: {list(self.disk_paths)}")
-        if self.disk_admit < 1:
-            raise ValueError(f"--disk-admit must be >= 1, got {self.disk_admit}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -108,6 +91,21 @@ class ServerConfig:
                 "address could read and overwrite the pool. Pass --token-file PATH (clients "
                 "use the same token), or listen on 127.0.0.1"
             )
+
+    def _check_quantities(self) -> None:
+        """Every duration (``quantities.seconds``: finite, > 0, at most ``MAX_WAIT_S``: nan
+        passed ``<= 0`` and a session silent for nan seconds never expired; ``1e300`` was taken)
+        and every count (``quantities.count``), stored as the plain ``float``/``int`` the wire
+        carries: a ``numpy.float32`` lease timeout stopped the host's loop at its first
+        ``Accept``, which could not encode it. ``TypeError``/``ValueError`` naming the option."""
+        for option, field in _SECONDS:
+            value = getattr(self, field)
+            if value is not None or field == "lease_timeout_s":
+                object.__setattr__(self, field, seconds(option, value))
+        for option, field in _COUNTS:
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, count(option, value))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerConfig:
@@ -133,6 +131,17 @@ class ServerConfig:
         )
 
 
+# (option, field) of every duration and count ``_check_quantities`` checks
+_SECONDS = (("--lease-timeout", "lease_timeout_s"), ("--hold-timeout", "hold_timeout_s"))
+_COUNTS = (
+    ("--num-blocks", "num_blocks"),
+    ("--block-len", "block_len"),
+    ("--max-lease", "max_lease"),
+    ("--namespace-quota", "namespace_quota"),
+    ("--max-grant", "max_grant"),
+    ("--max-sessions", "max_sessions"),
+    ("--disk-admit", "disk_admit"),
+)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
