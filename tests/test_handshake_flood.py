@@ -202,3 +202,23 @@ def test_a_nonce_does_not_tell_the_hosts_uptime() -> None:
     gate.check(b"id", _gate_challenge(gate, b"id", now), now + CHALLENGE_TTL_S - 0.01)
     with pytest.raises(Refused):
         gate.check(b"id", _gate_challenge(gate, b"id", now), now + CHALLENGE_TTL_S + 0.01)
+
+
+def test_revocations_past_the_bound_are_logged_once_a_while_naming_no_session(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past ``MAX_REVOKED``, each dropped revocation was a warning naming its id: a release of
+    64 made 64 lines, and the id written was that of a session a handshake on its way then
+    opened (anyone reading the log could end it with a ``Release``). One line a while, with
+    the count, and no id."""
+    monkeypatch.setattr(server_handshake, "MAX_REVOKED", 1)
+    gate = Gate(TOKEN, BLOCK_LEN, "")
+    ids = [_gate_challenge(gate, b"tier", 0.0).nonce.hex() for _ in range(4)]
+    later = _gate_challenge(gate, b"tier", 20.0).nonce.hex()  # still valid at 31
+    with caplog.at_level("WARNING", logger=server_handshake.__name__):
+        gate.revoke(ids[:3], 1.0)  # room for one: two dropped, a line
+        gate.revoke(ids[3:], 2.0)  # dropped, counted for the next line
+        gate.revoke([later], 1.0 + CHALLENGE_TTL_S)  # dropped, and a line again
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all(line.startswith("2 revocations dropped") for line in lines)
+    assert not [line for line in lines if any(sid in line for sid in [*ids, later])], lines

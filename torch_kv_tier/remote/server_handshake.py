@@ -19,7 +19,8 @@ malformed raises ``protocol.BadFrame``. At most ``MAX_ANSWERED`` nonces are reme
 server without a token, add to them); past that, handshakes are refused until they expire. The
 nonces revoked (named in a ``release`` before their ``Handshake`` came) are remembered apart, at
 most ``MAX_REVOKED``: a release names ids no MAC can check, so a client could name made-up ones
-by the thousand; past that, revocations are dropped (logged), and no handshake is refused.
+by the thousand; past that, revocations are dropped (logged at most once per
+``CHALLENGE_TTL_S``, naming no id), and no handshake is refused.
 
 Threading: none of its own; the server calls it under its state lock, from its loop thread.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import secrets
 import struct
 from collections import deque
@@ -63,6 +65,8 @@ class Gate:
         self._answered: set[bytes] = set()  # nonces used up by a handshake, until they expire
         self._revoked: set[bytes] = set()  # nonces revoked before any handshake used them
         self._forget: deque[tuple[float, bytes]] = deque()  # (when, nonce), in order of when
+        self._dropped = 0  # revocations dropped (past ``MAX_REVOKED``) since the last warning
+        self._warned_at = -math.inf  # when that warning was logged
 
     def hello(self, identity: bytes, hello: p.Hello, now: float) -> p.Challenge:
         """A nonce for the connection ``identity`` and the client nonce of ``hello``, to be
@@ -114,7 +118,10 @@ class Gate:
     def revoke(self, session_ids: list[str], now: float) -> None:
         """Use up the nonces of these (would-be) sessions: a session's id is the nonce its
         handshake answered, in hex, so a ``Handshake`` still on its way with one is refused.
-        Ids that are no nonce still to be answered are ignored."""
+        Ids that are no nonce still to be answered are ignored. Past ``MAX_REVOKED``,
+        revocations are dropped, logged at most once per ``CHALLENGE_TTL_S``: a line naming
+        each id flooded the log (a release names 64), and wrote out the id of a session that a
+        handshake still on its way then opened: anyone who read the log could end it."""
         for session_id in session_ids:
             try:
                 nonce = bytes.fromhex(session_id)
@@ -125,9 +132,19 @@ class Gate:
             if not now <= self._expiry(nonce) <= now + CHALLENGE_TTL_S:
                 continue  # expired, or no nonce of this process: nothing can answer it
             if len(self._revoked) >= MAX_REVOKED:
-                logger.warning("%d nonces revoked: not revoking %s", MAX_REVOKED, session_id)
+                self._dropped += 1
                 continue
             self._use(self._revoked, nonce, now)
+        if self._dropped and now - self._warned_at >= CHALLENGE_TTL_S:
+            logger.warning(
+                "%d revocations dropped: %d nonces were revoked within %g s already (their "
+                "handshakes, if any come, open sessions). Logged at most every %g s",
+                self._dropped,
+                MAX_REVOKED,
+                CHALLENGE_TTL_S,
+                CHALLENGE_TTL_S,
+            )
+            self._dropped, self._warned_at = 0, now
 
     def expire(self, now: float) -> None:
         """Forget the used and revoked nonces that expired (no handshake can answer them)."""
