@@ -26,8 +26,6 @@ import sys
 import threading
 import time
 import traceback
-import types
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -52,6 +50,7 @@ from torch_kv_tier.remote.handshake import (
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.replies import Request
+from torch_kv_tier.remote.session_io import callback_ref
 from torch_kv_tier.remote.shared_requests import SharedRequests
 
 logger = logging.getLogger(__name__)
@@ -59,15 +58,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["HandshakeRejected", "Region", "RemoteSession", "parse_address"]
 
 _DISCONNECT_TIMEOUT_S = 2.0
-
-
-def _callback_ref(
-    callback: Callable[[str], None] | None,
-) -> Callable[[], Callable[[str], None] | None]:
-    """A reference to ``callback``: weak for a bound method, strong for any other callable."""
-    if isinstance(callback, types.MethodType):
-        return weakref.WeakMethod(callback)
-    return lambda: callback
 
 
 class RemoteSession(SharedRequests):
@@ -116,7 +106,7 @@ class RemoteSession(SharedRequests):
         self.shared = accept.shared
         self.max_granted = accept.max_granted  # 0: not announced (an older host)
         self._follower: IndexFollower | None = None
-        self._on_lost = _callback_ref(on_lost)
+        self._on_lost = callback_ref(on_lost)
         # several heartbeats fit in both our loss timeout and the server's lease timeout
         self._interval_s = min(
             heartbeat_interval_s, heartbeat_timeout_s / 3, accept.lease_timeout_s / 3

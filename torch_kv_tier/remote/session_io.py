@@ -43,6 +43,8 @@ import logging
 import math
 import socket
 import time
+import types
+import weakref
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
@@ -65,6 +67,16 @@ TOUCH_PERIOD_S = 0.05  # the longest a touch waits to be sent
 # last send; a commit made at least ``COMMIT_QUIET_S`` after the last send goes out at once.
 COMMIT_PERIOD_S = 0.02
 COMMIT_QUIET_S = 0.005
+
+
+def callback_ref(
+    callback: Callable[[str], None] | None,
+) -> Callable[[], Callable[[str], None] | None]:
+    """A reference to ``callback`` (a session's ``on_lost``, which the I/O thread calls):
+    weak for a bound method, strong for any other callable."""
+    if isinstance(callback, types.MethodType):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
 
 
 class _Lost(Exception):
