@@ -21,6 +21,8 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connections import REDIAL_THREAD, Dial
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake import AcceptAbandoned
+from torch_kv_tier.remote.launch import ServerProcess
 
 RESULT_TIMEOUT_S = 10.0
 DIAL_TIMEOUT_S = 60.0  # a handshake's own wait: far past every wait of these tests
@@ -31,10 +33,16 @@ class _MuteAtAccept:
     says nothing: a host that froze (or died) after it got the ``Handshake``. ``heard`` lists
     the client messages it got; ``handshaken`` is set at the first ``Handshake``."""
 
-    def __init__(self) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+    def __init__(self, port: int | None = None) -> None:
+        self._context = zmq.Context()  # its own: ``close`` frees the port before it returns
+        self._sock = self._context.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.address = f"127.0.0.1:{self._sock.bind_to_random_port('tcp://127.0.0.1')}"
+        if port is None:
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        else:  # (a host started again on the port of one closed)
+            self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
         self.heard: list[p.ClientMessage] = []
         self.handshaken = threading.Event()
         self._stop = threading.Event()
@@ -67,6 +75,7 @@ class _MuteAtAccept:
         self._stop.set()
         self._thread.join(timeout=RESULT_TIMEOUT_S)
         self._sock.close()
+        self._context.term()  # (once its sockets' descriptors are closed)
 
 
 @contextmanager
@@ -179,3 +188,67 @@ def test_a_join_whose_handshake_ends_after_close_registers_nothing(shared: bool)
             tier._join(session, 1.0)
         assert tier.transport._peers == {}, "registered after close"
         assert session.closed == [True]
+
+
+def _connect_on_a_thread(tier: TierManager, address: str) -> tuple[threading.Thread, list[object]]:
+    """``tier.connect(address, private=True)`` on a thread of its own, with a timeout far past
+    every wait of these tests; the list gets its peer id or its error."""
+    outcome: list[object] = []
+
+    def connect() -> None:
+        try:
+            outcome.append(tier.connect(address, private=True, timeout_s=DIAL_TIMEOUT_S))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_host_restarted_while_its_accept_is_awaited_is_greeted_again_at_once() -> None:
+    """Found by review: a host killed while a tier awaited its ``Accept`` and started again on
+    its port cost the connect its whole ``timeout_s`` (its answer could never come), then an
+    ``AcceptLost``. The closed connection is seen at once: the tier greets the new host, joins
+    it, and releases over the new session what the lost ``Handshake`` may have opened."""
+    with TierManager.create(4, BLOCK_LEN, name="restarted") as tier:  # (a real NIXL agent)
+        old = _MuteAtAccept()
+        thread, outcome = _connect_on_a_thread(tier, old.address)
+        assert old.handshaken.wait(RESULT_TIMEOUT_S), "the handshake never went out"
+        old.close()  # killed: its connections close
+        with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(old.port)]):
+            thread.join(timeout=RESULT_TIMEOUT_S)
+            assert not thread.is_alive(), "the connect waited out its timeout_s"
+            assert outcome == [old.address], outcome
+            session = tier._peers[old.address].session
+            assert session is not None
+            assert old.handshakes()[0] in session.unreleased()
+
+
+def test_a_handshake_whose_connections_closed_twice_names_every_session_it_may_have_opened() -> (
+    None
+):
+    """A host killed while the ``Accept`` is awaited, started again and killed again before it
+    answers: both ``Handshake``s may have opened a session (on a host still running, the
+    connection only reset). The connect fails once the second host's answer is not coming,
+    naming both, and the tier's next handshake there releases them."""
+    arena = BlockArena(4, BLOCK_LEN)
+    with TierManager(arena, LateWriteTransport(arena.tensor)) as tier:
+        first = _MuteAtAccept()
+        thread, outcome = _connect_on_a_thread(tier, first.address)
+        assert first.handshaken.wait(RESULT_TIMEOUT_S), "the handshake never went out"
+        first.close()
+        second = _MuteAtAccept(first.port)
+        assert second.handshaken.wait(RESULT_TIMEOUT_S), "the host was not greeted again"
+        second.close()
+        third = _MuteAtAccept(first.port)  # its greeting is the last a handshake says
+        try:
+            assert third.handshaken.wait(RESULT_TIMEOUT_S), "the host was not greeted again"
+            opened = [*first.handshakes(), *second.handshakes(), *third.handshakes()]
+            tier.close(timeout=2.0)  # (the third is awaited to its timeout: abandoned)
+            thread.join(timeout=RESULT_TIMEOUT_S)
+            assert not thread.is_alive()
+        finally:
+            third.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], AcceptAbandoned), outcome
+    assert outcome[0].session_ids == opened

@@ -290,7 +290,7 @@ class ConnectedHosts(LostHosts):
         it while it awaits the host's answers (not so ``close``'s own last word,
         ``_end_sessions``)."""
         from torch_kv_tier.remote.client import RemoteSession
-        from torch_kv_tier.remote.handshake import AcceptAbandoned, AcceptLost
+        from torch_kv_tier.remote.handshake_errors import opened_by
         from torch_kv_tier.remote.protocol import Region
 
         t = self.transport
@@ -310,8 +310,7 @@ class ConnectedHosts(LostHosts):
                 cancel=EitherSet(self._closing, dial.stopped) if cancellable else None,
             )
         except BaseException as exc:
-            if isinstance(exc, AcceptLost | AcceptAbandoned):
-                release = [*release, exc.session_id]
+            release = [*release, *opened_by(exc)]
             with self._lock:  # the host may not have heard them: tell it next time
                 self._ended.give_back(dial.address, release)
             raise

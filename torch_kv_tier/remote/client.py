@@ -173,12 +173,11 @@ class RemoteSession(SharedRequests):
 
         Raises ``ValueError`` for bad arguments (before any network traffic),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
-        ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost``, with the
-        id of the session the server may have opened, once the handshake went out),
-        ``ConnectionError`` when the server answers with an error, accepts with a lease or
-        region no session can use (it is told to end that session) or ``cancel`` was set
-        (``AcceptAbandoned``, with the id of the session the server may have opened, once the
-        handshake went out),
+        ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost`` once the
+        handshake went out), ``ConnectionError`` when the server answers with an error, accepts
+        with a lease or region no session can use (it is told to end that session) or
+        ``cancel`` was set (``AcceptAbandoned`` once the handshake went out); the sessions the
+        server may have opened meanwhile are ``handshake_errors.opened_by`` the error,
         ``OSError``/``RuntimeError`` when the session cannot start here once accepted (no file
         descriptor or thread left: the server is told to end it).
         """
@@ -197,6 +196,7 @@ class RemoteSession(SharedRequests):
         timeout_s, heartbeat_timeout_s = float(timeout_s), float(heartbeat_timeout_s)
         heartbeat_interval_s = float(heartbeat_interval_s)
         release = list(release or ())
+        opened: list[str] = []  # sessions of greetings whose connection closed (``handshake``)
         sock, monitor = connect(address)
         try:
             accept = handshake(
@@ -219,6 +219,7 @@ class RemoteSession(SharedRequests):
                 ),
                 cancel,
                 monitor,
+                opened,
             )
         except BaseException as exc:  # an abandoned accept's ``Disconnect`` still goes out
             close_sockets(sock, monitor, linger=isinstance(exc, AcceptAbandoned))
@@ -240,7 +241,7 @@ class RemoteSession(SharedRequests):
                 heartbeat_interval_s=heartbeat_interval_s,
                 heartbeat_timeout_s=heartbeat_timeout_s,
                 timeout_s=timeout_s,
-                release=release[p.MAX_RELEASE :],
+                release=[*release[p.MAX_RELEASE :], *opened],
             )
         except BaseException:  # (no file descriptor or thread left): no I/O thread owns them
             end_unstarted(sock, monitor, accept.session_id)

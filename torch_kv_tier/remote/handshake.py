@@ -14,7 +14,11 @@ server: the server then ends the session, clean (nothing was written through it)
 the ``Handshake`` if it has not arrived yet. A ``cancel`` set while the ``Accept`` is awaited
 abandons it at once (``AcceptAbandoned``, with the same id to release): a clean ``Disconnect``
 of the session follows the ``Handshake`` on the same connection, for the server to end the
-session as soon as it opened it.
+session as soon as it opened it. A control connection closed while an answer is awaited (the
+host killed and started again on its port, or the connection reset) is greeted again at once,
+over the connection ZeroMQ makes anew: its answer would never come. The session the lost
+``Handshake`` may have opened (on a host still running) is named in ``release`` after the new
+one's ``Accept``, or with the handshake's failure (``opened_by``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.handshake_errors import (
+    AcceptAbandoned,
+    AcceptLost,
+    Cancelled,
+    Closed,
+    HandshakeRejected,
+    naming,
+)
 from torch_kv_tier.remote.quantities import count, seconds
 
 logger = logging.getLogger(__name__)
@@ -48,54 +60,6 @@ class Cancel(Protocol):
     ``threading.Event``, or anything with its ``is_set``)."""
 
     def is_set(self) -> bool: ...
-
-
-class HandshakeRejected(Exception):
-    """The server refused the handshake; ``reason`` is its exact explanation, e.g.
-    ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
-    ``"no free slots"``, ``"protocol version 5 != 4"`` or ``"malformed frame: ..."`` (it could
-    not decode the request: a version skew or a bug)."""
-
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
-        self.address = address
-        self.reason = reason
-
-
-class AcceptLost(TimeoutError):
-    """No ``Accept`` by the deadline, after the ``Handshake`` went out: the server may have
-    opened session ``session_id`` (and leased slots to it) without this client learning of it.
-    Pass ``session_id`` in ``release`` of the next ``RemoteSession.open`` to that server (a
-    ``TierManager`` does so itself) so that it ends that session."""
-
-    def __init__(self, address: str, session_id: str) -> None:
-        super().__init__(
-            f"no answer from the torch-kv-tier server at {address} to the handshake: it may have"
-            f" opened a session this client never learned of; name it in release= of the next"
-            f" handshake there ({session_id[:8]}... in AcceptLost.session_id)"
-        )
-        self.address = address
-        self.session_id = session_id
-
-
-class AcceptAbandoned(ConnectionError):
-    """The handshake's ``cancel`` was set while it awaited the ``Accept`` (the tier closing, or
-    no longer dialling the host): the server may have opened session ``session_id``. A clean
-    ``Disconnect`` of it was queued behind the ``Handshake`` (close the socket with
-    ``close_sockets(..., linger=True)`` for it to go out); name ``session_id`` in ``release``
-    of the next handshake there too, in case it did not."""
-
-    def __init__(self, address: str, session_id: str) -> None:
-        super().__init__(
-            f"handshake with {address} cancelled while it awaited the server's accept: the tier "
-            f"is closing, or no longer dials it ({session_id[:8]}... is to be released there)"
-        )
-        self.address = address
-        self.session_id = session_id
-
-
-class _Cancelled(ConnectionError):
-    """A handshake's ``cancel`` was set while it awaited an answer."""
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -254,6 +218,7 @@ def handshake(
     request: p.Handshake,
     cancel: Cancel | None = None,
     monitor: zmq.Socket[bytes] | None = None,
+    opened: list[str] | None = None,
 ) -> p.Accept:
     """Authenticate both ways and open a session; raises ``HandshakeRejected`` (also when
     the server could not decode the ``Hello`` or ``Handshake``: a version skew or a bug, which
@@ -262,21 +227,38 @@ def handshake(
     went out) or ``ConnectionError`` (the server answered with an error, or ``cancel`` was set:
     ``AcceptAbandoned`` once the ``Handshake`` went out).
 
-    A ``Handshake`` refused for its nonce (``protocol.STALE_NONCE``: it reached a server
+    It starts again with a ``Hello``, up to ``GREETINGS`` times in all, within ``deadline``:
+    after a ``Handshake`` refused for its nonce (``protocol.STALE_NONCE``: it reached a server
     restarted since its ``Hello``, or the same one over a connection that was reset and came
-    back under a new identity) is no refusal of this client: it starts again with a ``Hello``,
-    up to ``GREETINGS`` times in all, within ``deadline``, first taking from ``connect``'s
-    ``monitor`` the disconnects of the connection that was replaced (none of the session's)."""
-    greetings = 1
+    back under a new identity; no refusal of this client), first taking from ``connect``'s
+    ``monitor`` the disconnects of the connection that was replaced (none of the session's);
+    and as soon as ``monitor`` reports the connection closed while an answer is awaited (the
+    host killed and started again, or the connection reset: the answer would never come).
+    The sessions the ``Handshake``s of closed connections may have opened are appended to
+    ``opened`` once an ``Accept`` came (the caller releases them over the new session), or
+    named by the error (``opened_by``)."""
+    greetings, lost = 1, []
     while True:
         try:
-            return _greet(sock, address, deadline, token, request, cancel)
-        except HandshakeRejected as exc:
-            if exc.reason != p.STALE_NONCE or greetings == GREETINGS:
-                raise
-        logger.info("%s refused the handshake's nonce as stale: greeting it again", address)
-        if monitor is not None:
-            disconnected(monitor)
+            watched = monitor if greetings < GREETINGS else None
+            accept = _greet(sock, address, deadline, token, request, cancel, watched)
+        except Closed as exc:
+            lost += [] if exc.session_id is None else [exc.session_id]
+            logger.info("%s: control connection closed amid the handshake: greeting again", address)
+        except Exception as exc:
+            stale = isinstance(exc, HandshakeRejected) and exc.reason == p.STALE_NONCE
+            if not stale or greetings == GREETINGS:
+                failure = naming(exc, address, lost)
+                if failure is exc:
+                    raise
+                raise failure from exc
+            logger.info("%s refused the handshake's nonce as stale: greeting it again", address)
+            if monitor is not None:
+                disconnected(monitor)
+        else:
+            if opened is not None:
+                opened += lost
+            return accept
         greetings += 1
 
 
@@ -296,10 +278,12 @@ def _greet(
     token: str | None,
     request: p.Handshake,
     cancel: Cancel | None,
+    monitor: zmq.Socket[bytes] | None,
 ) -> p.Accept:
-    """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``)."""
+    """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``); ``Closed`` once
+    ``monitor`` reports the connection closed while an answer is awaited."""
     client_nonce = say_hello(sock)
-    challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel)
+    challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel, monitor)
     if challenge.version != p.PROTOCOL_VERSION:
         raise HandshakeRejected(
             address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
@@ -311,8 +295,10 @@ def _greet(
     sock.send(p.encode(request))
     session_id = challenge.nonce.hex()  # the session the server may open (module docstring)
     try:
-        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel)
-    except _Cancelled:
+        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel, monitor)
+    except Closed:
+        raise Closed(session_id) from None
+    except Cancelled:
         with contextlib.suppress(zmq.ZMQError):
             sock.send(p.encode(p.Disconnect(3, session_id, clean=True)), zmq.NOBLOCK)
         raise AcceptAbandoned(address, session_id) from None
@@ -346,17 +332,30 @@ def describe(message: p.ServerMessage) -> str:
 
 
 def _await_reply(
-    sock: zmq.Socket[bytes], seq: int, deadline: float, cancel: Cancel | None
+    sock: zmq.Socket[bytes],
+    seq: int,
+    deadline: float,
+    cancel: Cancel | None,
+    monitor: zmq.Socket[bytes] | None,
 ) -> p.ServerMessage | None:
     """The reply to request ``seq``, or ``None`` at ``deadline`` or once ``cancel`` is set;
     other frames are skipped. An ``Error`` with seq 0 is the server's answer to a frame it
-    could not decode: during a handshake the one request outstanding, so it is the reply."""
+    could not decode: during a handshake the one request outstanding, so it is the reply.
+    Raises ``Closed`` once ``monitor`` reports the connection closed, after every frame
+    received before."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    if monitor is not None:
+        poller.register(monitor, zmq.POLLIN)
     while (left := deadline - time.monotonic()) > 0:
         if cancel is not None:
             if cancel.is_set():
                 return None
             left = min(left, CANCEL_POLL_S)
-        if not sock.poll(math.ceil(left * 1e3), zmq.POLLIN):
+        ready = dict(poller.poll(math.ceil(left * 1e3)))
+        if sock not in ready:
+            if monitor in ready and monitor is not None and disconnected(monitor):
+                raise Closed(None)
             continue
         try:
             message = p.decode_server(sock.recv(zmq.NOBLOCK))
@@ -375,10 +374,11 @@ def _expect(
     deadline: float,
     kind: type[Any],
     cancel: Cancel | None,
+    monitor: zmq.Socket[bytes] | None,
 ) -> Any:
-    reply = _await_reply(sock, seq, deadline, cancel)
+    reply = _await_reply(sock, seq, deadline, cancel, monitor)
     if reply is None and cancel is not None and cancel.is_set():
-        raise _Cancelled(
+        raise Cancelled(
             f"handshake with {address} cancelled: the tier is closing, or no longer dials it"
         )
     if reply is None:
