@@ -18,14 +18,9 @@ import logging
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch_kv_tier.connections import (
-    CONNECT_TIMEOUT_S,
-    Dial,
-    Joining,
-)
+from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, EitherSet, Joining
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
@@ -37,18 +32,6 @@ logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
-
-
-@dataclass(frozen=True)
-class EitherSet:
-    """A handshake's ``cancel`` (``handshake.Cancel``): set once either event is (the tier
-    closing, or the dial stopped)."""
-
-    first: threading.Event
-    second: threading.Event
-
-    def is_set(self) -> bool:
-        return self.first.is_set() or self.second.is_set()
 
 
 class ConnectedHosts(LostHosts):

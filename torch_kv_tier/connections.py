@@ -54,6 +54,18 @@ class Dial:
     stopped: threading.Event = field(default_factory=threading.Event, init=False)
 
 
+@dataclass(frozen=True)
+class EitherSet:
+    """A handshake's ``cancel`` (``handshake.Cancel``): set once either event is (the tier
+    closing, or the dial stopped)."""
+
+    first: threading.Event
+    second: threading.Event
+
+    def is_set(self) -> bool:
+        return self.first.is_set() or self.second.is_set()
+
+
 class Joining(threading.Event):
     """A connect of a host in progress, set once it ended: the address it dialled, whether its
     dial is the host's first (``first``: forgotten if the join fails, so it stands for no later
