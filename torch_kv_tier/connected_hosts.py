@@ -26,6 +26,7 @@ from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer
+from torch_kv_tier.remote.handshake_errors import not_ready, opened_by
 from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
@@ -91,15 +92,17 @@ class ConnectedHosts(LostHosts):
         answering at its address (restarted under another ``--host-id``) joins in its place.
 
         ``redial_if_down``: a host that does not answer (``TimeoutError``: down, or not started
-        yet) or is lost while it joins (``ConnectionError``) is then dialled again in the
-        background, as a lost host is (backoff from ``REDIAL_FIRST_S`` doubling to
-        ``REDIAL_MAX_S``), until it joins, ``cancel_dial(address)`` (or ``disconnect(address)``)
-        or ``close``; once joined it is a connected host like any other (``peers()`` lists it).
-        The error is raised all the same (with a note saying so): the host is not connected
-        when this returns, and its peer id is not known yet. A refusal (``HandshakeRejected``),
-        a bad argument or a closed tier is never dialled again. ``dial_owner``: who asks
-        (any hashable object, told apart by ``==``, e.g. an ``object()`` of a library's over
-        the user's tier; ``TypeError`` before anything is dialled otherwise), so that
+        yet), is lost while it joins (``ConnectionError``) or refuses for now
+        (``HandshakeRejected`` with ``busy``: ``no free slots``, ``too many sessions``,
+        ``... try again later``) is then dialled again in the background, as a lost host is
+        (backoff from ``REDIAL_FIRST_S`` doubling to ``REDIAL_MAX_S``), until it joins,
+        ``cancel_dial(address)`` (or ``disconnect(address)``) or ``close``; once joined it is a
+        connected host like any other (``peers()`` lists it). The error is raised all the same
+        (with a note saying so): the host is not connected when this returns, and its peer id is
+        not known yet. Any other refusal (a bad token, block length, namespace, protocol
+        version), a bad argument or a closed tier is never dialled again. ``dial_owner``: who
+        asks (any hashable object, told apart by ``==``, e.g. an ``object()`` of a library's
+        over the user's tier; ``TypeError`` before anything is dialled otherwise), so that
         ``cancel_dial(address, dial_owner)`` withdraws its request alone: one dial serves every
         request of an address, and holds its owners until the address joins or is cancelled.
         """
@@ -108,8 +111,8 @@ class ConnectedHosts(LostHosts):
         )
         try:
             return self._connect(dial)
-        except (TimeoutError, ConnectionError) as exc:
-            if redial_if_down:
+        except Exception as exc:
+            if redial_if_down and not_ready(exc):
                 self._dial_later(dial, exc, dial_owner)
             raise
 
@@ -273,7 +276,6 @@ class ConnectedHosts(LostHosts):
         it while it awaits the host's answers (not so ``close``'s own last word,
         ``_end_sessions``)."""
         from torch_kv_tier.remote.client import RemoteSession
-        from torch_kv_tier.remote.handshake_errors import opened_by
         from torch_kv_tier.remote.protocol import Region
 
         t = self.transport

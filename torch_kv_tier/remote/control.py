@@ -216,7 +216,7 @@ class ControlPlane:
         self._release(hs.release[: p.MAX_RELEASE], now)
         if len(self.leases.sessions) >= self.leases.max_sessions:
             return self._reject(
-                hs.seq, name, f"too many sessions (--max-sessions {self.leases.max_sessions})"
+                hs.seq, name, f"{p.TOO_MANY_SESSIONS} (--max-sessions {self.leases.max_sessions})"
             )
         if hs.private:  # the slots the shared pool freed serve a lease as well
             self.shared.cache.return_free()
@@ -230,7 +230,7 @@ class ControlPlane:
             return self._reject(
                 hs.seq,
                 name,
-                "no free slots"
+                p.NO_FREE_SLOTS
                 + (f" ({held} held for clients that may still write)" if held else ""),
             )
         self.counters["handshakes_accepted"] += 1

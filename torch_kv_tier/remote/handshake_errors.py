@@ -6,6 +6,8 @@ never raised to its caller.
 
 from __future__ import annotations
 
+from torch_kv_tier.remote import protocol as p
+
 
 class HandshakeRejected(Exception):
     """The server refused the handshake; ``reason`` is its exact explanation, e.g.
@@ -19,6 +21,16 @@ class HandshakeRejected(Exception):
         self.reason = reason
         # sessions earlier greetings of the handshake may have opened (``opened_by``)
         self.session_ids: list[str] = []
+
+    @property
+    def busy(self) -> bool:
+        """Whether the refusal is of the host's state now (``no free slots``, ``too many
+        sessions``, ``... try again later``), which waiting may mend, rather than of this
+        client (a bad token, another block length or namespace, a protocol version)."""
+        reason = self.reason
+        return reason.startswith((p.NO_FREE_SLOTS, p.TOO_MANY_SESSIONS)) or reason.endswith(
+            p.TRY_AGAIN_LATER
+        )
 
 
 class AcceptLost(TimeoutError):
@@ -57,6 +69,15 @@ class AcceptAbandoned(ConnectionError):
         self.address = address
         self.session_ids = list(session_ids)
         self.session_id = session_ids[-1]
+
+
+def not_ready(exc: BaseException) -> bool:
+    """Whether a connect that failed with ``exc`` found its host not ready rather than
+    refusing this client, so that dialling it again may succeed: no answer (``TimeoutError``),
+    lost while it joined (``ConnectionError``), or a ``busy`` refusal."""
+    if isinstance(exc, HandshakeRejected):
+        return exc.busy
+    return isinstance(exc, TimeoutError | ConnectionError)
 
 
 def opened_by(exc: BaseException) -> list[str]:

@@ -70,6 +70,11 @@ UNKNOWN_SESSION = "unknown session"
 # a ``Handshake`` whose nonce this server never gave its connection (restarted, or the
 # connection was reset and came back under a new identity) or gave too long ago: say hello again
 STALE_NONCE = "stale or unknown nonce: start again with hello"
+# how a host's refusals of its state now, not of the request, start (the first two) or end: the
+# same ``Handshake`` may be accepted later (``HandshakeRejected.busy``)
+NO_FREE_SLOTS = "no free slots"
+TOO_MANY_SESSIONS = "too many sessions"
+TRY_AGAIN_LATER = "try again later"
 MEM_TYPES = ("DRAM", "VRAM")
 MAX_KEYS_PER_MESSAGE = 8192  # keeps every frame below MAX_FRAME_BYTES (keys <= MAX_KEY_BYTES)
 MAX_FINGERPRINT = 64  # characters of a config fingerprint (ours are 16 hex digits)

@@ -97,7 +97,7 @@ class Gate:
         if len(self._answered) >= MAX_ANSWERED:
             raise Refused(
                 f"more than {MAX_ANSWERED} handshakes in the last {CHALLENGE_TTL_S:g} s: "
-                "try again later"
+                + p.TRY_AGAIN_LATER
             )
         self._use(self._answered, nonce, now)
         problem = hs.region.problem()

@@ -15,6 +15,7 @@ import torch
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
+from torch_kv_tier.remote.handshake_errors import not_ready
 from torch_kv_tier.remote.quantities import seconds
 
 __all__ = [
@@ -39,11 +40,11 @@ def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any)
 def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) -> bool:
     """``address`` failed to connect with ``exc`` (its connect had ``redial_if_down``
     when ``redialled``): ``strict``, raise ``OffloadError`` naming it; else log it once and
-    return whether the tier dials it in the background now (it did not answer, or was lost
-    while joining)."""
+    return whether the tier dials it in the background now (``handshake_errors.not_ready``:
+    it did not answer, was lost while joining, or refused for now)."""
     if strict:
         raise OffloadError(f"cannot connect to remote host {address}: {exc}") from exc
-    later = redialled and isinstance(exc, TimeoutError | ConnectionError)
+    later = redialled and not_ready(exc)
     logger.warning(
         "remote host %s unavailable, KV pages will be recomputed%s: %s",
         address,
