@@ -382,3 +382,51 @@ def test_close_says_once_for_all_hosts_what_it_could_not_release(
     assert sorted(d.split()[3] for d in details if "could not tell" in d) == sorted(
         silent.addresses
     )
+
+
+def test_sessions_to_release_at_the_address_a_host_left_go_there_when_it_joins_elsewhere() -> None:
+    """Found by review: a host lost at one address (frozen) that joined at another under the
+    same ``--host-id`` left the session the tier had to release at the first address to
+    nobody: no dial stood for that address any more, so it was never sent, nor said, and the
+    process there (resumed) held its slots for good. They now go there over a session of their
+    own as the host joins elsewhere (only that process can release them)."""
+    args = ["--host-id", "h", "--lease-timeout", "600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+        TierManager.create(4, BLOCK_LEN, name="moved") as tier,
+    ):
+        tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            assert tier.connect(second.address, private=True, slots=8) == "h"
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+        with fake_session(first.address, slots=1) as probe:
+            assert wait_for(lambda: probe.stats()["held_blocks"] == 0, RESULT_TIMEOUT_S)
+
+
+def test_close_says_which_sessions_it_could_not_release_at_an_address_a_host_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """As above, the process at the first address killed: ``close`` could name them to no one
+    (no dial stands for that address), and said nothing. It now says so, naming the address."""
+    args = ["--host-id", "h", "--lease-timeout", "600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+    ):
+        tier = TierManager.create(4, BLOCK_LEN, name="moved")
+        try:
+            tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
+            os.kill(first.proc.pid, signal.SIGSTOP)
+            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            assert tier.connect(second.address, private=True, slots=8) == "h"
+        finally:
+            first.proc.kill()
+            first.proc.wait(timeout=RESULT_TIMEOUT_S)
+            with caplog.at_level("WARNING", logger=session_releases.__name__):
+                tier.close()
+    said = [r.getMessage() for r in caplog.records if r.name == session_releases.__name__]
+    assert any(first.address in m and "ended sessions" in m for m in said), said

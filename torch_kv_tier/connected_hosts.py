@@ -190,6 +190,7 @@ class ConnectedHosts(LostHosts):
                 if peer_id in self._dials:  # else removed once published: not dialled again
                     self._dials[peer_id], replaced = dial, self._dials[peer_id]
                     self._let_go(replaced)  # (a redial of it under way gives up)
+                    self._moved(replaced, dial)
                 self._forget_replaced(peer_id, dial)
         finally:
             with self._lock:

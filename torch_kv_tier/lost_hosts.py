@@ -248,6 +248,14 @@ class LostHosts(SessionReleases):
             self._remove_from_transport(pid)
             logger.info("%s now answers as %s: no longer dialling %s", address, peer_id, pid)
 
+    def _moved(self, old: Dial, new: Dial) -> None:
+        """``old``'s host joined at ``new``'s address, under the same id: the ended sessions
+        still to be released at ``old``'s address go there over a session of their own, as a
+        removed host's do (only the process that answered there can release them; the one at
+        the new address may be another). ``close`` reports those it could not tell."""
+        if old.address != new.address:
+            self._carry_off(old)
+
     def _let_go(self, dial: Dial) -> None:
         """``dial`` was dropped from what the tier dials (its address answered another dial):
         its handshake or greeting under way gives up at once (``Dial.stopped``), as a

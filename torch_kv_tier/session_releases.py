@@ -75,12 +75,8 @@ class SessionReleases:
             dial = next((d for d in self._dials.values() if d.address == address), None)
             if dial is None and not self._closed:
                 dial = self._removed.get(address)
-                held = self._ended.take(address) if dial is not None else []
-                if held:
-                    self._ended.carry(address, 1)
-                    threading.Thread(
-                        target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
-                    ).start()
+                if dial is not None:
+                    self._carry_off(dial)
         else:
             held = self._ended.take(address)
             try:
@@ -107,6 +103,16 @@ class SessionReleases:
         redialing = any(d is dial for d in self._redialing)
         if dial is not None and not redialing and not self._ended.holds(address):
             del self._removed[address]
+
+    def _carry_off(self, dial: Dial) -> None:
+        """Carry the resolved sessions of ``dial``'s address (if any) to its host over a
+        session of their own, on a ``RELEASE_THREAD`` (``_carry``)."""
+        held = self._ended.take(dial.address)
+        if held:
+            self._ended.carry(dial.address, 1)
+            threading.Thread(
+                target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
+            ).start()
 
     def _carry(self, dial: Dial, held: list[str]) -> None:
         """A ``RELEASE_THREAD`` (unlocked): ``_release_over_own_session``, counted in
@@ -225,7 +231,9 @@ class SessionReleases:
         ``close`` cancelled handed back what they carried; one still running then goes on by
         itself (each of its steps within ~2 s; not cut short, see ``close``), and reports
         what it could not tell when it ends. A host that does not answer ends the session
-        itself after its lease timeout."""
+        itself after its lease timeout. Sessions to release at an address no longer dialled
+        (its host joined at another one and a release there failed, or a connect there
+        failed) are reported too."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         with self._lock:
             while self._ended.carrying and time.monotonic() < deadline:
@@ -234,12 +242,18 @@ class SessionReleases:
                 (self._last_word, (s, clean, self._ended.take(s.address), self._dial(s.address)))
                 for s, clean in ending
             ]
+            words = LastWords()
             for address in list(self._ended.resolved):
                 dial = self._dial(address)
                 if dial is not None:
                     last_word = partial(self._release_over_own_session, last_word=True)
                     work.append((last_word, (dial, self._ended.take(address))))
-        words = LastWords()
+                else:
+                    gone = ConnectionError(
+                        "no longer dialled (its host joined at another address, or its "
+                        "connect failed)"
+                    )
+                    words.add(Unreleased(address, len(self._ended.resolved[address]), gone))
         threads = [
             threading.Thread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
             for w in work
