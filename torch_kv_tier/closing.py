@@ -62,7 +62,8 @@ class Closing:
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
         (their keys fail with "closed"), then end the sessions and close the transport; a load
-        cancelled here resolves only after that, when nothing can land in its blocks any more;
+        cancelled here resolves only after that, when nothing can land in its blocks any more
+        (never, if the transport cannot tell: ``DataTransport.on_released``);
         a handshake on another thread still awaiting an answer gives up. Idempotent.
 
         ``timeout`` bounds ``close``'s own waits, not its last word to each host (ending the

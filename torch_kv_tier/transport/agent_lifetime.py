@@ -12,14 +12,16 @@ is an upstream NIXL bug; the only safe thing to do with such an agent is never t
 Policy: ``NixlTransport`` marks its agent unsafe when a post fails with a remote disconnect after
 the request was created (see :func:`is_post_disconnect`), whatever the UCX transport (we cannot
 tell from Python which one UCX picked; over TCP this keeps an agent that could have been freed,
-which costs memory, never correctness) and hands it to :func:`keep_until_exit` at once, so it
-holds whether or not the transport is ever closed: the agent's reference count is raised once
-more, so neither ``close()``, the collector nor interpreter shutdown ever destroys it (the process
-exits without running its destructor; agents merely held in a module-level list were destroyed
-at interpreter shutdown and aborted there too, 1 run in 3). Every other agent is destroyed by
-``close()``. The first kept agent logs one warning. The leak is bounded: once
-:data:`MAX_KEPT_AGENTS` agents are kept, :func:`check_room` makes new transports fail with an
-error that says to restart the process, instead of growing without bound.
+which costs memory, never correctness) and hands it to :func:`keep_until_exit` at once, so it holds
+whether or not the transport is ever closed: the agent's reference count is raised once more, so
+neither ``close()``, the collector nor interpreter shutdown ever destroys it (the process exits
+without running its destructor; agents merely held in a module-level list were destroyed at
+interpreter shutdown and aborted there too, 1 run in 3). Every other agent is destroyed by
+``close()``. A kept agent's UCX worker lives on, and with it any transfer released while it ran
+(cancelled, or in flight at close): that transport never reports its region released
+(``NixlTransport.on_released``). The first kept agent logs one warning. The leak is bounded: once
+:data:`MAX_KEPT_AGENTS` agents are kept, :func:`check_room` makes new transports fail with an error
+that says to restart the process, instead of growing without bound.
 
 Threading: ``_lock`` guards the counter; every function may be called from any thread.
 """

@@ -337,7 +337,9 @@ class DataTransport(ABC):
         """Run ``callback`` once nothing can land in the local region any more (after ``close``
         released everything); our extension. This default runs it at once: for transports whose
         ``close`` releases everything before it returns. ``NixlTransport`` may finish its release
-        later (a registration stuck past ``close``), and runs it then, on that thread."""
+        later (a registration stuck past ``close``), and runs it then, on that thread; it never
+        runs it when its agent outlives the close with transfers it may still run
+        (``agent_lifetime``)."""
         callback()
 
 

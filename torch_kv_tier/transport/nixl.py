@@ -249,26 +249,51 @@ class NixlTransport(NixlRegistration, DataTransport):
 
     def on_released(self, callback: Callable[[], None]) -> None:
         """See ``DataTransport.on_released``: at once when close released the agent, else when
-        it does (on the thread of the registration that held it up)."""
+        it does (on the thread of the registration that held it up). Never when the agent is
+        kept until the process exits (``agent_lifetime``) and a transfer was released before it
+        was seen over (cancelled, or in flight at close): its UCX worker lives on, and may still
+        write that transfer into the region; a warning says so."""
         with self._lock:
             if not self._released:
                 self._on_released.append(callback)
                 return
+            quiet = self._transfers.quiet
+        if not quiet:
+            self._withhold(1)
+            return
         callback()
 
     def _release_agent(self) -> None:
         """Release every transfer, peer and registration, then the agent (close's second half,
-        run once no registration uses the agent), then run the ``on_released`` callbacks."""
+        run once no registration uses the agent), then run the ``on_released`` callbacks
+        (unless nothing proves the region quiet: ``on_released``)."""
         with self._lock:
             callbacks, self._on_released = self._on_released, []
             self._released = True
             if self._agent is not None:
                 self._release_nixl()
+            quiet = self._transfers.quiet
+        if not quiet:
+            if callbacks:
+                self._withhold(len(callbacks))
+            return
         for callback in callbacks:
             try:
                 callback()
             except Exception:
                 logger.exception("NixlTransport %s: an on_released callback raised", self._name)
+
+    def _withhold(self, callbacks: int) -> None:
+        """Say that ``callbacks`` ``on_released`` callbacks never run (``on_released``)."""
+        logger.warning(
+            "NixlTransport %s: closed with transfers released while they may still run, on a "
+            "NIXL agent kept until the process exits (a post to a peer that disconnected, see "
+            "agent_lifetime): its UCX worker may still write them into the region, so %d release "
+            "callback(s) never run (the loads cancelled at close stay unresolved, the region "
+            "stays mapped); restart the process to reclaim them",
+            self._name,
+            callbacks,
+        )
 
     def _release_nixl(self) -> None:
         """Release what the agent holds, then the agent (the caller holds ``_lock``)."""

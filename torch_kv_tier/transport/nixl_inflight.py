@@ -1,12 +1,15 @@
 """``NixlInflight``: the transfers a ``NixlTransport`` posted and has not reported yet, from the
 post to the release of their handles.
 
-Failure model (vLLM 0.33's, see ``base.py`` and ``faults.py``). A transfer whose state check
-raises faults its (still published) peer once and stays in flight: a WRITE may keep landing after
-its handle raised, so only a remote disconnect (the target endpoint is gone) ends it. A handle is
+Failure model (vLLM 0.33's, see ``base.py`` and ``faults.py``). A transfer whose state check raises
+faults its (still published) peer once and stays in flight: a WRITE may keep landing after its
+handle raised, so only a remote disconnect (the target endpoint is gone) ends it. A handle is
 released only once its transfer is over, or when the owner asks (``cancel(mode="immediate")``,
-``release_all``). A post that fails after NIXL created the request with a remote disconnect marks
-the agent unsafe to destroy (``agent_lifetime``).
+``release_all``): NIXL's UCX backend frees its requests without stopping them (a WRITE was measured
+to keep landing), so the transfer may run on until the agent is destroyed. A post that fails after
+NIXL created the request with a remote disconnect marks the agent unsafe to destroy
+(``agent_lifetime``): one kept so, with a transfer released that way, may write into the region for
+as long as the process lives (``quiet`` is then False).
 
 Fenced failures. A transfer that NIXL reports failed without a remote disconnect (its post
 raised or returned ``ERR`` after the request was created, its state is ``ERR``, or its state
@@ -90,8 +93,17 @@ class NixlInflight:
         self._transfers: dict[int, _Transfer] = {}
         self._ids = itertools.count(1)
         self._kept_until_exit = False  # see agent_lifetime
+        self._released_early = False  # a transfer was released before it was seen over
         # peers whose fences NIXL refused since one last went through: how many (logged once)
         self._refused: dict[NixlPeer, int] = {}
+
+    @property
+    def quiet(self) -> bool:
+        """Whether nothing may write into the region once the agent is released: False when a
+        transfer was released before it was seen over (``cancel(mode="immediate")``,
+        ``release_all``) and the agent is kept until exit, so never destroyed (module
+        docstring)."""
+        return not (self._kept_until_exit and self._released_early)
 
     def __len__(self) -> int:
         return len(self._transfers)
@@ -174,6 +186,7 @@ class NixlInflight:
             if xfer is None:
                 continue
             if mode == "immediate":
+                self._released_early = True
                 self._forget(tid, release=True)
                 continue
             state = self._state(tid, xfer)
@@ -195,6 +208,7 @@ class NixlInflight:
     def release_all(self) -> None:
         """Release every handle (the transport is closing)."""
         for tid in list(self._transfers):
+            self._released_early = True
             self._forget(tid, release=True)
 
     def _start(

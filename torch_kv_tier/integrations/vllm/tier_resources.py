@@ -132,7 +132,8 @@ class TierResources:
         released only once nothing can transfer into that memory any more: when the transport
         reports it released its agent (``on_released``: at once, or later, on NIXL's
         registration thread, when a registration stuck past the close still holds it); if
-        closing fails, never, rather than let the NIC write into freed memory.
+        closing fails, or NIXL's agent outlives it with transfers it may still run
+        (``agent_lifetime``), never, rather than let the NIC write into freed memory.
         """
         deadline = time.monotonic() + self._config.close_timeout_s
         manager, self.manager = self.manager, None
