@@ -15,8 +15,9 @@ never shares a destination that may still be written.
 Remote agents. Loading metadata already loaded hands back the same name, not its ownership, so
 an agent is shared by every registration that loaded it, and removed once none uses it, unless
 its peer was *dropped* (``remove(park=True)``: a peer that will likely be registered again from
-the same metadata). Then the agent stays loaded, *parked* under the peer id, until that peer id
-is published with another agent (the host restarted), registered from other metadata (NIXL
+the same metadata, and whose endpoint did not fail: ``NixlRegistration.drop_remote_peer``).
+Then the agent stays loaded, *parked* under the peer id, until that peer id is published with
+another agent (the host restarted), registered from other metadata (NIXL
 hands back an agent already loaded under the same name as it was, and an agent name may outlive
 its process), removed, or the transport closes. NIXL keeps the sockets of a removed remote agent
 open (ai-dynamo/nixl#2025: about 10 per removal, on this side and on the host's), so removing
