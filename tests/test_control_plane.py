@@ -283,14 +283,17 @@ def test_tiers_agree_on_homes_whatever_order_they_connect_and_across_a_reconnect
 
 def test_a_slow_registration_does_not_hold_up_lookups() -> None:
     """NIXL registers one descriptor per remote block (seconds for a big pool): that runs
-    outside the tier's lock, so a scheduler's ``lookup`` answers meanwhile."""
+    outside the tier's lock, so a scheduler's ``lookup`` answers meanwhile. Asserted while the
+    registration is held, not by seconds: a ceiling of 0.5 s was one a loaded machine exceeds."""
+    registering, release = threading.Event(), threading.Event()
 
     class SlowRegistration(LateWriteTransport):
         def add_remote_peer_async(self, *args: Any, **kwargs: Any) -> Future[None]:
             future: Future[None] = Future()
 
             def register() -> None:
-                time.sleep(1.0)
+                registering.set()
+                release.wait(30)
                 self.add_remote_peer(*args)
                 future.set_result(None)
 
@@ -303,10 +306,17 @@ def test_a_slow_registration_does_not_hold_up_lookups() -> None:
     with TierManager(arena, transport) as tier:
         adding = threading.Thread(target=tier.add_peer, args=("p", b"slow", 0, 8, BLOCK_LEN))
         adding.start()
-        time.sleep(0.1)
-        started = time.monotonic()
-        assert tier.lookup(["x"]) == 0 and tier.peers() == []
-        assert time.monotonic() - started < 0.5
+        try:
+            assert registering.wait(10)
+            answers: list[tuple[int, list[str]]] = []
+            looking = threading.Thread(
+                target=lambda: answers.append((tier.lookup(["x"]), tier.peers())), daemon=True
+            )
+            looking.start()
+            looking.join(timeout=10)
+            assert answers == [(0, [])], "the lookup waited for the registration"
+        finally:
+            release.set()
         adding.join(timeout=10)
         assert tier.peers() == ["p"]
 
