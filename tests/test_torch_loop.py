@@ -498,7 +498,7 @@ def test_a_restore_from_a_frozen_host_keeps_its_slots_until_its_read_ended(
             late = off.offload([4], [b"while-frozen"]).result(timeout=30)
             assert late.failed == {b"while-frozen": OVERDUE}
             assert off.restore(keys[:1], [12]) == 0
-            assert time.monotonic() - started < 2.0  # not a timeout (3 s) each
+            assert time.monotonic() - started < 3.0  # neither waited its timeout (3 s)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)
