@@ -7,6 +7,7 @@ cancelled at close there (their callers reuse the blocks), vLLM unmaps the regio
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -55,6 +56,13 @@ def keep(t: NixlTransport, peer_id: str) -> None:
     t._agent = real
 
 
+def still_running(t: NixlTransport) -> None:
+    """Make ``t``'s transfers report ``PROC`` (a read on the wire), whatever the real one did."""
+    spy = FaultyAgent(t._agent, set())
+    spy.check_xfer_state = lambda handle: "PROC"  # type: ignore[attr-defined]
+    t._agent = spy
+
+
 @pytest.mark.parametrize("when", ["before close", "after close"])
 @pytest.mark.parametrize("released", ["in flight at close", "cancelled"])
 def test_a_kept_agent_with_a_transfer_released_early_never_says_its_region_is_released(
@@ -73,6 +81,7 @@ def test_a_kept_agent_with_a_transfer_released_early_never_says_its_region_is_re
     keep(t, "p")
     assert len(kept) == 1
     tid = t.read_blocks("p", [0, 1], [0, 1])
+    still_running(t)
     if released == "cancelled":
         assert t.cancel([tid]) == []  # type: ignore[list-item]
     if when == "before close":
@@ -117,11 +126,64 @@ def test_a_load_cancelled_at_close_on_a_kept_agent_never_resolves(
     assert tier.store(["a"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
     tier.add_peer("q", *peer2.peer_args())
     keep(transport, "q")
-    spy = FaultyAgent(transport._agent, set())
-    spy.check_xfer_state = lambda handle: "PROC"  # type: ignore[attr-defined]
-    transport._agent = spy  # the read stays in flight until close gives up on it
+    still_running(transport)  # the read stays in flight until close gives up on it
     load = tier.load(["a"], [1])
     tier.close(timeout=0.2)
     assert not load.done(), "a load resolved while its read might still land"
     assert WITHHELD in caplog.text
     assert torch.all(arena.tensor[2:] == 0)
+
+
+def wait_done(t: NixlTransport, tid: int) -> None:
+    """Until NIXL reports ``tid`` ``DONE``, without polling the transport (not reported yet)."""
+    handle = t._transfers._transfers[tid].handle
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while str(t._agent.check_xfer_state(handle)) != "DONE":
+        assert time.monotonic() < deadline, "the read never completed"
+
+
+@pytest.mark.parametrize("released", ["in flight at close", "cancelled"])
+def test_a_kept_agent_whose_transfers_ended_before_their_release_says_its_region_is_released(
+    peer: RemotePeer, kept: list[object], caplog: pytest.LogCaptureFixture, released: str
+) -> None:
+    """A read over (DONE) but not polled yet when it was cancelled or the transport closed
+    withheld the region for good, though nothing of it could land any more."""
+    ran: list[str] = []
+    t = NixlTransport("ended", random_blocks(8))
+    t.add_remote_peer("p", *peer.peer_args())
+    keep(t, "p")
+    tid = t.read_blocks("p", [0, 1], [0, 1])
+    assert tid is not None
+    wait_done(t, tid)
+    if released == "cancelled":
+        assert t.cancel([tid]) == []
+    t.on_released(lambda: ran.append("callback"))
+    t.close()
+    assert ran == ["callback"]
+    assert WITHHELD not in caplog.text
+
+
+@pytest.mark.parametrize("failure", ["post failed part-way", "state ERR"])
+def test_a_kept_agent_without_fences_that_reported_a_failure_never_says_its_region_is_released(
+    peer: RemotePeer, kept: list[object], caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    """Without fences (``fence_failures=False``) a failed transfer's handle is released at once,
+    while NIXL's UCX backend may still run its other blocks: on a kept agent they may land
+    after close, yet its callbacks ran."""
+    ran: list[str] = []
+    t = NixlTransport("unfenced", random_blocks(8), fence_failures=False)
+    t.add_remote_peer("p", *peer.peer_args())
+    keep(t, "p")
+    real = t._agent
+    spy = FaultyAgent(real, {"transfer"} if failure == "post failed part-way" else set())
+    if failure == "state ERR":
+        spy.check_xfer_state = lambda handle: "ERR"  # type: ignore[attr-defined]
+    t._agent = spy
+    tid = t.read_blocks("p", [0, 1], [0, 1])
+    if tid is not None:
+        assert list(t.poll().failed) == [tid]
+    t._agent = real
+    t.on_released(lambda: ran.append("callback"))
+    t.close()
+    assert ran == []
+    assert WITHHELD in caplog.text

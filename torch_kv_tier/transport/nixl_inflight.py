@@ -35,7 +35,8 @@ part-way faults it at once, since its caller (the tier drops a peer that refused
 of the failure only once it is fenced. So every failure this transport reports is final:
 nothing of that transfer lands later. Without fences (``fence=False``: vLLM 0.33's contract
 exactly, what its own test suite asserts) a failure is reported at once and a failed post
-refused with ``None``.
+refused with ``None``, their handles released while other blocks may run (on a kept agent the
+region is then never ``quiet``).
 
 Threading: no lock of its own. Every method expects the caller to hold the transport's lock,
 which also guards ``NixlPeers`` and ``PeerHealth`` (the tables this one updates).
@@ -100,9 +101,9 @@ class NixlInflight:
     @property
     def quiet(self) -> bool:
         """Whether nothing may write into the region once the agent is released: False when a
-        transfer was released before it was seen over (``cancel(mode="immediate")``,
-        ``release_all``) and the agent is kept until exit, so never destroyed (module
-        docstring)."""
+        transfer was released while it may still run (``cancel(mode="immediate")`` or
+        ``release_all`` of one not seen over, a failure reported without a fence) and the agent
+        is kept until exit, so never destroyed (module docstring)."""
         return not (self._kept_until_exit and self._released_early)
 
     def __len__(self) -> int:
@@ -132,6 +133,7 @@ class NixlInflight:
                 self._health.raised(peer.peer_id, posted)
             if handle is not None:  # NIXL failed the request: it holds nothing of it
                 self._release_handle(-1, handle)
+                self._released_early |= not fenced and not ends_transfer(posted)
             if not fenced:
                 return None
             xfer.handle, xfer.struck, xfer.fencing = None, True, True
@@ -159,6 +161,7 @@ class NixlInflight:
                 succeeded.add(xfer.peer)
             elif state not in _RUNNING:
                 failed.append(tid)
+                self._released_early |= state != _GONE and not self._fence  # no fence proved it
                 if not xfer.struck:
                     failures.append((xfer.peer, f"state {state}"))
         for peer in succeeded:
@@ -186,8 +189,7 @@ class NixlInflight:
             if xfer is None:
                 continue
             if mode == "immediate":
-                self._released_early = True
-                self._forget(tid, release=True)
+                self._release_early(tid, xfer)
                 continue
             state = self._state(tid, xfer)
             if state in _RUNNING:
@@ -207,9 +209,24 @@ class NixlInflight:
 
     def release_all(self) -> None:
         """Release every handle (the transport is closing)."""
-        for tid in list(self._transfers):
-            self._released_early = True
-            self._forget(tid, release=True)
+        for tid, xfer in list(self._transfers.items()):
+            self._release_early(tid, xfer)
+
+    def _release_early(self, tid: int, xfer: _Transfer) -> None:
+        """Release a transfer its owner gives up on, noting whether it may still run (``quiet``):
+        not once its state is ``DONE`` or a remote disconnect ended it (a transfer over but not
+        polled yet at close withheld a kept agent's region for good). Posts no fence."""
+        if not self._released_early:
+            self._released_early = xfer.fencing or not self._over(xfer)
+        self._forget(tid, release=True)
+
+    def _over(self, xfer: _Transfer) -> bool:
+        """Whether ``xfer``'s state proves that nothing more of it lands (``DONE``, or a check
+        raising a remote disconnect); no side effect (a check raising otherwise: False)."""
+        try:
+            return str(self._peers.agent.check_xfer_state(xfer.handle)) == "DONE"
+        except Exception as exc:
+            return ends_transfer(exc)
 
     def _start(
         self, op: str, local_dlist: Any, local: Sequence[int], dlist: Any, remote: Sequence[int]
