@@ -5,6 +5,7 @@ anything: slot numbers that are no ints, slots no grant could name, a negative g
 from __future__ import annotations
 
 import argparse
+import pathlib
 import threading
 
 import numpy as np
@@ -111,6 +112,21 @@ def test_a_config_given_no_number_is_a_type_error_naming_the_option(
     ``lease_timeout_s="30"`` in a comparison, naming nothing."""
     with pytest.raises(TypeError, match=r"^--[a-z-]+ must be"):
         ServerConfig(**{"num_blocks": 8, "block_len": BLOCK_LEN, field: bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"), [(8192.5, TypeError), ("8192", TypeError), (10**30, ValueError)], ids=repr
+)
+def test_a_disk_size_no_count_is_refused_naming_the_option_before_the_pool(
+    bad: object, error: type[Exception], tmp_path: pathlib.Path
+) -> None:
+    """``ServerConfig(disk_bytes=8192.5)`` (or ``10**30``) was taken: the host allocated and
+    registered its pool and created the disk file, then failed with "'float' object cannot be
+    interpreted as an integer" (an ``OverflowError``), naming nothing. A numpy int is taken."""
+    with pytest.raises(error, match=r"^--disk-bytes must be"):
+        ServerConfig(8, BLOCK_LEN, disk_paths=(str(tmp_path),), disk_bytes=bad)  # type: ignore[arg-type]
+    taken = ServerConfig(8, BLOCK_LEN, disk_paths=(str(tmp_path),), disk_bytes=np.int64(8192))  # type: ignore[arg-type]
+    assert type(taken.disk_bytes) is int
 
 
 def test_a_host_configured_with_numpy_numbers_answers_a_handshake() -> None:
