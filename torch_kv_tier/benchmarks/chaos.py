@@ -314,7 +314,8 @@ class Chaos:
             out.at_most(f"{name} RSS growth", round(100 * growth, 1), 100 * RSS_GROWTH, "%")
             out.at_most(f"{name} threads growth", end["threads"] - start["threads"], THREADS_GROWTH)
             # NIXL keeps the sockets of every remote agent a tier removed: one per host restart
-            # (a reset or a freeze that drops a host loads its parked agent again: nixl_peers)
+            # (a control-connection reset or a freeze that drops a host loads its parked agent
+            # again: nixl_peers; this harness never resets UCX's own connections)
             worker = self.counts.get(name)
             if worker is not None:
                 out.info(f"{name} hosts dropped", worker.peers_dropped)
