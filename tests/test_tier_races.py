@@ -24,7 +24,7 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.promotions import Parked, Promotions
-from torch_kv_tier.records import Request
+from torch_kv_tier.records import Request, resolve
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.greeting import Greeting
 from torch_kv_tier.remote.protocol import ON_DISK
@@ -791,3 +791,36 @@ def test_stop_waits_for_a_greeter_that_saw_it_first(monkeypatch: pytest.MonkeyPa
     redialer.stop(timeout=RESULT_TIMEOUT_S)
     assert saw_stop.is_set()
     assert not greeter.is_alive(), "the greeter outlived stop"
+
+
+@pytest.mark.parametrize("where", ["a callback", "building a result"])
+def test_a_ctrl_c_as_a_future_resolves_leaves_no_other_future_of_its_batch_unresolved(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Found by review: the tier resolves the futures it settled together in one pass (on the
+    caller's thread too, in ``store``/``load``); a ``KeyboardInterrupt`` there (a done-callback
+    of one, or Ctrl-C as its result was built) skipped the rest of the batch for good: their
+    waiters hung until their timeouts, an offload's slots were never handed back. Now each is
+    resolved, and the interrupt still reaches the caller."""
+    ready = [Request([key]) for key in (b"a", b"b", b"c")]
+    for request in ready:
+        request.settle(request.keys, None)
+
+    def interrupt(_: object) -> None:
+        raise KeyboardInterrupt
+
+    if where == "a callback":
+        ready[0].future.add_done_callback(interrupt)
+    else:
+        result = Request.result
+        interrupts = iter([True])
+
+        def interrupted(request: Request) -> Any:
+            if next(interrupts, False):
+                raise KeyboardInterrupt
+            return result(request)
+
+        monkeypatch.setattr(Request, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve(ready)
+    assert [r.future.result(timeout=0).keys for r in ready] == [[b"a"], [b"b"], [b"c"]]

@@ -163,9 +163,22 @@ class Op:
 
 
 def resolve(ready: list[Request]) -> None:
-    """Resolve settled requests' futures (their callbacks run here: never under the lock)."""
+    """Resolve settled requests' futures (their callbacks run here: never under the lock).
+
+    Every one of them is resolved even when something raises past ``Future``'s own handling of
+    its callbacks (a ``KeyboardInterrupt`` in a callback, or as a result is built): the others'
+    waiters must not wait for a future that nothing resolves. The first such exception is
+    raised once all are resolved (a second one while one is resolved again ends it early)."""
+    raised: BaseException | None = None
     for request in ready:
-        request.future.set_result(request.result())
+        try:
+            request.future.set_result(request.result())
+        except BaseException as exc:
+            raised = raised or exc
+            if not request.future.done():  # it landed before the result was set
+                request.future.set_result(request.result())
+    if raised is not None:
+        raise raised
 
 
 def split_new(
