@@ -522,3 +522,31 @@ def test_an_offload_waiting_for_slots_ends_when_their_store_turns_overdue_as_it_
         tier.end_stores()
         waiting.join(timeout=10.0)
     assert tier.arena.num_free == 2
+
+
+def test_an_offload_interrupted_between_two_hosts_stores_gets_the_unsent_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: with several hosts a batch stores to each host in turn; Ctrl-C
+    # (KeyboardInterrupt) after one host's store was handed its slots, before the next host's
+    # store, lost the next host's slots for good, though nothing was sent to it. They now come
+    # back at once; the first host's come back when its store ends.
+    peers = ["a", "b"]
+    tier = ScriptedTier(4, peers)  # stores stay under way until the test ends them
+    started = arena_slots.ArenaSlots._started
+
+    def interrupted_after(self: arena_slots.ArenaSlots, *args: object, **kwargs: object) -> None:
+        started(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(arena_slots.ArenaSlots, "_started", interrupted_after)
+    arena = batches(tier, timeout=WAIT_S)
+    todo = {keys_on("a", peers, 1)[0]: 0, keys_on("b", peers, 1)[0]: 1}
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all(todo, time.monotonic() + WAIT_S)
+    monkeypatch.undo()
+    assert len(tier.stores) == 1  # the second host's key was never sent
+    assert tier.arena.num_free == 3  # before: 2
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+    assert arena.wait_idle(time.monotonic() + WAIT_S)

@@ -133,8 +133,8 @@ class ArenaBatches(ArenaSlots):
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), as does a ``KeyboardInterrupt`` before the first store, and one in the
-        tier's store (the slots of what it may have sent come back once that ended, the others
-        at once)."""
+        tier's store or between two hosts' stores (the slots of what it may have sent come back
+        once that ended, those of the hosts not sent to at once)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             return [(keys, failed_now(keys, "capacity", self._no_slots()))]
@@ -153,19 +153,27 @@ class ArenaBatches(ArenaSlots):
             self._release(slots)
             return None
         stores: list[Batch] = []
-        for i, (host, (host_keys, host_slots)) in enumerate(parts):
-            try:
-                future = self._manager.store(host_keys, host_slots)
-            except Exception as exc:
-                self._release(host_slots)
-                stores.append((host_keys, failed_now(host_keys, str(exc), "tier refused a store")))
-                continue
-            except BaseException:  # Ctrl-C inside the tier's call: it may have sent some keys
-                self._release([slot for _, (_, unsent) in parts[i + 1 :] for slot in unsent])
+        unsent, calling = parts, None  # the hosts' parts whose slots are still the batch's
+        try:
+            while unsent:
+                host, (host_keys, host_slots) = calling = unsent[0]
+                try:
+                    future = self._manager.store(host_keys, host_slots)
+                except Exception as exc:
+                    del unsent[0]  # (before they go: a Ctrl-C between loses them, not twice)
+                    self._release(host_slots)
+                    failed = failed_now(host_keys, str(exc), "tier refused a store")
+                    stores.append((host_keys, failed))
+                    continue
+                del unsent[0]  # its slots go to its future's callback
+                self._started(future, host, host_slots, due)
+                stores.append((host_keys, future))
+        except BaseException:  # Ctrl-C: the other hosts' slots come back at once
+            if unsent and unsent[0] is calling:  # in or after the tier's store: it may have sent
+                del unsent[0]
                 self._rejoin(host, host_keys, host_slots, due)
-                raise
-            self._started(future, host, host_slots, due)
-            stores.append((host_keys, future))
+            self._release([slot for _, (_, slots) in unsent for slot in slots])
+            raise
         return stores
 
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
