@@ -222,7 +222,8 @@ def test_a_host_restarted_while_its_accept_is_awaited_is_greeted_again_at_once()
             assert outcome == [old.address], outcome
             session = tier._peers[old.address].session
             assert session is not None
-            assert old.handshakes()[0] in session.unreleased()
+            # named in the release of the Handshake the new host accepted, not again after it
+            assert old.handshakes()[0] not in session.unreleased()
 
 
 def test_a_handshake_whose_connections_closed_twice_names_every_session_it_may_have_opened() -> (
@@ -252,3 +253,11 @@ def test_a_handshake_whose_connections_closed_twice_names_every_session_it_may_h
             third.close()
     assert len(outcome) == 1 and isinstance(outcome[0], AcceptAbandoned), outcome
     assert outcome[0].session_ids == opened
+    # each greeting again named what the ones before may have opened, for the host to free first
+    assert _released(second) == opened[:1] and _released(third) == opened[:2]
+
+
+def _released(host: _MuteAtAccept) -> list[str]:
+    """The sessions the ``Handshake`` ``host`` got named in its ``release``."""
+    (handshake,) = [m for m in host.heard if isinstance(m, p.Handshake)]
+    return list(handshake.release)

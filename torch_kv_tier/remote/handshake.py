@@ -17,8 +17,9 @@ of the session follows the ``Handshake`` on the same connection, for the server 
 session as soon as it opened it. A control connection closed while an answer is awaited (the
 host killed and started again on its port, or the connection reset) is greeted again at once,
 over the connection ZeroMQ makes anew: its answer would never come. The session the lost
-``Handshake`` may have opened (on a host still running) is named in ``release`` after the new
-one's ``Accept``, or with the handshake's failure (``opened_by``).
+``Handshake`` may have opened (on a host still running) is named in the next ``Handshake``'s
+``release`` (past ``MAX_RELEASE``, in ``release`` after the new one's ``Accept``), and with the
+handshake's failure (``opened_by``).
 """
 
 from __future__ import annotations
@@ -234,16 +235,22 @@ def handshake(
     ``monitor`` the disconnects of the connection that was replaced (none of the session's);
     and as soon as ``monitor`` reports the connection closed while an answer is awaited (the
     host killed and started again, or the connection reset: the answer would never come).
-    The sessions the ``Handshake``s of closed connections may have opened are appended to
-    ``opened`` once an ``Accept`` came (the caller releases them over the new session), or
-    named by the error (``opened_by``)."""
+    The sessions the ``Handshake``s of closed connections may have opened are named in the
+    next ``Handshake``'s ``release`` while it has room (the host frees them before it weighs
+    that one: else a host at its ``--max-sessions``, or with no free slot, refused it for the
+    session its own lost ``Accept`` opened); the others are appended to ``opened`` once an
+    ``Accept`` came (the caller releases them over the new session). A failed handshake names
+    them all (``opened_by``)."""
     greetings, lost = 1, []
     while True:
         try:
             watched = monitor if greetings < GREETINGS else None
             accept = _greet(sock, address, deadline, token, request, cancel, watched)
         except Closed as exc:
-            lost += [] if exc.session_id is None else [exc.session_id]
+            if exc.session_id is not None:
+                lost.append(exc.session_id)
+                if len(request.release) < p.MAX_RELEASE:  # freed before the host weighs the next
+                    request.release.append(exc.session_id)
             logger.info("%s: control connection closed amid the handshake: greeting again", address)
         except Exception as exc:
             stale = isinstance(exc, HandshakeRejected) and exc.reason == p.STALE_NONCE
@@ -257,7 +264,7 @@ def handshake(
                 disconnected(monitor)
         else:
             if opened is not None:
-                opened += lost
+                opened += [session_id for session_id in lost if session_id not in request.release]
             return accept
         greetings += 1
 
