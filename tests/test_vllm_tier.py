@@ -739,6 +739,33 @@ def test_startup_fails_for_the_first_listed_host_that_cannot_be_used() -> None:
     assert not [t.name for t in threading.enumerate() if t.name.startswith("tkvt-connect")]
 
 
+def test_a_remote_host_full_at_startup_is_connected_once_it_has_room() -> None:
+    """Found by review: a host at its ``--max-sessions`` (or with every slot leased) at vLLM's
+    startup failed the startup, though waiting mends it, as ``connect(...,
+    redial_if_down=True)`` judges it (``HandshakeRejected.busy``). With reconnecting on, vLLM
+    starts without it and the membership thread connects it once it has room; with it off,
+    startup fails, saying how to start without it."""
+    with ServerProcess.start(
+        REMOTE_BLOCKS, CHUNK_BYTES, extra_args=["--max-sessions", "1"]
+    ) as host:
+        holder = fake_session(host.address, block_len=CHUNK_BYTES, slots=TIER_SLOTS)
+        try:
+            with pytest.raises(RuntimeError, match="(?s)too many sessions.*reconnect_interval_s"):
+                make_manager(host.address, reconnect_interval_s=0)
+            with driven_manager(host.address, reconnect_interval_s=0.2) as (spec, _, driver):
+                tier = driver.tier.tier_manager
+                assert tier.peers() == []  # vLLM started without the host
+                holder.close()
+                wait_until(lambda: bool(tier.peers()), "the tier connects the host", 20.0)
+                keys = keys_for("roomy", 2)
+                driver.store("req-a", keys)
+                driver.run_until_idle()
+                assert all(tier.contains(k) for k in keys)
+                driver.shutdown(spec)
+        finally:
+            holder.close()
+
+
 def test_default_namespace_separates_models_and_layouts_and_joins_equal_engines() -> None:
     from types import SimpleNamespace
 

@@ -8,9 +8,11 @@ that the view of the primary region may be released later on NIXL's registration
 by side, one thread per host (``parallel_connects``), joined before the constructor returns (a
 failed startup waits ``close_timeout_s`` at most for them, after closing the manager).
 
-Failure model: a host that does not answer at startup (about one ``connect_timeout_s``, however
-many do not) is left to the membership thread when reconnecting is on; any other startup failure
-raises ``RuntimeError`` with what to check, after everything built so far is released. Closing
+Failure model: a host not ready at startup (it does not answer: about one ``connect_timeout_s``,
+however many do not; or it refuses for now, at its ``--max-sessions`` or with no free slot) is
+left to the membership thread when reconnecting is on; any other startup failure (a refusal of
+this client: token, block length, namespace) raises ``RuntimeError`` with what to check, after
+everything built so far is released. Closing
 never leaves NIXL able to write into memory vLLM unmapped: the primary region stays mapped until
 the transport released its agent, and for good when the manager fails to close.
 """
@@ -31,6 +33,7 @@ from torch_kv_tier.integrations.vllm.tier_config import (
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership, first_hosts
 from torch_kv_tier.parallel_connects import ParallelConnects
+from torch_kv_tier.remote.handshake_errors import not_ready
 from torch_kv_tier.transport import NixlTransport
 
 if TYPE_CHECKING:
@@ -45,8 +48,8 @@ class TierResources:
     """The primary region's view, the ``TierManager`` over it, and the hosts it follows.
 
     Raises ``ValueError`` for a bad ``primary_kv_view`` (nothing is built then), and
-    ``RuntimeError`` when a remote host refused or could not be reached at startup (everything
-    built is released first).
+    ``RuntimeError`` when a remote host refused this client at startup, or was not ready with
+    reconnecting off (everything built is released first).
     """
 
     def __init__(
@@ -92,17 +95,20 @@ class TierResources:
         """The peer id of ``address``, joined at startup (``outcome``: its connect's peer id or
         exception; the hosts are dialled side by side, and judged in the order listed).
 
-        A host that does not answer (down, or not started yet) is left to the membership thread
-        when there is one: vLLM starts without it and gains it when it comes up (``None``).
-        Any other failure, and a silent host when reconnecting is off, raises with what the
-        user should check (a host that answers but refuses is misconfigured, not down).
+        A host not ready (``handshake_errors.not_ready``, as ``connect(...,
+        redial_if_down=True)`` judges it: it does not answer, is lost while it joins, or
+        refuses for now, e.g. at its ``--max-sessions`` or with no free slot) is left to the
+        membership thread when there is one: vLLM starts without it and gains it once it can
+        serve (``None``). Any other failure, and a host not ready when reconnecting is off,
+        raises with what the user should check (a host that refuses this client, say for its
+        token or block length, is misconfigured, not down).
         """
         if isinstance(outcome, str):
             return outcome
-        if not isinstance(outcome, TimeoutError) or self._config.reconnect_interval_s <= 0:
+        if not not_ready(outcome) or self._config.reconnect_interval_s <= 0:
             raise self._startup_error(address, outcome) from outcome
         logger.warning(
-            "RemoteHostTier: remote host %s does not answer at startup (%s); starting "
+            "RemoteHostTier: remote host %s is not ready at startup (%s); starting "
             "without it and dialling it every %.1fs",
             address,
             outcome,
@@ -112,12 +118,20 @@ class TierResources:
 
     def _startup_error(self, address: str, exc: Exception) -> RuntimeError:
         """What a user must check when ``address`` cannot be used at startup."""
-        n = self._block_bytes
+        if not_ready(exc):  # (reconnecting is off)
+            check = (
+                "Start it (or free its sessions or slots), or set reconnect_interval_s > 0 "
+                "for vLLM to start without it and dial it until it can serve."
+            )
+        else:
+            n = self._block_bytes
+            check = (
+                f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
+                f"size here is {n} bytes), be reachable from this host, and agree with this "
+                "tier's token_file and config_fields."
+            )
         return RuntimeError(
-            f"RemoteHostTier could not connect to remote host {address}: {exc}\n"
-            f"The host must run `torch-kv-tier serve --block-len {n} ...` (vLLM's chunk "
-            f"size here is {n} bytes), be reachable from this host, and agree with this "
-            "tier's token_file and config_fields."
+            f"RemoteHostTier could not connect to remote host {address}: {exc}\n{check}"
         )
 
     def close(self) -> None:
