@@ -430,3 +430,42 @@ def test_close_says_which_sessions_it_could_not_release_at_an_address_a_host_lef
                 tier.close()
     said = [r.getMessage() for r in caplog.records if r.name == session_releases.__name__]
     assert any(first.address in m and "ended sessions" in m for m in said), said
+
+
+def test_a_host_joining_elsewhere_joins_though_no_thread_can_carry_its_old_releases(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: with the process at its thread limit, the thread that carries the
+    releases owed at the address a host left could not start, and the connect that joined the
+    host at its new address raised ``RuntimeError`` though it had joined; the releases it took
+    were lost (nor said by ``close``), and ``close`` waited its whole timeout for a carry that
+    never ran. The connect now returns its peer, and ``close`` names them."""
+    start = threading.Thread.start
+
+    def no_release_thread(thread: threading.Thread) -> None:
+        if thread.name == session_releases.RELEASE_THREAD:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    args = ["--host-id", "h", "--lease-timeout", "600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+    ):
+        tier = TierManager.create(4, BLOCK_LEN, name="moved")
+        try:
+            tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
+            os.kill(first.proc.pid, signal.SIGSTOP)
+            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            monkeypatch.setattr(threading.Thread, "start", no_release_thread)
+            assert tier.connect(second.address, private=True, slots=8) == "h"
+            assert tier.peers() == ["h"]
+        finally:
+            monkeypatch.undo()
+            with caplog.at_level("WARNING", logger=session_releases.__name__):
+                tier.close(timeout=RESULT_TIMEOUT_S)
+            first.proc.kill()
+            first.proc.wait(timeout=RESULT_TIMEOUT_S)
+    said = [r.getMessage() for r in caplog.records if r.name == session_releases.__name__]
+    assert any("could not start a thread" in m and first.address in m for m in said), said
+    assert any("could not tell" in m and first.address in m for m in said), said

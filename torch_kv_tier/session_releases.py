@@ -106,13 +106,29 @@ class SessionReleases:
 
     def _carry_off(self, dial: Dial) -> None:
         """Carry the resolved sessions of ``dial``'s address (if any) to its host over a
-        session of their own, on a ``RELEASE_THREAD`` (``_carry``)."""
+        session of their own, on a ``RELEASE_THREAD`` (``_carry``). A thread that cannot
+        start (the process at its thread limit) leaves them to be named again (``close``
+        does), logged as a warning: the caller's step (a connect that succeeded, a removal)
+        stands."""
         held = self._ended.take(dial.address)
-        if held:
-            self._ended.carry(dial.address, 1)
-            threading.Thread(
-                target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
-            ).start()
+        if not held:
+            return
+        thread = threading.Thread(
+            target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            self._ended.give_back(dial.address, held)
+            logger.warning(
+                "could not start a thread to tell %s that %d ended sessions resolved (named "
+                "again later, at the latest by close): %s",
+                dial.address,
+                len(held),
+                exc,
+            )
+            return
+        self._ended.carry(dial.address, 1)  # (under the lock: the thread uncounts it after)
 
     def _carry(self, dial: Dial, held: list[str]) -> None:
         """A ``RELEASE_THREAD`` (unlocked): ``_release_over_own_session``, counted in
