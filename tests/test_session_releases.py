@@ -407,6 +407,44 @@ def test_sessions_to_release_at_the_address_a_host_left_go_there_when_it_joins_e
             assert wait_for(lambda: probe.stats()["held_blocks"] == 0, RESULT_TIMEOUT_S)
 
 
+def test_releases_a_redial_of_the_address_a_host_left_held_go_there_when_it_joins_elsewhere() -> (
+    None
+):
+    """Found by review: as above, but with the tier's redial of the first address awaiting the
+    frozen host as the host joined elsewhere (its handshake holds for ``timeout_s``, so it
+    mostly is): that redial had taken the sessions to release there, and its handshake, let go,
+    handed them back after the join had looked for them, to nobody (the process there, resumed,
+    held 8 slots for good; only ``close`` named them). They now go there once it gives up."""
+    args = ["--host-id", "h", "--lease-timeout", "600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+        TierManager.create(4, BLOCK_LEN, name="moved") as tier,
+    ):
+        tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
+        os.kill(first.proc.pid, signal.SIGSTOP)
+        try:
+            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            assert wait_for(
+                lambda: bool(tier._redialing) and not tier._ended.holds(first.address),
+                RESULT_TIMEOUT_S,
+            ), "no redial took the releases"
+            assert tier.connect(second.address, private=True, slots=8) == "h"
+            # (the host resumed before the redial saw it let go would answer it instead)
+            assert wait_for(lambda: not tier._redialing, RESULT_TIMEOUT_S), "the redial went on"
+        finally:
+            os.kill(first.proc.pid, signal.SIGCONT)
+        with fake_session(first.address, slots=1) as probe:  # the lost session's slots freed
+            assert wait_for(lambda: _holds_only(probe), RESULT_TIMEOUT_S), probe.stats()
+
+
+def _holds_only(probe: RemoteSession) -> bool:
+    """Whether ``probe``'s host holds no slot but its lease: no session but ``probe``'s, and
+    none held for an ended one."""
+    stats = probe.stats()
+    return len(stats["sessions"]) == 1 and stats["held_blocks"] == 0
+
+
 def test_close_says_which_sessions_it_could_not_release_at_an_address_a_host_left(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -80,7 +80,9 @@ class LostHosts(SessionReleases):
         when it is no longer wanted (removed, connected by another call, the tier closed); a
         host the user removed meanwhile has its new session ended at once, and the releases it
         and a failed handshake of this attempt took back still go out. ``_redialing`` lists the
-        hosts the redialer is dialling (side by side)."""
+        hosts the redialer is dialling (side by side). The releases a failed try took back at
+        an address nobody dials any more (its host joined at another one while the try awaited
+        it, ``_moved``) go there over a session of their own, as ``_moved`` sends the others."""
         with self._lock:
             if not self._wants(dial):
                 raise ConnectionError(
@@ -95,6 +97,8 @@ class LostHosts(SessionReleases):
                 self._redialing.remove(dial)
                 if self._removed.get(dial.address) is dial:
                     self._send_releases(dial.address)
+                elif self._dial(dial.address) is None and not self._closed:
+                    self._carry_off(dial)  # its host joined elsewhere (``_moved``) meanwhile
             raise
         with self._lock:
             self._redialing.remove(dial)
