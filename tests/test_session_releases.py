@@ -384,22 +384,38 @@ def test_close_says_once_for_all_hosts_what_it_could_not_release(
     )
 
 
+@contextmanager
+def _one_host_id_at_two_addresses() -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Two hosts of ``--host-id h`` (a long lease: a session ends only when told), as one host
+    lost at the first address that joins at the second."""
+    args = ["--host-id", "h", "--lease-timeout", "600"]
+    with (
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
+        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+    ):
+        yield first, second
+
+
+def _lose_frozen(tier: TierManager, host: ServerProcess) -> None:
+    """Connect ``host``, freeze it (SIGSTOP: the caller resumes or kills it) and wait until
+    ``tier`` lost it."""
+    tier.connect(host.address, private=True, slots=8, heartbeat_timeout_s=1.0)
+    os.kill(host.proc.pid, signal.SIGSTOP)
+    assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+
+
 def test_sessions_to_release_at_the_address_a_host_left_go_there_when_it_joins_elsewhere() -> None:
     """Found by review: a host lost at one address (frozen) that joined at another under the
     same ``--host-id`` left the session the tier had to release at the first address to
     nobody: no dial stood for that address any more, so it was never sent, nor said, and the
     process there (resumed) held its slots for good. They now go there over a session of their
     own as the host joins elsewhere (only that process can release them)."""
-    args = ["--host-id", "h", "--lease-timeout", "600"]
     with (
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+        _one_host_id_at_two_addresses() as (first, second),
         TierManager.create(4, BLOCK_LEN, name="moved") as tier,
     ):
-        tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
-        os.kill(first.proc.pid, signal.SIGSTOP)
         try:
-            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            _lose_frozen(tier, first)
             assert tier.connect(second.address, private=True, slots=8) == "h"
         finally:
             os.kill(first.proc.pid, signal.SIGCONT)
@@ -415,16 +431,12 @@ def test_releases_a_redial_of_the_address_a_host_left_held_go_there_when_it_join
     mostly is): that redial had taken the sessions to release there, and its handshake, let go,
     handed them back after the join had looked for them, to nobody (the process there, resumed,
     held 8 slots for good; only ``close`` named them). They now go there once it gives up."""
-    args = ["--host-id", "h", "--lease-timeout", "600"]
     with (
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
+        _one_host_id_at_two_addresses() as (first, second),
         TierManager.create(4, BLOCK_LEN, name="moved") as tier,
     ):
-        tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
-        os.kill(first.proc.pid, signal.SIGSTOP)
         try:
-            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            _lose_frozen(tier, first)
             assert wait_for(
                 lambda: bool(tier._redialing) and not tier._ended.holds(first.address),
                 RESULT_TIMEOUT_S,
@@ -450,16 +462,10 @@ def test_close_says_which_sessions_it_could_not_release_at_an_address_a_host_lef
 ) -> None:
     """As above, the process at the first address killed: ``close`` could name them to no one
     (no dial stands for that address), and said nothing. It now says so, naming the address."""
-    args = ["--host-id", "h", "--lease-timeout", "600"]
-    with (
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
-    ):
+    with _one_host_id_at_two_addresses() as (first, second):
         tier = TierManager.create(4, BLOCK_LEN, name="moved")
         try:
-            tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
-            os.kill(first.proc.pid, signal.SIGSTOP)
-            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            _lose_frozen(tier, first)
             assert tier.connect(second.address, private=True, slots=8) == "h"
         finally:
             first.proc.kill()
@@ -485,16 +491,10 @@ def test_a_host_joining_elsewhere_joins_though_no_thread_can_carry_its_old_relea
             raise RuntimeError("can't start new thread")
         start(thread)
 
-    args = ["--host-id", "h", "--lease-timeout", "600"]
-    with (
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as first,
-        ServerProcess.start(32, BLOCK_LEN, extra_args=args) as second,
-    ):
+    with _one_host_id_at_two_addresses() as (first, second):
         tier = TierManager.create(4, BLOCK_LEN, name="moved")
         try:
-            tier.connect(first.address, private=True, slots=8, heartbeat_timeout_s=1.0)
-            os.kill(first.proc.pid, signal.SIGSTOP)
-            assert wait_for(lambda: tier.peers() == [], RESULT_TIMEOUT_S), "never lost"
+            _lose_frozen(tier, first)
             monkeypatch.setattr(threading.Thread, "start", no_release_thread)
             assert tier.connect(second.address, private=True, slots=8) == "h"
             assert tier.peers() == ["h"]

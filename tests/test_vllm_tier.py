@@ -757,10 +757,6 @@ def test_a_remote_host_full_at_startup_is_connected_once_it_has_room() -> None:
                 assert tier.peers() == []  # vLLM started without the host
                 holder.close()
                 wait_until(lambda: bool(tier.peers()), "the tier connects the host", 20.0)
-                keys = keys_for("roomy", 2)
-                driver.store("req-a", keys)
-                driver.run_until_idle()
-                assert all(tier.contains(k) for k in keys)
                 driver.shutdown(spec)
         finally:
             holder.close()
