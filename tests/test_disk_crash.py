@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from contextlib import closing
@@ -26,7 +27,7 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, settle
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_files, disk_frames, disk_journal, disk_store
+from torch_kv_tier.remote import disk_files, disk_frames, disk_journal, disk_store, disk_sync
 from torch_kv_tier.remote.disk_frames import DEL, PUT
 from torch_kv_tier.remote.disk_io import DiskTransfers
 from torch_kv_tier.remote.disk_journal import DiskDir
@@ -624,7 +625,13 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stale journal on a full disk is rewritten again 1 s, then 2, 4... s later (a rewrite
-    encodes every live record), not at every loop turn; ``close`` tries once more."""
+    encodes every live record), not at every loop turn; ``close`` tries once more. The journals'
+    clock is frozen, moved on by the test: a stalled run neither makes a retry due early nor
+    moves ``retry_at`` off the time the rewrite was tried."""
+    clock = types.SimpleNamespace(now=1000.0)
+    frozen = types.SimpleNamespace(monotonic=lambda: clock.now)
+    monkeypatch.setattr(disk_journal, "time", frozen)
+    monkeypatch.setattr(disk_sync, "time", frozen)
     store = open_store(disk_pool, [tmp_path / "d"], 8)
     tries: list[bool] = []
     try:
@@ -644,11 +651,14 @@ def test_a_journal_that_cannot_be_rewritten_is_retried_with_backoff(
         for _ in range(200):
             store.poll()
             assert store._journals.wait(5.0)  # the journals' thread: what it set, seen
-        assert d.stale and tries == [False] and d.retry_at > time.monotonic() + 0.5
-        d.retry_at = 0.0
+        assert d.stale and tries == [False] and d.retry_at == 1001.0
+        clock.now = 1000.999  # not yet due
+        store.poll()
+        assert store._journals.wait(5.0) and tries == [False]
+        clock.now = 1001.0
         store.poll()
         assert store._journals.wait(5.0)
-        assert tries == [False, False] and d.retry_at > time.monotonic() + 1.5
+        assert tries == [False, False] and d.retry_at == 1003.0  # twice as late
         monkeypatch.setattr(os, "write", real_write)
     finally:
         store.close()  # tries once more, and succeeds
