@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -573,18 +574,34 @@ def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``close`` ends every host's session side by side within its timeout (found by review:
-    it waited for each in turn with the whole timeout, so N frozen hosts took N times it)."""
+    it waited for each in turn with the whole timeout, so N frozen hosts took N times it).
+    The wait is counted on a clock that each join moves on by the timeout it was given (a
+    host that does not answer holds its thread past any), not on the wall clock a loaded
+    machine stretches."""
     release = threading.Event()
     monkeypatch.setattr(
         session_releases, "end_session", lambda *_args: release.wait(30) and []
     )  # a host that does not answer
+    clock = types.SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(
+        session_releases, "time", types.SimpleNamespace(monotonic=lambda: clock.now)
+    )
     sessions = [type("S", (), {"address": f"h{i}:1", "ended_clean": False})() for i in range(4)]
     arena = BlockArena(4, BLOCK_LEN)
     tier = TierManager(arena, LateWriteTransport(arena.tensor))
+    joined: list[threading.Thread] = []
+
+    def unanswered(thread: threading.Thread, timeout: float | None = None) -> None:
+        assert timeout is not None, "a last word awaited without a timeout"
+        joined.append(thread)
+        clock.now += timeout
+
     try:
-        start = time.monotonic()
-        tier._end_sessions([(s, True) for s in sessions], 0.5)
-        assert time.monotonic() - start < 1.5  # 2 s when each waited 0.5 s in turn
+        with monkeypatch.context() as waits:
+            waits.setattr(threading.Thread, "join", unanswered)
+            tier._end_sessions([(s, True) for s in sessions], 0.5)
+        assert len(joined) == 4 and all(t.is_alive() for t in joined)  # each awaited, unanswered
+        assert clock.now == 1000.5  # 1002.0 when each waited 0.5 s in turn
     finally:
         release.set()
         tier.close()
