@@ -211,7 +211,9 @@ def test_a_slow_dns_server_fails_a_resolve_within_the_lifetime(
 ) -> None:
     """A resolve takes at most the resolver's lifetime, however many queries it makes (found
     by review: each query had the whole lifetime, so an SRV source of 4 targets on a server
-    answering each query just within it held Membership's round for 9 lifetimes)."""
+    answering each query just within it held Membership's round for 9 lifetimes). Each query
+    answers within the lifetime, not all of them: the resolve fails only where they share it
+    (no wall-clock bound, which a loaded machine stretches past the lifetime)."""
     targets = [f"pod-{i}.kv.test." for i in range(4)]
     stub_dns.records = {
         ("_kv._tcp.kv.test.", "SRV"): [f"0 0 5600 {t}" for t in targets],
@@ -224,10 +226,8 @@ def test_a_slow_dns_server_fails_a_resolve_within_the_lifetime(
     source = parse_source(spec, resolver=resolver)
     assert source.resolve()  # answers at once: fine
     stub_dns.delay_s = 0.6  # each query answers within the lifetime, not all of them
-    start = time.monotonic()
     with pytest.raises(SourceError, match=spec):
         source.resolve()
-    assert time.monotonic() - start < 1.5
 
 
 # -- watched file ------------------------------------------------------------------------------
