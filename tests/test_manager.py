@@ -444,10 +444,8 @@ def test_sigkill_of_one_peer_fails_its_futures_and_the_other_keeps_serving(
             tier.store(keys[i : i + 16], list(range(i, i + 16))) for i in range(128, 256, 16)
         ]
         victim.kill()
-        start = time.monotonic()
-        done, _ = wait(futures, timeout=10)
+        done, _ = wait(futures, timeout=10)  # the bound: every one done within it
         assert len(done) == len(futures), "a future hung after its peer died"
-        assert time.monotonic() - start < 10
         reasons = {r for f in futures for r in f.result().failed.values()}
         assert reasons <= {"transfer failed", "peer lost"} and reasons
         assert tier.peers() == ["good"]

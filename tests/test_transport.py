@@ -997,10 +997,8 @@ def test_sigkill_of_a_peer_fails_its_in_flight_transfers(
         }
         assert None not in ids
         victim.kill()
-        start = time.monotonic()
-        done, failed = drain(t, ids, timeout=10)  # type: ignore[arg-type]
+        done, failed = drain(t, ids, timeout=10)  # type: ignore[arg-type]  # or TimeoutError
         assert failed == ids, "a write to a stopped-then-killed peer cannot have completed"
-        assert time.monotonic() - start < 10
         t.remove_remote_peer("victim")
         t.add_remote_peer("other", *peer2.peer_args())
         tid = t.write_blocks("other", [5], [5])
