@@ -170,7 +170,7 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     # left a record of the store that nothing ended: once its timeout passed (here at once),
     # its host was overdue for good (every later offload to it failed "host overdue", every
     # restore stopped at its keys) and flush() waited for it until its timeout, each time.
-    # The callback is added first; only the interrupted store's slot is lost.
+    # The record owns the store's slot: both go once the store ended, callback or not.
     tier = ScriptedTier(4, ["a"])
     interrupted = CtrlCBeforeItsCallback()
     tier.store = lambda keys, slots: interrupted  # type: ignore[method-assign]
@@ -178,25 +178,31 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     with pytest.raises(KeyboardInterrupt):
         arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
     del tier.store  # the scripted store again
+    assert tier.arena.num_free == 3  # the store is under way: the tier reads its slot
+    interrupted.set_result(stored([b"interrupted"]))  # it ended
     assert failures(arena.store_all({b"after": 1}, time.monotonic() + WAIT_S)) == {}
     tier.end_stores()
     assert arena.wait_idle(time.monotonic() + WAIT_S)
     assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
-    assert tier.arena.num_free == 3  # all but the interrupted store's slot
+    assert tier.arena.num_free == 4  # before: 3, the interrupted store's slot lost
 
 
 def test_after_a_ctrl_c_lost_a_slot_a_full_arena_offload_and_restore_still_work() -> None:
-    # Found by review: a slot that nothing hands back (Ctrl-C as a store's callback was added,
-    # or a second one inside the tier's store again) stayed in the room batches are sized to:
+    # Found by review: a slot that nothing hands back (Ctrl-C inside the tier's load, or a
+    # second one inside the tier's store again) stayed in the room batches are sized to:
     # every later offload or restore of an arena's worth of pages (here 4) waited for it until
     # its deadline, then failed every page ("capacity") or restored none, for good. The room is
     # now the free slots and those of transfers under way: batches of 3, nothing waits.
     tier = ScriptedTier(4, ["a"], frozen=set())
-    tier.store = lambda keys, slots: CtrlCBeforeItsCallback()  # type: ignore[method-assign]
+
+    def interrupted(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        raise KeyboardInterrupt  # the tier may have begun the read: its slot stays out
+
+    tier.load = interrupted  # type: ignore[method-assign]
     arena = batches(tier, timeout=WAIT_S)
     with pytest.raises(KeyboardInterrupt):
-        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
-    del tier.store  # the scripted store again
+        arena.load_prefix([b"interrupted"], [0], time.monotonic() + WAIT_S)
+    del tier.load  # the scripted load again
     assert tier.arena.num_free == 3  # the lost slot
     keys = [f"after-{i}".encode() for i in range(4)]
     deadline = time.monotonic() + 5.0  # before: both waited until it, then failed
@@ -261,17 +267,16 @@ def test_a_restore_interrupted_inside_the_tiers_load_gets_the_other_hosts_slots_
     assert tier.arena.num_free == 5  # all but the interrupted load's slot
 
 
-@pytest.mark.parametrize(("where", "free"), [("started", 3), ("log", 4)])
+@pytest.mark.parametrize("where", ["started", "log"])
 def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
-    monkeypatch: pytest.MonkeyPatch, where: str, free: int
+    monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     # Found by review: Ctrl-C (KeyboardInterrupt) as a restore held the slots of a read past
     # its deadline: between the read's record and its callback ("started"), the record was
     # never ended, its host "overdue" for good (every later offload to it failed "host
     # overdue", every restore stopped at its keys); anywhere in that step ("log"), the slots
-    # of the other hosts' reads, done, never came back. Now the record goes with the
-    # interrupt (only the read's own slot is lost: nothing says when it ends), and the other
-    # slots come back.
+    # of the other hosts' reads, done, never came back. Now the record owns the read's slot
+    # and goes, slot and all, once the read ended, callback or not; the other slots come back.
     peers = ["a", "b"]
     tier = ScriptedTier(4, peers, frozen=set())
     late: list[tuple[list[Key], Future[TransferResult]]] = []
@@ -309,7 +314,7 @@ def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
     (later_on_a,) = keys_on("a", peers, 2)[1:]
     assert failures(arena.store_all({later_on_a: 2}, time.monotonic() + WAIT_S)) == {}
     assert arena.load_prefix([later_on_a], [3], time.monotonic() + WAIT_S) == 1
-    assert tier.arena.num_free == free
+    assert tier.arena.num_free == 4  # before, "started": 3, the read's slot lost
 
 
 def test_a_flush_after_an_offload_interrupted_as_it_was_tracked_does_not_wait() -> None:
@@ -397,6 +402,34 @@ def test_a_store_whose_slots_come_back_as_ctrl_c_lands_leaves_its_host_usable(
     assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
     assert arena.wait_idle(time.monotonic() + 1.0)
     assert tier.arena.num_free == 3  # all but the interrupted store's slot
+
+
+class CtrlCAsItsCallbacksRun(Future[TransferResult]):
+    """A store's future resolved on the caller's thread, Ctrl-C landing before its callbacks
+    ran (at a callback's first line, or anywhere before it ended the store)."""
+
+    def _invoke_callbacks(self) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_store_whose_callback_ctrl_c_stopped_leaves_its_host_usable_and_flush_idle() -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C at the start of a
+    # store's done-callback, run on the caller's thread, left the store's record for good:
+    # its host "overdue" (every later offload to it failed "host overdue") and flush()
+    # waiting out its whole timeout, each time, and its slot lost. The record owns its slot,
+    # and whoever looks at the records next drops it, slot and all, once its future resolved.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    interrupted = CtrlCAsItsCallbacksRun()
+    tier.store = lambda keys, slots: interrupted  # type: ignore[method-assign]
+    arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
+    arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    del tier.store  # the scripted store again
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.set_result(stored([b"interrupted"]))
+    assert arena.wait_idle(time.monotonic() + 1.0)  # before: False, after the whole second
+    assert failures(arena.store_all({b"after": 1}, time.monotonic() + WAIT_S)) == {}
+    assert arena.load_prefix([b"after"], [2], time.monotonic() + WAIT_S) == 1
+    assert tier.arena.num_free == 4
 
 
 class JoinAsItCopies(NoCopies):

@@ -62,16 +62,14 @@ class ArenaBatches(ArenaSlots):
         while keys:
             if peers != (looked := self._manager.peers()):  # at first, or the hosts changed
                 peers, homes = looked, homes_among(keys, looked)
-            with self._lock:
-                held = self._shares.overdue()
+            held = self._overdue()
             if held and held.keys() & set(homes):  # no slot for a host that may not give it back
                 batches.append(fail_hosts(keys, homes, held, OVERDUE))
                 keys, homes = keys_without(keys, homes, held)
                 continue
             n = self._batch_size(homes, len(peers) > 1, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
-                with self._lock:
-                    late = homes[0] in self._shares.overdue()
+                late = homes[0] in self._overdue()
                 batches.append(fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity"))
                 keys, homes = keys_without(keys, homes, {homes[0]})
                 continue

@@ -6,8 +6,14 @@ it to the room and the hosts' shares (``_batch_size``, :mod:`.host_shares`), and
 slots back once nothing can touch them: when a store's future resolved (``_started``), when a
 read that its restore stopped waiting for ended (``_hold``), or at once (``_release``). It
 counts the offloads still pending (``track``), which ``wait_idle`` (``PagedKVOffloader.flush``)
-waits for. A Ctrl-C (``KeyboardInterrupt``) between a transfer's record and its callback drops
-the record: no host is left overdue, and no flush waits, for something that nothing ends.
+waits for.
+
+A transfer's record owns its slots: whoever drops the record (under the lock) frees them, in
+the same step, so they are freed once only. The futures' callbacks only hasten that: each
+look at the records (``_settle``, whenever the state is read) drops those whose futures
+resolved, and the pending ones, so a Ctrl-C (``KeyboardInterrupt``) that kept a callback from
+being added, or stopped one as it ran (on the caller's thread: a future resolved there), leaves
+no host overdue and no ``wait_idle`` waiting for something that ended.
 
 Threading: ``self._changed`` (a condition on ``self._lock``) guards the arena's allocator, the
 pending futures and the records of transfers under way, and wakes whoever waits for any of them;
@@ -21,7 +27,8 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from collections import Counter
+from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.host_shares import HostShares, fitting
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
@@ -59,41 +66,31 @@ class ArenaSlots:
         """Hand ``slots`` back once ``future`` (a store to ``host``; not ``store``: a read
         from it) resolved; until then it is under way (a store also pending), overdue from
         ``due`` on."""
-        # The record first, so that the slots are in the room until the callback returns
-        # them (a future resolved meanwhile: at once, record and all). A Ctrl-C before the
-        # callback is added drops the record (none is left that nothing ends: its host
-        # overdue, ``wait_idle`` waiting, for good) and loses the slots, out of the room.
-        try:
-            with self._lock:
-                if store:
-                    self._pending.add(future)
-                self._shares.started(future, host, len(slots), due)
-            future.add_done_callback(functools.partial(self._release, slots))
-        except BaseException:
-            with self._lock:
-                self._pending.discard(future)
-                self._shares.ended(future)
-            raise
+        # The record owns the slots from here on (a Ctrl-C before the callback is added:
+        # the next look at the records frees them once the future resolved).
+        with self._lock:
+            if store:
+                self._pending.add(future)
+            self._shares.started(future, host, slots, due)
+        future.add_done_callback(self._ended)
 
     def track(self, offload: Future[TransferResult]) -> None:
         """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
-        try:  # a Ctrl-C before the callback was added: no pending offload that nothing ends
-            with self._lock:
-                self._pending.add(offload)
-            offload.add_done_callback(self._retire)
-        except BaseException:
-            self._retire(offload)
-            raise
+        with self._lock:
+            self._pending.add(offload)
+        offload.add_done_callback(self._ended)
 
     def wait_idle(self, deadline: float) -> bool:
-        """Wait until no store or offload is pending; ``False`` if ``deadline`` came first."""
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-        return True
+        """Wait until no store or offload is pending; ``False`` if ``deadline`` came first.
+        Waits on the futures themselves: a callback that never ran cannot keep it waiting."""
+        while True:
+            with self._lock:
+                self._settle()
+                pending = list(self._pending)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return not pending
+            wait(pending, timeout=left)
 
     def _hold(
         self,
@@ -107,8 +104,8 @@ class ArenaSlots:
         ends (at once for one that ended meanwhile), under way until ``due``, overdue from then
         on; ``why``: how the restore ended before them, for the log. Adds those slots to
         ``in_use`` first, so that a caller interrupted here (Ctrl-C) frees none of them: a read
-        whose callback was not added keeps its slots for good, and leaves no record that
-        nothing ends (``_started``)."""
+        interrupted before its record keeps its slots for good; one recorded gets them back
+        once it ended, its callback added or not (``_started``)."""
         in_use.update(slot for future in unended for slot in reads[future][1])
         for future in unended:  # the tier may still write into these slots
             host, slots = reads[future]
@@ -129,6 +126,7 @@ class ArenaSlots:
         (they fail at once)."""
         with self._lock:
             while True:
+                self._settle()
                 seen = time.monotonic()
                 held, under_way = self._shares.overdue(seen), self._shares.under_way(seen)
                 room = self._shares.room(self._manager.arena.num_free, under_way)
@@ -150,12 +148,14 @@ class ArenaSlots:
         would otherwise cost the loop a whole timeout per call for as long as it is frozen)."""
         arena = self._manager.arena
         with self._lock:
-            while arena.num_free < n:
+            while True:
+                self._settle()
+                if arena.num_free >= n:
+                    return arena.allocate(n)
                 seen = time.monotonic()
                 room = self._shares.room(arena.num_free, self._shares.under_way(seen))
                 if n > room or not self._wait(deadline, seen):
                     return None
-            return arena.allocate(n)
 
     def _wait(self, deadline: float, seen: float) -> bool:
         """Under the lock: wait until something changed (slots came back, a store or read
@@ -171,31 +171,43 @@ class ArenaSlots:
     def _room(self) -> int:
         """How many slots a batch may take (``HostShares.room``)."""
         with self._lock:
+            self._settle()
             free = self._manager.arena.num_free
             return self._shares.room(free, self._shares.under_way(time.monotonic()))
 
-    def _no_slots(self) -> str:
+    def _overdue(self) -> Counter[str | None]:
+        """The slots overdue transfers hold now, by host (``HostShares.overdue``)."""
         with self._lock:
-            stuck = self._shares.overdue().total()
+            self._settle()
+            return self._shares.overdue()
+
+    def _no_slots(self) -> str:
+        stuck = self._overdue().total()
         held = (
             f" ({stuck} held by hosts past the timeout, until their transfers end)" if stuck else ""
         )
         return f"no free arena slots within the timeout{held}"
 
-    def _retire(self, offload: Future[TransferResult]) -> None:
-        """Forget a resolved offload's future; wakes ``wait_idle``."""
-        with self._lock:
-            self._pending.discard(offload)
+    def _settle(self) -> None:
+        """Under the lock: drop the records of transfers, and the pending futures, that
+        resolved, and free the slots those records owned (``HostShares.settled``: once only;
+        a Ctrl-C between loses them, never frees them twice); wakes waiters if any ended."""
+        resolved = [f for f in self._pending if f.done()]
+        self._pending.difference_update(resolved)
+        freed = self._shares.settled()
+        if freed:
+            self._manager.arena.free(freed)
+        if resolved or freed:
             self._changed.notify_all()
 
-    def _release(self, slots: list[int], transfer: Future[TransferResult] | None = None) -> None:
-        """Return arena slots (and retire the store or read that used them, at once: the
-        slots are never out of the room meanwhile); wakes waiters. The record goes first: a
-        Ctrl-C as a callback runs on the caller's thread loses the slots, never leaves a record
-        that nothing ends (its host overdue, ``wait_idle`` waiting, for good)."""
+    def _ended(self, future: Future[TransferResult]) -> None:
+        """A transfer's or offload's done-callback: settle it (``_settle``)."""
         with self._lock:
-            if transfer is not None:
-                self._pending.discard(transfer)
-                self._shares.ended(transfer)
-            self._changed.notify_all()
+            self._settle()
+
+    def _release(self, slots: list[int]) -> None:
+        """Return arena slots that no record owns (none was sent, or its transfer cannot touch
+        them any more); wakes waiters."""
+        with self._lock:
             self._manager.arena.free(slots)
+            self._changed.notify_all()

@@ -45,19 +45,22 @@ class HostShares:
     (module docstring)."""
 
     def __init__(self) -> None:
-        # each transfer under way: its host, slots and when it is overdue
-        self._transfers: dict[Future[TransferResult], tuple[str | None, int, float]] = {}
+        # each transfer under way: its host, the slots it owns and when it is overdue
+        self._transfers: dict[Future[TransferResult], tuple[str | None, list[int], float]] = {}
 
     def started(
-        self, transfer: Future[TransferResult], host: str | None, slots: int, due: float
+        self, transfer: Future[TransferResult], host: str | None, slots: list[int], due: float
     ) -> None:
         """``transfer`` (a store, or a read its restore stopped waiting for) to or from
-        ``host`` holds ``slots`` slots; overdue once ``due`` (``time.monotonic`` time) passed."""
+        ``host`` owns ``slots`` until it resolved (:meth:`settled` hands them back); overdue
+        once ``due`` (``time.monotonic`` time) passed."""
         self._transfers[transfer] = host, slots, due
 
-    def ended(self, transfer: Future[TransferResult]) -> None:
-        """``transfer`` (of :meth:`started`) resolved; unknown ones are ignored."""
-        self._transfers.pop(transfer, None)
+    def settled(self) -> list[int]:
+        """Drop the transfers whose futures resolved; the slots they owned, each handed back
+        once only (whoever frees them must: dropped, nothing else owns them)."""
+        done = [transfer for transfer in self._transfers if transfer.done()]
+        return [slot for transfer in done for slot in self._transfers.pop(transfer)[1]]
 
     def overdue(self, now: float | None = None) -> Counter[str | None]:
         """The slots overdue transfers hold at ``now`` (``time.monotonic`` time; ``None``:
@@ -66,7 +69,7 @@ class HostShares:
         now = time.monotonic() if now is None else now
         for host, slots, due in self._transfers.values():
             if due <= now:
-                held[host] += slots
+                held[host] += len(slots)
         return held
 
     def under_way(self, now: float) -> Counter[str | None]:
@@ -75,7 +78,7 @@ class HostShares:
         held: Counter[str | None] = Counter()
         for host, slots, due in self._transfers.values():
             if due > now:
-                held[host] += slots
+                held[host] += len(slots)
         return held
 
     def next_due(self, seen: float) -> float:
