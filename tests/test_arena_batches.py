@@ -432,6 +432,30 @@ def test_a_store_whose_callback_ctrl_c_stopped_leaves_its_host_usable_and_flush_
     assert tier.arena.num_free == 4
 
 
+def test_a_store_interrupted_as_its_record_is_made_gets_its_slot_back_once_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C after the tier's
+    # store returned, before the store's record was made, lost its slot for good (the tier
+    # may still read it, so the offload could not free it; nothing else would). The record is
+    # made on the way out; its slot comes back once the store ended.
+    tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
+    arena = batches(tier, timeout=WAIT_S)
+    real_started = host_shares.HostShares.started
+
+    def interrupted(shares: host_shares.HostShares, *args: object) -> None:
+        monkeypatch.setattr(host_shares.HostShares, "started", real_started)
+        raise KeyboardInterrupt  # as the record is about to be made
+
+    monkeypatch.setattr(host_shares.HostShares, "started", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 3  # the store is under way: the tier reads its slot
+    tier.end_stores()
+    assert arena.wait_idle(time.monotonic() + 1.0)
+    assert tier.arena.num_free == 4  # before: 3, for good
+
+
 class JoinAsItCopies(NoCopies):
     """Page copies during which host ``b`` joins the tier (the tier's redial)."""
 

@@ -67,12 +67,34 @@ class ArenaSlots:
         from it) resolved; until then it is under way (a store also pending), overdue from
         ``due`` on."""
         # The record owns the slots from here on (a Ctrl-C before the callback is added:
-        # the next look at the records frees them once the future resolved).
+        # the next look at the records frees them once the future resolved). A Ctrl-C
+        # before it was made makes it on the way out (the transfer may use the slots); not
+        # once made: the record may be settled, its slots freed, meanwhile.
+        made: list[bool] = []
+        try:
+            self._record(future, host, slots, due, store, made)
+        except BaseException:
+            if not made:
+                self._record(future, host, slots, due, store, made)
+            raise
+        future.add_done_callback(self._ended)
+
+    def _record(
+        self,
+        future: Future[TransferResult],
+        host: str | None,
+        slots: list[int],
+        due: float,
+        store: bool,
+        made: list[bool],
+    ) -> None:
+        """Record ``future`` as ``_started`` says; ``made`` gains an item in the same step
+        (no signal is checked between a Python function's return and a C call)."""
         with self._lock:
             if store:
                 self._pending.add(future)
             self._shares.started(future, host, slots, due)
-        future.add_done_callback(self._ended)
+            made.append(True)
 
     def track(self, offload: Future[TransferResult]) -> None:
         """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
