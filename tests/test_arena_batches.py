@@ -43,13 +43,17 @@ class ScriptedTier:
     def holders(self, keys: list[Key]) -> list[str | None]:
         return [home_peer(k, self._peers) for k in keys]
 
-    def store(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+    def store(
+        self, keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
         future: Future[TransferResult] = Future()
         under_way = next((f for ks, f in self.stores if not f.done() and ks == keys), None)
         if under_way is not None:  # keys in flight join their store, as TierManager's do
             under_way.add_done_callback(lambda _: future.set_result(stored(keys)))
             return future
         self.stores.append((list(keys), future))
+        if placed is not None:
+            placed.extend(dict.fromkeys(h for h in self.holders(keys) if h is not None))
         if self._frozen is not None and self._frozen.isdisjoint(self.holders(keys)):
             future.set_result(stored(keys))
         return future
@@ -173,7 +177,7 @@ def test_an_offload_interrupted_as_its_store_began_leaves_its_host_usable() -> N
     # The record owns the store's slot: both go once the store ended, callback or not.
     tier = ScriptedTier(4, ["a"])
     interrupted = CtrlCBeforeItsCallback()
-    tier.store = lambda keys, slots: interrupted  # type: ignore[method-assign]
+    tier.store = lambda keys, slots, placed: interrupted  # type: ignore[method-assign]
     arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
     with pytest.raises(KeyboardInterrupt):
         arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
@@ -222,9 +226,9 @@ def test_an_offload_interrupted_inside_the_tiers_store_gets_its_slots_back() -> 
     tier = ScriptedTier(4, peers)
     scripted_store = tier.store
 
-    def interrupted(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+    def interrupted(keys: list[Key], slots: list[int], placed: list[str]) -> Future[TransferResult]:
         del tier.store  # the scripted store again from now on
-        scripted_store(keys, slots)  # the tier sent them...
+        scripted_store(keys, slots, placed)  # the tier sent them...
         raise KeyboardInterrupt  # ...and Ctrl-C landed before it returned
 
     tier.store = interrupted  # type: ignore[method-assign]
@@ -420,7 +424,7 @@ def test_a_store_whose_callback_ctrl_c_stopped_leaves_its_host_usable_and_flush_
     # and whoever looks at the records next drops it, slot and all, once its future resolved.
     tier = ScriptedTier(4, ["a"], frozen=set())
     interrupted = CtrlCAsItsCallbacksRun()
-    tier.store = lambda keys, slots: interrupted  # type: ignore[method-assign]
+    tier.store = lambda keys, slots, placed: interrupted  # type: ignore[method-assign]
     arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
     arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
     del tier.store  # the scripted store again
@@ -485,6 +489,34 @@ def test_a_host_that_joins_as_an_offload_runs_takes_at_most_its_share() -> None:
     assert failures(parts) == {}
     (later,) = keys_on("a", both, 3)[2:]
     assert failures(arena.store_all({later: 5}, time.monotonic() + 1.0)) == {}
+    tier.end_stores()
+    assert tier.arena.num_free == 4
+
+
+def test_a_host_that_joins_inside_the_tiers_store_does_not_make_the_other_overdue() -> None:
+    # Found by review: a host that joined inside the tier's store (after the batch's last look
+    # at the hosts) got the batch's keys, but the store was counted against the host the batch
+    # was sized for: while the new host, frozen, held the store (until its session was lost,
+    # ~10 s), the healthy host was "overdue" and its next pages failed at once. The tier's
+    # store now says which hosts it sent to; a store to one host counts as that host's.
+    both, peers = ["a", "b"], ["a"]
+    tier = ScriptedTier(4, peers, frozen={"b"})
+    scripted_store = tier.store
+
+    def joining_store(
+        keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
+        if "b" not in peers:
+            peers.append("b")  # b joins inside the tier's store: its keys go to b
+        return scripted_store(keys, slots, placed)
+
+    tier.store = joining_store  # type: ignore[method-assign]
+    arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
+    (on_b,), (on_a,) = keys_on("b", both, 1), keys_on("a", both, 1)
+    assert failures(arena.store_all({on_b: 0}, time.monotonic() + WAIT_S)) == {}
+    assert (
+        failures(arena.store_all({on_a: 1}, time.monotonic() + WAIT_S)) == {}
+    )  # before: a overdue
     tier.end_stores()
     assert tier.arena.num_free == 4
 

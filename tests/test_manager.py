@@ -132,6 +132,21 @@ def test_dedupe_and_joining_a_store_in_flight(peers: tuple[RemotePeer, RemotePee
         assert tier.stats().transfers_done == 2
 
 
+def test_a_store_says_which_peers_it_sent_to(peers: tuple[RemotePeer, RemotePeer]) -> None:
+    # The torch loop counts a store's arena slots against the host it went to: a host that
+    # joined as the store ran gets its keys, so the caller's own guess can be wrong.
+    with make_tier(64) as tier:
+        for name, p in zip("ab", peers):
+            tier.add_peer(name, *p.peer_args())
+        on_b = [k for k in (f"placed-{i}" for i in range(64)) if home_peer(k, ["a", "b"]) == "b"]
+        placed: list[str] = []
+        assert tier.store(on_b[:2], [0, 1], placed).result(10).ok
+        assert placed == ["b"]
+        again: list[str] = []
+        assert tier.store(on_b[:2], [0, 1], again).result(10).ok
+        assert again == []  # stored already: sent nowhere
+
+
 def test_missing_keys_fail_and_the_rest_still_load(peers: tuple[RemotePeer, RemotePeer]) -> None:
     with make_tier(64) as tier:
         tier.add_peer("a", *peers[0].peer_args())

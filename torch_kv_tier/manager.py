@@ -237,13 +237,17 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
     # -- data ---------------------------------------------------------------------------------
 
-    def store(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
+    def store(
+        self, keys: Sequence[Key], local_idxs: Sequence[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
         """Copy arena blocks ``local_idxs`` to remote slots under ``keys``. Never blocks.
 
         Already-stored keys send nothing and succeed; keys whose store is in flight (or waits
-        for a shared host's slots) join it. Raises ``TypeError``/``ValueError``/``IndexError``
-        for bad input (``keys.check_keys`` states the key limits), before any transfer. The
-        blocks must not change until the future resolves.
+        for a shared host's slots) join it. ``placed``, if given, gains the ids of the peers
+        this call sent keys to (as it placed them: a host may join as it runs). Raises
+        ``TypeError``/``ValueError``/``IndexError`` for bad input (``keys.check_keys`` states
+        the key limits), before any transfer. The blocks must not change until the future
+        resolves.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
@@ -262,6 +266,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 self._touch_shared(index.touch(stored))
                 request.settle(stored, None)
             groups = index.place(new_keys, new_local, new_digests) if new_keys else {}
+            if placed is not None:
+                placed.extend(groups)
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal, gdigests) in groups.items():

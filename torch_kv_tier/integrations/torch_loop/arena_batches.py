@@ -124,10 +124,11 @@ class ArenaBatches(ArenaSlots):
         nothing sent and the slots back, when ``resize`` and before ``deadline`` (the batch
         was sized for them); else the batch is stored as sized, each key counted as its home's
         among the hosts now (a batch is sized again at most once, so hosts that change at
-        every look cost one copy more, not a spin until the deadline). A store's slots come
-        back when it resolved (overdue once under way for the timeout: however late in its
-        offload it started, a healthy host's store is not); the pages may change once this
-        returns.
+        every look cost one copy more, not a spin until the deadline), and a store the tier
+        sent to one other host (one that joined as the tier's store ran) as that host's. A
+        store's slots come back when it resolved (overdue once under way for the timeout:
+        however late in its offload it started, a healthy host's store is not); the pages may
+        change once this returns.
         Each store's keys and future, which fails every key with "capacity" when no slots came
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), as does a ``KeyboardInterrupt`` before the first store, and one in the
@@ -155,8 +156,9 @@ class ArenaBatches(ArenaSlots):
         try:
             while unsent:
                 host, (host_keys, host_slots) = calling = unsent[0]
+                placed: list[str] = []  # where the tier sent them
                 try:
-                    future = self._manager.store(host_keys, host_slots)
+                    future = self._manager.store(host_keys, host_slots, placed)
                 except Exception as exc:
                     del unsent[0]  # (before they go: a Ctrl-C between loses them, not twice)
                     self._release(host_slots)
@@ -164,6 +166,7 @@ class ArenaBatches(ArenaSlots):
                     stores.append((host_keys, failed))
                     continue
                 del unsent[0]  # its slots go to its future's callback
+                host = placed[0] if len(placed) == 1 else host
                 self._started(future, host, host_slots, due)
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
