@@ -165,7 +165,7 @@ class ArenaBatches(ArenaSlots):
                     failed = failed_now(host_keys, str(exc), "tier refused a store")
                     stores.append((host_keys, failed))
                     continue
-                del unsent[0]  # its slots go to its future's callback
+                del unsent[0]  # its slots go to its future's record
                 host = placed[0] if len(placed) == 1 else host
                 self._started(future, host, host_slots, due)
                 stores.append((host_keys, future))

@@ -91,8 +91,8 @@ class HostShares:
     def room(self, free: int, under_way: Counter[str | None]) -> int:
         """The slots a batch can count on: the arena's ``free`` ones and those its transfers
         ``under_way`` (from :meth:`under_way`) hold, which come back once they end; not those
-        of overdue transfers, nor slots that nothing will hand back (a store whose callback a
-        Ctrl-C kept from being added), which a batch would wait for in vain."""
+        of overdue transfers, nor slots that nothing will hand back (a read that a Ctrl-C
+        interrupted inside the tier's load), which a batch would wait for in vain."""
         return free + under_way.total()
 
     def share(
