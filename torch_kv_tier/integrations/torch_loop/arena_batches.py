@@ -165,8 +165,8 @@ class ArenaBatches(ArenaSlots):
                     failed = failed_now(host_keys, str(exc), "tier refused a store")
                     stores.append((host_keys, failed))
                     continue
+                host = placed[0] if len(placed) == 1 else host  # (a Ctrl-C here: _rejoin)
                 del unsent[0]  # its slots go to its future's record
-                host = placed[0] if len(placed) == 1 else host
                 self._started(future, host, host_slots, due)
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
