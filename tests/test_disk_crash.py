@@ -27,7 +27,14 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, settle
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_files, disk_frames, disk_journal, disk_store, disk_sync
+from torch_kv_tier.remote import (
+    disk_files,
+    disk_frames,
+    disk_index,
+    disk_journal,
+    disk_store,
+    disk_sync,
+)
 from torch_kv_tier.remote.disk_frames import DEL, PUT
 from torch_kv_tier.remote.disk_io import DiskTransfers
 from torch_kv_tier.remote.disk_journal import DiskDir
@@ -537,6 +544,7 @@ def test_writes_failing_on_and_on_are_logged_once_until_one_is_done(
     """A file system gone read-only under a host (an ext4 error) failed every copy, and each
     request logged "disk write failed: NIXL_ERR_BACKEND": 66 lines in 10 s, for as long as it
     ran, none saying what to check."""
+    monkeypatch.setattr(disk_index, "WRITE_PROBE_S", 0.0)  # a write to a failing disk each time
     with closing(open_store(disk_pool, [tmp_path / "d"], 16)) as store:
         store.recover()
         agent = store._io._agent
@@ -560,8 +568,9 @@ def test_writes_failing_on_and_on_are_logged_once_until_one_is_done(
         if r.levelno >= logging.INFO and r.name == "torch_kv_tier.remote.disk_io"
     ]
     assert len(said) == 3, said
-    assert "NIXL_ERR_BACKEND" in said[0] and "check the file system" in said[0]
-    assert said[1] == "disk writes succeed again" and "NIXL_ERR_BACKEND" in said[2]
+    assert "NIXL_ERR_BACKEND" in said[0] and f"check the file system of {tmp_path / 'd'}" in said[0]
+    assert said[1] == f"disk writes to {tmp_path / 'd'} succeed again"
+    assert "NIXL_ERR_BACKEND" in said[2]
 
 
 def test_a_failing_disk_evicts_no_key_it_holds_for_writes_until_one_is_done(
@@ -571,6 +580,7 @@ def test_a_failing_disk_evicts_no_key_it_holds_for_writes_until_one_is_done(
     make room, and freed the slot as it failed; a look for copies larger than the last one
     evicted more: good keys, readable, lost for copies that could never be written. While the
     last write failed, writes now take free slots only; one done ends that."""
+    monkeypatch.setattr(disk_index, "WRITE_PROBE_S", 0.0)  # a write to a failing disk each time
     with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         store.recover()
         assert _write(store, disk_pool, b"k0", 0).written
@@ -725,8 +735,8 @@ class HungDevice:
             self.held.append(handle)
             return "PROC"
 
-        def state(handle: Any, kind: str) -> str:
-            return "PROC" if handle in self.held else real_state(handle, kind)
+        def state(handle: Any, kind: str, f: int) -> str:
+            return "PROC" if handle in self.held else real_state(handle, kind, f)
 
         monkeypatch.setattr(self.agent, "transfer", transfer)
         monkeypatch.setattr(self.io, "state", state)
@@ -875,7 +885,7 @@ def test_a_read_that_fails_as_the_store_closes_keeps_its_key_for_a_restart(
     assert _write(store, disk_pool, b"K", 0).written
     HungDevice(store, monkeypatch)
     store.read([("ns", b"K", 30)])
-    monkeypatch.setattr(store._io, "state", lambda handle, kind: "ERR")  # cancelled
+    monkeypatch.setattr(store._io, "state", lambda handle, kind, f: "ERR")  # cancelled
     store.close()
     with closing(open_store(disk_pool, dirs, 8)) as again:
         assert [key for _, key, _ in again.recover()] == [b"K"]
@@ -901,7 +911,7 @@ store.recover()
 store.write([("ns", b"K", digest_of(pool.rows, 0, b"K"), 0)])
 settle(store)
 store.read([("ns", b"K", 3)])
-store._io.state = lambda handle, kind: "PROC"  # the device stops answering
+store._io.state = lambda handle, kind, f: "PROC"  # the device stops answering
 store.close()
 del pool, store
 print("exiting", flush=True)
@@ -975,7 +985,11 @@ def test_a_disk_request_the_device_cannot_answer_at_once_never_blocks_its_poster
     pool = make_disk_pool()
     block = 4096  # a pipe's writes of at most this many bytes land whole: no short read
     io = DiskTransfers(
-        [(fd, 4)], block_len=block, pool_addr=pool.ctypes.data, pool_blocks=4, name="fifo-test"
+        [(fd, 4, "fifo")],
+        block_len=block,
+        pool_addr=pool.ctypes.data,
+        pool_blocks=4,
+        name="fifo-test",
     )
     posted: list[str] = []
 
@@ -985,7 +999,7 @@ def test_a_disk_request_the_device_cannot_answer_at_once_never_blocks_its_poster
         deadline = time.monotonic() + 20.0
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.01)
-            state = io.state(handle, "read")
+            state = io.state(handle, "read", 0)
         posted.append(state)
         io.release(handle)
 

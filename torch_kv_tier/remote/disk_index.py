@@ -8,12 +8,22 @@ so a restart finds what the disk holds (``recover``). The index keeps its own LR
 marks a key read); a slot with I/O in flight (``slots``, a ``disk_slots.DiskSlots``) is never
 evicted, nor free again before that I/O ends.
 
+A directory whose last write failed (``failing``: read-only, full, EIO) loses no key it holds
+for writes and takes no write but a probe, one slot at most every ``WRITE_PROBE_S``, its free
+slots in turn (``take_slot``); the other directories take the copies, evicting their own keys.
+Its free slots are held back meanwhile (``_parked``), and free again once a write to it is done
+(``wrote``). One failing directory of several thus stops no copy to the others. A failure tied
+to some slots (a sparse block file on a full file system) is not told apart: a probe that lands
+on a good slot ends the failing, and the next write that takes a bad slot fails again, its
+evicted keys lost; the probe period bounds how often.
+
 Threading: not thread-safe; its store's thread calls every method.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from torch_kv_tier.remote.disk_frames import DEL, PUT, Record
@@ -22,6 +32,9 @@ from torch_kv_tier.remote.disk_journal import DiskDir
 from torch_kv_tier.remote.disk_recovery import verified_index
 from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.slot_owners import SlotOwners
+
+WRITE_PROBE_S = 1.0  # a directory whose writes fail is written one slot at most this often
+PARK_PER_TAKE = 64  # free slots of failing directories set aside per slot taken, at most
 
 
 class DiskIndex:
@@ -32,6 +45,9 @@ class DiskIndex:
         self.slots = DiskSlots(capacity)  # global slots
         self.where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
         self.owners = SlotOwners(capacity)  # global slot -> its key in ``where``
+        self.failing: set[int] = set()  # directories whose last write failed
+        self._parked: dict[int, deque[int]] = {}  # free slots of failing directories
+        self._probe_at: dict[int, float] = {}  # a failing directory's next probe, monotonic
 
     def __len__(self) -> int:
         return len(self.where)
@@ -61,20 +77,46 @@ class DiskIndex:
         self.slots.release(entry[0])
         return True
 
-    def take_slot(self, evicted: list[Pair], *, evict: bool = True) -> int | None:
-        """A free slot, now held, else (with ``evict``) that of the least recently used key
-        with no I/O in flight, evicted (added to ``evicted``); ``None``: none free and (with
-        ``evict``) every slot has I/O in flight."""
-        free = self.slots.take()
-        if free is not None or not evict:
+    def take_slot(self, evicted: list[Pair], now: float) -> int | None:
+        """A slot for a write, now held: a failing directory's probe where one is due (module
+        docstring), else a free slot of a directory not failing, else that of the least
+        recently used key of such a directory with no I/O in flight, evicted (added to
+        ``evicted``; the keys of failing directories before it are passed over); ``None``:
+        none of these."""
+        n = len(self._dirs)
+        for _ in range(PARK_PER_TAKE):  # a bounded part of a dead directory's slots per take
+            free = self.slots.take()
+            if free is None or free % n not in self.failing:
+                break
+            self._parked.setdefault(free % n, deque()).append(free)
+        else:  # the rest next time: no key is evicted while free slots may be left
+            return None
+        for f in self.failing:
+            parked = self._parked.get(f)
+            if parked and now > self._probe_at.get(f, -math.inf):  # one per ``now`` at most
+                self._probe_at[f] = now + WRITE_PROBE_S
+                if free is not None:
+                    self.slots.release(free)  # taken next
+                return parked.popleft()  # in turn: a bad slot is not probed on and on
+        if free is not None or len(self.failing) == n:
             return free
         for pair, (slot, _) in self.where.items():
-            if not self.slots.busy(slot):  # its record goes before the slot is rewritten
-                del self.where[pair]
+            if not self.slots.busy(slot) and slot % n not in self.failing:
+                del self.where[pair]  # its record goes before the slot is rewritten
                 self._append(slot, DEL, pair, 0)
                 evicted.append(pair)
                 return slot
         return None
+
+    def wrote(self, f: int, ok: bool) -> None:
+        """A write request to directory ``f`` ended (``ok``: done; failed, its slots released):
+        ``f`` is failing, or no longer (its held-back free slots are free again)."""
+        if not ok:
+            self.failing.add(f)
+        elif f in self.failing:
+            self.failing.discard(f)  # its next probe no sooner (``_probe_at``): flapping bounded
+            for free in self._parked.pop(f, ()):
+                self.slots.release(free)
 
     def recover(self, block_len: int) -> int:
         """Rebuild the index from the journals, keeping the blocks that verify

@@ -11,7 +11,8 @@ hands what would block to kernel workers, never waits for the device.
 Threading and failures: not thread-safe; owned by one ``DiskStore``. On io_uring a request still in
 flight when the thread that posted it exits is cancelled (``"ERR"``): post from a thread that
 outlives its requests (the host's loop). A request NIXL refuses to start, or reports failed, is
-logged (once until one of its kind is done) and answered ``"ERR"``, never raised; construction
+logged (once until one of its kind to that file is done, naming its directory) and answered
+``"ERR"``, never raised; construction
 raises what NIXL raised, with everything it had made released.
 """
 
@@ -30,8 +31,13 @@ from torch_kv_tier.transport.nixl_agent import descriptors
 logger = logging.getLogger(__name__)
 
 _agent_ids = itertools.count()
-# what the store does while requests of a kind fail (``DiskStore.write``, ``DiskTier``)
-_WHILE_FAILING = {"write": ", copies back off and evict no block on disk until one is done"}
+# what a failing request of a kind costs (``DiskIndex.take_slot``: what a write's failing does)
+_COST = {
+    "write": "the copies it carries (misses once DRAM evicts them); the blocks already there "
+    "stay and are read, copies go to the other --disk directories, if any, and this one is "
+    "tried at most once a second",
+    "read": "its blocks a miss",
+}
 
 Pair = tuple[str, Key]
 
@@ -64,11 +70,12 @@ class Request:
 
 class DiskTransfers:
     """One NIXL agent with the POSIX backend over a pool and block files (module docstring).
-    ``files`` are ``(fd, slots)`` of each block file, in the order requests name them."""
+    ``files`` are ``(fd, slots, directory)`` of each block file, in the order requests name
+    them (``directory`` for the log)."""
 
     def __init__(
         self,
-        files: Sequence[tuple[int, int]],
+        files: Sequence[tuple[int, int, str]],
         *,
         block_len: int,
         pool_addr: int,
@@ -84,12 +91,13 @@ class DiskTransfers:
         self._files: list[Any] = []
         self._pool_reg: Any = None
         self._file_reg: Any = None
-        self._failing: set[str] = set()  # kinds whose last request failed (``_failed``)
+        self._failing: set[tuple[str, int]] = set()  # (kind, file): last request failed
+        self._directories = [directory for _, _, directory in files]
         try:
             _create_backend(self._agent)
             pool = [(pool_addr, pool_blocks * block_len, 0, "")]
             self._pool_reg = self._agent.register_memory(pool, "DRAM", backends=["POSIX"])
-            regs = [(0, slots * block_len, fd, "") for fd, slots in files]
+            regs = [(0, slots * block_len, fd, "") for fd, slots, _ in files]
             self._file_reg = self._agent.register_memory(regs, "FILE", backends=["POSIX"])
             rows = descriptors(pool_addr, pool_blocks, block_len, 0)
             self._dram = self._agent.prep_xfer_dlist(
@@ -102,7 +110,7 @@ class DiskTransfers:
                     "FILE",
                     backends=["POSIX"],
                 )
-                for fd, slots in files
+                for fd, slots, _ in files
             ]
         except BaseException:
             self.close()
@@ -120,34 +128,36 @@ class DiskTransfers:
             )
             state = self._agent.transfer(handle)
         except Exception as exc:
-            self._failed(kind, f"a {kind} of {len(dram)} blocks could not start: {exc}")
+            self._failed(kind, f, f"a {kind} of {len(dram)} blocks could not start: {exc}")
             state = "ERR"
         return handle, state
 
-    def state(self, handle: Any, kind: str) -> str:
-        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"`` (logged, ``_failed``)."""
+    def state(self, handle: Any, kind: str, f: int) -> str:
+        """``"PROC"`` (in flight), ``"DONE"`` or ``"ERR"`` (logged, ``_failed``) of a request
+        to file ``f``."""
         try:
             state = str(self._agent.check_xfer_state(handle))
         except Exception as exc:  # NIXL raises on a failed request
-            self._failed(kind, f"a {kind} failed: {exc}")
+            self._failed(kind, f, f"a {kind} failed: {exc}")
             return "ERR"
-        if state == "DONE" and kind in self._failing:
-            self._failing.discard(kind)
-            logger.info("disk %ss succeed again", kind)
+        if state == "DONE" and (kind, f) in self._failing:
+            self._failing.discard((kind, f))
+            logger.info("disk %ss to %s succeed again", kind, self._directories[f])
         return state
 
-    def _failed(self, kind: str, what: str) -> None:
-        """Log a failed request: a warning for the first since one of its ``kind`` was done,
-        at debug level after it (a read-only or dead file system fails every request: one
-        line, not one per request)."""
-        if kind in self._failing:
-            logger.debug("disk: %s", what)
+    def _failed(self, kind: str, f: int, what: str) -> None:
+        """Log a failed request to file ``f``: a warning for the first since one of its
+        ``kind`` to ``f`` was done, at debug level after it (a read-only or dead file system
+        fails every request: one line, not one per request)."""
+        where = self._directories[f]
+        if (kind, f) in self._failing:
+            logger.debug("disk: %s: %s", where, what)
             return
-        self._failing.add(kind)
+        self._failing.add((kind, f))
         logger.warning(
-            "disk: %s; each %s failing costs its blocks a miss%s (logged again once a %s is done): "
-            "check the file system of the --disk directories (read-only, full, failing?)",
-            what, kind, _WHILE_FAILING.get(kind, ""), kind,
+            "disk: %s: %s; each %s there failing costs %s; logged again once a %s there is "
+            "done: check the file system of %s (read-only, full, failing device?)",
+            where, what, kind, _COST[kind], kind, where,
         )  # fmt: skip
 
     def release(self, handle: Any) -> None:

@@ -20,8 +20,9 @@ run on another once the loop ended: on io_uring, requests the loop still had in 
 cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O error
 drops the keys of that request from the disk (``poll().failed``), logged, never raised; so does a
 request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it ends).
-While the last write request failed (``writes_failing``), writes evict no key: a failing disk costs
-the copies it cannot make, not the blocks it holds. A read of a directory with a request given up
+A directory whose last write failed takes only a probe now and then and loses no key for writes
+(``DiskIndex.failing``): a failing disk costs the copies it cannot make, not the blocks it holds,
+nor the copies its other directories can make. A read of a directory with a request given up
 fails at once but keeps its keys (``_finish``). Construction raises ``DiskError`` with what to do.
 ``close`` never frees what a request still in flight may touch (``close``).
 """
@@ -92,13 +93,10 @@ class DiskStore:
             0,
         )  # fmt: skip
         self._busy_s = {"write": 0.0, "read": 0.0}
-        # the last write request that ended failed (a full or failing file system): writes then
-        # evict nothing (``write``) until one is done
-        self.writes_failing = False
         self._closed = False
         try:
             self._io = DiskTransfers(
-                [(d.fd, d.slots) for d in self._dirs],
+                [(d.fd, d.slots, str(d.path)) for d in self._dirs],
                 block_len=block_len,
                 pool_addr=pool_addr,
                 pool_blocks=pool_blocks,
@@ -141,17 +139,18 @@ class DiskStore:
     def write(self, items: Sequence[tuple[str, Key, int, int]]) -> list[Pair]:
         """Post writes of DRAM slots to disk: ``(namespace, key, digest, dram_slot)``; keys on
         disk or being written are skipped, every key while a request is stuck (``_give_up``).
-        Returns the keys evicted from disk for room; none while writes fail (``writes_failing``:
-        only free slots are written, so that a failing disk costs no key it holds)."""
+        Returns the keys evicted from disk for room, none of a directory whose writes fail
+        (``DiskIndex.take_slot``: so that a failing disk costs no key it holds)."""
         evicted: list[Pair] = []
         if self._stuck:  # a hung device: evicting for writes it would refuse empties the disk
             return evicted
         batch: list[tuple[str, Key, int, int, int]] = []
+        now = time.monotonic()
         for ns, key, digest, dram in items:
             pair = (ns, key)
             if pair in self._index.where or pair in self._writing:
                 continue
-            slot = self._index.take_slot(evicted, evict=not self.writes_failing)
+            slot = self._index.take_slot(evicted, now)
             if slot is None:
                 break
             self._writing.add(pair)
@@ -187,7 +186,7 @@ class DiskStore:
         now = time.monotonic()
         left = []
         for request in self._requests:
-            state = self._io.state(request.handle, request.kind)
+            state = self._io.state(request.handle, request.kind, request.directory)
             if state != "PROC":
                 self._finish(request, state == "DONE", done)
             elif now >= request.deadline:
@@ -197,7 +196,7 @@ class DiskStore:
         self._requests = left
         stuck, self._stuck = self._stuck, []
         for request in stuck:
-            if self._io.state(request.handle, request.kind) == "PROC":
+            if self._io.state(request.handle, request.kind, request.directory) == "PROC":
                 self._stuck.append(request)
             else:
                 self._unstick(request, done)
@@ -220,7 +219,7 @@ class DiskStore:
             **c,
             "disk_keys": len(self._index),
             "disk_stuck_in_flight": len(self._stuck),
-            "disk_writes_failing": int(self.writes_failing),
+            "disk_writes_failing": len(self._index.failing),
             "disk_bytes": len(self._index) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
@@ -330,7 +329,7 @@ class DiskStore:
                     index.remove(pair)
                 done.failed.append((ns, key, dram))
         if request.kind == "write" and not (refused or self._closed):
-            self.writes_failing = not ok
+            index.wrote(request.directory, ok)
         if ok:
             self._counters[f"disk_{request.kind}s"] += len(request.items)
             self._counters[f"disk_{request.kind}_bytes"] += request.nbytes

@@ -8,8 +8,9 @@ eviction usually finds the copy complete: the key is then announced *on disk* (s
 next least recently used key is). A key evicted with no copy is gone, as without a disk. Every write
 goes from the pool's DRAM slot to the file through NIXL's POSIX backend (``DiskStore``): no byte
 crosses Python. A disk whose writes fail (full, read-only, EIO) costs nothing it holds: the
-copies back off (``_back_off_copies``: bounded, ended by a copy done) and the store evicts no key
-for a write while the last one failed (``DiskStore.write``; stat ``disk_writes_failing``).
+copies back off while none is done (``_back_off_copies``: bounded, ended by a copy done), and a
+directory whose last write failed loses no key for writes and takes only a probe now and then,
+the others taking the copies (``DiskIndex.take_slot``; stat ``disk_writes_failing``).
 
 Admission: a key is copied only once it was *seen* ``admit_after`` times (a commit, a second
 commit of the same key by another engine, a load's recency report), counted in ``SeenCounts``,
@@ -247,8 +248,8 @@ class DiskTier:
     def _back_off_copies(self, now: float) -> None:
         """Copies failed and none was done (a full or failing file system): look for copies
         again only after ``COPY_BACKOFF_S``, twice as long after each such poll in a row, at most
-        ``COPY_BACKOFF_MAX_S`` (each look posts writes that fail; the store evicts no key for
-        them meanwhile, ``DiskStore.write``). A copy done ends the backoff."""
+        ``COPY_BACKOFF_MAX_S`` (each look posts writes that fail; the store evicts no key of a
+        failing directory for them, ``DiskIndex.take_slot``). A copy done ends the backoff."""
         seconds = min(COPY_BACKOFF_MAX_S, max(COPY_BACKOFF_S, 2 * self._copy_backoff[1]))
         self._copy_backoff = (now + seconds, seconds)
 

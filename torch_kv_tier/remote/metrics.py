@@ -177,8 +177,9 @@ def _disk_metrics(stats: Mapping[str, Any], metric: Callable[..., None]) -> None
     metric(
         "disk_writes_failing",
         "gauge",
-        "1 while the disk's last write failed (full, read-only, EIO): copies back off and evict "
-        "no key on disk until one is done.",
+        "--disk directories whose last write failed (full, read-only, EIO): each loses no key "
+        "for writes and takes one probe a second until a write there is done; the others take "
+        "the copies.",
         [("", stats["disk_writes_failing"])],
     )
     metric(
