@@ -19,9 +19,13 @@ from typing import Any
 import msgspec
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.protocol import MAX_FRAME_BYTES
 
 PUT, DEL = 1, 0
 RESYNC_BYTES = 64 << 10  # unreadable bytes past a bad frame searched for frames, at most
+# a record's payload, at most: its namespace came in one frame (a longer length is damage, not
+# a frame: no byte of it is read, so a search costs RESYNC_BYTES * MAX_PAYLOAD at most)
+MAX_PAYLOAD = MAX_FRAME_BYTES
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _ZEROS = bytes(_FRAME.size)
 _NOT_ZERO = re.compile(rb"[^\x00]")
@@ -82,12 +86,13 @@ def parse(data: bytes) -> Parsed:
 def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
     """Append to ``out`` the records of the frames that read from ``pos`` on; returns the byte
     after the last one (``pos`` if none read)."""
+    view = memoryview(data)
     while pos + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, pos)
         end = pos + _FRAME.size + length
-        if end > len(data):  # (checked first: a resync's garbage length would copy the rest)
+        if length > MAX_PAYLOAD or end > len(data):  # (first: a garbage length, no frame)
             break
-        payload = data[pos + _FRAME.size : end]
+        payload = view[pos + _FRAME.size : end]
         if zlib.crc32(payload) != crc:
             break
         try:
