@@ -178,9 +178,10 @@ def test_a_journal_cut_at_its_tail_says_how_many_records_it_kept_and_that_nothin
         assert sorted(k for _, k, _ in store.recover()) == [b"K", b"X", b"Y"]
     said = [r.getMessage() for r in caplog.records if r.name == disk_journal.__name__]
     assert said == [
-        f"disk: journal of {tmp_path / 'd'} cut at byte {z_at} of {z_at + kept} (a crash in the "
-        "middle of an append): the record cut is lost (which key it named cannot be known: a "
-        "miss if it stored one), the 3 before it are kept; nothing to do"
+        f"disk: journal of {tmp_path / 'd'} cut at byte {z_at} of {z_at + kept} (a crash or power "
+        "loss in the middle of an append): the record cut is lost (which key it named cannot be "
+        "known: a miss if it stored one, back with the bytes it had if it removed one), the 3 "
+        "before it are kept; nothing to do"
     ]
 
 
@@ -569,7 +570,7 @@ def test_writes_failing_on_and_on_are_logged_once_until_one_is_done(
     ]
     assert len(said) == 3, said
     assert "NIXL_ERR_BACKEND" in said[0] and f"check the file system of {tmp_path / 'd'}" in said[0]
-    assert said[1] == f"disk writes to {tmp_path / 'd'} succeed again"
+    assert said[1] == f"disk writes in {tmp_path / 'd'} succeed again"
     assert "NIXL_ERR_BACKEND" in said[2]
 
 

@@ -142,7 +142,7 @@ class DiskTransfers:
             return "ERR"
         if state == "DONE" and (kind, f) in self._failing:
             self._failing.discard((kind, f))
-            logger.info("disk %ss to %s succeed again", kind, self._directories[f])
+            logger.info("disk %ss in %s succeed again", kind, self._directories[f])
         return state
 
     def _failed(self, kind: str, f: int, what: str) -> None:

@@ -134,8 +134,8 @@ class DiskDir:
         """What to do with a damaged header. Removing it is safe: recovery checks each block
         against its digest whatever the header says (other blocks are misses, never served)."""
         return (
-            f"{meta} is damaged: restore it, or remove it to start {self.path} afresh (its "
-            "blocks are kept only where they verify)"
+            f"{meta} is damaged: restore it, or remove it: the next start writes a new one and "
+            f"keeps the blocks of {self.path} that still verify"
         )
 
     def _allocate(self, size: int) -> None:
@@ -261,9 +261,10 @@ class DiskDir:
         if parsed.after or not parsed.searched_all:
             return self._damaged_journal(parsed, len(data))
         logger.warning(
-            "disk: journal of %s cut at byte %d of %d (a crash in the middle of an append): the "
-            "record cut is lost (which key it named cannot be known: a miss if it stored one), "
-            "the %d before it are kept; nothing to do",
+            "disk: journal of %s cut at byte %d of %d (a crash or power loss in the middle of an "
+            "append): the record cut is lost (which key it named cannot be known: a miss if it "
+            "stored one, back with the bytes it had if it removed one), the %d before it are "
+            "kept; nothing to do",
             self.path, parsed.bad_at, len(data), len(parsed.records),
         )  # fmt: skip
         return parsed.records
