@@ -245,7 +245,7 @@ def handshake(
     while True:
         try:
             watched = monitor if greetings < GREETINGS else None
-            accept = _greet(sock, address, deadline, token, request, cancel, watched)
+            accept = _greet(sock, address, deadline, token, request, cancel, watched, greetings)
         except Closed as exc:
             if exc.session_id is not None:
                 lost.append(exc.session_id)
@@ -269,12 +269,12 @@ def handshake(
         greetings += 1
 
 
-def say_hello(sock: zmq.Socket[bytes], flags: int = 0) -> bytes:
-    """Send a handshake's first frame, a ``Hello`` with a fresh nonce, on ``sock``; return the
-    nonce (the client's half of the proofs). ``flags``: ``zmq.NOBLOCK`` raises ``zmq.Again``
-    rather than waiting for room to send."""
+def say_hello(sock: zmq.Socket[bytes], flags: int = 0, seq: int = 1) -> bytes:
+    """Send a handshake's first frame, a ``Hello`` numbered ``seq`` with a fresh nonce, on
+    ``sock``; return the nonce (the client's half of the proofs). ``flags``: ``zmq.NOBLOCK``
+    raises ``zmq.Again`` rather than waiting for room to send."""
     client_nonce = secrets.token_bytes(p.NONCE_BYTES)
-    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, 1, client_nonce)), flags)
+    sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, seq, client_nonce)), flags)
     return client_nonce
 
 
@@ -286,11 +286,15 @@ def _greet(
     request: p.Handshake,
     cancel: Cancel | None,
     monitor: zmq.Socket[bytes] | None,
+    greeting: int,
 ) -> p.Accept:
-    """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``); ``Closed`` once
-    ``monitor`` reports the connection closed while an answer is awaited."""
-    client_nonce = say_hello(sock)
-    challenge = _expect(sock, address, 1, deadline, p.Challenge, cancel, monitor)
+    """One ``Hello``/``Challenge``/``Handshake``/``Accept`` (``handshake``), the ``greeting``-th
+    (from 1); ``Closed`` once ``monitor`` reports the connection closed while an answer is
+    awaited. Its ``Hello`` is numbered ``2 * greeting - 1``, its ``Handshake`` ``2 * greeting``
+    (the server echoes them): a late answer to an earlier greeting's (a ``Hello`` that reached
+    a restarted host along with this one) is skipped, never taken for this one's."""
+    client_nonce = say_hello(sock, seq=2 * greeting - 1)
+    challenge = _expect(sock, address, 2 * greeting - 1, deadline, p.Challenge, cancel, monitor)
     if challenge.version != p.PROTOCOL_VERSION:
         raise HandshakeRejected(
             address, f"protocol version {p.PROTOCOL_VERSION} != {challenge.version}"
@@ -299,10 +303,11 @@ def _greet(
     request.client_nonce = client_nonce
     if token is not None:
         request.proof = p.client_proof(token, challenge.nonce, client_nonce)
+    request.seq = 2 * greeting
     sock.send(p.encode(request))
     session_id = challenge.nonce.hex()  # the session the server may open (module docstring)
     try:
-        accept: p.Accept = _expect(sock, address, 2, deadline, p.Accept, cancel, monitor)
+        accept: p.Accept = _expect(sock, address, request.seq, deadline, p.Accept, cancel, monitor)
     except Closed:
         raise Closed(session_id) from None
     except Cancelled:

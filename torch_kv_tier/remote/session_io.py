@@ -99,7 +99,7 @@ class SessionIO(SessionHandoff):
 
     def _io_loop(self, sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         replies = Replies(self.peer_id, self._hb_timeout_s)
-        seqs = itertools.count(3)  # 1 and 2 were the handshake
+        seqs = itertools.count(3)  # (the answers to the handshake's came before its Accept)
         poller = zmq.Poller()
         wake = self._wake_r.fileno()
         for readable in (sock, monitor, wake):
