@@ -1,6 +1,6 @@
 """A handshake greeting a host again (``handshake``) against answers that arrive out of step with
-it: an earlier greeting's answer. The hosts are ZeroMQ ROUTERs in this process, scripted message
-by message."""
+it: an earlier greeting's answer, and an answer that arrived just before its connection closed.
+The hosts are ZeroMQ ROUTERs in this process, scripted message by message."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import pytest
 import zmq
 from remote_support import BLOCK_LEN
 
@@ -134,3 +135,51 @@ def test_an_earlier_greetings_challenge_is_not_taken_for_the_greeting_again() ->
         host.close()
     assert host.hellos == 2
     assert accept.seq == 4  # the second greeting's Handshake
+
+
+class _MonitorSeenFirst:
+    """A ``zmq.Poller`` whose first poll that finds the monitor ready leaves the control
+    socket out, as ``zmq_poll`` does when a frame lands between its look at the socket and
+    its look at the monitor: the frame that arrived just before the connection closed."""
+
+    def __init__(self, control: zmq.Socket[bytes], real: type[zmq.Poller]) -> None:
+        self._control = control
+        self._poller = real()
+        self._hidden = False
+
+    def register(self, sock: Any, flags: int) -> None:
+        self._poller.register(sock, flags)
+
+    def poll(self, timeout: int) -> list[tuple[Any, int]]:
+        ready = self._poller.poll(timeout)
+        if self._hidden or len(ready) < 2:
+            return ready
+        self._hidden = True
+        return [(sock, event) for sock, event in ready if sock is not self._control]
+
+
+def test_an_answer_that_arrived_before_the_connection_closed_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: one poll that saw the monitor's disconnect but not the answer that had
+    arrived just before it greeted again (``Closed``), the answer still waiting: its session,
+    opened, was named for release and a greeting wasted. The answer is now taken."""
+    context, host, port = _router()
+    sock, monitor = hs.connect(f"127.0.0.1:{port}")
+    try:
+        hs.say_hello(sock)
+        identity, hello = _receive(host)
+        assert isinstance(hello, p.Hello), hello
+        answer = p.Challenge(p.PROTOCOL_VERSION, 1, secrets.token_bytes(p.NONCE_BYTES), b"")
+        host.send_multipart([identity, p.encode(answer)])
+        assert sock.poll(int(RESULT_TIMEOUT_S * 1e3), zmq.POLLIN)  # arrived (not read)
+        host.close()
+        context.term()  # the connection closes: the monitor reports it
+        assert monitor.poll(int(RESULT_TIMEOUT_S * 1e3), zmq.POLLIN)
+        real = zmq.Poller
+        monkeypatch.setattr(hs.zmq, "Poller", lambda: _MonitorSeenFirst(sock, real))
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        got = hs._await_reply(sock, 1, deadline, None, monitor)
+    finally:
+        hs.close_sockets(sock, monitor)
+    assert got == answer

@@ -367,16 +367,37 @@ def _await_reply(
         ready = dict(poller.poll(math.ceil(left * 1e3)))
         if sock not in ready:
             if monitor in ready and monitor is not None and disconnected(monitor):
-                raise Closed(None)
+                return _received(sock, seq)
             continue
-        try:
-            message = p.decode_server(sock.recv(zmq.NOBLOCK))
-        except (zmq.Again, p.BadFrame) as exc:
-            logger.debug("skipping control frame: %s", exc)
-            continue
-        if message.seq == seq or (isinstance(message, p.Error) and message.seq == 0):
+        message = _reply(sock, seq)
+        if message is not None:
             return message
     return None
+
+
+def _reply(sock: zmq.Socket[bytes], seq: int) -> p.ServerMessage | None:
+    """The next frame on ``sock`` if it is the reply to request ``seq`` (``_await_reply``),
+    else ``None``: it is skipped (as is a frame that cannot be decoded, or none there)."""
+    try:
+        message = p.decode_server(sock.recv(zmq.NOBLOCK))
+    except (zmq.Again, p.BadFrame) as exc:
+        logger.debug("skipping control frame: %s", exc)
+        return None
+    if message.seq == seq or (isinstance(message, p.Error) and message.seq == 0):
+        return message
+    return None
+
+
+def _received(sock: zmq.Socket[bytes], seq: int) -> p.ServerMessage:
+    """The reply to request ``seq`` among the frames ``sock`` received before its connection
+    closed; raises ``Closed`` when it is not among them. One poll can see the monitor's
+    disconnect and not a frame that arrived just before it (it looks at ``sock`` first):
+    ZeroMQ queued that frame before it reported the disconnect, so ``sock`` has it now."""
+    while sock.poll(0, zmq.POLLIN):
+        message = _reply(sock, seq)
+        if message is not None:
+            return message
+    raise Closed(None)
 
 
 def _expect(
