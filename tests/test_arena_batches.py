@@ -639,3 +639,31 @@ def test_an_offload_interrupted_between_two_hosts_stores_gets_the_unsent_slots_b
     tier.end_stores()
     assert tier.arena.num_free == 4
     assert arena.wait_idle(time.monotonic() + WAIT_S)
+
+
+class CountedLooks(Future[TransferResult]):
+    """A store's future that counts how often anything asks whether it resolved."""
+
+    looks = 0
+
+    def done(self) -> bool:
+        CountedLooks.looks += 1
+        return super().done()
+
+
+def test_a_store_ending_looks_at_no_other_store_under_way() -> None:
+    # Found by review: each store's done-callback (on the tier's thread) settled by looking
+    # at every transfer under way, so n stores ending cost n * n looks: 10,000 stores under way
+    # took 88 s of the tier's thread to end, its transfers stalled behind them. A callback
+    # now drops its own store's record; a look at the state still settles them all.
+    tier = ScriptedTier(100, ["a"])  # stores stay under way until the test ends them
+    arena = batches(tier, timeout=WAIT_S)
+    futures = [CountedLooks() for _ in range(100)]
+    for future, slot in zip(futures, tier.arena.allocate(100), strict=True):
+        arena._started(future, "a", [slot], time.monotonic() + WAIT_S)
+    CountedLooks.looks = 0
+    for future in futures:
+        future.set_result(stored([]))
+    assert CountedLooks.looks <= 2 * len(futures)  # before: 10,100: each under way, twice
+    assert tier.arena.num_free == 100
+    assert arena.wait_idle(time.monotonic() + 1.0)

@@ -9,11 +9,11 @@ counts the offloads still pending (``track``), which ``wait_idle`` (``PagedKVOff
 waits for.
 
 A transfer's record owns its slots: whoever drops the record (under the lock) frees them, in
-the same step, so they are freed once only. The futures' callbacks only hasten that: each
-look at the records (``_settle``, whenever the state is read) drops those whose futures
-resolved, and the pending ones, so a Ctrl-C (``KeyboardInterrupt``) that kept a callback from
-being added, or stopped one as it ran (on the caller's thread: a future resolved there), leaves
-no host overdue and no ``wait_idle`` waiting for something that ended.
+the same step, so they are freed once only. Each future's callback drops its own record
+(``_ended``); each look at the records (``_settle``, whenever the state is read) drops all
+those whose futures resolved, and the pending ones, so a Ctrl-C (``KeyboardInterrupt``) that
+kept a callback from being added, or stopped one as it ran (on the caller's thread: a future
+resolved there), leaves no host overdue and no ``wait_idle`` waiting for something that ended.
 
 Threading: ``self._changed`` (a condition on ``self._lock``) guards the arena's allocator, the
 pending futures and the records of transfers under way, and wakes whoever waits for any of them;
@@ -216,16 +216,25 @@ class ArenaSlots:
         a Ctrl-C between loses them, never frees them twice); wakes waiters if any ended."""
         resolved = [f for f in self._pending if f.done()]
         self._pending.difference_update(resolved)
-        freed = self._shares.settled()
-        if freed:
-            self._manager.arena.free(freed)
-        if resolved or freed:
-            self._changed.notify_all()
+        self._hand_back(self._shares.settled(), bool(resolved))
 
     def _ended(self, future: Future[TransferResult]) -> None:
-        """A transfer's or offload's done-callback: settle it (``_settle``)."""
+        """A transfer's or offload's done-callback: drop its own record and pending entry, as
+        ``_settle`` would; it looks at no other (it runs once per transfer, on the tier's
+        thread: looking at every transfer under way made ``n`` of them cost ``n * n`` looks
+        there). Those whose callbacks never ran the next ``_settle`` drops."""
         with self._lock:
-            self._settle()
+            pending = future in self._pending
+            self._pending.discard(future)
+            self._hand_back(self._shares.ended(future), pending)
+
+    def _hand_back(self, freed: list[int], ended: bool) -> None:
+        """Under the lock: free the slots of dropped records (``freed``) and wake waiters if
+        any were, or a pending future ``ended``."""
+        if freed:
+            self._manager.arena.free(freed)
+        if ended or freed:
+            self._changed.notify_all()
 
     def _release(self, slots: list[int]) -> None:
         """Return arena slots that no record owns (none was sent, or its transfer cannot touch

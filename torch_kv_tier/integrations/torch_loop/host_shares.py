@@ -62,6 +62,12 @@ class HostShares:
         done = [transfer for transfer in self._transfers if transfer.done()]
         return [slot for transfer in done for slot in self._transfers.pop(transfer)[1]]
 
+    def ended(self, transfer: Future[TransferResult]) -> list[int]:
+        """Drop the record of ``transfer``, which resolved, if :meth:`settled` has not: the
+        slots it owned, handed back once only as :meth:`settled`'s are (none if it had)."""
+        record = self._transfers.pop(transfer, None)
+        return [] if record is None else record[1]
+
     def overdue(self, now: float | None = None) -> Counter[str | None]:
         """The slots overdue transfers hold at ``now`` (``time.monotonic`` time; ``None``:
         now), by host."""
