@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,12 @@ from torch_kv_tier.remote.disk_io import DiskTransfers
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskStore
 
 
-def _fail_writes(monkeypatch: pytest.MonkeyPatch, fails: Callable[[int, list[int]], bool]) -> None:
-    """Writes to directory ``f`` at its slots ``disk`` fail to start where ``fails(f, disk)``."""
+def _fail(monkeypatch: pytest.MonkeyPatch, fails: Callable[[str, int], bool]) -> None:
+    """Requests of ``kind`` to directory ``f`` fail to start where ``fails(kind, f)``."""
     real_post = DiskTransfers.post
 
     def post(self: DiskTransfers, kind: str, f: int, dram: list[int], disk: list[int]) -> Any:
-        if kind == "write" and fails(f, disk):
+        if fails(kind, f):
             self._failed(kind, f, f"a {kind} of {len(dram)} blocks could not start: injected EIO")
             return None, "ERR"
         return real_post(self, kind, f, dram, disk)
@@ -31,12 +32,20 @@ def _fail_writes(monkeypatch: pytest.MonkeyPatch, fails: Callable[[int, list[int
     monkeypatch.setattr(DiskTransfers, "post", post)
 
 
+def _settled(store: DiskStore) -> DiskCompletions:
+    """Every completion of the I/O posted."""
+    done = settle(store)
+    more = store.poll()  # those refused at once come with the next poll
+    done.written += more.written
+    done.read += more.read
+    done.failed += more.failed
+    return done
+
+
 def _copy(store: DiskStore, pool: np.ndarray, keys: list[bytes], first: int) -> DiskCompletions:
     """Write ``keys`` from DRAM slots ``first``... and collect every completion."""
     store.write([("ns", k, digest_of(pool, first + i, k), first + i) for i, k in enumerate(keys)])
-    done = settle(store)
-    done.failed += store.poll().failed  # those refused at once come with the next poll
-    return done
+    return _settled(store)
 
 
 def _keys_of(store: DiskStore, f: int) -> set[Any]:
@@ -57,7 +66,7 @@ def test_one_failing_directory_of_two_stops_no_copy_to_the_other(
         store.recover()
         assert len(_copy(store, disk_pool, [f"k{i}".encode() for i in range(8)], 0).written) == 8
         a_dead = True
-        _fail_writes(monkeypatch, lambda f, disk: a_dead and f == 0)
+        _fail(monkeypatch, lambda kind, f: kind == "write" and a_dead and f == 0)
         for r in range(2):  # 8 keys evicted: a write to a (which LRU keys are a's varies)
             _copy(store, disk_pool, [f"f{r}-{i}".encode() for i in range(4)], 8)
         assert store.stats()["disk_writes_failing"] == 1
@@ -73,3 +82,126 @@ def test_one_failing_directory_of_two_stops_no_copy_to_the_other(
         assert ("ns", b"healed") in done.written and store.stats()["disk_writes_failing"] == 0
         done = _copy(store, disk_pool, [f"m{i}".encode() for i in range(8)], 41)
         assert len(done.written) == 8 and len(_keys_of(store, 0)) == 4  # a written again
+
+
+def _index(dirs: int, per_dir: int) -> disk_index.DiskIndex:
+    """An index over ``dirs`` directories of ``per_dir`` slots whose journals take anything."""
+    fake = [SimpleNamespace(slots=per_dir, append=lambda *record: None) for _ in range(dirs)]
+    return disk_index.DiskIndex(fake, dirs * per_dir)  # type: ignore[arg-type]
+
+
+def test_a_failing_directory_with_many_free_slots_delays_no_copy_nor_its_probe() -> None:
+    """Directory a failing with its 4096 free slots first in line, b full: the free slots were
+    set aside 64 per write, and none was taken meanwhile, so b took no copy, nor a a probe, for
+    the first 64 writes (16 K writes, over half a minute of copies, at 1 M slots); with every
+    directory failing on a fresh disk, no probe either until every slot was set aside."""
+    per_dir = 4096
+    index = _index(2, per_dir)
+    index.where.update({("ns", i): (2 * i + 1, 0) for i in range(per_dir)})  # b full
+    index.slots.reset([slot for slot, _ in index.where.values()])  # a's slots free again
+    index.wrote(0, False, now=0.0)
+    evicted: list[Any] = []
+    assert index.take_slot(evicted, 0.0) == 1 and evicted == [("ns", 0)]  # b's LRU key
+    probe = index.take_slot(evicted, disk_index.WRITE_PROBE_S + 1)
+    assert probe is not None and probe % 2 == 0  # a's probe, once due
+    both = _index(2, per_dir)
+    both.wrote(0, False, now=0.0)
+    both.wrote(1, False, now=0.0)
+    assert both.take_slot(evicted, 0.0) is None  # no probe due yet
+    probes = [both.take_slot(evicted, disk_index.WRITE_PROBE_S + 1) for _ in range(3)]
+    assert sorted(p % 2 for p in probes if p is not None) == [0, 1]  # one each, at once
+
+
+def test_an_eviction_passes_over_a_failing_directorys_keys_once() -> None:
+    """a failing, its keys the least recently used: every write's eviction walked all of them
+    (0.5 s per key written at 1 M keys); they now go to the LRU's end as they are passed."""
+    index = _index(2, 1024)
+    index.where.update({("ns", i): (2 * i, 0) for i in range(1024)})  # a's, least recent
+    index.where.update({("ns", -i - 1): (2 * i + 1, 0) for i in range(1024)})
+    index.slots.reset([slot for slot, _ in index.where.values()])
+    index.wrote(0, False, now=0.0)
+    evicted: list[Any] = []
+    assert index.take_slot(evicted, 0.0) == 1 and evicted == [("ns", -1)]
+    assert next(iter(index.where)) == ("ns", -2)  # b's next: no key of a walked again
+    assert sum(slot % 2 == 0 for slot, _ in index.where.values()) == 1024  # a's all kept
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_key_read_has_its_own_bytes_through_failing_healing_eviction_and_restarts(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """A seeded run of writes (keys stored again with other bytes once gone), removals, reads,
+    directories turning dead or read-only and healing, and restarts over three directories of 3
+    slots: every key read or recovered has the bytes last written for it (a key evicted,
+    removed or failed is gone until written again), and once every directory heals, the whole
+    capacity takes new keys with no eviction (no slot lost) in distinct slots."""
+    monkeypatch.setattr(disk_index, "WRITE_PROBE_S", 0.0)
+    rng = np.random.default_rng(seed)
+    dirs = [tmp_path / d for d in "abc"]
+    dead: dict[int, str] = {}  # directory -> "dead" (every request fails) or "read-only"
+    _fail(monkeypatch, lambda kind, f: dead.get(f) == "dead" or (kind == "write" and f in dead))
+    truth: dict[bytes, int | None] = {}  # key -> DRAM row of its bytes; None: not on disk
+
+    def check(store: DiskStore) -> None:
+        for (_, key), (_, digest) in store._index.where.items():
+            row = truth.get(key)
+            assert row is not None and digest == digest_of(disk_pool, row, key), key
+
+    store = open_store(disk_pool, dirs, 3)
+    try:
+        store.recover()
+        for _ in range(150):
+            op = rng.integers(0, 10)
+            if op < 4:  # write a few keys not on disk, each from a source row 0..31
+                keys = {f"k{rng.integers(0, 16)}".encode() for _ in range(rng.integers(1, 4))}
+                rows = {k: int(rng.integers(0, 32)) for k in keys if not store.contains("ns", k)}
+                items = [("ns", k, digest_of(disk_pool, r, k), r) for k, r in rows.items()]
+                for _, key in store.write(items):
+                    truth[key] = None
+                done = _settled(store)
+                for _, key in done.written:
+                    truth[key] = rows[key]
+                for _, key, _ in done.failed:
+                    assert not store.contains("ns", key)
+            elif op < 6 and truth:  # read some keys back into rows 32..63
+                keys = sorted(truth)[: rng.integers(1, 5)]
+                store.read([("ns", k, 32 + i) for i, k in enumerate(keys)])
+                done = _settled(store)
+                for _, key, dram, _ in done.read:
+                    row = truth[key]
+                    assert row is not None and (disk_pool[dram] == disk_pool[row]).all(), key
+                for _, key, _ in done.failed:
+                    if not store.contains("ns", key):
+                        truth[key] = None
+            elif op < 7 and truth:
+                key = sorted(truth)[rng.integers(0, len(truth))]
+                store.remove("ns", key)
+                truth[key] = None
+            elif op < 9:  # a directory dies, turns read-only, or heals
+                f = int(rng.integers(0, 3))
+                state = ("dead", "read-only", None)[rng.integers(0, 3)]
+                if state is None:
+                    dead.pop(f, None)
+                else:
+                    dead[f] = state
+            else:  # a clean restart, the failing state as it was
+                store.close()
+                store = open_store(disk_pool, dirs, 3)
+                store.recover()
+            check(store)
+        dead.clear()
+        for f in range(3):  # a done write (a probe) in each directory heals it
+            for key in list(store._index.where):
+                store.remove(*key)
+            _copy(store, disk_pool, [f"heal{f}-{i}".encode() for i in range(3)], 0)
+        assert store.stats()["disk_writes_failing"] == 0
+        for key in list(store._index.where):
+            store.remove(*key)
+        keys = [f"fill{i}".encode() for i in range(9)]
+        evicted = store.write(
+            [("ns", k, digest_of(disk_pool, i, k), i) for i, k in enumerate(keys)]
+        )
+        assert evicted == [] and len(_settled(store).written) == 9
+        assert len({slot for slot, _ in store._index.where.values()}) == 9
+    finally:
+        store.close()

@@ -331,8 +331,8 @@ def test_a_restart_hands_out_the_slots_recovery_left_free_lowest_first_then_fres
     """``DiskSlots.reset`` (numpy since a restart at 4 M slots spent most of a second in a
     Python set): every slot below the highest one held and not held is handed out, lowest first,
     then the never used ones, never a held one, then none."""
-    slots = DiskSlots(64)
+    slots = DiskSlots(64, 1)
     slots.reset(sorted(held, reverse=True))
-    taken = [slots.take() for _ in range(64 - len(held))]
+    taken = [slots.take(0) for _ in range(64 - len(held))]
     assert taken == sorted(set(range(64)) - held)
-    assert slots.take() is None
+    assert slots.take(0) is None

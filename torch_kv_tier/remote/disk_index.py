@@ -10,12 +10,14 @@ evicted, nor free again before that I/O ends.
 
 A directory whose last write failed (``failing``: read-only, full, EIO) loses no key it holds
 for writes and takes no write but a probe, one slot at most every ``WRITE_PROBE_S``, its free
-slots in turn (``take_slot``); the other directories take the copies, evicting their own keys.
-Its free slots are held back meanwhile (``_parked``), and free again once a write to it is done
-(``wrote``). One failing directory of several thus stops no copy to the others. A failure tied
-to some slots (a sparse block file on a full file system) is not told apart: a probe that lands
-on a good slot ends the failing, and the next write that takes a bad slot fails again, its
-evicted keys lost; the probe period bounds how often.
+slots in turn (``take_slot``); the other directories take the copies, in turn, evicting their
+own keys (those of failing directories passed over go to the LRU's end: an eviction does not
+walk them again). Each directory's free slots are kept apart (``DiskSlots``): a failing one's
+cost a take no time, and are taken again once a write to it is done (``wrote``). One failing
+directory of several thus stops no copy to the others. A failure tied to some slots (a sparse
+block file on a full file system) is not told apart: a probe that lands on a good slot ends the
+failing, and the next write that takes a bad slot fails again, its evicted keys lost; the probe
+period bounds how often.
 
 Threading: not thread-safe; its store's thread calls every method.
 """
@@ -23,7 +25,7 @@ Threading: not thread-safe; its store's thread calls every method.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch_kv_tier.remote.disk_frames import DEL, PUT, Record
@@ -34,7 +36,6 @@ from torch_kv_tier.remote.disk_slots import DiskSlots
 from torch_kv_tier.remote.slot_owners import SlotOwners
 
 WRITE_PROBE_S = 1.0  # a directory whose writes fail is written one slot at most this often
-PARK_PER_TAKE = 64  # free slots of failing directories set aside per slot taken, at most
 
 
 class DiskIndex:
@@ -42,11 +43,11 @@ class DiskIndex:
 
     def __init__(self, dirs: Sequence[DiskDir], capacity: int) -> None:
         self._dirs = dirs
-        self.slots = DiskSlots(capacity)  # global slots
+        self.slots = DiskSlots(capacity, len(dirs))  # global slots
         self.where: OrderedDict[Pair, tuple[int, int]] = OrderedDict()  # -> slot, digest; LRU
         self.owners = SlotOwners(capacity)  # global slot -> its key in ``where``
         self.failing: set[int] = set()  # directories whose last write failed
-        self._parked: dict[int, deque[int]] = {}  # free slots of failing directories
+        self._turn = 0  # the directory a write takes a free slot of first
         self._probe_at: dict[int, float] = {}  # a failing directory's next probe, monotonic
 
     def __len__(self) -> int:
@@ -79,44 +80,51 @@ class DiskIndex:
 
     def take_slot(self, evicted: list[Pair], now: float) -> int | None:
         """A slot for a write, now held: a failing directory's probe where one is due (module
-        docstring), else a free slot of a directory not failing, else that of the least
-        recently used key of such a directory with no I/O in flight, evicted (added to
-        ``evicted``; the keys of failing directories before it are passed over); ``None``:
-        none of these."""
-        n = len(self._dirs)
-        for _ in range(PARK_PER_TAKE):  # a bounded part of a dead directory's slots per take
-            free = self.slots.take()
-            if free is None or free % n not in self.failing:
-                break
-            self._parked.setdefault(free % n, deque()).append(free)
-        else:  # the rest next time: no key is evicted while free slots may be left
-            return None
+        docstring), else a free slot of a directory not failing (each in turn), else that of
+        the least recently used key of such a directory with no I/O in flight, evicted (added
+        to ``evicted``); ``None``: none of these."""
+        slots, n = self.slots, len(self._dirs)
         for f in self.failing:
-            parked = self._parked.get(f)
-            if parked and now > self._probe_at.get(f, -math.inf):  # one per ``now`` at most
-                self._probe_at[f] = now + WRITE_PROBE_S
-                if free is not None:
-                    self.slots.release(free)  # taken next
-                return parked.popleft()  # in turn: a bad slot is not probed on and on
-        if free is not None or len(self.failing) == n:
-            return free
+            if now > self._probe_at.get(f, -math.inf):  # one per ``now`` at most
+                probe = slots.take(f, oldest=True)  # in turn: a bad slot is not probed on and on
+                if probe is not None:
+                    self._probe_at[f] = now + WRITE_PROBE_S
+                    return probe
+        for i in range(n):
+            f = (self._turn + i) % n
+            free = None if f in self.failing else slots.take(f)
+            if free is not None:
+                self._turn = f + 1
+                return free
+        if len(self.failing) == n:
+            return None
+        passed: list[Pair] = []  # keys of failing directories: to the LRU's end
+        taken = None
         for pair, (slot, _) in self.where.items():
-            if not self.slots.busy(slot) and slot % n not in self.failing:
-                del self.where[pair]  # its record goes before the slot is rewritten
-                self._append(slot, DEL, pair, 0)
-                evicted.append(pair)
-                return slot
-        return None
+            if slot % n in self.failing:
+                passed.append(pair)
+            elif not slots.busy(slot):
+                taken = pair, slot
+                break
+        for pair in passed:
+            self.where.move_to_end(pair)
+        if taken is None:
+            return None
+        pair, slot = taken
+        del self.where[pair]  # its record goes before the slot is rewritten
+        self._append(slot, DEL, pair, 0)
+        evicted.append(pair)
+        return slot
 
-    def wrote(self, f: int, ok: bool) -> None:
-        """A write request to directory ``f`` ended (``ok``: done; failed, its slots released):
-        ``f`` is failing, or no longer (its held-back free slots are free again)."""
-        if not ok:
+    def wrote(self, f: int, ok: bool, now: float) -> None:
+        """A write request to directory ``f`` ended at ``now`` (``ok``: done; failed, its slots
+        released): ``f`` is failing, its first probe ``WRITE_PROBE_S`` later, or no longer (its
+        free slots are taken again; its next probe no sooner: flapping bounded)."""
+        if ok:
+            self.failing.discard(f)
+        elif f not in self.failing:
             self.failing.add(f)
-        elif f in self.failing:
-            self.failing.discard(f)  # its next probe no sooner (``_probe_at``): flapping bounded
-            for free in self._parked.pop(f, ()):
-                self.slots.release(free)
+            self._probe_at[f] = max(now + WRITE_PROBE_S, self._probe_at.get(f, -math.inf))
 
     def recover(self, block_len: int) -> int:
         """Rebuild the index from the journals, keeping the blocks that verify

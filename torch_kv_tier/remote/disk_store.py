@@ -329,7 +329,7 @@ class DiskStore:
                     index.remove(pair)
                 done.failed.append((ns, key, dram))
         if request.kind == "write" and not (refused or self._closed):
-            index.wrote(request.directory, ok)
+            index.wrote(request.directory, ok, time.monotonic())
         if ok:
             self._counters[f"disk_{request.kind}s"] += len(request.items)
             self._counters[f"disk_{request.kind}_bytes"] += request.nbytes
