@@ -12,8 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torch_kv_tier.keys import MAX_INT_KEY, MAX_KEY_BYTES, MIN_INT_KEY, Key
 from torch_kv_tier.remote import disk_frames
 from torch_kv_tier.remote.disk_frames import DEL, PUT, Record
+from torch_kv_tier.remote.protocol import MAX_FINGERPRINT
 
 _records = st.lists(
     st.tuples(
@@ -52,6 +54,18 @@ def test_damage_never_raises_nor_yields_a_record_not_written(
     assert all(repr(record) in written for record in parsed.after)
 
 
+def _count_hashed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the payloads ``disk_frames`` hashes from now on, as it hashes them."""
+    hashed: list[int] = []
+
+    def crc32(payload: Any) -> int:
+        hashed.append(len(payload))
+        return zlib.crc32(payload)
+
+    monkeypatch.setattr(disk_frames, "zlib", SimpleNamespace(crc32=crc32))
+    return hashed
+
+
 def test_a_search_past_damage_reads_no_frame_longer_than_a_record_can_be(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -65,15 +79,33 @@ def test_a_search_past_damage_reads_no_frame_longer_than_a_record_can_be(
     record: Record = (PUT, 7, "ns", b"k" * 32, 1 << 63)
     good = disk_frames.frames([record] * 20_000)  # ~1.2 MiB on each side of the damage
     damage = bytes([0, 0, 16, 0]) * 16  # lengths of 1 MiB, 4 KiB, 16 bytes, 256 MiB in turn
-    hashed = 0
-
-    def crc32(payload: Any) -> int:
-        nonlocal hashed
-        hashed += len(payload)
-        return zlib.crc32(payload)
-
-    monkeypatch.setattr(disk_frames, "zlib", SimpleNamespace(crc32=crc32))
+    hashed = _count_hashed(monkeypatch)
     parsed = disk_frames.parse(good + damage + good)
     assert len(parsed.records) == 20_000 and parsed.bad_at == len(good)
     assert len(parsed.after) == 20_000  # found again past the damage
-    assert hashed <= 2 * len(good) + 64 * 4096
+    assert sum(hashed) <= 2 * len(good) + 64 * 4096
+
+
+@pytest.mark.parametrize("key", [b"\xff" * MAX_KEY_BYTES, "\U0010ffff" * 16, MIN_INT_KEY])
+def test_the_longest_record_a_session_can_make_reads_back(key: Key) -> None:
+    """``MAX_PAYLOAD`` bounds what a frame may hold: the longest record a host writes (a
+    namespace of ``MAX_FINGERPRINT`` four-byte characters, the handshake's limit since the disk
+    tier exists, a key at its limit, 64-bit slot and digest) still reads, among others."""
+    longest: Record = (PUT, MAX_INT_KEY, "\U0010ffff" * MAX_FINGERPRINT, key, MAX_INT_KEY)
+    records = [(DEL, 0, "ns", b"k", 0), longest, (PUT, 1, "ns", b"k", 1)]
+    assert disk_frames.parse(disk_frames.frames(records)).records == records
+
+
+def test_damage_that_reads_as_lengths_near_a_frames_limit_costs_a_bounded_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A page of small integers (another file's, say) past a journal's first record: every
+    fourth position reads as a length under 1 MiB, the old ``MAX_PAYLOAD`` (a frame's limit),
+    so the search hashed 16 GiB (9 s) per such journal. A length is now bounded by the longest
+    record: under 32 MiB hashed."""
+    hashed = _count_hashed(monkeypatch)
+    good = disk_frames.frame((PUT, 0, "ns", b"k", 1))
+    damage = bytes([1, 255, 15, 0]) * (1 << 20)  # 4 MiB: lengths of 1 MiB - 255 at every 4th
+    parsed = disk_frames.parse(good + b"\x01" + damage)
+    assert parsed.records == [(PUT, 0, "ns", b"k", 1)] and not parsed.searched_all
+    assert sum(hashed) < 32 << 20

@@ -18,18 +18,24 @@ from typing import Any
 
 import msgspec
 
-from torch_kv_tier.keys import Key
-from torch_kv_tier.remote.protocol import MAX_FRAME_BYTES
+from torch_kv_tier.keys import MAX_INT_KEY, MAX_KEY_BYTES, Key
+from torch_kv_tier.remote.protocol import MAX_FINGERPRINT
 
 PUT, DEL = 1, 0
 RESYNC_BYTES = 64 << 10  # unreadable bytes past a bad frame searched for frames, at most
-# a record's payload, at most: its namespace came in one frame (a longer length is damage, not
-# a frame: no byte of it is read, so a search costs RESYNC_BYTES * MAX_PAYLOAD at most)
-MAX_PAYLOAD = MAX_FRAME_BYTES
 _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _ZEROS = bytes(_FRAME.size)
 _NOT_ZERO = re.compile(rb"[^\x00]")
 _encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
+# a record's payload, at most (345 bytes): its namespace is a session's config fingerprint
+# (``MAX_FINGERPRINT`` characters, 4 UTF-8 bytes each at most), its key ``MAX_KEY_BYTES``, its
+# slot and digest 64-bit. A longer length is damage, not a frame: no byte of it is read, so a
+# search hashes ``RESYNC_BYTES * MAX_PAYLOAD`` bytes at most (under 22 MiB)
+MAX_PAYLOAD = len(
+    _encoder.encode(
+        (PUT, MAX_INT_KEY, "\U0010ffff" * MAX_FINGERPRINT, bytes(MAX_KEY_BYTES), MAX_INT_KEY)
+    )
+)
 _decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
 
 Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
