@@ -324,15 +324,19 @@ def test_keys_changed_while_a_compaction_is_built_are_journaled_as_they_end(
 
 
 @settings(deadline=None)  # its 200 ms default fails a loaded machine's slow example
-@given(st.sets(st.integers(0, 63)))
+@given(
+    st.integers(1, 3).flatmap(lambda n: st.tuples(st.just(n), st.sets(st.integers(0, 24 * n - 1))))
+)
 def test_a_restart_hands_out_the_slots_recovery_left_free_lowest_first_then_fresh_ones(
-    held: set[int],
+    dirs_held: tuple[int, set[int]],
 ) -> None:
     """``DiskSlots.reset`` (numpy since a restart at 4 M slots spent most of a second in a
-    Python set): every slot below the highest one held and not held is handed out, lowest first,
-    then the never used ones, never a held one, then none."""
-    slots = DiskSlots(64, 1)
+    Python set): every slot of a directory below the highest one held and not held is handed
+    out, lowest first, then the never used ones, never a held one, then none."""
+    n, held = dirs_held
+    slots = DiskSlots(24 * n, n)
     slots.reset(sorted(held, reverse=True))
-    taken = [slots.take(0) for _ in range(64 - len(held))]
-    assert taken == sorted(set(range(64)) - held)
-    assert slots.take(0) is None
+    for f in range(n):
+        free = [slot for slot in range(f, 24 * n, n) if slot not in held]
+        assert [slots.take(f) for _ in free] == free
+        assert slots.take(f) is None
