@@ -44,7 +44,8 @@ from torch_kv_tier.membership import (
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
-from torch_kv_tier.remote.handshake import HandshakeRejected, check_timeouts
+from torch_kv_tier.remote.connect_args import check_timeouts
+from torch_kv_tier.remote.handshake import HandshakeRejected
 
 WAIT_S = 10.0
 

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
-from torch_kv_tier.remote.handshake import check_connect_args
+from torch_kv_tier.remote.connect_args import check_connect_args
 from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport

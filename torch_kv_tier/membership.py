@@ -43,7 +43,7 @@ from torch_kv_tier.host_sources import (
     source_scheme,
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.handshake import check_connect_args, check_timeouts
+from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
 from torch_kv_tier.remote.quantities import seconds
 
 __all__ = [
@@ -80,7 +80,7 @@ class Tier(Protocol):
 
 def _check_connect_kwargs(tier: Tier, kwargs: dict[str, Any]) -> None:
     """``TypeError`` for ``kwargs`` that ``tier.connect`` does not take (or a timeout that is
-    no number), ``ValueError`` for values no host could accept (``handshake.check_connect_args``
+    no number), ``ValueError`` for values no host could accept (``connect_args.check_connect_args``
     and ``check_timeouts``)."""
     try:
         inspect.signature(tier.connect).bind("host:1", **kwargs)

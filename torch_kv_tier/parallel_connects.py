@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connected_hosts import REGISTER_TIMEOUT_S
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
+from torch_kv_tier.remote.connect_args import check_timeouts
 from torch_kv_tier.remote.greeting import answering
-from torch_kv_tier.remote.handshake import check_timeouts, no_answer
+from torch_kv_tier.remote.handshake import no_answer
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
@@ -188,7 +189,7 @@ class ParallelConnects:
 
 
 def _is_timeout(timeout_s: Any) -> bool:
-    """Whether the connects take ``timeout_s`` (``handshake.check_timeouts``)."""
+    """Whether the connects take ``timeout_s`` (``connect_args.check_timeouts``)."""
     try:
         check_timeouts(timeout_s=timeout_s)
     except (TypeError, ValueError):

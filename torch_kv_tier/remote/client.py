@@ -34,18 +34,17 @@ from typing import Any
 import zmq
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.connect_args import check_session_args, parse_address
 from torch_kv_tier.remote.handshake import (
     AcceptAbandoned,
     Cancel,
     HandshakeRejected,
     accept_problem,
-    check_session_args,
     close_sockets,
     connect,
     describe,
     end_unstarted,
     handshake,
-    parse_address,
 )
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower

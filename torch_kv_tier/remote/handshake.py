@@ -3,7 +3,7 @@
 ``connect`` makes the DEALER socket (with a monitor that reports a reset connection:
 ``disconnected``; ``close_sockets`` closes both) and ``handshake`` runs
 ``Hello``/``Challenge``/``Handshake``/``Accept`` on it, in the caller's thread, before any I/O
-thread exists (``check_session_args`` first refuses bad arguments). See
+thread exists (``connect_args.check_session_args`` first refuses bad arguments). See
 ``protocol`` for the conversation and the proofs. A handshake waits for the server's first
 answer until its deadline, or until its ``cancel`` event is set (looked at every
 ``CANCEL_POLL_S``): a tier that closes does not wait out a host that does not answer. Once the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 import secrets
 import time
 from typing import Any, Protocol
@@ -36,6 +35,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from torch_kv_tier.remote import protocol as p
+from torch_kv_tier.remote.connect_args import parse_address
 from torch_kv_tier.remote.handshake_errors import (
     AcceptAbandoned,
     AcceptLost,
@@ -44,7 +44,6 @@ from torch_kv_tier.remote.handshake_errors import (
     HandshakeRejected,
     naming,
 )
-from torch_kv_tier.remote.quantities import count, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +51,6 @@ SNDHWM = 1000  # control frames queued to the server before the session counts a
 CANCEL_POLL_S = 0.05  # how often a handshake waiting for an answer looks at its cancel event
 LINGER_MS = 1000  # how long a closed session's last frames may take to go out
 GREETINGS = 3  # hellos one handshake may say: more after a nonce refused as stale
-# a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
-_HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
 
 class Cancel(Protocol):
@@ -61,78 +58,6 @@ class Cancel(Protocol):
     ``threading.Event``, or anything with its ``is_set``)."""
 
     def is_set(self) -> bool: ...
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6: ``[HOST]:PORT``); ``ValueError`` when it is not one, or when
-    its host has characters no host name or IP address has (ZeroMQ would refuse it)."""
-    host, sep, port_text = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
-    if not _HOST.fullmatch(host):
-        raise ValueError(
-            f"server address must be HOST:PORT, got {address!r}: a host has only letters, "
-            "digits and '.-_' (an IPv6 address ':' and '%' too, in brackets), no spaces, and "
-            "starts with a letter or a digit"
-        )
-    return host, int(port_text)
-
-
-def check_session_args(
-    address: str,
-    region: p.Region,
-    agent_metadata: bytes,
-    slots: int | None,
-    private: bool,
-    token: str | None,
-    **timeouts_s: float,
-) -> int | None:
-    """``RemoteSession.open``'s checks, before any network traffic: ``TypeError``/
-    ``ValueError`` naming the bad argument (a timeout must be finite: at most
-    ``quantities.MAX_WAIT_S``). Returns ``slots`` as the ``int`` to send
-    (``check_connect_args``)."""
-    problem = region.problem()
-    if problem is not None:
-        raise ValueError(problem)
-    slots = check_connect_args(address, slots, private, token)
-    if not agent_metadata:
-        raise ValueError("agent_metadata is empty: pass transport.get_agent_metadata()")
-    check_timeouts(**timeouts_s)
-    return slots
-
-
-def check_timeouts(**timeouts_s: float) -> None:
-    """``seconds`` of each of ``timeouts_s`` (each > 0): raises for the first that is none."""
-    for name, value in timeouts_s.items():
-        seconds(name, value)
-
-
-def check_connect_args(
-    address: str, slots: int | None, private: bool, token: str | None
-) -> int | None:
-    """Connection arguments no host could accept (what a tier's ``connect`` checks before it
-    dials): ``TypeError``/``ValueError`` naming the bad one. Returns ``slots`` as an ``int``
-    (``count``), the value to send."""
-    parse_address(address)
-    if slots is not None:
-        slots = count("slots", slots)
-        if not private:
-            raise ValueError("slots= sizes a private lease: pass private=True with it")
-    if token is not None and not isinstance(token, str):
-        raise TypeError(
-            f"token must be a str (the host's token, stripped), got a {type(token).__name__}: "
-            "pass e.g. Path(token_file).read_text().strip()"
-        )
-    if token == "":
-        raise ValueError("token is empty: pass None for a server without a token")
-    if token is not None and token != token.strip():
-        raise ValueError(
-            "token has surrounding whitespace (a token file's newline?), which no host's "
-            "token has (it strips its --token-file): pass token.strip()"
-        )
-    return slots
 
 
 def dealer(address: str) -> tuple[zmq.Socket[bytes], str]:

@@ -43,7 +43,7 @@ from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.handshake import check_connect_args
+from torch_kv_tier.remote.connect_args import check_connect_args
 from torch_kv_tier.remote.quantities import count, seconds
 from torch_kv_tier.results import TransferResult
 
