@@ -3,6 +3,7 @@ over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +42,24 @@ def digest_of(pool: np.ndarray, slot: int, key: Key) -> int:
     return xxhash.xxh3_64_intdigest(pool[slot], key_fingerprint(key))
 
 
-def settle(store: DiskStore) -> DiskCompletions:
-    """Poll until no I/O is in flight; every completion seen."""
+SETTLE_TIMEOUT_S = 20.0  # before a request is given up (``REQUEST_TIMEOUT_S``): said as such
+
+
+def settle(store: DiskStore, timeout: float = SETTLE_TIMEOUT_S) -> DiskCompletions:
+    """Poll until no I/O is in flight; every completion seen. Raises ``AssertionError`` saying
+    how many requests are still in flight after ``timeout`` seconds: a request that never ends
+    (a hung device, a store given a long ``request_timeout_s``) fails the test, never hangs it."""
     done = DiskCompletions()
+    deadline = time.monotonic() + timeout
     while store.in_flight():
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"{store.in_flight()} disk requests still in flight after {timeout:.0f} s "
+                f"(stuck: {store.stats()['disk_stuck_in_flight']})"
+            )
         more = store.poll()
         done.written += more.written
         done.read += more.read
         done.failed += more.failed
+        time.sleep(0.001)  # the device's requests are polled, not awaited: leave it the CPU
     return done

@@ -834,6 +834,23 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
         assert np.array_equal(disk_pool[31], disk_pool[1])
 
 
+def test_settle_fails_with_a_message_on_a_request_that_never_ends(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the tests' ``settle`` polled until no request was in flight, with no
+    timeout of its own, so a request that never ended (a hung device, under a long
+    ``request_timeout_s``) hung the test run until CI's limit. It now fails, saying so."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        hung = HungDevice(store, monkeypatch)
+        store.request_timeout_s = 3600.0  # never given up by the store
+        store.write([("ns", b"K", digest_of(disk_pool, 0, b"K"), 0)])
+        with pytest.raises(AssertionError, match="1 disk requests still in flight after 0 s"):
+            settle(store, timeout=0.2)
+        hung.resume()  # it ends: nothing left for close to wait on
+        assert settle(store).written == [("ns", b"K")]
+
+
 def test_a_request_in_flight_at_close_keeps_the_memory_and_files_it_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
