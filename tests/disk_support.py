@@ -1,12 +1,15 @@
 """Helpers of the disk tier's tests on real files (``DiskStore``): the block geometry, a store
-over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled."""
+over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled, a
+device that hangs."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
@@ -63,3 +66,32 @@ def settle(store: DiskStore, timeout: float = SETTLE_TIMEOUT_S) -> DiskCompletio
         done.failed += more.failed
         time.sleep(0.001)  # the device's requests are polled, not awaited: leave it the CPU
     return done
+
+
+class HungDevice:
+    """A device that stops answering: the requests ``store`` posts while it ``hangs`` are
+    made but not started, and stay in flight; ``resume`` starts them (their bytes land late,
+    as a stuck device's or NFS's do) and lets them end."""
+
+    def __init__(self, store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.agent, self.io = store._io._agent, store._io
+        self.real_transfer, real_state = self.agent.transfer, self.io.state
+        self.held: list[Any] = []
+        self.hangs = True
+
+        def transfer(handle: Any) -> str:
+            if not self.hangs:
+                return str(self.real_transfer(handle))
+            self.held.append(handle)
+            return "PROC"
+
+        def state(handle: Any, kind: str, f: int) -> str:
+            return "PROC" if handle in self.held else real_state(handle, kind, f)
+
+        monkeypatch.setattr(self.agent, "transfer", transfer)
+        monkeypatch.setattr(self.io, "state", state)
+
+    def resume(self) -> None:
+        held, self.held = self.held, []
+        for handle in held:
+            assert self.real_transfer(handle) != "ERR"

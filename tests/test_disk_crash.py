@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_BLOCK, digest_of, make_disk_pool, open_store, settle
+from disk_support import DISK_BLOCK, HungDevice, digest_of, make_disk_pool, open_store, settle
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import (
@@ -721,35 +721,6 @@ def test_a_compaction_refused_for_want_of_space_keeps_the_journal_a_restart_reco
         assert sorted(k for _, k, _ in store.recover()) == [b"k0", b"k1"]
 
 
-class HungDevice:
-    """A device that stops answering: the requests ``store`` posts while it ``hangs`` are
-    made but not started, and stay in flight; ``resume`` starts them (their bytes land late,
-    as a stuck device's or NFS's do) and lets them end."""
-
-    def __init__(self, store: DiskStore, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.agent, self.io = store._io._agent, store._io
-        self.real_transfer, real_state = self.agent.transfer, self.io.state
-        self.held: list[Any] = []
-        self.hangs = True
-
-        def transfer(handle: Any) -> str:
-            if not self.hangs:
-                return str(self.real_transfer(handle))
-            self.held.append(handle)
-            return "PROC"
-
-        def state(handle: Any, kind: str, f: int) -> str:
-            return "PROC" if handle in self.held else real_state(handle, kind, f)
-
-        monkeypatch.setattr(self.agent, "transfer", transfer)
-        monkeypatch.setattr(self.io, "state", state)
-
-    def resume(self) -> None:
-        held, self.held = self.held, []
-        for handle in held:
-            assert self.real_transfer(handle) != "ERR"
-
-
 def _poll_until(store: DiskStore, what: str) -> dict[str, list[Any]]:
     """Poll (at most 10 s) until ``what`` (a ``DiskCompletions`` field) is not empty; what
     every field collected."""
@@ -786,7 +757,7 @@ def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowh
         disk_pool[0] = 7  # the DRAM slot now holds another key
         keys = [f"L{i}".encode() for i in range(6)]
         items = [("ns", k, digest_of(disk_pool, 1 + i, k), 1 + i) for i, k in enumerate(keys)]
-        assert store.write(items) == [] and store.in_flight() == 0  # none while a is stuck
+        assert store.write(items) == [] and store.in_flight() == 1  # to b: a is stuck
         hung.resume()  # the stuck write lands now
         deadline = time.monotonic() + 10.0
         while store.stats()["disk_stuck_in_flight"] and time.monotonic() < deadline:

@@ -4,6 +4,7 @@ no key it holds, and a write done there ends its failing."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import digest_of, open_store, settle
+from disk_support import HungDevice, digest_of, open_store, settle
 
 from torch_kv_tier.remote import disk_index
 from torch_kv_tier.remote.disk_io import DiskTransfers
@@ -82,6 +83,40 @@ def test_one_failing_directory_of_two_stops_no_copy_to_the_other(
         assert ("ns", b"healed") in done.written and store.stats()["disk_writes_failing"] == 0
         done = _copy(store, disk_pool, [f"m{i}".encode() for i in range(8)], 41)
         assert len(done.written) == 8 and len(_keys_of(store, 0)) == 4  # a written again
+
+
+def test_a_request_stuck_in_one_directory_of_two_stops_no_copy_to_the_other(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: one request given up (a hung device, a stuck NFS mount) made the host
+    refuse every write, to every directory, until it ended. Only its directory takes none now,
+    counted failing: the other takes the copies, evicting its own keys, never the stuck one's,
+    and once the stuck request ends, its directory is failing until a probe there is done."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with closing(open_store(disk_pool, dirs, 8)) as store:
+        store.recover()
+        assert len(_copy(store, disk_pool, [b"A", b"B"], 0).written) == 2  # a's slot 0, b's 0
+        hung = HungDevice(store, monkeypatch)
+        store.request_timeout_s = 0.2  # this request's deadline only
+        store.write([("ns", b"K", digest_of(disk_pool, 2, b"K"), 2)])  # a's slot 1: hangs
+        store.request_timeout_s = 30.0
+        deadline = time.monotonic() + 10.0
+        while not store.stats()["disk_stuck_in_flight"] and time.monotonic() < deadline:
+            store.poll()
+        assert store.stats()["disk_stuck_in_flight"] == 1
+        assert store.stats()["disk_writes_failing"] == 1
+        hung.hangs = False
+        keys = [f"n{i}".encode() for i in range(9)]
+        items = [("ns", k, digest_of(disk_pool, 3 + i, k), 3 + i) for i, k in enumerate(keys)]
+        assert store.write(items) == [("ns", b"B")]  # b's 7 free slots, then its key B
+        assert sorted(k for _, k in settle(store).written) == keys[:8]
+        assert _keys_of(store, 1) == {("ns", k) for k in keys[:8]}
+        assert _keys_of(store, 0) == {("ns", b"A")}  # kept, and read once a answers again
+        hung.resume()
+        while store.stats()["disk_stuck_in_flight"] and time.monotonic() < deadline:
+            store.poll()
+        assert store.stats()["disk_stuck_in_flight"] == 0
+        assert store.stats()["disk_writes_failing"] == 1  # until a probe there is done
 
 
 def _index(dirs: int, per_dir: int) -> disk_index.DiskIndex:

@@ -14,10 +14,11 @@ slots in turn (``take_slot``); the other directories take the copies, in turn, e
 own keys (those of failing directories passed over go to the LRU's end: an eviction does not
 walk them again). Each directory's free slots are kept apart (``DiskSlots``): a failing one's
 cost a take no time, and are taken again once a write to it is done (``wrote``). One failing
-directory of several thus stops no copy to the others. A failure tied to some slots (a sparse
-block file on a full file system) is not told apart: a probe that lands on a good slot ends the
-failing, and the next write that takes a bad slot fails again, its evicted keys lost; the probe
-period bounds how often.
+directory of several thus stops no copy to the others; nor does one with a request ``stuck``
+(a hung device: ``take_slot`` takes none of its slots, not even a probe). A failure tied to some
+slots (a sparse block file on a full file system) is not told apart: a probe that lands on a good
+slot ends the failing, and the next write that takes a bad slot fails again, its evicted keys
+lost; the probe period bounds how often.
 
 Threading: not thread-safe; its store's thread calls every method.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from torch_kv_tier.remote.disk_frames import DEL, PUT, Record
 from torch_kv_tier.remote.disk_io import Pair
@@ -78,13 +79,15 @@ class DiskIndex:
         self.slots.release(entry[0])
         return True
 
-    def take_slot(self, evicted: list[Pair], now: float) -> int | None:
+    def take_slot(self, evicted: list[Pair], now: float, stuck: Collection[int] = ()) -> int | None:
         """A slot for a write, now held: a failing directory's probe where one is due (module
         docstring), else a free slot of a directory not failing (each in turn), else that of
         the least recently used key of such a directory with no I/O in flight, evicted (added
-        to ``evicted``); ``None``: none of these."""
+        to ``evicted``); ``None``: none of these. The directories ``stuck`` (a request given up
+        still in flight there) count as failing, and take no probe either."""
         slots, n = self.slots, len(self._dirs)
-        for f in self.failing:
+        out = self.failing.union(stuck)  # directories that take no write but a probe
+        for f in self.failing.difference(stuck):
             if now > self._probe_at.get(f, -math.inf):  # one per ``now`` at most
                 probe = slots.take(f, oldest=True)  # in turn: a bad slot is not probed on and on
                 if probe is not None:
@@ -92,16 +95,16 @@ class DiskIndex:
                     return probe
         for i in range(n):
             f = (self._turn + i) % n
-            free = None if f in self.failing else slots.take(f)
+            free = None if f in out else slots.take(f)
             if free is not None:
                 self._turn = f + 1
                 return free
-        if len(self.failing) == n:
+        if len(out) == n:
             return None
         passed: list[Pair] = []  # keys of failing directories: to the LRU's end
         taken = None
         for pair, (slot, _) in self.where.items():
-            if slot % n in self.failing:
+            if slot % n in out:
                 passed.append(pair)
             elif not slots.busy(slot):
                 taken = pair, slot
@@ -118,8 +121,9 @@ class DiskIndex:
 
     def wrote(self, f: int, ok: bool, now: float) -> None:
         """A write request to directory ``f`` ended at ``now`` (``ok``: done; failed, its slots
-        released): ``f`` is failing, its first probe ``WRITE_PROBE_S`` later, or no longer (its
-        free slots are taken again; its next probe no sooner: flapping bounded)."""
+        released), or a request there was given up (not ``ok``): ``f`` is failing, its first
+        probe ``WRITE_PROBE_S`` later, or no longer (its free slots are taken again; its next
+        probe no sooner: flapping bounded)."""
         if ok:
             self.failing.discard(f)
         elif f not in self.failing:

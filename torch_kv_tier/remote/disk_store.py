@@ -22,8 +22,9 @@ drops the keys of that request from the disk (``poll().failed``), logged, never 
 request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it ends).
 A directory whose last write failed takes only a probe now and then and loses no key for writes
 (``DiskIndex.failing``): a failing disk costs the copies it cannot make, not the blocks it holds,
-nor the copies its other directories can make. A read of a directory with a request given up
-fails at once but keeps its keys (``_finish``). Construction raises ``DiskError`` with what to do.
+nor the copies its other directories can make. A directory with a request given up counts as
+failing, and takes no write, not even a probe, until that request ends; a read there fails at
+once but keeps its keys (``_finish``). Construction raises ``DiskError`` with what to do.
 ``close`` never frees what a request still in flight may touch (``close``).
 """
 
@@ -138,19 +139,17 @@ class DiskStore:
 
     def write(self, items: Sequence[tuple[str, Key, int, int]]) -> list[Pair]:
         """Post writes of DRAM slots to disk: ``(namespace, key, digest, dram_slot)``; keys on
-        disk or being written are skipped, every key while a request is stuck (``_give_up``).
-        Returns the keys evicted from disk for room, none of a directory whose writes fail
-        (``DiskIndex.take_slot``: so that a failing disk costs no key it holds)."""
+        disk or being written are skipped. Returns the keys evicted from disk for room, none of
+        a directory whose writes fail or with a request stuck (``DiskIndex.take_slot``: so that
+        a failing or hung disk costs no key it holds, nor the copies the others can take)."""
         evicted: list[Pair] = []
-        if self._stuck:  # a hung device: evicting for writes it would refuse empties the disk
-            return evicted
         batch: list[tuple[str, Key, int, int, int]] = []
-        now = time.monotonic()
+        now, stuck = time.monotonic(), self._stuck_dirs()
         for ns, key, digest, dram in items:
             pair = (ns, key)
             if pair in self._index.where or pair in self._writing:
                 continue
-            slot = self._index.take_slot(evicted, now)
+            slot = self._index.take_slot(evicted, now, stuck)
             if slot is None:
                 break
             self._writing.add(pair)
@@ -219,7 +218,7 @@ class DiskStore:
             **c,
             "disk_keys": len(self._index),
             "disk_stuck_in_flight": len(self._stuck),
-            "disk_writes_failing": len(self._index.failing),
+            "disk_writes_failing": len(self._index.failing | self._stuck_dirs()),
             "disk_bytes": len(self._index) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
@@ -287,7 +286,7 @@ class DiskStore:
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
                 time.monotonic() + self.request_timeout_s,
             )  # fmt: skip
-            refused = any(r.directory == f for r in self._stuck)  # a hung device: fail at once
+            refused = f in self._stuck_dirs()  # a hung device: fail at once
             if refused:
                 logger.debug("disk %s refused: %s has a request stuck", kind, self._dirs[f].path)
                 state = "ERR"
@@ -340,13 +339,16 @@ class DiskStore:
         """A request past its deadline: its keys fail now, never a late hit. A write's key was
         never on disk and its DRAM slot (only read) is free; a read's key leaves the disk and
         its DRAM slot is ``abandoned`` (its bytes may still land). The disk slots stay taken,
-        the disk takes no write and the directory no read, until it ends (``_unstick``)."""
+        and the directory takes no write nor read until it ends (``_unstick``), then only
+        probes until a write there is done (``DiskIndex.wrote``); the others take the copies."""
         logger.warning(
             "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, its "
-            "keys dropped; no writes, nor reads of that directory, until it ends", request.kind,
-            len(request.items), self._dirs[request.directory].path, self.request_timeout_s,
+            "keys dropped; no writes, nor reads, of that directory until it ends (the other "
+            "directories take the copies)", request.kind, len(request.items),
+            self._dirs[request.directory].path, self.request_timeout_s,
         )  # fmt: skip
         self._stuck.append(request)
+        self._index.wrote(request.directory, False, time.monotonic())
         self._counters["disk_stuck"] += 1
         self._counters["disk_failures"] += len(request.items)
         for ns, key, _, slot, dram in request.items:
@@ -370,6 +372,10 @@ class DiskStore:
             else:
                 self._unbusy_dram(dram)
                 done.released.append(dram)
+
+    def _stuck_dirs(self) -> set[int]:
+        """The directories with a request given up still in flight (a hung device)."""
+        return {request.directory for request in self._stuck}
 
     def _unbusy_dram(self, dram: int) -> None:
         count = self._busy_dram.pop(dram) - 1
