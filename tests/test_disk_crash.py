@@ -71,7 +71,7 @@ def test_a_header_cut_or_corrupted_is_refused_with_what_to_do(tmp_path: Path, te
         DiskDir(d, 8 * DISK_BLOCK, DISK_BLOCK)
 
 
-@pytest.mark.parametrize("flip", [('"format": 1', '"format": 0'), ('"slots": 8', '"slots": 9')])
+@pytest.mark.parametrize("flip", [('"format": 2', '"format": 0'), ('"slots": 8', '"slots": 9')])
 def test_a_header_value_flipped_says_it_is_damaged_and_removing_it_keeps_the_blocks(
     disk_pool: np.ndarray, tmp_path: Path, flip: tuple[str, str]
 ) -> None:

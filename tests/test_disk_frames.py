@@ -104,7 +104,7 @@ def test_damage_that_reads_as_lengths_near_a_frames_limit_costs_a_bounded_search
     so the search hashed 16 GiB (9 s) per such journal. A length is now bounded by the longest
     record: under 32 MiB hashed."""
     hashed = _count_hashed(monkeypatch)
-    good = disk_frames.frame((PUT, 0, "ns", b"k", 1))
+    good = disk_frames.frame((PUT, 0, "ns", b"k", 1), 0)
     damage = bytes([1, 255, 15, 0]) * (1 << 20)  # 4 MiB: lengths of 1 MiB - 255 at every 4th
     parsed = disk_frames.parse(good + b"\x01" + damage)
     assert parsed.records == [(PUT, 0, "ns", b"k", 1)] and not parsed.searched_all

@@ -2,13 +2,17 @@
 payload's length and CRC-32 (``frame``), read back up to the first frame that does not read
 (``parse``), with what lies past that frame: a crash that cut an append leaves nothing readable
 after it; damage in the middle (a bad sector, a lost page) leaves records that still read, found
-again by a bounded scan.
+again by a bounded scan. Each payload carries the record's order (``seq``), strictly increasing
+along a journal: a frame whose order is not past the one before it does not read, as bytes the
+file system wrote twice (a page written again after a crash, on a record boundary) would replay
+an old record after those that undid it.
 
 Pure functions of their arguments, no I/O; safe from any thread.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 import zlib
@@ -27,16 +31,20 @@ _FRAME = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _ZEROS = bytes(_FRAME.size)
 _NOT_ZERO = re.compile(rb"[^\x00]")
 _encoder = msgspec.msgpack.Encoder()  # keeps bytes, str and int keys apart
-# a record's payload, at most (345 bytes): its namespace is a session's config fingerprint
+# a record's payload, at most (354 bytes): its namespace is a session's config fingerprint
 # (``MAX_FINGERPRINT`` characters, 4 UTF-8 bytes each at most), its key ``MAX_KEY_BYTES``, its
-# slot and digest 64-bit. A longer length is damage, not a frame: no byte of it is read, so a
-# search hashes ``RESYNC_BYTES * MAX_PAYLOAD`` bytes at most (under 22 MiB)
+# slot, digest and order 64-bit. A longer length is damage, not a frame: no byte of it is read,
+# so a search hashes ``RESYNC_BYTES * MAX_PAYLOAD`` bytes at most (under 23 MiB)
 MAX_PAYLOAD = len(
     _encoder.encode(
-        (PUT, MAX_INT_KEY, "\U0010ffff" * MAX_FINGERPRINT, bytes(MAX_KEY_BYTES), MAX_INT_KEY)
+        (
+            PUT, MAX_INT_KEY, "\U0010ffff" * MAX_FINGERPRINT, bytes(MAX_KEY_BYTES), MAX_INT_KEY,
+            MAX_INT_KEY,
+        )
     )
-)
-_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])  # msgpack keeps key types
+)  # fmt: skip
+# op, slot, namespace, key, digest, order: msgpack keeps key types
+_decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int, int])
 
 Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
 
@@ -51,20 +59,23 @@ class Parsed:
     searched_all: bool = True  # False: more than RESYNC_BYTES unreadable, the rest not searched
 
 
-def frame(record: Record) -> bytes:
-    payload = _encoder.encode(record)
+def frame(record: Record, seq: int) -> bytes:
+    """``record`` framed, ``seq`` its order in the journal (past every record before it)."""
+    payload = _encoder.encode((*record, seq))
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def frames(records: Iterable[Record]) -> bytes:
-    """``records`` framed as the journal holds them (for ``DiskDir.rewrite``)."""
-    return b"".join(map(frame, records))
+def frames(records: Iterable[Record], seqs: Iterable[int] | None = None) -> bytes:
+    """``records`` framed as the journal holds them (for ``DiskDir.rewrite``), in the order
+    ``seqs`` (strictly increasing; by default 0, 1, 2...)."""
+    return b"".join(map(frame, records, itertools.count() if seqs is None else seqs))
 
 
 def parse(data: bytes) -> Parsed:
     """The records of ``data`` up to the first frame that does not read (cut short, its CRC
-    wrong, or no record), and, past that one, the frames that read (searched over at most
-    ``RESYNC_BYTES`` of unreadable bytes; runs of zeros, as a lost page reads, cost nothing)."""
+    wrong, no record, or its order not past the record before it), and, past that one, the
+    frames that read (searched over at most ``RESYNC_BYTES`` of unreadable bytes; runs of zeros,
+    as a lost page reads, cost nothing)."""
     records: list[Record] = []
     pos = _read_run(data, 0, records)
     if pos == len(data):
@@ -90,9 +101,10 @@ def parse(data: bytes) -> Parsed:
 
 
 def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
-    """Append to ``out`` the records of the frames that read from ``pos`` on; returns the byte
-    after the last one (``pos`` if none read)."""
+    """Append to ``out`` the records of the frames that read from ``pos`` on, each in order
+    after the one before it; returns the byte after the last one (``pos`` if none read)."""
     view = memoryview(data)
+    last = -1
     while pos + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, pos)
         end = pos + _FRAME.size + length
@@ -102,8 +114,12 @@ def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
         if zlib.crc32(payload) != crc:
             break
         try:
-            out.append(_decoder.decode(payload))
+            op, slot, namespace, key, digest, seq = _decoder.decode(payload)
         except (msgspec.DecodeError, ValueError):
             break
+        if seq <= last:  # a record written again (module docstring)
+            break
+        out.append((op, slot, namespace, key, digest))
+        last = seq
         pos = end
     return pos

@@ -13,7 +13,10 @@ under two spellings), which would write over the first one's blocks and journal,
 ``LOCK_WAIT_S`` for it, then is refused.
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
-(``DEL``), each framed by its length and CRC-32. Appends are buffered, taken by ``take_pending`` and
+(``DEL``), each framed by its length and CRC-32, with its order (``disk_frames``: a record the
+file system wrote twice, replayed after those that undid it, is damage, not a record; the
+directory's ``FORMAT`` 2: a directory of format 1, whose records have none, is refused, saying
+what to do). Appends are buffered, taken by ``take_pending`` and
 written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once per
 ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
 nothing written, a power loss the records of the last period, never a block a synced record names).
@@ -49,7 +52,7 @@ from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, parse
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: each journal record carries its order (``disk_frames``)
 REWRITE_RETRY_MAX_S = 60.0
 
 
@@ -65,6 +68,9 @@ class DiskDir:
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet taken (``take_pending``)
         self._pending_count = 0
+        # the order of the next record appended; from ``slots`` on: a compaction's records come
+        # before those of its tail (``first_pending_seq``)
+        self._seq = self.slots
         self.records = 0  # records in the journal file
         self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, at retry_at)
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
@@ -115,6 +121,12 @@ class DiskDir:
             raise DiskError(
                 f"{meta} cannot be read ({exc}): {self._damaged(meta)}, or pass an empty directory"
             ) from exc
+        if have["format"] == 1:  # a cache: what it held is only misses
+            raise DiskError(
+                f"{self.path} was made by an older torch-kv-tier (disk format 1, whose journal "
+                "can replay a record the file system wrote twice): move its files away or remove "
+                "them (its blocks are then misses), or pass an empty directory"
+            )
         if have["format"] != FORMAT:
             raise DiskError(
                 f"{meta} names format {have['format']!r}, not {FORMAT}: use the torch-kv-tier "
@@ -164,8 +176,16 @@ class DiskDir:
     # -- journal --------------------------------------------------------------------------
 
     def append(self, op: int, slot: int, namespace: str, key: Key, digest: int) -> None:
-        self.pending += frame((op, slot, namespace, key, digest))
+        self.pending += frame((op, slot, namespace, key, digest), self._seq)
+        self._seq += 1
         self._pending_count += 1
+
+    def first_pending_seq(self) -> int:
+        """The order of the first record not yet taken (``take_pending``), or of the next one
+        appended: a journal rewritten with records whose orders are below it (slot ``j``'s
+        ``first_pending_seq() - slots + j``, in slot order: ``disk_sync``), then those records,
+        keeps its records in order."""
+        return self._seq - self._pending_count
 
     def take_pending(self) -> tuple[bytes, int]:
         """The records appended since the last call, and their count: for ``flush``."""
@@ -310,8 +330,9 @@ class DiskDir:
         *,
         compaction: bool = False,
     ) -> bool:
-        """Replace the journal by ``live``, then the ``framed_count`` records framed in
-        ``framed`` (``frames``, ``take_pending``), with ``disk_files.write_durably``, after an
+        """Replace the journal by ``live`` (framed in order from the next record's on: before
+        any ``append``), then the ``framed_count`` records framed in ``framed`` (``frames``,
+        ``take_pending``: in order after them), with ``disk_files.write_durably``, after an
         ``fdatasync`` of the block file (the new journal names blocks written since the last
         ``flush``), and append to the new one (logged where it had been emptied). Returns False
         when it cannot be written (a full disk, EIO: logged, never raised): the old journal
@@ -322,7 +343,8 @@ class DiskDir:
         out = bytearray()
         count = framed_count
         for record in live:
-            out += frame(record)
+            out += frame(record, self._seq)
+            self._seq += 1
             count += 1
         try:
             os.fdatasync(self.fd)

@@ -48,6 +48,7 @@ class _Compaction:
     its tail, ``count`` records in all, framed (``disk_frames.frames``): the journals' thread
     writes them with no million objects to free while it holds the GIL."""
 
+    first_seq: int  # the order of slot 0's record: those of the tail come after every one
     next: int = 0
     built: list[bytes] = field(default_factory=list)
     tail: list[bytes] = field(default_factory=list)
@@ -83,7 +84,8 @@ class JournalSync:
             else:  # a compaction that failed (``DiskDir.rewrite``) is tried again at retry_at
                 due = d.records > 4 * live_keys + 4096 and now >= d.retry_at
             if idle and due and f not in self._compactions:
-                self._compactions[f] = _Compaction()  # its tail: every record not yet taken
+                # its tail: every record not yet taken, in order after those built
+                self._compactions[f] = _Compaction(d.first_pending_seq() - d.slots)
         budget = None if force else COMPACT_SLOTS
         for f, c in self._compactions.items():
             stop = self._dirs[f].slots
@@ -91,7 +93,7 @@ class JournalSync:
                 stop = min(stop, c.next + budget)
                 budget -= stop - c.next
             records = live_records(f, c.next, stop)
-            c.built.append(frames(records))
+            c.built.append(frames(records, [c.first_seq + record[1] for record in records]))
             c.next, c.count = stop, c.count + len(records)
         if not idle:
             return

@@ -1,0 +1,65 @@
+"""A journal whose file system duplicated some of its bytes (found by review: a page written
+twice after a crash, landing on a record boundary): every frame still reads, and the copy
+replayed an old ``PUT`` after the records that removed it. A key stored again since then came
+back after a restart with the bytes of the store before, which verify against that store's
+digest (the digest a load checks is the journal's): a hit on bytes the key no longer names.
+Records now carry their order: one out of order is damage, dropped alone at the journal's end
+(a cut tail), else the whole journal (its keys misses)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from contextlib import closing
+from pathlib import Path
+
+import numpy as np
+import pytest
+from disk_support import digest_of, open_store, settle
+
+from torch_kv_tier.remote.disk_store import DiskError, DiskStore
+
+
+def _write(store: DiskStore, pool: np.ndarray, key: bytes, dram: int) -> None:
+    store.write([("ns", key, digest_of(pool, dram, key), dram)])
+    assert settle(store).written == [("ns", key)]
+
+
+@pytest.mark.parametrize("copied", [1, 2])  # records written again: a tail, then damage
+def test_records_duplicated_by_the_file_system_never_bring_old_bytes_back(
+    disk_pool: np.ndarray, tmp_path: Path, copied: int
+) -> None:
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
+        _write(store, disk_pool, b"J", 1)  # slot 1
+        assert store.remove("ns", b"K") and store.remove("ns", b"J")  # both slots free
+        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes: slot 1
+        assert store.digest("ns", b"K") == digest_of(disk_pool, 2, b"K")
+    journal = d / "journal.log"
+    data = journal.read_bytes()
+    end = 0
+    for _ in range(copied):  # the frames of K's first PUT, and of the records after it
+        end += 8 + struct.unpack_from("<I", data, end)[0]
+    journal.write_bytes(data + data[:end])  # written again, at the journal's end
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        found = {key: digest for _, key, digest in store.recover()}
+        assert found.get(b"K", digest_of(disk_pool, 2, b"K")) == digest_of(disk_pool, 2, b"K")
+        if b"K" in found:  # what a load of it returns
+            store.read([("ns", b"K", 40)])
+            assert len(settle(store).read) == 1
+            assert np.array_equal(disk_pool[40], disk_pool[2])
+
+
+def test_a_directory_of_the_format_before_record_orders_is_refused_saying_what_to_do(
+    disk_pool: np.ndarray, tmp_path: Path
+) -> None:
+    """Its journal's records carry no order: read as this format's, none would read (a journal
+    cut at its first byte, every key a miss, said as a crash). Refused instead, saying why."""
+    d = tmp_path / "d"
+    open_store(disk_pool, [d], 8).close()
+    meta = d / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 1}))
+    with pytest.raises(DiskError, match=f"{d} was made by an older torch-kv-tier .*: move its"):
+        open_store(disk_pool, [d], 8)
