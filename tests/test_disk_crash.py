@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_BLOCK, HungDevice, digest_of, make_disk_pool, open_store, settle
+from disk_support import (
+    DISK_BLOCK,
+    SETTLE_TIMEOUT_S,
+    HungDevice,
+    digest_of,
+    make_disk_pool,
+    open_store,
+    settle,
+)
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import (
@@ -44,7 +52,9 @@ from torch_kv_tier.remote.disk_store import DiskCompletions, DiskError, DiskStor
 def _write(store: DiskStore, disk_pool: np.ndarray, key: Key, dram: int) -> DiskCompletions:
     store.write([("ns", key, digest_of(disk_pool, dram, key), dram)])
     done = DiskCompletions()
-    while store.in_flight() or not (done.written or done.failed):
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while store.in_flight() or not (done.written or done.failed):  # refused: the next poll's
+        assert time.monotonic() < deadline, f"the write of {key!r} neither done nor failed"
         more = store.poll()
         done.written += more.written
         done.failed += more.failed

@@ -390,6 +390,7 @@ def test_no_copy_ahead_starts_while_promotions_keep_more_than_its_share_busy() -
     _store(cache, keys)
     now = 1.0
     while len(disk.keys) < 64 or disk.writing:
+        assert now < 1000.0, "64 keys not copied to disk in 1000 steps"
         tier.step(now=now)
         now += 1.0
     tier.admit_after = 1000  # nothing admitted: no copy before the promotions below
