@@ -153,3 +153,30 @@ def test_a_host_configured_with_numpy_numbers_answers_a_handshake() -> None:
         stop.set()
         loop.join()
         server.close()
+
+
+@pytest.mark.parametrize("field", ["port", "metrics_port"])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        (True, TypeError),
+        (1.5, TypeError),
+        (float("nan"), TypeError),
+        ("5600", TypeError),
+        (-1, ValueError),
+        (65536, ValueError),
+        (2**70, ValueError),
+    ],
+    ids=repr,
+)
+def test_a_port_that_is_no_port_number_is_refused_naming_the_option(
+    field: str, bad: object, error: type[Exception]
+) -> None:
+    """``ServerConfig(port=1.5)`` listened on port 1 (ZeroMQ read ``tcp://127.0.0.1:1.5``);
+    ``port=True`` and ``metrics_port=1.5`` failed only as they bound, after the control port,
+    with errors naming no option (a ``TypeError`` traceback from ``serve``)."""
+    option = "--" + field.replace("_", "-")
+    with pytest.raises(error, match=rf"^{option} must be"):
+        ServerConfig(8, BLOCK_LEN, **{field: bad})  # type: ignore[arg-type]
+    taken = ServerConfig(8, BLOCK_LEN, **{field: np.int64(0)})  # type: ignore[arg-type]
+    assert type(getattr(taken, field)) is int

@@ -1,7 +1,8 @@
 """The checks of the numbers users pass: ``seconds`` for every timeout and duration, ``count``
-for a number of slots, blocks or bytes. Each returns the plain ``float``/``int`` the waits and
-the protocol take (numpy's numbers included) or raises ``TypeError``/``ValueError`` naming the
-parameter, before the caller allocates, dials or starts anything. Pure functions."""
+for a number of slots, blocks or bytes, ``port`` for a TCP port. Each returns the plain
+``float``/``int`` the waits, sockets and the protocol take (numpy's numbers included) or raises
+``TypeError``/``ValueError`` naming the parameter, before the caller allocates, dials or starts
+anything. Pure functions."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numbers
 
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
 MAX_COUNT = 2**63 - 1  # the largest count the protocol carries (msgpack takes no more)
+MAX_PORT = 65535
 
 
 def seconds(name: str, value: object, *, zero: bool = False) -> float:
@@ -44,4 +46,18 @@ def count(name: str, value: object) -> int:
         )
     if not 1 <= int(value) <= MAX_COUNT:
         raise ValueError(f"{name} must be > 0 and at most {MAX_COUNT}, got {value}")
+    return int(value)
+
+
+def port(name: str, value: object) -> int:
+    """``value``, parameter ``name``'s TCP port, as an ``int`` (0: any free port). ``TypeError``
+    unless it is an int, numpy's too (not a ``bool`` or a ``float``, which ``serve`` took and
+    bound wrongly or failed to bind); ``ValueError`` unless it is in [0, ``MAX_PORT``]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{name} must be a port number (an int), got {value!r} (a "
+            f"{type(value).__name__}): pass e.g. {name}=5600, or 0 for any free port"
+        )
+    if not 0 <= int(value) <= MAX_PORT:
+        raise ValueError(f"{name} must be in [0, {MAX_PORT}] (0: any free port), got {value}")
     return int(value)

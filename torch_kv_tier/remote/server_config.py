@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from torch_kv_tier.remote.quantities import count, seconds
+from torch_kv_tier.remote.quantities import count, port, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +81,6 @@ class ServerConfig:
             raise ValueError("--disk-bytes needs --disk PATH (a directory for the blocks)")
         if len(set(self.disk_paths)) != len(self.disk_paths):
             raise ValueError(f"--disk names a directory twice: {list(self.disk_paths)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(
-                f"--metrics-port must be in [0, 65535] (0: any free port), got {self.metrics_port}"
-            )
         if self.token is None and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to listen on {self.host} without a token: anyone who reaches that "
@@ -99,11 +93,17 @@ class ServerConfig:
         passed ``<= 0`` and a session silent for nan seconds never expired; ``1e300`` was taken)
         and every count (``quantities.count``), stored as the plain ``float``/``int`` the wire
         carries: a ``numpy.float32`` lease timeout stopped the host's loop at its first
-        ``Accept``, which could not encode it. ``TypeError``/``ValueError`` naming the option."""
+        ``Accept``, which could not encode it. ``TypeError``/``ValueError`` naming the option.
+
+        The ports (``quantities.port``): ``port=1.5`` listened on port 1 (ZeroMQ read
+        ``tcp://127.0.0.1:1.5``), ``port=True`` and ``metrics_port=1.5`` failed as they bound."""
         for option, field in _SECONDS:
             value = getattr(self, field)
             if value is not None or field == "lease_timeout_s":
                 object.__setattr__(self, field, seconds(option, value))
+        object.__setattr__(self, "port", port("--port", self.port))
+        if self.metrics_port is not None:
+            object.__setattr__(self, "metrics_port", port("--metrics-port", self.metrics_port))
         for option, field in _COUNTS:
             value = getattr(self, field)
             if value is not None:
