@@ -180,3 +180,17 @@ def test_a_port_that_is_no_port_number_is_refused_naming_the_option(
         ServerConfig(8, BLOCK_LEN, **{field: bad})  # type: ignore[arg-type]
     taken = ServerConfig(8, BLOCK_LEN, **{field: np.int64(0)})  # type: ignore[arg-type]
     assert type(getattr(taken, field)) is int
+
+
+@pytest.mark.parametrize("option", ["--lease-timeout", "--hold-timeout"])
+@pytest.mark.parametrize("short", ["0.001", "1e-9", "0.5"])
+def test_serve_refuses_a_timeout_shorter_than_a_second_saying_what_to_pass(
+    option: str, short: str
+) -> None:
+    """``--lease-timeout 0.001`` was taken: each session's tier heartbeated every 0.33 ms (a
+    third of it; 15% of a core per session), a tier paused for the host's 0.1 s expiry period
+    lost its session, and ``--hold-timeout 0.001`` gave slots back before their tier could
+    notice its session had ended and release them. A second is the least either takes."""
+    with pytest.raises(ValueError, match=rf"^{option} must be at least 1 s, got .*: .*pass"):
+        ServerConfig.from_args(_args(f"{option}={short}"))
+    assert ServerConfig.from_args(_args(f"{option}=1")) is not None

@@ -457,10 +457,10 @@ def test_config_refuses_nan_and_infinite_numbers_naming_the_option() -> None:
         with pytest.raises(ValueError, match="--disk-bytes is not a byte count"):
             ServerConfig.from_args(_args("--disk", "/nonexistent", "--disk-bytes", bad or " "))
     config = ServerConfig.from_args(
-        _args("--lease-timeout", "0.5", "--hold-timeout", "60", "--disk", "d", "--disk-bytes", "1M")
+        _args("--lease-timeout", "1.5", "--hold-timeout", "60", "--disk", "d", "--disk-bytes", "1M")
     )
     assert (config.lease_timeout_s, config.hold_timeout_s, config.disk_bytes) == (
-        0.5,
+        1.5,
         60.0,
         1 << 20,
     )

@@ -23,6 +23,8 @@ from torch_kv_tier.remote.quantities import count, port, seconds
 logger = logging.getLogger(__name__)
 
 MAX_POOL_BYTES = 2**62  # more than any machine holds (numpy refuses a pool past 2**63 bytes)
+# The shortest --lease-timeout and --hold-timeout (``ServerConfig._check_quantities``).
+MIN_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,25 @@ class ServerConfig:
         carries: a ``numpy.float32`` lease timeout stopped the host's loop at its first
         ``Accept``, which could not encode it. ``TypeError``/``ValueError`` naming the option.
 
+        A timeout is at least ``MIN_TIMEOUT_S``: a tier heartbeats every third of the lease
+        timeout (its 1 s period, shortened), and the host polls and checks expiries every
+        0.1 s and counts a silence of a third of either timeout as its own stall. At 0.001 s
+        each session's tier sent 3000 heartbeats a second (15% of a core), a tier paused for
+        0.1 s (a collection, a loaded machine) lost its session, and held slots went back
+        before their tier could notice the loss and release them.
+
         The ports (``quantities.port``): ``port=1.5`` listened on port 1 (ZeroMQ read
         ``tcp://127.0.0.1:1.5``), ``port=True`` and ``metrics_port=1.5`` failed as they bound."""
         for option, field in _SECONDS:
             value = getattr(self, field)
             if value is not None or field == "lease_timeout_s":
-                object.__setattr__(self, field, seconds(option, value))
+                value = seconds(option, value)
+                if value < MIN_TIMEOUT_S:
+                    raise ValueError(
+                        f"{option} must be at least {MIN_TIMEOUT_S:g} s, got {value:g}: "
+                        f"{_TOO_SHORT[option]}"
+                    )
+                object.__setattr__(self, field, value)
         object.__setattr__(self, "port", port("--port", self.port))
         if self.metrics_port is not None:
             object.__setattr__(self, "metrics_port", port("--metrics-port", self.metrics_port))
@@ -135,6 +150,12 @@ class ServerConfig:
 
 # (option, field) of every duration and count ``_check_quantities`` checks
 _SECONDS = (("--lease-timeout", "lease_timeout_s"), ("--hold-timeout", "hold_timeout_s"))
+_TOO_SHORT = {  # why, and what to pass instead
+    "--lease-timeout": "tiers heartbeat every third of it, and one paused longer than it loses "
+    "its session; pass 30 (the default), or a few seconds at the least",
+    "--hold-timeout": "a tier notices its session ended only after its heartbeat timeout (10 s "
+    "by default), then releases its slots; pass that or more",
+}
 _COUNTS = (
     ("--num-blocks", "num_blocks"),
     ("--block-len", "block_len"),
@@ -240,8 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lease-timeout",
         type=float,
         default=30.0,
-        help="seconds without a heartbeat before a client's session ends (default 30); the "
-        "slots it may still write stay held until the client releases them",
+        help="seconds without a heartbeat before a client's session ends (default 30, at "
+        "least 1: tiers heartbeat every third of it); the slots it may still write stay held "
+        "until the client releases them",
     )
     parser.add_argument(
         "--max-lease",
@@ -264,7 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hold-timeout",
         type=float,
         help="seconds after which slots held for an ended session go back to the pool even if "
-        "its client never released them (default: never). Loads still verify their bytes, so "
+        "its client never released them (default: never; at least 1, and best the tiers' "
+        "heartbeat timeout, 10 s by default, or more). Loads still verify their bytes, so "
         "a late write costs a miss, not wrong bytes; only private tiers built with "
         "verify=False then rely on the writer having stopped by that time",
     )
