@@ -17,10 +17,15 @@ SIGSTOP a host or a long-lived tier for 0.5 to 3 s; SIGKILL the short-lived tier
 control connections of a host (``ss -K`` on its port, either side); and a staleness probe: a
 tier of this process stores a fresh key on one host and every long-lived tier must see it, or
 drop that host, within ``chaos_worker.STALE_BOUND_S``. The workers feed bad keys themselves.
+A host that exits by itself (``chaos_hosts``) is recorded (exit code, signal, time, the end of its
+stderr: the JSON's ``host_exits``) and restarted on its port, the long-lived tiers told first as
+for a kill.
 
 What must hold (the exit status is 1 otherwise): 0 wrong blocks; 0 hung futures (each bounded
 by ``chaos_worker.FUTURE_BOUND_S``); 0 stale probes; fds, threads and RSS of every long-lived
-tier flat (end vs. start of its loop); every worker finished and reported.
+tier flat (end vs. start of its loop); every worker finished and reported; no host exited by
+itself but for the UCX abort the README documents over TCP (``chaos_hosts.is_known_ucx_abort``),
+which is counted, not failed: it loses the host's keys, never a load's bytes.
 """
 
 from __future__ import annotations
@@ -44,67 +49,17 @@ from typing import Any
 import psutil
 
 from torch_kv_tier.benchmarks import chaos_worker as cw
+from torch_kv_tier.benchmarks.chaos_hosts import HostExit, Hosts
 from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import Outcome, ucx_over_tcp
 from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER, FDS_PER_DEAD_PEER_TCP
 
 logger = logging.getLogger(__name__)
 
-POOL_BLOCKS = 2048  # per host: more than the key space, so nothing is evicted (without --disk)
 START_S = 180.0  # every worker ready (spawned interpreters import torch and NIXL)
 GRACE_S = 90.0  # after --seconds: the last calls (a frozen worker finishes late), counts back
 RSS_GROWTH = 0.25  # the most a long-lived tier's RSS may grow over its loop
 THREADS_GROWTH = 4  # the most threads it may gain (a re-dialed session's I/O thread)
-
-
-class Hosts:
-    """The host processes, each on a fixed port across restarts. With ``disk``, each host
-    keeps a disk tier in its own directory under it (every block admitted) behind a pool of a
-    quarter of the key space, so keys go to disk and come back, and a restart after SIGKILL
-    recovers that directory."""
-
-    def __init__(self, count: int, disk: Path | None, keys: int) -> None:
-        from torch_kv_tier.remote import ServerProcess
-
-        def options(i: int) -> list[str]:
-            if disk is None:
-                return []
-            size = str(2 * keys * cw.BLOCK_LEN)
-            return ["--disk", str(disk / f"host-{i}"), "--disk-bytes", size, "--disk-admit", "1"]
-
-        pool = POOL_BLOCKS if disk is None else max(64, keys // 4)
-        self._start = lambda i, port: ServerProcess.start(
-            pool, cw.BLOCK_LEN, extra_args=["--port", str(port), *options(i)]
-        )
-        self.servers = [
-            ServerProcess.start(pool, cw.BLOCK_LEN, extra_args=options(i)) for i in range(count)
-        ]
-        self.restarts = 0
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.address for s in self.servers]
-
-    def restart(self, i: int) -> None:
-        """SIGKILL host ``i`` and start a new one on its port (retried while it is busy)."""
-        port = int(self.servers[i].address.rsplit(":", 1)[1])
-        self.servers[i].kill()
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.servers[i] = self._start(i, port)
-                break
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        self.restarts += 1
-
-    def close(self) -> None:
-        for server in self.servers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(server.proc.pid, signal.SIGCONT)
-            server.stop()
 
 
 def _resources(procs: dict[str, Any], names: list[str], out: Outcome) -> dict[str, dict[str, int]]:
@@ -141,6 +96,7 @@ class Chaos:
         self.start_res: dict[str, dict[str, int]] = {}
         self.end_res: dict[str, dict[str, int]] = {}
         self.ephemeral = 0
+        self.exits: list[HostExit] = []  # hosts that exited by themselves (``chaos_hosts``)
 
     def spawn(self, role: str, name: str, addresses: list[str], seconds: float) -> None:
         commands = self.ctx.Queue()
@@ -166,9 +122,7 @@ class Chaos:
         )
         i = self.rng.randrange(len(hosts.servers))
         if kind == "kill-host":
-            for name in long_lived:  # before the kill: a worker's verdict reads it (chaos_worker)
-                self.commands[name].put(("restart", hosts.addresses[i]))
-            hosts.restart(i)
+            self.restart(hosts, i, long_lived)
         elif kind == "stop-host" or kind == "stop-tier":
             pid = hosts.servers[i].proc.pid if kind == "stop-host" else None
             if pid is None:
@@ -193,6 +147,13 @@ class Chaos:
         elif all(pid != hosts.servers[i].proc.pid for _, pid in self.stopped):
             self.probe(hosts.addresses[i], probe_tiers[i], long_lived)
         self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def restart(self, hosts: Hosts, i: int, long_lived: list[str]) -> None:
+        """Restart host ``i`` (killed, or exited by itself), telling every long-lived tier
+        first: a worker's verdict on a probe of the host reads it (``chaos_worker``)."""
+        for name in long_lived:
+            self.commands[name].put(("restart", hosts.addresses[i]))
+        hosts.restart(i)
 
     def probe(self, address: str, tier: Any, long_lived: list[str]) -> None:
         """Store a fresh key on ``address`` alone; tell every long-lived tier to expect it."""
@@ -224,7 +185,7 @@ class Chaos:
 
         a = self.args
         started = time.monotonic()
-        hosts = Hosts(a.hosts, a.disk, a.keys)
+        hosts = Hosts(a.hosts, a.disk, a.keys, tcp=a.tcp, started=started)
         long_lived = [f"writer-{i}" for i in range(a.writers)]
         long_lived += [f"reader-{i}" for i in range(a.readers)]
         probe_tiers = [
@@ -252,6 +213,8 @@ class Chaos:
                 self.resume_due(time.monotonic())
                 while self.receive(0.0) is not None:  # errors of workers that died
                     pass
+                for i in hosts.exited():  # by itself (a UCX abort over TCP, say)
+                    self.restart(hosts, i, long_lived)
                 self.fault(hosts, long_lived, probe_tiers)
                 time.sleep(self.rng.uniform(0.2, 1.0))
             self.resume_due(float("inf"))
@@ -272,9 +235,9 @@ class Chaos:
                 proc.join(timeout=10)
             for tier in probe_tiers:
                 tier.close()
-            restarts = hosts.restarts
             hosts.close()
-        self.report(long_lived, restarts)
+        self.exits = hosts.exits
+        self.report(long_lived, hosts.restarts)
         self.out.seconds = time.monotonic() - started
         return self.out
 
@@ -306,6 +269,15 @@ class Chaos:
         for kind, n in sorted(self.faults.items()):
             out.info(f"faults: {kind}", n)
         out.info("host restarts", restarts)
+        known = sum(e.known for e in self.exits)
+        out.info("host exits: the UCX abort documented over TCP", known)
+        out.equals("host exits: any other", len(self.exits) - known, 0)
+        for e in self.exits:
+            if not e.known:
+                out.problem(
+                    f"host {e.host} exited by itself {e.at_s} s into the run: exit code "
+                    f"{e.returncode} ({e.signal or 'no signal'}); its stderr ended:\n{e.stderr}"
+                )
         for name in long_lived:
             start, end = self.start_res.get(name), self.end_res.get(name)
             if start is None or end is None:
@@ -330,14 +302,19 @@ class Chaos:
             out.info(f"keys failed: {reason}", n)
 
 
-def render(out: Outcome) -> str:
-    """The figures as a table, then the problems, then ``ok``/``FAILED``."""
+def render(out: Outcome, exits: list[HostExit]) -> str:
+    """The figures as a table, the hosts' exits of their own, the problems, ``ok``/``FAILED``."""
     rows = [("figure", "value", "limit", "")] + [
         (f.name, f.text(), f.limit or "-", "" if f.ok else "FAILED") for f in out.figures
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += [
+        f"host {e.host} exited at {e.at_s} s: exit code {e.returncode} ({e.signal or '-'}), "
+        + ("the known UCX abort" if e.known else "unexpected")
+        for e in exits
+    ]
     return "\n".join([*lines, *out.problems, "ok" if out.ok else "FAILED"])
 
 
@@ -371,10 +348,11 @@ def run(args: argparse.Namespace) -> int:
         print("torch-kv-tier chaos: counts > 0, --seconds >= 10, --keys >= 64", file=sys.stderr)
         return 2
     with ucx_over_tcp() if args.tcp else contextlib.nullcontext():
-        out = Chaos(args).run()
-    print(render(out))
+        chaos = Chaos(args)
+        out = chaos.run()
+    print(render(out, chaos.exits))
     if args.json is not None:
-        report = {**asdict(out), "ok": out.ok}
+        report = {**asdict(out), "ok": out.ok, "host_exits": [asdict(e) for e in chaos.exits]}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0 if out.ok else 1

@@ -1,0 +1,87 @@
+"""``torch-kv-tier chaos`` and hosts that exit by themselves (``benchmarks.chaos_hosts``): the
+harness saw none (an exited host stayed down until a random kill restarted it, its exit never
+reported); each is now recorded, restarted on its port, and fails the run unless it is the UCX
+abort the README documents over TCP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import pytest
+
+from torch_kv_tier.benchmarks.chaos import Chaos, add_arguments, render
+from torch_kv_tier.benchmarks.chaos_hosts import HostExit, Hosts, is_known_ucx_abort
+
+UCX_ABORT = "[1733560000.1] ucp_request.inl:356 Fatal: unexpected error: Endpoint timeout"
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stderr", "tcp", "known"),
+    [
+        (-6, f"INFO serving\n{UCX_ABORT}", True, True),
+        (-6, "stubs.c:107 Assertion '0' failed", True, True),
+        (-6, f"INFO serving\n{UCX_ABORT}", False, False),  # documented over TCP only
+        (-6, "Traceback ... AssertionError", True, False),  # an abort, not UCX's
+        (-11, UCX_ABORT, True, False),  # a crash
+        (1, UCX_ABORT, True, False),
+        (0, "", True, False),
+    ],
+)
+def test_only_the_documented_ucx_abort_over_tcp_is_a_known_exit(
+    returncode: int, stderr: str, tcp: bool, known: bool
+) -> None:
+    assert is_known_ucx_abort(returncode, stderr, tcp=tcp) is known
+
+
+def test_a_host_that_exits_by_itself_is_recorded_and_restarted_on_its_port() -> None:
+    started = time.monotonic()
+    hosts = Hosts(1, None, 64, tcp=True, started=started)
+    try:
+        address = hosts.addresses[0]
+        hosts.restart(0)  # the harness's own kill: no exit of its own
+        assert hosts.exits == [] and hosts.exited() == []
+        os.kill(hosts.servers[0].proc.pid, signal.SIGABRT)
+        hosts.servers[0].proc.wait(timeout=30)
+        assert hosts.exited() == [0]
+        hosts.restart(0)
+        assert hosts.addresses == [address] and hosts.exited() == []
+        assert hosts.restarts == 2
+        [found] = hosts.exits
+        assert (found.host, found.returncode, found.signal) == (address, -6, "SIGABRT")
+        assert not found.known  # no UCX message on its stderr
+        assert 0 < found.at_s < time.monotonic() - started
+        assert "serving" in found.stderr  # the end of its log
+    finally:
+        hosts.close()
+    assert len(hosts.exits) == 1  # close stops the live host: not an exit of its own
+
+
+def _exit(returncode: int, known: bool) -> HostExit:
+    name = signal.Signals(-returncode).name
+    return HostExit("127.0.0.1:5600", 12.5, returncode, name, known, "the end of its stderr")
+
+
+def test_the_run_fails_on_an_unexpected_host_exit_and_reports_a_known_one() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    chaos = Chaos(parser.parse_args(["--tcp"]))
+    chaos.exits = [_exit(-6, known=True)]
+    chaos.report([], restarts=1)
+    figures = {f.name: f for f in chaos.out.figures}
+    assert figures["host exits: the UCX abort documented over TCP"].value == 1
+    assert figures["host exits: any other"].ok and not chaos.out.problems
+    assert "exited at 12.5 s: exit code -6 (SIGABRT), the known UCX abort" in render(
+        chaos.out, chaos.exits
+    )
+
+    chaos = Chaos(parser.parse_args(["--tcp"]))
+    chaos.exits = [_exit(-6, known=True), _exit(-11, known=False)]
+    chaos.report([], restarts=2)
+    figures = {f.name: f for f in chaos.out.figures}
+    assert figures["host exits: any other"].value == 1 and not figures["host exits: any other"].ok
+    [problem] = chaos.out.problems
+    assert "exit code -11 (SIGSEGV)" in problem and "the end of its stderr" in problem
+    assert not chaos.out.ok
