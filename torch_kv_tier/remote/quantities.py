@@ -39,25 +39,27 @@ def count(name: str, value: object) -> int:
     """``value``, parameter ``name``'s count, as the ``int`` the protocol carries (it cannot
     encode a ``numpy.int64``). ``TypeError`` unless it is an int, numpy's too (not a ``bool``,
     a ``float`` or a ``str``); ``ValueError`` unless it is > 0 and at most ``MAX_COUNT``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a whole number (an int), got {value!r} (a "
-            f"{type(value).__name__}): pass e.g. {name}=64, or int() of it"
-        )
-    if not 1 <= int(value) <= MAX_COUNT:
+    number = _int(name, value, "a whole number (an int)", f"{name}=64, or int() of it")
+    if not 1 <= number <= MAX_COUNT:
         raise ValueError(f"{name} must be > 0 and at most {MAX_COUNT}, got {value}")
-    return int(value)
+    return number
 
 
 def port(name: str, value: object) -> int:
     """``value``, parameter ``name``'s TCP port, as an ``int`` (0: any free port). ``TypeError``
     unless it is an int, numpy's too (not a ``bool`` or a ``float``, which ``serve`` took and
     bound wrongly or failed to bind); ``ValueError`` unless it is in [0, ``MAX_PORT``]."""
+    number = _int(name, value, "a port number (an int)", f"{name}=5600, or 0 for any free port")
+    if not 0 <= number <= MAX_PORT:
+        raise ValueError(f"{name} must be in [0, {MAX_PORT}] (0: any free port), got {value}")
+    return number
+
+
+def _int(name: str, value: object, what: str, example: str) -> int:
+    """``int(value)``; ``TypeError`` saying ``name`` must be ``what`` (``pass e.g. example``)
+    unless ``value`` is an int, numpy's too, and not a ``bool``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
-            f"{name} must be a port number (an int), got {value!r} (a "
-            f"{type(value).__name__}): pass e.g. {name}=5600, or 0 for any free port"
+            f"{name} must be {what}, got {value!r} (a {type(value).__name__}): pass e.g. {example}"
         )
-    if not 0 <= int(value) <= MAX_PORT:
-        raise ValueError(f"{name} must be in [0, {MAX_PORT}] (0: any free port), got {value}")
     return int(value)
