@@ -8,8 +8,10 @@ upstream issue", TCP transport only): the run is over TCP, the host died of SIGA
 costs the run nothing but the host's keys (its loads in flight settle as misses); any other exit
 fails the run (``chaos.Chaos.report``).
 
-Threading: the harness's thread only. Each restart and ``close`` waits for the host (bounded by
-``ServerProcess``'s timeouts).
+Threading: the harness's thread only, but for one daemon thread per host process that waits for
+its exit and notes when (an exit is found between two faults, some seconds later); it ends with
+the process, and ``close`` ends every process. Each restart and ``close`` waits for the host
+(bounded by ``ServerProcess``'s timeouts).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,13 +70,12 @@ class Hosts:
             return ["--disk", str(disk / f"host-{i}"), "--disk-bytes", size, "--disk-admit", "1"]
 
         pool = POOL_BLOCKS if disk is None else max(64, keys // 4)
-        self._start = lambda i, port: ServerProcess.start(
-            pool, cw.BLOCK_LEN, extra_args=["--port", str(port), *options(i)]
+        self._start = lambda i, port: self._watched(
+            ServerProcess.start(pool, cw.BLOCK_LEN, extra_args=["--port", str(port), *options(i)])
         )
         self._tcp, self._started = tcp, started
-        self.servers = [
-            ServerProcess.start(pool, cw.BLOCK_LEN, extra_args=options(i)) for i in range(count)
-        ]
+        self._ends: dict[int, tuple[threading.Thread, list[float]]] = {}  # pid: its ``_watch``
+        self.servers = [self._start(i, 0) for i in range(count)]
         self.restarts = 0
         self.exits: list[HostExit] = []
 
@@ -91,6 +93,7 @@ class Hosts:
         port = int(self.servers[i].address.rsplit(":", 1)[1])
         self._record_exit(i)
         self.servers[i].kill()
+        self._ends.pop(self.servers[i].proc.pid, None)  # (its watch ends with it)
         deadline = time.monotonic() + RESTART_S
         while True:
             try:
@@ -110,18 +113,36 @@ class Hosts:
                 os.kill(server.proc.pid, signal.SIGCONT)
             server.stop()
 
+    def _watched(self, server: ServerProcess) -> ServerProcess:
+        """``server``, with a thread noting when its process exits (``_watch``)."""
+        ended: list[float] = []
+        watch = threading.Thread(
+            target=_watch, args=(server, ended), name=f"chaos-host-{server.proc.pid}", daemon=True
+        )
+        watch.start()
+        self._ends[server.proc.pid] = (watch, ended)
+        return server
+
     def _record_exit(self, i: int) -> None:
         """Add host ``i``'s exit to ``exits`` if its process exited (the harness has not
         killed it yet: it records before each kill)."""
         server = self.servers[i]
         if server.proc.poll() is None:
             return
-        at_s = time.monotonic() - self._started  # when found: within a fault of the exit
+        watch, ended = self._ends.pop(server.proc.pid)
+        watch.join(timeout=RESTART_S)  # it returns as the process is reaped
+        at_s = (ended[0] if ended else time.monotonic()) - self._started
         code = server.stop()  # already exited: reaps it and reads its stderr to the end
         stderr = "\n".join(server.stderr.splitlines()[-STDERR_LINES:])
         known = is_known_ucx_abort(code, stderr, tcp=self._tcp)
         exit_ = HostExit(server.address, round(at_s, 1), code, _signal_name(code), known, stderr)
         self.exits.append(exit_)
+
+
+def _watch(server: ServerProcess, ended: list[float]) -> None:
+    """Append to ``ended`` when ``server``'s process exits (waiting as long as it runs)."""
+    server.proc.wait()
+    ended.append(time.monotonic())
 
 
 def _signal_name(returncode: int) -> str | None:
