@@ -13,7 +13,13 @@ import time
 import pytest
 
 from torch_kv_tier.benchmarks.chaos import Chaos, add_arguments, render
-from torch_kv_tier.benchmarks.chaos_hosts import HostExit, Hosts, is_known_ucx_abort
+from torch_kv_tier.benchmarks.chaos_hosts import (
+    STDERR_LINES,
+    HostExit,
+    Hosts,
+    host_exit,
+    is_known_ucx_abort,
+)
 
 UCX_ABORT = "[1733560000.1] ucp_request.inl:356 Fatal: unexpected error: Endpoint timeout"
 
@@ -34,6 +40,15 @@ def test_only_the_documented_ucx_abort_over_tcp_is_a_known_exit(
     returncode: int, stderr: str, tcp: bool, known: bool
 ) -> None:
     assert is_known_ucx_abort(returncode, stderr, tcp=tcp) is known
+
+
+def test_a_ucx_abort_followed_by_its_backtrace_is_known_and_the_end_of_stderr_kept() -> None:
+    """The exit was judged on the lines it kept (the last 20): a UCX abort followed by a longer
+    backtrace would have failed the run as an unexpected exit."""
+    backtrace = "\n".join(f"  {i} 0x7f00 ucs_debug_backtrace_dump()" for i in range(40))
+    found = host_exit("h:1", 3.14159, -6, f"INFO serving\n{UCX_ABORT}\n{backtrace}", tcp=True)
+    assert found.known and (found.signal, found.at_s) == ("SIGABRT", 3.1)
+    assert found.stderr.splitlines() == backtrace.splitlines()[-STDERR_LINES:]
 
 
 def test_a_host_that_exits_by_itself_is_recorded_and_restarted_on_its_port() -> None:

@@ -31,7 +31,7 @@ POOL_BLOCKS = 2048  # per host: more than the key space, so nothing is evicted (
 RESTART_S = 30.0  # the longest a host's port stays busy after its death
 # What UCX writes when it aborts a host over TCP (README, "Known upstream issue")
 UCX_ABORT_SIGNS = ("ucp_request", "Endpoint timeout", "stubs.c:107 Assertion '0' failed")
-STDERR_LINES = 20  # of a host's stderr, kept with its exit
+STDERR_LINES = 20  # of a host's stderr, kept with its exit (its last 200 lines are searched)
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,14 @@ class HostExit:
 def is_known_ucx_abort(returncode: int, stderr: str, *, tcp: bool) -> bool:
     """Whether an exit is the documented UCX abort: over TCP, SIGABRT, UCX's message."""
     return tcp and returncode == -signal.SIGABRT and any(s in stderr for s in UCX_ABORT_SIGNS)
+
+
+def host_exit(host: str, at_s: float, returncode: int, stderr: str, *, tcp: bool) -> HostExit:
+    """The ``HostExit`` of ``host``, judged on all of ``stderr`` (UCX's message may be followed
+    by its backtrace), which it keeps the last ``STDERR_LINES`` lines of."""
+    known = is_known_ucx_abort(returncode, stderr, tcp=tcp)
+    tail = "\n".join(stderr.splitlines()[-STDERR_LINES:])
+    return HostExit(host, round(at_s, 1), returncode, _signal_name(returncode), known, tail)
 
 
 class Hosts:
@@ -133,10 +141,7 @@ class Hosts:
         watch.join(timeout=RESTART_S)  # it returns as the process is reaped
         at_s = (ended[0] if ended else time.monotonic()) - self._started
         code = server.stop()  # already exited: reaps it and reads its stderr to the end
-        stderr = "\n".join(server.stderr.splitlines()[-STDERR_LINES:])
-        known = is_known_ucx_abort(code, stderr, tcp=self._tcp)
-        exit_ = HostExit(server.address, round(at_s, 1), code, _signal_name(code), known, stderr)
-        self.exits.append(exit_)
+        self.exits.append(host_exit(server.address, at_s, code, server.stderr, tcp=self._tcp))
 
 
 def _watch(server: ServerProcess, ended: list[float]) -> None:
