@@ -48,6 +48,7 @@ class Closing:
     _ops: dict[int, Op]
     _stray_reads: list[Op]
     _promotions: Promotions
+    _ending: list[tuple[Any, bool]]  # dropped peers' sessions the poller did not start ending
 
     if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
 
@@ -90,6 +91,9 @@ class Closing:
         if threading.current_thread() is not self._thread:  # close() from a done-callback
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        with self._lock:  # dropped peers' sessions the poller left (it stopped): ended here
+            ending += self._ending
+            self._ending = []
         self._end_sessions(ending, deadline - time.monotonic())
         self.transport.close()
         # once the transport released everything, nothing lands in a cancelled load's blocks

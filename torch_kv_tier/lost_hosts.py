@@ -1,13 +1,15 @@
 """The tier's half of losing a connected host and dialling it again (see ``connections``).
 
 ``LostHosts`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``): a session
-that is lost drops its peer (``_on_session_lost``); once ended, a host lost rather than removed
-is dialled again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial``
-until the host answers or is no longer wanted (``_wants_dial``). So is a host down at its
-first connect with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). A dial also
-stops when the user removes its host (``_stop_dialling``) or its address answers under another
-id (``_forget_replaced``). Telling hosts which ended sessions resolved (fencing, client half) is
-its base ``session_releases.SessionReleases``.
+that is lost drops its peer (``_on_session_lost``); a dropped peer's session is ended on a thread
+of its own, which the poller starts (``_end_later``: never the caller's thread, nor under the
+lock); once ended, a host lost rather than removed is dialled again (``_close_session``) by the
+manager's ``Redialer``, which calls ``_redial`` until the host answers or is no longer wanted
+(``_wants_dial``). So is a host down at its first connect with ``redial_if_down``
+(``_dial_later``; ``cancel_dial`` stops it). A dial also stops when the user removes its host
+(``_stop_dialling``) or its address answers under another id (``_forget_replaced``). Telling
+hosts which ended sessions resolved (fencing, client half) is its base
+``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
 under it.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,9 @@ from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
 
+END_THREAD = "tkvt-session-end"  # ends a dropped peer's session, which waits for its host
+_END_RETRY_S = 1.0  # after a thread that could not start (the process at its thread limit)
+
 
 class LostHosts(SessionReleases):
     """Lost hosts and their redials, for ``TierManager`` (module docstring)."""
@@ -38,6 +44,8 @@ class LostHosts(SessionReleases):
     _redialer: Redialer
     _joining: Mapping[str, Joining]  # peer id -> its connect in progress
     _closing: threading.Event  # set when ``close`` starts
+    _ending: list[tuple[Any, bool]]  # dropped peers' sessions to end, and whether cleanly
+    _ending_due: float  # monotonic time before which the poller does not start them
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
 
@@ -46,6 +54,50 @@ class LostHosts(SessionReleases):
         def _lose_peer(self, peer_id: str, why: str) -> None: ...
         def _flush(self) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
+
+    def _end_later(self, session: Any, clean: bool) -> None:
+        """A dropped peer's ``session`` is to end (``_close_session``), which waits for its
+        host: the poller starts its thread (``_start_ends``), so that no caller waits for a
+        thread to start, nor does anyone wait for the lock meanwhile (the caller may be a
+        ``store`` whose transfer was refused). ``close`` ends those it never started."""
+        self._ending.append((session, clean))
+        self._cond.notify_all()
+
+    def _ends_due(self) -> bool:
+        """Whether the poller has sessions to end (``_end_later``) now: not while it waits out
+        ``_END_RETRY_S`` after a thread that could not start."""
+        return bool(self._ending) and time.monotonic() >= self._ending_due
+
+    def _take_ends(self) -> list[tuple[Any, bool]]:
+        """The sessions ``_end_later`` left to the poller, if due (``_ends_due``)."""
+        if not self._ends_due():
+            return []
+        ending, self._ending = self._ending, []
+        return ending
+
+    def _start_ends(self, ending: list[tuple[Any, bool]]) -> None:
+        """The poller (unlocked): an ``END_THREAD`` for each session of ``ending``. A thread
+        that cannot start (the process at its thread limit) hands back the rest, tried again
+        in ``_END_RETRY_S``, logged as a warning: the host is dialled again once its session
+        ended."""
+        for i, (session, clean) in enumerate(ending):
+            thread = threading.Thread(
+                target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                with self._lock:
+                    self._ending[:0] = ending[i:]
+                    self._ending_due = time.monotonic() + _END_RETRY_S
+                logger.warning(
+                    "could not start a thread to end %d dropped sessions (tried again in "
+                    "%.0f s; their hosts are dialled again once they ended): %s",
+                    len(ending) - i,
+                    _END_RETRY_S,
+                    exc,
+                )
+                return
 
     def _close_session(self, session: Any, clean: bool) -> None:
         """End a dropped peer's session (unlocked); dial the host again if it was lost rather

@@ -145,6 +145,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._pending: dict[str, Dial] = {}  # address -> how to dial a host down at its connect
         self._redialing: list[Dial] = []  # the redialer's connects in progress
+        self._ending: list[tuple[Any, bool]] = []  # dropped peers' sessions to end (the poller)
+        self._ending_due = 0.0
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
         self._closing = threading.Event()

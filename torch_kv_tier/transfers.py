@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 _SPIN_S = 0.002  # how long the poller polls back to back after activity
 _USAGE_PERIOD_S = 0.25  # bytes moved reach a peer's session at most this often (heartbeat: 1 s)
-END_THREAD = "tkvt-session-end"  # ends a lost peer's session, which waits for its host
 
 
 class Transfers(Finishes):
@@ -83,7 +82,10 @@ class Transfers(Finishes):
         def _launch_awaiting(self, host: SharedHost) -> bool: ...
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _send_releases(self, address: str) -> None: ...
-        def _close_session(self, session: Any, clean: bool) -> None: ...
+        def _end_later(self, session: Any, clean: bool) -> None: ...
+        def _ends_due(self) -> bool: ...
+        def _take_ends(self) -> list[tuple[Any, bool]]: ...
+        def _start_ends(self, ending: list[tuple[Any, bool]]) -> None: ...
         def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
         def _rearm_redialer(self) -> None: ...
 
@@ -105,7 +107,7 @@ class Transfers(Finishes):
                     delay, last_activity = 0.0, time.perf_counter()
                 if self._promotions:
                     self._fail_parked(self._promotions.take_expired(time.monotonic()), MISSING)
-                while not self._ops and not self._stopping and not self._ready:
+                while not (self._ops or self._stopping or self._ready or self._ends_due()):
                     self._poller_idle = True
                     # idle: report the last bytes moved (and start a redialer that could not
                     # start); look at promotions' deadlines after every wake-up (each load
@@ -117,8 +119,11 @@ class Transfers(Finishes):
                         now = time.monotonic()
                         self._fail_parked(self._promotions.take_expired(now), MISSING)
                 self._poller_idle = False
-                if self._stopping:
+                if self._stopping:  # (``close`` ends the sessions left in ``_ending``)
                     return
+                ending = self._take_ends()
+            if ending:  # dropped peers' sessions: their threads start here, unlocked
+                self._start_ends(ending)
             if self._ready:  # settled without a transfer (promotions), maybe while others fly
                 self._flush()
                 if not self._ops:
@@ -373,10 +378,8 @@ class Transfers(Finishes):
             return
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
         session, clean = self._drop_peer(peer_id, lost=True)
-        if session is not None:  # ending waits for the server: not under the lock
-            threading.Thread(
-                target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True
-            ).start()
+        if session is not None:  # ending waits for the host: not here (``_end_later``)
+            self._end_later(session, clean)
 
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""

@@ -23,9 +23,9 @@ from typing import IO, Any
 import psutil
 import torch
 
+from torch_kv_tier.lost_hosts import END_THREAD
 from torch_kv_tier.remote import Region, RemoteSession
 from torch_kv_tier.session_releases import RELEASE_THREAD
-from torch_kv_tier.transfers import END_THREAD
 
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
 # on one host) it often completes inside transfer(), before any fault can be injected.

@@ -1,0 +1,118 @@
+"""A store or load whose transfer the transport refuses drops its host, and that host's session
+must end (then the host is dialled again): the thread that ends it starts on the poller, so the
+caller never waits for a thread to start (an unbounded wait on a loaded machine, under the
+tier's lock), nor sees a process at its thread limit raise out of its ``store``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from remote_support import BLOCK_LEN, fill_random, wait_for
+
+from torch_kv_tier import lost_hosts
+from torch_kv_tier.lost_hosts import END_THREAD
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.results import TRANSFER_FAILED
+
+RESULT_TIMEOUT_S = 20.0
+
+
+@pytest.fixture
+def refusing_tier() -> Iterator[tuple[TierManager, str]]:
+    """A tier connected to a live host, with one store there done; its transport then refuses
+    every write (``write_blocks`` returns ``None``), as it does once UCX's connection to the
+    host was reset."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="refused") as tier,
+    ):
+        peer = tier.connect(server.address)
+        fill_random(tier)
+        assert tier.store(["before"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        submit = tier.transport.write_blocks
+        tier.transport.write_blocks = lambda *args: None  # type: ignore[method-assign]
+        yield tier, peer
+        tier.transport.write_blocks = submit  # type: ignore[method-assign]
+
+
+def test_a_refused_store_returns_while_the_thread_ending_its_hosts_session_cannot_start(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (py-spy in in-flight reset runs: a ``store`` sat in ``_lose_peer``
+    for 2 s, under the tier's lock): the store whose submission was refused started the
+    thread that ends the dropped host's session itself, and waited for it to start. Here that
+    start waits on an event: the store must return (its keys failed) while it waits, and once
+    the thread starts the session ends and the host is dialled again."""
+    tier, peer = refusing_tier
+    start = threading.Thread.start
+    gate = threading.Event()
+
+    def start_at_gate(thread: threading.Thread) -> None:
+        if thread.name == END_THREAD:
+            assert gate.wait(timeout=30.0), "the test never opened the gate"
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_at_gate)
+    stored: list[object] = []
+    caller = threading.Thread(target=lambda: stored.append(tier.store(["after"], [1])))
+    start(caller)
+    caller.join(timeout=10.0)
+    returned = not caller.is_alive()
+    gate.set()
+    caller.join(timeout=30.0)
+    assert returned, "store() waited for the thread that ends the dropped host's session"
+    result = stored[0].result(timeout=RESULT_TIMEOUT_S)  # type: ignore[attr-defined]
+    assert result.failed == {"after": TRANSFER_FAILED}
+    assert wait_for(lambda: tier.peers() == [peer], 15.0), "the host was never dialled again"
+
+
+def test_a_refused_store_at_the_thread_limit_fails_its_keys_and_the_host_is_dialled_again(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a process at its thread limit made the store whose submission was
+    refused raise ``RuntimeError: can't start new thread`` after the host was dropped, and the
+    host's session never ended: the host was never dialled again. The store now returns (its
+    keys failed); the thread is started again a second later, then the host is dialled."""
+    tier, peer = refusing_tier
+    start = threading.Thread.start
+    refused = threading.Event()
+
+    def refuse_once(thread: threading.Thread) -> None:
+        if thread.name == END_THREAD and not refused.is_set():
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 0.2)
+    result = tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S)
+    assert result.failed == {"after": TRANSFER_FAILED}
+    assert wait_for(refused.is_set, 10.0), "the thread was never started"
+    assert wait_for(lambda: tier.peers() == [peer], 15.0), "the host was never dialled again"
+
+
+def test_close_ends_the_session_of_a_dropped_host_whose_thread_never_started(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread that would end a dropped host's session could not start and ``close`` came
+    before the next try: ``close`` ends that session itself (its host is told at once rather
+    than holding the session's slots until its lease timeout)."""
+    tier, peer = refusing_tier
+    session = tier._peers[peer].session
+    assert session is not None
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name == END_THREAD:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+    assert wait_for(lambda: bool(tier._ending) and tier._ending_due > 0, 10.0)
+    tier.close()
+    assert not session._thread.is_alive(), "close left the dropped host's session running"
