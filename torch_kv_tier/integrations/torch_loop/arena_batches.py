@@ -170,6 +170,7 @@ class ArenaBatches(ArenaSlots):
                 self._started(future, host, host_slots, due)
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
+            self._interrupted()
             if unsent and unsent[0] is calling:  # in or after the tier's store: it may have sent
                 del unsent[0]
                 self._rejoin(host, host_keys, host_slots, due)
@@ -229,6 +230,7 @@ class ArenaBatches(ArenaSlots):
                 log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
+            self._interrupted()
             in_use = set(unsure)  # nothing will say when a read it may have begun ended
             try:
                 unended = [f for f in futures if not f.done()]
