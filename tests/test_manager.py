@@ -13,6 +13,8 @@ import torch
 from remote_peer import RemotePeer
 from remote_support import wait_until
 
+from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
+from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.shared_host import default_grant_batch
@@ -145,6 +147,56 @@ def test_a_store_says_which_peers_it_sent_to(peers: tuple[RemotePeer, RemotePeer
         again: list[str] = []
         assert tier.store(on_b[:2], [0, 1], again).result(10).ok
         assert again == []  # stored already: sent nowhere
+
+
+def test_a_store_joining_one_in_flight_says_which_peer_it_waits_for(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    # Found by review: a key whose store was in flight to a host joins that store; a host that
+    # joined meanwhile may be the key's home now, but the call's future waits for the other
+    # host. ``placed`` said nothing of it ([]), so the torch loop counted the slots against
+    # the key's home: with the other host frozen, the healthy home was "overdue" until the
+    # frozen host's session was lost, its pages failing at once ("host overdue").
+    with make_tier(64) as tier:
+        tier.add_peer("b", *peers[1].peer_args())
+        on_a = [k for k in (f"joined-{i}" for i in range(64)) if home_peer(k, "ab") == "a"]
+        joining, new = on_a[:2]
+        gate = Gate(tier)
+        first = tier.store([joining], [0])  # in flight to b, the only host then
+        tier.add_peer("a", *peers[0].peer_args())  # joining's home from now on
+        alone: list[str] = []
+        second = tier.store([joining], [1], alone)
+        both: list[str] = []
+        third = tier.store([joining, new], [1, 2], both)
+        gate.open.set()
+        assert all(f.result(10).ok for f in (first, second, third))
+        assert alone == ["b"]  # before: [], the store sent nothing
+        assert sorted(both) == ["a", "b"]  # before: ["a"]
+        assert tier.stats().transfers_done == 2  # joining was sent once, to b
+
+
+def test_a_key_joining_a_store_in_flight_leaves_its_torch_loop_home_usable(
+    peers: tuple[RemotePeer, RemotePeer],
+) -> None:
+    # What the above cost a user of the torch loop: the batch of a key that joined a store in
+    # flight to b (frozen) was counted against a, the key's home once it joined; a, healthy,
+    # was "overdue" and its next pages failed at once ("host overdue") until b's session was
+    # lost. ``placed`` names b now, and the batch counts as b's.
+    with make_tier(8) as tier:
+        tier.add_peer("b", *peers[1].peer_args())
+        gate = Gate(tier)  # b froze
+        caches = [torch.zeros(4, 1, 1, BLOCK // 8)]  # one layer: keys and values, one block
+        pages = PageCopier(caches, caches, tier.arena.view(torch.float32, 1, 2, 1, 1, BLOCK // 8))
+        arena = ArenaBatches(tier, pages, 0.0)  # a store is overdue as soon as it began
+        on_a = [k for k in (f"home-{i}" for i in range(64)) if home_peer(k, "ab") == "a"]
+        joining, on_a = on_a[:2]
+        assert arena.store_all({joining: 0}, time.monotonic() + 60).pop()[1].running()
+        tier.add_peer("a", *peers[0].peer_args())  # joining's home from now on
+        assert arena.store_all({joining: 1}, time.monotonic() + 60).pop()[1].running()
+        ((_, next_on_a),) = arena.store_all({on_a: 2}, time.monotonic() + 60)
+        assert not next_on_a.done()  # before: failed at once, "host overdue"
+        gate.open.set()
+        assert arena.wait_idle(time.monotonic() + 10) and next_on_a.result().ok
 
 
 def test_missing_keys_fail_and_the_rest_still_load(peers: tuple[RemotePeer, RemotePeer]) -> None:

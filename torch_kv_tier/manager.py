@@ -57,7 +57,7 @@ from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.promotions import Promotions
-from torch_kv_tier.records import Op, Peer, Request, resolve, split_new
+from torch_kv_tier.records import Op, Peer, Request, joined_peers, resolve, split_new
 from torch_kv_tier.remote.quantities import count, seconds
 from torch_kv_tier.results import (
     MISSING,
@@ -246,7 +246,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
         Already-stored keys send nothing and succeed; keys whose store is in flight (or waits
         for a shared host's slots) join it. ``placed``, if given, gains the ids of the peers
-        this call sent keys to (as it placed them: a host may join as it runs). Raises
+        whose transfers the future waits for, each once: those this call sent keys to (as it
+        placed them: a host may join as it runs), then those of the stores its keys joined (a
+        key's home may have changed since that store began). Raises
         ``TypeError``/``ValueError``/``IndexError`` for bad input (``keys.check_keys`` states
         the key limits), before any transfer. The blocks must not change until the future
         resolves.
@@ -270,6 +272,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
             groups = index.place(new_keys, new_local, new_digests) if new_keys else {}
             if placed is not None:
                 placed.extend(groups)
+                if len(new_keys) + len(stored) < len(keys):  # some joined stores in flight
+                    joined = joined_peers(self._storing, request, keys)
+                    placed.extend(peer for peer in joined if peer not in groups)
             if new_keys and not groups:
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal, gdigests) in groups.items():

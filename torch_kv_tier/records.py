@@ -205,3 +205,10 @@ def split_new(
             new_local.append(idx)
             new_digests.append(digest)
     return new_keys, new_local, new_digests, stored
+
+
+def joined_peers(storing: dict[Key, Op], request: Request, keys: list[Key]) -> list[str]:
+    """The peers of the stores in flight (``storing``) that ``keys`` of ``request`` joined
+    (``split_new``), each once."""
+    ops = (storing.get(key) for key in keys)
+    return list(dict.fromkeys(op.peer_id for op in ops if op is not None and request in op.joined))

@@ -124,8 +124,11 @@ class ArenaBatches(ArenaSlots):
         nothing sent and the slots back, when ``resize`` and before ``deadline`` (the batch
         was sized for them); else the batch is stored as sized, each key counted as its home's
         among the hosts now (a batch is sized again at most once, so hosts that change at
-        every look cost one copy more, not a spin until the deadline), and a store the tier
-        sent to one other host (one that joined as the tier's store ran) as that host's. A
+        every look cost one copy more, not a spin until the deadline), and a store whose
+        future waits for one other host's transfers only (``placed``: a host that joined as
+        the tier's store ran, or the host of a store in flight that its keys joined) as that
+        host's; one that waits for several hosts' as its keys' home's (which a batch that
+        joined stores of hosts frozen since counts as overdue too, as it is). A
         store's slots come back when it resolved (overdue once under way for the timeout:
         however late in its offload it started, a healthy host's store is not); the pages may
         change once this returns.
