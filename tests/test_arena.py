@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import linecache
 import logging
+import sys
 
 import psutil
 import pytest
@@ -185,3 +187,44 @@ def test_rendezvous_placement_moves_only_the_new_peers_share() -> None:
     assert 500 < len(moved) < 1000  # about a quarter
     assert home_peer("x", []) is None
     assert before == {k: home_peer(k, ["c", "b", "a"]) for k in keys}  # order-independent
+
+
+def _interrupt_at_second_slot_marked(frame: object, event: str, arg: object) -> object:
+    """A ``sys.settrace`` hook: ``KeyboardInterrupt`` as the second slot of a ``SlotPool``
+    call is marked (where Ctrl-C lands at the loop's backward jump)."""
+    code = getattr(frame, "f_code", None)
+    if code not in (SlotPool.allocate.__code__, SlotPool.take.__code__):
+        return None
+    marked = [0]
+
+    def local(frame: object, event: str, arg: object) -> object:
+        line = linecache.getline(code.co_filename, frame.f_lineno)  # type: ignore[attr-defined]
+        if event == "line" and "= _TAKEN" in line:
+            marked[0] += 1
+            if marked[0] == 2:
+                raise KeyboardInterrupt
+        return local
+
+    return local
+
+
+@pytest.mark.parametrize("call", ["allocate", "take"])
+def test_a_slot_pool_interrupted_as_it_marks_slots_never_hands_out_a_taken_slot(
+    call: str,
+) -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) in the middle of marking slots taken (slots
+    # not in one run) left the free count too high: a later allocate of the free count walked
+    # past the last free slot and handed out slot -1 (the arena's last block, another batch's:
+    # two owners of one block, a store could send another page's bytes under a key). The
+    # count now drops first: an interrupted call loses its slots, never hands out one twice.
+    pool = SlotPool(range(8))
+    pool.allocate(8)
+    pool.free([0, 2, 4, 6])  # no run of two free slots
+    sys.settrace(_interrupt_at_second_slot_marked)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.allocate(3) if call == "allocate" else pool.take([0, 2, 4])
+    finally:
+        sys.settrace(None)
+    left = pool.allocate(pool.num_free)  # slot 0 was marked taken as Ctrl-C landed
+    assert set(left) <= {2, 4, 6}  # before: [2, 4, 6, -1]

@@ -15,7 +15,10 @@ class SlotPool:
     slots. Runs are found next-fit: the first run at or after the end of the previous
     allocation, else the lowest run. The free map is a ``bytearray`` (one byte per slot), so
     finding a run is one C-level ``find`` and taking it one slice assignment.
-    Not thread-safe: the owner serialises access.
+    Not thread-safe: the owner serialises access. A ``KeyboardInterrupt`` inside a call may
+    lose the slots it was taking or freeing (the free count stays below the free map), never
+    counts a taken slot free: the count drops before slots are marked taken and rises after
+    they are marked free, so that no later ``allocate`` walks past the last free slot.
     """
 
     def __init__(self, slots: range) -> None:
@@ -52,6 +55,7 @@ class SlotPool:
             self._num_free -= n
             start = self.slots.start + at
             return list(range(start, start + n))
+        self._num_free -= n  # first: a Ctrl-C in the loop leaves it low (class docstring)
         taken: list[int] = []
         at = -1
         for _ in range(n):
@@ -59,7 +63,6 @@ class SlotPool:
             taken.append(at)
             free[at] = _TAKEN
         self._cursor = at + 1
-        self._num_free -= n
         return [self.slots.start + t for t in taken]
 
     def take(self, idxs: Iterable[int]) -> None:
@@ -70,9 +73,9 @@ class SlotPool:
         offsets = self._offsets(idxs)
         if not all(self._free[o] for o in offsets):
             raise ValueError("slot already taken")
+        self._num_free -= len(offsets)  # first, as ``allocate``'s
         for o in offsets:
             self._free[o] = _TAKEN
-        self._num_free -= len(offsets)
 
     def free(self, idxs: Iterable[int]) -> None:
         """Return slots to the pool; raise ``ValueError`` on a foreign or already-free slot.
