@@ -4,6 +4,8 @@ long an offload waits for slots. No host runs: the tier's store futures resolve 
 
 from __future__ import annotations
 
+import linecache
+import sys
 import threading
 import time
 import types
@@ -715,3 +717,65 @@ def test_a_ctrl_c_in_a_callback_the_tiers_store_ran_loses_no_slot() -> None:
     deadline = time.monotonic() + 1.0
     assert failures(arena.store_all({k: i for i, k in enumerate(keys)}, deadline)) == {}
     assert tier.arena.num_free == 4
+
+
+def test_a_store_interrupted_as_its_record_begins_gets_its_slot_back_once_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at ``_started``'s entry): Ctrl-C after the
+    # batch handed the store's slot on, before the record that owns it was begun, lost the
+    # slot for good (the tier may still read it: nothing else could free it). The batch hands
+    # it on once the record is made; until then its Ctrl-C path makes the store again.
+    tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
+    arena = batches(tier, timeout=WAIT_S)
+    started = arena_slots.ArenaSlots._started
+
+    def interrupted(self: arena_slots.ArenaSlots, *args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(arena_slots.ArenaSlots, "_started", started)
+        raise KeyboardInterrupt  # as it is entered
+
+    monkeypatch.setattr(arena_slots.ArenaSlots, "_started", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 3  # the store is under way: the tier reads its slot
+    assert len(tier.stores) == 1  # made again, it joined the store under way
+    tier.end_stores()
+    assert arena.wait_idle(time.monotonic() + 1.0)
+    assert tier.arena.num_free == 4  # before: 3, for good
+
+
+def _interrupt_after_the_reads_wait(frame: types.FrameType, event: str, arg: object) -> object:
+    """A ``sys.settrace`` hook: ``KeyboardInterrupt`` at the first statement that
+    ``ArenaBatches.load`` runs after its wait for the reads (where Ctrl-C lands as the wait
+    returns; not at a ``try:``, where no signal is checked)."""
+    if frame.f_code is not ArenaBatches.load.__code__:
+        return None
+    waited = [False]
+
+    def local(frame: types.FrameType, event: str, arg: object) -> object:
+        if event == "line":
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            if waited[0] and not line.startswith("try:"):
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            waited[0] = waited[0] or "= wait(futures" in line
+        return local
+
+    return local
+
+
+def test_a_restore_interrupted_as_its_wait_for_the_reads_returns_loses_no_slot() -> None:
+    # Found by review (a KeyboardInterrupt injected after the wait for the reads): Ctrl-C as
+    # the restore's wait for its reads returned, before it began unpacking them, lost every
+    # slot of the batch for good (neither its Ctrl-C path nor the unpacking's ``finally``
+    # covered that step): a restore of the whole arena left none, and every later offload
+    # failed "capacity", every restore loaded nothing. Nothing runs between the two now.
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    arena = batches(tier, timeout=WAIT_S)
+    sys.settrace(_interrupt_after_the_reads_wait)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            arena.load_prefix([b"k", b"l"], [0, 1], time.monotonic() + WAIT_S)
+    finally:
+        sys.settrace(None)
+    assert tier.arena.num_free == 4  # before: 2

@@ -158,8 +158,9 @@ class ArenaBatches(ArenaSlots):
         unsent, calling = parts, None  # the hosts' parts whose slots are still the batch's
         try:
             while unsent:
-                host, (host_keys, host_slots) = calling = unsent[0]
                 placed: list[str] = []  # where the tier sent them
+                made: list[bool] = []  # whether their record was made (``_started``)
+                host, (host_keys, host_slots) = calling = unsent[0]
                 try:
                     future = self._manager.store(host_keys, host_slots, placed)
                 except Exception as exc:
@@ -169,14 +170,15 @@ class ArenaBatches(ArenaSlots):
                     stores.append((host_keys, failed))
                     continue
                 host = placed[0] if len(placed) == 1 else host  # (a Ctrl-C here: _rejoin)
-                del unsent[0]  # its slots go to its future's record
-                self._started(future, host, host_slots, due)
+                self._started(future, host, host_slots, due, made=made)  # the record's slots
+                del unsent[0]
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
             self._interrupted()
             if unsent and unsent[0] is calling:  # in or after the tier's store: it may have sent
                 del unsent[0]
-                self._rejoin(host, host_keys, host_slots, due)
+                if not made:  # else its record has the slots
+                    self._rejoin(host, host_keys, host_slots, due)
             self._release([slot for _, (_, slots) in unsent for slot in slots])
             raise
         return stores
@@ -216,6 +218,7 @@ class ArenaBatches(ArenaSlots):
         loaded: set[Key] = set()
         failed: dict[Key, str] = {}
         unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
+        in_use: set[int] = set()  # slots a read may still write into: never freed here
         due = 0.0  # (set once the slots came; no read starts before)
         slots = self._acquire(len(keys), deadline)
         if slots is None:
@@ -234,7 +237,7 @@ class ArenaBatches(ArenaSlots):
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
             self._interrupted()
-            in_use = set(unsure)  # nothing will say when a read it may have begun ended
+            in_use.update(unsure)  # nothing will say when a read it may have begun ended
             try:
                 unended = [f for f in futures if not f.done()]
                 self._hold(futures, unended, due, "was interrupted", in_use)
@@ -243,8 +246,7 @@ class ArenaBatches(ArenaSlots):
                     log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
                 self._release([slot for slot in slots if slot not in in_use])
             raise
-        in_use = set()
-        try:
+        try:  # at once: a Ctrl-C between the two would keep every slot
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use)
             for future in done:
                 try:

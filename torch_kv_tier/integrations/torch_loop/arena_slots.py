@@ -68,15 +68,18 @@ class ArenaSlots:
         due: float,
         *,
         store: bool = True,
+        made: list[bool] | None = None,
     ) -> None:
         """Hand ``slots`` back once ``future`` (a store to ``host``; not ``store``: a read
         from it) resolved; until then it is under way (a store also pending), overdue from
-        ``due`` on."""
+        ``due`` on. ``made`` (if given) gains an item in the step that makes the record, so
+        that a caller interrupted (Ctrl-C) before it can make the record another way, and
+        one interrupted after it does not make a second (which would free the slots twice)."""
         # The record owns the slots from here on, unsure until its callback is added (a
         # Ctrl-C before that: the next look at the records frees them once the future
         # resolved). A Ctrl-C before it was made makes it on the way out (the transfer may use
         # the slots); not once made: the record may be settled, its slots freed, meanwhile.
-        made: list[bool] = []
+        made = [] if made is None else made
         try:
             self._record(future, host, slots, due, store, made)
         except BaseException:
