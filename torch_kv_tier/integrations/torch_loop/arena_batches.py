@@ -127,8 +127,9 @@ class ArenaBatches(ArenaSlots):
         every look cost one copy more, not a spin until the deadline), and a store whose
         future waits for one other host's transfers only (``placed``: a host that joined as
         the tier's store ran, or the host of a store in flight that its keys joined) as that
-        host's; one that waits for several hosts' as its keys' home's (which a batch that
-        joined stores of hosts frozen since counts as overdue too, as it is). A
+        host's; one that waits for several hosts' as its keys' home's (where the new keys
+        went: a frozen host among the others makes that home overdue too, until its store
+        ended; the frozen host's own earlier store counts as its own). A
         store's slots come back when it resolved (overdue once under way for the timeout:
         however late in its offload it started, a healthy host's store is not); the pages may
         change once this returns.
@@ -136,7 +137,9 @@ class ArenaBatches(ArenaSlots):
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), as does a ``KeyboardInterrupt`` before the first store, and one in the
         tier's store or between two hosts' stores (the slots of what it may have sent come back
-        once that ended, those of the hosts not sent to at once)."""
+        once that ended, those of the hosts not sent to at once). A ``KeyboardInterrupt`` as
+        the arena hands the slots out (``BlockArena.allocate`` returning) loses them for good:
+        later batches are sized without them (``HostShares.room``)."""
         slots = self._acquire(len(keys), deadline)
         if slots is None:
             return [(keys, failed_now(keys, "capacity", self._no_slots()))]
