@@ -439,25 +439,33 @@ def test_a_store_whose_callback_ctrl_c_stopped_leaves_its_host_usable_and_flush_
     assert tier.arena.num_free == 4
 
 
+@pytest.mark.parametrize(
+    ("owner", "name"),
+    [(host_shares.HostShares, "started"), (arena_slots.ArenaSlots, "_started")],
+    ids=["record-made", "record-begun"],
+)
 def test_a_store_interrupted_as_its_record_is_made_gets_its_slot_back_once_it_ended(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, owner: type, name: str
 ) -> None:
     # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C after the tier's
     # store returned, before the store's record was made, lost its slot for good (the tier
     # may still read it, so the offload could not free it; nothing else would). The record is
-    # made on the way out; its slot comes back once the store ended.
+    # made on the way out; its slot comes back once the store ended. Found again at
+    # ``_started``'s entry ("record-begun": the batch had handed the slot on already); the
+    # batch now hands it on once the record is made, and until then makes the store again.
     tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
     arena = batches(tier, timeout=WAIT_S)
-    real_started = host_shares.HostShares.started
+    real = getattr(owner, name)
 
-    def interrupted(shares: host_shares.HostShares, *args: object) -> None:
-        monkeypatch.setattr(host_shares.HostShares, "started", real_started)
+    def interrupted(*args: object, **kwargs: object) -> None:
+        monkeypatch.setattr(owner, name, real)
         raise KeyboardInterrupt  # as the record is about to be made
 
-    monkeypatch.setattr(host_shares.HostShares, "started", interrupted)
+    monkeypatch.setattr(owner, name, interrupted)
     with pytest.raises(KeyboardInterrupt):
         arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
     assert tier.arena.num_free == 3  # the store is under way: the tier reads its slot
+    assert len(tier.stores) == 1  # made again, if at all, it joined the store under way
     tier.end_stores()
     assert arena.wait_idle(time.monotonic() + 1.0)
     assert tier.arena.num_free == 4  # before: 3, for good
@@ -717,31 +725,6 @@ def test_a_ctrl_c_in_a_callback_the_tiers_store_ran_loses_no_slot() -> None:
     deadline = time.monotonic() + 1.0
     assert failures(arena.store_all({k: i for i, k in enumerate(keys)}, deadline)) == {}
     assert tier.arena.num_free == 4
-
-
-def test_a_store_interrupted_as_its_record_begins_gets_its_slot_back_once_it_ended(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Found by review (a KeyboardInterrupt injected at ``_started``'s entry): Ctrl-C after the
-    # batch handed the store's slot on, before the record that owns it was begun, lost the
-    # slot for good (the tier may still read it: nothing else could free it). The batch hands
-    # it on once the record is made; until then its Ctrl-C path makes the store again.
-    tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
-    arena = batches(tier, timeout=WAIT_S)
-    started = arena_slots.ArenaSlots._started
-
-    def interrupted(self: arena_slots.ArenaSlots, *args: object, **kwargs: object) -> None:
-        monkeypatch.setattr(arena_slots.ArenaSlots, "_started", started)
-        raise KeyboardInterrupt  # as it is entered
-
-    monkeypatch.setattr(arena_slots.ArenaSlots, "_started", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        arena.store_all({b"interrupted": 0}, time.monotonic() + WAIT_S)
-    assert tier.arena.num_free == 3  # the store is under way: the tier reads its slot
-    assert len(tier.stores) == 1  # made again, it joined the store under way
-    tier.end_stores()
-    assert arena.wait_idle(time.monotonic() + 1.0)
-    assert tier.arena.num_free == 4  # before: 3, for good
 
 
 def _interrupt_after_the_reads_wait(frame: types.FrameType, event: str, arg: object) -> object:
