@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 
+from torch_kv_tier.transport.faults import PeerHealth
+from torch_kv_tier.transport.nixl_inflight import NixlInflight
 from torch_kv_tier.transport.nixl_peers import NixlPeers
 
 
@@ -100,3 +102,41 @@ def test_an_agent_kept_for_a_load_that_failed_is_removed() -> None:
     with pytest.raises(RuntimeError, match="the load failed"):
         _register(peers, lock, "P", b"M")
     assert agent.loaded == set()
+
+
+class nixlRemoteDisconnectError(Exception):  # noqa: N801 (the binding's class name)
+    pass
+
+
+class _XferAgent(_Agent):
+    """``_Agent`` that posts transfers; every state check raises a remote disconnect (the
+    host's UCX endpoint failed)."""
+
+    def make_prepped_xfer(self, *args: Any) -> object:
+        return object()
+
+    def transfer(self, handle: Any) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: Any) -> str:
+        raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+
+    def release_xfer_handle(self, handle: Any) -> None:
+        pass
+
+
+def test_a_dropped_peer_whose_endpoint_a_transfer_then_saw_failed_has_its_agent_removed() -> None:
+    """Found in /tmp/ucxs logs: a host dropped for its lost control connection (its agent is to
+    park, ``drop_remote_peer``) with a READ in flight, whose state check then raised a remote
+    disconnect: the agent was parked, failed endpoint and all, so the host dialled again got it
+    back and its next transfer failed. Now an agent a transfer saw disconnected is removed."""
+    lock, agent = threading.Lock(), _XferAgent()
+    peers = NixlPeers("t", 64, lock)
+    peers.agent = agent
+    inflight = NixlInflight("t", peers, PeerHealth("t"))
+    peer = _register(peers, lock, "P", b"M")
+    with lock:
+        tid = inflight.post("READ", object(), [0], peer, [0])
+        peers.remove("P", park=True)  # the drop of a host whose control connection was lost
+        assert list(inflight.poll(None).failed) == [tid]  # the READ ends: a remote disconnect
+    assert agent.loaded == set()  # removed, not parked: a redial loads a fresh agent

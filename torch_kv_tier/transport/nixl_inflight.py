@@ -126,14 +126,15 @@ class NixlInflight:
             logger.warning(
                 "NixlTransport %s: %s to %s failed: %s", self._owner, op, peer.peer_id, posted
             )
-            fenced = self._fence and handle is not None and not ends_transfer(posted)
+            gone = self._ends(peer, posted)
+            fenced = self._fence and handle is not None and not gone
             if fenced:  # its caller learns of it only once fenced: a peer not to use meanwhile
                 self._health.fault(peer.peer_id, f"a {op} failed part-way: {posted}")
             else:
                 self._health.raised(peer.peer_id, posted)
             if handle is not None:  # NIXL failed the request: it holds nothing of it
                 self._release_handle(-1, handle)
-                self._released_early |= not fenced and not ends_transfer(posted)
+                self._released_early |= not fenced and not gone
             if not fenced:
                 return None
             xfer.handle, xfer.struck, xfer.fencing = None, True, True
@@ -279,7 +280,7 @@ class NixlInflight:
                 outcome = exc
         if outcome in ("PROC", "PEND"):
             return False
-        if outcome == "DONE" or isinstance(outcome, Exception) and ends_transfer(outcome):
+        if outcome == "DONE" or isinstance(outcome, Exception) and self._ends(xfer.peer, outcome):
             refused = self._refused.pop(xfer.peer, 0)
             if refused:
                 logger.info(
@@ -337,7 +338,15 @@ class NixlInflight:
                 xfer.struck = True
                 if self._peers.is_published(xfer.peer):
                     self._health.state_check_raised(xfer.peer.peer_id, exc)
-            return _GONE if ends_transfer(exc) else None
+            return _GONE if self._ends(xfer.peer, exc) else None
+
+    def _ends(self, peer: NixlPeer, exc: BaseException) -> bool:
+        """``ends_transfer(exc)``; a remote disconnect also tells ``peers`` that the agent's
+        endpoint failed (``NixlPeers.endpoint_failed``: it is never parked)."""
+        if not ends_transfer(exc):
+            return False
+        self._peers.endpoint_failed(peer)
+        return True
 
     def _forget(self, tid: int, *, release: bool) -> None:
         """Drop a transfer (releasing its handles if asked); free a retired peer it was last of."""

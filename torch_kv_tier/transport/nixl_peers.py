@@ -15,7 +15,8 @@ never shares a destination that may still be written.
 Remote agents. Loading metadata already loaded hands back the same name, not its ownership, so
 an agent is shared by every registration that loaded it, and removed once none uses it, unless
 its peer was *dropped* (``remove(park=True)``: a peer that will likely be registered again from
-the same metadata, and whose endpoint did not fail: ``NixlRegistration.drop_remote_peer``).
+the same metadata: ``NixlRegistration.drop_remote_peer``), and its endpoint was not seen failed
+(``endpoint_failed``: loaded again, NIXL would hand it back, failed endpoint and all).
 Then the agent stays loaded, *parked* under the peer id, until that peer id is published with
 another agent (the host restarted), registered from other metadata (NIXL
 hands back an agent already loaded under the same name as it was, and an agent name may outlive
@@ -77,6 +78,7 @@ class NixlPeers:
         self._kept_for_load: list[str] = []
         self._parked: dict[str, tuple[str, bytes]] = {}  # peer id -> (agent, its metadata)
         self._parking: set[str] = set()  # dropped peer ids: their agents park when released
+        self._failed: set[str] = set()  # loaded agents a transfer saw disconnected: never parked
         self._gen: dict[str, int] = {}
 
     def get(self, peer_id: str) -> NixlPeer | None:
@@ -112,7 +114,7 @@ class NixlPeers:
         agent = self.agent
         with self._lock:  # a parked agent loaded from other metadata would be handed back as is
             parked = self._parked.get(peer_id)
-            if parked is not None and parked[1] != metadata:
+            if parked is not None and (parked[1] != metadata or parked[0] in self._failed):
                 self._unpark(peer_id)
             self._loading = metadata
         nixl_name = ""
@@ -206,6 +208,12 @@ class NixlPeers:
         for peer_id in list(self._parked):
             self._unpark(peer_id)
 
+    def endpoint_failed(self, peer: NixlPeer) -> None:
+        """A transfer to ``peer`` ended with a remote disconnect, whatever the peer's state
+        (published or not, faulted first by another cause or not): its agent's UCX endpoint
+        failed, so that agent is removed once no registration uses it, never parked."""
+        self._failed.add(peer.nixl_name)
+
     def transfer_ended(self, peer: NixlPeer, tid: int) -> None:
         """Transfer ``tid`` to ``peer`` resolved: a retired registration it was the last
         transfer of is released."""
@@ -239,8 +247,12 @@ class NixlPeers:
         if self._loading == peer.metadata:  # the load under way may hand this agent back
             self._kept_for_load.append(peer.nixl_name)
             return
-        if peer.peer_id not in self._parking or peer.peer_id in self._published:
-            self._remove_agent(peer.peer_id, peer.nixl_name)  # removed, or it has another agent
+        if (
+            peer.peer_id not in self._parking
+            or peer.peer_id in self._published
+            or peer.nixl_name in self._failed
+        ):  # removed, or it has another agent, or its endpoint failed
+            self._remove_agent(peer.peer_id, peer.nixl_name)
             return
         self._unpark(peer.peer_id)  # an older agent of the peer (this one is not parked: above)
         self._parked[peer.peer_id] = (peer.nixl_name, peer.metadata)
@@ -263,6 +275,7 @@ class NixlPeers:
         )
 
     def _remove_agent(self, peer_id: str, nixl_name: str) -> None:
+        self._failed.discard(nixl_name)  # a later load makes a new agent, with new endpoints
         try:
             self.agent.remove_remote_agent(nixl_name)
         except Exception as exc:

@@ -153,11 +153,11 @@ class NixlRegistration:
     def drop_remote_peer(self, peer_id: str) -> None:
         """``remove_remote_peer``, except that the peer's remote agent stays loaded (parked)
         until the peer id is registered again from other metadata, removed, or the transport
-        closes: NIXL keeps a removed agent's sockets open (``nixl_peers``). Not a peer faulted
-        by a remote disconnect: its UCX endpoint failed, and a parked agent loaded again would
-        bring it back (every post to the host would fail), so its agent is removed."""
+        closes: NIXL keeps a removed agent's sockets open (``nixl_peers``). Not an agent a
+        transfer saw disconnected, before or after the drop, whatever fault came first
+        (``NixlPeers.endpoint_failed``): its UCX endpoint failed, and a parked agent loaded again
+        would bring it back (posts to the host would fail again), so it is removed."""
         with self._lock:
             self._check_open()
-            dead = self._health.faults.get(peer_id) == "NIXL_ERR_REMOTE_DISCONNECT"
             self._health.forget(peer_id)
-            self._peers.remove(peer_id, park=not dead)
+            self._peers.remove(peer_id, park=True)
