@@ -50,6 +50,10 @@ def _offloader(tier: TierManager, **kwargs: Any) -> PagedKVOffloader:
 CALLS: dict[str, tuple[str, Callable[[TierManager, Any], object]]] = {
     "TierManager.close": ("timeout", lambda tier, v: tier.close(timeout=v)),
     "TierManager()": ("max_poll_interval_s", lambda _, v: _tier(max_poll_interval_s=v).close()),
+    "TierManager(transfer_timeout_s)": (
+        "transfer_timeout_s",
+        lambda _, v: _tier(transfer_timeout_s=v).close(),
+    ),
     "Membership()": (
         "interval_s",
         lambda tier, v: Membership(tier, StaticHosts(["127.0.0.1:1"]), interval_s=v).stop(1.0),

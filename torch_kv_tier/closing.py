@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
+from torch_kv_tier.overdue import Overdue
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
 from torch_kv_tier.remote.quantities import seconds
@@ -47,6 +48,7 @@ class Closing:
     _peers: dict[str, Peer]
     _ops: dict[int, Op]
     _stray_reads: list[Op]
+    _overdue: Overdue
     _promotions: Promotions
     _ending: list[tuple[Any, bool]]  # dropped peers' sessions the poller did not start ending
 
@@ -108,6 +110,7 @@ class Closing:
                 if op.kind == "load":
                     self._finish(op, PEER_LOST if op.orphaned else CLOSED)
             strays, self._stray_reads = self._stray_reads, []
+            self._overdue.released()
             for op in strays:
                 self._finish(op, PEER_LOST if op.orphaned else TRANSFER_FAILED)
         self._flush()

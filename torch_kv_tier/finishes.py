@@ -146,7 +146,10 @@ class Finishes:
         self._settle(op, bad, reason)
 
     def _settle(self, op: Op, bad: list[Key], reason: str | None) -> None:
-        """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing"."""
+        """Settle ``op``'s keys with ``reason``, except ``bad`` ones, which are "missing";
+        nothing for an op that settled when it outlived ``transfer_timeout_s`` (``overdue``)."""
+        if op.expired:
+            return
         if bad:
             op.owner.settle(_without(op.keys, bad), reason)
             op.owner.settle(bad, MISSING)

@@ -22,7 +22,8 @@ The guarantee: a load returns the bytes its key names, or fails the key. Every s
 the digest of each block it writes; every load recomputes the digests of what it read and
 reports a key whose bytes differ as "missing" (``stats().verify_failed``), whatever wrote the
 remote slot meanwhile. A load's future resolves only once the transport can no longer write
-into its local blocks.
+into its local blocks, except a read past ``transfer_timeout_s``: its load settles "timed out"
+then, and its blocks are refused to every load and store until the transport reports that read.
 
 Failure model: a transfer that fails fails its keys, and its peer is dropped with its keys (a
 cache entry that cannot be trusted is cheaper to recompute than to serve); so does a peer the
@@ -56,6 +57,7 @@ from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S, Overdue
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, joined_peers, resolve, split_new
 from torch_kv_tier.remote.quantities import count, seconds
@@ -97,6 +99,11 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
     the copy of a shared host's index is held (``index.BlockIndex``; ``None``: a dict until the
     hosts followed add up to 2**20 slots, then 16 B per key).
 
+    ``transfer_timeout_s``: how long a transfer may stay posted before its peer is dropped as
+    if it refused it (0: never; see ``overdue``, where the default's reasons are): its stores
+    settle "peer lost", a load "timed out", its blocks withheld until the transport reports
+    its read (a load into them or a store from them raises ``ValueError``).
+
     Threading and failures: see the module docstring.
     """
 
@@ -111,6 +118,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         grant_batch: int | None = None,
         verify: bool = True,
         compact_index: bool | None = None,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -123,6 +131,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         )
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
+        transfer_timeout_s = seconds("transfer_timeout_s", transfer_timeout_s, zero=True)
         self.verify = verify
         self.arena = arena
         self.transport = transport
@@ -139,6 +148,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._stray_reads: list[Op] = []  # failed loads that may still land: settled at close
+        self._overdue = Overdue(transfer_timeout_s)  # transfers past the bound, late reads
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
@@ -173,6 +183,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         grant_batch: int | None = None,
         verify: bool = True,
         compact_index: bool | None = None,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
 
@@ -195,6 +206,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
             grant_batch=grant_batch,
             verify=verify,
             compact_index=compact_index,
+            transfer_timeout_s=transfer_timeout_s,
         )
 
     # -- peers --------------------------------------------------------------------------------
@@ -250,8 +262,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         placed them: a host may join as it runs), then those of the stores its keys joined (a
         key's home may have changed since that store began). Raises
         ``TypeError``/``ValueError``/``IndexError`` for bad input (``keys.check_keys`` states
-        the key limits), before any transfer. The blocks must not change until the future
-        resolves.
+        the key limits), before any transfer, and ``ValueError`` for a block a read may
+        still write (``load``). The blocks must not change until the future resolves.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=False)
@@ -260,6 +272,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         request = Request(keys)
         with self._lock:
             self._check_open()
+            self._refuse_withheld(local, "store from")
             if not digested and self._digest_stores():  # a shared host joined meanwhile
                 digests = self._digests.of(local, keys)
             index = self._index
@@ -295,13 +308,16 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         ``local_idxs``: for a read that failed on a transport whose failures are not final
         (``DataTransport.failures_are_final`` False), only when the tier closes; until then a
         load into any of that read's blocks raises ``ValueError`` (its stray bytes may land).
+        A read still in flight ``transfer_timeout_s`` after its post settles "timed out" then
+        (its peer is dropped), but its blocks are withheld likewise (``stats().late_reads``)
+        until the transport reports it or the tier closes: use other blocks meanwhile.
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
         request = Request(keys)
         with self._lock:
             self._check_open()
-            self._refuse_withheld(local)
+            self._refuse_withheld(local, "load into")
             groups, missing = self._index.locate(keys, local)
             if missing and self._index.has_disk_keys():
                 missing = self._park_on_disk(request, keys, local, missing)
@@ -330,6 +346,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 events_dropped=self._index.events_dropped,
                 unreleased_sessions=self._ended.unresolved,
                 stranded_reads=len(self._stray_reads),
+                late_reads=len(self._overdue),
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()

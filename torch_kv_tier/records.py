@@ -103,6 +103,7 @@ class Op:
     __slots__ = (
         "digests",
         "discarded",
+        "expired",
         "joined",
         "keys",
         "kind",
@@ -138,6 +139,8 @@ class Op:
         self.discarded: set[Key] = set()
         self.submitted = 0.0
         self.orphaned = False  # its peer was dropped while the transport still holds it
+        # outlived the tier's ``transfer_timeout_s``: its keys settled then (``overdue``)
+        self.expired = False
 
     def split(self, n: int) -> Op:
         """Cut off and return the keys after the first ``n`` as an op of their own (a store

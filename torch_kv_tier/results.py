@@ -16,6 +16,10 @@ CAPACITY = "capacity"  # store with no free or evictable remote slot
 TRANSFER_FAILED = "transfer failed"  # the transport reported an error
 PEER_LOST = "peer lost"  # the key's peer was removed, disconnected or died
 CLOSED = "closed"  # the tier closed before the transfer finished
+# a load whose read was still in flight transfer_timeout_s after its post (its peer is dropped):
+# the read may still land, so its blocks stay withheld until stats().late_reads no longer counts
+# it (the tier refuses loads into them and stores from them meanwhile; do not reuse them)
+TIMED_OUT = "timed out"
 NO_PEERS = "no peers"  # store with no peer registered
 
 
@@ -69,6 +73,9 @@ class TierStats:
     unreleased_sessions: int = 0  # ended sessions whose writes the transport still holds
     peers_dropped: int = 0  # peer registrations dropped (failed, lost, removed or replaced)
     stranded_reads: int = 0  # failed reads that may still land: their loads resolve at close
+    # reads past transfer_timeout_s the transport still holds: their loads settled "timed out",
+    # their blocks withheld (refused to loads and stores) until it reports them or closes
+    late_reads: int = 0
     peers: dict[str, PeerStats] = field(default_factory=dict)
 
 

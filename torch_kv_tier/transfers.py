@@ -12,7 +12,10 @@ their slots fenced and its session unclean. A write that failed keeps them so fo
 it may still land (NIXL reports a failure while other parts are in flight), unless the
 transport's failures are final (``DataTransport.failures_are_final``: it fences them first);
 a read that failed so keeps its load unresolved until the tier closes (``_stranded``), and its
-blocks refused to other loads meanwhile (``_refuse_withheld``).
+blocks refused to other loads meanwhile (``_refuse_withheld``). A transfer the transport still
+holds ``transfer_timeout_s`` after its post faults its peer likewise (``_expire_overdue``, see
+``overdue``): a load of it settles "timed out" then, its blocks withheld until the transport
+reports it.
 
 Threading: every method runs with the manager's lock held, except ``_run`` (the poller thread,
 which takes it) and ``_flush`` (called without it: it resolves futures, whose callbacks may
@@ -33,12 +36,14 @@ from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.finishes import Finishes
 from torch_kv_tier.index import BlockIndex, drain
 from torch_kv_tier.keys import Key
+from torch_kv_tier.overdue import Overdue
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer, Request, resolve
 from torch_kv_tier.results import (
     CAPACITY,
     MISSING,
     PEER_LOST,
+    TIMED_OUT,
     TRANSFER_FAILED,
     Counters,
 )
@@ -68,6 +73,7 @@ class Transfers(Finishes):
     _storing: dict[Key, Op]
     _ops: dict[int, Op]
     _stray_reads: list[Op]
+    _overdue: Overdue
     _ready: list[Request]
     _promotions: Promotions
     _ended: EndedSessions
@@ -149,6 +155,24 @@ class Transfers(Finishes):
             else:
                 time.sleep(delay)
                 delay = min(max(delay * 2, 50e-6), self._max_poll_interval_s)
+            if self._overdue.timeout_s and time.perf_counter() >= self._overdue.due:
+                self._expire_overdue()
+
+    def _expire_overdue(self) -> None:
+        """Fault the peers of the transfers the transport still holds ``transfer_timeout_s``
+        after their post, as a refused transfer does (``_lose_peer``: its stores settle "peer
+        lost", their slots fenced), and settle each such load "timed out", its blocks withheld
+        until the transport reports it (``overdue``). Takes the lock; resolves the futures."""
+        with self._cond:
+            bound = self._overdue.timeout_s
+            for tid, op in self._overdue.take(self._ops, time.perf_counter()):
+                if not op.orphaned:
+                    self._lose_peer(op.peer_id, f"left a transfer unfinished for {bound:g} s")
+                if op.kind == "load":
+                    self._settle(op, [], TIMED_OUT)
+                    self._overdue.withhold(tid, op)
+                op.expired = True
+        self._flush()
 
     def _poll_all(self) -> None:
         """Poll every peer and apply what the transport reported (lock held: for a caller that
@@ -277,6 +301,7 @@ class Transfers(Finishes):
         op = self._ops.pop(tid, None)
         if op is None:
             return None
+        self._overdue.reported(tid)  # (a failed read that may still land: ``_stranded``)
         if op.orphaned:
             if op.kind == "load":
                 if not (failed and self._stranded(op)):
@@ -317,19 +342,20 @@ class Transfers(Finishes):
         self._stray_reads.append(op)
         return True
 
-    def _refuse_withheld(self, local: list[int]) -> None:
-        """Raise ``ValueError`` when a load would read into a local block that a stranded read
-        (``_stranded``) may still write: its stray bytes could land over the new load's
-        verified ones. So every stranded read withholds blocks of its own, and there are never
-        more of them than local blocks (``_stray_reads`` is bounded)."""
-        if not self._stray_reads:
-            return
-        withheld = sorted({i for op in self._stray_reads for i in op.local}.intersection(local))
+    def _refuse_withheld(self, local: list[int], use: str) -> None:
+        """Raise ``ValueError`` when a load would read into (or a store copy from) a local
+        block that a stranded read (``_stranded``) or a settled read past the bound
+        (``overdue``) may still write: its stray bytes could land over the new load's verified
+        ones (or into the store's, under its digest). So every such read withholds blocks of
+        its own, and there are never more of them than local blocks."""
+        stranded = {i for op in self._stray_reads for i in op.local}.intersection(local)
+        withheld = sorted(stranded.union(self._overdue.blocks(local)))
         if withheld:
             raise ValueError(
-                f"local blocks {withheld[:8]} are still the target of a read that failed and "
-                "may still land (stats().stranded_reads; the transport's failures are not "
-                "final): load into other blocks, these are released when the tier closes"
+                f"local blocks {withheld[:8]} are still the target of a read that failed or "
+                "timed out and may still land (stats().stranded_reads, stats().late_reads): "
+                f"{use} other blocks; these are released when the transport reports that read "
+                "or the tier closes"
             )
 
     def _report_usage(self, now: float) -> None:

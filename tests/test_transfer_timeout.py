@@ -1,0 +1,91 @@
+"""A transfer NIXL never completes (seen once in 180 runs of in-flight UCX resets: a store and a
+load to a redialled host never resolved while its session heartbeated fine) must not leave its
+caller's future pending until the tier closes: past ``transfer_timeout_s`` its peer is dropped
+as if it refused the transfer, its store settles "peer lost", its load "timed out", and the
+load's blocks stay withheld (refused to loads and stores) until the transport reports the read,
+since it may still land (``overdue``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from remote_peer import RemotePeer
+from remote_support import BLOCK_LEN, wait_until
+from test_transport import FaultyAgent
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.results import PEER_LOST, TIMED_OUT
+from torch_kv_tier.transport import NixlTransport
+
+RESULT_TIMEOUT_S = 10.0
+BOUND_S = 0.3
+
+
+class NeverDone(FaultyAgent):
+    """Real agent whose transfers stay ``PROC`` while ``stuck`` (a transfer UCX never ends)."""
+
+    def __init__(self, agent: Any) -> None:
+        super().__init__(agent, set())
+        self.stuck = False
+
+    def check_xfer_state(self, handle: Any) -> str:
+        return "PROC" if self.stuck else str(self._agent.check_xfer_state(handle))
+
+
+@pytest.fixture
+def stalled(peer: RemotePeer) -> Iterator[tuple[TierManager, NeverDone]]:
+    """A tier over 8 blocks, ``transfer_timeout_s`` ``BOUND_S``, with peer ``p`` holding key
+    ``a`` (stored from block 0), and its transport's agent (set ``stuck`` to stall transfers)."""
+    arena = BlockArena(8, BLOCK_LEN)
+    transport = NixlTransport("stall", arena.tensor, passive_progress=False)
+    agent = NeverDone(transport._agent)
+    transport._agent = agent
+    tier = TierManager(arena, transport, transfer_timeout_s=BOUND_S)
+    try:
+        tier.add_peer("p", *peer.peer_args())
+        arena.tensor[0].fill_(0xAA)
+        assert tier.store(["a"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        yield tier, agent
+    finally:
+        agent.stuck = False
+        tier.close()
+
+
+def test_a_transfer_never_done_settles_after_the_bound_and_its_read_blocks_stay_withheld(
+    stalled: tuple[TierManager, NeverDone],
+) -> None:
+    """A load and a store whose transfers NIXL kept ``PROC`` resolved only when the tier
+    closed. Now they settle ("timed out", "peer lost") soon after ``transfer_timeout_s``, the
+    peer and its keys are dropped, and the load's block is refused to loads and stores until
+    the transport reports its read (then it is free again)."""
+    tier, agent = stalled
+    tier.arena.tensor[3].fill_(0xCC)
+    agent.stuck = True
+    load = tier.load(["a"], [2])
+    store = tier.store(["c"], [3])
+    assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
+    assert store.result(timeout=RESULT_TIMEOUT_S).failed == {"c": PEER_LOST}
+    assert tier.peers() == [] and not tier.contains("a")
+    assert tier.stats().late_reads == 1
+    with pytest.raises(ValueError, match=r"local blocks \[2\].*timed out"):
+        tier.load(["a"], [2])
+    with pytest.raises(ValueError, match=r"local blocks \[2\].*store from other blocks"):
+        tier.store(["d"], [2])
+    agent.stuck = False  # the read is reported over: nothing more of it lands
+    wait_until(lambda: tier.stats().late_reads == 0, "the late read was reported")
+    assert tier.store(["d"], [2]).result(timeout=RESULT_TIMEOUT_S).failed == {"d": "no peers"}
+
+
+def test_a_read_still_held_at_close_is_released_with_the_transport(
+    stalled: tuple[TierManager, NeverDone],
+) -> None:
+    """Closing the tier releases every transfer: nothing more lands, nothing is withheld."""
+    tier, agent = stalled
+    agent.stuck = True
+    assert tier.load(["a"], [2]).result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
+    assert tier.stats().late_reads == 1
+    tier.close()
+    assert tier.stats().late_reads == 0

@@ -1,0 +1,83 @@
+"""The tier's per-transfer bound (``transfer_timeout_s``): which transfers the transport still
+holds past it, and the local blocks of the reads among them, withheld until the transport
+reports them.
+
+A transfer the transport posted and has not reported ``transfer_timeout_s`` after its post (one
+queued inside the tier behind ``max_inflight`` is not posted yet) faults its peer as a refused
+transfer does (``Transfers._expire_overdue``): its stores settle "peer lost" with their remote
+slots fenced, a load settles "timed out", yet its read may still land, whenever: its local
+blocks are *withheld* (a load into them or a store from them raises ``ValueError``) until the
+transport reports that transfer (nothing more of it lands) or releases every transfer (the tier
+closed: ``DataTransport.on_released``). Only liveness depends on the bound: a transfer past it
+is never reported done, so a slow one costs its host a redial, never a wrong byte.
+
+Threading: no lock of its own; the manager's lock guards it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch_kv_tier.records import Op
+
+# The transfers' logger: these lines are about a transfer's life.
+logger = logging.getLogger("torch_kv_tier.transfers")
+
+TRANSFER_TIMEOUT_S = 60.0
+"""The default bound: about 3,000 times the slowest transfer measured while UCX's connections
+were reset under load on a 2-core VM (0.02 s for 4 MiB), and half ``drain_timeout_s``'s
+default (120 s), so a stalled transfer settles before vLLM's drain gives up on it. A pipeline of
+``max_inflight`` transfers of the largest size (1,023 blocks each) over a slow link can need
+more: raise it there (0: never)."""
+
+_SCAN_S = 1.0  # the longest between two looks for overdue transfers (a quarter of a short bound)
+
+
+class Overdue:
+    """The transfers past ``timeout_s`` (module docstring); ``timeout_s`` 0: never."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.due = 0.0  # perf_counter time of the next look (``take``)
+        self._reads: dict[int, Op] = {}  # transfer id -> settled load the transport still holds
+
+    def __len__(self) -> int:
+        """How many settled loads' reads the transport still holds (``stats().late_reads``)."""
+        return len(self._reads)
+
+    def take(self, ops: dict[int, Op], now: float) -> list[tuple[int, Op]]:
+        """The transfers of ``ops`` (the tier's in flight) past the bound and not expired yet,
+        each logged; the next look is due a quarter of the bound later (at most ``_SCAN_S``)."""
+        self.due = now + min(self.timeout_s / 4, _SCAN_S)
+        bound = now - self.timeout_s
+        overdue = [(t, op) for t, op in ops.items() if not op.expired and op.submitted <= bound]
+        for _, op in overdue:
+            logger.warning(
+                "a %s of %d blocks %s %s is not done %g s after its post (transfer_timeout_s)%s",
+                op.kind, len(op.keys), "to" if op.kind == "store" else "from", op.peer_id,
+                self.timeout_s, ": its blocks are withheld until the transport reports it"
+                if op.kind == "load" else "",
+            )  # fmt: skip
+        return overdue
+
+    def withhold(self, tid: int, op: Op) -> None:
+        """Withhold the local blocks of settled load ``op`` until transfer ``tid`` is reported."""
+        self._reads[tid] = op
+
+    def reported(self, tid: int) -> None:
+        """The transport reported transfer ``tid``: nothing more of it lands."""
+        self._reads.pop(tid, None)
+
+    def released(self) -> None:
+        """The transport released every transfer (the tier closed): nothing more lands."""
+        self._reads.clear()
+
+    def blocks(self, local: Iterable[int]) -> list[int]:
+        """Those of ``local`` that a read past the bound may still write, sorted."""
+        if not self._reads:
+            return []
+        withheld = {i for op in self._reads.values() for i in op.local}
+        return sorted(withheld.intersection(local))
