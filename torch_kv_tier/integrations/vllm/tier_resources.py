@@ -196,6 +196,9 @@ def _build_manager(
             transport,
             max_inflight=config.max_inflight,
             events=events,
+            # no per-transfer bound (``overdue``): a load it settles ("timed out") may still be
+            # read into, and vLLM hands a failed job's blocks to other requests at once
+            transfer_timeout_s=0,
         )
     except BaseException:
         transport.close()
