@@ -185,8 +185,15 @@ class PagedKVOffloader:
         first = key_caches[0]
         layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
         fields = {"kv_layout": layout} if config_fields is None else config_fields
+        # no per-transfer bound (``overdue``): the arena slots of a load it settled ("timed
+        # out") would go back to the batches, whose next transfer into them the tier refuses
         manager = TierManager.create(
-            arena_blocks, block_len, device=device, config_fields=fields, name=name
+            arena_blocks,
+            block_len,
+            device=device,
+            config_fields=fields,
+            name=name,
+            transfer_timeout_s=0,
         )
         connects = None
         try:
