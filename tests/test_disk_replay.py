@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from disk_support import digest_of, open_store, settle
 
+from torch_kv_tier.remote.disk_frames import PUT, parse
 from torch_kv_tier.remote.disk_store import DiskError, DiskStore
 
 
@@ -63,3 +64,50 @@ def test_a_directory_of_the_format_before_record_orders_is_refused_saying_what_t
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 1}))
     with pytest.raises(DiskError, match=f"{d} was made by an older torch-kv-tier .*: move its"):
         open_store(disk_pool, [d], 8)
+
+
+def _frame_of(data: bytes, op: int, slot: int, key: bytes) -> bytes:
+    """The frame of ``data`` (a journal's bytes) holding the record ``op`` of ``key`` at
+    ``slot``."""
+    pos = 0
+    while pos < len(data):
+        end = pos + 8 + struct.unpack_from("<I", data, pos)[0]
+        (record,) = parse(data[pos:end]).records
+        if record[:2] == (op, slot) and record[3] == key:
+            return data[pos:end]
+        pos = end
+    raise AssertionError(f"no record {op} of {key!r} at slot {slot}")
+
+
+@pytest.mark.parametrize("new_journal", ["compaction", "restart"])
+def test_records_of_the_journal_before_a_rewrite_found_in_the_new_one_bring_no_old_bytes_back(
+    disk_pool: np.ndarray, tmp_path: Path, new_journal: str
+) -> None:
+    """Found by review: a compaction numbered its records below the last ones of the journal
+    it replaced, and a restart's rewrite numbered them from the same start as the run before,
+    so an older journal's record found in the new one (a block of the file system written
+    again) read in order, after the records that undid it: K came back with the bytes of its
+    first store. Every journal's orders now follow those of the journal before."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 16)) as store:
+        store.recover()
+        for _ in range(5):  # records before K's: its order is past the restart's first ones
+            _write(store, disk_pool, b"F", 3)
+            assert store.remove("ns", b"F")
+        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
+        _write(store, disk_pool, b"X", 1)  # slot 1
+        assert store.remove("ns", b"K") and store.remove("ns", b"X")  # slot 0 keeps K's bytes
+        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes: slot 1
+        assert store.sync(5.0)
+        old = (d / "journal.log").read_bytes()
+        if new_journal == "compaction":
+            store._dirs[0].records = 1 << 20  # past 4x the live keys: compacted
+            store.poll()
+            assert store.sync(5.0) and store._dirs[0].records == 1
+    if new_journal == "restart":  # the restart's rewrite: one record
+        with closing(open_store(disk_pool, [d], 16)) as store:
+            store.recover()
+    journal = d / "journal.log"
+    journal.write_bytes(journal.read_bytes() + _frame_of(old, PUT, 0, b"K"))
+    with closing(open_store(disk_pool, [d], 16)) as store:
+        assert store.recover() == [("ns", b"K", digest_of(disk_pool, 2, b"K"))]

@@ -57,6 +57,7 @@ class Parsed:
     bad_at: int | None = None  # that frame's byte; None: every byte read
     after: list[Record] = field(default_factory=list)  # frames past it that read
     searched_all: bool = True  # False: more than RESYNC_BYTES unreadable, the rest not searched
+    last_seq: int = -1  # the greatest order of a record read, before ``bad_at`` or past it
 
 
 def frame(record: Record, seq: int) -> bytes:
@@ -77,10 +78,10 @@ def parse(data: bytes) -> Parsed:
     frames that read (searched over at most ``RESYNC_BYTES`` of unreadable bytes; runs of zeros,
     as a lost page reads, cost nothing)."""
     records: list[Record] = []
-    pos = _read_run(data, 0, records)
+    pos, last = _read_run(data, 0, records)
     if pos == len(data):
-        return Parsed(records)
-    parsed = Parsed(records, bad_at=pos)
+        return Parsed(records, last_seq=last)
+    parsed = Parsed(records, bad_at=pos, last_seq=last)
     budget = RESYNC_BYTES
     pos += 1
     while pos + _FRAME.size <= len(data):
@@ -88,7 +89,8 @@ def parse(data: bytes) -> Parsed:
             found = _NOT_ZERO.search(data, pos)
             pos = max(pos + 1, (found.start() if found else len(data)) - _FRAME.size + 1)
             continue
-        end = _read_run(data, pos, parsed.after)
+        end, last = _read_run(data, pos, parsed.after)
+        parsed.last_seq = max(parsed.last_seq, last)
         if end > pos:
             pos = end
             continue
@@ -100,9 +102,10 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
-def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
+def _read_run(data: bytes, pos: int, out: list[Record]) -> tuple[int, int]:
     """Append to ``out`` the records of the frames that read from ``pos`` on, each in order
-    after the one before it; returns the byte after the last one (``pos`` if none read)."""
+    after the one before it; returns the byte after the last one (``pos`` if none read) and
+    that one's order (-1 if none)."""
     view = memoryview(data)
     last = -1
     while pos + _FRAME.size <= len(data):
@@ -122,4 +125,4 @@ def _read_run(data: bytes, pos: int, out: list[Record]) -> int:
         out.append((op, slot, namespace, key, digest))
         last = seq
         pos = end
-    return pos
+    return pos, last

@@ -68,9 +68,10 @@ class DiskDir:
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet taken (``take_pending``)
         self._pending_count = 0
-        # the order of the next record appended; from ``slots`` on: a compaction's records come
-        # before those of its tail (``first_pending_seq``)
-        self._seq = self.slots
+        # the order of the next record framed: past every record of the journal read at start
+        # (``read_records``) and of each journal since, so that bytes of an older journal found
+        # in a newer one (a block of the file system written again) are out of order, damage
+        self._seq = 0
         self.records = 0  # records in the journal file
         self.stale = False  # a write failed: to be rewritten (``DiskStore`` does, at retry_at)
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
@@ -180,12 +181,13 @@ class DiskDir:
         self._seq += 1
         self._pending_count += 1
 
-    def first_pending_seq(self) -> int:
-        """The order of the first record not yet taken (``take_pending``), or of the next one
-        appended: a journal rewritten with records whose orders are below it (slot ``j``'s
-        ``first_pending_seq() - slots + j``, in slot order: ``disk_sync``), then those records,
-        keeps its records in order."""
-        return self._seq - self._pending_count
+    def reserve(self, count: int) -> int:
+        """The first of ``count`` orders kept for records framed elsewhere (a compaction's, in
+        slot order: ``disk_sync``): past every record appended so far, before every record
+        appended from now on."""
+        first = self._seq
+        self._seq += count
+        return first
 
     def take_pending(self) -> tuple[bytes, int]:
         """The records appended since the last call, and their count: for ``flush``."""
@@ -276,6 +278,7 @@ class DiskDir:
                 f"to start {self.path} afresh (its blocks are then forgotten)"
             ) from exc
         parsed = parse(data)
+        self._seq = max(self._seq, parsed.last_seq + 1)  # even those not used: damage's
         if parsed.bad_at is None:
             return parsed.records
         if parsed.after or not parsed.searched_all:

@@ -12,8 +12,9 @@ running them on the owner's thread.
 
 A compaction (a journal past 4x the live keys, or a stale one) builds its live records, framed,
 on the owner's thread ``COMPACT_SLOTS`` slots per ``hand_over``, never all at once (at millions
-of keys that stalled the host's control plane for seconds), while every record not yet taken
-when it began, or appended since, is still written to the old journal and kept as its *tail*.
+of keys that stalled the host's control plane for seconds), while every record appended since
+it began is still written to the old journal and kept as its *tail* (those appended before, not
+yet written, go to the old journal only: the index it builds holds their changes).
 Its new journal is the records built, then that tail: a slot changed after the build read it has
 a later record in the tail, and the last record of a slot wins (``DiskDir.live``), so it
 recovers to the index as it is when the rewrite is handed over, as a compaction built at once
@@ -48,7 +49,10 @@ class _Compaction:
     its tail, ``count`` records in all, framed (``disk_frames.frames``): the journals' thread
     writes them with no million objects to free while it holds the GIL."""
 
-    first_seq: int  # the order of slot 0's record: those of the tail come after every one
+    first_seq: int  # the order of slot 0's record (``DiskDir.reserve``): the tail's are past it
+    # the records taken as it began: appended before it, so the index it builds holds them and
+    # its tail does not (their orders are below its own); written to the old journal only
+    fresh: bool = True
     next: int = 0
     built: list[bytes] = field(default_factory=list)
     tail: list[bytes] = field(default_factory=list)
@@ -84,8 +88,8 @@ class JournalSync:
             else:  # a compaction that failed (``DiskDir.rewrite``) is tried again at retry_at
                 due = d.records > 4 * live_keys + 4096 and now >= d.retry_at
             if idle and due and f not in self._compactions:
-                # its tail: every record not yet taken, in order after those built
-                self._compactions[f] = _Compaction(d.first_pending_seq() - d.slots)
+                # its tail: the records appended from now on, in order after those built
+                self._compactions[f] = _Compaction(d.reserve(d.slots))
         budget = None if force else COMPACT_SLOTS
         for f, c in self._compactions.items():
             stop = self._dirs[f].slots
@@ -105,9 +109,10 @@ class JournalSync:
                 jobs.append(partial(d.flush, data, count, sync=sync))
             building = self._compactions.get(f)
             if building is not None:
-                if data:
+                if data and not building.fresh:
                     building.tail.append(data)
                     building.count += count
+                building.fresh = False
                 if building.next >= d.slots:
                     del self._compactions[f]
                     parts = building.built + building.tail
