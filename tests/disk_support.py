@@ -1,18 +1,23 @@
 """Helpers of the disk tier's tests on real files (``DiskStore``): the block geometry, a store
 over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled, a
-device that hangs."""
+device that hangs, a directory as disk format 1 made it."""
 
 from __future__ import annotations
 
+import json
+import struct
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
+from torch_kv_tier.remote.disk_frames import parse
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskStore
 
 DISK_BLOCK = 16 << 10
@@ -95,3 +100,14 @@ class HungDevice:
         held, self.held = self.held, []
         for handle in held:
             assert self.real_transfer(handle) != "ERR"
+
+
+def as_format_1(d: Path) -> None:
+    """Turn directory ``d`` (closed) into the one disk format 1 would have made: its header
+    says format 1, its journal's records carry no order."""
+    payloads = [msgspec.msgpack.encode(r) for r in parse((d / "journal.log").read_bytes()).records]
+    (d / "journal.log").write_bytes(
+        b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p for p in payloads)
+    )
+    meta = d / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 1}))

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from disk_support import as_format_1
 from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 
 from torch_kv_tier.manager import TierManager
@@ -91,13 +92,16 @@ def test_blocks_evicted_from_dram_are_promoted_from_disk_byte_identical(tmp_path
         assert "torch_kv_tier_server_disk_writes_failing 0\n" in metrics
 
 
-def test_a_host_restarted_on_its_disk_serves_what_it_held(tmp_path: Path) -> None:
+@pytest.mark.parametrize("format_1", [False, True])  # made before records had their order
+def test_a_host_restarted_on_its_disk_serves_what_it_held(tmp_path: Path, format_1: bool) -> None:
     keys = [f"kept-{i}".encode() for i in range(96)]
     with TierManager.create(96, BLOCK_LEN, name="writer") as writer:
         original = fill_random(writer)
         with _serve(tmp_path / "disk") as server:
             writer.connect(server.address)
             _store_all(writer, keys, server.address)
+        if format_1:  # an upgrade in place: migrated at start, no key lost
+            as_format_1(tmp_path / "disk")
         with (
             _serve(tmp_path / "disk") as server,
             TierManager.create(96, BLOCK_LEN, name="after") as after,

@@ -8,6 +8,7 @@ Records now carry their order: one out of order is damage, dropped alone at the 
 
 from __future__ import annotations
 
+import errno
 import json
 import struct
 from contextlib import closing
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from disk_support import digest_of, open_store, settle
+from disk_support import as_format_1, digest_of, open_store, settle
 
+from torch_kv_tier.remote import disk_journal
 from torch_kv_tier.remote.disk_frames import PUT, parse
-from torch_kv_tier.remote.disk_store import DiskError, DiskStore
+from torch_kv_tier.remote.disk_store import DiskStore
 
 
 def _write(store: DiskStore, pool: np.ndarray, key: bytes, dram: int) -> None:
@@ -53,17 +55,45 @@ def test_records_duplicated_by_the_file_system_never_bring_old_bytes_back(
             assert np.array_equal(disk_pool[40], disk_pool[2])
 
 
-def test_a_directory_of_the_format_before_record_orders_is_refused_saying_what_to_do(
-    disk_pool: np.ndarray, tmp_path: Path
+@pytest.mark.parametrize("full_at_start", [False, True])
+def test_a_directory_of_the_format_before_record_orders_keeps_its_blocks_as_it_is_migrated(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    full_at_start: bool,
 ) -> None:
-    """Its journal's records carry no order: read as this format's, none would read (a journal
-    cut at its first byte, every key a miss, said as a crash). Refused instead, saying why."""
+    """A host upgraded in place stopped at start, refusing its --disk directories (format 1,
+    whose records carry no order), every block lost once moved away. Their journals are now
+    read as format 1, rewritten as this format, and only then their headers: every key is
+    kept, also where the rewrite at start fails (a full disk: migrated by the rewrite after)."""
     d = tmp_path / "d"
-    open_store(disk_pool, [d], 8).close()
-    meta = d / "meta.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 1}))
-    with pytest.raises(DiskError, match=f"{d} was made by an older torch-kv-tier .*: move its"):
-        open_store(disk_pool, [d], 8)
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+        _write(store, disk_pool, b"J", 1)
+        assert store.remove("ns", b"J")
+    as_format_1(d)
+    want = [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+    if full_at_start:
+        with closing(open_store(disk_pool, [d], 8)) as store:
+
+            def full(*args: object) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            with monkeypatch.context() as m:
+                m.setattr(disk_journal, "write_durably", full)
+                assert store.recover() == want  # its journal stale: rewritten later
+            assert json.loads((d / "meta.json").read_text())["format"] == 1
+            assert store.sync(5.0)  # the stale journal's rewrite
+        assert json.loads((d / "meta.json").read_text())["format"] == disk_journal.FORMAT
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == want
+        assert json.loads((d / "meta.json").read_text())["format"] == disk_journal.FORMAT
+        _write(store, disk_pool, b"L", 2)
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert sorted(store.recover()) == sorted(
+            [*want, ("ns", b"L", digest_of(disk_pool, 2, b"L"))]
+        )
 
 
 def _frame_of(data: bytes, op: int, slot: int, key: bytes) -> bytes:

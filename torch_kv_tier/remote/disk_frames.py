@@ -45,6 +45,8 @@ MAX_PAYLOAD = len(
 )  # fmt: skip
 # op, slot, namespace, key, digest, order: msgpack keeps key types
 _decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int, int])
+# disk format 1's records, with no order: read once, as a directory of that format is migrated
+_unordered = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])
 
 Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
 
@@ -72,13 +74,14 @@ def frames(records: Iterable[Record], seqs: Iterable[int] | None = None) -> byte
     return b"".join(map(frame, records, itertools.count() if seqs is None else seqs))
 
 
-def parse(data: bytes) -> Parsed:
+def parse(data: bytes, *, ordered: bool = True) -> Parsed:
     """The records of ``data`` up to the first frame that does not read (cut short, its CRC
     wrong, no record, or its order not past the record before it), and, past that one, the
     frames that read (searched over at most ``RESYNC_BYTES`` of unreadable bytes; runs of zeros,
-    as a lost page reads, cost nothing)."""
+    as a lost page reads, cost nothing). ``ordered=False`` reads disk format 1's records, which
+    carry no order (each is taken as past the one before it)."""
     records: list[Record] = []
-    pos, last = _read_run(data, 0, records)
+    pos, last = _read_run(data, 0, records, ordered)
     if pos == len(data):
         return Parsed(records, last_seq=last)
     parsed = Parsed(records, bad_at=pos, last_seq=last)
@@ -89,7 +92,7 @@ def parse(data: bytes) -> Parsed:
             found = _NOT_ZERO.search(data, pos)
             pos = max(pos + 1, (found.start() if found else len(data)) - _FRAME.size + 1)
             continue
-        end, last = _read_run(data, pos, parsed.after)
+        end, last = _read_run(data, pos, parsed.after, ordered)
         parsed.last_seq = max(parsed.last_seq, last)
         if end > pos:
             pos = end
@@ -102,7 +105,7 @@ def parse(data: bytes) -> Parsed:
     return parsed
 
 
-def _read_run(data: bytes, pos: int, out: list[Record]) -> tuple[int, int]:
+def _read_run(data: bytes, pos: int, out: list[Record], ordered: bool) -> tuple[int, int]:
     """Append to ``out`` the records of the frames that read from ``pos`` on, each in order
     after the one before it; returns the byte after the last one (``pos`` if none read) and
     that one's order (-1 if none)."""
@@ -117,7 +120,10 @@ def _read_run(data: bytes, pos: int, out: list[Record]) -> tuple[int, int]:
         if zlib.crc32(payload) != crc:
             break
         try:
-            op, slot, namespace, key, digest, seq = _decoder.decode(payload)
+            if ordered:
+                op, slot, namespace, key, digest, seq = _decoder.decode(payload)
+            else:
+                (op, slot, namespace, key, digest), seq = _unordered.decode(payload), last + 1
         except (msgspec.DecodeError, ValueError):
             break
         if seq <= last:  # a record written again (module docstring)

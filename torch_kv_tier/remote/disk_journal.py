@@ -15,11 +15,12 @@ under two spellings), which would write over the first one's blocks and journal,
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32, with its order (``disk_frames``: a record the
 file system wrote twice, replayed after those that undid it, is damage, not a record; the
-directory's ``FORMAT`` 2: a directory of format 1, whose records have none, is refused, saying
-what to do). Appends are buffered, taken by ``take_pending`` and
-written by ``flush`` (one ``os.write``, more after a short write); ``fsync`` runs at most once per
-``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block file (a process crash loses
-nothing written, a power loss the records of the last period, never a block a synced record names).
+directory's ``FORMAT`` 2: a directory of format 1, whose records have none, is read as such at
+start, then migrated as its journal is rewritten, its header last). Appends are buffered, taken
+by ``take_pending`` and written by ``flush`` (one ``os.write``, more after a short write);
+``fsync`` runs at most once per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block
+file (a process crash loses nothing written, a power loss the records of the last period, never a
+block a synced record names).
 A write that fails (a full disk) marks the journal ``stale``: its owner rewrites it from its index,
 and records are dropped meanwhile (a compaction that fails does not: the journal it would have
 replaced is whole, and appended to as before). A journal that dropped a record is emptied
@@ -80,6 +81,9 @@ class DiskDir:
         self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
+        # a directory of disk format 1: its header, of this format, written once its journal
+        # is rewritten (``rewrite``: at ``recover``); until then its records carry no order
+        self._migrating: bytes | None = None
         try:
             path.mkdir(parents=True, exist_ok=True)
             header = self._check_header(block_len)
@@ -122,12 +126,10 @@ class DiskDir:
             raise DiskError(
                 f"{meta} cannot be read ({exc}): {self._damaged(meta)}, or pass an empty directory"
             ) from exc
-        if have["format"] == 1:  # a cache: what it held is only misses
-            raise DiskError(
-                f"{self.path} was made by an older torch-kv-tier (disk format 1, whose journal "
-                "can replay a record the file system wrote twice): move its files away or remove "
-                "them (its blocks are then misses), or pass an empty directory"
-            )
+        # format 1: read as such, then migrated (``_migrated``)
+        migrating = type(have["format"]) is int and have["format"] == 1
+        if migrating:
+            have["format"] = FORMAT
         if have["format"] != FORMAT:
             raise DiskError(
                 f"{meta} names format {have['format']!r}, not {FORMAT}: use the torch-kv-tier "
@@ -141,6 +143,13 @@ class DiskDir:
                 "made with, or an empty directory; if those are the ones passed, "
                 f"{self._damaged(meta)}"
             )
+        if migrating:
+            logger.info(
+                "disk: %s is of disk format 1 (journal records without their order): read as "
+                "such once, then migrated to format %d as this start rewrites its journal",
+                self.path, FORMAT,
+            )  # fmt: skip
+            self._migrating = json.dumps(want).encode()
         return None
 
     def _damaged(self, meta: Path) -> str:
@@ -277,7 +286,7 @@ class DiskDir:
                 f"{journal} cannot be read ({exc.strerror or exc}): restore it, or move it away "
                 f"to start {self.path} afresh (its blocks are then forgotten)"
             ) from exc
-        parsed = parse(data)
+        parsed = parse(data, ordered=self._migrating is None)
         self._seq = max(self._seq, parsed.last_seq + 1)  # even those not used: damage's
         if parsed.bad_at is None:
             return parsed.records
@@ -368,6 +377,8 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
+        if self._migrating is not None:
+            self._migrated(self._migrating)
         if self._emptied:
             logger.info(
                 "disk: journal of %s rewritten (%d records): a restart finds its blocks again",
@@ -375,6 +386,22 @@ class DiskDir:
             )  # fmt: skip
         self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
         return True
+
+    def _migrated(self, header: bytes) -> None:
+        """The journal of a directory of disk format 1 was rewritten in this format: write the
+        header saying so. Where it cannot be written (logged), the next ``rewrite`` tries again;
+        a restart before then reads the journal as format 1, none of its records (misses)."""
+        try:
+            os.close(write_durably(self.path / "meta.json", header))
+        except OSError as exc:
+            logger.warning(
+                "disk: %s not migrated to disk format %d (%s): a restart before its journal is "
+                "rewritten again finds none of its blocks; free space on its file system",
+                self.path, FORMAT, exc,
+            )  # fmt: skip
+            return
+        self._migrating = None
+        logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
 
     def close(self) -> None:
         """Write what is pending, fsync, close both files. Idempotent."""
