@@ -49,13 +49,12 @@ class SlotPool:
         at = free.find(run, self._cursor)
         if at < 0:
             at = free.find(run)
+        self._num_free -= n  # first: a Ctrl-C as slots are marked leaves it low (class docstring)
         if at >= 0:
             free[at : at + n] = bytes(n)
             self._cursor = at + n
-            self._num_free -= n
             start = self.slots.start + at
             return list(range(start, start + n))
-        self._num_free -= n  # first: a Ctrl-C in the loop leaves it low (class docstring)
         taken: list[int] = []
         at = -1
         for _ in range(n):
