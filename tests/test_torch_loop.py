@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from remote_support import SilentHosts, fake_session, free_port, wait_for
+from test_arena_batches import CtrlCAsItsCallbacksRun, stored
 
 from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.benchmarks.reliability_common import stop_process
@@ -1095,3 +1096,28 @@ def test_example_refuses_a_cuda_device_without_cuda(capsys: pytest.CaptureFixtur
         example_main(["--device", "cuda"])
     assert exc.value.code == 2
     assert "CUDA is not available: run with --device cpu" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_in_a_callback_the_tiers_connect_ran_leaves_the_host_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: the tier's connect resolves, on the caller's thread, the futures of
+    # stores that ended meanwhile (``_flush``, as a connect drops a registration it replaces or
+    # a join it gave up). A Ctrl-C stopping a store's callbacks there left its record: its
+    # host "overdue" (its pages failing at once) and its slot out of the arena until a flush.
+    # A Ctrl-C out of connect now makes the next look at the state look at every record.
+    keys_c, values_c = random_caches(torch.float32)
+    with TierManager.create(4, BLOCK_LEN) as manager:
+        off = PagedKVOffloader(keys_c, values_c, manager, timeout=5)
+        store = CtrlCAsItsCallbacksRun()
+        off._batches._started(store, "frozen", manager.arena.allocate(1), time.monotonic())
+
+        def connect(address: str, **kwargs: object) -> str:
+            store.set_result(stored([]))
+            return "never"
+
+        monkeypatch.setattr(manager, "connect", connect)
+        with pytest.raises(KeyboardInterrupt):
+            off.connect("127.0.0.1:1")
+        assert not off._batches._overdue()  # before: {"frozen": 1}, until a flush
+        assert manager.arena.num_free == 4  # before: 3

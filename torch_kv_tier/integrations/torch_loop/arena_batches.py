@@ -177,7 +177,7 @@ class ArenaBatches(ArenaSlots):
                 del unsent[0]
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
-            self._interrupted()
+            self.interrupted()
             if unsent and unsent[0] is calling:  # in or after the tier's store: it may have sent
                 del unsent[0]
                 if not made:  # else its record has the slots
@@ -239,7 +239,7 @@ class ArenaBatches(ArenaSlots):
                 log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
-            self._interrupted()
+            self.interrupted()
             in_use.update(unsure)  # nothing will say when a read it may have begun ended
             try:
                 unended = [f for f in futures if not f.done()]

@@ -12,11 +12,12 @@ A transfer's record owns its slots: whoever drops the record (under the lock) fr
 the same step, so they are freed once only. Each future's callback drops its own record
 (``_ended``). Only a Ctrl-C (``KeyboardInterrupt``, which lands on the main thread only) can
 keep a callback from being added, or stop one as it runs (a future resolved on the caller's
-thread, inside the tier's call); each look at the records (``_settle``, whenever the state is
+thread, inside the tier's call: a store's or load's, or a connect's, which resolves the futures
+of transfers that ended meanwhile); each look at the records (``_settle``, whenever the state is
 read) drops those that such a Ctrl-C may have left once their futures resolved, so that none
 leaves a host overdue or a ``wait_idle`` waiting for something that ended. It looks at those
 alone: a record whose ``_started`` was interrupted, and every record, once, after a Ctrl-C came
-out of the tier's call (``_interrupted``) and at each ``wait_idle``; looking at every record
+out of the tier's call (``interrupted``) and at each ``wait_idle``; looking at every record
 under way at each look cost ~17 ms a look at 10,000 of them (three looks an offload).
 
 Threading: ``self._changed`` (a condition on ``self._lock``) guards the arena's allocator, the
@@ -241,10 +242,10 @@ class ArenaSlots:
         self._pending.difference_update(resolved)
         self._hand_back(freed, bool(resolved))
 
-    def _interrupted(self) -> None:
-        """A ``KeyboardInterrupt`` came out of the tier's call on this thread: it may have
-        stopped the callbacks of futures the tier resolved there; the next look at the
-        records looks at every one."""
+    def interrupted(self) -> None:
+        """A ``KeyboardInterrupt`` came out of a call of the tier on this thread (a store, a
+        load, a connect: any that resolves futures): it may have stopped the callbacks of
+        futures the tier resolved there; the next look at the records looks at every one."""
         with self._lock:
             self._rescan = True
 

@@ -260,6 +260,9 @@ class PagedKVOffloader:
         except Exception as exc:
             self._unavailable(address, exc)
             return ""
+        except BaseException:  # Ctrl-C: it may have stopped the callbacks the tier ran here
+            self._batches.interrupted()
+            raise
 
     def lookup(self, keys: Sequence[Key]) -> int:
         """Number of leading ``keys`` stored in the tier (0 if the tier cannot answer).
