@@ -26,6 +26,8 @@ own lock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import time
 from collections import Counter
@@ -42,11 +44,25 @@ OVERDUE = "host overdue"  # offload of a key whose host's transfers are past the
 
 class HostShares:
     """The arena slots of ``size`` that transfers under way hold, and which are overdue
-    (module docstring)."""
+    (module docstring). A look (:meth:`overdue`, :meth:`under_way`, :meth:`next_due`) costs
+    what changed since the last one, not a pass over every transfer: the slots are counted by
+    host as transfers start and end, and those turning overdue are taken by due time off a
+    heap. The times asked for never go back (``time.monotonic`` read under the owner's lock).
+    The records (``_transfers``) are the truth, changed in one step each; the counts and the
+    heap only follow them, and a ``KeyboardInterrupt`` that stops a change of them midway
+    (``_changing`` left set) makes the next change or look count every transfer again."""
 
     def __init__(self) -> None:
         # each transfer under way: its host, the slots it owns and when it is overdue
         self._transfers: dict[Future[TransferResult], tuple[str | None, list[int], float]] = {}
+        self._dues: list[tuple[float, int, Future[TransferResult]]] = []  # not yet overdue
+        self._pushed = itertools.count()  # ties in ``_dues`` (futures do not compare)
+        self._late: set[Future[TransferResult]] = set()  # those counted overdue
+        self._under_way: Counter[str | None] = Counter()  # slots by host, the others'
+        self._overdue: Counter[str | None] = Counter()  # slots by host, the late ones'
+        self._counted: Counter[tuple[str | None, bool]] = Counter()  # transfers: host, late
+        self._looked = -math.inf  # the time last asked for
+        self._changing = False  # the counts are being changed (still, after a Ctrl-C)
 
     def started(
         self, transfer: Future[TransferResult], host: str | None, slots: list[int], due: float
@@ -54,45 +70,100 @@ class HostShares:
         """``transfer`` (a store, or a read its restore stopped waiting for) to or from
         ``host`` owns ``slots`` until it resolved (:meth:`settled` hands them back); overdue
         once ``due`` (``time.monotonic`` time) passed."""
+        self.ended(transfer)  # a second record of it replaces the first
+        self._begin()
         self._transfers[transfer] = host, slots, due
+        self._count(host, len(slots), late=False, sign=1)
+        heapq.heappush(self._dues, (due, next(self._pushed), transfer))
+        self._changing = False
 
     def settled(self) -> list[int]:
         """Drop the transfers whose futures resolved; the slots they owned, each handed back
         once only (whoever frees them must: dropped, nothing else owns them)."""
         done = [transfer for transfer in self._transfers if transfer.done()]
-        return [slot for transfer in done for slot in self._transfers.pop(transfer)[1]]
+        return [slot for transfer in done for slot in self.ended(transfer)]
 
     def ended(self, transfer: Future[TransferResult]) -> list[int]:
         """Drop the record of ``transfer``, which resolved, if :meth:`settled` has not: the
         slots it owned, handed back once only as :meth:`settled`'s are (none if it had)."""
+        self._begin()
         record = self._transfers.pop(transfer, None)
-        return [] if record is None else record[1]
+        if record is None:
+            self._changing = False
+            return []
+        host, slots, _ = record
+        self._count(host, len(slots), late=transfer in self._late, sign=-1)
+        self._late.discard(transfer)
+        self._changing = False
+        return slots
 
     def overdue(self, now: float | None = None) -> Counter[str | None]:
         """The slots overdue transfers hold at ``now`` (``time.monotonic`` time; ``None``:
         now), by host."""
-        held: Counter[str | None] = Counter()
-        now = time.monotonic() if now is None else now
-        for host, slots, due in self._transfers.values():
-            if due <= now:
-                held[host] += len(slots)
-        return held
+        self._look(time.monotonic() if now is None else now)
+        return Counter(self._overdue)
 
     def under_way(self, now: float) -> Counter[str | None]:
         """The slots transfers under way, not yet overdue at ``now`` (the time :meth:`overdue`
         was asked for: each transfer is in one of the two), hold, by host."""
-        held: Counter[str | None] = Counter()
-        for host, slots, due in self._transfers.values():
-            if due > now:
-                held[host] += len(slots)
-        return held
+        self._look(now)
+        return Counter(self._under_way)
 
     def next_due(self, seen: float) -> float:
         """When the first transfer under way that was not overdue at ``seen`` (the time the
         caller asked :meth:`overdue` for) turns overdue (``inf``: none will; in the past: one
         did since): a wait for a share or slots must wake then, as the host's share and the
         room change without anything ending."""
-        return min((d for _, _, d in self._transfers.values() if d > seen), default=math.inf)
+        self._look(seen)
+        return self._dues[0][0] if self._dues else math.inf
+
+    def _look(self, now: float) -> None:
+        """Count as overdue the transfers whose due time ``now`` (not before the last look)
+        reached; drop the heap's entries of transfers that ended."""
+        self._begin()
+        self._looked = now = max(now, self._looked)
+        dues = self._dues
+        while dues and (dues[0][0] <= now or dues[0][2] not in self._transfers):
+            _, _, transfer = heapq.heappop(dues)
+            record = self._transfers.get(transfer)
+            if record is None or transfer in self._late or record[2] > now:
+                continue  # ended (or started again: its newer entry counts)
+            host, slots, _ = record
+            self._late.add(transfer)
+            self._count(host, held := len(slots), late=False, sign=-1)
+            self._count(host, held, late=True, sign=1)
+        self._changing = False
+
+    def _begin(self) -> None:
+        """Before a change of the counts: count every transfer again if a Ctrl-C stopped the
+        last change midway; the counts are being changed from here on (until ``_changing`` is
+        cleared, in the step after the change)."""
+        if self._changing:
+            self._recount()
+        self._changing = True
+
+    def _recount(self) -> None:
+        """Count every transfer again, as of the last look (a Ctrl-C stopped a change of the
+        counts midway: they may be wrong, the records are not)."""
+        transfers = self._transfers
+        self._late = {t for t, (_, _, due) in transfers.items() if due <= self._looked}
+        self._under_way, self._overdue, self._counted = Counter(), Counter(), Counter()
+        for transfer, (host, slots, _) in transfers.items():
+            self._count(host, len(slots), late=transfer in self._late, sign=1)
+        late, pushed = self._late, self._pushed
+        self._dues = [(d, next(pushed), t) for t, (_, _, d) in transfers.items() if t not in late]
+        heapq.heapify(self._dues)
+        self._changing = False
+
+    def _count(self, host: str | None, slots: int, *, late: bool, sign: int) -> None:
+        """Count one transfer of ``host`` holding ``slots`` in (``sign`` 1) or out of (-1)
+        the overdue ones (``late``) or the others; a host none of whose transfers is counted
+        there any more leaves that count (one with no slots stays in it)."""
+        held = self._overdue if late else self._under_way
+        held[host] += sign * slots
+        self._counted[host, late] += sign
+        if not self._counted[host, late]:
+            del self._counted[host, late], held[host]
 
     def room(self, free: int, under_way: Counter[str | None]) -> int:
         """The slots a batch can count on: the arena's ``free`` ones and those its transfers
