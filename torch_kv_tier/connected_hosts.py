@@ -105,6 +105,8 @@ class ConnectedHosts(LostHosts):
         over the user's tier; ``TypeError`` before anything is dialled otherwise), so that
         ``cancel_dial(address, dial_owner)`` withdraws its request alone: one dial serves every
         request of an address, and holds its owners until the address joins or is cancelled.
+        ``timeout_s`` below 0.1 s or ``heartbeat_timeout_s`` below 1 s raises ``ValueError``
+        saying why, before anything is dialled (``quantities.CONNECT_TIMEOUT``, ...).
         """
         dial = self._new_dial(
             address, token, private, slots, timeout_s, heartbeat_timeout_s, dial_owner

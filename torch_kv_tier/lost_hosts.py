@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
-from torch_kv_tier.remote.connect_args import check_connect_args
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport
 
@@ -204,8 +203,8 @@ class LostHosts(SessionReleases):
         is a ``dial_owner``, kept if the host is down)."""
         slots = check_connect_args(address, slots, private, token)
         check_dial_owner(owner)
-        timeout_s = seconds("timeout_s", timeout_s)
-        heartbeat_timeout_s = seconds("heartbeat_timeout_s", heartbeat_timeout_s)
+        timeouts = check_timeouts(timeout_s=timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        timeout_s, heartbeat_timeout_s = timeouts["timeout_s"], timeouts["heartbeat_timeout_s"]
         if not private and not self.verify:
             raise ValueError(
                 "a shared pool needs verify=True: its loads read unpinned slots and rely on "

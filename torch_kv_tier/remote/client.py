@@ -170,7 +170,9 @@ class RemoteSession(SharedRequests):
         ``heartbeat_timeout_s`` and of the server's lease timeout); when the session is lost
         (module docstring) ``on_lost(peer_id)`` is called once, on the session's I/O thread.
 
-        Raises ``ValueError`` for bad arguments (before any network traffic),
+        Raises ``ValueError`` for bad arguments (before any network traffic; ``timeout_s`` is
+        at least 0.1 s, ``heartbeat_timeout_s`` 1 s, ``heartbeat_interval_s`` 0.01 s, each
+        floor's message saying why: ``connect_args.FLOORS``),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
         ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost`` once the
         handshake went out), ``ConnectionError`` when the server answers with an error, accepts

@@ -9,8 +9,21 @@ from __future__ import annotations
 import re
 
 from torch_kv_tier.remote import protocol as p
-from torch_kv_tier.remote.quantities import count, seconds
+from torch_kv_tier.remote.quantities import (
+    CONNECT_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    Floor,
+    count,
+    seconds,
+)
 
+# the floor of each timeout a connection takes (``check_timeouts``)
+FLOORS: dict[str, Floor] = {
+    "timeout_s": CONNECT_TIMEOUT,
+    "heartbeat_timeout_s": HEARTBEAT_TIMEOUT,
+    "heartbeat_interval_s": HEARTBEAT_INTERVAL,
+}
 # a host name, IPv4 or IPv6 address (with its zone); ZeroMQ refuses one that starts otherwise
 _HOST = re.compile(r"[A-Za-z0-9:][A-Za-z0-9._%:-]*")
 
@@ -42,9 +55,9 @@ def check_session_args(
     **timeouts_s: float,
 ) -> int | None:
     """``RemoteSession.open``'s checks, before any network traffic: ``TypeError``/
-    ``ValueError`` naming the bad argument (a timeout must be finite: at most
-    ``quantities.MAX_WAIT_S``). Returns ``slots`` as the ``int`` to send
-    (``check_connect_args``)."""
+    ``ValueError`` naming the bad argument (a timeout must be finite, at most
+    ``quantities.MAX_WAIT_S``, and at least its floor: ``check_timeouts``). Returns ``slots``
+    as the ``int`` to send (``check_connect_args``)."""
     problem = region.problem()
     if problem is not None:
         raise ValueError(problem)
@@ -55,10 +68,13 @@ def check_session_args(
     return slots
 
 
-def check_timeouts(**timeouts_s: float) -> None:
-    """``seconds`` of each of ``timeouts_s`` (each > 0): raises for the first that is none."""
-    for name, value in timeouts_s.items():
-        seconds(name, value)
+def check_timeouts(**timeouts_s: float) -> dict[str, float]:
+    """``seconds`` of each of ``timeouts_s`` (each > 0, and at least its ``FLOORS`` entry's
+    ``least_s``: the ``ValueError`` says why and what to pass): raises for the first that is
+    none. Returns them as the floats every wait takes."""
+    return {
+        name: seconds(name, value, floor=FLOORS.get(name)) for name, value in timeouts_s.items()
+    }
 
 
 def check_connect_args(

@@ -2,23 +2,64 @@
 for a number of slots, blocks or bytes, ``port`` for a TCP port. Each returns the plain
 ``float``/``int`` the waits, sockets and the protocol take (numpy's numbers included) or raises
 ``TypeError``/``ValueError`` naming the parameter, before the caller allocates, dials or starts
-anything. Pure functions."""
+anything. A duration below which the thing it times cannot work takes a ``Floor``: the
+tier's (``CONNECT_TIMEOUT``, ``HEARTBEAT_TIMEOUT``, ``HEARTBEAT_INTERVAL``, ``RECONNECT_INTERVAL``)
+are here, with why each is the least a user should pass. Pure functions."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
 MAX_COUNT = 2**63 - 1  # the largest count the protocol carries (msgpack takes no more)
 MAX_PORT = 65535
 
 
-def seconds(name: str, value: object, *, zero: bool = False) -> float:
+@dataclass(frozen=True)
+class Floor:
+    """The shortest duration a parameter takes (``least_s``), and ``why``: what goes wrong
+    below it and what to pass instead (the ``ValueError``'s last words)."""
+
+    least_s: float
+    why: str
+
+
+# The tier's floors (measured on loopback, 2 cores): below one, with no fault, the tier fails
+# (CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT) or loads its hosts and DNS for nothing (the intervals).
+CONNECT_TIMEOUT = Floor(
+    0.1,
+    "a handshake takes round trips (and a token's proof) that a loaded machine or a network "
+    "stretches past it (on loopback 6 of 10 connects failed at 0.005 s), and a host that misses "
+    "it is reported not ready and never joins; it also bounds each request to the host; pass 10 "
+    "(the default), or a few seconds for a host known to be near",
+)
+HEARTBEAT_TIMEOUT = Floor(
+    1.0,
+    "a session whose host does not answer a heartbeat within it is lost, so a tier or host "
+    "paused that long (a collection, a loaded machine) loses its sessions (at 0.01 s one was "
+    "lost at once); pass 10 (the default), or a few seconds at the least",
+)
+HEARTBEAT_INTERVAL = Floor(
+    0.01,
+    "each heartbeat is a message the host's one loop answers, and beating more often finds no "
+    "loss sooner (a session is lost after heartbeat_timeout_s, at least 1 s, unanswered): "
+    "below it the tier only loads its hosts; pass 1 (the default)",
+)
+RECONNECT_INTERVAL = Floor(
+    0.1,
+    "each round resolves the host list again (a DNS or SRV query, or a file read) and dials "
+    "the hosts that are down, so a shorter one repeats them back to back; pass 5 (the default)",
+)
+
+
+def seconds(name: str, value: object, *, zero: bool = False, floor: Floor | None = None) -> float:
     """``value``, parameter ``name``'s number of seconds, as the ``float`` every wait takes (a
     ``numpy.float32`` reaches none: Python's waits refuse it). ``TypeError`` unless it is an int
     or a float, numpy's too (not a ``bool``, a ``str``, a ``Fraction`` or a ``Decimal``);
-    ``ValueError`` unless it is finite, > 0 (``zero``: >= 0) and at most ``MAX_WAIT_S``."""
+    ``ValueError`` unless it is finite, > 0 (``zero``: >= 0) and at most ``MAX_WAIT_S``, and
+    (``floor``) at least ``floor.least_s`` (``zero``: or 0, which turns the thing off)."""
     floating = isinstance(value, numbers.Real) and not isinstance(value, numbers.Rational)
     if isinstance(value, bool) or not (floating or isinstance(value, numbers.Integral)):
         raise TypeError(
@@ -32,6 +73,11 @@ def seconds(name: str, value: object, *, zero: bool = False) -> float:
     if not (as_float >= 0 if zero else as_float > 0) or not as_float <= MAX_WAIT_S:  # nan too
         bound = ">= 0" if zero else "> 0"
         raise ValueError(f"{name} must be {bound} and at most {MAX_WAIT_S:g} s, got {value}")
+    if floor is not None and as_float < floor.least_s and not (zero and as_float == 0):
+        off = " (or 0: off)" if zero else ""
+        raise ValueError(
+            f"{name} must be at least {floor.least_s:g} s{off}, got {as_float:g}: {floor.why}"
+        )
     return as_float
 
 

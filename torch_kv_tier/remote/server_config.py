@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from torch_kv_tier.remote.quantities import count, port, seconds
+from torch_kv_tier.remote.quantities import Floor, count, port, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +109,8 @@ class ServerConfig:
         for option, field in _SECONDS:
             value = getattr(self, field)
             if value is not None or field == "lease_timeout_s":
-                value = seconds(option, value)
-                if value < MIN_TIMEOUT_S:
-                    raise ValueError(
-                        f"{option} must be at least {MIN_TIMEOUT_S:g} s, got {value:g}: "
-                        f"{_TOO_SHORT[option]}"
-                    )
-                object.__setattr__(self, field, value)
+                floor = Floor(MIN_TIMEOUT_S, _TOO_SHORT[option])
+                object.__setattr__(self, field, seconds(option, value, floor=floor))
         object.__setattr__(self, "port", port("--port", self.port))
         if self.metrics_port is not None:
             object.__setattr__(self, "metrics_port", port("--metrics-port", self.metrics_port))

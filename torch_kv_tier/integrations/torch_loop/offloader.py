@@ -234,7 +234,8 @@ class PagedKVOffloader:
         The handshake waits at most ``connect_timeout`` seconds for the host's answer (so does
         each later re-dial of it, should the host be lost); ``None``: the offloader's
         ``timeout``, but at most the tier's default (``CONNECT_TIMEOUT_S``, 10 s), so that a
-        host that is down delays startup no longer than the tier alone would.
+        host that is down delays startup no longer than the tier alone would, and at least the
+        handshake's floor (0.1 s, ``quantities.CONNECT_TIMEOUT``).
 
         Failure is logged and swallowed unless ``strict`` (then ``OffloadError``); a host that
         does not answer (down, or not started yet) or is lost while joining is then dialled
@@ -242,7 +243,7 @@ class PagedKVOffloader:
         after), unless ``reconnect_interval_s`` is 0, until :meth:`close`.
         Arguments no host could accept (an address not ``HOST:PORT``, ``slots`` without
         ``private`` or not > 0, an empty ``token``, a ``connect_timeout`` not a finite number
-        > 0) raise ``ValueError`` instead; ``RuntimeError`` once closed.
+        of at least 0.1 s) raise ``ValueError`` instead; ``RuntimeError`` once closed.
         """
         self._check_open("connect")
         check_connect_args(address, slots, private, token)

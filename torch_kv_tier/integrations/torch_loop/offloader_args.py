@@ -16,7 +16,7 @@ import torch
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 from torch_kv_tier.remote.handshake_errors import not_ready
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, seconds
 
 __all__ = [
     "check_caches",
@@ -30,11 +30,15 @@ logger = logging.getLogger(__name__)
 
 def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any) -> dict[str, Any]:
     """``TierManager.connect``'s keyword arguments: ``kwargs``, and the handshake's
-    ``connect_timeout`` (``None``: the offloader's ``timeout``, at most ``CONNECT_TIMEOUT_S``;
-    ``ValueError`` unless a finite number > 0)."""
+    ``connect_timeout`` (``None``: the offloader's ``timeout``, at least the handshake's floor,
+    0.1 s, and at most ``CONNECT_TIMEOUT_S``; ``ValueError`` unless a finite number of at
+    least that floor: ``quantities.CONNECT_TIMEOUT``)."""
     if connect_timeout is None:
-        connect_timeout = min(timeout, CONNECT_TIMEOUT_S)
-    return {**kwargs, "timeout_s": seconds("connect_timeout", connect_timeout)}
+        connect_timeout = min(max(timeout, CONNECT_TIMEOUT.least_s), CONNECT_TIMEOUT_S)
+    return {
+        **kwargs,
+        "timeout_s": seconds("connect_timeout", connect_timeout, floor=CONNECT_TIMEOUT),
+    }
 
 
 def unavailable(address: str, exc: Exception, *, strict: bool, redialled: bool) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch_kv_tier.membership import HostSource, StaticHosts, parse_source, source_scheme
 from torch_kv_tier.remote.client import parse_address
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, RECONNECT_INTERVAL, Floor, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class RemoteHostTierConfig:
             cancelling them, then ending the sessions); default within vLLM's 5 s grace.
         reconnect_interval_s: how often ``source`` is resolved again (hosts that appeared are
             connected, those that vanished disconnected) and a dropped remote host is dialled
-            again; 0 never.
-        connect_timeout_s: how long one handshake with a remote host may take.
+            again; 0 never, else at least 0.1 s (``quantities.RECONNECT_INTERVAL``).
+        connect_timeout_s: how long one handshake with a remote host may take (and each
+            request to it): at least 0.1 s (``quantities.CONNECT_TIMEOUT``).
         expected_concurrency: concurrent requests the startup sizing check
             (:mod:`~torch_kv_tier.integrations.vllm.tier_sizing`) sizes the CPU tier for.
         expected_prefix_tokens: prefix length one request is assumed to promote, by that
@@ -158,9 +159,15 @@ class RemoteHostTierConfig:
             drain_timeout_s=_seconds(options, "drain_timeout_s", cls.drain_timeout_s),
             close_timeout_s=_seconds(options, "close_timeout_s", cls.close_timeout_s),
             reconnect_interval_s=_seconds(
-                options, "reconnect_interval_s", cls.reconnect_interval_s, allow_zero=True
+                options,
+                "reconnect_interval_s",
+                cls.reconnect_interval_s,
+                allow_zero=True,
+                floor=RECONNECT_INTERVAL,
             ),
-            connect_timeout_s=_seconds(options, "connect_timeout_s", cls.connect_timeout_s),
+            connect_timeout_s=_seconds(
+                options, "connect_timeout_s", cls.connect_timeout_s, floor=CONNECT_TIMEOUT
+            ),
             expected_concurrency=_positive_int(
                 options, "expected_concurrency", cls.expected_concurrency
             ),
@@ -256,11 +263,16 @@ def _optional_positive_int(options: Mapping[str, Any], key: str) -> int | None:
 
 
 def _seconds(
-    options: Mapping[str, Any], key: str, default: float, *, allow_zero: bool = False
+    options: Mapping[str, Any],
+    key: str,
+    default: float,
+    *,
+    allow_zero: bool = False,
+    floor: Floor | None = None,
 ) -> float:
     """``quantities.seconds`` of ``key``'s value, every problem a ``ValueError`` naming it."""
     try:
-        return seconds(f'"{key}"', options.get(key, default), zero=allow_zero)
+        return seconds(f'"{key}"', options.get(key, default), zero=allow_zero, floor=floor)
     except TypeError as exc:  # (a str, a bool...): a config's errors are all ValueErrors
         raise ValueError(str(exc)) from None
 
