@@ -5,9 +5,10 @@ that never joins, a session lost at once) or only loads its hosts. Each is refus
 
 from __future__ import annotations
 
+import argparse
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.benchmarks import frozen_writer_client, shared_stress, soak
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.manager import TierManager
@@ -123,3 +125,35 @@ def test_a_reconnect_interval_that_resolves_the_hosts_back_to_back_is_refused() 
     with pytest.raises(ValueError, match=match):
         interval(0.001)
     assert (interval(0), interval(0.1)) == (0.0, 0.1)
+
+
+def _soak(argv: list[str]) -> object:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def _shared_stress(argv: list[str]) -> object:
+    parser = argparse.ArgumentParser()
+    shared_stress.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+BENCHES: dict[str, Callable[[list[str]], object]] = {
+    "stress": _soak,
+    "shared-stress": _shared_stress,
+    "frozen_writer_client": lambda argv: frozen_writer_client.main(["127.0.0.1:1", *argv]),
+}
+
+
+@pytest.mark.parametrize("command", list(BENCHES))
+def test_a_bench_heartbeat_timeout_below_its_floor_is_refused_before_any_host_starts(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``torch-kv-tier stress --heartbeat-timeout 0.01`` took it, started its
+    hosts, and its tiers lost every session at once (with the floor, each connect would have
+    been refused only once the hosts ran). The option is refused as the command line is
+    parsed, saying why."""
+    with pytest.raises(SystemExit):
+        BENCHES[command](["--heartbeat-timeout", "0.01"])
+    assert "--heartbeat-timeout must be at least 1 s, got 0.01" in capsys.readouterr().err

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from torch_kv_tier.benchmarks.options import heartbeat_timeout
 from torch_kv_tier.manager import TierManager, TransferResult
 
 RESULT_TIMEOUT_S = 30.0  # one store future after the resume
@@ -137,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stores", type=int, default=4, help="store calls per batch")
     parser.add_argument("--first", type=int, default=64, help="keys per store before the freeze")
     parser.add_argument("--second", type=int, default=64, help="keys per store after it")
-    parser.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds")
+    parser.add_argument("--heartbeat-timeout", type=heartbeat_timeout, default=2.0, help="s")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="most time to linger")
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, seconds
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,6 +57,16 @@ def list_of(
         return items
 
     return parse_list
+
+
+def heartbeat_timeout(text: str) -> float:
+    """A tier's ``--heartbeat-timeout`` in seconds, at least its floor (1 s: the tier's sessions
+    are lost at once below it, ``quantities.HEARTBEAT_TIMEOUT``), checked before any host
+    starts."""
+    try:
+        return seconds("--heartbeat-timeout", float(text), floor=HEARTBEAT_TIMEOUT)
+    except ValueError as exc:  # (float()'s too: not a number)
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive(text: str) -> int:

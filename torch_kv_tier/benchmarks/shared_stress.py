@@ -65,7 +65,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import output_file, usable_cpus
+from torch_kv_tier.benchmarks.options import heartbeat_timeout, output_file, usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
@@ -254,7 +254,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=heartbeat_timeout,
         default=3.0,
         help="the tiers' heartbeat timeout, s (default 3): a host silent this long is dropped",
     )

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from torch_kv_tier.benchmarks.options import output_file, usable_cpus
+from torch_kv_tier.benchmarks.options import heartbeat_timeout, output_file, usable_cpus
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frozen-trials", type=int, default=3, help="peer-frozen trials")
     parser.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=heartbeat_timeout,
         default=10.0,
         help="heartbeat timeout of the doomed servers' sessions, s (default 10, connect's)",
     )
