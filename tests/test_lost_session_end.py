@@ -116,3 +116,36 @@ def test_close_ends_the_session_of_a_dropped_host_whose_thread_never_started(
     assert wait_for(lambda: bool(tier._ending) and tier._ending_due > 0, 10.0)
     tier.close()
     assert not session._thread.is_alive(), "close left the dropped host's session running"
+
+
+def test_close_ends_a_session_whose_thread_could_not_start_after_close_stopped_waiting(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the poller took a dropped host's session and its thread's start was
+    slow, then failed (the thread limit), while ``close`` (its wait for the poller over) took
+    the sessions left to it: none. The poller handed the session back to a list nobody read
+    any more: it was never ended (its host was never told, and keeps the slots of a session
+    not ended clean until its --hold-timeout). Once ``close`` has begun, the poller ends it."""
+    tier, peer = refusing_tier
+    session = tier._peers[peer].session
+    assert session is not None
+    ended = threading.Event()
+    end = session.close
+    monkeypatch.setattr(session, "close", lambda **kw: (ended.set(), end(**kw)))
+    start = threading.Thread.start
+    starting, gate = threading.Event(), threading.Event()
+
+    def slow_then_refused(thread: threading.Thread) -> None:
+        if thread.name == END_THREAD:
+            starting.set()
+            assert gate.wait(timeout=30.0), "the test never opened the gate"
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", slow_then_refused)
+    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+    assert starting.wait(timeout=10.0), "the poller never tried to start the thread"
+    tier.close(timeout=0)  # waits 0.1 s for the poller, which is still starting the thread
+    gate.set()
+    assert ended.wait(timeout=15.0), "the dropped host's session was never ended"

@@ -45,6 +45,7 @@ class LostHosts(SessionReleases):
     _closing: threading.Event  # set when ``close`` starts
     _ending: list[tuple[Any, bool]]  # dropped peers' sessions to end, and whether cleanly
     _ending_due: float  # monotonic time before which the poller does not start them
+    _stopping: bool  # set under the lock by ``close``: the poller is to return
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
 
@@ -78,7 +79,8 @@ class LostHosts(SessionReleases):
         """The poller (unlocked): an ``END_THREAD`` for each session of ``ending``. A thread
         that cannot start (the process at its thread limit) hands back the rest, tried again
         in ``_END_RETRY_S``, logged as a warning: the host is dialled again once its session
-        ended."""
+        ended. Once ``close`` has begun, the poller ends the rest itself, as its last act:
+        ``close`` may have taken what was handed back already (its wait for the poller over)."""
         for i, (session, clean) in enumerate(ending):
             thread = threading.Thread(
                 target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True
@@ -87,8 +89,14 @@ class LostHosts(SessionReleases):
                 thread.start()
             except RuntimeError as exc:
                 with self._lock:
-                    self._ending[:0] = ending[i:]
-                    self._ending_due = time.monotonic() + _END_RETRY_S
+                    stopping = self._stopping
+                    if not stopping:
+                        self._ending[:0] = ending[i:]
+                        self._ending_due = time.monotonic() + _END_RETRY_S
+                if stopping:
+                    for rest in ending[i:]:
+                        self._close_session(*rest)
+                    return
                 logger.warning(
                     "could not start a thread to end %d dropped sessions (tried again in "
                     "%.0f s; their hosts are dialled again once they ended): %s",
