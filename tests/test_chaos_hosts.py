@@ -102,3 +102,25 @@ def test_the_run_fails_on_an_unexpected_host_exit_and_reports_a_known_one() -> N
     [problem] = chaos.out.problems
     assert "exit code -11 (SIGSEGV)" in problem and "the end of its stderr" in problem
     assert not chaos.out.ok
+
+
+def test_a_host_that_exits_as_the_harness_kills_it_is_still_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``restart`` looked for an exit of the host's own, then SIGKILLed it.
+    A host that exited just before the look was not yet reaped by its watch thread (which
+    holds ``Popen``'s waitpid lock: ``poll`` says "running" meanwhile), so its exit (a crash,
+    say) was taken for the harness's kill and never reported. An exit whose code is not the
+    kill's is recorded."""
+    hosts = Hosts(1, None, 64, tcp=False, started=time.monotonic())
+    try:
+        proc = hosts.servers[0].proc
+        os.kill(proc.pid, signal.SIGSEGV)
+        proc.wait(timeout=30)
+        looks = iter([None])  # the first look: the watch thread reaping it meanwhile
+        monkeypatch.setattr(proc, "poll", lambda: next(looks, proc.returncode))
+        hosts.restart(0)
+        [found] = hosts.exits
+        assert (found.returncode, found.signal, found.known) == (-11, "SIGSEGV", False)
+    finally:
+        hosts.close()

@@ -97,10 +97,14 @@ class Hosts:
 
     def restart(self, i: int) -> None:
         """SIGKILL host ``i`` (recording its exit if it had already exited on its own) and
-        start a new one on its port (retried while it is busy, for up to ``RESTART_S``)."""
+        start a new one on its port (retried while it is busy, for up to ``RESTART_S``). An
+        exit the kill's look missed (``poll`` says "running" while the watch thread reaps the
+        process) is told by its code: any but SIGKILL's is the host's own."""
         port = int(self.servers[i].address.rsplit(":", 1)[1])
         self._record_exit(i)
         self.servers[i].kill()
+        if self.servers[i].proc.returncode != -signal.SIGKILL:  # exited unseen by the look
+            self._record_exit(i)
         self._ends.pop(self.servers[i].proc.pid, None)  # (its watch ends with it)
         deadline = time.monotonic() + RESTART_S
         while True:
@@ -133,10 +137,11 @@ class Hosts:
 
     def _record_exit(self, i: int) -> None:
         """Add host ``i``'s exit to ``exits`` if its process exited (the harness has not
-        killed it yet: it records before each kill)."""
+        killed it yet: it records before each kill, and after it an exit whose code is not the
+        kill's), once."""
         server = self.servers[i]
-        if server.proc.poll() is None:
-            return
+        if server.proc.poll() is None or server.proc.pid not in self._ends:
+            return  # running, or recorded already
         watch, ended = self._ends.pop(server.proc.pid)
         watch.join(timeout=RESTART_S)  # it returns as the process is reaped
         at_s = (ended[0] if ended else time.monotonic()) - self._started
