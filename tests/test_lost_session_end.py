@@ -149,3 +149,37 @@ def test_close_ends_a_session_whose_thread_could_not_start_after_close_stopped_w
     tier.close(timeout=0)  # waits 0.1 s for the poller, which is still starting the thread
     gate.set()
     assert ended.wait(timeout=15.0), "the dropped host's session was never ended"
+
+
+def test_close_ends_a_dropped_hosts_session_clean_without_a_session_of_its_own(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``close`` ended a dropped host's session the poller never started
+    ending by naming that session itself as resolved over it: the host ended it on reading
+    that, the session's disconnect then went unanswered ("the server no longer knows this
+    session", logged), and ``close`` opened another session to the host only to name it
+    again. It now ends clean (all its writes resolved), told by its own disconnect."""
+    tier, peer = refusing_tier
+    session = tier._peers[peer].session
+    assert session is not None
+    start = threading.Thread.start
+    own_sessions: list[object] = []
+    release_over_own = tier._release_over_own_session
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name == END_THREAD:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    def spy(*args: object, **kwargs: object) -> object:
+        own_sessions.append(args)
+        return release_over_own(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    monkeypatch.setattr(tier, "_release_over_own_session", spy)
+    assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+    assert wait_for(lambda: bool(tier._ending) and tier._ending_due > 0, 10.0)
+    tier.close()
+    assert session.ended_clean, "the host did not answer the session's clean disconnect"
+    assert own_sessions == [], "close opened a session of its own to name the dropped one"

@@ -223,8 +223,15 @@ class SessionReleases:
         """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
         its host may not have read (the session lost meanwhile, its disconnect unanswered) goes
         over a session of its own (``dial``'s): no later session would carry it. Returns what
-        could not be told (``_last_word_of``)."""
-        return self._last_word_of(session.address, end_session(session, clean, held), dial)
+        could not be told (``_last_word_of``). A dropped peer's session the poller never
+        started ending is among ``held`` once its writes resolved: it ends clean instead (its
+        host, told so over it, would end it first and leave its disconnect unanswered)."""
+        resolved = session.session_id in held
+        held = [sid for sid in held if sid != session.session_id]
+        unread = end_session(session, clean or resolved, held)
+        if resolved and not session.ended_clean:
+            unread.append(session.session_id)
+        return self._last_word_of(session.address, unread, dial)
 
     def _last_word_of(
         self, address: str, unread: list[str], dial: Dial | None
