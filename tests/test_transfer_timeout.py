@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, wait_until
+from test_stray_reads import StrayReadTransport
 from test_transport import FaultyAgent
 
 from torch_kv_tier.arena import BlockArena
@@ -89,3 +91,34 @@ def test_a_read_still_held_at_close_is_released_with_the_transport(
     assert tier.stats().late_reads == 1
     tier.close()
     assert tier.stats().late_reads == 0
+
+
+def test_unsettled_late_loads_the_bound_drops_the_host_and_a_late_load_waits_for_its_read() -> None:
+    """``settle_late_loads=False`` (for a caller that reuses a failed load's blocks at once):
+    past the bound the peer is dropped (its keys with it, its stores settle "peer lost"), but
+    the load stays pending, nothing withheld, until the transport reports its read; it then
+    settles once, "peer lost"."""
+    arena = BlockArena(4, BLOCK_LEN)
+    transport = StrayReadTransport(arena.tensor)
+    transport.remotes[b"p"] = torch.zeros(4, BLOCK_LEN, dtype=torch.uint8)
+    tier = TierManager(arena, transport, transfer_timeout_s=BOUND_S, settle_late_loads=False)
+    try:
+        tier.add_peer("p", b"p", 0, 4, BLOCK_LEN)
+        arena.tensor[0].fill_(0xAA)
+        assert tier.store(["a"], [0]).result(timeout=RESULT_TIMEOUT_S).ok
+        transport.hold_reads = True
+        load = tier.load(["a"], [1])
+        wait_until(lambda: tier.peers() == [], "the bound dropped the peer")
+        assert not load.done() and tier.stats().late_reads == 0
+        assert not tier.contains("a")
+        (read,) = transport.reads
+        transport.land_read(read, report_done=True)
+        assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": PEER_LOST}
+    finally:
+        tier.close()
+
+
+def test_settle_late_loads_must_be_a_bool() -> None:
+    arena = BlockArena(4, BLOCK_LEN)
+    with pytest.raises(TypeError, match="settle_late_loads must be True or False"):
+        TierManager(arena, StrayReadTransport(arena.tensor), settle_late_loads="no")  # type: ignore[arg-type]

@@ -102,7 +102,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
     ``transfer_timeout_s``: how long a transfer may stay posted before its peer is dropped as
     if it refused it (0: never; see ``overdue``, where the default's reasons are): its stores
     settle "peer lost", a load "timed out", its blocks withheld until the transport reports
-    its read (a load into them or a store from them raises ``ValueError``).
+    its read (a load into them or a store from them raises ``ValueError``). With
+    ``settle_late_loads=False`` such a load settles only when the transport reports its read,
+    and nothing is withheld: for a caller that reuses a failed load's blocks at once.
 
     Threading and failures: see the module docstring.
     """
@@ -119,6 +121,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         verify: bool = True,
         compact_index: bool | None = None,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        settle_late_loads: bool = True,
     ) -> None:
         if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
             raise ValueError(
@@ -132,6 +135,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
         transfer_timeout_s = seconds("transfer_timeout_s", transfer_timeout_s, zero=True)
+        if not isinstance(settle_late_loads, bool):
+            raise TypeError(f"settle_late_loads must be True or False, got {settle_late_loads!r}")
         self.verify = verify
         self.arena = arena
         self.transport = transport
@@ -148,7 +153,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._stray_reads: list[Op] = []  # failed loads that may still land: settled at close
-        self._overdue = Overdue(transfer_timeout_s)  # transfers past the bound, late reads
+        # transfers past the bound, late reads
+        self._overdue = Overdue(transfer_timeout_s, settle_loads=settle_late_loads)
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
@@ -184,6 +190,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         verify: bool = True,
         compact_index: bool | None = None,
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        settle_late_loads: bool = True,
     ) -> TierManager:
         """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
 
@@ -207,6 +214,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
             verify=verify,
             compact_index=compact_index,
             transfer_timeout_s=transfer_timeout_s,
+            settle_late_loads=settle_late_loads,
         )
 
     # -- peers --------------------------------------------------------------------------------

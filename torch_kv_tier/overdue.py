@@ -11,6 +11,11 @@ transport reports that transfer (nothing more of it lands) or releases every tra
 closed: ``DataTransport.on_released``). Only liveness depends on the bound: a transfer past it
 is never reported done, so a slow one costs its host a redial, never a wrong byte.
 
+``settle_loads`` False keeps the host's recovery but not the early settling: a load past the
+bound stays pending until the transport reports its read (then settles "peer lost", as any load
+of a dropped peer), so nothing is withheld: for a caller that hands a failed load's blocks to
+other work at once (vLLM's offloading manager, ``PagedKVOffloader``'s arena batches).
+
 Threading: no lock of its own; the manager's lock guards it.
 """
 
@@ -37,10 +42,12 @@ _SCAN_S = 1.0  # the longest between two looks for overdue transfers (a quarter 
 
 
 class Overdue:
-    """The transfers past ``timeout_s`` (module docstring); ``timeout_s`` 0: never."""
+    """The transfers past ``timeout_s`` (module docstring); ``timeout_s`` 0: never;
+    ``settle_loads``: whether a load past it settles then (else it waits for its report)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, settle_loads: bool = True) -> None:
         self.timeout_s = timeout_s
+        self.settle_loads = settle_loads
         self.due = 0.0  # perf_counter time of the next look (``take``)
         self._reads: dict[int, Op] = {}  # transfer id -> settled load the transport still holds
 
@@ -49,19 +56,30 @@ class Overdue:
         return len(self._reads)
 
     def take(self, ops: dict[int, Op], now: float) -> list[tuple[int, Op]]:
-        """The transfers of ``ops`` (the tier's in flight) past the bound and not expired yet,
-        each logged; the next look is due a quarter of the bound later (at most ``_SCAN_S``)."""
+        """The transfers of ``ops`` (the tier's in flight) past the bound with something left
+        to do (a peer to drop, or a load to settle: ``settles``), each logged; the next look is
+        due a quarter of the bound later (at most ``_SCAN_S``)."""
         self.due = now + min(self.timeout_s / 4, _SCAN_S)
         bound = now - self.timeout_s
-        overdue = [(t, op) for t, op in ops.items() if not op.expired and op.submitted <= bound]
+        overdue = [(t, op) for t, op in ops.items() if op.submitted <= bound and self._acts(op)]
         for _, op in overdue:
             logger.warning(
                 "a %s of %d blocks %s %s is not done %g s after its post (transfer_timeout_s)%s",
                 op.kind, len(op.keys), "to" if op.kind == "store" else "from", op.peer_id,
-                self.timeout_s, ": its blocks are withheld until the transport reports it"
-                if op.kind == "load" else "",
+                self.timeout_s, "" if op.kind == "store" else
+                ": its blocks are withheld until the transport reports it" if self.settles(op)
+                else ": its load waits until the transport reports it",
             )  # fmt: skip
         return overdue
+
+    def settles(self, op: Op) -> bool:
+        """Whether ``op``, past the bound, settles now: a load not settled so yet, unless
+        ``settle_loads`` is off."""
+        return op.kind == "load" and self.settle_loads and not op.expired
+
+    def _acts(self, op: Op) -> bool:
+        """Whether ``op`` past the bound has a peer to drop (not orphaned) or settles now."""
+        return not op.orphaned or self.settles(op)
 
     def withhold(self, tid: int, op: Op) -> None:
         """Withhold the local blocks of settled load ``op`` until transfer ``tid`` is reported."""

@@ -162,16 +162,18 @@ class Transfers(Finishes):
         """Fault the peers of the transfers the transport still holds ``transfer_timeout_s``
         after their post, as a refused transfer does (``_lose_peer``: its stores settle "peer
         lost", their slots fenced), and settle each such load "timed out", its blocks withheld
-        until the transport reports it (``overdue``). Takes the lock; resolves the futures."""
+        until the transport reports it (``overdue``; unless its ``settle_loads`` is off: the
+        load then settles when the transport reports it). Takes the lock; resolves the
+        futures."""
         with self._cond:
             bound = self._overdue.timeout_s
             for tid, op in self._overdue.take(self._ops, time.perf_counter()):
                 if not op.orphaned:
                     self._lose_peer(op.peer_id, f"left a transfer unfinished for {bound:g} s")
-                if op.kind == "load":
+                if self._overdue.settles(op):
                     self._settle(op, [], TIMED_OUT)
                     self._overdue.withhold(tid, op)
-                op.expired = True
+                    op.expired = True
         self._flush()
 
     def _poll_all(self) -> None:
