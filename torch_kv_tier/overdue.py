@@ -33,10 +33,11 @@ logger = logging.getLogger("torch_kv_tier.transfers")
 
 TRANSFER_TIMEOUT_S = 60.0
 """The default bound: about 3,000 times the slowest transfer measured while UCX's connections
-were reset under load on a 2-core VM (0.02 s for 4 MiB), and half ``drain_timeout_s``'s
-default (120 s), so a stalled transfer settles before vLLM's drain gives up on it. A pipeline of
-``max_inflight`` transfers of the largest size (1,023 blocks each) over a slow link can need
-more: raise it there (0: never)."""
+were reset under load on a 2-core VM (0.02 s for 4 MiB), so that a healthy host is not dropped
+for a slow transfer, while a stalled one holds its host and futures a minute rather than until
+the tier closes. It runs from each transfer's post, and transfers posted together share the
+link: a pipeline of ``max_inflight`` transfers of the largest size (1,023 blocks each) over a
+slow link can need more; raise it there (0: never)."""
 
 _SCAN_S = 1.0  # the longest between two looks for overdue transfers (a quarter of a short bound)
 
