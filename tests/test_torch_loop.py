@@ -23,6 +23,7 @@ import pytest
 import torch
 from remote_support import SilentHosts, fake_session, free_port, wait_for
 from test_arena_batches import CtrlCAsItsCallbacksRun, stored
+from test_transfer_timeout import NeverDone
 
 from torch_kv_tier import connections, parallel_connects
 from torch_kv_tier.benchmarks.reliability_common import stop_process
@@ -282,6 +283,39 @@ def test_a_host_down_at_create_joins_once_it_is_up() -> None:
     assert dialling == []  # close stopped the dialling
     with pytest.raises(ValueError, match="reconnect_interval_s"):
         PagedKVOffloader.create(keys_c, values_c, reconnect_interval_s=-1)
+
+
+def test_a_host_stalled_past_transfer_timeout_s_is_dropped_while_a_restore_keeps_its_slots(
+    remote: str,
+) -> None:
+    """A transfer NIXL never completes held its host until close. Past ``transfer_timeout_s``
+    the host is dropped and dialled again, but a restore's read from it keeps its arena slots
+    (the read may still land in them) until the transport reports it."""
+    keys_c, values_c = random_caches(torch.float32, seed=21)
+    keys = [b"stall-0", b"stall-1"]
+    with PagedKVOffloader.create(
+        keys_c,
+        values_c,
+        remote=remote,
+        timeout=2,
+        connect_timeout=10,
+        reconnect_interval_s=0.2,
+        transfer_timeout_s=1,
+    ) as off:
+        assert off.offload([0, 1], keys).result(timeout=30).ok
+        tier = off.manager
+        free = tier.arena.num_free
+        agent = NeverDone(tier.transport._agent)  # type: ignore[attr-defined]
+        tier.transport._agent = agent  # type: ignore[attr-defined]
+        agent.stuck = True
+        try:
+            assert off.restore(keys, [5, 6]) == 0  # past the offloader's timeout
+            assert wait_for(lambda: tier.stats().peers_dropped == 1, 20.0)
+            assert tier.arena.num_free == free - 2 and tier.stats().late_reads == 0
+        finally:
+            agent.stuck = False  # the read is reported: its slots come back
+        assert wait_for(lambda: tier.arena.num_free == free, 20.0)
+        assert wait_for(lambda: off.manager.peers() != [], 20.0)  # dialled again
 
 
 def test_hosts_down_at_create_past_the_connects_at_once_join_once_they_are_up(

@@ -42,6 +42,7 @@ from remote_support import (  # noqa: E402
     wait_for,
     wait_until,
 )
+from test_transfer_timeout import NeverDone  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
     OffloadKey,
@@ -587,6 +588,7 @@ def test_num_threads_defaults_to_none_and_refuses_below_0() -> None:
     "key",
     [
         "drain_timeout_s",
+        "transfer_timeout_s",
         "close_timeout_s",
         "connect_timeout_s",
         "reconnect_interval_s",
@@ -1094,6 +1096,40 @@ def test_a_read_not_yet_reported_keeps_its_chunks_through_a_drain_that_times_out
         assert driver.loaded_bytes(ctx, keys) == [driver.written[k] for k in keys]
         with manager.lock:
             manager.on_request_finished(ctx)
+
+
+def test_a_read_stalled_past_transfer_timeout_s_drops_its_host_and_stays_pending_until_reported(
+    server: ServerProcess,
+) -> None:
+    """NIXL once kept a transfer in flight for good while its host heartbeated fine: the host
+    then served nothing new until shutdown. Past ``transfer_timeout_s`` the host is dropped and
+    dialled again, but the promotion stalled on it stays pending (vLLM keeps its chunks, in
+    which the read may still land) until its read is reported; then it fails (recompute)."""
+    with driven_manager(server.address, transfer_timeout_s=1, reconnect_interval_s=0) as (
+        _,
+        manager,
+        driver,
+    ):
+        keys = offload_then_evict(driver, BUDGET)
+        tier = driver.tier.tier_manager
+        agent = NeverDone(tier.transport._agent)  # type: ignore[attr-defined]
+        tier.transport._agent = agent  # type: ignore[attr-defined]
+        ctx = driver.arrive("req-c")
+        assert driver.lookup(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)
+        agent.stuck = True
+        try:
+            driver.step()  # the promotion's read is submitted, and never reported
+            wait_until(lambda: tier.stats().peers_dropped == 1, "the bound drops the host", 20.0)
+            driver.step()
+            with manager.lock:
+                assert manager.has_pending_work()  # the read may still land
+        finally:
+            agent.stuck = False
+        driver.run_until_idle()  # the read is reported: the promotion fails
+        assert driver.lookup(ctx, keys) == [LookupResult.MISS] * len(keys)
+        with manager.lock:
+            manager.on_request_finished(ctx)
+        wait_until(lambda: bool(tier.peers()), "the tier dials the host again", 20.0)
 
 
 def test_a_promotion_the_cpu_tier_cannot_allocate_is_a_miss_without_a_retry(

@@ -37,7 +37,9 @@ were reset under load on a 2-core VM (0.02 s for 4 MiB), so that a healthy host 
 for a slow transfer, while a stalled one holds its host and futures a minute rather than until
 the tier closes. It runs from each transfer's post, and transfers posted together share the
 link: a pipeline of ``max_inflight`` transfers of the largest size (1,023 blocks each) over a
-slow link can need more; raise it there (0: never)."""
+slow link can need more; raise it there (0: never). vLLM's ``drain_timeout_s`` (120 s by
+default) outlasts it, so a stalled store fails before the drain gives up on it; a promotion
+stalled on a read does not (``RemoteHostTier`` keeps it pending: ``settle_loads``)."""
 
 _SCAN_S = 1.0  # the longest between two looks for overdue transfers (a quarter of a short bound)
 

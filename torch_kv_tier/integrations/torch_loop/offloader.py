@@ -42,6 +42,7 @@ from torch_kv_tier.integrations.torch_loop.offloader_args import (
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.connect_args import check_connect_args
 from torch_kv_tier.remote.quantities import count, seconds
@@ -148,6 +149,7 @@ class PagedKVOffloader:
         connect_timeout: float | None = None,
         strict: bool = False,
         reconnect_interval_s: float = 5.0,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
     ) -> PagedKVOffloader:
         """Build a tier sized for these caches, connect it to ``remote`` and wrap it.
 
@@ -159,7 +161,9 @@ class PagedKVOffloader:
         ``strict``, which raises for the first one listed; arguments no host could accept raise
         ``ValueError`` before the tier is built (:meth:`connect`). ``timeout`` and
         ``reconnect_interval_s`` are the offloader's (``__init__``); ``timeout`` bounds each
-        connect too unless ``connect_timeout`` is given.
+        connect too unless ``connect_timeout`` is given. A host with a transfer in flight
+        ``transfer_timeout_s`` after its post is dropped and dialled again (0: never; see
+        ``TierManager``); a restore's read from it keeps its arena slots until it is reported.
         ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
         caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
         pages are in flight at once; larger offloads and restores proceed in batches (a whole
@@ -185,15 +189,16 @@ class PagedKVOffloader:
         first = key_caches[0]
         layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
         fields = {"kv_layout": layout} if config_fields is None else config_fields
-        # no per-transfer bound (``overdue``): the arena slots of a load it settled ("timed
-        # out") would go back to the batches, whose next transfer into them the tier refuses
+        # a load past the bound waits for its read (``overdue``): settled, its arena slots
+        # would go back to the batches, whose next transfer into them the tier refuses
         manager = TierManager.create(
             arena_blocks,
             block_len,
             device=device,
             config_fields=fields,
             name=name,
-            transfer_timeout_s=0,
+            transfer_timeout_s=transfer_timeout_s,
+            settle_late_loads=False,
         )
         connects = None
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.membership import HostSource, StaticHosts, parse_source, source_scheme
+from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S
 from torch_kv_tier.remote.client import parse_address
 from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, RECONNECT_INTERVAL, Floor, seconds
 
@@ -35,6 +36,7 @@ KNOWN_KEYS = frozenset(
         "locality",
         "enable_kv_events",
         "drain_timeout_s",
+        "transfer_timeout_s",
         "close_timeout_s",
         "reconnect_interval_s",
         "connect_timeout_s",
@@ -77,6 +79,10 @@ class RemoteHostTierConfig:
         locality: ``"REMOTE"`` or ``"LOCAL"``, what request tier filters match against.
         enable_kv_events: emit vLLM KV events for chunks stored in and dropped from this tier.
         drain_timeout_s: how long ``drain_jobs`` waits for in-flight transfers before raising.
+        transfer_timeout_s: how long one transfer may stay in flight before its host is dropped
+            and dialled again (its stores fail; a promotion reading from it stays pending until
+            its read is reported, so vLLM never reuses chunks it may still land in); 0 never.
+            Raise it over a slow link (``overdue.TRANSFER_TIMEOUT_S``).
         close_timeout_s: how long ``shutdown`` may take (waiting for in-flight transfers, then
             cancelling them, then ending the sessions); default within vLLM's 5 s grace.
         reconnect_interval_s: how often ``source`` is resolved again (hosts that appeared are
@@ -107,6 +113,7 @@ class RemoteHostTierConfig:
     locality: str = "REMOTE"
     enable_kv_events: bool = False
     drain_timeout_s: float = 120.0
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S
     close_timeout_s: float = 3.0
     reconnect_interval_s: float = 5.0
     connect_timeout_s: float = 10.0
@@ -157,6 +164,9 @@ class RemoteHostTierConfig:
             locality=_locality(options.get("locality", cls.locality)),
             enable_kv_events=_bool(options, "enable_kv_events", cls.enable_kv_events),
             drain_timeout_s=_seconds(options, "drain_timeout_s", cls.drain_timeout_s),
+            transfer_timeout_s=_seconds(
+                options, "transfer_timeout_s", cls.transfer_timeout_s, allow_zero=True
+            ),
             close_timeout_s=_seconds(options, "close_timeout_s", cls.close_timeout_s),
             reconnect_interval_s=_seconds(
                 options,

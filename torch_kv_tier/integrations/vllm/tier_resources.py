@@ -196,9 +196,10 @@ def _build_manager(
             transport,
             max_inflight=config.max_inflight,
             events=events,
-            # no per-transfer bound (``overdue``): a load it settles ("timed out") may still be
-            # read into, and vLLM hands a failed job's blocks to other requests at once
-            transfer_timeout_s=0,
+            # a load past the bound waits for its read (``overdue``): vLLM hands a failed job's
+            # chunks to other requests at once, and a late read could still land in them
+            transfer_timeout_s=config.transfer_timeout_s,
+            settle_late_loads=False,
         )
     except BaseException:
         transport.close()
