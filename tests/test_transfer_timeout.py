@@ -21,6 +21,7 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import PEER_LOST, TIMED_OUT
 from torch_kv_tier.transport import NixlTransport
+from torch_kv_tier.transport import nixl as nixl_module
 
 RESULT_TIMEOUT_S = 10.0
 BOUND_S = 0.3
@@ -122,3 +123,21 @@ def test_settle_late_loads_must_be_a_bool() -> None:
     arena = BlockArena(4, BLOCK_LEN)
     with pytest.raises(TypeError, match="settle_late_loads must be True or False"):
         TierManager(arena, StrayReadTransport(arena.tensor), settle_late_loads="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [({"transfer_timeout_s": -1}, ValueError), ({"settle_late_loads": "no"}, TypeError)],
+)
+def test_create_refuses_a_bad_bound_before_it_builds_an_agent(
+    monkeypatch: pytest.MonkeyPatch, bad: dict[str, Any], error: type[Exception]
+) -> None:
+    """``TierManager.create`` built its arena and a NIXL agent, which it never closed, before
+    it refused a bad ``transfer_timeout_s``: now it refuses it first."""
+
+    def no_agent(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a NIXL agent was built for a tier that refuses its arguments")
+
+    monkeypatch.setattr(nixl_module, "NixlTransport", no_agent)
+    with pytest.raises(error, match=next(iter(bad))):
+        TierManager.create(4, BLOCK_LEN, **bad)

@@ -134,9 +134,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         )
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
-        transfer_timeout_s = seconds("transfer_timeout_s", transfer_timeout_s, zero=True)
-        if not isinstance(settle_late_loads, bool):
-            raise TypeError(f"settle_late_loads must be True or False, got {settle_late_loads!r}")
+        overdue = Overdue(transfer_timeout_s, settle_loads=settle_late_loads)
         self.verify = verify
         self.arena = arena
         self.transport = transport
@@ -153,8 +151,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
         self._stray_reads: list[Op] = []  # failed loads that may still land: settled at close
-        # transfers past the bound, late reads
-        self._overdue = Overdue(transfer_timeout_s, settle_loads=settle_late_loads)
+        self._overdue = overdue  # transfers past the bound, late reads
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
@@ -201,6 +198,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         from torch_kv_tier.transport.nixl import NixlTransport
 
         _checked_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
+        Overdue(transfer_timeout_s, settle_loads=settle_late_loads)  # (its checks) likewise
         arena = BlockArena(num_blocks, block_len, device=device)
         transport = NixlTransport(
             name, arena.tensor, config_fields=config_fields, passive_progress=False

@@ -25,6 +25,8 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from torch_kv_tier.remote.quantities import seconds
+
 if TYPE_CHECKING:
     from torch_kv_tier.records import Op
 
@@ -46,10 +48,14 @@ _SCAN_S = 1.0  # the longest between two looks for overdue transfers (a quarter 
 
 class Overdue:
     """The transfers past ``timeout_s`` (module docstring); ``timeout_s`` 0: never;
-    ``settle_loads``: whether a load past it settles then (else it waits for its report)."""
+    ``settle_loads``: whether a load past it settles then (else it waits for its report).
+    ``TypeError``/``ValueError`` naming the tier's argument (``transfer_timeout_s``,
+    ``settle_late_loads``) that is out of range."""
 
     def __init__(self, timeout_s: float, *, settle_loads: bool = True) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s = seconds("transfer_timeout_s", timeout_s, zero=True)
+        if not isinstance(settle_loads, bool):
+            raise TypeError(f"settle_late_loads must be True or False, got {settle_loads!r}")
         self.settle_loads = settle_loads
         self.due = 0.0  # perf_counter time of the next look (``take``)
         self._reads: dict[int, Op] = {}  # transfer id -> settled load the transport still holds
