@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
-from torch_kv_tier.overdue import Overdue
 from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
 from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
 from torch_kv_tier.transport.base import DataTransport
+from torch_kv_tier.withheld import WithheldReads
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,7 @@ class Closing:
     _redialer: Redialer
     _peers: dict[str, Peer]
     _ops: dict[int, Op]
-    _stray_reads: list[Op]
-    _overdue: Overdue
+    _withheld: WithheldReads
     _promotions: Promotions
     _ending: list[tuple[Any, bool]]  # dropped peers' sessions the poller did not start ending
 
@@ -109,9 +108,7 @@ class Closing:
             for op in cancelled:
                 if op.kind == "load":
                     self._finish(op, PEER_LOST if op.orphaned else CLOSED)
-            strays, self._stray_reads = self._stray_reads, []
-            self._overdue.released()
-            for op in strays:
+            for op in self._withheld.released():
                 self._finish(op, PEER_LOST if op.orphaned else TRANSFER_FAILED)
         self._flush()
 

@@ -74,6 +74,7 @@ from torch_kv_tier.shared_host import MAX_GRANT, SharedHost, default_grant_batch
 from torch_kv_tier.shared_hosts import SharedHosts
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
+from torch_kv_tier.withheld import WithheldReads
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._promotions = Promotions()  # loads waiting for keys on a host's disk
         self.promotion_timeout_s = PROMOTION_TIMEOUT_S
         self._ops: dict[int, Op] = {}  # transfer id -> op the transport holds
-        self._stray_reads: list[Op] = []  # failed loads that may still land: settled at close
-        self._overdue = overdue  # transfers past the bound, late reads
+        self._overdue = overdue  # transfers past the bound
+        self._withheld = WithheldReads()  # stranded and late reads: their blocks refused
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
@@ -278,7 +279,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         request = Request(keys)
         with self._lock:
             self._check_open()
-            self._refuse_withheld(local, "store from")
+            self._withheld.refuse(local, "store from")
             if not digested and self._digest_stores():  # a shared host joined meanwhile
                 digests = self._digests.of(local, keys)
             index = self._index
@@ -323,7 +324,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         request = Request(keys)
         with self._lock:
             self._check_open()
-            self._refuse_withheld(local, "load into")
+            self._withheld.refuse(local, "load into")
             groups, missing = self._index.locate(keys, local)
             if missing and self._index.has_disk_keys():
                 missing = self._park_on_disk(request, keys, local, missing)
@@ -351,8 +352,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 keys=self._index.key_count,
                 events_dropped=self._index.events_dropped,
                 unreleased_sessions=self._ended.unresolved,
-                stranded_reads=len(self._stray_reads),
-                late_reads=len(self._overdue),
+                stranded_reads=len(self._withheld.stranded),
+                late_reads=self._withheld.late,
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()

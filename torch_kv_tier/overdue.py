@@ -1,12 +1,11 @@
 """The tier's per-transfer bound (``transfer_timeout_s``): which transfers the transport still
-holds past it, and the local blocks of the reads among them, withheld until the transport
-reports them.
+holds past it, and which of them settle then.
 
 A transfer the transport posted and has not reported ``transfer_timeout_s`` after its post (one
 queued inside the tier behind ``max_inflight`` is not posted yet) faults its peer as a refused
 transfer does (``Transfers._expire_overdue``): its stores settle "peer lost" with their remote
 slots fenced, a load settles "timed out", yet its read may still land, whenever: its local
-blocks are *withheld* (a load into them or a store from them raises ``ValueError``) until the
+blocks are *withheld* (``withheld``: a load into them or a store from them raises) until the
 transport reports that transfer (nothing more of it lands) or releases every transfer (the tier
 closed: ``DataTransport.on_released``). Only liveness depends on the bound: a transfer past it
 is never reported done, so a slow one costs its host a redial, never a wrong byte.
@@ -22,7 +21,6 @@ Threading: no lock of its own; the manager's lock guards it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from torch_kv_tier.remote.quantities import seconds
@@ -58,11 +56,6 @@ class Overdue:
             raise TypeError(f"settle_late_loads must be True or False, got {settle_loads!r}")
         self.settle_loads = settle_loads
         self.due = 0.0  # perf_counter time of the next look (``take``)
-        self._reads: dict[int, Op] = {}  # transfer id -> settled load the transport still holds
-
-    def __len__(self) -> int:
-        """How many settled loads' reads the transport still holds (``stats().late_reads``)."""
-        return len(self._reads)
 
     def take(self, ops: dict[int, Op], now: float) -> list[tuple[int, Op]]:
         """The transfers of ``ops`` (the tier's in flight) past the bound with something left
@@ -89,22 +82,3 @@ class Overdue:
     def _acts(self, op: Op) -> bool:
         """Whether ``op`` past the bound has a peer to drop (not orphaned) or settles now."""
         return not op.orphaned or self.settles(op)
-
-    def withhold(self, tid: int, op: Op) -> None:
-        """Withhold the local blocks of settled load ``op`` until transfer ``tid`` is reported."""
-        self._reads[tid] = op
-
-    def reported(self, tid: int) -> None:
-        """The transport reported transfer ``tid``: nothing more of it lands."""
-        self._reads.pop(tid, None)
-
-    def released(self) -> None:
-        """The transport released every transfer (the tier closed): nothing more lands."""
-        self._reads.clear()
-
-    def blocks(self, local: Iterable[int]) -> list[int]:
-        """Those of ``local`` that a read past the bound may still write, sorted."""
-        if not self._reads:
-            return []
-        withheld = {i for op in self._reads.values() for i in op.local}
-        return sorted(withheld.intersection(local))

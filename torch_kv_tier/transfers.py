@@ -12,7 +12,7 @@ their slots fenced and its session unclean. A write that failed keeps them so fo
 it may still land (NIXL reports a failure while other parts are in flight), unless the
 transport's failures are final (``DataTransport.failures_are_final``: it fences them first);
 a read that failed so keeps its load unresolved until the tier closes (``_stranded``), and its
-blocks refused to other loads meanwhile (``_refuse_withheld``). A transfer the transport still
+blocks refused to other loads and stores meanwhile (``withheld``). A transfer the transport still
 holds ``transfer_timeout_s`` after its post faults its peer likewise (``_expire_overdue``, see
 ``overdue``): a load of it settles "timed out" then, its blocks withheld until the transport
 reports it.
@@ -49,6 +49,7 @@ from torch_kv_tier.results import (
 )
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transport.base import DataTransport, PollResult
+from torch_kv_tier.withheld import WithheldReads
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ class Transfers(Finishes):
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
     _ops: dict[int, Op]
-    _stray_reads: list[Op]
     _overdue: Overdue
+    _withheld: WithheldReads
     _ready: list[Request]
     _promotions: Promotions
     _ended: EndedSessions
@@ -172,7 +173,7 @@ class Transfers(Finishes):
                     self._lose_peer(op.peer_id, f"left a transfer unfinished for {bound:g} s")
                 if self._overdue.settles(op):
                     self._settle(op, [], TIMED_OUT)
-                    self._overdue.withhold(tid, op)
+                    self._withheld.hold_late(tid, op)
                     op.expired = True
         self._flush()
 
@@ -303,7 +304,7 @@ class Transfers(Finishes):
         op = self._ops.pop(tid, None)
         if op is None:
             return None
-        self._overdue.reported(tid)  # (a failed read that may still land: ``_stranded``)
+        self._withheld.reported(tid)  # (a failed read that may still land: ``_stranded``)
         if op.orphaned:
             if op.kind == "load":
                 if not (failed and self._stranded(op)):
@@ -330,9 +331,8 @@ class Transfers(Finishes):
         and nothing will say when it can no longer. Its keys settle only once the transport is
         released (``close``), so that its caller never reuses those blocks for another load
         whose verified bytes a stray read would overwrite (a load into them raises meanwhile,
-        ``_refuse_withheld``; counted in ``stats().stranded_reads``); its peer is dropped by the
-        caller. ``False``
-        (the caller settles it): a store, or failures that are final."""
+        ``withheld``); its peer is dropped by the caller. ``False`` (the caller settles it): a
+        store, or failures that are final."""
         if op.kind != "load" or self.transport.failures_are_final:
             return False
         logger.warning(
@@ -341,24 +341,8 @@ class Transfers(Finishes):
             len(op.keys),
             op.peer_id,
         )
-        self._stray_reads.append(op)
+        self._withheld.strand(op)
         return True
-
-    def _refuse_withheld(self, local: list[int], use: str) -> None:
-        """Raise ``ValueError`` when a load would read into (or a store copy from) a local
-        block that a stranded read (``_stranded``) or a settled read past the bound
-        (``overdue``) may still write: its stray bytes could land over the new load's verified
-        ones (or into the store's, under its digest). So every such read withholds blocks of
-        its own, and there are never more of them than local blocks."""
-        stranded = {i for op in self._stray_reads for i in op.local}.intersection(local)
-        withheld = sorted(stranded.union(self._overdue.blocks(local)))
-        if withheld:
-            raise ValueError(
-                f"local blocks {withheld[:8]} are still the target of a read that failed or "
-                "timed out and may still land (stats().stranded_reads, stats().late_reads): "
-                f"{use} other blocks; these are released when the transport reports that read "
-                "or the tier closes"
-            )
 
     def _report_usage(self, now: float) -> None:
         """Hand the bytes moved to the peers' sessions (per period, not per transfer)."""
