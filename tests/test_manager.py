@@ -12,7 +12,9 @@ import pytest
 import torch
 from remote_peer import RemotePeer
 from remote_support import wait_until
+from test_index import LateWriteTransport
 
+from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import home_peer
@@ -328,6 +330,15 @@ def test_create_refuses_bad_settings_before_it_builds_an_arena_or_an_agent(
     monkeypatch.setattr("torch_kv_tier.transport.nixl.NixlTransport", built)
     with pytest.raises(ValueError, match=next(iter(bad))):
         TierManager.create(4, BLOCK, name="bad", **bad)
+
+
+@pytest.mark.parametrize("shape", [(8, BLOCK), (4, 2 * BLOCK)], ids=str)
+def test_a_transport_over_another_region_is_refused(shape: tuple[int, int]) -> None:
+    """A transport registered over a region other than the arena's (more blocks, longer
+    blocks) would move bytes to and from the wrong places: the tier refuses it, saying how to
+    build it."""
+    with pytest.raises(ValueError, match="build the transport over arena.tensor"):
+        TierManager(BlockArena(4, BLOCK), LateWriteTransport(BlockArena(*shape).tensor))
 
 
 def test_store_without_peers_fails_every_key() -> None:

@@ -8,7 +8,7 @@ the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed p
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
 lost session, the redial; and that one's base ``session_releases``), ``key_queries``
 (``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``) and ``closing``
-(``close``: cancel, end the sessions, settle the loads).
+(``close``: cancel, end the sessions, settle the loads); the constructor's checks: ``manager_args``.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
@@ -57,10 +57,11 @@ from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
+from torch_kv_tier.manager_args import check_region, tier_settings
 from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S, Overdue
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, joined_peers, resolve, split_new
-from torch_kv_tier.remote.quantities import count, seconds
+from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import (
     MISSING,
     NO_PEERS,
@@ -70,7 +71,7 @@ from torch_kv_tier.results import (
     TierStats,
     TransferResult,
 )
-from torch_kv_tier.shared_host import MAX_GRANT, SharedHost, default_grant_batch
+from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.shared_hosts import SharedHosts
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
@@ -124,15 +125,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         settle_late_loads: bool = True,
     ) -> None:
-        if (arena.num_blocks, arena.block_len) != (transport.num_blocks, transport.block_len):
-            raise ValueError(
-                f"arena {arena.num_blocks} x {arena.block_len} does not match the transport's "
-                f"region {transport.num_blocks} x {transport.block_len}: build the transport "
-                "over arena.tensor"
-            )
-        max_inflight, self.grant_batch = _checked_settings(
-            max_inflight, grant_batch, transport.block_len
-        )
+        check_region(arena, transport)
+        max_inflight, self.grant_batch = tier_settings(max_inflight, grant_batch, arena.block_len)
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
         overdue = Overdue(transfer_timeout_s, settle_loads=settle_late_loads)
@@ -198,7 +192,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         """
         from torch_kv_tier.transport.nixl import NixlTransport
 
-        _checked_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
+        tier_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
         Overdue(transfer_timeout_s, settle_loads=settle_late_loads)  # (its checks) likewise
         arena = BlockArena(num_blocks, block_len, device=device)
         transport = NixlTransport(
@@ -399,21 +393,6 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         and asks again under it when the answer was no: a host that joined meanwhile gets real
         digests, never 0, which every tier would read as a mismatch)."""
         return self.verify or any(p.verifies for p in list(self._peers.values()))
-
-
-def _checked_settings(
-    max_inflight: int, grant_batch: int | None, block_len: int
-) -> tuple[int, int]:
-    """``max_inflight`` and the grant batch a tier of blocks of ``block_len`` bytes uses
-    (``None``: the default), as ints (``quantities.count``: numpy's taken; a grant request
-    carries the batch to the host); ``TypeError``/``ValueError`` naming one out of range."""
-    max_inflight = count("max_inflight", max_inflight)
-    if grant_batch is None:
-        grant_batch = default_grant_batch(block_len)
-    grant_batch = count("grant_batch", grant_batch)
-    if grant_batch > MAX_GRANT:
-        raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
-    return max_inflight, grant_batch
 
 
 __all__ = ["TierEvent", "TierManager", "TierStats", "TransferResult"]
