@@ -7,6 +7,7 @@ CUDA tests skip cleanly without a GPU.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -1031,6 +1032,46 @@ def test_create_refuses_a_bad_timeout_before_it_builds_a_tier(
     for bad_timeout in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="timeout"):
             PagedKVOffloader.create(keys_c, values_c, timeout=bad_timeout)
+
+
+def test_create_builds_its_tier_for_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier ``create`` builds: ``arena_blocks`` blocks of one page of every layer, in host
+    memory (``staging="host"``, or the caches' device, here the CPU), fingerprinted by the
+    caches' layout unless ``config_fields`` are given, and whose load past
+    ``transfer_timeout_s`` waits for its read (its arena slots go back to the batches)."""
+    keys_c, values_c = random_caches(torch.float16)
+    real = TierManager.create
+    built: list[dict[str, Any]] = []
+
+    def create(*args: Any, **kwargs: Any) -> TierManager:
+        built.append(inspect.signature(real).bind(*args, **kwargs).arguments)
+        raise RuntimeError("not built")
+
+    monkeypatch.setattr(TierManager, "create", create)
+    for staging, fields in (("host", None), ("device", {"model": "m"})):
+        with pytest.raises(RuntimeError, match="not built"):
+            PagedKVOffloader.create(
+                keys_c,
+                values_c,
+                staging=staging,  # type: ignore[arg-type]
+                arena_blocks=8,
+                name="built",
+                config_fields=fields,
+                transfer_timeout_s=5,
+            )
+    layout = {"dtype": "torch.float16", "layers": LAYERS, "page": [PAGE, HEADS, HEAD_BYTES // 2]}
+    tier = {
+        "num_blocks": 8,
+        "block_len": BLOCK_LEN,
+        "device": "cpu",
+        "name": "built",
+        "transfer_timeout_s": 5,
+        "settle_late_loads": False,
+    }
+    assert built == [
+        {**tier, "config_fields": {"kv_layout": layout}},
+        {**tier, "config_fields": {"model": "m"}},
+    ]
 
 
 def test_a_connect_waits_at_most_the_offloaders_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

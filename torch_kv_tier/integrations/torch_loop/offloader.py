@@ -37,6 +37,7 @@ from torch_kv_tier.integrations.torch_loop.offloader_args import (
     check_caches,
     check_wait,
     connect_kwargs,
+    tier_kwargs,
     unavailable,
 )
 from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
@@ -44,8 +45,7 @@ from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.connect_args import check_connect_args
-from torch_kv_tier.remote.quantities import count, seconds
+from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -178,28 +178,12 @@ class PagedKVOffloader:
         block_len = cls.block_len_for(key_caches, value_caches)
         timeout = seconds("timeout", timeout)
         reconnect_interval_s = seconds("reconnect_interval_s", reconnect_interval_s, zero=True)
-        kwargs = connect_kwargs(timeout, connect_timeout, token=token, private=private, slots=slots)
-        if staging not in ("device", "host"):
-            raise ValueError(f'staging must be "device" or "host", got {staging!r}')
-        arena_blocks = count("arena_blocks", arena_blocks)
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
-        for address in remotes:
-            check_connect_args(address, slots, private, token)
-        device = str(key_caches[0].device) if staging == "device" else "cpu"
-        first = key_caches[0]
-        layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
-        fields = {"kv_layout": layout} if config_fields is None else config_fields
-        # a load past the bound waits for its read (``overdue``): settled, its arena slots
-        # would go back to the batches, whose next transfer into them the tier refuses
-        manager = TierManager.create(
-            arena_blocks,
-            block_len,
-            device=device,
-            config_fields=fields,
-            name=name,
-            transfer_timeout_s=transfer_timeout_s,
-            settle_late_loads=False,
+        kwargs = connect_kwargs(
+            remotes, timeout, connect_timeout, token=token, private=private, slots=slots
         )
+        tier = tier_kwargs(arena_blocks, block_len, key_caches, staging, config_fields)
+        manager = TierManager.create(**tier, name=name, transfer_timeout_s=transfer_timeout_s)
         connects = None
         try:
             offloader = cls(
@@ -251,8 +235,8 @@ class PagedKVOffloader:
         of at least 0.1 s) raise ``ValueError`` instead; ``RuntimeError`` once closed.
         """
         self._check_open("connect")
-        check_connect_args(address, slots, private, token)
         kwargs = connect_kwargs(
+            [address],
             self.timeout,
             connect_timeout,
             token=token,

@@ -1,8 +1,9 @@
 """The checks of ``PagedKVOffloader``'s caches and timeouts, the keyword arguments of its
-connects, and what a failed connect of it does (``unavailable``).
+connects and of the tier ``create`` builds (``tier_kwargs``), and what a failed connect of it
+does (``unavailable``).
 
-Each check raises ``ValueError`` naming a bad argument, before the offloader touches memory or
-the network; none has state (any thread).
+Each check raises ``ValueError`` (``TypeError`` for a value of the wrong type) naming a bad
+argument, before the offloader touches memory or the network; none has state (any thread).
 """
 
 from __future__ import annotations
@@ -15,29 +16,74 @@ import torch
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
+from torch_kv_tier.remote.connect_args import check_connect_args
 from torch_kv_tier.remote.handshake_errors import not_ready
-from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, seconds
+from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, count, seconds
 
 __all__ = [
     "check_caches",
     "check_wait",
     "connect_kwargs",
+    "tier_kwargs",
     "unavailable",
 ]
 
 logger = logging.getLogger(__name__)
 
 
-def connect_kwargs(timeout: float, connect_timeout: float | None, **kwargs: Any) -> dict[str, Any]:
-    """``TierManager.connect``'s keyword arguments: ``kwargs``, and the handshake's
+def connect_kwargs(
+    addresses: Sequence[str],
+    timeout: float,
+    connect_timeout: float | None,
+    *,
+    token: str | None,
+    private: bool,
+    slots: int | None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``TierManager.connect``'s keyword arguments for each of ``addresses``, once they are
+    arguments a host could accept (``connect_args.check_connect_args``: ``ValueError``
+    otherwise): ``token``, ``private``, ``slots``, ``kwargs``, and the handshake's
     ``connect_timeout`` (``None``: the offloader's ``timeout``, at least the handshake's floor,
     0.1 s, and at most ``CONNECT_TIMEOUT_S``; ``ValueError`` unless a finite number of at
     least that floor: ``quantities.CONNECT_TIMEOUT``)."""
+    for address in addresses:
+        check_connect_args(address, slots, private, token)
     if connect_timeout is None:
         connect_timeout = min(max(timeout, CONNECT_TIMEOUT.least_s), CONNECT_TIMEOUT_S)
     return {
         **kwargs,
+        "token": token,
+        "private": private,
+        "slots": slots,
         "timeout_s": seconds("connect_timeout", connect_timeout, floor=CONNECT_TIMEOUT),
+    }
+
+
+def tier_kwargs(
+    arena_blocks: int,
+    block_len: int,
+    key_caches: Sequence[torch.Tensor],
+    staging: str,
+    config_fields: dict[str, object] | None,
+) -> dict[str, Any]:
+    """``TierManager.create``'s keyword arguments but the tier's name and bound, for caches
+    whose key pools are ``key_caches``: ``arena_blocks`` blocks (``quantities.count``) of
+    ``block_len`` bytes on the caches' device (``staging="device"``) or in host memory
+    (``"host"``; ``ValueError`` for another), fingerprinted by ``config_fields`` (``None``: the
+    caches' layout, ``{"kv_layout": {dtype, layers, page shape}}``). A load past the bound waits
+    for its read (``settle_late_loads=False``, see ``overdue``): settled, its arena slots would
+    go back to the offloader's batches, whose next transfer into them the tier refuses."""
+    if staging not in ("device", "host"):
+        raise ValueError(f'staging must be "device" or "host", got {staging!r}')
+    first = key_caches[0]
+    layout = {"dtype": str(first.dtype), "layers": len(key_caches), "page": [*first.shape[1:]]}
+    return {
+        "num_blocks": count("arena_blocks", arena_blocks),
+        "block_len": block_len,
+        "device": str(first.device) if staging == "device" else "cpu",
+        "config_fields": {"kv_layout": layout} if config_fields is None else config_fields,
+        "settle_late_loads": False,
     }
 
 
