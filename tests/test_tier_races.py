@@ -586,7 +586,10 @@ def test_close_ends_the_sessions_of_frozen_hosts_within_one_timeout(
     monkeypatch.setattr(
         session_releases, "time", types.SimpleNamespace(monotonic=lambda: clock.now)
     )
-    sessions = [type("S", (), {"address": f"h{i}:1", "ended_clean": False})() for i in range(4)]
+    sessions = [
+        type("S", (), {"address": f"h{i}:1", "session_id": f"s{i}", "ended_clean": False})()
+        for i in range(4)
+    ]
     arena = BlockArena(4, BLOCK_LEN)
     tier = TierManager(arena, LateWriteTransport(arena.tensor))
     joined: list[threading.Thread] = []
