@@ -26,7 +26,6 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.connections import Dial
 from torch_kv_tier.keys import MAX_KEY_BYTES, MAX_KEYS_PER_CALL, home_peer
-from torch_kv_tier.lost_hosts import END_THREAD
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import HandshakeRejected, Region, RemoteSession, ServerProcess
 from torch_kv_tier.remote import protocol as p
@@ -34,6 +33,7 @@ from torch_kv_tier.remote.handshake import AcceptLost
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.session_io import COMMIT_QUIET_S
 from torch_kv_tier.results import CAPACITY
+from torch_kv_tier.session_ends import END_THREAD
 from torch_kv_tier.session_releases import _RELEASE_TRIES, RELEASE_THREAD
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.transport import nixl as nixl_module

@@ -1,7 +1,8 @@
 """A store or load whose transfer the transport refuses drops its host, and that host's session
-must end (then the host is dialled again): the thread that ends it starts on the poller, so the
-caller never waits for a thread to start (an unbounded wait on a loaded machine, under the
-tier's lock), nor sees a process at its thread limit raise out of its ``store``."""
+must end (then the host is dialled again): the thread that ends it is started by the tier's
+``session_ends`` thread, so the caller never waits for a thread to start (an unbounded wait on
+a loaded machine, under the tier's lock), nor sees a process at its thread limit raise out of
+its ``store``, and the end waits for nothing the poller does."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from collections.abc import Iterator
 import pytest
 from remote_support import BLOCK_LEN, fill_random, wait_for
 
-from torch_kv_tier import lost_hosts
-from torch_kv_tier.lost_hosts import END_THREAD
+from torch_kv_tier import session_ends
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 from torch_kv_tier.results import TRANSFER_FAILED
+from torch_kv_tier.session_ends import END_THREAD
+from torch_kv_tier.transport.base import PollResult
 
 RESULT_TIMEOUT_S = 20.0
 
@@ -87,7 +89,7 @@ def test_a_refused_store_at_the_thread_limit_fails_its_keys_and_the_host_is_dial
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", refuse_once)
-    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 0.2)
+    monkeypatch.setattr(session_ends, "_RETRY_S", 0.2)
     result = tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S)
     assert result.failed == {"after": TRANSFER_FAILED}
     assert wait_for(refused.is_set, 10.0), "the thread was never started"
@@ -105,15 +107,18 @@ def test_close_ends_the_session_of_a_dropped_host_whose_thread_never_started(
     assert session is not None
     start = threading.Thread.start
 
+    refused = threading.Event()
+
     def refuse(thread: threading.Thread) -> None:
         if thread.name == END_THREAD:
+            refused.set()
             raise RuntimeError("can't start new thread")
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
-    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    monkeypatch.setattr(session_ends, "_RETRY_S", 3600.0)
     assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
-    assert wait_for(lambda: bool(tier._ending) and tier._ending_due > 0, 10.0)
+    assert wait_for(lambda: refused.is_set() and len(tier._session_ends) == 1, 10.0)
     tier.close()
     assert not session._thread.is_alive(), "close left the dropped host's session running"
 
@@ -125,7 +130,8 @@ def test_close_ends_a_session_whose_thread_could_not_start_after_close_stopped_w
     slow, then failed (the thread limit), while ``close`` (its wait for the poller over) took
     the sessions left to it: none. The poller handed the session back to a list nobody read
     any more: it was never ended (its host was never told, and keeps the slots of a session
-    not ended clean until its --hold-timeout). Once ``close`` has begun, the poller ends it."""
+    not ended clean until its --hold-timeout). Once ``close`` has begun, the thread that
+    starts the ends (``session_ends``, the poller's job then) ends it itself."""
     tier, peer = refusing_tier
     session = tier._peers[peer].session
     assert session is not None
@@ -143,10 +149,10 @@ def test_close_ends_a_session_whose_thread_could_not_start_after_close_stopped_w
         start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", slow_then_refused)
-    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    monkeypatch.setattr(session_ends, "_RETRY_S", 3600.0)
     assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
-    assert starting.wait(timeout=10.0), "the poller never tried to start the thread"
-    tier.close(timeout=0)  # waits 0.1 s for the poller, which is still starting the thread
+    assert starting.wait(timeout=10.0), "the thread was never started"
+    tier.close(timeout=0)  # waits 0.1 s for the thread still starting the session's thread
     gate.set()
     assert ended.wait(timeout=15.0), "the dropped host's session was never ended"
 
@@ -166,8 +172,11 @@ def test_close_ends_a_dropped_hosts_session_clean_without_a_session_of_its_own(
     own_sessions: list[object] = []
     release_over_own = tier._release_over_own_session
 
+    refused = threading.Event()
+
     def refuse(thread: threading.Thread) -> None:
         if thread.name == END_THREAD:
+            refused.set()
             raise RuntimeError("can't start new thread")
         start(thread)
 
@@ -176,10 +185,52 @@ def test_close_ends_a_dropped_hosts_session_clean_without_a_session_of_its_own(
         return release_over_own(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
-    monkeypatch.setattr(lost_hosts, "_END_RETRY_S", 3600.0)
+    monkeypatch.setattr(session_ends, "_RETRY_S", 3600.0)
     monkeypatch.setattr(tier, "_release_over_own_session", spy)
     assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
-    assert wait_for(lambda: bool(tier._ending) and tier._ending_due > 0, 10.0)
+    assert wait_for(lambda: refused.is_set() and len(tier._session_ends) == 1, 10.0)
     tier.close()
     assert session.ended_clean, "the host did not answer the session's clean disconnect"
     assert own_sessions == [], "close opened a session of its own to name the dropped one"
+
+
+def test_a_dropped_hosts_session_ends_while_the_poller_is_busy(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (a 5 s ``transport.poll`` or done-callback: ``session.close`` came
+    5.00 s after the drop, 0.02 s before the poller started the ends): the session of a host
+    that a refused store dropped ended only once the poller finished its step, so the host
+    kept that session's slots, and the redial waited, as long as the poller was busy. Here the
+    poller sits in ``transport.poll`` until the test lets it go: the session must end
+    meanwhile."""
+    tier, peer = refusing_tier
+    session = tier._peers[peer].session
+    assert session is not None
+    ended = threading.Event()
+    end = session.close
+    monkeypatch.setattr(session, "close", lambda **kw: (ended.set(), end(**kw)))
+    poll = tier.transport.poll
+    in_poll, release = threading.Event(), threading.Event()
+
+    def held_poll(*args: object) -> PollResult:
+        if args:  # a caller's own poll of its transfers: not done (the poller finds them)
+            return PollResult((), (), None)
+        if threading.current_thread() is tier._thread and not in_poll.is_set():
+            in_poll.set()
+            assert release.wait(timeout=30.0), "the test never let the poller go"
+        return poll()
+
+    monkeypatch.setattr(tier.transport, "poll", held_poll)
+    refuse = tier.transport.write_blocks
+    del tier.transport.write_blocks  # (the transport's own again, for one store in flight)
+    in_flight = tier.store(["in flight"], [2])  # the poller polls it, and is held there
+    tier.transport.write_blocks = refuse  # type: ignore[method-assign]
+    try:
+        assert in_poll.wait(timeout=10.0), "the poller never polled"
+        result = tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S)
+        assert result.failed == {"after": TRANSFER_FAILED}
+        assert ended.wait(timeout=10.0), "the session ended only once the poller was free"
+    finally:
+        release.set()
+    assert in_flight.result(timeout=RESULT_TIMEOUT_S).failed  # (its host was dropped)
+    assert wait_for(lambda: tier.peers() == [peer], 15.0), "the host was never dialled again"

@@ -25,6 +25,7 @@ from torch_kv_tier.promotions import Parked, Promotions
 from torch_kv_tier.records import Op, Peer
 from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
+from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.transport.base import DataTransport
 from torch_kv_tier.withheld import WithheldReads
 
@@ -49,7 +50,7 @@ class Closing:
     _ops: dict[int, Op]
     _withheld: WithheldReads
     _promotions: Promotions
-    _ending: list[tuple[Any, bool]]  # dropped peers' sessions the poller did not start ending
+    _session_ends: SessionEnds  # starts the threads ending dropped peers' sessions
 
     if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
 
@@ -92,9 +93,8 @@ class Closing:
         if threading.current_thread() is not self._thread:  # close() from a done-callback
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
-        with self._lock:  # dropped peers' sessions the poller left (it stopped): ended here
-            ending += self._ending
-            self._ending = []
+        # dropped peers' sessions whose thread never started: ended here
+        ending += self._session_ends.stop(timeout=max(deadline - time.monotonic(), 0.1))
         self._end_sessions(ending, deadline - time.monotonic())
         self.transport.close()
         # once the transport released everything, nothing lands in a cancelled load's blocks

@@ -2,14 +2,14 @@
 
 ``LostHosts`` is a part of ``TierManager`` (the base class of ``ConnectedHosts``): a session
 that is lost drops its peer (``_on_session_lost``); a dropped peer's session is ended on a thread
-of its own, which the poller starts (``_end_later``: never the caller's thread, nor under the
-lock); once ended, a host lost rather than removed is dialled again (``_close_session``) by the
-manager's ``Redialer``, which calls ``_redial`` until the host answers or is no longer wanted
-(``_wants_dial``). So is a host down at its first connect with ``redial_if_down``
-(``_dial_later``; ``cancel_dial`` stops it). A dial also stops when the user removes its host
-(``_stop_dialling``) or its address answers under another id (``_forget_replaced``). Telling
-hosts which ended sessions resolved (fencing, client half) is its base
-``session_releases.SessionReleases``.
+of its own, which ``session_ends`` starts (``_end_later``: never the caller's thread, nor under
+the lock, nor waiting for the poller); once ended, a host lost rather than removed is dialled
+again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial`` until the
+host answers or is no longer wanted (``_wants_dial``). So is a host down at its first connect
+with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). A dial also stops when
+the user removes its host (``_stop_dialling``) or its address answers under another id
+(``_forget_replaced``). Telling hosts which ended sessions resolved (fencing, client half) is
+its base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
 under it.
@@ -19,19 +19,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
 from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
+from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
-
-END_THREAD = "tkvt-session-end"  # ends a dropped peer's session, which waits for its host
-_END_RETRY_S = 1.0  # after a thread that could not start (the process at its thread limit)
 
 
 class LostHosts(SessionReleases):
@@ -43,9 +40,7 @@ class LostHosts(SessionReleases):
     _redialer: Redialer
     _joining: Mapping[str, Joining]  # peer id -> its connect in progress
     _closing: threading.Event  # set when ``close`` starts
-    _ending: list[tuple[Any, bool]]  # dropped peers' sessions to end, and whether cleanly
-    _ending_due: float  # monotonic time before which the poller does not start them
-    _stopping: bool  # set under the lock by ``close``: the poller is to return
+    _session_ends: SessionEnds  # starts the threads ending dropped peers' sessions
 
     if TYPE_CHECKING:  # implemented by TierManager and ConnectedHosts
 
@@ -57,54 +52,11 @@ class LostHosts(SessionReleases):
 
     def _end_later(self, session: Any, clean: bool) -> None:
         """A dropped peer's ``session`` is to end (``_close_session``), which waits for its
-        host: the poller starts its thread (``_start_ends``), so that no caller waits for a
-        thread to start, nor does anyone wait for the lock meanwhile (the caller may be a
-        ``store`` whose transfer was refused). ``close`` ends those it never started."""
-        self._ending.append((session, clean))
-        self._cond.notify_all()
-
-    def _ends_due(self) -> bool:
-        """Whether the poller has sessions to end (``_end_later``) now: not while it waits out
-        ``_END_RETRY_S`` after a thread that could not start."""
-        return bool(self._ending) and time.monotonic() >= self._ending_due
-
-    def _take_ends(self) -> list[tuple[Any, bool]]:
-        """The sessions ``_end_later`` left to the poller, if due (``_ends_due``)."""
-        if not self._ends_due():
-            return []
-        ending, self._ending = self._ending, []
-        return ending
-
-    def _start_ends(self, ending: list[tuple[Any, bool]]) -> None:
-        """The poller (unlocked): an ``END_THREAD`` for each session of ``ending``. A thread
-        that cannot start (the process at its thread limit) hands back the rest, tried again
-        in ``_END_RETRY_S``, logged as a warning: the host is dialled again once its session
-        ended. Once ``close`` has begun, the poller ends the rest itself, as its last act:
-        ``close`` may have taken what was handed back already (its wait for the poller over)."""
-        for i, (session, clean) in enumerate(ending):
-            thread = threading.Thread(
-                target=self._close_session, args=(session, clean), name=END_THREAD, daemon=True
-            )
-            try:
-                thread.start()
-            except RuntimeError as exc:
-                with self._lock:
-                    stopping = self._stopping
-                    if not stopping:
-                        self._ending[:0] = ending[i:]
-                        self._ending_due = time.monotonic() + _END_RETRY_S
-                if stopping:
-                    for rest in ending[i:]:
-                        self._close_session(*rest)
-                    return
-                logger.warning(
-                    "could not start a thread to end %d dropped sessions (tried again in "
-                    "%.0f s; their hosts are dialled again once they ended): %s",
-                    len(ending) - i,
-                    _END_RETRY_S,
-                    exc,
-                )
-                return
+        host: handed to ``_session_ends``, whose thread starts its thread at once, so that no
+        caller waits for a thread to start (the caller may be a ``store`` whose transfer was
+        refused, under the lock), nor does the end wait for the poller. ``close`` ends those
+        it never started."""
+        self._session_ends.put(session, clean)
 
     def _close_session(self, session: Any, clean: bool) -> None:
         """End a dropped peer's session (unlocked); dial the host again if it was lost rather
@@ -127,11 +79,13 @@ class LostHosts(SessionReleases):
         self._flush()
 
     def _rearm_redialer(self) -> None:
-        """The poller's look while it reports usage (about once a second): a redialer whose
-        thread could not start (the process at its thread limit) is started once there is a
-        host to dial (connected, lost, or down at its connect), not only by the next connect
-        or loss."""
-        if self._dials or self._pending:
+        """``_session_ends``' tick (unlocked, about once a second): a redialer whose thread
+        could not start (the process at its thread limit) is started once there is a host to
+        dial (connected, lost, or down at its connect), not only by the next connect or loss.
+        The lock is held only to look: the start waits for a thread to start."""
+        with self._lock:
+            wanted = bool(self._dials or self._pending)
+        if wanted:
             self._redialer.arm()
 
     def _redial(self, dial: Dial) -> None:

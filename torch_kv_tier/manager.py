@@ -71,6 +71,7 @@ from torch_kv_tier.results import (
     TierStats,
     TransferResult,
 )
+from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.shared_hosts import SharedHosts
 from torch_kv_tier.transfers import Transfers
@@ -153,10 +154,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._pending: dict[str, Dial] = {}  # address -> how to dial a host down at its connect
         self._redialing: list[Dial] = []  # the redialer's connects in progress
-        self._ending: list[tuple[Any, bool]] = []  # dropped peers' sessions to end (the poller)
-        self._ending_due = 0.0
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
+        self._session_ends = SessionEnds(self._close_session, self._rearm_redialer)
         self._closing = threading.Event()
         self._join_turn = threading.Lock()
         self._counters = Counters(_LATENCY_WINDOW)
@@ -165,7 +165,12 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._closed = False
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tkvt-poller", daemon=True)
-        self._thread.start()
+        self._session_ends.start()
+        try:
+            self._thread.start()
+        except BaseException:  # (the thread limit: no thread of this tier left running)
+            self._session_ends.stop(timeout=1.0)
+            raise
 
     @classmethod
     def create(

@@ -90,11 +90,7 @@ class Transfers(Finishes):
         def _fail_awaiting(self, peer: Peer, reason: str) -> None: ...
         def _send_releases(self, address: str) -> None: ...
         def _end_later(self, session: Any, clean: bool) -> None: ...
-        def _ends_due(self) -> bool: ...
-        def _take_ends(self) -> list[tuple[Any, bool]]: ...
-        def _start_ends(self, ending: list[tuple[Any, bool]]) -> None: ...
         def _fail_parked(self, parked: list[Parked], reason: str) -> None: ...
-        def _rearm_redialer(self) -> None: ...
 
     # -- background thread --------------------------------------------------------------------
 
@@ -114,23 +110,18 @@ class Transfers(Finishes):
                     delay, last_activity = 0.0, time.perf_counter()
                 if self._promotions:
                     self._fail_parked(self._promotions.take_expired(time.monotonic()), MISSING)
-                while not (self._ops or self._stopping or self._ready or self._ends_due()):
+                while not (self._ops or self._stopping or self._ready):
                     self._poller_idle = True
-                    # idle: report the last bytes moved (and start a redialer that could not
-                    # start); look at promotions' deadlines after every wake-up (each load
-                    # that parks wakes it)
+                    # idle: report the last bytes moved; look at promotions' deadlines after
+                    # every wake-up (each load that parks wakes it)
                     if not self._cond.wait(timeout=0.1 if self._promotions else 1.0):
                         self._report_usage(time.perf_counter())
-                        self._rearm_redialer()
                     if self._promotions:
                         now = time.monotonic()
                         self._fail_parked(self._promotions.take_expired(now), MISSING)
                 self._poller_idle = False
-                if self._stopping:  # (``close`` ends the sessions left in ``_ending``)
+                if self._stopping:
                     return
-                ending = self._take_ends()
-            if ending:  # dropped peers' sessions: their threads start here, unlocked
-                self._start_ends(ending)
             if self._ready:  # settled without a transfer (promotions), maybe while others fly
                 self._flush()
                 if not self._ops:
@@ -292,7 +283,6 @@ class Transfers(Finishes):
                 self._submit(peer.queue.popleft())
         if now >= self._usage_due:
             self._report_usage(now)
-            self._rearm_redialer()
 
     def _take(self, tid: int, now: float, freed: list[Peer], *, failed: bool) -> Op | None:
         """The op of a transfer the transport reported, off the in-flight table; ``None`` when

@@ -23,8 +23,8 @@ from typing import IO, Any
 import psutil
 import torch
 
-from torch_kv_tier.lost_hosts import END_THREAD
 from torch_kv_tier.remote import Region, RemoteSession
+from torch_kv_tier.session_ends import END_THREAD
 from torch_kv_tier.session_releases import RELEASE_THREAD
 
 # UCX over TCP keeps a write to a stopped peer really in flight; over shared memory (the default
