@@ -10,9 +10,10 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from remote_support import BLOCK_LEN, fill_random, wait_for
+from remote_support import BLOCK_LEN, fill_random, free_port, wait_for
 
 from torch_kv_tier import session_ends
+from torch_kv_tier.connections import REDIAL_THREAD
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 from torch_kv_tier.results import TRANSFER_FAILED
@@ -234,3 +235,67 @@ def test_a_dropped_hosts_session_ends_while_the_poller_is_busy(
         release.set()
     assert in_flight.result(timeout=RESULT_TIMEOUT_S).failed  # (its host was dropped)
     assert wait_for(lambda: tier.peers() == [peer], 15.0), "the host was never dialled again"
+
+
+def test_a_connect_left_to_the_redialer_never_starts_its_thread_under_the_tiers_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``connect(..., redial_if_down=True)`` of a host that did not answer
+    handed it to the redialer under the tier's lock, which started the redialer's thread (the
+    tier's first host) there: every store, load and the poller waited on the OS for that
+    start. Here the start waits on an event: the tier's lock must be free meanwhile."""
+    start = threading.Thread.start
+    starting, gate = threading.Event(), threading.Event()
+
+    def start_at_gate(thread: threading.Thread) -> None:
+        if thread.name == REDIAL_THREAD and not gate.is_set():
+            starting.set()
+            assert gate.wait(timeout=30.0), "the test never opened the gate"
+        start(thread)
+
+    failures: list[BaseException] = []
+
+    def connect(tier: TierManager) -> None:
+        try:
+            tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.2, redial_if_down=True)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with TierManager.create(16, BLOCK_LEN, name="redial-start") as tier:
+        monkeypatch.setattr(threading.Thread, "start", start_at_gate)
+        caller = threading.Thread(target=connect, args=(tier,))
+        start(caller)
+        try:
+            assert starting.wait(timeout=10.0), "the redialer's thread was never started"
+            free = tier._lock.acquire(timeout=5.0)
+            if free:
+                tier._lock.release()
+        finally:
+            gate.set()
+            caller.join(timeout=30.0)
+        assert free, "the redialer's thread was started under the tier's lock"
+        assert [type(exc) for exc in failures] == [TimeoutError]
+
+
+def test_a_redialer_that_could_not_start_is_started_by_the_tiers_tick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At the process's thread limit the redialer's thread of a host left to it by
+    ``connect(..., redial_if_down=True)`` cannot start: the connect still raises the host's
+    own failure (``TimeoutError``, never ``RuntimeError``), and the tier's tick
+    (``session_ends``, off the tier's lock) starts the redialer about a second later."""
+    start = threading.Thread.start
+    refused = threading.Event()
+
+    def refuse_once(thread: threading.Thread) -> None:
+        if thread.name == REDIAL_THREAD and not refused.is_set():
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    with TierManager.create(16, BLOCK_LEN, name="redial-limit") as tier:
+        monkeypatch.setattr(threading.Thread, "start", refuse_once)
+        with pytest.raises(TimeoutError):
+            tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.2, redial_if_down=True)
+        assert refused.is_set()
+        assert wait_for(lambda: tier._redialer._thread is not None, 10.0), "never re-armed"

@@ -12,7 +12,7 @@ the user removes its host (``_stop_dialling``) or its address answers under anot
 its base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
-under it.
+under it, nor does anything start a thread under it (the redialer's included).
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ class LostHosts(SessionReleases):
         connection reset, say) are released again, with the redial."""
         self._end_keeping_releases(session, clean)
         with self._lock:
-            dial = None if self._closed else self._dials.get(session.peer_id)
-            if dial is not None and session.peer_id not in self._peers:
-                self._redialer.start(dial)
+            lost = not self._closed and session.peer_id not in self._peers
+            dial = self._dials.get(session.peer_id) if lost else None
+        if dial is not None:  # (unlocked: starting the redialer may wait for a thread start)
+            self._redialer.start(dial)
 
     def _on_session_lost(self, peer_id: str) -> None:
         """A session's I/O thread: the session is lost (see ``RemoteSession``). A peer whose
@@ -221,7 +222,7 @@ class LostHosts(SessionReleases):
                 return
             pending = self._pending.setdefault(dial.address, dial)  # an earlier one stands
             pending.askers.add(owner)
-            self._redialer.start(pending, type(exc))
+        self._redialer.start(pending, type(exc))  # (unlocked: it may start a thread)
         exc.add_note(
             f"{dial.address} is dialled again in the background until it joins "
             f"(redial_if_down); cancel_dial({dial.address!r}) stops that"
