@@ -41,6 +41,34 @@ def refusing_tier() -> Iterator[tuple[TierManager, str]]:
         tier.transport.write_blocks = submit  # type: ignore[method-assign]
 
 
+def refuse_first_start(name: str, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The first start of a thread called ``name`` raises, as at the process's thread limit;
+    the event is set once it did."""
+    start = threading.Thread.start
+    refused = threading.Event()
+
+    def refuse_once(thread: threading.Thread) -> None:
+        if thread.name == name and not refused.is_set():
+            refused.set()
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    return refused
+
+
+def watch_session_end(
+    tier: TierManager, peer: str, monkeypatch: pytest.MonkeyPatch
+) -> threading.Event:
+    """An event set once the session of ``tier``'s ``peer`` is ended (its ``close`` called)."""
+    session = tier._peers[peer].session
+    assert session is not None
+    ended = threading.Event()
+    end = session.close
+    monkeypatch.setattr(session, "close", lambda **kw: (ended.set(), end(**kw)))
+    return ended
+
+
 def test_a_refused_store_returns_while_the_thread_ending_its_hosts_session_cannot_start(
     refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,16 +108,7 @@ def test_a_refused_store_at_the_thread_limit_fails_its_keys_and_the_host_is_dial
     host's session never ended: the host was never dialled again. The store now returns (its
     keys failed); the thread is started again a second later, then the host is dialled."""
     tier, peer = refusing_tier
-    start = threading.Thread.start
-    refused = threading.Event()
-
-    def refuse_once(thread: threading.Thread) -> None:
-        if thread.name == END_THREAD and not refused.is_set():
-            refused.set()
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse_once)
+    refused = refuse_first_start(END_THREAD, monkeypatch)
     monkeypatch.setattr(session_ends, "_RETRY_S", 0.2)
     result = tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S)
     assert result.failed == {"after": TRANSFER_FAILED}
@@ -134,11 +153,7 @@ def test_close_ends_a_session_whose_thread_could_not_start_after_close_stopped_w
     not ended clean until its --hold-timeout). Once ``close`` has begun, the thread that
     starts the ends (``session_ends``, the poller's job then) ends it itself."""
     tier, peer = refusing_tier
-    session = tier._peers[peer].session
-    assert session is not None
-    ended = threading.Event()
-    end = session.close
-    monkeypatch.setattr(session, "close", lambda **kw: (ended.set(), end(**kw)))
+    ended = watch_session_end(tier, peer, monkeypatch)
     start = threading.Thread.start
     starting, gate = threading.Event(), threading.Event()
 
@@ -205,11 +220,7 @@ def test_a_dropped_hosts_session_ends_while_the_poller_is_busy(
     poller sits in ``transport.poll`` until the test lets it go: the session must end
     meanwhile."""
     tier, peer = refusing_tier
-    session = tier._peers[peer].session
-    assert session is not None
-    ended = threading.Event()
-    end = session.close
-    monkeypatch.setattr(session, "close", lambda **kw: (ended.set(), end(**kw)))
+    ended = watch_session_end(tier, peer, monkeypatch)
     poll = tier.transport.poll
     in_poll, release = threading.Event(), threading.Event()
 
@@ -284,17 +295,8 @@ def test_a_redialer_that_could_not_start_is_started_by_the_tiers_tick(
     ``connect(..., redial_if_down=True)`` cannot start: the connect still raises the host's
     own failure (``TimeoutError``, never ``RuntimeError``), and the tier's tick
     (``session_ends``, off the tier's lock) starts the redialer about a second later."""
-    start = threading.Thread.start
-    refused = threading.Event()
-
-    def refuse_once(thread: threading.Thread) -> None:
-        if thread.name == REDIAL_THREAD and not refused.is_set():
-            refused.set()
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
     with TierManager.create(16, BLOCK_LEN, name="redial-limit") as tier:
-        monkeypatch.setattr(threading.Thread, "start", refuse_once)
+        refused = refuse_first_start(REDIAL_THREAD, monkeypatch)
         with pytest.raises(TimeoutError):
             tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.2, redial_if_down=True)
         assert refused.is_set()
