@@ -67,9 +67,8 @@ class ArenaBatches(ArenaSlots):
                 batches.append(fail_hosts(keys, homes, held, OVERDUE))
                 keys, homes = keys_without(keys, homes, held)
                 continue
-            n = self._batch_size(homes, len(peers) > 1, deadline)
+            n, late = self._batch_size(homes, len(peers) > 1, deadline)
             if not n:  # its first key's host is overdue, or its share was still held in time
-                late = homes[0] in self._overdue()
                 batches.append(fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity"))
                 keys, homes = keys_without(keys, homes, {homes[0]})
                 continue
@@ -90,7 +89,7 @@ class ArenaBatches(ArenaSlots):
         restored = 0
         while restored < len(keys):
             holders = self._manager.holders(keys[restored : restored + max(1, self._room())])
-            n = self._batch_size(holders, len(self._manager.peers()) > 1, deadline)
+            n, _ = self._batch_size(holders, len(self._manager.peers()) > 1, deadline)
             if not n:
                 log.info("restore stops at a key of %s, whose transfers hold its share", holders[0])
                 break

@@ -154,13 +154,17 @@ class ArenaSlots:
                 len(slots),
             )
 
-    def _batch_size(self, homes: list[str | None], several: bool, deadline: float) -> int:
+    def _batch_size(
+        self, homes: list[str | None], several: bool, deadline: float
+    ) -> tuple[int, bool]:
         """How many of the keys whose hosts are ``homes`` the next store or restore batch
         takes: those the slots of overdue hosts leave room for, each host's share less its
         transfers under way (with ``several`` hosts, half what others leave), up to the first
         key of an overdue host, waiting (until ``deadline``) while the first key's host has no
         share left (0: it is overdue, or had none by then); all of them once no room is left
-        (they fail at once)."""
+        (they fail at once). Returns that count and whether the first key's host was overdue
+        at the look that decided it: the reason for a 0, which a later look may not tell (a
+        store begun just after the deadline was set may turn overdue meanwhile)."""
         with self._lock:
             while True:
                 self._settle()
@@ -168,7 +172,7 @@ class ArenaSlots:
                 held, under_way = self._shares.overdue(seen), self._shares.under_way(seen)
                 room = self._shares.room(self._manager.arena.num_free, under_way)
                 if not room:
-                    return len(homes)
+                    return len(homes), False
                 share = functools.partial(
                     self._shares.share, room=room, under_way=under_way, several=several
                 )
@@ -176,8 +180,9 @@ class ArenaSlots:
                     n = fitting(homes[:room], share, held)
                 else:  # the usual: one host (or none), no per-key pass
                     n = 0 if homes[0] in held else max(0, min(len(homes), share(homes[0])))
-                if n or homes[0] in held or not self._wait(deadline, seen):
-                    return n
+                late = homes[0] in held
+                if n or late or not self._wait(deadline, seen):
+                    return n, late
 
     def _acquire(self, n: int, deadline: float) -> list[int] | None:
         """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
