@@ -38,15 +38,24 @@ class NeverDone(FaultyAgent):
         return "PROC" if self.stuck else str(self._agent.check_xfer_state(handle))
 
 
+def start_bound(tier: TierManager) -> None:
+    """Start ``tier``'s ``transfer_timeout_s``, ``BOUND_S``, from now on: every transfer posted
+    ``BOUND_S`` ago or more is past it at its next look. Built off (0), so that no transfer a
+    busy box slows (the fixture's store, a test's posts one after the other) is past it before
+    the test has posted them all."""
+    tier._overdue.timeout_s = BOUND_S
+
+
 @pytest.fixture
 def stalled(peer: RemotePeer) -> Iterator[tuple[TierManager, NeverDone]]:
-    """A tier over 8 blocks, ``transfer_timeout_s`` ``BOUND_S``, with peer ``p`` holding key
-    ``a`` (stored from block 0), and its transport's agent (set ``stuck`` to stall transfers)."""
+    """A tier over 8 blocks, ``transfer_timeout_s`` off until :func:`start_bound`, with peer
+    ``p`` holding key ``a`` (stored from block 0), and its transport's agent (set ``stuck`` to
+    stall transfers)."""
     arena = BlockArena(8, BLOCK_LEN)
     transport = NixlTransport("stall", arena.tensor, passive_progress=False)
     agent = NeverDone(transport._agent)
     transport._agent = agent
-    tier = TierManager(arena, transport, transfer_timeout_s=BOUND_S)
+    tier = TierManager(arena, transport, transfer_timeout_s=0)
     try:
         tier.add_peer("p", *peer.peer_args())
         arena.tensor[0].fill_(0xAA)
@@ -68,7 +77,8 @@ def test_a_transfer_never_done_settles_after_the_bound_and_its_read_blocks_stay_
     tier.arena.tensor[3].fill_(0xCC)
     agent.stuck = True
     load = tier.load(["a"], [2])
-    store = tier.store(["c"], [3])
+    store = tier.store(["c"], [3])  # (posted before the bound drops the peer: else "no peers")
+    start_bound(tier)
     assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
     assert store.result(timeout=RESULT_TIMEOUT_S).failed == {"c": PEER_LOST}
     assert tier.peers() == [] and not tier.contains("a")
@@ -88,7 +98,9 @@ def test_a_read_still_held_at_close_is_released_with_the_transport(
     """Closing the tier releases every transfer: nothing more lands, nothing is withheld."""
     tier, agent = stalled
     agent.stuck = True
-    assert tier.load(["a"], [2]).result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
+    load = tier.load(["a"], [2])
+    start_bound(tier)
+    assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
     assert tier.stats().late_reads == 1
     tier.close()
     assert tier.stats().late_reads == 0
