@@ -301,10 +301,13 @@ def test_a_host_stalled_past_transfer_timeout_s_is_dropped_while_a_restore_keeps
         timeout=2,
         connect_timeout=10,
         reconnect_interval_s=0.2,
-        transfer_timeout_s=1,
+        transfer_timeout_s=0,  # started below, once the setup's offload is done
     ) as off:
         assert off.offload([0, 1], keys).result(timeout=30).ok
         tier = off.manager
+        # the bound from now on (as tests/test_transfer_timeout.py's start_bound): a busy box
+        # that slows the setup's offload past it cannot drop the host before the test begins
+        tier._overdue.timeout_s = 1.0
         free = tier.arena.num_free
         agent = NeverDone(tier.transport._agent)  # type: ignore[attr-defined]
         tier.transport._agent = agent  # type: ignore[attr-defined]
