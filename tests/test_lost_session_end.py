@@ -41,14 +41,16 @@ def refusing_tier() -> Iterator[tuple[TierManager, str]]:
         tier.transport.write_blocks = submit  # type: ignore[method-assign]
 
 
-def refuse_first_start(name: str, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The first start of a thread called ``name`` raises, as at the process's thread limit;
-    the event is set once it did."""
+def refuse_first_start(
+    name: str, monkeypatch: pytest.MonkeyPatch, *, every: bool = False
+) -> threading.Event:
+    """The first start of a thread called ``name`` raises, as at the process's thread limit
+    (``every``: each start of it); the event is set once one did."""
     start = threading.Thread.start
     refused = threading.Event()
 
     def refuse_once(thread: threading.Thread) -> None:
-        if thread.name == name and not refused.is_set():
+        if thread.name == name and (every or not refused.is_set()):
             refused.set()
             raise RuntimeError("can't start new thread")
         start(thread)
@@ -125,17 +127,7 @@ def test_close_ends_the_session_of_a_dropped_host_whose_thread_never_started(
     tier, peer = refusing_tier
     session = tier._peers[peer].session
     assert session is not None
-    start = threading.Thread.start
-
-    refused = threading.Event()
-
-    def refuse(thread: threading.Thread) -> None:
-        if thread.name == END_THREAD:
-            refused.set()
-            raise RuntimeError("can't start new thread")
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", refuse)
+    refused = refuse_first_start(END_THREAD, monkeypatch, every=True)
     monkeypatch.setattr(session_ends, "_RETRY_S", 3600.0)
     assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
     assert wait_for(lambda: refused.is_set() and len(tier._session_ends) == 1, 10.0)
@@ -184,23 +176,14 @@ def test_close_ends_a_dropped_hosts_session_clean_without_a_session_of_its_own(
     tier, peer = refusing_tier
     session = tier._peers[peer].session
     assert session is not None
-    start = threading.Thread.start
     own_sessions: list[object] = []
     release_over_own = tier._release_over_own_session
-
-    refused = threading.Event()
-
-    def refuse(thread: threading.Thread) -> None:
-        if thread.name == END_THREAD:
-            refused.set()
-            raise RuntimeError("can't start new thread")
-        start(thread)
+    refused = refuse_first_start(END_THREAD, monkeypatch, every=True)
 
     def spy(*args: object, **kwargs: object) -> object:
         own_sessions.append(args)
         return release_over_own(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(threading.Thread, "start", refuse)
     monkeypatch.setattr(session_ends, "_RETRY_S", 3600.0)
     monkeypatch.setattr(tier, "_release_over_own_session", spy)
     assert not tier.store(["after"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
