@@ -17,6 +17,11 @@ ended exactly once: by its ``END_THREAD``, by this thread, or by the one that ca
 
 Threading: ``put`` and ``stop`` from any thread (``put`` under the tier's lock too); ``end`` and
 ``tick`` run on threads of their own, without this class's lock.
+
+Ownership: ``end`` and ``tick`` are methods of the tier, held weakly: the tier owns this object,
+so a strong hold would be a cycle no closed tier is freed from without the collector
+(``tests/test_agent_lifetime.py``). Should the tier be gone while the thread still runs (its
+``stop`` timed out), the thread returns.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +45,8 @@ class SessionEnds:
     """Starts the threads that end dropped peers' sessions (module docstring)."""
 
     def __init__(self, end: Callable[[Any, bool], None], tick: Callable[[], None]) -> None:
-        self._end = end
-        self._tick = tick
+        self._end = weakref.WeakMethod(end)  # the tier's (module docstring: ownership)
+        self._tick = weakref.WeakMethod(tick)
         self._cond = threading.Condition()
         self._queue: list[tuple[Any, bool]] = []  # (session, clean), not started yet
         self._stopped = False
@@ -92,17 +98,23 @@ class SessionEnds:
                 retry_at = time.monotonic() + _RETRY_S
             if time.monotonic() >= tick_at:
                 tick_at = time.monotonic() + _TICK_S
+                tick = self._tick()
+                if tick is None:  # the tier is gone
+                    return
                 try:
-                    self._tick()
+                    tick()
                 except Exception:
                     logger.exception("the tier's periodic look (re-arming its redialer) failed")
 
     def _start_all(self, ending: list[tuple[Any, bool]]) -> bool:
         """An ``END_THREAD`` for each of ``ending``; ``False`` when one could not start (the
         rest handed back, or, once ``stop`` has begun, ended here)."""
+        end = self._end()
+        if end is None:  # the tier is gone (ownership): nothing to end its sessions with
+            return True
         for i, (session, clean) in enumerate(ending):
             thread = threading.Thread(
-                target=self._end, args=(session, clean), name=END_THREAD, daemon=True
+                target=end, args=(session, clean), name=END_THREAD, daemon=True
             )
             try:
                 thread.start()
@@ -113,7 +125,7 @@ class SessionEnds:
                         self._queue[:0] = ending[i:]
                 if stopped:
                     for rest in ending[i:]:
-                        self._end(*rest)
+                        end(*rest)
                     return True
                 logger.warning(
                     "could not start a thread to end %d dropped sessions (tried again in "
