@@ -284,3 +284,49 @@ def test_a_redialer_that_could_not_start_is_started_by_the_tiers_tick(
             tier.connect(f"127.0.0.1:{free_port()}", timeout_s=0.2, redial_if_down=True)
         assert refused.is_set()
         assert wait_for(lambda: tier._redialer._thread is not None, 10.0), "never re-armed"
+
+
+def test_a_fault_the_poller_read_before_close_took_the_sessions_leaves_the_end_to_close(
+    refusing_tier: tuple[TierManager, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the poller reads ``faulted_peers()`` off the lock; a ``close`` that
+    took the sessions meanwhile (a store cancelled in flight: its session to end dirty) was
+    followed by the poller dropping that host and handing the same session to
+    ``session_ends``, whose thread ended it first, clean (the cancelled store was off the
+    in-flight table already): the host freed the slots a cancelled write may still land in.
+    The session must end once, as ``close`` says: not clean."""
+    tier, peer = refusing_tier
+    session = tier._peers[peer].session
+    assert session is not None
+    ends: list[bool] = []
+    ended, end = threading.Event(), session.close
+    monkeypatch.setattr(
+        session, "close", lambda *, clean: (ends.append(clean), ended.set(), end(clean=clean))
+    )
+    transport, cancelled, read = tier.transport, threading.Event(), threading.Event()
+    cancel, faulted = transport.cancel, transport.faulted_peers
+
+    def fault_once_close_took_the_sessions() -> dict[str, str]:
+        if threading.current_thread() is not tier._thread:
+            return faulted()
+        read.set()
+        assert cancelled.wait(timeout=30.0), "close never cancelled the store"
+        return {peer: "reset"}
+
+    monkeypatch.setattr(transport, "poll", lambda *args: PollResult((), (), None))
+    monkeypatch.setattr(transport, "faulted_peers", fault_once_close_took_the_sessions)
+    monkeypatch.setattr(transport, "cancel", lambda *a: (cancelled.set(), cancel(*a))[1])
+    stop_redialer = tier._redialer.stop  # (the poller is done before close stops the ends)
+    monkeypatch.setattr(
+        tier._redialer, "stop", lambda timeout: (tier._thread.join(30.0), stop_redialer(timeout))
+    )
+    del transport.write_blocks  # (the transport's own again: a store in flight)
+    in_flight = tier.store(["in flight"], [2])
+    assert read.wait(timeout=10.0), "the poller never polled"
+    tier.close(timeout=0)
+    assert in_flight.result(timeout=RESULT_TIMEOUT_S).failed
+    assert ended.wait(timeout=RESULT_TIMEOUT_S), "the session was never ended"
+    for thread in threading.enumerate():  # an end started meanwhile has ended too
+        if thread.name == END_THREAD:
+            thread.join(timeout=30.0)
+    assert ends == [False], "the session was ended twice, or clean despite its cancelled write"

@@ -375,8 +375,10 @@ class Transfers(Finishes):
 
     def _lose_peer(self, peer_id: str, why: str) -> None:
         """Drop a failed peer and its keys (see the failure model in the module docstring);
-        a connected host is dialled again once its session ended."""
-        if peer_id not in self._peers:
+        a connected host is dialled again once its session ended. Not once ``close`` took the
+        peers' sessions (``_stopping``): it ends them, and knows which of their writes it
+        cancelled in flight (a second end, clean, would let the host free their slots)."""
+        if peer_id not in self._peers or self._stopping:
             return
         logger.warning("%s %s: dropping it and its keys", peer_id, why)
         session, clean = self._drop_peer(peer_id, lost=True)
