@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote.launch import ServerProcess
+from torch_kv_tier.session_ends import ENDS_THREAD
 from torch_kv_tier.transport import NixlTransport, agent_lifetime
 from torch_kv_tier.transport import nixl as nixl_module
 
@@ -50,6 +52,41 @@ def test_a_region_nixl_refuses_leaves_no_agent_behind(
         NixlTransport("refused", torch.zeros((8, BLOCK_LEN), dtype=torch.uint8))
     assert made and all(agent() is None for agent in made), "the agent outlived the failure"
     assert error.value.args == ("NIXL_ERR_BACKEND",)
+
+
+@pytest.mark.parametrize("refused", [ENDS_THREAD, "tkvt-poller"])
+def test_a_tier_whose_thread_cannot_start_leaves_no_agent_behind(
+    no_gc: None, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    """Found by review: ``create`` at the process's thread limit (its ``session_ends`` thread
+    or its poller refused) raised with its NIXL agent, the arena's registration and UCX worker,
+    never closed and alive for as long as anything held the error (then until the collector
+    ran). It closes its transport, and leaves no thread of its own running."""
+    made: list[weakref.ref[object]] = []
+    real_make_agent = nixl_module.make_agent
+
+    def make_agent(*args: object, **kwargs: object) -> object:
+        agent = real_make_agent(*args, **kwargs)
+        made.append(weakref.ref(agent))
+        made.append(weakref.ref(agent.agent))
+        return agent
+
+    start = threading.Thread.start
+
+    def refuse(thread: threading.Thread) -> None:
+        if thread.name == refused:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    before = set(threading.enumerate())
+    monkeypatch.setattr(nixl_module, "make_agent", make_agent)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread") as error:
+        TierManager.create(8, BLOCK_LEN, name="no-thread")
+    assert made and all(agent() is None for agent in made), "the agent outlived the failure"
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith("tkvt")]
+    assert left == [], "a thread of the tier outlived the failure"
+    assert error.value.args == ("can't start new thread",)
 
 
 def _refuse(*args: object, **kwargs: object) -> None:

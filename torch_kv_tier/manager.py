@@ -193,7 +193,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
         A tier only initiates transfers, and its poller progresses them, so its transport runs
         without NIXL's progress thread (``passive_progress=False``), which would compete with
-        the poller for the same UCX worker.
+        the poller for the same UCX worker. At the thread limit (``RuntimeError``) it closes it.
         """
         from torch_kv_tier.transport.nixl import NixlTransport
 
@@ -203,17 +203,21 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         transport = NixlTransport(
             name, arena.tensor, config_fields=config_fields, passive_progress=False
         )
-        return cls(
-            arena,
-            transport,
-            max_inflight=max_inflight,
-            events=events,
-            grant_batch=grant_batch,
-            verify=verify,
-            compact_index=compact_index,
-            transfer_timeout_s=transfer_timeout_s,
-            settle_late_loads=settle_late_loads,
-        )
+        try:
+            return cls(
+                arena,
+                transport,
+                max_inflight=max_inflight,
+                events=events,
+                grant_batch=grant_batch,
+                verify=verify,
+                compact_index=compact_index,
+                transfer_timeout_s=transfer_timeout_s,
+                settle_late_loads=settle_late_loads,
+            )
+        except BaseException:  # (a thread that could not start): the agent is not left behind
+            transport.close()
+            raise
 
     # -- peers --------------------------------------------------------------------------------
 
