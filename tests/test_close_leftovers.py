@@ -16,7 +16,7 @@ import pytest
 import zmq
 from remote_support import BLOCK_LEN, SilentHosts, wait_for
 
-from torch_kv_tier import connections
+from torch_kv_tier import connections, shared_hosts
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -106,3 +106,45 @@ def test_close_leaves_no_dial_behind_with_hosts_silent_frozen_and_killed(
             os.kill(frozen.proc.pid, signal.SIGCONT)
             tier.close()
             silent.close()
+
+
+def test_close_while_a_shared_hosts_join_awaits_its_snapshot_ends_its_session_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``close`` took the session of a shared host whose join awaited its
+    snapshot and ended it, then the join, failing ("closed"), dropped the host and ended the
+    same session again (logging a transport already closed): a clean end of the join's could
+    come first, though ``close`` knew a store to the host cancelled in flight. It is
+    ``close``'s alone."""
+    waiting, ends = threading.Event(), []
+    init = shared_hosts._HostChanges.__init__
+
+    def held(changes: object, tier: object, host: object, synced: threading.Event) -> None:
+        init(changes, tier, host, threading.Event())  # type: ignore[arg-type]  # never synced
+        session = host.session  # type: ignore[attr-defined]
+        end = session.close
+        monkeypatch.setattr(
+            session, "close", lambda *, clean: (ends.append(clean), end(clean=clean))
+        )
+        waiting.set()
+
+    monkeypatch.setattr(shared_hosts._HostChanges, "__init__", held)
+    failures: list[BaseException] = []
+
+    def connect(tier: TierManager, address: str) -> None:
+        try:
+            tier.connect(address, timeout_s=DIAL_TIMEOUT_S)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="join-close") as tier,
+    ):
+        caller = threading.Thread(target=connect, args=(tier, str(server.address)))
+        caller.start()
+        assert waiting.wait(timeout=RESULT_TIMEOUT_S), "the join never awaited the snapshot"
+        tier.close()
+        caller.join(timeout=RESULT_TIMEOUT_S)
+    assert [str(exc) for exc in failures] == ["TierManager is closed"]
+    assert ends == [True], "the joining host's session was ended twice"

@@ -69,6 +69,7 @@ class SharedHosts:
     _ready: list[Request]
     _lock: DeferringLock
     _closed: bool
+    _stopping: bool  # set by ``close`` as it takes the peers' sessions, to end them itself
     _index: BlockIndex
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
@@ -136,9 +137,10 @@ class SharedHosts:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
         except BaseException:
-            with self._lock:  # unless the session's loss dropped it (and ends the session)
+            # unless the session's loss dropped it (and ends the session), or ``close`` took it
+            with self._lock:
                 ended = None
-                if self._peers.get(peer_id) is host:
+                if self._peers.get(peer_id) is host and not self._stopping:
                     ended = self._drop_peer(peer_id, lost=session.lost is not None)
             if ended is not None:
                 self._flush()
