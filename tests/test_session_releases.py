@@ -299,6 +299,38 @@ def test_releases_a_lost_session_gives_back_after_its_host_was_removed_still_go_
         _assert_nothing_held(server.address)
 
 
+def _threads_named(name: str) -> list[threading.Thread]:
+    """The live threads called ``name``."""
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def test_releases_a_lost_session_whose_end_began_after_its_host_was_removed_still_go_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a loaded CI run: as above, but the thread ending the lost session ran only
+    after the removal and its release of that session were done (a busy machine). The removal
+    had forgotten how the host was dialled; the end's releases were kept for an address nobody
+    dials, and the host held those sessions' slots for good. A dropped session's end counts
+    from the drop, so the removal keeps how the host was dialled for it."""
+    begin, end_dropped = threading.Event(), TierManager._end_dropped
+
+    def late_end(tier: TierManager, session: Any, clean: bool) -> None:
+        begin.wait(timeout=RESULT_TIMEOUT_S)
+        end_dropped(tier, session, clean)
+
+    monkeypatch.setattr(TierManager, "_end_dropped", late_end)
+    with _connected_beside_a_held_session("removed-before-ending") as setup:
+        server, tier, held, peer, session = setup
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        with tier._lock:  # as a failed transfer does: the session ends on a thread of its own
+            tier._lose_peer(peer, "failed a transfer")
+        tier.remove_peer(peer)
+        # the removal's release (of the lost session, resolved) is done
+        assert wait_for(lambda: not _threads_named(session_releases.RELEASE_THREAD), 10.0)
+        begin.set()
+        _assert_nothing_held(server.address)
+
+
 def test_releases_a_session_ended_on_its_own_thread_hands_back_during_close_still_go_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

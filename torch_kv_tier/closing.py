@@ -61,6 +61,7 @@ class Closing:
         def _poll_all(self) -> None: ...
         def _flush(self) -> None: ...
         def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None: ...
+        def _uncount_ends(self, ending: list[tuple[Any, bool]]) -> None: ...
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop accepting work, wait up to ``timeout`` s for transfers in flight, cancel the rest
@@ -94,7 +95,9 @@ class Closing:
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
         # dropped peers' sessions whose thread never started: ended here
-        ending += self._session_ends.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        never_started = self._session_ends.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        self._uncount_ends(never_started)
+        ending += never_started
         self._end_sessions(ending, deadline - time.monotonic())
         self.transport.close()
         # once the transport released everything, nothing lands in a cancelled load's blocks

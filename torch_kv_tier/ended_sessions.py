@@ -22,7 +22,8 @@ class EndedSessions:
     def __init__(self) -> None:
         self._writes: dict[Any, int] = {}  # ended session -> its writes still in flight
         self.resolved: dict[str, list[str]] = {}  # address -> session ids to release
-        # address -> release threads carrying sessions they took there (``session_releases``)
+        # address -> release threads carrying sessions they took there, and dropped sessions
+        # whose end (which may hand some back) is under way or due (``session_releases``)
         self.carrying: dict[str, int] = {}
 
     def ended(self, session: Any, writes_in_flight: int) -> None:
@@ -72,7 +73,8 @@ class EndedSessions:
         )
 
     def carry(self, address: str, delta: int) -> None:
-        """A release thread starts (``delta`` 1) or stops (-1) carrying sessions to ``address``."""
+        """A release thread, or a dropped session's end, starts (``delta`` 1) or stops (-1)
+        carrying sessions to ``address``."""
         left = self.carrying.get(address, 0) + delta
         if left:
             self.carrying[address] = left

@@ -55,14 +55,30 @@ class LostHosts(SessionReleases):
         host: handed to ``_session_ends``, whose thread starts its thread at once, so that no
         caller waits for a thread to start (the caller may be a ``store`` whose transfer was
         refused, under the lock), nor does the end wait for the poller. ``close`` ends those
-        it never started."""
+        it never started (``_uncount_ends``). Counted in ``_ended.carrying`` from now, under
+        the caller's lock (``_end_counted``): a removal of the host before the end's thread
+        runs (a busy machine) keeps how it was dialled, for what the end hands back."""
+        self._ended.carry(session.address, 1)
         self._session_ends.put(session, clean)
+
+    def _uncount_ends(self, ending: list[tuple[Any, bool]]) -> None:
+        """``close``: the sessions ``_end_later`` counted whose thread never started, which
+        ``close`` ends itself, are uncounted (``close`` waits for the count to drop)."""
+        with self._lock:
+            for session, _ in ending:
+                self._ended.carry(session.address, -1)
 
     def _close_session(self, session: Any, clean: bool) -> None:
         """End a dropped peer's session (unlocked); dial the host again if it was lost rather
         than removed. The ended sessions it released the host may not have read (its
         connection reset, say) are released again, with the redial."""
-        self._end_keeping_releases(session, clean)
+        with self._lock:
+            self._ended.carry(session.address, 1)
+        self._end_dropped(session, clean)
+
+    def _end_dropped(self, session: Any, clean: bool) -> None:
+        """``_close_session`` of a session ``_end_later`` counted (``_session_ends``' threads)."""
+        self._end_counted(session, clean)
         with self._lock:
             lost = not self._closed and session.peer_id not in self._peers
             dial = self._dials.get(session.peer_id) if lost else None

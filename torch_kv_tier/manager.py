@@ -156,7 +156,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._redialing: list[Dial] = []  # the redialer's connects in progress
         self._ended = EndedSessions()
         self._redialer = Redialer(self._redial, self._wants_dial)
-        self._session_ends = SessionEnds(self._close_session, self._rearm_redialer)
+        self._session_ends = SessionEnds(self._end_dropped, self._rearm_redialer)
         self._closing = threading.Event()
         self._join_turn = threading.Lock()
         self._counters = Counters(_LATENCY_WINDOW)

@@ -191,10 +191,18 @@ class SessionReleases:
         and forgotten meanwhile is remembered again for it. Counted in ``_ended.carrying``
         meanwhile: ``close`` waits for what it hands back (up to ~2 s for a frozen host);
         once the tier is closed it names them itself, as ``close``'s last word does."""
+        with self._lock:
+            self._ended.carry(session.address, 1)
+        self._end_counted(session, clean)
+
+    def _end_counted(self, session: Any, clean: bool) -> None:
+        """``_end_keeping_releases`` of a session already counted in ``_ended.carrying`` (under
+        the lock, by whoever dropped its peer: ``LostHosts._end_later``), uncounted here once
+        it ended (unlocked). Counted from the drop, a removal of its host meanwhile keeps how
+        it was dialled (``_forget_removed``), for what this end hands back."""
         address = session.address
         with self._lock:
             dial = self._dial(address)
-            self._ended.carry(address, 1)
         try:
             unread = end_session(session, clean, [])
             with self._lock:
