@@ -515,7 +515,16 @@ def test_a_host_joining_elsewhere_joins_though_no_thread_can_carry_its_old_relea
     releases owed at the address a host left could not start, and the connect that joined the
     host at its new address raised ``RuntimeError`` though it had joined; the releases it took
     were lost (nor said by ``close``), and ``close`` waited its whole timeout for a carry that
-    never ran. The connect now returns its peer, and ``close`` names them."""
+    never ran. The connect now returns its peer, and ``close`` names them. The redial of the
+    first address waits for the join: one that took the releases first (a busy machine) would
+    carry them itself (``test_releases_a_redial_of_the_address_a_host_left_held_...``)."""
+    joined, redial = threading.Event(), TierManager._redial
+
+    def redial_after_the_join(tier: TierManager, dial: Dial) -> None:
+        joined.wait(timeout=RESULT_TIMEOUT_S)
+        redial(tier, dial)
+
+    monkeypatch.setattr(TierManager, "_redial", redial_after_the_join)
     start = threading.Thread.start
 
     def no_release_thread(thread: threading.Thread) -> None:
@@ -531,6 +540,7 @@ def test_a_host_joining_elsewhere_joins_though_no_thread_can_carry_its_old_relea
             assert tier.connect(second.address, private=True, slots=8) == "h"
             assert tier.peers() == ["h"]
         finally:
+            joined.set()
             monkeypatch.undo()
             with caplog.at_level("WARNING", logger=session_releases.__name__):
                 tier.close(timeout=RESULT_TIMEOUT_S)
