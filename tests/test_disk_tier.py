@@ -53,6 +53,7 @@ class FakeDisk:
         self.fail_reads = False
         self.fail_writes = False
         self.hold_writes = False  # writes posted stay in flight across polls
+        self.hold_reads = False  # reads posted stay in flight across polls
         self.hang_reads = False  # reads posted now are given up at the next poll...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
         self.ended: list[int] = []
@@ -125,7 +126,7 @@ class FakeDisk:
             self._slot[(ns, key)] = slot = next(s for s in range(self.capacity) if s not in taken)
             self.owners.record([slot], [(ns, key)])
             done.written.append((ns, key))
-        for (ns, key), slot in self.reading.items():
+        for (ns, key), slot in {} if self.hold_reads else self.reading.items():
             if self.hang_reads:
                 self._forget((ns, key))
                 self.stuck[(ns, key)] = slot
@@ -135,7 +136,8 @@ class FakeDisk:
                 done.failed.append((ns, key, slot))
             else:
                 done.read.append((ns, key, slot, self.keys[(ns, key)]))
-        self.reading = {}
+        if not self.hold_reads:
+            self.reading = {}
         return done
 
     def stats(self) -> dict[str, Any]:
@@ -311,6 +313,37 @@ def test_a_key_stored_again_with_other_bytes_is_never_promoted_old(reading: bool
     tier.step(now=6.0)
     tier.step(now=7.0)
     assert "a" not in ns.entries or cache.digest_of(ns.entries["a"]) == old + 1
+
+
+def test_a_failed_copy_of_a_key_being_promoted_keeps_its_slot_granted_until_the_read_ends() -> None:
+    """Found by review: key a's promotion reading its old disk copy into a DRAM slot, a stored
+    again with other bytes (its old copy dropped) and its copy ahead failing (EIO, full) before
+    that read ended: the failed copy was taken for the promotion's failure, whose DRAM slot went
+    back to the free list while the disk still read into it, and the next grant handed it to a
+    writer (or ``return_free`` to a private lease), whose bytes the late read then overwrote. A
+    failure ends a promotion only when it is its read's (its DRAM slot)."""
+    cache, disk, tier = _a_only_on_disk()  # a on disk; b, c, d (on disk too) and e in DRAM
+    ns = cache.namespace_of("s")
+    disk.hold_reads = True
+    tier.promote(ns, ["a"], 3.0)
+    tier.step(now=3.0)  # a DRAM slot taken, the read of a's old copy posted
+    (reading,) = disk.reading.values()
+    cache.commit("s", ["a"], cache.grant("s", 1), [disk.keys[("ns", "a")] + 1])  # new bytes
+    assert not disk.contains("ns", "a")
+    tier.step(now=3.1)  # the copy of a's new bytes posted
+    assert ("ns", "a") in disk.writing
+    disk.fail_writes = True
+    tier.step(now=3.2)  # ...and failed; the read still in flight
+    assert disk.reading == {("ns", "a"): reading}
+    assert ns.granted == 1 and tier.stats()["disk_promotions_failed"] == 0
+    granted = cache.grant("s", 4)  # evicts every key in DRAM
+    assert reading not in granted  # never handed out while the disk writes it
+    disk.hold_reads = False
+    tier.step(now=3.3)  # the read ends (a's old copy dropped: failed): its slot is free again
+    assert not disk.reading and tier.stats()["disk_promotions_failed"] == 1
+    assert ns.granted == len(granted) == 3
+    cache.join("o", "ns")
+    assert cache.grant("o", 1) == [reading]
 
 
 def test_a_promotion_that_finds_no_dram_slot_is_tried_again() -> None:

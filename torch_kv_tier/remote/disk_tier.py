@@ -218,12 +218,12 @@ class DiskTier:
         self.counters["disk_copies"] += len(done.written)
         copies_failed = self._copies_failed
         for name, key, slot, digest in done.read:
-            entry = self._promoting.pop((name, key), None)
+            entry = self._promotion_ended(name, key, slot)
             if entry is not None:
                 cache.promoted(entry[0], key, slot, digest)
                 self.counters["disk_promotions"] += 1
-        for name, key, _slot in done.failed:
-            entry = self._promoting.pop((name, key), None)
+        for name, key, slot in done.failed:
+            entry = self._promotion_ended(name, key, slot)
             if entry is not None:
                 cache.unpromoted(*entry)
                 self.counters["disk_promotions_failed"] += 1
@@ -231,7 +231,7 @@ class DiskTier:
                 self._copies_failed += 1
             cache.left_disk(name, key)
         for name, key, slot in done.abandoned:  # its bytes may still land: not reused yet
-            entry = self._promoting.pop((name, key), None)
+            entry = self._promotion_ended(name, key, slot)
             if entry is not None:
                 self._withheld[slot] = entry[0]
                 self.counters["disk_promotions_failed"] += 1
@@ -244,6 +244,16 @@ class DiskTier:
             self._copy_backoff = (0.0, 0.0)
         elif self._copies_failed > copies_failed:
             self._back_off_copies(now)
+
+    def _promotion_ended(self, name: str, key: Key, slot: int) -> tuple[Namespace, int] | None:
+        """The promotion of ``key`` whose read into DRAM ``slot`` ended, forgotten; ``None``
+        when the I/O that ended is not its read: a copy of the same key (stored again with
+        other bytes while its old copy was read), whose end leaves the read in flight and its
+        slot granted."""
+        entry = self._promoting.get((name, key))
+        if entry is None or entry[1] != slot:
+            return None
+        return self._promoting.pop((name, key))
 
     def _back_off_copies(self, now: float) -> None:
         """Copies failed and none was done (a full or failing file system): look for copies
