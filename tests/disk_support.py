@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
-from torch_kv_tier.remote.disk_frames import parse
+from torch_kv_tier.remote.disk_frames import parse, read_header
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskStore
 
 DISK_BLOCK = 16 << 10
@@ -102,12 +102,17 @@ class HungDevice:
             assert self.real_transfer(handle) != "ERR"
 
 
-def as_format_1(d: Path) -> None:
-    """Turn directory ``d`` (closed) into the one disk format 1 would have made: its header
-    says format 1, its journal's records carry no order."""
-    payloads = [msgspec.msgpack.encode(r) for r in parse((d / "journal.log").read_bytes()).records]
-    (d / "journal.log").write_bytes(
-        b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p for p in payloads)
-    )
-    meta = d / "meta.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "format": 1}))
+def as_format(d: Path, fmt: int) -> None:
+    """Turn directory ``d`` (closed) into the one disk format ``fmt`` would have made: its
+    header names that format and no journal generation, its journal starts with no header;
+    in format 1 its records carry no order."""
+    meta = json.loads((d / "meta.json").read_text())
+    data = (d / "journal.log").read_bytes()
+    parsed = parse(data, generation=meta.pop("generation"))
+    assert parsed.bad_at is None, "a whole journal of this format"
+    journal = data[read_header(data)[0] :]  # its records as they were
+    if fmt == 1:
+        payloads = [msgspec.msgpack.encode(r) for r in parsed.records]
+        journal = b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p for p in payloads)
+    (d / "journal.log").write_bytes(journal)
+    (d / "meta.json").write_text(json.dumps({**meta, "format": fmt}))

@@ -109,3 +109,20 @@ def test_damage_that_reads_as_lengths_near_a_frames_limit_costs_a_bounded_search
     parsed = disk_frames.parse(good + b"\x01" + damage)
     assert parsed.records == [(PUT, 0, "ns", b"k", 1)] and not parsed.searched_all
     assert sum(hashed) < 32 << 20
+
+
+def test_a_journal_reads_only_under_the_header_of_the_generation_asked() -> None:
+    """Disk format 3: a journal starts with a header naming its generation. Whole records of an
+    older journal at a file's start (no header, or an older one's) read as none of its records
+    (every frame that reads is past the damage, at byte 0); a record whose order is not past
+    the generation is not of this journal either."""
+    records: list[Record] = [(PUT, 0, "ns", b"k", 1), (DEL, 0, "ns", b"k", 0)]
+    body = disk_frames.frames(records, [6, 7])
+    parsed = disk_frames.parse(disk_frames.header(5) + body, generation=5)
+    assert (parsed.records, parsed.bad_at, parsed.generation) == (records, None, 5)
+    for older, named in ((disk_frames.header(4) + body, 4), (body, None)):
+        parsed = disk_frames.parse(older, generation=5)
+        assert (parsed.records, parsed.bad_at, parsed.after) == ([], 0, records)
+        assert parsed.generation == named
+    below = disk_frames.header(5) + disk_frames.frames(records, [5, 7])
+    assert disk_frames.parse(below, generation=5).records == []

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from disk_support import as_format_1
+from disk_support import as_format
 from remote_support import BLOCK_LEN, fake_session, fill_random, wait_for
 
 from torch_kv_tier.manager import TierManager
@@ -101,7 +101,7 @@ def test_a_host_restarted_on_its_disk_serves_what_it_held(tmp_path: Path, format
             writer.connect(server.address)
             _store_all(writer, keys, server.address)
         if format_1:  # an upgrade in place: migrated at start, no key lost
-            as_format_1(tmp_path / "disk")
+            as_format(tmp_path / "disk", 1)
         with (
             _serve(tmp_path / "disk") as server,
             TierManager.create(96, BLOCK_LEN, name="after") as after,

@@ -10,22 +10,31 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import struct
 from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 import pytest
-from disk_support import as_format_1, digest_of, open_store, settle
+from disk_support import as_format, digest_of, open_store, settle
 
 from torch_kv_tier.remote import disk_journal
-from torch_kv_tier.remote.disk_frames import PUT, parse
+from torch_kv_tier.remote.disk_frames import PUT, parse, read_header
 from torch_kv_tier.remote.disk_store import DiskStore
 
 
 def _write(store: DiskStore, pool: np.ndarray, key: bytes, dram: int) -> None:
     store.write([("ns", key, digest_of(pool, dram, key), dram)])
     assert settle(store).written == [("ns", key)]
+
+
+def _frames(data: bytes, count: int) -> bytes:
+    """The first ``count`` frames of ``data`` (a journal's bytes)."""
+    end = 0
+    for _ in range(count):
+        end += 8 + struct.unpack_from("<I", data, end)[0]
+    return data[:end]
 
 
 @pytest.mark.parametrize("copied", [1, 2])  # records written again: a tail, then damage
@@ -42,10 +51,9 @@ def test_records_duplicated_by_the_file_system_never_bring_old_bytes_back(
         assert store.digest("ns", b"K") == digest_of(disk_pool, 2, b"K")
     journal = d / "journal.log"
     data = journal.read_bytes()
-    end = 0
-    for _ in range(copied):  # the frames of K's first PUT, and of the records after it
-        end += 8 + struct.unpack_from("<I", data, end)[0]
-    journal.write_bytes(data + data[:end])  # written again, at the journal's end
+    # the frames of K's first PUT, and of the records after it (past the journal's header),
+    # written again at the journal's end
+    journal.write_bytes(data + _frames(data, 1 + copied)[read_header(data)[0] :])
     with closing(open_store(disk_pool, [d], 8)) as store:
         found = {key: digest for _, key, digest in store.recover()}
         assert found.get(b"K", digest_of(disk_pool, 2, b"K")) == digest_of(disk_pool, 2, b"K")
@@ -55,24 +63,27 @@ def test_records_duplicated_by_the_file_system_never_bring_old_bytes_back(
             assert np.array_equal(disk_pool[40], disk_pool[2])
 
 
+@pytest.mark.parametrize("fmt", [1, 2])  # no record orders; no journal generation
 @pytest.mark.parametrize("full_at_start", [False, True])
-def test_a_directory_of_the_format_before_record_orders_keeps_its_blocks_as_it_is_migrated(
+def test_a_directory_of_an_older_format_keeps_its_blocks_as_it_is_migrated(
     disk_pool: np.ndarray,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     full_at_start: bool,
+    fmt: int,
 ) -> None:
     """A host upgraded in place stopped at start, refusing its --disk directories (format 1,
     whose records carry no order), every block lost once moved away. Their journals are now
     read as format 1, rewritten as this format, and only then their headers: every key is
-    kept, also where the rewrite at start fails (a full disk: migrated by the rewrite after)."""
+    kept, also where the rewrite at start fails (a full disk: migrated by the rewrite after).
+    So is a directory of format 2, whose journal has no header naming its generation."""
     d = tmp_path / "d"
     with closing(open_store(disk_pool, [d], 8)) as store:
         store.recover()
         _write(store, disk_pool, b"K", 0)
         _write(store, disk_pool, b"J", 1)
         assert store.remove("ns", b"J")
-    as_format_1(d)
+    as_format(d, fmt)
     want = [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
     if full_at_start:
         with closing(open_store(disk_pool, [d], 8)) as store:
@@ -83,7 +94,7 @@ def test_a_directory_of_the_format_before_record_orders_keeps_its_blocks_as_it_i
             with monkeypatch.context() as m:
                 m.setattr(disk_journal, "write_durably", full)
                 assert store.recover() == want  # its journal stale: rewritten later
-            assert json.loads((d / "meta.json").read_text())["format"] == 1
+            assert json.loads((d / "meta.json").read_text())["format"] == fmt
             assert store.sync(5.0)  # the stale journal's rewrite
         assert json.loads((d / "meta.json").read_text())["format"] == disk_journal.FORMAT
     with closing(open_store(disk_pool, [d], 8)) as store:
@@ -102,8 +113,8 @@ def _frame_of(data: bytes, op: int, slot: int, key: bytes) -> bytes:
     pos = 0
     while pos < len(data):
         end = pos + 8 + struct.unpack_from("<I", data, pos)[0]
-        (record,) = parse(data[pos:end]).records
-        if record[:2] == (op, slot) and record[3] == key:
+        records = parse(data[pos:end]).records  # none: the journal's header
+        if records and records[0][:2] == (op, slot) and records[0][3] == key:
             return data[pos:end]
         pos = end
     raise AssertionError(f"no record {op} of {key!r} at slot {slot}")
@@ -141,3 +152,79 @@ def test_records_of_the_journal_before_a_rewrite_found_in_the_new_one_bring_no_o
     journal.write_bytes(journal.read_bytes() + _frame_of(old, PUT, 0, b"K"))
     with closing(open_store(disk_pool, [d], 16)) as store:
         assert store.recover() == [("ns", b"K", digest_of(disk_pool, 2, b"K"))]
+
+
+@pytest.mark.parametrize("where", ["before the new journal", "instead of it"])
+def test_records_of_an_older_journal_at_the_start_of_the_new_one_bring_no_old_bytes_back(
+    disk_pool: np.ndarray, tmp_path: Path, where: str
+) -> None:
+    """Found by review: whole records of an older journal at the very start of a new journal
+    file (a file system that returns a block of the old file after a crash, as ext4's
+    data=writeback does for blocks allocated by appends not yet synced) read in order, there
+    being no record before them: K, removed, came back after a restart with the bytes of its
+    first store, which verify against its old digest, though the last bytes stored under K were
+    other ones. Each journal now starts with a header naming its generation, which
+    ``meta.json`` names too: one of an older journal is not used (its keys are misses)."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
+        _write(store, disk_pool, b"J", 1)  # slot 1
+        assert store.remove("ns", b"K") and store.remove("ns", b"J")  # slot 0 keeps K's bytes
+        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes (slot 1)...
+        assert store.remove("ns", b"K")  # ...and removed: K names no block on disk
+        assert store.sync(5.0)
+        old = (d / "journal.log").read_bytes()
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == []  # a restart: its journal rewritten, no record of K
+    journal = d / "journal.log"
+    stale = _frames(old, 2)  # the old journal's header, then K's first PUT, at slot 0
+    journal.write_bytes(
+        stale + journal.read_bytes() if where == "before the new journal" else stale
+    )
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        found = store.recover()
+        if found:  # what a load of K returns
+            store.read([("ns", b"K", 40)])
+            assert len(settle(store).read) == 1
+            assert not np.array_equal(disk_pool[40], disk_pool[0]), "K's first bytes served"
+        assert found == []
+
+
+def test_a_header_not_written_after_its_journal_costs_that_directorys_keys_never_old_bytes(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Each rewrite of a journal is followed by one of ``meta.json``, naming the journal's new
+    generation. A crash between the two (or a ``meta.json`` not written: a full disk) leaves a
+    journal whose header ``meta.json`` does not name: the next start cannot tell it from an
+    older journal's bytes, so it uses none of its records (its keys are misses, said with their
+    count) and rewrites both; the start after finds them consistent again."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+    real = disk_journal.write_durably
+
+    def no_header(path: Path, *data: bytes | bytearray) -> int:
+        if path.name == "meta.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *data)
+
+    with closing(open_store(disk_pool, [d], 8)) as store, monkeypatch.context() as m:
+        m.setattr(disk_journal, "write_durably", no_header)
+        assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+    with (
+        caplog.at_level(logging.ERROR, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [d], 8)) as store,
+    ):
+        assert store.recover() == []
+        assert store.stats()["disk_recover_dropped"] == 1
+    assert any("none of its 1 records is used" in r.getMessage() for r in caplog.records)
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == []
+        _write(store, disk_pool, b"L", 1)
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == [("ns", b"L", digest_of(disk_pool, 1, b"L"))]

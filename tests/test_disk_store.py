@@ -159,7 +159,7 @@ def test_a_directory_made_for_other_blocks_is_refused(
     with pytest.raises(DiskError, match="--block-len and --disk-bytes it was made with"):
         open_store(disk_pool, [tmp_path / "d"], 64)
     meta = json.loads((tmp_path / "d" / "meta.json").read_text())
-    assert meta == {"format": 2, "block_len": DISK_BLOCK, "slots": 128}
+    assert meta == {"format": 3, "block_len": DISK_BLOCK, "slots": 128, "generation": 0}
 
 
 def test_a_directory_in_use_is_refused_with_what_to_do(

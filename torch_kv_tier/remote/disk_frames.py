@@ -5,7 +5,11 @@ after it; damage in the middle (a bad sector, a lost page) leaves records that s
 again by a bounded scan. Each payload carries the record's order (``seq``), strictly increasing
 along a journal: a frame whose order is not past the one before it does not read, as bytes the
 file system wrote twice (a page written again after a crash, on a record boundary) would replay
-an old record after those that undid it.
+an old record after those that undid it. A journal of disk format 3 starts with a header frame
+(``header``) naming its generation, the order its records follow, which the directory's
+``meta.json`` names too: whole records of an older journal at the very start of a file (nothing
+before them to be out of order with: a file system that returns an old file's blocks after a
+crash) do not read, their header naming another generation, or none.
 
 Pure functions of their arguments, no I/O; safe from any thread.
 """
@@ -47,6 +51,8 @@ MAX_PAYLOAD = len(
 _decoder = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int, int])
 # disk format 1's records, with no order: read once, as a directory of that format is migrated
 _unordered = msgspec.msgpack.Decoder(tuple[int, int, str, Any, int])
+_HEADER = "journal"  # a header's payload: this, then the journal's generation
+_header = msgspec.msgpack.Decoder(tuple[str, int])  # a record's payload does not decode as one
 
 Record = tuple[int, int, str, Key, int]  # op, slot, namespace, key, digest
 
@@ -60,11 +66,19 @@ class Parsed:
     after: list[Record] = field(default_factory=list)  # frames past it that read
     searched_all: bool = True  # False: more than RESYNC_BYTES unreadable, the rest not searched
     last_seq: int = -1  # the greatest order of a record read, before ``bad_at`` or past it
+    generation: int | None = None  # what the header read names (format 3); None: no header
 
 
 def frame(record: Record, seq: int) -> bytes:
     """``record`` framed, ``seq`` its order in the journal (past every record before it)."""
     payload = _encoder.encode((*record, seq))
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def header(generation: int) -> bytes:
+    """The header frame a journal of disk format 3 starts with: its ``generation``, an order
+    below those of its records and past those of every older journal's."""
+    payload = _encoder.encode((_HEADER, generation))
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
@@ -74,17 +88,27 @@ def frames(records: Iterable[Record], seqs: Iterable[int] | None = None) -> byte
     return b"".join(map(frame, records, itertools.count() if seqs is None else seqs))
 
 
-def parse(data: bytes, *, ordered: bool = True) -> Parsed:
+def parse(data: bytes, *, ordered: bool = True, generation: int | None = None) -> Parsed:
     """The records of ``data`` up to the first frame that does not read (cut short, its CRC
     wrong, no record, or its order not past the record before it), and, past that one, the
     frames that read (searched over at most ``RESYNC_BYTES`` of unreadable bytes; runs of zeros,
     as a lost page reads, cost nothing). ``ordered=False`` reads disk format 1's records, which
-    carry no order (each is taken as past the one before it)."""
+    carry no order (each is taken as past the one before it). ``generation`` (disk format 3)
+    is the one the journal's header must name (``header``), its records' orders past it: where
+    it names another (``Parsed.generation``), or there is none, no record reads before byte 0,
+    every frame that reads is past it (``after``)."""
     records: list[Record] = []
-    pos, last = _read_run(data, 0, records, ordered)
+    pos, last = 0, -1
+    if generation is not None and data:
+        pos, named = read_header(data)
+        if named != generation:  # an older journal's bytes, or damage: none is this journal's
+            rest = parse(data[pos:])
+            return Parsed([], 0, rest.records + rest.after, rest.searched_all, rest.last_seq, named)
+        last = generation
+    pos, last = _read_run(data, pos, records, ordered, last)
     if pos == len(data):
-        return Parsed(records, last_seq=last)
-    parsed = Parsed(records, bad_at=pos, last_seq=last)
+        return Parsed(records, last_seq=last, generation=generation)
+    parsed = Parsed(records, bad_at=pos, last_seq=last, generation=generation)
     budget = RESYNC_BYTES
     pos += 1
     while pos + _FRAME.size <= len(data):
@@ -105,12 +129,29 @@ def parse(data: bytes, *, ordered: bool = True) -> Parsed:
     return parsed
 
 
-def _read_run(data: bytes, pos: int, out: list[Record], ordered: bool) -> tuple[int, int]:
+def read_header(data: bytes) -> tuple[int, int | None]:
+    """The byte after ``data``'s first frame and the generation it names where it is a
+    header (else 0 and None)."""
+    if len(data) < _FRAME.size:
+        return 0, None
+    length, crc = _FRAME.unpack_from(data)
+    payload = data[_FRAME.size : _FRAME.size + min(length, MAX_PAYLOAD)]
+    if len(payload) != length or zlib.crc32(payload) != crc:
+        return 0, None
+    try:
+        tag, generation = _header.decode(payload)
+    except (msgspec.DecodeError, ValueError):
+        return 0, None
+    return (_FRAME.size + length, generation) if tag == _HEADER else (0, None)
+
+
+def _read_run(
+    data: bytes, pos: int, out: list[Record], ordered: bool, last: int = -1
+) -> tuple[int, int]:
     """Append to ``out`` the records of the frames that read from ``pos`` on, each in order
-    after the one before it; returns the byte after the last one (``pos`` if none read) and
-    that one's order (-1 if none)."""
+    after the one before it (the first past ``last``); returns the byte after the last one
+    (``pos`` if none read) and that one's order (``last`` if none)."""
     view = memoryview(data)
-    last = -1
     while pos + _FRAME.size <= len(data):
         length, crc = _FRAME.unpack_from(data, pos)
         end = pos + _FRAME.size + length

@@ -1,11 +1,9 @@
 """One directory of a host's disk tier: its block file, header and journal (``disk_store``).
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
-O_DIRECT where the file system allows it), ``meta.json`` (format, block length, slots: a directory
-made for other blocks, or a header that cannot be read or names other fields, is refused, not
-reinterpreted, the message saying it may be damaged: a value's damage reads as other blocks, and
-needs no checksum, as recovery verifies every block whatever the header says; written whole or not
-at all) and ``journal.log`` (one missing from a directory with a header is logged: its blocks are
+O_DIRECT where the file system allows it), ``meta.json`` (``disk_header``: written whole or not at
+all, at start where there is none and after each rewrite of the journal) and
+``journal.log`` (one missing from a directory with a header is logged: its blocks are
 forgotten). A ``blocks.dat`` removed or replaced under a running host is logged once, at a journal
 sync (``_check_in_place``). The block file holds an exclusive ``flock`` while open (``disk_files``):
 a second ``DiskDir`` on the directory (another host started on it, or ``--disk`` naming it twice
@@ -14,9 +12,12 @@ under two spellings), which would write over the first one's blocks and journal,
 
 Journal: one record per completed write (``PUT``: slot, namespace, key, digest) or removal
 (``DEL``), each framed by its length and CRC-32, with its order (``disk_frames``: a record the
-file system wrote twice, replayed after those that undid it, is damage, not a record; the
-directory's ``FORMAT`` 2: a directory of format 1, whose records have none, is read as such at
-start, then migrated as its journal is rewritten, its header last). Appends are buffered, taken
+file system wrote twice, replayed after those that undid it, is damage, not a record), after a
+header naming the journal's generation (``FORMAT`` 3), which ``meta.json`` names too: a journal
+whose header names another (an older journal's blocks returned by the file system after a crash,
+or a crash between a rewrite of the journal and of ``meta.json``) is not used, its keys misses
+(``_other_journal``). A directory of format 1 or 2 is read as such at start, then migrated as its
+journal is rewritten, its header last. Appends are buffered, taken
 by ``take_pending`` and written by ``flush`` (one ``os.write``, more after a short write);
 ``fsync`` runs at most once per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block
 file (a process crash loses nothing written, a power loss the records of the last period, never a
@@ -40,7 +41,6 @@ Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import time
@@ -48,12 +48,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote import disk_header
 from torch_kv_tier.remote.disk_files import DiskError, lock, open_blocks, write_durably
-from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, parse
+from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, header, parse
+from torch_kv_tier.remote.disk_header import FORMAT
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # 2: each journal record carries its order (``disk_frames``)
 REWRITE_RETRY_MAX_S = 60.0
 
 
@@ -65,6 +66,7 @@ class DiskDir:
 
     def __init__(self, path: Path, nbytes: int, block_len: int, *, direct: bool = True) -> None:
         self.path = path
+        self.block_len = block_len
         self.slots = nbytes // block_len
         self.fd = self.journal = -1
         self.pending = bytearray()  # records appended, not yet taken (``take_pending``)
@@ -81,21 +83,21 @@ class DiskDir:
         self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
-        # a directory of disk format 1: its header, of this format, written once its journal
-        # is rewritten (``rewrite``: at ``recover``); until then its records carry no order
-        self._migrating: bytes | None = None
         try:
             path.mkdir(parents=True, exist_ok=True)
-            header = self._check_header(block_len)
+            # the format and generation ``meta.json`` names: a directory of format 1 or 2 is
+            # migrated as its journal is rewritten (``rewrite``: at ``recover``)
+            self._header = disk_header.read(path, block_len, self.slots)
             self.fd, self.direct = open_blocks(path / "blocks.dat", block_len, direct)
             lock(self.fd, path)
             st = os.fstat(self.fd)
             self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
             self._allocate(self.slots * block_len)
-            if header is not None:  # only once the blocks fit: a size refused is not kept
-                os.close(write_durably(path / "meta.json", header))
+            if not self._header.written:  # only once the blocks fit: a size refused is not kept
+                data = self._header.encode(block_len, self.slots)
+                os.close(write_durably(path / "meta.json", data))
             journal = path / "journal.log"
-            if header is None and not journal.exists():  # a directory used before
+            if self._header.written and not journal.exists():  # a directory used before
                 logger.warning(
                     "disk: %s has no journal.log (deleted or moved away): the blocks it held are "
                     "forgotten, misses; restore it before starting to keep them", path,
@@ -110,55 +112,6 @@ class DiskDir:
                     "host can create (its parent must exist) or one it made, and can write"
                 ) from exc
             raise
-
-    def _check_header(self, block_len: int) -> bytes | None:
-        """Refuse a header of other blocks, or one that cannot be read; returns the header to
-        write (whole or not at all, once the blocks are allocated) where there is none."""
-        meta = self.path / "meta.json"
-        want = {"format": FORMAT, "block_len": block_len, "slots": self.slots}
-        if not meta.exists():
-            return json.dumps(want).encode()
-        try:
-            have = json.loads(meta.read_bytes())
-            if not isinstance(have, dict) or have.keys() != want.keys():
-                raise ValueError(f"{have!r} is no header")
-        except ValueError as exc:  # JSON or UTF-8 damage, or a field's name
-            raise DiskError(
-                f"{meta} cannot be read ({exc}): {self._damaged(meta)}, or pass an empty directory"
-            ) from exc
-        # format 1: read as such, then migrated (``_migrated``)
-        migrating = type(have["format"]) is int and have["format"] == 1
-        if migrating:
-            have["format"] = FORMAT
-        if have["format"] != FORMAT:
-            raise DiskError(
-                f"{meta} names format {have['format']!r}, not {FORMAT}: use the torch-kv-tier "
-                f"that made it, or pass an empty directory; if this one made it, "
-                f"{self._damaged(meta)}"
-            )
-        if have != want:  # a field's value damaged reads the same: say both
-            raise DiskError(
-                f"{self.path} holds {have['slots']!r} blocks of {have['block_len']!r} bytes, "
-                f"not {self.slots} of {block_len}: pass the --block-len and --disk-bytes it was "
-                "made with, or an empty directory; if those are the ones passed, "
-                f"{self._damaged(meta)}"
-            )
-        if migrating:
-            logger.info(
-                "disk: %s is of disk format 1 (journal records without their order): read as "
-                "such once, then migrated to format %d as this start rewrites its journal",
-                self.path, FORMAT,
-            )  # fmt: skip
-            self._migrating = json.dumps(want).encode()
-        return None
-
-    def _damaged(self, meta: Path) -> str:
-        """What to do with a damaged header. Removing it is safe: recovery checks each block
-        against its digest whatever the header says (other blocks are misses, never served)."""
-        return (
-            f"{meta} is damaged: restore it, or remove it: the next start writes a new one and "
-            f"keeps the blocks of {self.path} that still verify"
-        )
 
     def _allocate(self, size: int) -> None:
         """Reserve the block file's ``size`` bytes; raises ``DiskError`` where they are not free.
@@ -286,10 +239,14 @@ class DiskDir:
                 f"{journal} cannot be read ({exc.strerror or exc}): restore it, or move it away "
                 f"to start {self.path} afresh (its blocks are then forgotten)"
             ) from exc
-        parsed = parse(data, ordered=self._migrating is None)
-        self._seq = max(self._seq, parsed.last_seq + 1)  # even those not used: damage's
+        fmt, generation = self._header.format, self._header.generation
+        parsed = parse(data, ordered=fmt > 1, generation=generation if fmt == FORMAT else None)
+        # past those read, even those not used (damage's), and past the generation
+        self._seq = max(self._seq, parsed.last_seq + 1, (generation or 0) + 1)
         if parsed.bad_at is None:
             return parsed.records
+        if parsed.generation != generation:
+            return self._other_journal(parsed.generation, parsed.after)
         if parsed.after or not parsed.searched_all:
             return self._damaged_journal(parsed, len(data))
         logger.warning(
@@ -320,6 +277,21 @@ class DiskDir:
         )  # fmt: skip
         return []
 
+    def _other_journal(self, found: int | None, records: list[Record]) -> list[Record]:
+        """A journal whose header names another generation than ``meta.json`` (``found``;
+        None: no header): none of its ``records`` is used, each may be an older journal's,
+        replayed with none of the records that undid it. Logged with the keys it costs."""
+        self.dropped = len(self._live(records))
+        logger.error(
+            "disk: journal of %s starts with %s, not generation %s as its meta.json says: bytes "
+            "of an older journal (a file system that returned old blocks after a crash), or a "
+            "crash between a rewrite of the journal and of meta.json; none of its %d records is "
+            "used: the %d keys they name are misses (this start rewrites the journal)",
+            self.path, "no header" if found is None else f"generation {found}",
+            self._header.generation, len(records), self.dropped,
+        )  # fmt: skip
+        return []
+
     def live(self) -> dict[int, tuple[int, str, Key, int]]:
         """Slot -> (position in the journal, namespace, key, digest) of each slot whose last
         record is a ``PUT`` (the last record of a slot wins)."""
@@ -340,19 +312,24 @@ class DiskDir:
         framed: Sequence[bytes] = (),
         framed_count: int = 0,
         *,
+        generation: int | None = None,
         compaction: bool = False,
     ) -> bool:
-        """Replace the journal by ``live`` (framed in order from the next record's on: before
-        any ``append``), then the ``framed_count`` records framed in ``framed`` (``frames``,
-        ``take_pending``: in order after them), with ``disk_files.write_durably``, after an
-        ``fdatasync`` of the block file (the new journal names blocks written since the last
-        ``flush``), and append to the new one (logged where it had been emptied). Returns False
+        """Replace the journal by its header of ``generation`` (an order ``reserve``d before
+        every record of ``framed``; by default the next record's), ``live`` (framed in order
+        from the next record's on: before any ``append``), then the ``framed_count`` records
+        framed in ``framed`` (``frames``, ``take_pending``: in order after them), with
+        ``disk_files.write_durably``, after an ``fdatasync`` of the block file (the new journal
+        names blocks written since the last ``flush``); then write ``meta.json`` naming
+        ``generation`` (``_new_header``), and append to the new journal (logged where it had
+        been emptied). Returns False
         when it cannot be written (a full disk, EIO: logged, never raised): the old journal
         stays as it was, and ``retry_at`` is 1 s later, then twice as late after each failure
         in a row (at most ``REWRITE_RETRY_MAX_S``). ``stale`` is then set, unless this is a
         ``compaction`` of a journal not stale: that journal, whole (each record written
         before the compaction was), is appended to as before."""
-        out = bytearray()
+        generation = self.reserve(1) if generation is None else generation
+        out = bytearray(header(generation))
         count = framed_count
         for record in live:
             out += frame(record, self._seq)
@@ -377,8 +354,7 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
-        if self._migrating is not None:
-            self._migrated(self._migrating)
+        self._new_header(generation)
         if self._emptied:
             logger.info(
                 "disk: journal of %s rewritten (%d records): a restart finds its blocks again",
@@ -387,21 +363,23 @@ class DiskDir:
         self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
         return True
 
-    def _migrated(self, header: bytes) -> None:
-        """The journal of a directory of disk format 1 was rewritten in this format: write the
-        header saying so. Where it cannot be written (logged), the next ``rewrite`` tries again;
-        a restart before then reads the journal as format 1, none of its records (misses)."""
+    def _new_header(self, generation: int) -> None:
+        """The journal was rewritten as of ``generation``: write ``meta.json`` naming it (in
+        ``FORMAT``: a directory of an older format is then migrated). Where it cannot be written
+        (logged), the next ``rewrite`` writes it; a restart before then finds none of this
+        directory's blocks (``_other_journal``: misses)."""
+        migrating, new = self._header.format != FORMAT, disk_header.Header(FORMAT, generation)
         try:
-            os.close(write_durably(self.path / "meta.json", header))
+            os.close(write_durably(self.path / "meta.json", new.encode(self.block_len, self.slots)))
         except OSError as exc:
             logger.warning(
-                "disk: %s not migrated to disk format %d (%s): a restart before its journal is "
-                "rewritten again finds none of its blocks; free space on its file system",
-                self.path, FORMAT, exc,
+                "disk: %s/meta.json not written (%s): a restart before its journal is rewritten "
+                "again finds none of its blocks; free space on its file system", self.path, exc,
             )  # fmt: skip
             return
-        self._migrating = None
-        logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
+        self._header = new
+        if migrating:
+            logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
 
     def close(self) -> None:
         """Write what is pending, fsync, close both files. Idempotent."""

@@ -4,7 +4,8 @@ The journal of each directory is replayed (the last record of a slot wins), ever
 block is read and checked against its digest (xxh3-64 seeded with its key, as
 ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record cut
 at the journal's tail, a block unreadable (EIO) cost those keys, nothing else (a journal damaged
-in the middle costs every key it names: ``DiskDir.read_records``); so does a key
+in the middle, or of another generation than ``meta.json`` names, costs every key it names:
+``DiskDir.read_records``); so does a key
 found in two directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is
 unknown). Each directory's losses are logged (a warning saying how many of its blocks), as is a
 journal found missing (``disk_journal``): a restart says what it dropped.

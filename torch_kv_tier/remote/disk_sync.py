@@ -49,7 +49,9 @@ class _Compaction:
     its tail, ``count`` records in all, framed (``disk_frames.frames``): the journals' thread
     writes them with no million objects to free while it holds the GIL."""
 
-    first_seq: int  # the order of slot 0's record (``DiskDir.reserve``): the tail's are past it
+    # its journal's generation (``DiskDir.reserve``d): slot ``j``'s record is of order
+    # ``generation + 1 + j``, the tail's are past them
+    generation: int
     # the records taken as it began: appended before it, so the index it builds holds them and
     # its tail does not (their orders are below its own); written to the old journal only
     fresh: bool = True
@@ -89,7 +91,7 @@ class JournalSync:
                 due = d.records > 4 * live_keys + 4096 and now >= d.retry_at
             if idle and due and f not in self._compactions:
                 # its tail: the records appended from now on, in order after those built
-                self._compactions[f] = _Compaction(d.reserve(d.slots))
+                self._compactions[f] = _Compaction(d.reserve(1 + d.slots))
         budget = None if force else COMPACT_SLOTS
         for f, c in self._compactions.items():
             stop = self._dirs[f].slots
@@ -97,7 +99,7 @@ class JournalSync:
                 stop = min(stop, c.next + budget)
                 budget -= stop - c.next
             records = live_records(f, c.next, stop)
-            c.built.append(frames(records, [c.first_seq + record[1] for record in records]))
+            c.built.append(frames(records, [c.generation + 1 + record[1] for record in records]))
             c.next, c.count = stop, c.count + len(records)
         if not idle:
             return
@@ -116,7 +118,12 @@ class JournalSync:
                 if building.next >= d.slots:
                     del self._compactions[f]
                     parts = building.built + building.tail
-                    jobs.append(partial(d.rewrite, (), parts, building.count, compaction=True))
+                    jobs.append(
+                        partial(
+                            d.rewrite, (), parts, building.count,
+                            generation=building.generation, compaction=True,
+                        )
+                    )  # fmt: skip
         if sync:
             self._last_sync = now
         if jobs:

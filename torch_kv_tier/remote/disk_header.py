@@ -1,0 +1,107 @@
+"""The header of a ``--disk`` directory, ``meta.json`` (``disk_journal``): its disk format, block
+length, slots and, from format 3 on, the generation its journal's header names
+(``disk_frames.header``). A directory made for other blocks, or a header that cannot be read,
+names other fields or an unknown format, is refused, not reinterpreted, the message saying
+what to do (a value's damage reads as other blocks, and needs no checksum, as recovery verifies
+every block whatever the header says). Formats 1 (records without their order) and 2 (no
+journal generation) are read as such once, then migrated as the journal is rewritten.
+
+Pure functions of their arguments and of the files they name; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch_kv_tier.remote.disk_files import DiskError
+from torch_kv_tier.remote.disk_frames import MAX_PAYLOAD, read_header
+
+logger = logging.getLogger(__name__)
+
+# 2: each journal record carries its order; 3: each journal starts with its generation
+FORMAT = 3
+_FIELDS = {"format", "block_len", "slots"}  # and, in format 3, "generation"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A directory's header as read: its ``format`` (1 and 2 read once, then migrated) and, in
+    ``FORMAT``, the ``generation`` its journal's header must name."""
+
+    format: int
+    generation: int | None
+    written: bool = True  # False: there was none; to write (``encode``) once usable
+
+    def encode(self, block_len: int, slots: int) -> bytes:
+        """``meta.json``'s bytes, for blocks of ``block_len`` bytes in ``slots`` slots."""
+        fields: dict[str, int | None] = {"format": self.format, "block_len": block_len}
+        fields["slots"] = slots
+        if self.format == FORMAT:
+            fields["generation"] = self.generation
+        return json.dumps(fields).encode()
+
+
+def read(path: Path, block_len: int, slots: int) -> Header:
+    """The header of directory ``path``; raises ``DiskError`` saying what to do where it is of
+    other blocks, of an unknown format, or cannot be read. Where there is none (a new
+    directory, or one whose header was removed), the journal's own header says its generation
+    (none: a journal of format 2, or no journal), and the header is ``written`` False."""
+    meta = path / "meta.json"
+    if not meta.exists():
+        return Header(*_journal_format(path), written=False)
+    try:
+        have = json.loads(meta.read_bytes())
+        if not isinstance(have, dict) or have.keys() not in (_FIELDS, _FIELDS | {"generation"}):
+            raise ValueError(f"{have!r} is no header")
+    except ValueError as exc:  # JSON or UTF-8 damage, or a field's name
+        raise DiskError(
+            f"{meta} cannot be read ({exc}): {damaged(path)}, or pass an empty directory"
+        ) from exc
+    fmt, generation = have["format"], have.get("generation")
+    if type(fmt) is not int or fmt not in (1, 2, FORMAT):
+        raise DiskError(
+            f"{meta} names format {fmt!r}, not {FORMAT}: use the torch-kv-tier that made it, or "
+            f"pass an empty directory; if this one made it, {damaged(path)}"
+        )
+    if (fmt == FORMAT) != (type(generation) is int and generation >= 0):
+        raise DiskError(
+            f"{meta} names format {fmt} with generation {generation!r}: {damaged(path)}"
+        )
+    if (have["block_len"], have["slots"]) != (block_len, slots):  # damage reads the same: say both
+        raise DiskError(
+            f"{path} holds {have['slots']!r} blocks of {have['block_len']!r} bytes, not {slots} "
+            f"of {block_len}: pass the --block-len and --disk-bytes it was made with, or an empty "
+            f"directory; if those are the ones passed, {damaged(path)}"
+        )
+    if fmt != FORMAT:
+        logger.info(
+            "disk: %s is of disk format %d (%s): read as such once, then migrated to format %d "
+            "as this start rewrites its journal", path, fmt,
+            "journal records without their order" if fmt == 1 else "no journal generation", FORMAT,
+        )  # fmt: skip
+    return Header(fmt, generation)
+
+
+def _journal_format(path: Path) -> tuple[int, int | None]:
+    """The format and generation of ``path``'s journal, by its header (format 2: none)."""
+    try:
+        with open(path / "journal.log", "rb") as journal:
+            start = journal.read(8 + MAX_PAYLOAD)
+    except FileNotFoundError:
+        return FORMAT, 0  # a new directory (or its journal lost: logged by ``DiskDir``)
+    if not start:
+        return FORMAT, 0
+    generation = read_header(start)[1]
+    return (2, None) if generation is None else (FORMAT, generation)
+
+
+def damaged(path: Path) -> str:
+    """What to do with a damaged header. Removing it is safe: recovery checks each block
+    against its digest whatever the header says (other blocks are misses, never served)."""
+    return (
+        f"{path / 'meta.json'} is damaged: restore it, or remove it: the next start writes a new "
+        f"one and keeps the blocks of {path} that still verify"
+    )
