@@ -105,6 +105,28 @@ def test_closed_manager_is_freed_without_the_collector(no_gc: None) -> None:
         assert transport() is None
 
 
+def test_close_at_the_thread_limit_ends_its_sessions_and_destroys_the_agent(
+    no_gc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``close`` at the process's thread limit raised ``RuntimeError`` out of
+    its last word to its hosts (a thread per host) before it closed its transport: the NIXL
+    agent and its registrations lived on, the host's session was never ended (the host kept
+    its slots until its lease ran out) and a load ``close`` cancelled never resolved. A last
+    word whose thread cannot start runs on the closing thread."""
+    with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1") as server:
+        tier = TierManager.create(8, BLOCK_LEN, name="close-limit")
+        agent = weakref.ref(tier.transport._agent)  # type: ignore[attr-defined]
+        session = tier._peers[tier.connect(str(server.address))].session
+        assert session is not None
+        monkeypatch.setattr(threading.Thread, "start", _no_thread)
+        try:
+            tier.close()
+        finally:
+            monkeypatch.undo()
+        assert agent() is None, "the agent outlived close"
+        assert session.ended_clean, "close did not end the host's session"
+
+
 def test_a_full_process_refuses_new_agents(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent_lifetime, "MAX_KEPT_AGENTS", agent_lifetime.kept_count())
     with pytest.raises(RuntimeError, match="restart the process"):
@@ -129,3 +151,7 @@ def test_user_loop_with_dead_servers_survives_the_collector() -> None:
     kept = int(proc.stdout.split("kept=")[1].split()[0])
     assert kept >= 1, "no restore was refused: the test did not reach the leaking path"
     assert proc.stderr.count("kept alive until the process exits") == 1, tail
+
+
+def _no_thread(thread: threading.Thread) -> None:
+    raise RuntimeError("can't start new thread")

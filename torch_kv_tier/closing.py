@@ -98,10 +98,12 @@ class Closing:
         never_started = self._session_ends.stop(timeout=max(deadline - time.monotonic(), 0.1))
         self._uncount_ends(never_started)
         ending += never_started
-        self._end_sessions(ending, deadline - time.monotonic())
-        self.transport.close()
-        # once the transport released everything, nothing lands in a cancelled load's blocks
-        self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+        try:
+            self._end_sessions(ending, deadline - time.monotonic())
+        finally:  # whatever failed there, the agent and its registrations go (then it raises)
+            self.transport.close()
+            # once the transport released everything, nothing lands in a cancelled load's blocks
+            self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
         """``close``'s last step (unlocked): the loads it cancelled, and those whose failed

@@ -264,7 +264,9 @@ class SessionReleases:
         what it could not tell when it ends. A host that does not answer ends the session
         itself after its lease timeout. Sessions to release at an address no longer dialled
         (its host joined at another one and a release there failed, or a connect there
-        failed) are reported too."""
+        failed) are reported too. A last word whose thread cannot start (the process at its
+        thread limit) is said on the calling thread after the others started (past
+        ``timeout_s``, if need be: each step within ~2 s), logged as a warning."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         with self._lock:
             while self._ended.carrying and time.monotonic() < deadline:
@@ -285,12 +287,24 @@ class SessionReleases:
                         "connect failed)"
                     )
                     words.add(Unreleased(address, len(self._ended.resolved[address]), gone))
-        threads = [
-            threading.Thread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
-            for w in work
-        ]
-        for thread in threads:
-            thread.start()
+        threads, unstarted = [], []
+        for w in work:
+            thread = threading.Thread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # the process at its thread limit
+                unstarted.append((w, exc))
+            else:
+                threads.append(thread)
+        if unstarted:
+            logger.warning(
+                "could not start a thread for the last word to %d host(s) (%s): said one after "
+                "another on the closing thread, each within ~2 s",
+                len(unstarted),
+                unstarted[0][1],
+            )
+        for (say, args), _ in unstarted:
+            words.add(say(*args))
         for thread in threads:
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         words.report()
