@@ -475,7 +475,7 @@ def test_a_host_lost_again_as_its_redial_ends_is_dialled_again(
             wanted = not self.joined
             if len(dials) == 1 and self.joined:  # the first new session is lost right after
                 self.joined = False
-                redialer.start(spec)  # what the drop does (``_close_session``)
+                redialer.start(spec)  # what the drop does (``_end_dropped``)
             return wanted
 
     owner = _Tier()

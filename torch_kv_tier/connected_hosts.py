@@ -140,9 +140,11 @@ class ConnectedHosts(LostHosts):
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
             session, clean = self._drop_peer(peer_id)
+            if session is not None:
+                self._ended.end_begins(session)
         self._flush()
         if session is not None:
-            self._close_session(session, clean)
+            self._end_dropped(session, clean)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
@@ -160,7 +162,7 @@ class ConnectedHosts(LostHosts):
             known = peer_id in self._peers or joining is not None
             twin = self._twin(peer_id, session)
             # Known before the peer is published: a session lost right after it (its I/O
-            # thread drops the peer at once) is dialled again (``_close_session``).
+            # thread drops the peer at once) is dialled again (``_end_dropped``).
             first_dial = not known and peer_id not in self._dials
             if first_dial:
                 self._dials[peer_id] = dial

@@ -25,6 +25,7 @@ class EndedSessions:
         # address -> release threads carrying sessions they took there, and dropped sessions
         # whose end (which may hand some back) is under way or due (``session_releases``)
         self.carrying: dict[str, int] = {}
+        self._ending: dict[int, Any] = {}  # id -> those dropped sessions (``end_begins``)
 
     def ended(self, session: Any, writes_in_flight: int) -> None:
         """``session`` ended with ``writes_in_flight`` writes the transport still holds."""
@@ -60,8 +61,28 @@ class EndedSessions:
             self.resolved.setdefault(address, []).extend(session_ids)
 
     def take(self, address: str) -> list[str]:
-        """The resolved sessions of ``address``, to tell its server (now forgotten here)."""
-        return self.resolved.pop(address, [])
+        """The resolved sessions of ``address``, to tell its server (now forgotten here), but
+        those still ending (``end_begins``), kept until they ended."""
+        ids = self.resolved.pop(address, [])
+        ending = {s.session_id for s in self._ending.values() if s.address == address}
+        kept = [sid for sid in ids if sid in ending]
+        if kept:
+            self.resolved[address] = kept
+            return [sid for sid in ids if sid not in ending]
+        return ids
+
+    def end_begins(self, session: Any) -> None:
+        """A dropped ``session``'s end is due or under way: counted as carrying to its host
+        (the end may hand releases back), and not named as resolved (``take``) until it
+        ended (``end_ends``): a host told to release a session it still counts live ends it
+        first, and the session's own disconnect then goes unanswered."""
+        self._ending[id(session)] = session
+        self.carry(session.address, 1)
+
+    def end_ends(self, session: Any) -> None:
+        """``session``'s end is over (or ``close`` ends it itself); once only."""
+        if self._ending.pop(id(session), None) is not None:
+            self.carry(session.address, -1)
 
     def holds(self, address: str) -> bool:
         """Whether a session of ``address`` is still to be released (resolved or not, or

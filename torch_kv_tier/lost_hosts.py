@@ -4,7 +4,7 @@
 that is lost drops its peer (``_on_session_lost``); a dropped peer's session is ended on a thread
 of its own, which ``session_ends`` starts (``_end_later``: never the caller's thread, nor under
 the lock, nor waiting for the poller); once ended, a host lost rather than removed is dialled
-again (``_close_session``) by the manager's ``Redialer``, which calls ``_redial`` until the
+again (``_end_dropped``) by the manager's ``Redialer``, which calls ``_redial`` until the
 host answers or is no longer wanted (``_wants_dial``). So is a host down at its first connect
 with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). A dial also stops when
 the user removes its host (``_stop_dialling``) or its address answers under another id
@@ -51,14 +51,14 @@ class LostHosts(SessionReleases):
         def remove_peer(self, peer_id: str) -> None: ...
 
     def _end_later(self, session: Any, clean: bool) -> None:
-        """A dropped peer's ``session`` is to end (``_close_session``), which waits for its
+        """A dropped peer's ``session`` is to end (``_end_dropped``), which waits for its
         host: handed to ``_session_ends``, whose thread starts its thread at once, so that no
         caller waits for a thread to start (the caller may be a ``store`` whose transfer was
         refused, under the lock), nor does the end wait for the poller. ``close`` ends those
         it never started (``_uncount_ends``). Counted in ``_ended.carrying`` from now, under
         the caller's lock (``_end_counted``): a removal of the host before the end's thread
         runs (a busy machine) keeps how it was dialled, for what the end hands back."""
-        self._ended.carry(session.address, 1)
+        self._ended.end_begins(session)
         self._session_ends.put(session, clean)
 
     def _uncount_ends(self, ending: list[tuple[Any, bool]]) -> None:
@@ -66,18 +66,13 @@ class LostHosts(SessionReleases):
         ``close`` ends itself, are uncounted (``close`` waits for the count to drop)."""
         with self._lock:
             for session, _ in ending:
-                self._ended.carry(session.address, -1)
-
-    def _close_session(self, session: Any, clean: bool) -> None:
-        """End a dropped peer's session (unlocked); dial the host again if it was lost rather
-        than removed. The ended sessions it released the host may not have read (its
-        connection reset, say) are released again, with the redial."""
-        with self._lock:
-            self._ended.carry(session.address, 1)
-        self._end_dropped(session, clean)
+                self._ended.end_ends(session)
 
     def _end_dropped(self, session: Any, clean: bool) -> None:
-        """``_close_session`` of a session ``_end_later`` counted (``_session_ends``' threads)."""
+        """End a dropped peer's session, counted at its drop (``_ended.end_begins``: by
+        ``_end_later``, for ``_session_ends``' threads, or ``remove_peer``) (unlocked); dial the
+        host again if it was lost rather than removed. The ended sessions it released the host
+        may not have read (its connection reset, say) are released again, with the redial."""
         self._end_counted(session, clean)
         with self._lock:
             lost = not self._closed and session.peer_id not in self._peers

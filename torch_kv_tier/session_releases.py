@@ -192,36 +192,41 @@ class SessionReleases:
         meanwhile: ``close`` waits for what it hands back (up to ~2 s for a frozen host);
         once the tier is closed it names them itself, as ``close``'s last word does."""
         with self._lock:
-            self._ended.carry(session.address, 1)
+            self._ended.end_begins(session)
         self._end_counted(session, clean)
 
     def _end_counted(self, session: Any, clean: bool) -> None:
-        """``_end_keeping_releases`` of a session already counted in ``_ended.carrying`` (under
-        the lock, by whoever dropped its peer: ``LostHosts._end_later``), uncounted here once
-        it ended (unlocked). Counted from the drop, a removal of its host meanwhile keeps how
-        it was dialled (``_forget_removed``), for what this end hands back."""
+        """``_end_keeping_releases`` of a session already counted (``_ended.end_begins``, under
+        the lock, by whoever dropped its peer: ``LostHosts._end_later``, ``remove_peer``),
+        uncounted here once it ended (unlocked). Counted from the drop, a removal of its host
+        meanwhile keeps how it was dialled (``_forget_removed``), for what this end hands
+        back; and nobody names the session itself as resolved before its end: what is owed
+        its host then, that session among them unless it ended clean, goes out from here."""
         address = session.address
         with self._lock:
             dial = self._dial(address)
         try:
             unread = end_session(session, clean, [])
             with self._lock:
+                self._ended.end_ends(session)
                 closed = self._closed
                 if session.ended_clean:
                     self._ended.forget(session)
-                if not closed:
+                if closed:  # ``close`` may have looked for what to name already
+                    unread += self._ended.take(address)
+                else:
                     self._ended.give_back(address, unread)
-                if unread and not closed:
+                if address in self._ended.resolved and not closed:
                     if dial is not None and self._dial(address) is None:
                         self._removed[address] = dial
                     self._send_releases(address)
-            if closed:  # ``close`` may have looked for what to name already
+            if closed:
                 failure = self._last_word_of(address, unread, dial)
                 if failure is not None:
                     _warn([failure])
         finally:
             with self._lock:
-                self._ended.carry(address, -1)
+                self._ended.end_ends(session)
                 self._forget_removed(address)
                 self._cond.notify_all()
 
