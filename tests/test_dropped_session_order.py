@@ -1,6 +1,7 @@
 """A dropped host's session ends before anything else speaks to its host about it: nobody
 names it as resolved while its end is due or under way (the host would end it first, and its
-own disconnect would go unanswered). How the end itself is started is
+own disconnect would go unanswered), and a redial of the host waits for that end, so that what
+the end hands back rides the redial's handshake. How the end itself is started is
 ``test_lost_session_end``."""
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from release_support import RESULT_TIMEOUT_S
+from release_support import RESULT_TIMEOUT_S, assert_nothing_held, held_session
 from remote_support import BLOCK_LEN, wait_for
 
-from torch_kv_tier import session_releases
+from torch_kv_tier import connections, session_releases
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.remote import RemoteSession, ServerProcess
 
 
 @pytest.fixture
@@ -71,3 +72,42 @@ def test_a_host_removed_before_its_dropped_session_ended_is_not_told_to_release_
             assert ended.wait(timeout=RESULT_TIMEOUT_S)
         assert session.ended_clean, "the host had ended the session before its disconnect"
         assert [r.getMessage() for r in caplog.records if "disconnect" in r.getMessage()] == []
+
+
+def test_a_redial_waits_for_the_end_of_the_hosts_dropped_session(
+    gated_end: tuple[list[threading.Event], threading.Event],
+    host: ServerProcess,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a redial whose new session was lost at once dials its host again after
+    its backoff, whether or not that session's end (a thread of its own) is over: on a busy
+    machine, or with a host slow to answer the disconnect, the next handshake took what was
+    owed the host first, and the releases the end then handed back (ones the session carried
+    that its host may not have read) came while the host joined, with nothing to carry them:
+    the host held those sessions' slots until the tier closed. The redial waits for the end
+    (here its handshake, unfixed, lets the end run; fixed, the end runs after its 2 s)."""
+    gate, ended = gated_end
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.01)
+    held = held_session(host.address)
+    with TierManager.create(16, BLOCK_LEN, name="redial-before-end") as tier:
+        peer = tier.connect(host.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        session.unreleased = lambda: [held.session_id]  # type: ignore[method-assign]
+        dial, open_session = tier._dials[peer], RemoteSession.open
+
+        def handshake_then_end(cls: Any, *args: Any, **kwargs: Any) -> RemoteSession:
+            redial = not gate[0].is_set()
+            opened = open_session(*args, **kwargs)
+            if redial:
+                gate[0].set()
+                assert ended.wait(timeout=RESULT_TIMEOUT_S)
+            return opened
+
+        monkeypatch.setattr(RemoteSession, "open", classmethod(handshake_then_end))
+        with tier._lock:  # as the new session's loss does
+            tier._lose_peer(peer, "lost its session (reset)")
+        tier._redialer.start(dial)  # as the redialer does, that session lost at once
+        assert wait_for(lambda: tier.peers() == [peer], RESULT_TIMEOUT_S), "never redialled"
+        monkeypatch.undo()
+        assert_nothing_held(host.address)

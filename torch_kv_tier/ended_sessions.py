@@ -84,6 +84,10 @@ class EndedSessions:
         if self._ending.pop(id(session), None) is not None:
             self.carry(session.address, -1)
 
+    def ending(self, address: str) -> bool:
+        """Whether a dropped session of ``address`` is still ending (``end_begins``)."""
+        return any(s.address == address for s in self._ending.values())
+
     def holds(self, address: str) -> bool:
         """Whether a session of ``address`` is still to be released (resolved or not, or
         being carried there)."""

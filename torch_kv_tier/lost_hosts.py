@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -107,8 +108,19 @@ class LostHosts(SessionReleases):
         and a failed handshake of this attempt took back still go out. ``_redialing`` lists the
         hosts the redialer is dialling (side by side). The releases a failed try took back at
         an address nobody dials any more (its host joined at another one while the try awaited
-        it, ``_moved``) go there over a session of their own, as ``_moved`` sends the others."""
+        it, ``_moved``) go there over a session of their own, as ``_moved`` sends the others.
+        A dropped session of the host still ending (a redial whose new session was lost at
+        once) is waited for, up to ``dial.timeout_s`` (``TimeoutError``: tried again later),
+        so that what its end hands back rides this handshake."""
+        deadline = time.monotonic() + dial.timeout_s
         with self._lock:
+            while self._wants(dial) and self._ended.ending(dial.address):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"the previous session with {dial.address} was still ending after "
+                        f"{dial.timeout_s:g} s (its host slow to answer its disconnect)"
+                    )
+                self._cond.wait(timeout=deadline - time.monotonic())
             if not self._wants(dial):
                 raise ConnectionError(
                     f"{dial.address} is no longer to be dialled (removed or connected meanwhile, "
