@@ -194,3 +194,51 @@ def test_serve_refuses_a_timeout_shorter_than_a_second_saying_what_to_pass(
     with pytest.raises(ValueError, match=rf"^{option} must be at least 1 s, got .*: .*pass"):
         ServerConfig.from_args(_args(f"{option}={short}"))
     assert ServerConfig.from_args(_args(f"{option}=1")) is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("host", 5),
+        ("token", 5),
+        ("token", b"secret"),
+        ("host_id", 5),
+        ("config_fields", [1]),
+        ("disk_paths", "/mnt/nvme0"),
+        ("disk_paths", [1]),
+    ],
+    ids=repr,
+)
+def test_a_config_field_of_another_type_is_a_type_error_naming_the_field(
+    field: str, bad: object
+) -> None:
+    """``ServerConfig(token=5)`` (or ``config_fields=[1]``) was taken, to fail only later (a
+    token, at the first client's proof); ``host=5`` was read as the address 0.0.0.5 and
+    refused for want of a token; ``host_id=5`` raised ``len()``'s
+    "object of type 'int' has no len()", naming nothing; ``disk_paths="/mnt/nvme0"`` was
+    refused as naming a directory twice (``['/', 'm', 'n', ...]``). Each is refused, naming the
+    field and its option and saying what to pass, before anything is allocated or bound."""
+    option = {"token": "token-file", "config_fields": "config-fields", "disk_paths": "disk"}
+    flag = "--" + option.get(field, field.replace("_", "-"))
+    kwargs = {"disk_bytes": 8 * BLOCK_LEN} if field == "disk_paths" else {}
+    with pytest.raises(
+        TypeError, match=rf"^ServerConfig field {field} \({flag}\) must be .*pass e"
+    ):
+        ServerConfig(8, BLOCK_LEN, **{field: bad}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_list_of_disk_paths_is_taken_as_the_tuple_the_config_declares(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A user writes ``disk_paths=[...]`` (or ``pathlib.Path`` entries): taken, and stored as
+    the tuple of ``str`` the field declares."""
+    paths = [tmp_path / "a", str(tmp_path / "b")]
+    config = ServerConfig(8, BLOCK_LEN, disk_paths=paths, disk_bytes=8 * BLOCK_LEN)  # type: ignore[arg-type]
+    assert config.disk_paths == (str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def test_an_empty_token_is_refused_saying_what_to_pass() -> None:
+    """``ServerConfig(token="")`` was taken, yet no client can pass an empty token (its
+    ``connect`` refuses one), so no client could ever join that host."""
+    with pytest.raises(ValueError, match="^token must not be empty: pass a long random"):
+        ServerConfig(8, BLOCK_LEN, token="")

@@ -15,8 +15,9 @@ import math
 import os
 import socket
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from torch_kv_tier.remote.quantities import Floor, count, port, seconds
 
@@ -50,6 +51,7 @@ class ServerConfig:
     disk_admit: int = 2  # sightings before a block is copied to disk (``--disk-admit``)
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_quantities()
         if self.num_blocks * self.block_len > MAX_POOL_BYTES:
             raise ValueError(
@@ -89,6 +91,28 @@ class ServerConfig:
                 "address could read and overwrite the pool. Pass --token-file PATH (clients "
                 "use the same token), or listen on 127.0.0.1"
             )
+
+    def _check_types(self) -> None:
+        """``TypeError`` naming the field (and its option) for a value of another type than it
+        declares: ``token=5`` was taken and failed each client's handshake, ``host_id=5`` raised
+        ``len()``'s error, naming nothing. ``disk_paths`` takes any sequence of paths (a list, or
+        ``os.PathLike`` entries), stored as the tuple of ``str`` it declares; one ``str`` is
+        refused (it is no list of directories). ``ValueError`` for an empty ``token``."""
+        for field, option, example in _STRS:
+            value = getattr(self, field)
+            if not isinstance(value, str) and (value is not None or field == "host"):
+                _wrong_type(field, option, value, "a str", f"{field}={example}")
+        if self.token == "":
+            raise ValueError("token must not be empty: pass a long random string (--token-file)")
+        if self.config_fields is not None and not isinstance(self.config_fields, dict):
+            example = 'config_fields={"model": "m"}'
+            _wrong_type("config_fields", "--config-fields", self.config_fields, "a dict", example)
+        paths = self.disk_paths
+        if isinstance(paths, (str, bytes)) or not isinstance(paths, Sequence):
+            _wrong_type("disk_paths", "--disk", paths, "a list or tuple", _DISKS)
+        if not all(isinstance(path, (str, os.PathLike)) for path in paths):
+            _wrong_type("disk_paths", "--disk", paths, "paths (str or os.PathLike)", _DISKS)
+        object.__setattr__(self, "disk_paths", tuple(os.fspath(path) for path in paths))
 
     def _check_quantities(self) -> None:
         """Every duration (``quantities.seconds``: finite, > 0, at most ``MAX_WAIT_S``: nan
@@ -143,6 +167,21 @@ class ServerConfig:
         )
 
 
+def _wrong_type(field: str, option: str, value: object, expected: str, example: str) -> NoReturn:
+    """Raise the ``TypeError`` saying ``field`` (``option``) must be ``expected``."""
+    raise TypeError(
+        f"ServerConfig field {field} ({option}) must be {expected}, got {value!r} "
+        f"(a {type(value).__name__}): pass e.g. {example}"
+    )
+
+
+_DISKS = "disk_paths=('/mnt/nvme0', '/mnt/nvme1')"
+# (field, option, example) of every ``str`` field ``_check_types`` checks
+_STRS = (
+    ("host", "--host", "'127.0.0.1'"),
+    ("token", "--token-file", "open(path).read().strip()"),
+    ("host_id", "--host-id", "'rack1-a'"),
+)
 # (option, field) of every duration and count ``_check_quantities`` checks
 _SECONDS = (("--lease-timeout", "lease_timeout_s"), ("--hold-timeout", "hold_timeout_s"))
 _TOO_SHORT = {  # why, and what to pass instead
