@@ -9,9 +9,11 @@ import pathlib
 import threading
 
 import numpy as np
+import psutil
 import pytest
 from remote_support import BLOCK_LEN
 
+from torch_kv_tier.remote import ServerProcess
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession
 from torch_kv_tier.remote.leases import Session, SlotPool
@@ -242,3 +244,17 @@ def test_an_empty_token_is_refused_saying_what_to_pass() -> None:
     ``connect`` refuses one), so no client could ever join that host."""
     with pytest.raises(ValueError, match="^token must not be empty: pass a long random"):
         ServerConfig(8, BLOCK_LEN, token="")
+
+
+@pytest.mark.parametrize(("field", "bad"), [("num_blocks", 16.0), ("block_len", True)], ids=repr)
+def test_a_server_process_given_no_count_is_refused_before_it_starts(
+    field: str, bad: object
+) -> None:
+    """``ServerProcess.start(16.0, ...)`` started the server process, whose ``serve`` then
+    refused ``--num-blocks 16.0`` (a ``RuntimeError`` quoting its stderr, after a process
+    start). Refused naming the parameter, and no process started."""
+    children = psutil.Process().children()
+    counts = {"num_blocks": 16, "block_len": BLOCK_LEN, field: bad}
+    with pytest.raises(TypeError, match=rf"^{field} must be a whole number"):
+        ServerProcess.start(counts["num_blocks"], counts["block_len"])  # type: ignore[arg-type]
+    assert psutil.Process().children() == children

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from typing import IO, Any
 
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import count, seconds
 
 _STDERR_LINES_KEPT = 200
 
@@ -53,9 +53,13 @@ class ServerProcess:
         server runs under (it must exec it), e.g. ``["ip", "netns", "exec", "ns1"]``. Raises
         ``RuntimeError`` with the server's stderr when it exits first, ``TimeoutError`` (after
         killing it) when it is not ready within ``timeout_s``; ``TypeError``/``ValueError`` for
-        a ``timeout_s`` that is no number of seconds (``quantities.seconds``), before it starts.
+        a ``timeout_s`` that is no number of seconds (``quantities.seconds``), or a
+        ``num_blocks``/``block_len`` that is no whole number > 0 (``quantities.count``), before
+        it starts.
         """
         timeout_s = seconds("timeout_s", timeout_s)
+        num_blocks = count("num_blocks", num_blocks)
+        block_len = count("block_len", block_len)
         cmd = [
             *prefix, sys.executable, "-m", "torch_kv_tier", "serve",
             "--num-blocks", str(num_blocks), "--block-len", str(block_len), "--host", host,
