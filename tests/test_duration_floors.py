@@ -17,9 +17,11 @@ from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks import frozen_writer_client, shared_stress, soak
+from torch_kv_tier.host_sources import make_resolver
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
 from torch_kv_tier.integrations.vllm.tier_config import RemoteHostTierConfig
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.membership import Membership, StaticHosts
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.client import RemoteSession
 
@@ -125,6 +127,31 @@ def test_a_reconnect_interval_that_resolves_the_hosts_back_to_back_is_refused() 
     with pytest.raises(ValueError, match=match):
         interval(0.001)
     assert (interval(0), interval(0.1)) == (0.0, 0.1)
+
+
+def test_a_membership_interval_that_resolves_the_hosts_back_to_back_is_refused(
+    tier: TierManager,
+) -> None:
+    """Found by review: ``Membership(interval_s=0.001)``, built directly, took what
+    ``reconnect_interval_s`` refuses: each round's resolve and dials ran back to back. Less
+    than 0.1 s is refused, naming ``interval_s``, before its thread exists; 0.1 s is taken."""
+    source = StaticHosts(["127.0.0.1:1"])
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"^interval_s must be at least 0\.1 s, got 0\.001: each"):
+        Membership(tier, source, interval_s=0.001)
+    assert threading.active_count() == threads
+    Membership(tier, source, interval_s=0.1).stop(1.0)
+
+
+@pytest.mark.parametrize("value", [0.001, 0.05])
+def test_a_dns_lifetime_too_short_for_a_round_trip_is_refused(value: float) -> None:
+    """Found by review: ``make_resolver(lifetime_s=0.001)`` was taken, and every resolve then
+    timed out before the nameserver could answer (the source kept no host). Less than 0.1 s
+    is refused, naming ``lifetime_s`` and what to pass; 0.1 s is taken."""
+    match = r"^lifetime_s must be at least 0\.1 s, got .*: one resolve's queries .* pass 5"
+    with pytest.raises(ValueError, match=match):
+        make_resolver("127.0.0.1", lifetime_s=value)
+    assert make_resolver("127.0.0.1", lifetime_s=0.1).lifetime == 0.1
 
 
 def _soak(argv: list[str]) -> object:

@@ -372,7 +372,7 @@ def rounds(source: FakeSource, n: int) -> None:
 
 @contextmanager
 def following(
-    tier: Any, source: Any, *, interval_s: float = 0.02, stop_s: float = 5.0, **kwargs: Any
+    tier: Any, source: Any, *, interval_s: float = 0.1, stop_s: float = 5.0, **kwargs: Any
 ) -> Iterator[Membership]:
     """A started ``Membership`` of ``tier`` over ``source`` (``kwargs`` go to it), stopped with
     ``stop_s`` on exit, a failing test's too."""

@@ -27,7 +27,7 @@ import dns.exception
 import dns.resolver
 
 from torch_kv_tier.remote.client import parse_address
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import DNS_LIFETIME, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,9 @@ def make_resolver(
 ) -> dns.resolver.Resolver:
     """A resolver that asks only ``nameserver`` (an IP address) on ``port``, each resolve of
     a source (all its queries) bounded by ``lifetime_s``, with no cache. ``TypeError``/
-    ``ValueError`` for a ``lifetime_s`` that is no number of seconds (``quantities.seconds``)."""
-    lifetime_s = seconds("lifetime_s", lifetime_s)
+    ``ValueError`` for a ``lifetime_s`` that is no number of seconds (``quantities.seconds``)
+    or is under 0.1 s (``quantities.DNS_LIFETIME``: says why and what to pass)."""
+    lifetime_s = seconds("lifetime_s", lifetime_s, floor=DNS_LIFETIME)
     resolver = dns.resolver.Resolver(configure=False)
     resolver.nameservers = [nameserver]
     resolver.port = port

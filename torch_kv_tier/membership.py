@@ -44,7 +44,7 @@ from torch_kv_tier.host_sources import (
 )
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import RECONNECT_INTERVAL, seconds
 
 __all__ = [
     "SOURCE_FORMS",
@@ -106,7 +106,9 @@ class Membership:
     (module docstring).
 
     ``connect_kwargs`` that ``tier.connect`` does not take raise ``TypeError``, and values no
-    host could accept (``slots`` without ``private``, an empty ``token``) ``ValueError``, here.
+    host could accept (``slots`` without ``private``, an empty ``token``) ``ValueError``, here;
+    so does an ``interval_s`` that is no number of seconds (``TypeError``/``ValueError``) or is
+    under 0.1 s (``ValueError``, ``quantities.RECONNECT_INTERVAL``: says why and what to pass).
     """
 
     def __init__(
@@ -118,7 +120,7 @@ class Membership:
         connect_kwargs: Mapping[str, Any] | None = None,
         known: Mapping[str, str | None] | None = None,
     ) -> None:
-        self._interval_s = seconds("interval_s", interval_s)
+        self._interval_s = seconds("interval_s", interval_s, floor=RECONNECT_INTERVAL)
         self._tier = tier
         self._source = source
         self._connect_kwargs = dict(connect_kwargs or {})

@@ -3,8 +3,8 @@ for a number of slots, blocks or bytes, ``port`` for a TCP port. Each returns th
 ``float``/``int`` the waits, sockets and the protocol take (numpy's numbers included) or raises
 ``TypeError``/``ValueError`` naming the parameter, before the caller allocates, dials or starts
 anything. A duration below which the thing it times cannot work takes a ``Floor``: the
-tier's (``CONNECT_TIMEOUT``, ``HEARTBEAT_TIMEOUT``, ``HEARTBEAT_INTERVAL``, ``RECONNECT_INTERVAL``)
-are here, with why each is the least a user should pass. Pure functions."""
+tier's (``CONNECT_TIMEOUT``, ``HEARTBEAT_TIMEOUT``, ``HEARTBEAT_INTERVAL``, ``RECONNECT_INTERVAL``,
+``DNS_LIFETIME``) are here, with why each is the least a user should pass. Pure functions."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class Floor:
 
 
 # The tier's floors (measured on loopback, 2 cores): below one, with no fault, the tier fails
-# (CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT) or loads its hosts and DNS for nothing (the intervals).
+# (CONNECT_TIMEOUT, HEARTBEAT_TIMEOUT; DNS_LIFETIME bounds round trips as a handshake's does)
+# or loads its hosts and DNS for nothing (the intervals).
 CONNECT_TIMEOUT = Floor(
     0.1,
     "a handshake takes round trips (and a token's proof) that a loaded machine or a network "
@@ -51,6 +52,13 @@ RECONNECT_INTERVAL = Floor(
     0.1,
     "each round resolves the host list again (a DNS or SRV query, or a file read) and dials "
     "the hosts that are down, so a shorter one repeats them back to back; pass 5 (the default)",
+)
+DNS_LIFETIME = Floor(
+    0.1,
+    "one resolve's queries (A and AAAA, or SRV and each target's) share it, each a round trip "
+    "to the nameserver that a loaded machine or a network stretches past it, and a resolve "
+    "that times out keeps the hosts known before (none at startup); pass 5 (the default), or "
+    "a second for a nameserver known to be near",
 )
 
 
