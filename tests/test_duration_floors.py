@@ -89,6 +89,24 @@ def test_an_offloader_timeout_shorter_than_a_handshake_still_connects_within_the
         assert [dial.timeout_s for dial in dials] == [0.1]
 
 
+def test_an_offloader_created_with_a_long_timeout_waits_at_most_10_s_for_a_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``create``'s docstring said ``timeout`` bounds each connect, yet a
+    handshake waits at most the tier's default, 10 s (what the README says). ``create(timeout=
+    30)`` without ``connect_timeout`` dials with 10 s."""
+    caches = [torch.zeros(4, 4, 2, 64)], [torch.zeros(4, 4, 2, 64)]
+    dialled: list[float] = []
+
+    def connect(_tier: TierManager, _address: str, **kwargs: Any) -> str:
+        dialled.append(kwargs["timeout_s"])
+        raise ConnectionRefusedError("not dialled (a test)")
+
+    monkeypatch.setattr(TierManager, "connect", connect)
+    PagedKVOffloader.create(*caches, remote="127.0.0.1:1", timeout=30).close()
+    assert dialled == [10.0]
+
+
 @pytest.mark.parametrize("value", [0.001, 0.01, 0.5])
 def test_a_heartbeat_timeout_that_loses_the_session_at_once_is_refused(
     tier: TierManager, address: str, value: float

@@ -160,14 +160,16 @@ class PagedKVOffloader:
         pages are recomputed; one that does not answer is dialled again until it joins) unless
         ``strict``, which raises for the first one listed; arguments no host could accept raise
         ``ValueError`` before the tier is built (:meth:`connect`). ``timeout`` and
-        ``reconnect_interval_s`` are the offloader's (``__init__``); ``timeout`` bounds each
-        connect too unless ``connect_timeout`` is given. A host with a transfer in flight
-        ``transfer_timeout_s`` after its post is dropped and dialled again (0: never; see
-        ``TierManager``); a restore's read from it keeps its arena slots until it is reported.
-        ``staging="device"`` puts the arena on the caches' device (VRAM registration for CUDA
-        caches); ``"host"`` puts it in host memory. ``arena_blocks`` arena slots bound how many
-        pages are in flight at once; larger offloads and restores proceed in batches (a whole
-        number > 0, numpy's taken; ``TypeError``/``ValueError`` naming it otherwise).
+        ``reconnect_interval_s`` are the offloader's (``__init__``); without ``connect_timeout``
+        each handshake waits the offloader's ``timeout``, but at most the tier's default
+        (``CONNECT_TIMEOUT_S``, 10 s) and at least 0.1 s (as in :meth:`connect`). A host with a
+        transfer in flight ``transfer_timeout_s`` after its post is dropped and dialled again
+        (0: never; see ``TierManager``); a restore's read from it keeps its arena slots until
+        it is reported. ``staging="device"`` puts the arena on the caches' device (VRAM
+        registration for CUDA caches); ``"host"`` puts it in host memory. ``arena_blocks``
+        arena slots bound how many pages are in flight at once; larger offloads and restores
+        proceed in batches (a whole number > 0, numpy's taken; ``TypeError``/``ValueError``
+        naming it otherwise).
 
         ``config_fields`` are hashed into the tier's config fingerprint, which a shared host
         partitions its pool by (and a host started with ``--config-fields`` checks). Unset, they
