@@ -823,6 +823,45 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
     assert (tmp_path / "new").is_dir()
 
 
+# every benchmark option that is a number of seconds (> 0; --pause >= 0)
+DURATIONS = [
+    ("bench", "--min-time"), ("bench", "--mean-run"), ("stress", "--lease-timeout"),
+    ("stress", "--close-timeout"), ("shared-stress", "--seconds"),
+    ("shared-stress", "--lease-timeout"), ("chaos", "--seconds"), ("chaos", "--pause"),
+    ("shared-bench", "--min-time"), ("shared-bench", "--heartbeat-s"),
+    ("digest-cost", "--min-time"), ("thread-cost", "--seconds"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "option"), DURATIONS)
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "1e7"])
+@pytest.mark.usefixtures("parse_only")
+def test_a_duration_no_wait_takes_is_refused_as_the_command_line_is_parsed(
+    name: str, option: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``type=float`` took ``nan``, ``inf`` and negatives, and the commands'
+    own ``<= 0`` checks let ``nan`` through: ``chaos --seconds nan`` started its hosts, and
+    ``chaos --pause -1`` failed in each tier's ``time.sleep``. Refused as the command line is
+    parsed (exit 2), saying what to pass; a plain number is taken."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([name, option, bad])
+    assert exited.value.code == 2
+    assert f"argument {option}: not a number of seconds" in capsys.readouterr().err
+    with pytest.raises(_Parsed):
+        cli.main([name, option, "10"])
+
+
+@pytest.mark.usefixtures("parse_only")
+def test_a_shared_stress_max_grant_below_one_is_refused_before_its_host_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Found by review: ``shared-stress --max-grant 0`` (its own checks skip it) reached the
+    host's command line, refused only once the host process ran. Refused as it is parsed."""
+    with pytest.raises(SystemExit):
+        cli.main(["shared-stress", "--max-grant", "0"])
+    assert "argument --max-grant: must be > 0, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any directory")
 @pytest.mark.usefixtures("parse_only")
 def test_an_output_file_in_a_read_only_directory_is_refused_before_the_run(

@@ -24,6 +24,7 @@ from torch_kv_tier.benchmarks import report, report_plot, report_summary, report
 from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
 from torch_kv_tier.benchmarks.options import (
+    duration,
     list_of,
     output_file,
     plot_file,
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="contiguous,scattered",
     )
     parser.add_argument("--repeats", type=positive, help="timed repeats per point (median)")
-    parser.add_argument("--min-time", type=float, help="seconds per timed repeat (at least)")
+    parser.add_argument("--min-time", type=duration, help="seconds per timed repeat (at least)")
     parser.add_argument(
         "--pool-mib",
         type=positive,
@@ -110,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mean-run",
-        type=float,
+        type=duration,
         default=4.0,
         help="mean run length of the scattered pattern's free list (1 = permuted)",
     )

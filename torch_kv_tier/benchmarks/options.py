@@ -1,6 +1,6 @@
 """What every benchmark command shares: argument types for its options (sizes such as ``64K``,
-comma-separated lists, positive counts, the files it writes), quieting NIXL's own logging, and
-the number of CPUs a report states.
+comma-separated lists, positive counts, durations, the files it writes), quieting NIXL's own
+logging, and the number of CPUs a report states.
 
 Each type raises ``argparse.ArgumentTypeError`` with what to type instead, so a bad option is
 refused before anything starts.
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, seconds
+from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, MAX_WAIT_S, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,31 @@ def heartbeat_timeout(text: str) -> float:
         return seconds("--heartbeat-timeout", float(text), floor=HEARTBEAT_TIMEOUT)
     except ValueError as exc:  # (float()'s too: not a number)
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration(text: str) -> float:
+    """A number of seconds > 0 (a run's length, a timeout), finite and at most
+    ``quantities.MAX_WAIT_S``: ``type=float`` took ``nan``, ``inf`` and negatives, which the
+    commands' own ``<= 0`` checks let through (``chaos --seconds nan`` started its hosts)."""
+    return _seconds(text, zero=False)
+
+
+def pause(text: str) -> float:
+    """A number of seconds >= 0 (0: none), finite and at most ``quantities.MAX_WAIT_S``:
+    ``chaos --pause -1`` (or ``nan``) started the run, then each tier's ``time.sleep`` raised."""
+    return _seconds(text, zero=True)
+
+
+def _seconds(text: str, *, zero: bool) -> float:
+    """``text`` as ``quantities.seconds`` takes it; ``ArgumentTypeError`` saying what to pass."""
+    try:
+        return seconds("value", float(text), zero=zero)
+    except ValueError:  # (float()'s too: not a number)
+        bound = ">= 0" if zero else "> 0"
+        raise argparse.ArgumentTypeError(
+            f"not a number of seconds {bound} (finite, at most {MAX_WAIT_S:g}): {text!r}; "
+            "pass e.g. 10 or 0.5"
+        ) from None
 
 
 def positive(text: str) -> int:

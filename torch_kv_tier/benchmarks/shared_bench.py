@@ -38,7 +38,14 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
-from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, usable_cpus
+from torch_kv_tier.benchmarks.options import (
+    duration,
+    list_of,
+    output_file,
+    positive,
+    size,
+    usable_cpus,
+)
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
 from torch_kv_tier.benchmarks.workers import Workers
@@ -83,14 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiers", type=list_of(positive), help="tier processes per host: 1,2,4")
     parser.add_argument("--hosts", type=list_of(positive), help="hosts under one tier: 1,2,4")
     parser.add_argument("--rounds", type=positive, help="interleaved rounds per point")
-    parser.add_argument("--min-time", type=float, help="seconds per timed burst (at least)")
+    parser.add_argument("--min-time", type=duration, help="seconds per timed burst (at least)")
     parser.add_argument("--working-set-mib", type=positive, help="bytes cycled per process")
     parser.add_argument("--hit-blocks", type=positive, help="blocks of the cross-tier hit")
     parser.add_argument("--lookup-calls", type=positive, help="timed lookup calls")
     parser.add_argument("--staleness-samples", type=positive, help="stores timed to visibility")
     parser.add_argument(
         "--heartbeat-s",
-        type=float,
+        type=duration,
         help="heartbeat timeout of the host-kill tier: the longest a read of a dead host waits "
         "(default: connect()'s 10 s; 3 s with --quick)",
     )

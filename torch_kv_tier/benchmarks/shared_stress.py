@@ -65,7 +65,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import heartbeat_timeout, output_file, usable_cpus
+from torch_kv_tier.benchmarks.options import (
+    duration,
+    heartbeat_timeout,
+    output_file,
+    positive,
+    usable_cpus,
+)
 from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
 from torch_kv_tier.benchmarks.shared_stress_faults import FREEZE_EXTRA_S, Freezer, plan_freezes
 from torch_kv_tier.benchmarks.shared_stress_report import (
@@ -241,16 +247,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shared-stress`` subcommand's options."""
     parser.add_argument("--writers", type=int, default=4, help="writer processes (default 4)")
     parser.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="run time (default 60)")
+    parser.add_argument("--seconds", type=duration, default=60.0, help="run time (default 60)")
     parser.add_argument("--slots", type=int, default=256, help="host pool slots (default 256)")
     parser.add_argument("--keys", type=int, default=2048, help="key space (default 2048)")
     parser.add_argument("--block-len", type=int, default=4096, help="bytes per block")
     parser.add_argument(
         "--max-batch", type=int, default=64, help="most keys per call (batches are 1..N)"
     )
-    parser.add_argument("--max-grant", type=int, default=16, help="host's --max-grant")
+    parser.add_argument("--max-grant", type=positive, default=16, help="host's --max-grant")
     parser.add_argument(
-        "--lease-timeout", type=float, default=3.0, help="host's --lease-timeout, s (default 3)"
+        "--lease-timeout", type=duration, default=3.0, help="host's --lease-timeout, s (default 3)"
     )
     parser.add_argument(
         "--heartbeat-timeout",

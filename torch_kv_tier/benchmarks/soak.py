@@ -27,7 +27,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from torch_kv_tier.benchmarks.options import heartbeat_timeout, output_file, usable_cpus
+from torch_kv_tier.benchmarks.options import (
+    duration,
+    heartbeat_timeout,
+    output_file,
+    usable_cpus,
+)
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 
 logger = logging.getLogger(__name__)
@@ -61,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--client-trials", type=int, default=5, help="client-death trials")
     parser.add_argument(
-        "--lease-timeout", type=float, default=1.0, help="server lease timeout for client-death"
+        "--lease-timeout", type=duration, default=1.0, help="server lease timeout for client-death"
     )
     parser.add_argument(
         "--transfers", type=int, default=100_000, help="soak transfers (default 100,000)"
@@ -77,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--close-transfers", type=int, default=400, help="transfers in flight at close()"
     )
-    parser.add_argument("--close-timeout", type=float, default=1.0, help="close(timeout) in s")
+    parser.add_argument("--close-timeout", type=duration, default=1.0, help="close(timeout) in s")
     parser.add_argument("--block-len", type=int, default=4096, help="bytes per block")
     parser.add_argument("--out", type=output_file, help="write every figure as JSON to this file")
 

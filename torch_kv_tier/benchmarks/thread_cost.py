@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size
+from torch_kv_tier.benchmarks.options import duration, list_of, output_file, positive, size
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_bench import (
     BATCH,
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", choices=("write", "read"), help="stores (default) or loads")
     parser.add_argument("--block-sizes", type=list_of(size), help="default 64K")
     parser.add_argument("--tiers", type=positive, help="tier processes (default 4)")
-    parser.add_argument("--seconds", type=float, help="window per system and round (6)")
+    parser.add_argument("--seconds", type=duration, help="window per system and round (6)")
     parser.add_argument("--rounds", type=positive, help="rounds (default 3)")
     parser.add_argument("--working-set-mib", type=positive, help="bytes cycled per process")
     parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
