@@ -862,6 +862,23 @@ def test_a_shared_stress_max_grant_below_one_is_refused_before_its_host_starts(
     assert "argument --max-grant: must be > 0, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "option", ["--concurrency", "--num-prompts", "--repeats", "--input-len", "--output-len"]
+)
+@pytest.mark.parametrize("bad", ["0", "-1"])
+@pytest.mark.usefixtures("parse_only")
+def test_a_serve_bench_count_below_one_is_refused_before_vllm_starts(
+    option: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``serve-bench --num-prompts 0`` (or ``--concurrency -1``, any of its
+    counts) was taken with no check of its own: the run built its model and started a host
+    (``--num-prompts 0`` asked it for 0 blocks) before anything refused it. Refused as the
+    command line is parsed."""
+    with pytest.raises(SystemExit):
+        cli.main(["serve-bench", option, bad])
+    assert f"argument {option}: must be > 0, got {bad}" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to any directory")
 @pytest.mark.usefixtures("parse_only")
 def test_an_output_file_in_a_read_only_directory_is_refused_before_the_run(

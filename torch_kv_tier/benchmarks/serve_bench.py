@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks import serve_report
-from torch_kv_tier.benchmarks.options import output_file, plot_file, usable_cpus
+from torch_kv_tier.benchmarks.options import output_file, plot_file, positive, usable_cpus
 from torch_kv_tier.benchmarks.serve_replicas import (
     Replica,
     busy_neighbour,
@@ -82,13 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tiny Llama's directory (tiny_model; default: build it): the prompt sets are "
         "words of its vocabulary, one token each",
     )
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--num-prompts", type=int, default=24, help="prompts per round")
+    parser.add_argument("--concurrency", type=positive, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--num-prompts", type=positive, default=24, help="prompts per round")
     parser.add_argument(
-        "--repeats", type=int, default=2, help="rounds per level (each a fresh prompt set)"
+        "--repeats", type=positive, default=2, help="rounds per level (each a fresh prompt set)"
     )
-    parser.add_argument("--input-len", type=int, default=2000)
-    parser.add_argument("--output-len", type=int, default=4)
+    parser.add_argument("--input-len", type=positive, default=2000)
+    parser.add_argument("--output-len", type=positive, default=4)
     parser.add_argument(
         "--cpu-mib",
         nargs="+",
