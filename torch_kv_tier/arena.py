@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_kv_tier.remote.quantities import count
+from torch_kv_tier.remote.quantities import count, flag
 from torch_kv_tier.slots import SlotPool
 from torch_kv_tier.transport.base import BlockRegion
 
@@ -33,7 +33,8 @@ class BlockArena:
     ``NixlTransport`` registers as VRAM.
 
     ``num_blocks``/``block_len`` that are no whole number > 0 (numpy's ints taken) raise
-    ``TypeError``/``ValueError`` naming them before anything is allocated (``quantities.count``).
+    ``TypeError``/``ValueError`` naming them before anything is allocated (``quantities.count``),
+    as does a ``pin_memory`` that is neither ``None`` nor a ``bool`` (``TypeError``).
 
     Threading: ``allocate``/``free`` are guarded by an internal lock; the tensor itself is the
     caller's to synchronise.
@@ -47,6 +48,8 @@ class BlockArena:
         pin_memory: bool | None = None,
     ) -> None:
         num_blocks, block_len = count("num_blocks", num_blocks), count("block_len", block_len)
+        if pin_memory is not None:
+            flag("pin_memory", pin_memory)
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():

@@ -57,7 +57,7 @@ from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.key_queries import KeyQueries
 from torch_kv_tier.keys import Key, check_keys
-from torch_kv_tier.manager_args import check_region, tier_settings
+from torch_kv_tier.manager_args import check_flags, check_region, tier_settings
 from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S, Overdue
 from torch_kv_tier.promotions import Promotions
 from torch_kv_tier.records import Op, Peer, Request, joined_peers, resolve, split_new
@@ -127,6 +127,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         settle_late_loads: bool = True,
     ) -> None:
         check_region(arena, transport)
+        check_flags(verify=verify, events=events, compact_index=compact_index)
         max_inflight, self.grant_batch = tier_settings(max_inflight, grant_batch, arena.block_len)
         # the poller sleeps up to this long
         max_poll_interval_s = seconds("max_poll_interval_s", max_poll_interval_s, zero=True)
@@ -198,6 +199,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         from torch_kv_tier.transport.nixl import NixlTransport
 
         tier_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
+        check_flags(verify=verify, events=events, compact_index=compact_index)
         Overdue(transfer_timeout_s, settle_loads=settle_late_loads)  # (its checks) likewise
         arena = BlockArena(num_blocks, block_len, device=device)
         transport = NixlTransport(

@@ -1,6 +1,6 @@
-"""The checks of a ``TierManager``'s region and sizes, made before anything is built: the
-constructor's before its poller starts, ``TierManager.create``'s before it allocates an arena or
-starts a NIXL agent.
+"""The checks of a ``TierManager``'s region, sizes and switches, made before anything is
+built: the constructor's before its poller starts, ``TierManager.create``'s before it allocates
+an arena or starts a NIXL agent.
 
 Each raises ``TypeError``/``ValueError`` naming the bad argument; none has state (any thread).
 """
@@ -8,11 +8,11 @@ Each raises ``TypeError``/``ValueError`` naming the bad argument; none has state
 from __future__ import annotations
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.remote.quantities import count
+from torch_kv_tier.remote.quantities import count, flag
 from torch_kv_tier.shared_host import MAX_GRANT, default_grant_batch
 from torch_kv_tier.transport.base import DataTransport
 
-__all__ = ["check_region", "tier_settings"]
+__all__ = ["check_flags", "check_region", "tier_settings"]
 
 
 def check_region(arena: BlockArena, transport: DataTransport) -> None:
@@ -36,3 +36,12 @@ def tier_settings(max_inflight: int, grant_batch: int | None, block_len: int) ->
     if grant_batch > MAX_GRANT:
         raise ValueError(f"grant_batch must be in [1, {MAX_GRANT}], got {grant_batch}")
     return max_inflight, grant_batch
+
+
+def check_flags(*, verify: bool, events: bool, compact_index: bool | None) -> None:
+    """``TypeError`` naming the first of a tier's switches that is no ``bool`` (``compact_index``:
+    or ``None``, the default by size): ``verify="no"`` was true (``quantities.flag``)."""
+    flag("verify", verify)
+    flag("events", events)
+    if compact_index is not None:
+        flag("compact_index", compact_index)

@@ -87,7 +87,7 @@ def _check_connect_kwargs(tier: Tier, kwargs: dict[str, Any]) -> None:
     except TypeError as exc:
         raise TypeError(f"connect_kwargs do not fit {type(tier).__name__}.connect: {exc}") from None
     check_connect_args(
-        "host:1", kwargs.get("slots"), bool(kwargs.get("private", False)), kwargs.get("token")
+        "host:1", kwargs.get("slots"), kwargs.get("private", False), kwargs.get("token")
     )
     check_timeouts(**{k: v for k, v in kwargs.items() if k in ("timeout_s", "heartbeat_timeout_s")})
 

@@ -15,6 +15,7 @@ from torch_kv_tier.remote.quantities import (
     HEARTBEAT_TIMEOUT,
     Floor,
     count,
+    flag,
     seconds,
 )
 
@@ -84,6 +85,7 @@ def check_connect_args(
     dials): ``TypeError``/``ValueError`` naming the bad one. Returns ``slots`` as an ``int``
     (``count``), the value to send."""
     parse_address(address)
+    flag("private", private)
     if slots is not None:
         slots = count("slots", slots)
         if not private:

@@ -1,10 +1,11 @@
 """The checks of the numbers users pass: ``seconds`` for every timeout and duration, ``count``
-for a number of slots, blocks or bytes, ``port`` for a TCP port. Each returns the plain
-``float``/``int`` the waits, sockets and the protocol take (numpy's numbers included) or raises
-``TypeError``/``ValueError`` naming the parameter, before the caller allocates, dials or starts
-anything. A duration below which the thing it times cannot work takes a ``Floor``: the
-tier's (``CONNECT_TIMEOUT``, ``HEARTBEAT_TIMEOUT``, ``HEARTBEAT_INTERVAL``, ``RECONNECT_INTERVAL``,
-``DNS_LIFETIME``) are here, with why each is the least a user should pass. Pure functions."""
+for a number of slots, blocks or bytes, ``port`` for a TCP port (and ``flag`` for a switch).
+Each returns the plain ``float``/``int`` the waits, sockets and the protocol take (numpy's
+numbers included) or raises ``TypeError``/``ValueError`` naming the parameter, before the
+caller allocates, dials or starts anything. A duration below which the thing it times cannot
+work takes a ``Floor``: the tier's (``CONNECT_TIMEOUT``, ``HEARTBEAT_TIMEOUT``,
+``HEARTBEAT_INTERVAL``, ``RECONNECT_INTERVAL``, ``DNS_LIFETIME``) are here, with why each is the
+least a user should pass. Pure functions."""
 
 from __future__ import annotations
 
@@ -107,6 +108,18 @@ def port(name: str, value: object) -> int:
     if not 0 <= number <= MAX_PORT:
         raise ValueError(f"{name} must be in [0, {MAX_PORT}] (0: any free port), got {value}")
     return number
+
+
+def flag(name: str, value: object) -> bool:
+    """``value``, parameter ``name``'s switch, as given. ``TypeError`` unless it is a ``bool``:
+    ``private="false"`` (a str from a config file) was true, and leased private slots;
+    ``pin_memory="no"`` failed saying ``pin_memory=True``."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"{name} must be True or False, got {value!r} (a {type(value).__name__}): "
+            f"pass e.g. {name}=False, or bool() of it"
+        )
+    return value
 
 
 def _int(name: str, value: object, what: str, example: str) -> int:

@@ -45,7 +45,7 @@ from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S
 from torch_kv_tier.parallel_connects import ParallelConnects
-from torch_kv_tier.remote.quantities import seconds
+from torch_kv_tier.remote.quantities import flag, seconds
 from torch_kv_tier.results import TransferResult
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
@@ -88,7 +88,8 @@ class PagedKVOffloader:
         ``reconnect_interval_s`` is 0; any other value of it only turns that on. Raises
         ``ValueError`` if the caches disagree in shape, dtype or device, do not match the
         arena's block length, or for another ``timeout`` or a negative interval (``TypeError``
-        for one that is no int or float, numpy's too: ``quantities.seconds``).
+        for one that is no int or float, numpy's too: ``quantities.seconds``, and for a
+        ``strict`` or ``owns_manager`` that is no ``bool``: ``quantities.flag``).
         """
         self.block_len = self.block_len_for(key_caches, value_caches)
         if manager.arena.block_len != self.block_len:
@@ -99,6 +100,8 @@ class PagedKVOffloader:
             )
         timeout = seconds("timeout", timeout)
         reconnect_interval_s = seconds("reconnect_interval_s", reconnect_interval_s, zero=True)
+        flag("strict", strict)
+        flag("owns_manager", owns_manager)
         self.key_caches = list(key_caches)
         self.value_caches = list(value_caches)
         self.manager = manager
@@ -180,6 +183,7 @@ class PagedKVOffloader:
         block_len = cls.block_len_for(key_caches, value_caches)
         timeout = seconds("timeout", timeout)
         reconnect_interval_s = seconds("reconnect_interval_s", reconnect_interval_s, zero=True)
+        flag("strict", strict)
         remotes = [remote] if isinstance(remote, str) else list(remote or [])
         kwargs = connect_kwargs(
             remotes, timeout, connect_timeout, token=token, private=private, slots=slots
