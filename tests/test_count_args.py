@@ -120,26 +120,27 @@ def test_numpy_counts_and_a_token_file_with_its_newline_join_a_host(tmp_path: Pa
 
 
 @pytest.mark.parametrize(
-    ("num_blocks", "extra_args", "says"),
+    ("num_blocks", "extra_args", "error", "says"),
     [
-        (-1, (), "must be > 0"),
-        (4.5, (), "invalid int value"),
-        (16, ("--bogus",), "unrecognized arguments"),
-        (16, ("--max-lease", "0"), "--max-lease"),
-        (2**61, (), "no machine holds such a pool"),  # (x BLOCK_LEN past 2**62 bytes)
-        (2**70, (), "--num-blocks must be > 0 and at most"),  # past what the wire carries
-        (16, ("--lease-timeout", "1e300"), "--lease-timeout must be > 0 and at most"),
+        (-1, (), ValueError, "^num_blocks must be > 0"),
+        (4.5, (), TypeError, "^num_blocks must be a whole number"),
+        (16, ("--bogus",), RuntimeError, "unrecognized arguments"),
+        (16, ("--max-lease", "0"), RuntimeError, "--max-lease"),
+        (2**61, (), RuntimeError, "no machine holds such a pool"),  # (x BLOCK_LEN > 2**62 B)
+        (2**70, (), ValueError, "^num_blocks must be > 0 and at most"),  # past the wire's
+        (16, ("--lease-timeout", "1e300"), RuntimeError, "--lease-timeout must be > 0 and at"),
     ],
 )
 def test_a_server_started_with_a_bad_argument_leaves_nothing_running(
-    num_blocks: object, extra_args: tuple[str, ...], says: str
+    num_blocks: object, extra_args: tuple[str, ...], error: type[Exception], says: str
 ) -> None:
     """A bad argument to ``ServerProcess.start`` raises ``RuntimeError`` with the server's
     complaint and leaves no process behind (found right by review; kept so). Found by review:
     ``--num-blocks 2**70`` printed numpy's traceback, "Maximum allowed dimension exceeded"
     (a pool that fits no machine but numpy's array is "cannot start: Unable to allocate");
-    it is now refused as the other bad options are, naming them."""
+    it is now refused as the other bad options are, naming them. A count that is no whole
+    number > 0 (or past the wire's) is refused before any process starts (``quantities.count``)."""
     children = psutil.Process().children()
-    with pytest.raises(RuntimeError, match=says):
+    with pytest.raises(error, match=says):
         ServerProcess.start(num_blocks, BLOCK_LEN, extra_args=extra_args)  # type: ignore[arg-type]
     assert psutil.Process().children() == children
