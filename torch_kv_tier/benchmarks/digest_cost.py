@@ -42,14 +42,8 @@ import numpy as np
 import torch
 import xxhash
 
-from torch_kv_tier.benchmarks.options import (
-    duration,
-    list_of,
-    output_file,
-    positive,
-    size,
-    usable_cpus,
-)
+from torch_kv_tier.benchmarks import options
+from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, usable_cpus
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.keys import Key
 
@@ -75,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=positive, help="interleaved rounds (default 7)")
     parser.add_argument(
-        "--min-time", type=duration, help="seconds per cache-resident cell and round (default 0.1)"
+        "--min-time",
+        type=options.duration,
+        help="seconds per cache-resident cell and round (default 0.1)",
     )
     parser.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:n]: a CUDA arena's digests"
