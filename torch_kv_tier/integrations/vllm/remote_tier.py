@@ -112,7 +112,7 @@ class RemoteHostTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self._config = config
         self.locality = Locality(config.locality)
-        self._emit_events = (
+        self._emit_events = bool(  # (the tier takes a bool: vLLM's field may be any truthy)
             config.enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
         )
         self._pins = PromotionPins(offloading_spec)
