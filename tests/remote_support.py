@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,6 +17,11 @@ from torch_kv_tier.transport import NixlTransport
 
 BLOCK_LEN = 4096
 TOKEN = "remote-test-token-5f0c1e"
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run iproute2's ``ip`` with ``args`` (10 s at most); raises on failure when ``check``."""
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
 
 
 def fake_session(

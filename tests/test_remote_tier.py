@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from remote_support import BLOCK_LEN, TOKEN, fill_random, wait_for
+from remote_support import BLOCK_LEN, TOKEN, fill_random, ip, wait_for
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
@@ -98,10 +98,6 @@ def test_server_killed_mid_transfer_fails_its_futures_and_another_keeps_serving(
 # -- off loopback: the server in its own network namespace -----------------------------------
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=check)
-
-
 @contextlib.contextmanager
 def _namespace_with_veth() -> Iterator[tuple[str, str, str, str]]:
     """A fresh namespace joined to this one by a veth pair; removed on exit, even on failure.
@@ -116,23 +112,23 @@ def _namespace_with_veth() -> Iterator[tuple[str, str, str, str]]:
     host_addr, ns_addr = f"10.213.{octet}.1", f"10.213.{octet}.2"
     try:
         try:
-            _ip("netns", "add", ns)
+            ip("netns", "add", ns)
         except subprocess.CalledProcessError as exc:
             pytest.skip(f"cannot create a network namespace (needs root): {exc.stderr.strip()}")
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{host_addr}/30", "dev", host_if)
-        _ip("link", "set", host_if, "up")
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", ns)
+        ip("addr", "add", f"{host_addr}/30", "dev", host_if)
+        ip("link", "set", host_if, "up")
         for cmd in (
             ("addr", "add", f"{ns_addr}/30", "dev", ns_if),
             ("link", "set", ns_if, "up"),
             ("link", "set", "lo", "up"),
         ):
-            _ip("netns", "exec", ns, "ip", *cmd)
+            ip("netns", "exec", ns, "ip", *cmd)
         yield ns, host_if, ns_if, ns_addr
     finally:
-        _ip("netns", "del", ns, check=False)  # takes the veth pair with it
-        _ip("link", "del", host_if, check=False)
+        ip("netns", "del", ns, check=False)  # takes the veth pair with it
+        ip("link", "del", host_if, check=False)
 
 
 # The tier runs in a fresh process: UCX in a process that started before the veth existed

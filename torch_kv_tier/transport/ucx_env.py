@@ -6,6 +6,17 @@ handler, so even a successful run exits 139). Machines with an RDMA device need 
 real one-sided transfers. So: exclude ``ib`` only when no RDMA device exists and the user has not
 set ``UCX_MODULES`` themselves.
 
+UCX's TCP connections get a bound on unacknowledged data (``UCX_TCP_USER_TIMEOUT``, unless the
+user set it). UCX wires a TCP lane on every interface it saw when the agent was created; when
+one of them vanishes (a veth or VPN interface removed, a NIC unplugged), a transfer striped onto
+its lane waits for an acknowledgement that never comes, without error, for the kernel's whole
+retransmission timeout (``tcp_retries2``: about 15 minutes). Worse, the tier's redial of that
+host (same process, same metadata) gets the same NIXL remote agent back, stalled lane and all:
+the host stayed unusable until the kernel gave up. With the bound, TCP closes such a socket,
+UCX fails its endpoint (``NIXL_ERR_REMOTE_DISCONNECT``), the tier drops the host, and its redial
+builds a new endpoint on the interfaces that remain. A peer that is slow but alive keeps
+acknowledging (zero-window probes included), so the bound never cuts it.
+
 The UCX backend itself is created with ``ucx_backend_params``: never split a transfer across its
 worker threads, and on GPU hosts leave out UCX's ``rc_gda`` transports.
 """
@@ -19,6 +30,11 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _RDMA_SYSFS = Path("/sys/class/infiniband")
+
+TCP_USER_TIMEOUT_S = 30
+"""``UCX_TCP_USER_TIMEOUT`` in seconds (module doc): half the tier's default ``transfer_timeout_s``,
+so a dead lane fails its endpoint before the tier's own bound drops the host, and long enough
+that a network blip TCP would ride out does not cost a host its keys."""
 _NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
@@ -35,12 +51,14 @@ def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
 
 
 def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_SYSFS) -> None:
-    """Set ``UCX_MODULES=^ib`` when there is no RDMA device and ``UCX_MODULES`` is unset.
+    """Set ``UCX_TCP_USER_TIMEOUT`` (``TCP_USER_TIMEOUT_S``) when unset, and ``UCX_MODULES=^ib``
+    when there is no RDMA device and ``UCX_MODULES`` is unset (module doc).
 
     Must run before UCX is loaded (the first NIXL agent); later calls change nothing that UCX
-    has already read. An explicit ``UCX_MODULES`` (even empty) always wins.
+    has already read. A variable the user set (even empty) always wins.
     """
     env = os.environ if environ is None else environ
+    env.setdefault("UCX_TCP_USER_TIMEOUT", f"{TCP_USER_TIMEOUT_S}s")
     if "UCX_MODULES" in env or has_rdma_device(sysfs):
         return
     env["UCX_MODULES"] = "^ib"
