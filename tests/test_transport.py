@@ -1132,6 +1132,14 @@ def test_ucx_policy_bounds_unacknowledged_tcp_data_unless_the_user_set_it(tmp_pa
     env = {"UCX_TCP_USER_TIMEOUT": "auto"}
     apply_ucx_policy(env, sysfs=tmp_path)
     assert env["UCX_TCP_USER_TIMEOUT"] == "auto"
+    for tls in ("tcp", "rc,tcp", "all", "^rc_gda", "^shm"):
+        env = {"UCX_TLS": tls}
+        apply_ucx_policy(env, sysfs=tmp_path)
+        assert env["UCX_TCP_USER_TIMEOUT"] == "30s", tls
+    for tls in ("rc,sm", "^tcp", "^rc,tcp"):  # no TCP: UCX would warn the variable is unused
+        env = {"UCX_TLS": tls}
+        apply_ucx_policy(env, sysfs=tmp_path)
+        assert "UCX_TCP_USER_TIMEOUT" not in env, tls
 
 
 def test_without_nixl_the_transport_is_unavailable_and_says_how_to_install(

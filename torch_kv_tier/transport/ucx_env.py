@@ -50,15 +50,26 @@ def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
     return _lists_any(sysfs)
 
 
+def _may_use_tcp(tls: str | None) -> bool:
+    """Whether a ``UCX_TLS`` value leaves UCX's TCP transport in: unset, ``all``, a list naming
+    ``tcp``, or an exclusion list (``^...``) that does not."""
+    if tls is None:
+        return True
+    names = {name.strip() for name in tls.removeprefix("^").split(",")}
+    return ("tcp" not in names) if tls.startswith("^") else bool(names & {"tcp", "all"})
+
+
 def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_SYSFS) -> None:
-    """Set ``UCX_TCP_USER_TIMEOUT`` (``TCP_USER_TIMEOUT_S``) when unset, and ``UCX_MODULES=^ib``
-    when there is no RDMA device and ``UCX_MODULES`` is unset (module doc).
+    """Set ``UCX_TCP_USER_TIMEOUT`` (``TCP_USER_TIMEOUT_S``) when unset and ``UCX_TLS`` leaves
+    TCP in, and ``UCX_MODULES=^ib`` when there is no RDMA device and ``UCX_MODULES`` is unset
+    (module doc).
 
     Must run before UCX is loaded (the first NIXL agent); later calls change nothing that UCX
     has already read. A variable the user set (even empty) always wins.
     """
     env = os.environ if environ is None else environ
-    env.setdefault("UCX_TCP_USER_TIMEOUT", f"{TCP_USER_TIMEOUT_S}s")
+    if _may_use_tcp(env.get("UCX_TLS")):  # else UCX warns that the variable is unused
+        env.setdefault("UCX_TCP_USER_TIMEOUT", f"{TCP_USER_TIMEOUT_S}s")
     if "UCX_MODULES" in env or has_rdma_device(sysfs):
         return
     env["UCX_MODULES"] = "^ib"
