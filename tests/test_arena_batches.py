@@ -101,7 +101,8 @@ def test_an_offload_waiting_on_a_frozen_hosts_slots_ends_once_its_store_is_overd
     # Found by review: an offload that waited for the slots (one host) or the share (several)
     # that a frozen host's store held woke only at its own deadline, though that store turned
     # overdue at its timeout: the generation loop stalled up to a whole timeout more, here
-    # WAIT_S, before the page failed. The wait now ends when the store turns overdue.
+    # WAIT_S, before the page failed. The wait now ends when the store turns overdue, and the
+    # page fails for that reason (its deadline, WAIT_S away, cannot be the one).
     tier = ScriptedTier(2, peers)
     arena = batches(tier, timeout=0.3)  # a store is overdue 0.3 s into it
     *first, second = keys_on("a", peers, held + 1)  # 'a' holds the arena (one host) or its share
@@ -116,7 +117,7 @@ def test_an_offload_waiting_on_a_frozen_hosts_slots_ends_once_its_store_is_overd
     try:
         waiting.join(timeout=10.0)
         assert not waiting.is_alive(), "the offload waited past the frozen host's timeout"
-        assert failures(parts)[second] in (OVERDUE, "capacity")
+        assert failures(parts) == {second: OVERDUE}
     finally:
         tier.end_stores()  # 'a' resumes: a waiter still there wakes, every slot comes back
         waiting.join(timeout=10.0)
@@ -159,6 +160,52 @@ def test_pages_that_waited_out_the_deadline_fail_capacity_though_their_host_turn
     assert failures(parts) == {b"second": "capacity"}
     tier.end_stores()
     assert tier.arena.num_free == 1
+
+
+class WaitsOnTheClock:
+    """The arena's condition on the test's clock: a wait moves the clock to its end, ``late``
+    (s) past it (a busy machine woke the thread late), instead of waiting."""
+
+    def __init__(self, changed: threading.Condition, clock: Clock, late: float = 0.0) -> None:
+        self._changed, self._clock, self._late = changed, clock, late
+
+    def wait(self, timeout: float) -> bool:
+        self._clock.now += timeout + self._late
+        return False
+
+    def notify_all(self) -> None:
+        self._changed.notify_all()
+
+
+class CopiesThatTakeTime(NoCopies):
+    """Page copies that take ``seconds`` of the test's clock."""
+
+    def __init__(self, clock: Clock, seconds: float) -> None:
+        self._clock, self._seconds = clock, seconds
+
+    def gather(self, pages: list[int], slots: list[int]) -> None:
+        self._clock.now += self._seconds
+
+
+def test_pages_whose_wait_ran_out_fail_capacity_though_the_thread_woke_after_their_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found under load: a page that waited for its host's share until the offload's deadline
+    # failed "host overdue" when its thread woke late (a busy machine), after the host's store
+    # begun just after the deadline was set (the copy before it) turned overdue; "capacity"
+    # when it woke in time. A wait the deadline ended now ends the look: "capacity" always.
+    clock = Clock()
+    for module in (arena_slots, arena_batches, host_shares):
+        monkeypatch.setattr(module, "time", clock)
+    both = ["a", "b"]
+    tier = ScriptedTier(2, both, frozen={"a"})
+    arena = ArenaBatches(tier, CopiesThatTakeTime(clock, 0.01), 1.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(arena, "_changed", WaitsOnTheClock(arena._changed, clock, late=0.5))
+    first, second = keys_on("a", both, 2)  # a's share: one slot of two
+    parts = arena.store_all({first: 0, second: 1}, clock.now + 1.0)
+    assert failures(parts) == {second: "capacity"}  # before: "host overdue"
+    tier.end_stores()
+    assert tier.arena.num_free == 2
 
 
 def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable() -> None:

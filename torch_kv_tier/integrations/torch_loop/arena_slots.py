@@ -162,25 +162,26 @@ class ArenaSlots:
         transfers under way (with ``several`` hosts, half what others leave), up to the first
         key of an overdue host, waiting (until ``deadline``) while the first key's host has no
         share left (0: it is overdue, or had none by then); all of them once no room is left
-        (they fail at once). Returns that count and whether the first key's host was overdue
-        at the look that decided it: the reason for a 0, which a later look may not tell (a
-        store begun just after the deadline was set may turn overdue meanwhile)."""
+        (they fail at once) unless the first key's host is overdue (0: the room is gone because
+        it holds it). Returns that count and whether the first key's host was overdue at the
+        look that decided it: the reason for a 0, which a later look may not tell (a store
+        begun just after the deadline was set may turn overdue meanwhile)."""
         with self._lock:
             while True:
                 self._settle()
                 seen = time.monotonic()
                 held, under_way = self._shares.overdue(seen), self._shares.under_way(seen)
                 room = self._shares.room(self._manager.arena.num_free, under_way)
+                late = homes[0] in held
                 if not room:
-                    return len(homes), False
+                    return (0 if late else len(homes)), late
                 share = functools.partial(
                     self._shares.share, room=room, under_way=under_way, several=several
                 )
                 if several:
                     n = fitting(homes[:room], share, held)
                 else:  # the usual: one host (or none), no per-key pass
-                    n = 0 if homes[0] in held else max(0, min(len(homes), share(homes[0])))
-                late = homes[0] in held
+                    n = 0 if late else max(0, min(len(homes), share(homes[0])))
                 if n or late or not self._wait(deadline, seen):
                     return n, late
 
@@ -202,13 +203,17 @@ class ArenaSlots:
     def _wait(self, deadline: float, seen: float) -> bool:
         """Under the lock: wait until something changed (slots came back, a store or read
         ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
-        once) once it has passed. ``seen``: the time the caller asked the overdue hosts for,
-        so that a store that turned overdue since ends the wait at once."""
+        once) once it has passed, and after a wait that ``deadline`` ended, however late this
+        thread woke (a busy machine): a store that turns overdue only after the deadline
+        cannot then make the caller's next look tell another reason. ``seen``: the time the
+        caller asked the overdue hosts for, so that a store that turned overdue since ends the
+        wait at once."""
         now = time.monotonic()
         if now >= deadline:
             return False
-        self._changed.wait(min(deadline, self._shares.next_due(seen)) - now)
-        return True
+        due = self._shares.next_due(seen)
+        self._changed.wait(min(deadline, due) - now)
+        return due < deadline or time.monotonic() < deadline
 
     def _room(self) -> int:
         """How many slots a batch may take (``HostShares.room``)."""
