@@ -147,6 +147,7 @@ def test_pages_that_waited_out_the_deadline_fail_capacity_though_their_host_turn
         monkeypatch.setattr(module, "time", clock)
     tier = ScriptedTier(1, ["a"], frozen={"a"})
     arena = batches(tier, timeout=1.0)
+    monkeypatch.setattr(arena, "_changed", WaitsOnTheClock(arena._changed, clock))
     waits = arena._wait
 
     def late(deadline: float, seen: float) -> bool:  # its thread runs again a timeout later
@@ -206,6 +207,66 @@ def test_pages_whose_wait_ran_out_fail_capacity_though_the_thread_woke_after_the
     assert failures(parts) == {second: "capacity"}  # before: "host overdue"
     tier.end_stores()
     assert tier.arena.num_free == 2
+
+
+class SlowHost(WaitsOnTheClock):
+    """The arena's condition on the test's clock, for a host whose stores each end
+    ``seconds`` after they began: a wait lasts until the oldest store under way ends (its
+    callback runs as the waiter waits, the lock released) or until its timeout."""
+
+    def __init__(
+        self, changed: threading.Condition, clock: Clock, tier: ScriptedTier, seconds: float
+    ) -> None:
+        super().__init__(changed, clock)
+        self._tier, self._seconds = tier, seconds
+        self.begun: list[float] = []  # each store's start, in ``tier.stores``' order
+
+    def wait(self, timeout: float) -> bool:
+        ends = [
+            b + self._seconds for b, (_, f) in zip(self.begun, self._tier.stores) if not f.done()
+        ]
+        if not ends or self._clock.now + timeout < ends[0]:
+            return super().wait(timeout)
+        self._clock.now = ends[0]
+        keys, store = next((k, f) for k, f in self._tier.stores if not f.done())
+        self._changed.release()
+        try:
+            store.set_result(stored(keys))
+        finally:
+            self._changed.acquire()
+        return True
+
+
+def test_an_offload_through_a_slow_hosts_stores_waits_for_slots_its_timeout_in_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (dba37d3): an offload larger than the arena gave each batch a deadline
+    # of its own, so a slow host (each store ending within the timeout) held the generation
+    # loop for batches x timeout. The offload's one deadline bounds all its waits: here the
+    # third page, whose slot comes back 1.2 s into a 1 s timeout, and the fourth fail.
+    clock = Clock()
+    for module in (arena_slots, arena_batches, host_shares):
+        monkeypatch.setattr(module, "time", clock)
+    tier = ScriptedTier(1, ["a"], frozen={"a"})  # stores end as the slow host below says
+    arena = batches(tier, timeout=1.0)
+    host = SlowHost(arena._changed, clock, tier, seconds=0.6)
+    monkeypatch.setattr(arena, "_changed", host)
+    scripted_store = tier.store
+
+    def timed_store(
+        keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
+        host.begun.append(clock.now)
+        return scripted_store(keys, slots, placed)
+
+    tier.store = timed_store  # type: ignore[method-assign]
+    keys = [f"slow-{i}".encode() for i in range(4)]
+    deadline = clock.now + 1.0
+    parts = arena.store_all({k: i for i, k in enumerate(keys)}, deadline)
+    assert clock.now <= deadline  # before: 1.8 s on the test's clock
+    assert failures(parts) == {keys[2]: "capacity", keys[3]: "capacity"}  # before: none
+    tier.end_stores()
+    assert tier.arena.num_free == 1
 
 
 def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable() -> None:
