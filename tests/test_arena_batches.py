@@ -4,6 +4,8 @@ long an offload waits for slots. No host runs: the tier's store futures resolve 
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import linecache
 import sys
 import threading
@@ -134,6 +136,14 @@ class Clock:
         return self.now
 
 
+def on_the_clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    """A :class:`Clock` that the arena's modules read for ``time``."""
+    clock = Clock()
+    for module in (arena_slots, arena_batches, host_shares):
+        monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
 def test_pages_that_waited_out_the_deadline_fail_capacity_though_their_host_turned_overdue_since(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -142,9 +152,7 @@ def test_pages_that_waited_out_the_deadline_fail_capacity_though_their_host_turn
     # second look at the hosts, and the host's store, begun just after the deadline was set,
     # turned overdue before the offload's thread (a moment behind, on a busy box) took it.
     # The reason is now the look's that sized the batch to 0.
-    clock = Clock()
-    for module in (arena_slots, arena_batches, host_shares):
-        monkeypatch.setattr(module, "time", clock)
+    clock = on_the_clock(monkeypatch)
     tier = ScriptedTier(1, ["a"], frozen={"a"})
     arena = batches(tier, timeout=1.0)
     monkeypatch.setattr(arena, "_changed", WaitsOnTheClock(arena._changed, clock))
@@ -195,9 +203,7 @@ def test_pages_whose_wait_ran_out_fail_capacity_though_the_thread_woke_after_the
     # failed "host overdue" when its thread woke late (a busy machine), after the host's store
     # begun just after the deadline was set (the copy before it) turned overdue; "capacity"
     # when it woke in time. A wait the deadline ended now ends the look: "capacity" always.
-    clock = Clock()
-    for module in (arena_slots, arena_batches, host_shares):
-        monkeypatch.setattr(module, "time", clock)
+    clock = on_the_clock(monkeypatch)
     both = ["a", "b"]
     tier = ScriptedTier(2, both, frozen={"a"})
     arena = ArenaBatches(tier, CopiesThatTakeTime(clock, 0.01), 1.0)  # type: ignore[arg-type]
@@ -244,9 +250,7 @@ def test_an_offload_through_a_slow_hosts_stores_waits_for_slots_its_timeout_in_a
     # of its own, so a slow host (each store ending within the timeout) held the generation
     # loop for batches x timeout. The offload's one deadline bounds all its waits: here the
     # third page, whose slot comes back 1.2 s into a 1 s timeout, and the fourth fail.
-    clock = Clock()
-    for module in (arena_slots, arena_batches, host_shares):
-        monkeypatch.setattr(module, "time", clock)
+    clock = on_the_clock(monkeypatch)
     tier = ScriptedTier(1, ["a"], frozen={"a"})  # stores end as the slow host below says
     arena = batches(tier, timeout=1.0)
     host = SlowHost(arena._changed, clock, tier, seconds=0.6)
@@ -971,3 +975,88 @@ def test_a_ctrl_c_as_the_hosts_slots_are_counted_leaves_no_host_overdue_for_good
     shares.ended(future)
     assert shares.overdue(2.0) == Counter() == shares.under_way(2.0)
     assert shares.next_due(2.0) == float("inf")
+
+
+def _lines(fn: types.FunctionType, first: str, last: str) -> set[int]:
+    """The line numbers of ``fn`` from the first holding ``first`` to the next holding ``last``."""
+    source, start = inspect.getsourcelines(fn)
+    begin = next(i for i, line in enumerate(source) if first in line)
+    end = next(i for i, line in enumerate(source) if i >= begin and last in line)
+    return set(range(start + begin, start + end + 1))
+
+
+def _ctrl_c_at_line(
+    where: dict[types.CodeType, set[int] | None], k: int
+) -> tuple[object, list[str]]:
+    """A ``sys.settrace`` hook that raises ``KeyboardInterrupt`` at the ``k``-th line run of
+    ``where`` (code: its lines, ``None``: all; comprehensions in it too), and what it hit. Not
+    at a ``with``, ``try``, ``except`` or ``finally`` line: a signal lands at none of them (and
+    one raised as a ``with`` exits would leave its lock held)."""
+    nested = {
+        inner: None
+        for code in where
+        for inner in code.co_consts
+        if isinstance(inner, types.CodeType)
+    }
+    traced = {**nested, **where}
+    seen: list[str] = []
+
+    def local(frame: types.FrameType, event: str, arg: object) -> object:
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        lines = traced[frame.f_code]
+        if (
+            event == "line"
+            and (lines is None or frame.f_lineno in lines)
+            and not line.startswith(("with ", "try:", "except", "finally:"))
+        ):
+            seen.append(line)
+            if len(seen) == k:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+        return local
+
+    return (lambda frame, event, arg: local if frame.f_code in traced else None), seen
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_a_ctrl_c_as_slots_are_handed_out_or_given_back_loses_none_and_frees_none_twice(
+    call: str,
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C as the arena handed
+    # a batch its slots (as ``_acquire`` returned them, before the batch's ``try``), between
+    # a store's two ``try`` blocks, or in the restore's ``finally`` that gives the slots
+    # back (its comprehension, ``_release``'s lock) lost the batch's slots for good: the
+    # arena shrank until a restart. The arena now hands them out into the batch's list in
+    # the step that takes them, and the giving back skips those already back and is made
+    # again when interrupted: every slot comes back, none twice (``ValueError``).
+    where: dict[types.CodeType, set[int] | None] = {
+        arena_slots.ArenaSlots._acquire.__code__: None,
+        arena_slots.ArenaSlots._release.__code__: None,
+        BlockArena.allocate.__code__: None,
+        BlockArena.free_taken.__code__: None,
+    }
+    if call == "store":
+        where[ArenaBatches.store.__code__] = _lines(ArenaBatches.store, "self._acquire(", "raise")
+    else:
+        where[ArenaBatches.load.__code__] = _lines(
+            ArenaBatches.load, "self._acquire(", "due = time.monotonic()"
+        ) | _lines(ArenaBatches.load, "finally:  # a Ctrl-C too", "return count")
+    for k in itertools.count(1):
+        tier = ScriptedTier(4, ["a"], frozen=set())  # stores and reads end at once
+        arena = batches(tier, timeout=WAIT_S)
+        hook, seen = _ctrl_c_at_line(where, k)
+        sys.settrace(hook)  # type: ignore[arg-type]
+        try:
+            if call == "store":
+                arena.store([b"k", b"l"], [0, 1], ["a", "a"], time.monotonic() + WAIT_S, ["a"])
+            else:
+                arena.load([b"k", b"l"], ["a", "a"], [0, 1], time.monotonic() + WAIT_S)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert arena.wait_idle(time.monotonic() + 1.0)
+        assert tier.arena.num_free == 4, f"Ctrl-C at {seen[-1]!r} lost slots"
+        if len(seen) < k:  # it ran through: every line was hit once
+            break
+    assert k > 10

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 
@@ -116,15 +116,28 @@ class BlockArena:
         with self._lock:
             return self._slots.num_free
 
-    def allocate(self, n: int) -> list[int]:
-        """Reserve ``n`` slots (a contiguous run when possible); ``ValueError`` when full."""
+    def allocate(self, n: int, into: list[int] | None = None) -> list[int]:
+        """Reserve ``n`` slots (a contiguous run when possible); ``ValueError`` when full.
+        ``into`` (if given) gains them in the step that takes them, so that a caller that a
+        ``KeyboardInterrupt`` stops as they are handed out still has them (one inside the
+        pool's own allocation may lose them: ``SlotPool``)."""
         with self._lock:
-            return self._slots.allocate(n)
+            taken = into if into is not None else []
+            taken.extend(self._slots.allocate(n))
+            return taken
 
     def free(self, idxs: Iterable[int]) -> None:
         """Release slots; ``ValueError`` on double free or an index not in this arena."""
         with self._lock:
             self._slots.free(idxs)
+
+    def free_taken(self, idxs: Iterable[int], keep: Container[int] = ()) -> None:
+        """Release those of ``idxs`` but ``keep`` that are taken, skipping those already
+        free: a caller interrupted as it freed them may free them again, none twice (the
+        caller must be the only one taking slots meanwhile)."""
+        with self._lock:
+            slots = self._slots
+            slots.free([i for i in idxs if i not in keep and not slots.is_free(i)])
 
 
 def _choose_pinning(pin_memory: bool | None) -> bool:

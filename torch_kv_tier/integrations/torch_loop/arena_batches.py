@@ -136,28 +136,27 @@ class ArenaBatches(ArenaSlots):
         in time, or with the tier's refusal; a failed copy raises (its slots are back, nothing
         was sent), as does a ``KeyboardInterrupt`` before the first store, and one in the
         tier's store or between two hosts' stores (the slots of what it may have sent come back
-        once that ended, those of the hosts not sent to at once). A ``KeyboardInterrupt`` as
-        the arena hands the slots out (``BlockArena.allocate`` returning) loses them for good:
-        later batches are sized without them (``HostShares.room``)."""
-        slots = self._acquire(len(keys), deadline)
-        if slots is None:
-            return [(keys, failed_now(keys, "capacity", self._no_slots()))]
+        once that ended, those of the hosts not sent to at once), also as the arena hands the
+        slots out (``_acquire``)."""
+        slots: list[int] = []  # (``_acquire`` puts them here in the step that takes them)
         try:  # nothing is sent until the loop below: anything that raises first frees them
+            if not self._acquire(len(keys), deadline, slots):
+                return [(keys, failed_now(keys, "capacity", self._no_slots()))]
             self._pages.gather(pages, slots)  # (e.g. out of memory for the packed pages)
             now = self._manager.peers()  # (Ctrl-C as it waits for the tier's lock)
             again = now != peers and resize and time.monotonic() < deadline
-            if now != peers and not again:
+            if again:  # sized for other hosts
+                self._release(slots)
+                return None
+            if now != peers:
                 homes = homes_among(keys, now)  # as the tier places them now
             due = time.monotonic() + self._timeout
-            parts = [] if again else list(by_host(keys, homes, slots).items())
+            stores: list[Batch] = []
+            unsent = list(by_host(keys, homes, slots).items())  # parts whose slots are the batch's
+            calling = None
         except BaseException:
             self._release(slots)
             raise
-        if again:  # sized for other hosts
-            self._release(slots)
-            return None
-        stores: list[Batch] = []
-        unsent, calling = parts, None  # the hosts' parts whose slots are still the batch's
         try:
             while unsent:
                 placed: list[str] = []  # where the tier sent them
@@ -222,11 +221,11 @@ class ArenaBatches(ArenaSlots):
         unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
         in_use: set[int] = set()  # slots a read may still write into: never freed here
         due = 0.0  # (set once the slots came; no read starts before)
-        slots = self._acquire(len(keys), deadline)
-        if slots is None:
-            log.warning("%s for a restore", self._no_slots())
-            return 0
+        slots: list[int] = []  # (``_acquire`` puts them here in the step that takes them)
         try:  # from here on, a Ctrl-C frees every slot no read may still write
+            if not self._acquire(len(keys), deadline, slots):
+                log.warning("%s for a restore", self._no_slots())
+                return 0
             due = time.monotonic() + self._timeout  # when a read still under way is overdue
             try:
                 for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
@@ -246,7 +245,7 @@ class ArenaBatches(ArenaSlots):
             finally:
                 if unsure:
                     log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
-                self._release([slot for slot in slots if slot not in in_use])
+                self._release(slots, in_use)
             raise
         try:  # at once: a Ctrl-C between the two would keep every slot
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use)
@@ -263,5 +262,9 @@ class ArenaBatches(ArenaSlots):
                 log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
             self._pages.scatter(slots[:count], pages[:count])
         finally:  # a Ctrl-C too: the others' slots come back, the held reads' when they end
-            self._release([slot for slot in slots if slot not in in_use])
+            try:
+                self._release(slots, in_use)
+            except BaseException:  # a Ctrl-C in it: once more (it skips those already back)
+                self._release(slots, in_use)
+                raise
         return count

@@ -33,6 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Container
 from concurrent.futures import Future, wait
 
 from torch_kv_tier.integrations.torch_loop.host_shares import HostShares, fitting
@@ -185,20 +186,23 @@ class ArenaSlots:
                 if n or late or not self._wait(deadline, seen):
                     return n, late
 
-    def _acquire(self, n: int, deadline: float) -> list[int] | None:
-        """``n`` free slots, waiting until ``deadline`` for them; ``None`` if none came, at once
-        while restores that timed out hold too many for ``n`` ever to be free (a frozen host
-        would otherwise cost the loop a whole timeout per call for as long as it is frozen)."""
+    def _acquire(self, n: int, deadline: float, into: list[int]) -> bool:
+        """Put ``n`` free slots in ``into`` (in the step that takes them from the arena, so that
+        a caller interrupted as they are handed out, Ctrl-C, has them to ``_release``),
+        waiting until ``deadline`` for them; ``False`` if none came, at once while restores
+        that timed out hold too many for ``n`` ever to be free (a frozen host would otherwise
+        cost the loop a whole timeout per call for as long as it is frozen)."""
         arena = self._manager.arena
         with self._lock:
             while True:
                 self._settle()
                 if arena.num_free >= n:
-                    return arena.allocate(n)
+                    arena.allocate(n, into)
+                    return True
                 seen = time.monotonic()
                 room = self._shares.room(arena.num_free, self._shares.under_way(seen))
                 if n > room or not self._wait(deadline, seen):
-                    return None
+                    return False
 
     def _wait(self, deadline: float, seen: float) -> bool:
         """Under the lock: wait until something changed (slots came back, a store or read
@@ -278,9 +282,12 @@ class ArenaSlots:
         if ended or freed:
             self._changed.notify_all()
 
-    def _release(self, slots: list[int]) -> None:
-        """Return arena slots that no record owns (none was sent, or its transfer cannot touch
-        them any more); wakes waiters."""
+    def _release(self, slots: list[int], keep: Container[int] = ()) -> None:
+        """Return the arena slots of ``slots`` but ``keep`` that no record owns (none was sent,
+        or its transfer cannot touch them any more); wakes waiters. Those already back are
+        skipped (only the caller's thread takes slots), so a caller that a Ctrl-C
+        (``KeyboardInterrupt``) stopped in it, or as it began, may call it again: none is
+        freed twice."""
         with self._lock:
-            self._manager.arena.free(slots)
+            self._manager.arena.free_taken(slots, keep)
             self._changed.notify_all()
