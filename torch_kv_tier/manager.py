@@ -8,7 +8,8 @@ the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed p
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
 lost session, the redial; and that one's base ``session_releases``), ``key_queries``
 (``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``) and ``closing``
-(``close``: cancel, end the sessions, settle the loads); the constructor's checks: ``manager_args``.
+(``close``: cancel, end the sessions, settle the loads); the constructor's checks: ``manager_args``;
+the factory ``create`` (a fresh arena and NIXL transport): ``manager_create``.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
@@ -45,8 +46,8 @@ import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
 
+from torch_kv_tier import manager_create
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.closing import Closing
 from torch_kv_tier.connected_hosts import ConnectedHosts
@@ -173,53 +174,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
             self._session_ends.stop(timeout=1.0)
             raise
 
-    @classmethod
-    def create(
-        cls,
-        num_blocks: int,
-        block_len: int,
-        *,
-        device: str = "cpu",
-        config_fields: dict[str, Any] | None = None,
-        name: str = "tier",
-        max_inflight: int = 64,
-        events: bool = False,
-        grant_batch: int | None = None,
-        verify: bool = True,
-        compact_index: bool | None = None,
-        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
-        settle_late_loads: bool = True,
-    ) -> TierManager:
-        """A tier over a fresh ``BlockArena`` registered with a ``NixlTransport``.
-
-        A tier only initiates transfers, and its poller progresses them, so its transport runs
-        without NIXL's progress thread (``passive_progress=False``), which would compete with
-        the poller for the same UCX worker. At the thread limit (``RuntimeError``) it closes it.
-        """
-        from torch_kv_tier.transport.nixl import NixlTransport
-
-        tier_settings(max_inflight, grant_batch, block_len)  # before memory and an agent
-        check_flags(verify=verify, events=events, compact_index=compact_index)
-        Overdue(transfer_timeout_s, settle_loads=settle_late_loads)  # (its checks) likewise
-        arena = BlockArena(num_blocks, block_len, device=device)
-        transport = NixlTransport(
-            name, arena.tensor, config_fields=config_fields, passive_progress=False
-        )
-        try:
-            return cls(
-                arena,
-                transport,
-                max_inflight=max_inflight,
-                events=events,
-                grant_batch=grant_batch,
-                verify=verify,
-                compact_index=compact_index,
-                transfer_timeout_s=transfer_timeout_s,
-                settle_late_loads=settle_late_loads,
-            )
-        except BaseException:  # (a thread that could not start): the agent is not left behind
-            transport.close()
-            raise
+    create = classmethod(manager_create.create)  # the factory: see its module
 
     # -- peers --------------------------------------------------------------------------------
 
