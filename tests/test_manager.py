@@ -326,7 +326,7 @@ def test_create_refuses_bad_settings_before_it_builds_an_arena_or_an_agent(
     def built(*args: object, **kwargs: object) -> None:
         raise AssertionError("built before the settings were checked")
 
-    monkeypatch.setattr("torch_kv_tier.manager.BlockArena", built)
+    monkeypatch.setattr("torch_kv_tier.manager_create.BlockArena", built)
     monkeypatch.setattr("torch_kv_tier.transport.nixl.NixlTransport", built)
     with pytest.raises(ValueError, match=next(iter(bad))):
         TierManager.create(4, BLOCK, name="bad", **bad)
