@@ -23,7 +23,6 @@ always raise ``ValueError`` before any memory or network is touched.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -35,6 +34,7 @@ from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError, combine
 from torch_kv_tier.integrations.torch_loop.offloader_args import (
     check_caches,
+    check_pages,
     check_wait,
     connect_kwargs,
     tier_kwargs,
@@ -290,7 +290,8 @@ class PagedKVOffloader:
         overdue" until it ends, so that a frozen host cannot take the slots the other hosts'
         pages need. A host that joins or leaves meanwhile takes effect from the next batch.
         """
-        keys, pages = self._check_args(keys, page_ids, "offload")
+        self._check_open("offload")
+        keys, pages = check_pages(keys, page_ids, self.num_pages, "offload")
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout
         todo = {key: page for key, page in zip(keys, pages, strict=True) if not self._contains(key)}
@@ -314,9 +315,8 @@ class PagedKVOffloader:
         A failed copy into the cache (out of memory, say) raises ``OffloadError`` in either
         mode, naming the pages written before it and those it may have partly written.
         """
-        keys, pages = self._check_args(keys, page_ids, "restore")
-        if len(set(pages)) != len(pages):
-            raise ValueError("restore page_ids must be distinct: two blocks cannot share a page")
+        self._check_open("restore")
+        keys, pages = check_pages(keys, page_ids, self.num_pages, "restore", distinct=True)
         wanted = self._lookup(keys)
         restored = self._batches.load_prefix(
             keys[:wanted], pages[:wanted], time.monotonic() + self.timeout
@@ -365,19 +365,6 @@ class PagedKVOffloader:
         self.close()
 
     # -- internals --------------------------------------------------------------------------
-
-    def _check_args(
-        self, keys: Sequence[Key], page_ids: Sequence[int], what: str
-    ) -> tuple[list[Key], list[int]]:
-        self._check_open(what)
-        checked = check_keys(keys)  # TypeError for a non-key, ValueError for a repeat
-        pages = [operator.index(p) for p in page_ids]
-        if len(pages) != len(checked):
-            raise ValueError(f"{what}: {len(pages)} page ids but {len(checked)} keys")
-        bad = [p for p in pages if not 0 <= p < self.num_pages]
-        if bad:
-            raise ValueError(f"{what}: page ids {bad[:5]} outside 0..{self.num_pages - 1}")
-        return checked, pages
 
     def _unavailable(self, address: str, exc: Exception) -> None:
         """``address`` failed to connect (``offloader_args.unavailable``); one the tier dials

@@ -1,4 +1,4 @@
-"""The checks of ``PagedKVOffloader``'s caches and timeouts, the keyword arguments of its
+"""The checks of ``PagedKVOffloader``'s caches, pages and timeouts, the keyword arguments of its
 connects and of the tier ``create`` builds (``tier_kwargs``), and what a failed connect of it
 does (``unavailable``).
 
@@ -9,6 +9,7 @@ argument, before the offloader touches memory or the network; none has state (an
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,14 @@ import torch
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, REDIAL_MAX_S
 from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
+from torch_kv_tier.keys import Key, check_keys
 from torch_kv_tier.remote.connect_args import check_connect_args
 from torch_kv_tier.remote.handshake_errors import not_ready
 from torch_kv_tier.remote.quantities import CONNECT_TIMEOUT, count, seconds
 
 __all__ = [
     "check_caches",
+    "check_pages",
     "check_wait",
     "connect_kwargs",
     "tier_kwargs",
@@ -142,3 +145,28 @@ def check_caches(
     if first.numel() == 0:
         raise ValueError(f"caches must not be empty, got shape {tuple(first.shape)}")
     return first
+
+
+def check_pages(
+    keys: Sequence[Key],
+    page_ids: Sequence[int],
+    num_pages: int,
+    what: str,
+    *,
+    distinct: bool = False,
+) -> tuple[list[Key], list[int]]:
+    """``keys`` and ``page_ids`` of an ``offload`` or ``restore`` (``what``, named in each
+    error) as lists, for caches of ``num_pages`` pages: ``TypeError`` for a non-key
+    (``keys.check_keys``) or a page id that is no int (``operator.index``), ``ValueError`` for
+    a repeated key, fewer or more page ids than keys, a page id outside ``0..num_pages - 1``
+    or (``distinct``: a restore's pages) one given twice."""
+    checked = check_keys(keys)  # TypeError for a non-key, ValueError for a repeat
+    pages = [operator.index(p) for p in page_ids]
+    if len(pages) != len(checked):
+        raise ValueError(f"{what}: {len(pages)} page ids but {len(checked)} keys")
+    bad = [p for p in pages if not 0 <= p < num_pages]
+    if bad:
+        raise ValueError(f"{what}: page ids {bad[:5]} outside 0..{num_pages - 1}")
+    if distinct and len(set(pages)) != len(pages):
+        raise ValueError(f"{what} page_ids must be distinct: two blocks cannot share a page")
+    return checked, pages
