@@ -1,6 +1,6 @@
 """Helpers of the disk tier's tests on real files (``DiskStore``): the block geometry, a store
-over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled, a
-device that hangs, a directory as disk format 1 made it."""
+over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled or
+polled for, a device that hangs, a directory as disk format 1 made it."""
 
 from __future__ import annotations
 
@@ -70,6 +70,19 @@ def settle(store: DiskStore, timeout: float = SETTLE_TIMEOUT_S) -> DiskCompletio
         done.read += more.read
         done.failed += more.failed
         time.sleep(0.001)  # the device's requests are polled, not awaited: leave it the CPU
+    return done
+
+
+def poll_until(store: DiskStore, what: str) -> dict[str, list[Any]]:
+    """Poll (at most 10 s) until ``what`` (a ``DiskCompletions`` field) is not empty; what
+    every field collected."""
+    done: dict[str, list[Any]] = {}
+    deadline = time.monotonic() + 10.0
+    while not done.get(what) and time.monotonic() < deadline:
+        for name, items in vars(store.poll()).items():
+            done.setdefault(name, []).extend(items)
+        time.sleep(0.01)
+    assert done.get(what), f"nothing {what} within 10 s"
     return done
 
 

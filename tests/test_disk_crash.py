@@ -31,6 +31,7 @@ from disk_support import (
     digest_of,
     make_disk_pool,
     open_store,
+    poll_until,
     settle,
 )
 
@@ -740,19 +741,6 @@ def test_a_compaction_refused_for_want_of_space_keeps_the_journal_a_restart_reco
         assert sorted(k for _, k, _ in store.recover()) == [b"k0", b"k1"]
 
 
-def _poll_until(store: DiskStore, what: str) -> dict[str, list[Any]]:
-    """Poll (at most 10 s) until ``what`` (a ``DiskCompletions`` field) is not empty; what
-    every field collected."""
-    done: dict[str, list[Any]] = {}
-    deadline = time.monotonic() + 10.0
-    while not done.get(what) and time.monotonic() < deadline:
-        for name, items in vars(store.poll()).items():
-            done.setdefault(name, []).extend(items)
-        time.sleep(0.01)
-    assert done.get(what), f"nothing {what} within 10 s"
-    return done
-
-
 def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowhere(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -768,7 +756,7 @@ def test_a_write_stuck_on_a_hung_device_is_given_up_and_its_late_bytes_land_nowh
         store.request_timeout_s = 0.2  # this request's deadline only: others get 30 s
         store.write([("ns", b"K", digest_of(disk_pool, 0, b"K"), 0)])  # a's slot 0
         store.request_timeout_s = 30.0
-        assert _poll_until(store, "failed")["failed"] == [("ns", b"K", 0)]
+        assert poll_until(store, "failed")["failed"] == [("ns", b"K", 0)]
         assert not store.contains("ns", b"K")
         assert store.busy_dram_slots() == set() and store.in_flight() == 0
         assert store.stats()["disk_stuck"] == 1
@@ -796,10 +784,11 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A disk read that hung was waited on forever (the promotion never failed). It is now
-    given up after ``request_timeout_s``: its key leaves the disk and the read is reported
-    ``abandoned``, its DRAM slot kept busy (the read may still write it) until it ends; a read
-    of its directory meanwhile fails at once. Found by the disk review: that refused read also
-    dropped its key, intact on disk, for good; it now keeps it, read once the directory answers."""
+    given up after ``request_timeout_s``: the read is reported ``abandoned``, its DRAM slot
+    kept busy (the read may still write it) until it ends; a read of its directory meanwhile
+    fails at once. Found by the disk review: that refused read also dropped its key, intact on
+    disk, for good; it now keeps it, read once the directory answers (as the key of the read
+    given up does: ``test_disk_hung_reads``)."""
     with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
         store.recover()
         assert _write(store, disk_pool, b"K", 0).written
@@ -808,14 +797,14 @@ def test_a_read_stuck_on_a_hung_device_is_given_up_and_keeps_its_dram_slot_until
         store.request_timeout_s = 0.2  # this request's deadline only
         store.read([("ns", b"K", 30)])
         store.request_timeout_s = 30.0
-        got = _poll_until(store, "abandoned")
+        got = poll_until(store, "abandoned")
         assert got["abandoned"] == [("ns", b"K", 30)] and not got["read"] and not got["failed"]
-        assert not store.contains("ns", b"K") and store.busy_dram_slots() == {30}
+        assert store.busy_dram_slots() == {30}
         store.read([("ns", b"M", 31)])  # the directory is stuck: refused, never posted
         assert store.poll().failed == [("ns", b"M", 31)] and store.contains("ns", b"M")
         assert store.busy_dram_slots() == {30} and len(hung.held) == 1
         hung.resume()
-        assert _poll_until(store, "released")["released"] == [30]
+        assert poll_until(store, "released")["released"] == [30]
         assert store.busy_dram_slots() == set()
         assert np.array_equal(disk_pool[30], disk_pool[0])  # what landed late, where it was kept
         hung.hangs = False

@@ -18,8 +18,10 @@ the loop, nor does a compaction at any number of keys (its records are built a b
 Threading and failures: not thread-safe; the server's loop thread calls every method (``close`` may
 run on another once the loop ended: on io_uring, requests the loop still had in flight were
 cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O error
-drops the keys of that request from the disk (``poll().failed``), logged, never raised; so does a
-request not done within ``request_timeout_s`` (``_give_up``: its slots are kept until it ends).
+drops the keys of that request from the disk (``poll().failed``), logged, never raised. A request
+not done within ``request_timeout_s`` (a hung device, a stuck NFS mount) is given up
+(``_give_up``): its keys fail now, its slots are kept until it ends; a read's keys stay on disk
+(a hang costs misses while it lasts, not the data) unless it then ends failed (``_unstick``).
 A directory whose last write failed takes only a probe now and then and loses no key for writes
 (``DiskIndex.failing``): a failing disk costs the copies it cannot make, not the blocks it holds,
 nor the copies its other directories can make. A directory with a request given up counts as
@@ -195,10 +197,11 @@ class DiskStore:
         self._requests = left
         stuck, self._stuck = self._stuck, []
         for request in stuck:
-            if self._io.state(request.handle, request.kind, request.directory) == "PROC":
+            state = self._io.state(request.handle, request.kind, request.directory)
+            if state == "PROC":
                 self._stuck.append(request)
             else:
-                self._unstick(request, done)
+                self._unstick(request, state == "DONE", done)
         self._sync_journals(force=False)
         return done
 
@@ -303,9 +306,10 @@ class DiskStore:
         self, request: Request, ok: bool, done: DiskCompletions, *, refused: bool = False
     ) -> None:
         """A request ended (``ok``: done), or was ``refused`` (never posted: its directory has
-        a request stuck). A read that failed drops its keys from the disk; one refused, or
-        failing at ``close``, keeps them: no byte of their blocks moved (a stuck request holds
-        its own slots, never theirs), so they are read once the directory answers again."""
+        a request stuck). A read that failed drops its keys from the disk
+        (``_drop_unreadable``); one refused, or failing at ``close``, keeps them: no byte of
+        their blocks moved (a stuck request only reads its own slots, or writes a slot no key
+        holds), so they are read once the directory answers again."""
         self._io.release(request.handle)
         self._busy_s[request.kind] += time.perf_counter() - request.started
         index = self._index
@@ -324,8 +328,8 @@ class DiskStore:
             elif ok and index.at(pair, slot):
                 done.read.append((ns, key, dram, digest))
             else:  # failed, or its copy removed meanwhile (stored again: these bytes are old)
-                if index.at(pair, slot) and not (refused or self._closed):
-                    index.remove(pair)
+                if not refused:
+                    self._drop_unreadable(pair, slot)
                 done.failed.append((ns, key, dram))
         if request.kind == "write" and not (refused or self._closed):
             index.wrote(request.directory, ok, time.monotonic())
@@ -337,41 +341,50 @@ class DiskStore:
 
     def _give_up(self, request: Request, done: DiskCompletions) -> None:
         """A request past its deadline: its keys fail now, never a late hit. A write's key was
-        never on disk and its DRAM slot (only read) is free; a read's key leaves the disk and
-        its DRAM slot is ``abandoned`` (its bytes may still land). The disk slots stay taken,
-        and the directory takes no write nor read until it ends (``_unstick``), then only
-        probes until a write there is done (``DiskIndex.wrote``); the others take the copies."""
+        never on disk and its DRAM slot (only read) is free; a read's DRAM slot is
+        ``abandoned`` (its bytes may still land), its key kept (no ``DEL``: its block is
+        intact). The disk slots stay taken, and the directory takes no write nor read until it
+        ends (``_unstick``), then only probes until a write there is done (``DiskIndex.wrote``)."""
         logger.warning(
-            "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, its "
-            "keys dropped; no writes, nor reads, of that directory until it ends (the other "
-            "directories take the copies)", request.kind, len(request.items),
-            self._dirs[request.directory].path, self.request_timeout_s,
+            "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, %s; "
+            "no writes, nor reads, of that directory until it ends (the other directories take "
+            "the copies)", request.kind, len(request.items), self._dirs[request.directory].path,
+            self.request_timeout_s,
+            "its keys not copied" if request.kind == "write" else "its keys kept on disk",
         )  # fmt: skip
         self._stuck.append(request)
         self._index.wrote(request.directory, False, time.monotonic())
         self._counters["disk_stuck"] += 1
         self._counters["disk_failures"] += len(request.items)
-        for ns, key, _, slot, dram in request.items:
-            pair = (ns, key)
+        for ns, key, _, _, dram in request.items:
             if request.kind == "write":
-                self._writing.discard(pair)
+                self._writing.discard((ns, key))
                 self._unbusy_dram(dram)
                 done.failed.append((ns, key, dram))
-                continue
-            if self._index.at(pair, slot):
-                self._index.remove(pair)
-            done.abandoned.append((ns, key, dram))
+            else:
+                done.abandoned.append((ns, key, dram))
 
-    def _unstick(self, request: Request, done: DiskCompletions) -> None:
-        """A request given up has ended (its bytes are ignored): its slots are free again."""
+    def _unstick(self, request: Request, ok: bool, done: DiskCompletions) -> None:
+        """A request given up has ended (``ok``: done; its bytes are ignored): its slots are
+        free again. A read that failed drops its keys, as one failed in time does: a block whose
+        read hangs the device, then fails, costs one hang, not one per read of it."""
         self._io.release(request.handle)
-        for _, _, _, slot, dram in request.items:
+        for ns, key, _, slot, dram in request.items:
             self._index.slots.end_io(slot)
             if request.kind == "write":
                 self._index.slots.release(slot)
-            else:
-                self._unbusy_dram(dram)
-                done.released.append(dram)
+                continue
+            if not ok:
+                self._drop_unreadable((ns, key), slot)
+            self._unbusy_dram(dram)
+            done.released.append(dram)
+
+    def _drop_unreadable(self, pair: Pair, slot: int) -> None:
+        """A read of ``pair``'s block in ``slot`` failed: the key leaves the disk (a ``DEL``),
+        unless it was removed or stored again since, or the store is closing (its requests
+        cancelled as the loop exits: the block is intact, a restart verifies it)."""
+        if self._index.at(pair, slot) and not self._closed:
+            self._index.remove(pair)
 
     def _stuck_dirs(self) -> set[int]:
         """The directories with a request given up still in flight (a hung device)."""
