@@ -54,7 +54,7 @@ class FakeDisk:
         self.fail_writes = False
         self.hold_writes = False  # writes posted stay in flight across polls
         self.hold_reads = False  # reads posted stay in flight across polls
-        self.hang_reads = False  # reads posted now are given up at the next poll...
+        self.hang_reads = False  # reads posted now are given up at the next poll, keys kept...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
         self.ended: list[int] = []
 
@@ -109,7 +109,10 @@ class FakeDisk:
                 self.reading[(ns, key)] = slot
         return skipped
 
-    def end_stuck(self) -> None:
+    def end_stuck(self, *, failed: bool = False) -> None:
+        """The reads given up end (``failed``: their keys dropped, as ``DiskStore`` does)."""
+        for pair in self.stuck if failed else ():
+            self._forget(pair)
         self.ended += self.stuck.values()
         self.stuck = {}
 
@@ -128,7 +131,6 @@ class FakeDisk:
             done.written.append((ns, key))
         for (ns, key), slot in {} if self.hold_reads else self.reading.items():
             if self.hang_reads:
-                self._forget((ns, key))
                 self.stuck[(ns, key)] = slot
                 done.abandoned.append((ns, key, slot))
             elif self.fail_reads or (ns, key) not in self.keys:  # removed meanwhile: old bytes
@@ -261,25 +263,38 @@ def test_a_failed_promotion_frees_its_slot_and_announces_the_key_evicted() -> No
     assert tier.stats()["disk_promotions_failed"] == 1
 
 
-def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends() -> None:
+@pytest.mark.parametrize("ends_failed", [False, True])
+def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends(
+    ends_failed: bool,
+) -> None:
     """Found by review: a disk read that hung was waited on forever (its promotion never
     failed, its slot stayed granted). A read the disk gives up fails the promotion, but its
-    slot, which the read may still write, goes back to the pool only once the read ends."""
+    slot, which the read may still write, goes back to the pool only once the read ends.
+    Found by the fifth disk review: the disk kept no key of a read given up, though its block
+    was intact. Its key now stays announced on disk, promoted once the read ends, unless that
+    read ended failed: the disk then drops it, announced evicted as the read ends."""
     cache, disk, tier = _a_only_on_disk()
     disk.hang_reads = True
     tier.promote(cache.namespace_of("s"), ["a"], 3.0)
     tier.step(now=3.0)  # a DRAM slot taken, the read posted
     tier.step(now=4.0)  # given up
     _, evicted = _events(cache)
-    assert "a" in evicted and tier.stats()["disk_promotions_failed"] == 1
+    assert evicted == [] and tier.stats()["disk_promotions_failed"] == 1
     slot = disk.stuck[("ns", "a")]
     free_before = cache.free_slots()
     tier.step(now=5.0)
     assert cache.namespace_of("s").granted == 1 and cache.free_slots() == free_before
-    disk.end_stuck()
+    disk.end_stuck(failed=ends_failed)
     tier.step(now=6.0)  # the read ended: the slot is free again
     assert cache.namespace_of("s").granted == 0 and cache.free_slots() == free_before + 1
-    assert slot in cache.grant("s", 1)
+    assert _events(cache)[1] == (["a"] if ends_failed else [])
+    disk.hang_reads = False
+    tier.promote(cache.namespace_of("s"), ["a"], 7.0)
+    tier.step(now=7.0)
+    tier.step(now=8.0)
+    assert ("a" in cache.namespace_of("s").entries) is not ends_failed
+    if ends_failed:
+        assert slot in cache.grant("s", 1)
 
 
 @pytest.mark.parametrize("reading", [False, True])

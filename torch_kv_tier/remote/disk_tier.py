@@ -28,7 +28,10 @@ DRAM slot (its namespace at its quota, every slot granted, held or being copied)
 tried again once a slot may have come free (``_slot_mark``) or after ``PROMOTE_BACKOFF_S``,
 not at every turn, for at most ``PROMOTE_RETRY_S``. A read the disk gave up
 (stuck past ``DiskStore.request_timeout_s``) fails the promotion, and its slot is withheld
-from the pool until the read ends: its bytes may still land there.
+from the pool until the read ends: its bytes may still land there. Its key stays on disk, as
+does that of a read refused meanwhile, so it stays announced on disk (a key announced evicted
+that the disk still holds goes out as on disk: ``shared_events.take_events``) and is promoted
+when asked again; the disk drops it if the read then ends failed, announced as it ends.
 
 Threading: not thread-safe; the server's loop thread calls every method with its state lock
 held, like ``SharedCache``.
@@ -120,7 +123,7 @@ class DiskTier:
         self._waiting: dict[tuple[str, Key], float] = {}
         self._retry: tuple[float, tuple[int, ...]] = (0.0, ())  # (backoff's end, _slot_mark())
         self._promoting: dict[tuple[str, Key], tuple[Namespace, int]] = {}  # -> (ns, slot)
-        self._withheld: dict[int, Namespace] = {}  # slots of reads given up, until they end
+        self._withheld: dict[int, tuple[Namespace, Key]] = {}  # reads given up, until they end
         self._next_copy = 0.0
         self._idle: tuple[float, int] | None = None  # a look found none: (until, _moves() then)
         self._sightings = 0  # keys committed or touched so far
@@ -231,15 +234,15 @@ class DiskTier:
                 self._copies_failed += 1
             cache.left_disk(name, key)
         for name, key, slot in done.abandoned:  # its bytes may still land: not reused yet
-            entry = self._promotion_ended(name, key, slot)
+            entry = self._promotion_ended(name, key, slot)  # (its key stays on disk)
             if entry is not None:
-                self._withheld[slot] = entry[0]
+                self._withheld[slot] = (entry[0], key)
                 self.counters["disk_promotions_failed"] += 1
-            cache.left_disk(name, key)
         for slot in done.released:
-            ns = self._withheld.pop(slot, None)
-            if ns is not None:
-                cache.unpromoted(ns, slot)
+            withheld = self._withheld.pop(slot, None)
+            if withheld is not None:
+                cache.unpromoted(withheld[0], slot)
+                cache.left_disk(withheld[0].name, withheld[1])  # dropped if the read failed
         if done.written:
             self._copy_backoff = (0.0, 0.0)
         elif self._copies_failed > copies_failed:
