@@ -49,10 +49,12 @@ def test_a_read_given_up_on_a_hung_device_keeps_its_key_on_disk_and_across_a_res
         hung = HungDevice(store, monkeypatch)
         _stuck_read(store, hung, b"K", 30)
         assert store.contains("ns", b"K") and store.busy_dram_slots() == {30}
+        assert store.hung("ns", b"K")  # a promotion of it takes no DRAM slot (``DiskTier``)
         assert store.read([("ns", b"K", 31)]) == []  # the directory is stuck: refused at once
         assert store.poll().failed == [("ns", b"K", 31)] and store.contains("ns", b"K")
         hung.resume()  # the device answers
         assert poll_until(store, "released")["released"] == [30]
+        assert not store.hung("ns", b"K")
         hung.hangs = False
         disk_pool[32] = 0
         assert store.read([("ns", b"K", 32)]) == []

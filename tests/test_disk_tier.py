@@ -57,9 +57,13 @@ class FakeDisk:
         self.hang_reads = False  # reads posted now are given up at the next poll, keys kept...
         self.stuck: dict[tuple[str, Any], int] = {}  # ...and end at ``end_stuck`` (-> dram slot)
         self.ended: list[int] = []
+        self.hung_keys: set[tuple[str, Any]] = set()  # in a directory that hangs: reads refused
 
     def contains(self, namespace: str, key: Any) -> bool:
         return (namespace, key) in self.keys
+
+    def hung(self, namespace: str, key: Any) -> bool:
+        return (namespace, key) in self.hung_keys and self.contains(namespace, key)
 
     def digest(self, namespace: str, key: Any) -> int | None:
         return self.keys.get((namespace, key))
@@ -133,6 +137,8 @@ class FakeDisk:
             if self.hang_reads:
                 self.stuck[(ns, key)] = slot
                 done.abandoned.append((ns, key, slot))
+            elif (ns, key) in self.hung_keys:  # refused: the key kept
+                done.failed.append((ns, key, slot))
             elif self.fail_reads or (ns, key) not in self.keys:  # removed meanwhile: old bytes
                 self._forget((ns, key))
                 done.failed.append((ns, key, slot))
@@ -295,6 +301,27 @@ def test_a_promotion_the_disk_gave_up_withholds_its_slot_until_the_read_ends(
     assert ("a" in cache.namespace_of("s").entries) is not ends_failed
     if ends_failed:
         assert slot in cache.grant("s", 1)
+
+
+def test_a_promotion_of_a_key_in_a_hung_directory_evicts_nothing_and_waits_for_it() -> None:
+    """Found by the fifth disk review: a promotion of a key whose directory hangs (a read
+    there given up, still in flight) took a DRAM slot, evicting the least recently used key of
+    a full pool (lost, if no disk copy could be made), for a read the disk refused at once. It
+    now fails taking no slot, the key kept on disk, and is promoted once the directory answers."""
+    cache, disk, tier = _a_only_on_disk()  # a on disk; the pool's 4 slots hold b to e
+    ns = cache.namespace_of("s")
+    held = dict(ns.entries)
+    disk.hung_keys.add(("ns", "a"))
+    tier.promote(ns, ["a"], 3.0)
+    tier.step(now=3.0)
+    tier.step(now=4.0)
+    assert ns.entries == held and _events(cache) == ({}, [])  # nothing evicted, a on disk
+    assert tier.stats()["disk_promotions_failed"] == 1 and disk.contains("ns", "a")
+    disk.hung_keys.clear()  # the directory answers
+    tier.promote(ns, ["a"], 5.0)
+    tier.step(now=5.0)
+    tier.step(now=6.0)
+    assert "a" in ns.entries and tier.stats()["disk_promotions"] == 1
 
 
 @pytest.mark.parametrize("reading", [False, True])

@@ -118,6 +118,12 @@ class DiskStore:
     def contains(self, namespace: str, key: Key) -> bool:
         return (namespace, key) in self._index.where
 
+    def hung(self, namespace: str, key: Key) -> bool:
+        """Whether ``key`` is on disk in a directory with a request given up still in flight
+        (a hung device): a read of it is refused, a miss, until that request ends."""
+        entry = self._index.where.get((namespace, key))
+        return entry is not None and entry[0] % len(self._dirs) in self._stuck_dirs()
+
     def digest(self, namespace: str, key: Key) -> int | None:
         entry = self._index.where.get((namespace, key))
         return None if entry is None else entry[1]

@@ -269,7 +269,9 @@ class DiskTier:
     def _start_promotions(self, now: float) -> None:
         """Promotions asked: those that find no DRAM slot (every slot granted, or being
         copied) wait to be tried again (``step``), for at most ``PROMOTE_RETRY_S``; those of a
-        namespace forgotten meanwhile (no session left) are dropped."""
+        namespace forgotten meanwhile (no session left) are dropped; those of a key in a
+        directory that hangs (``DiskStore.hung``: its read would be refused) fail at once,
+        taking no DRAM slot: each evicted a key from DRAM for nothing while the device hung."""
         asked, self._asked = self._asked, []
         tried_all = not self._waiting  # else only new asks: the waiting ones keep their backoff
         store, promoting, namespaces = self.store, self._promoting, self.cache.namespaces
@@ -280,6 +282,9 @@ class DiskTier:
                 wanted.setdefault((name, key), (ns, since))
         for pair in promoting.keys() & wanted.keys():
             del wanted[pair]
+        for pair in [pair for pair in wanted if store.hung(*pair)]:
+            del wanted[pair]
+            self.counters["disk_promotions_failed"] += 1
         by_ns: dict[str, list[Key]] = {}
         for (name, key), _ in wanted.items():
             by_ns.setdefault(name, []).append(key)
