@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import struct
 from contextlib import closing
 from pathlib import Path
@@ -228,3 +229,53 @@ def test_a_header_not_written_after_its_journal_costs_that_directorys_keys_never
         _write(store, disk_pool, b"L", 1)
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert store.recover() == [("ns", b"L", digest_of(disk_pool, 1, b"L"))]
+
+
+def test_records_of_a_journal_emptied_before_a_crash_bring_no_old_bytes_back_after_it(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a journal emptied for a sync that failed (EIO), then a crash before its
+    rewrite: the restart numbered its new journal from the generation ``meta.json`` names, below
+    the orders of the emptied journal's records, so one of them that the file system returned in
+    the new journal read in order: K came back with the bytes of its first store, though the
+    last bytes stored under K were other ones. The emptied journal now keeps a header naming an
+    order past its records, and a restart numbers past it (no error: that header alone is no
+    older journal's record)."""
+    d = tmp_path / "d"
+    real_sync = os.fdatasync
+
+    def failing(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(d)):
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(fd)
+
+    with closing(open_store(disk_pool, [d], 16)) as store:
+        store.recover()
+        for _ in range(5):  # records before K's: its order is past the restart's first ones
+            _write(store, disk_pool, b"F", 3)
+            assert store.remove("ns", b"F")
+        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
+        _write(store, disk_pool, b"X", 1)  # slot 1
+        assert store.remove("ns", b"K") and store.remove("ns", b"X")  # slot 0 keeps K's bytes
+        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes: slot 1
+        assert store.sync(5.0)
+        old = (d / "journal.log").read_bytes()
+        monkeypatch.setattr(os, "fdatasync", failing)
+        assert store.remove("ns", b"K")
+        assert store.sync(5.0) and store._dirs[0].stale  # emptied, not yet rewritten
+        monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # a crash: no rewrite
+    monkeypatch.undo()
+    caplog.clear()
+    with (
+        caplog.at_level(logging.ERROR, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [d], 16)) as store,
+    ):
+        assert store.recover() == []
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    journal = d / "journal.log"
+    journal.write_bytes(journal.read_bytes() + _frame_of(old, PUT, 0, b"K"))
+    with closing(open_store(disk_pool, [d], 16)) as store:
+        assert store.recover() == []

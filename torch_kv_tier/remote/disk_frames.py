@@ -65,7 +65,9 @@ class Parsed:
     bad_at: int | None = None  # that frame's byte; None: every byte read
     after: list[Record] = field(default_factory=list)  # frames past it that read
     searched_all: bool = True  # False: more than RESYNC_BYTES unreadable, the rest not searched
-    last_seq: int = -1  # the greatest order of a record read, before ``bad_at`` or past it
+    # the greatest order of a record read, before ``bad_at`` or past it, or of the header's
+    # generation where that is greater
+    last_seq: int = -1
     generation: int | None = None  # what the header read names (format 3); None: no header
 
 
@@ -103,7 +105,8 @@ def parse(data: bytes, *, ordered: bool = True, generation: int | None = None) -
         pos, named = read_header(data)
         if named != generation:  # an older journal's bytes, or damage: none is this journal's
             rest = parse(data[pos:])
-            return Parsed([], 0, rest.records + rest.after, rest.searched_all, rest.last_seq, named)
+            last = max(rest.last_seq, -1 if named is None else named)  # orders used: past them
+            return Parsed([], 0, rest.records + rest.after, rest.searched_all, last, named)
         last = generation
     pos, last = _read_run(data, pos, records, ordered, last)
     if pos == len(data):

@@ -27,11 +27,13 @@ and records are dropped meanwhile (a compaction that fails does not: the journal
 replaced is whole, and appended to as before). A journal that dropped a record is emptied
 (``_dropped``): the record may be the ``DEL`` of a block still intact, whose key stored since with
 other bytes would come back, old bytes that verify, at the next start; so a restart before the
-rewrite finds none of that directory's blocks (misses), never a removed one. ``read_records`` reads
-up to the first frame that does not read (``disk_frames``): a crash in the middle of an append costs
-that record only; damage with records past it (a bad sector) costs every record, for the same
-reason, and is logged with the keys it cost. ``rewrite`` replaces the journal by the live records
-whole or not at all (temporary file, fsync, rename, fsync of the directory).
+rewrite finds none of that directory's blocks (misses), never a removed one (the emptied journal
+keeps a header naming an order past its records: the restart numbers its own past them).
+``read_records`` reads up to the first frame that does not read (``disk_frames``): a crash in
+the middle of an append costs that record only; damage with records past it (a bad sector) costs
+every record, for the same reason, and is logged with the keys it cost. ``rewrite`` replaces the
+journal by the live records whole or not at all (temporary file, fsync, rename, fsync of the
+directory).
 
 Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`` on its thread,
 ``flush`` and ``rewrite`` on its journals' thread (``disk_sync``), never two at once; ``records``,
@@ -212,6 +214,7 @@ class DiskDir:
         self._emptied = True
         try:
             os.ftruncate(self.journal, 0)
+            self._past_orders()
             os.fsync(self.journal)
         except OSError as exc:
             logger.error(
@@ -224,6 +227,19 @@ class DiskDir:
             "disk: journal of %s emptied (a record could not be written): a restart before it "
             "is rewritten (a line says when) finds none of its blocks", self.path,
         )  # fmt: skip
+
+    def _past_orders(self) -> None:
+        """Give the emptied journal a header naming an order past every record framed: a
+        restart before the rewrite numbers its journal past it, so a record of this one found
+        in the new one is out of order (damage). One not written is logged."""
+        try:
+            os.write(self.journal, header(self.reserve(1)))
+        except OSError as exc:
+            logger.warning(
+                "disk: journal of %s emptied, but no header naming its last order written (%s): "
+                "a restart before it is rewritten may read records of it, if the file system "
+                "returns them in the next journal, as records of that one", self.path, exc,
+            )  # fmt: skip
 
     def read_records(self) -> list[Record]:
         """The journal's records, up to its first frame that does not read: a tail cut by a
@@ -280,7 +296,10 @@ class DiskDir:
     def _other_journal(self, found: int | None, records: list[Record]) -> list[Record]:
         """A journal whose header names another generation than ``meta.json`` (``found``;
         None: no header): none of its ``records`` is used, each may be an older journal's,
-        replayed with none of the records that undid it. Logged with the keys it costs."""
+        replayed with none of the records that undid it. Logged with the keys it costs, unless
+        a header alone (a journal emptied, ``_past_orders``): nothing is lost."""
+        if found is not None and not records:
+            return []
         self.dropped = len(self._live(records))
         logger.error(
             "disk: journal of %s starts with %s, not generation %s as its meta.json says: bytes "
