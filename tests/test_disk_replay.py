@@ -214,8 +214,8 @@ def test_a_header_not_written_after_its_journal_costs_that_directorys_keys_never
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, *data)
 
-    with closing(open_store(disk_pool, [d], 8)) as store, monkeypatch.context() as m:
-        m.setattr(disk_journal, "write_durably", no_header)
+    with monkeypatch.context() as m, closing(open_store(disk_pool, [d], 8)) as store:
+        m.setattr(disk_journal, "write_durably", no_header)  # till the end: as a crash
         assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
     with (
         caplog.at_level(logging.ERROR, logger=disk_journal.__name__),
@@ -279,3 +279,41 @@ def test_records_of_a_journal_emptied_before_a_crash_bring_no_old_bytes_back_aft
     journal.write_bytes(journal.read_bytes() + _frame_of(old, PUT, 0, b"K"))
     with closing(open_store(disk_pool, [d], 16)) as store:
         assert store.recover() == []
+
+
+def test_a_header_refused_for_a_full_disk_is_written_once_there_is_room(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a ``meta.json`` refused after a rewrite of the journal (a full disk) was
+    written again only by the next rewrite (a compaction, past 4x the live keys: hours on a
+    quiet host), so a crash long after the disk had room again still cost every key of that
+    directory. Each journal sync now tries again (logged once refused, once written)."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+    real = disk_journal.write_durably
+    full = True
+
+    def no_header(path: Path, *data: bytes | bytearray) -> int:
+        if full and path.name == "meta.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *data)
+
+    monkeypatch.setattr(disk_journal, "write_durably", no_header)
+    with caplog.at_level(logging.INFO, logger=disk_journal.__name__):
+        with closing(open_store(disk_pool, [d], 8)) as store:
+            assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+            assert store.sync(5.0)  # still full: tried again, not said again
+            full = False  # room again: the next journal sync writes it
+            assert store.sync(5.0)
+            meta = json.loads((d / "meta.json").read_text())
+            assert meta["generation"] == read_header((d / "journal.log").read_bytes())[1]
+            monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
+        lines = [r.getMessage() for r in caplog.records if "meta.json" in r.getMessage()]
+    assert len(lines) == 2 and "a restart finds its blocks again" in lines[1], lines
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]

@@ -2,7 +2,8 @@
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (``disk_header``: written whole or not at
-all, at start where there is none and after each rewrite of the journal) and
+all, at start where there is none and after each rewrite of the journal, at each sync after it
+where that was refused) and
 ``journal.log`` (one missing from a directory with a header is logged: its blocks are
 forgotten). A ``blocks.dat`` removed or replaced under a running host is logged once, at a journal
 sync (``_check_in_place``). The block file holds an exclusive ``flock`` while open (``disk_files``):
@@ -85,6 +86,7 @@ class DiskDir:
         self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
+        self._header_due: int | None = None  # a generation meta.json could not name (``flush``)
         try:
             path.mkdir(parents=True, exist_ok=True)
             # the format and generation ``meta.json`` names: a directory of format 1 or 2 is
@@ -162,7 +164,8 @@ class DiskDir:
     def flush(self, data: bytes, count: int, *, sync: bool) -> None:
         """Write ``count`` records taken (``take_pending``); with ``sync``, ``fdatasync`` the
         block file (each block a record names was written before the record was appended), then
-        ``fsync`` the journal.
+        ``fsync`` the journal, then write ``meta.json`` where the last rewrite could not
+        (``_new_header``).
         A write or sync that fails (a full disk, EIO) is logged, never raised: the journal is
         marked ``stale`` and emptied (``_dropped``); records are then dropped until ``rewrite``
         writes it afresh."""
@@ -178,6 +181,8 @@ class DiskDir:
                 os.fdatasync(self.fd)
                 os.fsync(self.journal)
                 self._check_in_place()
+                if self._header_due is not None:
+                    self._new_header(self._header_due)
             self.records += count
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
@@ -385,18 +390,23 @@ class DiskDir:
     def _new_header(self, generation: int) -> None:
         """The journal was rewritten as of ``generation``: write ``meta.json`` naming it (in
         ``FORMAT``: a directory of an older format is then migrated). Where it cannot be written
-        (logged), the next ``rewrite`` writes it; a restart before then finds none of this
-        directory's blocks (``_other_journal``: misses)."""
+        (logged once), each journal sync tries again (``flush``: logged once written); a restart
+        before then finds none of this directory's blocks (``_other_journal``: misses)."""
         migrating, new = self._header.format != FORMAT, disk_header.Header(FORMAT, generation)
         try:
             os.close(write_durably(self.path / "meta.json", new.encode(self.block_len, self.slots)))
         except OSError as exc:
-            logger.warning(
-                "disk: %s/meta.json not written (%s): a restart before its journal is rewritten "
-                "again finds none of its blocks; free space on its file system", self.path, exc,
-            )  # fmt: skip
+            if self._header_due != generation:
+                logger.warning(
+                    "disk: %s/meta.json not written (%s): a restart before it is (tried again at "
+                    "each journal sync, a line says when) finds none of its blocks; free space "
+                    "on its file system", self.path, exc,
+                )  # fmt: skip
+            self._header_due = generation
             return
-        self._header = new
+        if self._header_due is not None:
+            logger.info("disk: %s/meta.json written: a restart finds its blocks again", self.path)
+        self._header, self._header_due = new, None
         if migrating:
             logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
 
