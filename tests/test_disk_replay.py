@@ -30,6 +30,15 @@ def _write(store: DiskStore, pool: np.ndarray, key: bytes, dram: int) -> None:
     assert settle(store).written == [("ns", key)]
 
 
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the disk tier's journals logged (warnings, errors)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == disk_journal.__name__ and r.levelno >= logging.WARNING
+    ]
+
+
 def _frames(data: bytes, count: int) -> bytes:
     """The first ``count`` frames of ``data`` (a journal's bytes)."""
     end = 0
@@ -317,3 +326,42 @@ def test_a_header_refused_for_a_full_disk_is_written_once_there_is_room(
     assert len(lines) == 2 and "a restart finds its blocks again" in lines[1], lines
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_crash_between_a_migrations_journal_and_its_header_says_so_and_serves_nothing_old(
+    disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: int
+) -> None:
+    """Found by review: a crash as a directory of format 1 or 2 was migrated, its journal
+    rewritten as format 3 but its ``meta.json`` not yet, read that journal as one of the old
+    format: an error said it was damaged and to check the device (format 2), or a warning that
+    a record cut at its tail was lost and nothing was to do (format 1), though every key it
+    named was a miss. It now says what happened, with the keys it cost; the start after is
+    clean."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+    meta = json.loads((d / "meta.json").read_text())
+    del meta["generation"]
+    (d / "meta.json").write_text(json.dumps({**meta, "format": fmt}))  # the journal's: not yet
+    with (
+        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [d], 8)) as store,
+    ):
+        assert store.recover() == []
+        assert store.stats()["disk_recover_dropped"] == 1
+    (line,) = _said(caplog)
+    assert f"meta.json names no header (disk format {fmt})" in line
+    assert "a crash between a rewrite of the journal (a migration's too)" in line
+    assert "none of its 1 records is used: the 1 keys" in line
+    caplog.clear()
+    with (
+        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        closing(open_store(disk_pool, [d], 8)) as store,
+    ):
+        assert store.recover() == []
+        _write(store, disk_pool, b"L", 1)
+    assert not _said(caplog)
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert store.recover() == [("ns", b"L", digest_of(disk_pool, 1, b"L"))]

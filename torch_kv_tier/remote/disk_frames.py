@@ -97,17 +97,18 @@ def parse(data: bytes, *, ordered: bool = True, generation: int | None = None) -
     as a lost page reads, cost nothing). ``ordered=False`` reads disk format 1's records, which
     carry no order (each is taken as past the one before it). ``generation`` (disk format 3)
     is the one the journal's header must name (``header``), its records' orders past it: where
-    it names another (``Parsed.generation``), or there is none, no record reads before byte 0,
-    every frame that reads is past it (``after``)."""
+    it names another (``Parsed.generation``), or there is none, or there is one where
+    ``generation`` is None (a journal of format 3 where an older one is read: a crash as it was
+    migrated), no record reads before byte 0, every frame that reads is past it (``after``)."""
     records: list[Record] = []
-    pos, last = 0, -1
-    if generation is not None and data:
-        pos, named = read_header(data)
-        if named != generation:  # an older journal's bytes, or damage: none is this journal's
-            rest = parse(data[pos:])
-            last = max(rest.last_seq, -1 if named is None else named)  # orders used: past them
-            return Parsed([], 0, rest.records + rest.after, rest.searched_all, last, named)
-        last = generation
+    last = -1
+    pos, named = read_header(data)
+    if data and named != generation:  # an older journal's bytes, or damage: none is this one's
+        rest = parse(data[pos:])
+        last = max(rest.last_seq, -1 if named is None else named)  # orders used: past them
+        return Parsed([], 0, rest.records + rest.after, rest.searched_all, last, named)
+    if named is not None:
+        last = named
     pos, last = _read_run(data, pos, records, ordered, last)
     if pos == len(data):
         return Parsed(records, last_seq=last, generation=generation)

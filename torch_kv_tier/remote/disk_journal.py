@@ -306,13 +306,16 @@ class DiskDir:
         if found is not None and not records:
             return []
         self.dropped = len(self._live(records))
+        named = self._header.generation
         logger.error(
-            "disk: journal of %s starts with %s, not generation %s as its meta.json says: bytes "
-            "of an older journal (a file system that returned old blocks after a crash), or a "
-            "crash between a rewrite of the journal and of meta.json; none of its %d records is "
-            "used: the %d keys they name are misses (this start rewrites the journal)",
+            "disk: journal of %s starts with %s, but its meta.json names %s: bytes of an older "
+            "journal (a file system that returned old blocks after a crash), or a crash between "
+            "a rewrite of the journal (a migration's too) and of meta.json; none of its %d "
+            "records is used: the %d keys they name are misses (this start rewrites the journal)",
             self.path, "no header" if found is None else f"generation {found}",
-            self._header.generation, len(records), self.dropped,
+            f"no header (disk format {self._header.format})" if named is None
+            else f"generation {named}",
+            len(records), self.dropped,
         )  # fmt: skip
         return []
 
