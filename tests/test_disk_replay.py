@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import struct
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +365,55 @@ def test_a_crash_between_a_migrations_journal_and_its_header_says_so_and_serves_
     assert not _said(caplog)
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert store.recover() == [("ns", b"L", digest_of(disk_pool, 1, b"L"))]
+
+
+class _Crash(BaseException):
+    """The host killed (as SIGKILL would) at the point that raises it."""
+
+
+@pytest.mark.parametrize("end", ["a rewrite refused, then a crash", "a crash between rewrites"])
+def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_crash(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """Found by review: a key found in two directories at a start (the ``DEL`` of its older
+    copy lost) is dropped, each journal rewritten without it, one after the other; where the
+    rewrite of the older copy's directory did not happen (refused for a full disk, or the host
+    killed before it), the next start found the key in that directory only and served its older
+    bytes, which verify. Both copies' blocks are now overwritten, and synced, before any
+    journal is rewritten."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with closing(open_store(disk_pool, dirs, 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"F", 5)  # global slot 0: K's first copy in directory 1
+        _write(store, disk_pool, b"K", 0)  # K's first bytes
+        old = dirs[store._index.where[("ns", b"K")][0] % 2]
+        assert old == dirs[1] and store.sync(5.0)
+        before = (old / "journal.log").read_bytes()
+        assert store.remove("ns", b"K")
+        for filler in (b"G", b"H", b"I"):  # K stored again with other bytes, in directory 0...
+            _write(store, disk_pool, b"K", 2)
+            if store._index.where[("ns", b"K")][0] % 2 == 0:
+                break
+            assert store.remove("ns", b"K")
+            _write(store, disk_pool, filler, 6)
+        assert store._index.where[("ns", b"K")][0] % 2 == 0
+    (old / "journal.log").write_bytes(before)  # ...and the DEL of its first copy lost
+    real = disk_journal.write_durably
+
+    def cut(path: Path, *data: bytes | bytearray) -> int:
+        if path.parent == old:
+            if end == "a crash between rewrites":
+                raise _Crash
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *data)
+
+    store = open_store(disk_pool, dirs, 8)
+    with monkeypatch.context() as m:
+        m.setattr(disk_journal, "write_durably", cut)
+        m.setattr(store, "_sync_journals", lambda force: None)  # no rewrite again
+        with suppress(_Crash):  # the recovery cut short by the crash, or done
+            assert b"K" not in {k for _, k, _ in store.recover()}
+        store.close()
+    with closing(open_store(disk_pool, dirs, 8)) as store:
+        found = {key: digest for _, key, digest in store.recover()}
+        assert found.get(b"K", digest_of(disk_pool, 2, b"K")) == digest_of(disk_pool, 2, b"K")

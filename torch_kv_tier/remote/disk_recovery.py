@@ -15,6 +15,7 @@ Threading: runs on the caller's thread, before any other I/O on the directories.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -28,6 +29,7 @@ from torch_kv_tier.remote.disk_journal import DiskDir
 logger = logging.getLogger(__name__)
 
 Pair = tuple[str, Key]
+_COMPLEMENT = bytes(255 - b for b in range(256))  # each byte's complement (``_spoil``)
 
 
 def verified_index(
@@ -68,16 +70,58 @@ def verified_index(
     for _, slot, ns, key, _ in found:
         homes.setdefault((ns, key), set()).add(slot % n)
     index: OrderedDict[Pair, tuple[int, int]] = OrderedDict()
-    twice = 0
+    twice: list[int] = []
     for _, slot, ns, key, digest in found:
         if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
-            twice += 1
+            twice.append(slot)
             continue
         index.pop((ns, key), None)  # two slots of one journal: the later one stays
         index[(ns, key)] = (slot, digest)
     if twice:
         logger.warning(
             "disk: %d blocks dropped: their keys are in two directories (a removal's record "
-            "lost), and which copy is the newer is unknown; those keys are misses", twice,
+            "lost), and which copy is the newer is unknown; those keys are misses", len(twice),
         )  # fmt: skip
-    return index, dropped + twice
+        _spoil(dirs, twice, block_len)
+    return index, dropped + len(twice)
+
+
+def _spoil(dirs: Sequence[DiskDir], slots: list[int], block_len: int) -> None:
+    """Overwrite the blocks of global ``slots`` with their bytes' complement, then sync their
+    block files: before the journals naming them are rewritten one by one, so that a crash
+    between two of those rewrites (or one refused: a full disk) leaves no record naming a
+    block that still verifies (a key dropped for being in two directories was then found in
+    one only, and its copy there, maybe the older one, served). A block that cannot be
+    overwritten is logged: a start after such a crash may serve it."""
+    n = len(dirs)
+    row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT needs
+    done: set[int] = set()
+    try:
+        for slot in slots:
+            d, j = dirs[slot % n], slot // n
+            try:
+                _complement(d.fd, j * block_len, row)
+                done.add(slot % n)
+            except OSError as exc:
+                logger.error(
+                    "disk: block %d of %s, whose key is in another directory too, cannot be "
+                    "overwritten (%s): a start after a crash before every journal is rewritten "
+                    "may serve it, maybe the older copy", j, d.path, exc,
+                )  # fmt: skip
+        for f in done:
+            try:
+                os.fdatasync(dirs[f].fd)
+            except OSError as exc:
+                logger.error("disk: blocks of %s overwritten, not synced: %s", dirs[f].path, exc)
+    finally:
+        row.close()
+
+
+def _complement(fd: int, at: int, row: mmap.mmap) -> None:
+    """Write the block at byte ``at`` of ``fd`` again as its bytes' complement, through
+    ``row``; raises ``OSError`` where it cannot, or either is cut short."""
+    if os.preadv(fd, [row], at) != len(row):
+        raise OSError(errno.EIO, "block read cut short")
+    row[:] = row[:].translate(_COMPLEMENT)
+    if os.pwritev(fd, [row], at) != len(row):
+        raise OSError(errno.EIO, "block write cut short")
