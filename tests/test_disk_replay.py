@@ -130,6 +130,21 @@ def _frame_of(data: bytes, op: int, slot: int, key: bytes) -> bytes:
     raise AssertionError(f"no record {op} of {key!r} at slot {slot}")
 
 
+def _k_stored_again(store: DiskStore, pool: np.ndarray, d: Path) -> bytes:
+    """Store K (slot 0: its first bytes, kept there once removed), then again with other bytes
+    (slot 1), after records enough that K's first ``PUT`` is past a restart's first orders;
+    returns the journal of ``d`` then, synced."""
+    for _ in range(5):
+        _write(store, pool, b"F", 3)
+        assert store.remove("ns", b"F")
+    _write(store, pool, b"K", 0)
+    _write(store, pool, b"X", 1)
+    assert store.remove("ns", b"K") and store.remove("ns", b"X")
+    _write(store, pool, b"K", 2)
+    assert store.sync(5.0)
+    return (d / "journal.log").read_bytes()
+
+
 @pytest.mark.parametrize("new_journal", ["compaction", "restart"])
 def test_records_of_the_journal_before_a_rewrite_found_in_the_new_one_bring_no_old_bytes_back(
     disk_pool: np.ndarray, tmp_path: Path, new_journal: str
@@ -142,15 +157,7 @@ def test_records_of_the_journal_before_a_rewrite_found_in_the_new_one_bring_no_o
     d = tmp_path / "d"
     with closing(open_store(disk_pool, [d], 16)) as store:
         store.recover()
-        for _ in range(5):  # records before K's: its order is past the restart's first ones
-            _write(store, disk_pool, b"F", 3)
-            assert store.remove("ns", b"F")
-        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
-        _write(store, disk_pool, b"X", 1)  # slot 1
-        assert store.remove("ns", b"K") and store.remove("ns", b"X")  # slot 0 keeps K's bytes
-        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes: slot 1
-        assert store.sync(5.0)
-        old = (d / "journal.log").read_bytes()
+        old = _k_stored_again(store, disk_pool, d)
         if new_journal == "compaction":
             store._dirs[0].records = 1 << 20  # past 4x the live keys: compacted
             store.poll()
@@ -263,15 +270,7 @@ def test_records_of_a_journal_emptied_before_a_crash_bring_no_old_bytes_back_aft
 
     with closing(open_store(disk_pool, [d], 16)) as store:
         store.recover()
-        for _ in range(5):  # records before K's: its order is past the restart's first ones
-            _write(store, disk_pool, b"F", 3)
-            assert store.remove("ns", b"F")
-        _write(store, disk_pool, b"K", 0)  # slot 0: K's first bytes
-        _write(store, disk_pool, b"X", 1)  # slot 1
-        assert store.remove("ns", b"K") and store.remove("ns", b"X")  # slot 0 keeps K's bytes
-        _write(store, disk_pool, b"K", 2)  # K stored again with other bytes: slot 1
-        assert store.sync(5.0)
-        old = (d / "journal.log").read_bytes()
+        old = _k_stored_again(store, disk_pool, d)
         monkeypatch.setattr(os, "fdatasync", failing)
         assert store.remove("ns", b"K")
         assert store.sync(5.0) and store._dirs[0].stale  # emptied, not yet rewritten
