@@ -1,0 +1,146 @@
+"""A host killed at each step of the disk tier's file writes (a restart's rewrite of the journal,
+a compaction, a migration from disk formats 1 and 2, a compaction after a ``meta.json`` refused):
+the directory as that step leaves it, which is what a SIGKILL leaves (the page cache is kept),
+is started, then started again. The first start serves each key with its last bytes or not at
+all, losing keys only where the journal's header names another generation than ``meta.json``
+(the crash between the two renames, README's "What survives a restart"); the second finds
+what the first kept, and says nothing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from disk_support import as_format, digest_of, open_store
+from test_disk_replay import _write
+
+from torch_kv_tier.remote import disk_journal
+from torch_kv_tier.remote.disk_frames import read_header
+from torch_kv_tier.remote.disk_store import DiskStore
+
+
+def _history(store: DiskStore, pool: np.ndarray) -> dict[bytes, int]:
+    """Keys stored, removed, stored again with other bytes; returns the digest each key's last
+    bytes have (a removed key: none)."""
+    _write(store, pool, b"K", 0)  # K's first bytes, kept in their slot once removed
+    _write(store, pool, b"X", 1)
+    assert store.remove("ns", b"K") and store.remove("ns", b"X")
+    _write(store, pool, b"K", 2)
+    _write(store, pool, b"J", 3)
+    _write(store, pool, b"R", 4)
+    assert store.remove("ns", b"R") and store.sync(5.0)
+    return {b"K": digest_of(pool, 2, b"K"), b"J": digest_of(pool, 3, b"J")}
+
+
+def _snapshots(monkeypatch: pytest.MonkeyPatch, d: Path, out: list[Path]) -> None:
+    """Copy ``d`` into ``out`` before each write, sync, truncation and rename of its files (and
+    after each rename): each copy is the directory of a host killed at that step."""
+
+    def snap() -> None:
+        out.append(d.parent / f"killed-{len(out)}")
+        shutil.copytree(d, out[-1])
+
+    def of_d(fd: int) -> bool:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}").startswith(str(d))
+        except OSError:
+            return False
+
+    def before(real: Callable[..., Any]) -> Callable[..., Any]:
+        def step(fd: int, *args: Any) -> Any:
+            if of_d(fd):
+                snap()
+            return real(fd, *args)
+
+        return step
+
+    for name in ("write", "fsync", "fdatasync", "ftruncate"):
+        monkeypatch.setattr(os, name, before(getattr(os, name)))
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        ours = Path(dst).parent == d
+        if ours:
+            snap()
+        real_replace(src, dst)
+        if ours:
+            snap()
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _compact(store: DiskStore) -> None:
+    store._dirs[0].records = 1 << 20  # past 4x the live keys: compacted
+    store.poll()
+    assert store.sync(5.0)
+
+
+def _meta_refused_once(store: DiskStore, pool: np.ndarray, want: dict[bytes, int]) -> None:
+    """A compaction whose ``meta.json`` a full disk refuses, then more changes."""
+    real = disk_journal.write_durably
+
+    def full(path: Path, *data: bytes | bytearray) -> int:
+        if path.name == "meta.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *data)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(disk_journal, "write_durably", full)
+        _compact(store)
+    _write(store, pool, b"L", 6)
+    assert store.remove("ns", b"J")
+    del want[b"J"]
+    want[b"L"] = digest_of(pool, 6, b"L")
+    assert store.sync(5.0)
+
+
+@pytest.mark.parametrize(
+    "killed_in", ["a restart", "a compaction", "format 1", "format 2", "a meta.json refused"]
+)
+def test_a_host_killed_at_any_step_of_a_rewrite_serves_no_old_bytes_and_starts_clean_after(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    killed_in: str,
+) -> None:
+    d = tmp_path / "d"
+    killed: list[Path] = []
+    with closing(open_store(disk_pool, [d], 16)) as store:
+        store.recover()
+        want = _history(store, disk_pool)
+        if killed_in == "a meta.json refused":
+            _meta_refused_once(store, disk_pool, want)
+        if killed_in in ("a compaction", "a meta.json refused"):
+            with monkeypatch.context() as m:
+                _snapshots(m, d, killed)
+                _compact(store)
+    if killed_in.startswith("format"):
+        as_format(d, int(killed_in[-1]))
+    if killed_in in ("a restart", "format 1", "format 2"):
+        with monkeypatch.context() as m, closing(open_store(disk_pool, [d], 16)) as store:
+            _snapshots(m, d, killed)
+            assert {key: digest for _, key, digest in store.recover()} == want
+    assert len(killed) > 5
+    for at in killed:
+        meta = json.loads((at / "meta.json").read_text())
+        named = read_header((at / "journal.log").read_bytes())[1]
+        with closing(open_store(disk_pool, [at], 16)) as store:
+            found = {key: digest for _, key, digest in store.recover()}
+        assert found == (want if meta.get("generation") == named else {}), at.name
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, logger="torch_kv_tier"),
+            closing(open_store(disk_pool, [at], 16)) as store,
+        ):
+            assert {key: digest for _, key, digest in store.recover()} == found, at.name
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
