@@ -15,12 +15,13 @@ import os
 import struct
 from contextlib import closing, suppress
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from disk_support import as_format, digest_of, open_store, settle
 
-from torch_kv_tier.remote import disk_journal
+from torch_kv_tier.remote import disk_header, disk_journal
 from torch_kv_tier.remote.disk_frames import PUT, parse, read_header
 from torch_kv_tier.remote.disk_store import DiskStore
 
@@ -98,7 +99,7 @@ def test_a_directory_of_an_older_format_keeps_its_blocks_as_it_is_migrated(
     if full_at_start:
         with closing(open_store(disk_pool, [d], 8)) as store:
 
-            def full(*args: object) -> int:
+            def full(*args: object, **kwargs: object) -> int:
                 raise OSError(errno.ENOSPC, "No space left on device")
 
             with monkeypatch.context() as m:
@@ -208,43 +209,44 @@ def test_records_of_an_older_journal_at_the_start_of_the_new_one_bring_no_old_by
         assert found == []
 
 
-def test_a_header_not_written_after_its_journal_costs_that_directorys_keys_never_old_bytes(
+def test_a_header_refused_for_a_full_disk_leaves_the_journal_as_it_was_and_costs_no_key(
     disk_pool: np.ndarray,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Each rewrite of a journal is followed by one of ``meta.json``, naming the journal's new
-    generation. A crash between the two (or a ``meta.json`` not written: a full disk) leaves a
-    journal whose header ``meta.json`` does not name: the next start cannot tell it from an
-    older journal's bytes, so it uses none of its records (its keys are misses, said with their
-    count) and rewrites both; the start after finds them consistent again."""
+    """Found by review: each rewrite of a journal was followed by one of ``meta.json`` naming
+    its new generation, so a crash between the two, or a ``meta.json`` refused for a full disk
+    (written again only by the next rewrite), cost every key of that directory at the next
+    start. ``meta.json`` is now written before the new journal's rename (a crash between the
+    two: the next start completes the rename, ``test_disk_crash_points``), and a rewrite whose
+    ``meta.json`` is refused is not done: the journal and ``meta.json`` stay as they were, and
+    agree; the rewrite is tried again later."""
     d = tmp_path / "d"
     with closing(open_store(disk_pool, [d], 8)) as store:
         store.recover()
         _write(store, disk_pool, b"K", 0)
-    real = disk_journal.write_durably
+    real = disk_header.write_durably
 
-    def no_header(path: Path, *data: bytes | bytearray) -> int:
+    def no_header(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
         if path.name == "meta.json":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *data)
+        return real(path, *data, **kwargs)
 
     with monkeypatch.context() as m, closing(open_store(disk_pool, [d], 8)) as store:
-        m.setattr(disk_journal, "write_durably", no_header)  # till the end: as a crash
+        m.setattr(disk_header, "write_durably", no_header)
         assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+        assert store._dirs[0].stale  # its rewrite: not done, tried again later
+        m.setattr(store, "_sync_journals", lambda force: None)  # a crash before then
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["generation"] == read_header((d / "journal.log").read_bytes())[1]
+    caplog.clear()
     with (
-        caplog.at_level(logging.ERROR, logger=disk_journal.__name__),
+        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
         closing(open_store(disk_pool, [d], 8)) as store,
     ):
-        assert store.recover() == []
-        assert store.stats()["disk_recover_dropped"] == 1
-    assert any("none of its 1 records is used" in r.getMessage() for r in caplog.records)
-    with closing(open_store(disk_pool, [d], 8)) as store:
-        assert store.recover() == []
-        _write(store, disk_pool, b"L", 1)
-    with closing(open_store(disk_pool, [d], 8)) as store:
-        assert store.recover() == [("ns", b"L", digest_of(disk_pool, 1, b"L"))]
+        assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
+    assert not _said(caplog)
 
 
 def test_records_of_a_journal_emptied_before_a_crash_bring_no_old_bytes_back_after_it(
@@ -289,50 +291,13 @@ def test_records_of_a_journal_emptied_before_a_crash_bring_no_old_bytes_back_aft
         assert store.recover() == []
 
 
-def test_a_header_refused_for_a_full_disk_is_written_once_there_is_room(
-    disk_pool: np.ndarray,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Found by review: a ``meta.json`` refused after a rewrite of the journal (a full disk) was
-    written again only by the next rewrite (a compaction, past 4x the live keys: hours on a
-    quiet host), so a crash long after the disk had room again still cost every key of that
-    directory. Each journal sync now tries again (logged once refused, once written)."""
-    d = tmp_path / "d"
-    with closing(open_store(disk_pool, [d], 8)) as store:
-        store.recover()
-        _write(store, disk_pool, b"K", 0)
-    real = disk_journal.write_durably
-    full = True
-
-    def no_header(path: Path, *data: bytes | bytearray) -> int:
-        if full and path.name == "meta.json":
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *data)
-
-    monkeypatch.setattr(disk_journal, "write_durably", no_header)
-    with caplog.at_level(logging.INFO, logger=disk_journal.__name__):
-        with closing(open_store(disk_pool, [d], 8)) as store:
-            assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
-            assert store.sync(5.0)  # still full: tried again, not said again
-            full = False  # room again: the next journal sync writes it
-            assert store.sync(5.0)
-            meta = json.loads((d / "meta.json").read_text())
-            assert meta["generation"] == read_header((d / "journal.log").read_bytes())[1]
-            monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
-        lines = [r.getMessage() for r in caplog.records if "meta.json" in r.getMessage()]
-    assert len(lines) == 2 and "a restart finds its blocks again" in lines[1], lines
-    with closing(open_store(disk_pool, [d], 8)) as store:
-        assert store.recover() == [("ns", b"K", digest_of(disk_pool, 0, b"K"))]
-
-
 @pytest.mark.parametrize("fmt", [1, 2])
 def test_a_crash_between_a_migrations_journal_and_its_header_says_so_and_serves_nothing_old(
     disk_pool: np.ndarray, tmp_path: Path, caplog: pytest.LogCaptureFixture, fmt: int
 ) -> None:
-    """Found by review: a crash as a directory of format 1 or 2 was migrated, its journal
-    rewritten as format 3 but its ``meta.json`` not yet, read that journal as one of the old
+    """Found by review: a crash as a directory of format 1 or 2 was migrated (by a version
+    that wrote ``meta.json`` after the journal), its journal rewritten as format 3 but its
+    ``meta.json`` not yet, read that journal as one of the old
     format: an error said it was damaged and to check the device (format 2), or a warning that
     a record cut at its tail was lost and nothing was to do (format 1), though every key it
     named was a miss. It now says what happened, with the keys it cost; the start after is
@@ -352,7 +317,7 @@ def test_a_crash_between_a_migrations_journal_and_its_header_says_so_and_serves_
         assert store.stats()["disk_recover_dropped"] == 1
     (line,) = _said(caplog)
     assert f"meta.json names no header (disk format {fmt})" in line
-    assert "a crash between a rewrite of the journal (a migration's too)" in line
+    assert "a crash of a version that wrote meta.json after the journal, a migration's" in line
     assert "none of its 1 records is used: the 1 keys" in line
     caplog.clear()
     with (
@@ -399,12 +364,12 @@ def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_cr
     (old / "journal.log").write_bytes(before)  # ...and the DEL of its first copy lost
     real = disk_journal.write_durably
 
-    def cut(path: Path, *data: bytes | bytearray) -> int:
+    def cut(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
         if path.parent == old:
             if end == "a crash between rewrites":
                 raise _Crash
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, *data)
+        return real(path, *data, **kwargs)
 
     store = open_store(disk_pool, dirs, 8)
     with monkeypatch.context() as m:
@@ -416,3 +381,41 @@ def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_cr
     with closing(open_store(disk_pool, dirs, 8)) as store:
         found = {key: digest for _, key, digest in store.recover()}
         assert found.get(b"K", digest_of(disk_pool, 2, b"K")) == digest_of(disk_pool, 2, b"K")
+
+
+def test_a_journal_rename_that_fails_after_meta_json_named_it_leaves_both_as_they_were(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``meta.json`` names a compaction's journal before its rename: where the rename then
+    fails (EIO), ``meta.json`` names the journal in place again, which is appended to as
+    before, so that a crash then finds every key, and no compaction's journal left to
+    complete."""
+    d = tmp_path / "d"
+    real = os.replace
+
+    def failing(src: Any, dst: Any) -> None:
+        if Path(dst) == d / "journal.log":
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", failing)
+            store._dirs[0].records = 1 << 20  # past 4x the live keys: compacted
+            store.poll()
+            assert store.sync(5.0) and store._dirs[0].records == 1 << 20  # not compacted
+        _write(store, disk_pool, b"L", 1)  # appended to the journal in place
+        assert store.sync(5.0)
+        meta = json.loads((d / "meta.json").read_text())
+        assert meta["generation"] == read_header((d / "journal.log").read_bytes())[1]
+        assert not (d / "journal.tmp").exists()
+        monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert sorted(store.recover()) == sorted(
+            [
+                ("ns", b"K", digest_of(disk_pool, 0, b"K")),
+                ("ns", b"L", digest_of(disk_pool, 1, b"L")),
+            ]
+        )

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -23,11 +24,13 @@ class DiskError(OSError):
     """A disk directory that cannot be used; the message says what to do."""
 
 
-def write_durably(path: Path, *data: bytes | bytearray) -> int:
+def write_durably(
+    path: Path, *data: bytes | bytearray, before_rename: Callable[[], object] | None = None
+) -> int:
     """Replace ``path`` by the parts of ``data`` whole or not at all, durably: a temporary file
-    written in full and synced, renamed over ``path``, then the directory synced (a rename is an
-    entry of the directory: without that sync a power loss may bring the old file back; its
-    failure is logged). Returns the new file's descriptor, open for appends. Raises ``OSError``
+    (``path`` with suffix ``.tmp``) written in full and synced, then ``before_rename`` called,
+    then the file renamed over ``path``, and the directory synced (``sync_directory``). Returns
+    the new file's descriptor, open for appends. Raises ``OSError`` (``before_rename``'s too)
     with ``path`` as it was and the temporary file removed."""
     tmp = path.with_suffix(".tmp")
     fd = -1
@@ -38,6 +41,8 @@ def write_durably(path: Path, *data: bytes | bytearray) -> int:
             while view:  # a short write is no error: write the rest
                 view = view[os.write(fd, view) :]
         os.fsync(fd)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         if fd >= 0:
@@ -45,6 +50,13 @@ def write_durably(path: Path, *data: bytes | bytearray) -> int:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
+    sync_directory(path)
+    return fd
+
+
+def sync_directory(path: Path) -> None:
+    """Sync the directory of ``path``, just renamed (a rename is an entry of the directory:
+    without that sync a power loss may bring the old file back); a failure is logged."""
     try:
         directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -53,7 +65,6 @@ def write_durably(path: Path, *data: bytes | bytearray) -> int:
             os.close(directory)
     except OSError as exc:
         logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
-    return fd
 
 
 def lock(fd: int, path: Path) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch_kv_tier.remote.disk_files import DiskError
+from torch_kv_tier.remote.disk_files import DiskError, sync_directory, write_durably
 from torch_kv_tier.remote.disk_frames import MAX_PAYLOAD, read_header
 
 logger = logging.getLogger(__name__)
@@ -85,16 +86,47 @@ def read(path: Path, block_len: int, slots: int) -> Header:
     return Header(fmt, generation)
 
 
+def write(path: Path, header: Header, block_len: int, slots: int) -> None:
+    """Write directory ``path``'s ``meta.json`` as ``header`` (``Header.encode``), whole or not
+    at all, durably; raises ``OSError`` with it as it was."""
+    os.close(write_durably(path / "meta.json", header.encode(block_len, slots)))
+
+
+def roll_forward(path: Path, header: Header) -> None:
+    """Complete a rewrite of the journal that a crash cut between ``meta.json`` naming its
+    generation and its rename (``DiskDir.rewrite``): where ``journal.log``'s header names another
+    generation than ``header`` and ``journal.tmp``'s names it, rename ``journal.tmp`` over it
+    (logged). Never an older journal: ``meta.json`` names a ``journal.tmp`` only once it is
+    written whole and synced, and no other journal names its generation (each is past every
+    order used before it). Raises ``OSError`` where the files cannot be read or renamed."""
+    if header.format != FORMAT or _generation(path / "journal.tmp") != header.generation:
+        return
+    journal = path / "journal.log"
+    if _generation(journal) == header.generation:  # renamed: a later rewrite's file, cut
+        return
+    os.replace(path / "journal.tmp", journal)
+    sync_directory(journal)
+    logger.info(
+        "disk: %s: a crash cut the rewrite of its journal before its rename, after meta.json "
+        "named it: rename done, nothing lost", path,
+    )  # fmt: skip
+
+
+def _generation(journal: Path) -> int | None:
+    """The generation the header of file ``journal`` names (None: none, or no such file)."""
+    try:
+        with open(journal, "rb") as file:
+            return read_header(file.read(8 + MAX_PAYLOAD))[1]
+    except FileNotFoundError:
+        return None
+
+
 def _journal_format(path: Path) -> tuple[int, int | None]:
     """The format and generation of ``path``'s journal, by its header (format 2: none)."""
-    try:
-        with open(path / "journal.log", "rb") as journal:
-            start = journal.read(8 + MAX_PAYLOAD)
-    except FileNotFoundError:
+    journal = path / "journal.log"
+    if not journal.exists() or not journal.stat().st_size:
         return FORMAT, 0  # a new directory (or its journal lost: logged by ``DiskDir``)
-    if not start:
-        return FORMAT, 0
-    generation = read_header(start)[1]
+    generation = _generation(journal)
     return (2, None) if generation is None else (FORMAT, generation)
 
 

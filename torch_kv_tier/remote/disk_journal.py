@@ -2,8 +2,8 @@
 
 Files: ``blocks.dat`` (slot ``j`` at offset ``j * block_len``, allocated in full at start, opened
 O_DIRECT where the file system allows it), ``meta.json`` (``disk_header``: written whole or not at
-all, at start where there is none and after each rewrite of the journal, at each sync after it
-where that was refused) and
+all, at start where there is none and at each rewrite of the journal: after the new journal is
+synced, before its rename, so that a crash between the two is completed at the next start) and
 ``journal.log`` (one missing from a directory with a header is logged: its blocks are
 forgotten). A ``blocks.dat`` removed or replaced under a running host is logged once, at a journal
 sync (``_check_in_place``). The block file holds an exclusive ``flock`` while open (``disk_files``):
@@ -16,9 +16,9 @@ Journal: one record per completed write (``PUT``: slot, namespace, key, digest) 
 file system wrote twice, replayed after those that undid it, is damage, not a record), after a
 header naming the journal's generation (``FORMAT`` 3), which ``meta.json`` names too: a journal
 whose header names another (an older journal's blocks returned by the file system after a crash,
-or a crash between a rewrite of the journal and of ``meta.json``) is not used, its keys misses
+or a journal and ``meta.json`` of different times) is not used, its keys misses
 (``_other_journal``). A directory of format 1 or 2 is read as such at start, then migrated as its
-journal is rewritten, its header last. Appends are buffered, taken
+journal is rewritten. Appends are buffered, taken
 by ``take_pending`` and written by ``flush`` (one ``os.write``, more after a short write);
 ``fsync`` runs at most once per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block
 file (a process crash loses nothing written, a power loss the records of the last period, never a
@@ -86,7 +86,6 @@ class DiskDir:
         self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
-        self._header_due: int | None = None  # a generation meta.json could not name (``flush``)
         try:
             path.mkdir(parents=True, exist_ok=True)
             # the format and generation ``meta.json`` names: a directory of format 1 or 2 is
@@ -94,12 +93,12 @@ class DiskDir:
             self._header = disk_header.read(path, block_len, self.slots)
             self.fd, self.direct = open_blocks(path / "blocks.dat", block_len, direct)
             lock(self.fd, path)
+            disk_header.roll_forward(path, self._header)  # a rewrite cut by a crash
             st = os.fstat(self.fd)
             self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
             self._allocate(self.slots * block_len)
             if not self._header.written:  # only once the blocks fit: a size refused is not kept
-                data = self._header.encode(block_len, self.slots)
-                os.close(write_durably(path / "meta.json", data))
+                disk_header.write(path, self._header, block_len, self.slots)
             journal = path / "journal.log"
             if self._header.written and not journal.exists():  # a directory used before
                 logger.warning(
@@ -164,8 +163,7 @@ class DiskDir:
     def flush(self, data: bytes, count: int, *, sync: bool) -> None:
         """Write ``count`` records taken (``take_pending``); with ``sync``, ``fdatasync`` the
         block file (each block a record names was written before the record was appended), then
-        ``fsync`` the journal, then write ``meta.json`` where the last rewrite could not
-        (``_new_header``).
+        ``fsync`` the journal.
         A write or sync that fails (a full disk, EIO) is logged, never raised: the journal is
         marked ``stale`` and emptied (``_dropped``); records are then dropped until ``rewrite``
         writes it afresh."""
@@ -181,8 +179,6 @@ class DiskDir:
                 os.fdatasync(self.fd)
                 os.fsync(self.journal)
                 self._check_in_place()
-                if self._header_due is not None:
-                    self._new_header(self._header_due)
             self.records += count
         except OSError as exc:
             logger.warning("disk: journal of %s not written, rewritten later: %s", self.path, exc)
@@ -309,9 +305,10 @@ class DiskDir:
         named = self._header.generation
         logger.error(
             "disk: journal of %s starts with %s, but its meta.json names %s: bytes of an older "
-            "journal (a file system that returned old blocks after a crash), or a crash between "
-            "a rewrite of the journal (a migration's too) and of meta.json; none of its %d "
-            "records is used: the %d keys they name are misses (this start rewrites the journal)",
+            "journal (a file system that returned old blocks after a crash), or a journal and "
+            "meta.json of different times (one restored by hand, or a crash of a version that "
+            "wrote meta.json after the journal, a migration's too); none of its %d records is "
+            "used: the %d keys they name are misses (this start rewrites the journal)",
             self.path, "no header" if found is None else f"generation {found}",
             f"no header (disk format {self._header.format})" if named is None
             else f"generation {named}",
@@ -347,14 +344,15 @@ class DiskDir:
         from the next record's on: before any ``append``), then the ``framed_count`` records
         framed in ``framed`` (``frames``, ``take_pending``: in order after them), with
         ``disk_files.write_durably``, after an ``fdatasync`` of the block file (the new journal
-        names blocks written since the last ``flush``); then write ``meta.json`` naming
-        ``generation`` (``_new_header``), and append to the new journal (logged where it had
-        been emptied). Returns False
-        when it cannot be written (a full disk, EIO: logged, never raised): the old journal
-        stays as it was, and ``retry_at`` is 1 s later, then twice as late after each failure
-        in a row (at most ``REWRITE_RETRY_MAX_S``). ``stale`` is then set, unless this is a
-        ``compaction`` of a journal not stale: that journal, whole (each record written
-        before the compaction was), is appended to as before."""
+        names blocks written since the last ``flush``), ``meta.json`` naming ``generation``
+        written after the new journal is synced, before its rename (a crash between the two:
+        ``disk_header.roll_forward``); then append to the new journal (logged where it had been
+        emptied). Returns False when either cannot be written (a full disk, EIO: logged, never
+        raised): the old journal and ``meta.json`` stay as they were, and ``retry_at`` is 1 s
+        later, then twice as late after each failure in a row (at most
+        ``REWRITE_RETRY_MAX_S``). ``stale`` is then set, unless this is a ``compaction`` of a
+        journal not stale: that journal, whole (each record written before the compaction was),
+        is appended to as before."""
         generation = self.reserve(1) if generation is None else generation
         out = bytearray(header(generation))
         count = framed_count
@@ -362,10 +360,19 @@ class DiskDir:
             out += frame(record, self._seq)
             self._seq += 1
             count += 1
+        new, named = disk_header.Header(FORMAT, generation), False  # named: by meta.json
+
+        def name_it() -> None:
+            nonlocal named
+            disk_header.write(self.path, new, self.block_len, self.slots)
+            named = True
+
         try:
             os.fdatasync(self.fd)
-            fd = write_durably(self.path / "journal.log", out, *framed)
+            fd = write_durably(self.path / "journal.log", out, *framed, before_rename=name_it)
         except OSError as exc:
+            if named:  # the rename failed: meta.json to name the journal in place again
+                self._name_again(exc)
             # a full disk: a rewrite builds every record, so back off
             self._retry_s = min(REWRITE_RETRY_MAX_S, max(1.0, 2 * self._retry_s))
             self.retry_at = time.monotonic() + self._retry_s
@@ -381,7 +388,9 @@ class DiskDir:
             return False
         os.close(self.journal)
         self.journal = fd
-        self._new_header(generation)
+        if self._header.format != FORMAT:
+            logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
+        self._header = new
         if self._emptied:
             logger.info(
                 "disk: journal of %s rewritten (%d records): a restart finds its blocks again",
@@ -390,28 +399,18 @@ class DiskDir:
         self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
         return True
 
-    def _new_header(self, generation: int) -> None:
-        """The journal was rewritten as of ``generation``: write ``meta.json`` naming it (in
-        ``FORMAT``: a directory of an older format is then migrated). Where it cannot be written
-        (logged once), each journal sync tries again (``flush``: logged once written); a restart
-        before then finds none of this directory's blocks (``_other_journal``: misses)."""
-        migrating, new = self._header.format != FORMAT, disk_header.Header(FORMAT, generation)
+    def _name_again(self, exc: OSError) -> None:
+        """``meta.json`` names a journal whose rename failed (``exc``): name the journal in
+        place again. Where that fails too (logged), a restart finds none of its blocks (the
+        journal renamed is removed: ``write_durably``)."""
         try:
-            os.close(write_durably(self.path / "meta.json", new.encode(self.block_len, self.slots)))
-        except OSError as exc:
-            if self._header_due != generation:
-                logger.warning(
-                    "disk: %s/meta.json not written (%s): a restart before it is (tried again at "
-                    "each journal sync, a line says when) finds none of its blocks; free space "
-                    "on its file system", self.path, exc,
-                )  # fmt: skip
-            self._header_due = generation
-            return
-        if self._header_due is not None:
-            logger.info("disk: %s/meta.json written: a restart finds its blocks again", self.path)
-        self._header, self._header_due = new, None
-        if migrating:
-            logger.info("disk: %s migrated to disk format %d", self.path, FORMAT)
+            disk_header.write(self.path, self._header, self.block_len, self.slots)
+        except OSError as again:
+            logger.error(
+                "disk: journal of %s not renamed (%s) after meta.json named it, and meta.json "
+                "cannot name the old one again (%s): a restart finds none of its blocks",
+                self.path, exc, again,
+            )  # fmt: skip
 
     def close(self) -> None:
         """Write what is pending, fsync, close both files. Idempotent."""
