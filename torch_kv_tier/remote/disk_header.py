@@ -5,8 +5,11 @@ names other fields or an unknown format, is refused, not reinterpreted, the mess
 what to do (a value's damage reads as other blocks, and needs no checksum, as recovery verifies
 every block whatever the header says). Formats 1 (records without their order) and 2 (no
 journal generation) are read as such once, then migrated as the journal is rewritten.
+A rewrite of the journal writes the header naming the new journal before renaming it over the
+old one (``write``); a start completes a rename that a crash cut (``roll_forward``).
 
-Pure functions of their arguments and of the files they name; safe from any thread.
+Functions of their arguments and of the files they name: ``read`` from any thread, ``write``
+and ``roll_forward`` by the holder of the directory's lock (``disk_files.lock``).
 """
 
 from __future__ import annotations
