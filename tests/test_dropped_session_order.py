@@ -17,6 +17,7 @@ from remote_support import BLOCK_LEN, wait_for
 
 from torch_kv_tier import connections, session_releases
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.records import Request
 from torch_kv_tier.remote import RemoteSession, ServerProcess
 
 
@@ -111,3 +112,32 @@ def test_a_redial_waits_for_the_end_of_the_hosts_dropped_session(
         assert wait_for(lambda: tier.peers() == [peer], RESULT_TIMEOUT_S), "never redialled"
         monkeypatch.undo()
         assert_nothing_held(host.address)
+
+
+def test_a_ctrl_c_in_a_callback_of_remove_peer_still_ends_the_removed_hosts_session(
+    host: ServerProcess,
+) -> None:
+    """Found by review: ``remove_peer`` resolves the futures the removal settled before it ends
+    the host's session; a ``KeyboardInterrupt`` in a done-callback there skipped the end: the
+    session stayed open with the host (its heartbeats going on, its slots held until the
+    process exited), and, counted as ending from the drop, it held up ``close`` for its whole
+    timeout, and the host, connected again, was never redialled once lost (each try gave up
+    waiting for that end). The session ends all the same, and the interrupt still reaches
+    the caller."""
+    with TierManager.create(16, BLOCK_LEN, name="ctrl-c-at-removal") as tier:
+        peer = tier.connect(host.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        settled = Request([b"k"])
+        settled.settle(settled.keys, None)
+
+        def interrupt(_: object) -> None:
+            raise KeyboardInterrupt
+
+        settled.future.add_done_callback(interrupt)
+        with tier._lock:  # a future the removal settled (a store to the host, failed)
+            tier._ready.append(settled)
+        with pytest.raises(KeyboardInterrupt):
+            tier.remove_peer(peer)
+        assert session.ended_clean, "the removed host's session was never ended"
+        assert not tier._ended.carrying and not tier._ended.ending(host.address)

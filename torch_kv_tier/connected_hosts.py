@@ -142,9 +142,11 @@ class ConnectedHosts(LostHosts):
             session, clean = self._drop_peer(peer_id)
             if session is not None:
                 self._ended.end_begins(session)
-        self._flush()
-        if session is not None:
-            self._end_dropped(session, clean)
+        try:
+            self._flush()
+        finally:  # (a ``KeyboardInterrupt`` in a done-callback: the session ends all the same)
+            if session is not None:
+                self._end_dropped(session, clean)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
