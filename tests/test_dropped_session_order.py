@@ -1,8 +1,9 @@
 """A dropped host's session ends before anything else speaks to its host about it: nobody
 names it as resolved while its end is due or under way (the host would end it first, and its
 own disconnect would go unanswered), and a redial of the host waits for that end, so that what
-the end hands back rides the redial's handshake. How the end itself is started is
-``test_lost_session_end``."""
+the end hands back rides the redial's handshake; but ``close``'s last word names it (an end
+that outlasts ``close`` can name nothing), and a Ctrl-C at a removal does not skip the end.
+How the end itself is started is ``test_lost_session_end``."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ from remote_support import BLOCK_LEN, wait_for
 from torch_kv_tier import connections, session_releases
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.records import Request
-from torch_kv_tier.remote import RemoteSession, ServerProcess
+from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 
 
 @pytest.fixture
 def gated_end(monkeypatch: pytest.MonkeyPatch) -> tuple[list[threading.Event], threading.Event]:
     """Each dropped session's end (``_end_dropped``) waits until ``gate[0]`` is set, or 2 s
-    passed (a host slow to answer its disconnect); ``ended`` is set once one is over."""
-    gate, ended, end_dropped = [threading.Event()], threading.Event(), TierManager._end_dropped
+    passed (a host slow to answer its disconnect); ``ended`` is set once one is over, and
+    ``gate[1]`` once one began."""
+    gate, ended = [threading.Event(), threading.Event()], threading.Event()
+    end_dropped = TierManager._end_dropped
 
     def end_at_gate(tier: TierManager, session: Any, clean: bool) -> None:
+        gate[1].set()
         gate[0].wait(timeout=2.0)
         try:
             end_dropped(tier, session, clean)
@@ -141,3 +145,41 @@ def test_a_ctrl_c_in_a_callback_of_remove_peer_still_ends_the_removed_hosts_sess
             tier.remove_peer(peer)
         assert session.ended_clean, "the removed host's session was never ended"
         assert not tier._ended.carrying and not tier._ended.ending(host.address)
+
+
+@pytest.mark.parametrize("ends", ["unclean", "lost"])
+def test_a_dropped_session_still_ending_as_the_tier_closes_is_named_by_close(
+    gated_end: tuple[list[threading.Event], threading.Event],
+    host: ServerProcess,
+    ends: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a dropped session its host holds once it ended (a write of it was in
+    flight, resolved since; or its control connection was reset) was left for its own end to
+    name; an end that outlasted ``close`` (``close(timeout=0)``, a host slow to answer the
+    disconnect, a busy machine) found the transport closed, could open no session to name it
+    ('could not tell ... that 1 ended sessions resolved ...: NixlTransport ... is closed'),
+    and a host that held it (its write in flight) held its slots for good. ``close``'s last
+    word names it (a host that still counts it live ends it first: nothing lost)."""
+    gate, ended = gated_end
+    tier = TierManager.create(16, BLOCK_LEN, name=f"{ends}-at-close")
+    peer = tier.connect(host.address)
+    session = tier._peers[peer].session
+    assert session is not None
+    if ends == "lost":
+
+        def reset() -> None:
+            raise session_io._Lost("the control connection was closed or reset")
+
+        session._enqueue_action(reset)  # the I/O thread ends the session as a reset does
+    else:
+        with tier._lock:  # a store was in flight as it was dropped, its write resolved since
+            tier._drop_peer(peer, lost=True)
+            tier._end_later(session, False)
+    assert gate[1].wait(timeout=RESULT_TIMEOUT_S), "its end never began"
+    tier.close(timeout=0)
+    gate[0].set()
+    assert ended.wait(timeout=RESULT_TIMEOUT_S)
+    assert_nothing_held(host.address)
+    assert [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()] == []
+    assert tier._ended.carrying == {} and tier._ended.resolved == {}

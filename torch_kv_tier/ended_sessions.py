@@ -60,10 +60,15 @@ class EndedSessions:
         if session_ids:
             self.resolved.setdefault(address, []).extend(session_ids)
 
-    def take(self, address: str) -> list[str]:
+    def take(self, address: str, *, closing: bool = False) -> list[str]:
         """The resolved sessions of ``address``, to tell its server (now forgotten here), but
-        those still ending (``end_begins``), kept until they ended."""
+        those still ending (``end_begins``), kept until they ended; ``closing`` (``close``'s
+        last word): all of them, since an end that outlasts ``close`` finds the transport
+        closed and can name nothing then (a host told first ends such a session itself, and
+        its disconnect goes unanswered: nothing lost)."""
         ids = self.resolved.pop(address, [])
+        if closing:
+            return ids
         ending = {s.session_id for s in self._ending.values() if s.address == address}
         kept = [sid for sid in ids if sid in ending]
         if kept:

@@ -200,8 +200,9 @@ class SessionReleases:
         the lock, by whoever dropped its peer: ``LostHosts._end_later``, ``remove_peer``),
         uncounted here once it ended (unlocked). Counted from the drop, a removal of its host
         meanwhile keeps how it was dialled (``_forget_removed``), for what this end hands
-        back; and nobody names the session itself as resolved before its end: what is owed
-        its host then, that session among them unless it ended clean, goes out from here."""
+        back; and nobody names the session itself as resolved before its end (but ``close``'s
+        last word, which this end may outlast): what is owed its host then, that session
+        among them unless it ended clean, goes out from here."""
         address = session.address
         with self._lock:
             dial = self._dial(address)
@@ -263,6 +264,8 @@ class SessionReleases:
         """``close``'s last word to every host (unlocked): each live session carries the
         resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
         in flight); a host with resolved sessions and no live one gets a session of its own.
+        A dropped session whose end has not ended by then is named too, if resolved (its end,
+        past ``close``, would find the transport closed: ``EndedSessions.take``).
         Side by side, awaited up to ``timeout_s`` (at least 0.1 s), once the release threads
         ``close`` cancelled handed back what they carried; one still running then goes on by
         itself (each of its steps within ~2 s; not cut short, see ``close``), and reports
@@ -276,8 +279,9 @@ class SessionReleases:
         with self._lock:
             while self._ended.carrying and time.monotonic() < deadline:
                 self._cond.wait(timeout=deadline - time.monotonic())
+            take = partial(self._ended.take, closing=True)  # dropped sessions still ending too
             work: list[tuple[Any, tuple[Any, ...]]] = [
-                (self._last_word, (s, clean, self._ended.take(s.address), self._dial(s.address)))
+                (self._last_word, (s, clean, take(s.address), self._dial(s.address)))
                 for s, clean in ending
             ]
             words = LastWords()
@@ -285,7 +289,7 @@ class SessionReleases:
                 dial = self._dial(address)
                 if dial is not None:
                     last_word = partial(self._release_over_own_session, last_word=True)
-                    work.append((last_word, (dial, self._ended.take(address))))
+                    work.append((last_word, (dial, take(address))))
                 else:
                     gone = ConnectionError(
                         "no longer dialled (its host joined at another address, or its "
