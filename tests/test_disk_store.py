@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_BLOCK, digest_of, open_store, settle
+from disk_support import DISK_BLOCK, HungDevice, digest_of, open_store, poll_until, settle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,6 +108,32 @@ def test_a_block_removed_while_it_is_read_keeps_its_slot_until_the_read_ends(
         store.write([("ns", b"newer", digest_of(disk_pool, 2, b"newer"), 2)])
         settle(store)
         assert store._index.where[("ns", b"newer")][0] == slot  # free once the read ended
+
+
+def test_a_block_read_twice_at_once_keeps_its_slot_until_both_reads_end(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fifth disk review: a slot was marked busy once however many requests used
+    it, so the first of two reads of one block to end (or a read of it refused while the
+    directory hung) unmarked it: the block removed, a write took its slot while the other
+    read still read it. The slot is now free only once every request using it ended."""
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, [("ns", b"K", 0)])
+        (slot, _) = store._index.where[("ns", b"K")]
+        hung = HungDevice(store, monkeypatch)
+        assert store.read([("ns", b"K", 30)]) == [] and store.read([("ns", b"K", 31)]) == []
+        assert hung.real_transfer(hung.held.pop(0)) != "ERR"  # the first read ends, not the other
+        assert poll_until(store, "read")["read"][0][:3] == ("ns", b"K", 30)
+        assert store.remove("ns", b"K")
+        hung.hangs = False  # writes land; the second read is still in flight
+        store.write([("ns", b"M", digest_of(disk_pool, 1, b"M"), 1)])
+        assert poll_until(store, "written")["written"] == [("ns", b"M")]
+        assert store._index.where[("ns", b"M")][0] != slot  # not where the read still reads
+        hung.resume()
+        assert settle(store).failed == [("ns", b"K", 31)]  # its copy removed: never a hit
+        _write(store, disk_pool, [("ns", b"N", 2)])
+        assert store._index.where[("ns", b"N")][0] == slot  # free once both reads ended
 
 
 def test_a_restart_recovers_every_key_and_damage_costs_only_the_damaged(

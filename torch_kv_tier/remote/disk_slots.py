@@ -8,6 +8,8 @@ A slot is *never used* (from its directory's ``fresh`` on: handed out in order, 
 fills from its start), *free again*, *held* (a block lives in it, or a write is filling it) or
 *released while busy*: its block was dropped while I/O still uses it, and it is free only once
 that I/O ends (``end_io``), so no new block is written where a read or a late write still lands.
+Busy is counted per request: two reads of one block (or one refused while another is in flight)
+keep its slot busy until both end.
 Choosing which block to evict when none is free is the owner's (its LRU).
 
 Threading: not thread-safe; its ``DiskStore``'s thread calls every method.
@@ -31,7 +33,7 @@ class DiskSlots:
         self._fresh = list(range(dirs))  # per directory: its slots from here on were never used
         self._free: list[deque[int]] = [deque() for _ in range(dirs)]  # used ones free again
         self._released_busy: set[int] = set()  # free once their I/O ends
-        self._busy: set[int] = set()  # I/O in flight
+        self._busy: dict[int, int] = {}  # slot -> requests in flight using it
 
     def reset(self, held: Sequence[int]) -> None:
         """Start from the slots ``held`` (what recovery found, each below ``capacity``): every
@@ -61,12 +63,16 @@ class DiskSlots:
         return slot in self._busy
 
     def start_io(self, slot: int) -> None:
-        self._busy.add(slot)
+        """A request using ``slot`` starts (each is matched by one ``end_io``)."""
+        self._busy[slot] = self._busy.get(slot, 0) + 1
 
     def end_io(self, slot: int) -> None:
-        """I/O on ``slot`` ended: free now if it was released meanwhile."""
-        self._busy.discard(slot)
-        if slot in self._released_busy:
+        """A request using ``slot`` ended: the slot is free now if it was released meanwhile
+        and no other request uses it."""
+        count = self._busy.pop(slot) - 1
+        if count:
+            self._busy[slot] = count
+        elif slot in self._released_busy:
             self._released_busy.discard(slot)
             self._free[slot % self._n].append(slot)
 
