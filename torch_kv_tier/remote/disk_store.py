@@ -20,8 +20,9 @@ run on another once the loop ended: on io_uring, requests the loop still had in 
 cancelled as it exited, a write then not copied, a read failed with its key kept). An I/O error
 drops the keys of that request from the disk (``poll().failed``), logged, never raised. A request
 not done within ``request_timeout_s`` (a hung device, a stuck NFS mount) is given up
-(``_give_up``): its keys fail now, its slots are kept until it ends; a read's keys stay on disk
-(a hang costs misses while it lasts, not the data) unless it then ends failed (``_unstick``).
+(``_give_up``; ``disk_stuck`` tracks it until it ends): its keys fail now, its slots are kept
+until it ends; a read's keys stay on disk (a hang costs misses while it lasts, not the data)
+unless it then ends failed (``_unstick``).
 A directory whose last write failed takes only a probe now and then and loses no key for writes
 (``DiskIndex.failing``): a failing disk costs the copies it cannot make, not the blocks it holds,
 nor the copies its other directories can make. A directory with a request given up counts as
@@ -43,6 +44,7 @@ from torch_kv_tier.keys import Key
 from torch_kv_tier.remote.disk_index import DiskIndex
 from torch_kv_tier.remote.disk_io import DiskCompletions, DiskTransfers, Pair, Request, quietly
 from torch_kv_tier.remote.disk_journal import DiskDir, DiskError
+from torch_kv_tier.remote.disk_stuck import StuckRequests
 from torch_kv_tier.remote.disk_sync import JournalSync
 from torch_kv_tier.remote.slot_owners import SlotOwners
 
@@ -86,7 +88,6 @@ class DiskStore:
         self._writing: set[Pair] = set()
         self._busy_dram: dict[int, int] = {}  # dram slot -> requests using it
         self._requests: list[Request] = []
-        self._stuck: list[Request] = []  # given up, still in flight: their slots kept
         self._failed_at_start = DiskCompletions()  # requests NIXL refused: the next poll's
         self._counters = dict.fromkeys(
             (
@@ -108,6 +109,7 @@ class DiskStore:
         except BaseException:
             self._close_files()
             raise
+        self._stuck = StuckRequests(self._io)  # given up, still in flight: their slots kept
         self._journals = JournalSync(self._dirs, f"{name}-journal")
 
     # -- queries ------------------------------------------------------------------------------
@@ -122,7 +124,7 @@ class DiskStore:
         """Whether ``key`` is on disk in a directory with a request given up still in flight
         (a hung device): a read of it is refused, a miss, until that request ends."""
         entry = self._index.where.get((namespace, key))
-        return entry is not None and entry[0] % len(self._dirs) in self._stuck_dirs()
+        return entry is not None and entry[0] % len(self._dirs) in self._stuck.dirs()
 
     def digest(self, namespace: str, key: Key) -> int | None:
         entry = self._index.where.get((namespace, key))
@@ -152,7 +154,7 @@ class DiskStore:
         a failing or hung disk costs no key it holds, nor the copies the others can take)."""
         evicted: list[Pair] = []
         batch: list[tuple[str, Key, int, int, int]] = []
-        now, stuck = time.monotonic(), self._stuck_dirs()
+        now, stuck = time.monotonic(), self._stuck.dirs()
         for ns, key, digest, dram in items:
             pair = (ns, key)
             if pair in self._index.where or pair in self._writing:
@@ -201,13 +203,8 @@ class DiskStore:
             else:
                 left.append(request)
         self._requests = left
-        stuck, self._stuck = self._stuck, []
-        for request in stuck:
-            state = self._io.state(request.handle, request.kind, request.directory)
-            if state == "PROC":
-                self._stuck.append(request)
-            else:
-                self._unstick(request, state == "DONE", done)
+        for request, ok in self._stuck.ended():
+            self._unstick(request, ok, done)
         self._sync_journals(force=False)
         return done
 
@@ -227,7 +224,7 @@ class DiskStore:
             **c,
             "disk_keys": len(self._index),
             "disk_stuck_in_flight": len(self._stuck),
-            "disk_writes_failing": len(self._index.failing | self._stuck_dirs()),
+            "disk_writes_failing": len(self._index.failing | self._stuck.dirs()),
             "disk_bytes": len(self._index) * self.block_len,
             "disk_capacity_bytes": self.capacity * self.block_len,
             **{
@@ -260,8 +257,7 @@ class DiskStore:
         while (self._requests or self._stuck) and time.monotonic() < deadline:
             self.poll()
             time.sleep(0.001)
-        left = self._requests + self._stuck
-        self._requests, self._stuck = [], []
+        left, self._requests = self._requests + self._stuck.take_all(), []
         synced = self.sync(max(1.0, deadline - time.monotonic()))
         if not self._journals.close(max(1.0, deadline - time.monotonic())) or left:
             logger.error(
@@ -295,7 +291,7 @@ class DiskStore:
                 None, kind, items, len(items) * self.block_len, time.perf_counter(), f,
                 time.monotonic() + self.request_timeout_s,
             )  # fmt: skip
-            refused = f in self._stuck_dirs()  # a hung device: fail at once
+            refused = f in self._stuck.dirs()  # a hung device: fail at once
             if refused:
                 logger.debug("disk %s refused: %s has a request stuck", kind, self._dirs[f].path)
                 state = "ERR"
@@ -351,14 +347,7 @@ class DiskStore:
         ``abandoned`` (its bytes may still land), its key kept (no ``DEL``: its block is
         intact). The disk slots stay taken, and the directory takes no write nor read until it
         ends (``_unstick``), then only probes until a write there is done (``DiskIndex.wrote``)."""
-        logger.warning(
-            "disk %s of %d blocks in %s not done after %.0f s (a hung device?): given up, %s; "
-            "no writes, nor reads, of that directory until it ends (the other directories take "
-            "the copies)", request.kind, len(request.items), self._dirs[request.directory].path,
-            self.request_timeout_s,
-            "its keys not copied" if request.kind == "write" else "its keys kept on disk",
-        )  # fmt: skip
-        self._stuck.append(request)
+        self._stuck.add(request, self._dirs[request.directory].path, self.request_timeout_s)
         self._index.wrote(request.directory, False, time.monotonic())
         self._counters["disk_stuck"] += 1
         self._counters["disk_failures"] += len(request.items)
@@ -391,10 +380,6 @@ class DiskStore:
         cancelled as the loop exits: the block is intact, a restart verifies it)."""
         if self._index.at(pair, slot) and not self._closed:
             self._index.remove(pair)
-
-    def _stuck_dirs(self) -> set[int]:
-        """The directories with a request given up still in flight (a hung device)."""
-        return {request.directory for request in self._stuck}
 
     def _unbusy_dram(self, dram: int) -> None:
         count = self._busy_dram.pop(dram) - 1
