@@ -1,11 +1,15 @@
 """Helpers of the disk tier's tests on real files (``DiskStore``): the block geometry, a store
 over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled or
-polled for, a device that hangs, a directory as disk format 1 made it."""
+polled for, a script run in a process of its own, a device that hangs, a directory as disk format
+1 made it."""
 
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -84,6 +88,21 @@ def poll_until(store: DiskStore, what: str) -> dict[str, list[Any]]:
         time.sleep(0.01)
     assert done.get(what), f"nothing {what} within 10 s"
     return done
+
+
+def run_script(script: str, directory: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (Python, ``directory`` its ``sys.argv[1]``) in a process of its own, with
+    this run's import path, for at most 120 s; its output captured. Raises ``AssertionError``
+    with the tail of its stderr if it exits failed."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 class HungDevice:

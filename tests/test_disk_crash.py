@@ -11,8 +11,6 @@ import logging
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -32,6 +30,7 @@ from disk_support import (
     make_disk_pool,
     open_store,
     poll_until,
+    run_script,
     settle,
 )
 
@@ -926,14 +925,7 @@ def test_what_a_request_in_flight_at_close_uses_outlives_interpreter_shutdown(
     before the agent that could cancel it went (a tuple drops its items last first). It is now
     never released (its reference count raised once more), as ``agent_lifetime`` keeps unsafe
     agents, and the process still exits cleanly."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _KEPT_AT_EXIT, str(tmp_path / "d")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script(_KEPT_AT_EXIT, tmp_path / "d")
     assert "1 requests still in flight" in proc.stderr
     assert "exiting" in proc.stdout and "pool freed" not in proc.stdout
 

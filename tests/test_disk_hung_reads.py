@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from disk_support import HungDevice, digest_of, open_store, poll_until, settle
+from disk_support import HungDevice, digest_of, open_store, poll_until, run_script, settle
 
 from torch_kv_tier.remote.disk_frames import DEL, parse
 from torch_kv_tier.remote.disk_store import DiskStore
@@ -89,3 +89,61 @@ def test_a_read_given_up_that_then_fails_drops_its_key_once(
     assert _journaled_dels(d) == [b"K"]
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert [k for _, k, _ in store.recover()] == [b"M"]
+
+
+def test_a_hung_directory_refuses_only_the_keys_it_holds(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hung`` maps a key to its directory as the slots do (global slot ``g`` in directory
+    ``g % n``): with a read given up in the second of three directories, only that directory's
+    keys are hung, and the other directories' keys are read meanwhile."""
+    dirs = [tmp_path / f"d{i}" for i in range(3)]
+    with closing(open_store(disk_pool, dirs, 4)) as store:
+        store.recover()
+        keys = [b"k%d" % i for i in range(9)]
+        store.write([("ns", k, digest_of(disk_pool, i, k), i) for i, k in enumerate(keys)])
+        assert len(settle(store).written) == 9
+        in_second = {k for k in keys if store._index.where[("ns", k)][0] % 3 == 1}
+        assert len(in_second) == 3
+        hung = HungDevice(store, monkeypatch)
+        _stuck_read(store, hung, sorted(in_second)[0], 30)
+        assert {k for k in keys if store.hung("ns", k)} == in_second
+        hung.hangs = False
+        others = [k for k in keys if k not in in_second]
+        store.read([("ns", k, 40 + i) for i, k in enumerate(others)])
+        assert len(settle(store).read) == 6  # (the read given up is not in flight for settle)
+        hung.resume()
+        assert poll_until(store, "released")["released"] == [30]
+
+
+_EXITS_WHILE_HUNG = """
+import sys
+from pathlib import Path
+from disk_support import digest_of, make_disk_pool, open_store, poll_until, settle
+from torch_kv_tier.remote import disk_store
+
+disk_store.CLOSE_WAIT_S = 0.2
+pool = make_disk_pool()
+store = open_store(pool, [Path(sys.argv[1])], 8)
+store.recover()
+store.write([("ns", b"K", digest_of(pool, 0, b"K"), 0)])
+settle(store)
+store._io.state = lambda handle, kind, f: "PROC"  # the device stops answering
+store.request_timeout_s = 0.2
+store.read([("ns", b"K", 3)])
+poll_until(store, "abandoned")
+store.close()
+"""
+
+
+def test_a_host_that_exits_while_a_read_hangs_finds_its_key_at_restart(
+    disk_pool: np.ndarray, tmp_path: Path
+) -> None:
+    """A host stopped while a read given up still hangs (its store closed, what the read uses
+    kept until the process exits) journals no ``DEL``: the restarted host finds the key, its
+    block verified."""
+    proc = run_script(_EXITS_WHILE_HUNG, tmp_path / "d")
+    assert "given up" in proc.stderr and "1 requests still in flight" in proc.stderr
+    assert _journaled_dels(tmp_path / "d") == []
+    with closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store:
+        assert [k for _, k, _ in store.recover()] == [b"K"]
