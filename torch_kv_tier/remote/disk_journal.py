@@ -88,11 +88,12 @@ class DiskDir:
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            # the format and generation ``meta.json`` names: a directory of format 1 or 2 is
-            # migrated as its journal is rewritten (``rewrite``: at ``recover``)
-            self._header = disk_header.read(path, block_len, self.slots)
             self.fd, self.direct = open_blocks(path / "blocks.dat", block_len, direct)
             lock(self.fd, path)
+            # the format and generation ``meta.json`` names, read under the lock (a host that
+            # held it as this one waited may have rewritten the journal): a directory of format 1
+            # or 2 is migrated as its journal is rewritten (``rewrite``: at ``recover``)
+            self._header = disk_header.read(path, block_len, self.slots)
             disk_header.roll_forward(path, self._header)  # a rewrite cut by a crash
             st = os.fstat(self.fd)
             self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
