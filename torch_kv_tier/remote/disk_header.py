@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch_kv_tier.remote.disk_files import DiskError, sync_directory, write_durably
-from torch_kv_tier.remote.disk_frames import MAX_PAYLOAD, read_header
+from torch_kv_tier.remote.disk_frames import MAX_PAYLOAD, parse, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,23 @@ def roll_forward(path: Path, header: Header) -> None:
     generation and its rename (``DiskDir.rewrite``): where ``journal.log``'s header names another
     generation than ``header`` and ``journal.tmp``'s names it, rename ``journal.tmp`` over it
     (logged). Never an older journal: ``meta.json`` names a ``journal.tmp`` only once it is
-    written whole and synced, and no other journal names its generation (each is past every
-    order used before it). Raises ``OSError`` where the files cannot be read or renamed."""
-    if header.format != FORMAT or _generation(path / "journal.tmp") != header.generation:
+    written whole and synced, no other journal names its generation (each is past every order
+    used before it), and one whose rename failed, left as its removal failed too, is not
+    renamed once ``journal.log`` holds a record past its last (appended since, or the header of
+    a journal emptied since: ``DiskDir._name_again``); logged, its keys misses. Raises
+    ``OSError`` where the files cannot be read or renamed."""
+    tmp, journal = path / "journal.tmp", path / "journal.log"
+    if header.format != FORMAT or _generation(tmp) != header.generation:
         return
-    journal = path / "journal.log"
     if _generation(journal) == header.generation:  # renamed: a later rewrite's file, cut
         return
-    os.replace(path / "journal.tmp", journal)
+    if _last_order(journal) > _last_order(tmp):
+        logger.warning(
+            "disk: %s: meta.json names journal.tmp, whose rename failed, and journal.log holds "
+            "records past it: journal.tmp not used (the keys of journal.log are misses)", path,
+        )  # fmt: skip
+        return
+    os.replace(tmp, journal)
     sync_directory(journal)
     logger.info(
         "disk: %s: a crash cut the rewrite of its journal before its rename, after meta.json "
@@ -122,6 +131,16 @@ def _generation(journal: Path) -> int | None:
             return read_header(file.read(8 + MAX_PAYLOAD))[1]
     except FileNotFoundError:
         return None
+
+
+def _last_order(journal: Path) -> int:
+    """The greatest order the records or header of file ``journal`` name (-1: none, or no such
+    file)."""
+    try:
+        data = journal.read_bytes()
+    except FileNotFoundError:
+        return -1
+    return parse(data, generation=read_header(data)[1]).last_seq
 
 
 def _journal_format(path: Path) -> tuple[int, int | None]:

@@ -402,11 +402,14 @@ class DiskDir:
 
     def _name_again(self, exc: OSError) -> None:
         """``meta.json`` names a journal whose rename failed (``exc``): name the journal in
-        place again. Where that fails too (logged), a restart finds none of its blocks (the
-        journal renamed is removed: ``write_durably``)."""
+        place again. Where that fails too (logged), a restart finds none of its blocks: the
+        journal renamed is removed (``write_durably``), or, where it could not be, not renamed
+        at start (``disk_header.roll_forward``) once this journal holds a record past it: the
+        next record dropped empties it again (``_dropped``: a header past it)."""
         try:
             disk_header.write(self.path, self._header, self.block_len, self.slots)
         except OSError as again:
+            self._emptied = False
             logger.error(
                 "disk: journal of %s not renamed (%s) after meta.json named it, and meta.json "
                 "cannot name the old one again (%s): a restart finds none of its blocks",

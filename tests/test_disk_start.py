@@ -1,0 +1,124 @@
+"""What a start finds of the files a host left: where it started while that host still held the
+directory (a restart whose old host is still stopping), the directory as that host left it;
+where a rewrite of the journal failed after ``meta.json`` named the new one, no key removed
+since."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from disk_support import open_store
+from test_disk_replay import _write
+
+from torch_kv_tier.remote import disk_header, disk_journal
+from torch_kv_tier.remote.disk_frames import PUT
+from torch_kv_tier.remote.disk_journal import DiskDir
+
+BLOCK = 4096
+
+
+def test_a_start_that_waited_for_the_lock_keeps_the_keys_of_the_old_hosts_last_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a start read ``meta.json`` before it waited for the lock, so where the
+    host holding it rewrote its journal meanwhile (a compaction as it stopped), the start
+    named the old generation, found the new journal's header naming another, and used none of
+    its records (every key of that directory a miss). ``meta.json`` is now read under the
+    lock."""
+    d = tmp_path / "d"
+    old = DiskDir(d, 4 * BLOCK, BLOCK, direct=False)
+    old.append(PUT, 0, "ns", b"K", 7)
+    old.flush(*old.take_pending(), sync=True)
+    waiting = threading.Event()
+    real_lock = disk_journal.lock
+
+    def lock(fd: int, path: Path) -> None:
+        waiting.set()
+        real_lock(fd, path)
+
+    monkeypatch.setattr(disk_journal, "lock", lock)
+    started: list[DiskDir] = []
+    new = threading.Thread(target=lambda: started.append(DiskDir(d, 4 * BLOCK, BLOCK)))
+    new.start()
+    try:
+        assert waiting.wait(10.0)  # the new host waits for the lock
+        assert old.rewrite([(PUT, 0, "ns", b"K", 7)], compaction=True)  # a new generation
+    finally:
+        old.close()  # the old host stops: the lock is the new host's
+        new.join(10.0)
+    assert not new.is_alive() and started
+    try:
+        assert started[0].live() == {0: (0, "ns", b"K", 7)}
+    finally:
+        started[0].close()
+
+
+@pytest.mark.parametrize("journal", ["appended to", "stale"])
+def test_a_rewrite_whose_rename_and_cleanup_failed_never_brings_back_a_key_removed_since(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: str
+) -> None:
+    """Found by review: a rewrite of the journal whose rename failed (EIO) after ``meta.json``
+    named the new journal, where neither ``journal.tmp`` could be removed nor ``meta.json``
+    name the old journal again, left ``journal.tmp`` named by ``meta.json``; the host went on
+    (a compaction's journal appended to as before, a stale one dropping records), removed K,
+    and the next start completed that rename (``disk_header.roll_forward``): K came back. A
+    start now completes it only where ``journal.tmp`` holds every record of ``journal.log``
+    (none past its last), and a stale journal's next dropped record empties it again."""
+    d = tmp_path / "d"
+    real_replace, real_unlink, real_meta = os.replace, Path.unlink, disk_header.write_durably
+    named: list[Path] = []
+
+    def replace(src: Any, dst: Any) -> None:
+        if Path(dst) == d / "journal.log":
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        if path == d / "journal.tmp":
+            raise OSError(errno.EIO, "Input/output error")
+        real_unlink(path, missing_ok)
+
+    def meta_once(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
+        named.append(path)
+        if len(named) > 1:  # ``_name_again``'s
+            raise OSError(errno.EIO, "Input/output error")
+        return real_meta(path, *data, **kwargs)
+
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        _write(store, disk_pool, b"K", 0)
+        _write(store, disk_pool, b"J", 1)
+        assert store.sync(5.0)
+        dir0 = store._dirs[0]
+        if journal == "stale":  # a sync refused: the journal emptied, rewritten later
+            with monkeypatch.context() as m:
+                m.setattr(os, "fdatasync", _refused)
+                _write(store, disk_pool, b"L", 2)
+                assert store.sync(5.0) and dir0.stale
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", replace)
+            m.setattr(Path, "unlink", unlink)
+            m.setattr(disk_header, "write_durably", meta_once)
+            dir0.records, dir0.retry_at = 1 << 20, 0.0  # past 4x the live keys: compacted now
+            store.poll()
+            assert store._journals.wait(5.0) and len(named) == 2
+        assert (d / "journal.tmp").exists()
+        dir0.retry_at = math.inf  # the crash comes before the rewrite is tried again
+        assert store.remove("ns", b"K")
+        store.poll()  # its record written (a stale journal: dropped)
+        assert store._journals.wait(5.0)
+        monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        assert b"K" not in {key for _, key, _ in store.recover()}
+
+
+def _refused(fd: int) -> None:
+    raise OSError(errno.EIO, "Input/output error")
