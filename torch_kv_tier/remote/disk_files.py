@@ -1,6 +1,7 @@
 """The files of one ``--disk`` directory as the operating system sees them (``disk_journal``'s):
 a file replaced whole or not at all, durably (``write_durably``); the block file opened O_DIRECT
-where it can be (``open_blocks``); its exclusive lock, so that no two hosts use one directory
+where it can be (``open_blocks``), its space reserved (``allocate``), whether it is still the
+file at its path (``replaced``); its exclusive lock, so that no two hosts use one directory
 (``lock``). Pure functions of their arguments; ``DiskError`` is what a directory that cannot be
 used raises, saying what to do."""
 
@@ -102,3 +103,39 @@ def open_blocks(path: Path, block_len: int, direct: bool) -> tuple[int, bool]:
         except OSError:
             pass
     return os.open(path, flags, 0o600), False
+
+
+def allocate(fd: int, path: Path, size: int) -> None:
+    """Reserve the ``size`` bytes of block file ``fd``, of directory ``path``; raises
+    ``DiskError`` where they are not free. A file system that cannot reserve (NFSv3: glibc's
+    fallback writes single bytes, which an O_DIRECT file refuses) gets a sparse file (logged): a
+    write past the free space fails later, a miss."""
+    if os.fstat(fd).st_size >= size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            logger.warning(
+                "disk: %s cannot reserve %d bytes in advance (%s): its block file is sparse, "
+                "and a disk that fills up fails copies to it", path, size, exc,
+            )  # fmt: skip
+            os.ftruncate(fd, size)
+            return
+        st = os.statvfs(path)
+        raise DiskError(
+            f"{path} needs {size} bytes for --disk-bytes, only {st.f_bavail * st.f_frsize} free: "
+            "pass a smaller --disk-bytes or free space"
+        ) from exc
+
+
+def replaced(path: Path, fd: int) -> bool:
+    """Whether file ``path`` is no longer the file open as ``fd``: removed or replaced. An error
+    other than its absence (EACCES, EIO) is no sign that it was: False."""
+    try:
+        st, opened = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino)

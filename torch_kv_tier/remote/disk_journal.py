@@ -43,7 +43,6 @@ Threading: owned by one ``DiskStore``: ``append``, ``take_pending`` and ``close`
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -52,7 +51,14 @@ from pathlib import Path
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import disk_header
-from torch_kv_tier.remote.disk_files import DiskError, lock, open_blocks, write_durably
+from torch_kv_tier.remote.disk_files import (
+    DiskError,
+    allocate,
+    lock,
+    open_blocks,
+    replaced,
+    write_durably,
+)
 from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, header, parse
 from torch_kv_tier.remote.disk_header import FORMAT
 
@@ -83,7 +89,6 @@ class DiskDir:
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
         self._retry_s = 0.0  # doubles with each failed rewrite, up to REWRITE_RETRY_MAX_S
         self._emptied = False  # stale, and emptied (or tried to) since (``_dropped``)
-        self._identity = (-1, -1)  # blocks.dat's device and inode as opened
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
         try:
@@ -95,9 +100,7 @@ class DiskDir:
             # or 2 is migrated as its journal is rewritten (``rewrite``: at ``recover``)
             self._header = disk_header.read(path, block_len, self.slots)
             disk_header.roll_forward(path, self._header)  # a rewrite cut by a crash
-            st = os.fstat(self.fd)
-            self._identity = (st.st_dev, st.st_ino)  # ``_check_in_place``
-            self._allocate(self.slots * block_len)
+            allocate(self.fd, path, self.slots * block_len)
             if not self._header.written:  # only once the blocks fit: a size refused is not kept
                 disk_header.write(path, self._header, block_len, self.slots)
             journal = path / "journal.log"
@@ -116,29 +119,6 @@ class DiskDir:
                     "host can create (its parent must exist) or one it made, and can write"
                 ) from exc
             raise
-
-    def _allocate(self, size: int) -> None:
-        """Reserve the block file's ``size`` bytes; raises ``DiskError`` where they are not free.
-        A file system that cannot reserve (NFSv3: glibc's fallback writes single bytes, which an
-        O_DIRECT file refuses) gets a sparse file (logged): a write past the free space fails
-        later, a miss."""
-        if os.fstat(self.fd).st_size >= size:
-            return
-        try:
-            os.posix_fallocate(self.fd, 0, size)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                logger.warning(
-                    "disk: %s cannot reserve %d bytes in advance (%s): its block file is sparse, "
-                    "and a disk that fills up fails copies to it", self.path, size, exc,
-                )  # fmt: skip
-                os.ftruncate(self.fd, size)
-                return
-            st = os.statvfs(self.path)
-            raise DiskError(
-                f"{self.path} needs {size} bytes for --disk-bytes, only {st.f_bavail * st.f_frsize}"
-                " free: pass a smaller --disk-bytes or free space"
-            ) from exc
 
     # -- journal --------------------------------------------------------------------------
 
@@ -190,15 +170,7 @@ class DiskDir:
         """Say once (an error) that ``blocks.dat`` is no longer the file at its path (the
         directory removed or replaced under the host): its blocks are still served from the
         file open, but a restart, which opens the path, finds none of them."""
-        if self._moved:
-            return
-        try:
-            st = os.stat(self.path / "blocks.dat")
-        except FileNotFoundError:
-            st = None
-        except OSError:  # EACCES, EIO...: not a sign that it moved
-            return
-        if st is not None and (st.st_dev, st.st_ino) == self._identity:
+        if self._moved or not replaced(self.path / "blocks.dat", self.fd):
             return
         self._moved = True
         logger.error(
