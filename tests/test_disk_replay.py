@@ -401,6 +401,7 @@ def test_a_journal_rename_that_fails_after_meta_json_named_it_leaves_both_as_the
     with closing(open_store(disk_pool, [d], 8)) as store:
         store.recover()
         _write(store, disk_pool, b"K", 0)
+        assert store.sync(5.0)  # K's record written: ``records`` is the test's to set
         with monkeypatch.context() as m:
             m.setattr(os, "replace", failing)
             store._dirs[0].records = 1 << 20  # past 4x the live keys: compacted
