@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import as_format, digest_of, open_store, settle
+from disk_support import DISK_BLOCK, as_format, digest_of, open_store, settle
 
 from torch_kv_tier.remote import disk_header, disk_journal
 from torch_kv_tier.remote.disk_frames import PUT, parse, read_header
@@ -335,6 +335,30 @@ class _Crash(BaseException):
     """The host killed (as SIGKILL would) at the point that raises it."""
 
 
+def _in_two_directories(pool: np.ndarray, dirs: list[Path]) -> tuple[Path, int]:
+    """K stored, removed, stored again with other bytes in the other one of ``dirs``, and the
+    ``DEL`` of its first copy lost: the directory of that copy, and the global slot of K's
+    last bytes."""
+    with closing(open_store(pool, dirs, 8)) as store:
+        store.recover()
+        _write(store, pool, b"F", 5)  # global slot 0: K's first copy in directory 1
+        _write(store, pool, b"K", 0)  # K's first bytes
+        old = dirs[store._index.where[("ns", b"K")][0] % 2]
+        assert old == dirs[1] and store.sync(5.0)
+        before = (old / "journal.log").read_bytes()
+        assert store.remove("ns", b"K")
+        for filler in (b"G", b"H", b"I"):  # K stored again with other bytes, in directory 0...
+            _write(store, pool, b"K", 2)
+            if store._index.where[("ns", b"K")][0] % 2 == 0:
+                break
+            assert store.remove("ns", b"K")
+            _write(store, pool, filler, 6)
+        new = store._index.where[("ns", b"K")][0]
+        assert new % 2 == 0
+    (old / "journal.log").write_bytes(before)  # ...and the DEL of its first copy lost
+    return old, new
+
+
 @pytest.mark.parametrize("end", ["a rewrite refused, then a crash", "a crash between rewrites"])
 def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_crash(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, end: str
@@ -346,22 +370,7 @@ def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_cr
     bytes, which verify. Both copies' blocks are now overwritten, and synced, before any
     journal is rewritten."""
     dirs = [tmp_path / "a", tmp_path / "b"]
-    with closing(open_store(disk_pool, dirs, 8)) as store:
-        store.recover()
-        _write(store, disk_pool, b"F", 5)  # global slot 0: K's first copy in directory 1
-        _write(store, disk_pool, b"K", 0)  # K's first bytes
-        old = dirs[store._index.where[("ns", b"K")][0] % 2]
-        assert old == dirs[1] and store.sync(5.0)
-        before = (old / "journal.log").read_bytes()
-        assert store.remove("ns", b"K")
-        for filler in (b"G", b"H", b"I"):  # K stored again with other bytes, in directory 0...
-            _write(store, disk_pool, b"K", 2)
-            if store._index.where[("ns", b"K")][0] % 2 == 0:
-                break
-            assert store.remove("ns", b"K")
-            _write(store, disk_pool, filler, 6)
-        assert store._index.where[("ns", b"K")][0] % 2 == 0
-    (old / "journal.log").write_bytes(before)  # ...and the DEL of its first copy lost
+    old = _in_two_directories(disk_pool, dirs)[0]
     real = disk_journal.write_durably
 
     def cut(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
@@ -381,6 +390,26 @@ def test_a_key_dropped_from_two_directories_never_comes_back_from_one_after_a_cr
     with closing(open_store(disk_pool, dirs, 8)) as store:
         found = {key: digest for _, key, digest in store.recover()}
         assert found.get(b"K", digest_of(disk_pool, 2, b"K")) == digest_of(disk_pool, 2, b"K")
+
+
+def test_a_crash_between_the_overwrites_of_a_key_in_two_directories_never_serves_its_older_copy(
+    disk_pool: np.ndarray, tmp_path: Path
+) -> None:
+    """Found by review: a start overwrites the blocks of a key found in two directories one
+    after the other (``disk_recovery._spoil``): a host killed after the newer copy's, before
+    the older one's, left the key in one directory, and the next start served its older bytes.
+    A block that holds the complement of its record's bytes is now known for a copy so
+    overwritten, and every copy of its key is dropped."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    new = _in_two_directories(disk_pool, dirs)[1]
+    with open(dirs[new % 2] / "blocks.dat", "r+b") as blocks:  # as the killed start left it
+        blocks.seek(new // 2 * DISK_BLOCK)
+        block = blocks.read(DISK_BLOCK)
+        blocks.seek(new // 2 * DISK_BLOCK)
+        blocks.write(bytes(255 - b for b in block))
+    for _ in range(2):  # that start, then the next one
+        with closing(open_store(disk_pool, dirs, 8)) as store:
+            assert b"K" not in {key for _, key, _ in store.recover()}
 
 
 def test_a_journal_rename_that_fails_after_meta_json_named_it_leaves_both_as_they_were(

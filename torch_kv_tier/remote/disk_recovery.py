@@ -5,10 +5,11 @@ block is read and checked against its digest (xxh3-64 seeded with its key, as
 ``digest.BlockDigests``). A block cut by a crash, a file truncated or corrupted, a record cut
 at the journal's tail, a block unreadable (EIO) cost those keys, nothing else (a journal damaged
 in the middle, or of another generation than ``meta.json`` names, costs every key it names:
-``DiskDir.read_records``); so does a key
-found in two directories (a ``DEL`` lost to a crash or a full disk: which copy is the newer is
-unknown). Each directory's losses are logged (a warning saying how many of its blocks), as is a
-journal found missing (``disk_journal``): a restart says what it dropped.
+``DiskDir.read_records``); so does a key found in two directories (a ``DEL`` lost to a crash or
+a full disk: which copy is the newer is unknown), or in one where a start cut short overwrote
+another copy (``_spoil``: a block holding the complement of its record's bytes). Each
+directory's losses are logged (a warning saying how many of its blocks), as is a journal found
+missing (``disk_journal``): a restart says what it dropped.
 
 Threading: runs on the caller's thread, before any other I/O on the directories.
 """
@@ -42,6 +43,7 @@ def verified_index(
     dropped = 0
     row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT reads need
     found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
+    spoiled: set[Pair] = set()  # a copy's block overwritten by a start cut short (``_spoil``)
     try:
         for f, d in enumerate(dirs):
             live = d.live()
@@ -55,6 +57,10 @@ def verified_index(
                     got = -1
                 if got == block_len and block_digest(row, key) == digest:
                     found.append((order, j * n + f, ns, key, digest))
+                elif (
+                    got == block_len and block_digest(row[:].translate(_COMPLEMENT), key) == digest
+                ):
+                    spoiled.add((ns, key))
             lost = len(live) - (len(found) - kept)
             if lost:
                 logger.warning(
@@ -72,7 +78,7 @@ def verified_index(
     index: OrderedDict[Pair, tuple[int, int]] = OrderedDict()
     twice: list[int] = []
     for _, slot, ns, key, digest in found:
-        if len(homes[(ns, key)]) > 1:  # which directory's copy is the newer is unknown
+        if len(homes[(ns, key)]) > 1 or (ns, key) in spoiled:  # which copy is newer: unknown
             twice.append(slot)
             continue
         index.pop((ns, key), None)  # two slots of one journal: the later one stays
@@ -80,7 +86,8 @@ def verified_index(
     if twice:
         logger.warning(
             "disk: %d blocks dropped: their keys are in two directories (a removal's record "
-            "lost), and which copy is the newer is unknown; those keys are misses", len(twice),
+            "lost; or were, another copy overwritten by a start cut short), and which copy is the "
+            "newer is unknown; those keys are misses", len(twice),
         )  # fmt: skip
         _spoil(dirs, twice, block_len)
     return index, dropped + len(twice)
@@ -91,8 +98,10 @@ def _spoil(dirs: Sequence[DiskDir], slots: list[int], block_len: int) -> None:
     block files: before the journals naming them are rewritten one by one, so that a crash
     between two of those rewrites (or one refused: a full disk) leaves no record naming a
     block that still verifies (a key dropped for being in two directories was then found in
-    one only, and its copy there, maybe the older one, served). A block that cannot be
-    overwritten is logged: a start after such a crash may serve it."""
+    one only, and its copy there, maybe the older one, served). A crash between two of the
+    overwrites leaves one copy overwritten, which the next start knows by its complement
+    (``verified_index``: every copy of its key dropped). A block that cannot be overwritten is
+    logged: a start after such a crash may serve it."""
     n = len(dirs)
     row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT needs
     done: set[int] = set()
