@@ -1,6 +1,7 @@
 """A host killed at each step of the disk tier's file writes (a restart's rewrite of the journal,
 a compaction, a migration from disk formats 1 and 2, a compaction after one whose ``meta.json``
-was refused): the directory as that step leaves it, which is what a SIGKILL leaves (the page
+was refused, a start that drops a key found in two directories): the directories as that step
+leaves them, which is what a SIGKILL leaves (the page
 cache is kept), is started, then started again. Found by review: a host killed between the
 rename of a new journal and the write of ``meta.json`` naming its generation lost every key of
 that directory at the next start (the journal's header named another generation). ``meta.json``
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from disk_support import as_format, digest_of, open_store
-from test_disk_replay import _write
+from test_disk_replay import _in_two_directories, _write
 
 from torch_kv_tier.remote import disk_header
 from torch_kv_tier.remote.disk_store import DiskStore
@@ -42,8 +43,9 @@ def _history(store: DiskStore, pool: np.ndarray) -> dict[bytes, int]:
 
 
 def _snapshots(monkeypatch: pytest.MonkeyPatch, d: Path, out: list[Path]) -> None:
-    """Copy ``d`` into ``out`` before each write, sync, truncation and rename of its files (and
-    after each rename): each copy is the directory of a host killed at that step."""
+    """Copy ``d`` into ``out`` before each write (a block's too), sync, truncation and rename of
+    the files under it (and after each rename): each copy is the directories of a host killed
+    at that step."""
 
     def snap() -> None:
         out.append(d.parent / f"killed-{len(out)}")
@@ -63,12 +65,12 @@ def _snapshots(monkeypatch: pytest.MonkeyPatch, d: Path, out: list[Path]) -> Non
 
         return step
 
-    for name in ("write", "fsync", "fdatasync", "ftruncate"):
+    for name in ("write", "pwritev", "fsync", "fdatasync", "ftruncate"):
         monkeypatch.setattr(os, name, before(getattr(os, name)))
     real_replace = os.replace
 
     def replace(src: Any, dst: Any) -> None:
-        ours = Path(dst).parent == d
+        ours = d in Path(dst).parents
         if ours:
             snap()
         real_replace(src, dst)
@@ -105,7 +107,8 @@ def _meta_refused_once(store: DiskStore, pool: np.ndarray, want: dict[bytes, int
 
 
 @pytest.mark.parametrize(
-    "killed_in", ["a restart", "a compaction", "format 1", "format 2", "a meta.json refused"]
+    "killed_in",
+    ["a restart", "a compaction", "format 1", "format 2", "a meta.json refused", "two directories"],
 )
 def test_a_host_killed_at_any_step_of_a_rewrite_serves_no_old_bytes_and_starts_clean_after(
     disk_pool: np.ndarray,
@@ -114,32 +117,44 @@ def test_a_host_killed_at_any_step_of_a_rewrite_serves_no_old_bytes_and_starts_c
     caplog: pytest.LogCaptureFixture,
     killed_in: str,
 ) -> None:
-    d = tmp_path / "d"
+    root = tmp_path / "root"
     killed: list[Path] = []
-    with closing(open_store(disk_pool, [d], 16)) as store:
-        store.recover()
-        want = _history(store, disk_pool)
-        if killed_in == "a meta.json refused":
-            _meta_refused_once(store, disk_pool, want)
-        if killed_in in ("a compaction", "a meta.json refused"):
-            with monkeypatch.context() as m:
-                _snapshots(m, d, killed)
-                _compact(store)
+    names, slots = (["a", "b"], 8) if killed_in == "two directories" else (["d"], 16)
+    d = root / names[0]
+    if killed_in == "two directories":  # K's older copy found with its newer one: dropped
+        _in_two_directories(disk_pool, [root / name for name in names])
+    else:
+        with closing(open_store(disk_pool, [d], slots)) as store:
+            store.recover()
+            want = _history(store, disk_pool)
+            if killed_in == "a meta.json refused":
+                _meta_refused_once(store, disk_pool, want)
+            if killed_in in ("a compaction", "a meta.json refused"):
+                with monkeypatch.context() as m:
+                    _snapshots(m, root, killed)
+                    _compact(store)
     if killed_in.startswith("format"):
         as_format(d, int(killed_in[-1]))
-    if killed_in in ("a restart", "format 1", "format 2"):
-        with monkeypatch.context() as m, closing(open_store(disk_pool, [d], 16)) as store:
-            _snapshots(m, d, killed)
-            assert {key: digest for _, key, digest in store.recover()} == want
+    if killed_in in ("a restart", "format 1", "format 2", "two directories"):
+        with (
+            monkeypatch.context() as m,
+            closing(open_store(disk_pool, [root / name for name in names], slots)) as store,
+        ):
+            _snapshots(m, root, killed)
+            found = {key: digest for _, key, digest in store.recover()}
+        if killed_in == "two directories":
+            assert b"K" not in found and b"F" in found
+            want = found
+        assert found == want
     assert len(killed) > 5
     for at in killed:
-        with closing(open_store(disk_pool, [at], 16)) as store:
+        with closing(open_store(disk_pool, [at / name for name in names], slots)) as store:
             found = {key: digest for _, key, digest in store.recover()}
         assert found == want, at.name
         caplog.clear()
         with (
             caplog.at_level(logging.WARNING, logger="torch_kv_tier"),
-            closing(open_store(disk_pool, [at], 16)) as store,
+            closing(open_store(disk_pool, [at / name for name in names], slots)) as store,
         ):
             assert {key: digest for _, key, digest in store.recover()} == found, at.name
         assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
