@@ -1060,3 +1060,100 @@ def test_a_ctrl_c_as_slots_are_handed_out_or_given_back_loses_none_and_frees_non
         if len(seen) < k:  # it ran through: every line was hit once
             break
     assert k > 10
+
+
+class ReadPastTheDeadline:
+    """The tier's load of a read begun just before its restore's deadline, on the test's
+    clock: the clock moves past the deadline, the read stays under way (``read``)."""
+
+    def __init__(self, clock: Clock, read: Future[TransferResult]) -> None:
+        self._clock, self.read = clock, read
+
+    def __call__(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        self._clock.now += 1.0
+        return self.read
+
+
+def test_a_ctrl_c_as_a_restore_holds_its_late_reads_frees_no_slot_they_may_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line): Ctrl-C after the wait for
+    # the reads returned with one still under way, before ``_hold`` had marked its slots in
+    # use (as the call began), freed them in the restore's ``finally``: the next batch took
+    # them while the read could still land in them (its bytes under that batch's keys). The
+    # late reads are held inside the step that waits for them now; a Ctrl-C there holds
+    # those not yet held, none twice, and every slot comes back once the read ended.
+    where: dict[types.CodeType, set[int] | None] = {
+        ArenaBatches.load.__code__: _lines(ArenaBatches.load, "= wait(futures", "self._hold("),
+        arena_slots.ArenaSlots._hold.__code__: None,
+        arena_slots.ArenaSlots._started.__code__: None,
+        arena_slots.ArenaSlots._record.__code__: None,
+    }
+    clock = on_the_clock(monkeypatch)
+    for k in itertools.count(1):
+        tier = ScriptedTier(4, ["a"], frozen=set())
+        read: Future[TransferResult] = Future()
+        tier.load = ReadPastTheDeadline(clock, read)  # type: ignore[method-assign]
+        arena = batches(tier, timeout=WAIT_S)
+        hook, seen = _ctrl_c_at_line(where, k)
+        sys.settrace(hook)  # type: ignore[arg-type]
+        try:
+            arena.load([b"k", b"l"], ["a", "a"], [0, 1], clock.now + 0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        at = repr(seen[-1])
+        assert tier.arena.num_free == 2, f"Ctrl-C at {at} freed slots a read may still write"
+        read.set_result(stored([b"k", b"l"]))
+        assert arena.wait_idle(clock.now + 1.0)
+        assert tier.arena.num_free == 4, f"Ctrl-C at {at} lost slots"
+        if len(seen) < k:  # it ran through: every line was hit once
+            break
+    assert k > 10
+
+
+class EndsAsItIsLookedAt(Future[TransferResult]):
+    """A read that ends (on the tier's thread) just after a look found it under way, once
+    ``armed``."""
+
+    armed = False
+
+    def done(self) -> bool:
+        if self.armed and not super().done():
+            self.armed = False
+            self.set_result(stored([]))
+            return False  # as the look saw it
+        return super().done()
+
+
+def test_a_ctrl_c_after_a_late_read_was_held_does_not_hold_it_twice(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A Ctrl-C (KeyboardInterrupt) as a restore holds its late reads sends it down the path
+    # that holds every read still under way; one held already must not be held again: if it
+    # ended between that look and its second record, both records handed its slots back
+    # (the second a double free, ``ValueError`` in its callback; had the slots been taken
+    # again meanwhile, a slot freed under another batch).
+    clock = on_the_clock(monkeypatch)
+    tier = ScriptedTier(4, ["a"], frozen=set())
+    read = EndsAsItIsLookedAt()
+    tier.load = ReadPastTheDeadline(clock, read)  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    real_started = arena._started
+
+    def started_then_ctrl_c(*args: object, **kwargs: object) -> None:
+        real_started(*args, **kwargs)  # type: ignore[arg-type]
+        read.armed = True  # it ends just after the next look
+        raise KeyboardInterrupt
+
+    arena._started = started_then_ctrl_c  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        arena.load([b"k", b"l"], ["a", "a"], [0, 1], clock.now + 0.5)
+    del arena._started
+    read.armed = False
+    if not read.done():
+        read.set_result(stored([]))
+    assert arena.wait_idle(clock.now + 1.0)
+    assert tier.arena.num_free == 4
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # before: double free

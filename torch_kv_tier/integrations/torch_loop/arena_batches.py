@@ -160,7 +160,7 @@ class ArenaBatches(ArenaSlots):
         try:
             while unsent:
                 placed: list[str] = []  # where the tier sent them
-                made: list[bool] = []  # whether their record was made (``_started``)
+                made: list[Future[TransferResult]] = []  # its record was made (``_started``)
                 host, (host_keys, host_slots) = calling = unsent[0]
                 try:
                     future = self._manager.store(host_keys, host_slots, placed)
@@ -220,6 +220,7 @@ class ArenaBatches(ArenaSlots):
         failed: dict[Key, str] = {}
         unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
         in_use: set[int] = set()  # slots a read may still write into: never freed here
+        held: list[Future[TransferResult]] = []  # reads whose records own their slots (_hold)
         due = 0.0  # (set once the slots came; no read starts before)
         slots: list[int] = []  # (``_acquire`` puts them here in the step that takes them)
         try:  # from here on, a Ctrl-C frees every slot no read may still write
@@ -236,19 +237,19 @@ class ArenaBatches(ArenaSlots):
                 unsure = []
                 log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
+            self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use, held)
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
             self.interrupted()
             in_use.update(unsure)  # nothing will say when a read it may have begun ended
             try:
-                unended = [f for f in futures if not f.done()]
-                self._hold(futures, unended, due, "was interrupted", in_use)
+                unended = [f for f in futures if f not in held and not f.done()]
+                self._hold(futures, unended, due, "was interrupted", in_use, held)
             finally:
                 if unsure:
                     log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
                 self._release(slots, in_use)
             raise
         try:  # at once: a Ctrl-C between the two would keep every slot
-            self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use)
             for future in done:
                 try:
                     result = future.result()

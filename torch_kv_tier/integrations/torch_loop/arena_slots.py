@@ -70,11 +70,11 @@ class ArenaSlots:
         due: float,
         *,
         store: bool = True,
-        made: list[bool] | None = None,
+        made: list[Future[TransferResult]] | None = None,
     ) -> None:
         """Hand ``slots`` back once ``future`` (a store to ``host``; not ``store``: a read
         from it) resolved; until then it is under way (a store also pending), overdue from
-        ``due`` on. ``made`` (if given) gains an item in the step that makes the record, so
+        ``due`` on. ``made`` (if given) gains ``future`` in the step that makes the record, so
         that a caller interrupted (Ctrl-C) before it can make the record another way, and
         one interrupted after it does not make a second (which would free the slots twice)."""
         # The record owns the slots from here on, unsure until its callback is added (a
@@ -85,7 +85,7 @@ class ArenaSlots:
         try:
             self._record(future, host, slots, due, store, made)
         except BaseException:
-            if not made:
+            if future not in made:
                 self._record(future, host, slots, due, store, made)
             raise
         future.add_done_callback(self._ended)
@@ -99,16 +99,16 @@ class ArenaSlots:
         slots: list[int],
         due: float,
         store: bool,
-        made: list[bool],
+        made: list[Future[TransferResult]],
     ) -> None:
-        """Record ``future`` as ``_started`` says, unsure; ``made`` gains an item in the same
-        step (no signal is checked between a Python function's return and a C call)."""
+        """Record ``future`` as ``_started`` says, unsure; ``made`` gains it in the same step
+        (no signal is checked between a Python function's return and a C call)."""
         with self._lock:
             self._unsure.add(future)  # first: a record is never made sure before its callback
             if store:
                 self._pending.add(future)
             self._shares.started(future, host, slots, due)
-            made.append(True)
+            made.append(future)
 
     def track(self, offload: Future[TransferResult]) -> None:
         """Count ``offload`` as pending (``wait_idle`` waits for it) until it resolves."""
@@ -137,17 +137,19 @@ class ArenaSlots:
         due: float,
         why: str,
         in_use: set[int],
+        held: list[Future[TransferResult]],
     ) -> None:
         """Keep the slots of the ``unended`` of ``reads`` (future: host, slots) until each
         ends (at once for one that ended meanwhile), under way until ``due``, overdue from then
         on; ``why``: how the restore ended before them, for the log. Adds those slots to
-        ``in_use`` first, so that a caller interrupted here (Ctrl-C) frees none of them: a read
-        interrupted before its record keeps its slots for good; one recorded gets them back
-        once it ended, its callback added or not (``_started``)."""
+        ``in_use`` first, so that a caller interrupted here (Ctrl-C) frees none of them, and
+        each read to ``held`` in the step that makes its record: one recorded gets its slots
+        back once it ended, its callback added or not (``_started``); the caller holds again
+        those not in ``held`` (a second record of one would free its slots twice)."""
         in_use.update(slot for future in unended for slot in reads[future][1])
         for future in unended:  # the tier may still write into these slots
             host, slots = reads[future]
-            self._started(future, host, slots, due, store=False)
+            self._started(future, host, slots, due, store=False, made=held)
             log.warning(
                 "restore from %s %s; its reads hold %d arena slots until they end",
                 host,
