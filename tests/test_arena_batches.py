@@ -221,9 +221,14 @@ class SlowHost(WaitsOnTheClock):
     callback runs as the waiter waits, the lock released) or until its timeout."""
 
     def __init__(
-        self, changed: threading.Condition, clock: Clock, tier: ScriptedTier, seconds: float
+        self,
+        changed: threading.Condition,
+        clock: Clock,
+        tier: ScriptedTier,
+        seconds: float,
+        late: float = 0.0,
     ) -> None:
-        super().__init__(changed, clock)
+        super().__init__(changed, clock, late)
         self._tier, self._seconds = tier, seconds
         self.begun: list[float] = []  # each store's start, in ``tier.stores``' order
 
@@ -233,7 +238,7 @@ class SlowHost(WaitsOnTheClock):
         ]
         if not ends or self._clock.now + timeout < ends[0]:
             return super().wait(timeout)
-        self._clock.now = ends[0]
+        self._clock.now = ends[0] + self._late  # (the waiter woken ``late`` after it ended)
         keys, store = next((k, f) for k, f in self._tier.stores if not f.done())
         self._changed.release()
         try:
@@ -243,17 +248,15 @@ class SlowHost(WaitsOnTheClock):
         return True
 
 
-def test_an_offload_through_a_slow_hosts_stores_waits_for_slots_its_timeout_in_all(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Found by review (dba37d3): an offload larger than the arena gave each batch a deadline
-    # of its own, so a slow host (each store ending within the timeout) held the generation
-    # loop for batches x timeout. The offload's one deadline bounds all its waits: here the
-    # third page, whose slot comes back 1.2 s into a 1 s timeout, and the fourth fail.
+def slow_host(
+    monkeypatch: pytest.MonkeyPatch, **kw: float
+) -> tuple[Clock, ScriptedTier, ArenaBatches]:
+    """One host, one arena slot, a 1 s timeout, on the test's clock: the host's stores end
+    as a :class:`SlowHost` (``kw``: its times) says."""
     clock = on_the_clock(monkeypatch)
-    tier = ScriptedTier(1, ["a"], frozen={"a"})  # stores end as the slow host below says
+    tier = ScriptedTier(1, ["a"], frozen={"a"})  # stores end as the slow host says
     arena = batches(tier, timeout=1.0)
-    host = SlowHost(arena._changed, clock, tier, seconds=0.6)
+    host = SlowHost(arena._changed, clock, tier, **kw)
     monkeypatch.setattr(arena, "_changed", host)
     scripted_store = tier.store
 
@@ -264,11 +267,37 @@ def test_an_offload_through_a_slow_hosts_stores_waits_for_slots_its_timeout_in_a
         return scripted_store(keys, slots, placed)
 
     tier.store = timed_store  # type: ignore[method-assign]
+    return clock, tier, arena
+
+
+def test_an_offload_through_a_slow_hosts_stores_waits_for_slots_its_timeout_in_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review (dba37d3): an offload larger than the arena gave each batch a deadline
+    # of its own, so a slow host (each store ending within the timeout) held the generation
+    # loop for batches x timeout. The offload's one deadline bounds all its waits: here the
+    # third page, whose slot comes back 1.2 s into a 1 s timeout, and the fourth fail.
+    clock, tier, arena = slow_host(monkeypatch, seconds=0.6)
     keys = [f"slow-{i}".encode() for i in range(4)]
     deadline = clock.now + 1.0
     parts = arena.store_all({k: i for i, k in enumerate(keys)}, deadline)
     assert clock.now <= deadline  # before: 1.8 s on the test's clock
     assert failures(parts) == {keys[2]: "capacity", keys[3]: "capacity"}  # before: none
+    tier.end_stores()
+    assert tier.arena.num_free == 1
+
+
+def test_a_page_whose_slot_came_back_in_time_is_stored_though_its_thread_woke_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Found by review: a page waiting for its host's share, which its store handed back
+    # before the offload's deadline, failed "capacity" when its thread woke after the
+    # deadline (a busy machine): the wait counted as one the deadline ended. A wait that
+    # something ended (the condition notified) looks again, however late the thread woke.
+    clock, tier, arena = slow_host(monkeypatch, seconds=0.9, late=0.2)
+    parts = arena.store_all({b"first": 0, b"second": 1}, clock.now + 1.0)
+    assert failures(parts) == {}  # before: {b"second": "capacity"}
+    assert [keys for keys, _ in tier.stores] == [[b"first"], [b"second"]]
     tier.end_stores()
     assert tier.arena.num_free == 1
 

@@ -211,15 +211,16 @@ class ArenaSlots:
         ended) or a store under way turned overdue, at most until ``deadline``; ``False`` (at
         once) once it has passed, and after a wait that ``deadline`` ended, however late this
         thread woke (a busy machine): a store that turns overdue only after the deadline
-        cannot then make the caller's next look tell another reason. ``seen``: the time the
-        caller asked the overdue hosts for, so that a store that turned overdue since ends the
-        wait at once."""
+        cannot then make the caller's next look tell another reason. ``True`` after one that
+        something ended (notified), however late this thread woke: what ended in time (slots
+        back) counts. ``seen``: the time the caller asked the overdue hosts for, so that a
+        store that turned overdue since ends the wait at once."""
         now = time.monotonic()
         if now >= deadline:
             return False
         due = self._shares.next_due(seen)
-        self._changed.wait(min(deadline, due) - now)
-        return due < deadline or time.monotonic() < deadline
+        notified = self._changed.wait(min(deadline, due) - now)
+        return notified or due < deadline or time.monotonic() < deadline
 
     def _room(self) -> int:
         """How many slots a batch may take (``HostShares.room``)."""
