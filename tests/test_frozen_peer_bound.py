@@ -1,7 +1,8 @@
 """A host frozen past UCX's TCP bound with stores in flight: the bound cuts it, nothing is lost.
 
-``ucx_env`` sets ``UCX_TCP_USER_TIMEOUT``. A frozen host's kernel still answers, but with a zero
-window once its receive buffer is full, and Linux (5.11 and later) counts a window that stays
+A tier run with ``UCX_TCP_USER_TIMEOUT``, as the README advises where interfaces come and go
+(``ucx_env``; the host without it). A frozen host's kernel still answers, but with a zero window
+once its receive buffer is full, and Linux (5.11 and later) counts a window that stays
 closed against the bound: the tier's UCX connections to the host are cut while the host is still
 frozen. Here the tier's heartbeat timeout and ``transfer_timeout_s`` are far longer than the
 bound (2 s), so only the cut can settle the stores: they fail ("transfer failed") while the host
@@ -29,7 +30,11 @@ from torch_kv_tier.remote import ServerProcess
 
 BLOCK_LEN = 1 << 20
 NUM_BLOCKS = 48  # 48 MiB of stores: far more than the sockets' buffers hold
-BOUND = {"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "2s"}
+BOUND = {"UCX_TLS": "tcp", "UCX_TCP_USER_TIMEOUT": "2s"}  # the tier's
+HOST = {
+    "UCX_TLS": "tcp",
+    "UCX_TCP_USER_TIMEOUT": "inf",
+}  # a host cutting a frozen tier meets UCX's bug
 STAY_FROZEN_S = 1.0  # after the cut (see the test)
 
 # The tier: its own process, with the 2 s bound; told by stdin when the host froze and resumed.
@@ -95,7 +100,7 @@ def test_a_host_frozen_past_the_tcp_bound_is_cut_then_serves_the_right_bytes(
     extra = ["--lease-timeout", "120"]  # the host keeps the tier's session across the freeze
     log = tmp_path / "tier.log"
     with (
-        ServerProcess.start(2 * NUM_BLOCKS, BLOCK_LEN, env=BOUND, extra_args=extra) as host,
+        ServerProcess.start(2 * NUM_BLOCKS, BLOCK_LEN, env=HOST, extra_args=extra) as host,
         log.open("w") as stderr,
     ):
         tier = subprocess.Popen(

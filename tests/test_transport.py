@@ -1112,34 +1112,15 @@ def test_ucx_policy_excludes_ib_only_without_rdma_devices(tmp_path: Any) -> None
     empty.mkdir()
     env: dict[str, str] = {}
     apply_ucx_policy(env, sysfs=empty)
-    assert env["UCX_MODULES"] == "^ib"
+    assert env == {"UCX_MODULES": "^ib"}
     with_dev = tmp_path / "ib"
     (with_dev / "mlx5_0").mkdir(parents=True)
     env = {}
     apply_ucx_policy(env, sysfs=with_dev)
-    assert "UCX_MODULES" not in env
+    assert env == {}
     env = {"UCX_MODULES": ""}
     apply_ucx_policy(env, sysfs=empty)
-    assert env["UCX_MODULES"] == ""
-
-
-def test_ucx_policy_bounds_unacknowledged_tcp_data_unless_the_user_set_it(tmp_path: Any) -> None:
-    # a TCP lane over a vanished interface must fail, not stall for the kernel's ~15 minutes
-    # (test_vanished_interface.py shows the tier recover through it)
-    env: dict[str, str] = {}
-    apply_ucx_policy(env, sysfs=tmp_path)
-    assert env["UCX_TCP_USER_TIMEOUT"] == "30s"
-    env = {"UCX_TCP_USER_TIMEOUT": "auto"}
-    apply_ucx_policy(env, sysfs=tmp_path)
-    assert env["UCX_TCP_USER_TIMEOUT"] == "auto"
-    for tls in ("tcp", "rc,tcp", "all", "^rc_gda", "^shm"):
-        env = {"UCX_TLS": tls}
-        apply_ucx_policy(env, sysfs=tmp_path)
-        assert env["UCX_TCP_USER_TIMEOUT"] == "30s", tls
-    for tls in ("rc,sm", "^tcp", "^rc,tcp"):  # no TCP: UCX would warn the variable is unused
-        env = {"UCX_TLS": tls}
-        apply_ucx_policy(env, sysfs=tmp_path)
-        assert "UCX_TCP_USER_TIMEOUT" not in env, tls
+    assert env == {"UCX_MODULES": ""}
 
 
 def test_without_nixl_the_transport_is_unavailable_and_says_how_to_install(

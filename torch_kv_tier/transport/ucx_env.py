@@ -6,16 +6,21 @@ handler, so even a successful run exits 139). Machines with an RDMA device need 
 real one-sided transfers. So: exclude ``ib`` only when no RDMA device exists and the user has not
 set ``UCX_MODULES`` themselves.
 
-UCX's TCP connections get a bound on unacknowledged data (``UCX_TCP_USER_TIMEOUT``, unless the
-user set it). UCX wires a TCP lane on every interface it saw when the agent was created; when
-one of them vanishes (a veth or VPN interface removed, a NIC unplugged), a transfer striped onto
-its lane waits for an acknowledgement that never comes, without error, for the kernel's whole
-retransmission timeout (``tcp_retries2``: about 15 minutes). Worse, the tier's redial of that
-host (same process, same metadata) gets the same NIXL remote agent back, stalled lane and all:
-the host stayed unusable until the kernel gave up. With the bound, TCP closes such a socket,
-UCX fails its endpoint (``NIXL_ERR_REMOTE_DISCONNECT``), the tier drops the host, and its redial
-builds a new endpoint on the interfaces that remain. A peer that is slow but alive keeps
-acknowledging (zero-window probes included), so the bound never cuts it.
+``UCX_TCP_USER_TIMEOUT`` is left to the user (README, "An interface that vanishes"). UCX wires
+a TCP lane on every interface it saw when the agent was created; when one of them vanishes (a
+veth or VPN interface removed, a NIC unplugged), a transfer striped onto its lane waits for an
+acknowledgement that never comes, without error, for the kernel's retransmission timeout
+(``tcp_retries2``: about 15 minutes), and a redial of that host gets the same NIXL remote agent
+back, stalled lane and all (``tests/test_vanished_interface.py``). A bound (``30s``) on a tier
+makes TCP close such a socket: UCX fails the endpoint, the tier drops the host and its redial
+builds a new endpoint on the interfaces that remain. It is not set by default because it also
+cuts a peer frozen with data waiting for it (a zero window counts against it on Linux 5.11 and
+later), and that cut is one more connection failure that meets UCX's use-after-free over TCP
+(README, "Known upstream issue"): a tier whose frozen host resumed within about 0.1 s of the cut
+crashed in 9 of 12 runs, and a host that cut a tier frozen with loads in flight died in 4 of 4
+under ``MALLOC_PERTURB_``. Without the bound, a stalled transfer still settles its future at
+``transfer_timeout_s`` and no byte is wrong; the host is unusable until the kernel gives up.
+``tests/test_frozen_peer_bound.py`` checks a tier with the bound against a frozen host.
 
 The UCX backend itself is created with ``ucx_backend_params``: never split a transfer across its
 worker threads, and on GPU hosts leave out UCX's ``rc_gda`` transports.
@@ -30,11 +35,6 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _RDMA_SYSFS = Path("/sys/class/infiniband")
-
-TCP_USER_TIMEOUT_S = 30
-"""``UCX_TCP_USER_TIMEOUT`` in seconds (module doc): half the tier's default ``transfer_timeout_s``,
-so a dead lane fails its endpoint before the tier's own bound drops the host, and long enough
-that a network blip TCP would ride out does not cost a host its keys."""
 _NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
@@ -50,26 +50,13 @@ def has_rdma_device(sysfs: Path = _RDMA_SYSFS) -> bool:
     return _lists_any(sysfs)
 
 
-def _may_use_tcp(tls: str | None) -> bool:
-    """Whether a ``UCX_TLS`` value leaves UCX's TCP transport in: unset, ``all``, a list naming
-    ``tcp``, or an exclusion list (``^...``) that does not."""
-    if tls is None:
-        return True
-    names = {name.strip() for name in tls.removeprefix("^").split(",")}
-    return ("tcp" not in names) if tls.startswith("^") else bool(names & {"tcp", "all"})
-
-
 def apply_ucx_policy(environ: dict[str, str] | None = None, sysfs: Path = _RDMA_SYSFS) -> None:
-    """Set ``UCX_TCP_USER_TIMEOUT`` (``TCP_USER_TIMEOUT_S``) when unset and ``UCX_TLS`` leaves
-    TCP in, and ``UCX_MODULES=^ib`` when there is no RDMA device and ``UCX_MODULES`` is unset
-    (module doc).
+    """Set ``UCX_MODULES=^ib`` when there is no RDMA device and ``UCX_MODULES`` is unset.
 
     Must run before UCX is loaded (the first NIXL agent); later calls change nothing that UCX
-    has already read. A variable the user set (even empty) always wins.
+    has already read. An explicit ``UCX_MODULES`` (even empty) always wins.
     """
     env = os.environ if environ is None else environ
-    if _may_use_tcp(env.get("UCX_TLS")):  # else UCX warns that the variable is unused
-        env.setdefault("UCX_TCP_USER_TIMEOUT", f"{TCP_USER_TIMEOUT_S}s")
     if "UCX_MODULES" in env or has_rdma_device(sysfs):
         return
     env["UCX_MODULES"] = "^ib"
