@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from remote_support import BLOCK_LEN, wait_for
 
 from torch_kv_tier import connections, session_releases
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.records import Request
+from torch_kv_tier.records import Request, resolve
 from torch_kv_tier.remote import RemoteSession, ServerProcess, session_io
 
 
@@ -118,33 +119,106 @@ def test_a_redial_waits_for_the_end_of_the_hosts_dropped_session(
         assert_nothing_held(host.address)
 
 
-def test_a_ctrl_c_in_a_callback_of_remove_peer_still_ends_the_removed_hosts_session(
-    host: ServerProcess,
+@pytest.fixture(params=["remove_peer", "add_peer", "failed join"])
+def dropping(
+    request: pytest.FixtureRequest, host: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[TierManager, Callable[[], object], list[RemoteSession]]]:
+    """A tier, a call that drops a host's session, and (once known) that session: the host's
+    removal, an ``add_peer`` over it (its session replaced by a raw region), or a connect whose
+    join fails once the host was published (lost as it asks for the host's index: the
+    connect raises ``ConnectionError``, unless something else interrupts it)."""
+    sessions: list[RemoteSession] = []
+    with TierManager.create(16, BLOCK_LEN, name=f"dropping-{request.param}") as tier:
+        if request.param == "failed join":
+
+            def lost_as_it_joins(session: RemoteSession, _: object) -> None:
+                sessions.append(session)
+                raise ConnectionError("lost as it joined")
+
+            def connect() -> None:
+                with pytest.raises(ConnectionError, match="lost as it joined"):
+                    tier.connect(host.address)
+
+            monkeypatch.setattr(RemoteSession, "follow", lost_as_it_joins)
+            yield tier, connect, sessions
+            return
+        peer = tier.connect(host.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        sessions.append(session)
+        if request.param == "remove_peer":
+            yield tier, partial(tier.remove_peer, peer), sessions
+            return
+        region = (session.agent_metadata, session.base_addr, session.num_blocks)
+        yield tier, partial(tier.add_peer, peer, *region, session.block_len), sessions
+
+
+def at_next_flush(tier: TierManager, *, interrupt: bool) -> list[list[str]]:
+    """The next ``_flush`` on this thread (the drop's) first takes what a connect of the host
+    there would name to it as resolved (given back at once), returned; then, with
+    ``interrupt``, a settled future's done-callback raises ``KeyboardInterrupt`` in it (the
+    poller, which flushes too, never sees that future)."""
+    taken: list[list[str]] = []
+    flush, caller = tier._flush, threading.get_ident()
+
+    def looked_at() -> None:
+        if taken or threading.get_ident() != caller:
+            return flush()
+        with tier._lock:
+            address = next(iter({*tier._ended.resolved, *tier._ended.carrying}), "")
+            taken.append(tier._ended.take(address))
+            tier._ended.give_back(address, taken[-1])
+        flush()
+        if interrupt:
+            settled = Request([b"k"])
+            settled.settle(settled.keys, None)
+            settled.future.add_done_callback(_interrupt)
+            resolve([settled])
+
+    tier._flush = looked_at  # type: ignore[method-assign]
+    return taken
+
+
+def _interrupt(_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_in_a_callback_as_a_host_is_dropped_still_ends_its_session(
+    dropping: tuple[TierManager, Callable[[], object], list[RemoteSession]],
 ) -> None:
-    """Found by review: ``remove_peer`` resolves the futures the removal settled before it ends
+    """Found by review: ``remove_peer``, ``add_peer`` over a connected host and a join that
+    failed once its host was published resolve the futures the drop settled before they end
     the host's session; a ``KeyboardInterrupt`` in a done-callback there skipped the end: the
     session stayed open with the host (its heartbeats going on, its slots held until the
     process exited), and, counted as ending from the drop, it held up ``close`` for its whole
     timeout, and the host, connected again, was never redialled once lost (each try gave up
     waiting for that end). The session ends all the same, and the interrupt still reaches
     the caller."""
-    with TierManager.create(16, BLOCK_LEN, name="ctrl-c-at-removal") as tier:
-        peer = tier.connect(host.address)
-        session = tier._peers[peer].session
-        assert session is not None
-        settled = Request([b"k"])
-        settled.settle(settled.keys, None)
+    tier, drop, sessions = dropping
+    at_next_flush(tier, interrupt=True)
+    with pytest.raises(KeyboardInterrupt):
+        drop()
+    session = sessions[0]
+    assert session.ended_clean, "the dropped host's session was never ended"
+    assert not tier._ended.carrying and not tier._ended.ending(session.address)
 
-        def interrupt(_: object) -> None:
-            raise KeyboardInterrupt
 
-        settled.future.add_done_callback(interrupt)
-        with tier._lock:  # a future the removal settled (a store to the host, failed)
-            tier._ready.append(settled)
-        with pytest.raises(KeyboardInterrupt):
-            tier.remove_peer(peer)
-        assert session.ended_clean, "the removed host's session was never ended"
-        assert not tier._ended.carrying and not tier._ended.ending(host.address)
+def test_a_dropped_session_is_not_named_to_its_host_before_it_ended(
+    dropping: tuple[TierManager, Callable[[], object], list[RemoteSession]],
+) -> None:
+    """Found by review: ``add_peer`` over a connected host and a join that failed once its
+    host was published counted the dropped session as ending only after the futures the drop
+    settled were resolved: meanwhile a connect of the host there (another thread) named the
+    session to it as resolved, the host ended it, and the session's own clean disconnect was
+    refused, logged as a warning ("disconnect ... got no answer") though nothing was lost. It
+    counts as ending under the drop's lock, as ``remove_peer``'s does."""
+    tier, drop, sessions = dropping
+    taken = at_next_flush(tier, interrupt=False)
+    drop()
+    session = sessions[0]
+    assert taken and session.session_id not in taken[0], "named to its host before it ended"
+    assert session.ended_clean
+    assert not tier._ended.carrying and not tier._ended.ending(session.address)
 
 
 @pytest.mark.parametrize("ends", ["unclean", "lost"])

@@ -56,7 +56,6 @@ class ConnectedHosts(LostHosts):
     if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
 
         def _check_open(self) -> None: ...
-        def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
         def _join_shared(self, session: Any, timeout_s: float) -> None: ...
 
     # -- public: connected hosts ---------------------------------------------------------------
@@ -139,14 +138,8 @@ class ConnectedHosts(LostHosts):
                 if self._cancel_pending(peer_id):  # an address dialled since its connect
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
-            session, clean = self._drop_peer(peer_id)
-            if session is not None:
-                self._ended.end_begins(session)
-        try:
-            self._flush()
-        finally:  # (a ``KeyboardInterrupt`` in a done-callback: the session ends all the same)
-            if session is not None:
-                self._end_dropped(session, clean)
+            session, clean = self._drop_to_end(peer_id)
+        self._flush_then_end(session, clean, redial=True)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
@@ -340,7 +333,7 @@ class ConnectedHosts(LostHosts):
     ) -> None:
         """Register a tier-owned region (``add_peer``, or a private lease's ``session``)
         (unlocked). A registration of ``peer_id`` it replaces is dropped first; its session
-        ends as a lost one's does (``_end_keeping_releases``). ``add_peer`` over a connected
+        ends as a lost one's does (``_flush_then_end``). ``add_peer`` over a connected
         host (or one lost and dialled again) stops dialling it, as ``remove_peer`` does; its
         ended sessions are still released."""
         # bad input raises before the old registration and its keys are dropped
@@ -350,15 +343,13 @@ class ConnectedHosts(LostHosts):
             raise ValueError(
                 f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
             )
-        old = None
+        old: tuple[Any, bool] = (None, True)
         with self._lock:
             self._check_open()
             dial = None if session is not None else self._stop_dialling(peer_id)
             if peer_id in self._peers:
-                old = self._drop_peer(peer_id)
-        self._flush()
-        if old is not None and old[0] is not None:
-            self._end_keeping_releases(*old)
+                old = self._drop_to_end(peer_id)
+        self._flush_then_end(*old)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)

@@ -48,6 +48,7 @@ class LostHosts(SessionReleases):
         def _check_open(self) -> None: ...
         def _connect(self, dial: Dial) -> str: ...
         def _lose_peer(self, peer_id: str, why: str) -> None: ...
+        def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
         def _flush(self) -> None: ...
         def remove_peer(self, peer_id: str) -> None: ...
 
@@ -69,9 +70,32 @@ class LostHosts(SessionReleases):
             for session, _ in ending:
                 self._ended.end_ends(session)
 
+    def _drop_to_end(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]:
+        """``_drop_peer`` for a caller that ends the session itself (``_flush_then_end``): the
+        session counts as ending under the drop's lock (``_ended.end_begins``), so that nobody
+        names it to its host as resolved before it ended (a connect there on another thread,
+        meanwhile: the host would end it first, and its own disconnect go unanswered)."""
+        session, clean = self._drop_peer(peer_id, lost=lost)
+        if session is not None:
+            self._ended.end_begins(session)
+        return session, clean
+
+    def _flush_then_end(self, session: Any, clean: bool, *, redial: bool = False) -> None:
+        """After ``_drop_to_end`` (unlocked): resolve the futures the drop settled (``_flush``),
+        then end ``session`` (if any) all the same when a done-callback raised (a
+        ``KeyboardInterrupt``, raised on after the end): skipped, the session would stay open
+        with its host (its slots held), and, counted as ending, hold up ``close`` and every
+        redial of its address. ``redial``: as ``_end_dropped`` (a host lost rather than
+        removed meanwhile is dialled again), else as ``_end_counted``."""
+        try:
+            self._flush()
+        finally:
+            if session is not None:
+                (self._end_dropped if redial else self._end_counted)(session, clean)
+
     def _end_dropped(self, session: Any, clean: bool) -> None:
         """End a dropped peer's session, counted at its drop (``_ended.end_begins``: by
-        ``_end_later``, for ``_session_ends``' threads, or ``remove_peer``) (unlocked); dial the
+        ``_end_later``, for ``_session_ends``' threads, or ``_drop_to_end``) (unlocked); dial the
         host again if it was lost rather than removed. The ended sessions it released the host
         may not have read (its connection reset, say) are released again, with the redial."""
         self._end_counted(session, clean)

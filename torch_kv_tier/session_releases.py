@@ -197,7 +197,7 @@ class SessionReleases:
 
     def _end_counted(self, session: Any, clean: bool) -> None:
         """``_end_keeping_releases`` of a session already counted (``_ended.end_begins``, under
-        the lock, by whoever dropped its peer: ``LostHosts._end_later``, ``remove_peer``),
+        the lock, by whoever dropped its peer: ``LostHosts._end_later``, ``_drop_to_end``),
         uncounted here once it ended (unlocked). Counted from the drop, a removal of its host
         meanwhile keeps how it was dialled (``_forget_removed``), for what this end hands
         back; and nobody names the session itself as resolved before its end (but ``close``'s

@@ -74,7 +74,7 @@ class SharedHosts:
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
 
-    if TYPE_CHECKING:  # implemented by TierManager, Transfers and ConnectedHosts
+    if TYPE_CHECKING:  # implemented by TierManager, Transfers, ConnectedHosts and LostHosts
 
         def _check_open(self) -> None: ...
         def _launch(self, op: Op) -> None: ...
@@ -85,9 +85,9 @@ class SharedHosts:
         def _register(
             self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
         ) -> None: ...
-        def _drop_peer(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
+        def _drop_to_end(self, peer_id: str, *, lost: bool = False) -> tuple[Any, bool]: ...
         def _end_keeping_releases(self, session: Any, clean: bool) -> None: ...
-        def _flush(self) -> None: ...
+        def _flush_then_end(self, session: Any, clean: bool, *, redial: bool = False) -> None: ...
         def _ready_if_settled(self, request: Request) -> None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
@@ -141,10 +141,9 @@ class SharedHosts:
             with self._lock:
                 ended = None
                 if self._peers.get(peer_id) is host and not self._stopping:
-                    ended = self._drop_peer(peer_id, lost=session.lost is not None)
+                    ended = self._drop_to_end(peer_id, lost=session.lost is not None)
             if ended is not None:
-                self._flush()
-                self._end_keeping_releases(session, ended[1])
+                self._flush_then_end(*ended)
             raise
 
     def _refill(self, host: SharedHost) -> None:
