@@ -257,3 +257,26 @@ def test_a_dropped_session_still_ending_as_the_tier_closes_is_named_by_close(
     assert_nothing_held(host.address)
     assert [r.getMessage() for r in caplog.records if "could not tell" in r.getMessage()] == []
     assert tier._ended.carrying == {} and tier._ended.resolved == {}
+
+
+def test_a_ctrl_c_in_a_callback_as_the_tier_closes_still_ends_its_sessions_and_its_agent(
+    host: ServerProcess,
+) -> None:
+    """Found by review: ``close`` resolves the futures it cancelled before it ends its
+    sessions and closes the transport; a ``KeyboardInterrupt`` in a done-callback there
+    skipped both, and a second ``close`` returned at once: the session stayed open with its
+    host (slots held until the process exited) and the NIXL agent with its registrations
+    lived on. Both happen all the same, and the interrupt still reaches the caller."""
+    tier = TierManager.create(16, BLOCK_LEN, name="closing-interrupted")
+    try:
+        peer = tier.connect(host.address)
+        session = tier._peers[peer].session
+        assert session is not None
+        at_next_flush(tier, interrupt=True)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close()
+        assert session.ended_clean, "the host's session was never ended"
+        assert not tier.transport.available, "the NIXL agent outlived close"
+    finally:
+        tier.close()
+    assert_nothing_held(host.address)

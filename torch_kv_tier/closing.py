@@ -90,7 +90,16 @@ class Closing:
             cancelled = self._cancel_all(deadline)
             dirty = {op.peer for op in cancelled if op.kind == "store"}
             ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
-        self._flush()
+        try:
+            self._flush()
+        finally:  # a done-callback's KeyboardInterrupt there: closed all the same, then raised
+            self._close_after(ending, cancelled, deadline)
+
+    def _close_after(
+        self, ending: list[tuple[Any, bool]], cancelled: list[Op], deadline: float
+    ) -> None:
+        """``close`` once its work is cancelled and resolved: stop the threads, end the
+        sessions, close the transport (whatever failed before it, then raised)."""
         if threading.current_thread() is not self._thread:  # close() from a done-callback
             self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
         self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
