@@ -7,8 +7,9 @@ longer write into their blocks.
 ``SharedHosts`` and ``ConnectedHosts``).
 
 Threading: ``close`` and ``_settle_cancelled_loads`` take the manager's lock themselves;
-``_cancel_all`` runs with it held (and waits on ``_cond``, which releases it; called by a
-future's callback on the poller thread, it polls the transfers it waits for itself).
+``_await_transfers`` and ``_cancel_in_flight`` run with it held (the first waits on ``_cond``,
+which releases it; called by a future's callback on the poller thread, it polls the transfers
+it waits for itself).
 """
 
 from __future__ import annotations
@@ -82,21 +83,24 @@ class Closing:
         again)."""
         timeout = seconds("timeout", timeout, zero=True)
         self._closing.set()
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            deadline = time.monotonic() + timeout
-            cancelled = self._cancel_all(deadline)
-            dirty = {op.peer for op in cancelled if op.kind == "store"}
-            ending = [(p.session, p not in dirty) for p in self._peers.values() if p.session]
+        taken = None
         try:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                deadline = time.monotonic() + timeout
+                try:
+                    self._await_transfers(deadline)
+                finally:  # a Ctrl-C as it waits: what is in flight is cancelled all the same
+                    taken = self._cancel_in_flight()
             self._flush()
-        finally:  # a done-callback's KeyboardInterrupt there: closed all the same, then raised
-            self._close_after(ending, cancelled, deadline)
+        finally:  # a Ctrl-C there, or in a done-callback: closed all the same, then raised
+            if taken is not None:
+                self._close_after(*taken, deadline)
 
     def _close_after(
-        self, ending: list[tuple[Any, bool]], cancelled: list[Op], deadline: float
+        self, cancelled: list[Op], ending: list[tuple[Any, bool]], deadline: float
     ) -> None:
         """``close`` once its work is cancelled and resolved: stop the threads, end the
         sessions, close the transport (whatever failed before it, then raised)."""
@@ -126,13 +130,10 @@ class Closing:
                 self._finish(op, PEER_LOST if op.orphaned else TRANSFER_FAILED)
         self._flush()
 
-    def _cancel_all(self, deadline: float) -> list[Op]:
-        """``close``'s first half: fail what is queued or awaits slots or a promotion (a
-        promotion announced meanwhile would launch it behind the queues), wait until
-        ``deadline`` for the transfers in flight, cancel the rest (a store's keys fail with
-        "closed" now; a load's, returned, once the transport is closed: until then its blocks
-        may still be written) and stop the poller (on the poller's own thread, polling
-        meanwhile)."""
+    def _await_transfers(self, deadline: float) -> None:
+        """``close``'s first step: fail what is queued or awaits slots or a promotion (a
+        promotion announced meanwhile would launch it behind the queues), then wait until
+        ``deadline`` for the transfers in flight (on the poller's own thread, polling them)."""
         for peer in self._peers.values():
             while peer.queue:
                 self._finish(peer.queue.popleft(), CLOSED)
@@ -145,6 +146,13 @@ class Closing:
                 self._poll_all()
             wait = deadline - time.monotonic()
             self._cond.wait(timeout=min(wait, _POLL_S) if on_poller else wait)
+
+    def _cancel_in_flight(self) -> tuple[list[Op], list[tuple[Any, bool]]]:
+        """``close``'s second step, even when a Ctrl-C cut its wait short: cancel the transfers
+        still in flight (a store's keys fail with "closed" now; a load's, returned, once the
+        transport is closed: until then its blocks may still be written) and stop the poller.
+        Returns what it cancelled, and the sessions to end (clean unless a store of theirs
+        was cancelled)."""
         leftover = list(self._ops)
         if any(not self._ops[tid].orphaned for tid in leftover):
             logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
@@ -156,4 +164,5 @@ class Closing:
         self._stopping = True
         self._cond.notify_all()
         self._report_usage(time.perf_counter())
-        return cancelled
+        dirty = {op.peer for op in cancelled if op.kind == "store"}
+        return cancelled, [(p.session, p not in dirty) for p in self._peers.values() if p.session]
