@@ -1,17 +1,19 @@
 """Helpers of the disk tier's tests on real files (``DiskStore``): the block geometry, a store
 over a test's pool (the ``disk_pool`` fixture, ``conftest``), a block's digest, I/O settled or
 polled for, a script run in a process of its own, a device that hangs, a directory as disk format
-1 made it."""
+1 made it, a copy of directories at each file step (a host killed there)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +150,57 @@ def as_format(d: Path, fmt: int) -> None:
         journal = b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p for p in payloads)
     (d / "journal.log").write_bytes(journal)
     (d / "meta.json").write_text(json.dumps({**meta, "format": fmt}))
+
+
+def under(d: Path) -> Callable[[Any], bool]:
+    """Whether a file descriptor's file, or a path, is under directory ``d``."""
+
+    def of_d(target: Any) -> bool:
+        if not isinstance(target, int):
+            return d in Path(target).parents
+        try:
+            return os.readlink(f"/proc/self/fd/{target}").startswith(f"{d}{os.sep}")
+        except OSError:
+            return False
+
+    return of_d
+
+
+def copy_at_each_step(
+    monkeypatch: pytest.MonkeyPatch,
+    d: Path,
+    out: list[Path],
+    on_copy: Callable[[], object] = lambda: None,
+) -> None:
+    """Copy ``d`` into ``out`` (``d``'s parent's ``killed-N``, N its index there), then call
+    ``on_copy``, before each write (a block's too), sync, truncation and rename of the files
+    under it (and after each rename): each copy is the directories of a host killed at that
+    step (a SIGKILL keeps the page cache)."""
+    ours = under(d)
+
+    def snap() -> None:
+        out.append(d.parent / f"killed-{len(out)}")
+        shutil.copytree(d, out[-1])
+        on_copy()
+
+    def before(real: Callable[..., Any]) -> Callable[..., Any]:
+        def step(fd: int, *args: Any) -> Any:
+            if ours(fd):
+                snap()
+            return real(fd, *args)
+
+        return step
+
+    for name in ("write", "pwritev", "fsync", "fdatasync", "ftruncate"):
+        monkeypatch.setattr(os, name, before(getattr(os, name)))
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        mine = ours(dst)
+        if mine:
+            snap()
+        real_replace(src, dst)
+        if mine:
+            snap()
+
+    monkeypatch.setattr(os, "replace", replace)

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-import shutil
-from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import as_format, digest_of, open_store
+from disk_support import as_format, copy_at_each_step, digest_of, open_store
 from test_disk_replay import _in_two_directories, _write
 
 from torch_kv_tier.remote import disk_header
@@ -40,44 +37,6 @@ def _history(store: DiskStore, pool: np.ndarray) -> dict[bytes, int]:
     _write(store, pool, b"R", 4)
     assert store.remove("ns", b"R") and store.sync(5.0)
     return {b"K": digest_of(pool, 2, b"K"), b"J": digest_of(pool, 3, b"J")}
-
-
-def _snapshots(monkeypatch: pytest.MonkeyPatch, d: Path, out: list[Path]) -> None:
-    """Copy ``d`` into ``out`` before each write (a block's too), sync, truncation and rename of
-    the files under it (and after each rename): each copy is the directories of a host killed
-    at that step."""
-
-    def snap() -> None:
-        out.append(d.parent / f"killed-{len(out)}")
-        shutil.copytree(d, out[-1])
-
-    def of_d(fd: int) -> bool:
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(str(d))
-        except OSError:
-            return False
-
-    def before(real: Callable[..., Any]) -> Callable[..., Any]:
-        def step(fd: int, *args: Any) -> Any:
-            if of_d(fd):
-                snap()
-            return real(fd, *args)
-
-        return step
-
-    for name in ("write", "pwritev", "fsync", "fdatasync", "ftruncate"):
-        monkeypatch.setattr(os, name, before(getattr(os, name)))
-    real_replace = os.replace
-
-    def replace(src: Any, dst: Any) -> None:
-        ours = d in Path(dst).parents
-        if ours:
-            snap()
-        real_replace(src, dst)
-        if ours:
-            snap()
-
-    monkeypatch.setattr(os, "replace", replace)
 
 
 def _compact(store: DiskStore) -> None:
@@ -131,7 +90,7 @@ def test_a_host_killed_at_any_step_of_a_rewrite_serves_no_old_bytes_and_starts_c
                 _meta_refused_once(store, disk_pool, want)
             if killed_in in ("a compaction", "a meta.json refused"):
                 with monkeypatch.context() as m:
-                    _snapshots(m, root, killed)
+                    copy_at_each_step(m, root, killed)
                     _compact(store)
     if killed_in.startswith("format"):
         as_format(d, int(killed_in[-1]))
@@ -140,7 +99,7 @@ def test_a_host_killed_at_any_step_of_a_rewrite_serves_no_old_bytes_and_starts_c
             monkeypatch.context() as m,
             closing(open_store(disk_pool, [root / name for name in names], slots)) as store,
         ):
-            _snapshots(m, root, killed)
+            copy_at_each_step(m, root, killed)
             found = {key: digest for _, key, digest in store.recover()}
         if killed_in == "two directories":
             assert b"K" not in found and b"F" in found

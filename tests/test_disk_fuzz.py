@@ -8,7 +8,7 @@ its last store acknowledged (a ``sync`` that returned True after it) before the 
 store since; a key whose removal was acknowledged never comes back; the second start serves what
 the first did; a history with nothing injected loses no key acknowledged and untouched since.
 
-``TKVT_DISK_FUZZ_SEEDS`` runs more seeds (default 8), from ``TKVT_DISK_FUZZ_FIRST`` (default 0),
+``TKVT_DISK_FUZZ_SEEDS`` runs more seeds (default 6), from ``TKVT_DISK_FUZZ_FIRST`` (default 0),
 e.g. ``TKVT_DISK_FUZZ_SEEDS=500 pytest tests/test_disk_fuzz.py``."""
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_POOL, digest_of, open_store, settle
+from disk_support import DISK_POOL, copy_at_each_step, digest_of, open_store, settle, under
 
 from torch_kv_tier.remote.disk_store import DiskStore
 
-SEEDS = int(os.environ.get("TKVT_DISK_FUZZ_SEEDS", "8"))
+SEEDS = int(os.environ.get("TKVT_DISK_FUZZ_SEEDS", "6"))
 FIRST = int(os.environ.get("TKVT_DISK_FUZZ_FIRST", "0"))
 KEYS = [b"A", b"B", b"C", b"D"]
 SLOTS = 8  # per directory: the keys never evict one another
-FILE_STEPS = ("write", "pwritev", "fsync", "fdatasync", "ftruncate")
+FILE_CALLS = ("write", "fsync", "fdatasync", "ftruncate", "replace", "unlink")
 
 
 @dataclass
@@ -64,63 +64,15 @@ class _Model:
         return dict(self.acked), dict(self.since), self.touched
 
 
-def _ours(root: Path) -> Callable[[Any], bool]:
-    def of_root(fd: Any) -> bool:
-        if not isinstance(fd, int):
-            return root in Path(fd).parents
-        try:
-            return os.readlink(f"/proc/self/fd/{fd}").startswith(str(root))
-        except OSError:
-            return False
-
-    return of_root
-
-
-@contextmanager
-def _killed_anywhere(root: Path, view: Callable[[], Any]) -> Iterator[list[tuple[Path, Any]]]:
-    """Copy ``root`` at each of its file steps (a write, sync, truncation, or either side of a
-    rename, as ``test_disk_crash_points._snapshots`` does): each copy is the directories of a
-    host killed at that step. Yields the list of each copy with what ``view`` said then."""
-    out: list[tuple[Path, Any]] = []
-    ours = _ours(root)
-
-    def snap() -> None:
-        out.append((root.parent / f"{root.name}-killed-{len(out)}", view()))
-        shutil.copytree(root, out[-1][0])
-
-    with pytest.MonkeyPatch.context() as m:
-        for name in FILE_STEPS:
-            real = getattr(os, name)
-
-            def before(fd: int, *args: Any, _real: Any = real) -> Any:
-                if ours(fd):
-                    snap()
-                return _real(fd, *args)
-
-            m.setattr(os, name, before)
-        real_replace = os.replace
-
-        def replace(src: Any, dst: Any) -> None:
-            mine = ours(dst)
-            if mine:
-                snap()
-            real_replace(src, dst)
-            if mine:
-                snap()
-
-        m.setattr(os, "replace", replace)
-        yield out
-
-
 @contextmanager
 def _fault(rng: random.Random, root: Path, store: DiskStore) -> Iterator[str]:
     """One failure injected for an operation: the n-th file call of one kind under ``root``
     (a write, sync, truncation, rename or removal) raises EIO or ENOSPC, or a block write is
     refused as it starts."""
-    kind = rng.choice([*FILE_STEPS[:1], *FILE_STEPS[2:], "replace", "unlink", "transfer"])
+    kind = rng.choice([*FILE_CALLS, "transfer"])
     nth, code = rng.randint(1, 3), rng.choice([errno.EIO, errno.ENOSPC])
     calls = [0]
-    ours = _ours(root)
+    ours = under(root)
 
     def hit(target: Any) -> bool:
         if not ours(target):
@@ -231,62 +183,87 @@ def _check(found: dict[bytes, int], view: Any, clean: bool, what: str) -> None:
                 assert found.get(key) == digest, f"{what}: {key!r} lost"
 
 
+@dataclass
+class _Kills:
+    """The copies of one seed's directories (``copy_at_each_step``), each with what a start of
+    it may serve (``_Model.view``, as the kill left it)."""
+
+    copies: list[Path] = field(default_factory=list)
+    views: list[Any] = field(default_factory=list)
+
+    @contextmanager
+    def at_each_step(self, d: Path, view: Callable[[], Any]) -> Iterator[list[int]]:
+        """Copies of ``d`` at each of its file steps meanwhile; yields their indices, filled
+        in as the block ends."""
+        made: list[int] = []
+        first = len(self.copies)
+        with pytest.MonkeyPatch.context() as m:
+            copy_at_each_step(m, d, self.copies, lambda: self.views.append(view()))
+            yield made
+        made += range(first, len(self.copies))
+
+
 def _life(
-    rng: random.Random, pool: np.ndarray, dirs: list[Path], view: Any, done: list[str]
-) -> list[tuple[Path, Any]]:
-    """A host started on ``dirs`` (checked against ``view``, what the kill before left: None
-    for new ones), then a random history; a copy of ``dirs`` at each of its file steps, and
-    after its last, with what a start of each may serve."""
+    rng: random.Random, pool: np.ndarray, dirs: list[Path], kills: _Kills, done: list[str]
+) -> list[int]:
+    """A host started on ``dirs`` (a copy of ``kills``: checked against its view; else new),
+    then a random history; the indices of ``kills``' copies of ``dirs`` at each of its file
+    steps, and after its last operation."""
     root, model = dirs[0].parent, _Model()
     store = open_store(pool, dirs, SLOTS)
     try:
         found = {key: digest for _, key, digest in store.recover()}
-        if view is not None:
+        if root in kills.copies:
+            view = kills.views[kills.copies.index(root)]
             _check(found, view, "[" not in " ".join(done), f"{'; '.join(done)}; started")
         model.now = dict(found)
         model.synced()  # a start's journals are rewritten, synced
-        with _killed_anywhere(root, model.view) as killed:
+        with kills.at_each_step(root, model.view) as made:
             done += _history(rng, store, pool, root, model)
         assert store._journals.wait(10.0), "a journal job still runs after 10 s"
-        killed.append((root.parent / f"{root.name}-killed-end", model.view()))
-        shutil.copytree(root, killed[-1][0])  # killed after the last operation, files at rest
+        made.append(len(kills.copies))  # killed after the last operation, its files at rest
+        kills.copies.append(root.parent / f"killed-{made[-1]}")
+        kills.views.append(model.view())
+        shutil.copytree(root, kills.copies[-1])
     finally:
         store.close()
-    return killed
+    return made
+
+
+def _started_twice(pool: np.ndarray, dirs: list[Path], view: Any, clean: bool, what: str) -> None:
+    found = _started(pool, dirs)
+    _check(found, view, clean, what)
+    assert _started(pool, dirs) == found, f"{what}; the second start differs from the first"
 
 
 def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
     """One seed's lives (1 to 3, each started on a copy its last left at a random step), then
-    ``kills`` of the last life's file steps (module docstring) each started, killed at a step
-    of that start, started twice; raises ``AssertionError`` saying what was done where the
-    invariant breaks."""
+    ``kills`` of the last life's file steps (module docstring) each started (killed at one of
+    its steps, at each for one of them), started twice; raises ``AssertionError`` saying what
+    was done where the invariant breaks."""
     rng = random.Random(seed)
     tmp = tmp / f"seed-{seed}"
     names = ["a", "b"][: rng.randint(1, 2)]
     done = [f"seed {seed}, {len(names)} directories"]
-    killed = _life(rng, pool, [tmp / "dirs" / n for n in names], None, done)
+    copies = _Kills()
+    made = _life(rng, pool, [tmp / "dirs" / n for n in names], copies, done)
     for _ in range(rng.randint(0, 2)):
-        at = rng.randrange(len(killed))
-        done.append(f"killed at step {at} of {len(killed)}, started")
-        where, view = killed[at]
-        killed = _life(rng, pool, [where / n for n in names], view, done)
+        at = rng.choice(made)
+        done.append(f"killed ({copies.copies[at].name} of {len(made)}), started")
+        made = _life(rng, pool, [copies.copies[at] / n for n in names], copies, done)
     clean = "[" not in " ".join(done)
-    chosen = sorted(rng.sample(range(len(killed)), min(kills, len(killed))))
-    every = rng.choice(chosen)  # its start killed at each of its steps, the others' at one
+    chosen = rng.sample(made, min(kills, len(made)))
     for at in chosen:
-        where, view = killed[at]
-        what = f"{'; '.join(done)}; killed at step {at} of {len(killed)}"
-        with _killed_anywhere(where, lambda: None) as again:
+        where, view = copies.copies[at], copies.views[at]
+        what = f"{'; '.join(done)}; killed ({where.name} of {len(made)})"
+        with copies.at_each_step(where, lambda: None) as again:
             first = _started(pool, [where / n for n in names])
         _check(first, view, clean, f"{what}; first start")
         assert _started(pool, [where / n for n in names]) == first, f"{what}; second start"
-        steps = range(len(again)) if at == every else rng.sample(range(len(again)), len(again[:1]))
+        steps = again if at == chosen[0] else rng.sample(again, len(again[:1]))
         for step in steps:
-            found = _started(pool, [again[step][0] / n for n in names])
-            killed_too = f"{what}; the first start killed at its step {step} of {len(again)}"
-            _check(found, view, False, killed_too)
-            if at != every:
-                assert _started(pool, [again[step][0] / n for n in names]) == found, killed_too
+            dirs = [copies.copies[step] / n for n in names]
+            _started_twice(pool, dirs, view, False, f"{what}; its start killed at {step}")
     shutil.rmtree(tmp)
 
 
