@@ -1,12 +1,14 @@
 """A model-based crash fuzzer of the disk tier's restart path: per seed, a random history of a
 few keys over one or two directories (stores, removals, stores again with other bytes, journal
-syncs, forced compactions), with write, sync and rename failures injected (EIO, ENOSPC, a block
-write refused), and the host killed at a random file step (the directories copied as that step
-leaves them, as ``test_disk_crash_points`` does); the copy is started, maybe killed again at a
-random step of that start, then started twice. Each start may serve a key only with the bytes of
-its last store acknowledged (a ``sync`` that returned True after it) before the kill, or of a
-store since; a key whose removal was acknowledged never comes back; the second start serves what
-the first did; a history with nothing injected loses no key acknowledged and untouched since.
+syncs, forced compactions), with write, sync, rename and removal failures injected (EIO, ENOSPC,
+a block write refused), the host killed at a random file step (``copy_at_each_step``: the
+directories as that step leaves them), started on that copy, for one to three such lives. Then
+some copies of the last life are started (each start killed at a random step, at every step for
+one copy, and that copy started), each started twice. Each start may serve a key only with the
+bytes of its last store acknowledged (a ``sync`` that returned True after it) before the kill,
+or of a store since; a key whose removal was acknowledged never comes back; a second start
+serves what the first did; a history with nothing injected loses no key acknowledged and
+untouched since.
 
 ``TKVT_DISK_FUZZ_SEEDS`` runs more seeds (default 6), from ``TKVT_DISK_FUZZ_FIRST`` (default 0),
 e.g. ``TKVT_DISK_FUZZ_SEEDS=500 pytest tests/test_disk_fuzz.py``."""
