@@ -526,6 +526,38 @@ def test_a_namespace_some_slot_holds_is_never_forgotten_and_a_reused_number_name
     assert {n: int(owners._held[i]) for n, i in owners._ids.items()} == counts
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 7), st.sampled_from("xyz")))),
+        max_size=12,
+    )
+)
+def test_slot_owners_count_each_namespaces_slots_through_records_overwrites_and_clears(
+    steps: list[tuple[bool, list[tuple[int, str]]]],
+) -> None:
+    """What snapshots pick slots by (``held_by``) and what forgetting names relies on (each
+    namespace's count of slots) match a plain model, whether a record names one namespace (a
+    commit) or several, over slots cleared first or overwritten."""
+    owners = SlotOwners(8)
+    model: dict[int, str] = {}
+    for i, (clear, step) in enumerate(steps):
+        slots = list(dict.fromkeys(slot for slot, _ in step))
+        names = dict(step)
+        if clear:
+            owners.clear(slots)
+            for slot in slots:
+                model.pop(slot, None)
+        else:
+            owners.record(slots, [(names[slot], (i, slot)) for slot in slots])
+            model.update((slot, names[slot]) for slot in slots)
+        for name, number in owners._ids.items():
+            assert owners._held[number] == sum(n == name for n in model.values())
+        for name in "xyz":
+            held, _ = owners.held_by(0, 8, owners.count, name)
+            assert held == sorted(slot for slot, n in model.items() if n == name)
+
+
 class _Untouchable(Namespace):
     """A namespace a push must leave alone: nothing of it changed."""
 

@@ -11,6 +11,7 @@ every method.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
 import numpy as np
 
@@ -49,12 +50,19 @@ class SlotOwners:
             self.pairs[slot] = pair
         at = np.fromiter(slots, np.intp, len(slots))
         self.stamps[at] = self.count
-        np.subtract.at(self._held, self.spaces[at], 1)  # overwritten keys (number 0: none)
-        names = [name for name, _ in pairs]  # (a commit's are one namespace's)
-        numbers = {name: self._number(name) for name in dict.fromkeys(names)}
-        new = np.fromiter(map(numbers.__getitem__, names), np.uint32, len(slots))
-        self.spaces[at] = new
-        np.add.at(self._held, new, 1)  # (number 0's count means nothing)
+        old = self.spaces[at]
+        if old.any():  # overwritten keys (number 0: none; a commit's slots were cleared)
+            np.subtract.at(self._held, old, 1)
+        names = list(map(itemgetter(0), pairs))
+        if names.count(names[0]) == len(names):  # one namespace's (a commit's always are)
+            number = self._number(names[0])
+            self.spaces[at] = number
+            self._held[number] += len(names)
+        else:
+            numbers = {name: self._number(name) for name in dict.fromkeys(names)}
+            new = np.fromiter(map(numbers.__getitem__, names), np.uint32, len(slots))
+            self.spaces[at] = new
+            np.add.at(self._held, new, 1)  # (number 0's count means nothing)
         if len(self._ids) > self._forget_at:
             self._forget_unheld()
 
