@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 from typing import Any
 
 from torch_kv_tier.keys import Key
@@ -230,31 +231,33 @@ class SharedCache:
         ns, granted = entry
         if self.seen is not None:
             self.seen(ns.name, keys)
-        table, disk = self._digests, self.disk
+        table, disk, lru, free = self._digests, self.disk, self._lru, self._free
+        name, entries, stored = ns.name, ns.entries, ns.stored
         published: list[int] = []
         pairs: list[tuple[str, Key]] = []
+        taken = 0
         for key, slot, digest in zip(keys, slots, digests):
             if slot not in granted:
                 self.refused += 1
                 continue
             granted.discard(slot)
-            ns.granted -= 1
-            self.slot_changes += 1
-            if key in ns.entries:
-                self._free.append(slot)
-                ns.stored.append(key)
+            taken += 1
+            stored.append(key)
+            if key in entries:
+                free.append(slot)
                 continue
-            ns.entries[key] = slot
+            entries[key] = slot
             table[slot] = digest
-            pair = (ns.name, key)
-            self._lru[pair] = slot
-            ns.stored.append(key)
+            pair = (name, key)
+            lru[pair] = slot
             published.append(slot)
             pairs.append(pair)
             if disk is not None:
                 old = disk.digest(ns.name, key)
                 if old is not None and (old != digest or not digest):
-                    disk.remove(ns.name, key)
+                    disk.remove(name, key)
+        ns.granted -= taken
+        self.slot_changes += taken
         self._owners.record(published, pairs)
         return len(published)
 
@@ -370,7 +373,10 @@ class SharedCache:
         the disk is copying)."""
         entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
         busy = self.disk.busy_dram_slots() if self.disk is not None else None
-        victims = _oldest_not_in(entries.items(), busy or set(), n)
+        if busy:
+            victims = _oldest_not_in(entries.items(), busy, n)
+        else:
+            victims = list(islice(entries.items(), max(n, 0)))
         for key, _ in victims:
             del entries[key]
             del lru[(name, key)]
