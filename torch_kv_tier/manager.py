@@ -15,8 +15,14 @@ Threading: any thread may call any method. ``_lock`` (with its condition ``_cond
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
 a transfer NIXL finished during submission completes there, and the background poller is not
 woken. The poller runs only while transfers are in flight, and sleeps on ``_cond`` otherwise.
-Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread or the
-poller), so a callback may call back into the manager. Registering a peer's region with NIXL
+Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread, the
+poller, or a host session's I/O thread), so a callback may call back into the manager; but it
+must not wait for another of its futures (``result()``): on the poller nothing polls that
+transfer meanwhile (the wait lasts its whole timeout), on a session's I/O thread that session's
+heartbeats wait too. A retry in a callback chains its own callback, or waits on a thread of its
+own. A future settled by a host's loss settles after that host left placement, ``peers()``,
+``contains``/``lookup`` and ``stats()`` (``peers_dropped``; its keys' "lost" events are
+recorded first), so a retry at once goes to another host. Registering a peer's region with NIXL
 (seconds for a big pool) runs outside the lock: lookups and transfers go on meanwhile.
 
 The guarantee: a load returns the bytes its key names, or fails the key. Every store computes
