@@ -22,6 +22,7 @@ from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
 from torch_kv_tier.keys import Key, home_peer
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.slots import SlotPool
 
 WAIT_S = 60.0  # the deadline of an offload that must not wait for it
 
@@ -1015,9 +1016,9 @@ def _lines(fn: types.FunctionType, first: str, last: str) -> set[int]:
 
 
 def _ctrl_c_at_line(
-    where: dict[types.CodeType, set[int] | None], k: int
+    where: dict[types.CodeType, set[int] | None], *at: int
 ) -> tuple[object, list[str]]:
-    """A ``sys.settrace`` hook that raises ``KeyboardInterrupt`` at the ``k``-th line run of
+    """A ``sys.settrace`` hook that raises ``KeyboardInterrupt`` at each ``at``-th line run of
     ``where`` (code: its lines, ``None``: all; comprehensions in it too), and what it hit. Not
     at a ``with``, ``try``, ``except`` or ``finally`` line: a signal lands at none of them (and
     one raised as a ``with`` exits would leave its lock held)."""
@@ -1039,8 +1040,9 @@ def _ctrl_c_at_line(
             and not line.startswith(("with ", "try:", "except", "finally:"))
         ):
             seen.append(line)
-            if len(seen) == k:
+            if len(seen) == max(at):
                 sys.settrace(None)
+            if len(seen) in at:
                 raise KeyboardInterrupt
         return local
 
@@ -1186,3 +1188,57 @@ def test_a_ctrl_c_after_a_late_read_was_held_does_not_hold_it_twice(
     assert arena.wait_idle(clock.now + 1.0)
     assert tier.arena.num_free == 4
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # before: double free
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_a_second_ctrl_c_in_the_handler_of_the_first_loses_no_slot_for_good(
+    call: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line, then a second at each of the
+    # lines after it): a second Ctrl-C as the handler of the first gave the slots back, one
+    # inside the arena's slot pool as it took or freed slots, or one in a done-callback as it
+    # dropped a record lost those slots for good: the arena shrank until a restart. The next
+    # batch now gives each slot left without an owner back (a store interrupted in the tier is
+    # made again), none twice; only a load interrupted in the tier keeps its slots (it may
+    # have begun a read that nothing reports the end of).
+    ctrl_c_lines = [
+        ArenaBatches.store if call == "store" else ArenaBatches.load,
+        *(getattr(ArenaBatches, name) for name in ("_acquire", "_release", "_rejoin")),
+        *(getattr(ArenaBatches, name) for name in ("_started", "_record", "_hold")),
+        *(getattr(ArenaBatches, name) for name in ("_ended", "_hand_back", "_keep")),
+        BlockArena.allocate,
+        BlockArena.free,
+        BlockArena.free_taken,
+        SlotPool.allocate,
+        SlotPool.free,
+    ]
+    where: dict[types.CodeType, set[int] | None] = {fn.__code__: None for fn in ctrl_c_lines}
+    runs = 0
+    for first in itertools.count(1):
+        for second in [None, *range(first + 1, first + 40)]:
+            tier = ScriptedTier(4, ["a"], frozen=set())  # stores and reads end at once
+            arena = batches(tier, timeout=WAIT_S)
+            at = (first,) if second is None else (first, second)
+            hook, seen = _ctrl_c_at_line(where, *at)
+            sys.settrace(hook)  # type: ignore[arg-type]
+            try:
+                if call == "store":
+                    arena.store_all({b"k": 0, b"l": 1}, time.monotonic() + WAIT_S)
+                else:
+                    arena.load_prefix([b"k", b"l"], [0, 1], time.monotonic() + WAIT_S)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+            runs += 1
+            hit = [seen[i - 1] for i in at if i <= len(seen)]
+            assert failures(arena.store_all({b"next": 2}, time.monotonic() + WAIT_S)) == {}
+            assert arena.wait_idle(time.monotonic() + WAIT_S)
+            kept = 2 if any("self._manager.load(" in line for line in hit) else 0
+            assert tier.arena.num_free == 4 - kept, f"Ctrl-C at {hit} lost slots"
+            assert not [r for r in caplog.records if r.levelname == "ERROR"], hit  # freed twice
+            if len(seen) < max(at):  # it ran through: no line left for this interrupt
+                break
+        if len(seen) < first:
+            break
+    assert runs > 100

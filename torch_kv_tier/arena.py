@@ -120,7 +120,7 @@ class BlockArena:
         """Reserve ``n`` slots (a contiguous run when possible); ``ValueError`` when full.
         ``into`` (if given) gains them in the step that takes them, so that a caller that a
         ``KeyboardInterrupt`` stops as they are handed out still has them (one inside the
-        pool's own allocation may lose them: ``SlotPool``)."""
+        pool's own allocation may lose them: ``reclaim`` gets them back)."""
         with self._lock:
             taken = into if into is not None else []
             taken.extend(self._slots.allocate(n))
@@ -138,6 +138,16 @@ class BlockArena:
         with self._lock:
             slots = self._slots
             slots.free([i for i in idxs if i not in keep and not slots.is_free(i)])
+
+    def reclaim(self, owned: Container[int]) -> list[int]:
+        """Free every taken slot not in ``owned`` (``SlotPool.reclaim``): the arena's only
+        user, with no allocation of its own under way, gets back what an interrupt lost."""
+        with self._lock:
+            return self._slots.reclaim(owned)
+
+    def is_free(self, idx: int) -> bool:
+        with self._lock:
+            return self._slots.is_free(idx)
 
 
 def _choose_pinning(pin_memory: bool | None) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 _FREE, _TAKEN = 1, 0
 
@@ -18,7 +18,8 @@ class SlotPool:
     Not thread-safe: the owner serialises access. A ``KeyboardInterrupt`` inside a call may
     lose the slots it was taking or freeing (the free count stays below the free map), never
     counts a taken slot free: the count drops before slots are marked taken and rises after
-    they are marked free, so that no later ``allocate`` walks past the last free slot.
+    they are marked free, so that no later ``allocate`` walks past the last free slot. The
+    owner gets such slots back with ``reclaim``.
     """
 
     def __init__(self, slots: range) -> None:
@@ -100,6 +101,17 @@ class SlotPool:
         if len(set(offsets)) != len(offsets):
             raise ValueError("double free: a slot is already free (or repeated in the call)")
         return offsets
+
+    def reclaim(self, owned: Container[int]) -> list[int]:
+        """Free every taken slot not in ``owned`` and count the free slots again: the owner's
+        way back from slots an interrupted call lost (class docstring). Returns those freed.
+        Marks them free before it counts, so that one interrupted may be called again."""
+        start, free = self.slots.start, self._free
+        lost = [o for o, f in enumerate(free) if not f and start + o not in owned]
+        for o in lost:
+            free[o] = _FREE
+        self._num_free = free.count(_FREE)
+        return [start + o for o in lost]
 
     def is_free(self, idx: int) -> bool:
         return bool(self._free[idx - self.slots.start])

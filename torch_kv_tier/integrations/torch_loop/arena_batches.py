@@ -56,6 +56,7 @@ class ArenaBatches(ArenaSlots):
         overdue host fail at once (:data:`.host_shares.OVERDUE`). The hosts are looked at for
         each batch (a host may join or leave as an offload waits). Each part's keys and future,
         for :func:`.offload_results.combine`."""
+        self._begin()
         keys, batches = list(todo), []
         peers: list[str] | None = None
         resized = False  # the next batch was sized again for hosts that changed: not twice
@@ -79,6 +80,7 @@ class ArenaBatches(ArenaSlots):
                 continue
             batches.extend(stores)
             keys, homes, resized = keys[n:], homes[n:], False
+        self._open = False
         return batches
 
     def load_prefix(self, keys: list[Key], pages: list[int], deadline: float) -> int:
@@ -86,6 +88,7 @@ class ArenaBatches(ArenaSlots):
         back short; how many leading pages came back. A failed copy into the cache raises
         ``OffloadError`` naming the pages written before it and those it may have partly
         written."""
+        self._begin()
         restored = 0
         while restored < len(keys):
             holders = self._manager.holders(keys[restored : restored + max(1, self._room())])
@@ -105,6 +108,7 @@ class ArenaBatches(ArenaSlots):
             restored += got
             if got < len(chunk):
                 break
+        self._open = False
         return restored
 
     def store(
@@ -162,9 +166,11 @@ class ArenaBatches(ArenaSlots):
                 placed: list[str] = []  # where the tier sent them
                 made: list[Future[TransferResult]] = []  # its record was made (``_started``)
                 host, (host_keys, host_slots) = calling = unsent[0]
+                self._calling = host, host_keys, host_slots, True  # (``_heal`` makes it again)
                 try:
                     future = self._manager.store(host_keys, host_slots, placed)
                 except Exception as exc:
+                    self._calling = None
                     del unsent[0]  # (before they go: a Ctrl-C between loses them, not twice)
                     self._release(host_slots)
                     failed = failed_now(host_keys, str(exc), "tier refused a store")
@@ -172,6 +178,7 @@ class ArenaBatches(ArenaSlots):
                     continue
                 host = placed[0] if len(placed) == 1 else host  # (a Ctrl-C here: _rejoin)
                 self._started(future, host, host_slots, due, made=made)  # the record's slots
+                self._calling = None
                 del unsent[0]
                 stores.append((host_keys, future))
         except BaseException:  # Ctrl-C: the other hosts' slots come back at once
@@ -180,26 +187,10 @@ class ArenaBatches(ArenaSlots):
                 del unsent[0]
                 if not made:  # else its record has the slots
                     self._rejoin(host, host_keys, host_slots, due)
+                self._calling = None
             self._release([slot for _, (_, slots) in unsent for slot in slots])
             raise
         return stores
-
-    def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
-        """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
-        future: it may have sent any of them. The same store again returns a future that
-        resolves once no transfer reads the slots (``TierManager.store``: a stored key succeeds
-        at once, one in flight joins its store, the others are sent now), and the slots come
-        back then. If the tier refuses it (closed), they stay out of the arena: whether a
-        transfer still reads them cannot be told (logged). A second interrupt here loses them
-        too."""
-        try:
-            future = self._manager.store(keys, slots)
-        except Exception as exc:
-            log.warning(
-                "an interrupted store to %s keeps %d arena slots: %s", host, len(slots), exc
-            )
-            return
-        self._started(future, host, slots, due)
 
     def load(
         self, keys: list[Key], holders: list[str | None], pages: list[int], deadline: float
@@ -215,10 +206,9 @@ class ArenaBatches(ArenaSlots):
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
-        futures: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
+        futures = self._reads  # (kept for ``_heal``: a second Ctrl-C may lose these locals)
         loaded: set[Key] = set()
         failed: dict[Key, str] = {}
-        unsure: list[int] = []  # a read's slots as the tier's load, which may begin it, runs
         in_use: set[int] = set()  # slots a read may still write into: never freed here
         held: list[Future[TransferResult]] = []  # reads whose records own their slots (_hold)
         due = 0.0  # (set once the slots came; no read starts before)
@@ -230,23 +220,22 @@ class ArenaBatches(ArenaSlots):
             due = time.monotonic() + self._timeout  # when a read still under way is overdue
             try:
                 for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
-                    unsure = host_slots
+                    self._calling = host, host_keys, host_slots, False  # it may begin the read
                     futures[self._manager.load(host_keys, host_slots)] = host, host_slots
-                    unsure = []
+                    self._calling = None
             except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
-                unsure = []
+                self._calling = None
                 log.warning("tier refused a load, recomputing: %s", exc)
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use, held)
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
             self.interrupted()
-            in_use.update(unsure)  # nothing will say when a read it may have begun ended
+            if self._calling is not None:  # ``_heal`` keeps its slots: nothing says when it ends
+                in_use.update(self._calling[2])
             try:
                 unended = [f for f in futures if f not in held and not f.done()]
                 self._hold(futures, unended, due, "was interrupted", in_use, held)
             finally:
-                if unsure:
-                    log.warning("a load interrupted in the tier keeps %d arena slots", len(unsure))
                 self._release(slots, in_use)
             raise
         try:  # at once: a Ctrl-C between the two would keep every slot
@@ -268,4 +257,5 @@ class ArenaBatches(ArenaSlots):
             except BaseException:  # a Ctrl-C in it: once more (it skips those already back)
                 self._release(slots, in_use)
                 raise
+        futures.clear()  # (those under way are held: their records own their slots)
         return count

@@ -97,6 +97,14 @@ class HostShares:
         self._changing = False
         return slots
 
+    def owned(self) -> set[int]:
+        """The slots the recorded transfers own (a pass over every one)."""
+        return {slot for _, slots, _ in self._transfers.values() for slot in slots}
+
+    def holds(self, transfer: Future[TransferResult]) -> bool:
+        """Whether ``transfer`` has a record."""
+        return transfer in self._transfers
+
     def overdue(self, now: float | None = None) -> Counter[str | None]:
         """The slots overdue transfers hold at ``now`` (``time.monotonic`` time; ``None``:
         now), by host."""
