@@ -319,27 +319,24 @@ def test_a_store_started_as_its_offload_ran_out_of_time_leaves_the_host_usable()
     assert tier.arena.num_free == 4
 
 
-def test_a_read_begun_just_before_its_restores_deadline_leaves_its_host_usable() -> None:
+def test_a_read_begun_just_before_its_restores_deadline_leaves_its_host_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Found by review: a read still under way at its restore's deadline made its host
     # "overdue" however late in the restore it began, so a healthy host, a read begun just
     # before the deadline, failed the next offload's every page ("host overdue") until that
     # read ended. A read is overdue once under way for the timeout, as a store is.
+    clock = on_the_clock(monkeypatch)
     tier = ScriptedTier(4, ["a"])
-    reads: list[tuple[list[Key], Future[TransferResult]]] = []
-
-    def slow_load(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
-        reads.append((list(keys), Future()))
-        return reads[-1][1]
-
+    slow_load = ReadPastTheDeadline(clock, Future())
     tier.load = slow_load  # type: ignore[method-assign]
     arena = batches(tier, timeout=WAIT_S)
-    assert arena.load_prefix([b"late"], [0], time.monotonic() + 0.1) == 0
-    assert len(reads) == 1  # begun before the deadline, under way after it
+    assert arena.load_prefix([b"late"], [0], clock.now + 0.5) == 0
+    assert slow_load.calls == 1  # begun before the deadline, under way after it
     del tier.load  # the scripted load again: every key found at once
-    assert failures(arena.store_all({b"next": 1}, time.monotonic() + WAIT_S)) == {}
-    assert arena.load_prefix([b"again"], [2], time.monotonic() + WAIT_S) == 1
-    for keys, read in reads:
-        read.set_result(stored(keys))
+    assert failures(arena.store_all({b"next": 1}, clock.now + WAIT_S)) == {}
+    assert arena.load_prefix([b"again"], [2], clock.now + WAIT_S) == 1
+    slow_load.read.set_result(stored([b"late"]))
     tier.end_stores()
     assert tier.arena.num_free == 4
 
@@ -474,7 +471,8 @@ def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
         if keys == on_b:
             read.set_result(stored(keys))  # b answers at once
         else:
-            late.append((list(keys), read))  # a's read stays under way
+            late.append((list(keys), read))  # a's read stays under way past the deadline
+            clock.now += 1.0
         return read
 
     def interrupt_started(shares: host_shares.HostShares, *args: object) -> None:
@@ -487,13 +485,14 @@ def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
 
     tier.load = load  # type: ignore[method-assign]
     real_started = host_shares.HostShares.started
+    clock = on_the_clock(monkeypatch)
     if where == "started":
         monkeypatch.setattr(host_shares.HostShares, "started", interrupt_started)
     else:
         monkeypatch.setattr(arena_slots.log, "warning", interrupt_log)
     arena = batches(tier, timeout=0.0)  # a read is overdue as soon as it is held
     with pytest.raises(KeyboardInterrupt):
-        arena.load_prefix([keys_on("a", peers, 1)[0], *on_b], [0, 1], time.monotonic() + 0.05)
+        arena.load_prefix([keys_on("a", peers, 1)[0], *on_b], [0, 1], clock.now + 0.5)
     monkeypatch.undo()
     for keys, read in late:
         read.set_result(stored(keys))  # a answers: its read ended
@@ -1099,9 +1098,11 @@ class ReadPastTheDeadline:
 
     def __init__(self, clock: Clock, read: Future[TransferResult]) -> None:
         self._clock, self.read = clock, read
+        self.calls = 0
 
     def __call__(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
         self._clock.now += 1.0
+        self.calls += 1
         return self.read
 
 
