@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+from arena_support import CtrlCAsItsCallbacksRun, stored
 from remote_support import SilentHosts, fake_session, free_port, wait_for
-from test_arena_batches import CtrlCAsItsCallbacksRun, stored
 from test_transfer_timeout import NeverDone
 
 from torch_kv_tier import connections, parallel_connects
