@@ -126,10 +126,20 @@ class ArenaSlots:
     def _begin(self) -> None:
         """At the start of a batch (``store_all``, ``load_prefix``; the caller's thread): heal
         what the last one left if it did not end normally (any exception, or a Ctrl-C at any
-        line, a second one in a handler too), then mark this one open until it ends."""
-        if self._open:
+        line, a second one in a handler too), or if slots are missing (a Ctrl-C in a
+        done-callback that the tier ran on this thread outside a batch, as it handed a
+        transfer's slots back), then mark this one open until it ends."""
+        if self._open or self._missing():
             self._heal()
         self._open = True
+
+    def _missing(self) -> bool:
+        """Whether fewer slots are free than the records and ``_kept`` leave (no batch open: a
+        Ctrl-C lost some), from counts alone."""
+        arena = self._manager.arena
+        with self._lock:
+            held = self._shares.held() + len(self._kept)
+            return arena.num_free + held < arena.num_blocks
 
     def _heal(self) -> None:
         """Give every slot an interrupted batch left an owner again, or back (``_begin``):
