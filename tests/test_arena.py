@@ -197,7 +197,7 @@ def _interrupt_after(marker: str) -> Callable[[types.FrameType, str, object], ob
 
     def hook(frame: types.FrameType, event: str, arg: object) -> object:
         code = frame.f_code
-        if code not in (SlotPool.allocate.__code__, SlotPool.take.__code__):
+        if code not in (SlotPool.allocate.__code__, SlotPool.take.__code__, SlotPool.free.__code__):
             return None
         marked = [False]
 
@@ -237,3 +237,30 @@ def test_a_slot_pool_interrupted_as_it_marks_slots_never_hands_out_a_taken_slot(
         sys.settrace(None)
     left = pool.allocate(pool.num_free)  # slot 0 (or the run 0-2) was marked as Ctrl-C landed
     assert set(left) <= {2, 4, 6}  # before: [2, 4, 6, -1] ([4, 6, -1, -1, -1] for a run)
+
+
+@pytest.mark.parametrize(
+    ("call", "marker"),
+    [("allocate", "= _TAKEN"), ("allocate-run", "= bytes(n)"), ("free", "= _FREE")],
+)
+def test_a_slot_pool_reclaims_the_slots_an_interrupted_call_lost(call: str, marker: str) -> None:
+    # Found by review: Ctrl-C (KeyboardInterrupt) inside the pool's allocate or free lost the
+    # slots it was taking (marked taken, handed to no one) or freeing (marked free, the count
+    # short of them) for good: the arena shrank. ``reclaim`` frees every taken slot its owner
+    # does not hold and counts the free slots again.
+    pool = SlotPool(range(8))
+    pool.allocate(8)
+    gone = (
+        [0, 2, 4] if call == "free" else [0, 1, 2, 4, 6] if call == "allocate-run" else [0, 2, 4, 6]
+    )
+    if call != "free":
+        pool.free(gone)
+    sys.settrace(_interrupt_after(marker))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pool.free(gone) if call == "free" else pool.allocate(3)
+    finally:
+        sys.settrace(None)
+    assert pool.reclaim(set(range(8)) - set(gone))  # what the call lost
+    assert pool.num_free == len(gone)  # before: fewer, for good
+    assert sorted(pool.allocate(len(gone))) == gone
