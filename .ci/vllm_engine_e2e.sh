@@ -29,5 +29,5 @@ done
 # The README's commands: build the tiny model, then the engine test (which starts the host).
 "$venv/bin/python" -m torch_kv_tier.integrations.vllm.tiny_model "$work/tiny-llama" >/dev/null
 TKVT_TINY_MODEL="$work/tiny-llama" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  "$repo/tests_vllm_engine" "$repo/tests/test_vllm_cpu_worker.py" "$repo/tests/test_vllm_tier.py"
+  "$repo/tests_vllm_engine" "$repo"/tests/test_vllm_*.py  # the CPU worker's and the tier's tests
 echo "vllm-cpu engine e2e: $(( $(date +%s) - start )) s in all"

@@ -1,5 +1,5 @@
 """Shared fixtures: remote peers in other processes, a tier's block geometry, a disk tier's
-DRAM pool."""
+DRAM pool, the vLLM tier tests' remote host."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,3 +50,15 @@ def disk_pool() -> np.ndarray:
     from disk_support import make_disk_pool
 
     return make_disk_pool()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Any]:
+    """The vLLM tier tests' remote host (``vllm_tier_support``'s geometry), one a test module,
+    for the tests that leave it running; each tier leases its own slots."""
+    from vllm_tier_support import CHUNK_BYTES, REMOTE_BLOCKS
+
+    from torch_kv_tier.remote.launch import ServerProcess
+
+    with ServerProcess.start(REMOTE_BLOCKS, CHUNK_BYTES) as srv:
+        yield srv
