@@ -21,8 +21,8 @@ source "$(dirname "$0")/gpu_env.sh"
 step env 60 bash -c "nvidia-smi -L; $py -c 'import torch, nixl._api; \
 print(torch.__version__, torch.cuda.get_device_name(0))'"
 step tests 150 $py -m pytest -q -rs -p no:cacheprovider -k "${TESTS_K:-cuda or vram}" \
-    tests/test_arena.py tests/test_digest.py tests/test_torch_loop.py tests/test_transport.py \
-    tests/test_bench.py tests/test_digest_cost.py
+    tests/test_arena.py tests/test_digest.py tests/test_torch_loop.py tests/test_transport*.py \
+    tests/test_bench*.py tests/test_digest_cost.py
 for staging in device host; do
     step example 60 $py -m torch_kv_tier.integrations.torch_loop.example --device cuda \
         --staging "$staging"

@@ -1,5 +1,5 @@
 """Shared fixtures: remote peers in other processes, a tier's block geometry, a disk tier's
-DRAM pool, the vLLM tier tests' remote host."""
+DRAM pool, a local NIXL transport, the vLLM tier tests' remote host."""
 
 from __future__ import annotations
 
@@ -50,6 +50,20 @@ def disk_pool() -> np.ndarray:
     from disk_support import make_disk_pool
 
     return make_disk_pool()
+
+
+@pytest.fixture
+def local() -> Iterator[Any]:
+    """A ``NixlTransport`` named ``local`` over 1,024 zeroed blocks of ``transport_support.BLOCK``
+    bytes, closed after the test."""
+    import torch
+    from transport_support import BLOCK
+
+    from torch_kv_tier.transport import NixlTransport
+
+    t = NixlTransport("local", torch.zeros(1024, BLOCK, dtype=torch.uint8))
+    yield t
+    t.close()
 
 
 @pytest.fixture(scope="module")

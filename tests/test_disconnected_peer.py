@@ -13,7 +13,7 @@ import pytest
 import torch
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, fill_random, wait_until
-from test_transport import drain, random_blocks
+from transport_support import drain, random_blocks
 
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
 from torch_kv_tier.manager import TierManager

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from remote_peer import RemotePeer
-from test_transport import BLOCK, FaultyAgent, random_blocks
+from transport_support import BLOCK, FaultyAgent, random_blocks
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager

@@ -15,7 +15,7 @@ import torch
 from remote_peer import RemotePeer
 from remote_support import BLOCK_LEN, wait_until
 from test_stray_reads import StrayReadTransport
-from test_transport import FaultyAgent
+from transport_support import FaultyAgent
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager
