@@ -17,6 +17,7 @@ from torch_kv_tier.transport import NixlTransport
 
 BLOCK_LEN = 4096
 TOKEN = "remote-test-token-5f0c1e"
+RESULT_TIMEOUT_S = 20.0  # how long the control-plane tests wait for one result of a tier
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
