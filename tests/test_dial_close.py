@@ -14,7 +14,7 @@ import torch
 import zmq
 from remote_support import BLOCK_LEN, SilentHosts, wait_for
 from test_index import LateWriteTransport
-from test_tier_races import _PrivateSession
+from tier_races_support import PrivateSession
 
 from torch_kv_tier import connections
 from torch_kv_tier.arena import BlockArena
@@ -163,7 +163,7 @@ def test_a_lost_host_greeted_as_another_dial_joins_in_its_place_is_let_go_at_onc
         else:
             assert isinstance(tier.transport, LateWriteTransport)
             tier.transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-            monkeypatch.setattr(TierManager, "_open", lambda *_a, **_k: _PrivateSession())
+            monkeypatch.setattr(TierManager, "_open", lambda *_a, **_k: PrivateSession())
             assert tier._connect(new) == "host-1"
         assert wait_for(lambda: old not in redialer._greeting, RESULT_TIMEOUT_S), (
             f"greeted on, up to its timeout_s ({DIAL_TIMEOUT_S} s)"
@@ -181,7 +181,7 @@ def test_a_join_whose_handshake_ends_after_close_registers_nothing(shared: bool)
     with _tier_and_host() as (tier, _):
         assert isinstance(tier.transport, LateWriteTransport)
         tier.transport.remotes[b""] = torch.zeros(8, BLOCK_LEN, dtype=torch.uint8)
-        session = _PrivateSession()
+        session = PrivateSession()
         session.shared = shared
         tier.close()
         with pytest.raises(RuntimeError, match="closed"):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from remote_support import BLOCK_LEN
 from test_index import late_write_tier
-from test_tier_races import _add_shared_host
+from tier_races_support import add_shared_host
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.digest import BlockDigests
@@ -31,7 +31,7 @@ def test_a_store_racing_a_shared_host_joining_commits_the_real_digest() -> None:
         def decide_then_join() -> bool:  # the host joins right after the unlocked decision
             answer = decide()
             if not joined:
-                joined.append(_add_shared_host(tier, 8))
+                joined.append(add_shared_host(tier, 8))
                 joined[0][1].commit = lambda *args: commits.append(args)
             return answer
 
