@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -305,8 +304,10 @@ def test_shutdown_during_a_handshake_with_a_silent_host_does_not_wait_for_it(
         staged = tmp_path / "kv-hosts.tmp"
         staged.write_text(f"{server.address}\n127.0.0.1:{silent.getsockname()[1]}\n")
         os.replace(staged, hosts)
-        time.sleep(1.0)  # the membership thread is now dialling the silent host (10 s)
-        driver.shutdown(spec, timeout=0.8)  # was close_timeout_s / 2 = 1 s and more
+        silent.settimeout(10.0)
+        dialled, _ = silent.accept()  # the membership thread's handshake with it is under way
+        with contextlib.closing(dialled):  # (open: the handshake waits out its 10 s)
+            driver.shutdown(spec, timeout=0.8)  # was close_timeout_s / 2 = 1 s and more
 
 
 def test_shutdown_keeps_the_primary_region_mapped_while_nixl_still_holds_it(
