@@ -1,6 +1,8 @@
 """A Ctrl-C as ``TierManager.close`` waits for the transfers in flight: the tier is closed all
 the same (its transfers cancelled, their keys failed, the transport closed, the poller stopped),
-and the interrupt still reaches the caller. (A Ctrl-C in a done-callback that ``close`` runs:
+and the interrupt still reaches the caller; so too a Ctrl-C in its later waits (the poller's
+join, the redialer's and the session ends' stop, the release threads): the sessions still end
+and the transport still closes. (A Ctrl-C in a done-callback that ``close`` runs:
 ``test_dropped_session_order``.)"""
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import threading
 
 import pytest
 from release_support import RESULT_TIMEOUT_S
+from remote_support import BLOCK_LEN, fake_session, wait_for
 from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
 
 
 def test_a_ctrl_c_as_close_waits_for_transfers_still_closes_the_tier(
@@ -46,3 +51,74 @@ def test_a_ctrl_c_as_close_waits_for_transfers_still_closes_the_tier(
         assert closed.is_set(), "the transport outlived close"
         tier._thread.join(timeout=RESULT_TIMEOUT_S)
         assert not tier._thread.is_alive(), "the poller outlived close"
+
+
+@pytest.mark.parametrize("wait", ["poller", "redialer", "session_ends"])
+def test_a_ctrl_c_in_closes_bounded_waits_still_ends_the_sessions_and_the_transport(
+    wait: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: once its transfers were cancelled, ``close`` joins the poller, stops
+    the redialer and the thread ending dropped sessions, each a bounded wait; a Ctrl-C in any
+    of them skipped the rest: the host's session was never ended (the host held its slots
+    until its own timeout) and the transport (the NIXL agent) was never closed. The interrupt
+    must still reach the caller, once close did all that."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="interrupted") as tier,
+    ):
+        tier.connect(server.address)
+        closed = threading.Event()
+        close_transport = tier.transport.close
+        monkeypatch.setattr(tier.transport, "close", lambda: (closed.set(), close_transport()))
+        owner = {"poller": tier._thread, "redialer": tier._redialer}
+        owner["session_ends"] = tier._session_ends
+        method = "join" if wait == "poller" else "stop"
+        real = getattr(owner[wait], method)
+
+        def interrupted(timeout: float) -> object:
+            result = real(timeout)
+            if not interrupts:
+                return result
+            raise interrupts.pop()  # Ctrl-C as close waits there
+
+        interrupts = [KeyboardInterrupt()]
+
+        monkeypatch.setattr(owner[wait], method, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=RESULT_TIMEOUT_S)
+        assert closed.is_set(), "the transport outlived close"
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, RESULT_TIMEOUT_S), (
+                "the tier's session outlived close: "
+                f"{observer.stats()['sessions']} (the observer's own is the only one)"
+            )
+
+
+def test_a_ctrl_c_as_close_waits_for_release_threads_still_ends_the_sessions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: before its last words, ``close`` waits for the release threads that
+    carry ended sessions to hand back what they carry; a Ctrl-C there skipped every last word,
+    so the host's session was never ended (its slots held until its own timeout)."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="interrupted") as tier,
+    ):
+        tier.connect(server.address)
+        with tier._lock:
+            tier._ended.carry("203.0.113.1:1", 1)  # a release thread still carrying elsewhere
+        closing, wait = threading.get_ident(), tier._cond.wait
+
+        def interrupted(timeout: float | None = None) -> bool:
+            if threading.get_ident() == closing:
+                raise KeyboardInterrupt  # Ctrl-C as close waits for the release threads
+            return wait(timeout)
+
+        monkeypatch.setattr(tier._cond, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=RESULT_TIMEOUT_S)
+        with fake_session(server.address, private=False) as observer:
+            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, RESULT_TIMEOUT_S), (
+                "the tier's session outlived close: "
+                f"{observer.stats()['sessions']} (the observer's own is the only one)"
+            )

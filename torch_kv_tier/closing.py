@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch_kv_tier.connections import Redialer
 from torch_kv_tier.deferring_lock import DeferringLock
@@ -33,6 +34,8 @@ from torch_kv_tier.withheld import WithheldReads
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.001  # how often ``close`` on the poller thread polls the transfers it waits for
+_LEAST_WAIT_S = 0.1  # the least each of ``close``'s last waits is given (``_Waits``)
+_T = TypeVar("_T")
 
 
 class Closing:
@@ -78,6 +81,11 @@ class Closing:
         free, rather than hold it until its ``--hold-timeout`` (default: never). What none of
         them could tell is logged once, as a warning (``session_releases.LastWords``).
 
+        A Ctrl-C as it waits cuts its waits short, not its duty: the transfers are
+        cancelled, the sessions ended and the transport closed all the same, then the
+        ``KeyboardInterrupt`` is raised (a second Ctrl-C meanwhile changes nothing: it
+        returns within ``timeout`` all the same, about 0.1 s per wait left once interrupted).
+
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
         (``quantities.seconds``), before anything changes (the tier stays open, to be closed
         again)."""
@@ -103,20 +111,28 @@ class Closing:
         self, cancelled: list[Op], ending: list[tuple[Any, bool]], deadline: float
     ) -> None:
         """``close`` once its work is cancelled and resolved: stop the threads, end the
-        sessions, close the transport (whatever failed before it, then raised)."""
+        sessions, close the transport (whatever failed before it, then raised). A Ctrl-C (or
+        a ``KeyboardInterrupt`` of a done-callback) in one of its waits cuts the waits left
+        to their least (``_Waits``): the sessions still end and the transport still closes,
+        then it is raised; a second one is no different, so the caller is out within
+        ``close``'s timeout."""
+        waits = _Waits(deadline)
         if threading.current_thread() is not self._thread:  # close() from a done-callback
-            self._thread.join(timeout=max(deadline - time.monotonic(), 0.1))
-        self._redialer.stop(timeout=max(deadline - time.monotonic(), 0.1))
+            waits.run(self._thread.join)
+        waits.run(self._redialer.stop)
         # dropped peers' sessions whose thread never started: ended here
-        never_started = self._session_ends.stop(timeout=max(deadline - time.monotonic(), 0.1))
+        never_started = waits.run(self._session_ends.stop)
+        if never_started is None:  # interrupted as it waited: those not started, taken now
+            never_started = waits.run(self._session_ends.stop) or []
         self._uncount_ends(never_started)
         ending += never_started
         try:
-            self._end_sessions(ending, deadline - time.monotonic())
+            waits.run(self._end_sessions, ending)
         finally:  # whatever failed there, the agent and its registrations go (then it raises)
             self.transport.close()
             # once the transport released everything, nothing lands in a cancelled load's blocks
             self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+        waits.raise_interrupt()
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
         """``close``'s last step (unlocked): the loads it cancelled, and those whose failed
@@ -166,3 +182,28 @@ class Closing:
         self._report_usage(time.perf_counter())
         dirty = {op.peer for op in cancelled if op.kind == "store"}
         return cancelled, [(p.session, p not in dirty) for p in self._peers.values() if p.session]
+
+
+class _Waits:
+    """``close``'s waits after the cancel, each bounded by what is left of its ``deadline``
+    (at least ``_LEAST_WAIT_S``). A ``KeyboardInterrupt`` in one is kept, not raised: the
+    deadline becomes now, so that the steps left do their duty in their least time, and
+    ``raise_interrupt`` raises it once they did. Not thread-safe: ``close``'s thread's."""
+
+    def __init__(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._interrupt: KeyboardInterrupt | None = None
+
+    def run(self, wait: Callable[..., _T], *args: Any) -> _T | None:
+        """``wait(*args, seconds_left)``; ``None`` once interrupted (other errors propagate)."""
+        try:
+            return wait(*args, max(self._deadline - time.monotonic(), _LEAST_WAIT_S))
+        except KeyboardInterrupt as exc:
+            self._interrupt = self._interrupt or exc
+            self._deadline = time.monotonic()
+            return None
+
+    def raise_interrupt(self) -> None:
+        """Raise the first ``KeyboardInterrupt`` a wait got, if any."""
+        if self._interrupt is not None:
+            raise self._interrupt

@@ -274,11 +274,16 @@ class SessionReleases:
         (its host joined at another one and a release there failed, or a connect there
         failed) are reported too. A last word whose thread cannot start (the process at its
         thread limit) is said on the calling thread after the others started (past
-        ``timeout_s``, if need be: each step within ~2 s), logged as a warning."""
+        ``timeout_s``, if need be: each step within ~2 s), logged as a warning. A Ctrl-C as
+        it waits is raised once the last words started (each goes on by itself)."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
+        interrupt = None
         with self._lock:
-            while self._ended.carrying and time.monotonic() < deadline:
-                self._cond.wait(timeout=deadline - time.monotonic())
+            try:
+                while self._ended.carrying and time.monotonic() < deadline:
+                    self._cond.wait(timeout=deadline - time.monotonic())
+            except KeyboardInterrupt as exc:  # the last words still start: raised after that
+                interrupt = exc
             take = partial(self._ended.take, closing=True)  # dropped sessions still ending too
             work: list[tuple[Any, tuple[Any, ...]]] = [
                 (self._last_word, (s, clean, take(s.address), self._dial(s.address)))
@@ -305,6 +310,8 @@ class SessionReleases:
                 unstarted.append((w, exc))
             else:
                 threads.append(thread)
+        if interrupt is not None:  # (each started last word goes on by itself)
+            raise interrupt
         if unstarted:
             logger.warning(
                 "could not start a thread for the last word to %d host(s) (%s): said one after "
