@@ -308,7 +308,8 @@ class ConnectedHosts(LostHosts):
 
         Raises ``TimeoutError`` when it has not finished within ``REGISTER_TIMEOUT_S``: it is
         then abandoned (removed from the transport, which supersedes it), so that it never
-        publishes a peer this tier does not know."""
+        publishes a peer this tier does not know. A Ctrl-C as it waits abandons it likewise
+        (then raised): the peer is not added, and adding it again works."""
         future = self.transport.add_remote_peer_async(
             peer_id, agent_metadata, base_addr, num_blocks, block_len
         )
@@ -320,6 +321,9 @@ class ConnectedHosts(LostHosts):
                 f"registering {peer_id}'s region with the transport did not finish within "
                 f"{REGISTER_TIMEOUT_S:g} s; it was abandoned"
             ) from None
+        except KeyboardInterrupt:  # the registration goes on: abandoned, as a late one is
+            self._remove_from_transport(peer_id)
+            raise
 
     def _add_private(
         self,
