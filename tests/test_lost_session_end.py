@@ -6,11 +6,13 @@ its ``store``, and the end waits for nothing the poller does."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 
 import pytest
-from remote_support import BLOCK_LEN, fill_random, free_port, wait_for
+from release_support import assert_nothing_held
+from remote_support import BLOCK_LEN, fake_session, fill_random, free_port, wait_for
 
 from torch_kv_tier import session_ends
 from torch_kv_tier.connections import REDIAL_THREAD
@@ -330,3 +332,45 @@ def test_a_fault_the_poller_read_before_close_took_the_sessions_leaves_the_end_t
         if thread.name == END_THREAD:
             thread.join(timeout=30.0)
     assert ends == [False], "the session was ended twice, or clean despite its cancelled write"
+
+
+def test_a_dropped_session_named_by_closes_last_word_ends_without_a_false_warning(
+    refusing_tier: tuple[TierManager, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a dropped host's session whose end outlasted ``close`` is named
+    resolved by ``close``'s last word (``EndedSessions.take``, ``closing``), so its host ends
+    it; its own disconnect then hears that the host no longer knows it, which was logged as a
+    warning, "disconnect ... got no answer", as if the host held something. Nothing is held:
+    that is said at info, as what it is."""
+    tier, peer = refusing_tier
+    server_address = tier._dials[peer].address
+    session = tier._peers[peer].session
+    assert session is not None
+    entered, go = threading.Event(), threading.Event()
+    end = session.close
+
+    def held_back(**kw: bool) -> None:  # the end outlasts close
+        entered.set()
+        assert go.wait(RESULT_TIMEOUT_S)
+        end(**kw)
+
+    monkeypatch.setattr(session, "close", held_back)
+    assert tier.store(["x"], [1]).result(timeout=RESULT_TIMEOUT_S).failed == {"x": TRANSFER_FAILED}
+    assert entered.wait(RESULT_TIMEOUT_S)
+    tier.close(timeout=0.1)
+    with fake_session(server_address, private=False) as observer:
+        gone = wait_for(
+            lambda: session.public_id not in {s["public_id"] for s in observer.stats()["sessions"]},
+            RESULT_TIMEOUT_S,
+        )
+        assert gone, "close's last word did not name the dropped session"
+    caplog.clear()
+    go.set()
+    threads = [t for t in threading.enumerate() if t.name == END_THREAD]
+    for thread in threads:
+        thread.join(timeout=RESULT_TIMEOUT_S)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [], warnings
+    assert_nothing_held(server_address)

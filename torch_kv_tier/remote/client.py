@@ -49,7 +49,7 @@ from torch_kv_tier.remote.handshake import (
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.replies import Request
-from torch_kv_tier.remote.session_io import callback_ref
+from torch_kv_tier.remote.session_io import EndedByHost, callback_ref
 from torch_kv_tier.remote.shared_requests import SharedRequests
 
 logger = logging.getLogger(__name__)
@@ -366,9 +366,12 @@ class RemoteSession(SharedRequests):
 
     def _said_bye(self, clean: bool, answer: Future[p.ServerMessage]) -> None:
         """(I/O thread.) The disconnect (``clean`` or not) was answered, timed out or failed:
-        stop the thread."""
+        stop the thread. A host that no longer knows the session (``EndedByHost``) ended it
+        already: said at info (the sessions it released are named again all the same)."""
         try:
             reply = answer.result()
+        except EndedByHost as exc:  # (e.g. named resolved by ``close``'s last word meanwhile)
+            logger.info("disconnect from %s: the host had ended it already: %s", self.peer_id, exc)
         except (TimeoutError, ConnectionError) as exc:
             logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
         else:

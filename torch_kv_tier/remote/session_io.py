@@ -83,6 +83,15 @@ class _Lost(Exception):
     """The session cannot go on (the text says why)."""
 
 
+_UNKNOWN = "the server no longer knows this session (expired, ended or restart)"
+
+
+class EndedByHost(ConnectionError):
+    """What a request of a session fails with once its host said it no longer knows the
+    session: the host ended it (its lease expired, the session was named resolved, or the
+    host restarted), so a disconnect of it has nothing left to end."""
+
+
 class SessionIO(SessionHandoff):
     """The I/O thread's half of ``RemoteSession`` (module docstring)."""
 
@@ -145,9 +154,7 @@ class SessionIO(SessionHandoff):
                         if self._follower is not None and message.event_seq >= 0:
                             self._follower.check(message.event_seq)
                     elif isinstance(message, p.Error) and message.reason == p.UNKNOWN_SESSION:
-                        raise _Lost(
-                            "the server no longer knows this session (expired, ended or restart)"
-                        )
+                        raise _Lost(_UNKNOWN)
                     replies.answer(message)
                 now = time.monotonic()
                 # Commits and touches first: a request made after them reaches the server after
@@ -250,7 +257,8 @@ class SessionIO(SessionHandoff):
             self._wake_r.close()
             self._wake_w.close()
             riders, self._riders = self._riders, []
-        error = ConnectionError(f"session {self.peer_id} ended: {lost or 'closed'}")
+        failure = EndedByHost if lost == _UNKNOWN else ConnectionError
+        error = failure(f"session {self.peer_id} ended: {lost or 'closed'}")
         replies.fail(error)
         for _, waiting, _, _ in riders + self._take_requests():
             if waiting is not None:
