@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from release_support import assert_nothing_held
+from release_support import assert_nothing_held, held_session
 from remote_support import BLOCK_LEN, fake_session, fill_random, free_port, wait_for
 
 from torch_kv_tier import session_ends
@@ -374,3 +375,35 @@ def test_a_dropped_session_named_by_closes_last_word_ends_without_a_false_warnin
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [], warnings
     assert_nothing_held(server_address)
+
+
+def test_a_release_handed_back_during_a_connects_handshake_goes_out_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a resolved session handed back for a host (a dropped session's end
+    whose disconnect went unanswered, a release session that failed) while a connect's
+    handshake with that host was under way found no live session to go over, and the
+    handshake had taken its list already: it waited for the next event or ``close``, the
+    host holding its slots meanwhile. It goes out once the connect's session is published."""
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="handed-back") as tier,
+    ):
+        held = held_session(server.address)
+        handshake = tier._open
+        handed = threading.Event()
+
+        def handed_back_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            session = handshake(*args, **kwargs)
+            if not handed.is_set():  # as ``_end_counted`` hands back what its end could not tell
+                handed.set()
+                with tier._lock:
+                    tier._ended.give_back(server.address, [held.session_id])
+                    if server.address in tier._ended.resolved:
+                        tier._send_releases(server.address)
+            return session
+
+        monkeypatch.setattr(tier, "_open", handed_back_meanwhile)
+        tier.connect(server.address)
+        assert handed.is_set()
+        assert_nothing_held(server.address)

@@ -146,7 +146,9 @@ class ConnectedHosts(LostHosts):
 
     def _connect(self, dial: Dial) -> str:
         """Open a session with ``dial``'s host (telling it the ended sessions it may release)
-        and register it; returns its peer id (unlocked)."""
+        and register it; returns its peer id (unlocked). Ended sessions of that address that
+        resolved, or were handed back, while it handshook or registered (no live session to
+        go over then, its list taken already) go out over the new session once published."""
         with self._lock:
             self._check_open()
             release = self._ended.take(dial.address)
@@ -191,6 +193,8 @@ class ConnectedHosts(LostHosts):
                     self._let_go(replaced)  # (a redial of it under way gives up)
                     self._moved(replaced, dial)
                 self._forget_replaced(peer_id, dial)
+                if dial.address in self._ended.resolved:  # handed back as it handshook
+                    self._send_releases(dial.address)
         finally:
             with self._lock:
                 del self._joining[peer_id]
