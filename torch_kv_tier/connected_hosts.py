@@ -52,6 +52,10 @@ class ConnectedHosts(LostHosts):
     _ended: EndedSessions
     _closing: threading.Event  # set when ``close`` starts: handshakes in progress give up
     _join_turn: threading.Lock  # held by the connect whose host joins (one at a time)
+    # what every handshake says of the transport's agent, read at the first (``_open``): a
+    # last word of ``close`` that outlasts the transport (its wait ran out) still says it, and
+    # names what it carries (a host only checks it is there: it never loads the client's agent)
+    _agent_metadata: bytes | None
 
     if TYPE_CHECKING:  # implemented by TierManager and SharedHosts
 
@@ -284,9 +288,11 @@ class ConnectedHosts(LostHosts):
 
         t = self.transport
         try:
+            if self._agent_metadata is None:  # read once (see ``_agent_metadata``)
+                self._agent_metadata = t.get_agent_metadata()
             return RemoteSession.open(
                 dial.address,
-                agent_metadata=t.get_agent_metadata(),
+                agent_metadata=self._agent_metadata,
                 region=Region(t.base_addr, t.num_blocks, t.block_len, t.mem_type),
                 config_fingerprint=t.config_fingerprint,
                 token=dial.token,

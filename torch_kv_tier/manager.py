@@ -159,6 +159,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._ready: list[Request] = []  # settled requests whose futures are not yet resolved
         self._dials: dict[str, Dial] = {}  # connected host's peer id -> how to dial it again
         self._joining: dict[str, Joining] = {}  # peer id -> its connect in progress
+        self._agent_metadata: bytes | None = None  # what handshakes say (``ConnectedHosts``)
         self._removed: dict[str, Dial] = {}  # address -> how a host the user removed was dialled
         self._pending: dict[str, Dial] = {}  # address -> how to dial a host down at its connect
         self._redialing: list[Dial] = []  # the redialer's connects in progress
