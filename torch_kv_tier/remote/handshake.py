@@ -37,6 +37,7 @@ from zmq.utils.monitor import recv_monitor_message
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.connect_args import parse_address
 from torch_kv_tier.remote.handshake_errors import (
+    NO_PROOF,
     AcceptAbandoned,
     AcceptLost,
     Cancelled,
@@ -247,7 +248,7 @@ def _greet(
         p.server_proof(token, challenge.nonce, client_nonce), challenge.server_proof
     ):
         sock.send(p.encode(p.Disconnect(3, accept.session_id, clean=True)))
-        raise HandshakeRejected(address, "server did not prove it knows the token")
+        raise HandshakeRejected(address, NO_PROOF)
     return accept
 
 

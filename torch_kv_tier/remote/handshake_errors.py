@@ -8,15 +8,52 @@ from __future__ import annotations
 
 from torch_kv_tier.remote import protocol as p
 
+# the refusal of a server that did not prove it knows the token a client passed
+NO_PROOF = "server did not prove it knows the token"
+
+
+# what a user does about a refusal whose reason starts with the key (the message ends with it;
+# ``reason`` stays the server's exact words)
+_ADVICE = {
+    "bad token": "pass connect(..., token=) the contents of the host's --token-file",
+    NO_PROOF: (
+        "the host there was started without --token-file or with another token: pass no token "
+        "to a host without one, or check the address"
+    ),
+    "block_len ": (
+        "the tier's block_len comes first, the host's second: create the tier with the host's "
+        "block_len, or start the host with --block-len of the tier's"
+    ),
+    "config fingerprint mismatch": (
+        "the host serves one model (its --config-fields): create the tier with the same "
+        "config_fields, or use a host of this model"
+    ),
+    "protocol version ": (
+        "the tier's version comes first, the host's second: run the same torch_kv_tier "
+        "release on both"
+    ),
+}
+
+
+def _advice(reason: str) -> str:
+    for start, advice in _ADVICE.items():
+        if reason.startswith(start):
+            return f" ({advice})"
+    return ""
+
 
 class HandshakeRejected(Exception):
     """The server refused the handshake; ``reason`` is its exact explanation, e.g.
     ``"block_len 65536 != 32768"``, ``"config fingerprint mismatch"``, ``"bad token"``,
     ``"no free slots"``, ``"protocol version 5 != 4"`` or ``"malformed frame: ..."`` (it could
-    not decode the request: a version skew or a bug)."""
+    not decode the request: a version skew or a bug); or ``NO_PROOF``, this client's own, when
+    the server did not prove it knows the token the client passed. The message adds what to do
+    about a refusal of this client (a token, a block length, a model, a version)."""
 
     def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"torch-kv-tier server at {address} rejected the handshake: {reason}")
+        super().__init__(
+            f"torch-kv-tier server at {address} rejected the handshake: {reason}{_advice(reason)}"
+        )
         self.address = address
         self.reason = reason
         # sessions earlier greetings of the handshake may have opened (``opened_by``)
