@@ -30,6 +30,7 @@ consistent ``stats()`` snapshot.
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import math
@@ -186,7 +187,14 @@ class Server:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close()
-            raise OSError(f"cannot listen on {endpoint}: {exc}") from None
+            if exc.errno == errno.EADDRINUSE:
+                advice = "another process listens there: pass another --port, or --port 0 (any)"
+            else:
+                advice = (
+                    "--host must be an address of this machine (an IP such as 127.0.0.1, or "
+                    "0.0.0.0 for every interface) or the name of one of its interfaces"
+                )
+            raise OSError(f"cannot listen on {endpoint}: {exc}; {advice}") from None
         return sock
 
     # -- the loop --------------------------------------------------------------------------
