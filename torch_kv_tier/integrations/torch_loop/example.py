@@ -89,15 +89,16 @@ def run_demo(
     keys_b = prefix_keys(prompt_b, page_size, namespace=namespace)
     keys_b = keys_b[: (prompt_b.numel() - 1) // page_size]
 
+    block_len = PagedKVOffloader.block_len_for(cache.keys, cache.values)
     with contextlib.ExitStack() as stack:
+        yours = remote is not None
         if remote is None:
             from torch_kv_tier.remote.launch import ServerProcess
 
-            block_len = PagedKVOffloader.block_len_for(cache.keys, cache.values)
             server = ServerProcess.start(2 * per_request, block_len, host="127.0.0.1")
             remote = str(stack.enter_context(server).address)
-        offloader = stack.enter_context(
-            PagedKVOffloader.create(
+        try:
+            offloader = PagedKVOffloader.create(
                 cache.keys,
                 cache.values,
                 remote=remote,
@@ -106,7 +107,15 @@ def run_demo(
                 arena_blocks=per_request,
                 strict=True,
             )
-        )
+        except OffloadError as exc:
+            if not yours:
+                raise
+            raise OffloadError(
+                f"{exc}; with these options the example needs a host started with "
+                f"`torch-kv-tier serve --num-blocks {2 * per_request} --block-len {block_len}` "
+                "(or more blocks)"
+            ) from exc
+        stack.enter_context(offloader)
         # Request A: compute it, then offload every full page of its prompt.
         pages = cache.allocate(per_request)
         model.generate(prompt_a, pages, cache, new_tokens)
@@ -155,8 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--remote",
-        help="HOST:PORT of a running `torch-kv-tier serve` "
-        "(default: start one on 127.0.0.1 for this run)",
+        help="HOST:PORT of a running `torch-kv-tier serve` whose --block-len is one page of "
+        "every layer, keys and values (layers x 2 x page-size x hidden x the dtype's bytes: "
+        "131072 with the defaults; an error names it for other options) (default: start one "
+        "on 127.0.0.1 for this run)",
     )
     parser.add_argument("--token-file", type=Path, help="file holding the remote host's token")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
