@@ -60,15 +60,26 @@ _COMMANDS = {
 }
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _plain(text: str | None) -> str | None:
+    """``text`` (a docstring shown as a description) as ``--help`` prints it: code marked as
+    reStructuredText's double backquotes shows in single ones."""
+    return None if text is None else text.replace("``", "`")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported to add its arguments.
 
     The others stay listed in ``--help`` but cost nothing: ``serve`` never imports the benchmarks.
     """
-    parser = argparse.ArgumentParser(prog="torch-kv-tier", description=__doc__)
+    parser = argparse.ArgumentParser(prog="torch-kv-tier", description=_plain(__doc__))
     parser.add_argument(
         "--log-level",
         default=None,
+        type=str.upper,
+        choices=_LEVELS,
         help="logging level for stderr (default: INFO for serve, WARNING otherwise)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +88,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == command:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
+            sub_parser.description = _plain(sub_parser.description)
             sub_parser.set_defaults(run=module.run)
     return parser
 
@@ -87,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = next((a for a in argv if a in _COMMANDS), None)
     args = build_parser(command).parse_args(argv)
     logging.basicConfig(
-        level=(args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper(),
+        level=args.log_level or ("INFO" if args.command == "serve" else "WARNING"),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )

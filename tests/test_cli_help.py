@@ -1,0 +1,29 @@
+"""What ``torch-kv-tier --help`` and a bad ``--log-level`` show a new user: descriptions taken
+from docstrings printed reStructuredText's double backquotes (```torch-kv-tier`` command
+line``), and ``--log-level foo`` ended in a ``ValueError`` traceback from ``logging``."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_kv_tier.cli import main
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["digest-cost", "--help"]])
+def test_help_prints_no_double_backquotes(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "`torch-kv-tier" in out and "``" not in out
+
+
+def test_an_unknown_log_level_exits_2_naming_the_levels(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--log-level", "foo", "serve", "--num-blocks", "0", "--block-len", "4096"])
+    assert done.value.code == 2
+    assert "--log-level: invalid choice: 'FOO'" in capsys.readouterr().err
