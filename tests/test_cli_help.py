@@ -27,3 +27,12 @@ def test_an_unknown_log_level_exits_2_naming_the_levels(
         main(["--log-level", "foo", "serve", "--num-blocks", "0", "--block-len", "4096"])
     assert done.value.code == 2
     assert "--log-level: invalid choice: 'FOO'" in capsys.readouterr().err
+
+
+def test_serve_help_says_how_often_tiers_heartbeat(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--lease-timeout``'s help said tiers heartbeat every third of it: at the default 30 s
+    that read as every 10 s, where a tier heartbeats every second (``RemoteSession.open``)."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tiers heartbeat every second, or every third of it if that is shorter" in out

@@ -296,7 +296,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="seconds without a heartbeat before a client's session ends (default 30, at "
-        "least 1: tiers heartbeat every third of it); the slots it may still write stay held "
+        "least 1: tiers heartbeat every second, or every third of it if that is shorter); the "
+        "slots it may still write stay held "
         "until the client releases them",
     )
     parser.add_argument(
