@@ -5,6 +5,7 @@ assign requested address``."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
@@ -34,3 +35,10 @@ def test_a_host_not_of_this_machine_says_what_host_takes(tmp_path: Path) -> None
         ServerProcess.start(8, BLOCK_LEN, host="no-such-host.invalid", token_file=str(token))
     assert "code 1" in str(info.value)
     assert "--host must be an address of this machine" in str(info.value)
+
+
+def test_a_privileged_port_says_to_pass_one_above_1024() -> None:
+    from torch_kv_tier.remote.server import _bind_advice  # (as root, binding below 1024 works)
+
+    assert "pass --port 1024 or above" in _bind_advice(errno.EACCES)
+    assert _bind_advice(errno.EPERM) == ""  # no advice where none is known

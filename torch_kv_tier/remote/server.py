@@ -86,6 +86,20 @@ def make_pool(num_blocks: int, block_len: int) -> np.ndarray:
     return pool
 
 
+def _bind_advice(code: int) -> str:
+    """What to change when listening failed with ``code`` (an errno; "" when unknown)."""
+    if code == errno.EADDRINUSE:
+        return "; another process listens there: pass another --port, or --port 0 (any)"
+    if code == errno.EACCES:
+        return "; ports below 1024 need privileges: pass --port 1024 or above, or --port 0 (any)"
+    if code in (errno.EADDRNOTAVAIL, errno.ENODEV, errno.EINVAL):
+        return (
+            "; --host must be an address of this machine (an IP such as 127.0.0.1, or 0.0.0.0 "
+            "for every interface) or the name of one of its interfaces"
+        )
+    return ""
+
+
 class Server:
     """The pool, its NIXL registration, the control socket and the lease table.
 
@@ -187,14 +201,7 @@ class Server:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close()
-            if exc.errno == errno.EADDRINUSE:
-                advice = "another process listens there: pass another --port, or --port 0 (any)"
-            else:
-                advice = (
-                    "--host must be an address of this machine (an IP such as 127.0.0.1, or "
-                    "0.0.0.0 for every interface) or the name of one of its interfaces"
-                )
-            raise OSError(f"cannot listen on {endpoint}: {exc}; {advice}") from None
+            raise OSError(f"cannot listen on {endpoint}: {exc}{_bind_advice(exc.errno)}") from None
         return sock
 
     # -- the loop --------------------------------------------------------------------------
