@@ -20,6 +20,7 @@ from torch_kv_tier.membership import (
     Membership,
 )
 from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.results import TIER_CLOSED
 
 WAIT_S = 10.0
 
@@ -54,7 +55,7 @@ class FakeTier:
         with self.lock:
             self.callers.add(threading.current_thread().name)
             if self.closed:
-                raise RuntimeError("TierManager is closed")
+                raise RuntimeError(TIER_CLOSED)
             self.calls.append(("connect", address))
             self.kwargs.append(kwargs)
             if address in self.down:

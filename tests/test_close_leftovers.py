@@ -20,6 +20,7 @@ from torch_kv_tier import connections, shared_hosts
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
+from torch_kv_tier.results import TIER_CLOSED
 
 RESULT_TIMEOUT_S = 10.0
 DIAL_TIMEOUT_S = 60.0  # each dial's own wait: far past close's
@@ -146,5 +147,5 @@ def test_close_while_a_shared_hosts_join_awaits_its_snapshot_ends_its_session_on
         assert waiting.wait(timeout=RESULT_TIMEOUT_S), "the join never awaited the snapshot"
         tier.close()
         caller.join(timeout=RESULT_TIMEOUT_S)
-    assert [str(exc) for exc in failures] == ["TierManager is closed"]
+    assert [str(exc) for exc in failures] == [TIER_CLOSED]
     assert ends == [True], "the joining host's session was ended twice"

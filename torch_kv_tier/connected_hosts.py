@@ -27,6 +27,7 @@ from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer
 from torch_kv_tier.remote.handshake_errors import not_ready, opened_by
+from torch_kv_tier.results import TIER_CLOSED
 from torch_kv_tier.transport.base import DataTransport, check_peer_region
 
 logger = logging.getLogger(__name__)
@@ -223,7 +224,7 @@ class ConnectedHosts(LostHosts):
                     others = sorted(set(self._joining) - {session.peer_id})
                 self._end_keeping_releases(session, True)  # never published: none written
                 if self._closing.is_set():
-                    raise RuntimeError("TierManager is closed")
+                    raise RuntimeError(TIER_CLOSED)
                 raise TimeoutError(
                     f"{session.peer_id} answered, but its join waited {timeout_s} s for its turn "
                     f"behind the joins of {', '.join(others) or 'other hosts'} (a tier's joins "
@@ -233,7 +234,7 @@ class ConnectedHosts(LostHosts):
         try:
             if self._closing.is_set():  # its handshake ended as close began: register nothing
                 self._end_keeping_releases(session, True)  # never published: none written
-                raise RuntimeError("TierManager is closed")
+                raise RuntimeError(TIER_CLOSED)
             if session.shared:  # (a failed join ends its session itself)
                 self._join_shared(session, timeout_s)
                 return

@@ -72,6 +72,7 @@ from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import (
     MISSING,
     NO_PEERS,
+    TIER_CLOSED,
     Counters,
     PeerStats,
     TierEvent,
@@ -348,7 +349,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("TierManager is closed")
+            raise RuntimeError(TIER_CLOSED)
 
     def _check_local(self, idxs: Sequence[int], n: int, *, unique: bool) -> list[int]:
         if len(idxs) != n:

@@ -21,6 +21,8 @@ CLOSED = "closed"  # the tier closed before the transfer finished
 # it (the tier refuses loads into them and stores from them meanwhile; do not reuse them)
 TIMED_OUT = "timed out"
 NO_PEERS = "no peers"  # store with no peer registered
+# what a call of a closed tier raises (``RuntimeError``): the tier cannot be opened again
+TIER_CLOSED = "TierManager is closed: create a new one (TierManager.create) to go on"
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def make_pool(num_blocks: int, block_len: int) -> np.ndarray:
     return pool
 
 
-def _bind_advice(code: int) -> str:
+def _bind_advice(code: int | None) -> str:
     """What to change when listening failed with ``code`` (an errno; "" when unknown)."""
     if code == errno.EADDRINUSE:
         return "; another process listens there: pass another --port, or --port 0 (any)"
