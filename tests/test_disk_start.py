@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import open_store
+from disk_support import open_store, under
 from test_disk_replay import _write
 
 from torch_kv_tier.remote import disk_header, disk_journal
@@ -61,7 +61,7 @@ def test_a_start_that_waited_for_the_lock_keeps_the_keys_of_the_old_hosts_last_r
         started[0].close()
 
 
-@pytest.mark.parametrize("journal", ["appended to", "stale"])
+@pytest.mark.parametrize("journal", ["appended to", "stale", "appended to, then a full disk"])
 def test_a_rewrite_whose_rename_and_cleanup_failed_never_brings_back_a_key_removed_since(
     disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, journal: str
 ) -> None:
@@ -71,7 +71,10 @@ def test_a_rewrite_whose_rename_and_cleanup_failed_never_brings_back_a_key_remov
     (a compaction's journal appended to as before, a stale one dropping records), removed K,
     and the next start completed that rename (``disk_header.roll_forward``): K came back. A
     start now completes it only where ``journal.tmp`` holds every record of ``journal.log``
-    (none past its last), and a stale journal's next dropped record empties it again."""
+    (none past its last), and a stale journal's next dropped record empties it again. Where
+    that emptied journal's header was refused too (a full disk), ``journal.log`` was left empty,
+    holding no record past ``journal.tmp``'s, and K came back: a start no longer completes a
+    rename over an empty ``journal.log`` (its keys were misses already)."""
     d = tmp_path / "d"
     real_replace, real_unlink, real_meta = os.replace, Path.unlink, disk_header.write_durably
     named: list[Path] = []
@@ -113,11 +116,28 @@ def test_a_rewrite_whose_rename_and_cleanup_failed_never_brings_back_a_key_remov
         assert (d / "journal.tmp").exists()
         dir0.retry_at = math.inf  # the crash comes before the rewrite is tried again
         assert store.remove("ns", b"K")
-        store.poll()  # its record written (a stale journal: dropped)
-        assert store._journals.wait(5.0)
+        with monkeypatch.context() as m:
+            if journal.endswith("full disk"):  # the DEL refused, then the emptied journal's header
+                m.setattr(os, "write", _full_under(d, os.write))
+            store.poll()  # its record written (a stale journal: dropped)
+            assert store._journals.wait(5.0)
+        if journal.endswith("full disk"):
+            assert (d / "journal.log").stat().st_size == 0
         monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert b"K" not in {key for _, key, _ in store.recover()}
+
+
+def _full_under(d: Path, real: Any) -> Any:
+    """``os.write`` refusing (ENOSPC) every write to a file under ``d``."""
+    ours = under(d)
+
+    def write(fd: int, data: Any) -> int:
+        if ours(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return int(real(fd, data))
+
+    return write
 
 
 def _refused(fd: int) -> None:

@@ -103,17 +103,21 @@ def roll_forward(path: Path, header: Header) -> None:
     written whole and synced, no other journal names its generation (each is past every order
     used before it), and one whose rename failed, left as its removal failed too, is not
     renamed once ``journal.log`` holds a record past its last (appended since, or the header of
-    a journal emptied since: ``DiskDir._name_again``); logged, its keys misses. Raises
-    ``OSError`` where the files cannot be read or renamed."""
+    a journal emptied since: ``DiskDir._name_again``), nor over an empty ``journal.log``
+    (emptied, its header refused by a full disk: ``DiskDir._past_orders``; or a new directory's,
+    whose keys are none); logged, its keys misses.
+    Raises ``OSError`` where the files cannot be read or renamed."""
     tmp, journal = path / "journal.tmp", path / "journal.log"
     if header.format != FORMAT or _generation(tmp) != header.generation:
         return
     if _generation(journal) == header.generation:  # renamed: a later rewrite's file, cut
         return
-    if _last_order(journal) > _last_order(tmp):
+    empty = not journal.exists() or not journal.stat().st_size
+    if empty or _last_order(journal) > _last_order(tmp):
         logger.warning(
-            "disk: %s: meta.json names journal.tmp, whose rename failed, and journal.log holds "
-            "records past it: journal.tmp not used (the keys of journal.log are misses)", path,
+            "disk: %s: meta.json names journal.tmp, whose rename failed, and journal.log %s: "
+            "journal.tmp not used (the keys of journal.log are misses)", path,
+            "is empty (emptied, or new)" if empty else "holds records past it",
         )  # fmt: skip
         return
     os.replace(tmp, journal)
