@@ -23,7 +23,7 @@ import pytest
 import xxhash
 
 from torch_kv_tier.keys import Key, key_fingerprint
-from torch_kv_tier.remote.disk_frames import parse, read_header
+from torch_kv_tier.remote.disk_frames import PUT, Record, parse, read_header
 from torch_kv_tier.remote.disk_store import DiskCompletions, DiskStore
 
 DISK_BLOCK = 16 << 10
@@ -49,6 +49,25 @@ def open_store(pool: np.ndarray, dirs: list[Path], slots: int) -> DiskStore:
         pool_blocks=len(pool),
         pool_owner=pool,
     )
+
+
+def write_key(store: DiskStore, pool: np.ndarray, key: Key, dram: int) -> DiskCompletions:
+    """Write ``pool``'s DRAM slot ``dram`` as ``key``; poll until that write is done or failed
+    (one refused as it starts: failed at the next poll), at most ``SETTLE_TIMEOUT_S``."""
+    store.write([("ns", key, digest_of(pool, dram, key), dram)])
+    done = DiskCompletions()
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while store.in_flight() or not (done.written or done.failed):
+        assert time.monotonic() < deadline, f"the write of {key!r} neither done nor failed"
+        more = store.poll()
+        done.written += more.written
+        done.failed += more.failed
+    return done
+
+
+def put_records(n: int) -> list[Record]:
+    """``n`` ``PUT`` records: ``key-i`` in slot ``i``, digest ``i``."""
+    return [(PUT, i, "ns", f"key-{i}".encode(), i) for i in range(n)]
 
 
 def digest_of(pool: np.ndarray, slot: int, key: Key) -> int:
