@@ -1,10 +1,13 @@
 """A model-based crash fuzzer of the disk tier's restart path: per seed, a random history of a
 few keys over one or two directories (stores, removals, stores again with other bytes, journal
-syncs, forced compactions), with write, sync, rename and removal failures injected (EIO, ENOSPC,
-a block write refused), the host killed at a random file step (``copy_at_each_step``: the
-directories as that step leaves them), started on that copy, for one to three such lives. Then
-some copies of the last life are started (each start killed at a random step, at every step for
-one copy, and that copy started), each started twice. Each start may serve a key only with the
+syncs, forced compactions; with two, moves of a key from one directory to the other, whose old
+copy's ``DEL`` is lost as often as not: a key in two directories), with write, sync, rename and
+removal failures injected (EIO, ENOSPC, a block write refused), the host killed at a random file
+step (``copy_at_each_step``: the directories as that step leaves them; a move's steps, and the
+copy right after it, chosen more often), started on that copy (one time in three turned into
+disk format 1 or 2 first: a migration), for one to three such lives. Then some copies of the
+last life are started (each start killed at a random step, at every step for one copy, and that
+copy started), each started twice. Each start may serve a key only with the
 bytes of its last store acknowledged (a ``sync`` that returned True after it) before the kill,
 or of a store since; a key whose removal was acknowledged never comes back; a second start
 serves what the first did; a history with nothing injected loses no key acknowledged and
@@ -16,6 +19,7 @@ e.g. ``TKVT_DISK_FUZZ_SEEDS=500 pytest tests/test_disk_fuzz.py``."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -27,8 +31,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import DISK_POOL, copy_at_each_step, digest_of, open_store, settle, under
+from disk_support import (
+    DISK_POOL,
+    as_format,
+    copy_at_each_step,
+    digest_of,
+    open_store,
+    settle,
+    under,
+)
 
+from torch_kv_tier.remote.disk_frames import parse
 from torch_kv_tier.remote.disk_store import DiskStore
 
 SEEDS = int(os.environ.get("TKVT_DISK_FUZZ_SEEDS", "6"))
@@ -127,13 +140,56 @@ def _compact(store: DiskStore, f: int) -> None:
     store.poll()
 
 
+def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: _Model) -> str:
+    """Store ``key`` again from directory 1 into directory 0 (first into 1 where it is in
+    neither), then sync: the new copy's ``PUT`` is flushed before the old copy's ``DEL`` (the
+    journals are flushed in directory order), so a kill between the two leaves ``key`` in
+    both directories (the state ``disk_recovery`` drops, ``_spoil``). As often as not, that
+    ``DEL`` is lost: directory 1's journal write and its emptying fail (EIO), the sync is done
+    all the same (both logged), and the old copy stays named after the new one is
+    acknowledged. What was injected, for a failure's message."""
+    entry = store._index.where.get(("ns", key))
+    moved = entry is not None and entry[0] % 2 == 1
+    store._index._turn = 0 if moved else 1
+    _store(rng, store, pool, key, model)
+    lose = moved and rng.random() < 0.5
+    with pytest.MonkeyPatch.context() as m:
+        if lose:
+            ours = under(store._dirs[1].path)
+            for name in ("write", "ftruncate"):
+                m.setattr(os, name, _failing(getattr(os, name), ours))
+        if store.sync(5.0):
+            model.synced()
+    assert store._journals.wait(10.0), "a journal job still runs after 10 s"
+    return "DEL lost" if lose else ""
+
+
+def _failing(real: Callable[..., Any], ours: Callable[[Any], bool]) -> Callable[..., Any]:
+    """``real`` (an ``os`` call on a file descriptor) failing (EIO) for the files ``ours``."""
+
+    def call(fd: Any, *args: Any) -> Any:
+        if ours(fd):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, *args)
+
+    return call
+
+
 def _history(
-    rng: random.Random, store: DiskStore, pool: np.ndarray, root: Path, model: _Model
+    rng: random.Random,
+    store: DiskStore,
+    pool: np.ndarray,
+    root: Path,
+    model: _Model,
+    marking: Callable[[], Any],
 ) -> list[str]:
-    """The random operations; what was done, for a failure's message."""
+    """The random operations; what was done, for a failure's message. A move's file steps
+    are copied under ``marking`` (``_Kills.marking``)."""
     done: list[str] = []
+    two = len(store._dirs) == 2
     for _ in range(rng.randint(6, 24)):
-        op = rng.choices(["store", "remove", "sync", "compact", "poll"], [5, 2, 2, 1, 1])[0]
+        weights = [5, 2, 2, 1, 1, 3 if two else 0]
+        op = rng.choices(["store", "remove", "sync", "compact", "poll", "move"], weights)[0]
         key = rng.choice(KEYS)
         faults = rng.choices([0, 1, 2], [8, 2, 1])[0]
         with (
@@ -155,7 +211,12 @@ def _history(
                     model.synced()
             elif op == "poll":
                 store.poll()
-        if op in ("store", "remove"):
+            elif op == "move":
+                with marking() as lost_del:
+                    lost = _move(rng, store, pool, key, model)
+                    lost_del.append(bool(lost))
+                fault = " ".join(f for f in (fault, lost) if f)
+        if op in ("store", "remove", "move"):
             op = f"{op} {key.decode()}"
         done.append(op + (f" [{fault}]" if fault else ""))
     return done
@@ -192,6 +253,38 @@ class _Kills:
 
     copies: list[Path] = field(default_factory=list)
     views: list[Any] = field(default_factory=list)
+    marked: set[int] = field(default_factory=set)  # copies made as a move ran (``_move``)
+    lost: set[int] = field(default_factory=set)  # at rest after a move that lost its DEL
+
+    @contextmanager
+    def marking(self, root: Path, view: Callable[[], Any]) -> Iterator[list[bool]]:
+        """Mark the copies made meanwhile, and one of ``root`` at rest after (``view`` what it
+        may serve): killed right after, as it was left; that one as ``lost`` where the block
+        appends True to what it is given (a ``DEL`` lost)."""
+        first, flags = len(self.copies), list[bool]()
+        yield flags
+        self.copies.append(root.parent / f"killed-{len(self.copies)}")
+        self.views.append(view())
+        shutil.copytree(root, self.copies[-1])
+        self.marked.update(range(first, len(self.copies)))
+        if any(flags):
+            self.lost.add(len(self.copies) - 1)
+
+    def pick(self, rng: random.Random, made: list[int], count: int) -> list[int]:
+        """``count`` of ``made`` (fewer where there are fewer), each drawn from the ``lost``
+        ones three times in four, else from the marked ones as often as not (where any is
+        left): a key in two directories, a kill in the middle of a move."""
+        left, chosen = list(made), list[int]()
+        while left and len(chosen) < count:
+            lost = [i for i in left if i in self.lost]
+            marked = [i for i in left if i in self.marked]
+            if lost and rng.random() < 0.75:
+                at = rng.choice(lost)
+            else:
+                at = rng.choice(marked if marked and rng.random() < 0.5 else left)
+            left.remove(at)
+            chosen.append(at)
+        return chosen
 
     @contextmanager
     def at_each_step(self, d: Path, view: Callable[[], Any]) -> Iterator[list[int]]:
@@ -221,7 +314,8 @@ def _life(
         model.now = dict(found)
         model.synced()  # a start's journals are rewritten, synced
         with kills.at_each_step(root, model.view) as made:
-            done += _history(rng, store, pool, root, model)
+            marking = lambda: kills.marking(root, model.view)  # noqa: E731
+            done += _history(rng, store, pool, root, model, marking)
         assert store._journals.wait(10.0), "a journal job still runs after 10 s"
         made.append(len(kills.copies))  # killed after the last operation, its files at rest
         kills.copies.append(root.parent / f"killed-{made[-1]}")
@@ -238,6 +332,26 @@ def _started_twice(pool: np.ndarray, dirs: list[Path], view: Any, clean: bool, w
     assert _started(pool, dirs) == found, f"{what}; the second start differs from the first"
 
 
+def _aged(rng: random.Random, dirs: list[Path]) -> str:
+    """One time in three, ``dirs`` (a host's, killed) turned into what disk format 1 or 2 made
+    (``as_format``: its next start migrates them), where each has a ``meta.json`` and a whole
+    journal of the generation it names; what was done, for a failure's message."""
+    if rng.random() >= 1 / 3:
+        return ""
+    for d in dirs:
+        try:
+            generation = json.loads((d / "meta.json").read_text())["generation"]
+            whole = parse((d / "journal.log").read_bytes(), generation=generation).bad_at is None
+        except (OSError, ValueError, KeyError):
+            return ""
+        if not whole:
+            return ""
+    fmt = rng.choice([1, 2])
+    for d in dirs:
+        as_format(d, fmt)
+    return f" as format {fmt}"
+
+
 def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
     """One seed's lives (1 to 3, each started on a copy its last left at a random step), then
     ``kills`` of the last life's file steps (module docstring) each started (killed at one of
@@ -250,11 +364,12 @@ def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
     copies = _Kills()
     made = _life(rng, pool, [tmp / "dirs" / n for n in names], copies, done)
     for _ in range(rng.randint(0, 2)):
-        at = rng.choice(made)
-        done.append(f"killed ({copies.copies[at].name} of {len(made)}), started")
-        made = _life(rng, pool, [copies.copies[at] / n for n in names], copies, done)
+        (at,) = copies.pick(rng, made, 1)
+        dirs = [copies.copies[at] / n for n in names]
+        done.append(f"killed ({copies.copies[at].name} of {len(made)}){_aged(rng, dirs)}, started")
+        made = _life(rng, pool, dirs, copies, done)
     clean = "[" not in " ".join(done)
-    chosen = rng.sample(made, min(kills, len(made)))
+    chosen = copies.pick(rng, made, kills)
     for at in chosen:
         where, view = copies.copies[at], copies.views[at]
         what = f"{'; '.join(done)}; killed ({where.name} of {len(made)})"
