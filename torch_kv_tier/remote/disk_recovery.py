@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 Pair = tuple[str, Key]
 _COMPLEMENT = bytes(255 - b for b in range(256))  # each byte's complement (``_spoil``)
+_UNMARK = bytes(b ^ 0x55 for b in range(256))  # a complement to neither it nor its complement
 
 
 def verified_index(
@@ -44,6 +45,7 @@ def verified_index(
     row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT reads need
     found: list[tuple[int, int, str, Key, int]] = []  # journal order, slot, ns, key, digest
     spoiled: set[Pair] = set()  # a copy's block overwritten by a start cut short (``_spoil``)
+    unread: set[Pair] = set()  # a copy's block unreadable: it may verify at a later start
     try:
         for f, d in enumerate(dirs):
             live = d.live()
@@ -55,6 +57,7 @@ def verified_index(
                 except OSError as exc:  # a bad sector costs its key, not the start
                     logger.warning("disk: block %d of %s unreadable: %s", j, d.path, exc)
                     got = -1
+                    unread.add((ns, key))
                 if got == block_len and block_digest(row, key) == digest:
                     found.append((order, j * n + f, ns, key, digest))
                 elif (
@@ -76,10 +79,10 @@ def verified_index(
     for _, slot, ns, key, _ in found:
         homes.setdefault((ns, key), set()).add(slot % n)
     index: OrderedDict[Pair, tuple[int, int]] = OrderedDict()
-    twice: list[int] = []
+    twice: dict[int, Pair] = {}  # global slot -> its key
     for _, slot, ns, key, digest in found:
         if len(homes[(ns, key)]) > 1 or (ns, key) in spoiled:  # which copy is newer: unknown
-            twice.append(slot)
+            twice[slot] = (ns, key)
             continue
         index.pop((ns, key), None)  # two slots of one journal: the later one stays
         index[(ns, key)] = (slot, digest)
@@ -89,19 +92,28 @@ def verified_index(
             "lost; or were, another copy overwritten by a start cut short), and which copy is the "
             "newer is unknown; those keys are misses", len(twice),
         )  # fmt: skip
-        _spoil(dirs, twice, block_len)
+        done = _spoil(dirs, list(twice), block_len, _COMPLEMENT)
+        # every copy of a key overwritten and synced (none unreadable, which may verify
+        # later): unmarked, so that a journal still naming one once its rewrite is refused
+        # costs no copy of that key stored since (a miss where a hit was possible)
+        bad = {twice[slot] for slot in twice if slot not in done} | unread
+        _spoil(dirs, [slot for slot in done if twice[slot] not in bad], block_len, _UNMARK)
     return index, dropped + len(twice)
 
 
-def _spoil(dirs: Sequence[DiskDir], slots: list[int], block_len: int) -> None:
-    """Overwrite the blocks of global ``slots`` with their bytes' complement, then sync their
-    block files: before the journals naming them are rewritten one by one, so that a crash
-    between two of those rewrites (or one refused: a full disk) leaves no record naming a
-    block that still verifies (a key dropped for being in two directories was then found in
-    one only, and its copy there, maybe the older one, served). A crash between two of the
-    overwrites leaves one copy overwritten, which the next start knows by its complement
-    (``verified_index``: every copy of its key dropped). A block that cannot be overwritten is
-    logged: a start after such a crash may serve it."""
+def _spoil(dirs: Sequence[DiskDir], slots: list[int], block_len: int, table: bytes) -> set[int]:
+    """Overwrite the blocks of global ``slots`` with their bytes translated by ``table``, then
+    sync their block files; returns the slots overwritten and synced. First with their
+    complement (``_COMPLEMENT``): before the journals naming them are rewritten one by one,
+    so that a crash between two of those rewrites (or one refused: a full disk) leaves no
+    record naming a block that still verifies (a key dropped for being in two directories was
+    then found in one only, and its copy there, maybe the older one, served). A crash between
+    two of the overwrites leaves one copy overwritten, which the next start knows by its
+    complement (``verified_index``: every copy of its key dropped). Then, once every copy of
+    a key is its complement, synced, with ``_UNMARK``: its blocks hold neither their bytes
+    nor their complement (the original bytes XOR 0xAA), so a journal whose rewrite was refused
+    no longer drops a copy stored since. A block that cannot be overwritten is logged: a start
+    after such a crash may serve it."""
     n = len(dirs)
     row = mmap.mmap(-1, block_len)  # page-aligned, as O_DIRECT needs
     done: set[int] = set()
@@ -109,28 +121,32 @@ def _spoil(dirs: Sequence[DiskDir], slots: list[int], block_len: int) -> None:
         for slot in slots:
             d, j = dirs[slot % n], slot // n
             try:
-                _complement(d.fd, j * block_len, row)
-                done.add(slot % n)
+                _translate(d.fd, j * block_len, row, table)
+                done.add(slot)
             except OSError as exc:
                 logger.error(
                     "disk: block %d of %s, whose key is in another directory too, cannot be "
-                    "overwritten (%s): a start after a crash before every journal is rewritten "
-                    "may serve it, maybe the older copy", j, d.path, exc,
+                    "overwritten (%s): %s", j, d.path, exc,
+                    "a start after a crash before every journal is rewritten may serve it, "
+                    "maybe the older copy" if table is _COMPLEMENT else "a copy of that key "
+                    "stored since is a miss at a restart before its journal is rewritten",
                 )  # fmt: skip
-        for f in done:
+        for f in {slot % n for slot in done}:
             try:
                 os.fdatasync(dirs[f].fd)
             except OSError as exc:
                 logger.error("disk: blocks of %s overwritten, not synced: %s", dirs[f].path, exc)
+                done = {slot for slot in done if slot % n != f}
     finally:
         row.close()
+    return done
 
 
-def _complement(fd: int, at: int, row: mmap.mmap) -> None:
-    """Write the block at byte ``at`` of ``fd`` again as its bytes' complement, through
+def _translate(fd: int, at: int, row: mmap.mmap, table: bytes) -> None:
+    """Write the block at byte ``at`` of ``fd`` again translated by ``table``, through
     ``row``; raises ``OSError`` where it cannot, or either is cut short."""
     if os.preadv(fd, [row], at) != len(row):
         raise OSError(errno.EIO, "block read cut short")
-    row[:] = row[:].translate(_COMPLEMENT)
+    row[:] = row[:].translate(table)
     if os.pwritev(fd, [row], at) != len(row):
         raise OSError(errno.EIO, "block write cut short")
