@@ -151,18 +151,20 @@ def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, mo
     failure's message."""
     entry = store._index.where.get(("ns", key))
     moved = entry is not None and entry[0] % 2 == 1
-    lose = moved and rng.random() < 0.5 and store.sync(5.0)
+    # the new copy goes to directory 0 (not failing), nothing else is pending
+    lose = moved and 0 not in store._index.failing and rng.random() < 0.5 and store.sync(5.0)
     if lose:
         model.synced()
     store._index._turn = 0 if moved else 1
-    _store(rng, store, pool, key, model)
-    entry = store._index.where.get(("ns", key))
-    lose = lose and entry is not None and entry[0] % 2 == 0  # in both directories
     with pytest.MonkeyPatch.context() as m:
-        if lose:
+        if lose:  # from the removal on: the DEL is flushed at the write's first poll
             ours = under(store._dirs[1].path)
             for name in ("write", "ftruncate"):
                 m.setattr(os, name, _failing(getattr(os, name), ours))
+        _store(rng, store, pool, key, model)
+        if lose:
+            entry = store._index.where.get(("ns", key))
+            assert entry is not None and entry[0] % 2 == 0, "not moved to directory 0"
         if store.sync(5.0):
             model.synced()
     assert store._journals.wait(10.0), "a journal job still runs after 10 s"
@@ -269,7 +271,8 @@ class _Kills:
     copies: list[Path] = field(default_factory=list)
     views: list[Any] = field(default_factory=list)
     marked: set[int] = field(default_factory=set)  # copies made as a move ran (``_move``)
-    lost: set[int] = field(default_factory=set)  # at rest after a move that lost its DEL
+    lost: set[int] = field(default_factory=set)  # at rest after a move that lost its DEL:
+    # one of them, of any life, is the copy whose start is killed at each step (``fuzz``)
 
     @contextmanager
     def marking(self, root: Path, view: Callable[[], Any]) -> Iterator[list[bool]]:
@@ -286,17 +289,12 @@ class _Kills:
             self.lost.add(len(self.copies) - 1)
 
     def pick(self, rng: random.Random, made: list[int], count: int) -> list[int]:
-        """``count`` of ``made`` (fewer where there are fewer), each drawn from the ``lost``
-        ones three times in four, else from the marked ones as often as not (where any is
-        left): a key in two directories, a kill in the middle of a move."""
+        """``count`` of ``made`` (fewer where there are fewer), each drawn from the marked ones
+        as often as not (where any is left): a kill in the middle of a move."""
         left, chosen = list(made), list[int]()
         while left and len(chosen) < count:
-            lost = [i for i in left if i in self.lost]
             marked = [i for i in left if i in self.marked]
-            if lost and rng.random() < 0.75:
-                at = rng.choice(lost)
-            else:
-                at = rng.choice(marked if marked and rng.random() < 0.5 else left)
+            at = rng.choice(marked if marked and rng.random() < 0.5 else left)
             left.remove(at)
             chosen.append(at)
         return chosen
@@ -380,11 +378,14 @@ def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
     made = _life(rng, pool, [tmp / "dirs" / n for n in names], copies, done)
     for _ in range(rng.randint(0, 2)):
         (at,) = copies.pick(rng, made, 1)
+        copies.lost.discard(at)  # its life writes it: no longer as killed
         dirs = [copies.copies[at] / n for n in names]
         done.append(f"killed ({copies.copies[at].name} of {len(made)}){_aged(rng, dirs)}, started")
         made = _life(rng, pool, dirs, copies, done)
     clean = "[" not in " ".join(done)
     chosen = copies.pick(rng, made, kills)
+    if copies.lost and rng.random() < 0.75:  # killed at each step: a start's, of either life
+        chosen = [rng.choice(sorted(copies.lost)), *[at for at in chosen if at not in copies.lost]]
     for at in chosen:
         where, view = copies.copies[at], copies.views[at]
         what = f"{'; '.join(done)}; killed ({where.name} of {len(made)})"
