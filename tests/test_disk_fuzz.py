@@ -142,12 +142,11 @@ def _compact(store: DiskStore, f: int) -> None:
 
 def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: _Model) -> str:
     """Store ``key`` again from directory 1 into directory 0 (first into 1 where it is in
-    neither), then sync: the new copy's ``PUT`` is flushed before the old copy's ``DEL`` (the
-    journals are flushed in directory order), so a kill between the two leaves ``key`` in
-    both directories (the state ``disk_recovery`` drops, ``_spoil``). As often as not, that
-    ``DEL`` alone is lost (all else synced before): directory 1's journal write and its
+    neither), then sync. As often as not, the old copy's ``DEL`` is lost (all else synced
+    before; it is flushed at the write's first poll): directory 1's journal write and its
     emptying fail (EIO), the sync is done all the same (both logged), and the old copy stays
-    named after the new one is acknowledged, until ``_rewritten``. What was injected, for a
+    named after the new one is acknowledged, a key in two directories (the state
+    ``disk_recovery`` drops, ``_spoil``), until ``_rewritten``. What was injected, for a
     failure's message."""
     entry = store._index.where.get(("ns", key))
     moved = entry is not None and entry[0] % 2 == 1
