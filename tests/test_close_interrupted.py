@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 import pytest
 from release_support import RESULT_TIMEOUT_S
@@ -122,3 +123,30 @@ def test_a_ctrl_c_as_close_waits_for_release_threads_still_ends_the_sessions(
                 "the tier's session outlived close: "
                 f"{observer.stats()['sessions']} (the observer's own is the only one)"
             )
+
+
+def test_a_ctrl_c_as_the_transport_closes_still_settles_the_cancelled_loads_once_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``close`` closes the transport, then asks it to settle the loads it
+    cancelled once released (``on_released``); a Ctrl-C in the transport's close (its wait for
+    a registration still running, which leaves the release to that registration) skipped the
+    ask, so those loads never resolved, even once the agent was released."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        assert tier.store(["b"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+        reads = itertools.count(10_000)
+        monkeypatch.setattr(transport, "read_blocks", lambda *_: next(reads))  # never lands
+        loaded = tier.load(["b"], [2])
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt  # Ctrl-C as the transport waits for a registration
+
+        released: list[Callable[[], None]] = []
+        monkeypatch.setattr(transport, "close", interrupted)
+        monkeypatch.setattr(transport, "on_released", released.append)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=0)
+        assert not loaded.done(), "a cancelled load settled before the transport was released"
+        assert len(released) == 1, "nothing settles the cancelled load once released"
+        released[0]()  # the registration returned: the transport released everything
+        assert loaded.result(timeout=RESULT_TIMEOUT_S).failed == {"b": "closed"}

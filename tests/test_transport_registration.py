@@ -237,3 +237,36 @@ def test_close_returns_while_a_registration_is_stuck_and_releases_once_it_return
     assert blocking.released and tid is not None  # the transfer's handle
     assert blocking.calls["remove_remote_agent"] == 2  # p's (superseded) and q's
     t.close()  # idempotent
+
+
+def test_a_ctrl_c_as_close_waits_for_a_registration_still_releases_the_agent_once_it_returns(
+    peer2: RemotePeer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``close`` waits (up to ``CLOSE_REGISTRATION_WAIT_S``) for a registration
+    still running; a Ctrl-C there (a tier's ``close`` ends with it) left the transport closed
+    with its agent, memory registration and peers never released, nor its ``on_released``
+    callbacks run (a tier's cancelled loads never settled), and a second ``close`` returned at
+    once. Now the release runs once the registration returns, as past the wait; then the
+    interrupt is raised."""
+    t = NixlTransport("interrupted", torch.zeros(8, BLOCK, dtype=torch.uint8))
+    blocking = BlockingPrep(t._agent, blocks="add_remote_agent")
+    t._agent = blocking
+    future = t.add_remote_peer_async("p", *peer2.peer_args())
+    released = threading.Event()
+    try:
+        assert blocking.entered.wait(10)
+
+        def interrupted(*_: Any, **__: Any) -> Any:
+            raise KeyboardInterrupt  # Ctrl-C as close waits for the registration
+
+        monkeypatch.setattr(nixl_module, "wait_futures", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            t.close()
+        t.on_released(released.set)
+        assert not released.is_set(), "released under a registration still running"
+    finally:
+        blocking.release.set()
+    with pytest.raises(RuntimeError, match="superseded"):
+        future.result(timeout=10)  # it can no longer publish
+    assert released.wait(10), "the agent was never released"
+    assert blocking.calls["deregister_memory"] == 1

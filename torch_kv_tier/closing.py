@@ -129,9 +129,12 @@ class Closing:
         try:
             waits.run(self._end_sessions, ending)
         finally:  # whatever failed there, the agent and its registrations go (then it raises)
-            self.transport.close()
-            # once the transport released everything, nothing lands in a cancelled load's blocks
-            self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+            try:
+                self.transport.close()
+            finally:  # (a Ctrl-C in its wait for a registration: released once that returns)
+                # once the transport released everything, nothing lands in a cancelled load's
+                # blocks
+                self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
         waits.raise_interrupt()
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:

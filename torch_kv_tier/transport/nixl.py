@@ -224,7 +224,8 @@ class NixlTransport(NixlRegistration, DataTransport):
         ``CLOSE_REGISTRATION_WAIT_S`` (releasing the agent under it would free what it uses);
         past that, close returns without calling into the agent (a stuck metadata load may hold
         NIXL's lock), logs what stays held, and the release runs on the registration's thread
-        once it returns. The superseded registration never publishes."""
+        once it returns. The superseded registration never publishes. A Ctrl-C as it waits
+        leaves the release to the registration's thread likewise, then is raised."""
         with self._lock:
             if self._closed:
                 return
@@ -232,7 +233,7 @@ class NixlTransport(NixlRegistration, DataTransport):
             self._peers.supersede_all()
             last = self._last_registration
         self._registrar.shutdown()  # registrations still queued fail ("closed")
-        if last is not None and wait_futures([last], CLOSE_REGISTRATION_WAIT_S).not_done:
+        if last is not None and not self._returned(last):
             with self._lock:
                 transfers = len(self._transfers)
             logger.warning(
@@ -243,9 +244,20 @@ class NixlTransport(NixlRegistration, DataTransport):
                 CLOSE_REGISTRATION_WAIT_S,
                 transfers,
             )
-            last.add_done_callback(lambda _: self._release_agent())
             return
         self._release_agent()
+
+    def _returned(self, last: Future[None]) -> bool:
+        """``close``'s wait for the last registration: whether it returned within
+        ``CLOSE_REGISTRATION_WAIT_S``. When not, or when a Ctrl-C cuts the wait short (then
+        raised), the release is left to it: it runs once the registration returns."""
+        returned = False
+        try:
+            returned = not wait_futures([last], CLOSE_REGISTRATION_WAIT_S).not_done
+        finally:
+            if not returned:
+                last.add_done_callback(lambda _: self._release_agent())
+        return returned
 
     def on_released(self, callback: Callable[[], None]) -> None:
         """See ``DataTransport.on_released``: at once when close released the agent, else when
