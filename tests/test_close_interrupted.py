@@ -8,6 +8,7 @@ and the transport still closes. (A Ctrl-C in a done-callback that ``close`` runs
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Callable
 
@@ -150,3 +151,27 @@ def test_a_ctrl_c_as_the_transport_closes_still_settles_the_cancelled_loads_once
         assert len(released) == 1, "nothing settles the cancelled load once released"
         released[0]()  # the registration returned: the transport released everything
         assert loaded.result(timeout=RESULT_TIMEOUT_S).failed == {"b": "closed"}
+
+
+def test_a_ctrl_c_as_close_waits_for_release_threads_still_says_what_it_could_not_tell(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: what ``close``'s last words could not tell the hosts (each keeps the
+    named sessions' slots) is said in one warning once they were awaited; a Ctrl-C as it waited
+    for the release threads raised before that warning, so a host left holding slots went
+    unsaid."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, _):
+        with tier._lock:
+            tier._ended.give_back("203.0.113.1:1", ["ab" * 16])  # resolved, no longer dialled
+            tier._ended.carry("203.0.113.2:1", 1)  # a release thread still carrying elsewhere
+        closing, wait = threading.get_ident(), tier._cond.wait
+
+        def interrupted(timeout: float | None = None) -> bool:
+            if threading.get_ident() == closing:
+                raise KeyboardInterrupt  # Ctrl-C as close waits for the release threads
+            return wait(timeout)
+
+        monkeypatch.setattr(tier._cond, "wait", interrupted)
+        with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=RESULT_TIMEOUT_S)
+        assert "could not tell 1 host(s) (203.0.113.1:1)" in caplog.text

@@ -275,7 +275,8 @@ class SessionReleases:
         failed) are reported too. A last word whose thread cannot start (the process at its
         thread limit) is said on the calling thread after the others started (past
         ``timeout_s``, if need be: each step within ~2 s), logged as a warning. A Ctrl-C as
-        it waits is raised once the last words started (each goes on by itself)."""
+        it waits is raised once the last words started (each goes on by itself), and what
+        they could not tell so far said (what they cannot tell later, said on its own)."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         interrupt = None
         with self._lock:
@@ -310,20 +311,22 @@ class SessionReleases:
                 unstarted.append((w, exc))
             else:
                 threads.append(thread)
-        if interrupt is not None:  # (each started last word goes on by itself)
-            raise interrupt
-        if unstarted:
-            logger.warning(
-                "could not start a thread for the last word to %d host(s) (%s): said one after "
-                "another on the closing thread, each within ~2 s",
-                len(unstarted),
-                unstarted[0][1],
-            )
-        for (say, args), _ in unstarted:
-            words.add(say(*args))
-        for thread in threads:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-        words.report()
+        try:
+            if interrupt is not None:  # (each started last word goes on by itself)
+                raise interrupt
+            if unstarted:
+                logger.warning(
+                    "could not start a thread for the last word to %d host(s) (%s): said one "
+                    "after another on the closing thread, each within ~2 s",
+                    len(unstarted),
+                    unstarted[0][1],
+                )
+            for (say, args), _ in unstarted:
+                words.add(say(*args))
+            for thread in threads:
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        finally:  # interrupted too: what failed so far now, a later failure on its own
+            words.report()
 
 
 @dataclasses.dataclass(frozen=True)
