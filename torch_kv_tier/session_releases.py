@@ -243,7 +243,7 @@ class SessionReleases:
         resolved = session.session_id in held
         held = [sid for sid in held if sid != session.session_id]
         unread = end_session(session, clean or resolved, held)
-        if resolved and not session.ended_clean:
+        if resolved and not session.ended_clean and session.session_id not in unread:
             unread.append(session.session_id)
         return self._last_word_of(session.address, unread, dial)
 

@@ -292,7 +292,8 @@ class RemoteSession(SharedRequests):
         """The sessions ``release`` named that the server may not have read: every one, unless
         ``close`` got the answer to its disconnect (the server reads in order). A session that
         ended otherwise (lost, reset, its disconnect unanswered) leaves them to be named again:
-        a server that read them, or restarted since, ignores them."""
+        a server that read them, or restarted since, ignores them. A clean ``close`` the server
+        no longer knew (``EndedByHost``: its lease expired, held until named) adds this one."""
         with self._lock:
             return list(self._released)
 
@@ -372,6 +373,9 @@ class RemoteSession(SharedRequests):
             reply = answer.result()
         except EndedByHost as exc:  # (e.g. named resolved by ``close``'s last word meanwhile)
             logger.info("disconnect from %s: the host had ended it already: %s", self.peer_id, exc)
+            if clean:  # its lease expired, maybe: held until named (``unreleased``)
+                with self._lock:
+                    self._released.append(self.session_id)
         except (TimeoutError, ConnectionError) as exc:
             logger.warning("disconnect from %s got no answer: %s", self.peer_id, exc)
         else:
