@@ -175,3 +175,25 @@ def test_a_ctrl_c_as_close_waits_for_release_threads_still_says_what_it_could_no
         with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
             tier.close(timeout=RESULT_TIMEOUT_S)
         assert "could not tell 1 host(s) (203.0.113.1:1)" in caplog.text
+
+
+def test_a_ctrl_c_between_closes_later_waits_still_closes_the_transport(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: between its bounded waits, ``close`` uncounts the dropped sessions it
+    ends itself under the tier's lock (whose acquire a Ctrl-C can cut short); a Ctrl-C there
+    was outside the step that closes the transport, so the NIXL agent stayed alive and a
+    second ``close`` returned at once."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        closed = threading.Event()
+        monkeypatch.setattr(transport, "close", closed.set)
+        uncount = tier._uncount_ends
+
+        def interrupted(ending: list[tuple[object, bool]]) -> None:
+            uncount(ending)
+            raise KeyboardInterrupt  # Ctrl-C as close takes the lock there
+
+        monkeypatch.setattr(tier, "_uncount_ends", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=0)
+        assert closed.is_set(), "the transport outlived close"

@@ -117,23 +117,22 @@ class Closing:
         then it is raised; a second one is no different, so the caller is out within
         ``close``'s timeout."""
         waits = _Waits(deadline)
-        if threading.current_thread() is not self._thread:  # close() from a done-callback
-            waits.run(self._thread.join)
-        waits.run(self._redialer.stop)
-        # dropped peers' sessions whose thread never started: ended here
-        never_started = waits.run(self._session_ends.stop)
-        if never_started is None:  # interrupted as it waited: those not started, taken now
-            never_started = waits.run(self._session_ends.stop) or []
-        self._uncount_ends(never_started)
-        ending += never_started
         try:
+            if threading.current_thread() is not self._thread:  # close() from a done-callback
+                waits.run(self._thread.join)
+            waits.run(self._redialer.stop)
+            # dropped peers' sessions whose thread never started: ended here
+            never_started = waits.run(self._session_ends.stop)
+            if never_started is None:  # interrupted as it waited: those not started, taken now
+                never_started = waits.run(self._session_ends.stop) or []
+            self._uncount_ends(never_started)
+            ending += never_started
             waits.run(self._end_sessions, ending)
-        finally:  # whatever failed there, the agent and its registrations go (then it raises)
+        finally:  # whatever failed, a Ctrl-C between the waits too: the agent goes (then raised)
             try:
                 self.transport.close()
-            finally:  # (a Ctrl-C in its wait for a registration: released once that returns)
-                # once the transport released everything, nothing lands in a cancelled load's
-                # blocks
+            finally:  # (interrupted as it waits for a registration: that one releases it)
+                # nothing lands in a cancelled load's blocks once the transport released all
                 self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
         waits.raise_interrupt()
 
