@@ -22,6 +22,19 @@ from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 
 
+def interrupt_waits_on_this_thread(tier: TierManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each wait of this thread on the tier's condition gets a ``KeyboardInterrupt``, as a
+    Ctrl-C would (other threads wait as usual)."""
+    closing, wait = threading.get_ident(), tier._cond.wait
+
+    def interrupted(timeout: float | None = None) -> bool:
+        if threading.get_ident() == closing:
+            raise KeyboardInterrupt
+        return wait(timeout)
+
+    monkeypatch.setattr(tier._cond, "wait", interrupted)
+
+
 def test_a_ctrl_c_as_close_waits_for_transfers_still_closes_the_tier(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -38,14 +51,7 @@ def test_a_ctrl_c_as_close_waits_for_transfers_still_closes_the_tier(
         closed = threading.Event()
         monkeypatch.setattr(transport, "close", closed.set)
         stored, loaded = tier.store(["a"], [0]), tier.load(["b"], [2])
-        closing, wait = threading.get_ident(), tier._cond.wait
-
-        def interrupted(timeout: float | None = None) -> bool:
-            if threading.get_ident() == closing:
-                raise KeyboardInterrupt  # Ctrl-C as close waits for the transfers in flight
-            return wait(timeout)
-
-        monkeypatch.setattr(tier._cond, "wait", interrupted)
+        interrupt_waits_on_this_thread(tier, monkeypatch)  # as close waits for the transfers
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=60.0)
         assert stored.result(timeout=RESULT_TIMEOUT_S).failed == {"a": "closed"}
@@ -109,14 +115,7 @@ def test_a_ctrl_c_as_close_waits_for_release_threads_still_ends_the_sessions(
         tier.connect(server.address)
         with tier._lock:
             tier._ended.carry("203.0.113.1:1", 1)  # a release thread still carrying elsewhere
-        closing, wait = threading.get_ident(), tier._cond.wait
-
-        def interrupted(timeout: float | None = None) -> bool:
-            if threading.get_ident() == closing:
-                raise KeyboardInterrupt  # Ctrl-C as close waits for the release threads
-            return wait(timeout)
-
-        monkeypatch.setattr(tier._cond, "wait", interrupted)
+        interrupt_waits_on_this_thread(tier, monkeypatch)  # as close waits for release threads
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=RESULT_TIMEOUT_S)
         with fake_session(server.address, private=False) as observer:
@@ -164,14 +163,7 @@ def test_a_ctrl_c_as_close_waits_for_release_threads_still_says_what_it_could_no
         with tier._lock:
             tier._ended.give_back("203.0.113.1:1", ["ab" * 16])  # resolved, no longer dialled
             tier._ended.carry("203.0.113.2:1", 1)  # a release thread still carrying elsewhere
-        closing, wait = threading.get_ident(), tier._cond.wait
-
-        def interrupted(timeout: float | None = None) -> bool:
-            if threading.get_ident() == closing:
-                raise KeyboardInterrupt  # Ctrl-C as close waits for the release threads
-            return wait(timeout)
-
-        monkeypatch.setattr(tier._cond, "wait", interrupted)
+        interrupt_waits_on_this_thread(tier, monkeypatch)  # as close waits for release threads
         with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
             tier.close(timeout=RESULT_TIMEOUT_S)
         assert "could not tell 1 host(s) (203.0.113.1:1)" in caplog.text
