@@ -129,12 +129,23 @@ class Closing:
             ending += never_started
             waits.run(self._end_sessions, ending)
         finally:  # whatever failed, a Ctrl-C between the waits too: the agent goes (then raised)
-            try:
-                self.transport.close()
-            finally:  # (interrupted as it waits for a registration: that one releases it)
-                # nothing lands in a cancelled load's blocks once the transport released all
-                self.transport.on_released(partial(self._settle_cancelled_loads, cancelled))
+            self._close_transport(cancelled)
         waits.raise_interrupt()
+
+    def _close_transport(self, cancelled: list[Op]) -> None:
+        """Close the transport, then settle the loads ``close`` cancelled once nothing can land
+        in their blocks (``on_released``); also when a Ctrl-C cut its close short (the NIXL
+        transport then leaves its release to the registration it waited for). A close that
+        failed otherwise leaves them pending: whether its reads may still land is unknown."""
+        settle = partial(
+            self.transport.on_released, partial(self._settle_cancelled_loads, cancelled)
+        )
+        try:
+            self.transport.close()
+        except KeyboardInterrupt:
+            settle()
+            raise
+        settle()
 
     def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
         """``close``'s last step (unlocked): the loads it cancelled, and those whose failed
