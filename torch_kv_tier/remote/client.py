@@ -46,6 +46,7 @@ from torch_kv_tier.remote.handshake import (
     end_unstarted,
     handshake,
 )
+from torch_kv_tier.remote.host_names import check_resolves
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.replies import Request
@@ -174,6 +175,8 @@ class RemoteSession(SharedRequests):
         at least 0.1 s, ``heartbeat_timeout_s`` 1 s, ``heartbeat_interval_s`` 0.01 s, each
         floor's message saying why: ``connect_args.FLOORS``),
         ``HandshakeRejected`` when the server refuses (or cannot prove it knows ``token``),
+        ``host_names.UnresolvedHost`` (a ``ConnectionError``) at once when the host's name
+        does not resolve (not looked up: an IP address), or not within ``timeout_s``,
         ``TimeoutError`` when no server answers within ``timeout_s`` (``AcceptLost`` once the
         handshake went out), ``ConnectionError`` when the server answers with an error, accepts
         with a lease or region no session can use (it is told to end that session) or
@@ -198,12 +201,14 @@ class RemoteSession(SharedRequests):
         heartbeat_interval_s = float(heartbeat_interval_s)
         release = list(release or ())
         opened: list[str] = []  # sessions of greetings whose connection closed (``handshake``)
+        deadline = time.monotonic() + timeout_s  # the name's lookup and the handshake's
+        check_resolves(address, parse_address(address)[0], deadline, cancel)
         sock, monitor = connect(address)
         try:
             accept = handshake(
                 sock,
                 address,
-                time.monotonic() + timeout_s,
+                deadline,
                 token,
                 p.Handshake(
                     version=p.PROTOCOL_VERSION,

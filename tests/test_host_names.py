@@ -1,0 +1,102 @@
+"""A host given by name: one that does not resolve fails its connect at once, saying so (it
+waited out the whole timeout and said the host did not answer), a lookup that hangs ends with
+the connect's timeout, a name that resolves connects, an IP address is not looked up, and a
+host whose name does not resolve is redialled as a host that is down."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import pytest
+from membership_support import WAIT_S
+from remote_support import BLOCK_LEN, free_port, wait_until
+
+from torch_kv_tier import connections
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess, host_names
+from torch_kv_tier.remote.host_names import UnresolvedHost
+
+_getaddrinfo = socket.getaddrinfo
+
+
+def _unknown(name: str) -> Any:
+    """A ``getaddrinfo`` for which ``name`` does not exist (others resolve as ever)."""
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == name:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return _getaddrinfo(host, *args, **kwargs)
+
+    return getaddrinfo
+
+
+def test_a_name_that_does_not_resolve_fails_at_once_naming_it() -> None:
+    """``.invalid`` never resolves (RFC 6761): the connect raises ``UnresolvedHost``, naming
+    the name and what to check, rather than ``TimeoutError`` ("no answer") after
+    ``timeout_s``."""
+    with TierManager.create(16, BLOCK_LEN, name="unresolved") as tier:
+        with pytest.raises(UnresolvedHost, match="'nosuchhost.invalid'.*check") as failed:
+            tier.connect("nosuchhost.invalid:5555", timeout_s=WAIT_S)
+        assert failed.value.name == "nosuchhost.invalid"
+        assert tier.peers() == []
+
+
+def test_a_lookup_that_hangs_ends_with_the_connects_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name server that does not answer holds the connect for its ``timeout_s`` alone, and
+    the error says the lookup is what did not answer."""
+    release = threading.Event()
+
+    def hung(*args: Any, **kwargs: Any) -> Any:
+        release.wait(WAIT_S)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", hung)
+    try:
+        with (
+            TierManager.create(16, BLOCK_LEN, name="hung-dns") as tier,
+            pytest.raises(UnresolvedHost, match="no answer within the connect's timeout"),
+        ):
+            tier.connect("slow.example:5555", timeout_s=0.2)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_an_ip_address_is_not_looked_up(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    """An IP literal goes to the handshake as before (nobody listens: it does not answer)."""
+
+    def no_lookup(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"looked up {args[0]!r}")
+
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", no_lookup)
+    with (
+        TierManager.create(16, BLOCK_LEN, name="ip-literal") as tier,
+        pytest.raises(TimeoutError, match="no answer"),
+    ):
+        tier.connect(f"{host}:{free_port()}", timeout_s=0.2)
+
+
+def test_a_name_that_resolves_connects_and_one_that_stops_is_redialled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``localhost:PORT`` joins; a host whose name does not resolve at its connect with
+    ``redial_if_down`` is dialled again in the background (down, not misconfigured) and joins
+    once its name resolves."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="by-name") as tier,
+    ):
+        address = f"localhost:{server.address.rpartition(':')[2]}"
+        monkeypatch.setattr(host_names.socket, "getaddrinfo", _unknown("localhost"))
+        with pytest.raises(UnresolvedHost, match="'localhost'"):
+            tier.connect(address, timeout_s=WAIT_S, redial_if_down=True)
+        assert tier.peers() == [] and tier._pending
+        monkeypatch.setattr(host_names.socket, "getaddrinfo", _getaddrinfo)
+        wait_until(lambda: tier.peers() != [], "the host joins once its name resolves", WAIT_S)
+        tier.disconnect(tier.peers()[0])
+        assert tier.connect(address, timeout_s=WAIT_S) in tier.peers()

@@ -1,0 +1,92 @@
+"""Resolving a host's name before dialling it (``check_resolves``): ZeroMQ resolves a name
+itself, in the background, and retries one that does not resolve without a word, so a connect
+to a misspelt or vanished name waited out its whole timeout and then said the host did not
+answer. An IP literal is not looked up. The name still goes to ZeroMQ as given (it resolves it
+again on each reconnect, as before).
+
+Threading: ``check_resolves`` blocks its caller until the lookup ends, its deadline passes or
+its ``cancel`` is set; the lookup (``socket.getaddrinfo``, which no timeout bounds) runs on a
+daemon thread of its own, which a lookup that hangs leaves behind until the system's resolver
+gives up (its own timeout, ``/etc/resolv.conf``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+import time
+
+from torch_kv_tier.remote.handshake import CANCEL_POLL_S, Cancel
+from torch_kv_tier.remote.handshake_errors import Cancelled
+
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+class UnresolvedHost(ConnectionError):
+    """The host name of ``address`` did not resolve (``name``): no such name, no answer from
+    the name server, or none by the connect's deadline. A ``ConnectionError``, so that a host
+    whose name does not resolve (yet, or any more) counts as down: ``redial_if_down`` and a
+    lost host's redial dial it again until it resolves."""
+
+    def __init__(self, address: str, name: str, why: str) -> None:
+        super().__init__(f"cannot resolve host name {name!r} of {address}: {why}")
+        self.address = address
+        self.name = name
+
+
+def is_ip(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address (with its zone), which needs no lookup."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def check_resolves(address: str, host: str, deadline: float, cancel: Cancel | None = None) -> None:
+    """Return once ``host`` (``address``'s, an IP literal or a name) resolves; raise
+    ``UnresolvedHost`` naming it and what to check when it does not, or not before
+    ``deadline`` (``time.monotonic()``), and ``Cancelled`` once ``cancel`` (anything with an
+    ``is_set``) is set. ``RuntimeError`` when no thread can be started for the lookup."""
+    if is_ip(host):
+        return
+    done = threading.Event()
+    failure: list[socket.gaierror] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            failure.append(exc)
+        except Exception as exc:  # (a name too long for the resolver: UnicodeError)
+            failure.append(socket.gaierror(socket.EAI_NONAME, str(exc)))
+        done.set()
+
+    threading.Thread(target=look_up, name=f"tkvt-resolve-{host}", daemon=True).start()
+    while not done.wait(max(min(deadline - time.monotonic(), CANCEL_POLL_S), 0.0)):
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(
+                f"resolving {host!r} cancelled: the tier is closing, or no longer dials it"
+            )
+        if time.monotonic() >= deadline:
+            raise UnresolvedHost(
+                address,
+                host,
+                "the name server gave no answer within the connect's timeout: check the name "
+                "servers of /etc/resolv.conf (reachable? slow?), or pass the host's IP address",
+            )
+    if not failure:
+        return
+    exc = failure[0]
+    if exc.errno in _NO_SUCH_NAME:
+        why = (
+            f"{exc.strerror}: check its spelling, and that DNS or /etc/hosts on this machine "
+            "lists it (or pass the host's IP address)"
+        )
+    else:
+        why = (
+            f"{exc.strerror}: the name server could not answer now; check the network and "
+            "the name servers of /etc/resolv.conf"
+        )
+    raise UnresolvedHost(address, host, why)
