@@ -296,7 +296,7 @@ def test_dial_later_refuses_a_timeout_no_handshake_takes(timeout_s: float) -> No
     try failing with ``ValueError`` (and a greeting of hosts past its cap waits within the
     longest of their timeouts: an infinite one held every other host). It says so at once."""
     with TierManager.create(4, BLOCK_LEN, name="dial-later-timeout") as tier:
-        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        with pytest.raises(ValueError, match=r"timeout_s must be at least 0\.1 s and at most"):
             tier.dial_later("127.0.0.1:1", TimeoutError("down (a test)"), timeout_s=timeout_s)
         assert tier.cancel_dial("127.0.0.1:1") is False
 

@@ -79,15 +79,23 @@ def seconds(name: str, value: object, *, zero: bool = False, floor: Floor | None
         as_float = float(value)  # type: ignore[arg-type]
     except OverflowError:  # an int past any float
         as_float = math.inf
-    if not (as_float >= 0 if zero else as_float > 0) or not as_float <= MAX_WAIT_S:  # nan too
-        bound = ">= 0" if zero else "> 0"
-        raise ValueError(f"{name} must be {bound} and at most {MAX_WAIT_S:g} s, got {value}")
-    if floor is not None and as_float < floor.least_s and not (zero and as_float == 0):
-        off = " (or 0: off)" if zero else ""
-        raise ValueError(
-            f"{name} must be at least {floor.least_s:g} s{off}, got {as_float:g}: {floor.why}"
-        )
+    least = (zero and as_float == 0) or (
+        as_float >= floor.least_s if floor is not None else as_float >= 0 if zero else as_float > 0
+    )
+    if not least or not as_float <= MAX_WAIT_S:  # nan fails both
+        why = f": {floor.why}" if floor is not None and as_float < floor.least_s else ""
+        raise ValueError(f"{name} must be {_bounds(zero, floor)}, got {value}{why}")
     return as_float
+
+
+def _bounds(zero: bool, floor: Floor | None) -> str:
+    """The range ``seconds`` takes, in words: its real lower bound (the floor's, when one is
+    given) and ``MAX_WAIT_S``."""
+    if floor is None:
+        lower = ">= 0" if zero else "> 0"
+    else:
+        lower = f"at least {floor.least_s:g} s" + (" (or 0: off)" if zero else "")
+    return f"{lower} and at most {MAX_WAIT_S:g} s"
 
 
 def count(name: str, value: object) -> int:
