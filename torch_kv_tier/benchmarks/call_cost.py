@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from torch_kv_tier.benchmarks.options import size
 from torch_kv_tier.benchmarks.remote import Target, remote_hosts
 from torch_kv_tier.benchmarks.system_nixl_raw import BareNixl, local_arena
 
@@ -72,7 +73,7 @@ def placement_us_per_key(peers: int, n: int = 4096) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.call_cost")
-    parser.add_argument("--block-len", type=int, default=16 << 10)
+    parser.add_argument("--block-len", type=size, default=16 << 10)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--calls", type=int, default=200, help="calls per burst")
     parser.add_argument("--rounds", type=int, default=7)

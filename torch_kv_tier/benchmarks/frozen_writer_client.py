@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from torch_kv_tier.benchmarks.options import heartbeat_timeout
+from torch_kv_tier.benchmarks.options import heartbeat_timeout, size
 from torch_kv_tier.manager import TierManager, TransferResult
 
 RESULT_TIMEOUT_S = 30.0  # one store future after the resume
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("address", help="HOST:PORT of a torch-kv-tier serve")
     parser.add_argument("--private", action="store_true", help="lease every slot (else: shared)")
     parser.add_argument("--num-blocks", type=int, default=256, help="arena (and lease) blocks")
-    parser.add_argument("--block-len", type=int, default=262144)
+    parser.add_argument("--block-len", type=size, default=262144)
     parser.add_argument("--grant-batch", type=int, default=256, help="shared: slots per grant")
     parser.add_argument("--stores", type=int, default=4, help="store calls per batch")
     parser.add_argument("--first", type=int, default=64, help="keys per store before the freeze")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, MAX_WAIT_S, seconds
+from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, MAX_WAIT_S, byte_count, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +28,12 @@ def usable_cpus() -> int:
 
 
 def size(text: str) -> int:
-    """A byte count such as ``16K``, ``2M``, ``1GiB`` or ``4096``."""
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in "KMG" else text
+    """A byte count > 0 such as ``16K``, ``2M``, ``1.5GiB`` or ``4096``: as every command's
+    size options take it (``quantities.byte_count``, ``serve --block-len`` too)."""
     try:
-        value = int(number) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16K, 2M)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
+        return byte_count("the size", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def list_of(

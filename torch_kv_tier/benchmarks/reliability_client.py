@@ -14,13 +14,14 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
+from torch_kv_tier.benchmarks.options import size
 from torch_kv_tier.manager import TierManager, TransferResult
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.reliability_client")
     parser.add_argument("address", help="HOST:PORT of a torch-kv-tier serve")
-    parser.add_argument("--block-len", type=int, default=4096)
+    parser.add_argument("--block-len", type=size, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="keys per store call")
     parser.add_argument("--window", type=int, default=8, help="store calls kept in flight")
     parser.add_argument("--max-seconds", type=float, default=120.0)

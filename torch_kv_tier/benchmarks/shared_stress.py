@@ -70,6 +70,7 @@ from torch_kv_tier.benchmarks.options import (
     heartbeat_timeout,
     output_file,
     positive,
+    size,
     usable_cpus,
 )
 from torch_kv_tier.benchmarks.reliability_common import server_stats, ucx_over_tcp
@@ -250,7 +251,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=duration, default=60.0, help="run time (default 60)")
     parser.add_argument("--slots", type=int, default=256, help="host pool slots (default 256)")
     parser.add_argument("--keys", type=int, default=2048, help="key space (default 2048)")
-    parser.add_argument("--block-len", type=int, default=4096, help="bytes per block")
+    parser.add_argument(
+        "--block-len", type=size, default=4096, help="bytes per block (default 4096; e.g. 64K)"
+    )
     parser.add_argument(
         "--max-batch", type=int, default=64, help="most keys per call (batches are 1..N)"
     )

@@ -31,6 +31,7 @@ from torch_kv_tier.benchmarks.options import (
     duration,
     heartbeat_timeout,
     output_file,
+    size,
     usable_cpus,
 )
 from torch_kv_tier.benchmarks.reliability_common import Outcome
@@ -83,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--close-transfers", type=int, default=400, help="transfers in flight at close()"
     )
     parser.add_argument("--close-timeout", type=duration, default=1.0, help="close(timeout) in s")
-    parser.add_argument("--block-len", type=int, default=4096, help="bytes per block")
+    parser.add_argument(
+        "--block-len", type=size, default=4096, help="bytes per block (default 4096; e.g. 64K)"
+    )
     parser.add_argument("--out", type=output_file, help="write every figure as JSON to this file")
 
 

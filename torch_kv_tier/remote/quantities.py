@@ -1,5 +1,6 @@
 """The checks of the numbers users pass: ``seconds`` for every timeout and duration, ``count``
-for a number of slots, blocks or bytes, ``port`` for a TCP port (and ``flag`` for a switch).
+for a number of slots, blocks or bytes, ``port`` for a TCP port (and ``flag`` for a switch);
+``byte_count`` reads every byte-size option of every command (``64K``, ``1.5G``).
 Each returns the plain ``float``/``int`` the waits, sockets and the protocol take (numpy's
 numbers included) or raises ``TypeError``/``ValueError`` naming the parameter, before the
 caller allocates, dials or starts anything. A duration below which the thing it times cannot
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 MAX_WAIT_S = 1e6  # the longest timeout a session takes (every wait has one; a poll's is int ms)
 MAX_COUNT = 2**63 - 1  # the largest count the protocol carries (msgpack takes no more)
@@ -106,6 +109,31 @@ def count(name: str, value: object) -> int:
     if not 1 <= number <= MAX_COUNT:
         raise ValueError(f"{name} must be > 0 and at most {MAX_COUNT}, got {value}")
     return number
+
+
+# a byte size as every command's options take it: a number, then K, M, G or T (powers of 1024)
+# with an optional "B" or "iB", in any case
+_BYTES = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d{1,4}))?\s*([kmgt]?)(?:i?b)?\s*", re.I)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+BYTES_EXAMPLES = "4096, 64K, 512MiB or 1.5G; K, M, G and T are powers of 1024"
+
+
+def byte_count(name: str, text: str) -> int:
+    """``text``, option ``name``'s size in bytes: a number with an optional suffix K, M, G or
+    T (``KiB``/``KB``, any case: powers of 1024), e.g. ``4096``, ``64K``, ``512MiB``,
+    ``1.5G``. ``ValueError`` naming ``name`` and ``BYTES_EXAMPLES`` unless it is a whole
+    number of bytes > 0 and at most ``MAX_COUNT`` (``nan``, ``-1``, ``1/2``, ``0.3`` are not)."""
+    match = _BYTES.fullmatch(text)
+    value = Fraction(0)
+    if match is not None:
+        number, exponent, unit = match.groups()
+        value = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
+    if value.denominator != 1 or not 1 <= value <= MAX_COUNT:
+        raise ValueError(
+            f"{name} is not a byte count > 0: {text!r} (a whole number of bytes, at most "
+            f"{MAX_COUNT}; pass e.g. {BYTES_EXAMPLES})"
+        )
+    return int(value)
 
 
 def port(name: str, value: object) -> int:

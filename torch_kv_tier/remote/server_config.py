@@ -11,7 +11,6 @@ import argparse
 import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import stat
@@ -19,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from torch_kv_tier.remote.quantities import Floor, count, port, seconds
+from torch_kv_tier.remote.quantities import BYTES_EXAMPLES, Floor, byte_count, count, port, seconds
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ class ServerConfig:
         """Validate the parsed command line; ``ValueError`` says which option is wrong."""
         return cls(
             num_blocks=args.num_blocks,
-            block_len=args.block_len,
+            block_len=byte_count("--block-len", args.block_len),
             host=args.host,
             port=args.port,
             token=read_token_file(args.token_file) if args.token_file else None,
@@ -162,7 +161,9 @@ class ServerConfig:
             hold_timeout_s=args.hold_timeout,
             host_id=args.host_id,
             disk_paths=tuple(args.disk or ()),
-            disk_bytes=parse_bytes(args.disk_bytes, "--disk-bytes") if args.disk_bytes else 0,
+            disk_bytes=0
+            if args.disk_bytes is None
+            else byte_count("--disk-bytes", args.disk_bytes),
             disk_admit=args.disk_admit,
         )
 
@@ -199,22 +200,6 @@ _COUNTS = (
     ("--max-sessions", "max_sessions"),
     ("--disk-admit", "disk_admit"),
 )
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(text: str, option: str) -> int:
-    """``"64G"``, ``"512MiB"``, ``"1048576"`` as a byte count; ``ValueError`` naming
-    ``option`` otherwise (``nan`` and ``inf`` included)."""
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1:] if t[-1:] in _UNITS and not t[-1:].isdigit() else ""
-    try:
-        value = float(t[: len(t) - len(unit)])
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value * _UNITS[unit]):
-        examples = "1073741824, 64G, 512MiB"
-        raise ValueError(f"{option} is not a byte count: {text!r} (examples: {examples})")
-    return int(value * _UNITS[unit])
 
 
 def is_loopback(host: str) -> bool:
@@ -272,7 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options."""
     parser.add_argument("--num-blocks", type=int, required=True, help="slots in the pool")
     parser.add_argument(
-        "--block-len", type=int, required=True, help="bytes per block; clients must match"
+        "--block-len",
+        required=True,
+        help=f"bytes per block, e.g. 65536 or 64K (every size option takes {BYTES_EXAMPLES}); "
+        "clients must match",
     )
     parser.add_argument(
         "--host",
