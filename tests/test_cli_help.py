@@ -4,6 +4,9 @@ line``), and ``--log-level foo`` ended in a ``ValueError`` traceback from ``logg
 
 from __future__ import annotations
 
+import argparse
+import re
+
 import pytest
 
 from torch_kv_tier.cli import main
@@ -36,3 +39,22 @@ def test_serve_help_says_how_often_tiers_heartbeat(capsys: pytest.CaptureFixture
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "tiers heartbeat every second, or every third of it if that is shorter" in out
+
+
+def test_every_serve_option_states_its_default_or_that_it_is_required() -> None:
+    """``serve --help`` left out ``--port``'s default (0: any free port), and that of
+    ``--token-file``, ``--config-fields``, ``--metrics-port``, ``--disk`` and ``--disk-bytes``."""
+    from torch_kv_tier.remote.server_config import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = [action for action in parser._actions if action.help != argparse.SUPPRESS]
+    unstated = [
+        action.option_strings[-1]
+        for action in options[1:]  # (--help)
+        if not re.search(r"\((?:no )?default|\(required\)|default[: ]", action.help or "")
+    ]
+    assert unstated == []
+    assert "--port PORT control port (default 0: any free port)" in " ".join(
+        parser.format_help().split()
+    )

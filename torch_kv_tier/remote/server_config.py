@@ -255,29 +255,37 @@ def format_address(host: str, port: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options."""
-    parser.add_argument("--num-blocks", type=int, required=True, help="slots in the pool")
+    parser.add_argument(
+        "--num-blocks", type=int, required=True, help="slots in the pool (required)"
+    )
     parser.add_argument(
         "--block-len",
         required=True,
         help=f"bytes per block, e.g. 65536 or 64K (every size option takes {BYTES_EXAMPLES}); "
-        "clients must match",
+        "clients must match (required)",
     )
     parser.add_argument(
         "--host",
         default="127.0.0.1",
         help="address to listen on (default 127.0.0.1); anything else requires --token-file",
     )
-    parser.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
     parser.add_argument(
-        "--token-file", help="file holding the shared secret clients must prove they know"
+        "--port", type=int, default=0, help="control port (default 0: any free port)"
+    )
+    parser.add_argument(
+        "--token-file",
+        help="file holding the shared secret clients must prove they know (default: none, "
+        "no token, which only a loopback --host allows)",
     )
     parser.add_argument(
         "--config-fields",
         help="JSON object of model config values; clients with a different non-empty "
-        "fingerprint are rejected",
+        "fingerprint are rejected (default: none, any client's model is taken)",
     )
     parser.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus text on http://HOST:PORT/metrics"
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus text on http://HOST:PORT/metrics (default: no metrics served)",
     )
     parser.add_argument(
         "--lease-timeout",
@@ -326,11 +334,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a directory for a disk tier behind the pool (repeat for several disks): blocks "
         "the pool evicts are kept there and promoted back when a tier asks; a restart on the "
-        "same directories finds them again",
+        "same directories finds them again (default: none, the pool alone)",
     )
     parser.add_argument(
         "--disk-bytes",
-        help="bytes of blocks per --disk directory, allocated at start (e.g. 64G)",
+        help="bytes of blocks per --disk directory, allocated at start, e.g. 64G (no "
+        "default: --disk needs it)",
     )
     parser.add_argument(
         "--disk-admit",
