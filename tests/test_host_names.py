@@ -5,8 +5,10 @@ host whose name does not resolve is redialled as a host that is down."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +16,10 @@ from membership_support import WAIT_S
 from remote_support import BLOCK_LEN, free_port, wait_until
 
 from torch_kv_tier import connections
+from torch_kv_tier.host_sources import WatchedFile
 from torch_kv_tier.manager import TierManager
-from torch_kv_tier.remote import ServerProcess, host_names
-from torch_kv_tier.remote.host_names import UnresolvedHost
+from torch_kv_tier.membership import Membership
+from torch_kv_tier.remote import ServerProcess, UnresolvedHost, host_names
 
 _getaddrinfo = socket.getaddrinfo
 
@@ -100,3 +103,28 @@ def test_a_name_that_resolves_connects_and_one_that_stops_is_redialled(
         wait_until(lambda: tier.peers() != [], "the host joins once its name resolves", WAIT_S)
         tier.disconnect(tier.peers()[0])
         assert tier.connect(address, timeout_s=WAIT_S) in tier.peers()
+
+
+def test_a_hosts_file_name_that_does_not_resolve_is_retried_until_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hosts file listing a name that does not resolve: membership logs that it cannot
+    resolve (not that the host did not answer) and dials it every round until it resolves."""
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", _unknown("localhost"))
+    hosts = tmp_path / "hosts"
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="file-by-name") as tier,
+        caplog.at_level(logging.WARNING, logger="torch_kv_tier.membership"),
+    ):
+        address = f"localhost:{server.address.rpartition(':')[2]}"
+        hosts.write_text(f"{address}\n")
+        members = Membership(tier, WatchedFile(hosts), interval_s=0.1)
+        members.start()
+        try:
+            wait_until(lambda: "cannot resolve host name 'localhost'" in caplog.text, "the log")
+            assert members.hosts() == {address: None}
+            monkeypatch.setattr(host_names.socket, "getaddrinfo", _getaddrinfo)
+            wait_until(lambda: members.hosts()[address] is not None, "the join", WAIT_S)
+        finally:
+            members.stop(WAIT_S)

@@ -89,7 +89,9 @@ class ConnectedHosts(LostHosts):
         Shared: every tier with the same config fingerprint sees the keys the others stored
         (the host's keys are known here before this returns). Raises ``HandshakeRejected`` with
         the server's reason, ``TimeoutError`` when nothing answers within ``timeout_s`` (or other
-        hosts' joins, which go one at a time, hold it up that long). When the session is lost
+        hosts' joins, which go one at a time, hold it up that long), ``remote.UnresolvedHost``
+        (a ``ConnectionError``: down, to ``redial_if_down``) at once when the host's name does
+        not resolve (within ``timeout_s``). When the session is lost
         (the server stops answering heartbeats for ``heartbeat_timeout_s``, forgets the session,
         or the control connection is reset) the peer is dropped as lost and dialled again in
         the background until it answers or ``disconnect`` is called; a host with another id

@@ -5,6 +5,7 @@ server as a child process.
 """
 
 from torch_kv_tier.remote.client import HandshakeRejected, RemoteSession, parse_address
+from torch_kv_tier.remote.host_names import UnresolvedHost
 from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.remote.protocol import PROTOCOL_VERSION, Region
 
@@ -14,5 +15,6 @@ __all__ = [
     "Region",
     "RemoteSession",
     "ServerProcess",
+    "UnresolvedHost",
     "parse_address",
 ]
