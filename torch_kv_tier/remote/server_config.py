@@ -280,7 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config-fields",
         help="JSON object of model config values; clients with a different non-empty "
-        "fingerprint are rejected (default: none, any client's model is taken)",
+        "fingerprint are rejected (default: none, every model is served, each in its own "
+        "namespace)",
     )
     parser.add_argument(
         "--metrics-port",
