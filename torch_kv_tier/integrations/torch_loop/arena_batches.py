@@ -164,7 +164,6 @@ class ArenaBatches(ArenaSlots):
         try:
             while unsent:
                 placed: list[str] = []  # where the tier sent them
-                made: list[Future[TransferResult]] = []  # its record was made (``_started``)
                 host, (host_keys, host_slots) = calling = unsent[0]
                 self._calling = host, host_keys, host_slots, True  # (``_heal`` makes it again)
                 try:
@@ -177,7 +176,7 @@ class ArenaBatches(ArenaSlots):
                     stores.append((host_keys, failed))
                     continue
                 host = placed[0] if len(placed) == 1 else host  # (a Ctrl-C here: _rejoin)
-                self._started(future, host, host_slots, due, made=made)  # the record's slots
+                self._started(future, host, host_slots, due)  # the record's slots
                 self._calling = None
                 del unsent[0]
                 stores.append((host_keys, future))
@@ -185,7 +184,7 @@ class ArenaBatches(ArenaSlots):
             self.interrupted()
             if unsent and unsent[0] is calling:  # in or after the tier's store: it may have sent
                 del unsent[0]
-                if not made:  # else its record has the slots
+                if self._unowned(host_slots):  # else a record has them, or had: it ended
                     self._rejoin(host, host_keys, host_slots, due)
                 self._calling = None
             self._release([slot for _, (_, slots) in unsent for slot in slots])

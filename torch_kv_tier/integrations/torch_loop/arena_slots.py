@@ -176,7 +176,8 @@ class ArenaSlots:
             return self._shares.holds(future)
 
     def _unowned(self, slots: list[int]) -> bool:
-        """Whether ``slots`` are all taken and no record owns any (``_heal``)."""
+        """Whether ``slots`` are all taken and no record owns any: a store whose tier call a
+        Ctrl-C stopped is made again then (``_rejoin``), a load's slots kept."""
         arena = self._manager.arena
         with self._lock:
             return not any(map(arena.is_free, slots)) and self._shares.owned().isdisjoint(slots)
