@@ -29,6 +29,7 @@ from arena_support import (
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.torch_loop import arena_slots, host_shares
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
+from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 from torch_kv_tier.slots import SlotPool
 
@@ -304,3 +305,40 @@ def test_a_second_ctrl_c_in_the_handler_of_the_first_loses_no_slot_for_good(
         if len(seen) < first:
             break
     assert runs > 100 and twice > 100
+
+
+def test_a_ctrl_c_before_a_store_named_its_slots_then_one_in_the_store_made_again_frees_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by review: a Ctrl-C as an offload's batch was about to name the tier's store it
+    # makes (``_calling``), then a second one inside that store as the handler made it
+    # (``_rejoin``), once it had begun sending: nothing named that store, so the next batch
+    # gave its slots back to the arena while the store still read them (a later batch's pages
+    # packed into them were sent under this batch's keys). ``_rejoin`` names it now: the next
+    # batch makes it again, and its slots come back once it ended.
+    tier = ScriptedTier(4, ["a"])  # stores stay under way until the test ends them
+    sent: list[list[int]] = []  # the slots each store the tier began reads
+    real_store = tier.store
+
+    def store(
+        keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
+        sent.append(list(slots))
+        return real_store(keys, slots, placed)
+
+    tier.store = store  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    where: dict[types.CodeType, set[int] | None] = {
+        fn.__code__: None for fn in (ArenaBatches.store, ArenaBatches._rejoin, real_store)
+    }
+    first, second = "self._calling = host, host_keys", "return future"
+    with _ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
+        arena.store_all({b"k": 0, b"l": 1}, time.monotonic() + WAIT_S)
+    assert any(first in line for line in seen) and seen[-1] == second and len(sent) == 1
+    arena.store_all({b"next": 2}, time.monotonic() + WAIT_S)  # (heals first)
+    assert not any(map(tier.arena.is_free, sent[0])), "slots of a store under way are free"
+    assert set(sent[-1]).isdisjoint(sent[0])
+    tier.end_stores()
+    assert arena.wait_idle(time.monotonic() + WAIT_S)
+    assert tier.arena.num_free == 4
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice

@@ -195,8 +195,10 @@ class ArenaSlots:
         resolves once no transfer reads the slots (``TierManager.store``: a stored key succeeds
         at once, one in flight joins its store, the others are sent now), and the slots come
         back then. If the tier refuses it (closed), they stay out of the arena: whether a
-        transfer still reads them cannot be told (logged). A second interrupt here leaves them
+        transfer still reads them cannot be told (logged). It names the store in ``_calling``
+        (the caller clears it): a second interrupt here, in the tier's store too, leaves them
         to the next batch's ``_heal``, which makes the store again."""
+        self._calling = host, keys, slots, True  # (the first may have come before it was set)
         try:
             future = self._manager.store(keys, slots)
         except Exception as exc:
