@@ -342,3 +342,30 @@ def test_a_ctrl_c_before_a_store_named_its_slots_then_one_in_the_store_made_agai
     assert arena.wait_idle(time.monotonic() + WAIT_S)
     assert tier.arena.num_free == 4
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice
+
+
+def test_a_second_ctrl_c_before_a_restore_held_its_reads_frees_no_slot_they_may_write(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by review: a Ctrl-C as a restore waited for its reads, then a second one in its
+    # handler before it held the reads still under way, gave their slots back to the arena
+    # (the handler's ``finally``) while the reads could still write them; the next batch's
+    # heal then recorded those free slots for the reads (a late read landing in a later
+    # batch's pages, and its slots freed twice once it ended). The handler gives nothing back
+    # once interrupted now: the next batch's heal holds the reads and frees the rest.
+    clock = on_the_clock(monkeypatch)
+    tier = ScriptedTier(4, ["a"], frozen=set())  # stores end at once
+    read: Future[TransferResult] = Future()
+    tier.load = ReadPastTheDeadline(clock, read)  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    where: dict[types.CodeType, set[int] | None] = {ArenaBatches.load.__code__: None}
+    first, second = "= wait(futures", "unended = ["
+    with _ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
+        arena.load_prefix([b"k", b"l"], [0, 1], clock.now + 0.5)
+    assert any(first in line for line in seen) and second in seen[-1]
+    assert failures(arena.store_all({b"next": 2}, clock.now + WAIT_S)) == {}  # (heals first)
+    assert tier.arena.num_free == 2, "slots a read may still write are free"
+    read.set_result(stored([b"k", b"l"]))
+    assert arena.wait_idle(clock.now + 1.0)
+    assert tier.arena.num_free == 4
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice

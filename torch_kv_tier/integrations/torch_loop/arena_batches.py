@@ -231,11 +231,9 @@ class ArenaBatches(ArenaSlots):
             self.interrupted()
             if self._calling is not None:  # ``_heal`` keeps its slots: nothing says when it ends
                 in_use.update(self._calling[2])
-            try:
-                unended = [f for f in futures if f not in held and not f.done()]
-                self._hold(futures, unended, due, "was interrupted", in_use, held)
-            finally:
-                self._release(slots, in_use)
+            unended = [f for f in futures if f not in held and not f.done()]
+            self._hold(futures, unended, due, "was interrupted", in_use, held)
+            self._release(slots, in_use)  # (a second Ctrl-C before it: ``_heal`` frees them)
             raise
         try:  # at once: a Ctrl-C between the two would keep every slot
             for future in done:
