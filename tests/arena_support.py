@@ -1,9 +1,14 @@
 """Helpers shared by the arena-batch tests (``test_arena_*``): a scripted tier whose store
 futures resolve when a test says, no page copies, the arenas' clock, futures that a Ctrl-C
-lands on."""
+lands on, a Ctrl-C at any line (``ctrl_c_at_line``)."""
 
 from __future__ import annotations
 
+import contextlib
+import linecache
+import sys
+import types
+from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
@@ -125,3 +130,66 @@ class ReadPastTheDeadline:
         self._clock.now += 1.0
         self.calls += 1
         return self.read
+
+
+@contextlib.contextmanager
+def ctrl_c_at_line(
+    where: dict[types.CodeType, set[int] | None], *at: int | str
+) -> Iterator[list[str]]:
+    """Trace (``sys.settrace``) the lines of ``where`` (code: its lines, ``None``: all;
+    comprehensions in it too), raising ``KeyboardInterrupt`` at each of ``at`` in turn: the
+    ``at``-th line run (an int), or the next line run that holds ``at`` (a str); yields the
+    lines run. Not at a ``with``, ``try``, ``except`` or ``finally`` line: a signal lands at
+    none of them (and one raised as a ``with`` exits would leave its lock held). A trace
+    function that raises is turned off, so a profile function (``sys.setprofile``) turns it
+    on again at the next call or return, for every frame of ``where`` under way: a second
+    Ctrl-C lands in the handler of the first (from its first call on)."""
+    nested = {
+        inner: None
+        for code in where
+        for inner in code.co_consts
+        if isinstance(inner, types.CodeType)
+    }
+    traced = {**nested, **where}
+    seen: list[str] = []
+    todo = list(at)
+    rearm = False
+
+    def local(frame: types.FrameType, event: str, arg: object) -> object:
+        nonlocal rearm
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        lines = traced[frame.f_code]
+        if (
+            todo
+            and event == "line"
+            and (lines is None or frame.f_lineno in lines)
+            and not line.startswith(("with ", "try:", "except", "finally:"))
+        ):
+            seen.append(line)
+            if todo[0] == len(seen) or (isinstance(todo[0], str) and todo[0] in line):
+                del todo[0]
+                rearm = bool(todo)
+                raise KeyboardInterrupt
+        return local if todo else None
+
+    def trace(frame: types.FrameType, event: str, arg: object) -> object:
+        return local if todo and frame.f_code in traced else None
+
+    def profile(frame: types.FrameType, event: str, arg: object) -> None:
+        nonlocal rearm
+        if rearm:
+            rearm = False
+            under_way: types.FrameType | None = frame
+            while under_way is not None:
+                if under_way.f_code in traced:
+                    under_way.f_trace = local
+                under_way = under_way.f_back
+            sys.settrace(trace)
+
+    sys.setprofile(profile)
+    sys.settrace(trace)
+    try:
+        yield seen
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)

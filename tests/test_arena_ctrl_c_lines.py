@@ -7,29 +7,39 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import linecache
-import sys
+import os
+import signal
 import time
 import types
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import Future
 
 import pytest
+import torch
 from arena_support import (
     WAIT_S,
     ReadPastTheDeadline,
     ScriptedTier,
     batches,
+    ctrl_c_at_line,
     failures,
     on_the_clock,
     stored,
 )
+from remote_support import wait_for
+from torch_loop_support import BLOCK_LEN, PAGE, page, random_caches
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.integrations.torch_loop import arena_slots, host_shares
+from torch_kv_tier.benchmarks.reliability_common import stop_process
+from torch_kv_tier.integrations.torch_loop import (
+    PagedKVOffloader,
+    arena_slots,
+    host_shares,
+    prefix_keys,
+)
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.keys import Key
+from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.results import TransferResult
 from torch_kv_tier.slots import SlotPool
 
@@ -73,69 +83,6 @@ def _lines(fn: types.FunctionType, first: str, last: str) -> set[int]:
     return set(range(start + begin, start + end + 1))
 
 
-@contextlib.contextmanager
-def _ctrl_c_at_line(
-    where: dict[types.CodeType, set[int] | None], *at: int | str
-) -> Iterator[list[str]]:
-    """Trace (``sys.settrace``) the lines of ``where`` (code: its lines, ``None``: all;
-    comprehensions in it too), raising ``KeyboardInterrupt`` at each of ``at`` in turn: the
-    ``at``-th line run (an int), or the next line run that holds ``at`` (a str); yields the
-    lines run. Not at a ``with``, ``try``, ``except`` or ``finally`` line: a signal lands at
-    none of them (and one raised as a ``with`` exits would leave its lock held). A trace
-    function that raises is turned off, so a profile function (``sys.setprofile``) turns it
-    on again at the next call or return, for every frame of ``where`` under way: a second
-    Ctrl-C lands in the handler of the first (from its first call on)."""
-    nested = {
-        inner: None
-        for code in where
-        for inner in code.co_consts
-        if isinstance(inner, types.CodeType)
-    }
-    traced = {**nested, **where}
-    seen: list[str] = []
-    todo = list(at)
-    rearm = False
-
-    def local(frame: types.FrameType, event: str, arg: object) -> object:
-        nonlocal rearm
-        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-        lines = traced[frame.f_code]
-        if (
-            todo
-            and event == "line"
-            and (lines is None or frame.f_lineno in lines)
-            and not line.startswith(("with ", "try:", "except", "finally:"))
-        ):
-            seen.append(line)
-            if todo[0] == len(seen) or (isinstance(todo[0], str) and todo[0] in line):
-                del todo[0]
-                rearm = bool(todo)
-                raise KeyboardInterrupt
-        return local if todo else None
-
-    def trace(frame: types.FrameType, event: str, arg: object) -> object:
-        return local if todo and frame.f_code in traced else None
-
-    def profile(frame: types.FrameType, event: str, arg: object) -> None:
-        nonlocal rearm
-        if rearm:
-            rearm = False
-            under_way: types.FrameType | None = frame
-            while under_way is not None:
-                if under_way.f_code in traced:
-                    under_way.f_trace = local
-                under_way = under_way.f_back
-            sys.settrace(trace)
-
-    sys.setprofile(profile)
-    sys.settrace(trace)
-    try:
-        yield seen
-    finally:
-        sys.settrace(None)
-        sys.setprofile(None)
-
-
 @pytest.mark.parametrize("call", ["store", "load"])
 def test_a_ctrl_c_as_slots_are_handed_out_or_given_back_loses_none_and_frees_none_twice(
     call: str,
@@ -162,7 +109,7 @@ def test_a_ctrl_c_as_slots_are_handed_out_or_given_back_loses_none_and_frees_non
     for k in itertools.count(1):
         tier = ScriptedTier(4, ["a"], frozen=set())  # stores and reads end at once
         arena = batches(tier, timeout=WAIT_S)
-        with _ctrl_c_at_line(where, k) as seen, contextlib.suppress(KeyboardInterrupt):
+        with ctrl_c_at_line(where, k) as seen, contextlib.suppress(KeyboardInterrupt):
             if call == "store":
                 arena.store([b"k", b"l"], [0, 1], ["a", "a"], time.monotonic() + WAIT_S, ["a"])
             else:
@@ -195,7 +142,7 @@ def test_a_ctrl_c_as_a_restore_holds_its_late_reads_frees_no_slot_they_may_write
         read: Future[TransferResult] = Future()
         tier.load = ReadPastTheDeadline(clock, read)  # type: ignore[method-assign]
         arena = batches(tier, timeout=WAIT_S)
-        with _ctrl_c_at_line(where, k) as seen, contextlib.suppress(KeyboardInterrupt):
+        with ctrl_c_at_line(where, k) as seen, contextlib.suppress(KeyboardInterrupt):
             arena.load([b"k", b"l"], ["a", "a"], [0, 1], clock.now + 0.5)
         at = repr(seen[-1])
         assert tier.arena.num_free == 2, f"Ctrl-C at {at} freed slots a read may still write"
@@ -264,7 +211,7 @@ def test_a_second_ctrl_c_in_the_handler_of_the_first_loses_no_slot_for_good(
     # batch now gives each slot left without an owner back (a store interrupted in the tier is
     # made again), none twice; only a load interrupted in the tier keeps its slots (it may
     # have begun a read that nothing reports the end of). Found by review: the second Ctrl-C
-    # never landed here (a trace function that raises is turned off; ``_ctrl_c_at_line`` turns
+    # never landed here (a trace function that raises is turned off; ``ctrl_c_at_line`` turns
     # it on again now), and one as the tier's store was made again after the first had made
     # its record made a second record of those slots: freed twice (``ValueError`` from the
     # next offload, or slots freed under a later batch); it is made again only for slots no
@@ -287,7 +234,7 @@ def test_a_second_ctrl_c_in_the_handler_of_the_first_loses_no_slot_for_good(
             tier = ScriptedTier(4, ["a"], frozen=set())  # stores and reads end at once
             arena = batches(tier, timeout=WAIT_S)
             at = (first,) if second is None else (first, second)
-            with _ctrl_c_at_line(where, *at) as seen, contextlib.suppress(KeyboardInterrupt):
+            with ctrl_c_at_line(where, *at) as seen, contextlib.suppress(KeyboardInterrupt):
                 if call == "store":
                     arena.store_all({b"k": 0, b"l": 1}, time.monotonic() + WAIT_S)
                 else:
@@ -332,7 +279,7 @@ def test_a_ctrl_c_before_a_store_named_its_slots_then_one_in_the_store_made_agai
         fn.__code__: None for fn in (ArenaBatches.store, ArenaBatches._rejoin, real_store)
     }
     first, second = "self._calling = host, host_keys", "return future"
-    with _ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
+    with ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
         arena.store_all({b"k": 0, b"l": 1}, time.monotonic() + WAIT_S)
     assert any(first in line for line in seen) and seen[-1] == second and len(sent) == 1
     arena.store_all({b"next": 2}, time.monotonic() + WAIT_S)  # (heals first)
@@ -360,7 +307,7 @@ def test_a_second_ctrl_c_before_a_restore_held_its_reads_frees_no_slot_they_may_
     arena = batches(tier, timeout=WAIT_S)
     where: dict[types.CodeType, set[int] | None] = {ArenaBatches.load.__code__: None}
     first, second = "= wait(futures", "unended = ["
-    with _ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
+    with ctrl_c_at_line(where, first, second) as seen, contextlib.suppress(KeyboardInterrupt):
         arena.load_prefix([b"k", b"l"], [0, 1], clock.now + 0.5)
     assert any(first in line for line in seen) and second in seen[-1]
     assert failures(arena.store_all({b"next": 2}, clock.now + WAIT_S)) == {}  # (heals first)
@@ -368,4 +315,40 @@ def test_a_second_ctrl_c_before_a_restore_held_its_reads_frees_no_slot_they_may_
     read.set_result(stored([b"k", b"l"]))
     assert arena.wait_idle(clock.now + 1.0)
     assert tier.arena.num_free == 4
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice
+
+
+def test_a_second_ctrl_c_before_a_restore_held_a_frozen_hosts_reads_frees_no_slot(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The same over UCX's TCP transport, from a stopped host (SIGSTOP): its reads stay on the
+    # wire. Before, the interrupted restore gave all 4 arena slots back and an offload took one
+    # while a read could still land there; now they stay out until the reads ended.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    keys_c, values_c = random_caches(torch.float32, seed=19)
+    keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"frozen-second-ctrl-c")
+    where: dict[types.CodeType, set[int] | None] = {ArenaBatches.load.__code__: None}
+    with (
+        ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server,
+        PagedKVOffloader.create(
+            keys_c, values_c, remote=server.address, arena_blocks=4, timeout=3.0
+        ) as off,
+    ):
+        assert off.offload(range(4), keys).result(timeout=30).ok
+        expected = [page(keys_c, p) for p in range(4)]
+        stop_process(server.proc.pid)
+        try:
+            with (
+                ctrl_c_at_line(where, "= wait(futures", "unended = [") as seen,
+                contextlib.suppress(KeyboardInterrupt),
+            ):
+                off.restore(keys, [8, 9, 10, 11])
+            assert "unended = [" in seen[-1]
+            assert off.offload([4], [b"while-frozen"]).result(timeout=30).failed
+            assert off.manager.arena.num_free == 0, "slots a read may still write are free"
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert wait_for(lambda: off.manager.arena.num_free == 4, 20.0)
+        assert off.restore(keys, [8, 9, 10, 11]) == 4
+        assert all(torch.equal(page(keys_c, 8 + i), expected[i]) for i in range(4))
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice
