@@ -138,6 +138,26 @@ def test_a_restore_interrupted_inside_the_tiers_load_gets_the_other_hosts_slots_
     assert tier.arena.num_free == 5  # all but the interrupted load's slot
 
 
+def test_slots_kept_for_a_load_that_a_ctrl_c_stopped_in_the_tier_are_named_when_none_come(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by review: a load that a Ctrl-C stopped inside the tier keeps its slots for good
+    # (the tier may have begun a read that nothing reports the end of); once they were the
+    # whole arena, every offload failed "capacity" and its log line said only "no free arena
+    # slots within the timeout": nothing told the user why, nor what gets them back.
+    tier = ScriptedTier(2, ["a"], frozen=set())
+
+    def load(keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+        raise KeyboardInterrupt  # inside the tier's load
+
+    tier.load = load  # type: ignore[method-assign]
+    arena = batches(tier, timeout=WAIT_S)
+    with pytest.raises(KeyboardInterrupt):
+        arena.load_prefix([b"k", b"l"], [0, 1], time.monotonic() + WAIT_S)
+    assert failures(arena.store_all({b"n": 2}, time.monotonic() + WAIT_S)) == {b"n": "capacity"}
+    assert "2 kept out for good" in caplog.text and "a new offloader" in caplog.text
+
+
 @pytest.mark.parametrize("where", ["started", "log"])
 def test_a_restore_interrupted_as_it_holds_a_late_read_leaves_its_host_usable(
     monkeypatch: pytest.MonkeyPatch, where: str

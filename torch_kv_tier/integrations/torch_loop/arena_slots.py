@@ -332,11 +332,17 @@ class ArenaSlots:
             return self._shares.overdue()
 
     def _no_slots(self) -> str:
-        stuck = self._overdue().total()
-        held = (
-            f" ({stuck} held by hosts past the timeout, until their transfers end)" if stuck else ""
+        """Why no slots came, for the log: those overdue hosts hold, and those kept for good."""
+        stuck, kept = self._overdue().total(), len(self._kept)
+        why = (
+            [f"{stuck} held by hosts past the timeout, until their transfers end"] if stuck else []
         )
-        return f"no free arena slots within the timeout{held}"
+        if kept:
+            why.append(
+                f"{kept} kept out for good, as a Ctrl-C stopped the tier's load that may still "
+                "write them: a new offloader (and tier) has them all"
+            )
+        return "no free arena slots within the timeout" + (f" ({'; '.join(why)})" if why else "")
 
     def _settle(self) -> None:
         """Under the lock: drop the records, and the pending futures, that resolved and that a
