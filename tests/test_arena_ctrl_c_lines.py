@@ -27,19 +27,17 @@ from arena_support import (
     stored,
 )
 from remote_support import wait_for
-from torch_loop_support import BLOCK_LEN, PAGE, page, random_caches
+from torch_loop_support import PAGE, page, tcp_hosts
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.integrations.torch_loop import (
-    PagedKVOffloader,
     arena_slots,
     host_shares,
     prefix_keys,
 )
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.results import TransferResult
 from torch_kv_tier.slots import SlotPool
 
@@ -324,16 +322,10 @@ def test_a_second_ctrl_c_before_a_restore_held_a_frozen_hosts_reads_frees_no_slo
     # The same over UCX's TCP transport, from a stopped host (SIGSTOP): its reads stay on the
     # wire. Before, the interrupted restore gave all 4 arena slots back and an offload took one
     # while a read could still land there; now they stay out until the reads ended.
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    keys_c, values_c = random_caches(torch.float32, seed=19)
     keys = prefix_keys(range(4 * PAGE), PAGE, namespace=b"frozen-second-ctrl-c")
     where: dict[types.CodeType, set[int] | None] = {ArenaBatches.load.__code__: None}
-    with (
-        ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server,
-        PagedKVOffloader.create(
-            keys_c, values_c, remote=server.address, arena_blocks=4, timeout=3.0
-        ) as off,
-    ):
+    with tcp_hosts(monkeypatch, 1, seed=19) as (off, (server,), _):
+        keys_c = off.key_caches
         assert off.offload(range(4), keys).result(timeout=30).ok
         expected = [page(keys_c, p) for p in range(4)]
         stop_process(server.proc.pid)
