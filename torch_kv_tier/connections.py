@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch_kv_tier.remote.greeting import Greeting
 from torch_kv_tier.remote.handshake import CANCEL_POLL_S, no_answer
+from torch_kv_tier.tier_threads import TierThread
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Redialer:
         ``start`` starts it."""
         with self._lock:
             if self._thread is None and not self._stop.is_set():
-                thread = threading.Thread(target=self._run, name=REDIAL_THREAD, daemon=True)
+                thread = TierThread(target=self._run, name=REDIAL_THREAD, daemon=True)
                 try:
                     thread.start()
                 except RuntimeError as exc:
@@ -191,7 +192,7 @@ class Redialer:
                 else:
                     self._hand_to_greeter(due)
                 for spec in ready:
-                    thread = threading.Thread(
+                    thread = TierThread(
                         target=self._try_once, args=(spec,), name=REDIAL_THREAD, daemon=True
                     )
                     if self._started(thread, [spec]):
@@ -216,7 +217,7 @@ class Redialer:
     def _hand_to_greeter(self, due: list[Dial]) -> None:
         """Have ``due`` greeted (under the lock): by the greeter running, else a new one."""
         if self._greeter is None:
-            greeter = threading.Thread(target=self._greet, name=REDIAL_THREAD, daemon=True)
+            greeter = TierThread(target=self._greet, name=REDIAL_THREAD, daemon=True)
             if not self._started(greeter, due):
                 return
             self._greeter = greeter

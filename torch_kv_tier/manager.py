@@ -15,12 +15,16 @@ Threading: any thread may call any method. ``_lock`` (with its condition ``_cond
 table. A call submits its transfers and polls the peers it submitted to on the calling thread:
 a transfer NIXL finished during submission completes there, and the background poller is not
 woken. The poller runs only while transfers are in flight, and sleeps on ``_cond`` otherwise.
-Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread, the
-poller, or a host session's I/O thread), so a callback may call back into the manager; but it
-must not wait for another of its futures (``result()``): on the poller nothing polls that
-transfer meanwhile (the wait lasts its whole timeout), on a session's I/O thread that session's
-heartbeats wait too. A retry in a callback chains its own callback, or waits on a thread of its
-own. A future settled by a host's loss settles after that host left placement, ``peers()``,
+Futures are resolved, and their callbacks run, *outside* the lock (on the calling thread, or on
+one of the tier's own threads: the poller, a host session's I/O thread, a thread that connects,
+redials or follows membership), so a callback may call back into the manager and read its own
+(done) future. On the tier's threads a wait for a future not yet done (``result()``,
+``exception()``) raises ``RuntimeError`` at once, whatever its timeout (``tier_threads``): it
+would hold a thread that the transfer waited for may need (on the poller nothing polls it
+meanwhile; a session's I/O thread answers that session's grants and heartbeats). A retry in a
+callback chains its own callback, or waits on a thread of its own; ``concurrent.futures.wait``
+and ``as_completed`` bypass the check (they would wait there as before): never call them in a
+callback. A future settled by a host's loss settles after that host left placement, ``peers()``,
 ``contains``/``lookup`` and ``stats()`` (``peers_dropped``; its keys' "lost" events are
 recorded first), so a retry at once goes to another host. Registering a peer's region with NIXL
 (seconds for a big pool) runs outside the lock: lookups and transfers go on meanwhile.
@@ -82,6 +86,7 @@ from torch_kv_tier.results import (
 from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.shared_hosts import SharedHosts
+from torch_kv_tier.tier_threads import TierThread
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
 from torch_kv_tier.withheld import WithheldReads
@@ -174,7 +179,7 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._poller_idle = False
         self._closed = False
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="tkvt-poller", daemon=True)
+        self._thread = TierThread(target=self._run, name="tkvt-poller", daemon=True)
         self._session_ends.start()
         try:
             self._thread.start()

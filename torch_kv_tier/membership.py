@@ -45,6 +45,7 @@ from torch_kv_tier.host_sources import (
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
 from torch_kv_tier.remote.quantities import RECONNECT_INTERVAL, seconds
+from torch_kv_tier.tier_threads import TierThread
 
 __all__ = [
     "SOURCE_FORMS",
@@ -132,7 +133,7 @@ class Membership:
         self._resolve_failing = False
         self._round_failing = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tkvt-membership", daemon=True)
+        self._thread = TierThread(target=self._run, name="tkvt-membership", daemon=True)
 
     def start(self) -> None:
         """Start the thread (once); returns at once."""

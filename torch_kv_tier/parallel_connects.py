@@ -37,6 +37,7 @@ from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
 from torch_kv_tier.remote.connect_args import check_timeouts
 from torch_kv_tier.remote.greeting import answering
 from torch_kv_tier.remote.handshake import no_answer
+from torch_kv_tier.tier_threads import TierThread
 
 if TYPE_CHECKING:
     from torch_kv_tier.membership import Tier
@@ -73,11 +74,11 @@ class ParallelConnects:
         self._todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         workers = self._workers = min(MAX_CONNECTS, len(self._addresses))
         self._threads = [
-            threading.Thread(target=self._work, name=f"tkvt-connect-{i}", daemon=True)
+            TierThread(target=self._work, name=f"tkvt-connect-{i}", daemon=True)
             for i in range(workers)
         ]
         if len(self._addresses) > workers:
-            greeter = threading.Thread(
+            greeter = TierThread(
                 target=self._greet, args=(workers,), name="tkvt-connect-greet", daemon=True
             )
             self._threads.append(greeter)

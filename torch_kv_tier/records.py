@@ -15,18 +15,20 @@ from typing import Any, Literal
 from torch_kv_tier.index import AnyPeer, BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.tier_threads import TierFuture
 
 
 class Request:
     """One ``store``/``load`` call: its future and how many of its keys are still unsettled.
 
     The future is running from the start, so ``cancel()`` refuses: a transfer cannot be called
-    back, and a load's future must not report done while its read may still land."""
+    back, and a load's future must not report done while its read may still land. It is a
+    ``tier_threads.TierFuture``: a wait for it not yet done raises on the tier's threads."""
 
     __slots__ = ("failed", "future", "keys", "nbytes", "pending", "queued", "started")
 
     def __init__(self, keys: list[Key]) -> None:
-        self.future: Future[TransferResult] = Future()
+        self.future: Future[TransferResult] = TierFuture()
         self.future.set_running_or_notify_cancel()
         self.keys = keys
         self.pending = len(keys)

@@ -33,6 +33,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from torch_kv_tier.tier_threads import TierThread
+
 logger = logging.getLogger(__name__)
 
 ENDS_THREAD = "tkvt-ends"  # starts the threads below, and ticks
@@ -50,7 +52,7 @@ class SessionEnds:
         self._cond = threading.Condition()
         self._queue: list[tuple[Any, bool]] = []  # (session, clean), not started yet
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=ENDS_THREAD, daemon=True)
+        self._thread = TierThread(target=self._run, name=ENDS_THREAD, daemon=True)
 
     def start(self) -> None:
         """Start the thread (once; ``RuntimeError`` at the process's thread limit)."""
@@ -113,9 +115,7 @@ class SessionEnds:
         if end is None:  # the tier is gone (ownership): nothing to end its sessions with
             return True
         for i, (session, clean) in enumerate(ending):
-            thread = threading.Thread(
-                target=end, args=(session, clean), name=END_THREAD, daemon=True
-            )
+            thread = TierThread(target=end, args=(session, clean), name=END_THREAD, daemon=True)
             try:
                 thread.start()
             except RuntimeError as exc:

@@ -28,6 +28,7 @@ from torch_kv_tier.connections import Dial
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.records import Peer
+from torch_kv_tier.tier_threads import TierThread
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +114,7 @@ class SessionReleases:
         held = self._ended.take(dial.address)
         if not held:
             return
-        thread = threading.Thread(
-            target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True
-        )
+        thread = TierThread(target=self._carry, args=(dial, held), name=RELEASE_THREAD, daemon=True)
         try:
             thread.start()
         except RuntimeError as exc:
@@ -304,7 +303,7 @@ class SessionReleases:
                     words.add(Unreleased(address, len(self._ended.resolved[address]), gone))
         threads, unstarted = [], []
         for w in work:
-            thread = threading.Thread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
+            thread = TierThread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
             try:
                 thread.start()
             except RuntimeError as exc:  # the process at its thread limit

@@ -52,6 +52,7 @@ from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.replies import Request
 from torch_kv_tier.remote.session_io import EndedByHost, callback_ref
 from torch_kv_tier.remote.shared_requests import SharedRequests
+from torch_kv_tier.tier_threads import TierThread
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class RemoteSession(SharedRequests):
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._thread = threading.Thread(
+        self._thread = TierThread(
             target=self._io_loop,
             args=(sock, monitor),
             name=f"tkvt-session-{accept.public_id}",

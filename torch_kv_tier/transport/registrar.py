@@ -27,6 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from torch_kv_tier.tier_threads import TierThread
+
 # The transport's logger: these lines are the transport's.
 logger = logging.getLogger("torch_kv_tier.transport.nixl")
 
@@ -80,7 +82,7 @@ class Registrar:
 
 def _start(name: str, jobs: _Jobs) -> None:
     global _hooked
-    thread = threading.Thread(target=_run, args=(jobs,), name=name, daemon=True)
+    thread = TierThread(target=_run, args=(jobs,), name=name, daemon=True)
     with _threads_lock:
         if not _hooked:  # after the exit hooks of what is imported (torch, NIXL): runs first
             atexit.register(_wait_at_exit)
