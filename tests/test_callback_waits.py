@@ -15,11 +15,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 from remote_support import fill_random
 from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp
+from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
 from torch_kv_tier.keys import home_peer
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -86,6 +88,30 @@ def test_a_wait_in_a_callback_on_the_poller_raises_and_a_chained_retry_succeeds(
         transport.land(retried)
         assert seen.chained.result(timeout=RESULT_TIMEOUT_S).ok
         assert tier.lookup(["k0", "k1"]) == 2
+
+
+def test_a_wait_in_a_callback_on_the_poller_for_an_offload_raises_and_a_chained_one_succeeds() -> (
+    None
+):
+    """``PagedKVOffloader.offload``'s future (one over the tier's batch futures) refuses the
+    same wait: the retry's offload is in flight as the poller runs the first one's callback."""
+    keys_c = [torch.randn(4, 2, 1, 8) for _ in range(2)]
+    values_c = [torch.randn(4, 2, 1, 8) for _ in range(2)]
+    arena = BlockArena(8, PagedKVOffloader.block_len_for(keys_c, values_c))
+    with late_write_tier(arena, {"a": 8}) as (tier, transport):
+        offloader = PagedKVOffloader(keys_c, values_c, tier, timeout=RESULT_TIMEOUT_S)
+        transport.hold = True
+        first = offloader.offload([0], ["p0"])
+        seen, callback = retry_and_wait(lambda: offloader.offload([1], ["p1"]))
+        first.add_done_callback(callback)
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert_refused_at_once(seen)
+        assert seen.thread == "tkvt-poller"
+        (retried,) = transport.in_flight()
+        transport.land(retried)
+        assert seen.chained.result(timeout=RESULT_TIMEOUT_S).ok
+        assert offloader.lookup(["p0", "p1"]) == 2
 
 
 def _wait_for_slots(tier: TierManager, host: SharedHost) -> None:

@@ -10,7 +10,8 @@ once (:func:`failed_now`, :func:`fail_hosts`).
 
 Threading: a batch future's callback runs on whichever thread resolves it (the tier's poller,
 or the caller when the tier settled it at once); the last one to finish builds the result, so
-the combined future resolves exactly once.
+the combined future resolves exactly once. Like the tier's own, the combined future refuses a
+wait on a tier's thread while it is not done (``tier_threads.TierFuture``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from concurrent.futures import Future
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.tier_threads import TierFuture
 
 __all__ = ["OffloadError", "combine", "fail_hosts", "failed_now"]
 
@@ -40,7 +42,7 @@ def combine(
 ) -> Future[TransferResult]:
     """One future over the batch futures ``parts`` (module docstring); ``started`` is the
     offload's ``time.perf_counter()`` at its start."""
-    combined: Future[TransferResult] = Future()
+    combined: Future[TransferResult] = TierFuture()  # waits refused on a tier's threads
     combined.set_running_or_notify_cancel()  # its batches are in flight: cancel() refuses
     remaining = [len(parts)]
     lock = threading.Lock()
