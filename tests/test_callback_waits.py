@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from remote_support import fill_random
+from remote_support import fill_random, wait_until
 from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
@@ -116,10 +116,18 @@ def test_a_wait_in_a_callback_on_the_poller_for_an_offload_raises_and_a_chained_
 
 def _wait_for_slots(tier: TierManager, host: SharedHost) -> None:
     """Have ``host``'s stores wait for a grant that nothing asks for (as while one is out):
-    its slots in hand (never written) are set aside."""
-    with tier._lock:
-        host.grants.clear()
-        host.refilling = True
+    once the grant its join asked for (if any) was answered (that answer would bring slots, and
+    launch a store waiting), its slots in hand (never written) are set aside."""
+
+    def set_aside() -> bool:
+        with tier._lock:
+            if host.refilling:  # a grant request is out
+                return False
+            host.grants.clear()
+            host.refilling = True
+            return True
+
+    wait_until(set_aside, f"{host.slots.peer_id} answered the grant its join asked for")
 
 
 def test_a_wait_in_a_callback_on_a_session_io_thread_raises_and_a_chained_retry_succeeds() -> None:
@@ -133,7 +141,7 @@ def test_a_wait_in_a_callback_on_a_session_io_thread_raises_and_a_chained_retry_
         TierManager.create(8, BLOCK, name="cbwait", grant_batch=4) as tier,
     ):
         kept_id = tier.connect(kept.address)
-        lost_id = tier.connect(killed.address, heartbeat_timeout_s=1.0)
+        lost_id = tier.connect(killed.address)
         fill_random(tier)
         ids = [kept_id, lost_id]
         key = next(k for k in (f"k{i}" for i in range(1000)) if home_peer(k, ids) == lost_id)
@@ -145,7 +153,7 @@ def test_a_wait_in_a_callback_on_a_session_io_thread_raises_and_a_chained_retry_
         assert not waiting.done()
         seen, callback = retry_and_wait(lambda: tier.store([key], [1]))
         waiting.add_done_callback(callback)
-        os.kill(killed.proc.pid, signal.SIGKILL)  # its heartbeats stop: the I/O thread drops it
+        os.kill(killed.proc.pid, signal.SIGKILL)  # its connection resets: the I/O thread drops it
         assert_refused_at_once(seen)
         assert seen.thread.startswith("tkvt-session"), seen.thread
         assert seen.own is not None and seen.own.failed == {key: "peer lost"}
