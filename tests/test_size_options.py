@@ -46,7 +46,10 @@ def test_a_size_takes_a_number_and_a_binary_suffix(text: str, value: int) -> Non
     assert byte_count("--x", text) == value
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "0.3", "1/2", "0x10", "nan", "inf", "1e300T", ""])
+@pytest.mark.parametrize(
+    "text",
+    ["0", "-1", "0.3", "1/2", "0x10", "nan", "inf", "1e300T", "", "9" * 5000, "0." + "0" * 5000],
+)
 def test_a_size_that_is_no_whole_positive_byte_count_is_refused_naming_the_option(
     text: str,
 ) -> None:

@@ -10,6 +10,7 @@ least a user should pass. Pure functions."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import re
@@ -127,7 +128,9 @@ def byte_count(name: str, text: str) -> int:
     value = Fraction(0)
     if match is not None:
         number, exponent, unit = match.groups()
-        value = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
+        # (a number of over 4300 digits: int()'s limit, whose message names no option)
+        with contextlib.suppress(ValueError):
+            value = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
     if value.denominator != 1 or not 1 <= value <= MAX_COUNT:
         raise ValueError(
             f"{name} is not a byte count > 0: {text!r} (a whole number of bytes, at most "
