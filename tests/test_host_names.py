@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,21 @@ def _unknown(name: str) -> Any:
     return getaddrinfo
 
 
+@pytest.fixture
+def hung_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """A name server that does not answer until the event is set (at the test's end at the
+    latest); each lookup then fails (``EAI_AGAIN``)."""
+    release = threading.Event()
+
+    def hung(*args: Any, **kwargs: Any) -> Any:
+        release.wait(WAIT_S)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", hung)
+    yield release
+    release.set()
+
+
 def test_a_name_that_does_not_resolve_fails_at_once_naming_it() -> None:
     """``.invalid`` never resolves (RFC 6761): the connect raises ``UnresolvedHost``, naming
     the name and what to check, rather than ``TimeoutError`` ("no answer") after
@@ -46,26 +63,29 @@ def test_a_name_that_does_not_resolve_fails_at_once_naming_it() -> None:
         assert tier.peers() == []
 
 
-def test_a_lookup_that_hangs_ends_with_the_connects_timeout(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_lookup_that_hangs_ends_with_the_connects_timeout(hung_dns: threading.Event) -> None:
     """A name server that does not answer holds the connect for its ``timeout_s`` alone, and
     the error says the lookup is what did not answer."""
-    release = threading.Event()
+    with (
+        TierManager.create(16, BLOCK_LEN, name="hung-dns") as tier,
+        pytest.raises(UnresolvedHost, match="no answer within the connect's timeout"),
+    ):
+        tier.connect("slow.example:5555", timeout_s=0.2)
 
-    def hung(*args: Any, **kwargs: Any) -> Any:
-        release.wait(WAIT_S)
-        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
-    monkeypatch.setattr(host_names.socket, "getaddrinfo", hung)
-    try:
-        with (
-            TierManager.create(16, BLOCK_LEN, name="hung-dns") as tier,
-            pytest.raises(UnresolvedHost, match="no answer within the connect's timeout"),
-        ):
-            tier.connect("slow.example:5555", timeout_s=0.2)
-    finally:
-        release.set()
+def test_redials_of_a_name_whose_lookup_hangs_share_one_thread(hung_dns: threading.Event) -> None:
+    """A name server that does not answer: each connect of each redial round gave up at its
+    timeout and left its lookup's thread behind (1,000 hosts: 1,000 more threads a round);
+    connects asking for a name whose lookup is under way wait for that one."""
+    for _ in range(20):
+        with pytest.raises(UnresolvedHost, match="no answer within the connect's timeout"):
+            host_names.check_resolves("hung.example:5555", "hung.example", 0.0)
+    lookups = [t for t in threading.enumerate() if t.name == "tkvt-resolve-hung.example"]
+    assert len(lookups) == 1
+    hung_dns.set()
+    lookups[0].join(WAIT_S)
+    with pytest.raises(UnresolvedHost, match="could not answer now"):
+        host_names.check_resolves("hung.example:5555", "hung.example", time.monotonic() + WAIT_S)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])

@@ -6,8 +6,10 @@ again on each reconnect, as before).
 
 Threading: ``check_resolves`` blocks its caller until the lookup ends, its deadline passes or
 its ``cancel`` is set; the lookup (``socket.getaddrinfo``, which no timeout bounds) runs on a
-daemon thread of its own, which a lookup that hangs leaves behind until the system's resolver
-gives up (its own timeout, ``/etc/resolv.conf``).
+daemon thread, which a lookup that hangs leaves behind until the system's resolver gives up (its
+own timeout, ``/etc/resolv.conf``). Callers asking for a name while its lookup is still under way
+wait for that one: one thread per name, however many connects and redials ask for it (each
+made a thread of its own, so a hung name server left one behind per redial of each host).
 """
 
 from __future__ import annotations
@@ -44,27 +46,59 @@ def is_ip(host: str) -> bool:
     return True
 
 
+class _Lookup:
+    """One ``getaddrinfo`` of ``host`` on a daemon thread; ``done`` is set once it ended, with
+    ``failure`` set if it failed. Its entry in ``_IN_FLIGHT`` goes before ``done`` is set."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.done = threading.Event()
+        self.failure: socket.gaierror | None = None
+
+    def run(self) -> None:
+        try:
+            socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            self.failure = exc
+        except Exception as exc:  # (a name too long for the resolver: UnicodeError)
+            self.failure = socket.gaierror(socket.EAI_NONAME, str(exc))
+        finally:
+            with _LOCK:
+                del _IN_FLIGHT[self.host]
+            self.done.set()
+
+
+_LOCK = threading.Lock()
+_IN_FLIGHT: dict[str, _Lookup] = {}  # the lookup under way of each name (guarded by _LOCK)
+
+
+def _look_up(host: str) -> _Lookup:
+    """The lookup of ``host`` under way, or a new one started (``RuntimeError`` when no thread
+    can be started for it)."""
+    with _LOCK:
+        lookup = _IN_FLIGHT.get(host)
+        if lookup is None:
+            lookup = _IN_FLIGHT[host] = _Lookup(host)
+            try:
+                threading.Thread(
+                    target=lookup.run, name=f"tkvt-resolve-{host}", daemon=True
+                ).start()
+            except BaseException:
+                del _IN_FLIGHT[host]
+                raise
+    return lookup
+
+
 def check_resolves(address: str, host: str, deadline: float, cancel: Cancel | None = None) -> None:
     """Return once ``host`` (``address``'s, an IP literal or a name) resolves; raise
     ``UnresolvedHost`` naming it and what to check when it does not, or not before
     ``deadline`` (``time.monotonic()``), and ``Cancelled`` once ``cancel`` (anything with an
-    ``is_set``) is set. ``RuntimeError`` when no thread can be started for the lookup."""
+    ``is_set``) is set. ``RuntimeError`` when no thread can be started for the lookup. Any
+    thread; callers asking for a name whose lookup is under way share it."""
     if is_ip(host):
         return
-    done = threading.Event()
-    failure: list[socket.gaierror] = []
-
-    def look_up() -> None:
-        try:
-            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            failure.append(exc)
-        except Exception as exc:  # (a name too long for the resolver: UnicodeError)
-            failure.append(socket.gaierror(socket.EAI_NONAME, str(exc)))
-        done.set()
-
-    threading.Thread(target=look_up, name=f"tkvt-resolve-{host}", daemon=True).start()
-    while not done.wait(max(min(deadline - time.monotonic(), CANCEL_POLL_S), 0.0)):
+    lookup = _look_up(host)
+    while not lookup.done.wait(max(min(deadline - time.monotonic(), CANCEL_POLL_S), 0.0)):
         if cancel is not None and cancel.is_set():
             raise Cancelled(
                 f"resolving {host!r} cancelled: the tier is closing, or no longer dials it"
@@ -76,9 +110,9 @@ def check_resolves(address: str, host: str, deadline: float, cancel: Cancel | No
                 "the name server gave no answer within the connect's timeout: check the name "
                 "servers of /etc/resolv.conf (reachable? slow?), or pass the host's IP address",
             )
-    if not failure:
+    exc = lookup.failure
+    if exc is None:
         return
-    exc = failure[0]
     if exc.errno in _NO_SUCH_NAME:
         why = (
             f"{exc.strerror}: check its spelling, and that DNS or /etc/hosts on this machine "
