@@ -88,6 +88,20 @@ def test_redials_of_a_name_whose_lookup_hangs_share_one_thread(hung_dns: threadi
         host_names.check_resolves("hung.example:5555", "hung.example", time.monotonic() + WAIT_S)
 
 
+def test_a_name_with_ipv6_addresses_only_is_refused_naming_the_address_to_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ZeroMQ dials a host name over IPv4 alone: a name with only IPv6 addresses resolved, then
+    the connect waited out its timeout ("no answer") though the host listened."""
+
+    def ipv6_only(host: str, *args: Any, **kwargs: Any) -> Any:
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::7", 0, 0, 0))]
+
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", ipv6_only)
+    with pytest.raises(UnresolvedHost, match=r"IPv6 addresses only .* e\.g\. \[fd00::7\]:5555"):
+        host_names.check_resolves("six.example:5555", "six.example", time.monotonic() + WAIT_S)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
 def test_an_ip_address_is_not_looked_up(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
     """An IP literal goes to the handshake as before (nobody listens: it does not answer)."""

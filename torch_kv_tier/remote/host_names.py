@@ -2,7 +2,9 @@
 itself, in the background, and retries one that does not resolve without a word, so a connect
 to a misspelt or vanished name waited out its whole timeout and then said the host did not
 answer. An IP literal is not looked up. The name still goes to ZeroMQ as given (it resolves it
-again on each reconnect, as before).
+again on each reconnect, as before), which dials a name over IPv4 alone (``handshake.dealer``
+turns IPv6 on for an IPv6 literal only): a name with IPv6 addresses and no IPv4 one is refused
+here too, naming its address to pass instead (it waited out the timeout, "no answer").
 
 Threading: ``check_resolves`` blocks its caller until the lookup ends, its deadline passes or
 its ``cancel`` is set; the lookup (``socket.getaddrinfo``, which no timeout bounds) runs on a
@@ -48,16 +50,20 @@ def is_ip(host: str) -> bool:
 
 class _Lookup:
     """One ``getaddrinfo`` of ``host`` on a daemon thread; ``done`` is set once it ended, with
-    ``failure`` set if it failed. Its entry in ``_IN_FLIGHT`` goes before ``done`` is set."""
+    ``failure`` set if it failed, else ``ipv6_only`` (an IPv6 address of the name, when it has
+    no IPv4 one). Its entry in ``_IN_FLIGHT`` goes before ``done`` is set."""
 
     def __init__(self, host: str) -> None:
         self.host = host
         self.done = threading.Event()
         self.failure: socket.gaierror | None = None
+        self.ipv6_only: str | None = None
 
     def run(self) -> None:
         try:
-            socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+            found = socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
+            if all(info[0] != socket.AF_INET for info in found):
+                self.ipv6_only = str(found[0][4][0])
         except socket.gaierror as exc:
             self.failure = exc
         except Exception as exc:  # (a name too long for the resolver: UnicodeError)
@@ -111,6 +117,14 @@ def check_resolves(address: str, host: str, deadline: float, cancel: Cancel | No
                 "servers of /etc/resolv.conf (reachable? slow?), or pass the host's IP address",
             )
     exc = lookup.failure
+    if exc is None and lookup.ipv6_only is not None:
+        raise UnresolvedHost(
+            address,
+            host,
+            f"it has IPv6 addresses only ({lookup.ipv6_only}, ...) and host names are dialled "
+            f"over IPv4: pass the host's IPv6 address in brackets, e.g. "
+            f"[{lookup.ipv6_only}]:{address.rpartition(':')[2]}",
+        )
     if exc is None:
         return
     if exc.errno in _NO_SUCH_NAME:
