@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 from release_support import RESULT_TIMEOUT_S
 from remote_support import BLOCK_LEN, fake_session, wait_for
+from test_close_ctrl_c_lines import assert_closed, in_flight_tier
 from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
@@ -43,20 +44,11 @@ def test_a_ctrl_c_as_close_waits_for_transfers_still_closes_the_tier(
     blocks, skipped the rest: the store in flight never resolved, the load in flight never
     settled, the poller ran on, the transport stayed open (with a host's session), and a
     second ``close`` returned at once, closing nothing."""
-    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
-        assert tier.store(["b"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
-        transport.hold = True  # the next store's write stays in flight
-        reads = itertools.count(10_000)
-        monkeypatch.setattr(transport, "read_blocks", lambda *_: next(reads))  # never lands
-        closed = threading.Event()
-        monkeypatch.setattr(transport, "close", closed.set)
-        stored, loaded = tier.store(["a"], [0]), tier.load(["b"], [2])
+    with in_flight_tier(monkeypatch) as (tier, _, closed, futures):
         interrupt_waits_on_this_thread(tier, monkeypatch)  # as close waits for the transfers
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=60.0)
-        assert stored.result(timeout=RESULT_TIMEOUT_S).failed == {"a": "closed"}
-        assert loaded.result(timeout=RESULT_TIMEOUT_S).failed == {"b": "closed"}
-        assert closed.is_set(), "the transport outlived close"
+        assert_closed(closed, futures, "close's wait for the transfers")
         tier._thread.join(timeout=RESULT_TIMEOUT_S)
         assert not tier._thread.is_alive(), "the poller outlived close"
 
@@ -138,8 +130,11 @@ def test_a_ctrl_c_as_the_transport_closes_still_settles_the_cancelled_loads_once
         monkeypatch.setattr(transport, "read_blocks", lambda *_: next(reads))  # never lands
         loaded = tier.load(["b"], [2])
 
-        def interrupted() -> None:
-            raise KeyboardInterrupt  # Ctrl-C as the transport waits for a registration
+        interrupts = [KeyboardInterrupt()]
+
+        def interrupted() -> None:  # (closed by then: a second close returns at once)
+            if interrupts:
+                raise interrupts.pop()  # Ctrl-C as the transport waits for a registration
 
         released: list[Callable[[], None]] = []
         monkeypatch.setattr(transport, "close", interrupted)
@@ -147,8 +142,9 @@ def test_a_ctrl_c_as_the_transport_closes_still_settles_the_cancelled_loads_once
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=0)
         assert not loaded.done(), "a cancelled load settled before the transport was released"
-        assert len(released) == 1, "nothing settles the cancelled load once released"
-        released[0]()  # the registration returned: the transport released everything
+        assert released, "nothing settles the cancelled load once released"
+        for settle in released:  # the registration returned: the transport released everything
+            settle()
         assert loaded.result(timeout=RESULT_TIMEOUT_S).failed == {"b": "closed"}
 
 

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -81,65 +82,71 @@ class Closing:
         free, rather than hold it until its ``--hold-timeout`` (default: never). What none of
         them could tell is logged once, as a warning (``session_releases.LastWords``).
 
-        A Ctrl-C as it waits cuts its waits short, not its duty: the transfers are
-        cancelled, the sessions ended and the transport closed all the same, then the
-        ``KeyboardInterrupt`` is raised (a second Ctrl-C meanwhile changes nothing: it
-        returns within ``timeout`` all the same, about 0.1 s per wait left once interrupted).
+        A Ctrl-C (or a done-callback's ``KeyboardInterrupt``) at any line once its work began,
+        as it waits, cancels or between its steps, cuts its waits short, not its duty: the
+        transfers are cancelled, the sessions ended, the transport closed and every future
+        resolved all the same (the steps left run again), then the ``KeyboardInterrupt`` is
+        raised; a second Ctrl-C meanwhile changes nothing: it returns within ``timeout`` all
+        the same, plus about 0.1 s per wait once interrupted. One before its work began (as it
+        checks ``timeout``) leaves the tier open, to be closed again.
 
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
         (``quantities.seconds``), before anything changes (the tier stays open, to be closed
         again)."""
         timeout = seconds("timeout", timeout, zero=True)
         self._closing.set()
-        taken = None
+        duty = _Duty(_Waits(time.monotonic() + timeout))
         try:
-            with self._lock:
+            self._close_steps(duty)
+        except KeyboardInterrupt:  # a Ctrl-C (or a done-callback's) at any line: done all the same
+            try:
+                self._close_steps(duty.cut())
+            except KeyboardInterrupt:  # a second one, as the first one's retry ran
+                self._close_steps(duty.cut())
+            raise
+        duty.waits.raise_interrupt()
+
+    def _close_steps(self, duty: _Duty) -> None:
+        """``close``'s work, resumable: run again after a ``KeyboardInterrupt`` at any of its
+        lines, it does what is left, nothing it did twice (``_Duty`` keeps what it took on;
+        a wait may run again: each is idempotent)."""
+        with self._lock:
+            if not duty.began:
                 if self._closed:
                     return
-                self._closed = True
-                deadline = time.monotonic() + timeout
-                try:
-                    self._await_transfers(deadline)
-                finally:  # a Ctrl-C as it waits: what is in flight is cancelled all the same
-                    taken = self._cancel_in_flight()
-            self._flush()
-        finally:  # a Ctrl-C there, or in a done-callback: closed all the same, then raised
-            if taken is not None:
-                self._close_after(*taken, deadline)
+                duty.began = self._closed = True
+            self._await_transfers(duty.waits.deadline)
+            self._cancel_in_flight(duty)
+        self._flush()
+        self._close_after(duty)
 
-    def _close_after(
-        self, cancelled: list[Op], ending: list[tuple[Any, bool]], deadline: float
-    ) -> None:
+    def _close_after(self, duty: _Duty) -> None:
         """``close`` once its work is cancelled and resolved: stop the threads, end the
         sessions, close the transport (whatever failed before it, then raised). A Ctrl-C (or
         a ``KeyboardInterrupt`` of a done-callback) in one of its waits cuts the waits left
         to their least (``_Waits``): the sessions still end and the transport still closes,
         then it is raised; a second one is no different, so the caller is out within
         ``close``'s timeout."""
-        waits = _Waits(deadline)
+        waits = duty.waits
         try:
             if threading.current_thread() is not self._thread:  # close() from a done-callback
                 waits.run(self._thread.join)
             waits.run(self._redialer.stop)
-            # dropped peers' sessions whose thread never started: ended here
+            # dropped peers' sessions whose thread never started: ended here (they stay queued)
             never_started = waits.run(self._session_ends.stop)
-            if never_started is None:  # interrupted as it waited: those not started, taken now
-                never_started = waits.run(self._session_ends.stop) or []
             self._uncount_ends(never_started)
-            ending += never_started
-            waits.run(self._end_sessions, ending)
+            if duty.ending is None:  # once: ``_end_sessions`` takes them out of it
+                duty.ending = [*duty.live, *never_started]
+            waits.run(self._end_sessions, duty.ending)
         finally:  # whatever failed, a Ctrl-C between the waits too: the agent goes (then raised)
-            self._close_transport(cancelled)
-        waits.raise_interrupt()
+            self._close_transport(duty)
 
-    def _close_transport(self, cancelled: list[Op]) -> None:
+    def _close_transport(self, duty: _Duty) -> None:
         """Close the transport, then settle the loads ``close`` cancelled once nothing can land
         in their blocks (``on_released``); also when a Ctrl-C cut its close short (the NIXL
         transport then leaves its release to the registration it waited for). A close that
         failed otherwise leaves them pending: whether its reads may still land is unknown."""
-        settle = partial(
-            self.transport.on_released, partial(self._settle_cancelled_loads, cancelled)
-        )
+        settle = partial(self.transport.on_released, partial(self._settle_cancelled_loads, duty))
         try:
             self.transport.close()
         except KeyboardInterrupt:
@@ -147,16 +154,18 @@ class Closing:
             raise
         settle()
 
-    def _settle_cancelled_loads(self, cancelled: list[Op]) -> None:
+    def _settle_cancelled_loads(self, duty: _Duty) -> None:
         """``close``'s last step (unlocked): the loads it cancelled, and those whose failed
         read might still land (``Transfers._stranded``), settle, now that the transport can no
-        longer write into their blocks."""
+        longer write into their blocks. Each is taken out of ``duty`` as it settles (one line):
+        run again (a Ctrl-C here, a second ``on_released``), it settles those left."""
         with self._lock:
-            for op in cancelled:
-                if op.kind == "load":
-                    self._finish(op, PEER_LOST if op.orphaned else CLOSED)
-            for op in self._withheld.released():
-                self._finish(op, PEER_LOST if op.orphaned else TRANSFER_FAILED)
+            loads, stranded = duty.loads, duty.stranded
+            while loads:  # (taken and settled in one line)
+                self._finish(op := loads.popitem()[1], PEER_LOST if op.orphaned else CLOSED)
+            stranded += self._withheld.released()
+            while stranded:
+                self._finish(op := stranded.pop(), PEER_LOST if op.orphaned else TRANSFER_FAILED)
         self._flush()
 
     def _await_transfers(self, deadline: float) -> None:
@@ -176,25 +185,33 @@ class Closing:
             wait = deadline - time.monotonic()
             self._cond.wait(timeout=min(wait, _POLL_S) if on_poller else wait)
 
-    def _cancel_in_flight(self) -> tuple[list[Op], list[tuple[Any, bool]]]:
+    def _cancel_in_flight(self, duty: _Duty) -> None:
         """``close``'s second step, even when a Ctrl-C cut its wait short: cancel the transfers
-        still in flight (a store's keys fail with "closed" now; a load's, returned, once the
-        transport is closed: until then its blocks may still be written) and stop the poller.
-        Returns what it cancelled, and the sessions to end (clean unless a store of theirs
-        was cancelled)."""
+        still in flight (a store's keys fail with "closed" now; a load's, kept in ``duty``,
+        once the transport is closed: until then its blocks may still be written) and stop the
+        poller. Notes in ``duty`` the sessions to end (clean unless a store of theirs was
+        cancelled). Run again after a Ctrl-C, it cancels those left, none twice."""
         leftover = list(self._ops)
         if any(not self._ops[tid].orphaned for tid in leftover):
             logger.warning("closing with %d transfers in flight: cancelling", len(leftover))
-        self.transport.cancel(leftover)
-        cancelled = list(map(self._ops.pop, leftover))
-        for op in cancelled:
-            if op.kind == "store" and not op.orphaned:
-                self._finish(op, CLOSED)
+        if leftover:  # (none left once a first run got through: the transport may be closed)
+            self.transport.cancel(leftover)
+        for tid in leftover:
+            op = self._ops[tid]
+            if op.kind == "load":
+                duty.loads[tid] = op
+                del self._ops[tid]
+                continue
+            duty.dirty.add(id(op.peer))
+            if op.orphaned:
+                del self._ops[tid]
+            else:
+                self._finish(self._ops.pop(tid), CLOSED)
         self._stopping = True
         self._cond.notify_all()
         self._report_usage(time.perf_counter())
-        dirty = {op.peer for op in cancelled if op.kind == "store"}
-        return cancelled, [(p.session, p not in dirty) for p in self._peers.values() if p.session]
+        peers = [p for p in self._peers.values() if p.session]
+        duty.live = [(p.session, id(p) not in duty.dirty) for p in peers]
 
 
 class _Waits:
@@ -207,16 +224,48 @@ class _Waits:
         self._deadline = deadline
         self._interrupt: KeyboardInterrupt | None = None
 
-    def run(self, wait: Callable[..., _T], *args: Any) -> _T | None:
-        """``wait(*args, seconds_left)``; ``None`` once interrupted (other errors propagate)."""
+    def run(self, wait: Callable[..., _T], *args: Any) -> _T:
+        """``wait(*args, seconds_left)``; interrupted, run again in its least time (so that
+        its duty is done: each of close's waits may run twice). Other errors propagate."""
         try:
             return wait(*args, max(self._deadline - time.monotonic(), _LEAST_WAIT_S))
         except KeyboardInterrupt as exc:
             self._interrupt = self._interrupt or exc
             self._deadline = time.monotonic()
-            return None
+        return wait(*args, _LEAST_WAIT_S)
 
     def raise_interrupt(self) -> None:
         """Raise the first ``KeyboardInterrupt`` a wait got, if any."""
         if self._interrupt is not None:
             raise self._interrupt
+
+    @property
+    def deadline(self) -> float:
+        """When the waits left end (now, once interrupted)."""
+        return self._deadline
+
+    def cut(self) -> None:
+        """Cut the waits left to their least: ``close`` was interrupted outside a wait."""
+        self._deadline = min(self._deadline, time.monotonic())
+
+
+@dataclass
+class _Duty:
+    """What one ``close`` call took on, kept across its retries after a Ctrl-C
+    (``_close_steps``): whether it closed the tier, the cancelled loads to settle (by transfer
+    id) and stranded ones, the peers a cancelled store dirtied (by id), the live sessions to
+    end and those ``_end_sessions`` has not taken yet. ``close``'s thread's (the settling may
+    run on the transport's, under the tier's lock)."""
+
+    waits: _Waits
+    began: bool = False
+    loads: dict[int, Op] = field(default_factory=dict)
+    stranded: list[Op] = field(default_factory=list)
+    dirty: set[int] = field(default_factory=set)
+    live: list[tuple[Any, bool]] = field(default_factory=list)
+    ending: list[tuple[Any, bool]] | None = None
+
+    def cut(self) -> _Duty:
+        """This duty, its waits cut to their least (``close`` was interrupted)."""
+        self.waits.cut()
+        return self

@@ -13,7 +13,8 @@ A thread that cannot start (``RuntimeError``, the thread limit) hands back the s
 started, tried again after ``_RETRY_S`` (logged as a warning). ``stop`` returns those never
 started, for ``close`` to end; once ``stop`` has begun, this thread ends the ones whose thread
 could not start itself (``stop`` may have returned already). So each session handed over is
-ended exactly once: by its ``END_THREAD``, by this thread, or by the one that called ``stop``.
+ended exactly once: by its ``END_THREAD``, by this thread, or by the one that called ``stop``
+(which takes no session out of the queue: what it returns, it returns again).
 
 Threading: ``put`` and ``stop`` from any thread (``put`` under the tier's lock too); ``end`` and
 ``tick`` run on threads of their own, without this class's lock.
@@ -72,15 +73,15 @@ class SessionEnds:
 
     def stop(self, timeout: float) -> list[tuple[Any, bool]]:
         """Stop; wait up to ``timeout`` s for the thread (which may be starting one). Returns
-        the sessions no thread was started for: the caller ends them."""
+        the sessions no thread was started for, nor will be: the caller ends them. They stay
+        queued, the same at every call: a caller that a Ctrl-C cut short asks again."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout)
         with self._cond:
-            rest, self._queue = self._queue, []
-        return rest
+            return list(self._queue)
 
     def _run(self) -> None:
         tick_at = time.monotonic() + _TICK_S

@@ -275,7 +275,8 @@ class SessionReleases:
         thread limit) is said on the calling thread after the others started (past
         ``timeout_s``, if need be: each step within ~2 s), logged as a warning. A Ctrl-C as
         it waits is raised once the last words started (each goes on by itself), and what
-        they could not tell so far said (what they cannot tell later, said on its own)."""
+        they could not tell so far said (what they cannot tell later, said on its own).
+        ``ending`` is emptied once their last words are set out."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         interrupt = None
         with self._lock:
@@ -289,6 +290,7 @@ class SessionReleases:
                 (self._last_word, (s, clean, take(s.address), self._dial(s.address)))
                 for s, clean in ending
             ]
+            ending.clear()  # taken: run again (``close`` after a Ctrl-C), it says the rest
             words = LastWords()
             for address in list(self._ended.resolved):
                 dial = self._dial(address)
