@@ -1,7 +1,7 @@
 """Client side of the control plane: keep a session with a server alive, carry its requests,
 disconnect; for a shared session also grants, commits, touches and the index events.
 
-``RemoteSession.open`` performs the handshake in the caller's thread (``handshake``), then a
+``RemoteSession.open`` performs the handshake in the caller's thread (``session_accept``), then a
 background I/O thread owns the ZeroMQ socket: it sends heartbeats, carries requests made from
 any thread (answers resolve futures on the I/O thread), batches commits and touches into as few
 frames as each wake-up allows, and reports a lost session through ``on_lost``. A shared
@@ -24,7 +24,6 @@ import queue
 import socket
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,21 +34,11 @@ import zmq
 
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.connect_args import check_session_args, parse_address
-from torch_kv_tier.remote.handshake import (
-    AcceptAbandoned,
-    Cancel,
-    HandshakeRejected,
-    accept_problem,
-    close_sockets,
-    connect,
-    describe,
-    end_unstarted,
-    handshake,
-)
-from torch_kv_tier.remote.host_names import check_resolves
+from torch_kv_tier.remote.handshake import Cancel, HandshakeRejected, describe, end_unstarted
 from torch_kv_tier.remote.protocol import Region
 from torch_kv_tier.remote.replica import IndexFollower
 from torch_kv_tier.remote.replies import Request
+from torch_kv_tier.remote.session_accept import connect_accepted
 from torch_kv_tier.remote.session_io import EndedByHost, callback_ref
 from torch_kv_tier.remote.shared_requests import SharedRequests
 from torch_kv_tier.tier_threads import TierThread
@@ -201,43 +190,20 @@ class RemoteSession(SharedRequests):
         timeout_s, heartbeat_timeout_s = float(timeout_s), float(heartbeat_timeout_s)
         heartbeat_interval_s = float(heartbeat_interval_s)
         release = list(release or ())
-        opened: list[str] = []  # sessions of greetings whose connection closed (``handshake``)
-        deadline = time.monotonic() + timeout_s  # the name's lookup and the handshake's
-        check_resolves(address, parse_address(address)[0], deadline, cancel)
-        sock, monitor = connect(address)
-        try:
-            accept = handshake(
-                sock,
-                address,
-                deadline,
-                token,
-                p.Handshake(
-                    version=p.PROTOCOL_VERSION,
-                    seq=2,
-                    nonce=b"",
-                    proof=b"",
-                    agent_metadata=bytes(agent_metadata),
-                    region=region,
-                    config_fingerprint=config_fingerprint,
-                    slots=slots,
-                    client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
-                    private=private,
-                    release=release[: p.MAX_RELEASE],
-                ),
-                cancel,
-                monitor,
-                opened,
-            )
-        except BaseException as exc:  # an abandoned accept's ``Disconnect`` still goes out
-            close_sockets(sock, monitor, linger=isinstance(exc, AcceptAbandoned))
-            raise
-        problem = accept_problem(accept)
-        if problem is not None:
-            end_unstarted(sock, monitor, accept.session_id)
-            raise ConnectionError(
-                f"the server at {address} sent an unusable accept ({problem}): is it a "
-                "`torch-kv-tier serve` of this version?"
-            )
+        hello = p.Handshake(
+            version=p.PROTOCOL_VERSION,
+            seq=2,
+            nonce=b"",
+            proof=b"",
+            agent_metadata=bytes(agent_metadata),
+            region=region,
+            config_fingerprint=config_fingerprint,
+            slots=slots,
+            client_name=client_name or f"{socket.gethostname()}:{os.getpid()}",
+            private=private,
+            release=release[: p.MAX_RELEASE],
+        )
+        sock, monitor, accept, opened = connect_accepted(address, hello, token, timeout_s, cancel)
         try:
             session = cls(
                 address,
