@@ -21,8 +21,9 @@ miss, never wrong bytes.
 
 Capacity is one LRU over every stored slot, refreshed by ``touch``. When a grant needs slots
 and none is free, the least recently used key is evicted; a namespace at its quota evicts its
-own keys instead, so one tenant cannot take another's share. Every change is logged per
-namespace (``take_events``, batched by ``shared_events``) for the server to push to the sessions.
+own keys instead, so one tenant cannot take another's share (``shared_eviction``). Every change
+is logged per namespace (``take_events``, batched by ``shared_events``) for the server to push
+to the sessions.
 
 Slots come from the server's ``SlotPool`` only as grants need them; a stored slot stays with the
 shared cache (reused for shared keys), and the free ones go back to the pool when a private lease
@@ -40,14 +41,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
-from typing import Any
 
 from torch_kv_tier.keys import Key
 from torch_kv_tier.remote import shared_events, shared_snapshot
 from torch_kv_tier.remote.held_slots import HeldSlots
 from torch_kv_tier.remote.leases import SlotPool
 from torch_kv_tier.remote.shared_events import DiskSide, EventBatch, Namespace
+from torch_kv_tier.remote.shared_eviction import evict_from, evict_oldest
 from torch_kv_tier.remote.shared_snapshot import Page, Snapshot
 from torch_kv_tier.remote.slot_owners import SlotOwners
 
@@ -145,10 +145,14 @@ class SharedCache:
         while len(slots) < want:  # in runs: every key evicted below may be ns's own
             room = self.quota - ns.used - len(slots)  # slots ns may take beyond its own
             if room <= 0:
-                run = self._evict_from(ns, want - len(slots))
+                run = evict_from(ns, self._lru, self._owners, self.disk, want - len(slots))
+                self.evictions += len(run)
             else:
                 n = min(want - len(slots), room)
-                run = self._take_free(n) or self._evict_oldest(n)
+                run = self._take_free(n)
+                if not run:
+                    run = evict_oldest(self._lru, self.namespaces, self._owners, self.disk, n)
+                    self.evictions += len(run)
             if not run:
                 break
             slots += run
@@ -340,63 +344,3 @@ class SharedCache:
         if taken:
             del free[-len(taken) :]
         return taken
-
-    def _evict_oldest(self, n: int) -> list[int]:
-        """The slots of up to ``n`` least recently used keys of any namespace, evicted (not
-        those the disk is copying: the next oldest instead)."""
-        lru, namespaces = self._lru, self.namespaces
-        busy = self.disk.busy_dram_slots() if self.disk is not None else None
-        if busy:
-            victims = _oldest_not_in(lru.items(), busy, n)
-            for pair, _ in victims:
-                del lru[pair]
-            for (name, key), _ in victims:
-                del namespaces[name].entries[key]
-                namespaces[name].evicted.append(key)
-            self.evictions += len(victims)
-            slots = [slot for _, slot in victims]
-            self._owners.clear(slots)
-            return slots
-        slots = []
-        for _ in range(min(n, len(lru))):
-            (name, key), slot = lru.popitem(last=False)
-            ns = namespaces[name]
-            del ns.entries[key]
-            ns.evicted.append(key)
-            slots.append(slot)
-        self._owners.clear(slots)
-        self.evictions += len(slots)
-        return slots
-
-    def _evict_from(self, ns: Namespace, n: int) -> list[int]:
-        """The slots of up to ``n`` of ``ns``'s least recently used keys, evicted (not those
-        the disk is copying)."""
-        entries, lru, name, evicted = ns.entries, self._lru, ns.name, ns.evicted
-        busy = self.disk.busy_dram_slots() if self.disk is not None else None
-        if busy:
-            victims = _oldest_not_in(entries.items(), busy, n)
-        else:
-            victims = list(islice(entries.items(), max(n, 0)))
-        for key, _ in victims:
-            del entries[key]
-            del lru[(name, key)]
-            evicted.append(key)
-        self.evictions += len(victims)
-        slots = [slot for _, slot in victims]
-        self._owners.clear(slots)
-        return slots
-
-
-def _oldest_not_in(
-    items: Iterable[tuple[Any, int]], busy: set[int], n: int
-) -> list[tuple[Any, int]]:
-    """The first ``n`` of ``items`` whose slot is not in ``busy``."""
-    out: list[tuple[Any, int]] = []
-    if n <= 0:
-        return out
-    for item in items:
-        if item[1] not in busy:
-            out.append(item)
-            if len(out) == n:
-                break
-    return out
