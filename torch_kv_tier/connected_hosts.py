@@ -4,9 +4,10 @@
 ``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``) and
 holds its public ``connect``/``disconnect``: a session opens in ``_connect``, a private lease
 registers through ``_add_private`` and a shared pool through ``SharedHosts._join_shared``;
-``close`` ends every session (``_end_sessions``). A lost session, and dialling its host again,
-is its base ``lost_hosts.LostHosts``; telling hosts which ended sessions resolved (fencing,
-client half) is that one's base ``session_releases.SessionReleases``.
+``close`` ends every session (``_end_sessions``). A connect that reaches another process
+answering as a connected host's id is refused (``host_twins``). A lost session, and dialling
+its host again, is its base ``lost_hosts.LostHosts``; telling hosts which ended sessions
+resolved (fencing, client half) is that one's base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes and NIXL
 registrations never run under it.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, EitherSet, Joining
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.ended_sessions import EndedSessions
+from torch_kv_tier.host_twins import twin_address, twin_problem
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.lost_hosts import LostHosts
 from torch_kv_tier.records import Peer
@@ -164,7 +166,7 @@ class ConnectedHosts(LostHosts):
         with self._lock:
             joining = self._joining.get(peer_id)
             known = peer_id in self._peers or joining is not None
-            twin = self._twin(peer_id, session)
+            twin = twin_address(self._peers, peer_id, session)
             # Known before the peer is published: a session lost right after it (its I/O
             # thread drops the peer at once) is dialled again (``_end_dropped``).
             first_dial = not known and peer_id not in self._dials
@@ -247,15 +249,6 @@ class ConnectedHosts(LostHosts):
                 raise
         finally:
             self._join_turn.release()
-
-    def _twin(self, peer_id: str, session: Any) -> str | None:
-        """The address of the connected host ``peer_id`` when it is another process than the
-        one ``session`` reached (two hosts with one id, or one that restarted unnoticed yet)."""
-        peer = self._peers.get(peer_id)
-        other = None if peer is None else peer.session
-        if other is None or other.agent_metadata == session.agent_metadata:
-            return None
-        return str(other.address)
 
     def _await_join(self, peer_id: str, joined: Joining, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
@@ -381,24 +374,3 @@ class ConnectedHosts(LostHosts):
 def _region(session: Any) -> tuple[bytes, int, int, int]:
     """A session's host region: its agent metadata, base address, blocks and block length."""
     return session.agent_metadata, session.base_addr, session.num_blocks, session.block_len
-
-
-def twin_problem(address: str, peer_id: str, twin: str) -> str:
-    """Why a connect of ``address`` reached another process than the host ``peer_id``
-    connected at ``twin``: at the same address it restarted, which the tier has not noticed
-    yet; elsewhere it may also be two hosts with one ``--host-id``."""
-    noticed = (
-        "this tier drops the old session within its heartbeat timeout (connect's "
-        f"heartbeat_timeout_s) and dials {twin} again by itself"
-    )
-    if twin == address:
-        return (
-            f"the host {peer_id!r} at {address} restarted (another process answers there) and "
-            f"this tier has not noticed yet: {noticed}; connect again after that"
-        )
-    return (
-        f"the host at {address} calls itself {peer_id!r}, as does the host connected at "
-        f"{twin}, another process: give each host its own --host-id (by default it is the "
-        f"address the host listens on); or, if the host at {twin} restarted and answers here "
-        f"now, {noticed}"
-    )
