@@ -1,7 +1,7 @@
 """What a start finds of the files a host left: where it started while that host still held the
 directory (a restart whose old host is still stopping), the directory as that host left it;
 where a rewrite of the journal failed after ``meta.json`` named the new one, no key removed
-since."""
+since; where a key is in two directories and a copy of it cannot be read, not its older copy."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from disk_support import open_store, under
-from test_disk_replay import _write
+from disk_support import DISK_BLOCK, digest_of, open_store, under
+from test_disk_replay import _in_two_directories, _write
 
 from torch_kv_tier.remote import disk_header, disk_journal
 from torch_kv_tier.remote.disk_frames import PUT
@@ -126,6 +126,52 @@ def test_a_rewrite_whose_rename_and_cleanup_failed_never_brings_back_a_key_remov
         monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
     with closing(open_store(disk_pool, [d], 8)) as store:
         assert b"K" not in {key for _, key, _ in store.recover()}
+
+
+@pytest.mark.parametrize("rewrite", ["done", "refused"])
+@pytest.mark.parametrize("unreadable", ["newer", "older"])
+def test_a_key_in_two_directories_with_a_copy_unreadable_is_never_served_old(
+    disk_pool: np.ndarray,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    unreadable: str,
+    rewrite: str,
+) -> None:
+    """Found by review: a key in two directories (the ``DEL`` of its older copy lost) whose
+    newer copy's block could not be read at a start (EIO: a bad sector) was found in the other
+    directory only, and its older bytes served. A copy that cannot be read now counts as one
+    (``disk_recovery``): every copy is dropped, and the unreadable one is overwritten unread
+    once the other is marked, so that where it reads again at the next start, its journal not
+    rewritten (refused: a full disk), it is no older copy found alone either."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    old, new = _in_two_directories(disk_pool, dirs)
+    at = dirs[new % 2] if unreadable == "newer" else old
+    slot = new // 2 if unreadable == "newer" else 0  # K's first copy: global slot 1
+    real_read, real_write, ours = os.preadv, disk_journal.write_durably, under(at)
+    unread: list[int] = []
+
+    def bad_sector(fd: int, buffers: Any, offset: int) -> int:
+        if ours(fd) and offset == slot * DISK_BLOCK and not unread:  # K's, as the start reads
+            unread.append(offset)
+            raise OSError(errno.EIO, "Input/output error")
+        return int(real_read(fd, buffers, offset))
+
+    def full(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
+        if path.parent == at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(path, *data, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "preadv", bad_sector)
+        if rewrite == "refused":
+            m.setattr(disk_journal, "write_durably", full)
+        with closing(open_store(disk_pool, dirs, 8)) as store:
+            found = {key: digest for _, key, digest in store.recover()}
+            monkeypatch.setattr(store, "_sync_journals", lambda force: None)  # then a crash
+    assert unread and found.get(b"K") in (None, digest_of(disk_pool, 2, b"K"))
+    with closing(open_store(disk_pool, dirs, 8)) as store:  # the block reads again
+        found = {key: digest for _, key, digest in store.recover()}
+    assert found.get(b"K") in (None, digest_of(disk_pool, 2, b"K"))
 
 
 def _full_under(d: Path, real: Any) -> Any:
