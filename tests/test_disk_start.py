@@ -9,14 +9,14 @@ import errno
 import math
 import os
 import threading
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from disk_support import DISK_BLOCK, digest_of, open_store, under
-from test_disk_replay import _in_two_directories, _write
+from test_disk_replay import _Crash, _in_two_directories, _write
 
 from torch_kv_tier.remote import disk_header, disk_journal
 from torch_kv_tier.remote.disk_frames import PUT
@@ -172,6 +172,38 @@ def test_a_key_in_two_directories_with_a_copy_unreadable_is_never_served_old(
     with closing(open_store(disk_pool, dirs, 8)) as store:  # the block reads again
         found = {key: digest for _, key, digest in store.recover()}
     assert found.get(b"K") in (None, digest_of(disk_pool, 2, b"K"))
+
+
+def test_a_key_in_two_directories_whose_older_copy_cannot_be_overwritten_keeps_its_mark(
+    disk_pool: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that drops a key found in two directories overwrites each copy with its
+    complement, then, where every copy was, overwrites them again with bytes that mark nothing
+    (``disk_recovery._spoil``). Where the older copy's block could not be overwritten (EIO),
+    the newer copy keeps its complement: a crash before the journals are rewritten leaves the
+    older copy, which still verifies, found with a marked one, never alone."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    old = _in_two_directories(disk_pool, dirs)[0]
+    real_write, ours = os.pwritev, under(old)
+
+    def refused(fd: int, buffers: Any, offset: int) -> int:
+        if ours(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        return int(real_write(fd, buffers, offset))
+
+    def crash(path: Path, *data: bytes | bytearray, **kwargs: Any) -> int:
+        raise _Crash
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwritev", refused)
+        m.setattr(disk_journal, "write_durably", crash)  # killed before any rewrite
+        store = open_store(disk_pool, dirs, 8)
+        with suppress(_Crash):
+            store.recover()
+        m.setattr(store, "_sync_journals", lambda force: None)
+        store.close()
+    with closing(open_store(disk_pool, dirs, 8)) as store:
+        assert b"K" not in {key for _, key, _ in store.recover()}
 
 
 def _full_under(d: Path, real: Any) -> Any:
