@@ -14,12 +14,17 @@ on any thread (a callback reads its own future so). A future not done as the wai
 raises even if another thread resolves it a moment later: on these threads, read only the
 futures known to be done. ``concurrent.futures.wait`` and ``as_completed`` do not call
 ``result()``: they still wait there (the hang as before), and must not be used on these
-threads either. Every thread a tier starts in its process is a ``TierThread``; a thread of
-one tier refuses the waits for another tier's futures too (it holds up its own tier's work).
+threads either. Every thread a tier starts in its process that runs its work or its futures'
+callbacks is a ``TierThread`` (a host name's lookup, ``tkvt-resolve-*``, runs neither and is a
+plain thread); a thread of one tier refuses the waits for another tier's futures too (it holds
+up its own tier's work). Waits the tier's integrations make inside their own calls, as
+``concurrent.futures.wait`` does, are not refused by this: such calls (``PagedKVOffloader``'s
+``flush``, ``close``, ``restore``, an ``offload`` that waits for free slots) still wait on
+these threads, so make them on a thread of your own too.
 
 Thread-safe: the mark is a thread-local flag, set as a ``TierThread`` starts and never
 cleared; ``TierFuture`` adds no state, so creating and resolving one costs what a ``Future``
-does, and a wait one thread-local look more.
+does, and a wait one thread-local look more (on a tier's thread, a ``done()`` look too).
 """
 
 from __future__ import annotations
