@@ -46,6 +46,14 @@ def start_bound(tier: TierManager) -> None:
     tier._overdue.timeout_s = BOUND_S
 
 
+def time_out_a_load(tier: TierManager, agent: NeverDone) -> None:
+    """Stall a load of ``a`` into block 2 until it settles "timed out" (its read still held)."""
+    agent.stuck = True
+    load = tier.load(["a"], [2])
+    start_bound(tier)
+    assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
+
+
 @pytest.fixture
 def stalled(peer: RemotePeer) -> Iterator[tuple[TierManager, NeverDone]]:
     """A tier over 8 blocks, ``transfer_timeout_s`` off until :func:`start_bound`, with peer
@@ -92,15 +100,38 @@ def test_a_transfer_never_done_settles_after_the_bound_and_its_read_blocks_stay_
     assert tier.store(["d"], [2]).result(timeout=RESULT_TIMEOUT_S).failed == {"d": "no peers"}
 
 
+def test_withheld_until_resolves_once_the_late_read_into_those_blocks_is_reported(
+    stalled: tuple[TierManager, NeverDone],
+) -> None:
+    """A caller that keeps a timed-out load's blocks (the torch loop's arena) learns when the
+    tier accepts them again: at once for blocks no late read targets, else once the transport
+    reported the read, and at close."""
+    tier, agent = stalled
+    assert tier.withheld_until([2, 5]).done()
+    time_out_a_load(tier, agent)
+    gate = tier.withheld_until([5, 2])
+    assert tier.withheld_until([5]).done() and not gate.done()
+    agent.stuck = False  # the read is reported over: nothing more of it lands
+    assert gate.result(timeout=RESULT_TIMEOUT_S).ok and tier.stats().late_reads == 0
+    tier.store(["d"], [2]).result(timeout=RESULT_TIMEOUT_S)  # accepted (no peers left)
+
+
+def test_withheld_until_resolves_when_the_tier_closes(
+    stalled: tuple[TierManager, NeverDone],
+) -> None:
+    tier, agent = stalled
+    time_out_a_load(tier, agent)
+    gate = tier.withheld_until([2])
+    tier.close()
+    assert gate.result(timeout=RESULT_TIMEOUT_S).ok
+
+
 def test_a_read_still_held_at_close_is_released_with_the_transport(
     stalled: tuple[TierManager, NeverDone],
 ) -> None:
     """Closing the tier releases every transfer: nothing more lands, nothing is withheld."""
     tier, agent = stalled
-    agent.stuck = True
-    load = tier.load(["a"], [2])
-    start_bound(tier)
-    assert load.result(timeout=RESULT_TIMEOUT_S).failed == {"a": TIMED_OUT}
+    time_out_a_load(tier, agent)
     assert tier.stats().late_reads == 1
     tier.close()
     assert tier.stats().late_reads == 0

@@ -313,6 +313,21 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         resolve(ready)
         return request.future
 
+    def withheld_until(self, local_idxs: Sequence[int]) -> Future[TransferResult]:
+        """A future that resolves (with an empty result) once no read that failed or timed out
+        may still write any of arena blocks ``local_idxs`` (``load``): once the transport
+        reported every late read into them, or the tier closed; at once if none may now. For
+        a caller that must keep a timed-out load's blocks until a load into them or a store
+        from them is accepted again. Its callbacks run on the tier's thread (or this one, at
+        once), never under the tier's lock. ``TypeError``/``IndexError`` for bad blocks."""
+        local = self._check_local(local_idxs, len(local_idxs), unique=False)
+        with self._lock:
+            request = self._withheld.until_free(local)
+        if request is None:
+            request = Request([])
+            resolve([request])
+        return request.future
+
     # -- observation --------------------------------------------------------------------------
 
     def stats(self) -> TierStats:

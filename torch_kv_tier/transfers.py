@@ -388,7 +388,7 @@ class Transfers(Finishes):
     def _flush(self) -> None:
         """Resolve settled futures; called without the lock held."""
         with self._lock:
-            if not self._ready:
-                return
             ready, self._ready = self._ready, []
-        resolve(ready)
+            ready.extend(self._withheld.cleared())  # blocks no late read may write any more
+        if ready:
+            resolve(ready)

@@ -10,7 +10,9 @@ digest). Two kinds:
   withheld until the transport reports it (``stats().late_reads``).
 
 Both end when the transport releases every transfer (the tier closed). Every such read withholds
-blocks of its own, so there are never more of them than local blocks.
+blocks of its own, so there are never more of them than local blocks. A caller that must know
+when some blocks are no longer withheld asks once (``until_free``) and is told then
+(``cleared``, whose futures the manager resolves outside its lock).
 
 Threading: no lock of its own; the manager's lock guards it.
 """
@@ -18,6 +20,8 @@ Threading: no lock of its own; the manager's lock guards it.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from torch_kv_tier.records import Request
 
 if TYPE_CHECKING:
     from torch_kv_tier.records import Op
@@ -29,6 +33,8 @@ class WithheldReads:
     def __init__(self) -> None:
         self.stranded: list[Op] = []  # failed loads that may still land: settled at close
         self._late: dict[int, Op] = {}  # transfer id -> settled load the transport still holds
+        self._waiting: list[tuple[list[int], Request]] = []  # blocks asked about, withheld then
+        self._cleared: list[Request] = []  # those no longer withheld: to resolve, unlocked
 
     @property
     def late(self) -> int:
@@ -45,20 +51,47 @@ class WithheldReads:
 
     def reported(self, tid: int) -> None:
         """The transport reported transfer ``tid``: nothing more of it lands."""
-        self._late.pop(tid, None)
+        if self._late.pop(tid, None) is not None and self._waiting:
+            withheld = self._blocks()
+            waiting, self._waiting = self._waiting, []
+            for local, request in waiting:
+                if withheld.isdisjoint(local):
+                    self._cleared.append(request)
+                else:
+                    self._waiting.append((local, request))
 
     def released(self) -> list[Op]:
         """The transport released every transfer (the tier closed): nothing more lands. Returns
         the stranded loads, for the caller to settle."""
         self._late.clear()
+        self._cleared.extend(request for _, request in self._waiting)
+        self._waiting = []
         stranded, self.stranded = self.stranded, []
         return stranded
+
+    def until_free(self, local: list[int]) -> Request | None:
+        """A request (no keys) that :meth:`cleared` hands out once no stranded or late read
+        may write any of ``local`` any more; ``None`` if none may now (one pass over the
+        withheld reads' blocks: per call, not per block asked about)."""
+        if self._blocks().isdisjoint(local):
+            return None
+        request = Request([])
+        self._waiting.append((local, request))
+        return request
+
+    def cleared(self) -> list[Request]:
+        """The requests of :meth:`until_free` whose blocks are no longer withheld, each once:
+        for the caller to resolve without the lock (their callbacks may call the tier)."""
+        cleared, self._cleared = self._cleared, []
+        return cleared
+
+    def _blocks(self) -> set[int]:
+        return {i for op in [*self.stranded, *self._late.values()] for i in op.local}
 
     def refuse(self, local: list[int], use: str) -> None:
         """Raise ``ValueError`` when a load would read into (``use`` "load into") or a store copy
         from ("store from") a local block that a stranded or late read may still write."""
-        reads = [*self.stranded, *self._late.values()]
-        withheld = sorted({i for op in reads for i in op.local}.intersection(local))
+        withheld = sorted(self._blocks().intersection(local))
         if withheld:
             raise ValueError(
                 f"local blocks {withheld[:8]} are still the target of a read that failed or "
