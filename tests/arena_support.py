@@ -36,6 +36,7 @@ class ScriptedTier:
         self._peers = peers
         self._frozen = frozen
         self.stores: list[tuple[list[Key], Future[TransferResult]]] = []
+        self.gates: list[Future[TransferResult]] = []  # ``withheld_until``'s next answers
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -61,6 +62,14 @@ class ScriptedTier:
     def load(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
         future: Future[TransferResult] = Future()
         future.set_result(stored(keys))
+        return future
+
+    def withheld_until(self, slots: list[int]) -> Future[TransferResult]:
+        """Resolved at once unless the test put a gate here (``gates``: the next call's)."""
+        if self.gates:
+            return self.gates.pop(0)
+        future: Future[TransferResult] = Future()
+        future.set_result(stored([]))
         return future
 
     def end_stores(self) -> None:

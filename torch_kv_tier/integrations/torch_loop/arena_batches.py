@@ -201,7 +201,9 @@ class ArenaBatches(ArenaSlots):
         at its first key; the slots of a read still under way are held until it ends (also when
         the wait for it is interrupted, a ``KeyboardInterrupt`` raised on; one inside the tier's
         load keeps that load's slots for good, out of the room, and frees the other hosts'
-        unsent ones). A failed copy into the cache raises; its slots are back."""
+        unsent ones). A failed copy into the cache raises; its slots are back. The slots of a
+        read that failed or timed out come back once the tier no longer withholds them
+        (``_withhold``)."""
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
@@ -235,6 +237,7 @@ class ArenaBatches(ArenaSlots):
             self._hold(futures, unended, due, "was interrupted", in_use, held)
             self._release(slots, in_use)  # (a second Ctrl-C before it: ``_heal`` frees them)
             raise
+        withheld: list[int] = []  # a failed read's slots: the tier may withhold them
         try:  # at once: a Ctrl-C between the two would keep every slot
             for future in done:
                 try:
@@ -244,6 +247,11 @@ class ArenaBatches(ArenaSlots):
                     continue
                 loaded.update(result.keys)
                 failed.update(result.failed)
+                if not result.ok:
+                    withheld.extend(futures[future][1])
+            with self._lock:  # (one step: a Ctrl-C keeps them out, never frees them)
+                self._withheld.update(withheld)
+                in_use.update(withheld)
             count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
             if count < len(keys) and keys[count] in failed:
                 log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
@@ -254,5 +262,7 @@ class ArenaBatches(ArenaSlots):
             except BaseException:  # a Ctrl-C in it: once more (it skips those already back)
                 self._release(slots, in_use)
                 raise
+            if withheld:  # back once the tier accepts them again (a failed copy too)
+                self._withhold(withheld)
         futures.clear()  # (those under way are held: their records own their slots)
         return count

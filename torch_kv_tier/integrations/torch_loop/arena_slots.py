@@ -25,6 +25,9 @@ that did not end normally leaves the next one to heal (``_heal``, one pass over 
 each slot that no record owns and that no transfer may use comes back, none twice; only the
 slots of a load that a Ctrl-C stopped in the tier stay out, as nothing reports its read's end.
 
+The slots of a read that failed or timed out stay out until the tier no longer withholds them
+(refuses loads into them and stores from them: ``TierManager.withheld_until``, ``_withhold``).
+
 Threading: ``self._changed`` (a condition on ``self._lock``) guards the arena's allocator, the
 pending futures and the records of transfers under way, and wakes whoever waits for any of them;
 the callbacks run on the tier's background thread (or the caller's, for a future resolved at
@@ -74,6 +77,7 @@ class ArenaSlots:
         self._calling: tuple[str | None, list[Key], list[int], bool] | None = None
         self._reads: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
         self._kept: set[int] = set()
+        self._withheld: set[int] = set()  # failed reads' slots, until the tier accepts them
 
     def _started(
         self,
@@ -138,7 +142,7 @@ class ArenaSlots:
         Ctrl-C lost some), from counts alone."""
         arena = self._manager.arena
         with self._lock:
-            held = self._shares.held() + len(self._kept)
+            held = self._shares.held() + len(self._kept) + len(self._withheld)
             return arena.num_free + held < arena.num_blocks
 
     def _heal(self) -> None:
@@ -166,7 +170,7 @@ class ArenaSlots:
         with self._lock:
             self._rescan = True
             self._settle()
-            lost = self._manager.arena.reclaim(self._shares.owned() | self._kept)
+            lost = self._manager.arena.reclaim(self._shares.owned() | self._kept | self._withheld)
             self._hand_back([], bool(lost))
         if lost:
             log.warning("%d arena slots an interrupted batch lost are back", len(lost))
@@ -378,7 +382,26 @@ class ArenaSlots:
             pending = future in self._pending
             self._pending.discard(future)
             self._unsure.discard(future)
-            self._hand_back(self._shares.ended(future), pending)
+            freed = self._shares.ended(future)
+            failed = bool(freed) and not pending and not future.result().ok  # a read's
+            self._withheld.update(freed if failed else ())
+            self._hand_back([] if failed else freed, pending)
+        if failed:
+            self._withhold(freed)
+
+    def _withhold(self, slots: list[int]) -> None:
+        """Hand ``slots`` of a failed read (in ``_withheld`` since the step that took them from
+        their owner) back once the tier no longer withholds them (at once for most failures;
+        for a timed-out read, once reported). Without this lock: the tier takes its own."""
+        gate = self._manager.withheld_until(slots)  # (raising, they stay out: never reused)
+        gate.add_done_callback(lambda _: self._unwithhold(slots))
+
+    def _unwithhold(self, slots: list[int]) -> None:
+        """The tier no longer withholds ``slots``: back to the arena; wakes waiters."""
+        with self._lock:
+            self._withheld.difference_update(slots)
+            self._manager.arena.free_taken(slots)
+            self._changed.notify_all()
 
     def _hand_back(self, freed: list[int], ended: bool) -> None:
         """Under the lock: free the slots of dropped records (``freed``) and wake waiters if
