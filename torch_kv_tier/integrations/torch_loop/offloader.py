@@ -63,9 +63,12 @@ class PagedKVOffloader:
     ``arena.allocate``/``arena.free``, so it must be the arena's only user. It closes ``manager``
     in :meth:`close` only when ``owns_manager`` is true (as with :meth:`create`).
 
-    Threading: call :meth:`offload`, :meth:`restore`, :meth:`flush` and :meth:`close` from one
-    thread (the generation loop). Store completions run on the tier's background thread and only
-    return arena slots and retire pending offloads (:class:`.ArenaBatches` guards both).
+    Threading: call :meth:`connect`, :meth:`offload`, :meth:`restore`, :meth:`flush` and
+    :meth:`close` from one thread (the generation loop): ``connect`` may resolve transfers'
+    futures on it, and a Ctrl-C there marks the batches' state of that thread to heal. Store
+    completions run on the tier's background thread and only return arena slots and retire
+    pending offloads (:class:`.ArenaBatches` guards both), as does the tier's word that a
+    timed-out read's slots are no longer withheld (``TierManager.withheld_until``).
     """
 
     def __init__(
