@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from arena_support import WAIT_S, ScriptedTier, batches, stored
+from arena_support import WAIT_S, ScriptedTier, batches, failures, stored
 from remote_support import wait_for
 from torch_loop_support import BLOCK_LEN, random_caches, restored_exactly, stored_pages
 
@@ -86,6 +86,19 @@ def test_a_read_timed_out_after_its_restore_gave_up_keeps_its_slots_until_the_ti
     assert [f.result(timeout=WAIT_S).failed for _, f in offload] == [{}]
     tier.gate.set_result(stored([]))
     assert tier.arena.num_free == 4
+
+
+def test_an_offload_that_finds_only_withheld_slots_fails_at_once_saying_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tier = WithholdingTier(2)
+    tier.read.set_result(timed_out([b"k", b"l"]))
+    arena = batches(tier, timeout=WAIT_S)
+    assert arena.load_prefix([b"k", b"l"], [0, 1], time.monotonic() + WAIT_S) == 0
+    started = time.monotonic()
+    assert failures(arena.store_all({b"m": 0}, started + WAIT_S)) == {b"m": "capacity"}
+    assert time.monotonic() - started < WAIT_S  # (no wait for slots that cannot come in time)
+    assert "2 of reads that timed out, until their hosts report them" in caplog.text
 
 
 def test_a_frozen_hosts_read_past_transfer_timeout_s_costs_no_later_page_its_slots(

@@ -336,11 +336,14 @@ class ArenaSlots:
             return self._shares.overdue()
 
     def _no_slots(self) -> str:
-        """Why no slots came, for the log: those overdue hosts hold, and those kept for good."""
-        stuck, kept = self._overdue().total(), len(self._kept)
+        """Why no slots came, for the log: those overdue hosts hold, those the tier withholds,
+        and those kept for good."""
+        stuck, kept, late = self._overdue().total(), len(self._kept), len(self._withheld)
         why = (
             [f"{stuck} held by hosts past the timeout, until their transfers end"] if stuck else []
         )
+        if late:
+            why.append(f"{late} of reads that timed out, until their hosts report them")
         if kept:
             why.append(
                 f"{kept} kept out for good, as a Ctrl-C stopped the tier's load that may still "
