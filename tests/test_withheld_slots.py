@@ -13,7 +13,14 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from arena_support import WAIT_S, ScriptedTier, batches, failures, stored
+from arena_support import (
+    WAIT_S,
+    CtrlCAsItsCallbacksRun,
+    ScriptedTier,
+    batches,
+    failures,
+    stored,
+)
 from remote_support import wait_for
 from torch_loop_support import BLOCK_LEN, random_caches, restored_exactly, stored_pages
 
@@ -84,6 +91,23 @@ def test_a_read_timed_out_after_its_restore_gave_up_keeps_its_slots_until_the_ti
     assert tier.arena.num_free == 2
     offload = arena.store_all({b"m": 0, b"n": 1}, time.monotonic() + WAIT_S)
     assert [f.result(timeout=WAIT_S).failed for _, f in offload] == [{}]
+    tier.gate.set_result(stored([]))
+    assert tier.arena.num_free == 4
+
+
+def test_a_timed_out_read_whose_callback_a_ctrl_c_stopped_keeps_its_slots_too() -> None:
+    # The tier settled the read on this thread, a Ctrl-C landing before its callback ran: the
+    # next batch's look at every record found it, and must withhold its slots as the callback.
+    tier = WithholdingTier(4)
+    tier.read = CtrlCAsItsCallbacksRun()
+    arena = batches(tier, timeout=0.05)
+    assert arena.load_prefix([b"k", b"l"], [0, 1], time.monotonic() + 0.05) == 0
+    with pytest.raises(KeyboardInterrupt):
+        tier.read.set_result(timed_out([b"k", b"l"]))
+    arena.interrupted()  # as the offloader does when a Ctrl-C comes out of the tier's call
+    offload = arena.store_all({b"m": 0, b"n": 1}, time.monotonic() + WAIT_S)
+    assert [f.result(timeout=WAIT_S).failed for _, f in offload] == [{}]
+    assert tier.arena.num_free == 2
     tier.gate.set_result(stored([]))
     assert tier.arena.num_free == 4
 

@@ -78,6 +78,7 @@ class ArenaSlots:
         self._reads: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
         self._kept: set[int] = set()
         self._withheld: set[int] = set()  # failed reads' slots, until the tier accepts them
+        self._unasked: list[int] = []  # those of them whose callback a Ctrl-C stopped
 
     def _started(
         self,
@@ -132,10 +133,15 @@ class ArenaSlots:
         what the last one left if it did not end normally (any exception, or a Ctrl-C at any
         line, a second one in a handler too), or if slots are missing (a Ctrl-C in a
         done-callback that the tier ran on this thread outside a batch, as it handed a
-        transfer's slots back), then mark this one open until it ends."""
+        transfer's slots back), then mark this one open until it ends; ask the tier about
+        the failed reads' slots that ``_settle`` withheld (``_withhold``)."""
         if self._open or self._missing():
             self._heal()
         self._open = True
+        with self._lock:
+            unasked, self._unasked = self._unasked, []
+        if unasked:  # (a Ctrl-C before it: they stay out, never reused)
+            self._withhold(unasked)
 
     def _missing(self) -> bool:
         """Whether fewer slots are free than the records and ``_kept`` leave (no batch open: a
@@ -355,16 +361,22 @@ class ArenaSlots:
         """Under the lock: drop the records, and the pending futures, that resolved and that a
         Ctrl-C may have kept their callbacks from dropping (module docstring): the unsure
         ones, or all once ``_rescan``; free the slots those records owned (``HostShares``:
-        once only; a Ctrl-C between loses them, never frees them twice); wakes waiters if any
+        once only; a Ctrl-C between loses them, never frees them twice), but those of failed
+        reads: withheld, the tier asked at the next batch (``_begin``); wakes waiters if any
         ended."""
         if self._rescan:
             self._rescan = False
             resolved = [f for f in self._pending if f.done()]
-            freed = self._shares.settled()  # (the unsure among them: dropped, not freed, later)
+            ended = self._shares.settled()  # (the unsure among them: dropped, not freed, later)
         else:
             resolved = [f for f in self._unsure if f.done()]
             self._unsure.difference_update(resolved)
-            freed = [slot for future in resolved for slot in self._shares.ended(future)]
+            ended = [(future, self._shares.ended(future)) for future in resolved]
+        freed: list[int] = []
+        for future, slots in ended:
+            read = slots and future not in self._pending and not future.result().ok
+            (self._unasked if read else freed).extend(slots)
+        self._withheld.update(self._unasked)
         self._pending.difference_update(resolved)
         self._hand_back(freed, bool(resolved))
 

@@ -77,11 +77,11 @@ class HostShares:
         heapq.heappush(self._dues, (due, next(self._pushed), transfer))
         self._changing = False
 
-    def settled(self) -> list[int]:
-        """Drop the transfers whose futures resolved; the slots they owned, each handed back
-        once only (whoever frees them must: dropped, nothing else owns them)."""
+    def settled(self) -> list[tuple[Future[TransferResult], list[int]]]:
+        """Drop the transfers whose futures resolved; each with the slots it owned, handed
+        back once only (whoever frees them must: dropped, nothing else owns them)."""
         done = [transfer for transfer in self._transfers if transfer.done()]
-        return [slot for transfer in done for slot in self.ended(transfer)]
+        return [(transfer, self.ended(transfer)) for transfer in done]
 
     def ended(self, transfer: Future[TransferResult]) -> list[int]:
         """Drop the record of ``transfer``, which resolved, if :meth:`settled` has not: the
