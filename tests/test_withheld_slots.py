@@ -22,6 +22,7 @@ from arena_support import (
     stored,
 )
 from remote_support import wait_for
+from test_transfer_timeout import start_bound
 from torch_loop_support import BLOCK_LEN, random_caches, restored_exactly, stored_pages
 
 from torch_kv_tier.benchmarks.reliability_common import stop_process
@@ -129,20 +130,22 @@ def test_a_frozen_hosts_read_past_transfer_timeout_s_costs_no_later_page_its_slo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The user's tier (settles late loads, as TierManager does by default) under an offloader:
-    # a restore's read from a host frozen past transfer_timeout_s settled "timed out", its
-    # slots went back to the arena though the tier withheld them, and the offloads that took
-    # them failed "local blocks [...] are still the target of a read" until the host resumed.
+    # a restore's read from a host frozen past transfer_timeout_s (0.3 s here) settled "timed
+    # out", its slots went back to the arena though the tier withheld them, and the offloads
+    # that took them failed "local blocks [...] are still the target of a read" until the host
+    # resumed.
     monkeypatch.setenv("UCX_TLS", "tcp")  # a stopped host's reads stay on the wire
     keys_c, values_c = random_caches(torch.float32, seed=31)
-    keys = [f"withheld-{i}".encode() for i in range(8)]
+    keys = [f"withheld-{i}".encode() for i in range(6)]
     with ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server:
-        tier = TierManager.create(4, BLOCK_LEN, transfer_timeout_s=0.5)
+        tier = TierManager.create(4, BLOCK_LEN, transfer_timeout_s=0)  # (on while frozen only)
         with PagedKVOffloader(keys_c, values_c, tier, owns_manager=True, timeout=5.0) as off:
             off.connect(server.address)  # (a refused first dial is dialled again)
             assert wait_for(lambda: len(tier.peers()) == 1, 30.0)
             assert off.offload(range(2), keys[:2]).result(timeout=30).ok
-            expected = stored_pages(off, keys[:6])  # (pages 0.. under keys 0..)
+            expected = stored_pages(off, keys)  # (pages 0.. under keys 0..)
             stop_process(server.proc.pid)
+            start_bound(tier)  # (from now: a busy box's earlier transfers are not past it)
             try:
                 assert off.restore(keys[:2], [10, 11]) == 0  # its read timed out: recompute
                 assert tier.stats().late_reads == 1
@@ -151,10 +154,11 @@ def test_a_frozen_hosts_read_past_transfer_timeout_s_costs_no_later_page_its_slo
                 assert tier.arena.num_free == 2  # the read's slots stay out
                 assert off.restore(keys[:2], [10, 11]) == 0
             finally:
+                tier._overdue.timeout_s = 0  # (no healthy transfer of the busy box is past it)
                 os.kill(server.proc.pid, signal.SIGCONT)
             assert wait_for(lambda: tier.arena.num_free == 4 and len(tier.peers()) == 1, 30.0)
             assert off.offload(range(2, 6), keys[2:6]).result(timeout=30).ok
-            on_host = [k for k in keys[:6] if tier.contains(k)]  # (2.. at least: just stored)
+            on_host = [k for k in keys if tier.contains(k)]  # (2.. at least: just stored)
             assert set(keys[2:6]) <= set(on_host)
             for at in range(0, len(on_host), 4):  # arena-sized restores, as the loop makes
                 part, dst = on_host[at : at + 4], list(range(12 + at, 12 + at + 4))
