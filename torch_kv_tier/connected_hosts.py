@@ -135,7 +135,9 @@ class ConnectedHosts(LostHosts):
 
     def _remove(self, peer_id: str) -> None:
         """``remove_peer`` (unlocked): drop the peer, end its session clean unless a write of
-        it is in flight, and stop dialling it; its ended sessions are still released."""
+        it is in flight, and stop dialling it; its ended sessions are still released. A host
+        still joining (waiting for its index) has its join ended (it fails) before this
+        returns, so that a connect of it after this joins it anew."""
         with self._lock:
             self._check_open()
             dial = self._stop_dialling(peer_id)
@@ -148,7 +150,10 @@ class ConnectedHosts(LostHosts):
                     return
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
             session, clean = self._drop_to_end(peer_id)
+            joining = self._joining.get(peer_id)
         self._flush_then_end(session, clean, redial=True)
+        if joining is not None and not joining.await_end(CONNECT_TIMEOUT_S):
+            logger.warning("%s: its join, ended by its removal, is still running", peer_id)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)

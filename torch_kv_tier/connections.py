@@ -70,14 +70,22 @@ class EitherSet:
 class Joining(threading.Event):
     """A connect of a host in progress, set once it ended: the address it dialled, whether its
     dial is the host's first (``first``: forgotten if the join fails, so it stands for no later
-    redial) and, once it failed, why (what the connects of that host that waited for it
-    report)."""
+    redial), the thread connecting (the one that made it) and, once it failed, why (what the
+    connects of that host that waited for it report)."""
 
     def __init__(self, address: str, first: bool) -> None:
         super().__init__()
         self.address = address
         self.first = first
+        self.thread = threading.current_thread()
         self.failure: BaseException | None = None
+
+    def await_end(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the join to end; whether it did. On the joining thread
+        itself (a callback of its own) ``False`` at once: it cannot end while it waits."""
+        if self.thread is threading.current_thread():
+            return False
+        return self.wait(timeout_s)
 
 
 class Redialer:

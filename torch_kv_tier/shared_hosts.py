@@ -98,7 +98,9 @@ class SharedHosts:
         On failure (raised) the session is ended, clean unless a store to the host is in flight
         (stores may go out before the snapshot is in), and the host dropped; the ended sessions
         it released that the host may not have read are kept to be told again; the caller's
-        dial stays, so that a redial goes on."""
+        dial stays, so that a redial goes on. A host dropped while it waits for the snapshot
+        (``remove_peer``/``disconnect``, or its session lost) ends the wait at once
+        (``ConnectionError``): whoever dropped it ended its session."""
         peer_id = session.peer_id
         try:
             self._register(
@@ -133,6 +135,11 @@ class SharedHosts:
             while not synced.wait(min(_JOIN_POLL_S, max(deadline - time.monotonic(), 0))):
                 if session.lost is not None:
                     raise ConnectionError(f"{peer_id} was lost before it sent its index")
+                if self._peers.get(peer_id) is not host:  # (one lookup: no lock needed)
+                    raise ConnectionError(
+                        f"{peer_id} was removed (disconnect, remove_peer) or dropped before it "
+                        "sent its index; connect it again to join it"
+                    )
                 self._check_open()  # closed meanwhile (its session ended clean, not lost)
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{peer_id} did not send its index within {timeout_s} s")
