@@ -57,6 +57,8 @@ def test_a_host_removed_while_it_joins_ends_that_join_and_connects_again(
         assert following.wait(WAIT_S)
         [peer_id] = tier._joining
         joining = tier._joining[peer_id]
+        assert peer_id in tier._peers  # published (placed), its index awaited:
+        assert tier.peers() == []  # not joined yet (it was listed, and a user acted on it)
         tier.disconnect(peer_id)
         assert joining.is_set(), "disconnect returned while the host's join went on"
         assert isinstance(joining.failure, ConnectionError), joining.failure

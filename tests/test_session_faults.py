@@ -330,7 +330,13 @@ def test_a_tier_closed_while_a_host_sends_its_index_ends_that_connect_at_once(
     # index"). It now stops at close and says the tier is closed.
     from torch_kv_tier import shared_hosts
 
+    following = threading.Event()  # the join waits for the host's index
+
     class NoIndex(shared_hosts._HostChanges):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            following.set()
+
         def __call__(self, *args: Any) -> None:  # the host's snapshot never completes here
             pass
 
@@ -348,7 +354,7 @@ def test_a_tier_closed_while_a_host_sends_its_index_ends_that_connect_at_once(
         thread = threading.Thread(target=join)
         thread.start()
         try:
-            assert wait_for(lambda: len(tier.peers()) == 1 or bool(outcome), 30.0)
+            assert wait_for(lambda: following.is_set() or bool(outcome), 30.0)
         finally:
             tier.close()
         thread.join(timeout=10.0)

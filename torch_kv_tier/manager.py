@@ -221,8 +221,12 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         self._remove(peer_id)
 
     def peers(self) -> list[str]:
+        """The ids of this tier's peers: ``add_peer``'s regions and its connected hosts, a host
+        from when its join completed (what ``connect`` returns after: a shared host's keys are
+        known here), so never one still joining (a connect or redial of it under way, whose
+        join may yet fail), nor one lost and dialled again. Any thread."""
         with self._lock:
-            return list(self._peers)
+            return [peer_id for peer_id in self._peers if peer_id not in self._joining]
 
     @property
     def closed(self) -> bool:
