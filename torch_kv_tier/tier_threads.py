@@ -17,10 +17,11 @@ futures known to be done. ``concurrent.futures.wait`` and ``as_completed`` do no
 threads either. Every thread a tier starts in its process that runs its work or its futures'
 callbacks is a ``TierThread`` (a host name's lookup, ``tkvt-resolve-*``, runs neither and is a
 plain thread); a thread of one tier refuses the waits for another tier's futures too (it holds
-up its own tier's work). Waits the tier's integrations make inside their own calls, as
-``concurrent.futures.wait`` does, are not refused by this: such calls (``PagedKVOffloader``'s
-``flush``, ``close``, ``restore``, an ``offload`` that waits for free slots) still wait on
-these threads, so make them on a thread of your own too.
+up its own tier's work). The tier's integrations refuse their own waits there the same way
+(``refused``): ``PagedKVOffloader``'s ``flush`` and ``close`` with offloads pending, a
+``restore`` whose reads are under way, an ``offload`` or ``restore`` that would wait for free
+arena slots raise ``RuntimeError`` at once on these threads (such a wait lasted its whole
+timeout: only the poller's callbacks end it); those that need not wait run as anywhere.
 
 Thread-safe: the mark is a thread-local flag, set as a ``TierThread`` starts and never
 cleared; ``TierFuture`` adds no state, so creating and resolving one costs what a ``Future``
@@ -64,19 +65,21 @@ class TierFuture(Future[T]):
 
     def result(self, timeout: float | None = None) -> T:
         if _own.tier and not self.done():  # (``on_tier_thread``, inlined)
-            raise _refused("result")
+            raise refused("result() of a tier future that is not done yet")
         return Future.result(self, timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if _own.tier and not self.done():
-            raise _refused("exception")
+            raise refused("exception() of a tier future that is not done yet")
         return Future.exception(self, timeout)
 
 
-def _refused(call: str) -> RuntimeError:
+def refused(wait: str) -> RuntimeError:
+    """The ``RuntimeError`` for ``wait`` (what would wait, e.g. "result() of a tier future that
+    is not done yet") on the calling thread, a tier's: what to do instead."""
     thread = threading.current_thread().name
     return RuntimeError(
-        f"{call}() of a tier future that is not done yet, on the tier's own thread {thread!r} "
+        f"{wait}, on the tier's own thread {thread!r} "
         "(in a done-callback, say): that thread would be held, and the transfer waited for "
         "may need it to finish. Chain a done-callback to the future instead "
         "(future.add_done_callback), or wait for it on a thread of your own."

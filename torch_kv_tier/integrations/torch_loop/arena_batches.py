@@ -40,6 +40,7 @@ from torch_kv_tier.integrations.torch_loop.offload_results import (
 )
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.tier_threads import on_tier_thread, refused
 
 __all__ = ["ArenaBatches"]
 
@@ -203,7 +204,8 @@ class ArenaBatches(ArenaSlots):
         load keeps that load's slots for good, out of the room, and frees the other hosts'
         unsent ones). A failed copy into the cache raises; its slots are back. The slots of a
         read that failed or timed out come back once the tier no longer withholds them
-        (``_withhold``)."""
+        (``_withhold``). On a tier's thread, reads still under way once begun raise
+        ``RuntimeError`` instead of a wait (their slots held until they end, as on a Ctrl-C)."""
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
@@ -227,6 +229,8 @@ class ArenaBatches(ArenaSlots):
             except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
                 self._calling = None
                 log.warning("tier refused a load, recomputing: %s", exc)
+            if on_tier_thread() and not all(f.done() for f in futures):  # (held as on Ctrl-C)
+                raise refused("PagedKVOffloader.restore() with its reads under way")
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use, held)
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused

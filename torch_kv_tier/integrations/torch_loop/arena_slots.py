@@ -49,6 +49,7 @@ from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
 from torch_kv_tier.keys import Key
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.tier_threads import on_tier_thread, refused
 
 __all__ = ["ArenaSlots"]
 
@@ -222,10 +223,12 @@ class ArenaSlots:
             self._pending.add(offload)
         offload.add_done_callback(self._ended)
 
-    def wait_idle(self, deadline: float) -> bool:
+    def wait_idle(self, deadline: float, call: str = "flush()") -> bool:
         """Wait until no store or offload is pending; ``False`` if ``deadline`` came first.
         Waits on the futures themselves, and looks at every record and pending future: a
-        callback that never ran (Ctrl-C) cannot keep it waiting, nor keep a record after."""
+        callback that never ran (Ctrl-C) cannot keep it waiting, nor keep a record after.
+        ``RuntimeError`` (naming ``call``) instead of a wait on a tier's thread (only its
+        callbacks end it: :mod:`torch_kv_tier.tier_threads`)."""
         while True:
             with self._lock:
                 self._rescan = True
@@ -234,6 +237,8 @@ class ArenaSlots:
             left = deadline - time.monotonic()
             if not pending or left <= 0:
                 return not pending
+            if on_tier_thread():
+                raise refused(f"PagedKVOffloader.{call} with {len(pending)} offloads pending")
             wait(pending, timeout=left)
 
     def _hold(
@@ -320,10 +325,13 @@ class ArenaSlots:
         cannot then make the caller's next look tell another reason. ``True`` after one that
         something ended (notified), however late this thread woke: what ended in time (slots
         back) counts. ``seen``: the time the caller asked the overdue hosts for, so that a
-        store that turned overdue since ends the wait at once."""
+        store that turned overdue since ends the wait at once. ``RuntimeError`` instead of a
+        wait on a tier's thread (only its callbacks notify: :mod:`torch_kv_tier.tier_threads`)."""
         now = time.monotonic()
         if now >= deadline:
             return False
+        if on_tier_thread():
+            raise refused("PagedKVOffloader's wait for free arena slots (an offload or restore)")
         due = self._shares.next_due(seen)
         notified = self._changed.wait(min(deadline, due) - now)
         return notified or due < deadline or time.monotonic() < deadline

@@ -47,6 +47,7 @@ from torch_kv_tier.overdue import TRANSFER_TIMEOUT_S
 from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote.quantities import flag, seconds
 from torch_kv_tier.results import TransferResult
+from torch_kv_tier.tier_threads import on_tier_thread, refused
 
 __all__ = ["OffloadError", "PagedKVOffloader", "Staging"]
 
@@ -286,7 +287,8 @@ class PagedKVOffloader:
         ``ValueError`` for bad arguments.
 
         An offload larger than the arena waits for slots its earlier batches hold, ``timeout`` in
-        all: pages that find no free slot by then fail with "capacity" at once. With several
+        all: pages that find no free slot by then fail with "capacity" at once (on a tier's
+        thread, a done-callback, ``RuntimeError`` instead of that wait). With several
         hosts, the stores under way to one host hold at most half the arena (at least one
         slot; less while other hosts hold slots past the timeout), and the pages of a host
         with a store or read under way for longer than ``timeout`` fail at once with "host
@@ -314,7 +316,8 @@ class PagedKVOffloader:
         with a read or store under way for longer than ``timeout`` is not read from again
         until it ends (its keys end the prefix at once), and with several hosts holds
         meanwhile at most half the arena slots that other such hosts leave (at least one
-        slot). Raises ``ValueError`` for bad arguments.
+        slot). Raises ``ValueError`` for bad arguments; on a tier's thread (a done-callback),
+        ``RuntimeError`` instead of waiting for slots or for its reads.
         A failed copy into the cache (out of memory, say) raises ``OffloadError`` in either
         mode, naming the pages written before it and those it may have partly written.
         """
@@ -334,7 +337,8 @@ class PagedKVOffloader:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every offload so far has completed (the futures :meth:`offload` returned
         are done); ``False`` if ``timeout`` ran out. ``TypeError``/``ValueError`` unless
-        ``timeout`` is a number of seconds >= 0 (or ``None``: the offloader's ``timeout``)."""
+        ``timeout`` is a number of seconds >= 0 (or ``None``: the offloader's ``timeout``).
+        On a tier's thread (a done-callback), ``RuntimeError`` at once instead of a wait."""
         timeout = check_wait(timeout)
         return self._batches.wait_idle(
             time.monotonic() + (self.timeout if timeout is None else timeout)
@@ -346,10 +350,13 @@ class PagedKVOffloader:
         as :meth:`flush` checks it; ``None``: the offloader's ``timeout``). A tier it does not
         own stops dialling the hosts this offloader's connects left to it (``cancel_dial`` of
         its own requests: one the user asked for too is still dialled; those that joined stay).
-        Idempotent."""
+        Idempotent. On a tier's thread (a done-callback), ``RuntimeError`` at once, the
+        offloader left open, while offloads are pending (``flush``)."""
         timeout = check_wait(timeout)  # before anything: a refused call leaves the offloader open
         if self._closed:
             return
+        if on_tier_thread() and not self.flush(0.0):  # refused before anything closes
+            raise refused("PagedKVOffloader.close() with offloads pending")
         self._closed = True
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         try:
