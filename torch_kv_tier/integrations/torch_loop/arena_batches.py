@@ -5,7 +5,8 @@ An offload or restore larger than the arena goes in batches of at most the arena
 (waiting for them until the caller's deadline), packs cache pages into them and hands them to the
 tier's ``store``, or has the tier ``load`` into them and unpacks the loaded prefix into cache
 pages (:mod:`.page_copy`). Its base :class:`.arena_slots.ArenaSlots` lends the slots, sizes the
-batches and takes the slots back once nothing can touch them any more.
+batches and takes the slots back once nothing can touch them any more; between the two,
+:class:`.arena_heal.ArenaHeal` heals at the next batch what a Ctrl-C left.
 
 A host frozen past the timeout keeps the slots of its reads until it resumes (or dies), which
 may be never, and those of its stores until its session is lost. So a batch reads from, and
@@ -25,7 +26,7 @@ import logging
 import time
 from concurrent.futures import Future, wait
 
-from torch_kv_tier.integrations.torch_loop.arena_slots import ArenaSlots
+from torch_kv_tier.integrations.torch_loop.arena_heal import ArenaHeal
 from torch_kv_tier.integrations.torch_loop.host_shares import (
     OVERDUE,
     by_host,
@@ -47,9 +48,10 @@ __all__ = ["ArenaBatches"]
 log = logging.getLogger(__name__)
 
 
-class ArenaBatches(ArenaSlots):
+class ArenaBatches(ArenaHeal):
     """Stores and loads batches of pages through ``manager``'s arena (module docstring); must
-    be the arena's only user. Built as :class:`.arena_slots.ArenaSlots` is."""
+    be the arena's only user. Built as :class:`.arena_slots.ArenaSlots` is; heals what a Ctrl-C
+    left at the next batch (:class:`.arena_heal.ArenaHeal`)."""
 
     def store_all(self, todo: dict[Key, int], deadline: float) -> list[Batch]:
         """:meth:`store` ``todo`` (key: page, in order) in batches of at most the slots that

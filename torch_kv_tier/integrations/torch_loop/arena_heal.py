@@ -1,0 +1,142 @@
+"""The offloader's heal after a Ctrl-C: every arena slot an interrupted batch left gets an owner
+again, or comes back, none twice.
+
+No line is safe from a Ctrl-C (``KeyboardInterrupt``, which lands on the main thread only), a
+second one in the handler of the first included. So :class:`ArenaHeal` marks a batch open
+(``_begin``) until it ends normally, and the next batch heals what one that did not left
+(``_heal``, one pass over the records): the tier's store it was in is made again (``_rejoin``),
+each of its reads under way without a record gets one, and each slot that no record owns and
+that no transfer may use comes back, none twice; only the slots of a load that a Ctrl-C
+stopped in the tier stay out (``_keep``), as nothing reports its read's end. A Ctrl-C out of
+one of the tier's calls (``interrupted``) has the next batch heal too.
+
+Threading: the caller's thread (the generation loop) only: ``_open``, ``_calling`` and
+``_reads`` are its own; what the heal reads or changes of the records and the arena it does
+under :class:`.arena_slots.ArenaSlots`' lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+
+from torch_kv_tier.integrations.torch_loop.arena_slots import ArenaSlots
+from torch_kv_tier.integrations.torch_loop.page_copy import PageCopier
+from torch_kv_tier.keys import Key
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.results import TransferResult
+
+__all__ = ["ArenaHeal"]
+
+log = logging.getLogger(__name__)
+
+
+class ArenaHeal(ArenaSlots):
+    """:class:`.arena_slots.ArenaSlots` that heal, at the next batch, what a Ctrl-C left
+    (module docstring); the base of ``ArenaBatches``. Built as ``ArenaSlots`` is."""
+
+    def __init__(self, manager: TierManager, pages: PageCopier, timeout: float) -> None:
+        super().__init__(manager, pages, timeout)
+        # The caller's thread only (``_begin``): a batch began and has not ended normally;
+        # the tier's store or load it is in (host, keys, slots, whether a store); the reads
+        # it began (future: host, slots).
+        self._open = False
+        self._calling: tuple[str | None, list[Key], list[int], bool] | None = None
+        self._reads: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
+
+    def interrupted(self) -> None:
+        """A ``KeyboardInterrupt`` came out of a call of the tier on this thread (a store, a
+        load, a connect: any that resolves futures): it may have stopped the callbacks of
+        futures the tier resolved there; the next look at the records looks at every one."""
+        with self._lock:
+            self._rescan = True
+        self._open = True  # (the caller's thread) the next batch heals what it may have lost
+
+    def _begin(self) -> None:
+        """At the start of a batch (``store_all``, ``load_prefix``; the caller's thread): heal
+        what the last one left if it did not end normally (any exception, or a Ctrl-C at any
+        line, a second one in a handler too), or if slots are missing (a Ctrl-C in a
+        done-callback that the tier ran on this thread outside a batch, as it handed a
+        transfer's slots back), then mark this one open until it ends; ask the tier about
+        the failed reads' slots that ``_settle`` withheld (``_withhold``)."""
+        if self._open or self._missing():
+            self._heal()
+        self._open = True
+        with self._lock:
+            unasked, self._unasked = self._unasked, []
+        if unasked:  # (a Ctrl-C before it: they stay out, never reused)
+            self._withhold(unasked)
+
+    def _missing(self) -> bool:
+        """Whether fewer slots are free than the records and ``_kept`` leave (no batch open: a
+        Ctrl-C lost some), from counts alone."""
+        arena = self._manager.arena
+        with self._lock:
+            held = self._shares.held() + len(self._kept) + len(self._withheld)
+            return arena.num_free + held < arena.num_blocks
+
+    def _heal(self) -> None:
+        """Give every slot an interrupted batch left an owner again, or back (``_begin``):
+        the tier's store it was in is made again (``_rejoin``), the tier's load it was in keeps
+        its slots for good (it may have begun a read that nothing reports the end of), each
+        of its reads under way without a record gets one (its slots back once it ended); then
+        every taken slot that no record owns and that is not kept comes back (``reclaim``:
+        those a Ctrl-C lost in a handler, in the arena's allocator or in a done-callback).
+        Interrupted itself, it leaves ``_open`` set: the next batch heals again."""
+        due = time.monotonic() + self._timeout
+        for future, (host, slots) in list(self._reads.items()):
+            if not future.done() and not self._holds(future):
+                self._started(future, host, slots, due, store=False)
+        if self._calling is not None:
+            host, keys, slots, store = self._calling
+            returned = any(slots is s for _, s in self._reads.values())  # (load's future known)
+            if not returned and self._unowned(slots):
+                if store:
+                    self._rejoin(host, keys, slots, due)
+                else:
+                    self._keep(slots, f"a load from {host} interrupted in the tier")
+            self._calling = None
+        self._reads.clear()
+        with self._lock:
+            self._rescan = True
+            self._settle()
+            lost = self._manager.arena.reclaim(self._shares.owned() | self._kept | self._withheld)
+            self._hand_back([], bool(lost))
+        if lost:
+            log.warning("%d arena slots an interrupted batch lost are back", len(lost))
+
+    def _holds(self, future: Future[TransferResult]) -> bool:
+        with self._lock:
+            return self._shares.holds(future)
+
+    def _unowned(self, slots: list[int]) -> bool:
+        """Whether ``slots`` are all taken and no record owns any: a store whose tier call a
+        Ctrl-C stopped is made again then (``_rejoin``), a load's slots kept."""
+        arena = self._manager.arena
+        with self._lock:
+            return not any(map(arena.is_free, slots)) and self._shares.owned().isdisjoint(slots)
+
+    def _keep(self, slots: list[int], why: str) -> None:
+        """Keep ``slots`` out of the arena for good: a transfer may use them, and nothing will
+        report when it ended (``why``, logged)."""
+        with self._lock:
+            self._kept.update(slots)
+        log.warning("%s keeps %d arena slots", why, len(slots))
+
+    def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
+        """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
+        future: it may have sent any of them. The same store again returns a future that
+        resolves once no transfer reads the slots (``TierManager.store``: a stored key succeeds
+        at once, one in flight joins its store, the others are sent now), and the slots come
+        back then. If the tier refuses it (closed), they stay out of the arena: whether a
+        transfer still reads them cannot be told (logged). It names the store in ``_calling``
+        (the caller clears it): a second interrupt here, in the tier's store too, leaves them
+        to the next batch's ``_heal``, which makes the store again."""
+        self._calling = host, keys, slots, True  # (the first may have come before it was set)
+        try:
+            future = self._manager.store(keys, slots)
+        except Exception as exc:
+            self._keep(slots, f"a store to {host} interrupted in the tier ({exc})")
+            return
+        self._started(future, host, slots, due)
