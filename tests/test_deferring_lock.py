@@ -126,3 +126,23 @@ def test_it_serves_as_the_lock_of_a_condition() -> None:
         cond.notify()
     t.join(timeout=5.0)
     assert ran == ["deferred", "woken"]
+
+
+def test_a_ctrl_c_in_deferred_work_still_releases_the_lock() -> None:
+    """Found by review: a ``KeyboardInterrupt`` in work the holder ran as it released (a
+    Ctrl-C landing there) left the lock held for good: every later user of the tier's lock
+    (``close``'s retry after that Ctrl-C, the poller) waited forever. The interrupt reaches
+    the holder, the lock is free, and the work queued behind runs at the next release."""
+    lock = DeferringLock()
+    ran: list[str] = []
+
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), lock:
+        lock.run_soon(ctrl_c)
+        lock.run_soon(lambda: ran.append("after"))
+    assert not lock.locked()
+    assert lock.acquire(timeout=1.0)
+    lock.release()
+    assert ran == ["after"]

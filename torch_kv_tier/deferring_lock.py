@@ -11,7 +11,8 @@ changes: every release runs what is queued first.
 
 Threading: any thread may call any method. Works as the lock of a ``threading.Condition``.
 A deferred function that raises is logged and dropped; the exception never reaches the thread
-that happened to release the lock. Not reentrant, like ``threading.Lock``.
+that happened to release the lock (but a ``KeyboardInterrupt``, raised once the lock is
+released). Not reentrant, like ``threading.Lock``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ class DeferringLock:
     def release(self) -> None:
         """Run what is queued, then release; what was queued meanwhile by a thread that found
         the lock held is run by taking the lock again, unless another thread holds it now (and
-        runs it before it releases)."""
+        runs it before it releases). Released also when a piece of work raises past its
+        logging (a ``KeyboardInterrupt``: raised on, the rest left queued for the next holder),
+        so that a Ctrl-C there never leaves the lock held for good."""
         while True:
-            self._run_deferred()
-            self._lock.release()
+            try:
+                self._run_deferred()
+            finally:
+                self._lock.release()
             if not self._deferred or not self._lock.acquire(blocking=False):
                 return
 
