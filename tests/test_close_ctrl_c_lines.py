@@ -20,7 +20,7 @@ from release_support import RESULT_TIMEOUT_S
 from remote_support import BLOCK_LEN, fake_session, wait_for
 from test_index import BLOCK, LateWriteTransport, late_write_tier
 
-from torch_kv_tier import closing
+from torch_kv_tier import closing, transfers
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -210,3 +210,25 @@ def test_a_ctrl_c_at_any_line_of_close_still_ends_the_session_at_its_host() -> N
             if len(seen) < k:
                 break
     assert k > 20
+
+
+def test_a_ctrl_c_as_close_resolves_the_futures_still_resolves_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a Ctrl-C as ``_flush`` entered ``resolve``, once it had taken the
+    settled requests out of the tier, lost them: ``close`` ran again and resolved nothing,
+    so the store cancelled in flight never resolved (its caller waited forever)."""
+    with in_flight_tier(monkeypatch) as (tier, _, closed, futures):
+        interrupts = [KeyboardInterrupt()]
+
+        def interrupted(ready: list[Any]) -> None:
+            if interrupts:
+                raise interrupts.pop()  # Ctrl-C as resolve is entered
+            closing_resolve(ready)
+
+        closing_resolve = transfers.resolve
+        monkeypatch.setattr(transfers, "resolve", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=0)
+        assert not interrupts, "the interrupt was never injected"
+        assert_closed(closed, futures, "resolve")

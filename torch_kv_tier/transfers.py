@@ -386,9 +386,16 @@ class Transfers(Finishes):
             self._end_later(session, clean)
 
     def _flush(self) -> None:
-        """Resolve settled futures; called without the lock held."""
+        """Resolve settled futures, unlocked; those a Ctrl-C left unresolved go back to
+        ``_ready`` for the next flush (``close``'s retry), then it is raised."""
         with self._lock:
             ready, self._ready = self._ready, []
             ready.extend(self._withheld.cleared())  # blocks no late read may write any more
-        if ready:
+        if not ready:
+            return
+        try:
             resolve(ready)
+        except BaseException:
+            with self._lock:
+                self._ready[:0] = [r for r in ready if not r.future.done()]
+            raise
