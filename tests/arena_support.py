@@ -38,7 +38,7 @@ class ScriptedTier:
         self.stores: list[tuple[list[Key], Future[TransferResult]]] = []
         self.gates: list[Future[TransferResult]] = []  # ``withheld_until``'s next answers
 
-    def peers(self) -> list[str]:
+    def placing_peers(self) -> list[str]:
         return list(self._peers)
 
     def holders(self, keys: list[Key]) -> list[str | None]:

@@ -336,7 +336,7 @@ def test_an_offload_whose_hosts_change_at_every_look_settles_at_once() -> None:
     # spinning. A batch is sized again once; if the hosts changed again, it is stored as sized.
     looks = iter(range(10**9))
     tier = ScriptedTier(4, ["a"], frozen=set())
-    tier.peers = lambda: ["a", "b"][: 1 + next(looks) % 2]  # type: ignore[method-assign]
+    tier.placing_peers = lambda: ["a", "b"][: 1 + next(looks) % 2]  # type: ignore[method-assign]
     copies = CountedCopies()
     arena = ArenaBatches(tier, copies, WAIT_S)  # type: ignore[arg-type]
     parts = arena.store_all({b"k": 0, b"l": 1}, time.monotonic() + 2.0)
@@ -355,7 +355,7 @@ def test_a_batch_stored_after_the_hosts_changed_counts_as_the_hosts_it_went_to()
     looks = iter(range(10**9))
     both = ["a", "b"]
     tier = ScriptedTier(4, both, frozen={"b"})
-    tier.peers = lambda: both[: 1 if next(looks) == 0 else 2]  # type: ignore[method-assign]
+    tier.placing_peers = lambda: both[: 1 if next(looks) == 0 else 2]  # type: ignore[method-assign]
     arena = batches(tier, timeout=0.0)  # a store is overdue as soon as it began
     (on_b, later_on_b), (on_a, later_on_a) = keys_on("b", both, 2), keys_on("a", both, 2)
     assert failures(arena.store_all({on_b: 0, on_a: 1}, time.monotonic())) == {}

@@ -237,7 +237,7 @@ def test_an_offload_interrupted_as_it_asks_for_the_hosts_gets_its_slots_back() -
             raise KeyboardInterrupt
         return hosts
 
-    tier.peers = peers  # type: ignore[method-assign]
+    tier.placing_peers = peers  # type: ignore[method-assign]
     arena = batches(tier, timeout=WAIT_S)
     keys = [f"k-{i}".encode() for i in range(4)]
     with pytest.raises(KeyboardInterrupt):

@@ -228,6 +228,14 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         with self._lock:
             return [peer_id for peer_id in self._peers if peer_id not in self._joining]
 
+    def placing_peers(self) -> list[str]:
+        """The ids of the peers ``store`` places keys on now (each key's home among them,
+        ``keys.home_peer``): ``peers()`` and the shared hosts still joining, which take
+        stores before their index is in (``peers()`` lists them once joined). For a caller
+        that groups keys by the host they will go to. Any thread."""
+        with self._lock:
+            return list(self._peers)
+
     @property
     def closed(self) -> bool:
         """Whether ``close`` was called (``connect``, ``store`` and ``load`` then raise)."""

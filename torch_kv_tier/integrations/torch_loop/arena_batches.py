@@ -64,7 +64,7 @@ class ArenaBatches(ArenaHeal):
         peers: list[str] | None = None
         resized = False  # the next batch was sized again for hosts that changed: not twice
         while keys:
-            if peers != (looked := self._manager.peers()):  # at first, or the hosts changed
+            if peers != (looked := self._manager.placing_peers()):  # at first, or the hosts changed
                 peers, homes = looked, homes_among(keys, looked)
             held = self._overdue()
             if held and held.keys() & set(homes):  # no slot for a host that may not give it back
@@ -95,7 +95,7 @@ class ArenaBatches(ArenaHeal):
         restored = 0
         while restored < len(keys):
             holders = self._manager.holders(keys[restored : restored + max(1, self._room())])
-            n, _ = self._batch_size(holders, len(self._manager.peers()) > 1, deadline)
+            n, _ = self._batch_size(holders, len(self._manager.placing_peers()) > 1, deadline)
             if not n:
                 log.info("restore stops at a key of %s, whose transfers hold its share", holders[0])
                 break
@@ -150,7 +150,7 @@ class ArenaBatches(ArenaHeal):
             if not self._acquire(len(keys), deadline, slots):
                 return [(keys, failed_now(keys, "capacity", self._no_slots()))]
             self._pages.gather(pages, slots)  # (e.g. out of memory for the packed pages)
-            now = self._manager.peers()  # (Ctrl-C as it waits for the tier's lock)
+            now = self._manager.placing_peers()  # (Ctrl-C as it waits for the tier's lock)
             again = now != peers and resize and time.monotonic() < deadline
             if again:  # sized for other hosts
                 self._release(slots)

@@ -1,0 +1,74 @@
+"""A shared host still joining (its index not in yet) already takes stores (it is placed),
+while ``peers()`` leaves it out until its join completed. The torch-loop offloader groups a
+batch's keys by their homes (``homes_among``) to size each host's share and to tell which
+host a store waits for; grouped among ``peers()`` it counted the keys the tier placed on
+the joining host as another host's (no share of its own: a frozen joining host could take
+the whole arena, and make a healthy host overdue). It groups among ``placing_peers()``."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import pytest
+from membership_support import WAIT_S
+from remote_support import BLOCK_LEN
+
+from torch_kv_tier import shared_hosts
+from torch_kv_tier.integrations.torch_loop.host_shares import homes_among
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+
+_STUCK_S = 600.0  # the withheld join's timeout: longer than the test may take
+
+
+def _connect_failing(tier: TierManager, address: str) -> None:
+    """Connect the host whose index is withheld: its join fails once it is disconnected."""
+    with contextlib.suppress(ConnectionError):
+        tier.connect(address, timeout_s=_STUCK_S)
+
+
+def test_keys_placed_on_a_joining_host_are_grouped_as_the_tier_places_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    joins: list[Any] = []
+    following = threading.Event()  # the second join was published and waits for its index
+
+    class SecondWithholdsIndex(shared_hosts._HostChanges):
+        def __init__(self, tier: Any, host: Any, synced: threading.Event) -> None:
+            super().__init__(tier, host, synced)
+            self.withheld = bool(joins)
+            joins.append(host)
+            if self.withheld:
+                following.set()
+
+        def __call__(self, *args: Any) -> None:
+            if not self.withheld:
+                super().__call__(*args)
+
+    monkeypatch.setattr(shared_hosts, "_HostChanges", SecondWithholdsIndex)
+    with (
+        ServerProcess.start(64, BLOCK_LEN) as first,
+        ServerProcess.start(64, BLOCK_LEN) as second,
+        TierManager.create(32, BLOCK_LEN, name="joining-placement") as tier,
+    ):
+        joined = tier.connect(first.address, timeout_s=WAIT_S)
+        thread = threading.Thread(target=_connect_failing, args=(tier, second.address))
+        thread.start()
+        try:
+            assert following.wait(WAIT_S)
+            [joining] = tier._joining
+            keys = [f"k{i}" for i in range(32)]
+            assert tier.peers() == [joined]  # not joined yet
+            grouped = homes_among(keys, tier.placing_peers())  # what the offloader groups by
+            placed: list[str] = []
+            tier.store(keys, range(32), placed)
+            assert joining in placed  # (else the test shows nothing: 32 keys, two hosts)
+            assert set(placed) <= set(grouped), (
+                f"the tier placed keys on {joining} (joining), the offloader grouped them all "
+                f"as {joined}'s"
+            )
+        finally:
+            tier.disconnect(joining)
+            thread.join(WAIT_S)
