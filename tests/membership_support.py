@@ -75,6 +75,8 @@ class FakeTier:
         with self.lock:
             return sorted(self.live)
 
+    placing_peers = peers  # (what ``Membership`` looks at: no host joins here for long)
+
     def count(self, call: tuple[str, str]) -> int:
         with self.lock:
             return self.calls.count(call)

@@ -183,12 +183,12 @@ def test_a_failed_disconnect_or_peers_call_of_an_open_tier_is_retried() -> None:
                 raise failure
             super().disconnect(peer_id)
 
-        def peers(self) -> list[str]:
+        def placing_peers(self) -> list[str]:
             with self.lock:
                 failure = self.failures.pop(0) if len(self.failures) == 1 else None
             if failure is not None:
                 raise failure
-            return super().peers()
+            return super().placing_peers()
 
     tier, source = FailingTier(), FakeSource("a:1", "b:2")
     with following(tier, source):

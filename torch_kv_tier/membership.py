@@ -74,7 +74,7 @@ class Tier(Protocol):
     def connect(self, *args: Any, **kwargs: Any) -> str: ...
     def disconnect(self, peer_id: str) -> None: ...
     def dial_later(self, *args: Any, **kwargs: Any) -> None: ...
-    def peers(self) -> list[str]: ...
+    def placing_peers(self) -> list[str]: ...
     @property
     def closed(self) -> bool: ...
 
@@ -99,9 +99,10 @@ class Membership:
     Every ``interval_s`` (the first round right after ``start``) it resolves ``source``; each
     new address is connected with ``tier.connect(address, **connect_kwargs)``, each vanished
     one disconnected (unless another listed address reached the same peer, e.g. a dual-stack
-    host's A and AAAA address), and each listed address whose peer ``tier.peers()`` no longer
-    lists, or that never connected, is dialled again; a round dials its hosts side by side, so
-    hosts that do not answer hold it up one handshake timeout in all. ``known`` are addresses
+    host's A and AAAA address), and each listed address whose peer ``tier.placing_peers()``
+    no longer lists (neither joined nor joining), or that never connected, is dialled again;
+    a round dials its hosts side by side, so hosts that do not answer hold it up one
+    handshake timeout in all. ``known`` are addresses
     the caller already dialled: their peer ids, or ``None`` for a host that did not answer
     (already logged). The tier owns the peers; this object only calls its public methods
     (module docstring).
@@ -195,7 +196,7 @@ class Membership:
             for address, peer_id in sorted(self._leaving.items()):
                 if peer_id is None or peer_id in kept or self._disconnect(address, peer_id):
                     del self._leaving[address]
-        live = set(self._tier.peers())
+        live = set(self._tier.placing_peers())  # (a host still joining is in hand)
         due = [a for a, peer_id in sorted(self.hosts().items()) if peer_id not in live]
         if self._stop.is_set() or not due:
             return
