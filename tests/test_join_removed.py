@@ -7,13 +7,12 @@ removed, before ``disconnect`` returns, and the next connect joins the host anew
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
+from join_support import withhold_index
 from membership_support import WAIT_S
 from remote_support import BLOCK_LEN
 
-from torch_kv_tier import shared_hosts
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 
@@ -23,23 +22,7 @@ _STUCK_S = 600.0  # the first join's timeout: longer than the test may take, wer
 def test_a_host_removed_while_it_joins_ends_that_join_and_connects_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    joins: list[Any] = []  # the hosts joined, in order (held: their sessions checked below)
-    following = threading.Event()  # the first join was published and waits for the index
-
-    class FirstWithholdsIndex(shared_hosts._HostChanges):
-        """The first join's snapshot never arrives; later joins get theirs."""
-
-        def __init__(self, tier: Any, host: Any, synced: threading.Event) -> None:
-            super().__init__(tier, host, synced)
-            self.withheld = not joins
-            joins.append(host)
-            following.set()
-
-        def __call__(self, *args: Any) -> None:
-            if not self.withheld:
-                super().__call__(*args)
-
-    monkeypatch.setattr(shared_hosts, "_HostChanges", FirstWithholdsIndex)
+    joins, following = withhold_index(monkeypatch, lambda n: n == 0)  # the first join's
     with (
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="removed-mid-join") as tier,

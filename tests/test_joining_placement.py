@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
 
 import pytest
+from join_support import withhold_index
 from membership_support import WAIT_S
 from remote_support import BLOCK_LEN
 
-from torch_kv_tier import shared_hosts
 from torch_kv_tier.host_sources import StaticHosts
 from torch_kv_tier.integrations.torch_loop.host_shares import homes_among
 from torch_kv_tier.manager import TierManager
@@ -35,22 +34,7 @@ def _connect_failing(tier: TierManager, address: str) -> None:
 def test_keys_placed_on_a_joining_host_are_grouped_as_the_tier_places_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    joins: list[Any] = []
-    following = threading.Event()  # the second join was published and waits for its index
-
-    class SecondWithholdsIndex(shared_hosts._HostChanges):
-        def __init__(self, tier: Any, host: Any, synced: threading.Event) -> None:
-            super().__init__(tier, host, synced)
-            self.withheld = bool(joins)
-            joins.append(host)
-            if self.withheld:
-                following.set()
-
-        def __call__(self, *args: Any) -> None:
-            if not self.withheld:
-                super().__call__(*args)
-
-    monkeypatch.setattr(shared_hosts, "_HostChanges", SecondWithholdsIndex)
+    _, following = withhold_index(monkeypatch, lambda n: n == 1)  # the second host's
     with (
         ServerProcess.start(64, BLOCK_LEN) as first,
         ServerProcess.start(64, BLOCK_LEN) as second,
@@ -84,17 +68,7 @@ def test_a_membership_round_leaves_a_host_that_is_joining_to_its_join(
     # known host whose (re)join was under way (a large index: seconds) for gone and dialled
     # it again: a second session on the host, the round held up for that connect's timeout
     # waiting for the join, and a WARNING "cannot be connected" for a host that was joining.
-    following = threading.Event()
-
-    class NoIndex(shared_hosts._HostChanges):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(*args)
-            following.set()
-
-        def __call__(self, *args: Any) -> None:  # the host's index never comes here
-            pass
-
-    monkeypatch.setattr(shared_hosts, "_HostChanges", NoIndex)
+    _, following = withhold_index(monkeypatch, lambda _: True)
     with (
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="joining-membership") as tier,
