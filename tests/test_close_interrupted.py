@@ -87,11 +87,7 @@ def test_a_ctrl_c_in_closes_bounded_waits_still_ends_the_sessions_and_the_transp
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=RESULT_TIMEOUT_S)
         assert closed.is_set(), "the transport outlived close"
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, RESULT_TIMEOUT_S), (
-                "the tier's session outlived close: "
-                f"{observer.stats()['sessions']} (the observer's own is the only one)"
-            )
+        assert_session_ended(server.address)
 
 
 def test_a_ctrl_c_as_close_waits_for_release_threads_still_ends_the_sessions(
@@ -110,11 +106,7 @@ def test_a_ctrl_c_as_close_waits_for_release_threads_still_ends_the_sessions(
         interrupt_waits_on_this_thread(tier, monkeypatch)  # as close waits for release threads
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=RESULT_TIMEOUT_S)
-        with fake_session(server.address, private=False) as observer:
-            assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, RESULT_TIMEOUT_S), (
-                "the tier's session outlived close: "
-                f"{observer.stats()['sessions']} (the observer's own is the only one)"
-            )
+        assert_session_ended(server.address)
 
 
 def test_a_ctrl_c_as_the_transport_closes_still_settles_the_cancelled_loads_once_released(
@@ -185,3 +177,12 @@ def test_a_ctrl_c_between_closes_later_waits_still_closes_the_transport(
         with pytest.raises(KeyboardInterrupt):
             tier.close(timeout=0)
         assert closed.is_set(), "the transport outlived close"
+
+
+def assert_session_ended(address: str) -> None:
+    """The host at ``address`` lists no session but an observer's own: the tier's ended."""
+    with fake_session(address, private=False) as observer:
+        assert wait_for(lambda: len(observer.stats()["sessions"]) == 1, RESULT_TIMEOUT_S), (
+            "the tier's session outlived close: "
+            f"{observer.stats()['sessions']} (the observer's own is the only one)"
+        )
