@@ -1,6 +1,7 @@
 """What the membership and dial tests share: a hosts file replaced atomically, a fake tier and a
 ``Membership`` following a source on it, the names of a tier's session and redial threads, a
-tier connected to a host of its own, and connects that find their host down."""
+tier connected to a host of its own, connects that find their host down, and redials quick
+enough for a test, with how long to wait for their join."""
 
 from __future__ import annotations
 
@@ -115,6 +116,21 @@ def connected_tier(name: str) -> Iterator[tuple[TierManager, str, tuple[Any, ...
 
 
 # -- hosts down at their connect (redial_if_down) ---------------------------------------------
+
+
+def redial_quickly(monkeypatch: pytest.MonkeyPatch, max_s: float = 1.0) -> None:
+    """Have tiers dial a lost host (or one down at its connect) again 0.1 s after, the backoff
+    doubling up to ``max_s`` (not ``REDIAL_MAX_S``'s 10 s): a host that comes up is tried
+    again within ``max_s`` (``join_wait_s``)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    monkeypatch.setattr(connections, "REDIAL_MAX_S", max_s)
+
+
+def join_wait_s() -> float:
+    """How long to wait for a host that came up to join through the redialer: its backoff grew
+    while it was down (or starting), so its next try may come up to ``REDIAL_MAX_S`` (as
+    patched) after it is up, then the join has ``WAIT_S``."""
+    return connections.REDIAL_MAX_S + WAIT_S
 
 
 def redial_threads() -> list[str]:

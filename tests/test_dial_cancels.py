@@ -13,7 +13,13 @@ import weakref
 from typing import Any
 
 import pytest
-from membership_support import WAIT_S, down_for_the_caller, redial_threads
+from membership_support import (
+    WAIT_S,
+    down_for_the_caller,
+    join_wait_s,
+    redial_quickly,
+    redial_threads,
+)
 from remote_support import BLOCK_LEN, SilentHosts, free_port, wait_until
 
 from torch_kv_tier import connections
@@ -259,7 +265,7 @@ def test_a_dial_owner_is_let_go_once_its_host_joined(monkeypatch: pytest.MonkeyP
     """Found by review: the dial of a host down at its connect kept its ``dial_owner`` (a
     library's own object, say) for as long as the host stayed connected, long after nobody
     could withdraw the request. A dial lets its owners go once its host joined."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    redial_quickly(monkeypatch)
     port = free_port()
     address = f"127.0.0.1:{port}"
     owner = type("Library", (), {})()
@@ -268,9 +274,7 @@ def test_a_dial_owner_is_let_go_once_its_host_joined(monkeypatch: pytest.MonkeyP
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=0.3, redial_if_down=True, dial_owner=owner)
         with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
-            # the redial backoff grew while the host started (up to REDIAL_MAX_S, 10 s): its
-            # next try may come that long after the host is up (a 10 s wait failed under load)
-            wait_until(lambda: tier.peers() == [address], "the host joins", timeout=30.0)
+            wait_until(lambda: tier.peers() == [address], "the host joins", join_wait_s())
             del owner
 
             def let_go() -> bool:  # (the connect publishes the host, then lets the owners go)

@@ -13,7 +13,14 @@ from typing import Any
 
 import pytest
 import torch
-from membership_support import WAIT_S, connected_tier, down_for_the_caller, redial_threads
+from membership_support import (
+    WAIT_S,
+    connected_tier,
+    down_for_the_caller,
+    join_wait_s,
+    redial_quickly,
+    redial_threads,
+)
 from remote_support import BLOCK_LEN, SilentHosts, fill_random, free_port, wait_until
 
 from torch_kv_tier import connections
@@ -27,7 +34,7 @@ def test_a_host_down_at_its_connect_joins_once_it_is_up(monkeypatch: pytest.Monk
     in the background with the tier's redialer until it joins (the torch loop's own dialler,
     one thread per such host, was a twin of it); its stores and loads work after, and
     ``close`` ends the redialer's thread."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    redial_quickly(monkeypatch)
     port = free_port()  # nobody listens here yet
     address = f"127.0.0.1:{port}"
     with TierManager.create(16, BLOCK_LEN, name="down-at-connect") as tier:
@@ -36,7 +43,7 @@ def test_a_host_down_at_its_connect_joins_once_it_is_up(monkeypatch: pytest.Monk
         assert any("cancel_dial" in note for note in getattr(down.value, "__notes__", []))
         assert tier.peers() == []
         with ServerProcess.start(32, BLOCK_LEN, extra_args=["--port", str(port)]):
-            wait_until(lambda: tier.peers() != [], "the host joins", timeout=30.0)
+            wait_until(lambda: tier.peers() != [], "the host joins", join_wait_s())
             data = fill_random(tier)
             assert tier.store([b"late-0", b"late-1"], [0, 1]).result(timeout=WAIT_S).ok
             tier.arena.tensor[2:4].zero_()

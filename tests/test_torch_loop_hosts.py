@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from arena_support import CtrlCAsItsCallbacksRun, stored
+from membership_support import join_wait_s, redial_quickly
 from remote_support import SilentHosts, free_port, wait_for
 from test_transfer_timeout import NeverDone
 from torch_loop_support import (
@@ -25,7 +26,7 @@ from torch_loop_support import (
     random_caches,
 )
 
-from torch_kv_tier import connections, parallel_connects
+from torch_kv_tier import parallel_connects
 from torch_kv_tier.integrations.torch_loop import (
     OffloadError,
     PagedKVOffloader,
@@ -37,11 +38,12 @@ from torch_kv_tier.remote.launch import ServerProcess
 remote = module_host()  # (the tests' ``remote`` host)
 
 
-def test_a_host_down_at_create_joins_once_it_is_up() -> None:
+def test_a_host_down_at_create_joins_once_it_is_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # Found by review: a host that did not answer at create() was never dialled again (the tier
     # re-dials only hosts once connected), so every offload failed and every restore was 0 for
     # the offloader's life. Now the tier dials it until it joins (connect's redial_if_down), and
     # once joined dials it again when it restarts.
+    redial_quickly(monkeypatch)
     keys_c, values_c = random_caches(torch.float32, seed=14)
     port = free_port()  # nobody listens here yet
     address = f"127.0.0.1:{port}"
@@ -50,13 +52,13 @@ def test_a_host_down_at_create_joins_once_it_is_up() -> None:
     ) as off:
         assert off.manager.peers() == []
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
-            assert wait_for(lambda: off.manager.peers() != [], 20.0)
+            assert wait_for(lambda: off.manager.peers() != [], join_wait_s())
             assert off.offload([0, 1], [b"late-0", b"late-1"]).result(timeout=30).ok
             assert off.restore([b"late-0", b"late-1"], [5, 6]) == 2
             assert torch.equal(page(keys_c, 5), page(keys_c, 0))
         assert wait_for(lambda: off.manager.peers() == [], 20.0)
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
-            assert wait_for(lambda: off.manager.peers() != [], 30.0)  # the tier dials it again
+            assert wait_for(lambda: off.manager.peers() != [], join_wait_s())  # dialled again
     dialling = [t.name for t in threading.enumerate() if t.name.startswith(DIALLING_THREADS)]
     assert dialling == []  # close stopped the dialling
     with pytest.raises(ValueError, match="reconnect_interval_s"):
@@ -107,7 +109,7 @@ def test_hosts_down_at_create_past_the_connects_at_once_join_once_they_are_up(
     # redial_if_down: the offloader logged that the tier dials it until it joins, and nothing
     # ever dialled it.
     monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 1)  # 2 hosts: greeted first
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    redial_quickly(monkeypatch)
     keys_c, values_c = random_caches(torch.float32, seed=16)
     ports = [free_port(), free_port()]  # nobody listens here yet
     remotes = [f"127.0.0.1:{port}" for port in ports]
@@ -117,16 +119,19 @@ def test_hosts_down_at_create_past_the_connects_at_once_join_once_they_are_up(
         assert off.manager.peers() == []
         extra_args = ["--port", str(ports[1])]
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=extra_args):
-            assert wait_for(lambda: off.manager.peers() == [remotes[1]], 20.0)
+            assert wait_for(lambda: off.manager.peers() == [remotes[1]], join_wait_s())
     dialling = [t.name for t in threading.enumerate() if t.name.startswith(DIALLING_THREADS)]
     assert dialling == []  # close stopped the dialling
 
 
-def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> None:
+def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Found by review: a host down at create() was dialled by a membership thread for the
     # offloader's life, which connected it again within reconnect_interval_s of the user's
     # off.manager.disconnect (a host connected at create stays disconnected). Once it joined,
     # it is now the tier's to dial again when lost, as one connected at create is.
+    redial_quickly(monkeypatch)
     keys_c, values_c = random_caches(torch.float32, seed=15)
     port = free_port()  # nobody listens here yet
     address = f"127.0.0.1:{port}"
@@ -137,7 +142,7 @@ def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> 
         ) as off,
         ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]),
     ):  # fmt: skip
-        assert wait_for(lambda: off.manager.peers() != [], 20.0)
+        assert wait_for(lambda: off.manager.peers() != [], join_wait_s())
         (peer,) = off.manager.peers()
         off.manager.disconnect(peer)
         time.sleep(1.0)  # ten dialling intervals
@@ -149,9 +154,9 @@ def test_a_host_that_joined_late_and_was_disconnected_is_not_dialled_again() -> 
 def _offloader_over_users_tier(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> Iterator[tuple[TierManager, PagedKVOffloader, int]]:
-    """A user's tier (redials from 0.1 s), an offloader over it, and a port nobody listens on
-    yet, for the host down at their connects."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    """A user's tier (redials from 0.1 s, ``redial_quickly``), an offloader over it, and a port
+    nobody listens on yet, for the host down at their connects."""
+    redial_quickly(monkeypatch)
     keys_c, values_c = random_caches(torch.float32, seed=17)
     block_len = PagedKVOffloader.block_len_for(keys_c, values_c)
     with TierManager.create(8, block_len, name=name) as tier:
@@ -184,7 +189,7 @@ def test_a_dial_under_way_as_the_offloader_closes_leaves_the_users_tier_alone(
         monkeypatch.setattr(tier, "_open", held_open)
         assert off.connect(address, connect_timeout=0.5) == ""
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
-            assert entered.wait(timeout=30), "the host was not dialled"
+            assert entered.wait(timeout=join_wait_s()), "the host was not dialled"
             off.close(timeout=0.5)
             go.set()
             time.sleep(1.0)  # ten times the first redial's delay
@@ -211,7 +216,9 @@ def test_an_offloaders_close_leaves_the_users_own_dial_of_an_address(
             connect()
         off.close(timeout=0.5)
         with ServerProcess.start(16, BLOCK_LEN, host="127.0.0.1", extra_args=["--port", str(port)]):
-            assert wait_for(lambda: tier.peers() != [], 20.0), "the user's dial was cancelled"
+            assert wait_for(lambda: tier.peers() != [], join_wait_s()), (
+                "the user's dial was cancelled"
+            )
 
 
 def test_a_host_lost_while_joining_at_create_joins_once_it_answers(
