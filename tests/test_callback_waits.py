@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from late_write_support import BLOCK, late_write_tier
 from remote_support import fill_random, wait_until
-from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp

@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 
 import pytest
+from late_write_support import BLOCK, late_write_tier
 from release_support import RESULT_TIMEOUT_S
 from remote_support import BLOCK_LEN, fake_session, wait_for
 from test_close_ctrl_c_lines import assert_closed, in_flight_tier
-from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from late_write_support import LateWriteTransport
 from remote_support import BLOCK_LEN, RESULT_TIMEOUT_S, fill_random, wait_for
-from test_index import LateWriteTransport
 
 from torch_kv_tier import connected_hosts
 from torch_kv_tier.arena import BlockArena

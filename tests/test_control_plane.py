@@ -15,8 +15,8 @@ from concurrent.futures import Future
 import psutil
 import pytest
 import torch
+from late_write_support import late_write_tier
 from remote_support import BLOCK_LEN, RESULT_TIMEOUT_S, control_ports, fill_random, wait_for
-from test_index import late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.reliability_common import ucx_over_tcp

@@ -14,8 +14,8 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from late_write_support import LateWriteTransport
 from remote_support import BLOCK_LEN
-from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks.remote import read_token

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 import zmq
+from late_write_support import LateWriteTransport
 from remote_support import BLOCK_LEN, SilentHosts, wait_for
-from test_index import LateWriteTransport
 from tier_races_support import PrivateSession
 
 from torch_kv_tier import connections

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_index import LateWriteTransport
+from late_write_support import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.benchmarks import frozen_writer_client, shared_stress, soak

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from late_write_support import BLOCK, LateWriteTransport
 from remote_support import BLOCK_LEN, fake_session, fill_random
-from test_index import BLOCK, LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager

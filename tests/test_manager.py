@@ -10,9 +10,9 @@ from concurrent.futures import wait
 
 import pytest
 import torch
+from late_write_support import LateWriteTransport
 from remote_peer import RemotePeer
 from remote_support import wait_until
-from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches

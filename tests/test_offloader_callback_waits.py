@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from late_write_support import LateWriteTransport, late_write_tier
 from remote_support import wait_until
-from test_index import LateWriteTransport, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader

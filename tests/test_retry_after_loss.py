@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from late_write_support import BLOCK, LateWriteTransport, late_write_tier
 from remote_support import wait_for
-from test_index import BLOCK, LateWriteTransport, late_write_tier
 from test_stray_reads import StrayReadTransport
 
 from torch_kv_tier.arena import BlockArena

@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 import zmq
+from late_write_support import LateWriteTransport
 from remote_support import BLOCK_LEN, free_port, wait_for
-from test_index import LateWriteTransport
 from tier_races_support import RESULT_TIMEOUT_S, PrivateSession, in_process_tier
 
 from torch_kv_tier import connections, session_releases

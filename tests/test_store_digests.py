@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from late_write_support import late_write_tier
 from remote_support import BLOCK_LEN
-from test_index import late_write_tier
 from tier_races_support import add_shared_host
 
 from torch_kv_tier.arena import BlockArena

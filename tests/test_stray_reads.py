@@ -13,8 +13,8 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from late_write_support import LateWriteTransport
 from remote_support import BLOCK_LEN, wait_for
-from test_index import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager

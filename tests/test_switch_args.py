@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_index import LateWriteTransport
+from late_write_support import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader

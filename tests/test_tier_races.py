@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from late_write_support import LateWriteTransport, late_write_tier
 from remote_support import BLOCK_LEN, wait_for
-from test_index import LateWriteTransport, late_write_tier
 from tier_races_support import RESULT_TIMEOUT_S, SharedSession, add_shared_host, in_process_tier
 
 from torch_kv_tier.arena import BlockArena

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from test_index import LateWriteTransport
+from late_write_support import LateWriteTransport
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.host_sources import make_resolver

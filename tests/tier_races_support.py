@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from late_write_support import LateWriteTransport, late_write_tier
 from remote_support import BLOCK_LEN
-from test_index import LateWriteTransport, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager
