@@ -14,9 +14,10 @@ import traceback
 import psutil
 import pytest
 import zmq
+from membership_support import redial_quickly
 from remote_support import BLOCK_LEN, SilentHosts, wait_for
 
-from torch_kv_tier import connections, shared_hosts
+from torch_kv_tier import shared_hosts
 from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -67,7 +68,10 @@ def test_close_leaves_no_dial_behind_with_hosts_silent_frozen_and_killed(
     agent past ``close``, whatever their dials' ``timeout_s``. (A guard: these hosts, each
     awaited for a first answer, left none behind before either; a handshake awaiting its
     ``Accept``, which did, is ``test_dial_close.py``'s.)"""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.05)
+    # the silent host is tried 0.5 s at a time, then again after its backoff: grown to
+    # REDIAL_MAX_S (10 s), that was as long as the wait below for a try of it beside the frozen
+    # host's, which could then fall between two of its tries
+    redial_quickly(monkeypatch)
     silent = SilentHosts(1)
     with (
         ServerProcess.start(16, BLOCK_LEN) as frozen,
