@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from membership_support import WAIT_S
+from membership_support import WAIT_S, join_wait_s, redial_quickly
 from remote_support import BLOCK_LEN, free_port, wait_until
 
-from torch_kv_tier import connections
 from torch_kv_tier.host_sources import WatchedFile
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership
@@ -123,7 +122,7 @@ def test_a_name_that_resolves_connects_and_one_that_stops_is_redialled(
     """``localhost:PORT`` joins; a host whose name does not resolve at its connect with
     ``redial_if_down`` is dialled again in the background (down, not misconfigured) and joins
     once its name resolves."""
-    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    redial_quickly(monkeypatch)  # (its backoff grows until the name resolves)
     with (
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="by-name") as tier,
@@ -136,7 +135,9 @@ def test_a_name_that_resolves_connects_and_one_that_stops_is_redialled(
         monkeypatch.setattr(host_names.socket, "getaddrinfo", _getaddrinfo)
         # peers() lists a host once joined (its index in), never mid-join: the disconnect below
         # met a join still waiting for the index, which then held the next connect (review)
-        wait_until(lambda: tier.peers() != [], "the host joins once its name resolves", WAIT_S)
+        wait_until(
+            lambda: tier.peers() != [], "the host joins once its name resolves", join_wait_s()
+        )
         tier.disconnect(tier.peers()[0])
         assert tier.connect(address, timeout_s=WAIT_S) in tier.peers()
 
