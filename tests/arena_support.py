@@ -59,8 +59,12 @@ class ScriptedTier:
             future.set_result(stored(keys))
         return future
 
-    def load(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+    def load(
+        self, keys: list[Key], slots: list[int], begun: list[Future[TransferResult]] | None = None
+    ) -> Future[TransferResult]:
         future: Future[TransferResult] = Future()
+        if begun is not None:
+            begun.append(future)  # before its read begins, as TierManager.load's
         future.set_result(stored(keys))
         return future
 
@@ -135,7 +139,9 @@ class ReadPastTheDeadline:
         self._clock, self.read = clock, read
         self.calls = 0
 
-    def __call__(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+    def __call__(
+        self, keys: list[Key], slots: list[int], begun: list[Future[TransferResult]] | None = None
+    ) -> Future[TransferResult]:
         self._clock.now += 1.0
         self.calls += 1
         return self.read

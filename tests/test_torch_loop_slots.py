@@ -360,8 +360,10 @@ def test_a_restore_whose_page_copy_fails_says_how_many_pages_it_wrote(
         if strict:  # a short restore says where its pages went too
             real_load = off.manager.load
 
-            def second_batch_lost(batch: list[bytes], slots: list[int]) -> Future[TransferResult]:
-                return failed_load(batch) if keys[2] in batch else real_load(batch, slots)
+            def second_batch_lost(
+                batch: list[bytes], slots: list[int], begun: list[Any] | None = None
+            ) -> Future[TransferResult]:
+                return failed_load(batch) if keys[2] in batch else real_load(batch, slots, begun)
 
             monkeypatch.setattr(off.manager, "load", second_batch_lost)
             monkeypatch.setattr(off._pages, "scatter", real_scatter)
@@ -381,7 +383,7 @@ def test_a_restore_interrupted_while_its_reads_are_under_way_leaks_no_arena_slot
     with PagedKVOffloader.create(keys_c, values_c, remote=remote, arena_blocks=3) as off:
         assert off.offload([0, 1], keys).result(timeout=30).ok
         read: Future[TransferResult] = Future()  # a read under way, ended below
-        monkeypatch.setattr(off.manager, "load", lambda batch, slots: read)
+        monkeypatch.setattr(off.manager, "load", lambda batch, slots, begun: read)
 
         def ctrl_c(*args: Any, **kwargs: Any) -> Any:
             raise KeyboardInterrupt
@@ -416,9 +418,11 @@ def test_a_restore_out_of_time_starts_no_read_it_cannot_wait_for(
         real_load, real_scatter = off.manager.load, off._pages.scatter
         loads: list[list[bytes]] = []
 
-        def counted(batch: list[bytes], slots: list[int]) -> Future[TransferResult]:
+        def counted(
+            batch: list[bytes], slots: list[int], begun: list[Any] | None = None
+        ) -> Future[TransferResult]:
             loads.append(batch)
-            return real_load(batch, slots)
+            return real_load(batch, slots, begun)
 
         def slow_copy(slots: list[int], pages: list[int]) -> None:
             time.sleep(1.2)  # past the restore's timeout

@@ -51,7 +51,9 @@ class WithholdingTier(ScriptedTier):
         self.gates.append(self.gate)
         self.gate.add_done_callback(lambda _: self.withheld.clear())
 
-    def load(self, keys: list[Key], slots: list[int]) -> Future[TransferResult]:
+    def load(
+        self, keys: list[Key], slots: list[int], begun: list[Future[TransferResult]] | None = None
+    ) -> Future[TransferResult]:
         self.withheld.update(slots)
         return self.read
 

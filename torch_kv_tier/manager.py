@@ -292,7 +292,12 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         resolve(ready)
         return request.future
 
-    def load(self, keys: Sequence[Key], local_idxs: Sequence[int]) -> Future[TransferResult]:
+    def load(
+        self,
+        keys: Sequence[Key],
+        local_idxs: Sequence[int],
+        begun: list[Future[TransferResult]] | None = None,
+    ) -> Future[TransferResult]:
         """Bring the blocks stored under ``keys`` into arena blocks ``local_idxs``. Never blocks.
 
         A key that is not stored, or whose bytes fail their digest, fails with "missing"; the
@@ -303,10 +308,15 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
         A read still in flight ``transfer_timeout_s`` after its post settles "timed out" then
         (its peer is dropped), but its blocks are withheld likewise (``stats().late_reads``)
         until the transport reports it or the tier closes: use other blocks meanwhile.
+        ``begun``, if given, gains the future before any read is sent: a caller that a
+        ``KeyboardInterrupt`` stopped in this call learns when its reads ended (empty: none
+        began; one a Ctrl-C left unsettled in here may never resolve).
         """
         keys = check_keys(keys)
         local = self._check_local(local_idxs, len(keys), unique=True)
         request = Request(keys)
+        if begun is not None:
+            begun.append(request.future)
         with self._lock:
             self._check_open()
             self._withheld.refuse(local, "load into")

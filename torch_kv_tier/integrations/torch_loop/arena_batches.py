@@ -168,7 +168,7 @@ class ArenaBatches(ArenaHeal):
             while unsent:
                 placed: list[str] = []  # where the tier sent them
                 host, (host_keys, host_slots) = calling = unsent[0]
-                self._calling = host, host_keys, host_slots, True  # (``_heal`` makes it again)
+                self._calling = host, host_keys, host_slots, None  # (``_heal`` makes it again)
                 try:
                     future = self._manager.store(host_keys, host_slots, placed)
                 except Exception as exc:
@@ -200,14 +200,15 @@ class ArenaBatches(ArenaHeal):
         """Load ``keys`` (read from ``holders``, one load per host) into free slots and unpack
         the loaded prefix into ``pages``; returns its length (0 when ``deadline`` has passed:
         no read is started that could not be waited for, or no slots came by then). A host
-        that refused, failed or did not answer by then ends the prefix
-        at its first key; the slots of a read still under way are held until it ends (also when
-        the wait for it is interrupted, a ``KeyboardInterrupt`` raised on; one inside the tier's
-        load keeps that load's slots for good, out of the room, and frees the other hosts'
-        unsent ones). A failed copy into the cache raises; its slots are back. The slots of a
-        read that failed or timed out come back once the tier no longer withholds them
-        (``_withhold``). On a tier's thread, reads still under way once begun raise
-        ``RuntimeError`` instead of a wait (their slots held until they end, as on a Ctrl-C)."""
+        that refused, failed or did not answer by then ends the prefix at its first key; the
+        slots of a read still under way are held until it ends (also when the wait for it is
+        interrupted, a ``KeyboardInterrupt`` raised on; one inside the tier's load keeps that
+        load's slots out of the room until its future resolves, the next batch frees them if
+        it began no read, and frees the other hosts' unsent ones). A failed copy into the
+        cache raises; its slots are back. The slots of a read that failed or timed out come
+        back once the tier no longer withholds them (``_withhold``). On a tier's thread, reads
+        still under way once begun raise ``RuntimeError`` instead of a wait (their slots held
+        until they end, as on a Ctrl-C)."""
         if time.monotonic() >= deadline:  # its reads would be given up at once, held as overdue
             log.warning("restore out of its %.1f s timeout, recomputing the rest", self._timeout)
             return 0
@@ -225,8 +226,9 @@ class ArenaBatches(ArenaHeal):
             due = time.monotonic() + self._timeout  # when a read still under way is overdue
             try:
                 for host, (host_keys, host_slots) in by_host(keys, holders, slots).items():
-                    self._calling = host, host_keys, host_slots, False  # it may begin the read
-                    futures[self._manager.load(host_keys, host_slots)] = host, host_slots
+                    begun: list[Future[TransferResult]] = []  # (its future: it may have begun)
+                    self._calling = host, host_keys, host_slots, begun
+                    futures[self._manager.load(host_keys, host_slots, begun)] = host, host_slots
                     self._calling = None
             except Exception as exc:  # the tier closed meanwhile: the reads submitted still end
                 self._calling = None
@@ -237,7 +239,7 @@ class ArenaBatches(ArenaHeal):
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use, held)
         except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
             self.interrupted()
-            if self._calling is not None:  # ``_heal`` keeps its slots: nothing says when it ends
+            if self._calling is not None:  # ``_heal`` keeps its slots until its reads end
                 in_use.update(self._calling[2])
             unended = [f for f in futures if f not in held and not f.done()]
             self._hold(futures, unended, due, "was interrupted", in_use, held)

@@ -6,9 +6,10 @@ second one in the handler of the first included. So :class:`ArenaHeal` marks a b
 (``_begin``) until it ends normally, and the next batch heals what one that did not left
 (``_heal``, one pass over the records): the tier's store it was in is made again (``_rejoin``),
 each of its reads under way without a record gets one, and each slot that no record owns and
-that no transfer may use comes back, none twice; only the slots of a load that a Ctrl-C
-stopped in the tier stay out (``_keep``), as nothing reports its read's end. A Ctrl-C out of
-one of the tier's calls (``interrupted``) has the next batch heal too.
+that no transfer may use comes back, none twice; the slots of a load that a Ctrl-C stopped in
+the tier after it began (``TierManager.load``'s ``begun``) stay out until its future resolves
+(``_keep``: for good if it never does), those of one stopped before it began come back. A
+Ctrl-C out of one of the tier's calls (``interrupted``) has the next batch heal too.
 
 Threading: the caller's thread (the generation loop) only: ``_open``, ``_calling`` and
 ``_reads`` are its own; what the heal reads or changes of the records and the arena it does
@@ -31,6 +32,10 @@ __all__ = ["ArenaHeal"]
 
 log = logging.getLogger(__name__)
 
+# The tier's store or load a batch is in: host, keys, slots, and ``None`` for a store, for a
+# load the list that gains its future once it began (``TierManager.load``'s ``begun``).
+Calling = tuple[str | None, list[Key], list[int], list[Future[TransferResult]] | None]
+
 
 class ArenaHeal(ArenaSlots):
     """:class:`.arena_slots.ArenaSlots` that heal, at the next batch, what a Ctrl-C left
@@ -39,10 +44,10 @@ class ArenaHeal(ArenaSlots):
     def __init__(self, manager: TierManager, pages: PageCopier, timeout: float) -> None:
         super().__init__(manager, pages, timeout)
         # The caller's thread only (``_begin``): a batch began and has not ended normally;
-        # the tier's store or load it is in (host, keys, slots, whether a store); the reads
-        # it began (future: host, slots).
+        # the tier's store or load it is in (``Calling``); the reads it began (future: host,
+        # slots).
         self._open = False
-        self._calling: tuple[str | None, list[Key], list[int], bool] | None = None
+        self._calling: Calling | None = None
         self._reads: dict[Future[TransferResult], tuple[str | None, list[int]]] = {}
 
     def interrupted(self) -> None:
@@ -79,29 +84,32 @@ class ArenaHeal(ArenaSlots):
     def _heal(self) -> None:
         """Give every slot an interrupted batch left an owner again, or back (``_begin``):
         the tier's store it was in is made again (``_rejoin``), the tier's load it was in keeps
-        its slots for good (it may have begun a read that nothing reports the end of), each
+        its slots until that load's future resolves, if it began (``_keep``: its reads ended;
+        a record would make its host overdue, for good should the future never resolve), each
         of its reads under way without a record gets one (its slots back once it ended); then
         every taken slot that no record owns and that is not kept comes back (``reclaim``:
-        those a Ctrl-C lost in a handler, in the arena's allocator or in a done-callback).
+        those a Ctrl-C lost in a handler, in the arena's allocator or in a done-callback, and
+        those of a load stopped before it began).
         Interrupted itself, it leaves ``_open`` set: the next batch heals again."""
         due = time.monotonic() + self._timeout
         for future, (host, slots) in list(self._reads.items()):
             if not future.done() and not self._holds(future):
                 self._started(future, host, slots, due, store=False)
         if self._calling is not None:
-            host, keys, slots, store = self._calling
+            host, keys, slots, begun = self._calling
             returned = any(slots is s for _, s in self._reads.values())  # (load's future known)
             if not returned and self._unowned(slots):
-                if store:
+                if begun is None:
                     self._rejoin(host, keys, slots, due)
-                else:
-                    self._keep(slots, f"a load from {host} interrupted in the tier")
+                elif begun:  # (none: it began no read, the slots are reclaimed below)
+                    self._keep(slots, f"a load from {host} interrupted in the tier", begun[0])
             self._calling = None
         self._reads.clear()
         with self._lock:
             self._rescan = True
             self._settle()
-            lost = self._manager.arena.reclaim(self._shares.owned() | self._kept | self._withheld)
+            out = self._shares.owned() | self._kept.keys() | self._withheld
+            lost = self._manager.arena.reclaim(out)
             self._hand_back([], bool(lost))
         if lost:
             log.warning("%d arena slots an interrupted batch lost are back", len(lost))
@@ -117,12 +125,37 @@ class ArenaHeal(ArenaSlots):
         with self._lock:
             return not any(map(arena.is_free, slots)) and self._shares.owned().isdisjoint(slots)
 
-    def _keep(self, slots: list[int], why: str) -> None:
-        """Keep ``slots`` out of the arena for good: a transfer may use them, and nothing will
-        report when it ended (``why``, logged)."""
+    def _keep(
+        self, slots: list[int], why: str, until: Future[TransferResult] | None = None
+    ) -> None:
+        """Keep ``slots`` out of the arena (``why``, logged): a transfer may use them. They come
+        back once ``until`` resolved (a load's future: its reads ended; withheld as a failed
+        read's, ``_withhold``, unless ok), if ever; without it, never (nothing will report
+        when that transfer ended). Kept again for the same future (a heal interrupted, made
+        again), they come back once; a Ctrl-C in the callback, once they left ``_kept``: the
+        next batch's heal reclaims them."""
         with self._lock:
-            self._kept.update(slots)
-        log.warning("%s keeps %d arena slots", why, len(slots))
+            self._kept.update(dict.fromkeys(slots, until))
+        until_when = "until its reads end" if until else "for good"
+        log.warning("%s keeps %d arena slots %s", why, len(slots), until_when)
+        if until is not None:
+            until.add_done_callback(lambda read: self._unkeep(slots, read))
+
+    def _unkeep(self, slots: list[int], read: Future[TransferResult]) -> None:
+        """``read``, which ``_keep`` kept ``slots`` for, resolved: those still kept for it come
+        back (none twice), but those of a failed read go the way of one that ``_settle``
+        withholds (the tier asked first)."""
+        failed = not read.result().ok
+        with self._lock:
+            slots = [slot for slot in slots if self._kept.get(slot) is read]
+            for slot in slots:
+                del self._kept[slot]
+            if failed:
+                self._withheld.update(slots)
+            else:
+                self._hand_back(slots, True)
+        if failed and slots:
+            self._withhold(slots)
 
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
         """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
@@ -133,7 +166,7 @@ class ArenaHeal(ArenaSlots):
         transfer still reads them cannot be told (logged). It names the store in ``_calling``
         (the caller clears it): a second interrupt here, in the tier's store too, leaves them
         to the next batch's ``_heal``, which makes the store again."""
-        self._calling = host, keys, slots, True  # (the first may have come before it was set)
+        self._calling = host, keys, slots, None  # (the first may have come before it was set)
         try:
             future = self._manager.store(keys, slots)
         except Exception as exc:

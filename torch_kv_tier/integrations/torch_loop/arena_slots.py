@@ -68,9 +68,9 @@ class ArenaSlots:
         self._shares = HostShares()  # the transfers under way, and which are past the timeout
         self._unsure: set[Future[TransferResult]] = set()  # records a callback may not drop
         self._rescan = False  # a Ctrl-C came out of the tier: look at every record once
-        self._kept: set[int] = (
-            set()
-        )  # slots a transfer may use that nothing frees (:mod:`.arena_heal`)
+        # Slots a transfer may use that no record owns, each with the future that frees it
+        # (``None``: nothing does) (:mod:`.arena_heal`).
+        self._kept: dict[int, Future[TransferResult] | None] = {}
         self._withheld: set[int] = set()  # failed reads' slots, until the tier accepts them
         self._unasked: list[int] = []  # those of them whose callback a Ctrl-C stopped
 
@@ -256,7 +256,7 @@ class ArenaSlots:
 
     def _no_slots(self) -> str:
         """Why no slots came, for the log: those overdue hosts hold, those the tier withholds,
-        and those kept for good."""
+        and those kept after a Ctrl-C (:mod:`.arena_heal`)."""
         stuck, kept, late = self._overdue().total(), len(self._kept), len(self._withheld)
         why = (
             [f"{stuck} held by hosts past the timeout, until their transfers end"] if stuck else []
@@ -265,8 +265,9 @@ class ArenaSlots:
             why.append(f"{late} of reads that timed out, until their hosts report them")
         if kept:
             why.append(
-                f"{kept} kept out for good, as a Ctrl-C stopped the tier's load that may still "
-                "write them: a new offloader (and tier) has them all"
+                f"{kept} kept out, as a Ctrl-C stopped the tier's load that may still write "
+                "them, until the tier reports its reads ended: if it never does, a new "
+                "offloader (and tier) has them all"
             )
         return "no free arena slots within the timeout" + (f" ({'; '.join(why)})" if why else "")
 
