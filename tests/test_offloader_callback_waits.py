@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 from late_write_support import LateWriteTransport, late_write_tier
 from remote_support import wait_until
@@ -42,7 +43,7 @@ class Outcome:
         """The refusal's message, once the callback ran; fails the test unless it was one."""
         assert self.ran.wait(RESULT_TIMEOUT_S), "the callback never ran"
         assert self.thread == "tkvt-poller"
-        assert isinstance(self.error, RuntimeError), (self.error, self.value)
+        assert type(self.error) is RuntimeError, (self.error, self.value)  # as it is: no wrap
         message = str(self.error)
         assert "add_done_callback" in message and "tkvt-poller" in message
         assert self.took < TIMEOUT_S / 2  # at once, not after the offloader's timeout
@@ -152,7 +153,13 @@ def test_an_offload_that_would_wait_for_slots_refuses_on_the_poller_one_with_fre
         wait_until(lambda: off.manager.arena.num_free == 2, "every slot is back")
 
 
-def test_a_restore_with_its_reads_under_way_refuses_on_the_poller_and_its_slots_come_back() -> None:
+def test_a_restore_with_its_reads_under_way_refuses_on_the_poller_and_its_slots_come_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by review: the refusal came wrapped in an OffloadError saying the restore "failed
+    # copying into page_ids[0:1], which may be partly written" (nothing was copied), and the
+    # log said the restore "was interrupted", as if by a Ctrl-C. The refusal is raised as it
+    # is now, and the log line names it.
     with offloader(slots=4) as (off, transport):
         stored = off.offload([0], ["p0"])
         land_all(transport)
@@ -160,6 +167,10 @@ def test_a_restore_with_its_reads_under_way_refuses_on_the_poller_and_its_slots_
         reads = hold_reads(transport)
         reading = on_poller(off, transport, lambda: off.restore(["p0"], [1]))
         assert "restore() with its reads under way" in reading.refused()
+        assert "interrupted" not in caplog.text
+        assert (
+            "restore from a ended early by RuntimeError (PagedKVOffloader.restore()" in caplog.text
+        )
         del transport.read_blocks  # (later reads end at once again)
         for land in reads:
             land()

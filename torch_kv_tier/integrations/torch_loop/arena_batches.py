@@ -48,6 +48,11 @@ __all__ = ["ArenaBatches"]
 log = logging.getLogger(__name__)
 
 
+class _CopyFailed(Exception):
+    """A copy of loaded blocks into the cache failed (its ``__cause__``): the pages it was to
+    write may be partly written (``load_prefix`` names them)."""
+
+
 class ArenaBatches(ArenaHeal):
     """Stores and loads batches of pages through ``manager``'s arena (module docstring); must
     be the arena's only user. Built as :class:`.arena_slots.ArenaSlots` is; heals what a Ctrl-C
@@ -102,7 +107,8 @@ class ArenaBatches(ArenaHeal):
             chunk, holders = keys[restored : restored + n], holders[:n]
             try:
                 got = self.load(chunk, holders, pages[restored : restored + len(chunk)], deadline)
-            except Exception as exc:  # copying into the cache failed part-way
+            except _CopyFailed as failed:  # (a refusal or a bug is raised as it is)
+                exc = failed.__cause__
                 raise OffloadError(
                     f"restore wrote {restored} of {len(keys)} stored pages (page_ids[0:{restored}]"
                     f"), then failed copying into page_ids[{restored}:{restored + len(chunk)}], "
@@ -237,12 +243,16 @@ class ArenaBatches(ArenaHeal):
                 raise refused("PagedKVOffloader.restore() with its reads under way")
             done, late = wait(futures, timeout=max(0.0, deadline - time.monotonic()))
             self._hold(futures, list(late), due, "timed out, recomputing the rest", in_use, held)
-        except BaseException:  # interrupted (Ctrl-C): no read may land in a slot reused
+        except (
+            BaseException
+        ) as exc:  # interrupted (Ctrl-C), refused: no read may land in a slot reused
             self.interrupted()
             if self._calling is not None:  # ``_heal`` keeps its slots until its reads end
                 in_use.update(self._calling[2])
             unended = [f for f in futures if f not in held and not f.done()]
-            self._hold(futures, unended, due, "was interrupted", in_use, held)
+            stop = f"ended early by {type(exc).__name__} ({exc})"  # (a refusal on a tier thread)
+            why = "was interrupted" if isinstance(exc, KeyboardInterrupt) else stop
+            self._hold(futures, unended, due, why, in_use, held)
             self._release(slots, in_use)  # (a second Ctrl-C before it: ``_heal`` frees them)
             raise
         withheld: list[int] = []  # a failed read's slots: the tier may withhold them
@@ -263,7 +273,10 @@ class ArenaBatches(ArenaHeal):
             count = next((i for i, key in enumerate(keys) if key not in loaded), len(keys))
             if count < len(keys) and keys[count] in failed:
                 log.warning("restore stopped at page %d: %s", count, failed[keys[count]])
-            self._pages.scatter(slots[:count], pages[:count])
+            try:
+                self._pages.scatter(slots[:count], pages[:count])
+            except Exception as exc:
+                raise _CopyFailed from exc
         finally:  # a Ctrl-C too: the others' slots come back, the held reads' when they end
             try:
                 self._release(slots, in_use)
