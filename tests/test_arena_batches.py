@@ -27,6 +27,7 @@ from arena_support import (
 from torch_kv_tier.integrations.torch_loop import arena_batches, arena_slots, host_shares
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
+from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 
@@ -487,3 +488,37 @@ def test_a_look_at_the_hosts_overdue_costs_what_changed_not_every_transfer() -> 
     empty: Future[TransferResult] = Future()
     shares.started(empty, "c", [], 0.0)  # a transfer of no slots: its host is overdue still
     assert "c" in shares.overdue(100.0)
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_an_offload_stopped_after_it_sent_a_batch_names_the_pages_sent_and_those_not(
+    failing: int,
+) -> None:
+    # Found by review: a copy out of the cache that failed in a later batch (out of memory,
+    # say) was raised as it was, though the earlier batches had been sent (and were stored):
+    # the caller could not tell which pages to offload again. It is raised as it is only
+    # before any batch was sent now, else as an OffloadError naming both (its cause: the
+    # failure).
+    tier = ScriptedTier(2, ["a"], frozen=set())  # stores end at once
+    arena = batches(tier, timeout=WAIT_S)
+    copies: list[list[int]] = []
+
+    def gather(pages: list[int], slots: list[int]) -> None:
+        copies.append(pages)
+        if len(copies) == failing:
+            raise MemoryError("out of memory (injected)")
+
+    arena._pages.gather = gather  # type: ignore[method-assign]
+    todo = {b"a": 10, b"b": 11, b"c": 12, b"d": 13}
+    with pytest.raises((MemoryError, OffloadError)) as err:
+        arena.store_all(todo, time.monotonic() + WAIT_S)
+    if failing == 1:  # nothing sent: as it is
+        assert type(err.value) is MemoryError
+    else:
+        assert isinstance(err.value, OffloadError)
+        assert isinstance(err.value.__cause__, MemoryError)
+        message = str(err.value)
+        assert "handed 2 pages (page_ids [10, 11])" in message
+        assert "2 pages (page_ids [12, 13]) were not sent" in message
+        assert [keys for keys, _ in tier.stores] == [[b"a", b"b"]]
+    assert tier.arena.num_free == 2

@@ -21,7 +21,7 @@ from late_write_support import LateWriteTransport, late_write_tier
 from remote_support import wait_until
 
 from torch_kv_tier.arena import BlockArena
-from torch_kv_tier.integrations.torch_loop import PagedKVOffloader
+from torch_kv_tier.integrations.torch_loop import OffloadError, PagedKVOffloader
 
 TIMEOUT_S = 10.0  # the offloader's: a wait on the poller lasted all of it
 RESULT_TIMEOUT_S = 30.0
@@ -40,10 +40,13 @@ class Outcome:
     ran: threading.Event = field(default_factory=threading.Event)
 
     def refused(self) -> str:
-        """The refusal's message, once the callback ran; fails the test unless it was one."""
+        """The refusal's message, once the callback ran; fails the test unless it was one
+        (raised as it is, or as the cause of an offload's ``OffloadError`` once it had sent
+        some pages: then the message is that error's)."""
         assert self.ran.wait(RESULT_TIMEOUT_S), "the callback never ran"
         assert self.thread == "tkvt-poller"
-        assert type(self.error) is RuntimeError, (self.error, self.value)  # as it is: no wrap
+        refusal = self.error.__cause__ if isinstance(self.error, OffloadError) else self.error
+        assert type(refusal) is RuntimeError, (self.error, self.value)
         message = str(self.error)
         assert "add_done_callback" in message and "tkvt-poller" in message
         assert self.took < TIMEOUT_S / 2  # at once, not after the offloader's timeout
@@ -142,8 +145,14 @@ def test_an_offload_that_would_wait_for_slots_refuses_on_the_poller_one_with_fre
         off.offload([0], ["p0"])  # holds one slot; the trigger the other, until it lands
         waiting = on_poller(off, transport, lambda: off.offload([1, 2], ["p1", "p2"]))
         assert "free arena slots" in waiting.refused()
+        # Found by review: the refusal said nothing of page 1, sent before it would have
+        # waited (stored once it landed): the caller could not tell which pages to offload
+        # again. It names the pages sent and those not now.
+        assert isinstance(waiting.error, OffloadError)
+        assert "handed 1 pages (page_ids [1])" in str(waiting.error)
+        assert "1 pages (page_ids [2]) were not sent" in str(waiting.error)
         land_all(transport)  # (what it sent before it would have waited)
-        assert off.flush()
+        assert off.flush() and off.lookup(["p1"]) == 1 and off.lookup(["p2"]) == 0
         fitting = on_poller(off, transport, lambda: off.offload([3], ["p3"]))
         assert fitting.ran.wait(RESULT_TIMEOUT_S) and fitting.error is None
         land_all(transport)
@@ -167,6 +176,7 @@ def test_a_restore_with_its_reads_under_way_refuses_on_the_poller_and_its_slots_
         reads = hold_reads(transport)
         reading = on_poller(off, transport, lambda: off.restore(["p0"], [1]))
         assert "restore() with its reads under way" in reading.refused()
+        assert type(reading.error) is RuntimeError  # as it is: it copied nothing
         assert "interrupted" not in caplog.text
         assert (
             "restore from a ended early by RuntimeError (PagedKVOffloader.restore()" in caplog.text

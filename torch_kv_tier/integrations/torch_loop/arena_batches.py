@@ -38,6 +38,7 @@ from torch_kv_tier.integrations.torch_loop.offload_results import (
     OffloadError,
     fail_hosts,
     failed_now,
+    partly_sent,
 )
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
@@ -63,31 +64,39 @@ class ArenaBatches(ArenaHeal):
         overdue hosts leave, each taking at most its share from one host; the keys of an
         overdue host fail at once (:data:`.host_shares.OVERDUE`). The hosts are looked at for
         each batch (a host may join or leave as an offload waits). Each part's keys and future,
-        for :func:`.offload_results.combine`."""
+        for :func:`.offload_results.combine`. What stops it (a refusal to wait on a tier's
+        thread, a failed copy) is raised as it is before any part, else as ``OffloadError``
+        naming the pages sent and those not (:func:`.offload_results.partly_sent`)."""
         self._begin()
         keys, batches = list(todo), []
-        peers: list[str] | None = None
-        resized = False  # the next batch was sized again for hosts that changed: not twice
-        while keys:
-            if peers != (looked := self._manager.placing_peers()):  # at first, or the hosts changed
-                peers, homes = looked, homes_among(keys, looked)
-            held = self._overdue()
-            if held and held.keys() & set(homes):  # no slot for a host that may not give it back
-                batches.append(fail_hosts(keys, homes, held, OVERDUE))
-                keys, homes = keys_without(keys, homes, held)
-                continue
-            n, late = self._batch_size(homes, len(peers) > 1, deadline)
-            if not n:  # its first key's host is overdue, or its share was still held in time
-                batches.append(fail_hosts(keys, homes, {homes[0]}, OVERDUE if late else "capacity"))
-                keys, homes = keys_without(keys, homes, {homes[0]})
-                continue
-            pages = [todo[k] for k in keys[:n]]
-            stores = self.store(keys[:n], pages, homes[:n], deadline, peers, resize=not resized)
-            if stores is None:  # the hosts changed as it waited for slots: sized again
-                resized = True
-                continue
-            batches.extend(stores)
-            keys, homes, resized = keys[n:], homes[n:], False
+        try:
+            peers: list[str] | None = None
+            resized = False  # the next batch was sized again for hosts that changed: not twice
+            while keys:
+                if peers != (looked := self._manager.placing_peers()):  # at first, or they changed
+                    peers, homes = looked, homes_among(keys, looked)
+                held = self._overdue()
+                if held and held.keys() & set(homes):  # no slot for a host that may not give back
+                    batches.append(fail_hosts(keys, homes, held, OVERDUE))
+                    keys, homes = keys_without(keys, homes, held)
+                    continue
+                n, late = self._batch_size(homes, len(peers) > 1, deadline)
+                if not n:  # its first key's host is overdue, or its share was still held in time
+                    why = OVERDUE if late else "capacity"
+                    batches.append(fail_hosts(keys, homes, {homes[0]}, why))
+                    keys, homes = keys_without(keys, homes, {homes[0]})
+                    continue
+                pages = [todo[k] for k in keys[:n]]
+                stores = self.store(keys[:n], pages, homes[:n], deadline, peers, resize=not resized)
+                if stores is None:  # the hosts changed as it waited for slots: sized again
+                    resized = True
+                    continue
+                batches.extend(stores)
+                keys, homes, resized = keys[n:], homes[n:], False
+        except Exception as exc:  # (a refusal to wait on a tier thread, a failed copy)
+            if not batches:
+                raise
+            raise partly_sent(todo, keys, exc) from exc
         self._open = False
         return batches
 

@@ -26,7 +26,7 @@ from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 from torch_kv_tier.tier_threads import TierFuture
 
-__all__ = ["OffloadError", "combine", "fail_hosts", "failed_now"]
+__all__ = ["OffloadError", "combine", "fail_hosts", "failed_now", "partly_sent"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,24 @@ def fail_hosts(
     failed = [k for k, home in zip(keys, homes) if home in hosts]
     named = ", ".join(sorted({str(home) for home in homes if home in hosts}))
     return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
+
+
+def partly_sent(todo: dict[Key, int], unsent: list[Key], exc: Exception) -> OffloadError:
+    """The error of an offload of ``todo`` (key: page) that ``exc`` stopped after it handed
+    the tier all but ``unsent``: which pages went (their stores go on) and which did not."""
+    left = set(unsent)
+    sent = [page for key, page in todo.items() if key not in left]
+    return OffloadError(
+        f"offload handed {_pages(sent)} to the tier (flush() waits for their stores, lookup() "
+        f"tells which are stored), then stopped: {_pages([todo[k] for k in unsent])} were not "
+        f"sent, offload them again. {type(exc).__name__}: {exc}"
+    )
+
+
+def _pages(pages: list[int]) -> str:
+    """``pages``, named for a message: at most 8 of them, and how many."""
+    shown = ", ".join(map(str, pages[:8])) + (", ..." if len(pages) > 8 else "")
+    return f"{len(pages)} pages (page_ids [{shown}])"
 
 
 def _reasons(failed: dict[Key, str]) -> dict[str, int]:

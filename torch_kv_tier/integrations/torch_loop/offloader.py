@@ -294,6 +294,13 @@ class PagedKVOffloader:
         with a store or read under way for longer than ``timeout`` fail at once with "host
         overdue" until it ends, so that a frozen host cannot take the slots the other hosts'
         pages need. A host that joins or leaves meanwhile takes effect from the next batch.
+
+        An offload stopped part-way, after it handed some batches to the tier (on a tier's
+        thread, a later batch would wait for slots; a later batch's copy out of the cache
+        failed), raises ``OffloadError`` naming the pages it handed over (their stores go on:
+        :meth:`flush` waits for them, :meth:`lookup` tells which are stored) and those it did
+        not (offload them again), the failure as its ``__cause__``; stopped before any, it
+        raises that failure as it is.
         """
         self._check_open("offload")
         keys, pages = check_pages(keys, page_ids, self.num_pages, "offload")
