@@ -54,14 +54,17 @@ class Outcome:
 
 
 @contextmanager
-def offloader(slots: int = 8) -> Iterator[tuple[PagedKVOffloader, LateWriteTransport]]:
+def offloader(
+    slots: int = 8, owns: bool = False
+) -> Iterator[tuple[PagedKVOffloader, LateWriteTransport]]:
     """An offloader over an in-process tier of ``slots`` arena slots and one host, whose
-    writes stay in flight until the test lands them (``transport.land``)."""
+    writes stay in flight until the test lands them (``transport.land``); ``owns``: it owns
+    the tier (its ``close`` closes it)."""
     keys_c = [torch.randn(PAGES, 2, 1, 8) for _ in range(2)]
     values_c = [torch.randn(PAGES, 2, 1, 8) for _ in range(2)]
     arena = BlockArena(slots, PagedKVOffloader.block_len_for(keys_c, values_c))
     with late_write_tier(arena, {"a": 64}) as (tier, transport):
-        off = PagedKVOffloader(keys_c, values_c, tier, timeout=TIMEOUT_S)
+        off = PagedKVOffloader(keys_c, values_c, tier, timeout=TIMEOUT_S, owns_manager=owns)
         transport.hold = True
         yield off, transport
 
@@ -129,6 +132,18 @@ def test_flush_and_close_with_offloads_pending_refuse_on_the_poller_leaving_it_o
         assert off.offload([1], ["p1"]) is not None  # still open: the close was refused
         land_all(transport)
         assert off.flush() and off.lookup(["p0", "p1"]) == 2
+
+
+def test_a_close_with_nothing_pending_closes_its_tier_on_the_poller_at_once() -> None:
+    # Reviewed: a close with nothing pending closes the tier it owns there (the tier's close
+    # does not join the poller it runs on), neither held for its timeout nor refused.
+    with offloader(owns=True) as (off, transport):
+        closed = on_poller(off, transport, lambda: off.close(TIMEOUT_S))
+        assert closed.ran.wait(RESULT_TIMEOUT_S) and closed.thread == "tkvt-poller"
+        assert closed.error is None and closed.took < TIMEOUT_S / 2
+        assert off.manager.closed
+        off.manager._thread.join(RESULT_TIMEOUT_S)  # the poller ends: it ran the close
+        assert not off.manager._thread.is_alive()
 
 
 def test_a_flush_with_nothing_pending_returns_true_on_the_poller() -> None:
