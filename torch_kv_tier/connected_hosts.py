@@ -81,7 +81,11 @@ class ConnectedHosts(LostHosts):
     ) -> str:
         """Join the shared pool of a ``torch-kv-tier serve`` host at ``HOST:PORT`` (or, with
         ``private=True``, lease up to ``slots`` of its slots for this tier alone); return its
-        peer id: the host's stable id, the same in every tier (what keys are placed by).
+        peer id: the host's stable id, the same in every tier (what keys are placed by). A host
+        removed (``disconnect``/``remove_peer`` of its id) or whose dial is cancelled
+        (``cancel_dial``) while this joins it is never connected: this raises
+        ``ConnectionError`` saying it was removed, leaves no session on the host, and the host
+        is not dialled again (not even with ``redial_if_down``).
         Connecting a host that is connected already returns its id (also at another address
         of it); so does a connect of a host another thread is connecting meanwhile, once that
         one succeeded. Another host process with the id of a connected one raises
@@ -122,13 +126,16 @@ class ConnectedHosts(LostHosts):
         try:
             return self._connect(dial)
         except Exception as exc:
-            if redial_if_down and not_ready(exc):
+            if redial_if_down and not_ready(exc) and not dial.stopped.is_set():
                 self._dial_later(dial, exc, dial_owner)
             raise
 
     def disconnect(self, peer_id: str) -> None:
         """End a connected host's session and forget it (as ``remove_peer``); given the address
-        of a host ``connect(..., redial_if_down=True)`` still dials, stop dialling it."""
+        of a host ``connect(..., redial_if_down=True)`` still dials, stop dialling it. A host
+        still joining (its connect or redial under way, once it answered) is never connected:
+        that join fails, and has ended when this returns, so a connect of it after this joins
+        it anew."""
         self.remove_peer(peer_id)
 
     # -- internals ----------------------------------------------------------------------------
@@ -136,21 +143,22 @@ class ConnectedHosts(LostHosts):
     def _remove(self, peer_id: str) -> None:
         """``remove_peer`` (unlocked): drop the peer, end its session clean unless a write of
         it is in flight, and stop dialling it; its ended sessions are still released. A host
-        still joining (waiting for its index) has its join ended (it fails) before this
-        returns, so that a connect of it after this joins it anew."""
+        still joining (registering, or waiting for its index) has its join ended (it fails,
+        never published) before this returns, so that a connect of it after this joins it
+        anew."""
         with self._lock:
             self._check_open()
             dial = self._stop_dialling(peer_id)
-            if peer_id not in self._peers:
-                if dial is not None:  # lost and being dialled again: that stops
-                    self._remove_from_transport(peer_id)
-                    self._send_releases(dial.address)
-                    return
-                if self._cancel_pending(peer_id):  # an address dialled since its connect
-                    return
-                raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
-            session, clean = self._drop_to_end(peer_id)
             joining = self._joining.get(peer_id)
+            session, clean = None, True
+            if peer_id in self._peers:
+                session, clean = self._drop_to_end(peer_id)
+            elif dial is not None:  # lost and dialled again, or joining unpublished: that stops
+                self._remove_from_transport(peer_id)
+            elif self._cancel_pending(peer_id):  # an address dialled since its connect
+                return
+            else:
+                raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
         self._flush_then_end(session, clean, redial=True)
         if joining is not None and not joining.await_end(CONNECT_TIMEOUT_S):
             logger.warning("%s: its join, ended by its removal, is still running", peer_id)
@@ -178,7 +186,7 @@ class ConnectedHosts(LostHosts):
             if first_dial:
                 self._dials[peer_id] = dial
             if not known:  # another connect of the host waits for this one
-                joined = self._joining[peer_id] = Joining(dial.address, first_dial)
+                joined = self._joining[peer_id] = Joining(dial, first_dial)
             elif joining is None and twin is None:  # (a join does this once it succeeded)
                 self._forget_replaced(peer_id, dial)
         if twin is not None:
@@ -350,7 +358,8 @@ class ConnectedHosts(LostHosts):
         (unlocked). A registration of ``peer_id`` it replaces is dropped first; its session
         ends as a lost one's does (``_flush_then_end``). ``add_peer`` over a connected
         host (or one lost and dialled again) stops dialling it, as ``remove_peer`` does; its
-        ended sessions are still released."""
+        ended sessions are still released. A lease whose host the user removed as it
+        registered is not published (``ConnectionError``, ``_stopped_join``)."""
         # bad input raises before the old registration and its keys are dropped
         check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
         slots = range(num_blocks) if slots is None else slots
@@ -371,6 +380,9 @@ class ConnectedHosts(LostHosts):
         self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
         with self._lock:
             self._check_open()
+            removed = None if session is None else self._stopped_join(peer_id)
+            if removed is not None:
+                raise removed
             self._peers[peer_id] = Peer(
                 self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
             )

@@ -68,14 +68,16 @@ class EitherSet:
 
 
 class Joining(threading.Event):
-    """A connect of a host in progress, set once it ended: the address it dialled, whether its
-    dial is the host's first (``first``: forgotten if the join fails, so it stands for no later
-    redial), the thread connecting (the one that made it) and, once it failed, why (what the
-    connects of that host that waited for it report)."""
+    """A connect of a host in progress, set once it ended: the address it dialled, its dial's
+    ``stopped`` (set once the user removed the host or cancelled the dial: the join then never
+    publishes it), whether its dial is the host's first (``first``: forgotten if the join
+    fails, so it stands for no later redial), the thread connecting (the one that made it)
+    and, once it failed, why (what the connects of that host that waited for it report)."""
 
-    def __init__(self, address: str, first: bool) -> None:
+    def __init__(self, dial: Dial, first: bool) -> None:
         super().__init__()
-        self.address = address
+        self.address = dial.address
+        self.stopped = dial.stopped
         self.first = first
         self.thread = threading.current_thread()
         self.failure: BaseException | None = None

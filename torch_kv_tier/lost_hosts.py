@@ -8,7 +8,8 @@ again (``_end_dropped``) by the manager's ``Redialer``, which calls ``_redial`` 
 host answers or is no longer wanted (``_wants_dial``). So is a host down at its first connect
 with ``redial_if_down`` (``_dial_later``; ``cancel_dial`` stops it). A dial also stops when
 the user removes its host (``_stop_dialling``) or its address answers under another id
-(``_forget_replaced``). Telling hosts which ended sessions resolved (fencing, client half) is
+(``_forget_replaced``); a join under way of a stopped dial never publishes its host
+(``_stopped_join``). Telling hosts which ended sessions resolved (fencing, client half) is
 its base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes never run
@@ -287,6 +288,22 @@ class LostHosts(SessionReleases):
             if self._pending.get(dial.address) is dial:
                 del self._pending[dial.address]
         return dial
+
+    def _stopped_join(self, peer_id: str) -> ConnectionError | None:
+        """Before a join publishes ``peer_id`` (under the lock that publishes it): what its
+        connect raises when the user removed the host (``disconnect``, ``remove_peer``,
+        ``add_peer``) or cancelled its dial (``cancel_dial``) as it joined, else ``None``. The
+        region the join registered is let go then (but one another call published meanwhile,
+        ``add_peer``'s); the caller ends the session."""
+        joining = self._joining.get(peer_id)
+        if joining is None or not joining.stopped.is_set():
+            return None
+        if peer_id not in self._peers:
+            self._remove_from_transport(peer_id)
+        return ConnectionError(
+            f"{peer_id} was removed (disconnect, remove_peer, cancel_dial) while it joined: it "
+            "is not connected; connect it again to join it"
+        )
 
     def _forget_replaced(self, peer_id: str, dial: Dial) -> None:
         """``dial``'s address answered as ``peer_id``: a host this tier lost that was dialled

@@ -89,6 +89,7 @@ class SharedHosts:
         def _end_keeping_releases(self, session: Any, clean: bool) -> None: ...
         def _flush_then_end(self, session: Any, clean: bool, *, redial: bool = False) -> None: ...
         def _ready_if_settled(self, request: Request) -> None: ...
+        def _stopped_join(self, peer_id: str) -> ConnectionError | None: ...
 
     def _join_shared(self, session: Any, timeout_s: float) -> None:
         """Register a shared host: its NIXL region (unlocked), its key set's snapshot, then its
@@ -98,7 +99,9 @@ class SharedHosts:
         On failure (raised) the session is ended, clean unless a store to the host is in flight
         (stores may go out before the snapshot is in), and the host dropped; the ended sessions
         it released that the host may not have read are kept to be told again; the caller's
-        dial stays, so that a redial goes on. A host dropped while it waits for the snapshot
+        dial stays, so that a redial goes on. A host the user removed (or whose dial was
+        cancelled) as it registered is never published (``ConnectionError``,
+        ``_stopped_join``). A host dropped while it waits for the snapshot
         (``remove_peer``/``disconnect``, or its session lost) ends the wait at once
         (``ConnectionError``): whoever dropped it ended its session."""
         peer_id = session.peer_id
@@ -116,7 +119,8 @@ class SharedHosts:
         synced = threading.Event()
         host = lost = None
         with self._lock:
-            if not self._closed:
+            removed = None if self._closed else self._stopped_join(peer_id)
+            if not self._closed and removed is None:
                 slots = self._index.add_shared_peer(peer_id, session.num_blocks)
                 host = self._peers[peer_id] = SharedHost(slots, session, self.grant_batch)
                 try:
@@ -125,6 +129,9 @@ class SharedHosts:
                     lost = exc
                 else:
                     self._refill(host)
+        if removed is not None:
+            self._end_keeping_releases(session, True)  # never published: none written
+            raise removed
         if host is None:
             session.close(clean=True)
             self._check_open()  # raises: the tier closed

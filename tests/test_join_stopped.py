@@ -1,0 +1,121 @@
+"""A host removed (``disconnect``) or its dial cancelled (``cancel_dial``) while its join
+registers its region, before the host is published: the join went on and published it, so a
+host the user removed stayed in ``peers()`` (a first connect), or was published and then
+removed again (a redial). The join now checks its dial under the lock that publishes: it never
+publishes, its connect fails saying the host was removed (and, ``redial_if_down``, it is
+not dialled again), the host holds no session of it, and a later connect of the host joins it
+at once."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from membership_support import WAIT_S, down_for_the_caller
+from release_support import assert_nothing_held
+from remote_support import BLOCK_LEN, fake_session, wait_until
+
+from torch_kv_tier import connections
+from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote import ServerProcess
+
+
+def _registrations_held(
+    monkeypatch: pytest.MonkeyPatch, tier: TierManager, held: Callable[[], bool]
+) -> tuple[threading.Event, threading.Event]:
+    """``(entered, go)``: ``tier``'s region registrations that ``held`` picks (asked on the
+    registering thread) set ``entered``, then wait for ``go`` (bounded) before they begin."""
+    entered, go = threading.Event(), threading.Event()
+    register = tier._register
+
+    def held_register(*args: Any) -> None:
+        if held():
+            entered.set()
+            go.wait(timeout=WAIT_S)
+        register(*args)
+
+    monkeypatch.setattr(tier, "_register", held_register)
+    return entered, go
+
+
+def _on_a_redial_thread() -> bool:
+    return threading.current_thread().name == connections.REDIAL_THREAD
+
+
+def _assert_no_session_left(address: str) -> None:
+    """The host at ``address`` lists no session but an observer's own, and holds none."""
+    assert_nothing_held(address)
+    with fake_session(address, private=False) as observer:
+        assert len(observer.stats()["sessions"]) == 1, observer.stats()["sessions"]
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["shared", "private"])
+def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
+    monkeypatch: pytest.MonkeyPatch, private: bool
+) -> None:
+    kwargs: dict[str, Any] = {"private": private, "slots": 8} if private else {}
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="removed-before-publish") as tier,
+    ):
+        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        outcome: list[BaseException | str] = []
+
+        def first_connect() -> None:
+            try:
+                address = server.address
+                outcome.append(
+                    tier.connect(address, timeout_s=WAIT_S, redial_if_down=True, **kwargs)
+                )
+            except BaseException as exc:
+                outcome.append(exc)
+
+        connecting = threading.Thread(target=first_connect)
+        connecting.start()
+        assert entered.wait(WAIT_S), "the join never registered the host"
+        [peer_id] = tier._joining
+        dial, joining = tier._dials[peer_id], tier._joining[peer_id]
+        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
+        removing.start()
+        assert dial.stopped.wait(WAIT_S), "disconnect did not stop the host's dial"
+        go.set()  # the registration goes on after the removal
+        removing.join(WAIT_S)
+        assert not removing.is_alive()
+        assert joining.is_set(), "disconnect returned while the host's join went on"
+        assert tier.placing_peers() == [] and tier.peers() == [], "the removed host joined"
+        connecting.join(WAIT_S)
+        assert not connecting.is_alive() and len(outcome) == 1
+        assert isinstance(outcome[0], ConnectionError), outcome
+        assert "removed" in str(outcome[0])
+        assert not tier.cancel_dial(server.address), "the removed host is dialled again"
+        assert tier.stats().peers_dropped == 0  # never published, so never dropped
+        registered = tier.transport._peers.get(peer_id)  # type: ignore[attr-defined]
+        assert registered is None, "its region is left registered"
+        _assert_no_session_left(server.address)
+        assert tier.connect(server.address, timeout_s=WAIT_S, **kwargs) == peer_id
+        assert tier.peers() == [peer_id]
+
+
+def test_a_dial_cancelled_as_its_redial_registers_the_host_never_publishes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="cancelled-before-publish") as tier,
+    ):
+        address = server.address
+        entered, go = _registrations_held(monkeypatch, tier, _on_a_redial_thread)
+        down_for_the_caller(monkeypatch, tier)
+        with pytest.raises(TimeoutError):
+            tier.connect(address, timeout_s=WAIT_S, redial_if_down=True)
+        assert entered.wait(WAIT_S), "no redial"
+        assert tier.cancel_dial(address)
+        go.set()
+        wait_until(lambda: not tier._redialing, "the redial under way ends")
+        assert tier.stats().peers_dropped == 0, "the cancelled dial's host was published"
+        assert tier.peers() == [] and not tier._dials and not tier._pending
+        assert tier.transport._peers.get(address) is None  # type: ignore[attr-defined]
+        _assert_no_session_left(address)
