@@ -12,7 +12,7 @@ import contextlib
 import threading
 
 import pytest
-from join_support import withhold_index
+from join_support import STUCK_S, withhold_index
 from membership_support import WAIT_S
 from remote_support import BLOCK_LEN
 
@@ -22,13 +22,11 @@ from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership
 from torch_kv_tier.remote import ServerProcess
 
-_STUCK_S = 600.0  # the withheld join's timeout: longer than the test may take
-
 
 def _connect_failing(tier: TierManager, address: str) -> None:
     """Connect the host whose index is withheld: its join fails once it is disconnected."""
     with contextlib.suppress(ConnectionError):
-        tier.connect(address, timeout_s=_STUCK_S)
+        tier.connect(address, timeout_s=STUCK_S)
 
 
 def test_keys_placed_on_a_joining_host_are_grouped_as_the_tier_places_them(

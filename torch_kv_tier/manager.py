@@ -353,6 +353,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
     # -- observation --------------------------------------------------------------------------
 
     def stats(self) -> TierStats:
+        """The tier's counters and gauges now (``TierStats``): ``peers`` has the peers
+        ``peers()`` lists (joined), ``peers_joining`` counts the hosts still joining. Any
+        thread."""
         with self._lock:
             return self._counters.stats(
                 self._block_len,
@@ -367,7 +370,9 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 peers={
                     pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
                     for pid, p in self._peers.items()
+                    if pid not in self._joining
                 },
+                peers_joining=len(self._joining),
             )
 
     def take_events(self) -> list[TierEvent]:

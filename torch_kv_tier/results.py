@@ -78,7 +78,11 @@ class TierStats:
     # reads past transfer_timeout_s the transport still holds: their loads settled "timed out",
     # their blocks withheld (refused to loads and stores) until it reports them or closes
     late_reads: int = 0
+    # the peers ``peers()`` lists (joined), by id; a host still joining is in neither
     peers: dict[str, PeerStats] = field(default_factory=dict)
+    # hosts whose join is under way (a connect or redial: answered, registering or awaiting
+    # their index; a shared one already takes stores, ``placing_peers()``)
+    peers_joining: int = 0
 
 
 class Counters:
