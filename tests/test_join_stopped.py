@@ -51,19 +51,30 @@ def _assert_no_session_left(address: str) -> None:
         assert len(observer.stats()["sessions"]) == 1, observer.stats()["sessions"]
 
 
+@pytest.mark.parametrize("second", [False, True], ids=["one-connect", "and-one-waiting"])
 @pytest.mark.parametrize("private", [False, True], ids=["shared", "private"])
 def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
-    monkeypatch: pytest.MonkeyPatch, private: bool
+    monkeypatch: pytest.MonkeyPatch, private: bool, second: bool
 ) -> None:
+    """``second``: another ``redial_if_down`` connect of the host waits for that join (it
+    answered as the host being joined): it fails too, and does not dial the host again."""
     kwargs: dict[str, Any] = {"private": private, "slots": 8} if private else {}
     with (
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="removed-before-publish") as tier,
     ):
         entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        awaiting = threading.Event()
+        await_join = tier._await_join
+
+        def noted_await_join(*args: Any) -> None:
+            awaiting.set()
+            await_join(*args)
+
+        monkeypatch.setattr(tier, "_await_join", noted_await_join)
         outcome: list[BaseException | str] = []
 
-        def first_connect() -> None:
+        def connect() -> None:
             try:
                 address = server.address
                 outcome.append(
@@ -72,11 +83,14 @@ def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
             except BaseException as exc:
                 outcome.append(exc)
 
-        connecting = threading.Thread(target=first_connect)
-        connecting.start()
+        connecting = [threading.Thread(target=connect) for _ in range(1 + second)]
+        connecting[0].start()
         assert entered.wait(WAIT_S), "the join never registered the host"
         [peer_id] = tier._joining
         dial, joining = tier._dials[peer_id], tier._joining[peer_id]
+        if second:
+            connecting[1].start()
+            assert awaiting.wait(WAIT_S), "the second connect never waited for the join"
         removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
         removing.start()
         assert dial.stopped.wait(WAIT_S), "disconnect did not stop the host's dial"
@@ -85,10 +99,12 @@ def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
         assert not removing.is_alive()
         assert joining.is_set(), "disconnect returned while the host's join went on"
         assert tier.placing_peers() == [] and tier.peers() == [], "the removed host joined"
-        connecting.join(WAIT_S)
-        assert not connecting.is_alive() and len(outcome) == 1
-        assert isinstance(outcome[0], ConnectionError), outcome
-        assert "removed" in str(outcome[0])
+        for thread in connecting:
+            thread.join(WAIT_S)
+            assert not thread.is_alive()
+        assert len(outcome) == len(connecting), outcome
+        for failed in outcome:
+            assert isinstance(failed, ConnectionError) and "removed" in str(failed), outcome
         assert not tier.cancel_dial(server.address), "the removed host is dialled again"
         assert tier.stats().peers_dropped == 0  # never published, so never dropped
         registered = tier.transport._peers.get(peer_id)  # type: ignore[attr-defined]

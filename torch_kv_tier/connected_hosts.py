@@ -195,7 +195,12 @@ class ConnectedHosts(LostHosts):
         if known:
             self._end_keeping_releases(session, True)
             if joining is not None:  # at another address, maybe: this one answered as it too
-                self._await_join(peer_id, joining, dial.timeout_s)
+                try:
+                    self._await_join(peer_id, joining, dial.timeout_s)
+                except ConnectionError:
+                    if joining.stopped.is_set():  # removed: this connect's request with it
+                        dial.stopped.set()  # (not dialled again, ``redial_if_down``)
+                    raise
                 with self._lock:
                     self._forget_replaced(peer_id, dial)
             return str(peer_id)
