@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from join_support import STUCK_S, withhold_index
 from membership_support import WAIT_S, down_for_the_caller
 from release_support import assert_nothing_held
 from remote_support import BLOCK_LEN, fake_session, wait_until
@@ -135,3 +136,27 @@ def test_a_dial_cancelled_as_its_redial_registers_the_host_never_publishes_it(
         assert tier.peers() == [] and not tier._dials and not tier._pending
         assert tier.transport._peers.get(address) is None  # type: ignore[attr-defined]
         _assert_no_session_left(address)
+
+
+def test_a_dial_cancelled_as_its_redial_awaits_the_hosts_index_ends_that_join_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Published (placed) but not joined, its index awaited: the join waited out its whole
+    ``timeout_s`` for the cancelled dial (or, the index in, joined the host, then removed it)."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", 0.1)
+    _, following = withhold_index(monkeypatch, lambda n: True)
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="cancelled-awaiting-index") as tier,
+    ):
+        down_for_the_caller(monkeypatch, tier)
+        with pytest.raises(TimeoutError):
+            tier.connect(server.address, timeout_s=STUCK_S, redial_if_down=True)
+        assert following.wait(WAIT_S), "no redial"
+        [joining] = tier._joining.values()
+        assert tier.cancel_dial(server.address)
+        assert joining.wait(WAIT_S), "the cancelled dial's join waited on for the host's index"
+        assert isinstance(joining.failure, ConnectionError), joining.failure
+        wait_until(lambda: not tier._redialing, "the redial under way ends")
+        assert tier.peers() == [] and not tier._dials and not tier._pending
+        _assert_no_session_left(server.address)

@@ -37,6 +37,7 @@ from functools import partial
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
+from torch_kv_tier.connections import Joining
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
@@ -73,6 +74,7 @@ class SharedHosts:
     _index: BlockIndex
     _peers: dict[str, Peer]
     _storing: dict[Key, Op]
+    _joining: dict[str, Joining]  # peer id -> its connect in progress
 
     if TYPE_CHECKING:  # implemented by TierManager, Transfers, ConnectedHosts and LostHosts
 
@@ -103,7 +105,8 @@ class SharedHosts:
         cancelled) as it registered is never published (``ConnectionError``,
         ``_stopped_join``). A host dropped while it waits for the snapshot
         (``remove_peer``/``disconnect``, or its session lost) ends the wait at once
-        (``ConnectionError``): whoever dropped it ended its session."""
+        (``ConnectionError``): whoever dropped it ended its session; so does a dial cancelled
+        meanwhile (``cancel_dial``), and the host is dropped then."""
         peer_id = session.peer_id
         try:
             self._register(
@@ -116,9 +119,11 @@ class SharedHosts:
         except BaseException:
             self._end_keeping_releases(session, True)  # nothing of it published: none written
             raise
-        synced = threading.Event()
+        synced, stopped = threading.Event(), threading.Event()
         host = lost = None
         with self._lock:
+            if peer_id in self._joining:  # (not so a test's join)
+                stopped = self._joining[peer_id].stopped
             removed = None if self._closed else self._stopped_join(peer_id)
             if not self._closed and removed is None:
                 slots = self._index.add_shared_peer(peer_id, session.num_blocks)
@@ -142,10 +147,10 @@ class SharedHosts:
             while not synced.wait(min(_JOIN_POLL_S, max(deadline - time.monotonic(), 0))):
                 if session.lost is not None:
                     raise ConnectionError(f"{peer_id} was lost before it sent its index")
-                if self._peers.get(peer_id) is not host:  # (one lookup: no lock needed)
+                if self._peers.get(peer_id) is not host or stopped.is_set():  # (no lock needed)
                     raise ConnectionError(
-                        f"{peer_id} was removed (disconnect, remove_peer) or dropped before it "
-                        "sent its index; connect it again to join it"
+                        f"{peer_id} was removed (disconnect, remove_peer, cancel_dial) or "
+                        "dropped before it sent its index; connect it again to join it"
                     )
                 self._check_open()  # closed meanwhile (its session ended clean, not lost)
                 if time.monotonic() >= deadline:
