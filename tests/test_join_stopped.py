@@ -41,6 +41,36 @@ def _registrations_held(
     return entered, go
 
 
+def _noted(monkeypatch: pytest.MonkeyPatch, tier: TierManager, method: str) -> threading.Event:
+    """An event set once ``tier``'s ``method`` is called (it then runs as ever)."""
+    called = threading.Event()
+    real = getattr(tier, method)
+
+    def noted(*args: Any) -> Any:
+        called.set()
+        return real(*args)
+
+    monkeypatch.setattr(tier, method, noted)
+    return called
+
+
+def _connecting(
+    tier: TierManager, address: str, outcome: list[object], **kwargs: Any
+) -> threading.Thread:
+    """A thread (started) connecting ``address`` (``redial_if_down``, ``WAIT_S``); ``outcome``
+    gets the peer id it returned, or what it raised."""
+
+    def connect() -> None:
+        try:
+            outcome.append(tier.connect(address, timeout_s=WAIT_S, redial_if_down=True, **kwargs))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    return thread
+
+
 def _on_a_redial_thread() -> bool:
     return threading.current_thread().name == connections.REDIAL_THREAD
 
@@ -65,32 +95,14 @@ def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
         TierManager.create(16, BLOCK_LEN, name="removed-before-publish") as tier,
     ):
         entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
-        awaiting = threading.Event()
-        await_join = tier._await_join
-
-        def noted_await_join(*args: Any) -> None:
-            awaiting.set()
-            await_join(*args)
-
-        monkeypatch.setattr(tier, "_await_join", noted_await_join)
-        outcome: list[BaseException | str] = []
-
-        def connect() -> None:
-            try:
-                address = server.address
-                outcome.append(
-                    tier.connect(address, timeout_s=WAIT_S, redial_if_down=True, **kwargs)
-                )
-            except BaseException as exc:
-                outcome.append(exc)
-
-        connecting = [threading.Thread(target=connect) for _ in range(1 + second)]
-        connecting[0].start()
+        awaiting = _noted(monkeypatch, tier, "_await_join")
+        outcome: list[object] = []
+        connecting = [_connecting(tier, server.address, outcome, **kwargs)]
         assert entered.wait(WAIT_S), "the join never registered the host"
         [peer_id] = tier._joining
         dial, joining = tier._dials[peer_id], tier._joining[peer_id]
         if second:
-            connecting[1].start()
+            connecting.append(_connecting(tier, server.address, outcome, **kwargs))
             assert awaiting.wait(WAIT_S), "the second connect never waited for the join"
         removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
         removing.start()
@@ -159,4 +171,29 @@ def test_a_dial_cancelled_as_its_redial_awaits_the_hosts_index_ends_that_join_at
         assert isinstance(joining.failure, ConnectionError), joining.failure
         wait_until(lambda: not tier._redialing, "the redial under way ends")
         assert tier.peers() == [] and not tier._dials and not tier._pending
+        _assert_no_session_left(server.address)
+
+
+def test_a_host_removed_as_its_join_awaits_its_turn_ends_that_join_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Joins take turns: a host removed while its join waited behind another host's waited on
+    for its turn, up to its ``timeout_s`` (``disconnect`` with it)."""
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="removed-awaiting-turn") as tier,
+    ):
+        joining = _noted(monkeypatch, tier, "_join")
+        outcome: list[object] = []
+        with tier._join_turn:  # another host's join holds the turn
+            connecting = _connecting(tier, server.address, outcome)
+            assert joining.wait(WAIT_S), "the connect never joined the host"
+            [peer_id] = tier._joining
+            join = tier._joining[peer_id]
+            tier.disconnect(peer_id)
+            assert join.is_set(), "disconnect returned while the join awaited its turn"
+        connecting.join(WAIT_S)
+        [failed] = outcome
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        assert tier.peers() == [] and not tier.cancel_dial(server.address)
         _assert_no_session_left(server.address)

@@ -133,9 +133,8 @@ class ConnectedHosts(LostHosts):
     def disconnect(self, peer_id: str) -> None:
         """End a connected host's session and forget it (as ``remove_peer``); given the address
         of a host ``connect(..., redial_if_down=True)`` still dials, stop dialling it. A host
-        still joining (its connect or redial under way, once it answered) is never connected:
-        that join fails, and has ended when this returns, so a connect of it after this joins
-        it anew."""
+        still joining (it answered) is never connected: that join has failed when this returns,
+        so a connect of it after this joins it anew."""
         self.remove_peer(peer_id)
 
     # -- internals ----------------------------------------------------------------------------
@@ -238,15 +237,18 @@ class ConnectedHosts(LostHosts):
         timeouts. A connect of another host (a user's, while the redialer joins a large host)
         waits too: both would take as long. Waits its turn up to ``timeout_s`` (``TimeoutError``
         naming the hosts joining meanwhile; ``RuntimeError``, nothing registered, once the tier
-        is closing)."""
+        is closing; ``ConnectionError`` once the host is removed, ``_stopped_join``)."""
         deadline = time.monotonic() + timeout_s
         while not self._join_turn.acquire(timeout=_JOIN_WAIT_POLL_S):
-            if self._closing.is_set() or time.monotonic() >= deadline:
-                with self._lock:
-                    others = sorted(set(self._joining) - {session.peer_id})
+            with self._lock:
+                removed = self._stopped_join(session.peer_id)
+                others = sorted(set(self._joining) - {session.peer_id})
+            if self._closing.is_set() or removed is not None or time.monotonic() >= deadline:
                 self._end_keeping_releases(session, True)  # never published: none written
                 if self._closing.is_set():
                     raise RuntimeError(TIER_CLOSED)
+                if removed is not None:
+                    raise removed
                 raise TimeoutError(
                     f"{session.peer_id} answered, but its join waited {timeout_s} s for its turn "
                     f"behind the joins of {', '.join(others) or 'other hosts'} (a tier's joins "
