@@ -95,6 +95,19 @@ class Transfers(Finishes):
     # -- background thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The poller thread: ``_poll_loop`` until ``close`` stops it. A done-callback that
+        raises ``KeyboardInterrupt`` here (``Future`` logs only an ``Exception``) is logged
+        likewise and the poller goes on: the futures it left unresolved went back to
+        ``_ready`` (``_flush``), resolved on the next turn; without a poller, no later
+        transfer would ever complete."""
+        while True:
+            try:
+                self._poll_loop()
+                return
+            except KeyboardInterrupt:
+                logger.exception("a done-callback raised KeyboardInterrupt on the tier's poller")
+
+    def _poll_loop(self) -> None:
         """Drain ``transport.poll()`` while transfers are in flight; sleep on ``_cond`` when idle.
 
         Polling is what progresses an initiator's transfers (UCX moves a large transfer in
@@ -386,14 +399,14 @@ class Transfers(Finishes):
             self._end_later(session, clean)
 
     def _flush(self) -> None:
-        """Resolve settled futures, unlocked; those a Ctrl-C left unresolved go back to
-        ``_ready`` for the next flush (``close``'s retry), then it is raised."""
-        with self._lock:
-            ready, self._ready = self._ready, []
-            ready.extend(self._withheld.cleared())  # blocks no late read may write any more
-        if not ready:
-            return
+        """Resolve settled futures (and those of blocks no late read may write any more),
+        unlocked; those a ``KeyboardInterrupt`` left unresolved (a Ctrl-C, a done-callback's,
+        also one raised as the lock is released: ``DeferringLock``) go back to ``_ready`` for
+        the next flush (``close``'s retry, the poller's next turn), then it is raised."""
+        ready: list[Request] = []
         try:
+            with self._lock:  # (taken in one line: no interrupt between)
+                ready, self._ready = [*self._ready, *self._withheld.cleared()], []
             resolve(ready)
         except BaseException:
             with self._lock:

@@ -1,0 +1,71 @@
+"""A ``KeyboardInterrupt`` as the tier resolves the futures it settled (``Transfers._flush``):
+on the poller (a done-callback's), the poller goes on and later transfers still complete; on
+any thread, the futures it took and did not resolve yet are resolved by the next flush."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from release_support import RESULT_TIMEOUT_S
+from test_index import BLOCK, late_write_tier
+
+from torch_kv_tier.arena import BlockArena
+from torch_kv_tier.records import Request
+
+
+def test_a_callback_s_keyboard_interrupt_on_the_poller_leaves_it_polling(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by review: a done-callback that raised ``KeyboardInterrupt`` on the poller
+    thread (``Future`` logs only an ``Exception``) ended the poller: no later transfer ever
+    completed, its future hung until ``close``."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        transport.hold = True  # writes stay in flight until landed: the poller completes them
+        first = tier.store(["a"], [0])
+        ran = threading.Event()
+
+        def interrupt(_: object) -> None:
+            ran.set()
+            raise KeyboardInterrupt
+
+        first.add_done_callback(interrupt)
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert first.result(timeout=RESULT_TIMEOUT_S).ok
+        assert ran.wait(RESULT_TIMEOUT_S)
+        second = tier.store(["b"], [1])
+        (tid,) = transport.in_flight()
+        transport.land(tid)
+        assert second.result(timeout=RESULT_TIMEOUT_S).ok, "the poller died with the callback"
+        assert "KeyboardInterrupt on the tier's poller" in caplog.text
+
+
+def test_an_interrupt_as_the_flush_releases_the_lock_loses_no_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: ``_flush`` took the settled requests under the lock, and a
+    ``KeyboardInterrupt`` raised as that lock was released (work deferred to its holder,
+    ``DeferringLock``: a Ctrl-C there is raised on) lost them: no later flush resolved them."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, _):
+        request = Request([b"k"])
+        request.settle(request.keys, None)
+        cleared, caller = tier._withheld.cleared, threading.current_thread()
+        interrupts = [KeyboardInterrupt()]
+
+        def interrupt() -> None:
+            raise interrupts.pop()
+
+        def cleared_then_interrupted() -> list[Any]:
+            if threading.current_thread() is not caller or not interrupts:
+                return cleared()
+            tier._lock._deferred.append(interrupt)  # raised as the flush releases the lock
+            return [request, *cleared()]
+
+        monkeypatch.setattr(tier._withheld, "cleared", cleared_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier._flush()
+        assert not interrupts, "the interrupt was never injected"
+        tier._flush()  # the next flush (close's retry, the poller's next turn)
+        assert request.future.result(timeout=0).ok
