@@ -6,7 +6,8 @@ longer write into their blocks.
 ``Closing`` is a part of ``TierManager`` (its first base class, beside ``Transfers``,
 ``SharedHosts`` and ``ConnectedHosts``).
 
-Threading: ``close`` and ``_settle_cancelled_loads`` take the manager's lock themselves;
+Threading: ``close`` and ``_settle_cancelled_loads`` take the manager's lock themselves; the
+first ``close`` does the work, one on another thread meanwhile waits for it (``_await_close``);
 ``_await_transfers`` and ``_cancel_in_flight`` run with it held (the first waits on ``_cond``,
 which releases it; called by a future's callback on the poller thread, it polls the transfers
 it waits for itself).
@@ -29,6 +30,7 @@ from torch_kv_tier.records import Op, Peer
 from torch_kv_tier.remote.quantities import seconds
 from torch_kv_tier.results import CLOSED, PEER_LOST, TRANSFER_FAILED
 from torch_kv_tier.session_ends import SessionEnds
+from torch_kv_tier.tier_threads import on_tier_thread
 from torch_kv_tier.transport.base import DataTransport
 from torch_kv_tier.withheld import WithheldReads
 
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.001  # how often ``close`` on the poller thread polls the transfers it waits for
 _LEAST_WAIT_S = 0.1  # the least each of ``close``'s last waits is given (``_Waits``)
+# how much longer than its own timeout a close waits for another thread's (``_await_close``):
+# that one's least waits (``_LEAST_WAIT_S`` each) and its transport's close
+_AWAIT_SLACK_S = 1.0
 _T = TypeVar("_T")
 
 
@@ -56,6 +61,7 @@ class Closing:
     _withheld: WithheldReads
     _promotions: Promotions
     _session_ends: SessionEnds  # starts the threads ending dropped peers' sessions
+    _closer: _Duty | None = None  # the close that closes the tier (set by it, under the lock)
 
     if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
 
@@ -74,6 +80,15 @@ class Closing:
         cancelled here resolves only after that, when nothing can land in its blocks any more
         (never, if the transport cannot tell: ``DataTransport.on_released``);
         a handshake on another thread still awaiting an answer gives up. Idempotent.
+
+        Called on several threads at once (a signal handler's thread and the main thread),
+        each returns once the tier is closed: the first does the work, the others wait for it
+        up to their own ``timeout`` plus 1 s (``TimeoutError`` past that: it goes on there);
+        if it failed, a close on any other thread, then or later, raises ``RuntimeError``
+        from its error (on its own thread: raised there once). Called on the thread that
+        closes it (a done-callback of a future it resolves) or on one of the tier's own
+        threads (``tier_threads``: a done-callback on the poller, which the close under way
+        joins), it returns at once, the close under way left to finish it.
 
         ``timeout`` bounds ``close``'s own waits, not its last word to each host (ending the
         session, naming the ended sessions that resolved): one a host has not answered by then
@@ -105,20 +120,48 @@ class Closing:
                 self._close_steps(duty.cut())
             raise
         duty.waits.raise_interrupt()
+        if not duty.began:  # another close did the work
+            self._await_close(timeout)
 
     def _close_steps(self, duty: _Duty) -> None:
         """``close``'s work, resumable: run again after a ``KeyboardInterrupt`` at any of its
         lines, it does what is left, nothing it did twice (``_Duty`` keeps what it took on;
-        a wait may run again: each is idempotent)."""
-        with self._lock:
-            if not duty.began:
-                if self._closed:
-                    return
-                duty.began = self._closed = True
-            self._await_transfers(duty.waits.deadline)
-            self._cancel_in_flight(duty)
-        self._flush()
-        self._close_after(duty)
+        a wait may run again: each is idempotent). Nothing if another close took it on; once
+        done, or failed otherwise, says so to the closes waiting for it (``_Duty.end``)."""
+        try:
+            with self._lock:
+                if not duty.began:
+                    if self._closed:
+                        return
+                    self._closer = duty  # (first: an interrupt before the next line is no claim)
+                    duty.began = self._closed = True
+                self._await_transfers(duty.waits.deadline)
+                self._cancel_in_flight(duty)
+            self._flush()
+            self._close_after(duty)
+        except Exception as exc:  # (a ``KeyboardInterrupt``: ``close`` runs them again)
+            duty.end(exc)
+            raise
+        duty.end(None)
+
+    def _await_close(self, timeout: float) -> None:
+        """``close`` after another one took the work on (``_closer``): wait until it is done,
+        up to ``timeout`` plus ``_AWAIT_SLACK_S``; not on its own thread nor a tier's (``close``
+        docstring). ``TimeoutError`` past that, ``RuntimeError`` if that close failed."""
+        first = self._closer
+        if first is None or first.thread is threading.current_thread() or on_tier_thread():
+            return
+        if not first.done.wait(timeout + _AWAIT_SLACK_S):
+            raise TimeoutError(
+                f"close(): the tier's close on thread {first.thread.name!r} has not finished "
+                f"in {timeout + _AWAIT_SLACK_S:g} s (it goes on there): wait for that call to "
+                "return, or call close() again with a longer timeout"
+            )
+        if first.error is not None:
+            raise RuntimeError(
+                f"close(): the tier's close on thread {first.thread.name!r} failed "
+                f"({first.error!r}): see that call's error; the tier stays closed to new work"
+            ) from first.error
 
     def _close_after(self, duty: _Duty) -> None:
         """``close`` once its work is cancelled and resolved: stop the threads, end the
@@ -254,8 +297,10 @@ class _Duty:
     """What one ``close`` call took on, kept across its retries after a Ctrl-C
     (``_close_steps``): whether it closed the tier, the cancelled loads to settle (by transfer
     id) and stranded ones, the peers a cancelled store dirtied (by id), the live sessions to
-    end and those ``_end_sessions`` has not taken yet. ``close``'s thread's (the settling may
-    run on the transport's, under the tier's lock)."""
+    end and those ``_end_sessions`` has not taken yet; the thread it runs on, and once it is
+    over (``done``) whether it failed (``error``), for the closes that wait for it.
+    ``close``'s thread's (the settling may run on the transport's, under the tier's lock;
+    ``done`` and ``error`` are read by any thread once ``done`` is set)."""
 
     waits: _Waits
     began: bool = False
@@ -264,6 +309,14 @@ class _Duty:
     dirty: set[int] = field(default_factory=set)
     live: list[tuple[Any, bool]] = field(default_factory=list)
     ending: list[tuple[Any, bool]] | None = None
+    thread: threading.Thread = field(default_factory=threading.current_thread)
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Exception | None = None
+
+    def end(self, error: Exception | None) -> None:
+        """The close is over (``error``: it failed): the closes waiting for it go on."""
+        self.error = error
+        self.done.set()
 
     def cut(self) -> _Duty:
         """This duty, its waits cut to their least (``close`` was interrupted)."""
