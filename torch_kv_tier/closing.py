@@ -95,7 +95,7 @@ class Closing:
         goes on in a daemon thread, each of its steps within ~2 s (the disconnect's answer, a
         release session's handshake), so that a host slow to answer still frees what it would
         free, rather than hold it until its ``--hold-timeout`` (default: never). What none of
-        them could tell is logged once, as a warning (``session_releases.LastWords``).
+        them could tell is logged once, as a warning (``last_words.LastWords``).
 
         A Ctrl-C (or a done-callback's ``KeyboardInterrupt``) at any line once its work began,
         as it waits, cancels or between its steps, cuts its waits short, not its duty: the
