@@ -25,8 +25,10 @@ from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 from torch_kv_tier.session_ends import SessionEnds
+from torch_kv_tier.session_releases import SessionReleases
 
-# close's own path: every function of closing.py, and the stop of the thread ending sessions
+# close's own path: every function of closing.py, the stop of the thread ending sessions, and
+# the setting out of the last words to the hosts
 CLOSE_PATH = {
     *(
         fn.__code__
@@ -36,6 +38,7 @@ CLOSE_PATH = {
         if isinstance(fn, types.FunctionType)
     ),
     SessionEnds.stop.__code__,
+    SessionReleases._end_sessions.__code__,
 }
 
 
@@ -79,13 +82,14 @@ class StubSession:
     def __init__(self, peer_id: str) -> None:
         self.peer_id, self.session_id, self.address = peer_id, f"s-{peer_id}", "192.0.2.1:1"
         self.ended: list[bool] = []
+        self.released: list[str] = []
         self.ended_clean = False
 
     def close(self, clean: bool) -> None:
         self.ended.append(clean)
 
     def release(self, held: list[str]) -> None:
-        pass
+        self.released += held
 
     def unreleased(self) -> list[str]:
         return []
@@ -179,11 +183,15 @@ def test_a_ctrl_c_at_any_line_of_close_or_two_still_closes_the_tier(
                 tier._session_ends = SessionEnds(tier._end_dropped, tier._rearm_redialer)
                 with tier._lock:
                     tier._end_later(dropped, True)  # close ends it
+                    tier._ended.give_back(session.address, ["s-resolved"])  # close names it
                 seen = _close_interrupted(tier, *at)
                 hit = [seen[i - 1] for i in at if i <= len(seen)]
                 runs += 1
+                wait_for(lambda s=session, d=dropped: s.ended and d.ended, RESULT_TIMEOUT_S)
                 assert session.ended == [False], f"Ctrl-C at {hit}: ended {session.ended}"
                 assert dropped.ended == [True], f"Ctrl-C at {hit}: ended {dropped.ended}"
+                named = session.released + dropped.released
+                assert named == ["s-resolved"], f"Ctrl-C at {hit}: named {named}"
                 assert_closed(closed, futures, hit)
             if len(seen) < max(at):  # it ran through: no line left for this interrupt
                 break

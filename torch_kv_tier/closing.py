@@ -61,7 +61,7 @@ class Closing:
     _withheld: WithheldReads
     _promotions: Promotions
     _session_ends: SessionEnds  # starts the threads ending dropped peers' sessions
-    _closer: _Duty | None = None  # the close that closes the tier (set by it, under the lock)
+    _closer: _Closer | None = None  # the close that closes the tier (set by it, under the lock)
 
     if TYPE_CHECKING:  # implemented by Transfers, SharedHosts and ConnectedHosts
 
@@ -71,7 +71,7 @@ class Closing:
         def _report_usage(self, now: float) -> None: ...
         def _poll_all(self) -> None: ...
         def _flush(self) -> None: ...
-        def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None: ...
+        def _end_sessions(self, ending: list[Any], timeout_s: float) -> None: ...
         def _uncount_ends(self, ending: list[tuple[Any, bool]]) -> None: ...
 
     def close(self, timeout: float = 10.0) -> None:
@@ -127,22 +127,22 @@ class Closing:
         """``close``'s work, resumable: run again after a ``KeyboardInterrupt`` at any of its
         lines, it does what is left, nothing it did twice (``_Duty`` keeps what it took on;
         a wait may run again: each is idempotent). Nothing if another close took it on; once
-        done, or failed otherwise, says so to the closes waiting for it (``_Duty.end``)."""
+        done, or failed otherwise, says so to the closes waiting for it (``_Closer.end``)."""
         try:
             with self._lock:
                 if not duty.began:
                     if self._closed:
                         return
-                    self._closer = duty  # (first: an interrupt before the next line is no claim)
+                    self._closer = duty.closer  # (an interrupt before the next line: no claim)
                     duty.began = self._closed = True
                 self._await_transfers(duty.waits.deadline)
                 self._cancel_in_flight(duty)
             self._flush()
             self._close_after(duty)
         except Exception as exc:  # (a ``KeyboardInterrupt``: ``close`` runs them again)
-            duty.end(exc)
+            duty.closer.end(exc)
             raise
-        duty.end(None)
+        duty.closer.end(None)
 
     def _await_close(self, timeout: float) -> None:
         """``close`` after another one took the work on (``_closer``): wait until it is done,
@@ -178,7 +178,7 @@ class Closing:
             # dropped peers' sessions whose thread never started: ended here (they stay queued)
             never_started = waits.run(self._session_ends.stop)
             self._uncount_ends(never_started)
-            if duty.ending is None:  # once: ``_end_sessions`` takes them out of it
+            if duty.ending is None:  # once: ``_end_sessions`` sets out their last words in it
                 duty.ending = [*duty.live, *never_started]
             waits.run(self._end_sessions, duty.ending)
         finally:  # whatever failed, a Ctrl-C between the waits too: the agent goes (then raised)
@@ -293,22 +293,12 @@ class _Waits:
 
 
 @dataclass
-class _Duty:
-    """What one ``close`` call took on, kept across its retries after a Ctrl-C
-    (``_close_steps``): whether it closed the tier, the cancelled loads to settle (by transfer
-    id) and stranded ones, the peers a cancelled store dirtied (by id), the live sessions to
-    end and those ``_end_sessions`` has not taken yet; the thread it runs on, and once it is
-    over (``done``) whether it failed (``error``), for the closes that wait for it.
-    ``close``'s thread's (the settling may run on the transport's, under the tier's lock;
-    ``done`` and ``error`` are read by any thread once ``done`` is set)."""
+class _Closer:
+    """What the closes waiting for the one that closes the tier need of it (``_await_close``):
+    its thread, and once it is over (``done``) whether it failed (``error``). Kept by the tier
+    apart from ``_Duty``, whose last words hold the tier (a closed tier must be freed without
+    the collector). Written by that close's thread; read by any once ``done`` is set."""
 
-    waits: _Waits
-    began: bool = False
-    loads: dict[int, Op] = field(default_factory=dict)
-    stranded: list[Op] = field(default_factory=list)
-    dirty: set[int] = field(default_factory=set)
-    live: list[tuple[Any, bool]] = field(default_factory=list)
-    ending: list[tuple[Any, bool]] | None = None
     thread: threading.Thread = field(default_factory=threading.current_thread)
     done: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
@@ -317,6 +307,25 @@ class _Duty:
         """The close is over (``error``: it failed): the closes waiting for it go on."""
         self.error = error
         self.done.set()
+
+
+@dataclass
+class _Duty:
+    """What one ``close`` call took on, kept across its retries after a Ctrl-C
+    (``_close_steps``): whether it closed the tier, the cancelled loads to settle (by transfer
+    id) and stranded ones, the peers a cancelled store dirtied (by id), the live sessions to
+    end, then their last words (``_end_sessions`` sets them out in ``ending``); ``closer``,
+    for the closes that wait for it. ``close``'s thread's (the settling may run on the
+    transport's, under the tier's lock)."""
+
+    waits: _Waits
+    began: bool = False
+    loads: dict[int, Op] = field(default_factory=dict)
+    stranded: list[Op] = field(default_factory=list)
+    dirty: set[int] = field(default_factory=set)
+    live: list[tuple[Any, bool]] = field(default_factory=list)
+    ending: list[Any] | None = None  # (session, clean), then ``last_words.LastWord``s
+    closer: _Closer = field(default_factory=_Closer)
 
     def cut(self) -> _Duty:
         """This duty, its waits cut to their least (``close`` was interrupted)."""

@@ -1,9 +1,9 @@
 """``close``'s last words to its hosts: ``end_session`` (name the resolved ended sessions,
-then end a session), ``Unreleased`` and ``LastWords`` (what they could not tell, said in one
-warning).
+then end a session), ``LastWord`` (one of them, said once however often it is started),
+``Unreleased`` and ``LastWords`` (what they could not tell, said in one warning).
 
 Threading: ``end_session`` blocks on its host (each step within ~2 s) and never raises;
-``LastWords`` is for any thread. The warnings keep the logger of
+``LastWord`` and ``LastWords`` are for any thread. The warnings keep the logger of
 ``session_releases`` (the part of the tier that says these words), which users filter on.
 Failure model: what a host did not hear it keeps holding (safe), until named again or its
 ``--hold-timeout``.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("torch_kv_tier.session_releases")
@@ -92,3 +93,21 @@ def end_session(session: Any, clean: bool, held: list[str]) -> list[str]:
             refused = held
     session.close(clean=clean)
     return list(dict.fromkeys([*session.unreleased(), *refused]))
+
+
+class LastWord:
+    """One of ``close``'s last words to the host at ``address``, ``say(*args)``, said at most
+    once however often it is started (``close`` run again after a Ctrl-C starts again those
+    it has not seen started); ``thread``: the thread it was started on, once it was. Any
+    thread."""
+
+    def __init__(self, address: str, say: Callable[..., Unreleased | None], *args: Any) -> None:
+        self.address = address
+        self._say, self._args = say, args
+        self._once = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, words: LastWords) -> None:
+        """Say it (a second call does nothing); what it could not tell goes to ``words``."""
+        if self._once.acquire(blocking=False):
+            words.add(self._say(*self._args))

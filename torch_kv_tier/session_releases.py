@@ -21,13 +21,18 @@ import dataclasses
 import logging
 import threading
 import time
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import Dial
 from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.ended_sessions import EndedSessions
-from torch_kv_tier.last_words import LastWords, Unreleased, end_session, warn_unreleased
+from torch_kv_tier.last_words import (
+    LastWord,
+    LastWords,
+    Unreleased,
+    end_session,
+    warn_unreleased,
+)
 from torch_kv_tier.records import Peer
 from torch_kv_tier.tier_threads import TierThread
 
@@ -231,15 +236,17 @@ class SessionReleases:
                 self._forget_removed(address)
                 self._cond.notify_all()
 
-    def _last_word(
-        self, session: Any, clean: bool, held: list[str], dial: Dial | None
-    ) -> Unreleased | None:
-        """``close``'s end of a live ``session`` (unlocked): it names ``held`` and ends; what
-        its host may not have read (the session lost meanwhile, its disconnect unanswered) goes
-        over a session of its own (``dial``'s): no later session would carry it. Returns what
-        could not be told (``_last_word_of``). A dropped peer's session the poller never
-        started ending is among ``held`` once its writes resolved: it ends clean instead (its
-        host, told so over it, would end it first and leave its disconnect unanswered)."""
+    def _last_word(self, session: Any, clean: bool, dial: Dial | None) -> Unreleased | None:
+        """``close``'s end of a live ``session`` (unlocked): it names the resolved sessions of
+        its host (taken here, those of dropped sessions still ending too:
+        ``EndedSessions.take``) and ends; what its host may not have read (the session lost
+        meanwhile, its disconnect unanswered) goes over a session of its own (``dial``'s): no
+        later session would carry it. Returns what could not be told (``_last_word_of``). A
+        dropped peer's session the poller never started ending is among them once its writes
+        resolved: it ends clean instead (its host, told so over it, would end it first and
+        leave its disconnect unanswered)."""
+        with self._lock:
+            held = self._ended.take(session.address, closing=True)
         resolved = session.session_id in held
         held = [sid for sid in held if sid != session.session_id]
         unread = end_session(session, clean or resolved, held)
@@ -260,12 +267,20 @@ class SessionReleases:
                 self._ended.give_back(address, unread)
         return None
 
-    def _end_sessions(self, ending: list[tuple[Any, bool]], timeout_s: float) -> None:
-        """``close``'s last word to every host (unlocked): each live session carries the
-        resolved sessions of its host, then ends (``clean``: none of its writes was cancelled
-        in flight); a host with resolved sessions and no live one gets a session of its own.
-        A dropped session whose end has not ended by then is named too, if resolved (its end,
-        past ``close``, would find the transport closed: ``EndedSessions.take``).
+    def _own_last_word(self, dial: Dial) -> Unreleased | None:
+        """``close``'s last word to a host it has no live session with (unlocked): the
+        resolved sessions of ``dial``'s address (taken here) over a session of their own."""
+        with self._lock:
+            held = self._ended.take(dial.address, closing=True)
+        return self._release_over_own_session(dial, held, last_word=True) if held else None
+
+    def _end_sessions(self, ending: list[Any], timeout_s: float) -> None:
+        """``close``'s last word to every host (unlocked): each live session of ``ending``
+        (``(session, clean)``) carries the resolved sessions of its host, then ends
+        (``clean``: none of its writes was cancelled in flight); a host with resolved sessions
+        and no live one gets a session of its own. A dropped session whose end has not ended
+        by then is named too, if resolved (its end, past ``close``, would find the transport
+        closed: ``EndedSessions.take``).
         Side by side, awaited up to ``timeout_s`` (at least 0.1 s), once the release threads
         ``close`` cancelled handed back what they carried; one still running then goes on by
         itself (each of its steps within ~2 s; not cut short, see ``close``), and reports
@@ -277,42 +292,42 @@ class SessionReleases:
         ``timeout_s``, if need be: each step within ~2 s), logged as a warning. A Ctrl-C as
         it waits is raised once the last words started (each goes on by itself), and what
         they could not tell so far said (what they cannot tell later, said on its own).
-        ``ending`` is emptied once their last words are set out."""
+
+        Resumable (``close`` runs it again after a Ctrl-C at any of its lines): ``ending``'s
+        sessions become ``LastWord``s in place, each said once however often it is started,
+        and each word takes what it names as it is said, so that a word set out and not
+        started yet took nothing (a retry starts it)."""
         deadline = time.monotonic() + max(timeout_s, 0.1)  # one for all: they run side by side
         interrupt = None
+        words = LastWords()
         with self._lock:
             try:
                 while self._ended.carrying and time.monotonic() < deadline:
                     self._cond.wait(timeout=deadline - time.monotonic())
             except KeyboardInterrupt as exc:  # the last words still start: raised after that
                 interrupt = exc
-            take = partial(self._ended.take, closing=True)  # dropped sessions still ending too
-            work: list[tuple[Any, tuple[Any, ...]]] = [
-                (self._last_word, (s, clean, take(s.address), self._dial(s.address)))
-                for s, clean in ending
-            ]
-            ending.clear()  # taken: run again (``close`` after a Ctrl-C), it says the rest
-            words = LastWords()
-            for address in list(self._ended.resolved):
+            ending[:] = [w if isinstance(w, LastWord) else self._live_word(*w) for w in ending]
+            live = {w.address for w in ending}
+            own = []  # (set out again by a retry: one that finds nothing taken says nothing)
+            for address in [a for a in self._ended.resolved if a not in live]:
                 dial = self._dial(address)
                 if dial is not None:
-                    last_word = partial(self._release_over_own_session, last_word=True)
-                    work.append((last_word, (dial, take(address))))
+                    own.append(LastWord(address, self._own_last_word, dial))
                 else:
                     gone = ConnectionError(
                         "no longer dialled (its host joined at another address, or its "
                         "connect failed)"
                     )
                     words.add(Unreleased(address, len(self._ended.resolved[address]), gone))
-        threads, unstarted = [], []
-        for w in work:
-            thread = TierThread(target=lambda f, a: words.add(f(*a)), args=w, daemon=True)
+        unstarted = []
+        for word in [w for w in ending if w.thread is None] + own:
+            thread = TierThread(target=word, args=(words,), daemon=True)
             try:
                 thread.start()
             except RuntimeError as exc:  # the process at its thread limit
-                unstarted.append((w, exc))
+                unstarted.append((word, exc))
             else:
-                threads.append(thread)
+                word.thread = thread  # (interrupted before: a retry's thread says nothing)
         try:
             if interrupt is not None:  # (each started last word goes on by itself)
                 raise interrupt
@@ -323,9 +338,16 @@ class SessionReleases:
                     len(unstarted),
                     unstarted[0][1],
                 )
-            for (say, args), _ in unstarted:
-                words.add(say(*args))
-            for thread in threads:
-                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+            for word, _ in unstarted:
+                word(words)
+            for word in [*ending, *own]:
+                if word.thread is not None:
+                    word.thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         finally:  # interrupted too: what failed so far now, a later failure on its own
             words.report()
+
+    def _live_word(self, session: Any, clean: bool) -> LastWord:
+        """The last word to ``session``'s host over it (``_last_word``), not said yet."""
+        return LastWord(
+            session.address, self._last_word, session, clean, self._dial(session.address)
+        )
