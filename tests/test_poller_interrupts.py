@@ -1,6 +1,7 @@
 """A ``KeyboardInterrupt`` as the tier resolves the futures it settled (``Transfers._flush``):
 on the poller (a done-callback's), the poller goes on and later transfers still complete; on
-any thread, the futures it took and did not resolve yet are resolved by the next flush."""
+any thread (in ``_flush``, ``store``, ``load``), the futures it took and did not resolve yet are
+resolved by the next flush."""
 
 from __future__ import annotations
 
@@ -69,3 +70,37 @@ def test_an_interrupt_as_the_flush_releases_the_lock_loses_no_future(
         assert not interrupts, "the interrupt was never injected"
         tier._flush()  # the next flush (close's retry, the poller's next turn)
         assert request.future.result(timeout=0).ok
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_an_interrupt_as_a_store_or_load_releases_the_lock_loses_no_other_future(
+    monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """Found by review: ``store`` and ``load`` took every settled request out of the tier
+    (another caller's too, completed by their poll) under the lock, then resolved them; a
+    ``KeyboardInterrupt`` between (as the lock was released, or a Ctrl-C on the lines after)
+    lost them: that other caller's future never resolved."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, _):
+        assert tier.store(["b"], [1]).result(timeout=RESULT_TIMEOUT_S).ok
+        other = Request([b"k"])  # another caller's, settled as this call polled
+        other.settle(other.keys, None)
+        refuse, interrupts = tier._withheld.refuse, [KeyboardInterrupt()]
+
+        def interrupt() -> None:
+            raise interrupts.pop()
+
+        def refuse_then_interrupted(*args: Any) -> None:
+            refuse(*args)
+            if interrupts:
+                tier._ready.append(other)  # (under the call's lock: the poller cannot take it)
+                tier._lock._deferred.append(interrupt)  # raised as the call releases the lock
+
+        monkeypatch.setattr(tier._withheld, "refuse", refuse_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            if call == "store":
+                tier.store(["a"], [0])
+            else:
+                tier.load(["b"], [2])
+        assert not interrupts, "the interrupt was never injected"
+        tier._flush()  # the next flush (the next call, the poller's next turn)
+        assert other.future.result(timeout=0).ok

@@ -284,12 +284,12 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 request.settle(new_keys, NO_PEERS)
             for peer_id, (gkeys, glocal, gdigests) in groups.items():
                 self._store_on(self._peers[peer_id], gkeys, glocal, gdigests, request)
-            ready = self._after_submit(request, groups)
+            self._submitted(request, groups)
             for peer_id in groups:  # after the commits of what completed already
                 peer = self._peers.get(peer_id)  # polling may have dropped it
                 if isinstance(peer, SharedHost):
                     self._refill(peer)
-        resolve(ready)
+        self._flush()
         return request.future
 
     def load(
@@ -331,8 +331,8 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
                 self._launch(
                     Op("load", slots.peer_id, peer, gkeys, glocal, remote, request, digests)
                 )
-            ready = self._after_submit(request, peer_ids)
-        resolve(ready)
+            self._submitted(request, peer_ids)
+        self._flush()
         return request.future
 
     def withheld_until(self, local_idxs: Sequence[int]) -> Future[TransferResult]:

@@ -218,9 +218,16 @@ class Transfers(Finishes):
             self._submit(op)
 
     def _after_submit(self, request: Request | None, peer_ids: Iterable[str]) -> list[Request]:
+        """``_submitted``, then take the settled requests, whose futures the caller resolves
+        (unlocked)."""
+        self._submitted(request, peer_ids)
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _submitted(self, request: Request | None, peer_ids: Iterable[str]) -> None:
         """Poll the peers just submitted to, on the calling thread; wake the poller only for
-        what is still in flight. Returns the settled requests, whose futures the caller resolves
-        (unlocked).
+        what is still in flight; ``request`` joins the settled ones (``_ready``) if it is.
+        The caller resolves them once unlocked (``_flush``: a Ctrl-C before that loses none).
 
         Over shared memory a transfer often finishes inside ``transfer()``: completing it here
         spares two thread switches before its future resolves. Cost: one state check per
@@ -243,8 +250,6 @@ class Transfers(Finishes):
             self._cond.notify()
         if request is not None:
             self._ready_if_settled(request)
-        ready, self._ready = self._ready, []
-        return ready
 
     def _submit(self, op: Op) -> None:
         if self._peers.get(op.peer_id) is not op.peer:  # removed or replaced meanwhile
