@@ -3,8 +3,8 @@
 The public API and the calls' validation. Its parts: ``index`` (what is stored where:
 placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, per tier-owned
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
-the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its base
-``finishes``: finish per operation, settle), ``shared_hosts`` (driving shared hosts),
+the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its bases
+``finishes``: finish, settle; ``poller``: its thread), ``shared_hosts`` (driving shared hosts),
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
 lost session, the redial; and that one's base ``session_releases``), ``key_queries``
 (``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``) and ``closing``

@@ -3,7 +3,7 @@ holds past it, and which of them settle then.
 
 A transfer the transport posted and has not reported ``transfer_timeout_s`` after its post (one
 queued inside the tier behind ``max_inflight`` is not posted yet) faults its peer as a refused
-transfer does (``Transfers._expire_overdue``): its stores settle "peer lost" with their remote
+transfer does (``Poller._expire_overdue``): its stores settle "peer lost" with their remote
 slots fenced, a load settles "timed out", yet its read may still land, whenever: its local
 blocks are *withheld* (``withheld``: a load into them or a store from them raises) until the
 transport reports that transfer (nothing more of it lands) or releases every transfer (the tier
