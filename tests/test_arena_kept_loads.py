@@ -99,11 +99,11 @@ def test_a_restore_a_ctrl_c_stopped_in_the_tiers_load_gets_its_slots_back(remote
         assert off.offload([0, 1], keys).result(timeout=30).ok
         where: dict[types.CodeType, set[int] | None] = {TierManager.load.__code__: None}
         with (
-            ctrl_c_at_line(where, "ready = self._after_submit(") as seen,
+            ctrl_c_at_line(where, "self._submitted(request, peer_ids)") as seen,
             contextlib.suppress(KeyboardInterrupt),
         ):
             off.restore(keys, [2, 3])
-        assert "ready = self._after_submit(" in seen[-1]
+        assert "self._submitted(request, peer_ids)" in seen[-1]
         assert off.lookup(keys) == 2 and off.restore(keys, [4, 5]) == 2  # (heals first)
         assert wait_for(lambda: manager.arena.num_free == 4, 30.0)
         assert torch.equal(keys_c[0][4], keys_c[0][0]) and torch.equal(

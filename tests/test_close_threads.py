@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from late_write_support import BLOCK, LateWriteTransport, late_write_tier
 from release_support import RESULT_TIMEOUT_S
 from remote_support import wait_for
-from test_index import BLOCK, LateWriteTransport, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.manager import TierManager

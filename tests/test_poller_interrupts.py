@@ -9,8 +9,8 @@ import threading
 from typing import Any
 
 import pytest
+from late_write_support import BLOCK, late_write_tier
 from release_support import RESULT_TIMEOUT_S
-from test_index import BLOCK, late_write_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.records import Request
