@@ -1,7 +1,8 @@
 """A host given by name: one that does not resolve fails its connect at once, saying so (it
 waited out the whole timeout and said the host did not answer), a lookup that hangs ends with
 the connect's timeout, a name that resolves connects, an IP address is not looked up, and a
-host whose name does not resolve is redialled as a host that is down."""
+host whose name does not resolve is redialled as a host that is down, past the connect cap
+too."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from membership_support import WAIT_S, join_wait_s, redial_quickly
+from membership_support import WAIT_S, FakeTier, join_wait_s, redial_quickly
 from remote_support import BLOCK_LEN, free_port, wait_until
 
+from torch_kv_tier import parallel_connects
 from torch_kv_tier.host_sources import WatchedFile
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership
+from torch_kv_tier.parallel_connects import ParallelConnects
 from torch_kv_tier.remote import ServerProcess, UnresolvedHost, host_names
 
 _getaddrinfo = socket.getaddrinfo
@@ -165,3 +168,51 @@ def test_a_hosts_file_name_that_does_not_resolve_is_retried_until_it_does(
             wait_until(lambda: members.hosts()[address] is not None, "the join", WAIT_S)
         finally:
             members.stop(WAIT_S)
+
+
+def test_past_the_connect_cap_each_silent_hosts_failure_says_what_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: past ``MAX_CONNECTS`` hosts (16), those that do not answer the greeting
+    get no connect, and each was reported "no answer" (``TimeoutError``), a name that does not
+    resolve too. Each now fails as its connect would have: the name that does not resolve
+    saying so, a name whose lookup has not ended saying the name server did not answer, and a
+    host that resolves (or an IP address) but is silent saying it did not answer."""
+    monkeypatch.setattr(parallel_connects, "MAX_CONNECTS", 1)
+    release = threading.Event()
+
+    def getaddrinfo(host: str, *args: Any, **kwargs: Any) -> Any:
+        if host == "hung.example":
+            release.wait(WAIT_S)
+        if host in ("nosuchhost.example", "hung.example"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return _getaddrinfo(host, *args, **kwargs)
+
+    greet = parallel_connects.answering
+
+    def answering(*args: Any) -> Iterator[int]:
+        """The greeting, ended once every lookup but the hung one has (a loaded machine may
+        run them late: the greeting's timeout is no bound on that)."""
+        yield from greet(*args)
+        for thread in threading.enumerate():
+            if thread.name.startswith("tkvt-resolve-") and "hung" not in thread.name:
+                thread.join(WAIT_S)
+
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(parallel_connects, "answering", answering)
+    port = free_port()  # nobody listens there
+    addresses = [f"{host}:{port}" for host in ("nosuchhost.example", "hung.example", "localhost")]
+    tier = FakeTier()
+    connects = ParallelConnects(tier, [*addresses, f"127.0.0.1:{port}"], {"timeout_s": 0.5})
+    try:
+        outcomes = [outcome for _, outcome in connects.outcomes()]
+    finally:
+        release.set()
+        connects.join(timeout=WAIT_S)
+    unknown, hung, silent_name, silent_ip = outcomes
+    assert isinstance(unknown, UnresolvedHost) and "Name or service not known" in str(unknown)
+    assert isinstance(hung, UnresolvedHost) and "no answer within the connect's" in str(hung)
+    assert unknown.name == "nosuchhost.example" and hung.name == "hung.example"
+    for silent in (silent_name, silent_ip):
+        assert isinstance(silent, TimeoutError) and "no answer from" in str(silent)
+    assert tier.calls == [], "hosts that did not answer the greeting were connected"

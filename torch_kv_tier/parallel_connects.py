@@ -8,9 +8,12 @@ threads, each with its handshake's sockets, at every startup or membership round
 joins take turns anyway, so more connects at once only overlap handshakes, which take
 milliseconds for a host that answers; the threads that matter are those waiting out a host that
 does not answer. So with more hosts than that, one more thread first greets them all at once
-(a ``Hello`` on a socket of its own to each, up to the handshake's ``timeout_s``): only the
-hosts that answer get a connect, and those that do not fail with ``TimeoutError`` without one
-(with the connects' ``redial_if_down``, the tier dials them in the background all the same).
+(a ``Hello`` on a socket of its own to each, up to the handshake's ``timeout_s``, while each
+host name is looked up, as a connect does first): only the hosts that answer get a connect,
+and those that do not fail without one, as their connect would have, with
+``remote.UnresolvedHost`` for a name that did not resolve (in time) and ``TimeoutError``
+otherwise (with the connects' ``redial_if_down``, the tier dials them in the background all
+the same).
 Hosts that do not answer still cost one timeout in all; the trade-off is one more round trip
 for each host that does, and a host that freezes between its answer and its handshake holds a
 connect's thread for its timeout (one of 16).
@@ -37,6 +40,7 @@ from torch_kv_tier.connections import CONNECT_TIMEOUT_S, MAX_CONNECTS
 from torch_kv_tier.remote.connect_args import check_timeouts
 from torch_kv_tier.remote.greeting import answering
 from torch_kv_tier.remote.handshake import no_answer
+from torch_kv_tier.remote.host_names import resolving
 from torch_kv_tier.tier_threads import TierThread
 
 if TYPE_CHECKING:
@@ -115,22 +119,24 @@ class ParallelConnects:
         try:
             if not _is_timeout(timeout_s):
                 return
+            lookups = [resolving(address) for address in self._addresses]
             for i in answering(self._addresses, timeout_s, lambda: self._tier.closed):
                 waiting.discard(i)
                 self._todo.put(i)
             if not self._tier.closed:  # (closed: each connect fails at once, saying so)
                 for i in sorted(waiting):
-                    self._outcomes[i] = self._silent(self._addresses[i], timeout_s)
+                    exc = lookups[i]() or no_answer(self._addresses[i], timeout_s)
+                    self._outcomes[i] = self._silent(self._addresses[i], exc)
                     self._ended[i].set()
                 waiting.clear()
         finally:
             self._hand_out(sorted(waiting), workers)
 
-    def _silent(self, address: str, timeout_s: float) -> Exception:
-        """What the connect of ``address``, which did not answer the greeting, fails with
-        (``TimeoutError``, as its handshake's); with ``redial_if_down``, the tier dials it in
-        the background all the same (``dial_later``), as that connect would have."""
-        exc = no_answer(address, timeout_s)
+    def _silent(self, address: str, exc: Exception) -> Exception:
+        """What the connect of ``address``, which did not answer the greeting, fails with:
+        ``exc``, what its connect would have raised (``UnresolvedHost`` for a name that did not
+        resolve, else ``TimeoutError``); with ``redial_if_down``, the tier dials it in the
+        background all the same (``dial_later``), as that connect would have."""
         if self._kwargs.get("redial_if_down"):
             kwargs = {k: v for k, v in self._kwargs.items() if k != "redial_if_down"}
             try:

@@ -7,11 +7,12 @@ turns IPv6 on for an IPv6 literal only): a name with IPv6 addresses and no IPv4 
 here too, naming its address to pass instead (it waited out the timeout, "no answer").
 
 Threading: ``check_resolves`` blocks its caller until the lookup ends, its deadline passes or
-its ``cancel`` is set; the lookup (``socket.getaddrinfo``, which no timeout bounds) runs on a
-daemon thread, which a lookup that hangs leaves behind until the system's resolver gives up (its
-own timeout, ``/etc/resolv.conf``). Callers asking for a name while its lookup is still under way
-wait for that one: one thread per name, however many connects and redials ask for it (each
-made a thread of its own, so a hung name server left one behind per redial of each host).
+its ``cancel`` is set (``resolving`` starts a lookup and never waits); the lookup
+(``socket.getaddrinfo``, which no timeout bounds) runs on a daemon thread, which a lookup that
+hangs leaves behind until the system's resolver gives up (its own timeout, ``/etc/resolv.conf``).
+Callers asking for a name while its lookup is still under way wait for that one: one thread per
+name, however many connects and redials ask for it (each made a thread of its own, so a hung
+name server left one behind per redial of each host).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import ipaddress
 import socket
 import threading
 import time
+from collections.abc import Callable
 
+from torch_kv_tier.remote.connect_args import parse_address
 from torch_kv_tier.remote.handshake import CANCEL_POLL_S, Cancel
 from torch_kv_tier.remote.handshake_errors import Cancelled
 
@@ -101,9 +104,41 @@ def check_resolves(address: str, host: str, deadline: float, cancel: Cancel | No
     ``deadline`` (``time.monotonic()``), and ``Cancelled`` once ``cancel`` (anything with an
     ``is_set``) is set. ``RuntimeError`` when no thread can be started for the lookup. Any
     thread; callers asking for a name whose lookup is under way share it."""
-    if is_ip(host):
-        return
-    lookup = _look_up(host)
+    if not is_ip(host):
+        _check(address, _look_up(host), deadline, cancel)
+
+
+def resolving(address: str) -> Callable[[], UnresolvedHost | None]:
+    """Start looking up the host name of ``address`` (``HOST:PORT``) now, without waiting
+    (shared with ``check_resolves`` asking for the same name meanwhile), for a caller that
+    greets the host meanwhile (``parallel_connects``: past its cap a host that does not answer
+    the greeting gets no connect, and an unresolvable name was reported as "no answer").
+    Returns a check that never waits, to call once the host did not answer (any thread): the
+    ``UnresolvedHost`` that ``check_resolves`` would raise (the lookup failed, found IPv6
+    addresses only, or has not ended by then), or ``None`` when the name resolved, or when
+    there is nothing to look up (an IP address) or no lookup could be started (a bad address,
+    no thread left: the connect says why). Never raises."""
+    try:
+        host = parse_address(address)[0]
+        if is_ip(host):
+            return lambda: None
+        lookup = _look_up(host)
+    except (ValueError, RuntimeError):
+        return lambda: None
+
+    def failure() -> UnresolvedHost | None:
+        try:
+            _check(address, lookup, time.monotonic())
+        except UnresolvedHost as exc:
+            return exc
+        return None
+
+    return failure
+
+
+def _check(address: str, lookup: _Lookup, deadline: float, cancel: Cancel | None = None) -> None:
+    """``check_resolves`` of ``lookup`` under way (of ``address``'s host)."""
+    host = lookup.host
     while not lookup.done.wait(max(min(deadline - time.monotonic(), CANCEL_POLL_S), 0.0)):
         if cancel is not None and cancel.is_set():
             raise Cancelled(
