@@ -48,7 +48,10 @@ def test_a_size_takes_a_number_and_a_binary_suffix(text: str, value: int) -> Non
 
 @pytest.mark.parametrize(
     "text",
-    ["0", "-1", "0.3", "1/2", "0x10", "nan", "inf", "1e300T", "", "9" * 5000, "0." + "0" * 5000],
+    [
+        *("0", "-1", "0.3", "1/2", "0x10", "nan", "inf", "1e300T", "", "9" * 5000),
+        *("0." + "0" * 5000, "\uff16\uff14K", "\u0666\u0664K", "1\u0660"),  # (digits past ASCII)
+    ],
 )
 def test_a_size_that_is_no_whole_positive_byte_count_is_refused_naming_the_option(
     text: str,

@@ -34,6 +34,7 @@ from torch_kv_tier.benchmarks.options import (
     usable_cpus,
 )
 from torch_kv_tier.benchmarks.remote import read_token
+from torch_kv_tier.cli_numbers import integer
 
 QUICK = {
     "transports": ["shm"],
@@ -141,7 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", type=output_file, help="write the result rows to this JSON file")
     parser.add_argument("--plot", type=plot_file, help="draw GB/s against block size to this PNG")
-    parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
+    parser.add_argument(
+        "--seed", type=integer, default=1234, help="seed of plans and byte patterns"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

@@ -28,6 +28,7 @@ from typing import Any
 from torch_kv_tier.benchmarks.options import size
 from torch_kv_tier.benchmarks.remote import Target, remote_hosts
 from torch_kv_tier.benchmarks.system_nixl_raw import BareNixl, local_arena
+from torch_kv_tier.cli_numbers import integer
 
 
 def _tier_burst(tier: Any, op: str, keys: list[list[Any]], local: list[int]) -> float:
@@ -74,9 +75,9 @@ def placement_us_per_key(peers: int, n: int = 4096) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.call_cost")
     parser.add_argument("--block-len", type=size, default=16 << 10)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--calls", type=int, default=200, help="calls per burst")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch", type=integer, default=16)
+    parser.add_argument("--calls", type=integer, default=200, help="calls per burst")
+    parser.add_argument("--rounds", type=integer, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile the tier's bursts")
     args = parser.parse_args(argv)
     from torch_kv_tier.manager import TierManager

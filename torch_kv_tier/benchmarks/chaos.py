@@ -53,6 +53,7 @@ from torch_kv_tier.benchmarks.chaos_hosts import HostExit, Hosts
 from torch_kv_tier.benchmarks.options import duration, output_file, pause
 from torch_kv_tier.benchmarks.reliability_common import Outcome, ucx_over_tcp
 from torch_kv_tier.benchmarks.reliability_faults import FDS_PER_DEAD_PEER, FDS_PER_DEAD_PEER_TCP
+from torch_kv_tier.cli_numbers import integer
 
 logger = logging.getLogger(__name__)
 
@@ -321,12 +322,12 @@ def render(out: Outcome, exits: list[HostExit]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``chaos`` subcommand's options."""
     parser.add_argument("--seconds", type=duration, default=600.0, help="run time (default 600)")
-    parser.add_argument("--hosts", type=int, default=2, help="host processes (default 2)")
-    parser.add_argument("--writers", type=int, default=2, help="long-lived writer tiers")
-    parser.add_argument("--readers", type=int, default=2, help="long-lived reader tiers")
-    parser.add_argument("--keys", type=int, default=512, help="key space (default 512)")
+    parser.add_argument("--hosts", type=integer, default=2, help="host processes (default 2)")
+    parser.add_argument("--writers", type=integer, default=2, help="long-lived writer tiers")
+    parser.add_argument("--readers", type=integer, default=2, help="long-lived reader tiers")
+    parser.add_argument("--keys", type=integer, default=512, help="key space (default 512)")
     parser.add_argument("--pause", type=pause, default=0.005, help="s between a tier's calls")
-    parser.add_argument("--seed", type=int, default=0, help="fault schedule seed")
+    parser.add_argument("--seed", type=integer, default=0, help="fault schedule seed")
     parser.add_argument("--json", type=output_file, help="write the figures as JSON to this file")
     parser.add_argument(
         "--tcp",

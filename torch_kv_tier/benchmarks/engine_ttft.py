@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from torch_kv_tier.benchmarks.options import output_file, plot_file, usable_cpus
+from torch_kv_tier.cli_numbers import integer
 
 logger = logging.getLogger(__name__)
 
@@ -193,9 +194,9 @@ def run_conditions(prefix_tokens: int, repeats: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
-    parser.add_argument("--prefix-tokens", type=int, default=1984, help="shared prefix length")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-tokens", type=integer, default=1984, help="shared prefix length")
+    parser.add_argument("--repeats", type=integer, default=9)
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument("--out", type=output_file, help="write JSON (rows and summary) here")
     parser.add_argument("--plot", type=plot_file, help="write a PNG here (needs matplotlib)")
     parser.add_argument(

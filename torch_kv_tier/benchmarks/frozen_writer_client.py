@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from torch_kv_tier.benchmarks.options import heartbeat_timeout, size
+from torch_kv_tier.cli_numbers import integer, real
 from torch_kv_tier.manager import TierManager, TransferResult
 
 RESULT_TIMEOUT_S = 30.0  # one store future after the resume
@@ -132,14 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.frozen_writer_client")
     parser.add_argument("address", help="HOST:PORT of a torch-kv-tier serve")
     parser.add_argument("--private", action="store_true", help="lease every slot (else: shared)")
-    parser.add_argument("--num-blocks", type=int, default=256, help="arena (and lease) blocks")
+    parser.add_argument("--num-blocks", type=integer, default=256, help="arena (and lease) blocks")
     parser.add_argument("--block-len", type=size, default=262144)
-    parser.add_argument("--grant-batch", type=int, default=256, help="shared: slots per grant")
-    parser.add_argument("--stores", type=int, default=4, help="store calls per batch")
-    parser.add_argument("--first", type=int, default=64, help="keys per store before the freeze")
-    parser.add_argument("--second", type=int, default=64, help="keys per store after it")
+    parser.add_argument("--grant-batch", type=integer, default=256, help="shared: slots per grant")
+    parser.add_argument("--stores", type=integer, default=4, help="store calls per batch")
+    parser.add_argument(
+        "--first", type=integer, default=64, help="keys per store before the freeze"
+    )
+    parser.add_argument("--second", type=integer, default=64, help="keys per store after it")
     parser.add_argument("--heartbeat-timeout", type=heartbeat_timeout, default=2.0, help="s")
-    parser.add_argument("--max-seconds", type=float, default=120.0, help="most time to linger")
+    parser.add_argument("--max-seconds", type=real, default=120.0, help="most time to linger")
     args = parser.parse_args(argv)
     try:
         run(args)

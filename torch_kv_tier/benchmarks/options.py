@@ -16,7 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch_kv_tier.remote.quantities import HEARTBEAT_TIMEOUT, MAX_WAIT_S, byte_count, seconds
+from torch_kv_tier.cli_numbers import integer, real
+from torch_kv_tier.remote.quantities import (
+    HEARTBEAT_TIMEOUT,
+    MAX_WAIT_S,
+    ascii_number,
+    byte_count,
+    seconds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +66,8 @@ def heartbeat_timeout(text: str) -> float:
     are lost at once below it, ``quantities.HEARTBEAT_TIMEOUT``), checked before any host
     starts."""
     try:
-        return seconds("--heartbeat-timeout", float(text), floor=HEARTBEAT_TIMEOUT)
-    except ValueError as exc:  # (float()'s too: not a number)
+        return seconds("--heartbeat-timeout", real(text), floor=HEARTBEAT_TIMEOUT)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
@@ -80,18 +87,19 @@ def pause(text: str) -> float:
 def _seconds(text: str, *, zero: bool) -> float:
     """``text`` as ``quantities.seconds`` takes it; ``ArgumentTypeError`` saying what to pass."""
     try:
-        return seconds("value", float(text), zero=zero)
-    except ValueError:  # (float()'s too: not a number)
+        return seconds("value", float(ascii_number(text)), zero=zero)
+    except ValueError:  # (not a number in ASCII, too)
         bound = ">= 0" if zero else "> 0"
         raise argparse.ArgumentTypeError(
-            f"not a number of seconds {bound} (finite, at most {MAX_WAIT_S:g}): {text!r}; "
+            f"not a number of seconds {bound} in ASCII digits 0-9 (finite, at most "
+            f"{MAX_WAIT_S:g}): {text!r}; "
             "pass e.g. 10 or 0.5"
         ) from None
 
 
 def positive(text: str) -> int:
-    """An integer > 0."""
-    value = int(text)
+    """An integer > 0 (in ASCII digits: ``cli_numbers.integer``)."""
+    value = integer(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value

@@ -35,6 +35,7 @@ import torch
 
 from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import environment
+from torch_kv_tier.cli_numbers import integer, real
 
 BLOCK = 4096
 NUM_BLOCKS = 256
@@ -169,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch_kv_tier.transport.nixl_agent import PROGRESS_DELAY_US
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--idle-s", type=float, default=5.0, help="idle window (default 5 s)")
-    parser.add_argument("--tries", type=int, default=100, help="latency tries (default 100)")
-    parser.add_argument("--gap-ms", type=float, default=20.0, help="between tries (default 20)")
+    parser.add_argument("--idle-s", type=real, default=5.0, help="idle window (default 5 s)")
+    parser.add_argument("--tries", type=integer, default=100, help="latency tries (default 100)")
+    parser.add_argument("--gap-ms", type=real, default=20.0, help="between tries (default 20)")
     parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     delays = (PROGRESS_DELAY_US, 0)

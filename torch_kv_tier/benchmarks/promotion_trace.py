@@ -47,6 +47,7 @@ from torch_kv_tier.benchmarks.engine_ttft import (
     run_conditions,
 )
 from torch_kv_tier.benchmarks.options import output_file
+from torch_kv_tier.cli_numbers import integer
 
 logger = logging.getLogger(__name__)
 
@@ -248,9 +249,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: build the tiny Llama)")
-    parser.add_argument("--prefix-tokens", type=int, default=1984)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-tokens", type=integer, default=1984)
+    parser.add_argument("--repeats", type=integer, default=15)
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument("--out", type=output_file, help="write JSON (rows and summary) here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

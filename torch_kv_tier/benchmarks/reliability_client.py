@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from torch_kv_tier.benchmarks.options import size
+from torch_kv_tier.cli_numbers import integer, real
 from torch_kv_tier.manager import TierManager, TransferResult
 
 
@@ -22,9 +23,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_kv_tier.benchmarks.reliability_client")
     parser.add_argument("address", help="HOST:PORT of a torch-kv-tier serve")
     parser.add_argument("--block-len", type=size, default=4096)
-    parser.add_argument("--batch", type=int, default=8, help="keys per store call")
-    parser.add_argument("--window", type=int, default=8, help="store calls kept in flight")
-    parser.add_argument("--max-seconds", type=float, default=120.0)
+    parser.add_argument("--batch", type=integer, default=8, help="keys per store call")
+    parser.add_argument("--window", type=integer, default=8, help="store calls kept in flight")
+    parser.add_argument("--max-seconds", type=real, default=120.0)
     args = parser.parse_args(argv)
     deadline = time.monotonic() + args.max_seconds
     with TierManager.create(args.batch, args.block_len, name="streaming-client") as tier:

@@ -59,6 +59,7 @@ from torch_kv_tier.benchmarks.serve_replicas import (
     busy_neighbour,
     metric_sum,
 )
+from torch_kv_tier.cli_numbers import integer
 from torch_kv_tier.integrations.vllm import tiny_model
 from torch_kv_tier.integrations.vllm.admission_stats import REFUSAL_REASONS
 
@@ -97,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "largest concurrency",
     )
     parser.add_argument(
-        "--busy", type=int, nargs="+", default=[0], help="busy neighbour processes per scenario"
+        "--busy", type=integer, nargs="+", default=[0], help="busy neighbour processes per scenario"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument("--out", type=output_file, help="write the JSON here")
     parser.add_argument("--plot", type=plot_file, help="write a PNG here (needs matplotlib)")
     parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")

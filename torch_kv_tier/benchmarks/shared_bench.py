@@ -49,6 +49,7 @@ from torch_kv_tier.benchmarks.options import (
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
 from torch_kv_tier.benchmarks.workers import Workers
+from torch_kv_tier.cli_numbers import integer
 from torch_kv_tier.shared_host import default_grant_batch
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heartbeat timeout of the host-kill tier: the longest a read of a dead host waits "
         "(default: connect()'s 10 s; 3 s with --quick)",
     )
-    parser.add_argument("--seed", type=int, default=1234, help="seed of plans and byte patterns")
+    parser.add_argument(
+        "--seed", type=integer, default=1234, help="seed of plans and byte patterns"
+    )
     parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
 
 

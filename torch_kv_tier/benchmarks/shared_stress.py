@@ -87,6 +87,7 @@ from torch_kv_tier.benchmarks.shared_stress_worker import (
     Params,
     worker,
 )
+from torch_kv_tier.cli_numbers import integer
 
 FINISH_GRACE_S = 90.0  # after --seconds: the last calls, close(), the counts sent back
 SLACK_S = 5.0  # after a freeze (plus the longer timeout): a lost session has been noticed
@@ -246,16 +247,16 @@ def _gather(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shared-stress`` subcommand's options."""
-    parser.add_argument("--writers", type=int, default=4, help="writer processes (default 4)")
-    parser.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
+    parser.add_argument("--writers", type=integer, default=4, help="writer processes (default 4)")
+    parser.add_argument("--readers", type=integer, default=4, help="reader processes (default 4)")
     parser.add_argument("--seconds", type=duration, default=60.0, help="run time (default 60)")
-    parser.add_argument("--slots", type=int, default=256, help="host pool slots (default 256)")
-    parser.add_argument("--keys", type=int, default=2048, help="key space (default 2048)")
+    parser.add_argument("--slots", type=integer, default=256, help="host pool slots (default 256)")
+    parser.add_argument("--keys", type=integer, default=2048, help="key space (default 2048)")
     parser.add_argument(
         "--block-len", type=size, default=4096, help="bytes per block (default 4096; e.g. 64K)"
     )
     parser.add_argument(
-        "--max-batch", type=int, default=64, help="most keys per call (batches are 1..N)"
+        "--max-batch", type=integer, default=64, help="most keys per call (batches are 1..N)"
     )
     parser.add_argument("--max-grant", type=positive, default=16, help="host's --max-grant")
     parser.add_argument(
@@ -269,20 +270,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--writer-freezes",
-        type=int,
+        type=integer,
         help="writers SIGSTOPped and resumed during the run, every other one past "
         "--lease-timeout (default: one per 6 s of run)",
     )
     parser.add_argument(
         "--host-freezes",
-        type=int,
+        type=integer,
         help="host SIGSTOPs during the run, every other one past --heartbeat-timeout "
         "(default: one per 15 s of run)",
     )
     parser.add_argument(
         "--no-faults", action="store_true", help="freeze nothing (--*-freezes default to 0)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload and fault seed")
+    parser.add_argument("--seed", type=integer, default=0, help="workload and fault seed")
     parser.add_argument(
         "--tcp", action="store_true", help="UCX over TCP (UCX_TLS=tcp) instead of UCX's choice"
     )

@@ -35,6 +35,7 @@ from torch_kv_tier.benchmarks.options import (
     usable_cpus,
 )
 from torch_kv_tier.benchmarks.reliability_common import Outcome
+from torch_kv_tier.cli_numbers import integer
 
 logger = logging.getLogger(__name__)
 
@@ -57,31 +58,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)",
     )
     parser.add_argument("--quick", action="store_true", help="CI sizes: " + _describe(QUICK))
-    parser.add_argument("--trials", type=int, default=20, help="peer-death trials (default 20)")
-    parser.add_argument("--frozen-trials", type=int, default=3, help="peer-frozen trials")
+    parser.add_argument("--trials", type=integer, default=20, help="peer-death trials (default 20)")
+    parser.add_argument("--frozen-trials", type=integer, default=3, help="peer-frozen trials")
     parser.add_argument(
         "--heartbeat-timeout",
         type=heartbeat_timeout,
         default=10.0,
         help="heartbeat timeout of the doomed servers' sessions, s (default 10, connect's)",
     )
-    parser.add_argument("--client-trials", type=int, default=5, help="client-death trials")
+    parser.add_argument("--client-trials", type=integer, default=5, help="client-death trials")
     parser.add_argument(
         "--lease-timeout", type=duration, default=1.0, help="server lease timeout for client-death"
     )
     parser.add_argument(
-        "--transfers", type=int, default=100_000, help="soak transfers (default 100,000)"
+        "--transfers", type=integer, default=100_000, help="soak transfers (default 100,000)"
     )
     parser.add_argument(
         "--soak-tcp",
         action="store_true",
         help="soak over UCX/TCP (transfers really in flight; slower) instead of UCX's choice",
     )
-    parser.add_argument("--threads", type=int, default=8, help="concurrency threads")
-    parser.add_argument("--calls", type=int, default=2000, help="concurrency calls per thread")
-    parser.add_argument("--seed", type=int, default=0, help="concurrency workload seed")
+    parser.add_argument("--threads", type=integer, default=8, help="concurrency threads")
+    parser.add_argument("--calls", type=integer, default=2000, help="concurrency calls per thread")
+    parser.add_argument("--seed", type=integer, default=0, help="concurrency workload seed")
     parser.add_argument(
-        "--close-transfers", type=int, default=400, help="transfers in flight at close()"
+        "--close-transfers", type=integer, default=400, help="transfers in flight at close()"
     )
     parser.add_argument("--close-timeout", type=duration, default=1.0, help="close(timeout) in s")
     parser.add_argument(

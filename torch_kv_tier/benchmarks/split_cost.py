@@ -34,6 +34,7 @@ import torch
 
 from torch_kv_tier.benchmarks.options import output_file
 from torch_kv_tier.benchmarks.reliability_common import environment
+from torch_kv_tier.cli_numbers import integer
 
 # (block length, blocks per transfer): 1,024 or more, so NIXL's default would split them.
 POINTS = ((16384, 2048), (262144, 1024))
@@ -187,8 +188,8 @@ def measure(tls: str | None, block_len: int, num_blocks: int, rounds: int, xfers
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=30, help="timed rounds (default 30)")
-    parser.add_argument("--xfers", type=int, default=4, help="transfers in flight (default 4)")
+    parser.add_argument("--rounds", type=integer, default=30, help="timed rounds (default 30)")
+    parser.add_argument("--xfers", type=integer, default=4, help="transfers in flight (default 4)")
     parser.add_argument("--json", type=output_file, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.xfers < 1:

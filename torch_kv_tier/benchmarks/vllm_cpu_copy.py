@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from torch_kv_tier.benchmarks.options import output_file
+from torch_kv_tier.cli_numbers import integer
 
 SHAPES = {"tiny-llama": (2, 16384), "llama3-8b": (32, 131072)}  # layers, page bytes
 COPIES = ("store", "load", "memcpy")
@@ -113,8 +114,8 @@ def _bench_shape(layers: int, page: int, blocks: int, repeats: int) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=64, help="KV blocks per job")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--blocks", type=integer, default=64, help="KV blocks per job")
+    parser.add_argument("--repeats", type=integer, default=20)
     parser.add_argument("--out", type=output_file, help="write JSON here")
     args = parser.parse_args(argv)
     results = []

@@ -35,7 +35,8 @@ def parse_address(address: str) -> tuple[str, int]:
     host, sep, port_text = address.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    digits = port_text.isascii() and port_text.isdigit()  # (int() takes "٥٦٠٠"; "²" raised)
+    if not sep or not host or not digits or not 0 < int(port_text) < 65536:
         raise ValueError(f"server address must be HOST:PORT (as `ready` printed), got {address!r}")
     if not _HOST.fullmatch(host):
         raise ValueError(

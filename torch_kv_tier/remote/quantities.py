@@ -112,18 +112,31 @@ def count(name: str, value: object) -> int:
     return number
 
 
+def ascii_number(text: str) -> str:
+    """``text``, a number as typed, if it has no character past ASCII and no ``_``;
+    ``ValueError`` otherwise. ``int()`` and ``float()`` take digits of every script and ``_``
+    between digits (``６４``, ``٦٤`` and ``6_4`` are 64): an option refuses them instead, as
+    ``byte_count`` does."""
+    if not text.isascii() or "_" in text:
+        raise ValueError(f"not a number in ASCII digits 0-9: {text!r}")
+    return text
+
+
 # a byte size as every command's options take it: a number, then K, M, G or T (powers of 1024)
 # with an optional "B" or "iB", in any case
-_BYTES = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d{1,4}))?\s*([kmgt]?)(?:i?b)?\s*", re.I)
+_BYTES = re.compile(
+    r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d{1,4}))?\s*([kmgt]?)(?:i?b)?\s*", re.I | re.ASCII
+)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 BYTES_EXAMPLES = "4096, 64K, 512MiB or 1.5G; K, M, G and T are powers of 1024"
 
 
 def byte_count(name: str, text: str) -> int:
-    """``text``, option ``name``'s size in bytes: a number with an optional suffix K, M, G or
+    r"""``text``, option ``name``'s size in bytes: a number with an optional suffix K, M, G or
     T (``KiB``/``KB``, any case: powers of 1024), e.g. ``4096``, ``64K``, ``512MiB``,
     ``1.5G``. ``ValueError`` naming ``name`` and ``BYTES_EXAMPLES`` unless it is a whole
-    number of bytes > 0 and at most ``MAX_COUNT`` (``nan``, ``-1``, ``1/2``, ``0.3`` are not)."""
+    number of bytes > 0 and at most ``MAX_COUNT`` (``nan``, ``-1``, ``1/2``, ``0.3`` are not,
+    nor digits past ASCII: ``６４K``, which ``\d`` took)."""
     match = _BYTES.fullmatch(text)
     value = Fraction(0)
     if match is not None:
@@ -133,7 +146,8 @@ def byte_count(name: str, text: str) -> int:
             value = Fraction(number) * Fraction(10) ** int(exponent or 0) * _UNITS[unit.lower()]
     if value.denominator != 1 or not 1 <= value <= MAX_COUNT:
         raise ValueError(
-            f"{name} is not a byte count > 0: {text!r} (a whole number of bytes, at most "
+            f"{name} is not a byte count > 0: {text!r} (a whole number of bytes in ASCII digits "
+            f"0-9, at most "
             f"{MAX_COUNT}; pass e.g. {BYTES_EXAMPLES})"
         )
     return int(value)

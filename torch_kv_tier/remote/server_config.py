@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from torch_kv_tier.cli_numbers import integer, real
 from torch_kv_tier.remote.quantities import BYTES_EXAMPLES, Floor, byte_count, count, port, seconds
 
 logger = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ def format_address(host: str, port: int) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options."""
     parser.add_argument(
-        "--num-blocks", type=int, required=True, help="slots in the pool (required)"
+        "--num-blocks", type=integer, required=True, help="slots in the pool (required)"
     )
     parser.add_argument(
         "--block-len",
@@ -270,7 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to listen on (default 127.0.0.1); anything else requires --token-file",
     )
     parser.add_argument(
-        "--port", type=int, default=0, help="control port (default 0: any free port)"
+        "--port", type=integer, default=0, help="control port (default 0: any free port)"
     )
     parser.add_argument(
         "--token-file",
@@ -285,12 +286,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=integer,
         help="serve Prometheus text on http://HOST:PORT/metrics (default: no metrics served)",
     )
     parser.add_argument(
         "--lease-timeout",
-        type=float,
+        type=real,
         default=30.0,
         help="seconds without a heartbeat before a client's session ends (default 30, at "
         "least 1: tiers heartbeat every second, or every third of it if that is shorter); the "
@@ -299,24 +300,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-lease",
-        type=int,
+        type=integer,
         help="most slots one private client may lease (default: the whole pool)",
     )
     parser.add_argument(
         "--namespace-quota",
-        type=int,
+        type=integer,
         help="most slots the shared sessions of one config fingerprint may fill; a namespace "
         "at its quota evicts its own keys (default: the whole pool)",
     )
     parser.add_argument(
         "--max-grant",
-        type=int,
+        type=integer,
         help="most free slots one shared client may hold for its next writes (default: "
         "a sixteenth of the pool, at most 4096)",
     )
     parser.add_argument(
         "--hold-timeout",
-        type=float,
+        type=real,
         help="seconds after which slots held for an ended session go back to the pool even if "
         "its client never released them (default: never; at least 1, and best the tiers' "
         "heartbeat timeout, 10 s by default, or more). Loads still verify their bytes, so "
@@ -325,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-sessions",
-        type=int,
+        type=integer,
         default=1024,
         help="most sessions open at once (default 1024); more handshakes are rejected",
     )
@@ -344,7 +345,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--disk-admit",
-        type=int,
+        type=integer,
         default=2,
         help="times a block must be seen (stored, stored again, loaded) before it is copied to "
         "disk (default 2: blocks stored once and never read stay off the disk; 1: every block)",

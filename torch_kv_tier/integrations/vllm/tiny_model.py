@@ -16,6 +16,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from torch_kv_tier.cli_numbers import integer
+
 logger = logging.getLogger(__name__)
 
 VOCAB_SIZE = 1024
@@ -81,7 +83,7 @@ def build(out_dir: Path, seed: int = 0) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     print(build(args.out_dir, seed=args.seed))
