@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from argparse import _SubParsersAction
 
 import pytest
 
-from torch_kv_tier.cli import main
+from torch_kv_tier.cli import _COMMANDS, build_parser, main
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["digest-cost", "--help"]])
@@ -58,3 +59,35 @@ def test_every_serve_option_states_its_default_or_that_it_is_required() -> None:
     assert "--port PORT control port (default 0: any free port)" in " ".join(
         parser.format_help().split()
     )
+
+
+@pytest.mark.parametrize("command", list(_COMMANDS))
+def test_every_option_of_every_command_states_its_default(command: str) -> None:
+    """Past ``serve``, ``--help`` left out most defaults: ``bench --repeats`` said "timed
+    repeats per point (median)" (7, or 3 with ``--quick``), ``chaos --pause`` "s between a
+    tier's calls", ``serve-bench --input-len`` nothing at all. Each option now states its
+    default (taken from the command's presets where ``--quick`` changes it), or that it is
+    required; a switch is off unless given."""
+    [commands] = [a for a in build_parser(command)._actions if isinstance(a, _SubParsersAction)]
+    parser = commands.choices[command]
+    parser.format_help()  # (each help's %(default)s expands)
+    formatter = parser._get_formatter()
+    unstated = [
+        action.option_strings[-1]
+        for action in parser._actions
+        if action.option_strings
+        and action.nargs != 0  # (--help and the switches)
+        and not re.search(
+            r"\((?:no )?default|\(required\)|default[: ]", formatter._expand_help(action)
+        )
+    ]
+    assert unstated == []
+
+
+def test_a_preset_default_is_the_one_a_run_takes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench``'s defaults come from its presets, ``--quick``'s too."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "timed repeats per point (median) (default 7; --quick: 3)" in out
+    assert "bytes per block (default 16K,64K,256K,2M; --quick: 16K,64K,256K)" in out

@@ -32,6 +32,7 @@ from torch_kv_tier.benchmarks.options import (
     quiet_nixl,
     size,
     usable_cpus,
+    with_default,
 )
 from torch_kv_tier.benchmarks.remote import read_token
 from torch_kv_tier.cli_numbers import integer
@@ -76,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``bench`` options to ``parser``."""
     parser.description = __doc__
     parser.add_argument(
-        "--device", default="cpu", help="cpu or cuda[:n]: where the source arena lives"
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:n]: where the source arena lives (default %(default)s)",
     )
     parser.add_argument(
         "--quick",
@@ -88,38 +91,76 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=list_of(str, list(SYSTEMS)),
         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
     )
-    parser.add_argument("--block-sizes", type=list_of(size), help="e.g. 16K,64K,256K,2M")
-    parser.add_argument("--batches", type=list_of(positive), help="blocks per call, e.g. 1,16,128")
-    parser.add_argument("--inflight", type=list_of(positive), help="calls in flight, e.g. 1,8")
-    parser.add_argument("--ops", type=list_of(str, OPS), default=list(OPS), help="write,read")
+    parser.add_argument(
+        "--block-sizes",
+        type=list_of(size),
+        help=with_default("bytes per block", FULL["block_sizes"], QUICK["block_sizes"], unit="B"),
+    )
+    parser.add_argument(
+        "--batches",
+        type=list_of(positive),
+        help=with_default("blocks per call", FULL["batches"], QUICK["batches"]),
+    )
+    parser.add_argument(
+        "--inflight",
+        type=list_of(positive),
+        help=with_default("calls in flight", FULL["inflight"], QUICK["inflight"]),
+    )
+    parser.add_argument(
+        "--ops",
+        type=list_of(str, OPS),
+        default=list(OPS),
+        help="write, read or both (default: both)",
+    )
     parser.add_argument(
         "--patterns",
         type=list_of(str, PATTERNS),
         default=list(PATTERNS),
-        help="contiguous,scattered",
+        help="contiguous, scattered or both (default: both)",
     )
-    parser.add_argument("--repeats", type=positive, help="timed repeats per point (median)")
-    parser.add_argument("--min-time", type=duration, help="seconds per timed repeat (at least)")
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        help=with_default("timed repeats per point (median)", FULL["repeats"], QUICK["repeats"]),
+    )
+    parser.add_argument(
+        "--min-time",
+        type=duration,
+        help=with_default(
+            "least time per timed repeat", FULL["min_time"], QUICK["min_time"], unit="s"
+        ),
+    )
     parser.add_argument(
         "--pool-mib",
         type=positive,
-        help="remote pool per block size, MiB (the local arena is twice this)",
+        help=with_default(
+            "remote pool per block size (the local arena is twice this)",
+            FULL["pool_mib"],
+            QUICK["pool_mib"],
+            unit="MiB",
+        ),
     )
     parser.add_argument(
         "--working-set-mib",
         type=positive,
-        help="bytes cycled through per point, MiB (bounded by the pool)",
+        help=with_default(
+            "bytes cycled through per point (bounded by the pool)",
+            FULL["working_set_mib"],
+            QUICK["working_set_mib"],
+            unit="MiB",
+        ),
     )
     parser.add_argument(
         "--mean-run",
         type=duration,
         default=4.0,
-        help="mean run length of the scattered pattern's free list (1 = permuted)",
+        help="mean run length of the scattered pattern's free list, in blocks (1 = permuted; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--poll-depths",
         type=list_of(positive),
-        help="transfers in flight for the poll-cost measurement",
+        help=with_default("transfers in flight for the poll-cost measurement", FULL["poll_depths"]),
     )
     parser.add_argument(
         "--no-poll-scaling", action="store_true", help="skip the poll-cost measurement"
@@ -127,9 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--remote",
         metavar="HOST:PORT",
-        help="use this `torch-kv-tier serve` instead of an embedded one",
+        help="use this `torch-kv-tier serve` instead of an embedded one (default: embedded hosts)",
     )
-    parser.add_argument("--token-file", help="file holding the remote host's token")
+    parser.add_argument("--token-file", help="file holding the remote host's token (default: none)")
     parser.add_argument(
         "--transports",
         type=list_of(str, ["shm", "tcp"]),
@@ -138,12 +179,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ucx-tls",
-        help="measure one transport: set UCX_TLS to this for the run and the embedded servers",
+        help="measure one transport: set UCX_TLS to this for the run and the embedded servers "
+        "(default: none, --transports picks)",
     )
-    parser.add_argument("--out", type=output_file, help="write the result rows to this JSON file")
-    parser.add_argument("--plot", type=plot_file, help="draw GB/s against block size to this PNG")
     parser.add_argument(
-        "--seed", type=integer, default=1234, help="seed of plans and byte patterns"
+        "--out", type=output_file, help="write the result rows to this JSON file (default: none)"
+    )
+    parser.add_argument(
+        "--plot", type=plot_file, help="draw GB/s against block size to this PNG (default: none)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=integer,
+        default=1234,
+        help="seed of plans and byte patterns (default %(default)s)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

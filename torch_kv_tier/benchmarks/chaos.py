@@ -321,14 +321,29 @@ def render(out: Outcome, exits: list[HostExit]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``chaos`` subcommand's options."""
-    parser.add_argument("--seconds", type=duration, default=600.0, help="run time (default 600)")
+    parser.add_argument(
+        "--seconds", type=duration, default=600.0, help="run time, s (default %(default)s)"
+    )
     parser.add_argument("--hosts", type=integer, default=2, help="host processes (default 2)")
-    parser.add_argument("--writers", type=integer, default=2, help="long-lived writer tiers")
-    parser.add_argument("--readers", type=integer, default=2, help="long-lived reader tiers")
+    parser.add_argument(
+        "--writers", type=integer, default=2, help="long-lived writer tiers (default %(default)s)"
+    )
+    parser.add_argument(
+        "--readers", type=integer, default=2, help="long-lived reader tiers (default %(default)s)"
+    )
     parser.add_argument("--keys", type=integer, default=512, help="key space (default 512)")
-    parser.add_argument("--pause", type=pause, default=0.005, help="s between a tier's calls")
-    parser.add_argument("--seed", type=integer, default=0, help="fault schedule seed")
-    parser.add_argument("--json", type=output_file, help="write the figures as JSON to this file")
+    parser.add_argument(
+        "--pause",
+        type=pause,
+        default=0.005,
+        help="pause between a tier's calls, s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=integer, default=0, help="fault schedule seed (default %(default)s)"
+    )
+    parser.add_argument(
+        "--json", type=output_file, help="write the figures as JSON to this file (default: none)"
+    )
     parser.add_argument(
         "--tcp",
         action="store_true",
@@ -339,7 +354,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk",
         type=Path,
         help="give every host a disk tier under this directory (a pool of a quarter of the "
-        "key space in front of it; a host restarted after SIGKILL recovers its disk)",
+        "key space in front of it; a host restarted after SIGKILL recovers its disk; default: "
+        "none, DRAM pools alone)",
     )
 
 

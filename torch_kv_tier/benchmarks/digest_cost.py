@@ -63,20 +63,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``digest-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--block-sizes", type=list_of(size), help="default 16K,64K,256K,1M,2M")
     parser.add_argument(
-        "--arena-mib", type=positive, help="DRAM-resident arena, MiB (default 2048)"
+        "--block-sizes",
+        type=list_of(size),
+        help=options.with_default("bytes per block", DEFAULTS["block_sizes"], unit="B"),
     )
-    parser.add_argument("--rounds", type=positive, help="interleaved rounds (default 7)")
+    parser.add_argument(
+        "--arena-mib",
+        type=positive,
+        help=options.with_default("DRAM-resident arena", DEFAULTS["arena_mib"], unit="MiB"),
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive,
+        help=options.with_default("interleaved rounds", DEFAULTS["rounds"]),
+    )
     parser.add_argument(
         "--min-time",
         type=options.duration,
-        help="seconds per cache-resident cell and round (default 0.1)",
+        help=options.with_default(
+            "least time per cache-resident cell and round", DEFAULTS["min_time"], unit="s"
+        ),
     )
     parser.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:n]: a CUDA arena's digests"
     )
-    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
+    parser.add_argument(
+        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
+    )
 
 
 class _Cell:

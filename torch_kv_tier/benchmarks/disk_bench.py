@@ -50,18 +50,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dir", type=Path, help="where the files go (default: a new directory under .)"
     )
-    parser.add_argument("--block-len", type=size, default=256 << 10, help="default 256K")
-    parser.add_argument("--total-bytes", type=size, default=256 << 20, help="default 256M")
-    parser.add_argument("--rounds", type=positive, default=5, help="default 5")
-    parser.add_argument("--pool-mib", type=positive, default=64, help="capacity: DRAM pool")
-    parser.add_argument("--disk-mib", type=positive, default=1024, help="capacity: disk")
-    parser.add_argument("--capacity-block-len", type=size, default=64 << 10, help="64K")
-    parser.add_argument("--requests", type=positive, default=2000, help="capacity requests")
-    parser.add_argument("--capacity-rounds", type=positive, default=2, help="default 2")
+    parser.add_argument(
+        "--block-len", type=size, default=256 << 10, help="bytes per block (default 256K)"
+    )
+    parser.add_argument(
+        "--total-bytes", type=size, default=256 << 20, help="bytes on disk (default 256M)"
+    )
+    parser.add_argument("--rounds", type=positive, default=5, help="throughput rounds (default 5)")
+    parser.add_argument(
+        "--pool-mib",
+        type=positive,
+        default=64,
+        help="capacity: DRAM pool, MiB (default %(default)s)",
+    )
+    parser.add_argument(
+        "--disk-mib", type=positive, default=1024, help="capacity: disk, MiB (default %(default)s)"
+    )
+    parser.add_argument(
+        "--capacity-block-len",
+        type=size,
+        default=64 << 10,
+        help="capacity: bytes per block (default 64K)",
+    )
+    parser.add_argument(
+        "--requests", type=positive, default=2000, help="capacity requests (default %(default)s)"
+    )
+    parser.add_argument(
+        "--capacity-rounds", type=positive, default=2, help="capacity rounds (default 2)"
+    )
     parser.add_argument(
         "--skip-capacity", action="store_true", help="throughput only (skip parts 2 and 3)"
     )
-    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
+    parser.add_argument(
+        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
+    )
 
 
 def _aligned(nbytes: int) -> np.ndarray:

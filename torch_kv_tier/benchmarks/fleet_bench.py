@@ -51,7 +51,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from torch_kv_tier.benchmarks import fleet_figures
-from torch_kv_tier.benchmarks.options import list_of, output_file, positive, usable_cpus
+from torch_kv_tier.benchmarks.options import (
+    list_of,
+    output_file,
+    positive,
+    usable_cpus,
+    with_default,
+)
 
 # figure -> (bound, the statistic judged, what it means): the median over rounds, but movement
 # must hold at every fleet size, so its worst N is judged
@@ -74,16 +80,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``fleet-bench`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--keys", type=positive, help="keys one host holds (default 200000)")
-    parser.add_argument("--followers", type=list_of(int), help="followers per host (1,4,16,64)")
-    parser.add_argument("--hosts", type=list_of(int), help="host counts for movement (4,16,100)")
     parser.add_argument(
-        "--rounds", type=positive, help="measured rounds per figure, after a cold one (default 5)"
+        "--keys", type=positive, help=with_default("keys one host holds", DEFAULTS["keys"])
     )
     parser.add_argument(
-        "--batches", type=positive, help="Events batches of 8192 keys per fan-out round (16)"
+        "--followers",
+        type=list_of(positive),
+        help=with_default("followers per host", DEFAULTS["followers"]),
     )
-    parser.add_argument("--json", type=output_file, help="write the results here as JSON")
+    parser.add_argument(
+        "--hosts",
+        type=list_of(positive),
+        help=with_default("host counts for movement", DEFAULTS["hosts"]),
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive,
+        help=with_default("measured rounds per figure, after a cold one", DEFAULTS["rounds"]),
+    )
+    parser.add_argument(
+        "--batches",
+        type=positive,
+        help=with_default("Events batches of 8192 keys per fan-out round", DEFAULTS["batches"]),
+    )
+    parser.add_argument(
+        "--json", type=output_file, help="write the results here as JSON (default: none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,6 +43,32 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def with_default(text: str, full: Any, quick: Any = None, *, unit: str = "") -> str:
+    """``text`` and the default a run takes, from the command's own presets (so that ``--help``
+    stays true): ``full``'s value, and ``quick``'s for ``--quick`` when it differs, in ``unit``
+    (``"B"``: a byte size, shown as ``64K``); lists comma-separated, as the option takes them.
+    ``full`` may be ``"%(default)s"``: the option's ``default=``, which argparse fills in."""
+    shown = f"default {_shown(full, unit)}"
+    if quick is not None and quick != full:
+        shown += f"; --quick: {_shown(quick, unit)}"
+    return f"{text} ({shown})"
+
+
+def _shown(value: Any, unit: str) -> str:
+    """``value`` as an option takes it, in ``unit``."""
+    if isinstance(value, list | tuple):
+        return ",".join(_shown(v, "B" if unit == "B" else "") for v in value) + (
+            "" if unit in ("", "B") else f" {unit}"
+        )
+    if unit == "B":
+        for suffix, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value >= 1 << shift and value % (1 << shift) == 0:
+                return f"{value >> shift}{suffix}"
+        return str(value)
+    number = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{number} {unit}" if unit else number
+
+
 def list_of(
     parse: Callable[[str], Any], choices: Sequence[str] | None = None
 ) -> Callable[[str], list[Any]]:

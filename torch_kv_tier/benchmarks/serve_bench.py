@@ -83,32 +83,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the tiny Llama's directory (tiny_model; default: build it): the prompt sets are "
         "words of its vocabulary, one token each",
     )
-    parser.add_argument("--concurrency", type=positive, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--num-prompts", type=positive, default=24, help="prompts per round")
     parser.add_argument(
-        "--repeats", type=positive, default=2, help="rounds per level (each a fresh prompt set)"
+        "--concurrency",
+        type=positive,
+        nargs="+",
+        default=[1, 4, 16],
+        help="requests in flight, one level per value (default 1 4 16)",
     )
-    parser.add_argument("--input-len", type=positive, default=2000)
-    parser.add_argument("--output-len", type=positive, default=4)
+    parser.add_argument(
+        "--num-prompts", type=positive, default=24, help="prompts per round (default %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive,
+        default=2,
+        help="rounds per level, each a fresh prompt set (default %(default)s)",
+    )
+    parser.add_argument(
+        "--input-len", type=positive, default=2000, help="prompt tokens (default %(default)s)"
+    )
+    parser.add_argument(
+        "--output-len",
+        type=positive,
+        default=4,
+        help="tokens generated per request (default %(default)s)",
+    )
     parser.add_argument(
         "--cpu-mib",
         nargs="+",
         default=["sized", "8"],
         help="CPU primary tier sizes to run, in MiB; 'sized' = the README's rule for the "
-        "largest concurrency",
+        "largest concurrency (default sized 8)",
     )
     parser.add_argument(
-        "--busy", type=integer, nargs="+", default=[0], help="busy neighbour processes per scenario"
+        "--busy",
+        type=integer,
+        nargs="+",
+        default=[0],
+        help="busy neighbour processes per scenario, one scenario per value (default 0)",
     )
-    parser.add_argument("--seed", type=integer, default=0)
-    parser.add_argument("--out", type=output_file, help="write the JSON here")
-    parser.add_argument("--plot", type=plot_file, help="write a PNG here (needs matplotlib)")
-    parser.add_argument("--logs", type=Path, help="keep the replicas' logs in this directory")
+    parser.add_argument(
+        "--seed",
+        type=integer,
+        default=0,
+        help="seed of the tiny model and the prompt sets (default %(default)s)",
+    )
+    parser.add_argument("--out", type=output_file, help="write the JSON here (default: none)")
+    parser.add_argument(
+        "--plot", type=plot_file, help="write a PNG here (needs matplotlib; default: none)"
+    )
+    parser.add_argument(
+        "--logs", type=Path, help="keep the replicas' logs in this directory (default: not kept)"
+    )
     parser.add_argument(
         "--from-json",
         type=Path,
         help="run nothing: summarize, check and plot the runs of an earlier --out file again "
-        "(rewritten in place, or to --out)",
+        "(rewritten in place, or to --out; default: none, a new run)",
     )
 
 

@@ -249,16 +249,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``shared-stress`` subcommand's options."""
     parser.add_argument("--writers", type=integer, default=4, help="writer processes (default 4)")
     parser.add_argument("--readers", type=integer, default=4, help="reader processes (default 4)")
-    parser.add_argument("--seconds", type=duration, default=60.0, help="run time (default 60)")
+    parser.add_argument(
+        "--seconds", type=duration, default=60.0, help="run time, s (default %(default)s)"
+    )
     parser.add_argument("--slots", type=integer, default=256, help="host pool slots (default 256)")
     parser.add_argument("--keys", type=integer, default=2048, help="key space (default 2048)")
     parser.add_argument(
         "--block-len", type=size, default=4096, help="bytes per block (default 4096; e.g. 64K)"
     )
     parser.add_argument(
-        "--max-batch", type=integer, default=64, help="most keys per call (batches are 1..N)"
+        "--max-batch",
+        type=integer,
+        default=64,
+        help="most keys per call (batches are 1..N; default %(default)s)",
     )
-    parser.add_argument("--max-grant", type=positive, default=16, help="host's --max-grant")
+    parser.add_argument(
+        "--max-grant", type=positive, default=16, help="host's --max-grant (default %(default)s)"
+    )
     parser.add_argument(
         "--lease-timeout", type=duration, default=3.0, help="host's --lease-timeout, s (default 3)"
     )
@@ -283,7 +290,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-faults", action="store_true", help="freeze nothing (--*-freezes default to 0)"
     )
-    parser.add_argument("--seed", type=integer, default=0, help="workload and fault seed")
+    parser.add_argument(
+        "--seed", type=integer, default=0, help="workload and fault seed (default %(default)s)"
+    )
     parser.add_argument(
         "--tcp", action="store_true", help="UCX over TCP (UCX_TLS=tcp) instead of UCX's choice"
     )
@@ -297,7 +306,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tiers hold the host's index compact (16 B per key; default: a dict at this size)",
     )
-    parser.add_argument("--json", type=output_file, help="write the report as JSON to this file")
+    parser.add_argument(
+        "--json", type=output_file, help="write the report as JSON to this file (default: none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from torch_kv_tier.benchmarks.options import (
     output_file,
     size,
     usable_cpus,
+    with_default,
 )
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 from torch_kv_tier.cli_numbers import integer
@@ -58,37 +59,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)",
     )
     parser.add_argument("--quick", action="store_true", help="CI sizes: " + _describe(QUICK))
-    parser.add_argument("--trials", type=integer, default=20, help="peer-death trials (default 20)")
-    parser.add_argument("--frozen-trials", type=integer, default=3, help="peer-frozen trials")
+    parser.add_argument(
+        "--trials",
+        type=integer,
+        default=20,
+        help=with_default("peer-death trials", "%(default)s", QUICK["trials"]),
+    )
+    parser.add_argument(
+        "--frozen-trials",
+        type=integer,
+        default=3,
+        help=with_default("peer-frozen trials", "%(default)s", QUICK["frozen_trials"]),
+    )
     parser.add_argument(
         "--heartbeat-timeout",
         type=heartbeat_timeout,
         default=10.0,
         help="heartbeat timeout of the doomed servers' sessions, s (default 10, connect's)",
     )
-    parser.add_argument("--client-trials", type=integer, default=5, help="client-death trials")
     parser.add_argument(
-        "--lease-timeout", type=duration, default=1.0, help="server lease timeout for client-death"
+        "--client-trials",
+        type=integer,
+        default=5,
+        help=with_default("client-death trials", "%(default)s", QUICK["client_trials"]),
     )
     parser.add_argument(
-        "--transfers", type=integer, default=100_000, help="soak transfers (default 100,000)"
+        "--lease-timeout",
+        type=duration,
+        default=1.0,
+        help="server lease timeout for client-death, s (default %(default)s)",
+    )
+    parser.add_argument(
+        "--transfers",
+        type=integer,
+        default=100_000,
+        help=with_default("soak transfers", "%(default)s", QUICK["transfers"]),
     )
     parser.add_argument(
         "--soak-tcp",
         action="store_true",
         help="soak over UCX/TCP (transfers really in flight; slower) instead of UCX's choice",
     )
-    parser.add_argument("--threads", type=integer, default=8, help="concurrency threads")
-    parser.add_argument("--calls", type=integer, default=2000, help="concurrency calls per thread")
-    parser.add_argument("--seed", type=integer, default=0, help="concurrency workload seed")
     parser.add_argument(
-        "--close-transfers", type=integer, default=400, help="transfers in flight at close()"
+        "--threads",
+        type=integer,
+        default=8,
+        help=with_default("concurrency threads", "%(default)s", QUICK["threads"]),
     )
-    parser.add_argument("--close-timeout", type=duration, default=1.0, help="close(timeout) in s")
+    parser.add_argument(
+        "--calls",
+        type=integer,
+        default=2000,
+        help=with_default("concurrency calls per thread", "%(default)s", QUICK["calls"]),
+    )
+    parser.add_argument(
+        "--seed", type=integer, default=0, help="concurrency workload seed (default %(default)s)"
+    )
+    parser.add_argument(
+        "--close-transfers",
+        type=integer,
+        default=400,
+        help="transfers in flight at close() (default %(default)s)",
+    )
+    parser.add_argument(
+        "--close-timeout",
+        type=duration,
+        default=1.0,
+        help="close(timeout), s (default %(default)s)",
+    )
     parser.add_argument(
         "--block-len", type=size, default=4096, help="bytes per block (default 4096; e.g. 64K)"
     )
-    parser.add_argument("--out", type=output_file, help="write every figure as JSON to this file")
+    parser.add_argument(
+        "--out", type=output_file, help="write every figure as JSON to this file (default: none)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

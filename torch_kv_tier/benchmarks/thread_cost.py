@@ -36,7 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from torch_kv_tier.benchmarks.options import duration, list_of, output_file, positive, size
+from torch_kv_tier.benchmarks.options import (
+    duration,
+    list_of,
+    output_file,
+    positive,
+    size,
+    with_default,
+)
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_bench import (
     BATCH,
@@ -68,13 +75,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``thread-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--op", choices=("write", "read"), help="stores (default) or loads")
-    parser.add_argument("--block-sizes", type=list_of(size), help="default 64K")
-    parser.add_argument("--tiers", type=positive, help="tier processes (default 4)")
-    parser.add_argument("--seconds", type=duration, help="window per system and round (6)")
-    parser.add_argument("--rounds", type=positive, help="rounds (default 3)")
-    parser.add_argument("--working-set-mib", type=positive, help="bytes cycled per process")
-    parser.add_argument("--json", type=output_file, help="write every figure to this JSON file")
+    parser.add_argument(
+        "--op",
+        choices=("write", "read"),
+        help=with_default("write: stores, read: loads", DEFAULTS["op"]),
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=list_of(size),
+        help=with_default("bytes per block", DEFAULTS["block_sizes"], unit="B"),
+    )
+    parser.add_argument(
+        "--tiers", type=positive, help=with_default("tier processes", DEFAULTS["tiers"])
+    )
+    parser.add_argument(
+        "--seconds",
+        type=duration,
+        help=with_default("window per system and round", DEFAULTS["seconds"], unit="s"),
+    )
+    parser.add_argument("--rounds", type=positive, help=with_default("rounds", DEFAULTS["rounds"]))
+    parser.add_argument(
+        "--working-set-mib",
+        type=positive,
+        help=with_default("bytes cycled per process", DEFAULTS["working_set_mib"], unit="MiB"),
+    )
+    parser.add_argument(
+        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
+    )
 
 
 def _kind(pid: int, tid: int, comm: str, names: dict[int, str], host: bool) -> str:
