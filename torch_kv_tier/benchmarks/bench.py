@@ -24,15 +24,15 @@ from torch_kv_tier.benchmarks import report, report_plot, report_summary, report
 from torch_kv_tier.benchmarks.bench_sweep import SYSTEMS, BenchSweep
 from torch_kv_tier.benchmarks.core import OPS, PATTERNS
 from torch_kv_tier.benchmarks.options import (
+    add_output_option,
+    add_preset_options,
     duration,
     list_of,
-    output_file,
     plot_file,
     positive,
     quiet_nixl,
     size,
     usable_cpus,
-    with_default,
 )
 from torch_kv_tier.benchmarks.remote import read_token
 from torch_kv_tier.cli_numbers import integer
@@ -92,21 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
     )
     parser.add_argument(
-        "--block-sizes",
-        type=list_of(size),
-        help=with_default("bytes per block", FULL["block_sizes"], QUICK["block_sizes"], unit="B"),
-    )
-    parser.add_argument(
-        "--batches",
-        type=list_of(positive),
-        help=with_default("blocks per call", FULL["batches"], QUICK["batches"]),
-    )
-    parser.add_argument(
-        "--inflight",
-        type=list_of(positive),
-        help=with_default("calls in flight", FULL["inflight"], QUICK["inflight"]),
-    )
-    parser.add_argument(
         "--ops",
         type=list_of(str, OPS),
         default=list(OPS),
@@ -119,48 +104,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="contiguous, scattered or both (default: both)",
     )
     parser.add_argument(
-        "--repeats",
-        type=positive,
-        help=with_default("timed repeats per point (median)", FULL["repeats"], QUICK["repeats"]),
-    )
-    parser.add_argument(
-        "--min-time",
-        type=duration,
-        help=with_default(
-            "least time per timed repeat", FULL["min_time"], QUICK["min_time"], unit="s"
-        ),
-    )
-    parser.add_argument(
-        "--pool-mib",
-        type=positive,
-        help=with_default(
-            "remote pool per block size (the local arena is twice this)",
-            FULL["pool_mib"],
-            QUICK["pool_mib"],
-            unit="MiB",
-        ),
-    )
-    parser.add_argument(
-        "--working-set-mib",
-        type=positive,
-        help=with_default(
-            "bytes cycled through per point (bounded by the pool)",
-            FULL["working_set_mib"],
-            QUICK["working_set_mib"],
-            unit="MiB",
-        ),
-    )
-    parser.add_argument(
         "--mean-run",
         type=duration,
         default=4.0,
         help="mean run length of the scattered pattern's free list, in blocks (1 = permuted; "
         "default %(default)s)",
     )
-    parser.add_argument(
-        "--poll-depths",
-        type=list_of(positive),
-        help=with_default("transfers in flight for the poll-cost measurement", FULL["poll_depths"]),
+    add_preset_options(
+        parser,
+        [
+            ("--block-sizes", list_of(size), "bytes per block", "B"),
+            ("--batches", list_of(positive), "blocks per call", ""),
+            ("--inflight", list_of(positive), "calls in flight", ""),
+            ("--repeats", positive, "timed repeats per point (median)", ""),
+            ("--min-time", duration, "least time per timed repeat", "s"),
+            (
+                "--pool-mib",
+                positive,
+                "remote pool per block size (the local arena twice it)",
+                "MiB",
+            ),
+            ("--working-set-mib", positive, "bytes cycled per point (bounded by the pool)", "MiB"),
+            ("--poll-depths", list_of(positive), "transfers in flight to time polls at", ""),
+        ],
+        FULL,
+        QUICK,
     )
     parser.add_argument(
         "--no-poll-scaling", action="store_true", help="skip the poll-cost measurement"
@@ -182,9 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measure one transport: set UCX_TLS to this for the run and the embedded servers "
         "(default: none, --transports picks)",
     )
-    parser.add_argument(
-        "--out", type=output_file, help="write the result rows to this JSON file (default: none)"
-    )
+    add_output_option(parser, "--out", "the result rows")
     parser.add_argument(
         "--plot", type=plot_file, help="draw GB/s against block size to this PNG (default: none)"
     )

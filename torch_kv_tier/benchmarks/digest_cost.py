@@ -43,7 +43,7 @@ import torch
 import xxhash
 
 from torch_kv_tier.benchmarks import options
-from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, usable_cpus
+from torch_kv_tier.benchmarks.options import list_of, positive, size, usable_cpus
 from torch_kv_tier.digest import BlockDigests
 from torch_kv_tier.keys import Key
 
@@ -63,34 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``digest-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--block-sizes",
-        type=list_of(size),
-        help=options.with_default("bytes per block", DEFAULTS["block_sizes"], unit="B"),
-    )
-    parser.add_argument(
-        "--arena-mib",
-        type=positive,
-        help=options.with_default("DRAM-resident arena", DEFAULTS["arena_mib"], unit="MiB"),
-    )
-    parser.add_argument(
-        "--rounds",
-        type=positive,
-        help=options.with_default("interleaved rounds", DEFAULTS["rounds"]),
-    )
-    parser.add_argument(
-        "--min-time",
-        type=options.duration,
-        help=options.with_default(
-            "least time per cache-resident cell and round", DEFAULTS["min_time"], unit="s"
-        ),
+    options.add_preset_options(
+        parser,
+        [
+            ("--block-sizes", list_of(size), "bytes per block", "B"),
+            ("--arena-mib", positive, "DRAM-resident arena", "MiB"),
+            ("--rounds", positive, "interleaved rounds", ""),
+            ("--min-time", options.duration, "least time per cache-resident cell and round", "s"),
+        ],
+        DEFAULTS,
     )
     parser.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:n]: a CUDA arena's digests"
     )
-    parser.add_argument(
-        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
-    )
+    options.add_output_option(parser, "--json", "every figure")
 
 
 class _Cell:

@@ -52,11 +52,11 @@ from typing import Any
 
 from torch_kv_tier.benchmarks import fleet_figures
 from torch_kv_tier.benchmarks.options import (
+    add_output_option,
+    add_preset_options,
     list_of,
-    output_file,
     positive,
     usable_cpus,
-    with_default,
 )
 
 # figure -> (bound, the statistic judged, what it means): the median over rounds, but movement
@@ -80,32 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``fleet-bench`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--keys", type=positive, help=with_default("keys one host holds", DEFAULTS["keys"])
+    add_preset_options(
+        parser,
+        [
+            ("--keys", positive, "keys one host holds", ""),
+            ("--followers", list_of(positive), "followers per host", ""),
+            ("--hosts", list_of(positive), "host counts for movement", ""),
+            ("--rounds", positive, "measured rounds per figure, after a cold one", ""),
+            ("--batches", positive, "Events batches of 8192 keys per fan-out round", ""),
+        ],
+        DEFAULTS,
     )
-    parser.add_argument(
-        "--followers",
-        type=list_of(positive),
-        help=with_default("followers per host", DEFAULTS["followers"]),
-    )
-    parser.add_argument(
-        "--hosts",
-        type=list_of(positive),
-        help=with_default("host counts for movement", DEFAULTS["hosts"]),
-    )
-    parser.add_argument(
-        "--rounds",
-        type=positive,
-        help=with_default("measured rounds per figure, after a cold one", DEFAULTS["rounds"]),
-    )
-    parser.add_argument(
-        "--batches",
-        type=positive,
-        help=with_default("Events batches of 8192 keys per fan-out round", DEFAULTS["batches"]),
-    )
-    parser.add_argument(
-        "--json", type=output_file, help="write the results here as JSON (default: none)"
-    )
+    add_output_option(parser, "--json", "the results")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import argparse
 import importlib.util
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,33 @@ def size(text: str) -> int:
         return byte_count("the size", text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# an option whose default comes from a command's presets: (option, type, what it is, unit)
+PresetOption = tuple[str, Callable[[str], Any], str, str]
+
+
+def add_preset_options(
+    parser: argparse.ArgumentParser,
+    options: Sequence[PresetOption],
+    full: Mapping[str, Any],
+    quick: Mapping[str, Any] | None = None,
+) -> None:
+    """Add each of ``options`` to ``parser`` with no default of its own: a run takes
+    ``full[key]`` (``quick[key]`` with ``--quick``) where it is not given, ``key`` being the
+    option's name as an attribute; its help says which (``with_default``)."""
+    for option, kind, text, unit in options:
+        key = option[2:].replace("-", "_")
+        shown = with_default(text, full[key], None if quick is None else quick[key], unit=unit)
+        parser.add_argument(option, type=kind, help=shown)
+
+
+def add_output_option(parser: argparse.ArgumentParser, option: str, what: str) -> None:
+    """Add ``option``, a JSON file the run writes ``what`` to (``output_file``; none unless
+    given)."""
+    parser.add_argument(
+        option, type=output_file, help=f"write {what} to this JSON file (default: none)"
+    )
 
 
 def with_default(text: str, full: Any, quick: Any = None, *, unit: str = "") -> str:

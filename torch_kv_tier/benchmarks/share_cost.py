@@ -33,7 +33,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch_kv_tier.benchmarks.options import list_of, output_file, positive, size, with_default
+from torch_kv_tier.benchmarks.options import (
+    add_output_option,
+    add_preset_options,
+    list_of,
+    positive,
+    size,
+)
 from torch_kv_tier.benchmarks.shared_bench import _environment, _spread
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.remote import protocol as p
@@ -56,35 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``share-cost`` options to ``parser``."""
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "--tiers", type=list_of(positive), help=with_default("sessions storing", DEFAULTS["tiers"])
+    add_preset_options(
+        parser,
+        [
+            ("--tiers", list_of(positive), "sessions storing", ""),
+            ("--block-sizes", list_of(size), "for ms per GB", "B"),
+            ("--keys-per-commit", positive, "keys per grant and commit", ""),
+            ("--pool-slots", positive, "the host's pool, in slots", ""),
+            ("--rounds", positive, "rounds per figure", ""),
+            ("--steps", positive, "commits per session and round", ""),
+        ],
+        DEFAULTS,
     )
-    parser.add_argument(
-        "--block-sizes",
-        type=list_of(size),
-        help=with_default("for ms per GB", DEFAULTS["block_sizes"], unit="B"),
-    )
-    parser.add_argument(
-        "--keys-per-commit",
-        type=positive,
-        help=with_default("keys per grant and commit", DEFAULTS["keys_per_commit"]),
-    )
-    parser.add_argument(
-        "--pool-slots",
-        type=positive,
-        help=with_default("the host's pool, in slots", DEFAULTS["pool_slots"]),
-    )
-    parser.add_argument(
-        "--rounds", type=positive, help=with_default("rounds per figure", DEFAULTS["rounds"])
-    )
-    parser.add_argument(
-        "--steps",
-        type=positive,
-        help=with_default("commits per session and round", DEFAULTS["steps"]),
-    )
-    parser.add_argument(
-        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
-    )
+    add_output_option(parser, "--json", "every figure")
 
 
 def _timed(clock: dict[str, float], name: str, fn: Callable[..., Any], *args: Any) -> Any:

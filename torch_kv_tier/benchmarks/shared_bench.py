@@ -39,13 +39,13 @@ import numpy as np
 
 from torch_kv_tier.benchmarks import shared_checks
 from torch_kv_tier.benchmarks.options import (
+    add_output_option,
+    add_preset_options,
     duration,
     list_of,
-    output_file,
     positive,
     size,
     usable_cpus,
-    with_default,
 )
 from torch_kv_tier.benchmarks.remote import host_group
 from torch_kv_tier.benchmarks.shared_worker import SYSTEMS
@@ -88,69 +88,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``shared-bench`` options to ``parser``."""
     parser.description = __doc__
     parser.add_argument("--quick", action="store_true", help="fewer points and rounds (~1 min)")
-    parser.add_argument(
-        "--block-sizes",
-        type=list_of(size),
-        help=with_default("bytes per block", FULL["block_sizes"], QUICK["block_sizes"], unit="B"),
-    )
-    parser.add_argument(
-        "--tiers",
-        type=list_of(positive),
-        help=with_default("tier processes per host", FULL["tiers"], QUICK["tiers"]),
-    )
-    parser.add_argument(
-        "--hosts",
-        type=list_of(positive),
-        help=with_default("hosts under one tier", FULL["hosts"], QUICK["hosts"]),
-    )
-    parser.add_argument(
-        "--rounds",
-        type=positive,
-        help=with_default("interleaved rounds per point", FULL["rounds"], QUICK["rounds"]),
-    )
-    parser.add_argument(
-        "--min-time",
-        type=duration,
-        help=with_default(
-            "least time per timed burst", FULL["min_time"], QUICK["min_time"], unit="s"
-        ),
-    )
-    parser.add_argument(
-        "--working-set-mib",
-        type=positive,
-        help=with_default(
-            "bytes cycled per process",
-            FULL["working_set_mib"],
-            QUICK["working_set_mib"],
-            unit="MiB",
-        ),
-    )
-    parser.add_argument(
-        "--hit-blocks",
-        type=positive,
-        help=with_default("blocks of the cross-tier hit", FULL["hit_blocks"], QUICK["hit_blocks"]),
-    )
-    parser.add_argument(
-        "--lookup-calls",
-        type=positive,
-        help=with_default("timed lookup calls", FULL["lookup_calls"], QUICK["lookup_calls"]),
-    )
-    parser.add_argument(
-        "--staleness-samples",
-        type=positive,
-        help=with_default(
-            "stores timed to visibility", FULL["staleness_samples"], QUICK["staleness_samples"]
-        ),
-    )
-    parser.add_argument(
-        "--heartbeat-s",
-        type=duration,
-        help=with_default(
-            "heartbeat timeout of the host-kill tier: the longest a read of a dead host waits",
-            FULL["heartbeat_s"],
-            QUICK["heartbeat_s"],
-            unit="s",
-        ),
+    add_preset_options(
+        parser,
+        [
+            ("--block-sizes", list_of(size), "bytes per block", "B"),
+            ("--tiers", list_of(positive), "tier processes per host", ""),
+            ("--hosts", list_of(positive), "hosts under one tier", ""),
+            ("--rounds", positive, "interleaved rounds per point", ""),
+            ("--min-time", duration, "least time per timed burst", "s"),
+            ("--working-set-mib", positive, "bytes cycled per process", "MiB"),
+            ("--hit-blocks", positive, "blocks of the cross-tier hit", ""),
+            ("--lookup-calls", positive, "timed lookup calls", ""),
+            ("--staleness-samples", positive, "stores timed to visibility", ""),
+            (
+                "--heartbeat-s",
+                duration,
+                "the host-kill tier's heartbeat timeout: the longest a read of a dead host waits",
+                "s",
+            ),
+        ],
+        FULL,
+        QUICK,
     )
     parser.add_argument(
         "--seed",
@@ -158,9 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1234,
         help="seed of plans and byte patterns (default %(default)s)",
     )
-    parser.add_argument(
-        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
-    )
+    add_output_option(parser, "--json", "every figure")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

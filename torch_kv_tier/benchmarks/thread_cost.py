@@ -37,9 +37,10 @@ from typing import Any
 import numpy as np
 
 from torch_kv_tier.benchmarks.options import (
+    add_output_option,
+    add_preset_options,
     duration,
     list_of,
-    output_file,
     positive,
     size,
     with_default,
@@ -80,28 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("write", "read"),
         help=with_default("write: stores, read: loads", DEFAULTS["op"]),
     )
-    parser.add_argument(
-        "--block-sizes",
-        type=list_of(size),
-        help=with_default("bytes per block", DEFAULTS["block_sizes"], unit="B"),
+    add_preset_options(
+        parser,
+        [
+            ("--block-sizes", list_of(size), "bytes per block", "B"),
+            ("--tiers", positive, "tier processes", ""),
+            ("--seconds", duration, "window per system and round", "s"),
+            ("--rounds", positive, "rounds", ""),
+            ("--working-set-mib", positive, "bytes cycled per process", "MiB"),
+        ],
+        DEFAULTS,
     )
-    parser.add_argument(
-        "--tiers", type=positive, help=with_default("tier processes", DEFAULTS["tiers"])
-    )
-    parser.add_argument(
-        "--seconds",
-        type=duration,
-        help=with_default("window per system and round", DEFAULTS["seconds"], unit="s"),
-    )
-    parser.add_argument("--rounds", type=positive, help=with_default("rounds", DEFAULTS["rounds"]))
-    parser.add_argument(
-        "--working-set-mib",
-        type=positive,
-        help=with_default("bytes cycled per process", DEFAULTS["working_set_mib"], unit="MiB"),
-    )
-    parser.add_argument(
-        "--json", type=output_file, help="write every figure to this JSON file (default: none)"
-    )
+    add_output_option(parser, "--json", "every figure")
 
 
 def _kind(pid: int, tid: int, comm: str, names: dict[int, str], host: bool) -> str:
