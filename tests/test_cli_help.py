@@ -91,3 +91,21 @@ def test_a_preset_default_is_the_one_a_run_takes(capsys: pytest.CaptureFixture[s
     out = " ".join(capsys.readouterr().out.split())
     assert "timed repeats per point (median) (default 7; --quick: 3)" in out
     assert "bytes per block (default 16K,64K,256K,2M; --quick: 16K,64K,256K)" in out
+
+
+def test_stress_quick_keeps_the_sizes_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stress --quick --trials 7`` ran 2 trials: ``--quick`` overwrote every size, given or
+    not, where ``bench --quick`` and ``shared-bench --quick`` keep what is given."""
+    from torch_kv_tier.benchmarks import soak
+
+    class Ran(Exception):
+        pass
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(soak, "_scenario", lambda name, args: seen.append(args))
+    monkeypatch.setattr(soak, "_run_one", lambda name, scenario: (_ for _ in ()).throw(Ran()))
+    for quick, taken in ((["--quick"], (7, 1, 3000)), ([], (7, 3, 100_000))):
+        with pytest.raises(Ran):
+            main(["stress", *quick, "--trials", "7", "--scenarios", "peer-death"])
+        args = seen.pop()
+        assert (args.trials, args.frozen_trials, args.transfers) == taken

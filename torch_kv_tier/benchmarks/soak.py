@@ -28,12 +28,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from torch_kv_tier.benchmarks.options import (
+    add_preset_options,
     duration,
     heartbeat_timeout,
     output_file,
     size,
     usable_cpus,
-    with_default,
 )
 from torch_kv_tier.benchmarks.reliability_common import Outcome
 from torch_kv_tier.cli_numbers import integer
@@ -41,6 +41,14 @@ from torch_kv_tier.cli_numbers import integer
 logger = logging.getLogger(__name__)
 
 SCENARIOS = ("peer-death", "peer-frozen", "client-death", "soak", "concurrency", "close")
+FULL = {
+    "trials": 20,
+    "frozen_trials": 3,
+    "client_trials": 5,
+    "transfers": 100_000,
+    "threads": 8,
+    "calls": 2000,
+}
 QUICK = {  # the sizes tests/test_reliability.py uses
     "trials": 2,
     "frozen_trials": 1,
@@ -58,18 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(SCENARIOS),
         help=f"comma-separated subset of {', '.join(SCENARIOS)} (default: all)",
     )
-    parser.add_argument("--quick", action="store_true", help="CI sizes: " + _describe(QUICK))
     parser.add_argument(
-        "--trials",
-        type=integer,
-        default=20,
-        help=with_default("peer-death trials", "%(default)s", QUICK["trials"]),
+        "--quick",
+        action="store_true",
+        help="CI sizes, for the options not given: " + _describe(QUICK),
     )
-    parser.add_argument(
-        "--frozen-trials",
-        type=integer,
-        default=3,
-        help=with_default("peer-frozen trials", "%(default)s", QUICK["frozen_trials"]),
+    add_preset_options(
+        parser,
+        [
+            ("--trials", integer, "peer-death trials", ""),
+            ("--frozen-trials", integer, "peer-frozen trials", ""),
+            ("--client-trials", integer, "client-death trials", ""),
+            ("--transfers", integer, "soak transfers", ""),
+            ("--threads", integer, "concurrency threads", ""),
+            ("--calls", integer, "concurrency calls per thread", ""),
+        ],
+        FULL,
+        QUICK,
     )
     parser.add_argument(
         "--heartbeat-timeout",
@@ -78,39 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heartbeat timeout of the doomed servers' sessions, s (default 10, connect's)",
     )
     parser.add_argument(
-        "--client-trials",
-        type=integer,
-        default=5,
-        help=with_default("client-death trials", "%(default)s", QUICK["client_trials"]),
-    )
-    parser.add_argument(
         "--lease-timeout",
         type=duration,
         default=1.0,
         help="server lease timeout for client-death, s (default %(default)s)",
     )
     parser.add_argument(
-        "--transfers",
-        type=integer,
-        default=100_000,
-        help=with_default("soak transfers", "%(default)s", QUICK["transfers"]),
-    )
-    parser.add_argument(
         "--soak-tcp",
         action="store_true",
         help="soak over UCX/TCP (transfers really in flight; slower) instead of UCX's choice",
-    )
-    parser.add_argument(
-        "--threads",
-        type=integer,
-        default=8,
-        help=with_default("concurrency threads", "%(default)s", QUICK["threads"]),
-    )
-    parser.add_argument(
-        "--calls",
-        type=integer,
-        default=2000,
-        help=with_default("concurrency calls per thread", "%(default)s", QUICK["calls"]),
     )
     parser.add_argument(
         "--seed", type=integer, default=0, help="concurrency workload seed (default %(default)s)"
@@ -145,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.quick:
-        for name, value in QUICK.items():
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:  # (one given is kept, --quick or not)
             setattr(args, name, value)
     sizes = [args.trials, args.frozen_trials, args.client_trials, args.transfers, args.threads]
     sizes += [args.calls, args.close_transfers]
