@@ -251,6 +251,18 @@ class LostHosts(SessionReleases):
         logger.info("no longer dialling %s", address)
         return True
 
+    def _release_for_failed_connect(self, dial: Dial) -> None:
+        """A connect of ``dial`` failed once its handshake may have opened sessions (handed back
+        to ``_ended``; a private one's lease the host holds until it is named) and nothing dials
+        its host: remembered as removed, as ``cancel_dial`` does, so that a session of its own
+        names them now (and ``close`` does, if that fails)."""
+        with self._lock:
+            if self._closed or self._dial(dial.address) is not None:
+                return
+            self._removed[dial.address] = dial
+            dial.stopped.set()
+            self._send_releases(dial.address)
+
     def _dial_later(self, dial: Dial, exc: Exception, owner: object) -> None:
         """``connect(..., redial_if_down=True, dial_owner=owner)`` of ``dial``'s host failed
         with ``exc`` (unlocked): dial it in the background, as a lost host, until it joins
