@@ -245,10 +245,13 @@ class RemoteHostTier(SecondaryTierManager):
 
     @override
     def drain_jobs(self) -> None:
-        """Wait until no transfer touches the primary region; queue every result.
+        """Wait until no transfer may write into the primary region; queue every result.
 
         Nothing in flight is aborted (a partial copy would corrupt a chunk). Every job submitted
-        so far is reported by the next ``get_finished_jobs``.
+        so far is reported by the next ``get_finished_jobs``. A store whose host was dropped
+        was reported failed at the drop, and its write may still read its chunks after this
+        returns (vLLM's contract asks for no I/O at all): what it sends lands only in remote
+        slots kept fenced until the transport reports it, so no load ever returns those bytes.
 
         Raises:
             TimeoutError: transfers are still in flight after ``drain_timeout_s``.
