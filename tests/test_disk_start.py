@@ -8,6 +8,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import select
+import subprocess
+import sys
 import threading
 from contextlib import closing, suppress
 from pathlib import Path
@@ -18,11 +21,47 @@ import pytest
 from disk_support import DISK_BLOCK, digest_of, open_store, under
 from test_disk_replay import _Crash, _in_two_directories, _write
 
-from torch_kv_tier.remote import disk_header, disk_journal
+from torch_kv_tier.remote import disk_files, disk_header, disk_journal
 from torch_kv_tier.remote.disk_frames import PUT
-from torch_kv_tier.remote.disk_journal import DiskDir
+from torch_kv_tier.remote.disk_journal import DiskDir, DiskError
 
 BLOCK = 4096
+_HOLDS = """
+import sys
+from pathlib import Path
+from torch_kv_tier.remote.disk_journal import DiskDir
+held = DiskDir(Path(sys.argv[1]), 4 * 4096, 4096, direct=False)
+print("held", flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def test_a_second_host_on_a_directory_is_refused_naming_the_first_and_changes_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: a host started on a directory another host's process holds was refused
+    without saying which process holds it (``ps`` and guessing to find which host to stop). It
+    now names that process's pid, changes none of the directory's files, and once that process
+    is killed, a start is no longer refused (its lock went with it)."""
+    d = tmp_path / "d"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    host = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS, str(d)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None and select.select([host.stdout], [], [], 60.0)[0]
+        assert host.stdout.readline() == "held\n", "the first host did not start"
+        files = {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in d.iterdir()}
+        monkeypatch.setattr(disk_files, "LOCK_WAIT_S", 0.2)
+        refused = f"{d} is in use by another disk tier, process {host.pid} .*stop that host"
+        with pytest.raises(DiskError, match=refused):
+            DiskDir(d, 4 * BLOCK, BLOCK, direct=False)
+        assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in d.iterdir()} == files
+    finally:
+        host.kill()
+        host.wait(60.0)
+    DiskDir(d, 4 * BLOCK, BLOCK, direct=False).close()  # killed: its lock is no longer held
 
 
 def test_a_start_that_waited_for_the_lock_keeps_the_keys_of_the_old_hosts_last_rewrite(

@@ -70,7 +70,8 @@ def sync_directory(path: Path) -> None:
 
 def lock(fd: int, path: Path) -> None:
     """Hold ``fd``'s exclusive lock (released as it closes, or as its process dies), waiting at
-    most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do. A file system without locks
+    most ``LOCK_WAIT_S``; raises ``DiskError`` saying what to do, and which process holds it
+    (``_holder``), before any file of ``path`` is written. A file system without locks
     is used unlocked (logged). On NFS, Linux emulates ``flock`` with POSIX record locks, which
     hold against other processes and hosts but never within one process: there a directory
     that one host's ``--disk`` names twice under two spellings is not refused."""
@@ -81,16 +82,38 @@ def lock(fd: int, path: Path) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise DiskError(
-                    f"{path} is in use by another disk tier (a host still running on it, or "
-                    "--disk naming it twice): stop that host, or pass another directory"
-                ) from None
+                raise DiskError(f"{path} is in use by {_holder(fd)}") from None
             time.sleep(0.05)
         except OSError as exc:
             if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
             logger.warning("disk: %s cannot be locked (%s): used unlocked", path, exc)
             return
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock of ``fd``'s file, and what to do, for ``lock``'s refusal: the pid
+    ``/proc/locks`` names (none where it names none: no ``/proc``, a holder in another pid
+    namespace, or on another NFS client)."""
+    pid = None
+    st = os.fstat(fd)
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:  # "1: FLOCK  ADVISORY  WRITE 442 fe:00:2156583 0 EOF"
+                fields = line.split()
+                if len(fields) > 5 and fields[1] != "->" and fields[5] == file:  # "->": waiting
+                    pid = int(fields[4]) if fields[4].isdigit() else None
+                    break
+    except OSError:
+        pass
+    if pid == os.getpid():
+        return (
+            f"this process, {pid} (--disk naming it twice, maybe under two spellings, or a disk "
+            "tier of this process not closed): pass each directory once"
+        )
+    who = "another disk tier" if pid is None else f"another disk tier, process {pid}"
+    return f"{who} (a host still running on it): stop that host, or pass another directory"
 
 
 def open_blocks(path: Path, block_len: int, direct: bool) -> tuple[int, bool]:
