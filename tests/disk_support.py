@@ -5,6 +5,7 @@ polled for, a script run in a process of its own, a device that hangs, a directo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -183,6 +184,18 @@ def under(d: Path) -> Callable[[Any], bool]:
             return False
 
     return of_d
+
+
+def failing_eio(real: Callable[..., Any], ours: Callable[[Any], bool]) -> Callable[..., Any]:
+    """``real`` (an ``os`` call on a file descriptor or path) failing (EIO) for the files
+    ``ours`` (``under``)."""
+
+    def call(target: Any, *args: Any) -> Any:
+        if ours(target):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(target, *args)
+
+    return call
 
 
 def copy_at_each_step(

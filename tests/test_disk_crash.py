@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import stat
 from contextlib import closing
 from pathlib import Path
@@ -18,8 +19,10 @@ import pytest
 from disk_support import (
     DISK_BLOCK,
     digest_of,
+    failing_eio,
     open_store,
     put_records,
+    under,
     write_key,
 )
 
@@ -336,3 +339,32 @@ def test_blocks_are_synced_before_the_journal_records_naming_them(
     finally:
         monkeypatch.undo()
         store.close()
+
+
+@pytest.mark.parametrize("unlink", ["removable", "not removable"])
+def test_a_removal_whose_record_and_the_journals_emptying_failed_never_comes_back(
+    disk_pool: np.ndarray, tmp_path: Path, unlink: str
+) -> None:
+    """Found by review, extending the crash fuzzer to three faults at once: a failing device
+    (EIO) refused the ``DEL`` of a key removed, then the emptying of its journal, and a restart
+    before the journal's rewrite (refused too) served the key removed, while ``sync`` had said
+    it was done. The journal is now removed where it cannot be emptied (a restart finds none of its
+    blocks); where it cannot be removed either, ``sync`` says False."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        assert write_key(store, disk_pool, b"K", 3).written and store.sync(5.0)
+        ours = under(d)
+        failing = ["write", "ftruncate"] + (["unlink"] if unlink == "not removable" else [])
+        with pytest.MonkeyPatch.context() as m:
+            for name in failing:
+                m.setattr(os, name, failing_eio(getattr(os, name), ours))
+            assert store.remove("ns", b"K")
+            synced = store.sync(5.0)
+            shutil.copytree(d, tmp_path / "killed")  # a SIGKILL here
+    with closing(open_store(disk_pool, [tmp_path / "killed"], 8)) as restarted:
+        found = restarted.recover()
+    if unlink == "removable":
+        assert synced and found == [], "the key removed came back"
+    else:
+        assert not synced, "sync said done, and a restart may bring the key removed back"

@@ -193,8 +193,9 @@ def test_a_journal_deleted_between_runs_is_said_to_forget_its_blocks(
             store.recover()
     said = [r.getMessage() for r in caplog.records if "no journal.log" in r.getMessage()]
     assert said == [
-        f"disk: {tmp_path / 'd'} has no journal.log (deleted or moved away): the "
-        "blocks it held are forgotten, misses; restore it before starting to keep them"
+        f"disk: {tmp_path / 'd'} has no journal.log (deleted or moved away; or removed by the "
+        "last host, which logged it): the blocks it held are forgotten, misses; restore it "
+        "before starting to keep them"
     ]
 
 

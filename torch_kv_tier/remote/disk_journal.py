@@ -57,6 +57,7 @@ from torch_kv_tier.remote.disk_files import (
     lock,
     open_blocks,
     replaced,
+    sync_directory,
     write_durably,
 )
 from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, header, parse
@@ -89,6 +90,9 @@ class DiskDir:
         self.retry_at = 0.0  # monotonic time of the next rewrite of a stale journal
         self._retry_s = 0.0  # doubles with each failed rewrite, up to REWRITE_RETRY_MAX_S
         self._emptied = False  # stale, and emptied (or tried to) since (``_dropped``)
+        # records dropped, the journal neither emptied nor removed (``_dropped``): a restart
+        # before its rewrite may bring back keys removed since
+        self.unsafe = False
         self._moved = False  # said that blocks.dat left its path (``_check_in_place``)
         self.dropped = 0  # keys a damaged journal cost (``read_records``)
         try:
@@ -106,8 +110,9 @@ class DiskDir:
             journal = path / "journal.log"
             if self._header.written and not journal.exists():  # a directory used before
                 logger.warning(
-                    "disk: %s has no journal.log (deleted or moved away): the blocks it held are "
-                    "forgotten, misses; restore it before starting to keep them", path,
+                    "disk: %s has no journal.log (deleted or moved away; or removed by the last "
+                    "host, which logged it): the blocks it held are forgotten, misses; restore it "
+                    "before starting to keep them", path,
                 )  # fmt: skip
             self.journal = os.open(journal, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except BaseException as exc:
@@ -182,7 +187,8 @@ class DiskDir:
 
     def _dropped(self) -> None:
         """Records were dropped (module docstring): empty the journal, once until it is
-        rewritten (a failure to is logged once, never raised)."""
+        rewritten; where it cannot be emptied, remove it (``_remove``). Failures are logged,
+        never raised."""
         if self._emptied:
             return
         self._emptied = True
@@ -191,15 +197,37 @@ class DiskDir:
             self._past_orders()
             os.fsync(self.journal)
         except OSError as exc:
-            logger.error(
-                "disk: journal of %s lost a record and cannot be emptied (%s): a restart before "
-                "it is rewritten may bring back blocks removed since", self.path, exc,
-            )  # fmt: skip
+            self._remove(exc)
             return
         self.records = 0
         logger.warning(
             "disk: journal of %s emptied (a record could not be written): a restart before it "
             "is rewritten (a line says when) finds none of its blocks", self.path,
+        )  # fmt: skip
+
+    def _remove(self, exc: OSError) -> None:
+        """The journal that dropped a record cannot be emptied (``exc``: EIO): remove it, so
+        that a restart before the rewrite finds none of its blocks (a journal missing, logged
+        then), never a key whose removal was dropped. Where it cannot be removed either, a
+        restart may bring such keys back: logged, and ``unsafe`` until the rewrite."""
+        try:
+            os.unlink(self.path / "journal.log")
+        except FileNotFoundError:
+            pass
+        except OSError as again:
+            self.unsafe = True
+            logger.error(
+                "disk: journal of %s lost a record and can be neither emptied (%s) nor removed "
+                "(%s): a restart before it is rewritten may bring back blocks removed since; "
+                "check the device of %s", self.path, exc, again, self.path,
+            )  # fmt: skip
+            return
+        sync_directory(self.path / "journal.log")
+        self.records = 0
+        logger.warning(
+            "disk: journal of %s lost a record and cannot be emptied (%s): removed instead, so a "
+            "restart before it is rewritten (a line says when) finds none of its blocks",
+            self.path, exc,
         )  # fmt: skip
 
     def _past_orders(self) -> None:
@@ -370,6 +398,7 @@ class DiskDir:
                 self.path, count,
             )  # fmt: skip
         self.records, self.stale, self._retry_s, self._emptied = count, False, 0.0, False
+        self.unsafe = False
         return True
 
     def _name_again(self, exc: OSError) -> None:

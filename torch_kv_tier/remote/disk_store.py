@@ -236,12 +236,15 @@ class DiskStore:
 
     def sync(self, timeout: float) -> bool:
         """Write and sync every journal record appended so far, waiting at most ``timeout``
-        seconds; whether done."""
+        seconds; whether done, so that a restart finds no key removed before. False too where a
+        journal dropped records and can be neither emptied nor removed (``DiskDir.unsafe``): a
+        restart may then bring back a key removed since, until its rewrite (a failing device)."""
         deadline = time.monotonic() + timeout
         if not self._journals.wait(timeout):
             return False
         self._sync_journals(force=True)
-        return self._journals.wait(deadline - time.monotonic())
+        done = self._journals.wait(deadline - time.monotonic())
+        return done and not any(d.unsafe for d in self._dirs)  # read while no batch runs
 
     def close(self) -> None:
         """Wait (at most ``CLOSE_WAIT_S``) for I/O in flight, sync the journals, release every
