@@ -2,16 +2,20 @@
 few keys over one or two directories (stores, removals, stores again with other bytes, journal
 syncs, forced compactions; with two, moves of a key from one directory to the other, whose old
 copy's ``DEL`` is lost as often as not: a key in two directories), with write, sync, rename and
-removal failures injected (EIO, ENOSPC, a block write refused), the host killed at a random file
-step (``copy_at_each_step``: the directories as that step leaves them; a move's steps, and the
-copy right after it, chosen more often), started on that copy (one time in three turned into
-disk format 1 or 2 first: a migration), for one to three such lives. Then some copies of the
-last life are started (each start killed at a random step, at every step for one copy, and that
-copy started), each started twice. Each start may serve a key only with the
-bytes of its last store acknowledged (a ``sync`` that returned True after it) before the kill,
-or of a store since; a key whose removal was acknowledged never comes back; a second start
-serves what the first did; a history with nothing injected loses no key acknowledged and
-untouched since.
+removal failures injected (EIO, ENOSPC, a block write refused; up to three at once), the host
+killed at a random file step (``copy_at_each_step``: the directories as that step leaves them; a
+move's steps, and the copy right after it, chosen more often), started on that copy (one time in
+three turned into disk format 1 or 2 first: a migration; one time in four with one to three
+failures injected as it recovers, a block's read or overwrite too), for one to three such lives.
+Then some copies of the last life are started (each start killed at a random step, at every step
+for one copy, and that copy started), each started twice; one of them is also started with one
+to three failures injected as it opens, recovers and closes (``_faulted_start``), then started
+twice, as are copies of that faulted start killed at a few of its steps. Each start may serve a
+key only with the bytes of its last store acknowledged (a ``sync`` that returned True after it)
+before the kill, or of a store since (or, after a faulted recovery, those its journal named
+then, until a store or removal of it is acknowledged); a key whose removal was acknowledged
+never comes back; a second start serves what the first did; a history with nothing injected
+loses no key acknowledged and untouched since.
 
 ``TKVT_DISK_FUZZ_SEEDS`` runs more seeds (default 6), from ``TKVT_DISK_FUZZ_FIRST`` (default 0),
 e.g. ``TKVT_DISK_FUZZ_SEEDS=500 pytest tests/test_disk_fuzz.py``."""
@@ -24,7 +28,7 @@ import os
 import random
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,12 +40,14 @@ from disk_support import (
     as_format,
     copy_at_each_step,
     digest_of,
+    failing_eio,
     open_store,
     settle,
     under,
 )
 
 from torch_kv_tier.remote.disk_frames import parse
+from torch_kv_tier.remote.disk_journal import DiskError
 from torch_kv_tier.remote.disk_store import DiskStore
 
 SEEDS = int(os.environ.get("TKVT_DISK_FUZZ_SEEDS", "6"))
@@ -49,17 +55,23 @@ FIRST = int(os.environ.get("TKVT_DISK_FUZZ_FIRST", "0"))
 KEYS = [b"A", b"B", b"C", b"D"]
 SLOTS = 8  # per directory: the keys never evict one another
 FILE_CALLS = ("write", "fsync", "fdatasync", "ftruncate", "replace", "unlink")
+# a start's too: its blocks read, and overwritten where a key is in two directories (``_spoil``)
+START_CALLS = (*FILE_CALLS, "preadv", "pwritev")
 
 
 @dataclass
 class _Model:
     """What a start may serve: each key's digest as of the last acknowledged sync (None:
-    removed), and the digests stored since (in flight at a kill)."""
+    removed), the digests stored since (in flight at a kill), and those ``maybe`` still
+    named by a journal that a faulted start may not have rewritten (each key's, until a store
+    or removal of it is acknowledged: its newest bytes, whether that start served them or not).
+    """
 
     now: dict[bytes, int | None] = field(default_factory=dict)
     acked: dict[bytes, int | None] = field(default_factory=dict)
     since: dict[bytes, frozenset[int]] = field(default_factory=dict)
     touched: frozenset[bytes] = frozenset()
+    maybe: dict[bytes, frozenset[int]] = field(default_factory=dict)
 
     def stored(self, key: bytes, digest: int) -> None:
         self.now[key] = digest
@@ -71,20 +83,37 @@ class _Model:
         self.touched |= {key}
 
     def synced(self) -> None:
+        self.maybe = {key: got for key, got in self.maybe.items() if key not in self.touched}
         self.since, self.touched = {}, frozenset()
         self.acked = dict(self.now)
 
-    def view(self) -> tuple[dict[bytes, int | None], dict[bytes, frozenset[int]], frozenset[bytes]]:
+    def view(self) -> _View:
         """A copy, as a kill leaves it (taken on any thread: each field is replaced whole)."""
-        return dict(self.acked), dict(self.since), self.touched
+        return dict(self.acked), dict(self.since), self.touched, self.maybe
+
+
+# what a start may serve (``_Model.view``): acked, since, touched, maybe
+_View = tuple[
+    dict[bytes, int | None],
+    dict[bytes, frozenset[int]],
+    frozenset[bytes],
+    dict[bytes, frozenset[int]],
+]
+
+
+def _allowed(view: _View, key: bytes) -> frozenset[int | None]:
+    """The digests a start may serve ``key`` with as ``view`` says (None: a miss)."""
+    acked, since, _, maybe = view
+    return frozenset({acked.get(key)}) | since.get(key, frozenset()) | maybe.get(key, frozenset())
 
 
 @contextmanager
-def _fault(rng: random.Random, root: Path, store: DiskStore) -> Iterator[str]:
+def _fault(rng: random.Random, root: Path, store: DiskStore | None) -> Iterator[str]:
     """One failure injected for an operation: the n-th file call of one kind under ``root``
-    (a write, sync, truncation, rename or removal) raises EIO or ENOSPC, or a block write is
-    refused as it starts."""
-    kind = rng.choice([*FILE_CALLS, "transfer"])
+    (a write, sync, truncation, rename or removal) raises EIO or ENOSPC, or a block write of
+    ``store`` is refused as it starts; without a store (a start), a block's read or overwrite
+    may fail instead."""
+    kind = rng.choice([*FILE_CALLS, "transfer"] if store else START_CALLS)
     nth, code = rng.randint(1, 3), rng.choice([errno.EIO, errno.ENOSPC])
     calls = [0]
     ours = under(root)
@@ -96,7 +125,7 @@ def _fault(rng: random.Random, root: Path, store: DiskStore) -> Iterator[str]:
         return calls[0] == nth
 
     with pytest.MonkeyPatch.context() as m:
-        if kind == "transfer":
+        if kind == "transfer" and store is not None:
 
             def refused(handle: Any) -> str:
                 raise RuntimeError("injected: the write could not start")
@@ -143,8 +172,9 @@ def _compact(store: DiskStore, f: int) -> None:
 def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: _Model) -> str:
     """Store ``key`` again from directory 1 into directory 0 (first into 1 where it is in
     neither), then sync. As often as not, the old copy's ``DEL`` is lost (all else synced
-    before; it is flushed at the write's first poll): directory 1's journal write and its
-    emptying fail (EIO), the sync is done all the same (both logged), and the old copy stays
+    before; it is flushed at the write's first poll): directory 1's journal write, its
+    emptying and its removal fail (EIO), the sync says False for it (``DiskDir.unsafe``) but
+    syncs directory 0's journal all the same (the new copy acknowledged), and the old copy stays
     named after the new one is acknowledged, a key in two directories (the state
     ``disk_recovery`` drops, ``_spoil``), until ``_rewritten``. What was injected, for a
     failure's message."""
@@ -158,13 +188,15 @@ def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, mo
     with pytest.MonkeyPatch.context() as m:
         if lose:  # from the removal on: the DEL is flushed at the write's first poll
             ours = under(store._dirs[1].path)
-            for name in ("write", "ftruncate"):
-                m.setattr(os, name, _failing(getattr(os, name), ours))
+            for name in ("write", "ftruncate", "unlink"):
+                m.setattr(os, name, failing_eio(getattr(os, name), ours))
         _store(rng, store, pool, key, model)
         if lose:
             entry = store._index.where.get(("ns", key))
             assert entry is not None and entry[0] % 2 == 0, "not moved to directory 0"
-        if store.sync(5.0):
+        synced = store.sync(5.0)
+        assert not (lose and synced), "sync said done, though a DEL was lost"
+        if synced or lose and store._dirs[1].unsafe and store._journals.wait(10.0):
             model.synced()
     assert store._journals.wait(10.0), "a journal job still runs after 10 s"
     return "DEL lost" if lose else ""
@@ -172,21 +204,11 @@ def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, mo
 
 def _rewritten(store: DiskStore) -> None:
     """Directory 1's journal, which lost a ``DEL`` (``_move``), rewritten: until then it
-    drops every record, and a removal lost where the journal could not be emptied is a
-    double fault the tier does not guard (logged: a restart may bring the key back)."""
+    drops every record, and a removal lost where the journal could be neither emptied nor
+    removed is a fault the tier does not guard (logged, and ``sync`` says False: a restart may
+    bring the key back)."""
     store._dirs[1].retry_at = 0.0
     assert store.sync(5.0) and not store._dirs[1].stale, "a journal not rewritten"
-
-
-def _failing(real: Callable[..., Any], ours: Callable[[Any], bool]) -> Callable[..., Any]:
-    """``real`` (an ``os`` call on a file descriptor) failing (EIO) for the files ``ours``."""
-
-    def call(fd: Any, *args: Any) -> Any:
-        if ours(fd):
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(fd, *args)
-
-    return call
 
 
 def _history(
@@ -205,12 +227,8 @@ def _history(
         weights = [5, 2, 2, 1, 1, 3 if two else 0]
         op = rng.choices(["store", "remove", "sync", "compact", "poll", "move"], weights)[0]
         key = rng.choice(KEYS)
-        faults = 0 if op == "move" else rng.choices([0, 1, 2], [8, 2, 1])[0]
-        with (
-            _fault(rng, root, store) if faults > 0 else _noop() as fault,
-            _fault(rng, root, store) if faults > 1 else _noop() as other,
-        ):
-            fault = " ".join(f for f in (fault, other) if f)
+        faults = 0 if op == "move" else rng.choices([0, 1, 2, 3], [8, 2, 1, 1])[0]
+        with _faults(rng, root, store, faults) as fault:
             if op == "store":
                 _store(rng, store, pool, key, model)
             elif op == "remove" and store.remove("ns", key):
@@ -239,8 +257,11 @@ def _history(
 
 
 @contextmanager
-def _noop() -> Iterator[str]:
-    yield ""
+def _faults(rng: random.Random, root: Path, store: DiskStore | None, count: int) -> Iterator[str]:
+    """``count`` failures injected at once (``_fault``); what they are, for a failure's
+    message."""
+    with ExitStack() as stack:
+        yield " ".join(stack.enter_context(_fault(rng, root, store)) for _ in range(count))
 
 
 def _started(pool: np.ndarray, dirs: list[Path]) -> dict[bytes, int]:
@@ -248,10 +269,10 @@ def _started(pool: np.ndarray, dirs: list[Path]) -> dict[bytes, int]:
         return {key: digest for _, key, digest in store.recover()}
 
 
-def _check(found: dict[bytes, int], view: Any, clean: bool, what: str) -> None:
-    acked, since, touched = view
+def _check(found: dict[bytes, int], view: _View, clean: bool, what: str) -> None:
+    acked, _, touched, _ = view
     for key, digest in found.items():
-        allowed = {acked.get(key)} | since.get(key, frozenset())
+        allowed = _allowed(view, key)
         assert digest in allowed, (
             f"{what}: {key!r} served with bytes of neither its last acknowledged store nor "
             f"one since ({digest:x} not in {allowed})"
@@ -319,12 +340,20 @@ def _life(
     root, model = dirs[0].parent, _Model()
     store = open_store(pool, dirs, SLOTS)
     try:
-        found = {key: digest for _, key, digest in store.recover()}
-        if root in kills.copies:
-            view = kills.views[kills.copies.index(root)]
+        # one time in four, one to three failures while it recovers (its journals maybe not
+        # rewritten, its blocks not read or overwritten)
+        with _faults(rng, root, None, rng.randint(1, 3) if rng.random() < 0.25 else 0) as fault:
+            found = {key: digest for _, key, digest in store.recover()}
+        done += [f"recovered [{fault}]"] if fault else []
+        view = kills.views[kills.copies.index(root)] if root in kills.copies else None
+        if view is not None:
             _check(found, view, "[" not in " ".join(done), f"{'; '.join(done)}; started")
         model.now = dict(found)
         model.synced()  # a start's journals are rewritten, synced
+        if fault and view is not None:  # or maybe not: what they named may come back
+            model.maybe = {
+                key: frozenset(d for d in _allowed(view, key) if d is not None) for key in KEYS
+            }
         with kills.at_each_step(root, model.view) as made:
             marking = lambda: kills.marking(root, model.view)  # noqa: E731
             done += _history(rng, store, pool, root, model, marking)
@@ -396,7 +425,40 @@ def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
         for step in steps:
             dirs = [copies.copies[step] / n for n in names]
             _started_twice(pool, dirs, view, False, f"{what}; its start killed at {step}")
+        if at == chosen[0]:
+            _faulted_start(rng, pool, copies, at, names, what)
     shutil.rmtree(tmp)
+
+
+def _faulted_start(
+    rng: random.Random, pool: np.ndarray, kills: _Kills, at: int, names: list[str], what: str
+) -> None:
+    """A copy of ``kills``' copy ``at`` started with one to three failures injected
+    (``_faults``) while it opens its directories, recovers, syncs and closes (a start refused is
+    one outcome), then started twice; and started twice as that faulted start left it at a few
+    of its file steps (killed there)."""
+    view, source = kills.views[at], kills.copies[at]
+    where = source.parent / f"{source.name}-faulted"
+    shutil.copytree(source, where)
+    dirs = [where / n for n in names]
+    with (
+        kills.at_each_step(where, lambda: None) as again,
+        _faults(rng, where, None, rng.randint(1, 3)) as fault,
+    ):
+        what = f"{what}; started with [{fault}]"
+        try:
+            store = open_store(pool, dirs, SLOTS)
+        except DiskError:
+            found: dict[bytes, int] = {}  # refused: serves nothing
+        else:
+            with closing(store):
+                found = {key: digest for _, key, digest in store.recover()}
+                store.sync(5.0)
+    _check(found, view, False, what)
+    _started_twice(pool, dirs, view, False, f"{what}; started again")
+    for step in rng.sample(again, min(2, len(again))):
+        dirs = [kills.copies[step] / n for n in names]
+        _started_twice(pool, dirs, view, False, f"{what}; killed at {step}")
 
 
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + SEEDS))
