@@ -22,19 +22,19 @@ e.g. ``TKVT_DISK_FUZZ_SEEDS=500 pytest tests/test_disk_fuzz.py``."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, closing, contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from disk_fuzz_model import Model, allowed_digests, check_found, inject_faults
 from disk_support import (
     DISK_POOL,
     as_format,
@@ -54,97 +54,10 @@ SEEDS = int(os.environ.get("TKVT_DISK_FUZZ_SEEDS", "6"))
 FIRST = int(os.environ.get("TKVT_DISK_FUZZ_FIRST", "0"))
 KEYS = [b"A", b"B", b"C", b"D"]
 SLOTS = 8  # per directory: the keys never evict one another
-FILE_CALLS = ("write", "fsync", "fdatasync", "ftruncate", "replace", "unlink")
-# a start's too: its blocks read, and overwritten where a key is in two directories (``_spoil``)
-START_CALLS = (*FILE_CALLS, "preadv", "pwritev")
-
-
-@dataclass
-class _Model:
-    """What a start may serve: each key's digest as of the last acknowledged sync (None:
-    removed), the digests stored since (in flight at a kill), and those ``maybe`` still
-    named by a journal that a faulted start may not have rewritten (each key's, until a store
-    or removal of it is acknowledged: its newest bytes, whether that start served them or not).
-    """
-
-    now: dict[bytes, int | None] = field(default_factory=dict)
-    acked: dict[bytes, int | None] = field(default_factory=dict)
-    since: dict[bytes, frozenset[int]] = field(default_factory=dict)
-    touched: frozenset[bytes] = frozenset()
-    maybe: dict[bytes, frozenset[int]] = field(default_factory=dict)
-
-    def stored(self, key: bytes, digest: int) -> None:
-        self.now[key] = digest
-        self.since = {**self.since, key: self.since.get(key, frozenset()) | {digest}}
-        self.touched |= {key}
-
-    def removed(self, key: bytes) -> None:
-        self.now[key] = None
-        self.touched |= {key}
-
-    def synced(self) -> None:
-        self.maybe = {key: got for key, got in self.maybe.items() if key not in self.touched}
-        self.since, self.touched = {}, frozenset()
-        self.acked = dict(self.now)
-
-    def view(self) -> _View:
-        """A copy, as a kill leaves it (taken on any thread: each field is replaced whole)."""
-        return dict(self.acked), dict(self.since), self.touched, self.maybe
-
-
-# what a start may serve (``_Model.view``): acked, since, touched, maybe
-_View = tuple[
-    dict[bytes, int | None],
-    dict[bytes, frozenset[int]],
-    frozenset[bytes],
-    dict[bytes, frozenset[int]],
-]
-
-
-def _allowed(view: _View, key: bytes) -> frozenset[int | None]:
-    """The digests a start may serve ``key`` with as ``view`` says (None: a miss)."""
-    acked, since, _, maybe = view
-    return frozenset({acked.get(key)}) | since.get(key, frozenset()) | maybe.get(key, frozenset())
-
-
-@contextmanager
-def _fault(rng: random.Random, root: Path, store: DiskStore | None) -> Iterator[str]:
-    """One failure injected for an operation: the n-th file call of one kind under ``root``
-    (a write, sync, truncation, rename or removal) raises EIO or ENOSPC, or a block write of
-    ``store`` is refused as it starts; without a store (a start), a block's read or overwrite
-    may fail instead."""
-    kind = rng.choice([*FILE_CALLS, "transfer"] if store else START_CALLS)
-    nth, code = rng.randint(1, 3), rng.choice([errno.EIO, errno.ENOSPC])
-    calls = [0]
-    ours = under(root)
-
-    def hit(target: Any) -> bool:
-        if not ours(target):
-            return False
-        calls[0] += 1
-        return calls[0] == nth
-
-    with pytest.MonkeyPatch.context() as m:
-        if kind == "transfer" and store is not None:
-
-            def refused(handle: Any) -> str:
-                raise RuntimeError("injected: the write could not start")
-
-            m.setattr(store._io._agent, "transfer", refused)
-        else:
-            real = getattr(os, kind)
-
-            def failing(target: Any, *args: Any) -> Any:
-                if hit(target):
-                    raise OSError(code, os.strerror(code))
-                return real(target, *args)
-
-            m.setattr(os, kind, failing)
-        yield f"{kind}#{nth}:{errno.errorcode[code]}"
 
 
 def _store(
-    rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: _Model
+    rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: Model
 ) -> None:
     """Store ``key`` (removed first where it is on disk) from a DRAM slot given bytes no store
     had: the model learns of it once written."""
@@ -169,7 +82,7 @@ def _compact(store: DiskStore, f: int) -> None:
     store.poll()
 
 
-def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: _Model) -> str:
+def _move(rng: random.Random, store: DiskStore, pool: np.ndarray, key: bytes, model: Model) -> str:
     """Store ``key`` again from directory 1 into directory 0 (first into 1 where it is in
     neither), then sync. As often as not, the old copy's ``DEL`` is lost (all else synced
     before; it is flushed at the write's first poll): directory 1's journal write, its
@@ -216,7 +129,7 @@ def _history(
     store: DiskStore,
     pool: np.ndarray,
     root: Path,
-    model: _Model,
+    model: Model,
     marking: Callable[[], Any],
 ) -> list[str]:
     """The random operations; what was done, for a failure's message. A move's file steps
@@ -228,7 +141,7 @@ def _history(
         op = rng.choices(["store", "remove", "sync", "compact", "poll", "move"], weights)[0]
         key = rng.choice(KEYS)
         faults = 0 if op == "move" else rng.choices([0, 1, 2, 3], [8, 2, 1, 1])[0]
-        with _faults(rng, root, store, faults) as fault:
+        with inject_faults(rng, root, store, faults) as fault:
             if op == "store":
                 _store(rng, store, pool, key, model)
             elif op == "remove" and store.remove("ns", key):
@@ -256,37 +169,15 @@ def _history(
     return done
 
 
-@contextmanager
-def _faults(rng: random.Random, root: Path, store: DiskStore | None, count: int) -> Iterator[str]:
-    """``count`` failures injected at once (``_fault``); what they are, for a failure's
-    message."""
-    with ExitStack() as stack:
-        yield " ".join(stack.enter_context(_fault(rng, root, store)) for _ in range(count))
-
-
 def _started(pool: np.ndarray, dirs: list[Path]) -> dict[bytes, int]:
     with closing(open_store(pool, dirs, SLOTS)) as store:
         return {key: digest for _, key, digest in store.recover()}
 
 
-def _check(found: dict[bytes, int], view: _View, clean: bool, what: str) -> None:
-    acked, _, touched, _ = view
-    for key, digest in found.items():
-        allowed = _allowed(view, key)
-        assert digest in allowed, (
-            f"{what}: {key!r} served with bytes of neither its last acknowledged store nor "
-            f"one since ({digest:x} not in {allowed})"
-        )
-    if clean:  # nothing injected: every key acknowledged and untouched since is found
-        for key, digest in acked.items():
-            if digest is not None and key not in touched:
-                assert found.get(key) == digest, f"{what}: {key!r} lost"
-
-
 @dataclass
 class _Kills:
     """The copies of one seed's directories (``copy_at_each_step``), each with what a start of
-    it may serve (``_Model.view``, as the kill left it)."""
+    it may serve (``Model.view``, as the kill left it)."""
 
     copies: list[Path] = field(default_factory=list)
     views: list[Any] = field(default_factory=list)
@@ -337,22 +228,25 @@ def _life(
     """A host started on ``dirs`` (a copy of ``kills``: checked against its view; else new),
     then a random history; the indices of ``kills``' copies of ``dirs`` at each of its file
     steps, and after its last operation."""
-    root, model = dirs[0].parent, _Model()
+    root, model = dirs[0].parent, Model()
     store = open_store(pool, dirs, SLOTS)
     try:
         # one time in four, one to three failures while it recovers (its journals maybe not
         # rewritten, its blocks not read or overwritten)
-        with _faults(rng, root, None, rng.randint(1, 3) if rng.random() < 0.25 else 0) as fault:
+        with inject_faults(
+            rng, root, None, rng.randint(1, 3) if rng.random() < 0.25 else 0
+        ) as fault:
             found = {key: digest for _, key, digest in store.recover()}
         done += [f"recovered [{fault}]"] if fault else []
         view = kills.views[kills.copies.index(root)] if root in kills.copies else None
         if view is not None:
-            _check(found, view, "[" not in " ".join(done), f"{'; '.join(done)}; started")
+            check_found(found, view, "[" not in " ".join(done), f"{'; '.join(done)}; started")
         model.now = dict(found)
         model.synced()  # a start's journals are rewritten, synced
         if fault and view is not None:  # or maybe not: what they named may come back
             model.maybe = {
-                key: frozenset(d for d in _allowed(view, key) if d is not None) for key in KEYS
+                key: frozenset(d for d in allowed_digests(view, key) if d is not None)
+                for key in KEYS
             }
         with kills.at_each_step(root, model.view) as made:
             marking = lambda: kills.marking(root, model.view)  # noqa: E731
@@ -369,7 +263,7 @@ def _life(
 
 def _started_twice(pool: np.ndarray, dirs: list[Path], view: Any, clean: bool, what: str) -> None:
     found = _started(pool, dirs)
-    _check(found, view, clean, what)
+    check_found(found, view, clean, what)
     assert _started(pool, dirs) == found, f"{what}; the second start differs from the first"
 
 
@@ -419,7 +313,7 @@ def fuzz(seed: int, pool: np.ndarray, tmp: Path, kills: int = 3) -> None:
         what = f"{'; '.join(done)}; killed ({where.name} of {len(made)})"
         with copies.at_each_step(where, lambda: None) as again:
             first = _started(pool, [where / n for n in names])
-        _check(first, view, clean, f"{what}; first start")
+        check_found(first, view, clean, f"{what}; first start")
         assert _started(pool, [where / n for n in names]) == first, f"{what}; second start"
         steps = again if at == chosen[0] else rng.sample(again, len(again[:1]))
         for step in steps:
@@ -434,16 +328,16 @@ def _faulted_start(
     rng: random.Random, pool: np.ndarray, kills: _Kills, at: int, names: list[str], what: str
 ) -> None:
     """A copy of ``kills``' copy ``at`` started with one to three failures injected
-    (``_faults``) while it opens its directories, recovers, syncs and closes (a start refused is
-    one outcome), then started twice; and started twice as that faulted start left it at a few
-    of its file steps (killed there)."""
+    (``inject_faults``) while it opens its directories, recovers, syncs and closes (a start
+    refused is one outcome), then started twice; and started twice as that faulted start left
+    it at a few of its file steps (killed there)."""
     view, source = kills.views[at], kills.copies[at]
     where = source.parent / f"{source.name}-faulted"
     shutil.copytree(source, where)
     dirs = [where / n for n in names]
     with (
         kills.at_each_step(where, lambda: None) as again,
-        _faults(rng, where, None, rng.randint(1, 3)) as fault,
+        inject_faults(rng, where, None, rng.randint(1, 3)) as fault,
     ):
         what = f"{what}; started with [{fault}]"
         try:
@@ -454,7 +348,7 @@ def _faulted_start(
             with closing(store):
                 found = {key: digest for _, key, digest in store.recover()}
                 store.sync(5.0)
-    _check(found, view, False, what)
+    check_found(found, view, False, what)
     _started_twice(pool, dirs, view, False, f"{what}; started again")
     for step in rng.sample(again, min(2, len(again))):
         dirs = [kills.copies[step] / n for n in names]
