@@ -436,6 +436,32 @@ def test_example_reports_bad_arguments_as_errors(
     assert err.startswith("error: ") and message in err
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        "--prefix-tokens",
+        "--suffix-tokens",
+        "--new-tokens",
+        "--page-size",
+        "--layers",
+        "--hidden",
+        "--repeat",
+    ],
+)
+@pytest.mark.parametrize("text", ["\uff16\uff14", "\u0666\u0664", "6_4"])
+def test_example_refuses_numbers_past_ascii_digits(
+    option: str, text: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: the example's counts took ``int()``'s digits of any script and ``_``
+    (``--layers ６４`` ran 64 layers) where every ``torch-kv-tier`` command refuses them."""
+    ran = "torch_kv_tier.integrations.torch_loop.example.run_demo"
+    monkeypatch.setattr(ran, lambda *args, **kwargs: pytest.fail(f"ran with {option} {text}"))
+    with pytest.raises(SystemExit) as done:
+        example_main([option, text])
+    assert done.value.code == 2
+    assert f"argument {option}: not a whole number: {text!r}" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_example_refuses_a_cuda_device_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:

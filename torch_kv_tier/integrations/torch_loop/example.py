@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from torch_kv_tier.cli_numbers import integer
 from torch_kv_tier.integrations.torch_loop.keys import prefix_keys
 from torch_kv_tier.integrations.torch_loop.model import DecoderConfig, PagedKVCache, TinyDecoder
 from torch_kv_tier.integrations.torch_loop.offloader import OffloadError, PagedKVOffloader, Staging
@@ -178,13 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arena in pinned host memory, or on the GPU (VRAM registration)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--prefix-tokens", type=int, default=512)
-    parser.add_argument("--suffix-tokens", type=int, default=24)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs of request B (median)")
+    parser.add_argument("--prefix-tokens", type=integer, default=512)
+    parser.add_argument("--suffix-tokens", type=integer, default=24)
+    parser.add_argument("--new-tokens", type=integer, default=16)
+    parser.add_argument("--page-size", type=integer, default=16)
+    parser.add_argument("--layers", type=integer, default=4)
+    parser.add_argument("--hidden", type=integer, default=256)
+    parser.add_argument(
+        "--repeat", type=integer, default=3, help="timed runs of request B (median)"
+    )
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device} but CUDA is not available: run with --device cpu")
