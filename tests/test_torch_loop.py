@@ -422,6 +422,9 @@ def test_example_command_starts_its_own_remote_host(capsys: pytest.CaptureFixtur
     ("args", "message"),
     [
         (["--prefix-tokens", "4"], "need prefix_tokens >= page_size"),
+        (["--page-size", "0"], "positive page_size"),
+        (["--layers", "0"], "every DecoderConfig size must be >= 1"),
+        (["--hidden", "6"], "must be divisible by heads"),
         (["--remote", "localhost"], "HOST:PORT"),
         (["--token-file", "/nonexistent/token"], "/nonexistent/token"),
     ],
@@ -429,8 +432,8 @@ def test_example_command_starts_its_own_remote_host(capsys: pytest.CaptureFixtur
 def test_example_reports_bad_arguments_as_errors(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Found by review: each raised a traceback (ValueError, FileNotFoundError) instead of
-    # saying what is wrong.
+    # Found by review: each raised a traceback (ValueError, FileNotFoundError; with
+    # --page-size 0 a ZeroDivisionError) instead of saying what is wrong.
     assert example_main(["--layers", "2", "--hidden", "64", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err

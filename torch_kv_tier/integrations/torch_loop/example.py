@@ -73,8 +73,10 @@ def run_demo(
     is there to show the tier working, so it runs its offloader with ``strict=True``.
     """
     config = config or DecoderConfig()
-    if prefix_tokens < page_size or suffix_tokens < 1 or new_tokens < 1 or repeat < 1:
-        raise ValueError("need prefix_tokens >= page_size and positive suffix, new tokens, repeat")
+    if min(page_size, suffix_tokens, new_tokens, repeat) < 1 or prefix_tokens < page_size:
+        raise ValueError(
+            "need prefix_tokens >= page_size and positive page_size, suffix, new tokens, repeat"
+        )
     gen = torch.Generator().manual_seed(config.seed + 1)
     shared = torch.randint(0, config.vocab_size, (prefix_tokens,), generator=gen)
     prompt_a, prompt_b = (
@@ -192,12 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device} but CUDA is not available: run with --device cpu")
 
-    config = DecoderConfig(hidden=args.hidden, layers=args.layers, ffn=4 * args.hidden)
     try:
         result = run_demo(
             args.remote,
             token=args.token_file.read_text().strip() if args.token_file else None,
-            config=config,
+            config=DecoderConfig(hidden=args.hidden, layers=args.layers, ffn=4 * args.hidden),
             page_size=args.page_size,
             prefix_tokens=args.prefix_tokens,
             suffix_tokens=args.suffix_tokens,
