@@ -83,6 +83,15 @@ def test_parse_source_errors_name_the_accepted_forms(spec: Any) -> None:
         parse_source(spec)
 
 
+@pytest.mark.parametrize("port", ["\u0665\u0666\u0660\u0660", "\uff15\uff16\uff10\uff10", "\u00b2"])
+def test_a_dns_source_whose_port_is_not_ascii_digits_is_refused(port: str) -> None:
+    """Found by review: ``dns:kv.example:٥٦٠٠`` resolved to port 5600 (``isdigit()`` and
+    ``int()`` take digits of any script), as no ``HOST:PORT`` does; ``dns:kv.example:²`` said
+    int()'s "invalid literal"."""
+    with pytest.raises(ValueError, match="dns: needs NAME:PORT, the port in ASCII digits 0-9"):
+        parse_source(f"dns:kv.example:{port}")
+
+
 # -- DNS, through a stub server ----------------------------------------------------------------
 
 

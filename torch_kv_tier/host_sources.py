@@ -243,8 +243,8 @@ def parse_source(
         scheme, rest = source_scheme(spec), spec.partition(":")[2]
         if scheme == "dns":
             name, _, port = rest.rpartition(":")
-            if not name or not port.isdigit():
-                raise ValueError("dns: needs NAME:PORT")
+            if not name or not (port.isascii() and port.isdigit()):  # (int() takes "٥٦٠٠")
+                raise ValueError("dns: needs NAME:PORT, the port in ASCII digits 0-9")
             return DnsHosts(name, int(port), resolver)
         if scheme == "srv":
             return SrvHosts(rest, resolver)
