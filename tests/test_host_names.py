@@ -18,7 +18,8 @@ import pytest
 from membership_support import WAIT_S, FakeTier, join_wait_s, redial_quickly
 from remote_support import BLOCK_LEN, free_port, wait_until
 
-from torch_kv_tier import parallel_connects
+from torch_kv_tier import connections, parallel_connects
+from torch_kv_tier.connections import Dial, Redialer
 from torch_kv_tier.host_sources import WatchedFile
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.membership import Membership
@@ -216,3 +217,46 @@ def test_past_the_connect_cap_each_silent_hosts_failure_says_what_it_was(
     for silent in (silent_name, silent_ip):
         assert isinstance(silent, TimeoutError) and "no answer from" in str(silent)
     assert tier.calls == [], "hosts that did not answer the greeting were connected"
+
+
+def test_past_the_redial_cap_a_lost_hosts_name_that_does_not_resolve_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: past ``MAX_CONNECTS`` lost hosts due at once the redialer greets them
+    first, and each that did not answer failed its round as "no answer" (``TimeoutError``), a
+    name that does not resolve too. Its round now fails as its try would have: saying the name
+    does not resolve (``UnresolvedHost``), a silent IP address still saying it did not
+    answer."""
+    caplog.set_level(logging.INFO, logger=connections.__name__)
+    redial_quickly(monkeypatch)
+    monkeypatch.setattr(connections, "MAX_CONNECTS", 1)  # 2 hosts due: greeted first
+    monkeypatch.setattr(host_names.socket, "getaddrinfo", _unknown("nosuchhost.invalid"))
+    port = free_port()  # nobody listens there
+    hosts = ("nosuchhost.invalid", "127.0.0.1")  # a name that does not resolve, an IP address
+    unknown, silent = (Dial(f"{host}:{port}", None, False, None, 0.5, 1.0) for host in hosts)
+    dialled: list[Dial] = []
+
+    class _Tier:  # the redialer holds its tier's methods weakly
+        def dial(self, dial: Dial) -> None:
+            dialled.append(dial)
+
+        def wanted(self, dial: Dial) -> bool:
+            return True
+
+    def failures(dial: Dial) -> list[str]:
+        start = f"re-dialling {dial.address} failed"
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+    tier = _Tier()
+    redialer = Redialer(tier.dial, tier.wanted)
+    try:
+        with redialer._lock:  # both due at once, one try at a time: greeted
+            redialer.start(unknown)
+            redialer.start(silent)
+        wait_until(lambda: bool(failures(unknown) and failures(silent)), "both failed", WAIT_S)
+    finally:
+        redialer.stop(timeout=WAIT_S)
+    unresolved = f"cannot resolve host name 'nosuchhost.invalid' of {unknown.address}"
+    assert unresolved in failures(unknown)[0]
+    assert "no answer from" in failures(silent)[0]
+    assert dialled == [], "hosts that did not answer the greeting were tried"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from torch_kv_tier.remote.greeting import Greeting
 from torch_kv_tier.remote.handshake import CANCEL_POLL_S, no_answer
+from torch_kv_tier.remote.host_names import UnresolvedHost, resolving
 from torch_kv_tier.tier_threads import TierThread
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class Redialer:
     handshaking). When more hosts are due than tries may start, one more thread greets them
     (``greeting.Greeting``, each within its ``timeout_s``), and those falling due while it
     runs join it: those that answer are tried first, as tries end; those that do not fail
-    that round with ``TimeoutError`` (their next try after their backoff) and hold no try;
+    that round as their try would have (``remote.UnresolvedHost`` for a name that did not
+    resolve in time, else ``TimeoutError``; their next try after their backoff) and hold no try;
     those the tier no longer dials (``Dial.stopped``) are let go at once. So a host that is
     back waits for no other host's timeout.
 
@@ -236,18 +238,26 @@ class Redialer:
 
     def _greet(self) -> None:
         """The greeter's thread: greets the hosts handed to it as they come (``Greeting``),
-        each within its own ``timeout_s``, until it awaits none. Each that answers is tried
-        next, as it answers; each that does not fails its round (``TimeoutError``); each the
-        tier stopped dialling (``Dial.stopped``) is let go at once."""
+        each within its own ``timeout_s`` while its host name is looked up, as its try would
+        first (``host_names.resolving``), until it awaits none. Each that answers is tried
+        next, as it answers; each that does not fails its round (``UnresolvedHost`` for a name
+        that did not resolve, else ``TimeoutError``); each the tier stopped dialling
+        (``Dial.stopped``) is let go at once."""
         greeting: Greeting[Dial] = Greeting()
+        lookups: dict[Dial, Callable[[], UnresolvedHost | None]] = {}  # one per host awaited
         try:
             while self._take_greetings(greeting):
+                new = set(greeting.keys()) - lookups.keys()  # (greeted since it last looked)
+                lookups.update((spec, resolving(spec.address)) for spec in new)
                 heard, silent = greeting.wait(CANCEL_POLL_S)
                 self._answer(heard)
                 for spec in silent:
-                    self._fail_round(spec, no_answer(spec.address, spec.timeout_s))
+                    why = lookups[spec]() or no_answer(spec.address, spec.timeout_s)
+                    self._fail_round(spec, why)
                 for spec in greeting.drop(lambda spec: spec.stopped.is_set()):
                     self._fail_round(spec, ConnectionError("cancelled while it was greeted"))
+                kept = greeting.keys()  # (a host let go keeps no lookup: a new one if greeted)
+                lookups = {spec: lookups[spec] for spec in kept}
         finally:  # (stopped, or an exception: its sockets closed before ``stop``'s join ends)
             awaited = greeting.keys()
             greeting.close()
