@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from torch_kv_tier.benchmarks import options
+from torch_kv_tier.benchmarks import bench, options
 from torch_kv_tier.cli import _COMMANDS, build_parser
 from torch_kv_tier.cli_numbers import integer, real
 from torch_kv_tier.remote.connect_args import parse_address
@@ -77,3 +77,15 @@ def test_an_address_whose_port_is_not_ascii_digits_says_host_port(port: str) -> 
     dialled port 5600."""
     with pytest.raises(ValueError, match="server address must be HOST:PORT"):
         parse_address(f"host:{port}")
+
+
+@pytest.mark.parametrize("index", ["\u0663", "\uff13", "\u00b2"])
+def test_bench_refuses_a_cuda_index_past_ascii_digits_before_it_starts(
+    index: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: ``bench --device cuda:٣`` passed the check (``isdigit()``), and with
+    CUDA the run failed later in ``torch.device`` with a traceback."""
+    monkeypatch.setattr(bench, "quiet_nixl", lambda: pytest.fail("the run started"))
+    args = build_parser("bench").parse_args(["bench", "--device", f"cuda:{index}"])
+    assert bench.run(args) == 2
+    assert f"--device must be cpu or cuda[:n], got 'cuda:{index}'" in capsys.readouterr().err

@@ -178,7 +178,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def _device(text: str) -> str:
     if text == "cpu":
         return text
-    if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+    index = text.removeprefix("cuda:")  # (in ASCII digits: isdigit() takes "٣", torch not)
+    if text == "cuda" or (text.startswith("cuda:") and index.isascii() and index.isdigit()):
         return text if ":" in text else "cuda:0"
     raise ValueError(f"--device must be cpu or cuda[:n], got {text!r}")
 
