@@ -5,6 +5,7 @@ a read may land, and not for good. On a scripted tier, then on a real one with a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 import types
 from concurrent.futures import Future
@@ -132,3 +133,72 @@ def test_a_heal_interrupted_after_it_kept_a_loads_slots_frees_them_once(
     assert arena.store_all({b"o": 0, b"p": 1, b"q": 2, b"r": 3}, time.monotonic() + WAIT_S)
     assert tier.arena.num_free == 4
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice
+
+
+class ResolvesTheReadInAStore(BegunThenCtrlC):
+    """``BegunThenCtrlC`` whose interrupted load's read the tier resolves (``outcome``) inside
+    a later store once ``armed``, on the caller's thread, as a store resolves the futures the
+    poller settled meanwhile; it withholds the read's slots until ``gate`` resolves (each ask
+    of ``withheld_until`` meanwhile gets a future pending until then)."""
+
+    def __init__(self, outcome: TransferResult | Exception) -> None:
+        super().__init__()
+        self.outcome = outcome
+        self.armed = False
+        self.gate: Future[TransferResult] = Future()
+
+    def store(
+        self, keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
+        future = super().store(keys, slots, placed)
+        if self.armed:
+            self.armed = False
+            if isinstance(self.outcome, Exception):
+                self.read.set_exception(self.outcome)
+            else:
+                self.read.set_result(self.outcome)
+        return future
+
+    def withheld_until(self, slots: list[int]) -> Future[TransferResult]:
+        until: Future[TransferResult] = Future()
+        self.gate.add_done_callback(lambda _: until.set_result(stored([])))
+        return until
+
+
+@pytest.mark.parametrize("outcome", ["ok", "timed out", "raised"])
+def test_a_ctrl_c_as_a_kept_loads_slots_come_back_frees_none_a_read_may_write_nor_keeps_any(
+    outcome: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by review (a KeyboardInterrupt injected at every line of ``_unkeep``, which runs on
+    # the caller's thread when the kept load's future resolves in a tier's call there): one
+    # before it took the slots kept them for good, the read long ended; one after it took a
+    # timed-out read's slots before it withheld them had the next batch's heal free them while
+    # the tier still withheld them (a late read may land there: later batches that took them
+    # were refused); one after it withheld them before it asked the tier withheld them for
+    # good. A failed read's slots stay kept now, for the tier's word, and the next batch makes
+    # again an ``_unkeep`` that a Ctrl-C stopped. A future that raised (the tier's do not)
+    # raised in ``_unkeep`` too, its slots kept for good: it counts as a failed read's now.
+    where: dict[types.CodeType, set[int] | None] = {ArenaHeal._unkeep.__code__: None}
+    for k in itertools.count(1):
+        keys = [b"k", b"l"]
+        ends = {"ok": stored(keys), "timed out": timed_out(keys), "raised": RuntimeError("x")}
+        tier = ResolvesTheReadInAStore(ends[outcome])
+        arena = batches(tier, timeout=WAIT_S)
+        with pytest.raises(KeyboardInterrupt):
+            arena.load_prefix(keys, [0, 1], time.monotonic() + WAIT_S)
+        assert failures(arena.store_all({b"m": 2}, time.monotonic() + WAIT_S)) == {}  # keeps
+        tier.armed = True
+        with ctrl_c_at_line(where, k) as seen, contextlib.suppress(KeyboardInterrupt):
+            arena.store_all({b"n": 3}, time.monotonic() + WAIT_S)
+        at = repr(seen[-1])
+        for page in (2, 3):  # (the next batches heal)
+            assert failures(arena.store_all({b"o": page}, time.monotonic() + WAIT_S)) == {}
+        if outcome != "ok":
+            assert not any(map(tier.arena.is_free, tier.sent)), f"Ctrl-C at {at} freed them"
+            tier.gate.set_result(stored([]))
+        assert failures(arena.store_all({b"p": 2}, time.monotonic() + WAIT_S)) == {}
+        assert tier.arena.num_free == 4, f"Ctrl-C at {at} kept slots for good"
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], at  # freed twice
+        if len(seen) < k:  # it ran through: every line was hit once
+            break
+    assert k > 5

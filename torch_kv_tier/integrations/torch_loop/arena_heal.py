@@ -8,8 +8,10 @@ second one in the handler of the first included. So :class:`ArenaHeal` marks a b
 each of its reads under way without a record gets one, and each slot that no record owns and
 that no transfer may use comes back, none twice; the slots of a load that a Ctrl-C stopped in
 the tier after it began (``TierManager.load``'s ``begun``) stay out until its future resolves
-(``_keep``: for good if it never does), those of one stopped before it began come back. A
-Ctrl-C out of one of the tier's calls (``interrupted``) has the next batch heal too.
+(``_keep``: for good if it never does; a failed read's until the tier no longer withholds
+them), those of one stopped before it began come back; those whose hand-back a Ctrl-C stopped
+(``_unkeep``) are handed back again. A Ctrl-C out of one of the tier's calls (``interrupted``)
+has the next batch heal too.
 
 Threading: the caller's thread (the generation loop) only: ``_open``, ``_calling`` and
 ``_reads`` are its own; what the heal reads or changes of the records and the arena it does
@@ -63,9 +65,10 @@ class ArenaHeal(ArenaSlots):
         what the last one left if it did not end normally (any exception, or a Ctrl-C at any
         line, a second one in a handler too), or if slots are missing (a Ctrl-C in a
         done-callback that the tier ran on this thread outside a batch, as it handed a
-        transfer's slots back), then mark this one open until it ends; ask the tier about
+        transfer's slots back; or in ``_unkeep``, which it ran there: ``_kept_ended``), then
+        mark this one open until it ends; ask the tier about
         the failed reads' slots that ``_settle`` withheld (``_withhold``)."""
-        if self._open or self._missing():
+        if self._open or self._missing() or self._kept_ended():
             self._heal()
         self._open = True
         with self._lock:
@@ -86,7 +89,8 @@ class ArenaHeal(ArenaSlots):
         the tier's store it was in is made again (``_rejoin``), the tier's load it was in keeps
         its slots until that load's future resolves, if it began (``_keep``: its reads ended;
         a record would make its host overdue, for good should the future never resolve), each
-        of its reads under way without a record gets one (its slots back once it ended); then
+        of its reads under way without a record gets one (its slots back once it ended), the
+        slots still kept for a future that resolved are handed back (``_kept_ended``); then
         every taken slot that no record owns and that is not kept comes back (``reclaim``:
         those a Ctrl-C lost in a handler, in the arena's allocator or in a done-callback, and
         those of a load stopped before it began).
@@ -105,6 +109,8 @@ class ArenaHeal(ArenaSlots):
                     self._keep(slots, f"a load from {host} interrupted in the tier", begun[0])
             self._calling = None
         self._reads.clear()
+        for read, kept in self._kept_ended().items():  # (their ``_unkeep`` stopped: made again)
+            self._unkeep(kept, read)
         with self._lock:
             self._rescan = True
             self._settle()
@@ -129,11 +135,11 @@ class ArenaHeal(ArenaSlots):
         self, slots: list[int], why: str, until: Future[TransferResult] | None = None
     ) -> None:
         """Keep ``slots`` out of the arena (``why``, logged): a transfer may use them. They come
-        back once ``until`` resolved (a load's future: its reads ended; withheld as a failed
-        read's, ``_withhold``, unless ok), if ever; without it, never (nothing will report
-        when that transfer ended). Kept again for the same future (a heal interrupted, made
-        again), they come back once; a Ctrl-C in the callback, once they left ``_kept``: the
-        next batch's heal reclaims them."""
+        back once ``until`` resolved (a load's future: its reads ended; a failed read's once
+        the tier no longer withholds them, ``_unkeep``), if ever; without it, never (nothing
+        will report when that transfer ended). Kept again for the same future (a heal
+        interrupted, made again), they come back once; a Ctrl-C in the callback: the next
+        batch's heal makes it again (``_kept_ended``) or reclaims those it handed over."""
         with self._lock:
             self._kept.update(dict.fromkeys(slots, until))
         until_when = "until its reads end" if until else "for good"
@@ -143,19 +149,38 @@ class ArenaHeal(ArenaSlots):
 
     def _unkeep(self, slots: list[int], read: Future[TransferResult]) -> None:
         """``read``, which ``_keep`` kept ``slots`` for, resolved: those still kept for it come
-        back (none twice), but those of a failed read go the way of one that ``_settle``
-        withholds (the tier asked first)."""
-        failed = not read.result().ok
+        back (none twice); those of a failed read stay kept, for the tier's word that it no
+        longer withholds them (``TierManager.withheld_until``, whose future resolves ok), and
+        come back then. Stopped by a Ctrl-C (on the caller's thread: the future resolved in a
+        tier's call there) at any line, the slots it had not handed over are still kept for a
+        resolved future: the next batch's heal makes it again (``_kept_ended``), so none is
+        freed while the tier withholds it, nor kept for good. A future that raised or was
+        cancelled counts as a failed read's (the tier's futures resolve with results)."""
+        ok = not read.cancelled() and read.exception() is None and read.result().ok
+        if not ok:  # (asked again if a Ctrl-C comes before they are kept for it)
+            gate = self._manager.withheld_until(slots)
+            with self._lock:
+                for slot in slots:
+                    if self._kept.get(slot) is read:
+                        self._kept[slot] = gate
+            gate.add_done_callback(lambda ended: self._unkeep(slots, ended))
+            return
         with self._lock:
             slots = [slot for slot in slots if self._kept.get(slot) is read]
             for slot in slots:
                 del self._kept[slot]
-            if failed:
-                self._withheld.update(slots)
-            else:
-                self._hand_back(slots, True)
-        if failed and slots:
-            self._withhold(slots)
+            self._hand_back(slots, True)
+
+    def _kept_ended(self) -> dict[Future[TransferResult], list[int]]:
+        """The slots still kept for a future that resolved, by future: its ``_unkeep`` was
+        stopped (a Ctrl-C) before it took them, or is about to take them (on the tier's
+        thread: a second ``_unkeep`` takes none twice). Usually none kept: no cost."""
+        ended: dict[Future[TransferResult], list[int]] = {}
+        with self._lock:
+            for slot, until in self._kept.items():
+                if until is not None and until.done():
+                    ended.setdefault(until, []).append(slot)
+        return ended
 
     def _rejoin(self, host: str | None, keys: list[Key], slots: list[int], due: float) -> None:
         """The tier's store of ``keys`` from ``slots`` was interrupted before it returned its
