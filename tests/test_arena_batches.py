@@ -522,3 +522,55 @@ def test_an_offload_stopped_after_it_sent_a_batch_names_the_pages_sent_and_those
         assert "2 pages (page_ids [12, 13]) were not sent" in message
         assert [keys for keys, _ in tier.stores] == [[b"a", b"b"]]
     assert tier.arena.num_free == 2
+
+
+class RefusesAStore(ScriptedTier):
+    """A scripted tier that refuses the ``refused``-th store (as a closed tier does)."""
+
+    def __init__(self, refused: int) -> None:
+        super().__init__(2, ["a"], frozen=set())  # stores end at once
+        self.refused, self.calls = refused, 0
+
+    def store(
+        self, keys: list[Key], slots: list[int], placed: list[str] | None = None
+    ) -> Future[TransferResult]:
+        self.calls += 1
+        if self.calls == self.refused:
+            raise RuntimeError("the tier is closed (injected)")
+        return super().store(keys, slots, placed)
+
+
+@pytest.mark.parametrize("refused", [1, 2])
+def test_an_offload_stopped_part_way_names_a_batch_failed_at_once_as_not_sent(
+    refused: int,
+) -> None:
+    # Found by review: a batch that failed at once (the tier's refusal here; no slots in time
+    # or an overdue host alike) was named among the pages "handed to the tier" when a later
+    # batch's copy failed, and one such batch alone made the failure an OffloadError saying
+    # its pages were handed over: the caller was told not to offload again pages that were
+    # never stored. They are named with the pages not sent now; none handed, the failure is
+    # raised as it is.
+    tier = RefusesAStore(refused)
+    arena = batches(tier, timeout=WAIT_S)
+    copies: list[list[int]] = []
+
+    def gather(pages: list[int], slots: list[int]) -> None:
+        copies.append(pages)
+        if len(copies) == refused + 1:
+            raise MemoryError("out of memory (injected)")
+
+    arena._pages.gather = gather  # type: ignore[method-assign]
+    todo = {b"a": 10, b"b": 11, b"c": 12, b"d": 13, b"e": 14, b"f": 15}
+    with pytest.raises((MemoryError, OffloadError)) as err:
+        arena.store_all(todo, time.monotonic() + WAIT_S)
+    stored_keys = [key for keys, future in tier.stores for key in keys]
+    if refused == 1:  # the refused batch, then the failed copy: nothing handed to the tier
+        assert type(err.value) is MemoryError
+        assert stored_keys == []
+    else:
+        assert isinstance(err.value, OffloadError)
+        message = str(err.value)
+        assert "handed 2 pages (page_ids [10, 11])" in message
+        assert "4 pages (page_ids [12, 13, 14, 15]) were not sent or failed at once" in message
+        assert stored_keys == [b"a", b"b"]
+    assert tier.arena.num_free == 2

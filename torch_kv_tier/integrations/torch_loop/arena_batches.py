@@ -65,8 +65,9 @@ class ArenaBatches(ArenaHeal):
         overdue host fail at once (:data:`.host_shares.OVERDUE`). The hosts are looked at for
         each batch (a host may join or leave as an offload waits). Each part's keys and future,
         for :func:`.offload_results.combine`. What stops it (a refusal to wait on a tier's
-        thread, a failed copy) is raised as it is before any part, else as ``OffloadError``
-        naming the pages sent and those not (:func:`.offload_results.partly_sent`)."""
+        thread, a failed copy) is raised as it is before it handed the tier any page, else as
+        ``OffloadError`` naming the pages sent and those not sent or failed at once
+        (:func:`.offload_results.partly_sent`)."""
         self._begin()
         keys, batches = list(todo), []
         try:
@@ -94,9 +95,10 @@ class ArenaBatches(ArenaHeal):
                 batches.extend(stores)
                 keys, homes, resized = keys[n:], homes[n:], False
         except Exception as exc:  # (a refusal to wait on a tier thread, a failed copy)
-            if not batches:
+            error = partly_sent(todo, batches, keys, exc)
+            if error is None:  # none handed to the tier
                 raise
-            raise partly_sent(todo, keys, exc) from exc
+            raise error from exc
         self._open = False
         return batches
 

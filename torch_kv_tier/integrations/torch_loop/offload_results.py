@@ -104,15 +104,24 @@ def fail_hosts(
     return failed, failed_now(failed, reason, f"offload to {named}, past its share of the arena")
 
 
-def partly_sent(todo: dict[Key, int], unsent: list[Key], exc: Exception) -> OffloadError:
-    """The error of an offload of ``todo`` (key: page) that ``exc`` stopped after it handed
-    the tier all but ``unsent``: which pages went (their stores go on) and which did not."""
+def partly_sent(
+    todo: dict[Key, int], parts: list[Batch], unsent: list[Key], exc: Exception
+) -> OffloadError | None:
+    """The error of an offload of ``todo`` (key: page) that ``exc`` stopped after it made
+    ``parts`` and before ``unsent``: which pages it handed the tier (their stores go on) and
+    which it did not, those of a part failed already (no slots, an overdue host, the tier's
+    refusal) among them; ``None`` if it handed none (``exc`` is raised as it is)."""
     left = set(unsent)
+    for part_keys, part in parts:
+        if part.done():
+            left.update(part_keys if part.exception() else part.result().failed)
     sent = [page for key, page in todo.items() if key not in left]
+    if not sent:
+        return None
     return OffloadError(
         f"offload handed {_pages(sent)} to the tier (flush() waits for their stores, lookup() "
-        f"tells which are stored), then stopped: {_pages([todo[k] for k in unsent])} were not "
-        f"sent, offload them again. {type(exc).__name__}: {exc}"
+        f"tells which are stored), then stopped: {_pages([todo[k] for k in todo if k in left])} "
+        f"were not sent or failed at once, offload them again. {type(exc).__name__}: {exc}"
     )
 
 

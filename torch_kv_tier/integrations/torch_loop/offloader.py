@@ -220,8 +220,9 @@ class PagedKVOffloader:
         thread, a later batch would wait for slots; a later batch's copy out of the cache
         failed), raises ``OffloadError`` naming the pages it handed over (their stores go on:
         :meth:`flush` waits for them, :meth:`lookup` tells which are stored) and those it did
-        not (offload them again), the failure as its ``__cause__``; stopped before any, it
-        raises that failure as it is.
+        not, or whose batch failed at once (no slots in time, an overdue host, the tier's
+        refusal): offload them again; the failure is its ``__cause__``. Stopped before it
+        handed any, it raises that failure as it is.
         """
         self._check_open("offload")
         keys, pages = check_pages(keys, page_ids, self.num_pages, "offload")
