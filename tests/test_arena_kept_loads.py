@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import signal
 import time
 import types
 from concurrent.futures import Future
@@ -14,13 +16,22 @@ import pytest
 import torch
 from arena_support import WAIT_S, ScriptedTier, batches, ctrl_c_at_line, failures, stored
 from remote_support import wait_for
+from test_transfer_timeout import start_bound
 from test_withheld_slots import timed_out
-from torch_loop_support import BLOCK_LEN, module_host, random_caches
+from torch_loop_support import (
+    BLOCK_LEN,
+    module_host,
+    random_caches,
+    restored_exactly,
+    stored_pages,
+)
 
+from torch_kv_tier.benchmarks.reliability_common import stop_process
 from torch_kv_tier.integrations.torch_loop import PagedKVOffloader, prefix_keys
 from torch_kv_tier.integrations.torch_loop.arena_heal import ArenaHeal
 from torch_kv_tier.keys import Key
 from torch_kv_tier.manager import TierManager
+from torch_kv_tier.remote.launch import ServerProcess
 from torch_kv_tier.results import TransferResult
 
 remote = module_host()
@@ -202,3 +213,43 @@ def test_a_ctrl_c_as_a_kept_loads_slots_come_back_frees_none_a_read_may_write_no
         if len(seen) < k:  # it ran through: every line was hit once
             break
     assert k > 5
+
+
+def test_a_frozen_hosts_read_a_ctrl_c_stopped_in_the_tier_keeps_its_slots_till_it_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Reviewed: over UCX's TCP transport from a stopped host (SIGSTOP), the read of a restore
+    # that a Ctrl-C stopped in the tier's load stays on the wire; the tier settles it "timed
+    # out" past transfer_timeout_s, and its slots stay out until the transport reports it
+    # (the host resumed), then come back; the pages restore exactly.
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a stopped host's reads stay on the wire
+    keys_c, values_c = random_caches(torch.float32, seed=41)
+    keys = [f"kept-frozen-{i}".encode() for i in range(2)]
+    where: dict[types.CodeType, set[int] | None] = {TierManager.load.__code__: None}
+    with ServerProcess.start(64, BLOCK_LEN, host="127.0.0.1", env={"UCX_TLS": "tcp"}) as server:
+        tier = TierManager.create(4, BLOCK_LEN, transfer_timeout_s=0)  # (on while frozen only)
+        with PagedKVOffloader(keys_c, values_c, tier, owns_manager=True, timeout=5.0) as off:
+            off.connect(server.address)  # (a refused first dial is dialled again)
+            assert wait_for(lambda: len(tier.peers()) == 1, 30.0)
+            assert off.offload([0, 1], keys).result(timeout=30).ok
+            expected = stored_pages(off, keys)
+            stop_process(server.proc.pid)
+            try:
+                with (
+                    ctrl_c_at_line(where, "self._submitted(request, peer_ids)") as seen,
+                    contextlib.suppress(KeyboardInterrupt),
+                ):
+                    off.restore(keys, [2, 3])
+                assert "self._submitted(request, peer_ids)" in seen[-1]
+                assert off.offload([0], keys[:1]).result(timeout=30).ok  # (heals: stored)
+                start_bound(tier)
+                assert wait_for(lambda: tier.stats().late_reads == 1, 30.0)  # timed out
+                off.offload([0], keys[:1]).result(timeout=30)  # (fails "no peers": dropped)
+                assert tier.arena.num_free == 2, "slots the late read may write are free"
+            finally:
+                tier._overdue.timeout_s = 0  # (no healthy transfer of the busy box is past it)
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert wait_for(lambda: tier.arena.num_free == 4 and len(tier.peers()) == 1, 30.0)
+            assert off.restore(keys, [12, 13]) == 2
+            assert restored_exactly(off, expected, keys, [12, 13])
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # none freed twice
