@@ -27,7 +27,11 @@ from arena_support import (
 from torch_kv_tier.integrations.torch_loop import arena_batches, arena_slots, host_shares
 from torch_kv_tier.integrations.torch_loop.arena_batches import ArenaBatches
 from torch_kv_tier.integrations.torch_loop.host_shares import OVERDUE
-from torch_kv_tier.integrations.torch_loop.offload_results import OffloadError
+from torch_kv_tier.integrations.torch_loop.offload_results import (
+    OffloadError,
+    combine,
+    failed_now,
+)
 from torch_kv_tier.keys import Key
 from torch_kv_tier.results import TransferResult
 
@@ -574,3 +578,18 @@ def test_an_offload_stopped_part_way_names_a_batch_failed_at_once_as_not_sent(
         assert "4 pages (page_ids [12, 13, 14, 15]) were not sent or failed at once" in message
         assert stored_keys == [b"a", b"b"]
     assert tier.arena.num_free == 2
+
+
+def test_a_strict_offload_of_many_failed_pages_raises_a_short_error() -> None:
+    # Found by review: a strict offload raised OffloadError with every failed key and its
+    # reason in the message (~110,000 characters for 10,000 pages). It counts them by reason
+    # and names at most 4 keys now.
+    keys = [f"key-{i}".encode() for i in range(10_000)]
+    parts = [(keys[:64], failed_now(keys[:64], "capacity", "test"))]
+    parts.append((keys[64:], failed_now(keys[64:], "no peers", "test")))
+    error = combine(keys, parts, time.perf_counter(), strict=True).exception()
+    assert isinstance(error, OffloadError)
+    message = str(error)
+    assert len(message) < 300, message
+    assert "failed 10000 of 10000 pages {'capacity': 64, 'no peers': 9936}" in message
+    assert "(keys b'key-0', b'key-1', b'key-2', b'key-3', ...)" in message

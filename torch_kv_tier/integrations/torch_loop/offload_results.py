@@ -66,7 +66,7 @@ def combine(
             seconds=time.perf_counter() - started,
         )
         if failed and strict:
-            combined.set_exception(OffloadError(f"offload failed: {failed}"))
+            combined.set_exception(OffloadError(_failed(failed, len(keys))))
         else:
             if failed:
                 log.warning("offload of %d pages failed: %s", len(failed), _reasons(failed))
@@ -129,6 +129,13 @@ def _pages(pages: list[int]) -> str:
     """``pages``, named for a message: at most 8 of them, and how many."""
     shown = ", ".join(map(str, pages[:8])) + (", ..." if len(pages) > 8 else "")
     return f"{len(pages)} pages (page_ids [{shown}])"
+
+
+def _failed(failed: dict[Key, str], count: int) -> str:
+    """A strict offload's error: how many of its ``count`` pages failed, why, and at most 4
+    of their keys (a message of 10,000 keys is unreadable)."""
+    shown = ", ".join(map(repr, list(failed)[:4])) + (", ..." if len(failed) > 4 else "")
+    return f"offload failed {len(failed)} of {count} pages {_reasons(failed)} (keys {shown})"
 
 
 def _reasons(failed: dict[Key, str]) -> dict[str, int]:
