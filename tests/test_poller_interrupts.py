@@ -1,7 +1,7 @@
 """A ``KeyboardInterrupt`` as the tier resolves the futures it settled (``Transfers._flush``):
 on the poller (a done-callback's), the poller goes on and later transfers still complete; on
-any thread (in ``_flush``, ``store``, ``load``), the futures it took and did not resolve yet are
-resolved by the next flush."""
+any thread (in ``_flush``, ``store``, ``load``, a grant's answer), the futures it took and did
+not resolve yet are resolved by the next flush."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from late_write_support import BLOCK, late_write_tier
 from release_support import RESULT_TIMEOUT_S
+from tier_races_support import add_shared_host, in_process_tier
 
 from torch_kv_tier.arena import BlockArena
 from torch_kv_tier.records import Request
@@ -104,3 +105,35 @@ def test_an_interrupt_as_a_store_or_load_releases_the_lock_loses_no_other_future
         assert not interrupts, "the interrupt was never injected"
         tier._flush()  # the next flush (the next call, the poller's next turn)
         assert other.future.result(timeout=0).ok
+
+
+def test_an_interrupt_as_a_grant_answer_releases_the_lock_loses_no_other_future(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a shared host's grant answer (``_on_granted``, on its session's I/O
+    thread) took every settled request out of the tier (another caller's too) under the lock,
+    then resolved them; a ``KeyboardInterrupt`` between (as the lock was released, or a
+    done-callback's) lost them, as in ``store``/``load``: that caller's future never
+    resolved."""
+    with in_process_tier() as (tier, _):
+        host, session = add_shared_host(tier, 8)
+        with tier._lock:
+            tier._refill(host)  # asks the host for slots: answered below
+        other = Request([b"k"])  # another caller's, settled as the answer was applied
+        other.settle(other.keys, None)
+        launch, interrupts = tier._launch_awaiting, [KeyboardInterrupt()]
+
+        def interrupt() -> None:
+            raise interrupts.pop()
+
+        def launched_then_interrupted(*args: Any) -> bool:
+            tier._ready.append(other)  # (under the answer's lock: the poller cannot take it)
+            tier._lock._deferred.append(interrupt)  # raised as the answer releases the lock
+            return launch(*args)
+
+        monkeypatch.setattr(tier, "_launch_awaiting", launched_then_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            session.answer([0, 1])
+        assert not interrupts, "the interrupt was never injected"
+        tier._flush()  # the next flush (the next call, the poller's next turn)
+        assert other.future.result(timeout=RESULT_TIMEOUT_S).ok

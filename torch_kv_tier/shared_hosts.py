@@ -42,7 +42,7 @@ from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.index import BlockIndex
 from torch_kv_tier.keys import Key
 from torch_kv_tier.promotions import Parked, Promotions
-from torch_kv_tier.records import Op, Peer, Request, resolve
+from torch_kv_tier.records import Op, Peer, Request
 from torch_kv_tier.remote import protocol as p
 from torch_kv_tier.remote.replica import Commits
 from torch_kv_tier.results import CAPACITY, MISSING
@@ -81,9 +81,8 @@ class SharedHosts:
         def _check_open(self) -> None: ...
         def _launch(self, op: Op) -> None: ...
         def _finish(self, op: Op, reason: str | None) -> None: ...
-        def _after_submit(
-            self, request: Request | None, peer_ids: Iterable[str]
-        ) -> list[Request]: ...
+        def _submitted(self, request: Request | None, peer_ids: Iterable[str]) -> None: ...
+        def _flush(self) -> None: ...
         def _register(
             self, peer_id: str, meta: bytes, base: int, num_blocks: int, block_len: int
         ) -> None: ...
@@ -212,8 +211,8 @@ class SharedHosts:
                 self._refill(host)
             # the stores launched may have completed in their submission (a top-up launches
             # none: this thread's time is the stores' GIL time, see ``session_io``)
-            ready = self._after_submit(None, [host.slots.peer_id] if launched else [])
-        resolve(ready)
+            self._submitted(None, [host.slots.peer_id] if launched else [])
+        self._flush()  # (a KeyboardInterrupt as the lock is released loses none)
 
     def _on_grant_unanswered(self, host: SharedHost, answer: object) -> None:
         """A grant request that brought no answer (I/O thread, unlocked): the host went

@@ -115,13 +115,6 @@ class Transfers(Poller, Finishes):
         else:
             self._submit(op)
 
-    def _after_submit(self, request: Request | None, peer_ids: Iterable[str]) -> list[Request]:
-        """``_submitted``, then take the settled requests, whose futures the caller resolves
-        (unlocked)."""
-        self._submitted(request, peer_ids)
-        ready, self._ready = self._ready, []
-        return ready
-
     def _submitted(self, request: Request | None, peer_ids: Iterable[str]) -> None:
         """Poll the peers just submitted to, on the calling thread; wake the poller only for
         what is still in flight; ``request`` joins the settled ones (``_ready``) if it is.
