@@ -41,7 +41,7 @@ def test_a_callback_s_keyboard_interrupt_on_the_poller_leaves_it_polling(
         (tid,) = transport.in_flight()
         transport.land(tid)
         assert second.result(timeout=RESULT_TIMEOUT_S).ok, "the poller died with the callback"
-        assert "KeyboardInterrupt on the tier's poller" in caplog.text
+        assert "raised KeyboardInterrupt on the tier's thread 'tkvt-poller'" in caplog.text
 
 
 def test_an_interrupt_as_the_flush_releases_the_lock_loses_no_future(

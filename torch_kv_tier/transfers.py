@@ -47,6 +47,7 @@ from torch_kv_tier.results import (
     Counters,
 )
 from torch_kv_tier.shared_host import SharedHost
+from torch_kv_tier.tier_threads import on_tier_thread
 from torch_kv_tier.transport.base import DataTransport, PollResult
 from torch_kv_tier.withheld import WithheldReads
 
@@ -298,7 +299,27 @@ class Transfers(Poller, Finishes):
         """Resolve settled futures (and those of blocks no late read may write any more),
         unlocked; those a ``KeyboardInterrupt`` left unresolved (a Ctrl-C, a done-callback's,
         also one raised as the lock is released: ``DeferringLock``) go back to ``_ready`` for
-        the next flush (``close``'s retry, the poller's next turn), then it is raised."""
+        the next flush (``close``'s retry, the poller's next turn), then it is raised.
+
+        On one of the tier's own threads (``tier_threads``: the poller, a session's I/O thread,
+        the redialer's, membership's, those ending sessions) it is logged instead, and the
+        flush goes on: no user is there to interrupt (a Ctrl-C reaches the main thread only),
+        and raised it ended that thread (a session's I/O thread so left its session silent,
+        never reported lost; membership followed its source no more)."""
+        while True:
+            try:
+                self._resolve_ready()
+                return
+            except KeyboardInterrupt:
+                if not on_tier_thread():
+                    raise
+                logger.exception(
+                    "a done-callback raised KeyboardInterrupt on the tier's thread %r: it goes on",
+                    threading.current_thread().name,
+                )
+
+    def _resolve_ready(self) -> None:
+        """``_flush``'s one pass: resolve what is ready, put back what an interrupt left."""
         ready: list[Request] = []
         try:
             with self._lock:  # (taken in one line: no interrupt between)
