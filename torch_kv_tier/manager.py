@@ -7,8 +7,9 @@ the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed p
 ``finishes``: finish, settle; ``poller``: its thread), ``shared_hosts`` (driving shared hosts),
 ``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
 lost session, the redial; and that one's base ``session_releases``), ``key_queries``
-(``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``) and ``closing``
-(``close``: cancel, end the sessions, settle the loads); the constructor's checks: ``manager_args``;
+(``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``),
+``tier_observation`` (``stats``, ``take_events``) and ``closing`` (``close``: cancel, end the
+sessions, settle the loads); the constructor's checks: ``manager_args``;
 the factory ``create`` (a fresh arena and NIXL transport): ``manager_create``.
 
 Threading: any thread may call any method. ``_lock`` (with its condition ``_cond``) guards every
@@ -78,7 +79,6 @@ from torch_kv_tier.results import (
     NO_PEERS,
     TIER_CLOSED,
     Counters,
-    PeerStats,
     TierEvent,
     TierStats,
     TransferResult,
@@ -86,6 +86,7 @@ from torch_kv_tier.results import (
 from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.shared_host import SharedHost
 from torch_kv_tier.shared_hosts import SharedHosts
+from torch_kv_tier.tier_observation import Observation
 from torch_kv_tier.tier_threads import TierThread
 from torch_kv_tier.transfers import Transfers
 from torch_kv_tier.transport.base import DataTransport, block_indices
@@ -97,7 +98,7 @@ _LATENCY_WINDOW = 4096
 PROMOTION_TIMEOUT_S = 5.0  # a load of a key on a host's disk waits this long for its promotion
 
 
-class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
+class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries, Observation):
     """Keeps KV blocks under logical keys on remote peers and brings them back.
 
     ``store`` and ``load`` never block: they return futures, resolved on the calling thread when
@@ -349,40 +350,6 @@ class TierManager(Closing, Transfers, SharedHosts, ConnectedHosts, KeyQueries):
             request = Request([])
             resolve([request])
         return request.future
-
-    # -- observation --------------------------------------------------------------------------
-
-    def stats(self) -> TierStats:
-        """The tier's counters and gauges now (``TierStats``): ``peers`` has the peers
-        ``peers()`` lists (joined), ``peers_joining`` counts the hosts still joining. Any
-        thread."""
-        with self._lock:
-            return self._counters.stats(
-                self._block_len,
-                evictions=self._index.evictions,
-                inflight=len(self._ops),
-                queued=sum(len(p.queue) for p in self._peers.values()),
-                keys=self._index.key_count,
-                events_dropped=self._index.events_dropped,
-                unreleased_sessions=self._ended.unresolved,
-                stranded_reads=len(self._withheld.stranded),
-                late_reads=self._withheld.late,
-                peers={
-                    pid: PeerStats(p.slots.capacity, p.slots.used, p.slots.stored)
-                    for pid, p in self._peers.items()
-                    if pid not in self._joining
-                },
-                peers_joining=len(self._joining),
-            )
-
-    def take_events(self) -> list[TierEvent]:
-        """Index changes since the last call, oldest first (at most the newest 100,000).
-
-        Events are recorded only by a tier built with ``events=True``; otherwise this is
-        always empty (a tier nobody drains pays nothing for them).
-        """
-        with self._lock:
-            return [TierEvent(*e) for e in self._index.take_events()]  # type: ignore[arg-type]
 
     # -- lifecycle ----------------------------------------------------------------------------
 
