@@ -5,6 +5,7 @@ the close under way (which may be waiting for it)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -150,3 +151,30 @@ def test_a_close_in_a_callback_on_the_poller_returns_at_once(
         first.join(RESULT_TIMEOUT_S)
         assert outcome == [None] and store.result(timeout=0).ok
         assert returned == [False], "the callback's close waited for the close under way"
+
+
+def test_a_signal_handler_s_close_then_sys_exit_on_the_closing_thread_still_closes_the_tier(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a handler that calls ``close()`` then ``sys.exit()`` (a SIGTERM
+    handler's way out) landing on the thread already in ``close``: its ``close()`` returns at
+    once, and its ``SystemExit`` abandoned the close under way: the transport was never closed,
+    a retry there returned as if it were, and a close on another thread raised
+    ``TimeoutError`` saying that close went on. It closes the tier, then ``SystemExit``."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, transport):
+        closed = threading.Event()
+        monkeypatch.setattr(transport, "close", closed.set)
+        transport.hold = True  # stays in flight: close cancels it, and runs the callback
+        store = tier.store(["a"], [0])
+
+        def handler(_: object) -> None:  # as a signal handler on the closing thread
+            tier.close()
+            sys.exit(0)
+
+        store.add_done_callback(handler)
+        with pytest.raises(SystemExit):
+            tier.close(timeout=0)
+        assert closed.is_set(), "the SystemExit left the transport open"
+        other, outcome = in_thread(lambda: tier.close(timeout=0))
+        other.join(RESULT_TIMEOUT_S)
+        assert outcome == [None], f"another thread's close: {outcome}"

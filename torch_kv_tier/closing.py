@@ -41,6 +41,9 @@ _LEAST_WAIT_S = 0.1  # the least each of ``close``'s last waits is given (``_Wai
 # how much longer than its own timeout a close waits for another thread's (``_await_close``):
 # that one's least waits (``_LEAST_WAIT_S`` each) and its transport's close
 _AWAIT_SLACK_S = 1.0
+# what may land at any line of ``close`` and must not leave it half done: a Ctrl-C (or a
+# done-callback's), and a signal handler's ``sys.exit()`` (its own ``close()`` returned at once)
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
 _T = TypeVar("_T")
 
 
@@ -103,7 +106,9 @@ class Closing:
         resolved all the same (the steps left run again), then the ``KeyboardInterrupt`` is
         raised; a second Ctrl-C meanwhile changes nothing: it returns within ``timeout`` all
         the same, plus about 0.1 s per wait once interrupted. One before its work began (as it
-        checks ``timeout``) leaves the tier open, to be closed again.
+        checks ``timeout``) leaves the tier open, to be closed again. Likewise a ``SystemExit``
+        (a signal handler that calls ``close()``, which returns at once on the closing thread,
+        then ``sys.exit()``): raised once the tier is closed.
 
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
         (``quantities.seconds``), before anything changes (the tier stays open, to be closed
@@ -113,10 +118,10 @@ class Closing:
         duty = _Duty(_Waits(time.monotonic() + timeout))
         try:
             self._close_steps(duty)
-        except KeyboardInterrupt:  # a Ctrl-C (or a done-callback's) at any line: done all the same
+        except _INTERRUPTS:  # a Ctrl-C, a sys.exit at any line: done all the same
             try:
                 self._close_steps(duty.cut())
-            except KeyboardInterrupt:  # a second one, as the first one's retry ran
+            except _INTERRUPTS:  # a second one, as the first one's retry ran
                 self._close_steps(duty.cut())
             raise
         duty.waits.raise_interrupt()
@@ -139,7 +144,7 @@ class Closing:
                 self._cancel_in_flight(duty)
             self._flush()
             self._close_after(duty)
-        except Exception as exc:  # (a ``KeyboardInterrupt``: ``close`` runs them again)
+        except Exception as exc:  # (an interrupt, ``_INTERRUPTS``: ``close`` runs them again)
             duty.closer.end(exc)
             raise
         duty.closer.end(None)
