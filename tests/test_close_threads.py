@@ -178,3 +178,29 @@ def test_a_signal_handler_s_close_then_sys_exit_on_the_closing_thread_still_clos
         other, outcome = in_thread(lambda: tier.close(timeout=0))
         other.join(RESULT_TIMEOUT_S)
         assert outcome == [None], f"another thread's close: {outcome}"
+
+
+def test_a_close_left_part_way_by_three_interrupts_says_so_to_the_closes_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a third Ctrl-C (as the second one's retry ran) left the close under way
+    part-way, and never told the closes waiting for it: each waited out its timeout, then
+    raised ``TimeoutError`` saying that close went on (none did). They raise ``RuntimeError``
+    from the interrupt at once."""
+    with late_write_tier(BlockArena(8, BLOCK), {"p": 4}) as (tier, _):
+        interrupts = [KeyboardInterrupt() for _ in range(3)]
+
+        def interrupted_flush() -> None:
+            if interrupts:
+                raise interrupts.pop()
+
+        monkeypatch.setattr(tier, "_flush", interrupted_flush)  # close's, once a run
+        with pytest.raises(KeyboardInterrupt):
+            tier.close(timeout=0)
+        assert not interrupts, "close was interrupted fewer than three times"
+        other, outcome = in_thread(lambda: tier.close(timeout=RESULT_TIMEOUT_S))
+        other.join(RESULT_TIMEOUT_S)
+        assert outcome, "another thread's close still waits for the close left part-way"
+        (error,) = outcome
+        assert isinstance(error, RuntimeError), f"another thread's close: {error!r}"
+        assert isinstance(error.__cause__, KeyboardInterrupt)

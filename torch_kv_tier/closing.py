@@ -108,7 +108,9 @@ class Closing:
         the same, plus about 0.1 s per wait once interrupted. One before its work began (as it
         checks ``timeout``) leaves the tier open, to be closed again. Likewise a ``SystemExit``
         (a signal handler that calls ``close()``, which returns at once on the closing thread,
-        then ``sys.exit()``): raised once the tier is closed.
+        then ``sys.exit()``): raised once the tier is closed. A third one as the second's retry
+        ran leaves the close part-way: the closes waiting for it on other threads then raise
+        ``RuntimeError`` from it (not ``TimeoutError``: nothing goes on).
 
         Raises ``TypeError``/``ValueError`` unless ``timeout`` is a number of seconds >= 0
         (``quantities.seconds``), before anything changes (the tier stays open, to be closed
@@ -122,7 +124,11 @@ class Closing:
             try:
                 self._close_steps(duty.cut())
             except _INTERRUPTS:  # a second one, as the first one's retry ran
-                self._close_steps(duty.cut())
+                try:
+                    self._close_steps(duty.cut())
+                except _INTERRUPTS as exc:  # a third: left part-way, the closes waiting told
+                    duty.closer.end(exc)
+                    raise
             raise
         duty.waits.raise_interrupt()
         if not duty.began:  # another close did the work
@@ -306,9 +312,9 @@ class _Closer:
 
     thread: threading.Thread = field(default_factory=threading.current_thread)
     done: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
+    error: BaseException | None = None
 
-    def end(self, error: Exception | None) -> None:
+    def end(self, error: BaseException | None) -> None:
         """The close is over (``error``: it failed): the closes waiting for it go on."""
         self.error = error
         self.done.set()
