@@ -84,14 +84,18 @@ class Closing:
         (never, if the transport cannot tell: ``DataTransport.on_released``);
         a handshake on another thread still awaiting an answer gives up. Idempotent.
 
-        Called on several threads at once (a signal handler's thread and the main thread),
-        each returns once the tier is closed: the first does the work, the others wait for it
+        Called on several threads at once (the main thread and a worker of the user's), each
+        returns once the tier is closed: the first does the work, the others wait for it
         up to their own ``timeout`` plus 1 s (``TimeoutError`` past that: it goes on there);
         if it failed, a close on any other thread, then or later, raises ``RuntimeError``
         from its error (on its own thread: raised there once). Called on the thread that
         closes it (a done-callback of a future it resolves) or on one of the tier's own
         threads (``tier_threads``: a done-callback on the poller, which the close under way
-        joins), it returns at once, the close under way left to finish it.
+        joins), it returns at once, the close under way left to finish it. A signal handler
+        runs on the main thread, between any two of its lines: its ``close()`` returns at once
+        once that thread's own close took the work on, but never returns if it lands while that
+        thread holds the tier's lock (in ``store``, ``load``, ``close``'s cancel: the lock is
+        not reentrant): have the handler start a thread that closes, or set a flag.
 
         ``timeout`` bounds ``close``'s own waits, not its last word to each host (ending the
         session, naming the ended sessions that resolved): one a host has not answered by then
