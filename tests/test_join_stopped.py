@@ -197,3 +197,37 @@ def test_a_host_removed_as_its_join_awaits_its_turn_ends_that_join_at_once(
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier.cancel_dial(server.address)
         _assert_no_session_left(server.address)
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["shared", "private"])
+def test_a_lost_host_removed_as_a_connect_of_it_registers_it_is_never_connected(
+    monkeypatch: pytest.MonkeyPatch, private: bool
+) -> None:
+    """A user's connect of a lost host (dialled again) joins it with a dial of its own, not
+    the one ``disconnect`` stops: the join published the host all the same, and it stayed
+    connected (in ``peers()``, not dialled again) after ``disconnect`` returned."""
+    monkeypatch.setattr(connections, "REDIAL_FIRST_S", STUCK_S)  # the user's connect joins it
+    kwargs: dict[str, Any] = {"private": private, "slots": 8} if private else {}
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="lost-removed-as-connected") as tier,
+    ):
+        peer_id = tier.connect(server.address, timeout_s=WAIT_S, **kwargs)
+        with tier._lock:  # as a failed transfer does: the host is dialled again
+            tier._lose_peer(peer_id, "failed a transfer")
+        lost_dial = tier._dials[peer_id]
+        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        outcome: list[object] = []
+        connecting = _connecting(tier, server.address, outcome, **kwargs)
+        assert entered.wait(WAIT_S), "the connect never registered the host"
+        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
+        removing.start()
+        assert lost_dial.stopped.wait(WAIT_S), "disconnect did not stop the host's dial"
+        go.set()  # the registration goes on after the removal
+        removing.join(WAIT_S)
+        connecting.join(WAIT_S)
+        assert not removing.is_alive() and not connecting.is_alive()
+        [failed] = outcome
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        assert tier.peers() == [] and not tier._dials, "the removed host joined"
+        _assert_no_session_left(server.address)

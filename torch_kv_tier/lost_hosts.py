@@ -290,9 +290,12 @@ class LostHosts(SessionReleases):
 
     def _stop_dialling(self, peer_id: str) -> Dial | None:
         """The user removed or replaced ``peer_id``: it is not dialled again (nor is the address
-        of a host down at its connect whose join it is: ``redial_if_down``); how it was dialled
-        is remembered as removed, for its ended sessions, still to be released. ``None`` when
-        it was not a connected host."""
+        of a host down at its connect whose join it is: ``redial_if_down``), and a join of it
+        under way never publishes it (``_stopped_join``), also one dialled apart (a connect of
+        a lost host); how it was dialled is remembered as removed, for its ended sessions,
+        still to be released. ``None`` when it was not a connected host."""
+        if peer_id in self._joining:
+            self._joining[peer_id].stopped.set()
         dial = self._dials.pop(peer_id, None)
         if dial is not None:
             self._removed[dial.address] = dial
