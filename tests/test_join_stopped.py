@@ -231,3 +231,42 @@ def test_a_lost_host_removed_as_a_connect_of_it_registers_it_is_never_connected(
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier._dials, "the removed host joined"
         _assert_no_session_left(server.address)
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["shared", "private"])
+def test_a_host_removed_as_nixl_registers_it_fails_its_connect_saying_so(
+    monkeypatch: pytest.MonkeyPatch, private: bool
+) -> None:
+    """The removal supersedes the registration NIXL is building: the connect raised that
+    registration's ``RuntimeError`` ("superseded ... or the transport closed"), not the
+    ``ConnectionError`` saying the host was removed."""
+    kwargs: dict[str, Any] = {"private": private, "slots": 8} if private else {}
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="removed-in-nixl") as tier,
+    ):
+        entered, go = threading.Event(), threading.Event()
+        nixl_peers = tier.transport._peers  # type: ignore[attr-defined]
+        build = nixl_peers.build
+
+        def held_build(*args: Any) -> Any:  # on the transport's registration thread
+            entered.set()
+            go.wait(timeout=WAIT_S)
+            return build(*args)
+
+        monkeypatch.setattr(nixl_peers, "build", held_build)
+        outcome: list[object] = []
+        connecting = _connecting(tier, server.address, outcome, **kwargs)
+        assert entered.wait(WAIT_S), "NIXL never registered the host"
+        [peer_id] = tier._joining
+        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
+        removing.start()
+        assert tier._joining[peer_id].stopped.wait(WAIT_S), "disconnect did not stop the join"
+        go.set()
+        removing.join(WAIT_S)
+        connecting.join(WAIT_S)
+        assert not removing.is_alive() and not connecting.is_alive()
+        [failed] = outcome
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        assert tier.peers() == [] and not tier.cancel_dial(server.address)
+        _assert_no_session_left(server.address)

@@ -209,11 +209,14 @@ class ConnectedHosts(LostHosts):
             try:
                 self._join(session, dial.timeout_s)
             except BaseException as exc:
-                joined.failure = exc  # what a connect of it waiting for this one reports
+                # what a connect of it waiting for this one reports
+                failure = joined.failure = self._join_failure(peer_id, exc)
                 if first_dial:
                     with self._lock:
                         if peer_id not in self._peers and self._dials.get(peer_id) is dial:
                             del self._dials[peer_id]
+                if failure is not exc:
+                    raise failure from exc
                 raise
             with self._lock:
                 if peer_id in self._dials:  # else removed once published: not dialled again

@@ -320,6 +320,18 @@ class LostHosts(SessionReleases):
             "is not connected; connect it again to join it"
         )
 
+    def _join_failure(self, peer_id: str, exc: BaseException) -> BaseException:
+        """What a failed join of ``peer_id`` raises (unlocked): ``exc``, or ``_stopped_join``'s
+        ``ConnectionError`` when the user removed the host as it joined (the removal superseded
+        the registration NIXL was building: ``RuntimeError``), unless ``exc`` says so already,
+        is no ``Exception`` (a Ctrl-C), or the tier is closing (it says that)."""
+        if not isinstance(exc, Exception) or isinstance(exc, ConnectionError):
+            return exc
+        with self._lock:
+            closing = self._closed or self._closing.is_set()
+            removed = None if closing else self._stopped_join(peer_id)
+        return exc if removed is None else removed
+
     def _forget_replaced(self, peer_id: str, dial: Dial) -> None:
         """``dial``'s address answered as ``peer_id``: a host this tier lost that was dialled
         there under another id (restarted with another ``--host-id``, a new pod on a reused IP)
