@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from join_support import STUCK_S, withhold_index
 from membership_support import WAIT_S, down_for_the_caller
 from release_support import assert_nothing_held
@@ -270,3 +271,53 @@ def test_a_host_removed_as_nixl_registers_it_fails_its_connect_saying_so(
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier.cancel_dial(server.address)
         _assert_no_session_left(server.address)
+
+
+def test_add_peer_of_a_host_whose_join_registers_keeps_its_region(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``add_peer`` of a joining host's id stops that join, which then let go of the host's
+    region in the transport: ``add_peer``'s, registering (it raised "superseded") or
+    registered meanwhile (the peer it published had none: ``peers()`` listed it, its first
+    store failed and dropped it)."""
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="added-over-a-join") as tier,
+    ):
+        entered, go, ended = threading.Event(), threading.Event(), threading.Event()
+        region: list[Any] = []
+        register = tier._register
+
+        def register_in_turn(*args: Any) -> None:
+            register(*args)
+            if not region:  # the join's: it publishes (or not) once let go
+                region.extend(args[1:])
+                entered.set()
+                go.wait(timeout=WAIT_S)
+            else:  # add_peer's: it publishes once the join ended
+                ended.wait(timeout=WAIT_S)
+
+        monkeypatch.setattr(tier, "_register", register_in_turn)
+        outcome: list[object] = []
+        connecting = _connecting(tier, server.address, outcome, private=True, slots=8)
+        assert entered.wait(WAIT_S), "the join never registered the host"
+        [peer_id] = tier._joining
+        joining = tier._joining[peer_id]
+        adding = threading.Thread(target=tier.add_peer, args=(peer_id, *region[:2], 8, region[3]))
+        adding.start()
+        assert joining.stopped.wait(WAIT_S), "add_peer did not stop the host's join"
+        go.set()
+        assert joining.wait(WAIT_S), "the join never ended"
+        ended.set()
+        adding.join(WAIT_S)
+        connecting.join(WAIT_S)
+        assert not adding.is_alive() and not connecting.is_alive()
+        [failed] = outcome
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        assert tier.peers() == [peer_id] and tier._peers[peer_id].session is None
+        registered = tier.transport._peers.get(peer_id)  # type: ignore[attr-defined]
+        assert registered is not None, "add_peer's region was let go"
+        tier.arena.tensor[:1].random_(0, 256)
+        assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
+        assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
+        assert torch.equal(tier.arena.tensor[1], tier.arena.tensor[0])

@@ -370,8 +370,10 @@ class ConnectedHosts(LostHosts):
         (unlocked). A registration of ``peer_id`` it replaces is dropped first; its session
         ends as a lost one's does (``_flush_then_end``). ``add_peer`` over a connected
         host (or one lost and dialled again) stops dialling it, as ``remove_peer`` does; its
-        ended sessions are still released. A lease whose host the user removed as it
-        registered is not published (``ConnectionError``, ``_stopped_join``)."""
+        ended sessions are still released. ``add_peer`` of a host joining (never published
+        then) registers once that join ended, so that it lets go of its own region only
+        (``TimeoutError`` past ``CONNECT_TIMEOUT_S``). A lease whose host the user removed as
+        it registered is not published (``ConnectionError``, ``_stopped_join``)."""
         # bad input raises before the old registration and its keys are dropped
         check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
         slots = range(num_blocks) if slots is None else slots
@@ -383,12 +385,19 @@ class ConnectedHosts(LostHosts):
         with self._lock:
             self._check_open()
             dial = None if session is not None else self._stop_dialling(peer_id)
+            joining = None if session is not None else self._joining.get(peer_id)
             if peer_id in self._peers:
                 old = self._drop_to_end(peer_id)
         self._flush_then_end(*old)
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
+        if joining is not None and not joining.await_end(CONNECT_TIMEOUT_S):
+            raise TimeoutError(
+                f"add_peer({peer_id!r}): the tier's join of that host, which this replaces (it "
+                f"will not publish it), still ran after {CONNECT_TIMEOUT_S:g} s (NIXL "
+                "registering its region, say): add_peer again once it ended"
+            )
         self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
         with self._lock:
             self._check_open()
