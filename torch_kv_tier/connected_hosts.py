@@ -3,11 +3,12 @@
 
 ``ConnectedHosts`` is a part of ``TierManager`` (its base class, beside ``SharedHosts``) and
 holds its public ``connect``/``disconnect``: a session opens in ``_connect``, a private lease
-registers through ``_add_private`` and a shared pool through ``SharedHosts._join_shared``;
+registers through its base ``private_regions`` (``_add_private``, ``add_peer``'s too) and a
+shared pool through ``SharedHosts._join_shared``;
 ``close`` ends every session (``_end_sessions``). A connect that reaches another process
 answering as a connected host's id is refused (``host_twins``). A lost session, and dialling
-its host again, is its base ``lost_hosts.LostHosts``; telling hosts which ended sessions
-resolved (fencing, client half) is that one's base ``session_releases.SessionReleases``.
+its host again, is that one's base ``lost_hosts.LostHosts``; telling hosts which ended
+sessions resolved (fencing, client half) is its base ``session_releases.SessionReleases``.
 
 Threading: methods without "(unlocked)" run with the manager's lock held. Handshakes and NIXL
 registrations never run under it.
@@ -26,11 +27,11 @@ from torch_kv_tier.deferring_lock import DeferringLock
 from torch_kv_tier.ended_sessions import EndedSessions
 from torch_kv_tier.host_twins import twin_address, twin_problem
 from torch_kv_tier.index import BlockIndex
-from torch_kv_tier.lost_hosts import LostHosts
+from torch_kv_tier.private_regions import PrivateRegions
 from torch_kv_tier.records import Peer
 from torch_kv_tier.remote.handshake_errors import not_ready, opened_by
 from torch_kv_tier.results import TIER_CLOSED
-from torch_kv_tier.transport.base import DataTransport, check_peer_region
+from torch_kv_tier.transport.base import DataTransport
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ REGISTER_TIMEOUT_S = 120.0  # one NIXL registration of a peer's region
 _JOIN_WAIT_POLL_S = 0.05  # how often a connect waiting for another one looks at ``close``
 
 
-class ConnectedHosts(LostHosts):
+class ConnectedHosts(PrivateRegions):
     """Connected-host behaviour of ``TierManager`` (module docstring)."""
 
     # The manager's state this part uses (set by ``TierManager.__init__``).
@@ -355,58 +356,6 @@ class ConnectedHosts(LostHosts):
         except KeyboardInterrupt:  # the registration goes on: abandoned, as a late one is
             self._remove_from_transport(peer_id)
             raise
-
-    def _add_private(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        base_addr: int,
-        num_blocks: int,
-        block_len: int,
-        slots: range | None,
-        session: Any,
-    ) -> None:
-        """Register a tier-owned region (``add_peer``, or a private lease's ``session``)
-        (unlocked). A registration of ``peer_id`` it replaces is dropped first; its session
-        ends as a lost one's does (``_flush_then_end``). ``add_peer`` over a connected
-        host (or one lost and dialled again) stops dialling it, as ``remove_peer`` does; its
-        ended sessions are still released. ``add_peer`` of a host joining (never published
-        then) registers once that join ended, so that it lets go of its own region only
-        (``TimeoutError`` past ``CONNECT_TIMEOUT_S``). A lease whose host the user removed as
-        it registered is not published (``ConnectionError``, ``_stopped_join``)."""
-        # bad input raises before the old registration and its keys are dropped
-        check_peer_region(peer_id, base_addr, num_blocks, block_len, self.transport.block_len, 0)
-        slots = range(num_blocks) if slots is None else slots
-        if slots.step != 1 or not slots or slots.start < 0 or slots.stop > num_blocks:
-            raise ValueError(
-                f"slots {slots!r} must be a non-empty step-1 range in [0, {num_blocks})"
-            )
-        old: tuple[Any, bool] = (None, True)
-        with self._lock:
-            self._check_open()
-            dial = None if session is not None else self._stop_dialling(peer_id)
-            joining = None if session is not None else self._joining.get(peer_id)
-            if peer_id in self._peers:
-                old = self._drop_to_end(peer_id)
-        self._flush_then_end(*old)
-        if dial is not None:
-            with self._lock:
-                self._send_releases(dial.address)
-        if joining is not None and not joining.await_end(CONNECT_TIMEOUT_S):
-            raise TimeoutError(
-                f"add_peer({peer_id!r}): the tier's join of that host, which this replaces (it "
-                f"will not publish it), still ran after {CONNECT_TIMEOUT_S:g} s (NIXL "
-                "registering its region, say): add_peer again once it ended"
-            )
-        self._register(peer_id, agent_metadata, base_addr, num_blocks, block_len)
-        with self._lock:
-            self._check_open()
-            removed = None if session is None else self._stopped_join(peer_id)
-            if removed is not None:
-                raise removed
-            self._peers[peer_id] = Peer(
-                self._index.add_peer(peer_id, slots), verifies=self.verify, session=session
-            )
 
 
 def _region(session: Any) -> tuple[bytes, int, int, int]:

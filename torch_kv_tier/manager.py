@@ -5,8 +5,9 @@ placement, slot pools, LRU, pins, fences), ``records`` (per call, per transfer, 
 peer), ``shared_host`` (one shared host's grants, waiting stores and commits), ``digest``, and
 the base classes ``transfers`` (a transfer's life: submit, poll, drop a failed peer; its bases
 ``finishes``: finish, settle; ``poller``: its thread), ``shared_hosts`` (driving shared hosts),
-``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``lost_hosts``: a
-lost session, the redial; and that one's base ``session_releases``), ``key_queries``
+``connected_hosts`` (``connect``, ``disconnect`` and the sessions; its base ``private_regions``:
+``add_peer``'s and private leases' regions; that one's base ``lost_hosts``: a lost session, the
+redial; and its base ``session_releases``), ``key_queries``
 (``lookup``, ``contains``, ``holders``, ``prefetch``, ``touch``, ``discard``),
 ``tier_observation`` (``stats``, ``take_events``) and ``closing`` (``close``: cancel, end the
 sessions, settle the loads); the constructor's checks: ``manager_args``;
