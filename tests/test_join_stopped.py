@@ -72,6 +72,19 @@ def _connecting(
     return thread
 
 
+def _removed_as_it_registers(
+    tier: TierManager, peer_id: str, stopped: threading.Event, go: threading.Event
+) -> None:
+    """``disconnect`` ``peer_id`` on a thread of its own; once it stopped the join
+    (``stopped``), the registration held goes on (``go``); returns once ``disconnect`` did."""
+    removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
+    removing.start()
+    assert stopped.wait(WAIT_S), "disconnect did not stop the host's join"
+    go.set()  # the registration goes on after the removal
+    removing.join(WAIT_S)
+    assert not removing.is_alive(), "disconnect never returned"
+
+
 def _on_a_redial_thread() -> bool:
     return threading.current_thread().name == connections.REDIAL_THREAD
 
@@ -105,12 +118,7 @@ def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
         if second:
             connecting.append(_connecting(tier, server.address, outcome, **kwargs))
             assert awaiting.wait(WAIT_S), "the second connect never waited for the join"
-        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
-        removing.start()
-        assert dial.stopped.wait(WAIT_S), "disconnect did not stop the host's dial"
-        go.set()  # the registration goes on after the removal
-        removing.join(WAIT_S)
-        assert not removing.is_alive()
+        _removed_as_it_registers(tier, peer_id, dial.stopped, go)
         assert joining.is_set(), "disconnect returned while the host's join went on"
         assert tier.placing_peers() == [] and tier.peers() == [], "the removed host joined"
         for thread in connecting:
@@ -221,13 +229,9 @@ def test_a_lost_host_removed_as_a_connect_of_it_registers_it_is_never_connected(
         outcome: list[object] = []
         connecting = _connecting(tier, server.address, outcome, **kwargs)
         assert entered.wait(WAIT_S), "the connect never registered the host"
-        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
-        removing.start()
-        assert lost_dial.stopped.wait(WAIT_S), "disconnect did not stop the host's dial"
-        go.set()  # the registration goes on after the removal
-        removing.join(WAIT_S)
+        _removed_as_it_registers(tier, peer_id, lost_dial.stopped, go)
         connecting.join(WAIT_S)
-        assert not removing.is_alive() and not connecting.is_alive()
+        assert not connecting.is_alive()
         [failed] = outcome
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier._dials, "the removed host joined"
@@ -260,13 +264,9 @@ def test_a_host_removed_as_nixl_registers_it_fails_its_connect_saying_so(
         connecting = _connecting(tier, server.address, outcome, **kwargs)
         assert entered.wait(WAIT_S), "NIXL never registered the host"
         [peer_id] = tier._joining
-        removing = threading.Thread(target=tier.disconnect, args=(peer_id,))
-        removing.start()
-        assert tier._joining[peer_id].stopped.wait(WAIT_S), "disconnect did not stop the join"
-        go.set()
-        removing.join(WAIT_S)
+        _removed_as_it_registers(tier, peer_id, tier._joining[peer_id].stopped, go)
         connecting.join(WAIT_S)
-        assert not removing.is_alive() and not connecting.is_alive()
+        assert not connecting.is_alive()
         [failed] = outcome
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier.cancel_dial(server.address)
