@@ -19,7 +19,7 @@ from membership_support import WAIT_S, down_for_the_caller
 from release_support import assert_nothing_held
 from remote_support import BLOCK_LEN, fake_session, wait_until
 
-from torch_kv_tier import connections
+from torch_kv_tier import connected_hosts, connections
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 
@@ -321,3 +321,44 @@ def test_add_peer_of_a_host_whose_join_registers_keeps_its_region(
         assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
         assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
         assert torch.equal(tier.arena.tensor[1], tier.arena.tensor[0])
+
+
+def test_a_connect_after_a_disconnect_that_gave_up_on_the_join_joins_the_host_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``disconnect`` waits up to 10 s for the join it ended (NIXL may register longer): a
+    connect of the host after it returned waited for that removed join and failed with it
+    ("removed"; with ``redial_if_down`` not dialled again), though it asked after the
+    removal. It waits for that join to end, then joins the host."""
+    monkeypatch.setattr(connected_hosts, "CONNECT_TIMEOUT_S", 0.1)  # disconnect's wait
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="connected-after-removal") as tier,
+    ):
+        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        first: list[object] = []
+        connecting = _connecting(tier, server.address, first)
+        assert entered.wait(WAIT_S), "the join never registered the host"
+        [peer_id] = tier._joining
+        removed = tier._joining[peer_id]
+        tier.disconnect(peer_id)  # (its wait for the join runs out: a warning)
+        assert not removed.is_set()
+        looked = threading.Event()  # the next connect waits for the removed join
+        wait = removed.wait
+
+        def noted_wait(timeout: float | None = None) -> bool:
+            if threading.current_thread() is not connecting:
+                looked.set()
+            return wait(timeout)
+
+        monkeypatch.setattr(removed, "wait", noted_wait)
+        again: list[object] = []
+        reconnecting = _connecting(tier, server.address, again)
+        assert looked.wait(WAIT_S), "the next connect never saw the removed join"
+        go.set()
+        for thread in (connecting, reconnecting):
+            thread.join(WAIT_S)
+            assert not thread.is_alive()
+        [failed] = first
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        assert again == [peer_id] and tier.peers() == [peer_id]

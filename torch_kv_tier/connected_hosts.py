@@ -136,8 +136,9 @@ class ConnectedHosts(PrivateRegions):
     def disconnect(self, peer_id: str) -> None:
         """End a connected host's session and forget it (as ``remove_peer``); given the address
         of a host ``connect(..., redial_if_down=True)`` still dials, stop dialling it. A host
-        still joining (it answered) is never connected: that join has failed when this returns,
-        so a connect of it after this joins it anew."""
+        still joining (it answered) is never connected: that join has failed when this returns
+        (one still running after 10 s, in NIXL, is logged as a warning), so a connect of it
+        after this joins it anew."""
         self.remove_peer(peer_id)
 
     # -- internals ----------------------------------------------------------------------------
@@ -163,7 +164,12 @@ class ConnectedHosts(PrivateRegions):
                 raise KeyError(f"unknown peer {peer_id!r}; known: {sorted(self._peers)}")
         self._flush_then_end(session, clean, redial=True)
         if joining is not None and not joining.await_end(CONNECT_TIMEOUT_S):
-            logger.warning("%s: its join, ended by its removal, is still running", peer_id)
+            logger.warning(
+                "%s: its join, ended by its removal, still runs after %g s (NIXL registering its"
+                " region, say): it will not publish the host; a connect of it waits for it to end",
+                peer_id,
+                CONNECT_TIMEOUT_S,
+            )
         if dial is not None:
             with self._lock:
                 self._send_releases(dial.address)
@@ -178,6 +184,7 @@ class ConnectedHosts(PrivateRegions):
             release = self._ended.take(dial.address)
         session = self._open(dial, release, private=dial.private)
         peer_id = session.peer_id
+        self._await_removed_join(session, dial.timeout_s)
         with self._lock:
             joining = self._joining.get(peer_id)
             known = peer_id in self._peers or joining is not None
@@ -275,6 +282,21 @@ class ConnectedHosts(PrivateRegions):
                 raise
         finally:
             self._join_turn.release()
+
+    def _await_removed_join(self, session: Any, timeout_s: float) -> None:
+        """A join of ``session``'s host the user removed before this connect found it (still
+        running after ``disconnect`` gave up waiting for it) fails: wait for it to end
+        (unlocked), so that this connect joins the host anew rather than fail with it (and not
+        be dialled again). ``TimeoutError`` past ``timeout_s``, the session ended."""
+        with self._lock:
+            joining = self._joining.get(session.peer_id)
+        if joining is None or not joining.stopped.is_set() or joining.await_end(timeout_s):
+            return
+        self._end_keeping_releases(session, True)
+        raise TimeoutError(
+            f"{session.peer_id}: a join of it that was removed still ran after {timeout_s:g} s "
+            "(NIXL registering its region, say); connect it again once it ended"
+        )
 
     def _await_join(self, peer_id: str, joined: Joining, timeout_s: float) -> None:
         """Wait (unlocked) until another thread's connect of ``peer_id`` ended: ``TimeoutError``
