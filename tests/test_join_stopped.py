@@ -8,6 +8,7 @@ at once."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from release_support import assert_nothing_held
 from remote_support import BLOCK_LEN, fake_session, wait_until
 
 from torch_kv_tier import connected_hosts, connections
+from torch_kv_tier.connections import Dial, Joining
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
 
@@ -362,3 +364,19 @@ def test_a_connect_after_a_disconnect_that_gave_up_on_the_join_joins_the_host_an
         [failed] = first
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert again == [peer_id] and tier.peers() == [peer_id]
+
+
+def test_a_removed_join_that_ends_once_the_tier_closed_logs_no_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A join awaiting its turn ends at its next look once its host is removed: after a
+    ``close`` meanwhile (``disconnect`` then ``close``, as an app shuts down), it let go of
+    its region in the closed transport, logging an error and its traceback."""
+    with TierManager.create(16, BLOCK_LEN, name="removed-then-closed") as tier:
+        dial = Dial("127.0.0.1:1", None, False, None, WAIT_S, WAIT_S)
+        tier._joining["host"] = Joining(dial, True)  # a join of "host" awaiting its turn
+        dial.stopped.set()  # disconnect("host")
+    with tier._lock:  # its next look, the tier closed
+        removed = tier._stopped_join("host")
+    assert isinstance(removed, ConnectionError) and "removed" in str(removed), removed
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -309,11 +309,12 @@ class LostHosts(SessionReleases):
         connect raises when the user removed the host (``disconnect``, ``remove_peer``,
         ``add_peer``) or cancelled its dial (``cancel_dial``) as it joined, else ``None``. The
         region the join registered is let go then (but one another call published meanwhile,
-        ``add_peer``'s); the caller ends the session."""
+        ``add_peer``'s, or once the tier is closed: its transport holds nothing); the caller
+        ends the session."""
         joining = self._joining.get(peer_id)
         if joining is None or not joining.stopped.is_set():
             return None
-        if peer_id not in self._peers:
+        if peer_id not in self._peers and not self._closed:
             self._remove_from_transport(peer_id)
         return ConnectionError(
             f"{peer_id} was removed (disconnect, remove_peer, cancel_dial) while it joined: it "
