@@ -20,7 +20,7 @@ from membership_support import WAIT_S, down_for_the_caller
 from release_support import assert_nothing_held
 from remote_support import BLOCK_LEN, fake_session, wait_until
 
-from torch_kv_tier import connected_hosts, connections
+from torch_kv_tier import connected_hosts, connections, private_regions
 from torch_kv_tier.connections import Dial, Joining
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
@@ -380,3 +380,40 @@ def test_a_removed_join_that_ends_once_the_tier_closed_logs_no_error(
         removed = tier._stopped_join("host")
     assert isinstance(removed, ConnectionError) and "removed" in str(removed), removed
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_add_peer_of_a_host_whose_join_runs_on_says_to_add_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The join ``add_peer`` stopped still runs once its wait for it ran out (10 s; NIXL may
+    register longer): ``add_peer`` raises ``TimeoutError`` saying to add the peer again, and
+    registers nothing that join could let go of; once it ended, ``add_peer`` works."""
+    monkeypatch.setattr(private_regions, "CONNECT_TIMEOUT_S", 0.1)  # add_peer's wait
+    with (
+        ServerProcess.start(32, BLOCK_LEN) as server,
+        TierManager.create(16, BLOCK_LEN, name="added-over-a-long-join") as tier,
+    ):
+        region: list[Any] = []
+        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        register = tier._register
+
+        def noted_register(*args: Any) -> None:
+            region[:] = args[1:]
+            register(*args)
+
+        monkeypatch.setattr(tier, "_register", noted_register)
+        outcome: list[object] = []
+        connecting = _connecting(tier, server.address, outcome, private=True, slots=8)
+        assert entered.wait(WAIT_S), "the join never registered the host"
+        [peer_id] = tier._joining
+        with pytest.raises(TimeoutError, match="add_peer again"):
+            tier.add_peer(peer_id, *region[:2], 8, region[3])
+        go.set()
+        connecting.join(WAIT_S)
+        assert not connecting.is_alive()
+        [failed] = outcome
+        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
+        tier.add_peer(peer_id, *region[:2], 8, region[3])
+        assert tier.peers() == [peer_id]
+        tier.arena.tensor[:1].random_(0, 256)
+        assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
