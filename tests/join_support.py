@@ -1,5 +1,6 @@
 """Shared-host joins whose index never comes: a join waits for it (its timeout, or until its
-host is removed or the tier closed), published and placed but not joined."""
+host is removed or the tier closed), published and placed but not joined; and joins held as
+they register a host's region (``registrations_held``), connecting on threads of their own."""
 
 from __future__ import annotations
 
@@ -85,3 +86,38 @@ def withheld_join(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[Withhe
             tier.close()  # (a test that failed early: its join ends)
             thread.join(WAIT_S)
             assert not thread.is_alive()
+
+
+def registrations_held(
+    monkeypatch: pytest.MonkeyPatch, tier: TierManager, held: Callable[[], bool]
+) -> tuple[threading.Event, threading.Event]:
+    """``(entered, go)``: ``tier``'s region registrations that ``held`` picks (asked on the
+    registering thread) set ``entered``, then wait for ``go`` (bounded) before they begin."""
+    entered, go = threading.Event(), threading.Event()
+    register = tier._register
+
+    def held_register(*args: Any) -> None:
+        if held():
+            entered.set()
+            go.wait(timeout=WAIT_S)
+        register(*args)
+
+    monkeypatch.setattr(tier, "_register", held_register)
+    return entered, go
+
+
+def connect_on_a_thread(
+    tier: TierManager, address: str, outcome: list[object], **kwargs: Any
+) -> threading.Thread:
+    """A thread (started) connecting ``address`` (``redial_if_down``, ``WAIT_S``); ``outcome``
+    gets the peer id it returned, or what it raised."""
+
+    def connect() -> None:
+        try:
+            outcome.append(tier.connect(address, timeout_s=WAIT_S, redial_if_down=True, **kwargs))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    return thread

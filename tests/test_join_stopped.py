@@ -10,38 +10,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-from join_support import STUCK_S, withhold_index
+from join_support import STUCK_S, connect_on_a_thread, registrations_held, withhold_index
 from membership_support import WAIT_S, down_for_the_caller
 from release_support import assert_nothing_held
 from remote_support import BLOCK_LEN, fake_session, wait_until
 
-from torch_kv_tier import connected_hosts, connections, private_regions
+from torch_kv_tier import connected_hosts, connections
 from torch_kv_tier.connections import Dial, Joining
 from torch_kv_tier.manager import TierManager
 from torch_kv_tier.remote import ServerProcess
-
-
-def _registrations_held(
-    monkeypatch: pytest.MonkeyPatch, tier: TierManager, held: Callable[[], bool]
-) -> tuple[threading.Event, threading.Event]:
-    """``(entered, go)``: ``tier``'s region registrations that ``held`` picks (asked on the
-    registering thread) set ``entered``, then wait for ``go`` (bounded) before they begin."""
-    entered, go = threading.Event(), threading.Event()
-    register = tier._register
-
-    def held_register(*args: Any) -> None:
-        if held():
-            entered.set()
-            go.wait(timeout=WAIT_S)
-        register(*args)
-
-    monkeypatch.setattr(tier, "_register", held_register)
-    return entered, go
 
 
 def _noted(monkeypatch: pytest.MonkeyPatch, tier: TierManager, method: str) -> threading.Event:
@@ -55,23 +35,6 @@ def _noted(monkeypatch: pytest.MonkeyPatch, tier: TierManager, method: str) -> t
 
     monkeypatch.setattr(tier, method, noted)
     return called
-
-
-def _connecting(
-    tier: TierManager, address: str, outcome: list[object], **kwargs: Any
-) -> threading.Thread:
-    """A thread (started) connecting ``address`` (``redial_if_down``, ``WAIT_S``); ``outcome``
-    gets the peer id it returned, or what it raised."""
-
-    def connect() -> None:
-        try:
-            outcome.append(tier.connect(address, timeout_s=WAIT_S, redial_if_down=True, **kwargs))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=connect)
-    thread.start()
-    return thread
 
 
 def _removed_as_it_registers(
@@ -110,15 +73,15 @@ def test_a_host_removed_before_its_first_join_publishes_it_is_never_connected(
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="removed-before-publish") as tier,
     ):
-        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        entered, go = registrations_held(monkeypatch, tier, lambda: not go.is_set())
         awaiting = _noted(monkeypatch, tier, "_await_join")
         outcome: list[object] = []
-        connecting = [_connecting(tier, server.address, outcome, **kwargs)]
+        connecting = [connect_on_a_thread(tier, server.address, outcome, **kwargs)]
         assert entered.wait(WAIT_S), "the join never registered the host"
         [peer_id] = tier._joining
         dial, joining = tier._dials[peer_id], tier._joining[peer_id]
         if second:
-            connecting.append(_connecting(tier, server.address, outcome, **kwargs))
+            connecting.append(connect_on_a_thread(tier, server.address, outcome, **kwargs))
             assert awaiting.wait(WAIT_S), "the second connect never waited for the join"
         _removed_as_it_registers(tier, peer_id, dial.stopped, go)
         assert joining.is_set(), "disconnect returned while the host's join went on"
@@ -147,7 +110,7 @@ def test_a_dial_cancelled_as_its_redial_registers_the_host_never_publishes_it(
         TierManager.create(16, BLOCK_LEN, name="cancelled-before-publish") as tier,
     ):
         address = server.address
-        entered, go = _registrations_held(monkeypatch, tier, _on_a_redial_thread)
+        entered, go = registrations_held(monkeypatch, tier, _on_a_redial_thread)
         down_for_the_caller(monkeypatch, tier)
         with pytest.raises(TimeoutError):
             tier.connect(address, timeout_s=WAIT_S, redial_if_down=True)
@@ -197,7 +160,7 @@ def test_a_host_removed_as_its_join_awaits_its_turn_ends_that_join_at_once(
         joining = _noted(monkeypatch, tier, "_join")
         outcome: list[object] = []
         with tier._join_turn:  # another host's join holds the turn
-            connecting = _connecting(tier, server.address, outcome)
+            connecting = connect_on_a_thread(tier, server.address, outcome)
             assert joining.wait(WAIT_S), "the connect never joined the host"
             [peer_id] = tier._joining
             join = tier._joining[peer_id]
@@ -227,9 +190,9 @@ def test_a_lost_host_removed_as_a_connect_of_it_registers_it_is_never_connected(
         with tier._lock:  # as a failed transfer does: the host is dialled again
             tier._lose_peer(peer_id, "failed a transfer")
         lost_dial = tier._dials[peer_id]
-        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        entered, go = registrations_held(monkeypatch, tier, lambda: not go.is_set())
         outcome: list[object] = []
-        connecting = _connecting(tier, server.address, outcome, **kwargs)
+        connecting = connect_on_a_thread(tier, server.address, outcome, **kwargs)
         assert entered.wait(WAIT_S), "the connect never registered the host"
         _removed_as_it_registers(tier, peer_id, lost_dial.stopped, go)
         connecting.join(WAIT_S)
@@ -263,7 +226,7 @@ def test_a_host_removed_as_nixl_registers_it_fails_its_connect_saying_so(
 
         monkeypatch.setattr(nixl_peers, "build", held_build)
         outcome: list[object] = []
-        connecting = _connecting(tier, server.address, outcome, **kwargs)
+        connecting = connect_on_a_thread(tier, server.address, outcome, **kwargs)
         assert entered.wait(WAIT_S), "NIXL never registered the host"
         [peer_id] = tier._joining
         _removed_as_it_registers(tier, peer_id, tier._joining[peer_id].stopped, go)
@@ -273,56 +236,6 @@ def test_a_host_removed_as_nixl_registers_it_fails_its_connect_saying_so(
         assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
         assert tier.peers() == [] and not tier.cancel_dial(server.address)
         _assert_no_session_left(server.address)
-
-
-def test_add_peer_of_a_host_whose_join_registers_keeps_its_region(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``add_peer`` of a joining host's id stops that join, which then let go of the host's
-    region in the transport: ``add_peer``'s, registering (it raised "superseded") or
-    registered meanwhile (the peer it published had none: ``peers()`` listed it, its first
-    store failed and dropped it)."""
-    with (
-        ServerProcess.start(32, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="added-over-a-join") as tier,
-    ):
-        entered, go, ended = threading.Event(), threading.Event(), threading.Event()
-        region: list[Any] = []
-        register = tier._register
-
-        def register_in_turn(*args: Any) -> None:
-            register(*args)
-            if not region:  # the join's: it publishes (or not) once let go
-                region.extend(args[1:])
-                entered.set()
-                go.wait(timeout=WAIT_S)
-            else:  # add_peer's: it publishes once the join ended
-                ended.wait(timeout=WAIT_S)
-
-        monkeypatch.setattr(tier, "_register", register_in_turn)
-        outcome: list[object] = []
-        connecting = _connecting(tier, server.address, outcome, private=True, slots=8)
-        assert entered.wait(WAIT_S), "the join never registered the host"
-        [peer_id] = tier._joining
-        joining = tier._joining[peer_id]
-        adding = threading.Thread(target=tier.add_peer, args=(peer_id, *region[:2], 8, region[3]))
-        adding.start()
-        assert joining.stopped.wait(WAIT_S), "add_peer did not stop the host's join"
-        go.set()
-        assert joining.wait(WAIT_S), "the join never ended"
-        ended.set()
-        adding.join(WAIT_S)
-        connecting.join(WAIT_S)
-        assert not adding.is_alive() and not connecting.is_alive()
-        [failed] = outcome
-        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
-        assert tier.peers() == [peer_id] and tier._peers[peer_id].session is None
-        registered = tier.transport._peers.get(peer_id)  # type: ignore[attr-defined]
-        assert registered is not None, "add_peer's region was let go"
-        tier.arena.tensor[:1].random_(0, 256)
-        assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
-        assert tier.load(["k"], [1]).result(timeout=WAIT_S).ok
-        assert torch.equal(tier.arena.tensor[1], tier.arena.tensor[0])
 
 
 def test_a_connect_after_a_disconnect_that_gave_up_on_the_join_joins_the_host_anew(
@@ -337,9 +250,9 @@ def test_a_connect_after_a_disconnect_that_gave_up_on_the_join_joins_the_host_an
         ServerProcess.start(32, BLOCK_LEN) as server,
         TierManager.create(16, BLOCK_LEN, name="connected-after-removal") as tier,
     ):
-        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
+        entered, go = registrations_held(monkeypatch, tier, lambda: not go.is_set())
         first: list[object] = []
-        connecting = _connecting(tier, server.address, first)
+        connecting = connect_on_a_thread(tier, server.address, first)
         assert entered.wait(WAIT_S), "the join never registered the host"
         [peer_id] = tier._joining
         removed = tier._joining[peer_id]
@@ -355,7 +268,7 @@ def test_a_connect_after_a_disconnect_that_gave_up_on_the_join_joins_the_host_an
 
         monkeypatch.setattr(removed, "wait", noted_wait)
         again: list[object] = []
-        reconnecting = _connecting(tier, server.address, again)
+        reconnecting = connect_on_a_thread(tier, server.address, again)
         assert looked.wait(WAIT_S), "the next connect never saw the removed join"
         go.set()
         for thread in (connecting, reconnecting):
@@ -380,40 +293,3 @@ def test_a_removed_join_that_ends_once_the_tier_closed_logs_no_error(
         removed = tier._stopped_join("host")
     assert isinstance(removed, ConnectionError) and "removed" in str(removed), removed
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
-
-
-def test_add_peer_of_a_host_whose_join_runs_on_says_to_add_it_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The join ``add_peer`` stopped still runs once its wait for it ran out (10 s; NIXL may
-    register longer): ``add_peer`` raises ``TimeoutError`` saying to add the peer again, and
-    registers nothing that join could let go of; once it ended, ``add_peer`` works."""
-    monkeypatch.setattr(private_regions, "CONNECT_TIMEOUT_S", 0.1)  # add_peer's wait
-    with (
-        ServerProcess.start(32, BLOCK_LEN) as server,
-        TierManager.create(16, BLOCK_LEN, name="added-over-a-long-join") as tier,
-    ):
-        region: list[Any] = []
-        entered, go = _registrations_held(monkeypatch, tier, lambda: not go.is_set())
-        register = tier._register
-
-        def noted_register(*args: Any) -> None:
-            region[:] = args[1:]
-            register(*args)
-
-        monkeypatch.setattr(tier, "_register", noted_register)
-        outcome: list[object] = []
-        connecting = _connecting(tier, server.address, outcome, private=True, slots=8)
-        assert entered.wait(WAIT_S), "the join never registered the host"
-        [peer_id] = tier._joining
-        with pytest.raises(TimeoutError, match="add_peer again"):
-            tier.add_peer(peer_id, *region[:2], 8, region[3])
-        go.set()
-        connecting.join(WAIT_S)
-        assert not connecting.is_alive()
-        [failed] = outcome
-        assert isinstance(failed, ConnectionError) and "removed" in str(failed), failed
-        tier.add_peer(peer_id, *region[:2], 8, region[3])
-        assert tier.peers() == [peer_id]
-        tier.arena.tensor[:1].random_(0, 256)
-        assert tier.store(["k"], [0]).result(timeout=WAIT_S).ok
