@@ -55,9 +55,10 @@ def write_durably(
     return fd
 
 
-def sync_directory(path: Path) -> None:
-    """Sync the directory of ``path``, just renamed (a rename is an entry of the directory:
-    without that sync a power loss may bring the old file back); a failure is logged."""
+def sync_directory(path: Path) -> bool:
+    """Sync the directory of ``path``, just renamed or removed (an entry of the directory:
+    without that sync a power loss may bring the old file back); whether synced, a failure
+    logged."""
     try:
         directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -65,7 +66,11 @@ def sync_directory(path: Path) -> None:
         finally:
             os.close(directory)
     except OSError as exc:
-        logger.warning("disk: %s not synced (%s): a power loss may undo its rename", path, exc)
+        logger.warning(
+            "disk: %s not synced (%s): a power loss may undo its rename or removal", path, exc
+        )
+        return False
+    return True
 
 
 def lock(fd: int, path: Path) -> None:

@@ -29,7 +29,9 @@ replaced is whole, and appended to as before). A journal that dropped a record i
 (``_dropped``): the record may be the ``DEL`` of a block still intact, whose key stored since with
 other bytes would come back, old bytes that verify, at the next start; so a restart before the
 rewrite finds none of that directory's blocks (misses), never a removed one (the emptied journal
-keeps a header naming an order past its records: the restart numbers its own past them).
+keeps a header naming an order past its records: the restart numbers its own past them); one
+that cannot be emptied (EIO) is removed, after ``meta.json`` names a generation past its records,
+to the same end (``_remove``).
 ``read_records`` reads up to the first frame that does not read (``disk_frames``): a crash in
 the middle of an append costs that record only; damage with records past it (a bad sector) costs
 every record, for the same reason, and is logged with the keys it cost. ``rewrite`` replaces the
@@ -208,27 +210,52 @@ class DiskDir:
     def _remove(self, exc: OSError) -> None:
         """The journal that dropped a record cannot be emptied (``exc``: EIO): remove it, so
         that a restart before the rewrite finds none of its blocks (a journal missing, logged
-        then), never a key whose removal was dropped. Where it cannot be removed either, a
-        restart may bring such keys back: logged, and ``unsafe`` until the rewrite."""
+        then), never a key whose removal was dropped; first ``meta.json`` names a generation
+        past every record framed (``_name_past_orders``). ``unsafe`` until the rewrite (logged)
+        where the directory's sync fails (a power loss may undo both), or where the journal can
+        be neither removed nor made another generation's: a restart may bring such keys back."""
+        named = self._name_past_orders()
+        journal = self.path / "journal.log"
         try:
-            os.unlink(self.path / "journal.log")
+            os.unlink(journal)
+            removed: OSError | None = None
         except FileNotFoundError:
-            pass
+            removed = None
         except OSError as again:
-            self.unsafe = True
+            removed = again
+        synced = sync_directory(journal)
+        self.unsafe = not synced or (removed is not None and not named)
+        if self.unsafe:
             logger.error(
-                "disk: journal of %s lost a record and can be neither emptied (%s) nor removed "
-                "(%s): a restart before it is rewritten may bring back blocks removed since; "
-                "check the device of %s", self.path, exc, again, self.path,
+                "disk: journal of %s lost a record and cannot be emptied (%s), nor %s: a restart "
+                "before it is rewritten may bring back blocks removed since; check the device "
+                "of %s", self.path, exc,
+                f"removed ({removed})" if removed is not None else "its removal synced",
+                self.path,
             )  # fmt: skip
             return
-        sync_directory(self.path / "journal.log")
         self.records = 0
         logger.warning(
-            "disk: journal of %s lost a record and cannot be emptied (%s): removed instead, so a "
-            "restart before it is rewritten (a line says when) finds none of its blocks",
-            self.path, exc,
+            "disk: journal of %s lost a record and cannot be emptied (%s): %s, so a restart "
+            "before it is rewritten (a line says when) finds none of its blocks", self.path, exc,
+            "removed instead" if removed is None
+            else f"meta.json names another generation instead (not removed: {removed})",
         )  # fmt: skip
+
+    def _name_past_orders(self) -> bool:
+        """Have ``meta.json`` name a generation past every record framed, as the journal is
+        removed (``_remove``): a restart numbers its new journal past the removed one's
+        records, so one of them that the file system returns in it is out of order (damage),
+        and the journal, should its removal not hold, is another generation's, unused. Whether
+        written; a failure is logged."""
+        new = disk_header.Header(FORMAT, self.reserve(1))
+        try:
+            disk_header.write(self.path, new, self.block_len, self.slots)
+        except OSError as exc:
+            self._unbounded("to be removed, but no meta.json naming a generation past it", exc)
+            return False
+        self._header = new  # the generation a failed rename names again (``_name_again``)
+        return True
 
     def _past_orders(self) -> None:
         """Give the emptied journal a header naming an order past every record framed: a
@@ -237,11 +264,15 @@ class DiskDir:
         try:
             os.write(self.journal, header(self.reserve(1)))
         except OSError as exc:
-            logger.warning(
-                "disk: journal of %s emptied, but no header naming its last order written (%s): "
-                "a restart before it is rewritten may read records of it, if the file system "
-                "returns them in the next journal, as records of that one", self.path, exc,
-            )  # fmt: skip
+            self._unbounded("emptied, but no header naming its last order", exc)
+
+    def _unbounded(self, what: str, exc: OSError) -> None:
+        """Log that ``what`` names no order past this journal's records: not written (``exc``)."""
+        logger.warning(
+            "disk: journal of %s %s written (%s): a restart before it is rewritten may read "
+            "records of it, if the file system returns them in the next journal, as records of "
+            "that one", self.path, what, exc,
+        )  # fmt: skip
 
     def read_records(self) -> list[Record]:
         """The journal's records, up to its first frame that does not read: a tail cut by a
@@ -308,7 +339,8 @@ class DiskDir:
             "disk: journal of %s starts with %s, but its meta.json names %s: bytes of an older "
             "journal (a file system that returned old blocks after a crash), or a journal and "
             "meta.json of different times (one restored by hand, or a crash of a version that "
-            "wrote meta.json after the journal, a migration's too); none of its %d records is "
+            "wrote meta.json after the journal, a migration's too; or one the last host could "
+            "neither empty nor remove, which it logged); none of its %d records is "
             "used: the %d keys they name are misses (this start rewrites the journal)",
             self.path, "no header" if found is None else f"generation {found}",
             f"no header (disk format {self._header.format})" if named is None
