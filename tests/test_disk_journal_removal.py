@@ -162,3 +162,30 @@ def test_a_journal_not_removable_is_made_another_generations(
             shutil.copytree(d, tmp_path / "killed")  # a SIGKILL here
     with closing(open_store(disk_pool, [tmp_path / "killed"], 8)) as restarted:
         assert synced and restarted.recover() == [], "the journal not removed was used"
+
+
+def test_keys_stored_after_the_removal_are_misses_until_the_rewrite_then_found(
+    disk_pool: np.ndarray, tmp_path: Path
+) -> None:
+    """Keys stored after the journal's removal (their records dropped, the journal stale) are
+    misses at a restart before its rewrite, never older bytes; once the device answers, the
+    rewrite makes a fresh ``journal.log`` (renamed where there is none) that ``meta.json``
+    names, and a restart finds every key kept, the removed one still a miss."""
+    d = tmp_path / "d"
+    with closing(open_store(disk_pool, [d], 8)) as store:
+        store.recover()
+        with pytest.MonkeyPatch.context() as m:
+            remove_with_a_failing_journal(store, disk_pool, d, m)
+            assert write_key(store, disk_pool, b"L", 7).written and store.sync(5.0)
+            shutil.copytree(d, tmp_path / "before")  # a SIGKILL before the rewrite
+        store._dirs[0].retry_at = 0.0  # the device answers: rewritten now
+        assert store.sync(5.0) and not store._dirs[0].stale
+        shutil.copytree(d, tmp_path / "after")
+    with closing(open_store(disk_pool, [tmp_path / "before"], 8)) as restarted:
+        assert restarted.recover() == []
+    meta = json.loads((tmp_path / "after" / "meta.json").read_text())
+    journal = (tmp_path / "after" / "journal.log").read_bytes()
+    assert parse(journal, generation=meta["generation"]).bad_at is None
+    with closing(open_store(disk_pool, [tmp_path / "after"], 8)) as restarted:
+        found = {key for _, key, _ in restarted.recover()}
+    assert found == {b"A", b"B", b"C", b"D", b"E", b"F", b"L"}
