@@ -98,8 +98,9 @@ def lock(fd: int, path: Path) -> None:
 
 def _holder(fd: int) -> str:
     """Who holds the lock of ``fd``'s file, and what to do, for ``lock``'s refusal: the pid
-    ``/proc/locks`` names (none where it names none: no ``/proc``, a holder in another pid
-    namespace, or on another NFS client)."""
+    ``/proc/locks`` names (none where it names none or pid 0: no ``/proc``, a holder in another
+    pid namespace, which a kernel before 4.14 prints as 0, an OFD lock's -1, or a holder on
+    another NFS client)."""
     pid = None
     st = os.fstat(fd)
     file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
@@ -108,7 +109,7 @@ def _holder(fd: int) -> str:
             for line in locks:  # "1: FLOCK  ADVISORY  WRITE 442 fe:00:2156583 0 EOF"
                 fields = line.split()
                 if len(fields) > 5 and fields[1] != "->" and fields[5] == file:  # "->": waiting
-                    pid = int(fields[4]) if fields[4].isdigit() else None
+                    pid = int(fields[4]) if fields[4].isdigit() and int(fields[4]) else None
                     break
     except OSError:
         pass
