@@ -29,6 +29,7 @@ from disk_support import (
 from torch_kv_tier.remote import (
     disk_frames,
     disk_journal,
+    disk_replay,
 )
 from torch_kv_tier.remote.disk_frames import DEL, PUT
 from torch_kv_tier.remote.disk_journal import DiskDir
@@ -161,11 +162,11 @@ def test_a_journal_cut_at_its_tail_says_how_many_records_it_kept_and_that_nothin
     kept = 5 if cut == "in its header" else journal.stat().st_size - z_at - 3
     os.truncate(journal, z_at + kept)
     with (
-        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        caplog.at_level(logging.WARNING, logger=disk_replay.__name__),
         closing(open_store(disk_pool, [tmp_path / "d"], 8)) as store,
     ):
         assert sorted(k for _, k, _ in store.recover()) == [b"K", b"X", b"Y"]
-    said = [r.getMessage() for r in caplog.records if r.name == disk_journal.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == disk_replay.__name__]
     assert said == [
         f"disk: journal of {tmp_path / 'd'} cut at byte {z_at} of {z_at + kept} (a crash or power "
         "loss in the middle of an append): the record cut is lost (which key it named cannot be "
@@ -193,12 +194,12 @@ def test_a_journal_damaged_in_the_middle_serves_no_key_it_may_have_removed_and_s
         data[x_at:y_at] = bytes(y_at - x_at)
     journal.write_bytes(data)
     with (
-        caplog.at_level(logging.WARNING, logger=disk_journal.__name__),
+        caplog.at_level(logging.WARNING, logger=disk_replay.__name__),
         closing(open_store(disk_pool, [d], 8)) as store,
     ):
         assert store.recover() == []
         assert store.stats()["disk_recover_dropped"] == 2  # Y and Z
-    said = [r.getMessage() for r in caplog.records if r.name == disk_journal.__name__]
+    said = [r.getMessage() for r in caplog.records if r.name == disk_replay.__name__]
     assert said == [
         f"disk: journal of {d} damaged at byte {x_at} of {len(data)}: 1 records before it and 3 "
         "after it still read, but the record lost may have removed a key whose old block still "

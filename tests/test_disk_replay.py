@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from disk_support import DISK_BLOCK, as_format, digest_of, open_store, settle
 
-from torch_kv_tier.remote import disk_header, disk_journal
+from torch_kv_tier.remote import disk_header, disk_journal, disk_replay
 from torch_kv_tier.remote.disk_frames import PUT, parse, read_header
 from torch_kv_tier.remote.disk_store import DiskStore
 
@@ -36,7 +36,7 @@ def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == disk_journal.__name__ and r.levelno >= logging.WARNING
+        if r.name in (disk_journal.__name__, disk_replay.__name__) and r.levelno >= logging.WARNING
     ]
 
 

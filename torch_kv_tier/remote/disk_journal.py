@@ -17,7 +17,7 @@ file system wrote twice, replayed after those that undid it, is damage, not a re
 header naming the journal's generation (``FORMAT`` 3), which ``meta.json`` names too: a journal
 whose header names another (an older journal's blocks returned by the file system after a crash,
 or a journal and ``meta.json`` of different times) is not used, its keys misses
-(``_other_journal``). A directory of format 1 or 2 is read as such at start, then migrated as its
+(``disk_replay``). A directory of format 1 or 2 is read as such at start, then migrated as its
 journal is rewritten. Appends are buffered, taken
 by ``take_pending`` and written by ``flush`` (one ``os.write``, more after a short write);
 ``fsync`` runs at most once per ``disk_sync.FSYNC_PERIOD_S``, after an ``fdatasync`` of the block
@@ -32,7 +32,7 @@ rewrite finds none of that directory's blocks (misses), never a removed one (the
 keeps a header naming an order past its records: the restart numbers its own past them); one
 that cannot be emptied (EIO) is removed, after ``meta.json`` names a generation past its records,
 to the same end (``_remove``).
-``read_records`` reads up to the first frame that does not read (``disk_frames``): a crash in
+``read_records`` reads up to the first frame that does not read (``disk_replay``): a crash in
 the middle of an append costs that record only; damage with records past it (a bad sector) costs
 every record, for the same reason, and is logged with the keys it cost. ``rewrite`` replaces the
 journal by the live records whole or not at all (temporary file, fsync, rename, fsync of the
@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from torch_kv_tier.keys import Key
-from torch_kv_tier.remote import disk_header
+from torch_kv_tier.remote import disk_header, disk_replay
 from torch_kv_tier.remote.disk_files import (
     DiskError,
     allocate,
@@ -62,7 +62,7 @@ from torch_kv_tier.remote.disk_files import (
     sync_directory,
     write_durably,
 )
-from torch_kv_tier.remote.disk_frames import PUT, Parsed, Record, frame, header, parse
+from torch_kv_tier.remote.disk_frames import Record, frame, header
 from torch_kv_tier.remote.disk_header import FORMAT
 
 logger = logging.getLogger(__name__)
@@ -275,93 +275,18 @@ class DiskDir:
         )  # fmt: skip
 
     def read_records(self) -> list[Record]:
-        """The journal's records, up to its first frame that does not read: a tail cut by a
-        crash costs that record; damage with records that still read past it costs every
-        record (``_damaged_journal``). Either is logged, saying how many records and keys it
-        cost; ``dropped`` counts the keys. Raises ``DiskError`` saying what to do where the
-        file cannot be read (EIO)."""
-        journal = self.path / "journal.log"
-        try:
-            data = journal.read_bytes()
-        except OSError as exc:
-            raise DiskError(
-                f"{journal} cannot be read ({exc.strerror or exc}): restore it, or move it away "
-                f"to start {self.path} afresh (its blocks are then forgotten)"
-            ) from exc
-        fmt, generation = self._header.format, self._header.generation
-        parsed = parse(data, ordered=fmt > 1, generation=generation if fmt == FORMAT else None)
-        # past those read, even those not used (damage's), and past the generation
-        self._seq = max(self._seq, parsed.last_seq + 1, (generation or 0) + 1)
-        if parsed.bad_at is None:
-            return parsed.records
-        if parsed.generation != generation:
-            return self._other_journal(parsed.generation, parsed.after)
-        if parsed.after or not parsed.searched_all:
-            return self._damaged_journal(parsed, len(data))
-        logger.warning(
-            "disk: journal of %s cut at byte %d of %d (a crash or power loss in the middle of an "
-            "append): the record cut is lost (which key it named cannot be known: a miss if it "
-            "stored one, back with the bytes it had if it removed one), the %d before it are "
-            "kept; nothing to do",
-            self.path, parsed.bad_at, len(data), len(parsed.records),
-        )  # fmt: skip
-        return parsed.records
-
-    def _damaged_journal(self, parsed: Parsed, size: int) -> list[Record]:
-        """A frame that does not read with records past it: damage (a bad sector, a page lost
-        to a power loss), not a crash's cut. No record is used: the one lost may be the ``DEL``
-        of a key whose old block still verifies (module docstring: ``_dropped``), and replaying
-        the others would bring that key back with bytes it no longer names. Logged with the
-        keys it costs (``dropped``), as a restart rewrites the journal from what it kept."""
-        self.dropped = len(self._live(parsed.records + parsed.after))
-        logger.error(
-            "disk: journal of %s damaged at byte %d of %d: %d records before it and %d after it "
-            "still read%s, but the record lost may have removed a key whose old block still "
-            "verifies, so none is used: the %d keys they name, and the lost record's, are "
-            "misses (this start rewrites the journal); if this recurs, check the device of %s "
-            "(bad sectors, a failing disk)",
-            self.path, parsed.bad_at, size, len(parsed.records), len(parsed.after),
-            "" if parsed.searched_all else " (more may: the rest was not searched)",
-            self.dropped, self.path,
-        )  # fmt: skip
-        return []
-
-    def _other_journal(self, found: int | None, records: list[Record]) -> list[Record]:
-        """A journal whose header names another generation than ``meta.json`` (``found``;
-        None: no header): none of its ``records`` is used, each may be an older journal's,
-        replayed with none of the records that undid it. Logged with the keys it costs, unless
-        a header alone (a journal emptied, ``_past_orders``): nothing is lost."""
-        if found is not None and not records:
-            return []
-        self.dropped = len(self._live(records))
-        named = self._header.generation
-        logger.error(
-            "disk: journal of %s starts with %s, but its meta.json names %s: bytes of an older "
-            "journal (a file system that returned old blocks after a crash), or a journal and "
-            "meta.json of different times (one restored by hand, or a crash of a version that "
-            "wrote meta.json after the journal, a migration's too; or one the last host could "
-            "neither empty nor remove, which it logged); none of its %d records is "
-            "used: the %d keys they name are misses (this start rewrites the journal)",
-            self.path, "no header" if found is None else f"generation {found}",
-            f"no header (disk format {self._header.format})" if named is None
-            else f"generation {named}",
-            len(records), self.dropped,
-        )  # fmt: skip
-        return []
+        """The journal's records that a start uses (``disk_replay.read``, which logs what a cut
+        tail, damage or another generation's journal cost); ``dropped`` counts the keys lost.
+        Raises ``DiskError`` saying what to do where the file cannot be read (EIO)."""
+        replay = disk_replay.read(self.path, self._header, self.slots)
+        self._seq = max(self._seq, replay.next_seq)
+        if replay.dropped is not None:
+            self.dropped = replay.dropped
+        return replay.records
 
     def live(self) -> dict[int, tuple[int, str, Key, int]]:
-        """Slot -> (position in the journal, namespace, key, digest) of each slot whose last
-        record is a ``PUT`` (the last record of a slot wins)."""
-        return self._live(self.read_records())
-
-    def _live(self, records: list[Record]) -> dict[int, tuple[int, str, Key, int]]:
-        last: dict[int, tuple[int, str, Key, int]] = {}
-        for order, (op, j, ns, key, digest) in enumerate(records):
-            if op == PUT and 0 <= j < self.slots:
-                last[j] = (order, ns, key, digest)
-            else:
-                last.pop(j, None)
-        return last
+        """``disk_replay.live`` of the journal's records (``read_records``)."""
+        return disk_replay.live(self.read_records(), self.slots)
 
     def rewrite(
         self,
