@@ -129,7 +129,7 @@ class ConnectedHosts(PrivateRegions):
         except Exception as exc:
             if redial_if_down and not_ready(exc) and not dial.stopped.is_set():
                 self._dial_later(dial, exc, dial_owner)
-            elif opened_by(exc):  # sessions its handshake may have opened: released now
+            if opened_by(exc):  # sessions its handshake may have opened: released now
                 self._release_for_failed_connect(dial)
             raise
 

@@ -253,14 +253,18 @@ class LostHosts(SessionReleases):
 
     def _release_for_failed_connect(self, dial: Dial) -> None:
         """A connect of ``dial`` failed once its handshake may have opened sessions (handed back
-        to ``_ended``; a private one's lease the host holds until it is named) and nothing dials
-        its host: remembered as removed, as ``cancel_dial`` does, so that a session of its own
-        names them now (and ``close`` does, if that fails)."""
+        to ``_ended``; a private one's lease the host holds until it is named): they go out at
+        once (``_send_releases``), over the live session of a host connected there, with the
+        next handshake of a dial there, else over a session of their own (``close`` names them
+        if that fails). An address nothing dials is remembered as removed for it, as
+        ``cancel_dial`` does; one still remembered so (a release there under way, which took
+        its list before these came back) gets another."""
         with self._lock:
-            if self._closed or self._dial(dial.address) is not None:
+            if self._closed:
                 return
-            self._removed[dial.address] = dial
-            dial.stopped.set()
+            if self._dial(dial.address) is None:
+                self._removed[dial.address] = dial
+                dial.stopped.set()
             self._send_releases(dial.address)
 
     def _dial_later(self, dial: Dial, exc: Exception, owner: object) -> None:
