@@ -118,3 +118,35 @@ def test_a_connect_that_gave_up_on_a_connected_host_is_released_over_its_session
         monkeypatch.undo()
         held = _nothing_held(server.address)
         assert held is None, held
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_that_gave_up_as_the_tier_closed_is_released_by_its_own_last_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a connect whose wait for the ``Accept`` ran out as ``close`` ran (the
+    thread descheduled between its timeout and handing the session back, on a busy machine)
+    handed it back once ``close`` had said its last words: nobody named it, its lease stayed
+    held for good (without ``--hold-timeout``), and nothing was logged. It names it itself."""
+    real = handshake._expect
+    tier = TierManager.create(16, BLOCK_LEN, name="gave-up-closing")
+
+    def accept_lost_after_the_close(
+        sock: Any, address: str, seq: int, deadline: float, kind: type, *args: Any
+    ) -> Any:
+        reply = real(sock, address, seq, deadline, kind, *args)
+        if kind is p.Accept and threading.current_thread() is threading.main_thread():
+            closer = threading.Thread(target=tier.close)  # (awaits no handshake of this thread)
+            closer.start()
+            closer.join(timeout=30.0)
+            raise TimeoutError(f"no Accept from {address} by the deadline")
+        return reply
+
+    monkeypatch.setattr(handshake, "_expect", accept_lost_after_the_close)
+    with ServerProcess.start(POOL, BLOCK_LEN, extra_args=["--lease-timeout", "1"]) as server:
+        with tier, pytest.raises(AcceptLost):
+            tier.connect(server.address, private=True, slots=16)
+        assert tier.closed
+        monkeypatch.undo()
+        held = _nothing_held(server.address)
+        assert held is None, held

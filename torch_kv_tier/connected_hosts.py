@@ -130,7 +130,7 @@ class ConnectedHosts(PrivateRegions):
             if redial_if_down and not_ready(exc) and not dial.stopped.is_set():
                 self._dial_later(dial, exc, dial_owner)
             if opened_by(exc):  # sessions its handshake may have opened: released now
-                self._release_for_failed_connect(dial)
+                self._release_for_failed_connect(dial, exc)
             raise
 
     def disconnect(self, peer_id: str) -> None:

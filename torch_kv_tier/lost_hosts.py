@@ -25,7 +25,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch_kv_tier.connections import CONNECT_TIMEOUT_S, Dial, Joining, Redialer
+from torch_kv_tier.last_words import warn_unreleased
 from torch_kv_tier.remote.connect_args import check_connect_args, check_timeouts
+from torch_kv_tier.remote.handshake_errors import AcceptAbandoned
 from torch_kv_tier.session_ends import SessionEnds
 from torch_kv_tier.session_releases import SessionReleases
 from torch_kv_tier.transport.base import DataTransport
@@ -251,21 +253,29 @@ class LostHosts(SessionReleases):
         logger.info("no longer dialling %s", address)
         return True
 
-    def _release_for_failed_connect(self, dial: Dial) -> None:
-        """A connect of ``dial`` failed once its handshake may have opened sessions (handed back
-        to ``_ended``; a private one's lease the host holds until it is named): they go out at
-        once (``_send_releases``), over the live session of a host connected there, with the
-        next handshake of a dial there, else over a session of their own (``close`` names them
-        if that fails). An address nothing dials is remembered as removed for it, as
-        ``cancel_dial`` does; one still remembered so (a release there under way, which took
-        its list before these came back) gets another."""
+    def _release_for_failed_connect(self, dial: Dial, exc: Exception) -> None:
+        """A connect of ``dial`` failed with ``exc`` once its handshake may have opened sessions
+        (handed back to ``_ended``; a private one's lease the host holds until it is named):
+        they go out at once (``_send_releases``), over the live session of a host connected
+        there, with the next handshake of a dial there, else over a session of their own
+        (``close`` names them if that fails). An address nothing dials is remembered as
+        removed for it, as ``cancel_dial`` does; one still remembered so (a release there under
+        way, which took its list before these came back) gets another. Once the tier is closed
+        (``close`` may have said its last words before these came back) this says its own
+        (unlocked, one try: ~2 s at most), a failure logged as ``close``'s are; not for a
+        handshake ``close`` abandoned (``AcceptAbandoned``: its ``Disconnect`` went out, and
+        the connect returns within ``close``)."""
         with self._lock:
-            if self._closed:
-                return
-            if self._dial(dial.address) is None:
-                self._removed[dial.address] = dial
-                dial.stopped.set()
-            self._send_releases(dial.address)
+            closed = self._closed
+            if not closed:
+                if self._dial(dial.address) is None:
+                    self._removed[dial.address] = dial
+                    dial.stopped.set()
+                self._send_releases(dial.address)
+        if closed and not isinstance(exc, AcceptAbandoned):  # (none ``close`` took already)
+            failure = self._own_last_word(dial)
+            if failure is not None:
+                warn_unreleased([failure])
 
     def _dial_later(self, dial: Dial, exc: Exception, owner: object) -> None:
         """``connect(..., redial_if_down=True, dial_owner=owner)`` of ``dial``'s host failed
